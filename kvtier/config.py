@@ -1,0 +1,303 @@
+"""YAML -> validated, frozen `HierarchyConfig`. The only module that reads raw config dicts.
+
+Every problem found is reported at once, each with the path of its field (`tiers[1].capacity`),
+what was wrong and what would be valid. Each default lives on its field, once (`FIELDS` below and
+the backends' `OPTIONS`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+from kvtier import registry
+from kvtier.errors import ConfigError
+
+REQUIRED = object()
+CASCADE_MODES = ("on_evict", "on_store", "none")
+
+_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_DECIMAL = {"KB": "KiB", "MB": "MiB", "GB": "GiB", "TB": "TiB", "K": "KiB", "M": "MiB", "G": "GiB", "T": "TiB",
+            "kB": "KiB", "kiB": "KiB", "Kb": "KiB", "mb": "MiB", "gb": "GiB", "tb": "TiB", "kb": "KiB",
+            "gib": "GiB", "mib": "MiB", "kib": "KiB", "tib": "TiB"}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+_BLOCKS_RE = re.compile(r"^\s*(\d+)\s*(?:k\s*)?blocks?\s*$", re.IGNORECASE)
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+
+
+def parse_size(text: Any) -> int:
+    """"64GiB" -> bytes. Units: B, KiB, MiB, GiB, TiB. Raises ValueError with a hint."""
+    if isinstance(text, bool) or not isinstance(text, (str, int)):
+        raise ValueError(f"expected a size such as '4GiB', got {type(text).__name__} {text!r}")
+    match = _SIZE_RE.match(str(text))
+    if not match:
+        raise ValueError(f"{text!r} is not a size; write a number and a unit, e.g. '64GiB' (units: {', '.join(_UNITS)})")
+    number, unit = float(match.group(1)), match.group(2)
+    if unit == "":
+        raise ValueError(f"{text!r} has no unit; write e.g. '{match.group(1)}MiB' (units: {', '.join(_UNITS)})")
+    if unit not in _UNITS:
+        hint = _DECIMAL.get(unit)
+        better = f"; did you mean '{match.group(1)}{hint}'? (binary units only)" if hint else ""
+        raise ValueError(f"unknown unit {unit!r} in {text!r}{better} (units: {', '.join(_UNITS)})")
+    value = int(number * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"size must be > 0, got {text!r}")
+    return value
+
+
+def format_size(n: int) -> str:
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n >= _UNITS[unit] and n % (_UNITS[unit] // 1024 or 1) == 0:
+            value = n / _UNITS[unit]
+            return f"{value:g}{unit}" if value == int(value) else f"{value:.2f}{unit}"
+    return f"{n}B"
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """A tier's capacity: a byte size or a block count (exactly one is set)."""
+
+    bytes: int | None = None
+    blocks: int | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> "Capacity":
+        if isinstance(value, str):
+            match = _BLOCKS_RE.match(value)
+            if match:
+                count = int(match.group(1))
+                if count <= 0:
+                    raise ValueError(f"capacity must be at least 1 block, got {value!r}")
+                return cls(blocks=count)
+        if isinstance(value, int) and not isinstance(value, bool):
+            raise ValueError(f"{value} is ambiguous; write '{value} blocks' or a size such as '{value}MiB'")
+        return cls(bytes=parse_size(value))
+
+    def to_blocks(self, block_bytes: int | None) -> int:
+        """Capacity in blocks, given the size of one block (needed for byte capacities)."""
+        if self.blocks is not None:
+            return self.blocks
+        if not block_bytes:
+            raise ConfigError(f"capacity {format_size(self.bytes)} needs the block size in bytes to be known")
+        return self.bytes // block_bytes
+
+    def __str__(self) -> str:
+        return f"{self.blocks} blocks" if self.blocks is not None else format_size(self.bytes)
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    name: str
+    backend: str
+    capacity: Capacity
+    policy: str = "lru"
+    cascade: str = "on_evict"
+    reserve: float = 0.1
+    options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+
+@dataclass(frozen=True)
+class HierarchyConfig:
+    tiers: tuple[TierConfig, ...]
+    block_tokens: int = 256
+    block_bytes: int | None = None
+    source: str = "<dict>"
+
+    def with_capacities(self, first_tier_blocks: int) -> "HierarchyConfig":
+        """A copy whose first tier holds `first_tier_blocks` blocks (capacity sweeps)."""
+        first = TierConfig(**{**self.tiers[0].__dict__, "capacity": Capacity(blocks=first_tier_blocks)})
+        return HierarchyConfig((first, *self.tiers[1:]), self.block_tokens, self.block_bytes, self.source)
+
+
+# name -> (default or REQUIRED, validator(value) -> normalised value, raising ValueError)
+def _positive_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise ValueError(f"expected a positive integer, got {v!r}")
+    return v
+
+
+def _fraction(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 0.5:
+        raise ValueError(f"expected a fraction of the capacity between 0 and 0.5, got {v!r}")
+    return float(v)
+
+
+def _choice(options: tuple[str, ...]):
+    def check(v: Any) -> str:
+        if v not in options:
+            raise ValueError(f"{v!r} is not one of {', '.join(options)}{_suggest(v, options)}")
+        return v
+    return check
+
+
+def _name(v: Any) -> str:
+    if not isinstance(v, str) or not _NAME_RE.match(v):
+        raise ValueError(f"{v!r} is not a valid tier name (lowercase letters, digits, '_' or '-', starting with a letter)")
+    return v
+
+
+def _text(v: Any) -> str:
+    if not isinstance(v, str) or not v:
+        raise ValueError(f"expected a non-empty string, got {v!r}")
+    return v
+
+
+TOP_FIELDS: dict[str, tuple[Any, Any]] = {
+    "block_tokens": (256, _positive_int),
+    "block_bytes": (None, parse_size),
+    "tiers": (REQUIRED, None),
+}
+
+TIER_FIELDS: dict[str, tuple[Any, Any]] = {
+    "name": (REQUIRED, _name),
+    "backend": (REQUIRED, _text),
+    "capacity": (REQUIRED, Capacity.parse),
+    "policy": ("lru", _text),
+    "cascade": ("on_evict", _choice(CASCADE_MODES)),
+    "reserve": (0.1, _fraction),
+}
+
+
+def _suggest(value: Any, options) -> str:
+    close = difflib.get_close_matches(str(value), list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+class _Problems:
+    def __init__(self) -> None:
+        self.items: list[tuple[str, str]] = []
+
+    def add(self, path: str, message: str) -> None:
+        self.items.append((path, message))
+
+
+def _read_fields(raw: Mapping[str, Any], fields: Mapping[str, tuple[Any, Any]], path: str, problems: _Problems,
+                 what: str, also_valid: Mapping[str, Any] = MappingProxyType({})) -> dict[str, Any]:
+    """Check and normalise `fields` of `raw`; keys in neither `fields` nor `also_valid` are reported."""
+    valid = [*fields, *also_valid]
+    out: dict[str, Any] = {}
+    for key in raw:
+        if key not in valid:
+            problems.add(f"{path}{key}", f"unknown key for {what}{_suggest(key, valid)}; valid keys: {', '.join(valid)}")
+    for key, (default, check) in fields.items():
+        if key not in raw or (raw[key] is None and default is not REQUIRED):
+            if default is REQUIRED:
+                problems.add(f"{path}{key}", f"missing (required for {what})")
+            else:
+                out[key] = default
+            continue
+        try:
+            out[key] = check(raw[key]) if check else raw[key]
+        except ValueError as exc:
+            problems.add(f"{path}{key}", str(exc))
+    return out
+
+
+def _backend_class(name: str):
+    return registry.resolve(registry.BACKENDS, name)
+
+
+def parse_config(raw: Any, source: str = "<dict>") -> HierarchyConfig:
+    """Validate a config mapping; raises `ConfigError` listing every problem."""
+    problems = _Problems()
+    if not isinstance(raw, Mapping):
+        raise ConfigError([("", f"{source}: the config must be a mapping with a 'tiers' list, got {type(raw).__name__}")])
+    top = _read_fields(raw, TOP_FIELDS, "", problems, "the hierarchy")
+    raw_tiers = raw.get("tiers")
+    tiers: list[TierConfig] = []
+    if raw_tiers is not None and (not isinstance(raw_tiers, list) or not raw_tiers):
+        problems.add("tiers", f"expected a non-empty list of tiers, got {raw_tiers!r}")
+        raw_tiers = []
+    seen_names: dict[str, int] = {}
+    backend_classes = []
+    for i, raw_tier in enumerate(raw_tiers or []):
+        path = f"tiers[{i}]."
+        if not isinstance(raw_tier, Mapping):
+            problems.add(f"tiers[{i}]", f"expected a mapping with name, backend, capacity; got {raw_tier!r}")
+            continue
+        backend_cls = None
+        backend_name = raw_tier.get("backend")
+        if isinstance(backend_name, str):
+            try:
+                backend_cls = _backend_class(backend_name)
+            except (ImportError, AttributeError, ValueError) as exc:
+                problems.add(f"{path}backend", f"unknown backend {backend_name!r}{_suggest(backend_name, registry.BACKENDS)}; "
+                             f"known: {', '.join(registry.BACKENDS)} or 'package.module:Class' ({exc})")
+        options_spec = dict(getattr(backend_cls, "OPTIONS", {}))
+        what = f"a {backend_name!r} tier" if backend_cls else "a tier"
+        fields = _read_fields({k: v for k, v in raw_tier.items() if k not in options_spec}, TIER_FIELDS, path,
+                              problems, what, also_valid=options_spec)
+        options = _read_fields({k: v for k, v in raw_tier.items() if k in options_spec}, options_spec, path,
+                               problems, what)
+        name = fields.get("name")
+        if name in seen_names:
+            problems.add(f"{path}name", f"duplicate tier name {name!r} (also tiers[{seen_names[name]}]); names must be unique")
+        elif isinstance(name, str):
+            seen_names[name] = i
+        policy = fields.get("policy")
+        if isinstance(policy, str):
+            try:
+                registry.resolve(registry.POLICIES, policy)
+            except (ImportError, AttributeError, ValueError):
+                problems.add(f"{path}policy", f"unknown policy {policy!r}{_suggest(policy, registry.POLICIES)}; "
+                             f"known: {', '.join(registry.POLICIES)} or 'package.module:Class'")
+        backend_classes.append(backend_cls)
+        if all(k in fields for k in ("name", "backend", "capacity")):
+            tiers.append(TierConfig(options=MappingProxyType(options), **fields))
+    block_bytes = top.get("block_bytes")
+    if block_bytes:
+        for i, tier in enumerate(tiers):
+            if tier.capacity.bytes is not None and tier.capacity.bytes < block_bytes:
+                problems.add(f"tiers[{i}].capacity", f"{tier.capacity} is smaller than one block "
+                             f"({format_size(block_bytes)}); give at least {format_size(block_bytes)}")
+    if tiers and len(tiers) == len(raw_tiers or []):
+        _check_handlers(tiers, backend_classes, problems)
+    if problems.items:
+        raise ConfigError([(p, m) for p, m in problems.items])
+    return HierarchyConfig(tuple(tiers), top["block_tokens"], block_bytes, source)
+
+
+def _check_handlers(tiers: list[TierConfig], classes: list, problems: _Problems) -> None:
+    """Every hop the hierarchy will use must have a registered handler."""
+    if any(c is None for c in classes):
+        return
+    specs = [c.spec_type.__name__ for c in classes]
+    for i in range(len(tiers) - 1):
+        upper, lower = specs[i], specs[i + 1]
+        if tiers[i].cascade != "none" and not registry.has_handler(upper, lower):
+            problems.add(f"tiers[{i}].cascade", f"no handler moves blocks from {tiers[i].backend!r} ({upper}) to "
+                         f"{tiers[i + 1].backend!r} ({lower}); set cascade: none or change the backends")
+        if not (registry.has_handler(lower, specs[0]) or registry.has_handler(lower, "GPULoadStoreSpec")):
+            problems.add(f"tiers[{i + 1}].backend", f"blocks in {tiers[i + 1].backend!r} could never be loaded: no "
+                         f"handler from {lower} to {specs[0]} or to the engine's KV cache")
+
+
+def load_config(path: str | Path) -> HierarchyConfig:
+    """Read and validate a YAML file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([("", f"cannot read config {path}: {exc.strerror or exc}")]) from None
+    return load_config_text(text, str(path))
+
+
+def load_config_text(text: str, source: str = "<string>") -> HierarchyConfig:
+    import yaml
+
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError([("", f"{source}: invalid YAML{where}: {getattr(exc, 'problem', exc)}")]) from None
+    return parse_config(raw, source)
+
+
+def default_config_path() -> Path:
+    """The embedded default hierarchy (`configs/cpu-file.yaml`, shipped inside the package)."""
+    return Path(__file__).with_name("configs") / "cpu-file.yaml"

@@ -1,0 +1,130 @@
+"""The router: maps a (source spec type, destination spec type) pair to its handler and tracks jobs.
+
+`submit` never blocks on I/O; finished jobs are collected with `poll`. A `CompositeLoadStoreSpec`
+source is split into one sub-job per part, and its job reports success only if every part did.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import deque
+from collections.abc import Iterable
+
+from kvtier.handlers.base import TransferHandler
+from kvtier.specs import CompositeLoadStoreSpec, LoadStoreSpec
+from kvtier.types import TransferResult
+
+log = logging.getLogger("kvtier.engine")
+
+SpecPair = tuple[type[LoadStoreSpec], type[LoadStoreSpec]]
+
+
+class _Composite:
+    __slots__ = ("job_id", "remaining", "success", "size", "seconds")
+
+    def __init__(self, job_id: int, parts: int):
+        self.job_id, self.remaining, self.success, self.size, self.seconds = job_id, parts, True, 0, 0.0
+
+
+class TransferEngine:
+    """Routes jobs to handlers; thread-safe completion, single-threaded submission and polling."""
+
+    def __init__(self) -> None:
+        self._handlers: dict[SpecPair, TransferHandler] = {}
+        self.finished: deque[TransferResult] = deque()  # appended to by handlers, from any thread
+        self._ids = itertools.count(1 << 40)  # far from ids chosen by callers (vLLM job ids)
+        self._parents: dict[int, _Composite] = {}
+        self._pending: dict[int, TransferHandler] = {}
+
+    def register(self, src_type: type[LoadStoreSpec], dst_type: type[LoadStoreSpec], handler: TransferHandler) -> None:
+        """Serve jobs from `src_type` to `dst_type` with `handler` (replaces an earlier one)."""
+        self._handlers[(src_type, dst_type)] = handler
+        handler.bind(self.finished.append)
+
+    def handler_for(self, src_type: type[LoadStoreSpec], dst_type: type[LoadStoreSpec]) -> TransferHandler | None:
+        """The handler of a pair, also matching registered base classes of the spec types."""
+        handler = self._handlers.get((src_type, dst_type))
+        if handler is None:
+            for s, d in itertools.product(src_type.__mro__, dst_type.__mro__):
+                handler = self._handlers.get((s, d))
+                if handler is not None:
+                    break
+        return handler
+
+    def pairs(self) -> list[SpecPair]:
+        return list(self._handlers)
+
+    def new_job_id(self) -> int:
+        return next(self._ids)
+
+    def submit(self, src: LoadStoreSpec, dst: LoadStoreSpec, job_id: int | None = None) -> int:
+        """Start a job; returns its id. A missing handler or a raising handler fails the job (see `poll`)."""
+        if job_id is None:
+            job_id = self.new_job_id()
+        if isinstance(src, CompositeLoadStoreSpec):
+            parent = _Composite(job_id, len(src.parts))
+            for spec, positions in src.parts:
+                sub_id = self.new_job_id()
+                self._parents[sub_id] = parent
+                self._submit_one(sub_id, spec, dst.subset(positions))
+        else:
+            self._submit_one(job_id, src, dst)
+        return job_id
+
+    def _submit_one(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        handler = self.handler_for(type(src), type(dst))
+        if handler is None:
+            self._fail(job_id, f"no handler registered for {type(src).__name__} -> {type(dst).__name__}")
+            return
+        self._pending[job_id] = handler
+        try:
+            handler.submit(job_id, src, dst)
+        except Exception as exc:  # noqa: BLE001 - a handler failure fails this job only
+            self._fail(job_id, f"{type(exc).__name__}: {exc}")
+
+    def _fail(self, job_id: int, error: str) -> None:
+        self.finished.append(TransferResult(job_id, False, 0, 0.0, error=error))
+
+    def poll(self) -> list[TransferResult]:
+        """Results of the jobs that finished since the last call (composite jobs once, when whole)."""
+        done = self.finished
+        if not done:
+            return []
+        results: list[TransferResult] = []
+        while done:
+            result = done.popleft()
+            self._pending.pop(result.job_id, None)
+            if not result.success:
+                log.warning("transfer job %d failed: %s", result.job_id, result.error)
+            parent = self._parents.pop(result.job_id, None)
+            if parent is None:
+                results.append(result)
+                continue
+            parent.remaining -= 1
+            parent.success &= result.success
+            parent.size += result.transfer_size or 0
+            parent.seconds = max(parent.seconds, result.transfer_time or 0.0)
+            if parent.remaining == 0:
+                results.append(TransferResult(parent.job_id, parent.success, parent.size, parent.seconds,
+                                              error=None if parent.success else "a part of the job failed"))
+        return results
+
+    def wait(self, job_ids: Iterable[int] | None = None) -> None:
+        """Block until the given jobs (default: all submitted) have finished; results stay for `poll`."""
+        wanted = set(self._pending) if job_ids is None else set(job_ids)
+        wanted |= {sub for sub, parent in self._parents.items() if parent.job_id in wanted}
+        by_handler: dict[int, tuple[TransferHandler, list[int]]] = {}
+        for job_id in wanted:
+            handler = self._pending.get(job_id)
+            if handler is not None:
+                by_handler.setdefault(id(handler), (handler, []))[1].append(job_id)
+        for handler, ids in by_handler.values():
+            handler.wait(ids)
+
+    def has_pending(self) -> bool:
+        return bool(self._pending) or bool(self.finished)
+
+    def shutdown(self) -> None:
+        for handler in {id(h): h for h in self._handlers.values()}.values():
+            handler.shutdown()

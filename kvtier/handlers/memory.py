@@ -1,0 +1,31 @@
+"""In-memory handler: copies blocks between `MemoryBackend` arenas (any spec types that name them)."""
+
+from __future__ import annotations
+
+from kvtier.handlers.base import SyncHandler
+from kvtier.specs import BlockIDsLoadStoreSpec
+
+
+class MemoryCopyHandler(SyncHandler):
+    """Copies slot to slot between host-memory backends (anything with `view(slot) -> memoryview`
+    and `block_bytes`); `spec.tier` selects the backend."""
+
+    def __init__(self, backends: dict):
+        super().__init__()
+        self.backends = backends
+
+    @classmethod
+    def for_backends(cls, backends, kv_caches=None) -> "MemoryCopyHandler | None":
+        """Registry factory: serves every backend that exposes `view(slot)` (host memory)."""
+        usable = {name: b for name, b in backends.items() if hasattr(b, "view")}
+        return cls(usable) if usable else None
+
+    def copy(self, src: BlockIDsLoadStoreSpec, dst: BlockIDsLoadStoreSpec) -> int:
+        if len(src) != len(dst):
+            raise ValueError(f"source has {len(src)} blocks, destination {len(dst)}")
+        s, d = self.backends[src.tier], self.backends[dst.tier]
+        if s.block_bytes != d.block_bytes:
+            raise ValueError(f"block size differs: {s.name}={s.block_bytes} B, {d.name}={d.block_bytes} B")
+        for a, b in zip(src.block_ids, dst.block_ids):
+            d.view(b)[:] = s.view(a)
+        return len(src) * s.block_bytes

@@ -1,0 +1,71 @@
+"""`OffloadingManager`: the scheduler-side protocol (vLLM's, every method of seed `003`).
+
+Every call runs on the scheduler thread and must never block on I/O.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from kvtier.keys import OffloadKey
+from kvtier.specs import LoadStoreSpec
+from kvtier.types import LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext, RequestOffloadingContext
+
+
+class OffloadingManager(ABC):
+    """Tracks which blocks are offloaded, where, and which may be evicted."""
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """Whether one block is held: HIT (readable), HIT_PENDING (being written), RETRY (ask again
+        later, e.g. while it is promoted), MISS."""
+
+    @abstractmethod
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        """Pin the given (HIT) blocks until `complete_load` and return where to read them."""
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Mark blocks as recently used."""
+        return
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Unpin blocks pinned by `prepare_load`."""
+        return
+
+    @abstractmethod
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        """Allocate room for the keys not held yet (evicting if needed); None when there is no room."""
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        """Make stored blocks readable, or free them when `success` is False."""
+        return
+
+    @abstractmethod
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """A request was first seen by the scheduler."""
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        return
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Events collected since the last call."""
+        return ()
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        """End of a scheduler step: flush deferred work."""
+        return
+
+    def has_pending_work(self) -> bool:
+        return False
+
+    def reset_cache(self) -> None:
+        """Evict every unpinned block and reset internal state."""
+        return
+
+    def get_stats(self) -> dict | None:
+        return None
+
+    def shutdown(self) -> None:
+        return

@@ -1,0 +1,97 @@
+"""`LRUOffloadingManager`: one backend, LRU eviction (the behaviour of vLLM's seed `002`)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+
+from kvtier.interfaces import OffloadingManager
+from kvtier.keys import OffloadKey
+from kvtier.specs import LoadStoreSpec
+from kvtier.tiers.base import Backend
+from kvtier.types import (BlockStatus, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext,
+                          RequestOffloadingContext)
+
+
+class LRUOffloadingManager(OffloadingManager):
+    """Single-tier manager over any `Backend`, evicting the least recently used unpinned block."""
+
+    def __init__(self, backend: Backend, enable_events: bool = False):
+        self.backend = backend
+        self.blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self.events: list[OffloadingEvent] | None = [] if enable_events else None
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        block = self.blocks.get(key)
+        if block is None:
+            return LookupResult.MISS
+        return LookupResult.HIT if block.is_ready else LookupResult.HIT_PENDING
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        blocks = []
+        for key in keys:
+            block = self.blocks[key]
+            if not block.is_ready:
+                raise KeyError(f"block {key.hex()} is not readable yet")
+            block.ref_cnt += 1
+            blocks.append(block)
+        return self.backend.get_load_store_spec(keys, blocks)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in reversed(list(keys)):
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            block = self.blocks[key]
+            assert block.ref_cnt > 0, f"complete_load without prepare_load for {key.hex()}"
+            block.ref_cnt -= 1
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        to_store = [key for key in keys if key not in self.blocks]
+        need = len(to_store) - self.backend.get_num_free_blocks()
+        evicted: list[OffloadKey] = []
+        if need > 0:
+            for key, block in self.blocks.items():
+                if block.ref_cnt == 0:
+                    evicted.append(key)
+                    if len(evicted) == need:
+                        break
+            else:
+                return None
+        for key in evicted:
+            self.backend.free(self.blocks.pop(key))
+        self._event(evicted, removed=True)
+        blocks = self.backend.allocate_blocks(to_store)
+        self.blocks.update(zip(to_store, blocks))
+        return PrepareStoreOutput(to_store, self.backend.get_load_store_spec(to_store, blocks), evicted)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        stored = []
+        for key in keys:
+            block = self.blocks.get(key)
+            if block is None or block.is_ready:
+                continue
+            if success:
+                block.ref_cnt = 0
+                stored.append(key)
+            else:
+                self.backend.free(self.blocks.pop(key))
+        self._event(stored, removed=False)
+
+    def _event(self, keys: list[OffloadKey], removed: bool) -> None:
+        if keys and self.events is not None:
+            self.events.append(OffloadingEvent(keys, self.backend.block_size, self.backend.medium, removed))
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events:
+            yield from self.events
+            self.events.clear()
+
+    def reset_cache(self) -> None:
+        for key in [k for k, b in self.blocks.items() if b.ref_cnt == 0]:
+            self.backend.free(self.blocks.pop(key))

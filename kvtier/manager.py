@@ -1,0 +1,469 @@
+"""The hierarchy manager: the control plane over a chain of tiers.
+
+Residence rules (checked by the Hypothesis state machine in tests/test_manager_state.py):
+- Tier 0 receives every store. A block may be resident in several tiers at once; a tier-k copy is
+  *clean* when the same block is also readable in tier k+1 (evicting it then loses nothing).
+- Cascade `on_evict`: when free + clean + being-demoted slots of tier k fall below its low
+  watermark, the manager asks the policy for its next victims and copies them to tier k+1 in the
+  background (the tier-k copies stay pinned meanwhile). `prepare_store` therefore never waits for a
+  slower tier; a dirty block evicted anyway (the lower tier could not keep up) is counted as
+  `cascade_dropped`. Cascade `on_store`: every completed store is copied down at once.
+- Lookup: tier 0 first. A readable block further down is a HIT when a handler can load it straight
+  into the engine's KV cache (direct path); otherwise it is promoted into tier 0 (staged path) and
+  the lookup answers RETRY until it lands. A block being written is HIT_PENDING.
+- Pinned blocks (`ref_cnt > 0`: being loaded, demoted or promoted) and blocks being written
+  (`ref_cnt == -1`) are never evicted, in any tier.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.engine import TransferEngine
+from kvtier.interfaces import OffloadingManager
+from kvtier.keys import OffloadKey
+from kvtier.policies.base import CachePolicy
+from kvtier.specs import CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from kvtier.tiers.base import Backend
+from kvtier.types import (BlockStatus, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext,
+                          RequestOffloadingContext, TransferResult)
+
+log = logging.getLogger("kvtier.manager")
+
+CASCADE_MODES = ("on_evict", "on_store", "none")
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier since the start (or the last `reset`)."""
+
+    hits: int = 0  # blocks loaded to the engine that this tier supplied (directly or by promotion)
+    stores: int = 0  # blocks written into this tier (engine stores, demotions, promotions)
+    evictions: int = 0
+    demotions: int = 0  # blocks copied from this tier to the next one
+    promotions: int = 0  # blocks copied from this tier up to tier 0
+    cascade_dropped: int = 0  # dirty blocks evicted without a copy below
+    failures: int = 0  # failed jobs that wrote into this tier or read from it
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds_in: float = 0.0
+    seconds_out: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Tier:
+    """One backend at a position in the chain, with its policy and cascade mode."""
+
+    name: str
+    backend: Backend
+    policy: CachePolicy
+    cascade: str = "on_evict"  # how blocks reach the next tier (ignored on the last tier)
+    reserve_fraction: float = 0.1  # low watermark of free-or-clean slots, as a fraction of capacity
+    index: int = 0
+    direct_load: bool = False  # a handler loads this tier straight into the engine's KV cache
+    clean: set = field(default_factory=set)  # keys whose copy here is also readable in the next tier
+    demoting: int = 0  # blocks of this tier pinned by running demotions
+    stats: TierStats = field(default_factory=TierStats)
+
+    @property
+    def capacity(self) -> int:
+        return self.backend.num_blocks
+
+    @property
+    def medium(self) -> str:
+        return self.backend.medium
+
+
+@dataclass
+class _Job:
+    """A cascade or promotion job started by the manager."""
+
+    kind: str  # "demote" or "promote"
+    src: Tier
+    dst: Tier
+    keys: list[OffloadKey]
+    src_blocks: list[BlockStatus]
+    dst_blocks: list[BlockStatus]
+
+
+class HierarchyManager(OffloadingManager):
+    """`OffloadingManager` across a chain of tiers; byte movement goes through a `TransferEngine`."""
+
+    def __init__(self, tiers: Sequence[Tier], engine: TransferEngine, enable_events: bool = False):
+        if not tiers:
+            raise ValueError("a hierarchy needs at least one tier")
+        self.tiers: list[Tier] = list(tiers)
+        self.engine = engine
+        self.events: list[OffloadingEvent] | None = [] if enable_events else None
+        for i, tier in enumerate(self.tiers):
+            tier.index = i
+            if tier.cascade not in CASCADE_MODES:
+                raise ValueError(f"tier {tier.name!r}: cascade must be one of {CASCADE_MODES}, got {tier.cascade!r}")
+            tier.direct_load = i > 0 and engine.handler_for(tier.backend.spec_type, GPULoadStoreSpec) is not None
+        self._top = self.tiers[0]
+        self._jobs: dict[int, _Job] = {}
+        self._promoting: dict[OffloadKey, int] = {}  # key -> source tier index (queued or running)
+        self._promote_queue: list[OffloadKey] = []
+        self._promotion_refused: set[OffloadKey] = set()
+        self._origin: dict[OffloadKey, int] = {}  # promoted key -> tier that supplied it
+        self._pins: dict[OffloadKey, list[int]] = {}  # key -> tiers pinned by prepare_load
+        self._recover()
+
+    # ------------------------------------------------------------------ setup
+    def _recover(self) -> None:
+        """Adopt blocks that persistent backends found from an earlier process."""
+        for tier in self.tiers:
+            found = tier.backend.recover()
+            for key, block in found:
+                tier.policy.insert(key, block)
+            if found:
+                log.info("tier %s: recovered %d blocks", tier.name, len(found))
+                self._event(tier, [k for k, _ in found], removed=False)
+                if tier.index > 0:
+                    above = self.tiers[tier.index - 1]
+                    above.clean.update(k for k, _ in found if above.policy.get(k) is not None)
+
+    # ------------------------------------------------------------------ protocol
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
+        if self.engine.finished:
+            self._drain()
+        block = self._top.policy.get(key)
+        if block is not None and block.ref_cnt >= 0:
+            return LookupResult.HIT
+        if key in self._promoting:
+            return LookupResult.RETRY
+        if block is not None:
+            return LookupResult.HIT_PENDING
+        if key in self._promotion_refused:
+            self._promotion_refused.discard(key)
+            return LookupResult.MISS
+        for tier in self.tiers[1:]:
+            block = tier.policy.get(key)
+            if block is None:
+                continue
+            if not block.is_ready:
+                return LookupResult.HIT_PENDING
+            if tier.direct_load:
+                return LookupResult.HIT
+            self._promoting[key] = tier.index
+            self._promote_queue.append(key)
+            return LookupResult.RETRY
+        return LookupResult.MISS
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
+        parts: dict[int, tuple[list[OffloadKey], list[BlockStatus], list[int]]] = {}
+        for pos, key in enumerate(keys):
+            for tier in self.tiers:
+                block = tier.policy.get(key)
+                if block is not None and block.ref_cnt >= 0 and (tier.index == 0 or tier.direct_load):
+                    break
+            else:
+                raise KeyError(f"prepare_load: block {key.hex()} is not readable (lookup did not answer HIT)")
+            block.ref_cnt += 1
+            self._pins.setdefault(key, []).append(tier.index)
+            origin = self._origin.pop(key, tier.index)
+            self.tiers[origin].stats.hits += 1
+            entry = parts.setdefault(tier.index, ([], [], []))
+            entry[0].append(key)
+            entry[1].append(block)
+            entry[2].append(pos)
+        specs = [(self.tiers[i].backend.get_load_store_spec(k, b), p) for i, (k, b, p) in sorted(parts.items())]
+        if len(specs) == 1:
+            return specs[0][0]
+        if not specs:
+            return self._top.backend.get_load_store_spec([], [])
+        return CompositeLoadStoreSpec(specs)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        for tier in self.tiers:
+            tier.policy.touch(keys)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        for key in keys:
+            pinned = self._pins.get(key)
+            if not pinned:
+                raise KeyError(f"complete_load: block {key.hex()} was not prepared for loading")
+            tier = self.tiers[pinned.pop()]
+            if not pinned:
+                del self._pins[key]
+            tier.policy.get(key).ref_cnt -= 1
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
+        self._drain()
+        top = self._top
+        get = top.policy.get
+        to_store = [key for key in keys if get(key) is None]
+        shortfall = len(to_store) - top.backend.get_num_free_blocks() - len(top.clean)
+        if shortfall > 0 and len(self.tiers) > 1:
+            # Start the demotions this store needs; handlers that finish at once (memory copies,
+            # replay) land before the eviction below, slower ones count as cascade_dropped.
+            self._refill_reserve(top, extra=shortfall)
+            self._drain()
+        evicted = self._make_room(top, len(to_store), keys)
+        if evicted is None:
+            return None
+        blocks = top.backend.allocate_blocks(to_store)
+        insert = top.policy.insert
+        for key, block in zip(to_store, blocks):
+            insert(key, block)
+        self._refill_reserve(top)
+        return PrepareStoreOutput(to_store, top.backend.get_load_store_spec(to_store, blocks), evicted)
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
+                       success: bool = True) -> None:
+        top = self._top
+        get = top.policy.get
+        changed: list[OffloadKey] = []
+        for key in keys:
+            block = get(key)
+            if block is None or block.ref_cnt != -1 or key in self._promoting:
+                continue
+            if success:
+                block.ref_cnt = 0
+            else:
+                top.policy.remove(key)
+                top.backend.free(block)
+            changed.append(key)
+        if not success:
+            top.stats.failures += 1 if changed else 0
+            return
+        top.stats.stores += len(changed)
+        self._event(top, changed, removed=False)
+        if len(self.tiers) > 1:
+            below = self.tiers[1].policy.get
+            top.clean.update(k for k in changed if (b := below(k)) is not None and b.ref_cnt >= 0)
+            if top.cascade == "on_store":
+                self._demote(top, [k for k in changed if k not in top.clean])
+
+    def on_request_finished(self, req_context: ReqContext | None = None) -> None:
+        return
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        self._drain()
+        if self._promote_queue:
+            self._flush_promotions()
+        for tier in self.tiers[:-1]:
+            self._refill_reserve(tier)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs) or bool(self._promote_queue)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self.events:
+            events, self.events = self.events, []
+            yield from events
+
+    def reset_cache(self) -> None:
+        """Evict every unpinned, readable block from every tier."""
+        self._drain()
+        for tier in self.tiers:
+            victims = [(k, b) for k in list(tier.policy.keys()) if (b := tier.policy.get(k)).ref_cnt == 0]
+            for key, block in victims:
+                tier.policy.remove(key)
+                tier.backend.free(block)
+                tier.clean.discard(key)
+                if tier.index > 0:
+                    self.tiers[tier.index - 1].clean.discard(key)
+            self._event(tier, [k for k, _ in victims], removed=True)
+
+    def get_stats(self) -> dict[str, Any]:
+        """Per-tier counters and occupancy."""
+        return {
+            tier.name: {**tier.stats.as_dict(), "medium": tier.medium, "capacity_blocks": tier.capacity,
+                        "resident_blocks": len(tier.policy), "free_blocks": tier.backend.get_num_free_blocks()}
+            for tier in self.tiers
+        }
+
+    def wait_idle(self) -> None:
+        """Block until every job the manager started has finished and been accounted (tests, bench)."""
+        while self._jobs or self._promote_queue:
+            if self._promote_queue:
+                self._flush_promotions()
+            self.engine.wait([j for j in self._jobs])
+            self._drain()
+
+    def shutdown(self) -> None:
+        self.wait_idle()
+        self.engine.shutdown()
+        for tier in self.tiers:
+            tier.backend.close()
+
+    # ------------------------------------------------------------------ eviction and cascade
+    def _make_room(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """Free enough slots in `tier` for `n` new blocks; returns the evicted keys, or None."""
+        need = n - tier.backend.get_num_free_blocks()
+        if need <= 0:
+            return []
+        victims = tier.policy.evict(need, protected if isinstance(protected, set) else set(protected))
+        if victims is None:
+            return None
+        has_next = tier.index + 1 < len(self.tiers) and tier.cascade != "none"
+        above = self.tiers[tier.index - 1] if tier.index > 0 else None
+        clean = tier.clean
+        evicted = []
+        for key, block in victims:
+            tier.backend.free(block)
+            if key in clean:
+                clean.discard(key)
+            elif has_next:
+                tier.stats.cascade_dropped += 1
+            if above is not None:
+                above.clean.discard(key)
+            if tier.index == 0:
+                self._origin.pop(key, None)
+            evicted.append(key)
+        tier.stats.evictions += len(evicted)
+        self._event(tier, evicted, removed=True)
+        return evicted
+
+    def _refill_reserve(self, tier: Tier, extra: int = 0) -> None:
+        """Start background demotions when free-or-clean slots of `tier` fall below its low
+        watermark (plus `extra` slots about to be needed), aiming at twice the watermark."""
+        if tier.index + 1 >= len(self.tiers) or tier.cascade != "on_evict":
+            return
+        low = max(1, int(tier.capacity * tier.reserve_fraction)) + extra
+        available = tier.backend.get_num_free_blocks() + len(tier.clean) + tier.demoting
+        if available >= low:
+            return
+        want = 2 * low - extra - available
+        below = self.tiers[tier.index + 1].policy.get
+        batch: list[OffloadKey] = []
+        for key, _ in tier.policy.victim_candidates():
+            if key in tier.clean:
+                continue
+            lower = below(key)
+            if lower is not None:
+                if lower.ref_cnt >= 0:
+                    tier.clean.add(key)
+                    want -= 1
+                    if want <= 0:
+                        break
+                continue
+            batch.append(key)
+            if len(batch) >= want:
+                break
+        if batch:
+            self._demote(tier, batch)
+
+    def _demote(self, tier: Tier, keys: list[OffloadKey]) -> None:
+        """Copy readable blocks of `tier` to the next tier (one job); they stay pinned until it ends."""
+        lower = self.tiers[tier.index + 1]
+        keys = [k for k in keys if lower.policy.get(k) is None]
+        if not keys:
+            return
+        if self._make_room(lower, len(keys), set(keys)) is None:
+            log.debug("tier %s: no room to demote %d blocks", lower.name, len(keys))
+            return
+        src_blocks = [tier.policy.get(k) for k in keys]
+        for block in src_blocks:
+            block.ref_cnt += 1
+        tier.demoting += len(keys)
+        dst_blocks = lower.backend.allocate_blocks(keys)
+        for key, block in zip(keys, dst_blocks):
+            lower.policy.insert(key, block)
+        self._submit(_Job("demote", tier, lower, keys, src_blocks, dst_blocks))
+
+    def _flush_promotions(self) -> None:
+        """Start the promotions queued by `lookup`, one job per source tier."""
+        queue, self._promote_queue = self._promote_queue, []
+        top = self._top
+        by_tier: dict[int, list[OffloadKey]] = {}
+        for key in queue:
+            src = self.tiers[self._promoting[key]]
+            block = src.policy.get(key)
+            if block is None or block.ref_cnt < 0 or top.policy.get(key) is not None:
+                self._refuse_promotion(key)
+                continue
+            by_tier.setdefault(src.index, []).append(key)
+        for index, keys in by_tier.items():
+            src = self.tiers[index]
+            if self._make_room(top, len(keys), set(keys)) is None:
+                for key in keys:
+                    self._refuse_promotion(key)
+                continue
+            src_blocks = [src.policy.get(k) for k in keys]
+            for block in src_blocks:
+                block.ref_cnt += 1
+            dst_blocks = top.backend.allocate_blocks(keys)
+            for key, block in zip(keys, dst_blocks):
+                top.policy.insert(key, block)
+            self._submit(_Job("promote", src, top, keys, src_blocks, dst_blocks))
+
+    def _refuse_promotion(self, key: OffloadKey) -> None:
+        del self._promoting[key]
+        self._promotion_refused.add(key)
+
+    def _submit(self, job: _Job) -> None:
+        src_spec = job.src.backend.get_load_store_spec(job.keys, job.src_blocks)
+        dst_spec = job.dst.backend.get_load_store_spec(job.keys, job.dst_blocks)
+        job_id = self.engine.new_job_id()
+        self._jobs[job_id] = job
+        self.engine.submit(src_spec, dst_spec, job_id)
+
+    def _drain(self) -> None:
+        """Account for every finished job."""
+        for result in self.engine.poll():
+            job = self._jobs.pop(result.job_id, None)
+            if job is not None:
+                self._finish(job, result)
+
+    def _finish(self, job: _Job, result: TransferResult) -> None:
+        src, dst = job.src, job.dst
+        for block in job.src_blocks:
+            block.ref_cnt -= 1
+        if job.kind == "demote":
+            src.demoting -= len(job.keys)
+        ok = result.success
+        if ok:
+            for block in job.dst_blocks:
+                block.ref_cnt = 0
+            src.stats.bytes_out += result.transfer_size or 0
+            src.stats.seconds_out += result.transfer_time or 0.0
+            dst.stats.bytes_in += result.transfer_size or 0
+            dst.stats.seconds_in += result.transfer_time or 0.0
+            dst.stats.stores += len(job.keys)
+            self._event(dst, job.keys, removed=False)
+        else:
+            src.stats.failures += 1
+            dst.stats.failures += 1
+            for key, block in zip(job.keys, job.dst_blocks):
+                dst.policy.remove(key)
+                dst.backend.free(block)
+        if job.kind == "demote":
+            if ok:
+                src.stats.demotions += len(job.keys)
+                src.clean.update(job.keys)
+                if dst.cascade == "on_store" and dst.index + 1 < len(self.tiers):
+                    self._demote(dst, list(job.keys))
+        else:
+            for key in job.keys:
+                self._promoting.pop(key, None)
+            if ok:
+                src.stats.promotions += len(job.keys)
+                if src.index == 1:
+                    dst.clean.update(job.keys)
+                for key in job.keys:
+                    self._origin[key] = src.index
+            else:
+                # A block that could not be read back is not trusted again.
+                for key, block in zip(job.keys, job.src_blocks):
+                    if block.ref_cnt == 0 and src.policy.get(key) is block:
+                        src.policy.remove(key)
+                        src.backend.free(block)
+                        if src.index > 0:
+                            self.tiers[src.index - 1].clean.discard(key)
+                        self._event(src, [key], removed=True)
+                    self._promotion_refused.add(key)
+
+    def _event(self, tier: Tier, keys: list[OffloadKey], removed: bool) -> None:
+        if keys and self.events is not None:
+            self.events.append(OffloadingEvent(list(keys), tier.backend.block_size, tier.medium, removed, tier.name))

@@ -1,0 +1,103 @@
+"""`Backend`: a kind of storage that owns slots and hands out `LoadStoreSpec`s for them.
+
+A backend never calls another backend and never decides what to evict; the manager does both.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+from kvtier.keys import OffloadKey
+from kvtier.specs import BlockIDsLoadStoreSpec
+from kvtier.types import BlockStatus
+
+
+class SlotAllocator:
+    """Hands out slot numbers `0..num_slots-1`; freed slots are reused first (LIFO)."""
+
+    __slots__ = ("num_slots", "_next_fresh", "_free")
+
+    def __init__(self, num_slots: int):
+        if num_slots <= 0:
+            raise ValueError(f"a tier needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._next_fresh = 0
+        self._free: list[int] = []
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free) + self.num_slots - self._next_fresh
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` distinct free slots. Raises `RuntimeError` if fewer are free (callers check first)."""
+        if n > self.num_free:
+            raise RuntimeError(f"asked for {n} slots, only {self.num_free} free")
+        reused = min(n, len(self._free))
+        slots = [self._free.pop() for _ in range(reused)]
+        fresh = n - reused
+        slots.extend(range(self._next_fresh, self._next_fresh + fresh))
+        self._next_fresh += fresh
+        return slots
+
+    def claim(self, slot: int) -> None:
+        """Mark a specific slot used (recovering a tier after a restart)."""
+        if slot >= self._next_fresh:
+            self._free.extend(range(self._next_fresh, slot))
+            self._next_fresh = slot + 1
+        else:
+            self._free.remove(slot)
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+
+class Backend(ABC):
+    """Storage for fixed-size blocks in one medium.
+
+    `spec_type` is the `LoadStoreSpec` class this backend hands out; the router uses it to find
+    the handler of a hop. `block_bytes` is the size of one block; `num_blocks` the capacity.
+    """
+
+    spec_type: ClassVar[type[BlockIDsLoadStoreSpec]]
+    medium: ClassVar[str]
+
+    def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0):
+        self.name = name
+        self.num_blocks = num_blocks
+        self.block_bytes = block_bytes
+        self.block_size = block_size  # tokens per block, reported in events
+        self.slots = SlotAllocator(num_blocks)
+
+    # Backend-specific YAML keys: name -> (default or config.REQUIRED, validator). See kvtier.config.
+    OPTIONS: ClassVar[dict] = {}
+
+    @classmethod
+    def from_config(cls, name: str, num_blocks: int, block_bytes: int, block_size: int, options: dict) -> "Backend":
+        """Create the backend of a configured tier (`options` validated against `OPTIONS`)."""
+        return cls(name, num_blocks, block_bytes, block_size, **options)
+
+    def get_num_free_blocks(self) -> int:
+        """How many blocks can be allocated now."""
+        return self.slots.num_free
+
+    def allocate_blocks(self, keys: Sequence[OffloadKey]) -> list[BlockStatus]:
+        """Slots for writing `keys` (caller checked `get_num_free_blocks`). Each has `ref_cnt == -1`."""
+        return [BlockStatus(slot) for slot in self.slots.allocate(len(keys))]
+
+    def free(self, block: BlockStatus) -> None:
+        """Return a block's slot; call once per allocated block."""
+        self.slots.release(block.block_id)
+
+    def get_load_store_spec(self, keys: Iterable[OffloadKey], blocks: Iterable[BlockStatus]) -> BlockIDsLoadStoreSpec:
+        """Where the given blocks live, for a handler to read or write them."""
+        return self.spec_type([b.block_id for b in blocks], tier=self.name)
+
+    def recover(self) -> list[tuple[OffloadKey, BlockStatus]]:
+        """Blocks that survive from an earlier process (ready, slots claimed). Default: none."""
+        return []
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release memory, files and handles. Idempotent."""

@@ -1,0 +1,45 @@
+"""Backends without real storage devices: `SlotBackend` (no bytes, for trace replay) and
+`MemoryBackend` (a bytearray arena, for tests and the in-memory handler)."""
+
+from __future__ import annotations
+
+from kvtier.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec
+from kvtier.tiers.base import Backend
+
+
+class SlotBackend(Backend):
+    """Tracks slots only; stands in for any backend when transfers carry no bytes."""
+
+    spec_type = CPULoadStoreSpec
+    medium = "CPU"
+
+    def __init__(self, name: str, num_blocks: int, block_bytes: int = 0, block_size: int = 0,
+                 spec_type: type[BlockIDsLoadStoreSpec] | None = None):
+        super().__init__(name, num_blocks, block_bytes, block_size)
+        if spec_type is not None:
+            self.spec_type = spec_type
+            self.medium = spec_type.medium()
+
+    def close(self) -> None:
+        return
+
+
+class MemoryBackend(Backend):
+    """Blocks in one process-local `bytearray` (`num_blocks * block_bytes`); `view(slot)` exposes a slot."""
+
+    spec_type = CPULoadStoreSpec
+    medium = "CPU"
+
+    def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0):
+        super().__init__(name, num_blocks, block_bytes, block_size)
+        if block_bytes <= 0:
+            raise ValueError(f"MemoryBackend {name!r} needs block_bytes > 0, got {block_bytes}")
+        self.arena = bytearray(num_blocks * block_bytes)
+        self._view = memoryview(self.arena)
+
+    def view(self, slot: int) -> memoryview:
+        start = slot * self.block_bytes
+        return self._view[start:start + self.block_bytes]
+
+    def close(self) -> None:
+        self._view.release()
