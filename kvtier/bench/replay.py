@@ -1,0 +1,294 @@
+"""Trace replay: drive an `OffloadingManager` the way vLLM's scheduler does, one request at a time.
+
+Per request: look keys up in prefix order until the first miss (RETRY/HIT_PENDING answers make the
+scheduler ask again on the next step, as vLLM does), load and touch the hits, store the rest,
+finish the request, end the step. Transfers complete at once without bytes (`dry_run`
+hierarchies): the replay measures the control plane — hit rates and manager block operations per
+second — not bandwidth.
+
+A *block operation* is one key passed to `lookup`, `prepare_load` or `prepare_store`; the same
+driver counts them for every manager, so rates are comparable.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvtier.errors import KVTierError
+from kvtier.keys import make_offload_key
+from kvtier.types import LookupResult, ReqContext
+
+MAX_RETRY_STEPS = 64  # a lookup still answering RETRY after this many steps counts as a miss
+
+
+class TraceError(KVTierError, ValueError):
+    """A trace file is missing or malformed (the message names the line)."""
+
+
+@dataclass
+class Trace:
+    """Requests as lists of block hashes (ints), in arrival order."""
+
+    name: str
+    requests: list[list[int]]
+    block_tokens: int = 512
+
+    @property
+    def total_blocks(self) -> int:
+        return sum(len(r) for r in self.requests)
+
+    def optimum_hit_rate(self) -> float:
+        """Hit rate with unlimited space: every block seen before at the same prefix is a hit."""
+        seen: set[int] = set()
+        hits = 0
+        for hashes in self.requests:
+            prefix_alive = True
+            for h in hashes:
+                if prefix_alive and h in seen:
+                    hits += 1
+                else:
+                    prefix_alive = False
+                seen.add(h)
+        return hits / max(1, self.total_blocks)
+
+
+def load_trace(path: str | Path, limit: int | None = None) -> Trace:
+    """Read a Mooncake-format JSONL trace (`hash_ids` per line). Raises TraceError with the line number."""
+    path = Path(path)
+    try:
+        handle = path.open("r", encoding="utf-8")
+    except OSError as exc:
+        raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+    requests: list[list[int]] = []
+    with handle:
+        for lineno, line in enumerate(handle, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise TraceError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+            hashes = record.get("hash_ids") if isinstance(record, dict) else None
+            if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
+                                                        for h in hashes):
+                raise TraceError(f"{path}:{lineno}: expected an object with 'hash_ids': a list of non-negative "
+                                 f"integers, got {line.strip()[:80]!r}")
+            requests.append(hashes)
+            if limit is not None and len(requests) >= limit:
+                break
+    if not requests:
+        raise TraceError(f"{path}: no requests in trace")
+    return Trace(path.name, requests)
+
+
+def generate_trace(num_conversations: int = 300, turns: int = 5, system_prompts: int = 8,
+                   system_blocks: int = 6, turn_blocks: int = 3, seed: int = 0) -> Trace:
+    """A synthetic multi-turn workload: shared system prompts, conversations that grow turn by
+    turn (each turn re-sends the whole history), interleaved across conversations."""
+    import random
+
+    rng = random.Random(seed)
+    next_id = iter(range(1, 1 << 62))
+    systems = [[next(next_id) for _ in range(system_blocks)] for _ in range(system_prompts)]
+    histories = [list(rng.choice(systems)) for _ in range(num_conversations)]
+    remaining = [turns] * num_conversations
+    requests: list[list[int]] = []
+    active = list(range(num_conversations))
+    while active:
+        conv = rng.choice(active)
+        histories[conv].extend(next(next_id) for _ in range(rng.randint(1, turn_blocks)))
+        requests.append(list(histories[conv]))
+        remaining[conv] -= 1
+        if remaining[conv] == 0:
+            active.remove(conv)
+    return Trace("synthetic-multiturn", requests)
+
+
+def _keys_for(trace: Trace) -> list[list[bytes]]:
+    cache: dict[int, bytes] = {}
+    out = []
+    for hashes in trace.requests:
+        row = []
+        for h in hashes:
+            key = cache.get(h)
+            if key is None:
+                key = cache[h] = make_offload_key(h.to_bytes(8, "big"), 0)
+            row.append(key)
+        out.append(row)
+    return out
+
+
+def replay_manager(manager: Any, trace: Trace, *, vllm_api: bool = False, context_factory: Callable | None = None,
+                   step_context: Any = None, progress: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Replay `trace` through `manager`; returns hit counts, block ops and the elapsed time.
+
+    `vllm_api` drives vLLM's own managers as its connector does (no `touch`; recency is applied
+    in `on_request_finished`); `context_factory(req_id)` builds their request contexts.
+    """
+    keys_per_request = _keys_for(trace)
+    make_ctx = context_factory or ReqContext
+    HIT, MISS = LookupResult.HIT, LookupResult.MISS
+    if vllm_api:
+        from vllm.v1.kv_offload.base import LookupResult as VLookup  # only with --compare vllm
+
+        HIT, MISS = VLookup.HIT, VLookup.MISS
+    lookup, prepare_load, complete_load = manager.lookup, manager.prepare_load, manager.complete_load
+    prepare_store, complete_store, touch = manager.prepare_store, manager.complete_store, manager.touch
+    ops = hits = stores_refused = retry_steps = 0
+    report_every = max(1, len(keys_per_request) // 50)
+    start = time.perf_counter()
+    for i, keys in enumerate(keys_per_request):
+        ctx = make_ctx(str(i))
+        manager.on_new_request(ctx)
+        for _ in range(MAX_RETRY_STEPS):
+            n_hit, deferred = 0, False
+            for key in keys:
+                ops += 1
+                result = lookup(key, ctx)
+                if result is HIT:
+                    n_hit += 1
+                elif result is MISS:
+                    break
+                else:  # RETRY or HIT_PENDING: the scheduler asks again next step
+                    deferred = True
+            if not deferred:
+                break
+            retry_steps += 1
+            manager.on_schedule_end(step_context)
+        else:
+            n_hit = 0
+        if n_hit:
+            hit_keys = keys[:n_hit]
+            prepare_load(hit_keys, ctx)
+            complete_load(hit_keys, ctx)
+            if not vllm_api:
+                touch(hit_keys, ctx)
+            ops += n_hit
+            hits += n_hit
+        rest = keys[n_hit:]
+        if rest:
+            ops += len(rest)
+            out = prepare_store(rest, ctx)
+            if out is None:
+                stores_refused += 1
+            elif out.keys_to_store:
+                complete_store(out.keys_to_store, ctx)
+        manager.on_request_finished(ctx)
+        manager.on_schedule_end(step_context)
+        if progress is not None and i % report_every == 0:
+            progress(i + 1, len(keys_per_request))
+    elapsed = time.perf_counter() - start
+    if progress is not None:
+        progress(len(keys_per_request), len(keys_per_request))
+    total = trace.total_blocks
+    return {
+        "requests": len(keys_per_request), "blocks": total, "hit_blocks": hits, "hit_rate": hits / max(1, total),
+        "block_ops": ops, "seconds": elapsed, "block_ops_per_s": ops / elapsed if elapsed > 0 else 0.0,
+        "retry_steps": retry_steps, "stores_refused": stores_refused,
+    }
+
+
+def replay_kvtier(config: Any, trace: Trace, progress: Callable | None = None) -> dict[str, Any]:
+    """Replay through a dry-run kvtier hierarchy built from `config`; adds per-tier figures."""
+    from kvtier.hierarchy import build_hierarchy
+
+    hierarchy = build_hierarchy(config, dry_run=True)
+    try:
+        result = replay_manager(hierarchy.manager, trace, progress=progress)
+        stats = hierarchy.manager.get_stats()
+    finally:
+        hierarchy.close()
+    total = max(1, result["blocks"])
+    result["tiers"] = {
+        name: {"hit_rate": s["hits"] / total, "hits": s["hits"], "evictions": s["evictions"],
+               "demotions": s["demotions"], "promotions": s["promotions"], "cascade_dropped": s["cascade_dropped"],
+               "capacity_blocks": s["capacity_blocks"], "policy": tier.policy}
+        for (name, s), tier in zip(stats.items(), config.tiers)
+    }
+    return result
+
+
+def replay_vllm(capacity_blocks: int, policy: str, trace: Trace, progress: Callable | None = None) -> dict[str, Any]:
+    """Replay through vLLM's own `CPUOffloadingManager` (requires vllm importable)."""
+    from vllm.v1.kv_offload.base import ReqContext as VReqContext
+    from vllm.v1.kv_offload.base import ScheduleEndContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    manager = CPUOffloadingManager(num_chunks=capacity_blocks, cache_policy=policy)
+    result = replay_manager(manager, trace, vllm_api=True, context_factory=lambda rid: VReqContext(req_id=rid),
+                            step_context=ScheduleEndContext((), ()), progress=progress)
+    result["tiers"] = {"cpu": {"hit_rate": result["hit_rate"], "capacity_blocks": capacity_blocks, "policy": policy}}
+    return result
+
+
+def vllm_available() -> bool:
+    try:
+        import vllm.v1.kv_offload.cpu.manager  # noqa: F401
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True
+
+
+def parse_counts(text: str) -> list[int]:
+    """"2k,10k,40000" -> [2000, 10000, 40000]. Raises ValueError naming the bad item."""
+    counts = []
+    for item in text.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        scale = 1
+        if item.endswith("k"):
+            item, scale = item[:-1], 1000
+        elif item.endswith("m"):
+            item, scale = item[:-1], 1_000_000
+        try:
+            value = int(float(item) * scale)
+        except ValueError:
+            raise ValueError(f"{item!r} is not a block count (write e.g. 2k,10k,40000)") from None
+        if value <= 0:
+            raise ValueError(f"block counts must be > 0, got {value}")
+        counts.append(value)
+    if not counts:
+        raise ValueError("no block counts given (write e.g. 2k,10k,40000)")
+    return counts
+
+
+def sweep(config: Any, trace: Trace, capacities: Sequence[int] | None, policies: Iterable[str] | None = None,
+          compare_vllm: bool = False, progress_factory: Callable[[str], Callable] | None = None) -> list[dict[str, Any]]:
+    """Replay for every (first-tier capacity, policy); with `compare_vllm`, also vLLM's LRU and ARC
+    at each capacity, and each kvtier run gets its ratios to vLLM's LRU (`vs_vllm_lru`)."""
+    from kvtier.config import HierarchyConfig, TierConfig
+
+    rows = []
+    caps = list(capacities) if capacities else [None]
+    for cap in caps:
+        base = config.with_capacities(cap) if cap is not None else config
+        first_cap = base.tiers[0].capacity.blocks
+        vllm_rows = {}
+        if compare_vllm:
+            for vpolicy in ("lru", "arc"):
+                progress = progress_factory(f"vllm {vpolicy} @{first_cap}") if progress_factory else None
+                r = replay_vllm(first_cap, vpolicy, trace, progress)
+                r.update(system="vllm", policy=vpolicy, capacity_blocks=first_cap)
+                vllm_rows[vpolicy] = r
+                rows.append(r)
+        for policy in (list(policies) if policies else [base.tiers[0].policy]):
+            tier0 = TierConfig(**{**base.tiers[0].__dict__, "policy": policy})
+            cfg = HierarchyConfig((tier0, *base.tiers[1:]), base.block_tokens, base.block_bytes, base.source)
+            progress = progress_factory(f"kvtier {policy} @{first_cap}") if progress_factory else None
+            r = replay_kvtier(cfg, trace, progress)
+            r.update(system="kvtier", policy=policy, capacity_blocks=first_cap,
+                     total_capacity_blocks=sum(t["capacity_blocks"] for t in r["tiers"].values()))
+            if "lru" in vllm_rows:
+                ref = vllm_rows["lru"]
+                best = max(vllm_rows.values(), key=lambda x: x["hit_rate"])
+                r["vs_vllm_lru"] = {"block_ops_per_s": r["block_ops_per_s"] / max(1e-9, ref["block_ops_per_s"]),
+                                    "hit_rate": r["hit_rate"] / max(1e-9, ref["hit_rate"])}
+                r["vs_vllm_best_hit_rate"] = r["hit_rate"] - best["hit_rate"]
+            rows.append(r)
+    return rows
