@@ -69,6 +69,7 @@ class Tier:
     direct_load: bool = False  # a handler loads this tier straight into the engine's KV cache
     clean: set = field(default_factory=set)  # keys whose copy here is also readable in the next tier
     demoting: int = 0  # blocks of this tier pinned by running demotions
+    allocated_since_walk: int = 0  # slots handed out since the last reserve pass
     stats: TierStats = field(default_factory=TierStats)
 
     @property
@@ -202,19 +203,25 @@ class HierarchyManager(OffloadingManager):
         top = self._top
         get = top.policy.get
         to_store = [key for key in keys if get(key) is None]
-        shortfall = len(to_store) - top.backend.get_num_free_blocks() - len(top.clean)
-        if shortfall > 0 and len(self.tiers) > 1:
-            # Start the demotions this store needs; handlers that finish at once (memory copies,
-            # replay) land before the eviction below, slower ones count as cascade_dropped.
-            self._refill_reserve(top, extra=shortfall)
-            self._drain()
-        evicted = self._make_room(top, len(to_store), keys)
+        protected = keys if isinstance(keys, set) else set(keys)
+        need = len(to_store) - top.backend.get_num_free_blocks()
+        if need > 0 and self._cascades(top):
+            # Demote the dirty blocks among the next victims now; handlers that finish at once
+            # (memory copies, replay) land before the eviction below. Slower ones were meant to be
+            # cleaned ahead of time by _refill_reserve; what is still dirty is dropped and counted.
+            dirty = self._dirty_victims(top, need, protected)
+            if dirty:
+                self._demote(top, dirty)
+                self._drain()
+        evicted = self._make_room(top, len(to_store), protected)
         if evicted is None:
             return None
         blocks = top.backend.allocate_blocks(to_store)
         insert = top.policy.insert
-        for key, block in zip(to_store, blocks):
+        # Tail first, so that the head of a prefix ends up the most recently used.
+        for key, block in zip(reversed(to_store), reversed(blocks)):
             insert(key, block)
+        top.allocated_since_walk += len(to_store)
         self._refill_reserve(top)
         return PrepareStoreOutput(to_store, top.backend.get_load_store_spec(to_store, blocks), evicted)
 
@@ -325,34 +332,42 @@ class HierarchyManager(OffloadingManager):
         self._event(tier, evicted, removed=True)
         return evicted
 
-    def _refill_reserve(self, tier: Tier, extra: int = 0) -> None:
-        """Start background demotions when free-or-clean slots of `tier` fall below its low
-        watermark (plus `extra` slots about to be needed), aiming at twice the watermark."""
-        if tier.index + 1 >= len(self.tiers) or tier.cascade != "on_evict":
-            return
-        low = max(1, int(tier.capacity * tier.reserve_fraction)) + extra
-        available = tier.backend.get_num_free_blocks() + len(tier.clean) + tier.demoting
-        if available >= low:
-            return
-        want = 2 * low - extra - available
+    def _cascades(self, tier: Tier) -> bool:
+        return tier.cascade == "on_evict" and tier.index + 1 < len(self.tiers)
+
+    def _dirty_victims(self, tier: Tier, count: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
+        """Among the next `count` victims of `tier`'s policy, those not yet readable in the next tier."""
         below = self.tiers[tier.index + 1].policy.get
-        batch: list[OffloadKey] = []
+        clean = tier.clean
+        dirty: list[OffloadKey] = []
+        seen = 0
         for key, _ in tier.policy.victim_candidates():
-            if key in tier.clean:
+            if key in protected:
                 continue
-            lower = below(key)
-            if lower is not None:
-                if lower.ref_cnt >= 0:
-                    tier.clean.add(key)
-                    want -= 1
-                    if want <= 0:
-                        break
-                continue
-            batch.append(key)
-            if len(batch) >= want:
+            if key not in clean:
+                lower = below(key)
+                if lower is not None and lower.ref_cnt >= 0:
+                    clean.add(key)
+                elif lower is None:
+                    dirty.append(key)
+            seen += 1
+            if seen >= count:
                 break
-        if batch:
-            self._demote(tier, batch)
+        return dirty
+
+    def _refill_reserve(self, tier: Tier) -> None:
+        """Keep the next victims of `tier` clean ahead of time: once the slots handed out since the
+        last pass reach half the reserve, copy the dirty blocks among the next `reserve` victims
+        to the next tier in the background (amortised: a pass walks `reserve` entries)."""
+        if not self._cascades(tier):
+            return
+        reserve = max(1, int(tier.capacity * tier.reserve_fraction))
+        if tier.backend.get_num_free_blocks() >= reserve or tier.allocated_since_walk < reserve // 2:
+            return
+        tier.allocated_since_walk = 0
+        dirty = self._dirty_victims(tier, reserve, ())
+        if dirty:
+            self._demote(tier, dirty)
 
     def _demote(self, tier: Tier, keys: list[OffloadKey]) -> None:
         """Copy readable blocks of `tier` to the next tier (one job); they stay pinned until it ends."""
@@ -396,6 +411,7 @@ class HierarchyManager(OffloadingManager):
             dst_blocks = top.backend.allocate_blocks(keys)
             for key, block in zip(keys, dst_blocks):
                 top.policy.insert(key, block)
+            top.allocated_since_walk += len(keys)
             self._submit(_Job("promote", src, top, keys, src_blocks, dst_blocks))
 
     def _refuse_promotion(self, key: OffloadKey) -> None:

@@ -2,7 +2,9 @@
 
 Per request: look keys up in prefix order until the first miss (RETRY/HIT_PENDING answers make the
 scheduler ask again on the next step, as vLLM does), load and touch the hits, store the rest,
-finish the request, end the step. Transfers complete at once without bytes (`dry_run`
+finish the request, end the step. (vLLM's own managers get no `touch`: they apply a request's
+recency when it finishes; kvtier inserts a request's new blocks tail first, which yields the same
+recency order.) Transfers complete at once without bytes (`dry_run`
 hierarchies): the replay measures the control plane — hit rates and manager block operations per
 second — not bandwidth.
 
