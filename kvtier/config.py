@@ -225,8 +225,11 @@ def parse_config(raw: Any, source: str = "<dict>") -> HierarchyConfig:
             try:
                 backend_cls = _backend_class(backend_name)
             except (ImportError, AttributeError, ValueError) as exc:
-                problems.add(f"{path}backend", f"unknown backend {backend_name!r}{_suggest(backend_name, registry.BACKENDS)}; "
-                             f"known: {', '.join(registry.BACKENDS)} or 'package.module:Class' ({exc})")
+                if backend_name in registry.BACKENDS:
+                    problems.add(f"{path}backend", f"backend {backend_name!r} cannot be loaded here: {exc}")
+                else:
+                    problems.add(f"{path}backend", f"unknown backend {backend_name!r}{_suggest(backend_name, registry.BACKENDS)}; "
+                                 f"known: {', '.join(registry.BACKENDS)} or 'package.module:Class'")
         options_spec = dict(getattr(backend_cls, "OPTIONS", {}))
         what = f"a {backend_name!r} tier" if backend_cls else "a tier"
         fields = _read_fields({k: v for k, v in raw_tier.items() if k not in options_spec}, TIER_FIELDS, path,

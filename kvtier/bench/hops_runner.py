@@ -1,0 +1,69 @@
+"""Runs every hop measurement this machine supports, each next to its same-run baseline.
+
+Rows: {"hop", "block_bytes", "gbps", "baseline", "baseline_gbps", ...}. GPU<->CPU hops use the
+engine's KV cache on CUDA when available, else CPU tensors (the engine's cache on vLLM's CPU
+platform); CPU<->FILE hops use a file tier in `root_dir` (default: a temporary directory).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from typing import Any, Callable
+
+QUICK_SIZES = [64 << 10, 1 << 20]
+FULL_SIZES = [64 << 10, 256 << 10, 1 << 20, 2 << 20, 8 << 20]
+
+
+def default_block_sizes(quick: bool) -> list[int]:
+    return list(QUICK_SIZES if quick else FULL_SIZES)
+
+
+def _engine_device() -> str:
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except Exception:  # noqa: BLE001 - no torch: no engine-side hops
+        return "none"
+
+
+def run_hops(config: Any, block_sizes: list[int], root_dir: str | None = None, quick: bool = False,
+             progress: Callable | None = None) -> list[dict[str, Any]]:
+    """Measure GPU<->CPU (engine cache <-> CPU tier) and CPU<->FILE for each block size."""
+    rows: list[dict[str, Any]] = []
+    total = (32 << 20) if quick else (256 << 20)
+    device = _engine_device()
+    if device != "none":
+        from kvtier.bench.hops import measure_gpu_cpu
+
+        update = progress(f"engine({device})<->CPU") if progress else None
+        rows += measure_gpu_cpu(device, block_sizes, total, progress=update)
+    from kvtier.bench.file_hops import measure_cpu_file
+
+    tmp = None
+    if root_dir is None:
+        tmp = root_dir = tempfile.mkdtemp(prefix="kvtier-bench-", dir=_file_tier_parent(config))
+    try:
+        update = progress("CPU<->FILE") if progress else None
+        for i, size in enumerate(block_sizes):
+            rows += measure_cpu_file(root_dir, size, max(total, 8 * size))
+            if update:
+                update(i + 1, len(block_sizes))
+    finally:
+        if tmp:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return rows
+
+
+def _file_tier_parent(config: Any) -> str | None:
+    """Measure on the filesystem the config's file tier would use, when its parent exists."""
+    import os
+
+    for tier in config.tiers:
+        root = dict(tier.options).get("root_dir")
+        if root:
+            parent = os.path.dirname(os.path.abspath(root))
+            if os.path.isdir(parent) and os.access(parent, os.W_OK):
+                return parent
+    return None

