@@ -1,0 +1,406 @@
+"""Copies between the engine's KV cache (`CanonicalKVCaches`) and the CPU tier, in batches.
+
+Layout of one offloaded block (one slot, one KV group `g`, `bpc = blocks_per_chunk`): for each
+reference `r` of `group_data_refs[g]`, in order, `bpc` consecutive pages of `r.page_size_bytes`
+bytes (engine sub-block 0 first):
+
+    slot = [ref 0: page(sub 0) page(sub 1) ... page(sub bpc-1)] [ref 1: ...] ...
+
+so `group_bytes[g] = bpc * sum(r.page_size_bytes)` and the tier's `block_bytes` must be
+`max(group_bytes)` (`KVLayout.block_bytes`; equal to the sum whenever the groups have the same
+page sizes). Bytes of a slot past its group's size are never written or read.
+
+A `GPULoadStoreSpec` lists, group after group, the engine blocks of a job; the destination (or
+source) spec lists the slots, group after group too. Group `g` with `n` engine blocks whose first
+block has logical index `i` skips `s = i % bpc` sub-blocks of its first slot and covers
+`ceil((n + s) / bpc)` slots. Only covered sub-blocks are written or read.
+
+Hot path: index tensors are built once per job (no per-block Python loop) and every
+(group, reference) pair is one gather plus one scatter (`index_select` / `index_copy_`) over rows
+reinterpreted as the widest integer type the alignment allows. On CUDA the copies run on a
+dedicated stream that first waits for the compute stream, through a device staging buffer laid out
+like the slots, with one DMA per job between it and the pinned region; a completion thread waits
+for the job's event.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.handlers.base import ThreadedHandler, TransferHandler
+from kvtier.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from kvtier.types import CanonicalKVCaches, TransferResult
+
+log = logging.getLogger("kvtier.handlers.gpu_cpu")
+
+
+def _words(t):
+    """`t` (a uint8 tensor whose last dim is contiguous) viewed as the widest integer type that
+    divides its last size, its strides and its address; copies move words instead of bytes."""
+    import torch
+
+    for dtype, width in ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2)):
+        if (t.shape[-1] % width == 0 and t.data_ptr() % width == 0
+                and all(s % width == 0 for s in t.stride()[:-1])):
+            return t.view(dtype)
+    return t
+
+
+def byte_rows(tensor, page: int):
+    """A `(num_blocks, page)` uint8 view of an engine KV tensor whose dim 0 is the block (any
+    dtype; `stride(0)` may exceed the page). Byte `k` of block `b` is byte `k` of its page."""
+    import torch
+
+    es = tensor.element_size()
+    if tensor.dim() < 1 or (tensor.dim() > 1 and tensor.stride(-1) != 1):
+        raise ValueError(f"KV tensor must have a contiguous last dimension, got strides {tensor.stride()}")
+    flat = tensor.view(torch.uint8) if es > 1 or tensor.dtype != torch.uint8 else tensor
+    row_stride = tensor.stride(0) * es
+    if page > row_stride and tensor.shape[0] > 1:
+        raise ValueError(f"page of {page} bytes exceeds the row stride {row_stride} of a KV tensor")
+    return flat.as_strided((tensor.shape[0], page), (row_stride, 1), flat.storage_offset())
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One reference of a group: `page` bytes of engine tensor `tensor_idx` per sub-block, stored
+    at byte `offset` of the slot (sub-block `j` at `offset + j * page`)."""
+
+    tensor_idx: int
+    page: int
+    offset: int
+
+
+@dataclass
+class GroupIndex:
+    """Index tensors of one group of a job: engine block `ids[k]` <-> sub-block `sub[k]` of job slot `pos[k]`."""
+
+    group: int
+    ids: Any
+    pos: Any
+    sub: Any
+
+
+class KVLayout:
+    """Maps offloaded blocks (slots) to pages of the engine's KV cache; see the module docstring."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int = 1):
+        if blocks_per_chunk < 1:
+            raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
+        if not kv_caches.tensors:
+            raise ValueError("CanonicalKVCaches has no tensors")
+        self.blocks_per_chunk = bpc = blocks_per_chunk
+        self.tensors = [t.tensor for t in kv_caches.tensors]
+        self.device = self.tensors[0].device
+        self.num_engine_blocks = min(t.shape[0] for t in self.tensors)
+        refs = kv_caches.group_data_refs or [
+            [_Ref(i, t.page_size_bytes) for i, t in enumerate(kv_caches.tensors)]]
+        self.groups: list[list[Segment]] = []
+        for refs_of_group in refs:
+            offset, segments = 0, []
+            for ref in refs_of_group:
+                page = ref.page_size_bytes
+                if page > kv_caches.tensors[ref.tensor_idx].page_size_bytes:
+                    raise ValueError(f"reference page {page} B exceeds tensor {ref.tensor_idx}'s page")
+                segments.append(Segment(ref.tensor_idx, page, offset))
+                offset += bpc * page
+            self.groups.append(segments)
+        self.group_bytes = [sum(bpc * s.page for s in g) for g in self.groups]
+        self.block_bytes = max(self.group_bytes)
+        self._rows: dict[tuple[int, int], Any] = {}
+
+    def engine_rows(self, tensor_idx: int, page: int):
+        """`(num_blocks, page)` word view of one engine tensor (cached)."""
+        key = (tensor_idx, page)
+        rows = self._rows.get(key)
+        if rows is None:
+            rows = self._rows[key] = _words(byte_rows(self.tensors[tensor_idx], page))
+        return rows
+
+    # ------------------------------------------------------------------ indices
+    def slots_needed(self, spec: GPULoadStoreSpec) -> int:
+        """Number of slots a job over `spec` covers."""
+        bpc = self.blocks_per_chunk
+        skips = spec.block_indices or [0] * len(spec.group_sizes)
+        return sum(math.ceil((n + i % bpc) / bpc) for n, i in zip(spec.group_sizes, skips) if n)
+
+    def bytes_of(self, spec: GPULoadStoreSpec) -> int:
+        """Bytes a job over `spec` moves."""
+        return sum(n * self.group_bytes[g] // self.blocks_per_chunk for g, n in enumerate(spec.group_sizes))
+
+    def index(self, spec: GPULoadStoreSpec, num_slots: int, device: Any = None) -> list[GroupIndex]:
+        """Index tensors of a job (on `device`, default the engine's); validates the geometry."""
+        import torch
+
+        if len(spec.group_sizes) != len(self.groups):
+            raise ValueError(f"spec has {len(spec.group_sizes)} groups, the KV cache {len(self.groups)}")
+        needed = self.slots_needed(spec)
+        if needed != num_slots:
+            raise ValueError(f"engine blocks {spec.group_sizes} (block_indices={spec.block_indices}) cover "
+                             f"{needed} slots, the tier spec has {num_slots}")
+        device = self.device if device is None else device
+        bpc = self.blocks_per_chunk
+        all_ids = torch.tensor(spec.block_ids, dtype=torch.int64)
+        if len(all_ids) and (int(all_ids.max()) >= self.num_engine_blocks):
+            raise IndexError(f"engine block id {int(all_ids.max())} >= {self.num_engine_blocks} blocks")
+        skips = spec.block_indices or [0] * len(spec.group_sizes)
+        out, first, slot = [], 0, 0
+        for g, (n, logical) in enumerate(zip(spec.group_sizes, skips)):
+            if n == 0:
+                continue
+            skip = logical % bpc
+            p = torch.arange(skip, skip + n, dtype=torch.int64)
+            out.append(GroupIndex(g, all_ids[first:first + n].to(device, non_blocking=True),
+                                  (slot + p // bpc).to(device, non_blocking=True),
+                                  (p % bpc).to(device, non_blocking=True)))
+            first += n
+            slot += math.ceil((n + skip) / bpc)
+        return out
+
+    # ------------------------------------------------------------------ copies
+    def _slot_views(self, slots, seg: Segment):
+        """How to address sub-block `sub` of `seg` in row `r` of the slot tensor `slots`:
+        `(view, per_row, first)` with `view` 2-D and row `r * per_row + first + sub` when every
+        sub-block is a row of one uniform view (fast `index_copy_`), else `(view3d, None, None)`
+        indexed `[r, sub]`."""
+        row_stride = slots.stride(0)
+        page, bpc = seg.page, self.blocks_per_chunk
+        if row_stride % page == 0 and seg.offset % page == 0:
+            per_row = row_stride // page
+            flat = slots.as_strided((slots.shape[0] * per_row, page), (page, 1), slots.storage_offset())
+            return _words(flat), per_row, seg.offset // page
+        view3 = slots.as_strided((slots.shape[0], bpc, page), (row_stride, page, 1),
+                                 slots.storage_offset() + seg.offset)
+        return _words(view3), None, None
+
+    def gather(self, spec: GPULoadStoreSpec, slots, rows, index: list[GroupIndex]) -> None:
+        """Engine pages -> `slots[rows[pos]]` (a uint8 `(R, >= block_bytes)` tensor, row-major bytes)."""
+        for gi in index:
+            row = rows[gi.pos]
+            for seg in self.groups[gi.group]:
+                data = self.engine_rows(seg.tensor_idx, seg.page).index_select(0, gi.ids)
+                view, per_row, first = self._slot_views(slots, seg)
+                if per_row is not None:
+                    view.index_copy_(0, row * per_row + first + gi.sub, _same_words(data, view))
+                else:
+                    view[row, gi.sub] = _same_words(data, view)
+
+    def scatter(self, spec: GPULoadStoreSpec, slots, rows, index: list[GroupIndex]) -> None:
+        """`slots[rows[pos]]` -> engine pages (the inverse of `gather`)."""
+        for gi in index:
+            row = rows[gi.pos]
+            for seg in self.groups[gi.group]:
+                view, per_row, first = self._slot_views(slots, seg)
+                if per_row is not None:
+                    data = view.index_select(0, row * per_row + first + gi.sub)
+                else:
+                    data = view[row, gi.sub]
+                target = self.engine_rows(seg.tensor_idx, seg.page)
+                target.index_copy_(0, gi.ids, _same_words(data, target))
+
+
+def _same_words(data, target):
+    """`data` reinterpreted with `target`'s element type (both views of the same bytes per row)."""
+    if data.dtype == target.dtype:
+        return data
+    import torch
+
+    return data.contiguous().view(torch.uint8).view(target.dtype)
+
+
+@dataclass
+class ChunkedKVCaches(CanonicalKVCaches):
+    """`CanonicalKVCaches` plus the number of engine blocks per offloaded block.
+
+    The registry's factory signature `(backends, kv_caches)` carries no chunk size; pass this
+    subclass to `build_hierarchy(kv_caches=...)` when `blocks_per_chunk > 1`.
+    """
+
+    blocks_per_chunk: int = 1
+
+
+@dataclass
+class _Ref:
+    tensor_idx: int
+    page_size_bytes: int
+
+
+def _pick_backend(backends: Mapping[str, Any], spec: BlockIDsLoadStoreSpec):
+    if spec.tier is not None:
+        return backends[spec.tier]
+    if len(backends) != 1:
+        raise ValueError(f"spec names no tier and there are {len(backends)} CPU tiers")
+    return next(iter(backends.values()))
+
+
+def _split(to_cpu: bool, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[GPULoadStoreSpec, BlockIDsLoadStoreSpec]:
+    gpu, cpu = (src, dst) if to_cpu else (dst, src)
+    if not isinstance(gpu, GPULoadStoreSpec) or not isinstance(cpu, BlockIDsLoadStoreSpec):
+        raise TypeError(f"expected a GPU spec and a slot spec, got {type(src).__name__} -> {type(dst).__name__}")
+    return gpu, cpu
+
+
+class HostKVCopyHandler(TransferHandler):
+    """Engine KV cache in CPU tensors <-> CPU tier: batched index copies, synchronous in `submit`.
+    A failing job reports `success=False`; other jobs are unaffected."""
+
+    def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_cpu: bool):
+        super().__init__()
+        self.backends, self.layout, self.to_cpu = dict(backends), layout, to_cpu
+
+    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        start = time.perf_counter()
+        try:
+            moved = self.copy(src, dst)
+            result = TransferResult(job_id, True, moved, time.perf_counter() - start)
+        except Exception as exc:  # noqa: BLE001 - a failure fails this job only
+            log.debug("job %d failed", job_id, exc_info=True)
+            result = TransferResult(job_id, False, 0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
+        self._on_done(result)
+
+    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        import torch
+
+        gpu, cpu = _split(self.to_cpu, src, dst)
+        backend = _pick_backend(self.backends, cpu)
+        if backend.block_bytes < self.layout.block_bytes:
+            raise ValueError(f"tier {backend.name!r} has {backend.block_bytes} B blocks, the KV layout needs "
+                             f"{self.layout.block_bytes} B")
+        index = self.layout.index(gpu, len(cpu.block_ids))
+        rows = torch.tensor(cpu.block_ids, dtype=torch.int64)
+        if len(rows) and int(rows.max()) >= backend.num_blocks:
+            raise IndexError(f"slot {int(rows.max())} >= {backend.num_blocks} slots of tier {backend.name!r}")
+        region = backend.tensor()
+        if self.to_cpu:
+            self.layout.gather(gpu, region, rows, index)
+        else:
+            self.layout.scatter(gpu, region, rows, index)
+        return self.layout.bytes_of(gpu)
+
+
+class CudaKVCopyHandler(ThreadedHandler):
+    """Engine KV cache on CUDA <-> pinned CPU tier.
+
+    `submit` records an event on the caller's current (compute) stream; one worker thread runs the
+    jobs in submission order on a dedicated stream that waits for that event (stores read the KV
+    only after the model wrote it; loads write only after earlier work on those blocks). A job
+    gathers/scatters on the device through a staging buffer laid out like the slots and moves it
+    with one non-blocking DMA when the slots are consecutive, else through a pinned bounce buffer
+    and one batched host-side index copy. The thread waits for the job's end event, then reports.
+    """
+
+    def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_cpu: bool):
+        super().__init__(num_threads=1, thread_name="kvtier-gpu-cpu" if to_cpu else "kvtier-cpu-gpu")
+        import torch
+
+        self.backends, self.layout, self.to_cpu = dict(backends), layout, to_cpu
+        self.device = layout.device
+        self.stream = torch.cuda.Stream(device=self.device)
+        self._ready: dict[int, Any] = {}
+        self._ready_lock = threading.Lock()
+        self._local = threading.local()
+
+    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        import torch
+
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        with self._ready_lock:
+            self._ready[job_id] = ready
+        super().submit(job_id, src, dst)
+
+    def _run(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        with self._ready_lock:
+            self._local.ready = self._ready.pop(job_id, None)
+        super()._run(job_id, src, dst)
+
+    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        import torch
+
+        gpu, cpu = _split(self.to_cpu, src, dst)
+        backend = _pick_backend(self.backends, cpu)
+        if backend.block_bytes < self.layout.block_bytes:
+            raise ValueError(f"tier {backend.name!r} blocks are smaller than the KV layout's {self.layout.block_bytes} B")
+        slots = cpu.block_ids
+        k = len(slots)
+        if any(s >= backend.num_blocks for s in slots):
+            raise IndexError(f"slot out of range for tier {backend.name!r}")
+        stride = backend.slot_stride
+        region = _words(backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1)))
+        consecutive = k > 0 and slots == list(range(slots[0], slots[0] + k))
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            ready = getattr(self._local, "ready", None)
+            if ready is not None:
+                self.stream.wait_event(ready)
+            index = self.layout.index(gpu, k, self.device)
+            rows = torch.arange(k, dtype=torch.int64, device=self.device)
+            staging = torch.empty((k, stride), dtype=torch.uint8, device=self.device)
+            staging_w = _words(staging)
+            done = torch.cuda.Event()
+            if self.to_cpu:
+                self.layout.gather(gpu, staging, rows, index)
+                if consecutive:
+                    region[slots[0]:slots[0] + k].copy_(staging_w, non_blocking=True)
+                else:
+                    bounce = torch.empty((k, stride), dtype=torch.uint8, pin_memory=True)
+                    _words(bounce).copy_(staging_w, non_blocking=True)
+                done.record(self.stream)
+                done.synchronize()
+                if not consecutive:
+                    region.index_copy_(0, torch.tensor(slots, dtype=torch.int64), _words(bounce))
+            else:
+                if consecutive:
+                    staging_w.copy_(region[slots[0]:slots[0] + k], non_blocking=True)
+                else:
+                    bounce = torch.empty((k, stride), dtype=torch.uint8, pin_memory=True)
+                    torch.index_select(region, 0, torch.tensor(slots, dtype=torch.int64), out=_words(bounce))
+                    staging_w.copy_(_words(bounce), non_blocking=True)
+                self.layout.scatter(gpu, staging, rows, index)
+                done.record(self.stream)
+                done.synchronize()
+        return self.layout.bytes_of(gpu)
+
+
+def cpu_backends(backends: Mapping[str, Any]) -> dict[str, Any]:
+    """The backends a GPU<->CPU handler can serve: those exposing `tensor()` (shared/pinned regions)."""
+    return {name: b for name, b in backends.items() if callable(getattr(b, "tensor", None))}
+
+
+def make_handler(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_cpu: bool,
+                 blocks_per_chunk: int = 1) -> TransferHandler | None:
+    """A GPU->CPU (`to_cpu`) or CPU->GPU handler, or None without KV caches or CPU tiers."""
+    if kv_caches is None:
+        return None
+    usable = cpu_backends(backends)
+    if not usable:
+        return None
+    layout = KVLayout(kv_caches, blocks_per_chunk)
+    if layout.device.type == "cuda":
+        return CudaKVCopyHandler(usable, layout, to_cpu)
+    if layout.device.type != "cpu":
+        raise ValueError(f"unsupported KV cache device {layout.device}")
+    return HostKVCopyHandler(usable, layout, to_cpu)
+
+
+def _bpc(kv_caches: Any) -> int:
+    return int(getattr(kv_caches, "blocks_per_chunk", 1))
+
+
+def make_gpu_to_cpu(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None) -> TransferHandler | None:
+    """Registry factory for GPULoadStoreSpec -> CPULoadStoreSpec."""
+    return make_handler(backends, kv_caches, to_cpu=True, blocks_per_chunk=_bpc(kv_caches))
+
+
+def make_cpu_to_gpu(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None) -> TransferHandler | None:
+    """Registry factory for CPULoadStoreSpec -> GPULoadStoreSpec."""
+    return make_handler(backends, kv_caches, to_cpu=False, blocks_per_chunk=_bpc(kv_caches))
+
+
+__all__: Sequence[str] = ["ChunkedKVCaches", "KVLayout", "Segment", "HostKVCopyHandler", "CudaKVCopyHandler", "byte_rows",
+                          "make_gpu_to_cpu", "make_cpu_to_gpu", "make_handler"]
