@@ -22,6 +22,16 @@ class OffloadingManager(ABC):
         """Whether one block is held: HIT (readable), HIT_PENDING (being written), RETRY (ask again
         later, e.g. while it is promoted), MISS."""
 
+    def lookup_prefix(self, keys: Iterable[OffloadKey], req_context: ReqContext) -> int:
+        """How many leading `keys` are readable now: the scan stops at the first block that is
+        missing or not ready (any answer but HIT)."""
+        hits = 0
+        for key in keys:
+            if self.lookup(key, req_context) is not LookupResult.HIT:
+                break
+            hits += 1
+        return hits
+
     @abstractmethod
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         """Pin the given (HIT) blocks until `complete_load` and return where to read them."""
