@@ -1,0 +1,658 @@
+"""`FileBackend`: blocks in a preallocated slab file under `root_dir` (the FILE medium).
+
+On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
+- `lock`           flock'ed exclusively by the owning process, which writes its pid there.
+- `manifest.json`  geometry (block_bytes, slot_bytes, num_slots, header_bytes, format version),
+                   the user's `fingerprint` and a random `epoch` chosen at each (re)build.
+- `slab.0`         `num_slots` fixed slots of `slot_bytes` (a multiple of 4 KiB). A slot is a
+                   512-byte header (magic, version, key, payload length, CRC-32 of the payload,
+                   digest of the manifest incl. epoch, CRC-32 of the header) then the payload.
+- `journal`        append-only records `PUT(slot, key, crc)` / `DEL(slot)`, each with its own CRC,
+                   after a header naming the epoch. A PUT is appended only after the slot's bytes
+                   are durable (fdatasync). Replayed at start (no slot header is read), compacted
+                   when it grows past twice the capacity.
+
+Trust rules: a manifest that differs from this configuration (or a journal of another epoch) means
+the contents are not ours: the tier starts empty and logs one warning. A block is served only if
+its header (magic, version, manifest digest, key, length, header CRC) and payload CRC verify;
+otherwise `read_blocks` raises `IntegrityError` and the block is forgotten.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import queue
+import struct
+import threading
+import uuid
+import zlib
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvtier.config import REQUIRED
+from kvtier.errors import IntegrityError, KVTierError
+from kvtier.keys import OffloadKey
+from kvtier.specs import FileLoadStoreSpec
+from kvtier.tiers.base import Backend
+from kvtier.types import BlockStatus
+
+log = logging.getLogger("kvtier.tiers.file")
+
+FORMAT_VERSION = 1
+ALIGN = 4096
+HEADER_BYTES = 512
+RUN_BYTES = 8 << 20  # adjacent slots are merged into I/Os of up to this size
+
+MANIFEST = "manifest.json"
+SLAB = "slab.0"
+JOURNAL = "journal"
+LOCK = "lock"
+
+_SLOT_MAGIC = b"KVTB"
+# magic, version, key_len, payload_len, payload_crc, manifest digest, header_crc; the key follows.
+_HDR = struct.Struct("<4sHHQI8sI")
+MAX_KEY_BYTES = HEADER_BYTES - _HDR.size
+
+_JOURNAL_MAGIC = b"KVTJ"
+_JHDR = struct.Struct("<4sI16s")  # magic, version, epoch
+# record crc, op, key_len, slot, payload crc; the key follows. The CRC covers everything after it.
+_REC = struct.Struct("<IBxHQI")
+_PUT, _DEL = 1, 2
+
+
+def slot_bytes_for(block_bytes: int) -> int:
+    """Size of one slot: header + payload, rounded up to 4 KiB."""
+    return -(-(HEADER_BYTES + block_bytes) // ALIGN) * ALIGN
+
+
+# ---------------------------------------------------------------------------- manifest
+def manifest_digest(manifest: dict) -> bytes:
+    """8-byte digest of a manifest (epoch included), stamped into every slot header."""
+    return hashlib.blake2b(json.dumps(manifest, sort_keys=True).encode(), digest_size=8).digest()
+
+
+def read_manifest(root: Path) -> dict | None:
+    """The manifest of `root`, or None if missing or unreadable."""
+    try:
+        data = json.loads((root / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+_GEOMETRY = ("format_version", "block_bytes", "slot_bytes", "header_bytes", "num_slots", "fingerprint")
+
+
+def manifest_differences(found: dict | None, wanted: dict) -> list[str]:
+    """Human-readable differences in geometry/fingerprint (empty when the contents are ours)."""
+    if found is None:
+        return ["no readable manifest"]
+    return [f"{k}: found {found.get(k)!r}, configured {wanted[k]!r}" for k in _GEOMETRY if found.get(k) != wanted[k]]
+
+
+# ---------------------------------------------------------------------------- slot header
+def pack_header(view: memoryview, key: bytes, payload_len: int, payload_crc: int, digest: bytes) -> None:
+    """Write a slot header into `view[:HEADER_BYTES]`."""
+    fixed = _HDR.pack(_SLOT_MAGIC, FORMAT_VERSION, len(key), payload_len, payload_crc, digest, 0)
+    hcrc = zlib.crc32(key, zlib.crc32(fixed))
+    _HDR.pack_into(view, 0, _SLOT_MAGIC, FORMAT_VERSION, len(key), payload_len, payload_crc, digest, hcrc)
+    view[_HDR.size:_HDR.size + len(key)] = key
+
+
+@dataclass
+class SlotHeader:
+    key: bytes
+    payload_len: int
+    payload_crc: int
+    digest: bytes
+
+
+def parse_header(view) -> SlotHeader | str:
+    """The header at the start of `view`, or a string saying why it is not a valid header."""
+    magic, version, key_len, payload_len, payload_crc, digest, hcrc = _HDR.unpack_from(view, 0)
+    if magic != _SLOT_MAGIC:
+        return "no slot header (bad magic)"
+    if version != FORMAT_VERSION:
+        return f"format version {version}, expected {FORMAT_VERSION}"
+    if key_len > MAX_KEY_BYTES:
+        return f"key length {key_len} out of range"
+    key = bytes(view[_HDR.size:_HDR.size + key_len])
+    fixed = _HDR.pack(magic, version, key_len, payload_len, payload_crc, digest, 0)
+    if zlib.crc32(key, zlib.crc32(fixed)) != hcrc:
+        return "header checksum mismatch"
+    return SlotHeader(key, payload_len, payload_crc, digest)
+
+
+def verify_slot(view: memoryview, key: bytes | None, block_bytes: int, digest: bytes) -> str | None:
+    """Check one slot image (`view` = header + payload); None if it may be served, else why not.
+    `key=None` accepts any key (inspection)."""
+    header = parse_header(view)
+    if isinstance(header, str):
+        return header
+    if header.digest != digest:
+        return "written under another manifest (fingerprint, geometry or epoch differs)"
+    if key is not None and header.key != key:
+        return "holds another key"
+    if header.payload_len != block_bytes:
+        return f"payload length {header.payload_len}, expected {block_bytes}"
+    if zlib.crc32(view[HEADER_BYTES:HEADER_BYTES + block_bytes]) != header.payload_crc:
+        return "payload checksum mismatch"
+    return None
+
+
+# ---------------------------------------------------------------------------- journal
+@dataclass
+class JournalScan:
+    """What a journal says: live `entries` slot -> (key, crc, seq), in record order."""
+
+    epoch: bytes | None = None
+    entries: dict[int, tuple[bytes, int, int]] = field(default_factory=dict)
+    records: int = 0
+    good_bytes: int = 0  # length of the valid prefix
+    torn_bytes: int = 0  # bytes after it (a torn or corrupt tail), ignored
+    problem: str | None = None  # why the journal is unusable as a whole, if it is
+
+
+def scan_journal(data: bytes) -> JournalScan:
+    """Replay journal bytes; stops at the first record that is truncated or fails its CRC."""
+    scan = JournalScan()
+    if len(data) < _JHDR.size:
+        scan.problem = "journal missing or shorter than its header"
+        return scan
+    magic, version, epoch = _JHDR.unpack_from(data, 0)
+    if magic != _JOURNAL_MAGIC or version != FORMAT_VERSION:
+        scan.problem = "journal header not recognised"
+        return scan
+    scan.epoch = epoch
+    entries = scan.entries
+    pos, end, rec_size, unpack, crc32 = _JHDR.size, len(data), _REC.size, _REC.unpack_from, zlib.crc32
+    view = memoryview(data)
+    while pos + rec_size <= end:
+        rcrc, op, key_len, slot, pcrc = unpack(view, pos)
+        stop = pos + rec_size + key_len
+        if stop > end or crc32(view[pos + 4:stop]) != rcrc:
+            break
+        if op == _PUT:
+            entries.pop(slot, None)  # keep dict order = order of the latest record
+            entries[slot] = (bytes(view[pos + rec_size:stop]), pcrc, scan.records)
+        elif op == _DEL:
+            entries.pop(slot, None)
+        else:
+            break
+        scan.records += 1
+        pos = stop
+    scan.good_bytes = pos
+    scan.torn_bytes = end - pos
+    return scan
+
+
+def _record(op: int, slot: int, key: bytes = b"", crc: int = 0) -> bytes:
+    body = _REC.pack(0, op, len(key), slot, crc)[4:] + key
+    return struct.pack("<I", zlib.crc32(body)) + body
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class Journal:
+    """The append-only index of committed slots. Not thread-safe: the backend holds its lock."""
+
+    def __init__(self, path: Path, epoch: bytes):
+        self.path = path
+        self.epoch = epoch
+        self.records = 0
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    @classmethod
+    def create(cls, path: Path, epoch: bytes, entries: Iterable[tuple[int, bytes, int]] = ()) -> "Journal":
+        """Write a fresh journal holding `entries` (slot, key, crc) atomically, and open it."""
+        records = [_record(_PUT, slot, key, crc) for slot, key, crc in entries]
+        _write_file_atomic(path, _JHDR.pack(_JOURNAL_MAGIC, FORMAT_VERSION, epoch) + b"".join(records))
+        journal = cls(path, epoch)
+        journal.records = len(records)
+        return journal
+
+    def append(self, records: list[bytes]) -> None:
+        if records:
+            data = memoryview(b"".join(records))
+            while data:
+                data = data[os.write(self.fd, data):]
+            os.fdatasync(self.fd)
+            self.records += len(records)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+# ---------------------------------------------------------------------------- options
+def _root_dir(v) -> str:
+    if not isinstance(v, (str, os.PathLike)) or not str(v):
+        raise ValueError(f"expected a directory path for the slab files, got {v!r}")
+    return str(v)
+
+
+def _io(v) -> str:
+    if v not in ("auto", "posix", "kvikio"):
+        raise ValueError(f"{v!r} is not an I/O engine; use auto, posix or kvikio")
+    return v
+
+
+def _fingerprint(v) -> str:
+    if not isinstance(v, str):
+        raise ValueError(f"expected a string identifying the model and KV layout, got {type(v).__name__} {v!r}")
+    return v
+
+
+def _threads(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 256:
+        raise ValueError(f"expected a number of I/O threads between 1 and 256, got {v!r}")
+    return v
+
+
+# ---------------------------------------------------------------------------- backend
+class FileBackend(Backend):
+    """Fixed-size blocks in one preallocated slab file; see the module docstring for the format.
+
+    Byte API (used by the CPU<->FILE and GPU<->FILE handlers), both safe to call from several
+    threads at once for distinct slots:
+    - `write_blocks(slots, keys, buffers) -> bytes written`: durable when it returns.
+    - `read_blocks(slots, keys, buffers) -> bytes read`: raises `IntegrityError` if any block fails
+      verification (the others are still read; bad ones are forgotten), `OSError` on I/O errors.
+    """
+
+    spec_type = FileLoadStoreSpec
+    medium = "FILE"
+    OPTIONS = {
+        "root_dir": (REQUIRED, _root_dir),
+        "io": ("auto", _io),
+        "fingerprint": ("", _fingerprint),
+        "num_threads": (4, _threads),
+    }
+
+    def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *,
+                 root_dir: str, io: str = "auto", fingerprint: str = "", num_threads: int = 4):
+        super().__init__(name, num_blocks, block_bytes, block_size)
+        if block_bytes <= 0:
+            raise ValueError(f"file tier {name!r} needs block_bytes > 0, got {block_bytes}")
+        _io(io), _fingerprint(fingerprint), _threads(num_threads)
+        self.root = Path(_root_dir(root_dir)).expanduser().resolve()
+        self.slot_bytes = slot_bytes_for(block_bytes)
+        self.num_threads = num_threads
+        self.slab_path = self.root / SLAB
+        self._closed = True
+        self._lock_fd = -1
+        self._index: dict[int, tuple[bytes, int, int]] = {}  # slot -> (key, crc, seq): committed blocks
+        self._seq = 0
+        self._pending_del: list[int] = []
+        self._jlock = threading.Lock()
+        self._recovered = False
+        self.io = None
+        self.journal: Journal | None = None
+        self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix=f"kvtier-file-{name}")
+        self._run_slots = max(1, RUN_BYTES // self.slot_bytes)
+        self._buffers: queue.SimpleQueue = queue.SimpleQueue()
+        self._make_root()
+        self._acquire_lock()
+        self._closed = False
+        try:
+            self._open(fingerprint)
+            from kvtier.tiers.fileio import choose_engine
+
+            self.io = choose_engine(io, str(self.slab_path), num_threads)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ start-up
+    def _make_root(self) -> None:
+        if not self.root.is_dir():
+            os.makedirs(self.root, mode=0o700, exist_ok=True)
+            os.chmod(self.root, 0o700)
+
+    def _acquire_lock(self) -> None:
+        path = self.root / LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            finally:
+                os.close(fd)
+            raise KVTierError(f"file tier root_dir {self.root} is locked by another user (pid {holder}); "
+                              f"give each process its own root_dir") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._lock_fd = fd
+
+    def _wanted_manifest(self, fingerprint: str) -> dict:
+        return {"format_version": FORMAT_VERSION, "block_bytes": self.block_bytes, "slot_bytes": self.slot_bytes,
+                "header_bytes": HEADER_BYTES, "num_slots": self.num_blocks, "fingerprint": fingerprint,
+                "slab": SLAB}
+
+    def _open(self, fingerprint: str) -> None:
+        wanted = self._wanted_manifest(fingerprint)
+        found = read_manifest(self.root)
+        diffs = manifest_differences(found, wanted)
+        scan = None
+        if not diffs:
+            try:
+                scan = scan_journal((self.root / JOURNAL).read_bytes())
+            except OSError as exc:
+                scan = JournalScan(problem=f"journal unreadable: {exc}")
+            if scan.problem is None and scan.epoch != bytes.fromhex(str(found.get("epoch", ""))):
+                scan.problem = "journal belongs to another epoch"
+            if scan.problem is not None:
+                diffs = [scan.problem]
+        if diffs:
+            if found is not None or (self.root / SLAB).exists():
+                log.warning("file tier %s: contents of %s are not ours (%s); starting empty", self.name, self.root,
+                            "; ".join(diffs))
+            self._rebuild(wanted)
+            return
+        self.manifest = found
+        self.digest = manifest_digest(found)
+        self._check_slab_size(scan)
+        self._index = scan.entries
+        self._seq = scan.records
+        if scan.torn_bytes:
+            log.warning("file tier %s: ignoring a torn journal tail of %d bytes", self.name, scan.torn_bytes)
+            os.truncate(self.root / JOURNAL, scan.good_bytes)
+        self.journal = Journal(self.root / JOURNAL, scan.epoch)
+        self.journal.records = scan.records
+
+    def _check_slab_size(self, scan: JournalScan) -> None:
+        """A slab shorter than its geometry lost the blocks past its end: forget them, re-extend."""
+        want = self.num_blocks * self.slot_bytes
+        try:
+            size = os.stat(self.slab_path).st_size
+        except FileNotFoundError:
+            size = 0
+        if size >= want:
+            return
+        lost = [s for s in scan.entries if (s + 1) * self.slot_bytes > size]
+        for slot in lost:
+            del scan.entries[slot]
+        log.warning("file tier %s: slab %s is %d bytes, expected %d; %d blocks past its end dropped",
+                    self.name, self.slab_path, size, want, len(lost))
+        self._allocate_slab(truncate=False)
+
+    def _allocate_slab(self, truncate: bool) -> None:
+        size = self.num_blocks * self.slot_bytes
+        fd = os.open(self.slab_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if truncate:
+                os.ftruncate(fd, 0)
+            try:
+                os.posix_fallocate(fd, 0, size)
+            except OSError as exc:
+                if exc.errno == errno.ENOSPC:
+                    raise KVTierError(f"file tier {self.name}: not enough free space in {self.root} for "
+                                      f"{self.num_blocks} blocks ({size} bytes)") from None
+                os.ftruncate(fd, size)  # no fallocate on this filesystem: a sparse file
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _rebuild(self, wanted: dict) -> None:
+        """Start empty: no manifest while the slab and journal are reset, then a new epoch."""
+        try:
+            os.unlink(self.root / MANIFEST)
+        except FileNotFoundError:
+            pass
+        self._allocate_slab(truncate=True)
+        epoch = uuid.uuid4().bytes
+        self.journal = Journal.create(self.root / JOURNAL, epoch)
+        manifest = {**wanted, "epoch": epoch.hex()}
+        _write_file_atomic(self.root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+        self.manifest = manifest
+        self.digest = manifest_digest(manifest)
+        self._index = {}
+        self._seq = 0
+
+    # ------------------------------------------------------------------ Backend API
+    def recover(self) -> list[tuple[OffloadKey, BlockStatus]]:
+        """Committed blocks from the journal (ready, slots claimed); a key found in several slots
+        keeps its latest copy. Slot headers are not read here: bad blocks are dropped at read time."""
+        if self._recovered:
+            return []
+        self._recovered = True
+        with self._jlock:
+            latest: dict[bytes, int] = {}
+            stale = []
+            for slot, (key, _crc, _seq) in self._index.items():  # record order: later wins
+                old = latest.get(key)
+                if old is not None:
+                    stale.append(old)
+                latest[key] = slot
+            for slot in stale:
+                self._forget(slot)
+        found = []
+        for slot in sorted(latest.values()):
+            self.slots.claim(slot)
+            block = BlockStatus(slot)
+            block.ref_cnt = 0
+            found.append((OffloadKey(self._index[slot][0]), block))
+        return found
+
+    def free(self, block: BlockStatus) -> None:
+        super().free(block)
+        with self._jlock:
+            self._forget(block.block_id)
+
+    def _forget(self, slot: int) -> None:
+        """Drop a slot from the index; its DEL record goes out with the next journal append."""
+        if self._index.pop(slot, None) is not None:
+            self._pending_del.append(slot)
+
+    def get_load_store_spec(self, keys: Iterable[OffloadKey], blocks: Iterable[BlockStatus]) -> FileLoadStoreSpec:
+        return FileLoadStoreSpec([b.block_id for b in blocks], list(keys), tier=self.name)
+
+    def committed(self) -> dict[int, bytes]:
+        """slot -> key of every committed block (a snapshot)."""
+        with self._jlock:
+            return {slot: key for slot, (key, _c, _s) in self._index.items()}
+
+    # ------------------------------------------------------------------ byte API
+    def write_blocks(self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence) -> int:
+        """Write `buffers[i]` (block_bytes, C-contiguous) as the block `keys[i]` into `slots[i]`."""
+        views = self._check(slots, keys, buffers, writable=False)
+        runs = self._runs(slots)
+        futures = [self._pool.submit(self._write_run, run, slots, keys, views) for run in runs]
+        crcs: dict[int, int] = {}
+        error = None
+        for future in futures:  # wait for all: no write may still be in flight when we fail
+            try:
+                crcs.update(future.result())
+            except Exception as exc:  # noqa: BLE001
+                error = error or exc
+        if error is not None:
+            raise error
+        self.io.sync()
+        with self._jlock:
+            records = [_record(_DEL, s) for s in self._pending_del]
+            self._pending_del = []
+            for slot, key in zip(slots, keys):
+                records.append(_record(_PUT, slot, key, crcs[slot]))
+            self.journal.append(records)
+            for slot, key in zip(slots, keys):
+                self._index.pop(slot, None)
+                self._index[slot] = (bytes(key), crcs[slot], self._seq)
+                self._seq += 1
+            if self.journal.records > max(4096, 2 * self.num_blocks):
+                self._compact()
+        return len(slots) * self.block_bytes
+
+    def read_blocks(self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence) -> int:
+        """Read and verify the blocks `keys[i]` in `slots[i]` into the writable `buffers[i]`."""
+        views = self._check(slots, keys, buffers, writable=True)
+        futures = [self._pool.submit(self._read_run, run, slots, keys, views) for run in self._runs(slots)]
+        bad: list[tuple[int, str]] = []
+        error = None
+        for future in futures:
+            try:
+                bad.extend(future.result())
+            except Exception as exc:  # noqa: BLE001
+                error = error or exc
+        if bad:
+            with self._jlock:
+                for slot, _why in bad:
+                    self._forget(slot)
+            detail = "; ".join(f"slot {s}: {why}" for s, why in bad[:8])
+            raise IntegrityError(f"file tier {self.name}: {len(bad)} block(s) in {self.slab_path} failed "
+                                 f"verification and will not be served ({detail})")
+        if error is not None:
+            raise error
+        return len(slots) * self.block_bytes
+
+    def _check(self, slots, keys, buffers, writable: bool) -> list[memoryview]:
+        if self._closed:
+            raise KVTierError(f"file tier {self.name} is closed")
+        if not len(slots) == len(keys) == len(buffers):
+            raise ValueError(f"{len(slots)} slots, {len(keys)} keys and {len(buffers)} buffers: lengths must match")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"duplicate slots in {list(slots)}")
+        views = []
+        for slot, key, buf in zip(slots, keys, buffers):
+            if not 0 <= slot < self.num_blocks:
+                raise ValueError(f"slot {slot} out of range 0..{self.num_blocks - 1}")
+            if len(key) > MAX_KEY_BYTES:
+                raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY_BYTES}")
+            view = memoryview(buf)
+            if not view.c_contiguous:
+                raise ValueError("buffers must be C-contiguous")
+            view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+            if view.nbytes != self.block_bytes:
+                raise ValueError(f"buffer of {view.nbytes} bytes for a block of {self.block_bytes}")
+            if writable and view.readonly:
+                raise ValueError("read_blocks needs writable buffers")
+            views.append(view)
+        return views
+
+    def _runs(self, slots: Sequence[int]) -> list[list[int]]:
+        """Positions into `slots`, grouped into runs of adjacent slots of at most RUN_BYTES."""
+        order = sorted(range(len(slots)), key=slots.__getitem__)
+        runs: list[list[int]] = []
+        for pos in order:
+            run = runs[-1] if runs else None
+            if run and slots[run[-1]] + 1 == slots[pos] and len(run) < self._run_slots:
+                run.append(pos)
+            else:
+                runs.append([pos])
+        return runs
+
+    def _take_buffer(self):
+        try:
+            return self._buffers.get_nowait()
+        except queue.Empty:
+            from kvtier.tiers.fileio import aligned_buffer
+
+            return aligned_buffer(self._run_slots * self.slot_bytes)
+
+    def _write_run(self, run: list[int], slots, keys, views) -> dict[int, int]:
+        """Runs on the pool: build the slot images of one run in a bounce buffer, then write it."""
+        buf = self._take_buffer()
+        try:
+            image = memoryview(buf)
+            crcs = {}
+            for i, pos in enumerate(run):
+                base = i * self.slot_bytes
+                payload = image[base + HEADER_BYTES:base + HEADER_BYTES + self.block_bytes]
+                payload[:] = views[pos]
+                crc = zlib.crc32(payload)
+                pack_header(image[base:base + HEADER_BYTES], keys[pos], self.block_bytes, crc, self.digest)
+                crcs[slots[pos]] = crc
+            self.io.pwrite(slots[run[0]] * self.slot_bytes, image[:len(run) * self.slot_bytes])
+            return crcs
+        finally:
+            self._buffers.put(buf)
+
+    def _read_run(self, run: list[int], slots, keys, views) -> list[tuple[int, str]]:
+        """Runs on the pool: read one run into a bounce buffer, verify each slot, copy out the good ones."""
+        buf = self._take_buffer()
+        try:
+            image = memoryview(buf)
+            offset, length = slots[run[0]] * self.slot_bytes, len(run) * self.slot_bytes
+            try:
+                self.io.pread(offset, image[:length])
+            except OSError:
+                if os.stat(self.slab_path).st_size < offset + length:
+                    return [(slots[p], "slab truncated") for p in run]
+                raise
+            bad = []
+            for i, pos in enumerate(run):
+                slot_view = image[i * self.slot_bytes:(i + 1) * self.slot_bytes]
+                why = verify_slot(slot_view, bytes(keys[pos]), self.block_bytes, self.digest)
+                if why is None:
+                    views[pos][:] = slot_view[HEADER_BYTES:HEADER_BYTES + self.block_bytes]
+                else:
+                    bad.append((slots[pos], why))
+            return bad
+        finally:
+            self._buffers.put(buf)
+
+    # ------------------------------------------------------------------ journal upkeep
+    def _compact(self) -> None:
+        """Rewrite the journal with the live entries only (caller holds `_jlock`)."""
+        epoch = self.journal.epoch
+        self.journal.close()
+        entries = [(slot, key, crc) for slot, (key, crc, _s) in self._index.items()]
+        self.journal = Journal.create(self.root / JOURNAL, epoch, entries)
+        self._pending_del = []
+
+    def close(self) -> None:
+        """Flush pending index records, close files and release the lock. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        try:
+            if self.journal is not None and self.journal.fd >= 0:
+                with self._jlock:
+                    self.journal.append([_record(_DEL, s) for s in self._pending_del])
+                    self._pending_del = []
+        finally:
+            if self.journal is not None:
+                self.journal.close()
+            if self.io is not None:
+                self.io.close()
+            while not self._buffers.empty():
+                try:
+                    self._buffers.get_nowait().close()
+                except BufferError:  # still exported by a traceback's frame; freed with it
+                    pass
+            if self._lock_fd >= 0:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                os.close(self._lock_fd)
+                self._lock_fd = -1
+
+    def __repr__(self) -> str:
+        return f"FileBackend({self.name!r}, {self.num_blocks} blocks of {self.block_bytes} B in {self.root})"

@@ -1,0 +1,219 @@
+"""I/O engines of the file tier: positioned reads and writes of whole byte ranges of one file.
+
+An engine is synchronous per call (`pwrite(offset, buf)` / `pread(offset, buf)` move all of `buf`
+or raise `OSError`); the file backend runs several calls at once on its own thread pool.
+
+- `PosixIO`: os.pwrite / os.preadv on one descriptor, O_DIRECT when the filesystem allows it
+  (buffers handed to it are page-aligned bounce buffers, offsets and sizes multiples of 4 KiB).
+- `KvikioIO`: kvikio.CuFile futures (its own thread pool and, with real GDS, device paths).
+  kvikio is optional and imported lazily.
+
+`choose_engine` resolves the `io` option (`auto` | `posix` | `kvikio`).
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import threading
+from abc import ABC, abstractmethod
+
+log = logging.getLogger("kvtier.tiers.file")
+
+ALIGN = 4096
+_direct_warned = False
+_direct_warn_lock = threading.Lock()
+
+
+def aligned_buffer(nbytes: int) -> mmap.mmap:
+    """A zeroed, page-aligned, writable anonymous mapping of `nbytes` (rounded up to a page)."""
+    return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
+
+
+def probe_direct(path: str) -> bool:
+    """Whether `path` (an existing file of at least 4 KiB) can be read and written with O_DIRECT.
+
+    Logs one warning per process the first time O_DIRECT is refused.
+    """
+    global _direct_warned
+    flag = getattr(os, "O_DIRECT", 0)
+    reason = "this platform has no O_DIRECT"
+    if flag:
+        buf = aligned_buffer(ALIGN)
+        try:
+            fd = os.open(path, os.O_RDWR | flag)
+            try:
+                if os.preadv(fd, [buf], 0) == ALIGN and os.pwritev(fd, [buf], 0) == ALIGN:
+                    return True
+                reason = "a 4 KiB O_DIRECT probe moved a short count"
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            reason = f"O_DIRECT refused ({errno.errorcode.get(exc.errno, exc.errno)})"
+        finally:
+            buf.close()
+    with _direct_warn_lock:
+        if not _direct_warned:
+            _direct_warned = True
+            log.warning("file tier: %s on the filesystem of %s; using buffered I/O (page cache)", reason, path)
+    return False
+
+
+class IOEngine(ABC):
+    """Positioned I/O on one file. `pwrite`/`pread` move the whole buffer or raise OSError."""
+
+    name: str = "?"
+    direct: bool = False
+
+    @abstractmethod
+    def pwrite(self, offset: int, buf) -> None: ...
+
+    @abstractmethod
+    def pread(self, offset: int, buf) -> None: ...
+
+    @abstractmethod
+    def sync(self) -> None:
+        """Make every completed write durable (fdatasync)."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class PosixIO(IOEngine):
+    """pwrite/preadv on one descriptor; O_DIRECT when `direct`."""
+
+    name = "posix"
+
+    def __init__(self, path: str, direct: bool):
+        self.direct = direct
+        flags = os.O_RDWR | (getattr(os, "O_DIRECT", 0) if direct else 0)
+        self.fd = os.open(path, flags)
+        self._closed = False
+
+    def pwrite(self, offset: int, buf) -> None:
+        view = memoryview(buf).cast("B")
+        done, total = 0, len(view)
+        while done < total:
+            n = os.pwrite(self.fd, view[done:], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"pwrite wrote {n} bytes at offset {offset + done}")
+            done += n
+
+    def pread(self, offset: int, buf) -> None:
+        view = memoryview(buf).cast("B")
+        done, total = 0, len(view)
+        while done < total:
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short read: end of file at offset {offset + done} "
+                                         f"({total - done} of {total} bytes missing)")
+            done += n
+
+    def sync(self) -> None:
+        os.fdatasync(self.fd)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            os.close(self.fd)
+
+
+def kvikio_importable() -> bool:
+    """Whether `import kvikio` works (it raises non-ImportError errors when libcufile is missing)."""
+    try:
+        import kvikio  # noqa: F401
+    except Exception:  # noqa: BLE001 - DynamicLibNotFoundError and friends
+        return False
+    return True
+
+
+def gpu_present() -> bool:
+    """Whether an NVIDIA GPU is visible (device nodes), without importing torch or CUDA."""
+    return os.path.exists("/dev/nvidia0") or bool(_listdir("/proc/driver/nvidia/gpus"))
+
+
+def gds_platform() -> bool:
+    """Whether cuFile may be called at all: libcufile spins forever without /proc/modules, and
+    GDS needs the nvidia-fs driver (see notes/kvikio.md)."""
+    return os.path.exists("/proc/modules") and os.path.exists("/proc/driver/nvidia-fs/devcount")
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+class KvikioIO(IOEngine):
+    """kvikio.CuFile on the slab: pwrite/pread futures, waited on by the calling thread.
+
+    Compat mode (POSIX inside kvikio) is forced unless the platform has nvidia-fs; kvikio's own
+    thread pool is raised to at least `num_threads` (it is process-wide and defaults to 1).
+    """
+
+    name = "kvikio"
+
+    def __init__(self, path: str, num_threads: int):
+        import kvikio
+        import numpy as np
+
+        self._np = np
+        settings = {"num_threads": max(int(kvikio.defaults.get("num_threads")), num_threads)}
+        if not gds_platform():
+            settings["compat_mode"] = kvikio.CompatMode.ON
+        kvikio.defaults.set(settings)
+        self._file = kvikio.CuFile(path, "r+")
+        self._sync_fd = os.open(path, os.O_RDWR)
+        self._closed = False
+
+    def _array(self, buf):
+        return self._np.frombuffer(buf, dtype=self._np.uint8)
+
+    def pwrite(self, offset: int, buf) -> None:
+        arr = self._array(buf)
+        n = self._file.pwrite(arr, arr.nbytes, offset).get()
+        if n != arr.nbytes:
+            raise OSError(errno.EIO, f"kvikio pwrite moved {n} of {arr.nbytes} bytes at offset {offset}")
+
+    def pread(self, offset: int, buf) -> None:
+        arr = self._array(buf)
+        try:
+            n = self._file.pread(arr, arr.nbytes, offset).get()
+        except RuntimeError as exc:  # kvikio reports EOF and I/O errors as RuntimeError
+            raise OSError(errno.EIO, f"kvikio pread at offset {offset}: {exc}") from exc
+        if n != arr.nbytes:
+            raise OSError(errno.EIO, f"kvikio pread moved {n} of {arr.nbytes} bytes at offset {offset}")
+
+    def sync(self) -> None:
+        os.fdatasync(self._sync_fd)
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._file.close()
+            os.close(self._sync_fd)
+
+
+def choose_engine(io: str, path: str, num_threads: int) -> IOEngine:
+    """Open `path` with the engine `io` asks for. `auto` = kvikio when importable and a GPU is
+    present, else posix; an `auto` kvikio that fails its first I/O falls back to posix with a warning.
+    `kvikio` failing raises OSError/RuntimeError naming the cause."""
+    if io == "auto":
+        if gpu_present() and kvikio_importable():
+            try:
+                engine = KvikioIO(path, num_threads)
+                probe = aligned_buffer(ALIGN)
+                engine.pread(0, probe)
+                probe.close()
+                return engine
+            except Exception as exc:  # noqa: BLE001 - any kvikio failure: use posix instead
+                log.warning("file tier: kvikio unusable (%s: %s); using posix I/O", type(exc).__name__, exc)
+        io = "posix"
+    if io == "kvikio":
+        return KvikioIO(path, num_threads)
+    if io == "posix":
+        return PosixIO(path, probe_direct(path))
+    raise ValueError(f"unknown io engine {io!r} (auto | posix | kvikio)")
