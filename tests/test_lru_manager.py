@@ -1,0 +1,63 @@
+"""Seed 002 semantics of the single-tier LRU manager, over a slot-only backend."""
+
+from kvtier import LookupResult, LRUOffloadingManager, ReqContext
+from kvtier.tiers.memory import SlotBackend
+
+from conftest import keys
+
+CTX = ReqContext("r")
+
+
+def make(capacity=4):
+    return LRUOffloadingManager(SlotBackend("cpu", capacity, 0, block_size=16), enable_events=True)
+
+
+def test_lookup_stops_at_first_missing_or_unready_block():
+    m = make()
+    k = keys(4)
+    out = m.prepare_store(k[:3], CTX)
+    m.complete_store(k[:2], CTX)  # k[2] still being written
+    assert m.lookup_prefix(k, CTX) == 2
+    assert m.lookup(k[2], CTX) is LookupResult.HIT_PENDING
+    assert m.lookup(k[3], CTX) is LookupResult.MISS
+    assert m.lookup_prefix([k[3], k[0]], CTX) == 0
+    assert len(out.keys_to_store) == 3
+
+
+def test_prepare_store_skips_held_blocks_and_evicts_lru():
+    m = make(capacity=3)
+    k = keys(5)
+    m.complete_store(m.prepare_store(k[:3], CTX).keys_to_store, CTX)
+    m.touch([k[0]], CTX)  # k[1] is now the least recently used
+    out = m.prepare_store([k[0], k[3]], CTX)
+    assert out.keys_to_store == [k[3]] and out.evicted_keys == [k[1]]
+
+
+def test_prepare_store_returns_none_when_pinned_blocks_leave_no_room():
+    m = make(capacity=2)
+    k = keys(3)
+    m.complete_store(m.prepare_store(k[:2], CTX).keys_to_store, CTX)
+    m.prepare_load(k[:2], CTX)
+    assert m.prepare_store([k[2]], CTX) is None
+    m.complete_load(k[:1], CTX)
+    assert m.prepare_store([k[2]], CTX).evicted_keys == [k[0]]
+
+
+def test_failed_store_frees_its_slots():
+    m = make(capacity=2)
+    k = keys(2)
+    m.prepare_store(k, CTX)
+    m.complete_store(k, CTX, success=False)
+    assert m.lookup(k[0], CTX) is LookupResult.MISS
+    assert m.backend.get_num_free_blocks() == 2
+
+
+def test_events_carry_medium_block_size_and_direction():
+    m = make(capacity=1)
+    k = keys(2)
+    m.complete_store(m.prepare_store([k[0]], CTX).keys_to_store, CTX)
+    m.complete_store(m.prepare_store([k[1]], CTX).keys_to_store, CTX)
+    events = list(m.take_events())
+    assert [(e.keys, e.removed, e.medium, e.block_size) for e in events] == [
+        ([k[0]], False, "CPU", 16), ([k[0]], True, "CPU", 16), ([k[1]], False, "CPU", 16)]
+    assert list(m.take_events()) == []
