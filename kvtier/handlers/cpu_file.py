@@ -1,0 +1,81 @@
+"""CPU <-> FILE handlers: copy blocks between a host-memory backend and a file tier.
+
+The host side is any backend exposing `view(slot) -> memoryview` of `block_bytes` (MemoryBackend,
+the shared-memory CPUBackend); the file side is a backend with `write_blocks`/`read_blocks`
+(FileBackend). `spec.tier` names the backend of each side. Each job runs on the handler's pool;
+an exception inside a job (disk full, EIO, a block failing verification) fails that job only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvtier.handlers.base import ThreadedHandler
+from kvtier.specs import BlockIDsLoadStoreSpec, FileLoadStoreSpec
+
+
+def _host_backends(backends: Mapping) -> dict:
+    return {name: b for name, b in backends.items() if hasattr(b, "view")}
+
+
+def _file_backends(backends: Mapping) -> dict:
+    return {name: b for name, b in backends.items() if hasattr(b, "write_blocks") and hasattr(b, "read_blocks")}
+
+
+class _CPUFileHandler(ThreadedHandler):
+    def __init__(self, hosts: dict, files: dict, num_threads: int):
+        super().__init__(num_threads=num_threads, thread_name=f"kvtier-{type(self).__name__}")
+        self.hosts = hosts
+        self.files = files
+
+    @staticmethod
+    def _pick(backends: dict, spec: BlockIDsLoadStoreSpec, what: str):
+        if spec.tier is None and len(backends) == 1:
+            return next(iter(backends.values()))
+        try:
+            return backends[spec.tier]
+        except KeyError:
+            raise ValueError(f"no {what} backend named {spec.tier!r} (have {', '.join(backends)})") from None
+
+    def _sides(self, cpu: BlockIDsLoadStoreSpec, file: FileLoadStoreSpec):
+        if len(cpu) != len(file):
+            raise ValueError(f"source has {len(cpu)} blocks, destination {len(file)}")
+        host = self._pick(self.hosts, cpu, "host-memory")
+        disk = self._pick(self.files, file, "file")
+        if host.block_bytes != disk.block_bytes:
+            raise ValueError(f"block size differs: {host.name}={host.block_bytes} B, {disk.name}={disk.block_bytes} B")
+        return host, disk
+
+
+class CPUToFileHandler(_CPUFileHandler):
+    """Writes host-memory blocks into file slots (demotion, write-through); durable when the job ends."""
+
+    def copy(self, src: BlockIDsLoadStoreSpec, dst: FileLoadStoreSpec) -> int:
+        host, disk = self._sides(src, dst)
+        return disk.write_blocks(dst.block_ids, dst.keys, [host.view(s) for s in src.block_ids])
+
+
+class FileToCPUHandler(_CPUFileHandler):
+    """Reads and verifies file blocks into host-memory slots (promotion)."""
+
+    def copy(self, src: FileLoadStoreSpec, dst: BlockIDsLoadStoreSpec) -> int:
+        host, disk = self._sides(dst, src)
+        return disk.read_blocks(src.block_ids, src.keys, [host.view(s) for s in dst.block_ids])
+
+
+def _make(cls, backends: Mapping, kv_caches=None):
+    hosts, files = _host_backends(backends), _file_backends(backends)
+    if not hosts or not files:
+        return None
+    threads = max(getattr(b, "num_threads", 2) for b in files.values())
+    return cls(hosts, files, num_threads=threads)
+
+
+def make_cpu_to_file(backends: Mapping, kv_caches=None) -> CPUToFileHandler | None:
+    """Registry factory for (CPULoadStoreSpec, FileLoadStoreSpec); None without both kinds of backend."""
+    return _make(CPUToFileHandler, backends, kv_caches)
+
+
+def make_file_to_cpu(backends: Mapping, kv_caches=None) -> FileToCPUHandler | None:
+    """Registry factory for (FileLoadStoreSpec, CPULoadStoreSpec); None without both kinds of backend."""
+    return _make(FileToCPUHandler, backends, kv_caches)
