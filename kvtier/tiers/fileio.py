@@ -158,6 +158,7 @@ class KvikioIO(IOEngine):
 
     def __init__(self, path: str, num_threads: int):
         import kvikio
+        import kvikio.defaults
         import numpy as np
 
         self._np = np
