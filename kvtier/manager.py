@@ -46,6 +46,7 @@ class TierStats:
     demotions: int = 0  # blocks copied from this tier to the next one
     promotions: int = 0  # blocks copied from this tier up to tier 0
     cascade_dropped: int = 0  # dirty blocks evicted without a copy below
+    cascade_deferred: int = 0  # demotions not started because too many were in flight (backpressure)
     failures: int = 0  # failed jobs that wrote into this tier or read from it
     bytes_in: int = 0
     bytes_out: int = 0
@@ -373,6 +374,15 @@ class HierarchyManager(OffloadingManager):
         """Copy readable blocks of `tier` to the next tier (one job); they stay pinned until it ends."""
         lower = self.tiers[tier.index + 1]
         keys = [k for k in keys if lower.policy.get(k) is None]
+        # Backpressure: a slow lower tier gets at most two reserves' worth of blocks in flight;
+        # the rest is deferred (tried again on a later pass, or dropped at eviction), never awaited.
+        # A burst larger than that may start when nothing is in flight (the lower tier keeps up).
+        room = 2 * max(1, int(tier.capacity * tier.reserve_fraction)) - tier.demoting
+        if tier.demoting == 0:
+            room = max(room, len(keys))
+        if len(keys) > room:
+            tier.stats.cascade_deferred += len(keys) - max(0, room)
+            keys = keys[:max(0, room)]
         if not keys:
             return
         if self._make_room(lower, len(keys), set(keys)) is None:

@@ -200,3 +200,34 @@ def test_failed_promotion_drops_the_lower_copy_and_answers_miss(ctx):
     handler.copy = original
     assert read(h, ks[1], ctx) == (ks[1] * 8)[:64]  # later jobs succeed
     h.close()
+
+
+def test_slow_lower_tier_applies_backpressure_without_blocking_stores(ctx):
+    """Demotions that never finish cap the blocks in flight; stores into tier 0 keep being
+    answered at once (dirty victims are dropped and counted), and nothing pinned is evicted."""
+    from kvtier.handlers.base import TransferHandler
+
+    class Stuck(TransferHandler):
+        def __init__(self):
+            super().__init__()
+            self.jobs = []
+
+        def submit(self, job_id, src, dst):
+            self.jobs.append(job_id)
+
+    h = memory_hierarchy(hot=20, warm=100, reserve=0.1)
+    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, Stuck())
+    ks = keys(200)
+    answered = 0
+    for i in range(0, 200, 2):
+        out = h.manager.prepare_store(ks[i:i + 2], ctx)
+        if out is not None:
+            h.manager.complete_store(out.keys_to_store, ctx)
+            answered += 1
+        h.manager.on_schedule_end()
+    hot = h.manager.tiers[0]
+    assert hot.demoting <= 4  # two reserves of 2 blocks (one burst may exceed it only when none is in flight)
+    assert hot.stats.cascade_deferred > 0 and hot.stats.cascade_dropped > 0
+    assert answered >= 90  # only stores that found every slot pinned were refused
+    pinned = [k for k in hot.policy.keys() if hot.policy.get(k).ref_cnt > 0]
+    assert len(pinned) == hot.demoting
