@@ -1,0 +1,117 @@
+"""Run one vLLM engine with kvtier in this process and play a list of steps; write a JSON report.
+
+    python tests/integration/vllm_runner.py JOB.json REPORT.json
+
+JOB keys: `model` (folder), `kvtier_config` (path or mapping), `block_size` (engine tokens per
+block), `offload_block_size` (tokens per offloaded block; default block_size), `num_gpu_blocks`,
+`max_model_len`, `max_tokens`, `spec` (optional: {"name", "module", "extra"} to run another
+offloading spec, e.g. vLLM's own), `steps`: a list of
+  {"op": "generate", "name": N, "prompt": TEXT}   greedy; records tokens, seconds, metric deltas
+  {"op": "reset"}                                 llm.reset_prefix_cache(): empties the engine cache
+  {"op": "corrupt_file_tier", "root_dir": DIR}    flips one payload byte of every slot on disk
+  {"op": "sleep", "seconds": S}
+Each generate record has `tokens`, `text`, `seconds` and `metrics` (the change, during the step,
+of every counter whose name contains "prefix_cache", "kv_offload" or "kvtier").
+Engines need the `if __name__ == "__main__"` guard: vLLM spawns worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _counters(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in llm.get_metrics():
+        name = getattr(m, "name", "")
+        if not any(s in name for s in ("prefix_cache", "kv_offload", "kvtier")):
+            continue
+        value = getattr(m, "value", None)
+        if value is None:  # histograms
+            value = getattr(m, "count", None)
+        if not isinstance(value, (int, float)):
+            continue
+        labels = getattr(m, "labels", {}) or {}
+        tier = labels.get("tier")
+        key = f"{name}[{tier}]" if tier else name
+        out[key] = out.get(key, 0) + value
+    return out
+
+
+def corrupt_file_tier(root_dir: str) -> int:
+    """Flip one payload byte in every slot of the slab under `root_dir`; returns slots touched."""
+    from kvtier.tiers.file import HEADER_BYTES, MANIFEST, SLAB
+
+    manifest = json.load(open(os.path.join(root_dir, MANIFEST)))
+    slot_bytes, num_slots = manifest["slot_bytes"], manifest["num_slots"]
+    n = 0
+    with open(os.path.join(root_dir, SLAB), "r+b") as f:
+        for slot in range(num_slots):
+            pos = slot * slot_bytes + HEADER_BYTES + 7
+            f.seek(pos)
+            b = f.read(1)
+            if not b:
+                break
+            f.seek(pos)
+            f.write(bytes([b[0] ^ 0xFF]))
+            n += 1
+        f.flush()
+        os.fsync(f.fileno())
+    return n
+
+
+def main(job_path: str, report_path: str) -> None:
+    job = json.load(open(job_path))
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    spec = job.get("spec")
+    if spec is None:
+        extra = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
+                 "kvtier_config": job["kvtier_config"]}
+    else:
+        extra = {"spec_name": spec["name"], "spec_module_path": spec["module"], **spec.get("extra", {})}
+    if job.get("offload_block_size"):
+        extra["block_size"] = job["offload_block_size"]
+    kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model"], enforce_eager=True, enable_prefix_caching=True, block_size=job["block_size"],
+              num_gpu_blocks_override=job["num_gpu_blocks"], max_model_len=job.get("max_model_len", 2048),
+              max_num_batched_tokens=job.get("max_num_batched_tokens", job.get("max_model_len", 2048)),
+              kv_transfer_config=kv, disable_log_stats=False, dtype=job.get("dtype", "float32"),
+              seed=0, gpu_memory_utilization=0.5)
+    report: dict = {"startup_seconds": time.perf_counter() - t0, "steps": []}
+    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), ignore_eos=True)
+    for step in job["steps"]:
+        op = step["op"]
+        if op == "generate":
+            before = _counters(llm)
+            start = time.perf_counter()
+            out = llm.generate([step["prompt"]], params, use_tqdm=False)[0]
+            seconds = time.perf_counter() - start
+            time.sleep(step.get("settle", 0.5))  # let the stores of this request finish
+            after = _counters(llm)
+            delta = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+            report["steps"].append({"op": op, "name": step["name"], "tokens": list(out.outputs[0].token_ids),
+                                    "text": out.outputs[0].text, "prompt_tokens": len(out.prompt_token_ids),
+                                    "seconds": seconds, "metrics": delta})
+        elif op == "reset":
+            ok = llm.reset_prefix_cache()
+            report["steps"].append({"op": op, "ok": bool(ok)})
+        elif op == "corrupt_file_tier":
+            report["steps"].append({"op": op, "slots": corrupt_file_tier(step["root_dir"])})
+        elif op == "sleep":
+            time.sleep(step["seconds"])
+        else:
+            raise ValueError(f"unknown op {op!r}")
+    report["final_metrics"] = _counters(llm)
+    with open(report_path, "w") as f:
+        json.dump(report, f, indent=1)
+    del llm
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
