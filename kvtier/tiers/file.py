@@ -290,6 +290,7 @@ class FileBackend(Backend):
 
     spec_type = FileLoadStoreSpec
     medium = "FILE"
+    compact_min_records = 4096  # the journal is rewritten past max(this, 2 x capacity) records
     OPTIONS = {
         "root_dir": (REQUIRED, _root_dir),
         "io": ("auto", _io),
@@ -507,7 +508,7 @@ class FileBackend(Backend):
                 self._index.pop(slot, None)
                 self._index[slot] = (bytes(key), crcs[slot], self._seq)
                 self._seq += 1
-            if self.journal.records > max(4096, 2 * self.num_blocks):
+            if self.journal.records > max(self.compact_min_records, 2 * self.num_blocks):
                 self._compact()
         return len(slots) * self.block_bytes
 

@@ -1,0 +1,109 @@
+"""Read-only report on a file tier's `root_dir` (for `kvtier inspect`).
+
+Opens every file read-only and takes no lock, so it works while a running process owns the tier;
+what it reports is a snapshot (a concurrent writer may append to the journal meanwhile).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvtier.tiers.file import (JOURNAL, LOCK, MANIFEST, SLAB, manifest_digest, read_manifest, scan_journal,
+                               verify_slot)
+
+
+def _lock_holder(root: Path) -> dict:
+    """The pid written in the lock file and whether that process is alive (no lock is taken)."""
+    try:
+        text = (root / LOCK).read_text().strip()
+    except OSError:
+        return {"pid": None, "alive": False}
+    pid = int(text) if text.isdigit() else None
+    alive = False
+    if pid is not None:
+        try:
+            os.kill(pid, 0)
+            alive = True
+        except PermissionError:
+            alive = True
+        except OSError:
+            alive = False
+    return {"pid": pid, "alive": alive}
+
+
+def inspect_root(root_dir: str, verify: bool = False) -> dict:
+    """What the file tier in `root_dir` holds.
+
+    Keys: root_dir, manifest (dict or None), fingerprint, block_bytes, slot_bytes, num_slots,
+    blocks (committed blocks in the journal), bytes (their payload bytes), slab_bytes (file size),
+    journal_records, journal_torn_bytes, index_health ("ok" or what is wrong), lock_holder;
+    with `verify`, also verified_ok and verify_failed (blocks whose header/checksum fail) and
+    failures (up to 20 `{slot, reason}`). Never modifies anything.
+    """
+    root = Path(root_dir)
+    report: dict = {"root_dir": str(root)}
+    manifest = read_manifest(root)
+    report["manifest"] = manifest
+    report["fingerprint"] = manifest.get("fingerprint") if manifest else None
+    for key in ("block_bytes", "slot_bytes", "num_slots"):
+        report[key] = manifest.get(key) if manifest else None
+    slab = root / SLAB
+    report["slab_bytes"] = slab.stat().st_size if slab.exists() else None
+    try:
+        scan = scan_journal((root / JOURNAL).read_bytes())
+    except OSError as exc:
+        scan = None
+        problem = f"journal unreadable: {exc.strerror or exc}"
+    else:
+        problem = scan.problem
+    health = []
+    if manifest is None:
+        health.append("no readable manifest (the next start rebuilds the tier empty)")
+    if problem:
+        health.append(problem)
+    elif manifest is not None and scan.epoch.hex() != manifest.get("epoch"):
+        health.append("journal belongs to another epoch than the manifest (the next start rebuilds)")
+    entries = scan.entries if scan and not problem else {}
+    if scan and scan.torn_bytes:
+        health.append(f"torn journal tail of {scan.torn_bytes} bytes (ignored at start)")
+    keys = [key for key, _c, _s in entries.values()]
+    duplicates = len(keys) - len(set(keys))
+    if duplicates:
+        health.append(f"{duplicates} keys committed in more than one slot (the latest wins)")
+    slot_bytes = report["slot_bytes"] or 0
+    if manifest is not None and report["slab_bytes"] is not None:
+        beyond = [s for s in entries if (s + 1) * slot_bytes > report["slab_bytes"]]
+        if beyond:
+            health.append(f"slab truncated: {len(beyond)} blocks past its end")
+    report["blocks"] = len(entries)
+    report["bytes"] = len(entries) * (report["block_bytes"] or 0)
+    report["journal_records"] = scan.records if scan else 0
+    report["journal_torn_bytes"] = scan.torn_bytes if scan else 0
+    report["index_health"] = "; ".join(health) if health else "ok"
+    report["lock_holder"] = _lock_holder(root)
+    if verify:
+        report.update(_verify(slab, manifest, entries))
+    return report
+
+
+def _verify(slab: Path, manifest: dict | None, entries: dict) -> dict:
+    """Read every committed slot and check it as `read_blocks` would."""
+    if manifest is None or not entries:
+        return {"verified_ok": 0, "verify_failed": len(entries), "failures": []}
+    digest = manifest_digest(manifest)
+    block_bytes, slot_bytes = manifest["block_bytes"], manifest["slot_bytes"]
+    ok, failures = 0, []
+    fd = os.open(slab, os.O_RDONLY)
+    try:
+        for slot in sorted(entries):
+            key = entries[slot][0]
+            data = os.pread(fd, slot_bytes, slot * slot_bytes)
+            why = "slab truncated" if len(data) < slot_bytes else verify_slot(memoryview(data), key, block_bytes, digest)
+            if why is None:
+                ok += 1
+            else:
+                failures.append({"slot": slot, "reason": why})
+    finally:
+        os.close(fd)
+    return {"verified_ok": ok, "verify_failed": len(failures), "failures": failures[:20]}

@@ -1,0 +1,356 @@
+"""FileBackend: byte API, restart recovery, integrity (never serve bad bytes), lock, options, inspect."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import os
+import stat
+
+import pytest
+
+from kvtier import ConfigError, IntegrityError, KVTierError, load_config_text
+from kvtier.tiers import fileio
+from kvtier.tiers.file import HEADER_BYTES, JOURNAL, MANIFEST, SLAB, FileBackend
+from kvtier.tiers.file_inspect import inspect_root
+from kvtier.types import BlockStatus
+
+BLOCK = 16 * 1024
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(str(i).encode()).digest() + (i % 3).to_bytes(4, "big")
+
+
+def payload(i: int, size: int = BLOCK) -> bytes:
+    return hashlib.shake_128(str(i).encode()).digest(size)
+
+
+def open_backend(root, num_blocks=32, block_bytes=BLOCK, **options):
+    options.setdefault("io", "posix")
+    return FileBackend("disk", num_blocks, block_bytes, 16, root_dir=str(root), **options)
+
+
+@pytest.fixture
+def root(tmp_path):
+    return tmp_path / "kv"
+
+
+def write(b, slots, ids):
+    return b.write_blocks(slots, [key(i) for i in ids], [payload(i) for i in ids])
+
+
+def read(b, slots, ids) -> list[bytes]:
+    out = [bytearray(b.block_bytes) for _ in slots]
+    assert b.read_blocks(slots, [key(i) for i in ids], out) == len(slots) * b.block_bytes
+    return [bytes(o) for o in out]
+
+
+def flip(path, offset, mask=0x01):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
+
+
+# ------------------------------------------------------------------ byte API
+def test_round_trip_any_buffer_kind(root):
+    np = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    b = open_backend(root)
+    arena = bytearray(4 * BLOCK)
+    arena[BLOCK:2 * BLOCK] = payload(1)
+    as_numpy = np.frombuffer(payload(2), dtype=np.float16).copy()
+    as_torch = torch.frombuffer(bytearray(payload(3)), dtype=torch.bfloat16)
+    buffers = [payload(0), memoryview(arena)[BLOCK:2 * BLOCK], as_numpy, as_torch.view(torch.int16).numpy()]
+    assert b.write_blocks([5, 6, 7, 20], [key(i) for i in range(4)], buffers) == 4 * BLOCK
+    assert read(b, [20, 5, 7, 6], [3, 0, 2, 1]) == [payload(3), payload(0), payload(2), payload(1)]
+    into = torch.empty(BLOCK // 2, dtype=torch.float16)
+    b.read_blocks([6], [key(1)], [into.numpy()])
+    assert into.numpy().tobytes() == payload(1)
+    b.close()
+
+
+def test_adjacent_slots_are_coalesced(root, monkeypatch):
+    b = open_backend(root)
+    calls = []
+    real = type(b.io).pwrite
+    monkeypatch.setattr(type(b.io), "pwrite", lambda self, off, buf: (calls.append((off, len(buf))), real(self, off, buf)))
+    write(b, [9, 3, 4, 5, 6, 11], range(6))
+    assert sorted(calls) == [(3 * b.slot_bytes, 4 * b.slot_bytes), (9 * b.slot_bytes, b.slot_bytes),
+                             (11 * b.slot_bytes, b.slot_bytes)]
+    assert b.slot_bytes % 4096 == 0 and b.slot_bytes >= HEADER_BYTES + BLOCK
+    b.close()
+
+
+def test_bad_arguments_are_rejected(root):
+    b = open_backend(root)
+    with pytest.raises(ValueError, match="lengths must match"):
+        b.write_blocks([0, 1], [key(0)], [payload(0)])
+    with pytest.raises(ValueError, match="buffer of"):
+        b.write_blocks([0], [key(0)], [b"short"])
+    with pytest.raises(ValueError, match="out of range"):
+        b.write_blocks([32], [key(0)], [payload(0)])
+    with pytest.raises(ValueError, match="writable"):
+        b.read_blocks([0], [key(0)], [payload(0)])
+    b.close()
+    b.close()  # idempotent
+    with pytest.raises(KVTierError, match="closed"):
+        write(b, [0], [0])
+
+
+# ------------------------------------------------------------------ restart
+def test_restart_recovers_committed_blocks_and_claims_slots(root):
+    b = open_backend(root)
+    write(b, [0, 1, 2, 10], [0, 1, 2, 10])
+    b.free(BlockStatus(1))  # evicted: must not come back
+    write(b, [2], [22])  # slot reused for another key: the latest wins
+    b.close()
+    b = open_backend(root)
+    found = b.recover()
+    assert [(k, blk.block_id, blk.ref_cnt) for k, blk in found] == [(key(0), 0, 0), (key(22), 2, 0), (key(10), 10, 0)]
+    assert b.recover() == []
+    assert b.get_num_free_blocks() == 29
+    fresh = {blk.block_id for blk in b.allocate_blocks([b"x"] * 29)}
+    assert fresh.isdisjoint({0, 2, 10}) and len(fresh) == 29
+    assert read(b, [0, 2, 10], [0, 22, 10]) == [payload(0), payload(22), payload(10)]
+    b.close()
+
+
+def test_same_key_in_two_slots_recovers_latest_copy(root):
+    b = open_backend(root)
+    write(b, [4], [7])
+    write(b, [9], [7])  # re-stored elsewhere without the first slot being freed
+    b.close()
+    b = open_backend(root)
+    assert [(k, blk.block_id) for k, blk in b.recover()] == [(key(7), 9)]
+    b.close()
+    b = open_backend(root)  # the stale slot was released in the journal too
+    assert [blk.block_id for _, blk in b.recover()] == [9]
+    b.close()
+
+
+def test_journal_is_compacted(root, monkeypatch):
+    monkeypatch.setattr(FileBackend, "compact_min_records", 32)
+    b = open_backend(root, num_blocks=4)
+    for i in range(200):
+        slot = i % 4
+        b.free(BlockStatus(slot)) if i >= 4 else None
+        write(b, [slot], [i])
+    b.close()
+    record = 20 + len(key(0))
+    assert (root / JOURNAL).stat().st_size < 40 * record  # 200 PUTs + 196 DELs were appended
+    b = open_backend(root, num_blocks=4)
+    assert sorted((blk.block_id, k) for k, blk in b.recover()) == [(s, key(196 + s)) for s in range(4)]
+    assert read(b, [0, 3], [196, 199]) == [payload(196), payload(199)]
+    b.close()
+
+
+def test_torn_journal_tail_is_ignored(root, caplog):
+    b = open_backend(root)
+    write(b, [0, 1], [0, 1])
+    b.close()
+    with open(root / JOURNAL, "ab") as f:
+        f.write(b"\x17" * 13)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
+        b = open_backend(root)
+    assert sorted(blk.block_id for _, blk in b.recover()) == [0, 1]
+    assert any("torn journal tail" in r.message for r in caplog.records)
+    write(b, [2], [2])  # appends after the good prefix
+    b.close()
+    b = open_backend(root)
+    assert sorted(blk.block_id for _, blk in b.recover()) == [0, 1, 2]
+    b.close()
+
+
+@pytest.mark.parametrize("change", [{"block_bytes": 2 * BLOCK}, {"num_blocks": 64}, {"fingerprint": "other"}])
+def test_manifest_mismatch_starts_empty(root, caplog, change):
+    b = open_backend(root, fingerprint="model-a")
+    write(b, [0, 1], [0, 1])
+    b.close()
+    options = {"fingerprint": "model-a", **change}
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
+        b = open_backend(root, **options)
+    assert b.recover() == []
+    assert len([r for r in caplog.records if "not ours" in r.message]) == 1
+    b.close()
+
+
+def test_foreign_manifest_and_foreign_slots_are_never_served(tmp_path):
+    a, b = open_backend(tmp_path / "a"), open_backend(tmp_path / "b")
+    write(a, [0], [5])
+    b.write_blocks([0], [key(5)], [payload(6)])  # same key and slot, other bytes, other epoch
+    a.close()
+    # Bytes written under another manifest (epoch) are refused even if key and CRC are intact.
+    with open(tmp_path / "a" / SLAB, "rb") as src, open(tmp_path / "b" / SLAB, "r+b") as dst:
+        dst.write(src.read(b.slot_bytes))
+    with pytest.raises(IntegrityError, match="another manifest"):
+        read(b, [0], [5])
+    b.close()
+    # A manifest copied from another tier does not match this tier's journal: start empty.
+    (tmp_path / "b" / MANIFEST).write_bytes((tmp_path / "a" / MANIFEST).read_bytes())
+    b = open_backend(tmp_path / "b")
+    assert b.recover() == []
+    b.close()
+
+
+# ------------------------------------------------------------------ integrity
+@pytest.mark.parametrize("where", ["payload", "header-key", "header-length", "padding-is-harmless"])
+def test_corruption_raises_integrity_error(root, where):
+    b = open_backend(root)
+    write(b, [3, 4, 5], [3, 4, 5])
+    base = 4 * b.slot_bytes
+    offset = {"payload": base + HEADER_BYTES + BLOCK - 1, "header-key": base + 40,
+              "header-length": base + 8, "padding-is-harmless": base + HEADER_BYTES + BLOCK + 100}[where]
+    if offset >= base + b.slot_bytes:
+        offset = base + HEADER_BYTES - 1  # no padding at this block size: header slack instead
+    flip(b.slab_path, offset)
+    out = [bytearray(BLOCK) for _ in range(3)]
+    if where == "padding-is-harmless":
+        b.read_blocks([3, 4, 5], [key(3), key(4), key(5)], out)
+        assert bytes(out[1]) == payload(4)
+        b.close()
+        return
+    with pytest.raises(IntegrityError, match="slot 4"):
+        b.read_blocks([3, 4, 5], [key(3), key(4), key(5)], out)
+    assert bytes(out[0]) == payload(3) and bytes(out[2]) == payload(5)
+    assert bytes(out[1]) != payload(4) or where != "payload"
+    assert 4 not in b.committed()
+    b.close()
+    b = open_backend(root)
+    assert sorted(blk.block_id for _, blk in b.recover()) == [3, 5]
+    b.close()
+
+
+def test_wrong_key_is_never_served(root):
+    b = open_backend(root)
+    write(b, [0], [0])
+    with pytest.raises(IntegrityError, match="another key"):
+        b.read_blocks([0], [key(1)], [bytearray(BLOCK)])
+    b.close()
+
+
+def test_truncated_slab(root):
+    b = open_backend(root)
+    write(b, [0, 1, 30, 31], [0, 1, 30, 31])
+    os.truncate(b.slab_path, 2 * b.slot_bytes + 100)
+    with pytest.raises(IntegrityError, match="truncated|bad magic"):
+        read(b, [30, 31], [30, 31])
+    assert read(b, [0, 1], [0, 1]) == [payload(0), payload(1)]
+    b.close()
+    os.truncate(root / SLAB, b.slot_bytes)
+    b = open_backend(root)  # restart: blocks past the end are dropped, the slab is re-extended
+    assert [blk.block_id for _, blk in b.recover()] == [0]
+    assert os.stat(root / SLAB).st_size == 32 * b.slot_bytes
+    assert read(b, [0], [0]) == [payload(0)]
+    b.close()
+
+
+# ------------------------------------------------------------------ lock, files, options
+def test_second_owner_is_refused_with_pid(root):
+    b = open_backend(root)
+    with pytest.raises(KVTierError, match=rf"{root}.*pid {os.getpid()}"):
+        open_backend(root)
+    b.close()
+    open_backend(root).close()  # released on close
+
+
+def test_directory_and_file_modes(root):
+    open_backend(root).close()
+    assert stat.S_IMODE(root.stat().st_mode) == 0o700
+    for name in os.listdir(root):
+        assert stat.S_IMODE((root / name).stat().st_mode) & 0o077 == 0, name
+
+
+def test_yaml_options_are_validated():
+    base = """
+block_bytes: 64KiB
+tiers:
+  - {name: mem, backend: memory, capacity: 4 blocks}
+  - {name: disk, backend: file, capacity: 8 blocks%s}
+"""
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.root_dir: missing"):
+        load_config_text(base % "")
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.io: 'gds' is not an I/O engine"):
+        load_config_text(base % ", root_dir: /tmp/x, io: gds")
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.num_threads"):
+        load_config_text(base % ", root_dir: /tmp/x, num_threads: 0")
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.fingerprint"):
+        load_config_text(base % ", root_dir: /tmp/x, fingerprint: 3")
+    cfg = load_config_text(base % ", root_dir: /tmp/x")
+    assert dict(cfg.tiers[1].options) == {"root_dir": "/tmp/x", "io": "auto", "fingerprint": "", "num_threads": 4}
+
+
+def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
+    path = tmp_path / "f"
+    path.write_bytes(b"\0" * 8192)
+    real_open = os.open
+
+    def no_direct(p, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_open(p, flags, *args)
+
+    monkeypatch.setattr(fileio.os, "open", no_direct)
+    monkeypatch.setattr(fileio, "_direct_warned", False)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
+        assert fileio.probe_direct(str(path)) is False
+        assert fileio.probe_direct(str(path)) is False
+    assert len([r for r in caplog.records if "O_DIRECT" in r.message]) == 1
+    engine = fileio.choose_engine("posix", str(path), 2)
+    assert engine.name == "posix" and engine.direct is False
+    engine.close()
+
+
+# ------------------------------------------------------------------ kvikio engine on host memory
+def test_kvikio_engine_round_trip_and_restart(root):
+    if not fileio.kvikio_importable():
+        pytest.skip("kvikio not installed (CI installs it: see tests/tiers/test_file_backend.py docstring)")
+    from kvtier.testing.fake_cuda import load_fake_libcuda
+
+    load_fake_libcuda()
+    b = open_backend(root, io="kvikio", num_threads=2)
+    assert b.io.name == "kvikio"
+    write(b, [0, 1, 2, 8], [0, 1, 2, 8])
+    assert read(b, [8, 0, 1, 2], [8, 0, 1, 2]) == [payload(8), payload(0), payload(1), payload(2)]
+    flip(b.slab_path, b.slot_bytes + HEADER_BYTES + 5)
+    with pytest.raises(IntegrityError):
+        read(b, [1], [1])
+    b.close()
+    b = open_backend(root, io="kvikio")
+    assert sorted(blk.block_id for _, blk in b.recover()) == [0, 2, 8]
+    assert read(b, [2], [2]) == [payload(2)]
+    b.close()
+    import kvikio
+    import kvikio.defaults
+
+    if not fileio.gds_platform():
+        assert kvikio.defaults.get("compat_mode") == kvikio.CompatMode.ON
+
+
+# ------------------------------------------------------------------ inspect
+def test_inspect_is_read_only_and_counts_bad_blocks(root):
+    b = open_backend(root, fingerprint="m1")
+    write(b, [0, 1, 2, 3], [0, 1, 2, 3])
+    flip(b.slab_path, 2 * b.slot_bytes + HEADER_BYTES + 7)
+
+    def snapshot():
+        return {n: (root / n).read_bytes() for n in sorted(os.listdir(root))}
+
+    before = snapshot()
+    report = inspect_root(str(root), verify=True)  # while `b` holds the lock
+    assert snapshot() == before
+    assert report["blocks"] == 4 and report["bytes"] == 4 * BLOCK
+    assert report["fingerprint"] == "m1" and report["num_slots"] == 32
+    assert report["index_health"] == "ok"
+    assert report["verified_ok"] == 3 and report["verify_failed"] == 1
+    assert report["failures"] == [{"slot": 2, "reason": "payload checksum mismatch"}]
+    assert report["lock_holder"] == {"pid": os.getpid(), "alive": True}
+    assert "verified_ok" not in inspect_root(str(root))
+    b.close()
+    with open(root / JOURNAL, "ab") as f:
+        f.write(b"junk")
+    assert "torn journal tail" in inspect_root(str(root))["index_health"]
+    assert inspect_root(str(root / "nothing"))["index_health"].startswith("no readable manifest")
