@@ -114,6 +114,7 @@ class KVLayout:
         self.group_bytes = [sum(bpc * s.page for s in g) for g in self.groups]
         self.block_bytes = max(self.group_bytes)
         self._rows: dict[tuple[int, int], Any] = {}
+        self._local = threading.local()
 
     def engine_rows(self, tensor_idx: int, page: int):
         """`(num_blocks, page)` word view of one engine tensor (cached)."""
@@ -134,8 +135,8 @@ class KVLayout:
         """Bytes a job over `spec` moves."""
         return sum(n * self.group_bytes[g] // self.blocks_per_chunk for g, n in enumerate(spec.group_sizes))
 
-    def index(self, spec: GPULoadStoreSpec, num_slots: int, device: Any = None) -> list[GroupIndex]:
-        """Index tensors of a job (on `device`, default the engine's); validates the geometry."""
+    def index(self, spec: GPULoadStoreSpec, num_slots: int) -> list[GroupIndex]:
+        """Host index tensors of a job (positions into the job's slot list); validates the geometry."""
         import torch
 
         if len(spec.group_sizes) != len(self.groups):
@@ -144,7 +145,6 @@ class KVLayout:
         if needed != num_slots:
             raise ValueError(f"engine blocks {spec.group_sizes} (block_indices={spec.block_indices}) cover "
                              f"{needed} slots, the tier spec has {num_slots}")
-        device = self.device if device is None else device
         bpc = self.blocks_per_chunk
         all_ids = torch.tensor(spec.block_ids, dtype=torch.int64)
         if len(all_ids) and (int(all_ids.max()) >= self.num_engine_blocks):
@@ -156,18 +156,16 @@ class KVLayout:
                 continue
             skip = logical % bpc
             p = torch.arange(skip, skip + n, dtype=torch.int64)
-            out.append(GroupIndex(g, all_ids[first:first + n].to(device, non_blocking=True),
-                                  (slot + p // bpc).to(device, non_blocking=True),
-                                  (p % bpc).to(device, non_blocking=True)))
+            out.append(GroupIndex(g, all_ids[first:first + n], slot + p // bpc, p % bpc))
             first += n
             slot += math.ceil((n + skip) / bpc)
         return out
 
     # ------------------------------------------------------------------ copies
-    def _slot_views(self, slots, seg: Segment):
+    def _slot_view(self, slots, seg: Segment):
         """How to address sub-block `sub` of `seg` in row `r` of the slot tensor `slots`:
-        `(view, per_row, first)` with `view` 2-D and row `r * per_row + first + sub` when every
-        sub-block is a row of one uniform view (fast `index_copy_`), else `(view3d, None, None)`
+        `(view, per_row, first)`, `view` 2-D with row `r * per_row + first + sub`, when every
+        sub-block is a row of one uniform view (the usual case), else `(view3d, None, None)`
         indexed `[r, sub]`."""
         row_stride = slots.stride(0)
         page, bpc = seg.page, self.blocks_per_chunk
@@ -179,39 +177,93 @@ class KVLayout:
                                  slots.storage_offset() + seg.offset)
         return _words(view3), None, None
 
-    def gather(self, spec: GPULoadStoreSpec, slots, rows, index: list[GroupIndex]) -> None:
-        """Engine pages -> `slots[rows[pos]]` (a uint8 `(R, >= block_bytes)` tensor, row-major bytes)."""
+    def _scratch(self, rows: int, like):
+        """A reused `(rows, like.shape[1])` buffer for gathered pages (host: fresh large
+        allocations cost a page fault per 4 KiB, more than the copy itself)."""
+        import torch
+
+        if like.device.type != "cpu":
+            return torch.empty((rows, like.shape[1]), dtype=like.dtype, device=like.device)
+        need = rows * like.shape[1] * like.element_size()
+        buf = getattr(self._local, "scratch", None)
+        if buf is None or buf.numel() < need:
+            buf = self._local.scratch = torch.empty(need, dtype=torch.uint8)
+        return buf[:need].view(like.dtype).view(rows, like.shape[1])
+
+    def _pairs(self, slots, rows, index: list[GroupIndex]):
+        """For every (group, reference): engine rows, slot view, engine ids, slot-view positions
+        (host tensors; positions are `(row, sub)` pairs for a 3-D view)."""
         for gi in index:
             row = rows[gi.pos]
             for seg in self.groups[gi.group]:
-                data = self.engine_rows(seg.tensor_idx, seg.page).index_select(0, gi.ids)
-                view, per_row, first = self._slot_views(slots, seg)
-                if per_row is not None:
-                    view.index_copy_(0, row * per_row + first + gi.sub, _same_words(data, view))
-                else:
-                    view[row, gi.sub] = _same_words(data, view)
+                engine = self.engine_rows(seg.tensor_idx, seg.page)
+                view, per_row, first = self._slot_view(slots, seg)
+                engine, view = _common_words(engine, view)
+                where = row * per_row + first + gi.sub if per_row is not None else (row, gi.sub)
+                yield engine, view, gi.ids, where
 
-    def scatter(self, spec: GPULoadStoreSpec, slots, rows, index: list[GroupIndex]) -> None:
-        """`slots[rows[pos]]` -> engine pages (the inverse of `gather`)."""
-        for gi in index:
-            row = rows[gi.pos]
-            for seg in self.groups[gi.group]:
-                view, per_row, first = self._slot_views(slots, seg)
-                if per_row is not None:
-                    data = view.index_select(0, row * per_row + first + gi.sub)
-                else:
-                    data = view[row, gi.sub]
-                target = self.engine_rows(seg.tensor_idx, seg.page)
-                target.index_copy_(0, gi.ids, _same_words(data, target))
+    def gather(self, slots, rows, index: list[GroupIndex]) -> None:
+        """Engine pages -> sub-blocks of `slots[rows[pos]]` (`slots` a uint8 `(R, >= block_bytes)`
+        tensor on the engine's device; `rows` a host int64 tensor)."""
+        import torch
+
+        for engine, view, ids, where in self._pairs(slots, rows, index):
+            dev = engine.device
+            if isinstance(where, tuple):
+                view[where[0].to(dev), where[1].to(dev)] = engine.index_select(0, ids.to(dev))
+                continue
+            m, at, src_at = len(ids), _run_start(where), _run_start(ids)
+            if at is not None:
+                torch.index_select(engine, 0, ids.to(dev), out=view[at:at + m])
+            elif src_at is not None:
+                view.index_copy_(0, where.to(dev), engine[src_at:src_at + m])
+            else:
+                buf = self._scratch(m, engine)
+                torch.index_select(engine, 0, ids.to(dev), out=buf)
+                view.index_copy_(0, where.to(dev), buf)
+
+    def scatter(self, slots, rows, index: list[GroupIndex]) -> None:
+        """Sub-blocks of `slots[rows[pos]]` -> engine pages (the inverse of `gather`)."""
+        import torch
+
+        for engine, view, ids, where in self._pairs(slots, rows, index):
+            dev = engine.device
+            if isinstance(where, tuple):
+                engine.index_copy_(0, ids.to(dev), view[where[0].to(dev), where[1].to(dev)])
+                continue
+            m, at, dst_at = len(ids), _run_start(where), _run_start(ids)
+            if at is not None:
+                engine.index_copy_(0, ids.to(dev), view[at:at + m])
+            elif dst_at is not None and engine[dst_at:dst_at + m].is_contiguous():
+                torch.index_select(view, 0, where.to(dev), out=engine[dst_at:dst_at + m])
+            else:
+                buf = self._scratch(m, view)
+                torch.index_select(view, 0, where.to(dev), out=buf)
+                engine.index_copy_(0, ids.to(dev), buf)
 
 
-def _same_words(data, target):
-    """`data` reinterpreted with `target`'s element type (both views of the same bytes per row)."""
-    if data.dtype == target.dtype:
-        return data
+def _run_start(positions) -> int | None:
+    """`positions[0]` if `positions` (host int64) is `start, start+1, ...`, else None."""
+    m = len(positions)
+    if m == 0:
+        return None
+    first = int(positions[0])
+    if int(positions[-1]) - first != m - 1:
+        return None
+    if m > 1 and not bool((positions[1:] - positions[:-1] == 1).all()):
+        return None
+    return first
+
+
+def _common_words(a, b):
+    """`a` and `b` reinterpreted with the narrower of their integer types (same bytes per row)."""
     import torch
 
-    return data.contiguous().view(torch.uint8).view(target.dtype)
+    if a.element_size() == b.element_size():
+        return a, b
+    if a.element_size() > b.element_size():
+        return a.view(torch.uint8).view(b.dtype), b
+    return a, b.view(torch.uint8).view(a.dtype)
 
 
 @dataclass
@@ -278,9 +330,9 @@ class HostKVCopyHandler(TransferHandler):
             raise IndexError(f"slot {int(rows.max())} >= {backend.num_blocks} slots of tier {backend.name!r}")
         region = backend.tensor()
         if self.to_cpu:
-            self.layout.gather(gpu, region, rows, index)
+            self.layout.gather(region, rows, index)
         else:
-            self.layout.scatter(gpu, region, rows, index)
+            self.layout.scatter(region, rows, index)
         return self.layout.bytes_of(gpu)
 
 
@@ -338,13 +390,13 @@ class CudaKVCopyHandler(ThreadedHandler):
             ready = getattr(self._local, "ready", None)
             if ready is not None:
                 self.stream.wait_event(ready)
-            index = self.layout.index(gpu, k, self.device)
-            rows = torch.arange(k, dtype=torch.int64, device=self.device)
+            index = self.layout.index(gpu, k)
+            rows = torch.arange(k, dtype=torch.int64)
             staging = torch.empty((k, stride), dtype=torch.uint8, device=self.device)
             staging_w = _words(staging)
             done = torch.cuda.Event()
             if self.to_cpu:
-                self.layout.gather(gpu, staging, rows, index)
+                self.layout.gather(staging, rows, index)
                 if consecutive:
                     region[slots[0]:slots[0] + k].copy_(staging_w, non_blocking=True)
                 else:
@@ -361,7 +413,7 @@ class CudaKVCopyHandler(ThreadedHandler):
                     bounce = torch.empty((k, stride), dtype=torch.uint8, pin_memory=True)
                     torch.index_select(region, 0, torch.tensor(slots, dtype=torch.int64), out=_words(bounce))
                     staging_w.copy_(_words(bounce), non_blocking=True)
-                self.layout.scatter(gpu, staging, rows, index)
+                self.layout.scatter(staging, rows, index)
                 done.record(self.stream)
                 done.synchronize()
         return self.layout.bytes_of(gpu)

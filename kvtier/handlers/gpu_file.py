@@ -97,12 +97,12 @@ class GPUFileHandler(ThreadedHandler):
 
         if not self.cuda:
             index = self.layout.index(gpu, k)
-            self.layout.gather(gpu, staging, torch.arange(k), index)
+            self.layout.gather(staging, torch.arange(k), index)
             return
         with self._on_stream() as stream:
-            index = self.layout.index(gpu, k, self.layout.device)
+            index = self.layout.index(gpu, k)
             device_rows = torch.zeros((k, self.layout.block_bytes), dtype=torch.uint8, device=self.layout.device)
-            self.layout.gather(gpu, device_rows, torch.arange(k, device=self.layout.device), index)
+            self.layout.gather(device_rows, torch.arange(k), index)
             staging.copy_(device_rows, non_blocking=True)
             _finish(stream)
 
@@ -111,13 +111,13 @@ class GPUFileHandler(ThreadedHandler):
 
         if not self.cuda:
             index = self.layout.index(gpu, k)
-            self.layout.scatter(gpu, staging, torch.arange(k), index)
+            self.layout.scatter(staging, torch.arange(k), index)
             return
         with self._on_stream() as stream:
-            index = self.layout.index(gpu, k, self.layout.device)
+            index = self.layout.index(gpu, k)
             device_rows = torch.empty((k, self.layout.block_bytes), dtype=torch.uint8, device=self.layout.device)
             device_rows.copy_(staging, non_blocking=True)
-            self.layout.scatter(gpu, device_rows, torch.arange(k, device=self.layout.device), index)
+            self.layout.scatter(device_rows, torch.arange(k), index)
             _finish(stream)
 
     def _on_stream(self):
