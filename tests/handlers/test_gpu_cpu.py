@@ -1,0 +1,233 @@
+"""Engine KV cache <-> CPU tier handlers: byte-exact round trips against a per-block reference."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec,
+                    GPULoadStoreSpec, build_hierarchy, load_config_text)
+from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout, make_cpu_to_gpu, make_gpu_to_cpu, make_handler
+from kvtier.tiers.cpu import CPUBackend
+from kvtier.tiers.memory import MemoryBackend
+
+torch = pytest.importorskip("torch")
+
+NUM_ENGINE_BLOCKS = 24
+
+
+def make_kv(device="cpu", pages=(256, 512), pads=(64, 0), groups=((0, 1), (1, 0)), seed=0, dtype=None):
+    """Tensors of `page + pad` bytes per row (stride(0) > page when pad > 0); group refs by tensor index."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = []
+    for page, pad in zip(pages, pads):
+        t = torch.randint(-128, 128, (NUM_ENGINE_BLOCKS, page + pad), dtype=torch.int8, generator=g).to(device)
+        if dtype is not None:
+            t = t.view(dtype)
+        tensors.append(CanonicalKVCacheTensor(t, page))
+    refs = [[CanonicalKVCacheRef(i, pages[i]) for i in grp] for grp in groups]
+    return CanonicalKVCaches(tensors, refs)
+
+
+def engine_page(kv, t_idx, block, page):
+    return kv.tensors[t_idx].tensor.view(torch.int8)[block].cpu().numpy().tobytes()[:page]
+
+
+def expected_slot_bytes(layout, kv, spec, slots):
+    """Per-block reference: {(slot, byte offset): page bytes} the store must produce."""
+    out = {}
+    first, pos = 0, 0
+    skips = spec.block_indices or [0] * len(spec.group_sizes)
+    for g, (n, logical) in enumerate(zip(spec.group_sizes, skips)):
+        if n == 0:
+            continue
+        skip = logical % layout.blocks_per_chunk
+        for p in range(n):
+            slot = slots[pos + (skip + p) // layout.blocks_per_chunk]
+            j = (skip + p) % layout.blocks_per_chunk
+            for seg in layout.groups[g]:
+                out[(slot, seg.offset + j * seg.page)] = engine_page(kv, seg.tensor_idx, spec.block_ids[first + p], seg.page)
+        first += n
+        pos += math.ceil((n + skip) / layout.blocks_per_chunk)
+    return out
+
+
+class Jobs:
+    """Collects results of handlers (bound like the router binds them)."""
+
+    def __init__(self, *handlers):
+        self.results = {}
+        for h in handlers:
+            h.bind(lambda r: self.results.__setitem__(r.job_id, r))
+
+    def run(self, handler, job_id, src, dst):
+        handler.submit(job_id, src, dst)
+        handler.wait([job_id])
+        return self.results[job_id]
+
+
+@pytest.fixture
+def tier():
+    made = []
+
+    def make(kv, bpc, num=16):
+        layout = KVLayout(kv, bpc)
+        b = CPUBackend("cpu", num, layout.block_bytes, pin="false")
+        made.append(b)
+        return layout, b
+    yield make
+    for b in made:
+        b.close()
+
+
+def roundtrip(kv, layout, backend, store_spec, slots, load_spec):
+    """Store `store_spec` into `slots`, check every byte, wipe the engine, load into `load_spec`."""
+    chunked = ChunkedKVCaches(kv.tensors, kv.group_data_refs, layout.blocks_per_chunk)
+    store = make_gpu_to_cpu({"cpu": backend}, chunked)
+    load = make_cpu_to_gpu({"cpu": backend}, chunked)
+    jobs = Jobs(store, load)
+    r = jobs.run(store, 1, store_spec, CPULoadStoreSpec(slots, tier="cpu"))
+    assert r.success, r.error
+    assert r.transfer_size == layout.bytes_of(store_spec)
+    for (slot, off), page in expected_slot_bytes(layout, kv, store_spec, slots).items():
+        assert bytes(backend.view(slot)[off:off + len(page)]) == page, (slot, off)
+    before = [t.tensor.clone() for t in kv.tensors]
+    for t in kv.tensors:
+        t.tensor.zero_()
+    r = jobs.run(load, 2, CPULoadStoreSpec(slots, tier="cpu"), load_spec)
+    assert r.success, r.error
+    return before
+
+
+def test_several_groups_stride_padding_and_partial_first_block(tier):
+    kv = make_kv()
+    layout, backend = tier(kv, 2)
+    assert layout.block_bytes == 2 * (256 + 512) and layout.group_bytes == [1536, 1536]
+    # group 0: 5 blocks starting at logical index 1 (skip 1 sub-block) -> 3 slots; group 1: 2 blocks -> 1 slot
+    store = GPULoadStoreSpec([1, 2, 3, 4, 5, 6, 7], group_sizes=[5, 2], block_indices=[1, 0])
+    load = GPULoadStoreSpec([11, 12, 13, 14, 15, 16, 17], group_sizes=[5, 2], block_indices=[1, 0])
+    before = roundtrip(kv, layout, backend, store, [3, 0, 9, 6], load)
+    for t_idx, (t, page) in enumerate(zip(kv.tensors, (256, 512))):
+        for a, b in zip(store.block_ids, load.block_ids):
+            assert torch.equal(t.tensor[b, :page], before[t_idx][a, :page])
+        assert int(t.tensor[:, page:].abs().sum()) == 0  # padding past the page never written
+        assert int(t.tensor[:11].abs().sum()) == 0  # blocks outside the spec untouched
+
+
+def test_unaligned_reference_offsets_use_the_general_path(tier):
+    # pages 256 and 384: the second reference starts at 512, not a multiple of 384
+    kv = make_kv(pages=(256, 384), pads=(0, 128), groups=((0, 1),))
+    layout, backend = tier(kv, 2)
+    spec = GPULoadStoreSpec([9, 4, 7], block_indices=[3])
+    before = roundtrip(kv, layout, backend, spec, [5, 2], GPULoadStoreSpec([0, 1, 2], block_indices=[3]))
+    for t_idx, page in enumerate((256, 384)):
+        assert torch.equal(kv.tensors[t_idx].tensor[:3, :page], before[t_idx][[9, 4, 7], :page])
+
+
+def test_non_byte_dtype_and_one_group_default(tier):
+    kv = make_kv(pages=(1024,), pads=(0,), groups=(), dtype=torch.float16)
+    layout, backend = tier(kv, 1)
+    spec = GPULoadStoreSpec([5, 3, 8])
+    before = roundtrip(kv, layout, backend, spec, [7, 8, 1], GPULoadStoreSpec([0, 1, 2]))
+    assert torch.equal(kv.tensors[0].tensor[:3].view(torch.int8), before[0][[5, 3, 8]].view(torch.int8))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.data())
+def test_random_geometries_match_the_reference(data):
+    bpc = data.draw(st.integers(1, 3), label="bpc")
+    num_groups = data.draw(st.integers(1, 3), label="groups")
+    sizes = data.draw(st.lists(st.integers(0, 5), min_size=num_groups, max_size=num_groups), label="sizes")
+    starts = data.draw(st.lists(st.integers(0, 7), min_size=num_groups, max_size=num_groups), label="starts")
+    total = sum(sizes)
+    engine_ids = data.draw(st.permutations(range(NUM_ENGINE_BLOCKS)), label="ids")[:total]
+    kv = make_kv(pages=(64, 128, 192), pads=(0, 64, 8), groups=[(0, 2), (1,), (2, 0, 1)][:num_groups],
+                 seed=data.draw(st.integers(0, 5)))
+    layout = KVLayout(kv, bpc)
+    spec = GPULoadStoreSpec(engine_ids, group_sizes=sizes, block_indices=starts)
+    n_slots = layout.slots_needed(spec)
+    slots = data.draw(st.permutations(range(16)), label="slots")[:n_slots]
+    backend = CPUBackend("cpu", 16, layout.block_bytes, pin="false")
+    try:
+        targets = data.draw(st.permutations(range(NUM_ENGINE_BLOCKS)), label="targets")[:total]
+        before = roundtrip(kv, layout, backend, spec, slots,
+                           GPULoadStoreSpec(targets, group_sizes=sizes, block_indices=starts))
+        first = 0
+        for g, n in enumerate(sizes):
+            for a, b in zip(engine_ids[first:first + n], targets[first:first + n]):
+                for seg in layout.groups[g]:
+                    t = seg.tensor_idx
+                    assert torch.equal(kv.tensors[t].tensor[b, :seg.page], before[t][a, :seg.page])
+            first += n
+    finally:
+        backend.close()
+
+
+def test_a_failing_job_fails_only_itself(tier):
+    kv = make_kv()
+    layout, backend = tier(kv, 1)
+    store = make_gpu_to_cpu({"cpu": backend}, kv)
+    jobs = Jobs(store)
+    bad = jobs.run(store, 1, GPULoadStoreSpec([1, 2], group_sizes=[2, 0]), CPULoadStoreSpec([0], tier="cpu"))
+    assert not bad.success and "slots" in bad.error
+    oob = jobs.run(store, 2, GPULoadStoreSpec([99], group_sizes=[1, 0]), CPULoadStoreSpec([0], tier="cpu"))
+    assert not oob.success
+    good = jobs.run(store, 3, GPULoadStoreSpec([1, 2], group_sizes=[1, 1]), CPULoadStoreSpec([0, 1], tier="cpu"))
+    assert good.success and good.transfer_size == 2 * layout.block_bytes
+
+
+def test_factories_need_kv_caches_and_a_cpu_tier():
+    kv = make_kv()
+    mem = MemoryBackend("mem", 4, 64)
+    assert make_gpu_to_cpu({"mem": mem}, None) is None
+    assert make_cpu_to_gpu({"mem": mem}, kv) is None  # no tensor(): not a CPU tier region
+    assert make_handler({}, kv, to_cpu=True) is None
+
+
+def test_built_hierarchy_routes_engine_hops(tmp_path):
+    kv = make_kv()
+    layout = KVLayout(kv, 1)
+    cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 8 blocks, pin: false}\n")
+    with build_hierarchy(cfg, block_bytes=layout.block_bytes, kv_caches=kv) as h:
+        assert h.engine.handler_for(GPULoadStoreSpec, CPULoadStoreSpec) is not None
+        assert h.engine.handler_for(CPULoadStoreSpec, GPULoadStoreSpec) is not None
+        job = h.engine.submit(GPULoadStoreSpec([3], group_sizes=[1, 0]), CPULoadStoreSpec([5], tier="cpu"))
+        (result,) = h.engine.poll()
+        assert result.job_id == job and result.success
+        assert bytes(h.backends["cpu"].view(5)[:256]) == engine_page(kv, 0, 3, 256)
+
+
+# ------------------------------------------------------------------------------------ CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("slots", [[4, 5, 6, 7], [9, 2, 13, 0]], ids=["consecutive", "scattered"])
+def test_cuda_roundtrip(tier, slots):
+    kv = make_kv(device="cuda")
+    layout, backend = tier(kv, 2)
+    store = GPULoadStoreSpec([1, 2, 3, 4, 5, 6, 7], group_sizes=[5, 2], block_indices=[1, 0])
+    load = GPULoadStoreSpec([11, 12, 13, 14, 15, 16, 17], group_sizes=[5, 2], block_indices=[1, 0])
+    before = roundtrip(kv, layout, backend, store, slots, load)
+    for t_idx, page in enumerate((256, 512)):
+        assert torch.equal(kv.tensors[t_idx].tensor[11:18, :page], before[t_idx][1:8, :page])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_store_waits_for_the_compute_stream(tier):
+    kv = make_kv(device="cuda", pages=(1 << 20,), pads=(0,), groups=((0,),))
+    layout, backend = tier(kv, 1)
+    handler = make_gpu_to_cpu({"cpu": backend}, kv)
+    jobs = Jobs(handler)
+    t = kv.tensors[0].tensor
+    big = torch.randn(4096, 4096, device="cuda")
+    torch.cuda._sleep(50_000_000)  # keep the compute stream busy before the write below
+    big @ big
+    t[3].fill_(7)  # the "model" writes block 3 on the compute stream
+    r = jobs.run(handler, 1, GPULoadStoreSpec([3]), CPULoadStoreSpec([0], tier="cpu"))
+    assert r.success
+    assert set(bytes(backend.view(0))) == {7}
