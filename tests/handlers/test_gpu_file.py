@@ -1,0 +1,149 @@
+"""Engine KV cache <-> file tier (direct path) handlers."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, FileLoadStoreSpec, GPULoadStoreSpec
+from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
+from kvtier.handlers.gpu_file import aligned_rows, make_file_to_gpu, make_gpu_to_file
+from kvtier.tiers.file import FileBackend
+
+torch = pytest.importorskip("torch")
+
+
+def make_kv(device="cpu", bpc=1):
+    g = torch.Generator().manual_seed(1)
+    t0 = torch.randint(-128, 128, (16, 4096 + 512), dtype=torch.int8, generator=g).to(device)  # stride > page
+    t1 = torch.randint(-128, 128, (16, 2048), dtype=torch.int8, generator=g).to(device)
+    return ChunkedKVCaches([CanonicalKVCacheTensor(t0, 4096), CanonicalKVCacheTensor(t1, 2048)],
+                           [[CanonicalKVCacheRef(0, 4096), CanonicalKVCacheRef(1, 2048)],
+                            [CanonicalKVCacheRef(1, 2048), CanonicalKVCacheRef(0, 4096)]], bpc)
+
+
+def keys(n, start=0):
+    return [(i + start).to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
+
+
+class Jobs:
+    def __init__(self, *handlers):
+        self.results = {}
+        self.handlers = handlers
+        for h in handlers:
+            h.bind(lambda r: self.results.__setitem__(r.job_id, r))
+
+    def run(self, handler, job_id, src, dst):
+        handler.submit(job_id, src, dst)
+        handler.wait([job_id])
+        return self.results[job_id]
+
+    def close(self):
+        for h in self.handlers:
+            h.shutdown()
+
+
+@pytest.fixture
+def setup(tmp_path):
+    made = []
+
+    def make(kv, backend=None):
+        layout = KVLayout(kv, kv.blocks_per_chunk)
+        if backend is None:
+            backend = FileBackend("nvme", 16, layout.block_bytes, root_dir=str(tmp_path / "nvme"))
+        store, load = make_gpu_to_file({"nvme": backend}, kv), make_file_to_gpu({"nvme": backend}, kv)
+        jobs = Jobs(store, load)
+        made.append((jobs, backend))
+        return layout, backend, store, load, jobs
+    yield make
+    for jobs, backend in made:
+        jobs.close()
+        backend.close()
+
+
+def test_roundtrip_through_the_file_tier(setup):
+    kv = make_kv(bpc=2)
+    layout, backend, store, load, jobs = setup(kv)
+    src = GPULoadStoreSpec([1, 2, 3, 4, 5, 6], group_sizes=[3, 3], block_indices=[1, 0])  # 2 + 2 slots
+    file_spec = FileLoadStoreSpec([7, 2, 11, 4], keys(4), tier="nvme")
+    r = jobs.run(store, 1, src, file_spec)
+    assert r.success, r.error
+    assert r.transfer_size == 6 * (4096 + 2048)
+    before = [t.tensor.clone() for t in kv.tensors]
+    for t in kv.tensors:
+        t.tensor.zero_()
+    dst = GPULoadStoreSpec([10, 11, 12, 13, 14, 15], group_sizes=[3, 3], block_indices=[1, 0])
+    r = jobs.run(load, 2, file_spec, dst)
+    assert r.success, r.error
+    for t_idx, page in enumerate((4096, 2048)):
+        assert torch.equal(kv.tensors[t_idx].tensor[10:16, :page], before[t_idx][1:7, :page])
+        assert int(kv.tensors[t_idx].tensor[:10].abs().sum()) == 0
+
+
+def test_wrong_key_fails_the_job_and_leaves_the_engine_untouched(setup):
+    kv = make_kv()
+    layout, backend, store, load, jobs = setup(kv)
+    assert jobs.run(store, 1, GPULoadStoreSpec([1, 2], group_sizes=[2, 0]),
+                    FileLoadStoreSpec([0, 1], keys(2), tier="nvme")).success
+    snapshot = [t.tensor.clone() for t in kv.tensors]
+    bad = jobs.run(load, 2, FileLoadStoreSpec([0, 1], keys(2, start=5), tier="nvme"),
+                   GPULoadStoreSpec([8, 9], group_sizes=[2, 0]))
+    assert not bad.success and "IntegrityError" in bad.error
+    assert all(torch.equal(a.tensor, b) for a, b in zip(kv.tensors, snapshot))
+
+
+class FlakyBackend:
+    """The byte API of FileBackend over a dict; fails writes to slot 13."""
+
+    def __init__(self, block_bytes):
+        self.name, self.block_bytes, self.data = "nvme", block_bytes, {}
+
+    def write_blocks(self, slots, keys, buffers):
+        if 13 in slots:
+            raise OSError(28, "No space left on device")
+        for s, k, b in zip(slots, keys, buffers):
+            self.data[s] = (k, bytes(memoryview(b)))
+        return len(slots) * self.block_bytes
+
+    def read_blocks(self, slots, keys, buffers):
+        for s, k, b in zip(slots, keys, buffers):
+            memoryview(b).cast("B")[:] = self.data[s][1]
+        return len(slots) * self.block_bytes
+
+    def close(self):
+        pass
+
+
+def test_an_io_error_fails_only_its_job(setup):
+    kv = make_kv()
+    layout, backend, store, load, jobs = setup(kv, FlakyBackend(KVLayout(kv, 1).block_bytes))
+    bad = jobs.run(store, 1, GPULoadStoreSpec([1], group_sizes=[1, 0]), FileLoadStoreSpec([13], keys(1), tier="nvme"))
+    assert not bad.success and "No space" in bad.error
+    good = jobs.run(store, 2, GPULoadStoreSpec([2], group_sizes=[0, 1]), FileLoadStoreSpec([3], keys(1), tier="nvme"))
+    assert good.success
+    # group 1 layout: tensor 1's page first, then tensor 0's
+    assert backend.data[3][1][:2048] == kv.tensors[1].tensor[2].numpy().tobytes()
+    assert backend.data[3][1][2048:] == kv.tensors[0].tensor[2, :4096].numpy().tobytes()
+
+
+def test_factories_and_staging_alignment():
+    kv = make_kv()
+    assert make_gpu_to_file({}, kv) is None
+    assert make_file_to_gpu({"x": FlakyBackend(10)}, None) is None
+    rows = aligned_rows(3, 5000)
+    assert rows.shape == (3, 5000) and all(rows[i].data_ptr() % 4096 == 0 for i in range(3))
+    assert rows[0].is_contiguous()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_roundtrip_through_the_file_tier(setup):
+    kv = make_kv(device="cuda", bpc=2)
+    layout, backend, store, load, jobs = setup(kv)
+    src = GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0], block_indices=[0, 0])
+    spec = FileLoadStoreSpec([5, 6], keys(2), tier="nvme")
+    assert jobs.run(store, 1, src, spec).success
+    before = [t.tensor.clone() for t in kv.tensors]
+    r = jobs.run(load, 2, spec, GPULoadStoreSpec([9, 10, 11, 12], group_sizes=[4, 0], block_indices=[0, 0]))
+    assert r.success, r.error
+    for t_idx, page in enumerate((4096, 2048)):
+        assert torch.equal(kv.tensors[t_idx].tensor[9:13, :page], before[t_idx][1:5, :page])
