@@ -384,7 +384,9 @@ class CudaKVCopyHandler(ThreadedHandler):
         if any(s >= backend.num_blocks for s in slots):
             raise IndexError(f"slot out of range for tier {backend.name!r}")
         stride = backend.slot_stride
-        region = _words(backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1)))
+        # Whole slots (row stride = slot_stride): every DMA below is between contiguous tensors.
+        region_bytes = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
+        region = _words(region_bytes)
         consecutive = k > 0 and slots == list(range(slots[0], slots[0] + k))
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             ready = getattr(self._local, "ready", None)
@@ -393,26 +395,27 @@ class CudaKVCopyHandler(ThreadedHandler):
             index = self.layout.index(gpu, k)
             rows = torch.arange(k, dtype=torch.int64)
             staging = torch.empty((k, stride), dtype=torch.uint8, device=self.device)
-            staging_w = _words(staging)
             done = torch.cuda.Event()
             if self.to_cpu:
                 self.layout.gather(staging, rows, index)
                 if consecutive:
-                    region[slots[0]:slots[0] + k].copy_(staging_w, non_blocking=True)
+                    region_bytes[slots[0]:slots[0] + k].copy_(staging, non_blocking=True)
                 else:
                     bounce = torch.empty((k, stride), dtype=torch.uint8, pin_memory=True)
-                    _words(bounce).copy_(staging_w, non_blocking=True)
+                    bounce.copy_(staging, non_blocking=True)
                 done.record(self.stream)
                 done.synchronize()
                 if not consecutive:
-                    region.index_copy_(0, torch.tensor(slots, dtype=torch.int64), _words(bounce))
+                    dst, src_rows = _common_words(region, _words(bounce))
+                    dst.index_copy_(0, torch.tensor(slots, dtype=torch.int64), src_rows)
             else:
                 if consecutive:
-                    staging_w.copy_(region[slots[0]:slots[0] + k], non_blocking=True)
+                    staging.copy_(region_bytes[slots[0]:slots[0] + k], non_blocking=True)
                 else:
                     bounce = torch.empty((k, stride), dtype=torch.uint8, pin_memory=True)
-                    torch.index_select(region, 0, torch.tensor(slots, dtype=torch.int64), out=_words(bounce))
-                    staging_w.copy_(_words(bounce), non_blocking=True)
+                    src_rows, out = _common_words(region, _words(bounce))
+                    torch.index_select(src_rows, 0, torch.tensor(slots, dtype=torch.int64), out=out)
+                    staging.copy_(bounce, non_blocking=True)
                 self.layout.scatter(staging, rows, index)
                 done.record(self.stream)
                 done.synchronize()

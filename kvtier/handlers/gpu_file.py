@@ -28,13 +28,14 @@ _ALIGN = 4096  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
 
 
 def aligned_rows(n: int, row_bytes: int, pin: bool = False):
-    """A `(n, row_bytes)` uint8 tensor whose rows start on `_ALIGN`-byte boundaries."""
+    """A contiguous `(n, stride)` uint8 tensor, `stride` = `row_bytes` rounded up to `_ALIGN`,
+    starting on an `_ALIGN`-byte boundary (so every row does); rows hold `row_bytes` bytes each."""
     import torch
 
     stride = -(-row_bytes // _ALIGN) * _ALIGN
     raw = torch.empty(n * stride + _ALIGN, dtype=torch.uint8, pin_memory=pin)
     shift = (-raw.data_ptr()) % _ALIGN
-    return raw[shift:shift + n * stride].view(n, stride)[:, :row_bytes]
+    return raw[shift:shift + n * stride].view(n, stride)
 
 
 def _buffers(staging) -> list:
@@ -82,12 +83,13 @@ class GPUFileHandler(ThreadedHandler):
         k = len(file_spec.block_ids)
         keys = [bytes(key) for key in file_spec.keys]
         staging = aligned_rows(k, self.layout.block_bytes, pin=self.cuda)
+        blocks = staging[:, :self.layout.block_bytes]
         if self.to_file:
             staging.zero_()  # bytes no sub-block covers (partial first block) are written as zeros
             self._engine_to_host(gpu, staging, k)
-            backend.write_blocks(file_spec.block_ids, keys, _buffers(staging))
+            backend.write_blocks(file_spec.block_ids, keys, _buffers(blocks))
         else:
-            backend.read_blocks(file_spec.block_ids, keys, _buffers(staging))
+            backend.read_blocks(file_spec.block_ids, keys, _buffers(blocks))
             self._host_to_engine(gpu, staging, k)
         return self.layout.bytes_of(gpu)
 
@@ -101,7 +103,7 @@ class GPUFileHandler(ThreadedHandler):
             return
         with self._on_stream() as stream:
             index = self.layout.index(gpu, k)
-            device_rows = torch.zeros((k, self.layout.block_bytes), dtype=torch.uint8, device=self.layout.device)
+            device_rows = torch.zeros(staging.shape, dtype=torch.uint8, device=self.layout.device)
             self.layout.gather(device_rows, torch.arange(k), index)
             staging.copy_(device_rows, non_blocking=True)
             _finish(stream)
@@ -115,7 +117,7 @@ class GPUFileHandler(ThreadedHandler):
             return
         with self._on_stream() as stream:
             index = self.layout.index(gpu, k)
-            device_rows = torch.empty((k, self.layout.block_bytes), dtype=torch.uint8, device=self.layout.device)
+            device_rows = torch.empty(staging.shape, dtype=torch.uint8, device=self.layout.device)
             device_rows.copy_(staging, non_blocking=True)
             self.layout.scatter(device_rows, torch.arange(k), index)
             _finish(stream)

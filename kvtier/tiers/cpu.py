@@ -7,7 +7,8 @@ The region is exactly `num_blocks * slot_stride` bytes (no rounding of the capac
 The creating process owns the file (mode 0600) and removes it on `close`; other processes (vLLM
 workers) map the same bytes with `CPUBackend.attach(shm_name, num_blocks, block_bytes)`. When CUDA
 is available (and `pin` allows it) each process registers its mapping with `cudaHostRegister`, so
-GPU copies to and from it run as DMA without a bounce buffer.
+GPU copies to and from it run as DMA without a bounce buffer. Pinning initialises CUDA in the
+process: a process that never touches the GPU (vLLM's scheduler) should pass `pin=false`.
 
 Making the region ready is `ftruncate` + `mmap` (pages are faulted in by the kernel on first touch,
 or all at once by `cudaHostRegister` when pinning), never a Python loop over pages.
@@ -62,6 +63,20 @@ def _cuda_available() -> bool:
     except ImportError:
         return False
     return torch.cuda.is_available()
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error after a failed registration, so that a later, unrelated
+    launch check does not report it. Best effort: torch does not bind cudaGetLastError."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libcudart" in line}
+        for path in paths:
+            ctypes.CDLL(path).cudaGetLastError()
+    except (OSError, AttributeError):
+        pass
 
 
 class CPUBackend(Backend):
@@ -161,6 +176,7 @@ class CPUBackend(Backend):
             addr, length = base + offset, min(chunk, self.size - offset)
             err = cudart.cudaHostRegister(addr, length, _CUDA_HOST_REGISTER_PORTABLE)
             if int(err) != 0:
+                _clear_cuda_error()
                 self._unpin()
                 message = f"CPUBackend {self.name!r}: cudaHostRegister failed ({err}) at offset {offset}"
                 if required:

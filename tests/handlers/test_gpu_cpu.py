@@ -231,3 +231,58 @@ def test_cuda_store_waits_for_the_compute_stream(tier):
     r = jobs.run(handler, 1, GPULoadStoreSpec([3]), CPULoadStoreSpec([0], tier="cpu"))
     assert r.success
     assert set(bytes(backend.view(0))) == {7}
+
+
+@pytest.fixture
+def fake_cuda_api(monkeypatch):
+    """Streams, events and pinned allocation as no-ops on the host, so that the CUDA handler's
+    own logic (staging, bounce buffer, consecutive-slot DMA, word views) runs without a GPU.
+    It says nothing about real stream ordering: that is what the `gpu` tests are for."""
+    import contextlib
+
+    class Event:
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    class Stream:
+        def __init__(self, device=None):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+    empty = torch.empty
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+
+
+@pytest.mark.parametrize("slots", [[4, 5, 6, 7], [9, 2, 13, 0]], ids=["consecutive", "scattered"])
+def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, tier, slots):
+    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+
+    kv = make_kv()
+    layout, backend = tier(kv, 2)
+    store_h, load_h = CudaKVCopyHandler({"cpu": backend}, layout, True), CudaKVCopyHandler({"cpu": backend}, layout, False)
+    jobs = Jobs(store_h, load_h)
+    store = GPULoadStoreSpec([1, 2, 3, 4, 5, 6, 7], group_sizes=[5, 2], block_indices=[1, 0])
+    assert jobs.run(store_h, 1, store, CPULoadStoreSpec(slots, tier="cpu")).success
+    for (slot, off), page in expected_slot_bytes(layout, kv, store, slots).items():
+        assert bytes(backend.view(slot)[off:off + len(page)]) == page
+    before = [t.tensor.clone() for t in kv.tensors]
+    for t in kv.tensors:
+        t.tensor.zero_()
+    load = GPULoadStoreSpec([11, 12, 13, 14, 15, 16, 17], group_sizes=[5, 2], block_indices=[1, 0])
+    assert jobs.run(load_h, 2, CPULoadStoreSpec(slots, tier="cpu"), load).success
+    for t_idx, page in enumerate((256, 512)):
+        assert torch.equal(kv.tensors[t_idx].tensor[11:18, :page], before[t_idx][1:8, :page])
+    bad = jobs.run(store_h, 3, store, CPULoadStoreSpec([1], tier="cpu"))
+    assert not bad.success
+    store_h.shutdown()
+    load_h.shutdown()
