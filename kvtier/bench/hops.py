@@ -64,7 +64,7 @@ def measure_gpu_cpu(device: str, block_bytes_list: Sequence[int], total_bytes: i
                     progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
     """GPU->CPU and CPU->GPU rows per block size: `hop`, `device`, `block_bytes`, `blocks`,
     `bytes`, `seconds`, `gbps`, `baseline`, `baseline_seconds`, `baseline_gbps`, `naive_seconds`,
-    `naive_gbps`, `pinned` (GB/s = 1e9 bytes per second)."""
+    `naive_gbps`, `pinned`, `torch_threads` (GB/s = 1e9 bytes per second)."""
     import torch
 
     from kvtier.handlers.gpu_cpu import make_handler
@@ -117,7 +117,7 @@ def measure_gpu_cpu(device: str, block_bytes_list: Sequence[int], total_bytes: i
                              "baseline": "one contiguous copy", "baseline_seconds": base_s,
                              "baseline_gbps": nbytes / base_s / 1e9,
                              "naive_seconds": naive_s, "naive_gbps": nbytes / naive_s / 1e9,
-                             "pinned": tier.pinned})
+                             "pinned": tier.pinned, "torch_threads": torch.get_num_threads()})
             store.shutdown()
             load.shutdown()
             del ids_dev, region, flat

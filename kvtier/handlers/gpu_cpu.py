@@ -16,7 +16,7 @@ block has logical index `i` skips `s = i % bpc` sub-blocks of its first slot and
 `ceil((n + s) / bpc)` slots. Only covered sub-blocks are written or read.
 
 Hot path: index tensors are built once per job (no per-block Python loop) and every
-(group, reference) pair is one gather plus one scatter (`index_select` / `index_copy_`) over rows
+(group, reference) pair is one gather plus one scatter (`index_select` / row assignment) over rows
 reinterpreted as the widest integer type the alignment allows. On CUDA the copies run on a
 dedicated stream that first waits for the compute stream, through a device staging buffer laid out
 like the slots, with one DMA per job between it and the pinned region; a completion thread waits
@@ -216,11 +216,11 @@ class KVLayout:
             if at is not None:
                 torch.index_select(engine, 0, ids.to(dev), out=view[at:at + m])
             elif src_at is not None:
-                view.index_copy_(0, where.to(dev), engine[src_at:src_at + m])
+                _index_copy(view, where.to(dev), engine[src_at:src_at + m])
             else:
                 buf = self._scratch(m, engine)
                 torch.index_select(engine, 0, ids.to(dev), out=buf)
-                view.index_copy_(0, where.to(dev), buf)
+                _index_copy(view, where.to(dev), buf)
 
     def scatter(self, slots, rows, index: list[GroupIndex]) -> None:
         """Sub-blocks of `slots[rows[pos]]` -> engine pages (the inverse of `gather`)."""
@@ -233,13 +233,25 @@ class KVLayout:
                 continue
             m, at, dst_at = len(ids), _run_start(where), _run_start(ids)
             if at is not None:
-                engine.index_copy_(0, ids.to(dev), view[at:at + m])
+                _index_copy(engine, ids.to(dev), view[at:at + m])
             elif dst_at is not None and engine[dst_at:dst_at + m].is_contiguous():
                 torch.index_select(view, 0, where.to(dev), out=engine[dst_at:dst_at + m])
             else:
                 buf = self._scratch(m, view)
                 torch.index_select(view, 0, where.to(dev), out=buf)
-                engine.index_copy_(0, ids.to(dev), buf)
+                _index_copy(engine, ids.to(dev), buf)
+
+
+def _index_copy(dst, index, src) -> None:
+    """`dst[index[i]] = src[i]` along dim 0. On the host numpy's row assignment (one memcpy per
+    row) runs at memory speed where torch's `index_copy_` reaches about 60% of it."""
+    if dst.device.type == "cpu":
+        try:
+            dst.numpy()[index.numpy()] = src.numpy()
+            return
+        except RuntimeError:  # torch built without numpy support
+            pass
+    dst.index_copy_(0, index, src)
 
 
 def _run_start(positions) -> int | None:
@@ -407,7 +419,7 @@ class CudaKVCopyHandler(ThreadedHandler):
                 done.synchronize()
                 if not consecutive:
                     dst, src_rows = _common_words(region, _words(bounce))
-                    dst.index_copy_(0, torch.tensor(slots, dtype=torch.int64), src_rows)
+                    _index_copy(dst, torch.tensor(slots, dtype=torch.int64), src_rows)
             else:
                 if consecutive:
                     staging.copy_(region_bytes[slots[0]:slots[0] + k], non_blocking=True)
