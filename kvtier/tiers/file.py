@@ -155,8 +155,8 @@ class JournalScan:
     epoch: bytes | None = None
     entries: dict[int, tuple[bytes, int, int]] = field(default_factory=dict)
     records: int = 0
-    good_bytes: int = 0  # length of the valid prefix
-    torn_bytes: int = 0  # bytes after it (a torn or corrupt tail), ignored
+    good_bytes: int = 0  # length of the valid prefix (where the next record goes)
+    torn_bytes: int = 0  # non-zero bytes after it (a torn or corrupt tail), ignored
     problem: str | None = None  # why the journal is unusable as a whole, if it is
 
 
@@ -189,7 +189,8 @@ def scan_journal(data: bytes) -> JournalScan:
         scan.records += 1
         pos = stop
     scan.good_bytes = pos
-    scan.torn_bytes = end - pos
+    # The file is preallocated with zeros: only non-zero bytes after the valid prefix are a torn tail.
+    scan.torn_bytes = max(0, len(data.rstrip(b"\0")) - pos)
     return scan
 
 
@@ -221,35 +222,74 @@ def _write_file_atomic(path: Path, data: bytes) -> None:
 
 
 class Journal:
-    """The append-only index of committed slots. Not thread-safe: the backend holds its lock."""
+    """The index of committed slots: records appended in place into a zero-filled, preallocated
+    file (so an append + fdatasync changes no file metadata: no filesystem journal commit).
+    Not thread-safe: the backend holds its lock."""
 
-    def __init__(self, path: Path, epoch: bytes):
+    def __init__(self, path: Path, epoch: bytes, pos: int, capacity: int, records: int = 0):
         self.path = path
         self.epoch = epoch
-        self.records = 0
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        self.pos = pos  # where the next record goes
+        self.capacity = capacity
+        self.records = records
+        self.fd = os.open(path, os.O_WRONLY)
 
     @classmethod
-    def create(cls, path: Path, epoch: bytes, entries: Iterable[tuple[int, bytes, int]] = ()) -> "Journal":
-        """Write a fresh journal holding `entries` (slot, key, crc) atomically, and open it."""
-        records = [_record(_PUT, slot, key, crc) for slot, key, crc in entries]
-        _write_file_atomic(path, _JHDR.pack(_JOURNAL_MAGIC, FORMAT_VERSION, epoch) + b"".join(records))
-        journal = cls(path, epoch)
-        journal.records = len(records)
-        return journal
+    def create(cls, path: Path, epoch: bytes, entries: Iterable[tuple[int, bytes, int]] = (),
+               capacity: int = 1 << 20) -> "Journal":
+        """Write a fresh journal holding `entries` (slot, key, crc) atomically, and open it.
+        The file is `capacity` bytes, grown to twice what the entries need when they do not fit."""
+        records = b"".join(_record(_PUT, slot, key, crc) for slot, key, crc in entries)
+        used = _JHDR.size + len(records)
+        capacity = max(capacity, 2 * used)
+        header = _JHDR.pack(_JOURNAL_MAGIC, FORMAT_VERSION, epoch)
+        _write_file_atomic(path, header + records + bytes(capacity - used))
+        return cls(path, epoch, used, capacity, records=_count_records(records))
+
+    def fits(self, nbytes: int) -> bool:
+        return self.pos + nbytes <= self.capacity
 
     def append(self, records: list[bytes]) -> None:
         if records:
             data = memoryview(b"".join(records))
-            while data:
-                data = data[os.write(self.fd, data):]
+            if not self.fits(len(data)):
+                raise OSError(errno.ENOSPC, f"journal {self.path} is full")
+            done = 0
+            while done < len(data):
+                done += os.pwrite(self.fd, data[done:], self.pos + done)
             os.fdatasync(self.fd)
+            self.pos += len(data)
             self.records += len(records)
+
+    def zero_tail(self, nbytes: int) -> None:
+        """Overwrite a torn tail after `pos` with zeros (durably)."""
+        os.pwrite(self.fd, bytes(nbytes), self.pos)
+        os.fdatasync(self.fd)
 
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def _count_records(data: bytes) -> int:
+    count, pos = 0, 0
+    while pos < len(data):
+        _c, _op, key_len, _slot, _crc = _REC.unpack_from(data, pos)
+        pos += _REC.size + key_len
+        count += 1
+    return count
+
+
+class _PendingCommit:
+    """One write_blocks call waiting for its group commit."""
+
+    __slots__ = ("entries", "done", "error")
+
+    def __init__(self, entries: list[tuple[int, bytes, int]]):
+        self.entries = entries
+        self.done = False
+        self.error: BaseException | None = None
 
 
 # ---------------------------------------------------------------------------- options
@@ -314,6 +354,9 @@ class FileBackend(Backend):
         self._seq = 0
         self._pending_del: list[int] = []
         self._jlock = threading.Lock()
+        self._commit_cv = threading.Condition()
+        self._commit_queue: list[_PendingCommit] = []
+        self._committing = False
         self._recovered = False
         self.io = None
         self.journal: Journal | None = None
@@ -384,11 +427,11 @@ class FileBackend(Backend):
         self._check_slab_size(scan)
         self._index = scan.entries
         self._seq = scan.records
+        capacity = os.stat(self.root / JOURNAL).st_size
+        self.journal = Journal(self.root / JOURNAL, scan.epoch, scan.good_bytes, capacity, scan.records)
         if scan.torn_bytes:
             log.warning("file tier %s: ignoring a torn journal tail of %d bytes", self.name, scan.torn_bytes)
-            os.truncate(self.root / JOURNAL, scan.good_bytes)
-        self.journal = Journal(self.root / JOURNAL, scan.epoch)
-        self.journal.records = scan.records
+            self.journal.zero_tail(scan.torn_bytes)
 
     def _check_slab_size(self, scan: JournalScan) -> None:
         """A slab shorter than its geometry lost the blocks past its end: forget them, re-extend."""
@@ -431,7 +474,7 @@ class FileBackend(Backend):
             pass
         self._allocate_slab(truncate=True)
         epoch = uuid.uuid4().bytes
-        self.journal = Journal.create(self.root / JOURNAL, epoch)
+        self.journal = Journal.create(self.root / JOURNAL, epoch, capacity=self._journal_capacity())
         manifest = {**wanted, "epoch": epoch.hex()}
         _write_file_atomic(self.root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
         self.manifest = manifest
@@ -497,20 +540,53 @@ class FileBackend(Backend):
                 error = error or exc
         if error is not None:
             raise error
-        self.io.sync()
-        with self._jlock:
-            records = [_record(_DEL, s) for s in self._pending_del]
-            self._pending_del = []
-            for slot, key in zip(slots, keys):
-                records.append(_record(_PUT, slot, key, crcs[slot]))
-            self.journal.append(records)
-            for slot, key in zip(slots, keys):
-                self._index.pop(slot, None)
-                self._index[slot] = (bytes(key), crcs[slot], self._seq)
-                self._seq += 1
-            if self.journal.records > max(self.compact_min_records, 2 * self.num_blocks):
-                self._compact()
+        self._commit([(slot, bytes(key), crcs[slot]) for slot, key in zip(slots, keys)])
         return len(slots) * self.block_bytes
+
+    def _commit(self, entries: list[tuple[int, bytes, int]]) -> None:
+        """Make this caller's (already written) slots durable, then journal them (group commit).
+
+        Callers that finish their data writes while another caller is syncing queue up; the next
+        leader covers all of them with one slab fdatasync and one journal append + fdatasync, so
+        concurrent jobs do not each pay two journal commits of the filesystem.
+        """
+        mine = _PendingCommit(entries)
+        with self._commit_cv:
+            self._commit_queue.append(mine)
+            while not mine.done and self._committing:
+                self._commit_cv.wait()
+            if mine.done:
+                if mine.error is not None:
+                    raise mine.error
+                return
+            self._committing = True
+            batch, self._commit_queue = self._commit_queue, []
+        error = None
+        try:
+            self.io.sync()
+            with self._jlock:
+                records = [_record(_DEL, s) for s in self._pending_del]
+                self._pending_del = []
+                for pending in batch:
+                    records.extend(_record(_PUT, slot, key, crc) for slot, key, crc in pending.entries)
+                    for slot, key, crc in pending.entries:
+                        self._index.pop(slot, None)
+                        self._index[slot] = (key, crc, self._seq)
+                        self._seq += 1
+                too_many = self.journal.records + len(records) > max(self.compact_min_records, 2 * self.num_blocks)
+                if too_many or not self.journal.fits(sum(map(len, records))):
+                    self._compact()  # rewrites the whole index, this batch included
+                else:
+                    self.journal.append(records)
+        except BaseException as exc:  # every caller of this batch fails with it
+            error = exc
+        with self._commit_cv:
+            for pending in batch:
+                pending.done, pending.error = True, error
+            self._committing = False
+            self._commit_cv.notify_all()
+        if error is not None:
+            raise error
 
     def read_blocks(self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence) -> int:
         """Read and verify the blocks `keys[i]` in `slots[i]` into the writable `buffers[i]`."""
@@ -621,12 +697,17 @@ class FileBackend(Backend):
             self._buffers.put(buf)
 
     # ------------------------------------------------------------------ journal upkeep
+    def _journal_capacity(self) -> int:
+        """Room for the records written between two compactions (keys of ~36 bytes), in MiB."""
+        threshold = max(self.compact_min_records, 2 * self.num_blocks) + 64
+        return -(-threshold * (_REC.size + 44) // (1 << 20)) * (1 << 20)
+
     def _compact(self) -> None:
         """Rewrite the journal with the live entries only (caller holds `_jlock`)."""
         epoch = self.journal.epoch
         self.journal.close()
         entries = [(slot, key, crc) for slot, (key, crc, _s) in self._index.items()]
-        self.journal = Journal.create(self.root / JOURNAL, epoch, entries)
+        self.journal = Journal.create(self.root / JOURNAL, epoch, entries, capacity=self._journal_capacity())
         self._pending_del = []
 
     def close(self) -> None:

@@ -1,0 +1,211 @@
+"""CPU <-> FILE hop bandwidth through the handlers vs a raw O_DIRECT baseline, and restart time.
+
+`measure_cpu_file(root_dir, block_bytes, total_bytes)` (used by `kvtier bench hops`):
+stores `total_bytes` of random blocks from a memory tier into a file tier through
+`CPUToFileHandler` (jobs of `job_blocks` blocks, all submitted at once, durable at completion),
+loads them back through `FileToCPUHandler` (verified, byte-compared), then writes and reads the
+same number of bytes with O_DIRECT in `RUN_BYTES` I/Os + fdatasync, once on one thread and once
+on `num_threads` threads (the raw baseline is the better of the two) in the same run. GB/s = 1e9 bytes per second.
+
+`measure_restart(root_dir, num_blocks, block_bytes)`: fills a file tier of `num_blocks` blocks,
+closes it, and times opening it again until its blocks are ready to serve (`recover()`), and a
+whole hierarchy (memory tier over that file tier) built from YAML.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler
+from kvtier.specs import CPULoadStoreSpec, FileLoadStoreSpec
+from kvtier.tiers.file import RUN_BYTES, FileBackend
+from kvtier.tiers.fileio import aligned_buffer
+from kvtier.tiers.memory import MemoryBackend
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
+
+
+def _run_jobs(handler, jobs: list[tuple]) -> tuple[float, list]:
+    """Submit every (src, dst) job at once, wait for all; returns (seconds, results)."""
+    results: list = []
+    done = threading.Condition()
+
+    def on_done(result):
+        with done:
+            results.append(result)
+            done.notify_all()
+
+    handler.bind(on_done)
+    start = time.perf_counter()
+    for job_id, (src, dst) in enumerate(jobs):
+        handler.submit(job_id, src, dst)
+    with done:
+        done.wait_for(lambda: len(results) == len(jobs))
+    return time.perf_counter() - start, results
+
+
+def _raw_direct(path: Path, total_bytes: int, threads: int) -> tuple[float, float]:
+    """O_DIRECT write (+ fdatasync) then read of `total_bytes` in RUN_BYTES I/Os, sequential
+    offsets spread over `threads` threads (1 = queue depth 1); returns (write s, read s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    chunk = min(RUN_BYTES, total_bytes)
+    buffers = [aligned_buffer(chunk) for _ in range(threads)]
+    for buf in buffers:
+        buf.write(os.urandom(chunk))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+    offsets = list(range(0, total_bytes, chunk))
+    shares = [offsets[t::threads] for t in range(threads)]
+
+    def run(t: int, op) -> None:
+        view = memoryview(buffers[t])
+        for offset in shares[t]:
+            op(fd, [view[:min(chunk, total_bytes - offset)]], offset)
+
+    try:
+        os.posix_fallocate(fd, 0, total_bytes)
+        with ThreadPoolExecutor(threads) as pool:
+            start = time.perf_counter()
+            list(pool.map(run, range(threads), [os.pwritev] * threads))
+            os.fdatasync(fd)
+            write_s = time.perf_counter() - start
+            start = time.perf_counter()
+            list(pool.map(run, range(threads), [os.preadv] * threads))
+            read_s = time.perf_counter() - start
+    finally:
+        os.close(fd)
+        for buf in buffers:
+            buf.close()
+    return write_s, read_s
+
+
+def _store_load_once(work: Path, mem: MemoryBackend, n: int, block_bytes: int, io: str, num_threads: int,
+                     job_blocks: int) -> tuple[float, float, str, bool]:
+    """One store + load through the handlers into a fresh file tier; returns (store s, load s, engine, direct)."""
+    disk = FileBackend("disk", n, block_bytes, 0, root_dir=str(work / "tier"), io=io, num_threads=num_threads)
+    handlers = [CPUToFileHandler({"mem": mem}, {"disk": disk}, num_threads),
+                FileToCPUHandler({"mem": mem}, {"disk": disk}, num_threads)]
+    try:
+        batches = [list(range(s, min(n, s + job_blocks))) for s in range(0, n, job_blocks)]
+        stores = [(CPULoadStoreSpec(b, tier="mem"), FileLoadStoreSpec(b, [_key(i) for i in b], tier="disk"))
+                  for b in batches]
+        store_s, results = _run_jobs(handlers[0], stores)
+        assert all(r.success for r in results), [r.error for r in results if not r.success][:3]
+        loads = [(FileLoadStoreSpec(b, [_key(i) for i in b], tier="disk"),
+                  CPULoadStoreSpec([n + i for i in b], tier="mem")) for b in batches]
+        load_s, results = _run_jobs(handlers[1], loads)
+        assert all(r.success for r in results), [r.error for r in results if not r.success][:3]
+        for i in range(n):
+            assert mem.view(n + i) == mem.view(i), f"block {i} read back wrong"
+            mem.view(n + i)[:1] = b"\xff" if mem.view(i)[0] != 0xFF else b"\0"  # next round must rewrite it
+        return store_s, load_s, disk.io.name, disk.io.direct
+    finally:
+        for h in handlers:
+            h.shutdown()
+        disk.close()
+        shutil.rmtree(work / "tier", ignore_errors=True)
+
+
+def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: str = "posix",
+                     num_threads: int = 4, job_blocks: int = 16, repeats: int = 3) -> dict:
+    """Store/load bandwidth of the CPU<->FILE hop vs raw O_DIRECT (see module docstring).
+
+    Handler and raw runs alternate `repeats` times on fresh files; figures are medians (the disk
+    is shared and noisy). Uses and removes `root_dir/kvtier-bench-<pid>`. Raises AssertionError
+    if a block reads back wrong.
+    """
+    from statistics import median
+
+    n = max(1, total_bytes // block_bytes)
+    total = n * block_bytes
+    work = Path(root_dir) / f"kvtier-bench-{os.getpid()}"
+    work.mkdir(parents=True, exist_ok=True)
+    mem = MemoryBackend("mem", 2 * n, block_bytes)
+    runs: dict[str, list[float]] = {k: [] for k in ("store", "load", "w1", "r1", "wt", "rt")}
+    try:
+        noise = os.urandom(block_bytes + 4096)
+        for i in range(n):  # distinct content per block
+            mem.view(i)[:] = noise[i % 4096:i % 4096 + block_bytes]
+        for _ in range(repeats):
+            store_s, load_s, engine, direct = _store_load_once(work, mem, n, block_bytes, io, num_threads, job_blocks)
+            runs["store"].append(store_s)
+            runs["load"].append(load_s)
+            for tag, threads in (("1", 1), ("t", num_threads)):
+                w, r = _raw_direct(work / "raw", total, threads)
+                os.unlink(work / "raw")
+                runs["w" + tag].append(w)
+                runs["r" + tag].append(r)
+    finally:
+        mem.close()
+        shutil.rmtree(work, ignore_errors=True)
+    gb = total / 1e9
+    rate = {k: gb / median(v) for k, v in runs.items()}
+    figures = {
+        "block_bytes": block_bytes, "total_bytes": total, "io": engine, "o_direct": direct,
+        "num_threads": num_threads, "job_blocks": job_blocks, "repeats": repeats,
+        "store_gbps": rate["store"], "load_gbps": rate["load"],
+        "raw_write_gbps_qd1": rate["w1"], "raw_read_gbps_qd1": rate["r1"],
+        f"raw_write_gbps_{num_threads}t": rate["wt"], f"raw_read_gbps_{num_threads}t": rate["rt"],
+    }
+    # The baseline is the better of the two raw runs, so the ratio is never flattered.
+    figures["raw_write_gbps"] = max(rate["w1"], rate["wt"])
+    figures["raw_read_gbps"] = max(rate["r1"], rate["rt"])
+    figures["store_vs_raw"] = figures["store_gbps"] / figures["raw_write_gbps"]
+    figures["load_vs_raw"] = figures["load_gbps"] / figures["raw_read_gbps"]
+    return figures
+
+
+def measure_restart(root_dir: str, num_blocks: int = 100_000, block_bytes: int = 3584) -> dict:
+    """Seconds from opening a full file tier of `num_blocks` blocks to blocks ready to serve."""
+    from kvtier import build_hierarchy, load_config_text
+
+    work = Path(root_dir) / f"kvtier-restart-{os.getpid()}"
+    tier = work / "tier"
+    try:
+        disk = FileBackend("disk", num_blocks, block_bytes, 0, root_dir=str(tier), io="posix")
+        batch = max(1, RUN_BYTES // disk.slot_bytes) * 4
+        payload = bytes(block_bytes)
+        start = time.perf_counter()
+        for s in range(0, num_blocks, batch):
+            slots = list(range(s, min(num_blocks, s + batch)))
+            disk.write_blocks(slots, [_key(i) for i in slots], [payload] * len(slots))
+        fill_s = time.perf_counter() - start
+        disk.close()
+        start = time.perf_counter()
+        disk = FileBackend("disk", num_blocks, block_bytes, 0, root_dir=str(tier), io="posix")
+        found = disk.recover()
+        backend_s = time.perf_counter() - start
+        disk.close()
+        assert len(found) == num_blocks, len(found)
+        config = load_config_text(f"""
+block_bytes: {block_bytes}B
+tiers:
+  - {{name: mem, backend: memory, capacity: 1024 blocks}}
+  - {{name: disk, backend: file, root_dir: {tier}, capacity: {num_blocks} blocks, io: posix}}
+""")
+        start = time.perf_counter()
+        hierarchy = build_hierarchy(config)
+        hierarchy_s = time.perf_counter() - start
+        resident = hierarchy.manager.get_stats()["disk"]["resident_blocks"]
+        hierarchy.close()
+        assert resident == num_blocks, resident
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"num_blocks": num_blocks, "block_bytes": block_bytes, "fill_s": fill_s,
+            "backend_ready_s": backend_s, "hierarchy_ready_s": hierarchy_s}
+
+
+if __name__ == "__main__":  # python -m kvtier.bench.file_hops [ROOT_DIR]
+    import json
+    import sys
+
+    where = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
+    for size in (1 << 20, 2 << 20):
+        print(json.dumps(measure_cpu_file(where, size, 512 << 20)))
+    print(json.dumps(measure_restart(where)))
