@@ -296,8 +296,9 @@ class _Ref:
 
 
 def _pick_backend(backends: Mapping[str, Any], spec: BlockIDsLoadStoreSpec):
-    if spec.tier is not None:
-        return backends[spec.tier]
+    tier = getattr(spec, "tier", None)  # vLLM's own specs name no tier
+    if tier is not None:
+        return backends[tier]
     if len(backends) != 1:
         raise ValueError(f"spec names no tier and there are {len(backends)} CPU tiers")
     return next(iter(backends.values()))
@@ -348,41 +349,75 @@ class HostKVCopyHandler(TransferHandler):
         return self.layout.bytes_of(gpu)
 
 
-class CudaKVCopyHandler(ThreadedHandler):
-    """Engine KV cache on CUDA <-> pinned CPU tier.
+class EngineJobHandler(ThreadedHandler):
+    """A `ThreadedHandler` for jobs that touch the engine's KV cache.
 
-    `submit` records an event on the caller's current (compute) stream; one worker thread runs the
-    jobs in submission order on a dedicated stream that waits for that event (stores read the KV
-    only after the model wrote it; loads write only after earlier work on those blocks). A job
-    gathers/scatters on the device through a staging buffer laid out like the slots and moves it
-    with one non-blocking DMA when the slots are consecutive, else through a pinned bounce buffer
-    and one batched host-side index copy. The thread waits for the job's end event, then reports.
+    - On CUDA, `submit` records an event on the caller's current (compute) stream; the job's
+      thread makes its own stream wait for it (`ready_event()`), so a store reads the KV only after
+      the model wrote it and a load writes only after earlier work on those blocks.
+    - `wait(job_ids)` returns only after each job's result was reported (`on_done` called).
     """
 
-    def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_cpu: bool):
-        super().__init__(num_threads=1, thread_name="kvtier-gpu-cpu" if to_cpu else "kvtier-cpu-gpu")
-        import torch
-
-        self.backends, self.layout, self.to_cpu = dict(backends), layout, to_cpu
-        self.device = layout.device
-        self.stream = torch.cuda.Stream(device=self.device)
+    def __init__(self, device: Any, num_threads: int, thread_name: str):
+        super().__init__(num_threads=num_threads, thread_name=thread_name)
+        self.device = device
+        self.cuda = device.type == "cuda"
         self._ready: dict[int, Any] = {}
-        self._ready_lock = threading.Lock()
-        self._local = threading.local()
+        self._reported: dict[int, threading.Event] = {}
+        self._job_lock = threading.Lock()
+        self._job_local = threading.local()
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        import torch
+        ready = None
+        if self.cuda:
+            import torch
 
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
-        with self._ready_lock:
-            self._ready[job_id] = ready
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        with self._job_lock:
+            if ready is not None:
+                self._ready[job_id] = ready
+            self._reported[job_id] = threading.Event()
         super().submit(job_id, src, dst)
 
     def _run(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        with self._ready_lock:
-            self._local.ready = self._ready.pop(job_id, None)
-        super()._run(job_id, src, dst)
+        with self._job_lock:
+            self._job_local.ready = self._ready.pop(job_id, None)
+        try:
+            super()._run(job_id, src, dst)  # reports through on_done
+        finally:
+            with self._job_lock:
+                reported = self._reported.pop(job_id, None)
+            if reported is not None:
+                reported.set()
+
+    def ready_event(self):
+        """The compute-stream event of the job running on this thread (None off CUDA)."""
+        return getattr(self._job_local, "ready", None)
+
+    def wait(self, job_ids) -> None:
+        with self._job_lock:
+            pending = [self._reported[j] for j in job_ids if j in self._reported]
+        for event in pending:
+            event.wait()
+
+
+class CudaKVCopyHandler(EngineJobHandler):
+    """Engine KV cache on CUDA <-> pinned CPU tier.
+
+    One worker thread runs the jobs in submission order on a dedicated stream that first waits for
+    the compute stream (see `EngineJobHandler`). A job gathers/scatters on the device through a
+    staging buffer laid out like the slots and moves it with one non-blocking DMA when the slots
+    are consecutive, else through a pinned bounce buffer and one batched host-side row copy. The
+    thread waits for the job's end event, then reports.
+    """
+
+    def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_cpu: bool):
+        super().__init__(layout.device, 1, "kvtier-gpu-cpu" if to_cpu else "kvtier-cpu-gpu")
+        import torch
+
+        self.backends, self.layout, self.to_cpu = dict(backends), layout, to_cpu
+        self.stream = torch.cuda.Stream(device=self.device)
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
         import torch
@@ -391,17 +426,18 @@ class CudaKVCopyHandler(ThreadedHandler):
         backend = _pick_backend(self.backends, cpu)
         if backend.block_bytes < self.layout.block_bytes:
             raise ValueError(f"tier {backend.name!r} blocks are smaller than the KV layout's {self.layout.block_bytes} B")
-        slots = cpu.block_ids
+        slots = torch.as_tensor(cpu.block_ids, dtype=torch.int64)
         k = len(slots)
-        if any(s >= backend.num_blocks for s in slots):
-            raise IndexError(f"slot out of range for tier {backend.name!r}")
+        if k and int(slots.max()) >= backend.num_blocks:
+            raise IndexError(f"slot {int(slots.max())} >= {backend.num_blocks} slots of tier {backend.name!r}")
         stride = backend.slot_stride
         # Whole slots (row stride = slot_stride): every DMA below is between contiguous tensors.
         region_bytes = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
         region = _words(region_bytes)
-        consecutive = k > 0 and slots == list(range(slots[0], slots[0] + k))
+        first = _run_start(slots)
+        consecutive = first is not None
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            ready = getattr(self._local, "ready", None)
+            ready = self.ready_event()
             if ready is not None:
                 self.stream.wait_event(ready)
             index = self.layout.index(gpu, k)
@@ -411,7 +447,7 @@ class CudaKVCopyHandler(ThreadedHandler):
             if self.to_cpu:
                 self.layout.gather(staging, rows, index)
                 if consecutive:
-                    region_bytes[slots[0]:slots[0] + k].copy_(staging, non_blocking=True)
+                    region_bytes[first:first + k].copy_(staging, non_blocking=True)
                 else:
                     bounce = torch.empty((k, stride), dtype=torch.uint8, pin_memory=True)
                     bounce.copy_(staging, non_blocking=True)
@@ -419,14 +455,14 @@ class CudaKVCopyHandler(ThreadedHandler):
                 done.synchronize()
                 if not consecutive:
                     dst, src_rows = _common_words(region, _words(bounce))
-                    _index_copy(dst, torch.tensor(slots, dtype=torch.int64), src_rows)
+                    _index_copy(dst, slots, src_rows)
             else:
                 if consecutive:
-                    staging.copy_(region_bytes[slots[0]:slots[0] + k], non_blocking=True)
+                    staging.copy_(region_bytes[first:first + k], non_blocking=True)
                 else:
                     bounce = torch.empty((k, stride), dtype=torch.uint8, pin_memory=True)
                     src_rows, out = _common_words(region, _words(bounce))
-                    torch.index_select(src_rows, 0, torch.tensor(slots, dtype=torch.int64), out=out)
+                    torch.index_select(src_rows, 0, slots, out=out)
                     staging.copy_(bounce, non_blocking=True)
                 self.layout.scatter(staging, rows, index)
                 done.record(self.stream)
@@ -469,5 +505,6 @@ def make_cpu_to_gpu(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | 
     return make_handler(backends, kv_caches, to_cpu=False, blocks_per_chunk=_bpc(kv_caches))
 
 
-__all__: Sequence[str] = ["ChunkedKVCaches", "KVLayout", "Segment", "HostKVCopyHandler", "CudaKVCopyHandler", "byte_rows",
+__all__: Sequence[str] = ["ChunkedKVCaches", "KVLayout", "Segment", "EngineJobHandler", "HostKVCopyHandler",
+                          "CudaKVCopyHandler", "byte_rows",
                           "make_gpu_to_cpu", "make_cpu_to_gpu", "make_handler"]

@@ -19,8 +19,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.handlers.base import ThreadedHandler
-from kvtier.handlers.gpu_cpu import KVLayout, _bpc, _pick_backend
+from kvtier.handlers.gpu_cpu import EngineJobHandler, KVLayout, _bpc, _pick_backend
 from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import CanonicalKVCaches
 
@@ -44,33 +43,13 @@ def _buffers(staging) -> list:
     return [array[i] for i in range(array.shape[0])]
 
 
-class GPUFileHandler(ThreadedHandler):
+class GPUFileHandler(EngineJobHandler):
     """Engine KV cache <-> file tier through per-job staging buffers (`to_file` selects the direction)."""
 
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_file: bool, num_threads: int = 2):
-        super().__init__(num_threads=num_threads, thread_name="kvtier-gpu-file")
+        super().__init__(layout.device, num_threads, "kvtier-gpu-file")
         self.backends, self.layout, self.to_file = dict(backends), layout, to_file
-        self.cuda = layout.device.type == "cuda"
-        self._ready: dict[int, Any] = {}
-        self._ready_lock = threading.Lock()
-        self._local = threading.local()
         self._streams: dict[int, Any] = {}
-
-    # CUDA: remember where the compute stream was at submit time (see CudaKVCopyHandler).
-    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        if self.cuda:
-            import torch
-
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.layout.device))
-            with self._ready_lock:
-                self._ready[job_id] = ready
-        super().submit(job_id, src, dst)
-
-    def _run(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        with self._ready_lock:
-            self._local.ready = self._ready.pop(job_id, None)
-        super()._run(job_id, src, dst)
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
         gpu, file_spec = (src, dst) if self.to_file else (dst, src)
@@ -136,7 +115,7 @@ class GPUFileHandler(ThreadedHandler):
         @contextlib.contextmanager
         def ctx():
             with torch.cuda.device(self.layout.device), torch.cuda.stream(stream):
-                ready = getattr(self._local, "ready", None)
+                ready = self.ready_event()
                 if ready is not None:
                     stream.wait_event(ready)
                 yield stream
