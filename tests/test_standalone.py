@@ -110,6 +110,21 @@ def test_failed_load_reports_zero(tmp_path):
         assert tier.load(ks, [5, 6]) == 2  # blocks were unpinned and stay loadable
 
 
+def test_packaged_memory_config(tmp_path):
+    import kvtier.config
+
+    kv = make_kv(num_blocks=40)
+    memory_yaml = Path(kvtier.config.__file__).with_name("configs") / "memory.yaml"
+    with KVTier.open(memory_yaml, kv) as tier:
+        ks = keys(10)
+        assert tier.store(ks, list(range(10)))
+        before = snapshot(kv)
+        wipe(kv)
+        assert tier.load(ks, list(range(30, 40))) == 10
+        for t, b in zip(kv.tensors, before):
+            assert torch.equal(t.tensor[30:40], b[:10])
+
+
 def test_example_runs(capsys):
     runpy.run_path(str(Path(__file__).parents[1] / "examples" / "standalone.py"), run_name="__main__")
     assert "loaded 24/24 blocks, bytes identical: True" in capsys.readouterr().out

@@ -470,9 +470,34 @@ class CudaKVCopyHandler(EngineJobHandler):
         return self.layout.bytes_of(gpu)
 
 
+class _ArenaRegion:
+    """`tensor()` over a `MemoryBackend`'s bytearray arena (slots back to back), so the in-process
+    memory tier can stand in for the CPU tier (tests, `configs/memory.yaml`)."""
+
+    def __init__(self, backend: Any):
+        self.name, self.num_blocks, self.block_bytes = backend.name, backend.num_blocks, backend.block_bytes
+        self.slot_stride = backend.block_bytes
+        self._arena = backend.arena
+        self._tensor = None
+
+    def tensor(self):
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.frombuffer(self._arena, dtype=torch.uint8).view(self.num_blocks, self.block_bytes)
+        return self._tensor
+
+
 def cpu_backends(backends: Mapping[str, Any]) -> dict[str, Any]:
-    """The backends a GPU<->CPU handler can serve: those exposing `tensor()` (shared/pinned regions)."""
-    return {name: b for name, b in backends.items() if callable(getattr(b, "tensor", None))}
+    """The backends a GPU<->CPU handler can serve: those exposing `tensor()` (shared/pinned
+    regions), and memory tiers (a `bytearray` arena)."""
+    out = {}
+    for name, b in backends.items():
+        if callable(getattr(b, "tensor", None)):
+            out[name] = b
+        elif isinstance(getattr(b, "arena", None), bytearray):
+            out[name] = _ArenaRegion(b)
+    return out
 
 
 def make_handler(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_cpu: bool,

@@ -179,12 +179,15 @@ def test_a_failing_job_fails_only_itself(tier):
     assert good.success and good.transfer_size == 2 * layout.block_bytes
 
 
-def test_factories_need_kv_caches_and_a_cpu_tier():
+def test_factories_need_kv_caches_and_a_host_tier():
     kv = make_kv()
-    mem = MemoryBackend("mem", 4, 64)
+    mem = MemoryBackend("mem", 4, KVLayout(kv, 1).block_bytes)
     assert make_gpu_to_cpu({"mem": mem}, None) is None
-    assert make_cpu_to_gpu({"mem": mem}, kv) is None  # no tensor(): not a CPU tier region
     assert make_handler({}, kv, to_cpu=True) is None
+    store = make_gpu_to_cpu({"mem": mem}, kv)  # a memory tier's arena serves as the region
+    jobs = Jobs(store)
+    assert jobs.run(store, 1, GPULoadStoreSpec([3], group_sizes=[0, 1]), CPULoadStoreSpec([2], tier="mem")).success
+    assert bytes(mem.view(2)[:512]) == engine_page(kv, 1, 3, 512)
 
 
 def test_built_hierarchy_routes_engine_hops(tmp_path):
