@@ -166,7 +166,8 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=540, help="words per prompt (~3.2 tokens each)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--workdir", default=None)
-    parser.add_argument("--only", default="kvtier,vllm_fs,recompute")
+    parser.add_argument("--only", default="kvtier,vllm_fs,recompute",
+                        help="backends to run; reports of the others already in --workdir are reused")
     args = parser.parse_args()
 
     from tiny_model import build_tiny_model, random_prompt
@@ -201,6 +202,11 @@ def main() -> None:
         job = dict(base, steps=_steps(prompts, args.rounds, True), spec={"name": "none"})
         reports["recompute"] = run_engine(job, work, "recompute", timeout=900)
 
+    for backend in ("kvtier", "vllm_fs", "recompute"):  # --only: reuse earlier reports in --workdir
+        earlier = work / f"{backend}.report.json"
+        if backend not in reports and earlier.exists():
+            reports[backend] = json.loads(earlier.read_text())
+    reports = {b: reports[b] for b in ("kvtier", "vllm_fs", "recompute") if b in reports}
     rows, summary = [], {}
     for backend, rep in reports.items():
         cold = {s["name"].split(":")[1]: s for s in rep["steps"] if s.get("name", "").startswith("cold:")}

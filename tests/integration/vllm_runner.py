@@ -69,7 +69,9 @@ def main(job_path: str, report_path: str) -> None:
     from vllm.config import KVTransferConfig
 
     spec = job.get("spec")
-    if spec is None:
+    if spec is not None and spec.get("name") == "none":
+        extra = {}
+    elif spec is None:
         extra = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
                  "kvtier_config": job["kvtier_config"]}
     else:
