@@ -173,21 +173,23 @@ def scan_journal(data: bytes) -> JournalScan:
     scan.epoch = epoch
     entries = scan.entries
     pos, end, rec_size, unpack, crc32 = _JHDR.size, len(data), _REC.size, _REC.unpack_from, zlib.crc32
-    view = memoryview(data)
+    records = 0
+    pop = entries.pop
     while pos + rec_size <= end:
-        rcrc, op, key_len, slot, pcrc = unpack(view, pos)
+        rcrc, op, key_len, slot, pcrc = unpack(data, pos)
         stop = pos + rec_size + key_len
-        if stop > end or crc32(view[pos + 4:stop]) != rcrc:
+        if stop > end or crc32(data[pos + 4:stop]) != rcrc:
             break
         if op == _PUT:
-            entries.pop(slot, None)  # keep dict order = order of the latest record
-            entries[slot] = (bytes(view[pos + rec_size:stop]), pcrc, scan.records)
+            pop(slot, None)  # keep dict order = order of the latest record
+            entries[slot] = (data[pos + rec_size:stop], pcrc, records)
         elif op == _DEL:
-            entries.pop(slot, None)
+            pop(slot, None)
         else:
             break
-        scan.records += 1
+        records += 1
         pos = stop
+    scan.records = records
     scan.good_bytes = pos
     # The file is preallocated with zeros: only non-zero bytes after the valid prefix are a torn tail.
     scan.torn_bytes = max(0, len(data.rstrip(b"\0")) - pos)
@@ -580,6 +582,10 @@ class FileBackend(Backend):
                     self.journal.append(records)
         except BaseException as exc:  # every caller of this batch fails with it
             error = exc
+            with self._jlock:  # not durable: not in the index either
+                for pending in batch:
+                    for slot, _key, _crc in pending.entries:
+                        self._index.pop(slot, None)
         with self._commit_cv:
             for pending in batch:
                 pending.done, pending.error = True, error

@@ -357,3 +357,36 @@ def test_inspect_is_read_only_and_counts_bad_blocks(root):
         f.write(b"junk")
     assert "torn journal tail" in inspect_root(str(root))["index_health"]
     assert inspect_root(str(root / "nothing"))["index_health"].startswith("no readable manifest")
+
+
+def test_failed_commit_fails_every_caller_and_commits_nothing(root, monkeypatch):
+    b = open_backend(root)
+    write(b, [0], [0])
+    real_sync = type(b.io).sync
+    monkeypatch.setattr(type(b.io), "sync", lambda self: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    with pytest.raises(OSError, match="Input/output error"):
+        write(b, [1, 2], [1, 2])
+    assert set(b.committed()) == {0}
+    monkeypatch.setattr(type(b.io), "sync", real_sync)
+    write(b, [3], [3])
+    b.close()
+    b = open_backend(root)
+    assert sorted(blk.block_id for _, blk in b.recover()) == [0, 3]
+    b.close()
+
+
+def test_concurrent_writers_share_commits(root, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    b = open_backend(root, num_blocks=64, num_threads=4)
+    syncs = []
+    real_sync = type(b.io).sync
+    monkeypatch.setattr(type(b.io), "sync", lambda self: (syncs.append(1), real_sync(self)))
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: write(b, [2 * i, 2 * i + 1], [2 * i, 2 * i + 1]), range(32)))
+    assert 1 <= len(syncs) <= 32 and len(b.committed()) == 64
+    b.close()
+    b = open_backend(root, num_blocks=64)
+    assert len(b.recover()) == 64
+    assert read(b, [7, 40], [7, 40]) == [payload(7), payload(40)]
+    b.close()
