@@ -120,6 +120,11 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         self.group_sizes: list[int] = sizes
         self.block_indices: list[int] | None = block_indices
 
+    def subset(self, positions: Sequence[int]) -> "GPULoadStoreSpec":
+        """Not defined: an offloaded block may cover several engine blocks (and the first one
+        partly), so key positions do not map to block ids. Build one spec per part instead."""
+        raise TypeError("GPULoadStoreSpec cannot be split by key position; build one engine-side spec per part")
+
     @staticmethod
     def medium() -> str:
         return "GPU"

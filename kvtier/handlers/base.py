@@ -83,9 +83,9 @@ class ThreadedHandler(TransferHandler, ABC):
         except Exception as exc:  # noqa: BLE001 - any failure fails this job only
             result = TransferResult(job_id, False, 0, time.perf_counter() - start,
                                     error=f"{type(exc).__name__}: {exc}")
+        self._on_done(result)  # report before forgetting the future, so wait() implies reported
         with self._lock:
             self._futures.pop(job_id, None)
-        self._on_done(result)
 
     def wait(self, job_ids: Iterable[int]) -> None:
         with self._lock:
