@@ -63,11 +63,16 @@ class TransferEngine:
         if job_id is None:
             job_id = self.new_job_id()
         if isinstance(src, CompositeLoadStoreSpec):
-            parent = _Composite(job_id, len(src.parts))
-            for spec, positions in src.parts:
+            try:
+                parts = [(spec, dst.subset(positions)) for spec, positions in src.parts]
+            except (TypeError, AttributeError, IndexError) as exc:
+                self._fail(job_id, f"cannot split the destination of a multi-tier job: {exc}")
+                return job_id
+            parent = _Composite(job_id, len(parts))
+            for spec, sub_dst in parts:
                 sub_id = self.new_job_id()
                 self._parents[sub_id] = parent
-                self._submit_one(sub_id, spec, dst.subset(positions))
+                self._submit_one(sub_id, spec, sub_dst)
         else:
             self._submit_one(job_id, src, dst)
         return job_id
