@@ -173,7 +173,8 @@ def test_direct_path_serves_lower_tier_without_promotion(ctx):
     assert sorted(tuple(p) for _, p in spec.parts) == [(0, 1), (2, 3)]
     # A multi-tier load is submitted part by part (GPU specs cannot be split by key position).
     engine_blocks = [10, 11, 12, 13]
-    assert [r.success for r in engine.poll() if r.job_id == engine.submit(spec, GPULoadStoreSpec(engine_blocks))] == [False]
+    whole = engine.submit(spec, GPULoadStoreSpec(engine_blocks))
+    assert [r.success for r in engine.poll() if r.job_id == whole] == [False]
     jobs = [engine.submit(part, GPULoadStoreSpec([engine_blocks[p] for p in pos])) for part, pos in spec.parts]
     assert sorted(r.job_id for r in engine.poll() if r.success) == sorted(jobs)
     warm_slots = [warm_block(m, k).block_id for k in ks[:2]]
