@@ -146,3 +146,32 @@ def test_worker_round_trip_through_shared_region(spec):
     for b in (5, 2, 7):
         assert torch.equal(engine[b], original[b])
     assert not engine[[0, 1, 3, 4, 6]].any()
+
+
+def test_manager_calls_do_not_wait_for_the_file_tier(spec, monkeypatch):
+    """With a file tier that takes 0.5 s per write, every scheduler-side call still returns at once;
+    the blocks reach the file tier in the background."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.tiers.file import FileBackend
+
+    real = FileBackend.write_blocks
+
+    def slow_write(self, *args, **kwargs):
+        time.sleep(0.5)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileBackend, "write_blocks", slow_write)
+    m = spec.get_manager()
+    ctx = ReqContext("r")
+    start = time.perf_counter()
+    for i in range(2):  # 4 blocks: fits the CPU tier, nothing has to be evicted
+        keys = _keys(2, start=200 + 2 * i)
+        out = m.prepare_store(keys, ctx)
+        m.complete_store(out.keys_to_store, ctx)
+        m.on_schedule_end(None)
+        m.lookup(keys[0], ctx)
+    assert time.perf_counter() - start < 0.3
+    assert m.has_pending_work()  # writes still running
+    _settle(m)
+    assert m.tier_stats()["disk"]["stores"] > 0
