@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+import threading
 from collections.abc import Collection, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -202,11 +203,20 @@ class KVTierOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self._last_counters: dict[str, dict[str, float]] = {}
         self._source: dict[OffloadKey, str] = {}  # key being promoted -> medium of the source tier
+        self._lock = threading.RLock()
+
+    if "lock" in getattr(OffloadingManager, "__abstractmethods__", frozenset()):  # vLLM 0.33+, if abstract
+        @property
+        def lock(self):
+            """Guards the manager when vLLM calls it from more than one thread."""
+            return self._lock
 
     # --- lookup and load
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         result = self.manager.lookup(key, req_context)
         if result is ktypes.LookupResult.RETRY and key not in self._source:
+            if len(self._source) > 1 << 16:  # promoted but never loaded (aborted requests): forget
+                self._source.clear()
             for tier in self.manager.tiers[1:]:
                 if tier.policy.get(key) is not None:
                     self._source[key] = tier.medium
