@@ -48,7 +48,7 @@ log = logging.getLogger("kvtier.tiers.file")
 FORMAT_VERSION = 1
 ALIGN = 4096
 HEADER_BYTES = 512
-RUN_BYTES = 8 << 20  # adjacent slots are merged into I/Os of up to this size
+RUN_BYTES = 8 << 20  # adjacent slots are merged into I/Os of about this size (a whole number of slots)
 
 MANIFEST = "manifest.json"
 SLAB = "slab.0"
@@ -65,6 +65,23 @@ _JHDR = struct.Struct("<4sI16s")  # magic, version, epoch
 # record crc, op, key_len, slot, payload crc; the key follows. The CRC covers everything after it.
 _REC = struct.Struct("<IBxHQI")
 _PUT, _DEL = 1, 2
+
+
+def _payload_crc32():
+    """The fastest available implementation of zlib's CRC-32 (identical values, so the on-disk
+    format does not depend on it): zlib-ng or ISA-L (~50 GB/s with carry-less multiply) when
+    installed, else zlib (~6 GB/s). Payload checksums are the only CPU work per byte on the hop."""
+    import importlib
+
+    for module in ("zlib_ng.zlib_ng", "isal.isal_zlib"):
+        try:
+            return importlib.import_module(module).crc32
+        except Exception:  # noqa: BLE001 - optional accelerators
+            continue
+    return zlib.crc32
+
+
+payload_crc32 = _payload_crc32()
 
 
 def slot_bytes_for(block_bytes: int) -> int:
@@ -142,7 +159,7 @@ def verify_slot(view: memoryview, key: bytes | None, block_bytes: int, digest: b
         return "holds another key"
     if header.payload_len != block_bytes:
         return f"payload length {header.payload_len}, expected {block_bytes}"
-    if zlib.crc32(view[HEADER_BYTES:HEADER_BYTES + block_bytes]) != header.payload_crc:
+    if payload_crc32(view[HEADER_BYTES:HEADER_BYTES + block_bytes]) != header.payload_crc:
         return "payload checksum mismatch"
     return None
 
@@ -363,7 +380,7 @@ class FileBackend(Backend):
         self.io = None
         self.journal: Journal | None = None
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix=f"kvtier-file-{name}")
-        self._run_slots = max(1, RUN_BYTES // self.slot_bytes)
+        self._run_slots = max(1, round(RUN_BYTES / self.slot_bytes))
         self._buffers: queue.SimpleQueue = queue.SimpleQueue()
         self._make_root()
         self._acquire_lock()
@@ -670,7 +687,7 @@ class FileBackend(Backend):
                 base = i * self.slot_bytes
                 payload = image[base + HEADER_BYTES:base + HEADER_BYTES + self.block_bytes]
                 payload[:] = views[pos]
-                crc = zlib.crc32(payload)
+                crc = payload_crc32(payload)
                 pack_header(image[base:base + HEADER_BYTES], keys[pos], self.block_bytes, crc, self.digest)
                 crcs[slots[pos]] = crc
             self.io.pwrite(slots[run[0]] * self.slot_bytes, image[:len(run) * self.slot_bytes])
