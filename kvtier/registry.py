@@ -23,6 +23,8 @@ BACKENDS: dict[str, str] = {
 POLICIES: dict[str, str] = {
     "lru": "kvtier.policies.lru:LRUCachePolicy",
     "arc": "kvtier.policies.arc:ARCCachePolicy",
+    "sieve": "kvtier.policies.sieve:SIEVECachePolicy",
+    "prefix-freq": "kvtier.policies.prefix:PrefixFreqCachePolicy",
 }
 
 # (source spec class name, destination spec class name) -> handler factory.
