@@ -390,3 +390,13 @@ def test_concurrent_writers_share_commits(root, monkeypatch):
     assert len(b.recover()) == 64
     assert read(b, [7, 40], [7, 40]) == [payload(7), payload(40)]
     b.close()
+
+
+def test_payload_checksum_is_zlib_crc32_whichever_library_computes_it():
+    import zlib
+
+    from kvtier.tiers.file import payload_crc32
+
+    data = payload(1, 3 * BLOCK)
+    assert payload_crc32(data) == zlib.crc32(data)
+    assert payload_crc32(memoryview(data)[BLOCK:]) == zlib.crc32(data[BLOCK:])
