@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtier.tiers.file import (JOURNAL, LOCK, MANIFEST, SLAB, manifest_digest, read_manifest, scan_journal,
+from kvtier.tiers.file import (JOURNAL, LOCK, SLAB, manifest_digest, read_manifest, scan_journal,
                                verify_slot)
 
 

@@ -158,7 +158,7 @@ class KvikioIO(IOEngine):
 
     def __init__(self, path: str, num_threads: int):
         import kvikio
-        import kvikio.defaults
+        import kvikio.defaults  # noqa: F401 - a submodule: not loaded by `import kvikio`
         import numpy as np
 
         self._np = np
@@ -204,6 +204,7 @@ def choose_engine(io: str, path: str, num_threads: int) -> IOEngine:
     `kvikio` failing raises OSError/RuntimeError naming the cause."""
     if io == "auto":
         if gpu_present() and kvikio_importable():
+            engine = None
             try:
                 engine = KvikioIO(path, num_threads)
                 probe = aligned_buffer(ALIGN)
@@ -212,6 +213,8 @@ def choose_engine(io: str, path: str, num_threads: int) -> IOEngine:
                 return engine
             except Exception as exc:  # noqa: BLE001 - any kvikio failure: use posix instead
                 log.warning("file tier: kvikio unusable (%s: %s); using posix I/O", type(exc).__name__, exc)
+                if engine is not None:
+                    engine.close()
         io = "posix"
     if io == "kvikio":
         return KvikioIO(path, num_threads)

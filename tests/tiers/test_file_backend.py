@@ -400,3 +400,31 @@ def test_payload_checksum_is_zlib_crc32_whichever_library_computes_it():
     data = payload(1, 3 * BLOCK)
     assert payload_crc32(data) == zlib.crc32(data)
     assert payload_crc32(memoryview(data)[BLOCK:]) == zlib.crc32(data[BLOCK:])
+
+
+def test_auto_engine_is_posix_without_gpu_and_kvikio_failure_falls_back(root, monkeypatch, caplog):
+    b = open_backend(root, io="auto")
+    assert b.io.name == ("kvikio" if fileio.gpu_present() and fileio.kvikio_importable() else "posix")
+    b.close()
+
+    class Broken(fileio.IOEngine):
+        def __init__(self, path, num_threads):
+            self.closed = False
+
+        def pread(self, offset, buf):
+            raise RuntimeError("libcuda.so.1: cannot open shared object file")
+
+        pwrite = sync = lambda self, *a: None
+
+        def close(self):
+            self.closed = True
+
+    monkeypatch.setattr(fileio, "gpu_present", lambda: True)
+    monkeypatch.setattr(fileio, "kvikio_importable", lambda: True)
+    monkeypatch.setattr(fileio, "KvikioIO", Broken)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
+        b = open_backend(root, io="auto")
+    assert b.io.name == "posix" and any("kvikio unusable" in r.message for r in caplog.records)
+    write(b, [0], [0])
+    assert read(b, [0], [0]) == [payload(0)]
+    b.close()

@@ -7,7 +7,6 @@ write had completed before the kill is recovered and served.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
