@@ -78,9 +78,19 @@ def load(h, key) -> bytes:
     return data
 
 
-def test_cascade_promotion_round_trip(tmp_path):
+@pytest.mark.parametrize("io", ["posix", "kvikio"])
+def test_cascade_promotion_round_trip(tmp_path, io):
+    if io == "kvikio":
+        from kvtier.tiers.fileio import kvikio_importable
+
+        if not kvikio_importable():
+            pytest.skip("kvikio not installed")
+        from kvtier.testing.fake_cuda import load_fake_libcuda
+
+        load_fake_libcuda()
     all_keys = keys(16)
-    with build_hierarchy(config(tmp_path / "kv")) as h:
+    with build_hierarchy(config(tmp_path / "kv", io=io)) as h:
+        assert h.backends["disk"].io.name == io
         for i in range(0, 16, 2):
             store(h, all_keys[i:i + 2])
         stats = h.manager.get_stats()
