@@ -156,7 +156,6 @@ def trace_stats(trace: Trace) -> dict[str, Any]:
     """Why recency alone loses: one-time blocks, the last (partial) block of each request, reuse
     by depth, and the reuse distance (in distinct blocks) of reused blocks."""
     counts: dict[int, int] = {}
-    last_blocks = 0
     for row in trace.requests:
         for h in row:
             counts[h] = counts.get(h, 0) + 1
@@ -183,7 +182,6 @@ def trace_stats(trace: Trace) -> dict[str, Any]:
     return {
         "trace": trace.name, "requests": len(trace.requests), "blocks": trace.total_blocks,
         "unique_blocks": len(counts), "one_time_blocks": once, "one_time_share_of_unique": once / len(counts),
-        "one_time_share_of_stores": once / len(counts),
         "last_block_one_time_share": last_once / max(1, last_blocks),
         "first_block_reused_share": head_reused / max(1, last_blocks),
         "reuse_distance_p50": pct(0.5), "reuse_distance_p90": pct(0.9), "reuse_distance_p99": pct(0.99),

@@ -40,6 +40,7 @@ class ARCCachePolicy(CachePolicy):
             self.t2[key] = block
         else:
             self.t1[key] = block
+        self._trim_ghosts()  # keep |T1| + |B1| <= c and |B1| + |B2| <= c after every change
 
     def remove(self, key: OffloadKey) -> None:
         if self.t1.pop(key, None) is None:

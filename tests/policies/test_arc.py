@@ -1,0 +1,202 @@
+"""ARC's adaptation (Megiddo & Modha, FAST'03) on crafted sequences, and the distinguishing
+behaviour of kvtier's other policies: SIEVE (NSDI'24) and prefix-freq (docs/policies.md)."""
+
+from __future__ import annotations
+
+from kvtier import make_offload_key
+from kvtier.policies.arc import ARCCachePolicy
+from kvtier.policies.lru import LRUCachePolicy
+from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.sieve import SIEVECachePolicy
+from kvtier.types import BlockStatus
+
+
+def key(i: int) -> bytes:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def ready(i: int = 0) -> BlockStatus:
+    block = BlockStatus(i)
+    block.ref_cnt = 0
+    return block
+
+
+def insert(policy, ids) -> None:
+    for i in ids:
+        policy.insert(key(i), ready(i))
+
+
+def evicted(victims) -> list[int]:
+    return [int.from_bytes(k[:8], "big") for k, _ in victims]
+
+
+# ------------------------------------------------------------------ ARC
+def test_arc_ghost_hit_in_b1_grows_target_t1():
+    arc = ARCCachePolicy(4)
+    insert(arc, range(4))  # all in T1
+    assert evicted(arc.evict(2, set())) == [0, 1]  # target 0: T1 gives first
+    assert list(arc.b1) == [key(0), key(1)] and not arc.b2
+    assert arc.target_t1_size == 0
+    arc.insert(key(0), ready())  # a ghost hit in B1: T1 was too small
+    assert arc.target_t1_size == 1  # + max(1, |B2|/|B1|) = 1
+    assert key(0) in arc.t2 and key(0) not in arc.b1
+
+
+def test_arc_ghost_hit_in_b2_shrinks_target_t1():
+    arc = ARCCachePolicy(4)
+    insert(arc, range(4))
+    arc.evict(2, set())  # 0, 1 -> B1
+    arc.insert(key(0), ready())  # B1 hit: p = 1, 0 -> T2
+    arc.insert(key(1), ready())  # B1 hit: p = 2, 1 -> T2
+    assert arc.target_t1_size == 2
+    arc.touch([key(2), key(3)])  # 2, 3 -> T2; T1 empty
+    assert not arc.t1 and len(arc.t2) == 4
+    victims = arc.evict(1, set())
+    assert evicted(victims) == [0]  # T1 is empty: T2's LRU goes, to B2
+    assert key(0) in arc.b2
+    arc.insert(key(0), ready())  # B2 hit: T2 was too small
+    assert arc.target_t1_size == 1  # - max(1, |B1|/|B2|) = 1
+    assert key(0) in arc.t2
+
+
+def test_arc_target_grows_faster_when_b2_is_larger():
+    arc = ARCCachePolicy(8)
+    insert(arc, range(8))
+    arc.touch([key(i) for i in range(4, 8)])  # 4..7 -> T2
+    arc.evict(4, set())  # T1 (0..3) -> B1 since p = 0
+    arc.target_t1_size = 8.0  # now prefer T1: T2 gives victims
+    insert(arc, range(100, 104))
+    arc.evict(3, set())
+    assert len(arc.b2) >= 2
+    before = arc.target_t1_size = 0.0
+    ratio = max(1.0, len(arc.b2) / len(arc.b1))
+    arc.insert(key(0), ready())  # B1 hit
+    assert arc.target_t1_size == before + ratio
+
+
+def test_arc_ghost_lists_bounded_by_capacity():
+    c = 8
+    arc = ARCCachePolicy(c)
+    for i in range(500):
+        if len(arc) >= c:
+            assert arc.evict(1, set()) is not None
+        arc.insert(key(i % 37), ready(i)) if arc.get(key(i % 37)) is None else arc.touch([key(i % 37)])
+        if i % 3 == 0:
+            arc.touch([key((i * 7) % 37)])
+        assert len(arc.t1) + len(arc.b1) <= c
+        assert len(arc.b1) + len(arc.b2) <= c
+        assert len(arc.t1) + len(arc.t2) + len(arc.b1) + len(arc.b2) <= 2 * c
+        assert 0 <= arc.target_t1_size <= c
+
+
+def test_arc_clear_forgets_ghosts_and_target():
+    arc = ARCCachePolicy(4)
+    insert(arc, range(4))
+    arc.evict(2, set())
+    arc.insert(key(0), ready())
+    arc.clear()
+    assert not arc.b1 and not arc.b2 and arc.target_t1_size == 0 and len(arc) == 0
+
+
+# ------------------------------------------------------------------ SIEVE
+def test_sieve_visited_block_survives_one_pass_without_moving():
+    sieve = SIEVECachePolicy(8)
+    insert(sieve, range(8))
+    sieve.touch([key(0)])
+    assert evicted(sieve.evict(1, set())) == [1]  # the hand skips 0 (and clears its bit)
+    insert(sieve, [8])
+    assert evicted(sieve.evict(1, set())) == [2]
+    # 0 was not moved: the hand goes on to the newest block, then wraps to 0 (bit cleared).
+    assert evicted(sieve.evict(6, set())) == [3, 4, 5, 6, 7, 8]
+    assert evicted(sieve.evict(1, set())) == [0]
+
+
+def test_sieve_scan_does_not_flush_reused_blocks():
+    """One-time blocks keep flowing; blocks reused between two passes of the hand stay."""
+    sieve = SIEVECachePolicy(16)
+    hot = list(range(4))
+    insert(sieve, hot)
+    for i in range(100, 400):
+        if len(sieve) >= 16:
+            sieve.evict(1, set())
+        insert(sieve, [i])
+        if i % 8 == 0:  # reused at least once per turn of the hand (12 one-time slots)
+            sieve.touch([key(h) for h in hot])
+    assert all(sieve.get(key(h)) is not None for h in hot)
+    assert sieve.evict(1, set())[0][0] not in {key(h) for h in hot}
+
+
+# ------------------------------------------------------------------ prefix-freq
+def request(policy, hits, new, capacity):
+    """What the manager does for one request: touch hits, make room, insert new blocks tail first."""
+    if hits:
+        policy.touch([key(i) for i in hits])
+    need = len(policy) + len(new) - capacity
+    if need > 0:
+        assert policy.evict(need, {key(i) for i in new}) is not None
+    for i in reversed(new):
+        policy.insert(key(i), ready(i))
+
+
+def test_prefix_freq_tail_first_then_chains_from_the_deep_end():
+    policy = PrefixFreqCachePolicy(100)
+    request(policy, [], [0, 1, 2, 3, 4], 100)  # chain A, tail 4
+    request(policy, [], [10, 11, 12], 100)  # chain B: no call between the two runs, 12 is not seen as a tail
+    policy.touch([])  # the next request's touch (here: no hits) separates the runs
+    request(policy, [], [20, 21, 22], 100)
+    order = [int.from_bytes(k[:8], "big") for k, _ in policy.victim_candidates()]
+    assert order[:2] == [4, 22]  # request tails go first
+    assert order.index(12) < order.index(11) < order.index(10)  # B: an ordinary chain, deepest first
+    assert order.index(3) < order.index(2) < order.index(1) < order.index(0)  # deepest first
+    assert order.index(21) < order.index(20)
+
+
+def test_prefix_freq_scan_does_not_flush_a_reused_prefix():
+    """A prefix hit a few times survives a burst of one-time requests that flushes it from LRU."""
+    cap = 40
+    results = {}
+    for cls in (PrefixFreqCachePolicy, LRUCachePolicy):
+        policy = cls(cap)
+        hot = [0, 1, 2, 3, 4]
+        request(policy, [], hot + [5], cap)
+        for _ in range(3):
+            request(policy, hot, [], cap)
+        nxt = 1000
+        for _ in range(12):  # 12 requests of 6 one-time blocks: 72 blocks through a 40-block tier
+            request(policy, [], list(range(nxt, nxt + 6)), cap)
+            nxt += 6
+        results[cls.__name__] = all(policy.get(key(h)) is not None for h in hot)
+    assert results == {"PrefixFreqCachePolicy": True, "LRUCachePolicy": False}
+
+
+def test_prefix_freq_restored_ghost_counts_as_a_hit():
+    cap = 10
+    policy = PrefixFreqCachePolicy(cap)
+    request(policy, [], list(range(10)), cap)
+    policy.evict(10, set())  # all become ghosts
+    request(policy, [], [3], cap)  # 3 comes back: it was needed, so it is treated as hit once
+    request(policy, [], list(range(100, 109)), cap)  # fresh blocks, stored after 3
+    order = [int.from_bytes(k[:8], "big") for k, _ in policy.victim_candidates()]
+    assert order[-1] == 3  # outlives blocks that are newer but never needed twice
+
+
+def test_prefix_freq_stops_demoting_tails_that_come_back():
+    """On a workload whose request tails are reused (full blocks), tails stop being demoted."""
+    cap = 30
+    policy = PrefixFreqCachePolicy(cap)
+    assert policy._tails_one_time()
+    convs = [[c * 1000 + i for i in range(3)] for c in range(40)]
+    for turn in range(6):
+        for c, chain in enumerate(convs):
+            # the next turn re-sends the whole history, tail included, then adds 3 blocks
+            hits = [h for h in chain if policy.get(key(h)) is not None]
+            prefix = []
+            for h in chain:
+                if policy.get(key(h)) is None:
+                    break
+                prefix.append(h)
+            new_blocks = chain[len(prefix):] + [c * 1000 + 3 * (turn + 1) + i for i in range(3)]
+            request(policy, prefix, new_blocks, cap)
+            convs[c] = chain + new_blocks[len(chain) - len(prefix):]
+            del hits
+    assert not policy._tails_one_time()
