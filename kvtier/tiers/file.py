@@ -155,7 +155,12 @@ def parse_header(view) -> SlotHeader | str:
 def verify_slot(view: memoryview, key: bytes | None, block_bytes: int, digest: bytes) -> str | None:
     """Check one slot image (`view` = header + payload); None if it may be served, else why not.
     `key=None` accepts any key (inspection)."""
-    header = parse_header(view)
+    return verify_parts(view, view[HEADER_BYTES:HEADER_BYTES + block_bytes], key, block_bytes, digest)
+
+
+def verify_parts(header_view, payload, key: bytes | None, block_bytes: int, digest: bytes) -> str | None:
+    """`verify_slot` with the header and the payload in separate buffers."""
+    header = parse_header(header_view)
     if isinstance(header, str):
         return header
     if header.digest != digest:
@@ -164,7 +169,7 @@ def verify_slot(view: memoryview, key: bytes | None, block_bytes: int, digest: b
         return "holds another key"
     if header.payload_len != block_bytes:
         return f"payload length {header.payload_len}, expected {block_bytes}"
-    if payload_crc32(view[HEADER_BYTES:HEADER_BYTES + block_bytes]) != header.payload_crc:
+    if payload_crc32(payload) != header.payload_crc:
         return "payload checksum mismatch"
     return None
 
@@ -221,6 +226,13 @@ def scan_journal(data: bytes) -> JournalScan:
 def _record(op: int, slot: int, key: bytes = b"", crc: int = 0) -> bytes:
     body = _REC.pack(0, op, len(key), slot, crc)[4:] + key
     return struct.pack("<I", zlib.crc32(body)) + body
+
+
+def _address(view: memoryview) -> int:
+    """Address of a writable buffer's first byte."""
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
 def _fsync_dir(path: Path) -> None:
@@ -387,14 +399,19 @@ class FileBackend(Backend):
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix=f"kvtier-file-{name}")
         self._run_slots = max(1, round(RUN_BYTES / self.slot_bytes))
         self._buffers: queue.SimpleQueue = queue.SimpleQueue()
+        self._zero_copy_ok = False
         self._make_root()
         self._acquire_lock()
         self._closed = False
         try:
             self._open(fingerprint)
-            from kvtier.tiers.fileio import choose_engine
+            from kvtier.tiers.fileio import aligned_buffer, choose_engine
 
             self.io = choose_engine(io, str(self.slab_path), num_threads)
+            pad = self.slot_bytes - HEADER_BYTES - block_bytes
+            self._zero_copy_ok = hasattr(self.io, "pwritev") and (not self.io.direct or block_bytes % ALIGN == 0)
+            self._pad = memoryview(aligned_buffer(pad))[:pad] if pad else None  # written as is: contents unused
+            self._pad_in = memoryview(aligned_buffer(pad))[:pad] if pad else None  # read into and ignored
         except BaseException:
             self.close()
             raise
@@ -682,12 +699,38 @@ class FileBackend(Backend):
 
             return aligned_buffer(self._run_slots * self.slot_bytes)
 
+    def _zero_copy(self, run: list[int], views) -> bool:
+        """Whether this run can go straight between the caller's buffers and the file (one
+        preadv/pwritev of header, payload, padding per slot): posix engine, writable buffers, and
+        with O_DIRECT page-aligned ones of whole 4 KiB pages (the shared-memory CPU tier's slots)."""
+        if not self._zero_copy_ok:
+            return False
+        if not self.io.direct:
+            return True
+        return all(not views[p].readonly and _address(views[p]) % ALIGN == 0 for p in run)
+
     def _write_run(self, run: list[int], slots, keys, views) -> dict[int, int]:
-        """Runs on the pool: build the slot images of one run in a bounce buffer, then write it."""
+        """Runs on the pool: write one run of adjacent slots (zero-copy or via a bounce buffer)."""
         buf = self._take_buffer()
         try:
             image = memoryview(buf)
             crcs = {}
+            if self._zero_copy(run, views):
+                iovs = []
+                for i, pos in enumerate(run):
+                    crc = payload_crc32(views[pos])
+                    header = image[i * HEADER_BYTES:(i + 1) * HEADER_BYTES]
+                    pack_header(header, keys[pos], self.block_bytes, crc, self.digest)
+                    crcs[slots[pos]] = crc
+                    iovs += [header, views[pos], self._pad] if self._pad else [header, views[pos]]
+                try:
+                    self.io.pwritev(slots[run[0]] * self.slot_bytes, iovs)
+                    return crcs
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._no_zero_copy(exc)  # e.g. a 4 KiB-sector device refuses 512-byte iovecs
+                crcs = {}
             for i, pos in enumerate(run):
                 base = i * self.slot_bytes
                 payload = image[base + HEADER_BYTES:base + HEADER_BYTES + self.block_bytes]
@@ -701,11 +744,30 @@ class FileBackend(Backend):
             self._buffers.put(buf)
 
     def _read_run(self, run: list[int], slots, keys, views) -> list[tuple[int, str]]:
-        """Runs on the pool: read one run into a bounce buffer, verify each slot, copy out the good ones."""
+        """Runs on the pool: read one run, verify each slot; a bad slot's buffer holds garbage and
+        is reported (never served). Zero-copy when possible, else via a bounce buffer."""
         buf = self._take_buffer()
         try:
             image = memoryview(buf)
             offset, length = slots[run[0]] * self.slot_bytes, len(run) * self.slot_bytes
+            if self._zero_copy(run, views):
+                headers = [image[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] for i in range(len(run))]
+                iovs = []
+                for header, pos in zip(headers, run):
+                    iovs += [header, views[pos], self._pad_in] if self._pad else [header, views[pos]]
+                try:
+                    self.io.preadv(offset, iovs)
+                except OSError as exc:
+                    if exc.errno == errno.EINVAL:
+                        self._no_zero_copy(exc)
+                    elif os.stat(self.slab_path).st_size < offset + length:
+                        return [(slots[p], "slab truncated") for p in run]
+                    else:
+                        raise
+                else:
+                    return [(slots[pos], why) for header, pos in zip(headers, run)
+                            if (why := verify_parts(header, views[pos], bytes(keys[pos]), self.block_bytes,
+                                                    self.digest)) is not None]
             try:
                 self.io.pread(offset, image[:length])
             except OSError:
@@ -723,6 +785,12 @@ class FileBackend(Backend):
             return bad
         finally:
             self._buffers.put(buf)
+
+    def _no_zero_copy(self, exc: OSError) -> None:
+        if self._zero_copy_ok:
+            self._zero_copy_ok = False
+            log.warning("file tier %s: scatter-gather O_DIRECT refused (%s); copying through bounce buffers",
+                        self.name, exc)
 
     # ------------------------------------------------------------------ journal upkeep
     def _journal_capacity(self) -> int:

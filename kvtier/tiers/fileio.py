@@ -111,6 +111,25 @@ class PosixIO(IOEngine):
                                          f"({total - done} of {total} bytes missing)")
             done += n
 
+    def pwritev(self, offset: int, iovs: list) -> None:
+        """Write the concatenation of `iovs` at `offset` (scatter-gather, no copy)."""
+        self._vector(os.pwritev, offset, iovs, "write")
+
+    def preadv(self, offset: int, iovs: list) -> None:
+        """Fill `iovs` in order from `offset`; a short read raises OSError."""
+        self._vector(os.preadv, offset, iovs, "read")
+
+    def _vector(self, call, offset: int, iovs: list, what: str) -> None:
+        total = sum(len(v) for v in iovs)
+        done = call(self.fd, iovs, offset)
+        while done < total:  # partial transfer (rare): go on with the iovecs not yet done
+            if done <= 0:
+                raise OSError(errno.EIO, f"short {what}: {total - done} of {total} bytes not moved at offset "
+                                         f"{offset + done} (end of file?)")
+            skip, iovs = done, _advance(iovs, done)
+            offset, total = offset + skip, total - skip
+            done = call(self.fd, iovs, offset)
+
     def sync(self) -> None:
         os.fdatasync(self.fd)
 
@@ -118,6 +137,18 @@ class PosixIO(IOEngine):
         if not self._closed:
             self._closed = True
             os.close(self.fd)
+
+
+def _advance(iovs: list, n: int) -> list:
+    """The iovecs left after the first `n` bytes of `iovs` were moved."""
+    left = []
+    for v in iovs:
+        if n >= len(v):
+            n -= len(v)
+            continue
+        left.append(v[n:] if n else v)
+        n = 0
+    return left
 
 
 def kvikio_importable() -> bool:

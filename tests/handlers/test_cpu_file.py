@@ -16,13 +16,13 @@ from kvtier.tiers.memory import MemoryBackend
 BLOCK = 64 * 1024
 
 
-def config(root, mem_blocks=4, file_blocks=32, io="posix"):
+def config(root, mem_blocks=4, file_blocks=32, io="posix", upper="memory"):
     return load_config_text(f"""
 block_tokens: 16
 block_bytes: 64KiB
 tiers:
   - name: mem
-    backend: memory
+    backend: {upper}
     capacity: {mem_blocks} blocks
     policy: lru
     cascade: on_evict
@@ -78,8 +78,9 @@ def load(h, key) -> bytes:
     return data
 
 
-@pytest.mark.parametrize("io", ["posix", "kvikio"])
-def test_cascade_promotion_round_trip(tmp_path, io):
+@pytest.mark.parametrize("io,upper", [("posix", "memory"), ("kvikio", "memory"), ("posix", "cpu")])
+def test_cascade_promotion_round_trip(tmp_path, io, upper):
+    """`cpu` = the shared-memory CPU tier (page-aligned slots: the zero-copy path)."""
     if io == "kvikio":
         from kvtier.tiers.fileio import kvikio_importable
 
@@ -89,7 +90,7 @@ def test_cascade_promotion_round_trip(tmp_path, io):
 
         load_fake_libcuda()
     all_keys = keys(16)
-    with build_hierarchy(config(tmp_path / "kv", io=io)) as h:
+    with build_hierarchy(config(tmp_path / "kv", io=io, upper=upper)) as h:
         assert h.backends["disk"].io.name == io
         for i in range(0, 16, 2):
             store(h, all_keys[i:i + 2])

@@ -428,3 +428,74 @@ def test_auto_engine_is_posix_without_gpu_and_kvikio_failure_falls_back(root, mo
     write(b, [0], [0])
     assert read(b, [0], [0]) == [payload(0)]
     b.close()
+
+
+# ------------------------------------------------------------------ zero-copy path (page-aligned host slots)
+def aligned_views(n, block_bytes=BLOCK):
+    """Page-aligned writable slots, like the shared-memory CPU tier's."""
+    arena = fileio.aligned_buffer(n * block_bytes)
+    whole = memoryview(arena)
+    return arena, [whole[i * block_bytes:(i + 1) * block_bytes] for i in range(n)]
+
+
+def test_zero_copy_round_trip_and_integrity(root, monkeypatch):
+    b = open_backend(root)
+    calls = []
+    for name in ("pwritev", "preadv", "pwrite", "pread"):
+        real = getattr(type(b.io), name)
+        monkeypatch.setattr(type(b.io), name, lambda self, off, x, _n=name, _r=real: (calls.append(_n), _r(self, off, x))[1])
+    _arena, src = aligned_views(4)
+    for i, view in enumerate(src):
+        view[:] = payload(i)
+    b.write_blocks([3, 4, 5, 9], [key(i) for i in range(4)], src)
+    _arena2, dst = aligned_views(4)
+    b.read_blocks([3, 4, 5, 9], [key(i) for i in range(4)], dst)
+    assert [bytes(v) for v in dst] == [payload(i) for i in range(4)]
+    assert sorted(set(calls)) == ["preadv", "pwritev"]  # no bounce-buffer I/O
+    with open(b.slab_path, "rb") as f:  # same on-disk image as the bounce path
+        f.seek(4 * b.slot_bytes + HEADER_BYTES)
+        assert f.read(BLOCK) == payload(1)
+    flip(b.slab_path, 5 * b.slot_bytes + HEADER_BYTES + 3)
+    with pytest.raises(IntegrityError, match="slot 5: payload checksum mismatch"):
+        b.read_blocks([3, 4, 5], [key(i) for i in range(3)], dst[:3])
+    assert bytes(dst[0]) == payload(0) and bytes(dst[1]) == payload(1)
+    os.truncate(b.slab_path, 9 * b.slot_bytes)
+    with pytest.raises(IntegrityError, match="truncated"):
+        b.read_blocks([9], [key(3)], dst[3:])
+    b.close()
+
+
+def test_zero_copy_refused_falls_back_to_bounce(root, monkeypatch, caplog):
+    b = open_backend(root)
+    if not b.io.direct:
+        pytest.skip("zero-copy is always possible with buffered I/O")
+
+    def refuse(self, offset, iovs):
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(type(b.io), "pwritev", refuse)
+    monkeypatch.setattr(type(b.io), "preadv", refuse)
+    _arena, views = aligned_views(2)
+    views[0][:], views[1][:] = payload(0), payload(1)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
+        b.write_blocks([0, 1], [key(0), key(1)], views)
+        b.write_blocks([2], [key(2)], [views[0]])
+    assert len([r for r in caplog.records if "scatter-gather" in r.message]) == 1
+    assert read(b, [0, 1], [0, 1]) == [payload(0), payload(1)]
+    b.close()
+
+
+def test_vector_io_finishes_partial_transfers(tmp_path, monkeypatch):
+    path = tmp_path / "f"
+    path.write_bytes(bytes(64))
+    engine = fileio.PosixIO(str(path), direct=False)
+    real = os.pwritev
+    monkeypatch.setattr(fileio.os, "pwritev", lambda fd, iovs, off: real(fd, [bytes(iovs[0])[:3]], off))
+    engine.pwritev(10, [b"abcd", b"efghij"])
+    monkeypatch.setattr(fileio.os, "pwritev", real)
+    out = [bytearray(5), bytearray(5)]
+    engine.preadv(10, out)
+    assert bytes(out[0] + out[1]) == b"abcdefghij"
+    with pytest.raises(OSError, match="short read"):
+        engine.preadv(60, [bytearray(8)])
+    engine.close()
