@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier import registry, specs
+from kvtier.capacity import capacity_problem
 from kvtier.config import HierarchyConfig
 from kvtier.engine import TransferEngine
 from kvtier.errors import ConfigError
@@ -59,8 +60,12 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
     backends: dict[str, Backend] = {}
     tiers: list[Tier] = []
     try:
-        for tier_cfg, n in zip(config.tiers, tier_blocks(config, block_bytes)):
+        for i, (tier_cfg, n) in enumerate(zip(config.tiers, tier_blocks(config, block_bytes))):
             cls = registry.resolve(registry.BACKENDS, tier_cfg.backend)
+            if not dry_run and block_bytes:
+                problem = capacity_problem(tier_cfg.backend, cls.medium, n * block_bytes, dict(tier_cfg.options))
+                if problem:
+                    raise ConfigError([(f"tiers[{i}].capacity", problem)])
             if dry_run:
                 backend: Backend = SlotBackend(tier_cfg.name, n, block_bytes or 0, config.block_tokens, cls.spec_type)
             else:

@@ -101,3 +101,19 @@ def test_shipped_configs_load():
     assert load_config(default_config_path()).tiers[1].options["root_dir"]
     for path in default_config_path().parent.glob("*.yaml"):
         load_config(path)
+
+
+@pytest.mark.parametrize("backend, capacity, extra", [
+    ("memory", "64TiB", ""),
+    ("cpu", "64TiB", ""),
+    ("file", "1000TiB", ", root_dir: ROOT"),
+])
+def test_capacity_above_free_memory_or_disk_is_a_config_error(tmp_path, backend, capacity, extra):
+    from kvtier import build_hierarchy
+
+    text = tiers("{name: big, backend: %s, capacity: %s%s}" % (backend, capacity, extra.replace("ROOT", str(tmp_path))))
+    with pytest.raises(ConfigError) as info:
+        build_hierarchy(load_config_text(text))
+    [(path, message)] = info.value.problems
+    assert path == "tiers[0].capacity" and ("more than the" in message or "does not fit" in message)
+    assert not any(tmp_path.iterdir())  # nothing allocated
