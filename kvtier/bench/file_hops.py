@@ -89,7 +89,7 @@ def _raw_direct(path: Path, total_bytes: int, threads: int) -> tuple[float, floa
     return write_s[0], write_s[1], read_s
 
 
-def _store_load_once(work: Path, mem: MemoryBackend, n: int, block_bytes: int, io: str, num_threads: int,
+def _store_load_once(work: Path, mem, n: int, block_bytes: int, io: str, num_threads: int,
                      job_blocks: int) -> tuple[float, float, float, str, bool]:
     """Store into a fresh file tier (first fill), store again (overwrite: slots reused, the steady
     state of a cache), load back, through the handlers; returns (fill s, store s, load s, engine, direct)."""
@@ -120,12 +120,13 @@ def _store_load_once(work: Path, mem: MemoryBackend, n: int, block_bytes: int, i
 
 
 def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: str = "posix",
-                     num_threads: int = 4, job_blocks: int = 16, repeats: int = 3) -> dict:
+                     num_threads: int = 4, job_blocks: int = 16, repeats: int = 3, host: str = "cpu") -> dict:
     """Store/load bandwidth of the CPU<->FILE hop vs raw O_DIRECT (see module docstring).
 
     Handler and raw runs alternate `repeats` times on fresh files; figures are medians (the disk
-    is shared and noisy). Uses and removes `root_dir/kvtier-bench-<pid>`. Raises AssertionError
-    if a block reads back wrong.
+    is shared and noisy). `host` is the CPU side: `cpu` (the shared-memory CPU tier, page-aligned
+    slots: zero-copy file I/O) or `memory` (a bytearray: bounce-buffer copies). Uses and removes
+    `root_dir/kvtier-bench-<pid>`. Raises AssertionError if a block reads back wrong.
     """
     from statistics import median
 
@@ -133,7 +134,12 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
     total = n * block_bytes
     work = Path(root_dir) / f"kvtier-bench-{os.getpid()}"
     work.mkdir(parents=True, exist_ok=True)
-    mem = MemoryBackend("mem", 2 * n, block_bytes)
+    if host == "cpu":
+        from kvtier.tiers.cpu import CPUBackend
+
+        mem = CPUBackend("mem", 2 * n, block_bytes, pin="false")
+    else:
+        mem = MemoryBackend("mem", 2 * n, block_bytes)
     runs: dict[str, list[float]] = {k: [] for k in ("fill", "store", "load", "f1", "w1", "r1", "ft", "wt", "rt")}
     try:
         noise = os.urandom(block_bytes + 4096)
@@ -157,7 +163,7 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
     gb = total / 1e9
     rate = {k: gb / median(v) for k, v in runs.items()}
     figures = {
-        "block_bytes": block_bytes, "total_bytes": total, "io": engine, "o_direct": direct,
+        "block_bytes": block_bytes, "total_bytes": total, "host": host, "io": engine, "o_direct": direct,
         "num_threads": num_threads, "job_blocks": job_blocks, "repeats": repeats,
         "store_gbps": rate["store"], "store_first_fill_gbps": rate["fill"], "load_gbps": rate["load"],
         "raw_write_gbps_qd1": rate["w1"], "raw_first_fill_gbps_qd1": rate["f1"], "raw_read_gbps_qd1": rate["r1"],
