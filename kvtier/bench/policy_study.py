@@ -117,7 +117,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     head = "| trace | policy | " + " | ".join(f"{c:,} blocks" for c in caps) + " |"
     lines = [head, "|" + "---|" * (len(caps) + 2)]
     for (trace, policy), by_cap in order.items():
-        cells = " | ".join(f"{by_cap[c]:.3f}" if c in by_cap else "" for c in caps)
+        cells = " | ".join(f"{by_cap[c]:.4f}" if c in by_cap else "" for c in caps)
         lines.append(f"| {trace} | {policy} | {cells} |")
     return "\n".join(lines)
 

@@ -88,13 +88,11 @@ class PrefixFreqCachePolicy(CachePolicy):
         return self.blocks.get(key)
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        blocks = self.blocks
-        if key in blocks:  # not expected (contract), but keep the structures consistent
-            self.remove(key)
+        # Contract: `key` is not resident (the manager inserts only keys that `get` did not find).
         clock = self.clock = self.clock + 1
-        blocks[key] = block
+        self.blocks[key] = block
         ghost = self.ghosts.pop(key, None)
-        if ghost is None and self.old_ghosts:
+        if ghost is None:
             ghost = self.old_ghosts.pop(key, None)
         if ghost is None:
             seg = 1 if self._in_run or not self.demote_tail else _TAIL
@@ -172,15 +170,16 @@ class PrefixFreqCachePolicy(CachePolicy):
         return tr * ne < 0.5 * nr * te
 
     def _heads(self, protected: set[OffloadKey]) -> list[list]:
-        """Per non-empty segment: [score of its first evictable block, key, block, iterator, offset]."""
+        """Per non-empty segment: [score of its first evictable block, key, block, iterator,
+        offset, segment index, keys taken so far]."""
         metas = self.meta
         lanes: list[list] = []
-        for seg, offset in zip(self.segs, self._offsets()):
+        for index, (seg, offset) in enumerate(zip(self.segs, self._offsets())):
             if seg:
                 it = iter(seg.items())
                 for key, block in it:
                     if block.ref_cnt == 0 and key not in protected:
-                        lanes.append([(metas[key] >> 3) + offset, key, block, it, offset])
+                        lanes.append([(metas[key] >> 3) + offset, key, block, it, offset, index, []])
                         break
         return lanes
 
@@ -190,9 +189,11 @@ class PrefixFreqCachePolicy(CachePolicy):
         # Same walk as _order, without a generator (this is the hot path).
         metas = self.meta
         lanes = self._heads(protected)
+        used = list(lanes)
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
         append = chosen.append
-        while lanes:
+        left = n
+        while lanes and left:
             best = lanes[0]
             limit = float("inf")
             if len(lanes) > 1:
@@ -200,8 +201,11 @@ class PrefixFreqCachePolicy(CachePolicy):
                     if lane[0] < best[0]:
                         best = lane
                 limit = min(lane[0] for lane in lanes if lane is not best)
+            taken = best[6].append
             append((best[1], best[2]))
-            if len(chosen) == n:
+            taken(best[1])
+            left -= 1
+            if not left:
                 break
             offset = best[4]
             for key, block in best[3]:
@@ -211,32 +215,30 @@ class PrefixFreqCachePolicy(CachePolicy):
                         best[0], best[1], best[2] = score, key, block
                         break
                     append((key, block))
-                    if len(chosen) == n:
+                    taken(key)
+                    left -= 1
+                    if not left:
                         break
             else:
                 lanes.remove(best)
-                continue
-            if len(chosen) == n:
-                break
-        if len(chosen) < n:
+        if left:
             return None
         self._in_run = False
-        metas, segs, blocks = self.meta, self.segs, self.blocks
-        ghosts, limit = self.ghosts, self.ghost_limit
-        low = 0  # victims that were tails or new blocks
-        tails = 0
-        for key, _ in chosen:
-            seg = metas.pop(key) & 7
-            del segs[seg][key]
-            del blocks[key]
-            if seg <= 1:
-                low += 1
-                tails += seg == _TAIL
-            if limit:
-                ghosts[key] = seg
-        self._returns[0] += tails
-        self._returns[2] += low - tails
-        if len(ghosts) >= limit:
+        segs, blocks, ghosts = self.segs, self.blocks, self.ghosts
+        for lane in used:
+            taken, index = lane[6], lane[5]
+            if not taken:
+                continue
+            seg = segs[index]
+            for key in taken:
+                del seg[key]
+                del blocks[key]
+                del metas[key]
+            if index <= 1:
+                self._returns[0 if index == _TAIL else 2] += len(taken)
+            if self.ghost_limit:
+                ghosts.update(dict.fromkeys(taken, index))
+        if len(ghosts) >= self.ghost_limit:
             self.old_ghosts = ghosts
             self.ghosts = {}
         return chosen
