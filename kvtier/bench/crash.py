@@ -1,0 +1,327 @@
+"""Crash-consistency harness: SIGKILL a process that stores and cascades, restart, check what is served.
+
+    python -m kvtier.bench.crash --iterations 50 --root DIR [--upper memory|cpu] [--json FILE]
+
+Each iteration starts a child process that builds a hierarchy with `kvtier.build_hierarchy` (a
+`memory` or shared-memory `cpu` tier cascading `on_evict` into a `file` tier on `--root`) and stores
+blocks whose bytes are derived from their keys, as fast as it can, so that demotions (CPU -> FILE
+writes, journal group commits), file-tier evictions (journal DELs) and promotions (FILE -> CPU
+reads) are in flight all the time. The parent kills it with SIGKILL at a random moment, then
+restarts the hierarchy itself on the same root_dir and reads back every block the file tier
+recovered through the normal path (lookup -> RETRY -> promotion -> HIT -> prepare_load).
+
+The child reports, on stdout and before the parent can see the effect:
+- `W <ids>` after `FileBackend.write_blocks` returned (those blocks are durable and journalled);
+- `F <id>` before the file tier frees a block's slot (the block may then be gone, or come back).
+So the parent knows the set of blocks that *must* survive (written, not freed since).
+
+Per iteration it counts:
+- `recovered`: blocks the restarted file tier found in its journal;
+- `served_ok`: recovered blocks read back byte-exactly;
+- `dropped_by_verification`: recovered blocks whose promotion failed verification (lookup -> MISS);
+- `served_wrong`: blocks served with bytes that are not their own. Must be 0.
+- `lost_durable`: blocks reported durable and never freed that were not served. Must be 0.
+- `resurrected`: blocks freed before the kill that came back (and verified): allowed, since the
+  DEL records of evicted slots ride along with the next journal append.
+- `leaked_shm`: with `--upper cpu`, shared-memory files the killed child left in /dev/shm
+  (removed by the harness; a SIGKILLed process cannot clean up after itself).
+
+Prints a table and writes JSON (`--json`, default `ROOT/crash-report.json`). Exit status 1 when a
+block was served wrong or a durable block was lost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+BLOCK_BYTES = 16 * 1024
+UPPER_BLOCKS = 16
+FILE_BLOCKS = 64
+FINGERPRINT = "kvtier-crash-harness/v1"
+
+
+def key_for(block_id: int) -> bytes:
+    from kvtier.keys import make_offload_key
+
+    return make_offload_key(block_id.to_bytes(8, "big") * 2, 0)
+
+
+def id_of(key: bytes) -> int:
+    return int.from_bytes(bytes(key)[:8], "big")
+
+
+def payload_for(block_id: int, block_bytes: int = BLOCK_BYTES) -> bytes:
+    return hashlib.shake_128(block_id.to_bytes(8, "big")).digest(block_bytes)
+
+
+def config_text(root: str, upper: str, upper_blocks: int = UPPER_BLOCKS, file_blocks: int = FILE_BLOCKS,
+                block_bytes: int = BLOCK_BYTES) -> str:
+    pin = "\n    pin: false" if upper == "cpu" else ""
+    return f"""
+block_tokens: 16
+block_bytes: {block_bytes}B
+tiers:
+  - name: upper
+    backend: {upper}
+    capacity: {upper_blocks} blocks
+    policy: lru
+    cascade: on_evict
+    reserve: 0.25{pin}
+  - name: disk
+    backend: file
+    root_dir: {root}
+    capacity: {file_blocks} blocks
+    policy: lru
+    io: posix
+    fingerprint: {FINGERPRINT}
+    num_threads: 2
+"""
+
+
+def build(root: str, upper: str):
+    from kvtier import build_hierarchy, load_config_text
+
+    return build_hierarchy(load_config_text(config_text(root, upper)))
+
+
+# ------------------------------------------------------------------------------------------ child
+def _child(root: str, upper: str, seed: int) -> None:
+    """Store storm through the manager until killed (never returns normally)."""
+    from kvtier import LookupResult
+
+    out_lock = threading.Lock()
+
+    def say(line: str) -> None:
+        with out_lock:
+            os.write(1, (line + "\n").encode())
+
+    h = build(root, upper)
+    mgr, disk, up = h.manager, h.backends["disk"], h.backends["upper"]
+    write_blocks, free = disk.write_blocks, disk.free
+    slot_key: dict[int, bytes] = {}
+
+    def reported_write(slots, keys, buffers):
+        n = write_blocks(slots, keys, buffers)
+        say("W " + ",".join(str(id_of(k)) for k in keys))
+        return n
+
+    def reported_free(block):
+        key = slot_key.pop(block.block_id, None)
+        if key is None:
+            key = disk.committed().get(block.block_id)
+        if key is not None:
+            say(f"F {id_of(key)}")
+        free(block)
+
+    def remember(keys, blocks):
+        for k, b in zip(keys, blocks):
+            slot_key[b.block_id] = bytes(k)
+
+    allocate = disk.allocate_blocks
+
+    def tracked_allocate(keys):
+        blocks = allocate(keys)
+        remember(keys, blocks)
+        return blocks
+
+    disk.write_blocks, disk.free, disk.allocate_blocks = reported_write, reported_free, tracked_allocate
+    for key in list(mgr.tiers[1].policy.keys()):
+        slot_key[mgr.tiers[1].policy.get(key).block_id] = bytes(key)
+    rng = random.Random(seed)
+    next_id = seed << 32
+    known: list[int] = [id_of(k) for k in mgr.tiers[1].policy.keys()]
+    say("READY")
+    while True:
+        if known and rng.random() < 0.25:  # re-read an older block: promotions race with demotions
+            bid = rng.choice(known)
+            key = key_for(bid)
+            if mgr.lookup(key) is LookupResult.RETRY:
+                mgr.on_schedule_end()
+            if mgr.lookup(key) is LookupResult.HIT:
+                spec = mgr.prepare_load([key])
+                if spec.block_ids and bytes(up.view(spec.block_ids[0])) != payload_for(bid):
+                    say(f"X wrong bytes served for {bid} in the child")
+                mgr.complete_load([key])
+            continue
+        ids = list(range(next_id, next_id + rng.randint(1, 4)))
+        next_id += len(ids)
+        batch = [key_for(i) for i in ids]
+        out = mgr.prepare_store(batch)
+        if out is None:
+            mgr.on_schedule_end()
+            continue
+        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+            up.view(slot)[:] = payload_for(id_of(key))
+        mgr.complete_store(out.keys_to_store)
+        mgr.on_schedule_end()
+        known.extend(ids)
+        if len(known) > 4 * FILE_BLOCKS:
+            del known[:FILE_BLOCKS]
+
+
+# ----------------------------------------------------------------------------------------- parent
+def _run_child(root: Path, upper: str, seed: int, kill_after: float) -> tuple[list[str], int]:
+    cmd = [sys.executable, "-m", "kvtier.bench.crash", "--child", "--root", str(root), "--upper", upper,
+           "--seed", str(seed)]
+    child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines: list[str] = []
+    try:
+        first = child.stdout.readline().decode().strip()
+        if first != "READY":
+            child.kill()
+            err = child.stderr.read().decode(errors="replace")
+            raise RuntimeError(f"crash child did not start (rc {child.wait()}): {first} {err[-2000:]}")
+        # Not synchronisation: this picks a random moment of the storm for the kill.
+        time.sleep(kill_after)
+        child.send_signal(signal.SIGKILL)
+        data = child.stdout.read().decode(errors="replace")
+        lines = data.splitlines()
+        child.wait()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+        child.stderr.close()
+    return lines, child.pid
+
+
+def _durable_set(lines: list[str], durable: set[int]) -> tuple[set[int], int, int, list[str]]:
+    """Apply the child's reports to `durable`; returns (freed ids, W records, F records, complaints)."""
+    freed: set[int] = set()
+    writes = frees = 0
+    complaints = []
+    for line in lines:
+        if line.startswith("W "):
+            ids = {int(x) for x in line[2:].split(",") if x}
+            durable |= ids
+            freed -= ids
+            writes += len(ids)
+        elif line.startswith("F "):
+            bid = int(line[2:])
+            durable.discard(bid)
+            freed.add(bid)
+            frees += 1
+        elif line.startswith("X "):
+            complaints.append(line)
+    return freed, writes, frees, complaints
+
+
+def verify_root(root: Path, upper: str, durable: set[int], freed: set[int]) -> dict:
+    """Restart the hierarchy on `root` and read back every recovered block through the manager."""
+    from kvtier import LookupResult
+
+    h = build(str(root), upper)
+    try:
+        mgr, up = h.manager, h.backends["upper"]
+        disk_tier = mgr.tiers[1]
+        recovered = [bytes(k) for k in disk_tier.policy.keys()]
+        counts = {"recovered": len(recovered), "served_ok": 0, "dropped_by_verification": 0, "served_wrong": 0,
+                  "resurrected": 0}
+        served: set[int] = set()
+        batch_size = max(1, UPPER_BLOCKS // 2)
+        for start in range(0, len(recovered), batch_size):
+            batch = recovered[start:start + batch_size]
+            first = [mgr.lookup(k) for k in batch]
+            mgr.on_schedule_end()
+            mgr.wait_idle()
+            for key, answer in zip(batch, first):
+                bid = id_of(key)
+                result = mgr.lookup(key) if answer is LookupResult.RETRY else answer
+                if result is LookupResult.HIT:
+                    spec = mgr.prepare_load([key])
+                    data = bytes(up.view(spec.block_ids[0]))
+                    mgr.complete_load([key])
+                    if data == payload_for(bid):
+                        counts["served_ok"] += 1
+                        served.add(bid)
+                        counts["resurrected"] += bid in freed
+                    else:
+                        counts["served_wrong"] += 1
+                elif result is LookupResult.MISS:
+                    counts["dropped_by_verification"] += 1
+                    if disk_tier.policy.get(key) is not None:
+                        raise AssertionError(f"block {bid} answered MISS but is still in the file tier")
+                else:
+                    raise AssertionError(f"block {bid}: lookup answered {result} after the promotion finished")
+        lost = durable - served
+        counts["lost_durable"] = len(lost)
+        counts["lost_ids"] = sorted(lost)[:20]
+        leftover_pins = [k for t in mgr.tiers for k in t.policy.keys() if t.policy.get(k).ref_cnt != 0]
+        counts["pins_left"] = len(leftover_pins)
+        return counts, served
+    finally:
+        h.close()
+
+
+def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_kill_delay: float = 0.6,
+        log=print) -> dict:
+    root = Path(root)
+    rng = random.Random(seed)
+    durable: set[int] = set()
+    rows = []
+    started = time.perf_counter()
+    for it in range(iterations):
+        kill_after = rng.uniform(0.02, max_kill_delay)
+        lines, pid = _run_child(root, upper, seed * 1000 + it + 1, kill_after)
+        freed, writes, frees, complaints = _durable_set(lines, durable)
+        leaked = glob.glob(f"/dev/shm/kvtier-{pid}-*")
+        for path in leaked:
+            os.unlink(path)
+        counts, served = verify_root(root, upper, durable, freed)
+        row = {"iteration": it, "kill_after_s": round(kill_after, 4), "blocks_written": writes, "frees": frees,
+               **counts, "child_complaints": complaints, "leaked_shm": len(leaked)}
+        rows.append(row)
+        log(f"{it:>4} {kill_after:>7.3f} {writes:>7} {frees:>6} {counts['recovered']:>9} {counts['served_ok']:>9} "
+            f"{counts['dropped_by_verification']:>7} {counts['served_wrong']:>6} {counts['lost_durable']:>5} "
+            f"{counts['resurrected']:>6} {len(leaked):>5}")
+        durable = served  # what the next child starts from (it recovers the same blocks)
+    totals = {k: sum(r[k] for r in rows) for k in ("blocks_written", "frees", "recovered", "served_ok",
+                                                    "dropped_by_verification", "served_wrong", "lost_durable",
+                                                    "resurrected", "pins_left", "leaked_shm")}
+    totals["child_complaints"] = sum(len(r["child_complaints"]) for r in rows)
+    return {"schema": "kvtier.crash/1", "iterations": iterations, "upper": upper, "seed": seed,
+            "block_bytes": BLOCK_BYTES, "upper_blocks": UPPER_BLOCKS, "file_blocks": FILE_BLOCKS,
+            "root_dir": str(root), "seconds": round(time.perf_counter() - started, 2), "totals": totals, "rows": rows}
+
+
+HEADER = (f"{'it':>4} {'kill_s':>7} {'written':>7} {'frees':>6} {'recovered':>9} {'served_ok':>9} "
+          f"{'dropped':>7} {'wrong':>6} {'lost':>5} {'resurr':>6} {'shm':>5}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvtier.bench.crash", description=__doc__.split("\n")[0])
+    p.add_argument("--iterations", type=int, default=50)
+    p.add_argument("--root", required=True, help="file-tier root_dir (reused across iterations)")
+    p.add_argument("--upper", choices=["memory", "cpu"], default="memory", help="tier in front of the file tier")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-kill-delay", type=float, default=0.6, help="kill within this many seconds of READY")
+    p.add_argument("--json", help="report path (default ROOT/crash-report.json)")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        _child(args.root, args.upper, args.seed)
+        return 0
+    print(HEADER)
+    report = run(args.iterations, Path(args.root), args.upper, args.seed, args.max_kill_delay)
+    t = report["totals"]
+    print(f"totals: {json.dumps(t)}  ({report['seconds']} s)")
+    path = Path(args.json) if args.json else Path(args.root) / "crash-report.json"
+    path.write_text(json.dumps(report, indent=1))
+    print(f"JSON written to {path}")
+    return 1 if t["served_wrong"] or t["lost_durable"] or t["child_complaints"] or t["pins_left"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
