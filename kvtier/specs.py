@@ -39,6 +39,11 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     def __len__(self) -> int:
         return len(self.block_ids)
 
+    @classmethod
+    def for_blocks(cls, block_ids: Sequence[int], keys: Sequence[OffloadKey], tier: str | None = None):
+        """A spec for `block_ids` holding `keys` (specs that record keys override this)."""
+        return cls(block_ids, tier=tier)
+
     def subset(self, positions: Sequence[int]) -> "BlockIDsLoadStoreSpec":
         """The same kind of spec restricted to `positions` (indices into `block_ids`)."""
         clone = object.__new__(type(self))
@@ -69,6 +74,10 @@ class FileLoadStoreSpec(BlockIDsLoadStoreSpec):
         if len(keys) != len(self.block_ids):
             raise ValueError(f"FileLoadStoreSpec: {len(keys)} keys for {len(self.block_ids)} block_ids")
         self.keys: list[OffloadKey] = list(keys)
+
+    @classmethod
+    def for_blocks(cls, block_ids: Sequence[int], keys: Sequence[OffloadKey], tier: str | None = None):
+        return cls(block_ids, keys, tier=tier)
 
     def subset(self, positions: Sequence[int]) -> "FileLoadStoreSpec":
         clone = super().subset(positions)

@@ -13,5 +13,6 @@ PIP=(.venv/bin/python -m pip install -q)
 # PyPI's vision/audio builds do not match this torch and break `import transformers`.
 .venv/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 # kvikio without CuPy and the CUDA math libraries (its five wheels; see docs/gds.md).
-"${PIP[@]}" --no-deps kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 nvidia-cufile rapids-logger cuda-pathfinder
+"${PIP[@]}" --no-deps kvikio-cu13==26.10.0 libkvikio-cu13==26.10.0 nvidia-cufile==1.20.0.107 rapids-logger==0.3.0 \
+    cuda-pathfinder==1.9.0
 "${PIP[@]}" -e '.[test,plot]'

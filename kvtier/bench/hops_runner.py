@@ -30,9 +30,9 @@ def _engine_device() -> str:
 
 def run_hops(config: Any, block_sizes: list[int], root_dir: str | None = None, quick: bool = False,
              progress: Callable | None = None) -> list[dict[str, Any]]:
-    """Measure GPU<->CPU (engine cache <-> CPU tier) and CPU<->FILE for each block size."""
+    """Measure engine<->CPU and CPU<->FILE for each block size."""
     rows: list[dict[str, Any]] = []
-    total = (32 << 20) if quick else (256 << 20)
+    total = (16 << 20) if quick else (128 << 20)
     device = _engine_device()
     if device != "none":
         from kvtier.bench.hops import measure_gpu_cpu
@@ -47,13 +47,27 @@ def run_hops(config: Any, block_sizes: list[int], root_dir: str | None = None, q
     try:
         update = progress("CPU<->FILE") if progress else None
         for i, size in enumerate(block_sizes):
-            rows += measure_cpu_file(root_dir, size, max(total, 8 * size))
+            figures = measure_cpu_file(root_dir, size, max(total, 8 * size), repeats=1)
+            rows += file_rows(figures)
             if update:
                 update(i + 1, len(block_sizes))
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def file_rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
+    """The two hop rows (store, load) of one `measure_cpu_file` result, with its raw baselines."""
+    common = {"block_bytes": figures["block_bytes"], "total_bytes": figures["total_bytes"], "io": figures["io"],
+              "o_direct": figures["o_direct"]}
+    return [
+        {"hop": "CPU->FILE", **common, "gbps": figures["store_gbps"], "baseline": "raw O_DIRECT write",
+         "baseline_gbps": figures["raw_write_gbps"], "first_fill_gbps": figures["store_first_fill_gbps"],
+         "raw_first_fill_gbps": figures["raw_first_fill_gbps"]},
+        {"hop": "FILE->CPU", **common, "gbps": figures["load_gbps"], "baseline": "raw O_DIRECT read",
+         "baseline_gbps": figures["raw_read_gbps"]},
+    ]
 
 
 def _file_tier_parent(config: Any) -> str | None:

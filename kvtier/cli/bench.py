@@ -125,12 +125,12 @@ def _run_hops(args, config, progress: Progress) -> list[dict[str, Any]]:
 
 
 def _print_hops(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'hop':<14}{'block':>8}{'kvtier GB/s':>13}{'baseline':>22}{'GB/s':>8}{'ratio':>8}")
+    print(f"\n{'hop':<14}{'engine':>7}{'block':>8}{'kvtier GB/s':>13}{'baseline':>22}{'GB/s':>8}{'ratio':>8}")
     for r in rows:
         base = r.get("baseline_gbps")
         ratio = f"{r['gbps'] / base:7.0%}" if base else "      -"
-        print(f"{r['hop']:<14}{format_size(r['block_bytes']):>8}{r['gbps']:>13.2f}{r.get('baseline', '-'):>22}"
-              f"{(base or 0):>8.2f}{ratio:>8}")
+        print(f"{r['hop']:<14}{r.get('device', '-'):>7}{format_size(r['block_bytes']):>8}{r['gbps']:>13.2f}"
+              f"{r.get('baseline', '-'):>22}{(base or 0):>8.2f}{ratio:>8}")
 
 
 def _summarise_hops(rows: list[dict[str, Any]]) -> list[str]:

@@ -71,9 +71,8 @@ class ThreadedHandler(TransferHandler, ABC):
         """Runs on a pool thread: copy all blocks, return bytes moved, raise on failure."""
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        future = self._pool.submit(self._run, job_id, src, dst)
-        with self._lock:
-            self._futures[job_id] = future
+        with self._lock:  # held across submit: a job that finishes at once must find its future
+            self._futures[job_id] = self._pool.submit(self._run, job_id, src, dst)
 
     def _run(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
         start = time.perf_counter()

@@ -92,7 +92,7 @@ class Backend(ABC):
 
     def get_load_store_spec(self, keys: Iterable[OffloadKey], blocks: Iterable[BlockStatus]) -> BlockIDsLoadStoreSpec:
         """Where the given blocks live, for a handler to read or write them."""
-        return self.spec_type([b.block_id for b in blocks], tier=self.name)
+        return self.spec_type.for_blocks([b.block_id for b in blocks], list(keys), tier=self.name)
 
     def recover(self) -> list[tuple[OffloadKey, BlockStatus]]:
         """Blocks that survive from an earlier process (ready, slots claimed). Default: none."""
