@@ -204,17 +204,7 @@ class HierarchyManager(OffloadingManager):
         top = self._top
         get = top.policy.get
         to_store = [key for key in keys if get(key) is None]
-        protected = keys if isinstance(keys, set) else set(keys)
-        need = len(to_store) - top.backend.get_num_free_blocks()
-        if need > 0 and self._cascades(top):
-            # Demote the dirty blocks among the next victims now; handlers that finish at once
-            # (memory copies, replay) land before the eviction below. Slower ones were meant to be
-            # cleaned ahead of time by _refill_reserve; what is still dirty is dropped and counted.
-            dirty = self._dirty_victims(top, need, protected)
-            if dirty:
-                self._demote(top, dirty)
-                self._drain()
-        evicted = self._make_room(top, len(to_store), protected)
+        evicted = self._evict_for(top, len(to_store), keys if isinstance(keys, set) else set(keys))
         if evicted is None:
             return None
         blocks = top.backend.allocate_blocks(to_store)
@@ -306,6 +296,19 @@ class HierarchyManager(OffloadingManager):
             tier.backend.close()
 
     # ------------------------------------------------------------------ eviction and cascade
+    def _evict_for(self, tier: Tier, n: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        """`_make_room` after demoting the dirty blocks among the victims it is about to take.
+        Handlers that finish at once (memory copies, replay) land before the eviction; slower ones
+        were meant to be cleaned ahead of time by `_refill_reserve`: what is still dirty is
+        dropped and counted."""
+        need = n - tier.backend.get_num_free_blocks()
+        if need > 0 and self._cascades(tier):
+            dirty = self._dirty_victims(tier, need, protected)
+            if dirty:
+                self._demote(tier, dirty)
+                self._drain()
+        return self._make_room(tier, n, protected)
+
     def _make_room(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         """Free enough slots in `tier` for `n` new blocks; returns the evicted keys, or None."""
         need = n - tier.backend.get_num_free_blocks()
@@ -411,7 +414,7 @@ class HierarchyManager(OffloadingManager):
             by_tier.setdefault(src.index, []).append(key)
         for index, keys in by_tier.items():
             src = self.tiers[index]
-            if self._make_room(top, len(keys), set(keys)) is None:
+            if self._evict_for(top, len(keys), set(keys)) is None:
                 for key in keys:
                     self._refuse_promotion(key)
                 continue

@@ -235,3 +235,17 @@ def test_slow_lower_tier_applies_backpressure_without_blocking_stores(ctx):
     assert answered >= 90  # only stores that found every slot pinned were refused
     pinned = [k for k in hot.policy.keys() if hot.policy.get(k).ref_cnt > 0]
     assert len(pinned) == hot.demoting
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "sieve", "prefix-freq"])
+def test_cascade_loses_nothing_when_the_lower_tier_keeps_up(policy):
+    """With handlers that finish at once, every block evicted from tier 0 (by stores or by
+    promotions) was copied down first, whatever order the policy evicts in."""
+    from kvtier.bench.replay import generate_trace, replay_manager
+
+    h = memory_hierarchy(hot=64, warm=4096, hot_policy=policy, dry_run=True)
+    result = replay_manager(h.manager, generate_trace(num_conversations=80, seed=3))
+    hot = h.manager.get_stats()["hot"]
+    assert hot["evictions"] > 500 and hot["cascade_dropped"] == 0
+    assert h.manager.get_stats()["warm"]["promotions"] > 0 and result["hit_rate"] > 0.5
+    h.close()
