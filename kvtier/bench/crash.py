@@ -23,6 +23,7 @@ Per iteration it counts:
 - `lost_durable`: blocks reported durable and never freed that were not served. Must be 0.
 - `resurrected`: blocks freed before the kill that came back (and verified): allowed, since the
   DEL records of evicted slots ride along with the next journal append.
+- `child_died`: iterations where the child ended by itself (an exception) before the kill.
 - `leaked_shm`: with `--upper cpu`, shared-memory files the killed child left in /dev/shm
   (removed by the harness; a SIGKILLed process cannot clean up after itself).
 
@@ -171,11 +172,13 @@ def _child(root: str, upper: str, seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------- parent
-def _run_child(root: Path, upper: str, seed: int, kill_after: float) -> tuple[list[str], int]:
+def _run_child(root: Path, upper: str, seed: int, kill_after: float) -> tuple[list[str], int, str | None]:
+    """Run one child, SIGKILL it `kill_after` s after READY; returns (its stdout lines, its pid, and
+    None if the kill ended it, else how it ended by itself with the tail of its stderr)."""
     cmd = [sys.executable, "-m", "kvtier.bench.crash", "--child", "--root", str(root), "--upper", upper,
            "--seed", str(seed)]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    lines: list[str] = []
+    died = None
     try:
         first = child.stdout.readline().decode().strip()
         if first != "READY":
@@ -185,16 +188,17 @@ def _run_child(root: Path, upper: str, seed: int, kill_after: float) -> tuple[li
         # Not synchronisation: this picks a random moment of the storm for the kill.
         time.sleep(kill_after)
         child.send_signal(signal.SIGKILL)
-        data = child.stdout.read().decode(errors="replace")
-        lines = data.splitlines()
-        child.wait()
+        lines = child.stdout.read().decode(errors="replace").splitlines()
+        err = child.stderr.read().decode(errors="replace")
+        if child.wait() != -signal.SIGKILL:
+            died = f"exited by itself with status {child.returncode}: {err.strip()[-1500:]}"
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
         child.stdout.close()
         child.stderr.close()
-    return lines, child.pid
+    return lines, child.pid, died
 
 
 def _durable_set(lines: list[str], durable: set[int]) -> tuple[set[int], int, int, list[str]]:
@@ -218,8 +222,12 @@ def _durable_set(lines: list[str], durable: set[int]) -> tuple[set[int], int, in
     return freed, writes, frees, complaints
 
 
-def verify_root(root: Path, upper: str, durable: set[int], freed: set[int]) -> dict:
-    """Restart the hierarchy on `root` and read back every recovered block through the manager."""
+def verify_root(root: Path, upper: str, durable: set[int], freed: set[int], promote_batch: int = 1) -> dict:
+    """Restart the hierarchy on `root` and read back every recovered block through the manager.
+
+    Blocks are promoted `promote_batch` at a time (one FILE -> CPU job per batch). With more than
+    one, a block failing verification fails its whole job, and the manager then drops every block
+    of that job from the file tier (good ones included): see docs/reliability.md."""
     from kvtier import LookupResult
 
     h = build(str(root), upper)
@@ -230,7 +238,7 @@ def verify_root(root: Path, upper: str, durable: set[int], freed: set[int]) -> d
         counts = {"recovered": len(recovered), "served_ok": 0, "dropped_by_verification": 0, "served_wrong": 0,
                   "resurrected": 0}
         served: set[int] = set()
-        batch_size = max(1, UPPER_BLOCKS // 2)
+        batch_size = max(1, min(promote_batch, UPPER_BLOCKS // 2))
         for start in range(0, len(recovered), batch_size):
             batch = recovered[start:start + batch_size]
             first = [mgr.lookup(k) for k in batch]
@@ -266,7 +274,10 @@ def verify_root(root: Path, upper: str, durable: set[int], freed: set[int]) -> d
 
 
 def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_kill_delay: float = 0.6,
-        log=print) -> dict:
+        log=print, promote_batch: int = 1) -> dict:
+    import logging
+
+    logging.getLogger("kvtier.engine").setLevel(logging.ERROR)  # failed verifications are counted below
     root = Path(root)
     rng = random.Random(seed)
     durable: set[int] = set()
@@ -274,26 +285,28 @@ def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_k
     started = time.perf_counter()
     for it in range(iterations):
         kill_after = rng.uniform(0.02, max_kill_delay)
-        lines, pid = _run_child(root, upper, seed * 1000 + it + 1, kill_after)
+        lines, pid, died = _run_child(root, upper, seed * 1000 + it + 1, kill_after)
         freed, writes, frees, complaints = _durable_set(lines, durable)
         leaked = glob.glob(f"/dev/shm/kvtier-{pid}-*")
         for path in leaked:
             os.unlink(path)
-        counts, served = verify_root(root, upper, durable, freed)
+        counts, served = verify_root(root, upper, durable, freed, promote_batch)
         row = {"iteration": it, "kill_after_s": round(kill_after, 4), "blocks_written": writes, "frees": frees,
-               **counts, "child_complaints": complaints, "leaked_shm": len(leaked)}
+               **counts, "child_complaints": complaints, "leaked_shm": len(leaked),
+               "child_died": died}
         rows.append(row)
         log(f"{it:>4} {kill_after:>7.3f} {writes:>7} {frees:>6} {counts['recovered']:>9} {counts['served_ok']:>9} "
             f"{counts['dropped_by_verification']:>7} {counts['served_wrong']:>6} {counts['lost_durable']:>5} "
-            f"{counts['resurrected']:>6} {len(leaked):>5}")
+            f"{counts['resurrected']:>6} {len(leaked):>5}" + (f"  CHILD DIED: {died.splitlines()[-1]}" if died else ""))
         durable = served  # what the next child starts from (it recovers the same blocks)
     totals = {k: sum(r[k] for r in rows) for k in ("blocks_written", "frees", "recovered", "served_ok",
                                                     "dropped_by_verification", "served_wrong", "lost_durable",
                                                     "resurrected", "pins_left", "leaked_shm")}
     totals["child_complaints"] = sum(len(r["child_complaints"]) for r in rows)
+    totals["child_died"] = sum(1 for r in rows if r["child_died"])
     return {"schema": "kvtier.crash/1", "iterations": iterations, "upper": upper, "seed": seed,
             "block_bytes": BLOCK_BYTES, "upper_blocks": UPPER_BLOCKS, "file_blocks": FILE_BLOCKS,
-            "root_dir": str(root), "seconds": round(time.perf_counter() - started, 2), "totals": totals, "rows": rows}
+            "promote_batch": promote_batch, "root_dir": str(root), "seconds": round(time.perf_counter() - started, 2), "totals": totals, "rows": rows}
 
 
 HEADER = (f"{'it':>4} {'kill_s':>7} {'written':>7} {'frees':>6} {'recovered':>9} {'served_ok':>9} "
@@ -307,6 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--upper", choices=["memory", "cpu"], default="memory", help="tier in front of the file tier")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-kill-delay", type=float, default=0.6, help="kill within this many seconds of READY")
+    p.add_argument("--promote-batch", type=int, default=1,
+                   help="blocks per verification promotion job (>1 shows collateral drops of good blocks)")
     p.add_argument("--json", help="report path (default ROOT/crash-report.json)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -314,13 +329,15 @@ def main(argv: list[str] | None = None) -> int:
         _child(args.root, args.upper, args.seed)
         return 0
     print(HEADER)
-    report = run(args.iterations, Path(args.root), args.upper, args.seed, args.max_kill_delay)
+    report = run(args.iterations, Path(args.root), args.upper, args.seed, args.max_kill_delay,
+                 promote_batch=args.promote_batch)
     t = report["totals"]
     print(f"totals: {json.dumps(t)}  ({report['seconds']} s)")
     path = Path(args.json) if args.json else Path(args.root) / "crash-report.json"
     path.write_text(json.dumps(report, indent=1))
     print(f"JSON written to {path}")
-    return 1 if t["served_wrong"] or t["lost_durable"] or t["child_complaints"] or t["pins_left"] else 0
+    return 1 if t["served_wrong"] or t["lost_durable"] or t["child_complaints"] or t["pins_left"] \
+        or t["child_died"] else 0
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ def test_crash_iterations_serve_nothing_wrong(tmp_path, upper):
     assert t["lost_durable"] == 0
     assert t["pins_left"] == 0
     assert t["child_complaints"] == 0
+    assert t["child_died"] == 0, [r["child_died"] for r in report["rows"] if r["child_died"]]
     assert t["blocks_written"] > 0, "the child never reached the file tier: the harness tests nothing"
     assert t["served_ok"] > 0
     # every recovered block was either served byte-exactly or dropped by verification
