@@ -118,12 +118,13 @@ def proposed_fixes():
         for key in keys:
             if key in self._promoting and get(key) is None:
                 del self._promoting[key]
-                self._promote_queue.remove(key)
+                queue = self._promote_queue
+                (queue.pop(key, None) if isinstance(queue, dict) else queue.remove(key))
         return orig_store(self, keys, req_context)
 
     def flush(self):
         pinned = []
-        for key in self._promote_queue:
+        for key in list(self._promote_queue):
             index = self._promoting.get(key)
             block = self.tiers[index].policy.get(key) if index is not None else None
             if block is not None and block.ref_cnt >= 0:
