@@ -52,6 +52,7 @@ BLOCK_BYTES = 16 * 1024
 UPPER_BLOCKS = 16
 FILE_BLOCKS = 64
 FINGERPRINT = "kvtier-crash-harness/v1"
+_FIXES = None
 
 
 def key_for(block_id: int) -> bytes:
@@ -334,7 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.with_proposed_fixes:
             from kvtier.bench.soak import proposed_fixes
 
-            proposed_fixes().__enter__()  # for the whole life of the child
+            global _FIXES
+            _FIXES = proposed_fixes()  # kept referenced: for the whole life of the child
+            _FIXES.__enter__()
         _child(args.root, args.upper, args.seed)
         return 0
     print(HEADER)
