@@ -116,8 +116,11 @@ def test_one_bad_block_in_a_promotion_batch_does_not_drop_the_good_ones(written)
         mgr.on_schedule_end()
         mgr.wait_idle()
         assert mgr.lookup(on_disk[bad_slot]) is LookupResult.MISS
+        assert mgr.tiers[1].policy.get(on_disk[bad_slot]) is None
         for k in batch[1:]:
-            assert read(h, k) == payload(k), "a good block was dropped with the bad one"
+            assert mgr.tiers[1].policy.get(k) is not None, "a good block was dropped with the bad one"
+            data = read(h, k)  # this job's failure may answer MISS once; then it is promoted again
+            assert (data if data is not None else read(h, k)) == payload(k)
     finally:
         h.close()
 
