@@ -16,10 +16,12 @@ or all at once by `cudaHostRegister` when pinning), never a Python loop over pag
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import secrets
+import time
 import weakref
 from typing import Any
 
@@ -55,6 +57,62 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: exists, another user's
+        return True
+    return True
+
+
+def remove_stale_regions(shm_dir: str = SHM_DIR, min_age_s: float = 10.0) -> list[str]:
+    """Remove the regions (`kvtier-*` files) whose creating process is gone, and return their names.
+
+    A creating process holds a shared flock on its region for its whole life (the kernel drops it
+    when the process dies, however it dies), so a region on which an exclusive flock can be taken
+    has no owner left; the pid in a generated name (`kvtier-<pid>-...`) must also be gone (regions
+    of kvtier versions that took no lock). A SIGKILLed owner cannot unlink its region itself:
+    without this sweep each kill leaves the full size of its CPU tier in /dev/shm until reboot.
+    Files of other users, regions still locked and regions younger than `min_age_s` are left alone.
+    """
+    removed = []
+    try:
+        names = [n for n in os.listdir(shm_dir) if n.startswith("kvtier-")]
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        pid = name.split("-")[1]
+        if pid.isdigit() and _pid_alive(int(pid)):
+            continue
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            # not someone else's, and not one being created right now (open and flock are two calls)
+            if st.st_uid != uid or time.time() - st.st_ctime < min_age_s:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                continue  # an owner is alive
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    if removed:
+        log.warning("removed %d shared-memory region(s) left in %s by processes that died: %s", len(removed),
+                    shm_dir, ", ".join(removed[:5]))
+    return removed
 
 
 def _cuda_available() -> bool:
@@ -105,8 +163,12 @@ class CPUBackend(Backend):
         self._tensor = None
         self._pinned: list[int] = []  # registered chunk addresses
         self._closed = False
+        self._lock_fd = -1
         if _create:
+            remove_stale_regions(os.path.dirname(self.path))
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            # held for the region's life: tells remove_stale_regions that its owner is alive
+            fcntl.flock(fd, fcntl.LOCK_SH)
             self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
         else:
             fd = os.open(self.path, os.O_RDWR)
@@ -121,11 +183,14 @@ class CPUBackend(Backend):
                                      f"({num_blocks} slots of {self.slot_stride} bytes)")
             self._mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
-            os.close(fd)
             if self._finalizer is not None:
                 self._finalizer()
+            os.close(fd)
             raise
-        os.close(fd)  # the mapping keeps the file alive
+        if _create:
+            self._lock_fd = fd
+        else:
+            os.close(fd)  # the mapping keeps the file alive
         self._view = memoryview(self._mmap)
         if pin == "true" or (pin == "auto" and _cuda_available()):
             self._pin(required=pin == "true")
@@ -211,6 +276,9 @@ class CPUBackend(Backend):
             log.debug("CPUBackend %r: region still referenced; unmapped when released", self.name)
         if self._finalizer is not None:
             self._finalizer()
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
 
     def __repr__(self) -> str:
         return (f"CPUBackend({self.name!r}, {self.num_blocks} x {self.block_bytes} B, shm={self.shm_name!r}, "

@@ -180,3 +180,59 @@ def test_lock_of_a_killed_owner_is_released(tmp_path):
         assert recovered and all(read(h, k) == payload(k) for k in recovered)
     finally:
         h.close()
+
+
+SHM_OWNER = textwrap.dedent("""
+    import sys
+    from kvtier.tiers import cpu
+    cpu.SHM_DIR = sys.argv[1]  # a private directory: the sweep below must not touch other users' /dev/shm
+    backend = cpu.CPUBackend("cpu", 4, 4096, pin=False)
+    print(backend.shm_name, flush=True)
+    sys.stdin.readline()
+""")
+
+
+def _shm_owner(shm_dir):
+    proc = subprocess.Popen([sys.executable, "-c", SHM_OWNER, shm_dir], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    name = proc.stdout.readline().strip()
+    assert name.startswith(f"kvtier-{proc.pid}-"), name + proc.stderr.read() if not name else name
+    return proc, name
+
+
+def test_region_of_a_killed_owner_is_swept_the_live_one_kept(tmp_path):
+    """A SIGKILLed owner cannot unlink its shared-memory region; the next CPU tier created removes
+    regions whose owner is gone (no flock held, pid gone) and keeps those of live owners."""
+    from kvtier.tiers import cpu
+
+    shm_dir = str(tmp_path / "shm")
+    os.mkdir(shm_dir)
+    live, live_name = _shm_owner(shm_dir)
+    dead, dead_name = _shm_owner(shm_dir)
+    try:
+        dead.send_signal(signal.SIGKILL)
+        dead.wait()
+        assert sorted(os.listdir(shm_dir)) == sorted([live_name, dead_name])  # the leak
+        assert cpu.remove_stale_regions(shm_dir, min_age_s=0) == [dead_name]
+        assert os.listdir(shm_dir) == [live_name]
+        assert cpu.remove_stale_regions(shm_dir, min_age_s=0) == []
+    finally:
+        for p in (live, dead):
+            p.kill()
+            p.wait()
+            for f in (p.stdin, p.stdout, p.stderr):
+                f.close()
+    # the live owner is gone now too (killed): its region goes at the next sweep
+    assert cpu.remove_stale_regions(shm_dir, min_age_s=0) == [live_name]
+
+
+def test_fresh_regions_are_not_swept(tmp_path):
+    """A region younger than min_age_s is never removed (its creator may not have locked it yet)."""
+    from kvtier.tiers import cpu
+
+    shm_dir = str(tmp_path / "shm")
+    os.mkdir(shm_dir)
+    path = os.path.join(shm_dir, "kvtier-999999999-abcd-cpu")  # no such pid, no lock
+    open(path, "wb").close()
+    assert cpu.remove_stale_regions(shm_dir, min_age_s=3600) == []
+    assert os.path.exists(path)
