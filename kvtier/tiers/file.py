@@ -453,7 +453,11 @@ class FileBackend(Backend):
                 scan = scan_journal((self.root / JOURNAL).read_bytes())
             except OSError as exc:
                 scan = JournalScan(problem=f"journal unreadable: {exc}")
-            if scan.problem is None and scan.epoch != bytes.fromhex(str(found.get("epoch", ""))):
+            try:
+                epoch = bytes.fromhex(str(found.get("epoch", "")))
+            except ValueError:  # a hand-edited or foreign manifest
+                epoch = None
+            if scan.problem is None and scan.epoch != epoch:
                 scan.problem = "journal belongs to another epoch"
             if scan.problem is not None:
                 diffs = [scan.problem]

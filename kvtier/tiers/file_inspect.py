@@ -9,8 +9,22 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtier.tiers.file import (JOURNAL, LOCK, SLAB, manifest_digest, read_manifest, scan_journal,
-                               verify_slot)
+from kvtier.tiers.file import (FORMAT_VERSION, HEADER_BYTES, JOURNAL, LOCK, SLAB, manifest_digest, read_manifest,
+                               scan_journal, slot_bytes_for, verify_slot)
+
+
+def _geometry_problem(manifest: dict) -> str | None:
+    """Why a manifest's geometry cannot describe a slab written by this version, or None."""
+    values = {k: manifest.get(k) for k in ("format_version", "block_bytes", "slot_bytes", "header_bytes", "num_slots")}
+    bad = [f"{k}={v!r}" for k, v in values.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
+    if bad:
+        return "manifest geometry invalid (" + ", ".join(bad) + ")"
+    if values["format_version"] != FORMAT_VERSION:
+        return f"format version {values['format_version']}, this kvtier reads {FORMAT_VERSION}"
+    if values["header_bytes"] != HEADER_BYTES or values["slot_bytes"] != slot_bytes_for(values["block_bytes"]):
+        return (f"manifest geometry inconsistent (slot_bytes {values['slot_bytes']}, header_bytes "
+                f"{values['header_bytes']} for blocks of {values['block_bytes']} bytes)")
+    return None
 
 
 def _lock_holder(root: Path) -> dict:
@@ -45,6 +59,7 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     report: dict = {"root_dir": str(root)}
     manifest = read_manifest(root)
     report["manifest"] = manifest
+    geometry = _geometry_problem(manifest) if manifest is not None else None
     report["fingerprint"] = manifest.get("fingerprint") if manifest else None
     for key in ("block_bytes", "slot_bytes", "num_slots"):
         report[key] = manifest.get(key) if manifest else None
@@ -60,6 +75,9 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     health = []
     if manifest is None:
         health.append("no readable manifest (the next start rebuilds the tier empty)")
+    elif geometry is not None:
+        health.append(f"{geometry} (the next start rebuilds the tier empty)")
+        manifest = None  # nothing below can be located with it
     if problem:
         health.append(problem)
     elif manifest is not None and scan.epoch.hex() != manifest.get("epoch"):

@@ -244,3 +244,22 @@ def test_inspect_of_a_root_that_is_not_a_tier(tmp_path):
     (tmp_path / "junk" / "x").write_bytes(os.urandom(100))
     report = inspect(tmp_path / "junk", tmp=str(tmp_path / "out"))
     assert "no readable manifest" in report["index_health"] and report["blocks"] == 0
+
+
+@pytest.mark.parametrize("patch", [
+    {"slot_bytes": 0}, {"slot_bytes": "x"}, {"slot_bytes": 100}, {"block_bytes": -5}, {"block_bytes": 10 ** 12},
+    {"num_slots": "many"}, {"num_slots": -1}, {"epoch": 5}, {"format_version": 99}, None,
+], ids=lambda p: "list" if p is None else "-".join(f"{k}={v}" for k, v in p.items())[:40])
+def test_hostile_manifest_values(written, patch):
+    """A manifest that parses as JSON but carries nonsense: the tier starts empty, and inspect
+    reports it (with and without --verify) instead of failing."""
+    root, _, _ = written
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest = [1, 2] if patch is None else {**manifest, **patch}
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    for verify in (False, True):
+        report = inspect(root, verify=verify)
+        assert report["index_health"] != "ok" or patch in ({"epoch": 5},)
+        if verify:
+            assert report["verified_ok"] == 0
+    assert serve_all(root) == {}
