@@ -14,21 +14,30 @@ docs/policies.md):
    ghost list of recently evicted keys, as in ARC, Megiddo & Modha FAST'03).
 3. *The tail of a request is one-time.* The last block of a request is partial (its hash changes
    when the conversation grows): 98% (conversation) and 90% (synthetic) of them are never used
-   again. Tails get a negative credit. Whether this is right is checked online: if evicted tails
-   come back at least half as often as evicted new blocks, tails are treated as new blocks.
+   again. While tails look one-time they are evicted before any other block. Whether this is
+   right is checked online from departures: reuse rate = (hits while resident + re-stores after
+   eviction) / (hits + evictions), for tails and for other new blocks; tails are one-time while
+   their rate is below half of the new blocks' rate and below `tail_reuse_max` (10%). Otherwise
+   they are ordinary new blocks (credit 0). (Synthetic at 40k blocks: 23% of the departing tails
+   are reused, by exact repeats of a request; demoting them there lost to LRU.)
 4. *Chains are cut from the deep end.* Hits are touched in prefix order and new blocks are
    inserted tail first (manager.prepare_store), so a chain's head always carries the newest
    stamp; and a deeper block never has more hits than its parent (a request holding a block holds
    its prefix), so it never has more credit either. Eviction removes a chain from its deep end and
    leaves no unreachable (dead) blocks behind.
 
-Mechanism: a logical clock advances by one per block inserted or touched. A block of class c
-(c = hits since stored, capped at `len(credits) - 1`) scores `stamp + credits[c] * unit`; the
-lowest score is evicted first. `unit` is a running mean of the age (in clock ticks) of the blocks
-that get hit, so credits are measured in "typical reuse intervals" of the workload and do not
-depend on the capacity. Each class is an LRU list (stamps increase along it), so the eviction
-order is a k-way merge of the class lists: O(classes) per victim, O(1) per insert and per
-touched key.
+Mechanism: a logical clock advances by one per block inserted or touched (inserts are added in
+bulk at the next other call, so a request's new blocks share one stamp; their order within a
+segment is the insertion order). A block of class c (c = hits since stored, capped at
+`len(credits) - 1`) scores `stamp + credits[c] * unit`; after the one-time tails, the lowest
+score is evicted first. `unit` is a running mean of the age (in clock ticks) of the blocks that
+get hit, so credits are measured in "typical reuse intervals" of the workload and do not depend
+on the capacity. Each class is an LRU list (stamps increase along it), so the eviction order is a
+k-way merge of the class lists that compares only the lists' heads: a run of victims is taken
+from one list while it stays below the other heads. Cost: per inserted block three dict
+operations (block map, ghost lookup, segment), per victim one lookup plus two deletions and one
+ghost store (done per segment with C-level map/dict.fromkeys), per touched key one pop per
+segment probed and one store; O(classes) per run of victims.
 
 Which insert is a request's tail: the manager calls `touch(hits)`, then `evict` when it needs
 room, then `insert` once per new block, tail first. The first `insert` after any other
@@ -46,201 +55,281 @@ unprotected blocks or returns None and changes nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections import deque as _consume
 from collections.abc import Iterable, Iterator
+from itertools import islice
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.types import BlockStatus
 
 _TAIL = 0  # segment index of request tails; segment 1 + c holds the blocks with c hits
+_INF = float("inf")
 
 
 class PrefixFreqCachePolicy(CachePolicy):
-    """Recency plus a per-hit-count credit; request tails first; chains cut from the deep end."""
+    """Recency plus a per-hit-count credit; request tails first; chains cut from the deep end.
+
+    State: `blocks` (key -> block, `get` is its bound `get`), `segs[i]` (key -> stamp, an LRU
+    list per segment; a key is in exactly one segment), `ghosts` (evicted key -> its segment then,
+    in eviction order), `_returns` (the tail/new-block reuse counters behind `_one_time`).
+    """
 
     # Tuned on the synthetic trace and generated workloads (docs/policies.md).
     credits: tuple[float, ...] = (0.0, 1.5, 3.0, 4.5)  # credit (in units) of a block with c hits
-    tail_credit = -3.0  # credit of a request tail, while tails look one-time
+    tail_reuse_max = 0.1  # tails reused more often than this are not one-time (synthetic 40k: 23%)
     ghost_fraction = 6.0  # ghosts kept: between 1x and 2x this many capacities (keys only)
     unit_rate = 0.001  # weight of one hit in the running mean of hit ages
     demote_tail = True
 
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
-        # segs[0]: request tails; segs[1 + c]: blocks with c hits. Each is an LRU list (stamps increase).
-        self.segs: list[OrderedDict[OffloadKey, BlockStatus]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
+        # segs[0]: request tails; segs[1 + c]: blocks with c hits. key -> stamp (clock at the
+        # last use); stamps increase along each segment.
+        self.segs: list[OrderedDict[OffloadKey, int]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
+        self._new = self.segs[1]
+        # touch looks a key up in the hit classes first (touched prefixes were hit before)
+        self._probe = tuple(enumerate(self.segs))[::-1]
+        self._one_time = True  # cached _tails_one_time(), refreshed whenever its counters change
         self.blocks: dict[OffloadKey, BlockStatus] = {}
         self.get = self.blocks.get  # type: ignore[method-assign]  # hot path: one C call
-        # key -> (stamp << 3) | segment index: one dict for both (stamp = clock at the last use)
-        self.meta: dict[OffloadKey, int] = {}
         self.clock = 0
         self.unit = float(cache_capacity)  # clock ticks per credit: running mean hit age
-        self._in_run = False  # the next insert continues a run (is not a request tail)
-        # Ghosts: evicted key -> its segment then. Two generations of up to ghost_limit keys
-        # each (the older one is dropped as a whole), so remembering costs one dict store.
+        self._tail_next = True  # the next insert is a request's tail (first insert after another call)
+        # Ghosts: evicted key -> its segment then, oldest first; trimmed to ghost_limit keys
+        # whenever they reach twice that (one C-level copy per ghost_limit evictions).
         self.ghosts: dict[OffloadKey, int] = {}
-        self.old_ghosts: dict[OffloadKey, int] = {}
+        self._ghost_pop = self.ghosts.pop
         self.ghost_limit = int(cache_capacity * self.ghost_fraction)
-        # evicted tails, returned tails, evicted new blocks, returned new blocks (ghost hits)
-        self._returns = [0, 0, 0, 0]
+        self._mark = 0  # len(blocks) when the clock was last synced (see insert)
+        # evicted tails, returned tails (ghost hits), evicted new blocks, returned new blocks,
+        # tails hit while resident, new blocks hit while resident
+        self._returns = [0, 0, 0, 0, 0, 0]
 
     def get(self, key: OffloadKey) -> BlockStatus | None:  # replaced per instance by blocks.get
         return self.blocks.get(key)
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         # Contract: `key` is not resident (the manager inserts only keys that `get` did not find).
-        clock = self.clock = self.clock + 1
+        # The clock is not advanced here: `_sync` adds the number of inserts at the next call,
+        # so a request's new blocks share one stamp and are ordered by their list position.
         self.blocks[key] = block
-        ghost = self.ghosts.pop(key, None)
+        ghost = self._ghost_pop(key, None)
         if ghost is None:
-            ghost = self.old_ghosts.pop(key, None)
-        if ghost is None:
-            seg = 1 if self._in_run or not self.demote_tail else _TAIL
-        else:
-            # Evicted, then needed again: the re-store counts as a hit.
-            if ghost <= 1:
-                self._returns[1 if ghost == _TAIL else 3] += 1
-            seg = min(max(ghost, 1) + 1, len(self.segs) - 1)
-        self.segs[seg][key] = block
-        self.meta[key] = (clock << 3) | seg
-        self._in_run = True
+            if self._tail_next:
+                self._tail_next = False
+                if self.demote_tail:
+                    self.segs[_TAIL][key] = self.clock
+                    return
+            self._new[key] = self.clock
+            return
+        # Evicted, then needed again: the re-store counts as a hit.
+        self._tail_next = False
+        if ghost <= 1:
+            self._returns[1 if ghost == _TAIL else 3] += 1
+            self._one_time = self._tails_one_time()
+        segs = self.segs
+        segs[min(max(ghost, 1) + 1, len(segs) - 1)][key] = self.clock
+
+    def _sync(self) -> int:
+        """Advance the clock by the blocks inserted since the last call that synced; returns it."""
+        n = len(self.blocks)
+        self.clock += n - self._mark
+        self._mark = n
+        return self.clock
 
     def remove(self, key: OffloadKey) -> None:
-        self._in_run = False
-        meta = self.meta.pop(key, None)
-        if meta is not None:
-            del self.segs[meta & 7][key]
-            del self.blocks[key]
+        self._tail_next = True
+        self._sync()
+        if self.blocks.pop(key, None) is not None:
+            for seg in self.segs:
+                if seg.pop(key, None) is not None:
+                    break
+        self._mark = len(self.blocks)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        self._in_run = False
-        metas, segs = self.meta, self.segs
+        self._tail_next = True
+        segs = self.segs
+        new = segs[1]
         top = len(segs) - 1
-        clock, unit, rate = self.clock, self.unit, self.unit_rate
-        for key in reversed(list(keys)):
-            meta = metas.get(key)
-            if meta is None:
-                continue
-            clock += 1
-            unit += (clock - (meta >> 3) - unit) * rate
-            seg = meta & 7
-            new = seg + 1 if 0 < seg < top else (2 if seg == _TAIL else top)
-            if new == seg:
-                segs[seg].move_to_end(key)
+        probe = self._probe
+        clock, unit, rate = self._sync(), self.unit, self.unit_rate
+        pop_new = new.pop
+        returns = self._returns
+        for key in reversed(keys if isinstance(keys, list) else list(keys)):
+            stamp = pop_new(key, None)
+            if stamp is not None:
+                seg = 1
+                returns[5] += 1
             else:
-                segs[new][key] = segs[seg].pop(key)
-            metas[key] = (clock << 3) | new
+                for seg, lane in probe:
+                    stamp = lane.pop(key, None)
+                    if stamp is not None:
+                        break
+                else:
+                    continue
+                if seg == _TAIL:
+                    returns[4] += 1
+            clock += 1
+            unit += (clock - stamp - unit) * rate
+            segs[seg + 1 if 0 < seg < top else (2 if seg == _TAIL else top)][key] = clock
         self.clock = clock
         self.unit = unit
+        self._one_time = self._tails_one_time()
 
-    def _offsets(self) -> list[float]:
-        unit = self.unit
-        tail = (self.tail_credit if self._tails_one_time() else 0.0) * unit
-        return [tail] + [c * unit for c in self.credits]
+    def _tails_one_time(self) -> bool:
+        """Whether request tails are reused less than half as often as other new blocks, and by
+        fewer than `tail_reuse_max` of them (so that demoting them is right on this workload);
+        true until enough evidence says otherwise.
+
+        A tail or new block leaves its segment either by a hit (touch) or by eviction; reuse rate
+        = (hits + re-stores of evicted ones) / (hits + evictions). Counting resident hits, not
+        only ghost returns, gives the evidence before the tier is under pressure."""
+        te, tr, ne, nr, th, nh = self._returns
+        if te + th < 64 or ne + nh < 64:
+            return True
+        reused, left = th + tr, th + te
+        return reused * (nh + ne) < 0.5 * (nh + nr) * left and reused < self.tail_reuse_max * left
+
+    def _heads(self, protected: set[OffloadKey], first: int) -> list[list]:
+        """Per non-empty segment from `first` on: [score of its first evictable block, key, block,
+        iterator, offset, segment index, keys taken so far]. Offset = credit * unit (tails: 0)."""
+        blocks, unit, credits = self.blocks, self.unit, self.credits
+        lanes: list[list] = []
+        segs = self.segs
+        for index in range(first, len(segs)):
+            seg = segs[index]
+            if seg:
+                it = iter(seg.items())
+                for key, stamp in it:
+                    block = blocks[key]
+                    if block.ref_cnt == 0 and key not in protected:
+                        offset = credits[index - 1] * unit if index else 0.0
+                        lanes.append([stamp + offset, key, block, it, offset, index, []])
+                        break
+        return lanes
 
     def _order(self, protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        """Evictable blocks by increasing score, ties to the lower segment (no state change)."""
-        metas = self.meta
-        lanes = self._heads(protected)
+        """Evictable blocks in eviction order (no state change); the same walk as `evict`:
+        one-time request tails first, then by increasing score, ties to the lower segment."""
+        blocks = self.blocks
+        first = 0
+        if self._one_time:
+            first = 1
+            for key, _ in self.segs[_TAIL].items():
+                block = blocks[key]
+                if block.ref_cnt == 0 and key not in protected:
+                    yield key, block
+        lanes = self._heads(protected, first)
         while lanes:
             best = lanes[0]
-            for lane in lanes:
-                if lane[0] < best[0]:
+            limit = _INF
+            for lane in lanes[1:]:
+                score = lane[0]
+                if score < best[0]:
+                    limit = best[0]
                     best = lane
-            limit = min((lane[0] for lane in lanes if lane is not best), default=float("inf"))
+                elif score < limit:
+                    limit = score
             yield best[1], best[2]
-            # Stay in this lane while it keeps the lowest score.
-            offset = best[4]
-            for key, block in best[3]:
+            # Stay in this lane while its scores stay below every other lane's head.
+            below = limit - best[4]
+            for key, stamp in best[3]:
+                block = blocks[key]
                 if block.ref_cnt == 0 and key not in protected:
-                    score = (metas[key] >> 3) + offset
-                    if score >= limit:
-                        best[0], best[1], best[2] = score, key, block
+                    if stamp >= below:
+                        best[0], best[1], best[2] = stamp + best[4], key, block
                         break
                     yield key, block
             else:
                 lanes.remove(best)
 
-    def _tails_one_time(self) -> bool:
-        """Whether evicted request tails come back less often than evicted new blocks (so that
-        demoting them is right on this workload); true until enough evidence says otherwise."""
-        te, tr, ne, nr = self._returns
-        if te < 64 or ne < 64:
-            return True
-        return tr * ne < 0.5 * nr * te
-
-    def _heads(self, protected: set[OffloadKey]) -> list[list]:
-        """Per non-empty segment: [score of its first evictable block, key, block, iterator,
-        offset, segment index, keys taken so far]."""
-        metas = self.meta
-        lanes: list[list] = []
-        for index, (seg, offset) in enumerate(zip(self.segs, self._offsets())):
-            if seg:
-                it = iter(seg.items())
-                for key, block in it:
-                    if block.ref_cnt == 0 and key not in protected:
-                        lanes.append([(metas[key] >> 3) + offset, key, block, it, offset, index, []])
-                        break
-        return lanes
-
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
-        # Same walk as _order, without a generator (this is the hot path).
-        metas = self.meta
-        lanes = self._heads(protected)
-        used = list(lanes)
+        # The walk of _order, without a generator (this is the hot path).
+        blocks = self.blocks
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
         append = chosen.append
         left = n
-        while lanes and left:
+        first = 0
+        tails: list[OffloadKey] = []
+        if self._one_time:
+            first = 1
+            take = tails.append
+            for key, _ in self.segs[_TAIL].items():
+                block = blocks[key]
+                if block.ref_cnt == 0 and key not in protected:
+                    append((key, block))
+                    take(key)
+                    left -= 1
+                    if not left:
+                        break
+        lanes = self._heads(protected, first) if left else []
+        used = lanes[:]
+        while lanes:
             best = lanes[0]
-            limit = float("inf")
-            if len(lanes) > 1:
-                for lane in lanes:
-                    if lane[0] < best[0]:
-                        best = lane
-                limit = min(lane[0] for lane in lanes if lane is not best)
-            taken = best[6].append
+            limit = _INF
+            for lane in lanes[1:]:
+                score = lane[0]
+                if score < best[0]:
+                    limit = best[0]
+                    best = lane
+                elif score < limit:
+                    limit = score
+            take = best[6].append
             append((best[1], best[2]))
-            taken(best[1])
+            take(best[1])
             left -= 1
             if not left:
                 break
-            offset = best[4]
-            for key, block in best[3]:
+            below = limit - best[4]
+            for key, stamp in best[3]:
+                block = blocks[key]
                 if block.ref_cnt == 0 and key not in protected:
-                    score = (metas[key] >> 3) + offset
-                    if score >= limit:
-                        best[0], best[1], best[2] = score, key, block
+                    if stamp >= below:
+                        best[0], best[1], best[2] = stamp + best[4], key, block
                         break
                     append((key, block))
-                    taken(key)
+                    take(key)
                     left -= 1
                     if not left:
                         break
             else:
                 lanes.remove(best)
+                continue
+            if not left:
+                break
         if left:
             return None
-        self._in_run = False
-        segs, blocks, ghosts = self.segs, self.blocks, self.ghosts
+        self._sync()
+        self._tail_next = True
+        segs, ghosts, returns = self.segs, self.ghosts, self._returns
+        if tails:
+            used.append([0, 0, 0, 0, 0, _TAIL, tails])
         for lane in used:
-            taken, index = lane[6], lane[5]
+            taken = lane[6]
             if not taken:
                 continue
-            seg = segs[index]
-            for key in taken:
-                del seg[key]
+            index = lane[5]
+            if len(taken) == 1:
+                key = taken[0]
+                del segs[index][key]
                 del blocks[key]
-                del metas[key]
-            if index <= 1:
-                self._returns[0 if index == _TAIL else 2] += len(taken)
-            if self.ghost_limit:
+                ghosts[key] = index
+            else:
+                # Bulk bookkeeping at C speed (map + a zero-length deque run the loop in C).
+                _consume(map(segs[index].__delitem__, taken), 0)
+                _consume(map(blocks.__delitem__, taken), 0)
                 ghosts.update(dict.fromkeys(taken, index))
-        if len(ghosts) >= self.ghost_limit:
-            self.old_ghosts = ghosts
-            self.ghosts = {}
+            if index <= 1:
+                returns[0 if index == _TAIL else 2] += len(taken)
+        self._mark = len(blocks)
+        self._one_time = self._tails_one_time()
+        limit = self.ghost_limit
+        if len(ghosts) >= 2 * limit:
+            self.ghosts = ghosts = dict(islice(ghosts.items(), len(ghosts) - limit, None)) if limit else {}
+            self._ghost_pop = ghosts.pop
         return chosen
 
     def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
@@ -250,13 +339,12 @@ class PrefixFreqCachePolicy(CachePolicy):
         for seg in self.segs:
             seg.clear()
         self.blocks.clear()
-        self.meta.clear()
         self.ghosts.clear()
-        self.old_ghosts.clear()
-        self._returns = [0, 0, 0, 0]
-        self.clock = 0
+        self._returns = [0, 0, 0, 0, 0, 0]
+        self._one_time = True
+        self.clock = self._mark = 0
         self.unit = float(self.cache_capacity)
-        self._in_run = False
+        self._tail_next = True
 
     def __len__(self) -> int:
         return len(self.blocks)

@@ -3,6 +3,8 @@ behaviour of kvtier's other policies: SIEVE (NSDI'24) and prefix-freq (docs/poli
 
 from __future__ import annotations
 
+import pytest
+
 from kvtier import make_offload_key
 from kvtier.policies.arc import ARCCachePolicy
 from kvtier.policies.lru import LRUCachePolicy
@@ -200,3 +202,31 @@ def test_prefix_freq_stops_demoting_tails_that_come_back():
             convs[c] = chain + new_blocks[len(chain) - len(prefix):]
             del hits
     assert not policy._tails_one_time()
+
+
+@pytest.mark.parametrize("one_time", [True, False])
+def test_prefix_freq_victim_candidates_is_the_evict_order_with_and_without_tail_demotion(one_time):
+    """Tails first (one-time) or tails merged as ordinary new blocks: either way `evict` takes
+    exactly the blocks `victim_candidates` lists, in that order, with pinned/hit blocks mixed in."""
+    import random
+
+    rng = random.Random(7)
+    for trial in range(20):
+        cap = 40
+        policy = PrefixFreqCachePolicy(cap)
+        nxt = 0
+        for _ in range(30):
+            resident = list(policy.keys())
+            hits = rng.sample(resident, min(len(resident), rng.randint(0, 4)))
+            if hits:
+                policy.touch(hits)
+            new = list(range(nxt, nxt + rng.randint(1, 6)))
+            nxt += len(new)
+            request(policy, [], new, cap)
+        policy._one_time = one_time
+        order = [k for k, _ in policy.victim_candidates()]
+        n = rng.randint(1, len(order))
+        victims = policy.evict(n, set())
+        assert [k for k, _ in victims] == order[:n]
+        if one_time:  # (evict re-derives the flag from its counters: here, still one-time)
+            assert [k for k, _ in policy.victim_candidates()] == order[n:]
