@@ -111,7 +111,7 @@ class HierarchyManager(OffloadingManager):
         self._top = self.tiers[0]
         self._jobs: dict[int, _Job] = {}
         self._promoting: dict[OffloadKey, int] = {}  # key -> source tier index (queued or running)
-        self._promote_queue: list[OffloadKey] = []
+        self._promote_queue: dict[OffloadKey, None] = {}  # promotions to start at the end of the step
         self._promotion_refused: set[OffloadKey] = set()
         self._origin: dict[OffloadKey, int] = {}  # promoted key -> tier that supplied it
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> tiers pinned by prepare_load
@@ -157,7 +157,7 @@ class HierarchyManager(OffloadingManager):
             if tier.direct_load:
                 return LookupResult.HIT
             self._promoting[key] = tier.index
-            self._promote_queue.append(key)
+            self._promote_queue[key] = None
             return LookupResult.RETRY
         return LookupResult.MISS
 
@@ -204,6 +204,10 @@ class HierarchyManager(OffloadingManager):
         top = self._top
         get = top.policy.get
         to_store = [key for key in keys if get(key) is None]
+        for key in to_store:
+            if key in self._promote_queue:  # the engine's own bytes supersede a promotion not started yet
+                del self._promote_queue[key]
+                del self._promoting[key]
         evicted = self._evict_for(top, len(to_store), keys if isinstance(keys, set) else set(keys))
         if evicted is None:
             return None
@@ -401,31 +405,32 @@ class HierarchyManager(OffloadingManager):
         self._submit(_Job("demote", tier, lower, keys, src_blocks, dst_blocks))
 
     def _flush_promotions(self) -> None:
-        """Start the promotions queued by `lookup`, one job per source tier."""
-        queue, self._promote_queue = self._promote_queue, []
+        """Start the promotions queued by `lookup`, one job per source tier. Source blocks are
+        pinned first: making room in tier 0 may demote into (and so evict from) their tier."""
+        queue, self._promote_queue = self._promote_queue, {}
         top = self._top
-        by_tier: dict[int, list[OffloadKey]] = {}
+        by_tier: dict[int, tuple[list[OffloadKey], list[BlockStatus]]] = {}
         for key in queue:
             src = self.tiers[self._promoting[key]]
             block = src.policy.get(key)
             if block is None or block.ref_cnt < 0 or top.policy.get(key) is not None:
                 self._refuse_promotion(key)
                 continue
-            by_tier.setdefault(src.index, []).append(key)
-        for index, keys in by_tier.items():
-            src = self.tiers[index]
+            block.ref_cnt += 1  # held until the job ends (`_finish` releases it)
+            entry = by_tier.setdefault(src.index, ([], []))
+            entry[0].append(key)
+            entry[1].append(block)
+        for index, (keys, src_blocks) in by_tier.items():
             if self._evict_for(top, len(keys), set(keys)) is None:
-                for key in keys:
+                for key, block in zip(keys, src_blocks):
+                    block.ref_cnt -= 1
                     self._refuse_promotion(key)
                 continue
-            src_blocks = [src.policy.get(k) for k in keys]
-            for block in src_blocks:
-                block.ref_cnt += 1
             dst_blocks = top.backend.allocate_blocks(keys)
             for key, block in zip(keys, dst_blocks):
                 top.policy.insert(key, block)
             top.allocated_since_walk += len(keys)
-            self._submit(_Job("promote", src, top, keys, src_blocks, dst_blocks))
+            self._submit(_Job("promote", self.tiers[index], top, keys, src_blocks, dst_blocks))
 
     def _refuse_promotion(self, key: OffloadKey) -> None:
         del self._promoting[key]
@@ -483,9 +488,10 @@ class HierarchyManager(OffloadingManager):
                 for key in job.keys:
                     self._origin[key] = src.index
             else:
-                # A block that could not be read back is not trusted again.
+                # A block that could not be read back is not trusted again, unless its backend
+                # verified it (a job fails as a whole when one of its blocks is bad).
                 for key, block in zip(job.keys, job.src_blocks):
-                    if block.ref_cnt == 0 and src.policy.get(key) is block:
+                    if block.ref_cnt == 0 and src.policy.get(key) is block and not src.backend.still_valid(block):
                         src.policy.remove(key)
                         src.backend.free(block)
                         if src.index > 0:

@@ -24,8 +24,6 @@ Per iteration it counts:
 - `resurrected`: blocks freed before the kill that came back (and verified): allowed, since the
   DEL records of evicted slots ride along with the next journal append.
 - `child_died`: iterations where the child ended by itself (an exception) before the kill.
-  `--with-proposed-fixes` runs the children with the manager fixes of docs/reliability.md
-  patched in (bug 2 there kills about one child in 50 otherwise).
 - `leaked_shm`: with `--upper cpu`, shared-memory files the killed child left in /dev/shm
   (removed by the harness; a SIGKILLed process cannot clean up after itself).
 
@@ -52,7 +50,6 @@ BLOCK_BYTES = 16 * 1024
 UPPER_BLOCKS = 16
 FILE_BLOCKS = 64
 FINGERPRINT = "kvtier-crash-harness/v1"
-_FIXES = None
 
 
 def key_for(block_id: int) -> bytes:
@@ -175,12 +172,11 @@ def _child(root: str, upper: str, seed: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------- parent
-def _run_child(root: Path, upper: str, seed: int, kill_after: float,
-               fixes: bool = False) -> tuple[list[str], int, str | None]:
+def _run_child(root: Path, upper: str, seed: int, kill_after: float) -> tuple[list[str], int, str | None]:
     """Run one child, SIGKILL it `kill_after` s after READY; returns (its stdout lines, its pid, and
     None if the kill ended it, else how it ended by itself with the tail of its stderr)."""
     cmd = [sys.executable, "-m", "kvtier.bench.crash", "--child", "--root", str(root), "--upper", upper,
-           "--seed", str(seed)] + (["--with-proposed-fixes"] if fixes else [])
+           "--seed", str(seed)]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     died = None
     try:
@@ -278,7 +274,7 @@ def verify_root(root: Path, upper: str, durable: set[int], freed: set[int], prom
 
 
 def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_kill_delay: float = 0.6,
-        log=print, promote_batch: int = 1, proposed_fixes: bool = False) -> dict:
+        log=print, promote_batch: int = 1) -> dict:
     import logging
 
     logging.getLogger("kvtier.engine").setLevel(logging.ERROR)  # failed verifications are counted below
@@ -289,7 +285,7 @@ def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_k
     started = time.perf_counter()
     for it in range(iterations):
         kill_after = rng.uniform(0.02, max_kill_delay)
-        lines, pid, died = _run_child(root, upper, seed * 1000 + it + 1, kill_after, proposed_fixes)
+        lines, pid, died = _run_child(root, upper, seed * 1000 + it + 1, kill_after)
         freed, writes, frees, complaints = _durable_set(lines, durable)
         leaked = glob.glob(f"/dev/shm/kvtier-{pid}-*")
         for path in leaked:
@@ -310,7 +306,7 @@ def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_k
     totals["child_died"] = sum(1 for r in rows if r["child_died"])
     return {"schema": "kvtier.crash/1", "iterations": iterations, "upper": upper, "seed": seed,
             "block_bytes": BLOCK_BYTES, "upper_blocks": UPPER_BLOCKS, "file_blocks": FILE_BLOCKS,
-            "promote_batch": promote_batch, "with_proposed_fixes": proposed_fixes, "root_dir": str(root), "seconds": round(time.perf_counter() - started, 2), "totals": totals, "rows": rows}
+            "promote_batch": promote_batch, "root_dir": str(root), "seconds": round(time.perf_counter() - started, 2), "totals": totals, "rows": rows}
 
 
 HEADER = (f"{'it':>4} {'kill_s':>7} {'written':>7} {'frees':>6} {'recovered':>9} {'served_ok':>9} "
@@ -326,23 +322,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-kill-delay", type=float, default=0.6, help="kill within this many seconds of READY")
     p.add_argument("--promote-batch", type=int, default=1,
                    help="blocks per verification promotion job (>1 shows collateral drops of good blocks)")
-    p.add_argument("--with-proposed-fixes", action="store_true",
-                   help="children run with the manager fixes proposed in docs/reliability.md patched in")
     p.add_argument("--json", help="report path (default ROOT/crash-report.json)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        if args.with_proposed_fixes:
-            from kvtier.bench.soak import proposed_fixes
-
-            global _FIXES
-            _FIXES = proposed_fixes()  # kept referenced: for the whole life of the child
-            _FIXES.__enter__()
         _child(args.root, args.upper, args.seed)
         return 0
     print(HEADER)
     report = run(args.iterations, Path(args.root), args.upper, args.seed, args.max_kill_delay,
-                 promote_batch=args.promote_batch, proposed_fixes=args.with_proposed_fixes)
+                 promote_batch=args.promote_batch)
     t = report["totals"]
     print(f"totals: {json.dumps(t)}  ({report['seconds']} s)")
     path = Path(args.json) if args.json else Path(args.root) / "crash-report.json"

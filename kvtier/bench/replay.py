@@ -25,7 +25,8 @@ from kvtier.errors import KVTierError
 from kvtier.keys import make_offload_key
 from kvtier.types import LookupResult, ReqContext
 
-MAX_RETRY_STEPS = 64  # a lookup still answering RETRY after this many steps counts as a miss
+MAX_RETRY_STEPS = 64
+_HASH_LIMIT = 1 << 64  # block hashes become 8-byte keys  # a lookup still answering RETRY after this many steps counts as a miss
 
 
 class TraceError(KVTierError, ValueError):
@@ -60,26 +61,35 @@ class Trace:
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> Trace:
-    """Read a Mooncake-format JSONL trace (`hash_ids` per line). Raises TraceError with the line number."""
+    """Read a Mooncake-format JSONL trace (`hash_ids` per line: ids in [0, 2**64)).
+    Raises TraceError naming the file and line; the message never repeats more than 80
+    characters of the offending input."""
     path = Path(path)
     try:
-        handle = path.open("r", encoding="utf-8")
+        handle = path.open("rb")
     except OSError as exc:
         raise TraceError(f"cannot read trace {path}: {exc.strerror or exc}") from None
     requests: list[list[int]] = []
     with handle:
-        for lineno, line in enumerate(handle, 1):
-            if not line.strip():
+        for lineno, raw in enumerate(handle, 1):
+            if not raw.strip():
                 continue
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise TraceError(f"{where}: not UTF-8 text (byte {exc.start} of the line)") from None
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise TraceError(f"{path}:{lineno}: not valid JSON ({exc})") from None
+            except RecursionError:
+                raise TraceError(f"{where}: not valid JSON (nested too deeply)") from None
+            except ValueError as exc:  # JSONDecodeError, or an integer too long to convert
+                raise TraceError(f"{where}: not valid JSON ({str(exc)[:120]})") from None
             hashes = record.get("hash_ids") if isinstance(record, dict) else None
-            if not isinstance(hashes, list) or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0
-                                                        for h in hashes):
-                raise TraceError(f"{path}:{lineno}: expected an object with 'hash_ids': a list of non-negative "
-                                 f"integers, got {line.strip()[:80]!r}")
+            if not isinstance(hashes, list) or not all(
+                    type(h) is int and 0 <= h < _HASH_LIMIT for h in hashes):
+                raise TraceError(f"{where}: expected an object with 'hash_ids': a list of integers in "
+                                 f"[0, 2**64), got {line.strip()[:80]!r}")
             requests.append(hashes)
             if limit is not None and len(requests) >= limit:
                 break

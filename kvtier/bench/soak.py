@@ -26,7 +26,6 @@ Exit status 1 if an invariant failed (the message says which, at which operation
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import logging
@@ -100,47 +99,6 @@ class ChaosHandler(TransferHandler):
         self.queue = [j for j in self.queue if j[0] not in wanted]
         for job in jobs:
             self._finish(*job)
-
-
-@contextlib.contextmanager
-def proposed_fixes():
-    """Apply the manager fixes proposed in docs/reliability.md for the duration of the block
-    (monkeypatched wrappers: the soak can then check everything else; kvtier/manager.py is not
-    touched). Bug 1: a store supersedes a promotion still queued for the same key. Bug 2: the
-    source blocks of queued promotions are pinned while room is made in tier 0 (demoting tier 0's
-    dirty victims may otherwise evict them from the tier they are about to be read from)."""
-    from kvtier.manager import HierarchyManager
-
-    orig_store, orig_flush = HierarchyManager.prepare_store, HierarchyManager._flush_promotions
-
-    def prepare_store(self, keys, req_context=None):
-        get = self._top.policy.get
-        for key in keys:
-            if key in self._promoting and get(key) is None:
-                del self._promoting[key]
-                queue = self._promote_queue
-                (queue.pop(key, None) if isinstance(queue, dict) else queue.remove(key))
-        return orig_store(self, keys, req_context)
-
-    def flush(self):
-        pinned = []
-        for key in list(self._promote_queue):
-            index = self._promoting.get(key)
-            block = self.tiers[index].policy.get(key) if index is not None else None
-            if block is not None and block.ref_cnt >= 0:
-                block.ref_cnt += 1
-                pinned.append(block)
-        try:
-            orig_flush(self)
-        finally:
-            for block in pinned:
-                block.ref_cnt -= 1
-
-    HierarchyManager.prepare_store, HierarchyManager._flush_promotions = prepare_store, flush
-    try:
-        yield
-    finally:
-        HierarchyManager.prepare_store, HierarchyManager._flush_promotions = orig_store, orig_flush
 
 
 def build(hot: int, warm: int, hot_policy: str, warm_policy: str, reserve: float):
@@ -337,18 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check-every", type=int, default=64)
     p.add_argument("--hot-policy", default="arc")
     p.add_argument("--skip-stores-while-promoting", action="store_true",
-                   help="never store a block whose promotion is queued (avoids bug 1 of docs/reliability.md)")
-    p.add_argument("--with-proposed-fixes", action="store_true",
-                   help="run with the manager fixes proposed in docs/reliability.md patched in")
+                   help="never store a block whose promotion is queued (the path of bug 1, docs/reliability.md)")
     p.add_argument("--json", help="write the report as JSON")
     args = p.parse_args(argv)
-    fixes = proposed_fixes() if args.with_proposed_fixes else contextlib.nullcontext()
     try:
-        with fixes:
-            report = run(args.ops, args.seed, check_every=args.check_every, hot_policy=args.hot_policy,
-                         progress=lambda i: print(f"  {i:,} ops", flush=True),
-                         store_while_promoting=not args.skip_stores_while_promoting)
-        report["with_proposed_fixes"] = args.with_proposed_fixes
+        report = run(args.ops, args.seed, check_every=args.check_every, hot_policy=args.hot_policy,
+                     progress=lambda i: print(f"  {i:,} ops", flush=True),
+                     store_while_promoting=not args.skip_stores_while_promoting)
     except InvariantError as exc:
         print(f"INVARIANT FAILED: {exc}", file=sys.stderr)
         return 1

@@ -94,6 +94,12 @@ class Backend(ABC):
         """Where the given blocks live, for a handler to read or write them."""
         return self.spec_type.for_blocks([b.block_id for b in blocks], list(keys), tier=self.name)
 
+    def still_valid(self, block: BlockStatus) -> bool:
+        """After a failed read of `block`: is it still trustworthy? Backends that verify what
+        they read (and forget what fails) say which blocks survived; the default is no, so a
+        block that could not be read is dropped."""
+        return False
+
     def recover(self) -> list[tuple[OffloadKey, BlockStatus]]:
         """Blocks that survive from an earlier process (ready, slots claimed). Default: none."""
         return []

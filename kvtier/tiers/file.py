@@ -557,6 +557,11 @@ class FileBackend(Backend):
         with self._jlock:
             self._forget(block.block_id)
 
+    def still_valid(self, block: BlockStatus) -> bool:
+        """A block survives a failed read unless verification forgot it (bad header or checksum)."""
+        with self._jlock:
+            return block.block_id in self._index
+
     def _forget(self, slot: int) -> None:
         """Drop a slot from the index; its DEL record goes out with the next journal append."""
         if self._index.pop(slot, None) is not None:

@@ -18,11 +18,7 @@ from kvtier.bench import crash
 
 @pytest.mark.parametrize("upper", ["memory", "cpu"])
 def test_crash_iterations_serve_nothing_wrong(tmp_path, upper):
-    # The children run with the manager fixes of docs/reliability.md patched in: bug 2 there (an
-    # AttributeError in on_schedule_end, its own strict-xfail test) would otherwise kill a child
-    # now and then, and this test is about the file tier's crash consistency.
-    report = crash.run(3, tmp_path / "root", upper=upper, seed=7, max_kill_delay=0.3, log=lambda *_: None,
-                       proposed_fixes=True)
+    report = crash.run(3, tmp_path / "root", upper=upper, seed=7, max_kill_delay=0.3, log=lambda *_: None)
     t = report["totals"]
     assert t["served_wrong"] == 0
     assert t["lost_durable"] == 0

@@ -102,8 +102,6 @@ def test_bit_flip_is_never_served(written, where, reason):
     assert all(served[k] for s, k in on_disk.items() if s != slot)
 
 
-@pytest.mark.xfail(strict=True, reason="bug 3 (docs/reliability.md): a failed promotion job drops every block of "
-                                       "the job from the file tier, the good ones too")
 def test_one_bad_block_in_a_promotion_batch_does_not_drop_the_good_ones(written):
     root, on_disk, _ = written
     bad_slot = sorted(on_disk)[0]

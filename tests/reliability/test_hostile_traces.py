@@ -81,8 +81,6 @@ def test_hostile_trace_is_refused_with_one_message(tmp_path, capsys, case):
 
 
 @pytest.mark.parametrize("case", sorted(BUG_CASES))
-@pytest.mark.xfail(strict=True, reason="bug 4 (docs/reliability.md): load_trace lets UnicodeDecodeError, "
-                                       "OverflowError, ValueError (int digits limit) and RecursionError through")
 def test_hostile_trace_bug_cases(tmp_path, capsys, case):
     content, line = BUG_CASES[case]
     path = write(tmp_path, case + ".jsonl", content)
