@@ -233,7 +233,12 @@ class KVTierOffloadingManager(OffloadingManager):
         return CacheHitSource.HOST if medium == "CPU" else CacheHitSource.DISK
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KVTierCPULoadStoreSpec:
-        return _to_vllm_spec(self.manager.prepare_load(list(keys), req_context))
+        keys = list(keys)
+        spec = self.manager.prepare_load(keys, req_context)
+        # vLLM 0.32's connector never calls touch(): recency is the manager's business. A load is
+        # a reuse, so the loaded prefix becomes the most recently used (head first), as in replays.
+        self.manager.touch(keys, req_context)
+        return _to_vllm_spec(spec)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.manager.touch(list(keys), req_context)

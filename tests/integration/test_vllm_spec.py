@@ -183,3 +183,21 @@ def test_more_than_one_worker_is_refused(tmp_path):
 
     with pytest.raises(NotImplementedError, match="one worker per engine"):
         KVTierOffloadingSpec(_config(tmp_path, rank=1, world_size=2))
+
+
+def test_a_load_makes_its_blocks_most_recently_used(spec):
+    """vLLM's connector never calls touch(); the adapter applies a load's recency itself, so a
+    reused block outlives blocks stored after it."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    m = spec.get_manager()
+    ctx = ReqContext("r-lru")
+    first, later = _keys(2), _keys(2, start=10)
+    for group in (first, later):  # the CPU tier (4 blocks) is now full: first is the oldest
+        m.complete_store(m.prepare_store(group, ctx).keys_to_store, ctx)
+        _settle(m)  # written through to the file tier: nothing pinned
+    m.prepare_load(first, ctx)
+    m.complete_load(first, ctx)
+    out = m.prepare_store(_keys(2, start=20), ctx)
+    assert out is not None and sorted(out.evicted_keys) == sorted(later)
+    _settle(m)
