@@ -47,7 +47,7 @@ def run_hops(config: Any, block_sizes: list[int], root_dir: str | None = None, q
     try:
         update = progress("CPU<->FILE") if progress else None
         for i, size in enumerate(block_sizes):
-            figures = measure_cpu_file(root_dir, size, max(total, 8 * size), repeats=1)
+            figures = measure_cpu_file(root_dir, size, max(total, 8 * size), repeats=1 if quick else 3)
             rows += file_rows(figures)
             if update:
                 update(i + 1, len(block_sizes))
@@ -55,6 +55,11 @@ def run_hops(config: Any, block_sizes: list[int], root_dir: str | None = None, q
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
     return rows
+
+
+def hop_label(row: dict[str, Any]) -> str:
+    """A hop's display name: 'GPU' becomes 'engine' when the engine's KV cache is in CPU memory."""
+    return row["hop"].replace("GPU", "engine") if row.get("device") == "cpu" else row["hop"]
 
 
 def file_rows(figures: dict[str, Any]) -> list[dict[str, Any]]:

@@ -31,9 +31,11 @@ def plot_bench(doc: dict[str, Any], path: str | Path) -> None:
 
 
 def _plot_hops(ax, rows: list[dict[str, Any]]) -> None:
-    hops = sorted({r["hop"] for r in rows})
+    from kvtier.bench.hops_runner import hop_label
+
+    hops = sorted({hop_label(r) for r in rows})
     for i, hop in enumerate(hops):
-        mine = sorted((r for r in rows if r["hop"] == hop), key=lambda r: r["block_bytes"])
+        mine = sorted((r for r in rows if hop_label(r) == hop), key=lambda r: r["block_bytes"])
         sizes = [r["block_bytes"] / 1024 for r in mine]
         color = f"C{i}"
         ax.plot(sizes, [r["gbps"] for r in mine], "o-", color=color, label=f"{hop} (kvtier)")

@@ -125,11 +125,13 @@ def _run_hops(args, config, progress: Progress) -> list[dict[str, Any]]:
 
 
 def _print_hops(rows: list[dict[str, Any]]) -> None:
-    print(f"\n{'hop':<14}{'engine':>7}{'block':>8}{'kvtier GB/s':>13}{'baseline':>22}{'GB/s':>8}{'ratio':>8}")
+    from kvtier.bench.hops_runner import hop_label
+
+    print(f"\n{'hop':<14}{'block':>8}{'kvtier GB/s':>13}{'baseline':>22}{'GB/s':>8}{'ratio':>8}")
     for r in rows:
         base = r.get("baseline_gbps")
         ratio = f"{r['gbps'] / base:7.0%}" if base else "      -"
-        print(f"{r['hop']:<14}{r.get('device', '-'):>7}{format_size(r['block_bytes']):>8}{r['gbps']:>13.2f}"
+        print(f"{hop_label(r):<14}{format_size(r['block_bytes']):>8}{r['gbps']:>13.2f}"
               f"{r.get('baseline', '-'):>22}{(base or 0):>8.2f}{ratio:>8}")
 
 
@@ -138,11 +140,13 @@ def _summarise_hops(rows: list[dict[str, Any]]) -> list[str]:
         return ["no hop could be measured on this machine"]
     largest = max(r["block_bytes"] for r in rows)
     at_largest = [r for r in rows if r["block_bytes"] == largest]
+    from kvtier.bench.hops_runner import hop_label
+
     slowest = min(at_largest, key=lambda r: r["gbps"])
-    lines = [f"bottleneck hop: {slowest['hop']} at {slowest['gbps']:.2f} GB/s with {format_size(largest)} blocks"]
+    lines = [f"bottleneck hop: {hop_label(slowest)} at {slowest['gbps']:.2f} GB/s with {format_size(largest)} blocks"]
     for r in at_largest:
         if r.get("baseline_gbps"):
-            lines.append(f"{r['hop']}: {r['gbps'] / r['baseline_gbps']:.0%} of {r['baseline']} "
+            lines.append(f"{hop_label(r)}: {r['gbps'] / r['baseline_gbps']:.0%} of {r['baseline']} "
                          f"({r['baseline_gbps']:.2f} GB/s) at {format_size(largest)}")
     return lines
 
@@ -196,13 +200,13 @@ def _run_trace(args, config, progress: Progress) -> dict[str, Any]:
 
 
 def _print_trace(result: dict[str, Any]) -> None:
-    print(f"\n{'system':<8}{'policy':<8}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}  per tier")
+    print(f"\n{'system':<8}{'policy':<13}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}  per tier")
     for r in result["runs"]:
         tiers = ", ".join(f"{n} {t['hit_rate']:.3f}" for n, t in r.get("tiers", {}).items())
         extra = ""
         if "vs_vllm_lru" in r:
             extra = f"  [{r['vs_vllm_lru']['block_ops_per_s']:.1f}x vLLM LRU ops/s]"
-        print(f"{r['system']:<8}{r['policy']:<8}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
+        print(f"{r['system']:<8}{r['policy']:<13}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
               f"{r['block_ops_per_s']:>13,.0f}  {tiers}{extra}")
     print(f"(offline ceiling with unlimited space: {result['optimum_hit_rate']:.4f})")
 
