@@ -10,10 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
-import sys
-import tempfile
 import time
-from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 from typing import Any

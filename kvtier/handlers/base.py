@@ -22,6 +22,17 @@ log = logging.getLogger("kvtier.handlers")
 DoneCallback = Callable[[TransferResult], None]
 
 
+def run_copy(job_id: int, copy: Callable[[LoadStoreSpec, LoadStoreSpec], int], src: LoadStoreSpec,
+             dst: LoadStoreSpec) -> TransferResult:
+    """Run one job's copy and time it; an exception becomes a failed result for this job only."""
+    start = time.perf_counter()
+    try:
+        moved = copy(src, dst)
+    except Exception as exc:  # noqa: BLE001 - any failure fails this job only
+        return TransferResult(job_id, False, 0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
+    return TransferResult(job_id, True, moved, time.perf_counter() - start)
+
+
 class TransferHandler(ABC):
     """Moves bytes for one hop. Subclasses implement `submit`; `wait` blocks until jobs finish."""
 
@@ -52,9 +63,7 @@ class SyncHandler(TransferHandler, ABC):
         """Copy all blocks; return the number of bytes moved. Raise on failure."""
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        start = time.perf_counter()
-        moved = self.copy(src, dst)
-        self._on_done(TransferResult(job_id, True, moved, time.perf_counter() - start))
+        self._on_done(run_copy(job_id, self.copy, src, dst))
 
 
 class ThreadedHandler(TransferHandler, ABC):
@@ -75,13 +84,7 @@ class ThreadedHandler(TransferHandler, ABC):
             self._futures[job_id] = self._pool.submit(self._run, job_id, src, dst)
 
     def _run(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        start = time.perf_counter()
-        try:
-            moved = self.copy(src, dst)
-            result = TransferResult(job_id, True, moved, time.perf_counter() - start)
-        except Exception as exc:  # noqa: BLE001 - any failure fails this job only
-            result = TransferResult(job_id, False, 0, time.perf_counter() - start,
-                                    error=f"{type(exc).__name__}: {exc}")
+        result = run_copy(job_id, self.copy, src, dst)
         self._on_done(result)  # report before forgetting the future, so wait() implies reported
         with self._lock:
             self._futures.pop(job_id, None)

@@ -28,14 +28,13 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.handlers.base import ThreadedHandler, TransferHandler
+from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler
 from kvtier.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
-from kvtier.types import CanonicalKVCaches, TransferResult
+from kvtier.types import CanonicalKVCaches
 
 log = logging.getLogger("kvtier.handlers.gpu_cpu")
 
@@ -311,23 +310,13 @@ def _split(to_cpu: bool, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[GPULoa
     return gpu, cpu
 
 
-class HostKVCopyHandler(TransferHandler):
+class HostKVCopyHandler(SyncHandler):
     """Engine KV cache in CPU tensors <-> CPU tier: batched index copies, synchronous in `submit`.
     A failing job reports `success=False`; other jobs are unaffected."""
 
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_cpu: bool):
         super().__init__()
         self.backends, self.layout, self.to_cpu = dict(backends), layout, to_cpu
-
-    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        start = time.perf_counter()
-        try:
-            moved = self.copy(src, dst)
-            result = TransferResult(job_id, True, moved, time.perf_counter() - start)
-        except Exception as exc:  # noqa: BLE001 - a failure fails this job only
-            log.debug("job %d failed", job_id, exc_info=True)
-            result = TransferResult(job_id, False, 0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
-        self._on_done(result)
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
         import torch
