@@ -161,6 +161,18 @@ class HierarchyManager(OffloadingManager):
             return LookupResult.RETRY
         return LookupResult.MISS
 
+    def load_source(self, key: OffloadKey) -> str | None:
+        """Medium of the tier that supplies `key` to the engine: the tier a promotion into tier 0
+        came from (until the block is loaded), else the first tier holding it readable."""
+        origin = self._origin.get(key, self._promoting.get(key))
+        if origin is not None:
+            return self.tiers[origin].medium
+        for tier in self.tiers:
+            block = tier.policy.get(key)
+            if block is not None and block.ref_cnt >= 0:
+                return tier.medium
+        return None
+
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
         parts: dict[int, tuple[list[OffloadKey], list[BlockStatus], list[int]]] = {}
         for pos, key in enumerate(keys):

@@ -249,3 +249,21 @@ def test_cascade_loses_nothing_when_the_lower_tier_keeps_up(policy):
     assert hot["evictions"] > 500 and hot["cascade_dropped"] == 0
     assert h.manager.get_stats()["warm"]["promotions"] > 0 and result["hit_rate"] > 0.5
     h.close()
+
+
+def test_load_source_names_the_tier_that_supplied_a_promoted_block(ctx):
+    h = memory_hierarchy(hot=4, warm=16)
+    ks = keys(8)
+    store(h, ks[:4], ctx)
+    store(h, ks[4:], ctx)  # ks[:4] now only in warm
+    m = h.manager
+    assert m.load_source(ks[5]) == "CPU" and m.load_source(b"missing") is None
+    assert m.lookup(ks[0], ctx) is LookupResult.RETRY
+    m.on_schedule_end()
+    assert m.lookup(ks[0], ctx) is LookupResult.HIT
+    m.tiers[1].backend.medium = "FILE"  # tell the two memory tiers apart
+    assert m.load_source(ks[0]) == "FILE"  # promoted: supplied by the lower tier
+    m.prepare_load([ks[0]], ctx)
+    m.complete_load([ks[0]], ctx)
+    assert m.load_source(ks[0]) == "CPU"  # loaded once: now a tier-0 block like any other
+    h.close()

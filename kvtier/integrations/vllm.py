@@ -203,7 +203,6 @@ class KVTierOffloadingManager(OffloadingManager):
         self.manager = hierarchy.manager
         self.enable_events = enable_events
         self._last_counters: dict[str, dict[str, float]] = {}
-        self._source: dict[OffloadKey, str] = {}  # key being promoted -> medium of the source tier
         self._lock = threading.RLock()
 
     if "lock" in getattr(OffloadingManager, "__abstractmethods__", frozenset()):  # vLLM 0.33+, if abstract
@@ -214,22 +213,12 @@ class KVTierOffloadingManager(OffloadingManager):
 
     # --- lookup and load
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        result = self.manager.lookup(key, req_context)
-        if result is ktypes.LookupResult.RETRY and key not in self._source:
-            if len(self._source) > 1 << 16:  # promoted but never loaded (aborted requests): forget
-                self._source.clear()
-            for tier in self.manager.tiers[1:]:
-                if tier.policy.get(key) is not None:
-                    self._source[key] = tier.medium
-                    break
-        elif result is ktypes.LookupResult.MISS:
-            self._source.pop(key, None)
-        return LookupResult[result.name]
+        return LookupResult[self.manager.lookup(key, req_context).name]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext):
         if CacheHitSource is None:  # pragma: no cover
             return None
-        medium = self._source.get(key, "CPU")
+        medium = self.manager.load_source(key) or "CPU"
         return CacheHitSource.HOST if medium == "CPU" else CacheHitSource.DISK
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KVTierCPULoadStoreSpec:
@@ -245,8 +234,6 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.manager.complete_load(list(keys), req_context)
-        for key in keys:
-            self._source.pop(key, None)
 
     # --- store
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
@@ -281,7 +268,6 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def reset_cache(self) -> None:
         self.manager.reset_cache()
-        self._source.clear()
 
     def on_reset_flushed(self) -> None:  # vLLM 0.33: in-flight jobs were flushed after a reset
         return
