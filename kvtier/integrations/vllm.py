@@ -69,7 +69,6 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSpec
 
 from kvtier import specs as kspecs
-from kvtier import types as ktypes
 from kvtier.config import HierarchyConfig, default_config_path, parse_config
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
