@@ -1,0 +1,15 @@
+"""The README's configuration example is a valid hierarchy (docs match the code)."""
+
+import re
+from pathlib import Path
+
+from kvtier import load_config_text
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_config_example_loads():
+    text = re.search(r"## Configuration\n\n```yaml\n(.*?)```", README.read_text(), re.S).group(1)
+    config = load_config_text(text, "README.md")
+    assert [t.backend for t in config.tiers] == ["cpu", "file"]
+    assert config.tiers[0].options["pin"] == "auto" and config.tiers[1].options["num_threads"] == 4
