@@ -145,18 +145,31 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
         noise = os.urandom(block_bytes + 4096)
         for i in range(n):  # distinct content per block
             mem.view(i)[:] = noise[i % 4096:i % 4096 + block_bytes]
-        for _ in range(repeats):
+        def handler_round() -> tuple[str, bool]:
             fill_s, store_s, load_s, engine, direct = _store_load_once(work, mem, n, block_bytes, io, num_threads,
                                                                         job_blocks)
             runs["fill"].append(fill_s)
             runs["store"].append(store_s)
             runs["load"].append(load_s)
+            return engine, direct
+
+        def raw_round() -> None:
             for tag, threads in (("1", 1), ("t", num_threads)):
                 f, w, r = _raw_direct(work / "raw", total, threads)
                 os.unlink(work / "raw")
                 runs["f" + tag].append(f)
                 runs["w" + tag].append(w)
                 runs["r" + tag].append(r)
+
+        for i in range(repeats):
+            # Alternate which side goes first: the disk is still busy with the previous side's
+            # writes (and the deleted raw file's extents) when the next one starts.
+            if i % 2 == 0:
+                engine, direct = handler_round()
+                raw_round()
+            else:
+                raw_round()
+                engine, direct = handler_round()
     finally:
         mem.close()
         shutil.rmtree(work, ignore_errors=True)
