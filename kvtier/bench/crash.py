@@ -67,25 +67,27 @@ def payload_for(block_id: int, block_bytes: int = BLOCK_BYTES) -> bytes:
 
 
 def config_text(root: str, upper: str, upper_blocks: int = UPPER_BLOCKS, file_blocks: int = FILE_BLOCKS,
-                block_bytes: int = BLOCK_BYTES) -> str:
+                block_bytes: int = BLOCK_BYTES, *, upper_name: str = "upper", reserve: float = 0.25,
+                fingerprint: str = FINGERPRINT) -> str:
+    """A `upper` (memory or cpu) tier cascading into a posix file tier in `root`."""
     pin = "\n    pin: false" if upper == "cpu" else ""
     return f"""
 block_tokens: 16
 block_bytes: {block_bytes}B
 tiers:
-  - name: upper
+  - name: {upper_name}
     backend: {upper}
     capacity: {upper_blocks} blocks
     policy: lru
     cascade: on_evict
-    reserve: 0.25{pin}
+    reserve: {reserve}{pin}
   - name: disk
     backend: file
     root_dir: {root}
     capacity: {file_blocks} blocks
     policy: lru
     io: posix
-    fingerprint: {FINGERPRINT}
+    fingerprint: {fingerprint}
     num_threads: 2
 """
 

@@ -11,32 +11,16 @@ import tempfile
 import pytest
 
 from kvtier import LookupResult, build_hierarchy, load_config_text, make_offload_key
+from kvtier.bench import crash
 
 BLOCK = 16 * 1024
 
 
 def config_text(root, upper="memory", upper_blocks=8, file_blocks=32, fingerprint="model-a/layout-1",
                 block_bytes=BLOCK, reserve=0.25):
-    pin = "\n    pin: false" if upper == "cpu" else ""
-    return f"""
-block_tokens: 16
-block_bytes: {block_bytes}B
-tiers:
-  - name: up
-    backend: {upper}
-    capacity: {upper_blocks} blocks
-    policy: lru
-    cascade: on_evict
-    reserve: {reserve}{pin}
-  - name: disk
-    backend: file
-    root_dir: {root}
-    capacity: {file_blocks} blocks
-    policy: lru
-    io: posix
-    fingerprint: {fingerprint}
-    num_threads: 2
-"""
+    """The crash harness's hierarchy, with the upper tier named "up"."""
+    return crash.config_text(root, upper, upper_blocks, file_blocks, block_bytes, upper_name="up", reserve=reserve,
+                             fingerprint=fingerprint)
 
 
 def build(root, **kw):
