@@ -23,6 +23,34 @@ tiers:
     return build_hierarchy(load_config_text(text), **kwargs)
 
 
+class Jobs:
+    """Runs jobs on handlers directly (bound like the router binds them) and collects results."""
+
+    def __init__(self, *handlers):
+        self.results = {}
+        self.handlers = handlers
+        for h in handlers:
+            h.bind(lambda r: self.results.__setitem__(r.job_id, r))
+
+    def run(self, handler, job_id, src, dst):
+        handler.submit(job_id, src, dst)
+        handler.wait([job_id])
+        return self.results[job_id]
+
+    def close(self):
+        for h in self.handlers:
+            h.shutdown()
+
+
+def flip(path, offset: int, mask: int = 0x01) -> None:
+    """Flip bits of the byte at `offset` of a file in place (corruption tests)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ mask]))
+
+
 @pytest.fixture
 def ctx():
     return ReqContext("req-0")

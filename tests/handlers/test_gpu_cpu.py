@@ -13,6 +13,7 @@ from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTens
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout, make_cpu_to_gpu, make_gpu_to_cpu, make_handler
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.memory import MemoryBackend
+from conftest import Jobs
 
 torch = pytest.importorskip("torch")
 
@@ -53,20 +54,6 @@ def expected_slot_bytes(layout, kv, spec, slots):
         first += n
         pos += math.ceil((n + skip) / layout.blocks_per_chunk)
     return out
-
-
-class Jobs:
-    """Collects results of handlers (bound like the router binds them)."""
-
-    def __init__(self, *handlers):
-        self.results = {}
-        for h in handlers:
-            h.bind(lambda r: self.results.__setitem__(r.job_id, r))
-
-    def run(self, handler, job_id, src, dst):
-        handler.submit(job_id, src, dst)
-        handler.wait([job_id])
-        return self.results[job_id]
 
 
 @pytest.fixture

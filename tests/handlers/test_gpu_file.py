@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, FileLoadStoreSpec, GPULoadStoreSpec
+from kvtier import CanonicalKVCacheRef, CanonicalKVCacheTensor, FileLoadStoreSpec, GPULoadStoreSpec
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.handlers.gpu_file import aligned_rows, make_file_to_gpu, make_gpu_to_file
 from kvtier.tiers.file import FileBackend
+from conftest import Jobs
 
 torch = pytest.importorskip("torch")
 
@@ -23,23 +24,6 @@ def make_kv(device="cpu", bpc=1):
 
 def keys(n, start=0):
     return [(i + start).to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
-
-
-class Jobs:
-    def __init__(self, *handlers):
-        self.results = {}
-        self.handlers = handlers
-        for h in handlers:
-            h.bind(lambda r: self.results.__setitem__(r.job_id, r))
-
-    def run(self, handler, job_id, src, dst):
-        handler.submit(job_id, src, dst)
-        handler.wait([job_id])
-        return self.results[job_id]
-
-    def close(self):
-        for h in self.handlers:
-            h.shutdown()
 
 
 @pytest.fixture

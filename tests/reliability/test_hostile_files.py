@@ -21,6 +21,7 @@ import pytest
 from kvtier import LookupResult
 from kvtier.tiers.file import HEADER_BYTES, JOURNAL, MANIFEST, SLAB, scan_journal, slot_bytes_for
 from reliability_helpers import BLOCK, assert_settled, build, fill_file_tier, payload, read
+from conftest import flip
 
 SLOT = slot_bytes_for(BLOCK)
 
@@ -63,14 +64,6 @@ def serve_all(root, **kw):
         return served
     finally:
         h.close()
-
-
-def flip(path, offset, mask=0x01):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ mask]))
 
 
 def test_untouched_root_serves_everything(written):

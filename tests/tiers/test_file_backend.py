@@ -15,6 +15,7 @@ from kvtier.tiers import fileio
 from kvtier.tiers.file import HEADER_BYTES, JOURNAL, MANIFEST, SLAB, FileBackend
 from kvtier.tiers.file_inspect import inspect_root
 from kvtier.types import BlockStatus
+from conftest import flip
 
 BLOCK = 16 * 1024
 
@@ -45,14 +46,6 @@ def read(b, slots, ids) -> list[bytes]:
     out = [bytearray(b.block_bytes) for _ in slots]
     assert b.read_blocks(slots, [key(i) for i in ids], out) == len(slots) * b.block_bytes
     return [bytes(o) for o in out]
-
-
-def flip(path, offset, mask=0x01):
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)[0]
-        f.seek(offset)
-        f.write(bytes([byte ^ mask]))
 
 
 # ------------------------------------------------------------------ byte API
