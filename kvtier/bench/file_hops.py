@@ -24,7 +24,7 @@ from pathlib import Path
 from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler
 from kvtier.specs import CPULoadStoreSpec, FileLoadStoreSpec
 from kvtier.tiers.file import RUN_BYTES, FileBackend
-from kvtier.tiers.fileio import aligned_buffer
+from kvtier.tiers.fileio import ALIGN, aligned_buffer, buffer_address
 from kvtier.tiers.memory import MemoryBackend
 
 
@@ -51,40 +51,59 @@ def _run_jobs(handler, jobs: list[tuple]) -> tuple[float, list]:
     return time.perf_counter() - start, results
 
 
-def _raw_direct(path: Path, total_bytes: int, threads: int) -> tuple[float, float, float]:
-    """O_DIRECT write (+ fdatasync) of a fresh file, the same write again (overwrite), then a read
-    of `total_bytes` in RUN_BYTES I/Os, sequential offsets spread over `threads` threads
-    (1 = queue depth 1); returns (first-fill s, overwrite s, read s)."""
+def _io_views(views: list[memoryview], block_bytes: int) -> tuple[list[list[memoryview]], list]:
+    """The O_DIRECT I/Os (lists of iovecs, about RUN_BYTES each) covering `views` back to back.
+
+    Page-aligned views of whole pages are used as they are (the shared-memory CPU tier: the very
+    bytes the handler moves); anything else is first copied into one page-aligned buffer. Returns
+    (I/Os, buffers to close)."""
+    aligned = block_bytes % ALIGN == 0 and all(buffer_address(v) % ALIGN == 0 for v in views)
+    if aligned:
+        per_io = max(1, RUN_BYTES // block_bytes)
+        return [views[i:i + per_io] for i in range(0, len(views), per_io)], []
+    total = len(views) * block_bytes
+    copy = aligned_buffer(total)
+    image = memoryview(copy)
+    for i, view in enumerate(views):
+        image[i * block_bytes:(i + 1) * block_bytes] = view
+    padded = -(-total // ALIGN) * ALIGN
+    return [[image[o:min(o + RUN_BYTES, padded)]] for o in range(0, padded, RUN_BYTES)], [copy]
+
+
+def _raw_direct(path: Path, sources: list[memoryview], dests: list[memoryview], block_bytes: int,
+                threads: int) -> tuple[float, float, float]:
+    """Raw O_DIRECT baseline on the same bytes the handler moves: write `sources` (one view per
+    block) back to back into a fresh file (+ fdatasync), write them again (overwrite), then read
+    the file into `dests`; I/Os of about RUN_BYTES, sequential offsets spread over `threads`
+    threads (1 = queue depth 1). Returns (first-fill s, overwrite s, read s)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    chunk = min(RUN_BYTES, total_bytes)
-    buffers = [aligned_buffer(chunk) for _ in range(threads)]
-    for buf in buffers:
-        buf.write(os.urandom(chunk))
+    writes, held = _io_views(sources, block_bytes)
+    reads, held_r = _io_views(dests, block_bytes)
+    offsets = [0]
+    for io in writes[:-1]:
+        offsets.append(offsets[-1] + sum(v.nbytes for v in io))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
-    offsets = list(range(0, total_bytes, chunk))
-    shares = [offsets[t::threads] for t in range(threads)]
 
-    def run(t: int, op) -> None:
-        view = memoryview(buffers[t])
-        for offset in shares[t]:
-            op(fd, [view[:min(chunk, total_bytes - offset)]], offset)
+    def run(t: int, op, ios) -> None:
+        for i in range(t, len(ios), threads):
+            op(fd, ios[i], offsets[i])
 
     try:
-        os.posix_fallocate(fd, 0, total_bytes)
+        os.posix_fallocate(fd, 0, offsets[-1] + sum(v.nbytes for v in writes[-1]))
         with ThreadPoolExecutor(threads) as pool:
             write_s = []
             for _ in range(2):
                 start = time.perf_counter()
-                list(pool.map(run, range(threads), [os.pwritev] * threads))
+                list(pool.map(run, range(threads), [os.pwritev] * threads, [writes] * threads))
                 os.fdatasync(fd)
                 write_s.append(time.perf_counter() - start)
             start = time.perf_counter()
-            list(pool.map(run, range(threads), [os.preadv] * threads))
+            list(pool.map(run, range(threads), [os.preadv] * threads, [reads] * threads))
             read_s = time.perf_counter() - start
     finally:
         os.close(fd)
-        for buf in buffers:
+        for buf in held + held_r:
             buf.close()
     return write_s[0], write_s[1], read_s
 
@@ -153,9 +172,14 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
             runs["load"].append(load_s)
             return engine, direct
 
+        sources = [mem.view(i) for i in range(n)]
+        dests = [mem.view(n + i) for i in range(n)]
+
         def raw_round() -> None:
             for tag, threads in (("1", 1), ("t", num_threads)):
-                f, w, r = _raw_direct(work / "raw", total, threads)
+                f, w, r = _raw_direct(work / "raw", sources, dests, block_bytes, threads)
+                for view in dests:  # the handler's next load must rewrite them to pass its check
+                    view[:1] = b"\xff" if view[0] != 0xFF else b"\0"
                 os.unlink(work / "raw")
                 runs["f" + tag].append(f)
                 runs["w" + tag].append(w)

@@ -46,6 +46,7 @@ from kvtier.errors import IntegrityError, KVTierError
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
 from kvtier.tiers.base import Backend
+from kvtier.tiers.fileio import aligned_buffer, buffer_address, choose_engine
 from kvtier.types import BlockStatus
 
 log = logging.getLogger("kvtier.tiers.file")
@@ -228,13 +229,6 @@ def _record(op: int, slot: int, key: bytes = b"", crc: int = 0) -> bytes:
     return struct.pack("<I", zlib.crc32(body)) + body
 
 
-def _address(view: memoryview) -> int:
-    """Address of a writable buffer's first byte."""
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(view))
-
-
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -405,8 +399,6 @@ class FileBackend(Backend):
         self._closed = False
         try:
             self._open(fingerprint)
-            from kvtier.tiers.fileio import aligned_buffer, choose_engine
-
             self.io = choose_engine(io, str(self.slab_path), num_threads)
             pad = self.slot_bytes - HEADER_BYTES - block_bytes
             self._zero_copy_ok = hasattr(self.io, "pwritev") and (not self.io.direct or block_bytes % ALIGN == 0)
@@ -704,8 +696,6 @@ class FileBackend(Backend):
         try:
             return self._buffers.get_nowait()
         except queue.Empty:
-            from kvtier.tiers.fileio import aligned_buffer
-
             return aligned_buffer(self._run_slots * self.slot_bytes)
 
     def _zero_copy(self, run: list[int], views) -> bool:
@@ -716,7 +706,7 @@ class FileBackend(Backend):
             return False
         if not self.io.direct:
             return True
-        return all(not views[p].readonly and _address(views[p]) % ALIGN == 0 for p in run)
+        return all(not views[p].readonly and buffer_address(views[p]) % ALIGN == 0 for p in run)
 
     def _write_run(self, run: list[int], slots, keys, views) -> dict[int, int]:
         """Runs on the pool: write one run of adjacent slots (zero-copy or via a bounce buffer)."""

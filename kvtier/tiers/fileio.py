@@ -32,6 +32,13 @@ def aligned_buffer(nbytes: int) -> mmap.mmap:
     return mmap.mmap(-1, max(ALIGN, -(-nbytes // ALIGN) * ALIGN))
 
 
+def buffer_address(view: memoryview) -> int:
+    """Address of a writable buffer's first byte (O_DIRECT needs it page-aligned)."""
+    import ctypes
+
+    return ctypes.addressof(ctypes.c_char.from_buffer(view))
+
+
 def probe_direct(path: str) -> bool:
     """Whether `path` (an existing file of at least 4 KiB) can be read and written with O_DIRECT.
 
