@@ -224,10 +224,8 @@ class HierarchyManager(OffloadingManager):
         if evicted is None:
             return None
         blocks = top.backend.allocate_blocks(to_store)
-        insert = top.policy.insert
         # Tail first, so that the head of a prefix ends up the most recently used.
-        for key, block in zip(reversed(to_store), reversed(blocks)):
-            insert(key, block)
+        top.policy.insert_many(to_store[::-1], blocks[::-1])
         top.allocated_since_walk += len(to_store)
         self._refill_reserve(top)
         return PrepareStoreOutput(to_store, top.backend.get_load_store_spec(to_store, blocks), evicted)
@@ -333,21 +331,19 @@ class HierarchyManager(OffloadingManager):
         victims = tier.policy.evict(need, protected if isinstance(protected, set) else set(protected))
         if victims is None:
             return None
-        has_next = tier.index + 1 < len(self.tiers) and tier.cascade != "none"
-        above = self.tiers[tier.index - 1] if tier.index > 0 else None
+        evicted = [key for key, _ in victims]
+        tier.backend.free_many([block for _, block in victims])
         clean = tier.clean
-        evicted = []
-        for key, block in victims:
-            tier.backend.free(block)
-            if key in clean:
-                clean.discard(key)
-            elif has_next:
-                tier.stats.cascade_dropped += 1
-            if above is not None:
-                above.clean.discard(key)
-            if tier.index == 0:
-                self._origin.pop(key, None)
-            evicted.append(key)
+        if tier.index + 1 < len(self.tiers) and tier.cascade != "none":
+            # evicted before a copy reached the next tier: lost to the hierarchy
+            tier.stats.cascade_dropped += len(evicted) - len(clean.intersection(evicted))
+        clean.difference_update(evicted)
+        if tier.index > 0:
+            self.tiers[tier.index - 1].clean.difference_update(evicted)
+        elif self._origin:
+            pop_origin = self._origin.pop
+            for key in evicted:
+                pop_origin(key, None)
         tier.stats.evictions += len(evicted)
         self._event(tier, evicted, removed=True)
         return evicted

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus
@@ -35,6 +35,14 @@ class CachePolicy(ABC):
     @abstractmethod
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         """Add a newly allocated block (not resident before)."""
+
+    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        """`insert(keys[i], blocks[i])` for each i, in order (the manager passes a request's new
+        blocks tail first). Policies override it with a bulk version where that is faster; the
+        result must equal the loop's."""
+        insert = self.insert
+        for key, block in zip(keys, blocks):
+            insert(key, block)
 
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 
 from kvtier.keys import OffloadKey
@@ -23,6 +23,9 @@ class LRUCachePolicy(CachePolicy):
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self.blocks[key] = block
+
+    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        self.blocks.update(zip(keys, blocks))
 
     def remove(self, key: OffloadKey) -> None:
         self.blocks.pop(key, None)

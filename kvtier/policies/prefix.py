@@ -56,7 +56,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections import deque as _consume
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 
 from kvtier.keys import OffloadKey
@@ -114,6 +114,25 @@ class PrefixFreqCachePolicy(CachePolicy):
         # The clock is not advanced here: `_sync` adds the number of inserts at the next call,
         # so a request's new blocks share one stamp and are ordered by their list position.
         self.blocks[key] = block
+        self._place(key)
+
+    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        self.blocks.update(zip(keys, blocks))
+        if not self.ghosts.keys().isdisjoint(keys):
+            for key in keys:  # a returning ghost: the per-key rules
+                self._place(key)
+            return
+        # No ghost among them (the common case): the tail, then the rest in bulk (C loops).
+        first = 0
+        if self._tail_next and keys:
+            self._tail_next = False
+            if self.demote_tail:
+                self.segs[_TAIL][keys[0]] = self.clock
+                first = 1
+        self._new.update(dict.fromkeys(islice(keys, first, None), self.clock))
+
+    def _place(self, key: OffloadKey) -> None:
+        """Put a just-inserted key into its segment (see `insert`)."""
         ghost = self._ghost_pop(key, None)
         if ghost is None:
             if self._tail_next:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from operator import attrgetter
 from typing import ClassVar
 
 from kvtier.keys import OffloadKey
 from kvtier.specs import BlockIDsLoadStoreSpec
 from kvtier.types import BlockStatus
+
+_block_id = attrgetter("block_id")
 
 
 class SlotAllocator:
@@ -52,6 +55,9 @@ class SlotAllocator:
     def release(self, slot: int) -> None:
         self._free.append(slot)
 
+    def release_many(self, slots: Iterable[int]) -> None:
+        self._free.extend(slots)
+
 
 class Backend(ABC):
     """Storage for fixed-size blocks in one medium.
@@ -89,6 +95,15 @@ class Backend(ABC):
     def free(self, block: BlockStatus) -> None:
         """Return a block's slot; call once per allocated block."""
         self.slots.release(block.block_id)
+
+    def free_many(self, blocks: Iterable[BlockStatus]) -> None:
+        """`free` for each block (one C-level pass unless a subclass extends `free`)."""
+        if type(self).free is Backend.free:
+            self.slots.release_many(map(_block_id, blocks))
+            return
+        free = self.free
+        for block in blocks:
+            free(block)
 
     def get_load_store_spec(self, keys: Iterable[OffloadKey], blocks: Iterable[BlockStatus]) -> BlockIDsLoadStoreSpec:
         """Where the given blocks live, for a handler to read or write them."""

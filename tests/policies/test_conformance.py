@@ -281,3 +281,49 @@ def test_random_operations_against_model(policy_name, ops):
         assert set(policy.keys()) == set(model)
         for k, b in model.items():
             assert policy.get(k) is b
+
+
+BATCH_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), st.lists(st.integers(0, 31), max_size=6, unique=True)),
+        st.tuples(st.just("touch"), st.lists(st.integers(0, 31), max_size=5)),
+        st.tuples(st.just("evict"), st.integers(1, 6), st.sets(st.integers(0, 31), max_size=3)),
+        st.tuples(st.just("remove"), st.integers(0, 31)),
+    ),
+    max_size=60,
+)
+
+
+@pytest.mark.parametrize("policy_name", POLICY_NAMES)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=BATCH_OPS)
+def test_insert_many_equals_insert_loop(policy_name, ops):
+    """`insert_many` (the manager's store path) leaves exactly the state a loop of `insert` leaves,
+    including history such as ghost lists, so every later decision is the same."""
+    capacity = 16
+    bulk, loop = make(policy_name, capacity), make(policy_name, capacity)
+    resident: dict[bytes, BlockStatus] = {}
+    next_id = 0
+    for op in ops:
+        if op[0] == "insert":
+            keys = [key(i) for i in op[1] if key(i) not in resident][:capacity - len(resident)]
+            blocks = [ready(next_id + j) for j in range(len(keys))]
+            next_id += len(keys)
+            resident.update(zip(keys, blocks))
+            bulk.insert_many(keys, blocks)
+            for k, b in zip(keys, blocks):
+                loop.insert(k, b)
+        elif op[0] == "touch":
+            for policy in (bulk, loop):
+                policy.touch([key(i) for i in op[1]])
+        elif op[0] == "remove":
+            resident.pop(key(op[1]), None)
+            for policy in (bulk, loop):
+                policy.remove(key(op[1]))
+        else:
+            protected = {key(i) for i in op[2]}
+            victims = bulk.evict(op[1], protected)
+            assert victims == loop.evict(op[1], protected)
+            for k, _ in victims or ():
+                del resident[k]
+        assert internal(bulk) == internal(loop)
