@@ -4,9 +4,10 @@
 stores `total_bytes` of random blocks from a memory tier into a fresh file tier through
 `CPUToFileHandler` (jobs of `job_blocks` blocks, all submitted at once, durable at completion;
 timed twice: first fill of the preallocated slab, then again over the same slots = steady state),
-loads them back through `FileToCPUHandler` (verified, byte-compared), then writes (fresh file, then overwrite) and reads
-the same number of bytes with O_DIRECT in `RUN_BYTES` I/Os + fdatasync, once on one thread and once
-on `num_threads` threads (the raw baseline is the better of the two) in the same run. GB/s = 1e9 bytes per second.
+loads them back through `FileToCPUHandler` (verified, byte-compared), then writes (fresh file, then
+overwrite) and reads the same bytes (the source blocks' own memory) with O_DIRECT in `RUN_BYTES`
+I/Os + fdatasync, once on one thread and once on `num_threads` threads (the raw baseline is the
+better of the two) in the same run. GB/s = 1e9 bytes per second.
 
 `measure_restart(root_dir, num_blocks, block_bytes)`: fills a file tier of `num_blocks` blocks,
 closes it, and times opening it again until its blocks are ready to serve (`recover()`), and a
