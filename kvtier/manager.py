@@ -408,8 +408,7 @@ class HierarchyManager(OffloadingManager):
             block.ref_cnt += 1
         tier.demoting += len(keys)
         dst_blocks = lower.backend.allocate_blocks(keys)
-        for key, block in zip(keys, dst_blocks):
-            lower.policy.insert(key, block)
+        lower.policy.insert_many(keys, dst_blocks)
         self._submit(_Job("demote", tier, lower, keys, src_blocks, dst_blocks))
 
     def _flush_promotions(self) -> None:
@@ -435,8 +434,7 @@ class HierarchyManager(OffloadingManager):
                     self._refuse_promotion(key)
                 continue
             dst_blocks = top.backend.allocate_blocks(keys)
-            for key, block in zip(keys, dst_blocks):
-                top.policy.insert(key, block)
+            top.policy.insert_many(keys, dst_blocks)
             top.allocated_since_walk += len(keys)
             self._submit(_Job("promote", self.tiers[index], top, keys, src_blocks, dst_blocks))
 
