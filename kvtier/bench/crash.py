@@ -11,7 +11,8 @@ restarts the hierarchy itself on the same root_dir and reads back every block th
 recovered through the normal path (lookup -> RETRY -> promotion -> HIT -> prepare_load).
 
 The child reports, on stdout and before the parent can see the effect:
-- `W <ids>` after `FileBackend.write_blocks` returned (those blocks are durable and journalled);
+- `W <ids>` after `FileBackend.write_blocks` returned (those blocks are written and journalled,
+  so they must survive the process being killed, whatever the tier's `sync_interval`);
 - `F <id>` before the file tier frees a block's slot (the block may then be gone, or come back).
 So the parent knows the set of blocks that *must* survive (written, not freed since).
 

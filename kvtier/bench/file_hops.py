@@ -2,7 +2,8 @@
 
 `measure_cpu_file(root_dir, block_bytes, total_bytes)` (used by `kvtier bench hops`):
 stores `total_bytes` of random blocks from a memory tier into a fresh file tier through
-`CPUToFileHandler` (jobs of `job_blocks` blocks, all submitted at once, durable at completion;
+`CPUToFileHandler` (jobs of `job_blocks` blocks, all submitted at once, timed until the last job
+completed and the tier's `sync()` made everything durable;
 timed twice: first fill of the preallocated slab, then again over the same slots = steady state),
 loads them back through `FileToCPUHandler` (verified, byte-compared), then writes (fresh file, then
 overwrite) and reads the same bytes (the source blocks' own memory) with O_DIRECT in `RUN_BYTES`
@@ -33,8 +34,9 @@ def _key(i: int) -> bytes:
     return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
 
 
-def _run_jobs(handler, jobs: list[tuple]) -> tuple[float, list]:
-    """Submit every (src, dst) job at once, wait for all; returns (seconds, results)."""
+def _run_jobs(handler, jobs: list[tuple], then=None) -> tuple[float, list]:
+    """Submit every (src, dst) job at once, wait for all, call `then()` if given (inside the
+    timing); returns (seconds, results)."""
     results: list = []
     done = threading.Condition()
 
@@ -49,6 +51,8 @@ def _run_jobs(handler, jobs: list[tuple]) -> tuple[float, list]:
         handler.submit(job_id, src, dst)
     with done:
         done.wait_for(lambda: len(results) == len(jobs))
+    if then is not None:
+        then()
     return time.perf_counter() - start, results
 
 
@@ -120,9 +124,10 @@ def _store_load_once(work: Path, mem, n: int, block_bytes: int, io: str, num_thr
         batches = [list(range(s, min(n, s + job_blocks))) for s in range(0, n, job_blocks)]
         stores = [(CPULoadStoreSpec(b, tier="mem"), FileLoadStoreSpec(b, [_key(i) for i in b], tier="disk"))
                   for b in batches]
-        fill_s, results = _run_jobs(handlers[0], stores)
+        # Timed until durable (the raw baseline ends with fdatasync too).
+        fill_s, results = _run_jobs(handlers[0], stores, then=disk.sync)
         assert all(r.success for r in results), [r.error for r in results if not r.success][:3]
-        store_s, results = _run_jobs(handlers[0], stores)
+        store_s, results = _run_jobs(handlers[0], stores, then=disk.sync)
         assert all(r.success for r in results), [r.error for r in results if not r.success][:3]
         loads = [(FileLoadStoreSpec(b, [_key(i) for i in b], tier="disk"),
                   CPULoadStoreSpec([n + i for i in b], tier="mem")) for b in batches]

@@ -47,7 +47,9 @@ def run_hops(config: Any, block_sizes: list[int], root_dir: str | None = None, q
     try:
         update = progress("CPU<->FILE") if progress else None
         for i, size in enumerate(block_sizes):
-            figures = measure_cpu_file(root_dir, size, max(total, 8 * size), repeats=1 if quick else 3)
+            # Medians of 3 even when quick: one ~100 ms stall of the disk (seen here) would
+            # otherwise decide a 16 MiB figure.
+            figures = measure_cpu_file(root_dir, size, max(total, 8 * size), repeats=3)
             rows += file_rows(figures)
             if update:
                 update(i + 1, len(block_sizes))

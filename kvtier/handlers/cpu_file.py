@@ -48,7 +48,8 @@ class _CPUFileHandler(ThreadedHandler):
 
 
 class CPUToFileHandler(_CPUFileHandler):
-    """Writes host-memory blocks into file slots (demotion, write-through); durable when the job ends."""
+    """Writes host-memory blocks into file slots (demotion, write-through); journalled when the job ends
+    (found again after a killed process; fdatasync'ed per the file tier's `sync_interval`)."""
 
     def copy(self, src: BlockIDsLoadStoreSpec, dst: FileLoadStoreSpec) -> int:
         host, disk = self._sides(src, dst)

@@ -4,7 +4,7 @@ A job gathers the engine's pages of each offloaded block into a host staging buf
 exactly like a CPU-tier slot (see `kvtier.handlers.gpu_cpu` for the layout) and hands one buffer
 per block to the file backend's byte API:
 
-    FileBackend.write_blocks(slots, keys, buffers) -> bytes      (durable on return)
+    FileBackend.write_blocks(slots, keys, buffers) -> bytes      (journalled on return; see sync_interval)
     FileBackend.read_blocks(slots, keys, buffers) -> bytes       (verifies; IntegrityError)
 
 Loads read into the staging buffer first and scatter into the engine only after every block

@@ -9,9 +9,13 @@ On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
                    digest of the manifest incl. epoch, CRC-32 of the header) then the payload.
 - `journal`        append-only records `PUT(slot, key, crc)` / `DEL(slot)`, each with its own CRC,
                    after a header naming the epoch, written in place into a zero-filled
-                   preallocated file. A PUT is appended only after the slot's bytes are durable
-                   (fdatasync); concurrent writers share one slab sync and one journal append
-                   (group commit). Replayed at start (no slot header is read: 100k blocks are
+                   preallocated file. A PUT is appended once the slot's bytes are written, so
+                   both survive a killed process. Power-loss durability follows `sync_interval`:
+                   0 = before `write_blocks` returns, the slab is fdatasync'ed, then the journal
+                   (concurrent writers share one of each: group commit); N > 0 = a background
+                   thread does the same every N seconds (and `sync()`/`close()` on demand). A
+                   PUT that reaches the disk before its slot's bytes is harmless: the slot then
+                   fails verification and is dropped. Replayed at start (no slot header is read: 100k blocks are
                    ready in well under a second), rewritten with the live entries only
                    (compacted) past twice the capacity in records or when its file is full.
                    DELs of evicted slots ride along with the next append (losing them in a
@@ -279,7 +283,8 @@ class Journal:
     def fits(self, nbytes: int) -> bool:
         return self.pos + nbytes <= self.capacity
 
-    def append(self, records: list[bytes]) -> None:
+    def append(self, records: list[bytes], durable: bool = True) -> None:
+        """Write `records` after the last one; fdatasync them too when `durable`."""
         if records:
             data = memoryview(b"".join(records))
             if not self.fits(len(data)):
@@ -287,7 +292,8 @@ class Journal:
             done = 0
             while done < len(data):
                 done += os.pwrite(self.fd, data[done:], self.pos + done)
-            os.fdatasync(self.fd)
+            if durable:
+                os.fdatasync(self.fd)
             self.pos += len(data)
             self.records += len(records)
 
@@ -341,6 +347,13 @@ def _fingerprint(v) -> str:
     return v
 
 
+def _sync_interval(v) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
+        raise ValueError(f"expected seconds between background fdatasyncs from 0 (each store job durable "
+                         f"before it completes) to 3600, got {v!r}")
+    return float(v)
+
+
 def _threads(v) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 256:
         raise ValueError(f"expected a number of I/O threads between 1 and 256, got {v!r}")
@@ -353,7 +366,9 @@ class FileBackend(Backend):
 
     Byte API (used by the CPU<->FILE and GPU<->FILE handlers), both safe to call from several
     threads at once for distinct slots:
-    - `write_blocks(slots, keys, buffers) -> bytes written`: durable when it returns.
+    - `write_blocks(slots, keys, buffers) -> bytes written`: written and journalled when it returns
+      (a killed process finds them again); durable against power loss at once with
+      `sync_interval` 0, else within `sync_interval` seconds or at `sync()` / `close()`.
     - `read_blocks(slots, keys, buffers) -> bytes read`: raises `IntegrityError` if any block fails
       verification (the others are still read; bad ones are forgotten), `OSError` on I/O errors.
     """
@@ -366,14 +381,17 @@ class FileBackend(Backend):
         "io": ("auto", _io),
         "fingerprint": ("", _fingerprint),
         "num_threads": (4, _threads),
+        "sync_interval": (1.0, _sync_interval),
     }
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *,
-                 root_dir: str, io: str = "auto", fingerprint: str = "", num_threads: int = 4):
+                 root_dir: str, io: str = "auto", fingerprint: str = "", num_threads: int = 4,
+                 sync_interval: float = 1.0):
         super().__init__(name, num_blocks, block_bytes, block_size)
         if block_bytes <= 0:
             raise ValueError(f"file tier {name!r} needs block_bytes > 0, got {block_bytes}")
         _io(io), _fingerprint(fingerprint), _threads(num_threads)
+        self.sync_interval = _sync_interval(sync_interval)
         self.root = Path(_root_dir(root_dir)).expanduser().resolve()
         self.slot_bytes = slot_bytes_for(block_bytes)
         self.num_threads = num_threads
@@ -387,6 +405,10 @@ class FileBackend(Backend):
         self._commit_cv = threading.Condition()
         self._commit_queue: list[_PendingCommit] = []
         self._committing = False
+        self._dirty = False  # journalled since the last sync (sync_interval > 0)
+        self._sync_lock = threading.Lock()
+        self._stop_syncer = threading.Event()
+        self._syncer: threading.Thread | None = None
         self._recovered = False
         self.io = None
         self.journal: Journal | None = None
@@ -404,6 +426,9 @@ class FileBackend(Backend):
             self._zero_copy_ok = hasattr(self.io, "pwritev") and (not self.io.direct or block_bytes % ALIGN == 0)
             self._pad = memoryview(aligned_buffer(pad))[:pad] if pad else None  # written as is: contents unused
             self._pad_in = memoryview(aligned_buffer(pad))[:pad] if pad else None  # read into and ignored
+            if self.sync_interval > 0:
+                self._syncer = threading.Thread(target=self._sync_loop, name=f"kvtier-sync-{name}", daemon=True)
+                self._syncer.start()
         except BaseException:
             self.close()
             raise
@@ -586,6 +611,61 @@ class FileBackend(Backend):
         return len(slots) * self.block_bytes
 
     def _commit(self, entries: list[tuple[int, bytes, int]]) -> None:
+        """Journal this caller's (already written) slots: at once when durability is left to the
+        background syncer (`sync_interval` > 0), else durably (`_commit_durable`)."""
+        if self.sync_interval == 0:
+            self._commit_durable(entries)
+            return
+        with self._jlock:
+            try:
+                self._journal_entries(entries, durable=False)
+            except BaseException:
+                for slot, _key, _crc in entries:  # not journalled: not in the index either
+                    self._index.pop(slot, None)
+                raise
+            self._dirty = True
+
+    def _journal_entries(self, entries: list[tuple[int, bytes, int]], durable: bool) -> None:
+        """Index `entries` and append their PUTs (after the pending DELs) to the journal, or
+        compact it (caller holds `_jlock`)."""
+        records = [_record(_DEL, s) for s in self._pending_del]
+        self._pending_del = []
+        records.extend(_record(_PUT, slot, key, crc) for slot, key, crc in entries)
+        for slot, key, crc in entries:
+            self._index.pop(slot, None)
+            self._index[slot] = (key, crc, self._seq)
+            self._seq += 1
+        too_many = self.journal.records + len(records) > max(self.compact_min_records, 2 * self.num_blocks)
+        if too_many or not self.journal.fits(sum(map(len, records))):
+            self._compact()  # rewrites the whole index (durably), these entries included
+        else:
+            self.journal.append(records, durable)
+
+    def sync(self) -> None:
+        """Make every block journalled so far durable: fdatasync the slab, then the journal."""
+        with self._sync_lock:
+            with self._jlock:
+                self._dirty = False
+                journal_fd = os.dup(self.journal.fd)  # a compaction may replace the journal meanwhile
+            try:
+                self.io.sync()
+                os.fdatasync(journal_fd)
+            except BaseException:
+                self._dirty = True
+                raise
+            finally:
+                os.close(journal_fd)
+
+    def _sync_loop(self) -> None:
+        """The background syncer: `sync()` every `sync_interval` seconds while there is news."""
+        while not self._stop_syncer.wait(self.sync_interval):
+            if self._dirty:
+                try:
+                    self.sync()
+                except OSError as exc:  # retried next round; the blocks stay readable
+                    log.warning("file tier %s: background fdatasync failed: %s", self.name, exc)
+
+    def _commit_durable(self, entries: list[tuple[int, bytes, int]]) -> None:
         """Make this caller's (already written) slots durable, then journal them (group commit).
 
         Callers that finish their data writes while another caller is syncing queue up; the next
@@ -607,19 +687,7 @@ class FileBackend(Backend):
         try:
             self.io.sync()
             with self._jlock:
-                records = [_record(_DEL, s) for s in self._pending_del]
-                self._pending_del = []
-                for pending in batch:
-                    records.extend(_record(_PUT, slot, key, crc) for slot, key, crc in pending.entries)
-                    for slot, key, crc in pending.entries:
-                        self._index.pop(slot, None)
-                        self._index[slot] = (key, crc, self._seq)
-                        self._seq += 1
-                too_many = self.journal.records + len(records) > max(self.compact_min_records, 2 * self.num_blocks)
-                if too_many or not self.journal.fits(sum(map(len, records))):
-                    self._compact()  # rewrites the whole index, this batch included
-                else:
-                    self.journal.append(records)
+                self._journal_entries([e for pending in batch for e in pending.entries], durable=True)
         except BaseException as exc:  # every caller of this batch fails with it
             error = exc
             with self._jlock:  # not durable: not in the index either
@@ -806,16 +874,21 @@ class FileBackend(Backend):
         self._pending_del = []
 
     def close(self) -> None:
-        """Flush pending index records, close files and release the lock. Idempotent."""
+        """Journal pending DELs, make everything durable (`sync`), close files, release the lock. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._pool.shutdown(wait=True)
+        self._stop_syncer.set()
+        if self._syncer is not None:
+            self._syncer.join()
         try:
             if self.journal is not None and self.journal.fd >= 0:
                 with self._jlock:
-                    self.journal.append([_record(_DEL, s) for s in self._pending_del])
+                    self.journal.append([_record(_DEL, s) for s in self._pending_del], durable=False)
                     self._pending_del = []
+                if self.io is not None:
+                    self.sync()
         finally:
             if self.journal is not None:
                 self.journal.close()

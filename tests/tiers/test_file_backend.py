@@ -275,8 +275,13 @@ tiers:
         load_config_text(base % ", root_dir: /tmp/x, num_threads: 0")
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.fingerprint"):
         load_config_text(base % ", root_dir: /tmp/x, fingerprint: 3")
+    for bad in ("-1", "fast", "true", "7200"):
+        with pytest.raises(ConfigError, match=r"tiers\[1\]\.sync_interval: expected seconds between background"):
+            load_config_text(base % f", root_dir: /tmp/x, sync_interval: {bad}")
+    assert load_config_text(base % ", root_dir: /tmp/x, sync_interval: 0").tiers[1].options["sync_interval"] == 0
     cfg = load_config_text(base % ", root_dir: /tmp/x")
-    assert dict(cfg.tiers[1].options) == {"root_dir": "/tmp/x", "io": "auto", "fingerprint": "", "num_threads": 4}
+    assert dict(cfg.tiers[1].options) == {"root_dir": "/tmp/x", "io": "auto", "fingerprint": "", "num_threads": 4,
+                                          "sync_interval": 1.0}
 
 
 def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
@@ -353,7 +358,7 @@ def test_inspect_is_read_only_and_counts_bad_blocks(root):
 
 
 def test_failed_commit_fails_every_caller_and_commits_nothing(root, monkeypatch):
-    b = open_backend(root)
+    b = open_backend(root, sync_interval=0)
     write(b, [0], [0])
     real_sync = type(b.io).sync
     monkeypatch.setattr(type(b.io), "sync", lambda self: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
@@ -371,7 +376,7 @@ def test_failed_commit_fails_every_caller_and_commits_nothing(root, monkeypatch)
 def test_concurrent_writers_share_commits(root, monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
-    b = open_backend(root, num_blocks=64, num_threads=4)
+    b = open_backend(root, num_blocks=64, num_threads=4, sync_interval=0)
     syncs = []
     real_sync = type(b.io).sync
     monkeypatch.setattr(type(b.io), "sync", lambda self: (syncs.append(1), real_sync(self)))
@@ -382,6 +387,68 @@ def test_concurrent_writers_share_commits(root, monkeypatch):
     b = open_backend(root, num_blocks=64)
     assert len(b.recover()) == 64
     assert read(b, [7, 40], [7, 40]) == [payload(7), payload(40)]
+    b.close()
+
+
+def _count_syncs(b, monkeypatch, fail_first: int = 0) -> list[int]:
+    """Record each slab fdatasync of `b` (the first `fail_first` raise EIO)."""
+    syncs: list[int] = []
+    real_sync = type(b.io).sync
+
+    def sync(self):
+        syncs.append(1)
+        if len(syncs) <= fail_first:
+            raise OSError(errno.EIO, "Input/output error")
+        real_sync(self)
+    monkeypatch.setattr(type(b.io), "sync", sync)
+    return syncs
+
+
+def _wait_for(condition, seconds: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def test_sync_interval_zero_makes_every_store_durable_before_it_returns(root, monkeypatch):
+    b = open_backend(root, sync_interval=0)
+    syncs = _count_syncs(b, monkeypatch)
+    for i in range(3):
+        write(b, [i], [i])
+        assert len(syncs) == i + 1  # one slab fdatasync per store, inside write_blocks
+    b.close()
+
+
+def test_background_sync_journals_at_once_and_syncs_later(root, monkeypatch):
+    b = open_backend(root, sync_interval=3600)  # the syncer never wakes in this test
+    syncs = _count_syncs(b, monkeypatch)
+    write(b, [0, 1, 2], [0, 1, 2])
+    assert syncs == [] and set(b.committed()) == {0, 1, 2}  # journalled, not yet fdatasync'ed
+    assert read(b, [1], [1]) == [payload(1)]
+    b.sync()
+    assert len(syncs) == 1
+    write(b, [3], [3])
+    b.close()  # makes the rest durable
+    assert len(syncs) == 2
+    b = open_backend(root)
+    assert sorted(blk.block_id for _, blk in b.recover()) == [0, 1, 2, 3]
+    assert read(b, [3, 0], [3, 0]) == [payload(3), payload(0)]
+    b.close()
+
+
+def test_background_syncer_runs_and_retries_a_failed_sync(root, monkeypatch, caplog):
+    b = open_backend(root, sync_interval=0.02)
+    syncs = _count_syncs(b, monkeypatch, fail_first=1)
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
+        write(b, [5], [5])
+        assert _wait_for(lambda: len(syncs) >= 2 and not b._dirty)  # failed once, then done
+    assert "background fdatasync failed" in caplog.text and "Input/output error" in caplog.text
+    count = len(syncs)
+    assert not _wait_for(lambda: len(syncs) > count, seconds=0.2)  # nothing new: no sync
+    assert read(b, [5], [5]) == [payload(5)]
     b.close()
 
 
