@@ -174,7 +174,7 @@ def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 
     open_stores: list[list] = []  # keys prepared, not completed yet
     open_loads: list[tuple] = []  # (key, tier index, block) prepared, not completed yet
     n = 0
-    HIT, RETRY, MISS = LookupResult.HIT, LookupResult.RETRY, LookupResult.MISS
+    HIT, MISS = LookupResult.HIT, LookupResult.MISS
     top_policy = mgr.tiers[0].policy
     capacities = [(t.policy, t.capacity, t.name) for t in mgr.tiers]
 
