@@ -268,11 +268,16 @@ tiers:
             "backend_ready_s": backend_s, "hierarchy_ready_s": hierarchy_s}
 
 
-if __name__ == "__main__":  # python -m kvtier.bench.file_hops [ROOT_DIR]
+if __name__ == "__main__":  # python -m kvtier.bench.file_hops [ROOT_DIR] [REPEATS]
     import json
     import sys
 
     where = sys.argv[1] if len(sys.argv) > 1 else "/tmp"
-    for size in (1 << 20, 2 << 20):
-        print(json.dumps(measure_cpu_file(where, size, 512 << 20)))
+    repeats = int(sys.argv[2]) if len(sys.argv) > 2 else 5
+    for size in (1 << 20, 2 << 20, 8 << 20):
+        figures = measure_cpu_file(where, size, 512 << 20, repeats=repeats)
+        print(f"{size >> 20} MiB: store {figures['store_gbps']:.2f} GB/s = {figures['store_vs_raw']:.0%} of raw "
+              f"{figures['raw_write_gbps']:.2f}; load {figures['load_gbps']:.2f} GB/s = {figures['load_vs_raw']:.0%} "
+              f"of raw {figures['raw_read_gbps']:.2f}", file=sys.stderr)
+        print(json.dumps(figures))
     print(json.dumps(measure_restart(where)))
