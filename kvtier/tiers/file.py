@@ -643,6 +643,11 @@ class FileBackend(Backend):
 
     def sync(self) -> None:
         """Make every block journalled so far durable: fdatasync the slab, then the journal."""
+        if self._closed:
+            raise KVTierError(f"file tier {self.name} is closed (close() already made everything durable)")
+        self._sync()
+
+    def _sync(self) -> None:
         with self._sync_lock:
             with self._jlock:
                 self._dirty = False
@@ -661,7 +666,7 @@ class FileBackend(Backend):
         while not self._stop_syncer.wait(self.sync_interval):
             if self._dirty:
                 try:
-                    self.sync()
+                    self._sync()
                 except OSError as exc:  # retried next round; the blocks stay readable
                     log.warning("file tier %s: background fdatasync failed: %s", self.name, exc)
 
@@ -888,7 +893,7 @@ class FileBackend(Backend):
                     self.journal.append([_record(_DEL, s) for s in self._pending_del], durable=False)
                     self._pending_del = []
                 if self.io is not None:
-                    self.sync()
+                    self._sync()
         finally:
             if self.journal is not None:
                 self.journal.close()

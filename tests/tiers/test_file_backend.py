@@ -433,6 +433,8 @@ def test_background_sync_journals_at_once_and_syncs_later(root, monkeypatch):
     write(b, [3], [3])
     b.close()  # makes the rest durable
     assert len(syncs) == 2
+    with pytest.raises(KVTierError, match="closed"):
+        b.sync()
     b = open_backend(root)
     assert sorted(blk.block_id for _, blk in b.recover()) == [0, 1, 2, 3]
     assert read(b, [3, 0], [3, 0]) == [payload(3), payload(0)]
