@@ -15,9 +15,10 @@ On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
                    (concurrent writers share one of each: group commit); N > 0 = a background
                    thread does the same every N seconds (and `sync()`/`close()` on demand). A
                    PUT that reaches the disk before its slot's bytes is harmless: the slot then
-                   fails verification and is dropped. Replayed at start (no slot header is read: 100k blocks are
-                   ready in well under a second), rewritten with the live entries only
-                   (compacted) past twice the capacity in records or when its file is full.
+                   fails verification and is dropped. Replayed at start (no slot header is
+                   read: 100k blocks are ready in well under a second), rewritten with the live
+                   entries only (compacted) past twice the capacity in records or when its file
+                   is full.
                    DELs of evicted slots ride along with the next append (losing them in a
                    crash only brings back blocks that still verify).
 
