@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import islice
 
@@ -17,8 +18,9 @@ class LRUCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
+        self.get = self.blocks.get  # type: ignore[method-assign]  # hot path (every lookup): one C call
 
-    def get(self, key: OffloadKey) -> BlockStatus | None:
+    def get(self, key: OffloadKey) -> BlockStatus | None:  # replaced per instance by blocks.get
         return self.blocks.get(key)
 
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
@@ -40,12 +42,15 @@ class LRUCachePolicy(CachePolicy):
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
-        chosen = list(islice(evictable(self.blocks.items(), protected), n))
-        if len(chosen) < n:
-            return None
-        pop = self.blocks.pop
-        for key, _ in chosen:
-            pop(key)
+        chosen = list(islice(self.blocks.items(), n))
+        keys = [key for key, _ in chosen]
+        if len(chosen) < n or not protected.isdisjoint(keys) or any(block.ref_cnt for _, block in chosen):
+            # Some of the n oldest are pinned or protected (or too few blocks): filter them.
+            chosen = list(islice(evictable(self.blocks.items(), protected), n))
+            if len(chosen) < n:
+                return None
+            keys = [key for key, _ in chosen]
+        _consume(map(self.blocks.__delitem__, keys), 0)
         return chosen
 
     def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
