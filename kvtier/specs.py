@@ -31,8 +31,8 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     __slots__ = ("block_ids", "tier")
 
     def __init__(self, block_ids: Sequence[int], tier: str | None = None):
-        self.block_ids: list[int] = [int(b) for b in block_ids]
-        if any(b < 0 for b in self.block_ids):
+        self.block_ids: list[int] = list(map(int, block_ids))
+        if self.block_ids and min(self.block_ids) < 0:
             raise ValueError(f"block_ids must be >= 0, got {self.block_ids}")
         self.tier = tier
 

@@ -18,6 +18,23 @@ def test_block_status_starts_not_ready_and_tracks_ref_count():
     assert block.is_ready
 
 
+def test_block_status_many_equals_one_by_one():
+    ids = [0, 7, 3, 2**40, 2**63 - 1]
+    many = BlockStatus.many(ids)
+    assert [type(b) for b in many] == [BlockStatus] * len(ids)
+    assert [(b.block_id, b.ref_cnt, b.is_ready) for b in many] == \
+        [(b.block_id, b.ref_cnt, b.is_ready) for b in map(BlockStatus, ids)] == [(i, -1, False) for i in ids]
+    many[1].ref_cnt += 2  # independent, mutable structures
+    assert (many[1].ref_cnt, many[2].ref_cnt) == (1, -1)
+    assert BlockStatus.many([]) == []
+
+
+def test_block_id_specs_reject_negative_ids():
+    with pytest.raises(ValueError, match="block_ids must be >= 0"):
+        CPULoadStoreSpec([3, -1])
+    assert CPULoadStoreSpec([]).block_ids == [] and CPULoadStoreSpec((2, 1)).block_ids == [2, 1]
+
+
 def test_gpu_spec_defaults_to_one_group():
     spec = GPULoadStoreSpec([4, 5, 6])
     assert spec.group_sizes == [3] and spec.block_indices is None and spec.medium() == "GPU"

@@ -90,7 +90,7 @@ class Backend(ABC):
 
     def allocate_blocks(self, keys: Sequence[OffloadKey]) -> list[BlockStatus]:
         """Slots for writing `keys` (caller checked `get_num_free_blocks`). Each has `ref_cnt == -1`."""
-        return [BlockStatus(slot) for slot in self.slots.allocate(len(keys))]
+        return BlockStatus.many(self.slots.allocate(len(keys)))
 
     def free(self, block: BlockStatus) -> None:
         """Return a block's slot; call once per allocated block."""
@@ -107,7 +107,7 @@ class Backend(ABC):
 
     def get_load_store_spec(self, keys: Iterable[OffloadKey], blocks: Iterable[BlockStatus]) -> BlockIDsLoadStoreSpec:
         """Where the given blocks live, for a handler to read or write them."""
-        return self.spec_type.for_blocks([b.block_id for b in blocks], list(keys), tier=self.name)
+        return self.spec_type.for_blocks(list(map(_block_id, blocks)), list(keys), tier=self.name)
 
     def still_valid(self, block: BlockStatus) -> bool:
         """After a failed read of `block`: is it still trustworthy? Backends that verify what
