@@ -191,7 +191,9 @@ def _run_child(root: Path, upper: str, seed: int, kill_after: float) -> tuple[li
         # Not synchronisation: this picks a random moment of the storm for the kill.
         time.sleep(kill_after)
         child.send_signal(signal.SIGKILL)
-        lines = child.stdout.read().decode(errors="replace").splitlines()
+        # The kill can land while the child writes a report: the text after the last newline is
+        # a torn line, never a whole report, so it is dropped.
+        lines = child.stdout.read().decode(errors="replace").split("\n")[:-1]
         err = child.stderr.read().decode(errors="replace")
         if child.wait() != -signal.SIGKILL:
             died = f"exited by itself with status {child.returncode}: {err.strip()[-1500:]}"

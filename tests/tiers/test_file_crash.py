@@ -39,7 +39,9 @@ def storm_until_killed(root: Path, seed: int, writes_before_kill: int, delay: fl
             writes += line.startswith("B")
         time.sleep(delay)  # not synchronisation: picks where in the I/O the kill lands
         child.send_signal(signal.SIGKILL)
-        lines.extend(line.strip() for line in child.stdout)
+        # A line without its newline was torn by the kill: a `B` cut short was printed before its
+        # write started, a `C` cut short leaves that write in flight (old or new bytes allowed).
+        lines.extend(line.strip() for line in child.stdout if line.endswith("\n"))
     finally:
         child.kill()
         child.wait()
