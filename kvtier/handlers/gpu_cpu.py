@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import mmap
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -460,7 +461,7 @@ class CudaKVCopyHandler(EngineJobHandler):
 
 
 class _ArenaRegion:
-    """`tensor()` over a `MemoryBackend`'s bytearray arena (slots back to back), so the in-process
+    """`tensor()` over a `MemoryBackend`'s arena (slots back to back), so the in-process
     memory tier can stand in for the CPU tier (tests, `configs/memory.yaml`)."""
 
     def __init__(self, backend: Any):
@@ -479,12 +480,12 @@ class _ArenaRegion:
 
 def cpu_backends(backends: Mapping[str, Any]) -> dict[str, Any]:
     """The backends a GPU<->CPU handler can serve: those exposing `tensor()` (shared/pinned
-    regions), and memory tiers (a `bytearray` arena)."""
+    regions), and memory tiers (a writable `arena` buffer)."""
     out = {}
     for name, b in backends.items():
         if callable(getattr(b, "tensor", None)):
             out[name] = b
-        elif isinstance(getattr(b, "arena", None), bytearray):
+        elif isinstance(getattr(b, "arena", None), (bytearray, mmap.mmap)):
             out[name] = _ArenaRegion(b)
     return out
 

@@ -1,7 +1,9 @@
 """Backends without real storage devices: `SlotBackend` (no bytes, for trace replay) and
-`MemoryBackend` (a bytearray arena, for tests and the in-memory handler)."""
+`MemoryBackend` (an anonymous-mapping arena, for tests and the in-memory handler)."""
 
 from __future__ import annotations
+
+import mmap
 
 from kvtier.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec
 from kvtier.tiers.base import Backend
@@ -25,7 +27,11 @@ class SlotBackend(Backend):
 
 
 class MemoryBackend(Backend):
-    """Blocks in one process-local `bytearray` (`num_blocks * block_bytes`); `view(slot)` exposes a slot."""
+    """Blocks in one process-local, page-aligned anonymous mapping (`num_blocks * block_bytes`);
+    `view(slot)` exposes a slot.
+
+    Page alignment keeps behaviour independent of where the allocator puts the arena: the file
+    tier's zero-copy O_DIRECT path depends on buffer alignment."""
 
     spec_type = CPULoadStoreSpec
     medium = "CPU"
@@ -34,7 +40,7 @@ class MemoryBackend(Backend):
         super().__init__(name, num_blocks, block_bytes, block_size)
         if block_bytes <= 0:
             raise ValueError(f"MemoryBackend {name!r} needs block_bytes > 0, got {block_bytes}")
-        self.arena = bytearray(num_blocks * block_bytes)
+        self.arena = mmap.mmap(-1, num_blocks * block_bytes)
         self._view = memoryview(self.arena)
 
     def view(self, slot: int) -> memoryview:

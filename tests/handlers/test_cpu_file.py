@@ -179,6 +179,24 @@ class Jobs:
             self.done.notify_all()
 
 
+def fail_first_io_call(monkeypatch, disk, names, error):
+    """Make the first of `disk.io`'s calls named in `names` raise `error`; later calls go through.
+
+    Both the bounce-buffer call and its zero-copy twin (`pwrite`/`pwritev`, `pread`/`preadv`) are
+    patched: which one a run takes depends on the alignment the memory arena happened to get."""
+    failed = []
+    for name in names:
+        real = getattr(type(disk.io), name)
+
+        def once_failing(self, offset, buf, _real=real):
+            if not failed:
+                failed.append(offset)
+                raise error
+            return _real(self, offset, buf)
+
+        monkeypatch.setattr(type(disk.io), name, once_failing)
+
+
 @pytest.fixture
 def pair(tmp_path):
     mem = MemoryBackend("mem", 8, BLOCK)
@@ -209,16 +227,7 @@ def test_io_error_fails_only_that_job(pair, monkeypatch, err):
     put = make_cpu_to_file({"mem": mem, "disk": disk})
     get = make_file_to_cpu({"mem": mem, "disk": disk})
     puts, gets = Jobs(put), Jobs(get)
-    real = type(disk.io).pwrite
-    failed = []
-
-    def pwrite_once_failing(self, offset, buf):
-        if not failed:
-            failed.append(offset)
-            raise OSError(err, os.strerror(err))
-        return real(self, offset, buf)
-
-    monkeypatch.setattr(type(disk.io), "pwrite", pwrite_once_failing)
+    fail_first_io_call(monkeypatch, disk, ("pwrite", "pwritev"), OSError(err, os.strerror(err)))
     put.submit(1, CPULoadStoreSpec([0, 1], tier="mem"), FileLoadStoreSpec([0, 1], ks[:2], tier="disk"))
     put.wait([1])
     put.submit(2, CPULoadStoreSpec([2, 3], tier="mem"), FileLoadStoreSpec([4, 5], ks[2:], tier="disk"))
@@ -244,16 +253,7 @@ def test_read_eio_fails_job_then_recovers(pair, monkeypatch):
     disk.write_blocks([0, 1], ks, [payload(k) for k in ks])
     get = make_file_to_cpu({"mem": mem, "disk": disk})
     gets = Jobs(get)
-    real = type(disk.io).pread
-    calls = []
-
-    def pread_once_failing(self, offset, buf):
-        calls.append(offset)
-        if len(calls) == 1:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(self, offset, buf)
-
-    monkeypatch.setattr(type(disk.io), "pread", pread_once_failing)
+    fail_first_io_call(monkeypatch, disk, ("pread", "preadv"), OSError(errno.EIO, "Input/output error"))
     get.submit(1, FileLoadStoreSpec([0, 1], ks, tier="disk"), CPULoadStoreSpec([0, 1], tier="mem"))
     get.wait([1])
     get.submit(2, FileLoadStoreSpec([0, 1], ks, tier="disk"), CPULoadStoreSpec([2, 3], tier="mem"))
