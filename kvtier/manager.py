@@ -18,8 +18,11 @@ Residence rules (checked by the Hypothesis state machine in tests/test_manager_s
 from __future__ import annotations
 
 import logging
+from collections import deque as _consume
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import filterfalse, repeat
+from operator import attrgetter
 from typing import Any
 
 from kvtier.engine import TransferEngine
@@ -32,6 +35,13 @@ from kvtier.types import (BlockStatus, LookupResult, OffloadingEvent, PrepareSto
                           RequestOffloadingContext, TransferResult)
 
 log = logging.getLogger("kvtier.manager")
+
+_ref_cnt = attrgetter("ref_cnt")
+
+
+def _all_writing(blocks: list[BlockStatus]) -> bool:
+    """Whether every block is still being written (`ref_cnt == -1`), in C loops."""
+    return list(map(_ref_cnt, blocks)).count(-1) == len(blocks)
 
 CASCADE_MODES = ("on_evict", "on_store", "none")
 
@@ -214,13 +224,13 @@ class HierarchyManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
         self._drain()
         top = self._top
-        get = top.policy.get
-        to_store = [key for key in keys if get(key) is None]
-        for key in to_store:
-            if key in self._promote_queue:  # the engine's own bytes supersede a promotion not started yet
-                del self._promote_queue[key]
-                del self._promoting[key]
-        evicted = self._evict_for(top, len(to_store), keys if isinstance(keys, set) else set(keys))
+        to_store = list(filterfalse(top.policy.get, keys))  # not resident (a BlockStatus is truthy)
+        if self._promote_queue:
+            for key in to_store:
+                if key in self._promote_queue:  # the engine's own bytes supersede a promotion not started yet
+                    del self._promote_queue[key]
+                    del self._promoting[key]
+        evicted = self._evict_for(top, len(to_store), keys)
         if evicted is None:
             return None
         blocks = top.backend.allocate_blocks(to_store)
@@ -235,16 +245,21 @@ class HierarchyManager(OffloadingManager):
         top = self._top
         get = top.policy.get
         changed: list[OffloadKey] = []
-        for key in keys:
-            block = get(key)
-            if block is None or block.ref_cnt != -1 or key in self._promoting:
-                continue
-            if success:
-                block.ref_cnt = 0
-            else:
-                top.policy.remove(key)
-                top.backend.free(block)
-            changed.append(key)
+        blocks = list(map(get, keys))
+        if success and not self._promoting and None not in blocks and _all_writing(blocks):
+            # The common case (every key prepared by prepare_store, none superseded): C loops.
+            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
+            changed = list(keys)
+        else:
+            for key, block in zip(keys, blocks):
+                if block is None or block.ref_cnt != -1 or key in self._promoting:
+                    continue
+                if success:
+                    block.ref_cnt = 0
+                else:
+                    top.policy.remove(key)
+                    top.backend.free(block)
+                changed.append(key)
         if not success:
             top.stats.failures += 1 if changed else 0
             return
@@ -310,13 +325,17 @@ class HierarchyManager(OffloadingManager):
             tier.backend.close()
 
     # ------------------------------------------------------------------ eviction and cascade
-    def _evict_for(self, tier: Tier, n: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+    def _evict_for(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         """`_make_room` after demoting the dirty blocks among the victims it is about to take.
         Handlers that finish at once (memory copies, replay) land before the eviction; slower ones
         were meant to be cleaned ahead of time by `_refill_reserve`: what is still dirty is
         dropped and counted."""
         need = n - tier.backend.get_num_free_blocks()
-        if need > 0 and self._cascades(tier):
+        if need <= 0:
+            return []
+        if not isinstance(protected, set):
+            protected = set(protected)
+        if self._cascades(tier):
             dirty = self._dirty_victims(tier, need, protected)
             if dirty:
                 self._demote(tier, dirty)
@@ -331,13 +350,17 @@ class HierarchyManager(OffloadingManager):
         victims = tier.policy.evict(need, protected if isinstance(protected, set) else set(protected))
         if victims is None:
             return None
-        evicted = [key for key, _ in victims]
-        tier.backend.free_many([block for _, block in victims])
+        if not victims:
+            return []
+        evicted_keys, blocks = zip(*victims)
+        evicted = list(evicted_keys)
+        tier.backend.free_many(blocks)
         clean = tier.clean
         if tier.index + 1 < len(self.tiers) and tier.cascade != "none":
             # evicted before a copy reached the next tier: lost to the hierarchy
             tier.stats.cascade_dropped += len(evicted) - len(clean.intersection(evicted))
-        clean.difference_update(evicted)
+        if clean:
+            clean.difference_update(evicted)
         if tier.index > 0:
             self.tiers[tier.index - 1].clean.difference_update(evicted)
         elif self._origin:

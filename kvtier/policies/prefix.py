@@ -72,7 +72,7 @@ class PrefixFreqCachePolicy(CachePolicy):
 
     State: `blocks` (key -> block, `get` is its bound `get`), `segs[i]` (key -> stamp, an LRU
     list per segment; a key is in exactly one segment), `ghosts` (evicted key -> its segment then,
-    in eviction order), `_returns` (the tail/new-block reuse counters behind `_one_time`).
+    in eviction order), `_returns` (the tail/new-block reuse counters behind `_tails_one_time`).
     """
 
     # Tuned on the synthetic trace and generated workloads (docs/policies.md).
@@ -90,7 +90,6 @@ class PrefixFreqCachePolicy(CachePolicy):
         self._new = self.segs[1]
         # touch looks a key up in the hit classes first (touched prefixes were hit before)
         self._probe = tuple(enumerate(self.segs))[::-1]
-        self._one_time = True  # cached _tails_one_time(), refreshed whenever its counters change
         self.blocks: dict[OffloadKey, BlockStatus] = {}
         self.get = self.blocks.get  # type: ignore[method-assign]  # hot path: one C call
         self.clock = 0
@@ -146,7 +145,6 @@ class PrefixFreqCachePolicy(CachePolicy):
         self._tail_next = False
         if ghost <= 1:
             self._returns[1 if ghost == _TAIL else 3] += 1
-            self._one_time = self._tails_one_time()
         segs = self.segs
         segs[min(max(ghost, 1) + 1, len(segs) - 1)][key] = self.clock
 
@@ -194,7 +192,6 @@ class PrefixFreqCachePolicy(CachePolicy):
             segs[seg + 1 if 0 < seg < top else (2 if seg == _TAIL else top)][key] = clock
         self.clock = clock
         self.unit = unit
-        self._one_time = self._tails_one_time()
 
     def _tails_one_time(self) -> bool:
         """Whether request tails are reused less than half as often as other new blocks, and by
@@ -233,7 +230,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         one-time request tails first, then by increasing score, ties to the lower segment."""
         blocks = self.blocks
         first = 0
-        if self._one_time:
+        if self._tails_one_time():
             first = 1
             for key, _ in self.segs[_TAIL].items():
                 block = blocks[key]
@@ -273,7 +270,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         left = n
         first = 0
         tails: list[OffloadKey] = []
-        if self._one_time:
+        if self._tails_one_time():
             first = 1
             take = tails.append
             for key, _ in self.segs[_TAIL].items():
@@ -344,7 +341,6 @@ class PrefixFreqCachePolicy(CachePolicy):
             if index <= 1:
                 returns[0 if index == _TAIL else 2] += len(taken)
         self._mark = len(blocks)
-        self._one_time = self._tails_one_time()
         limit = self.ghost_limit
         if len(ghosts) >= 2 * limit:
             self.ghosts = ghosts = dict(islice(ghosts.items(), len(ghosts) - limit, None)) if limit else {}
@@ -360,7 +356,6 @@ class PrefixFreqCachePolicy(CachePolicy):
         self.blocks.clear()
         self.ghosts.clear()
         self._returns = [0, 0, 0, 0, 0, 0]
-        self._one_time = True
         self.clock = self._mark = 0
         self.unit = float(self.cache_capacity)
         self._tail_next = True

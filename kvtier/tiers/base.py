@@ -37,8 +37,12 @@ class SlotAllocator:
         """`n` distinct free slots. Raises `RuntimeError` if fewer are free (callers check first)."""
         if n > self.num_free:
             raise RuntimeError(f"asked for {n} slots, only {self.num_free} free")
-        reused = min(n, len(self._free))
-        slots = [self._free.pop() for _ in range(reused)]
+        free = self._free
+        reused = min(n, len(free))
+        cut = len(free) - reused
+        slots = free[cut:]
+        slots.reverse()  # the most recently freed first, as pop() would give them
+        del free[cut:]
         fresh = n - reused
         slots.extend(range(self._next_fresh, self._next_fresh + fresh))
         self._next_fresh += fresh
