@@ -156,10 +156,23 @@ TIER_FIELDS: dict[str, tuple[Any, Any]] = {
     "name": (REQUIRED, _name),
     "backend": (REQUIRED, _text),
     "capacity": (REQUIRED, Capacity.parse),
-    "policy": ("lru", _text),
+    "policy": (None, _text),  # None: default_policy(position of the tier)
     "cascade": ("on_evict", _choice(CASCADE_MODES)),
     "reserve": (0.1, _fraction),
 }
+
+
+# Replacement policy of a tier whose YAML names none; the evidence is in docs/policies.md
+# ("Recommended defaults"): prefix-freq on the tier that receives the engine's stores; plain LRU
+# below it, which keeps no ghost keys (prefix-freq remembers 6-12 capacities of evicted keys,
+# too much RAM for a terabyte file tier).
+DEFAULT_POLICY_FIRST_TIER = "prefix-freq"
+DEFAULT_POLICY_LOWER_TIERS = "lru"
+
+
+def default_policy(tier_index: int) -> str:
+    """The policy a tier gets when its YAML does not name one."""
+    return DEFAULT_POLICY_FIRST_TIER if tier_index == 0 else DEFAULT_POLICY_LOWER_TIERS
 
 
 def _suggest(value: Any, options) -> str:
@@ -241,7 +254,9 @@ def parse_config(raw: Any, source: str = "<dict>") -> HierarchyConfig:
             problems.add(f"{path}name", f"duplicate tier name {name!r} (also tiers[{seen_names[name]}]); names must be unique")
         elif isinstance(name, str):
             seen_names[name] = i
-        policy = fields.get("policy")
+        if fields.get("policy") is None:
+            fields["policy"] = default_policy(i)
+        policy = fields["policy"]
         if isinstance(policy, str):
             try:
                 registry.resolve(registry.POLICIES, policy)

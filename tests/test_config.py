@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvtier import ConfigError, load_config, load_config_text, parse_size
+from kvtier import ConfigError, build_hierarchy, load_config, load_config_text, parse_size
 from kvtier.config import default_config_path
 
 GOOD_TIER = "{name: cpu, backend: memory, capacity: 8 blocks}"
@@ -86,11 +86,28 @@ def test_config_error_is_a_value_error_with_readable_text():
 def test_valid_config_is_frozen_with_defaults_on_fields():
     cfg = load_config_text(tiers(GOOD_TIER))
     tier = cfg.tiers[0]
-    assert (tier.policy, tier.cascade, tier.reserve, cfg.block_tokens) == ("lru", "on_evict", 0.1, 256)
+    assert (tier.policy, tier.cascade, tier.reserve, cfg.block_tokens) == ("prefix-freq", "on_evict", 0.1, 256)
     with pytest.raises(AttributeError):
         tier.policy = "arc"
     with pytest.raises(TypeError):
         tier.options["x"] = 1
+
+
+def test_policy_defaults_per_tier_and_a_named_policy_wins():
+    cfg = load_config_text("""
+tiers:
+  - {name: hot, backend: memory, capacity: 8 blocks}
+  - {name: warm, backend: memory, capacity: 16 blocks}
+  - {name: cold, backend: memory, capacity: 32 blocks, policy: arc}
+  - {name: last, backend: memory, capacity: 64 blocks, policy: null}
+""")
+    assert [t.policy for t in cfg.tiers] == ["prefix-freq", "lru", "arc", "lru"]
+    hierarchy = build_hierarchy(cfg, dry_run=True)
+    try:
+        assert [type(t.policy).__name__ for t in hierarchy.manager.tiers] == [
+            "PrefixFreqCachePolicy", "LRUCachePolicy", "ARCCachePolicy", "LRUCachePolicy"]
+    finally:
+        hierarchy.close()
 
 
 def test_sizes_use_binary_units():
