@@ -245,9 +245,11 @@ class HierarchyManager(OffloadingManager):
         top = self._top
         get = top.policy.get
         changed: list[OffloadKey] = []
+        keys = keys if isinstance(keys, list) else list(keys)
         blocks = list(map(get, keys))
-        if success and not self._promoting and None not in blocks and _all_writing(blocks):
-            # The common case (every key prepared by prepare_store, none superseded): C loops.
+        if (success and not self._promoting and None not in blocks and _all_writing(blocks)
+                and len(set(keys)) == len(keys)):
+            # The common case (every key prepared by prepare_store once, none superseded): C loops.
             _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
             changed = list(keys)
         else:

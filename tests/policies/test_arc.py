@@ -140,8 +140,34 @@ def request(policy, hits, new, capacity):
         policy.insert(key(i), ready(i))
 
 
+def conversations(policy, cap, turns, resend_tail, first=0, count=40):
+    """Multi-turn traffic: each turn re-sends its conversation's history (with or without the
+    previous request's last block, the tail) and adds 3 blocks."""
+    convs = [[c * 1000 + i for i in range(3)] for c in range(first, first + count)]
+    for turn in range(turns):
+        for c, chain in enumerate(convs):
+            sent = chain if resend_tail else chain[:-1]
+            prefix = []
+            for h in sent:
+                if policy.get(key(h)) is None:
+                    break
+                prefix.append(h)
+            added = [(first + c) * 1000 + 3 * (turn + 1) + i for i in range(3)]
+            new_blocks = sent[len(prefix):] + added
+            request(policy, prefix, new_blocks, cap)
+            convs[c] = sent + added
+
+
+def with_one_time_tails(policy):
+    """Give `policy` the departures that prove request tails one-time: 64 tails evicted and never
+    stored again, 64 other new blocks hit while resident."""
+    policy._returns = [64, 0, 0, 0, 0, 64]
+    assert policy._tails_one_time()
+    return policy
+
+
 def test_prefix_freq_tail_first_then_chains_from_the_deep_end():
-    policy = PrefixFreqCachePolicy(100)
+    policy = with_one_time_tails(PrefixFreqCachePolicy(100))
     request(policy, [], [0, 1, 2, 3, 4], 100)  # chain A, tail 4
     request(policy, [], [10, 11, 12], 100)  # chain B: no call between the two runs, 12 is not seen as a tail
     policy.touch([])  # the next request's touch (here: no hits) separates the runs
@@ -182,25 +208,15 @@ def test_prefix_freq_restored_ghost_counts_as_a_hit():
     assert order[-1] == 3  # outlives blocks that are newer but never needed twice
 
 
-def test_prefix_freq_stops_demoting_tails_that_come_back():
-    """On a workload whose request tails are reused (full blocks), tails stop being demoted."""
+def test_prefix_freq_demotes_tails_only_once_departures_show_them_one_time():
+    """Tails are ordinary new blocks until measured; traffic that never re-sends a tail turns
+    demotion on, traffic that re-sends them (full last blocks) turns it off again."""
     cap = 30
     policy = PrefixFreqCachePolicy(cap)
+    assert not policy._tails_one_time()  # no evidence yet
+    conversations(policy, cap, turns=6, resend_tail=False)
     assert policy._tails_one_time()
-    convs = [[c * 1000 + i for i in range(3)] for c in range(40)]
-    for turn in range(6):
-        for c, chain in enumerate(convs):
-            # the next turn re-sends the whole history, tail included, then adds 3 blocks
-            hits = [h for h in chain if policy.get(key(h)) is not None]
-            prefix = []
-            for h in chain:
-                if policy.get(key(h)) is None:
-                    break
-                prefix.append(h)
-            new_blocks = chain[len(prefix):] + [c * 1000 + 3 * (turn + 1) + i for i in range(3)]
-            request(policy, prefix, new_blocks, cap)
-            convs[c] = chain + new_blocks[len(chain) - len(prefix):]
-            del hits
+    conversations(policy, cap, turns=5, resend_tail=True, first=100)
     assert not policy._tails_one_time()
 
 
@@ -223,8 +239,10 @@ def test_prefix_freq_victim_candidates_is_the_evict_order_with_and_without_tail_
             new = list(range(nxt, nxt + rng.randint(1, 6)))
             nxt += len(new)
             request(policy, [], new, cap)
-        policy._one_time = one_time
+        policy._tails_one_time = lambda: one_time  # the instance attribute shadows the rule
         order = [k for k, _ in policy.victim_candidates()]
+        if one_time and policy.segs[0]:
+            assert order[0] in policy.segs[0]  # demoted tails lead
         n = rng.randint(1, len(order))
         victims = policy.evict(n, set())
         assert [k for k, _ in victims] == order[:n]
