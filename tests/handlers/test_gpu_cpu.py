@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec,
                     GPULoadStoreSpec, build_hierarchy, load_config_text)
+from kvtier.handlers import gpu_cpu
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout, make_cpu_to_gpu, make_gpu_to_cpu, make_handler
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.memory import MemoryBackend
@@ -70,6 +71,42 @@ def tier():
         b.close()
 
 
+@pytest.fixture(params=["whole", "in_parts"])
+def row_copies(request, monkeypatch):
+    """Host row copies as one call each, or (`in_parts`) every one cut into a part per torch
+    thread (3 threads), the path large copies take."""
+    if request.param == "whole":
+        yield request.param
+        return
+    monkeypatch.setattr(gpu_cpu, "_PARALLEL_COPY_BYTES", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    yield request.param
+    torch.set_num_threads(threads)
+
+
+def test_host_row_copies_in_parts_equal_one_copy(monkeypatch):
+    monkeypatch.setattr(gpu_cpu, "_PARALLEL_COPY_BYTES", 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        g = torch.Generator().manual_seed(1)
+        src = torch.randint(-2**62, 2**62, (10, 7), dtype=torch.int64, generator=g)
+        index = torch.randperm(10, generator=g)
+        out = torch.zeros_like(src)
+        gpu_cpu._index_select(src, index, out)
+        assert torch.equal(out, src[index])
+        dst, expected = torch.zeros_like(src), torch.zeros_like(src)
+        gpu_cpu._index_copy(dst, index, src)
+        expected[index] = src
+        assert torch.equal(dst, expected)
+        dst = torch.zeros_like(src)  # repeated rows: one copy in numpy's order, the last one wins
+        gpu_cpu._index_copy(dst, torch.tensor([3, 3, 1, 3]), src[:4])
+        assert torch.equal(dst[3], src[3]) and torch.equal(dst[1], src[2]) and int(dst[0].abs().sum()) == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
 def roundtrip(kv, layout, backend, store_spec, slots, load_spec):
     """Store `store_spec` into `slots`, check every byte, wipe the engine, load into `load_spec`."""
     chunked = ChunkedKVCaches(kv.tensors, kv.group_data_refs, layout.blocks_per_chunk)
@@ -89,7 +126,7 @@ def roundtrip(kv, layout, backend, store_spec, slots, load_spec):
     return before
 
 
-def test_several_groups_stride_padding_and_partial_first_block(tier):
+def test_several_groups_stride_padding_and_partial_first_block(tier, row_copies):
     kv = make_kv()
     layout, backend = tier(kv, 2)
     assert layout.block_bytes == 2 * (256 + 512) and layout.group_bytes == [1536, 1536]
@@ -104,7 +141,7 @@ def test_several_groups_stride_padding_and_partial_first_block(tier):
         assert int(t.tensor[:11].abs().sum()) == 0  # blocks outside the spec untouched
 
 
-def test_unaligned_reference_offsets_use_the_general_path(tier):
+def test_unaligned_reference_offsets_use_the_general_path(tier, row_copies):
     # pages 256 and 384: the second reference starts at 512, not a multiple of 384
     kv = make_kv(pages=(256, 384), pads=(0, 128), groups=((0, 1),))
     layout, backend = tier(kv, 2)
@@ -114,7 +151,7 @@ def test_unaligned_reference_offsets_use_the_general_path(tier):
         assert torch.equal(kv.tensors[t_idx].tensor[:3, :page], before[t_idx][[9, 4, 7], :page])
 
 
-def test_non_byte_dtype_and_one_group_default(tier):
+def test_non_byte_dtype_and_one_group_default(tier, row_copies):
     kv = make_kv(pages=(1024,), pads=(0,), groups=(), dtype=torch.float16)
     layout, backend = tier(kv, 1)
     spec = GPULoadStoreSpec([5, 3, 8])
