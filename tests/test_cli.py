@@ -40,6 +40,12 @@ def test_bench_trace_writes_the_documented_json(tmp_path):
     for r in runs:
         assert 0 <= r["hit_rate"] <= doc["trace"]["optimum_hit_rate"] + 1e-9 and r["block_ops_per_s"] > 0
         assert set(r["tiers"]) == {"hot", "warm"}
+    # The offline optimum for the whole hierarchy (warm tier: 4096 blocks) bounds every run at its size.
+    ceilings = {o["capacity_blocks"]: o for o in doc["trace"]["optimum"]}
+    assert [(c, o["total_capacity_blocks"]) for c, o in sorted(ceilings.items())] == [(100, 4196), (400, 4496)]
+    for r in runs:
+        assert r["hit_rate"] <= ceilings[r["capacity_blocks"]]["hit_rate"] + 1e-9
+    assert ceilings[100]["hit_rate"] <= ceilings[400]["hit_rate"] <= doc["trace"]["optimum_hit_rate"] + 1e-9
 
 
 def test_bench_trace_replays_a_mooncake_file(tmp_path):

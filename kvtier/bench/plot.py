@@ -62,6 +62,10 @@ def _plot_trace(ax, trace: dict[str, Any]) -> None:
                     alpha=0.7, label=f"{policy}: {name}")
     for r in (r for r in trace["runs"] if r["system"] == "vllm"):
         ax.plot([r["capacity_blocks"]], [r["hit_rate"]], "x", color="black")
+    ceilings = sorted((o["capacity_blocks"], o["hit_rate"]) for o in trace.get("optimum", []))
+    if ceilings:
+        ax.plot([c for c, _ in ceilings], [h for _, h in ceilings], "s--", color="black",
+                label="offline optimum (Belady)")
     ax.axhline(trace["optimum_hit_rate"], color="grey", ls="--", label="unlimited space")
     ax.set_xscale("log")
     ax.set_xlabel("first-tier capacity (blocks)")

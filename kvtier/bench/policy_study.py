@@ -7,8 +7,10 @@
 - `plot(rows, path)`: hit rate vs capacity per policy, the optimum drawn as the ceiling.
 - `trace_stats(trace)`: the numbers behind the analysis in docs/policies.md.
 
-The CLI `kvtier bench trace --policies lru,arc,... --capacities 2k,10k,40k` calls `grid`; the same
-table can be produced with `python -m kvtier.bench.policy_study TRACE... --policies ... --capacities ...`.
+The CLI `kvtier bench trace --policies lru,arc,... --capacities 2k,10k,40k` replays the configured
+hierarchy (`replay.sweep`) and adds `optimum` at each capacity; for a single-tier config its rows
+equal `grid`'s, which `python -m kvtier.bench.policy_study TRACE... --policies ... --capacities ...`
+prints as a table over several traces.
 """
 
 from __future__ import annotations

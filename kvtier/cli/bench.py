@@ -191,9 +191,24 @@ def _run_trace(args, config, progress: Progress) -> dict[str, Any]:
                   f"(transfers complete at once, without bytes: this measures the control plane)")
     rows = replay.sweep(rcfg, trace, capacities, policies, compare, progress_factory=progress, repeats=args.repeats)
     result = {"trace": trace.name, "requests": len(trace.requests), "blocks": trace.total_blocks,
-              "optimum_hit_rate": trace.optimum_hit_rate(), "transfers": "immediate, no bytes", "runs": rows}
+              "optimum_hit_rate": trace.optimum_hit_rate(), "transfers": "immediate, no bytes", "runs": rows,
+              "optimum": _belady_ceilings(trace, rcfg, rows)}
     _print_trace(result)
     return result
+
+
+def _belady_ceilings(trace, config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The offline optimum (Belady's MIN for prefix hits, `policy_study.optimum`) at each swept
+    first-tier capacity, for a cache as large as the whole hierarchy (every tier together holds at
+    most that many distinct blocks, so no policy of any tier can do better)."""
+    from kvtier.bench.policy_study import optimum
+
+    below = sum(t.capacity.blocks for t in config.tiers[1:])
+    out = []
+    for cap in sorted({r["capacity_blocks"] for r in rows}):
+        out.append({"capacity_blocks": cap, "total_capacity_blocks": cap + below,
+                    "hit_rate": optimum(trace, cap + below)})
+    return out
 
 
 def _print_trace(result: dict[str, Any]) -> None:
@@ -205,17 +220,23 @@ def _print_trace(result: dict[str, Any]) -> None:
             extra = f"  [{r['vs_vllm_lru']['block_ops_per_s']:.1f}x vLLM LRU ops/s]"
         print(f"{r['system']:<8}{r['policy']:<13}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
               f"{r['block_ops_per_s']:>13,.0f}  {tiers}{extra}")
+    for o in result.get("optimum", []):
+        print(f"{'offline':<8}{'Belady':<13}{o['capacity_blocks']:>13}{o['hit_rate']:>10.4f}{'-':>13}  "
+              f"optimum for {o['total_capacity_blocks']} blocks in all")
     print(f"(offline ceiling with unlimited space: {result['optimum_hit_rate']:.4f})")
 
 
 def _summarise_trace(result: dict[str, Any]) -> list[str]:
     ours = [r for r in result["runs"] if r["system"] == "kvtier"]
+    belady = {o["capacity_blocks"]: o["hit_rate"] for o in result.get("optimum", [])}
     lines = []
     for r in ours:
         per_tier = ", ".join(f"{n} {t['hit_rate']:.1%}" for n, t in r["tiers"].items())
+        ceiling = belady.get(r["capacity_blocks"])
+        of = (f"of the offline optimum {ceiling:.1%} at this size ({result['optimum_hit_rate']:.1%} with "
+              f"unlimited space)" if ceiling is not None else f"of a {result['optimum_hit_rate']:.1%} ceiling")
         lines.append(f"{r['policy']} @ {r['capacity_blocks']} tier-0 blocks: hit rate {r['hit_rate']:.1%} "
-                     f"({per_tier}) of a {result['optimum_hit_rate']:.1%} ceiling; "
-                     f"manager {r['block_ops_per_s']:,.0f} block ops/s")
+                     f"({per_tier}) {of}; manager {r['block_ops_per_s']:,.0f} block ops/s")
         if "vs_vllm_lru" in r:
             lines.append(f"  vs vLLM LRU: {r['vs_vllm_lru']['block_ops_per_s']:.1f}x block ops/s, "
                          f"hit rate {r['vs_vllm_best_hit_rate']:+.4f} vs vLLM's better policy")
