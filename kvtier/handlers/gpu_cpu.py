@@ -269,14 +269,30 @@ def _in_parts(rows: int, nbytes: int, copy_rows: Callable[[int, int], None]) -> 
 
 
 def _index_select(src, index, out) -> None:
-    """`out[i] = src[index[i]]` along dim 0 (`torch.index_select(..., out=out)`), in parts on the host."""
+    """`out[i] = src[index[i]]` along dim 0 (`torch.index_select(..., out=out)`). On the host, in
+    parts, with numpy's unbuffered `take` where `out` is contiguous (torch's index_select, run from
+    two threads, runs into its own intra-op threads: 9.6 GB/s against 13.6 for 1 MiB rows here)."""
     import torch
 
     if out.device.type != "cpu":
         torch.index_select(src, 0, index, out=out)
         return
-    _in_parts(len(index), out.numel() * out.element_size(),
-              lambda a, b: torch.index_select(src, 0, index[a:b], out=out[a:b]))
+    nbytes = out.numel() * out.element_size()
+    try:
+        import numpy as np
+
+        if not (out.is_contiguous() and src.is_contiguous()):
+            raise RuntimeError("strided")
+        values, rows, dst = src.numpy(), index.numpy(), out.numpy()
+    except (ImportError, RuntimeError):  # no numpy, or a strided view: torch's index_select
+        _in_parts(len(index), nbytes, lambda a, b: torch.index_select(src, 0, index[a:b], out=out[a:b]))
+        return
+    if len(rows) and (rows.min() < 0 or rows.max() >= len(values)):
+        raise IndexError(f"row index out of range 0..{len(values) - 1}: {rows.min()}..{rows.max()}")
+    if dst.shape != (len(rows), *values.shape[1:]):
+        raise ValueError(f"index_select: out has shape {dst.shape}, expected {(len(rows), *values.shape[1:])}")
+    # mode="clip" (indices checked above) keeps numpy from buffering `out`.
+    _in_parts(len(rows), nbytes, lambda a, b: np.take(values, rows[a:b], axis=0, out=dst[a:b], mode="clip"))
 
 
 def _index_copy(dst, index, src) -> None:

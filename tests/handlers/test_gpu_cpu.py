@@ -103,6 +103,12 @@ def test_host_row_copies_in_parts_equal_one_copy(monkeypatch):
         dst = torch.zeros_like(src)  # repeated rows: one copy in numpy's order, the last one wins
         gpu_cpu._index_copy(dst, torch.tensor([3, 3, 1, 3]), src[:4])
         assert torch.equal(dst[3], src[3]) and torch.equal(dst[1], src[2]) and int(dst[0].abs().sum()) == 0
+        wide = torch.zeros((10, 9), dtype=torch.int64)  # a strided destination: torch's own path
+        gpu_cpu._index_select(src, index, wide[:, 1:8])
+        assert torch.equal(wide[:, 1:8], src[index]) and int(wide[:, 0].abs().sum() + wide[:, 8].abs().sum()) == 0
+        for bad in (torch.tensor([0, 10]), torch.tensor([-1, 2])):  # never clipped into a wrong row
+            with pytest.raises(IndexError):
+                gpu_cpu._index_select(src, bad, torch.zeros((2, 7), dtype=torch.int64))
     finally:
         torch.set_num_threads(threads)
 
