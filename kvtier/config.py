@@ -164,8 +164,8 @@ TIER_FIELDS: dict[str, tuple[Any, Any]] = {
 
 # Replacement policy of a tier whose YAML names none; the evidence is in docs/policies.md
 # ("Recommended defaults"): prefix-freq on the tier that receives the engine's stores; plain LRU
-# below it, which keeps no ghost keys (prefix-freq remembers 6-12 capacities of evicted keys,
-# too much RAM for a terabyte file tier).
+# below it, which keeps no ghost keys (prefix-freq remembers 6-12 capacities of evicted keys, up
+# to 4-8 million, 0.4-0.8 GB: a lot of RAM to spend on a terabyte file tier for no measured gain).
 DEFAULT_POLICY_FIRST_TIER = "prefix-freq"
 DEFAULT_POLICY_LOWER_TIERS = "lru"
 

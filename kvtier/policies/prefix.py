@@ -79,6 +79,8 @@ class PrefixFreqCachePolicy(CachePolicy):
     credits: tuple[float, ...] = (0.0, 1.5, 3.0, 4.5)  # credit (in units) of a block with c hits
     tail_reuse_max = 0.1  # tails reused more often than this are not one-time (synthetic 40k: 23%)
     ghost_fraction = 6.0  # ghosts kept: between 1x and 2x this many capacities (keys only)
+    max_ghost_limit = 4_000_000  # ... but at most 1-2x this many keys (about 0.4-0.8 GB): a bound
+    # for tiers of more than ~670k blocks, which no measured workload reached
     unit_rate = 0.001  # weight of one hit in the running mean of hit ages
     demote_tail = True
 
@@ -99,7 +101,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         # whenever they reach twice that (one C-level copy per ghost_limit evictions).
         self.ghosts: dict[OffloadKey, int] = {}
         self._ghost_pop = self.ghosts.pop
-        self.ghost_limit = int(cache_capacity * self.ghost_fraction)
+        self.ghost_limit = min(int(cache_capacity * self.ghost_fraction), self.max_ghost_limit)
         self._mark = 0  # len(blocks) when the clock was last synced (see insert)
         # evicted tails, returned tails (ghost hits), evicted new blocks, returned new blocks,
         # tails hit while resident, new blocks hit while resident

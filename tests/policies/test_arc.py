@@ -197,6 +197,21 @@ def test_prefix_freq_scan_does_not_flush_a_reused_prefix():
     assert results == {"PrefixFreqCachePolicy": True, "LRUCachePolicy": False}
 
 
+def test_prefix_freq_ghost_memory_is_bounded():
+    """Ghosts (evicted keys) stay between 1x and 2x `ghost_limit`: 6 capacities, at most 4M keys."""
+    assert PrefixFreqCachePolicy(1000).ghost_limit == 6000
+    assert PrefixFreqCachePolicy(10_000_000).ghost_limit == 4_000_000
+    cap = 4
+    policy = PrefixFreqCachePolicy(cap)
+    policy.max_ghost_limit = 10
+    policy.ghost_limit = min(policy.ghost_limit, policy.max_ghost_limit)
+    sizes = []
+    for i in range(200):
+        request(policy, [], [i], cap)
+        sizes.append(len(policy.ghosts))
+    assert max(sizes) < 2 * policy.ghost_limit and sizes[-1] >= policy.ghost_limit
+
+
 def test_prefix_freq_restored_ghost_counts_as_a_hit():
     cap = 10
     policy = PrefixFreqCachePolicy(cap)
