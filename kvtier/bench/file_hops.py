@@ -149,8 +149,8 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
     """Store/load bandwidth of the CPU<->FILE hop vs raw O_DIRECT (see module docstring).
 
     Handler and raw runs alternate `repeats` times on fresh files; figures are medians (the disk
-    is shared and noisy). `host` is the CPU side: `cpu` (the shared-memory CPU tier, page-aligned
-    slots: zero-copy file I/O) or `memory` (a bytearray: bounce-buffer copies). Uses and removes
+    is shared and noisy). `host` is the CPU side: `cpu` (the shared-memory CPU tier) or `memory`
+    (the in-process memory tier); both have page-aligned slots, so file I/O is zero-copy. Uses and removes
     `root_dir/kvtier-bench-<pid>`. Raises AssertionError if a block reads back wrong.
     """
     from statistics import median
