@@ -43,6 +43,7 @@ def _all_writing(blocks: list[BlockStatus]) -> bool:
     """Whether every block is still being written (`ref_cnt == -1`), in C loops."""
     return list(map(_ref_cnt, blocks)).count(-1) == len(blocks)
 
+
 CASCADE_MODES = ("on_evict", "on_store", "none")
 
 

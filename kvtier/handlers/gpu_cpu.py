@@ -243,7 +243,7 @@ class KVLayout:
 # 6-7 GB/s, two 11-14 GB/s like one contiguous copy (index_select alone uses one thread for rows
 # of 256 KiB-1 MiB).
 _PARALLEL_COPY_BYTES = 4 << 20
-_copy_pool = None
+_copy_pool: tuple[int, Any] | None = None  # (threads, ThreadPoolExecutor), made on first use
 _copy_pool_lock = threading.Lock()
 
 
@@ -258,11 +258,11 @@ def _in_parts(rows: int, nbytes: int, copy_rows: Callable[[int, int], None]) -> 
         return
     global _copy_pool
     with _copy_pool_lock:
-        if _copy_pool is None or _copy_pool._max_workers != threads:
+        if _copy_pool is None or _copy_pool[0] != threads:
             from concurrent.futures import ThreadPoolExecutor
 
-            _copy_pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-rows")
-        pool = _copy_pool
+            _copy_pool = (threads, ThreadPoolExecutor(threads, thread_name_prefix="kvtier-rows"))
+        pool = _copy_pool[1]
     cuts = [rows * i // threads for i in range(threads + 1)]
     for part in [pool.submit(copy_rows, cuts[i], cuts[i + 1]) for i in range(threads)]:
         part.result()
@@ -274,7 +274,7 @@ def _index_select(src, index, out) -> None:
     two threads, runs into its own intra-op threads: 9.6 GB/s against 13.6 for 1 MiB rows here)."""
     import torch
 
-    if out.device.type != "cpu":
+    if out.device.type != "cpu" or src.device.type != "cpu":
         torch.index_select(src, 0, index, out=out)
         return
     nbytes = out.numel() * out.element_size()
