@@ -299,7 +299,7 @@ def _index_copy(dst, index, src) -> None:
     """`dst[index[i]] = src[i]` along dim 0. On the host numpy's row assignment (one memcpy per
     row) runs at memory speed where torch's `index_copy_` reaches about 75% of it; it runs in
     parts when the rows are distinct (repeated rows: numpy's order, the last one wins)."""
-    if dst.device.type == "cpu":
+    if dst.device.type == "cpu" and src.device.type == "cpu":
         try:
             out, rows, values = dst.numpy(), index.numpy(), src.numpy()
         except RuntimeError:  # torch built without numpy support
