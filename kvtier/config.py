@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import difflib
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
@@ -25,7 +25,8 @@ _DECIMAL = {"KB": "KiB", "MB": "MiB", "GB": "GiB", "TB": "TiB", "K": "KiB", "M":
             "kB": "KiB", "kiB": "KiB", "Kb": "KiB", "mb": "MiB", "gb": "GiB", "tb": "TiB", "kb": "KiB",
             "gib": "GiB", "mib": "MiB", "kib": "KiB", "tib": "TiB"}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
-_BLOCKS_RE = re.compile(r"^\s*(\d+)\s*(?:k\s*)?blocks?\s*$", re.IGNORECASE)
+_BLOCKS_RE = re.compile(r"^\s*(\d+)\s*([km]?)\s*blocks?\s*$", re.IGNORECASE)  # "10000 blocks", "10k blocks"
+_BLOCK_SCALE = {"": 1, "k": 1000, "m": 1_000_000}
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 
@@ -69,7 +70,7 @@ class Capacity:
         if isinstance(value, str):
             match = _BLOCKS_RE.match(value)
             if match:
-                count = int(match.group(1))
+                count = int(match.group(1)) * _BLOCK_SCALE[match.group(2).lower()]
                 if count <= 0:
                     raise ValueError(f"capacity must be at least 1 block, got {value!r}")
                 return cls(blocks=count)
@@ -94,7 +95,7 @@ class TierConfig:
     name: str
     backend: str
     capacity: Capacity
-    policy: str = "lru"
+    policy: str | None = None  # None: default_policy(position), filled in by HierarchyConfig
     cascade: str = "on_evict"
     reserve: float = 0.1
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
@@ -106,6 +107,11 @@ class HierarchyConfig:
     block_tokens: int = 256
     block_bytes: int | None = None
     source: str = "<dict>"
+
+    def __post_init__(self) -> None:
+        tiers = tuple(t if t.policy is not None else replace(t, policy=default_policy(i))
+                      for i, t in enumerate(self.tiers))
+        object.__setattr__(self, "tiers", tiers)
 
     def with_capacities(self, first_tier_blocks: int) -> "HierarchyConfig":
         """A copy whose first tier holds `first_tier_blocks` blocks (capacity sweeps)."""
@@ -156,7 +162,7 @@ TIER_FIELDS: dict[str, tuple[Any, Any]] = {
     "name": (REQUIRED, _name),
     "backend": (REQUIRED, _text),
     "capacity": (REQUIRED, Capacity.parse),
-    "policy": (None, _text),  # None: default_policy(position of the tier)
+    "policy": (None, _text),  # None: default_policy(position of the tier), see HierarchyConfig
     "cascade": ("on_evict", _choice(CASCADE_MODES)),
     "reserve": (0.1, _fraction),
 }
@@ -254,9 +260,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> HierarchyConfig:
             problems.add(f"{path}name", f"duplicate tier name {name!r} (also tiers[{seen_names[name]}]); names must be unique")
         elif isinstance(name, str):
             seen_names[name] = i
-        if fields.get("policy") is None:
-            fields["policy"] = default_policy(i)
-        policy = fields["policy"]
+        policy = fields.get("policy")  # None: the default of the tier's position (HierarchyConfig)
         if isinstance(policy, str):
             try:
                 registry.resolve(registry.POLICIES, policy)

@@ -3,7 +3,7 @@
 import pytest
 
 from kvtier import ConfigError, build_hierarchy, load_config, load_config_text, parse_size
-from kvtier.config import default_config_path
+from kvtier.config import Capacity, HierarchyConfig, TierConfig, default_config_path
 
 GOOD_TIER = "{name: cpu, backend: memory, capacity: 8 blocks}"
 
@@ -108,6 +108,19 @@ tiers:
             "PrefixFreqCachePolicy", "LRUCachePolicy", "ARCCachePolicy", "LRUCachePolicy"]
     finally:
         hierarchy.close()
+
+
+def test_block_counts_take_k_and_m_like_the_cli():
+    assert [Capacity.parse(t).blocks for t in ("10000 blocks", "10k blocks", "2M blocks", "1 block")] == \
+        [10000, 10000, 2_000_000, 1]
+    with pytest.raises(ValueError):
+        Capacity.parse("10x blocks")
+
+
+def test_tiers_built_in_code_get_the_same_default_policies():
+    cfg = HierarchyConfig((TierConfig("a", "memory", Capacity(blocks=4)), TierConfig("b", "memory", Capacity(blocks=8)),
+                           TierConfig("c", "memory", Capacity(blocks=8), policy="arc")))
+    assert [t.policy for t in cfg.tiers] == ["prefix-freq", "lru", "arc"]
 
 
 def test_sizes_use_binary_units():
