@@ -305,8 +305,8 @@ def _index_copy(dst, index, src) -> None:
         except RuntimeError:  # torch built without numpy support
             pass
         else:
-            if len(set(rows.tolist())) != len(rows):
-                out[rows] = values
+            if values.nbytes < _PARALLEL_COPY_BYTES or len(set(rows.tolist())) != len(rows):
+                out[rows] = values  # one call (repeated rows must not be split across parts)
                 return
 
             def copy_rows(a: int, b: int) -> None:
