@@ -621,10 +621,15 @@ class FileBackend(Backend):
             try:
                 self._journal_entries(entries, durable=False)
             except BaseException:
-                for slot, _key, _crc in entries:  # not journalled: not in the index either
-                    self._index.pop(slot, None)
+                self._unindex(entries)
                 raise
             self._dirty = True
+
+    def _unindex(self, entries: list[tuple[int, bytes, int]]) -> None:
+        """Forget slots whose new contents did not reach the journal (or, with `sync_interval` 0,
+        were not made durable): their old index entries are stale too (caller holds `_jlock`)."""
+        for slot, _key, _crc in entries:
+            self._index.pop(slot, None)
 
     def _journal_entries(self, entries: list[tuple[int, bytes, int]], durable: bool) -> None:
         """Index `entries` and append their PUTs (after the pending DELs) to the journal, or
@@ -696,10 +701,8 @@ class FileBackend(Backend):
                 self._journal_entries([e for pending in batch for e in pending.entries], durable=True)
         except BaseException as exc:  # every caller of this batch fails with it
             error = exc
-            with self._jlock:  # not durable: not in the index either
-                for pending in batch:
-                    for slot, _key, _crc in pending.entries:
-                        self._index.pop(slot, None)
+            with self._jlock:
+                self._unindex([e for pending in batch for e in pending.entries])
         with self._commit_cv:
             for pending in batch:
                 pending.done, pending.error = True, error
