@@ -69,7 +69,7 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
             if dry_run:
                 backend: Backend = SlotBackend(tier_cfg.name, n, block_bytes or 0, config.block_tokens, cls.spec_type)
             else:
-                backend = cls.from_config(tier_cfg.name, n, block_bytes or 0, config.block_tokens, dict(tier_cfg.options))
+                backend = _build_backend(cls, i, tier_cfg, n, block_bytes or 0, config.block_tokens)
             backends[tier_cfg.name] = backend
             policy = registry.resolve(registry.POLICIES, tier_cfg.policy)(n)
             tiers.append(Tier(tier_cfg.name, backend, policy, tier_cfg.cascade, tier_cfg.reserve))
@@ -80,6 +80,15 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
         raise
     manager = HierarchyManager(tiers, engine, enable_events=enable_events)
     return Hierarchy(config, manager, engine, backends, dry_run)
+
+
+def _build_backend(cls, i: int, tier_cfg, n: int, block_bytes: int, block_tokens: int) -> Backend:
+    """`cls.from_config`; a `ConfigError` on one of its options gets the tier's path (`tiers[i].`)."""
+    try:
+        return cls.from_config(tier_cfg.name, n, block_bytes, block_tokens, dict(tier_cfg.options))
+    except ConfigError as exc:
+        raise ConfigError([(f"tiers[{i}].{field}" if field else f"tiers[{i}]", message)
+                           for field, message in exc.problems]) from exc.__cause__
 
 
 def _build_engine(backends: dict[str, Backend], kv_caches: Any, dry_run: bool) -> TransferEngine:

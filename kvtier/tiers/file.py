@@ -46,12 +46,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.config import REQUIRED
+from kvtier.config import REQUIRED, format_size
 from kvtier.errors import IntegrityError, KVTierError
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
 from kvtier.tiers.base import Backend
 from kvtier.tiers.fileio import aligned_buffer, buffer_address, choose_engine
+from kvtier.tiers.rootdir import (check_entries, create_new, expand_root_dir, open_existing, open_or_create,
+                                  prepare_root, refuse, remove_dirs, remove_file)
 from kvtier.types import BlockStatus
 
 log = logging.getLogger("kvtier.tiers.file")
@@ -65,6 +67,8 @@ MANIFEST = "manifest.json"
 SLAB = "slab.0"
 JOURNAL = "journal"
 LOCK = "lock"
+TMP = ".tmp"  # suffix of the file a manifest or journal is written to before it replaces the old one
+OWN_FILES = (LOCK, MANIFEST, SLAB, JOURNAL, MANIFEST + TMP, JOURNAL + TMP)  # all the tier writes in root_dir
 
 _SLOT_MAGIC = b"KVTB"
 # magic, version, key_len, payload_len, payload_crc, manifest digest, header_crc; the key follows.
@@ -243,16 +247,24 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _write_file_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    """Replace `path` with a file holding `data` (a crash leaves the old or the new one). The
+    temporary file is created afresh (O_EXCL: a leftover, or a symlink planted there, is unlinked
+    first, never followed) and removed if writing fails."""
+    tmp = path.with_name(path.name + TMP)
+    remove_file(tmp)
+    fd = create_new(tmp, os.O_WRONLY)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # replaces a symlink at `path` itself, never its target
+    except BaseException:
+        remove_file(tmp)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -267,7 +279,7 @@ class Journal:
         self.pos = pos  # where the next record goes
         self.capacity = capacity
         self.records = records
-        self.fd = os.open(path, os.O_WRONLY)
+        self.fd = open_existing(path, os.O_WRONLY)
 
     @classmethod
     def create(cls, path: Path, epoch: bytes, entries: Iterable[tuple[int, bytes, int]] = (),
@@ -309,6 +321,16 @@ class Journal:
             self.fd = -1
 
 
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def _count_records(data: bytes) -> int:
     count, pos = 0, 0
     while pos < len(data):
@@ -330,10 +352,7 @@ class _PendingCommit:
 
 
 # ---------------------------------------------------------------------------- options
-def _root_dir(v) -> str:
-    if not isinstance(v, (str, os.PathLike)) or not str(v):
-        raise ValueError(f"expected a directory path for the slab files, got {v!r}")
-    return str(v)
+_root_dir = expand_root_dir  # `~` and `$VAR`s expanded; what cannot be a root_dir is refused
 
 
 def _io(v) -> str:
@@ -393,11 +412,15 @@ class FileBackend(Backend):
             raise ValueError(f"file tier {name!r} needs block_bytes > 0, got {block_bytes}")
         _io(io), _fingerprint(fingerprint), _threads(num_threads)
         self.sync_interval = _sync_interval(sync_interval)
-        self.root = Path(_root_dir(root_dir)).expanduser().resolve()
+        try:
+            root_dir = _root_dir(root_dir)
+        except ValueError as exc:
+            raise refuse(str(exc)) from None
+        self.root = Path(root_dir)  # resolved by _make_root
         self.slot_bytes = slot_bytes_for(block_bytes)
         self.num_threads = num_threads
         self.slab_path = self.root / SLAB
-        self._closed = True
+        self._closed = False
         self._lock_fd = -1
         self._index: dict[int, tuple[bytes, int, int]] = {}  # slot -> (key, crc, seq): committed blocks
         self._seq = 0
@@ -417,10 +440,13 @@ class FileBackend(Backend):
         self._run_slots = max(1, round(RUN_BYTES / self.slot_bytes))
         self._buffers: queue.SimpleQueue = queue.SimpleQueue()
         self._zero_copy_ok = False
-        self._make_root()
-        self._acquire_lock()
-        self._closed = False
+        self._created_dirs: list[Path] = []  # this build's: removed with its files if it fails
+        self._created_files: list[Path] = []
         try:
+            self._make_root()
+            self._acquire_lock()
+            present = check_entries(self.root, OWN_FILES)
+            self._created_files += [self.root / n for n in OWN_FILES if n not in present and n != LOCK]
             self._open(fingerprint)
             self.io = choose_engine(io, str(self.slab_path), num_threads)
             pad = self.slot_bytes - HEADER_BYTES - block_bytes
@@ -430,31 +456,79 @@ class FileBackend(Backend):
             if self.sync_interval > 0:
                 self._syncer = threading.Thread(target=self._sync_loop, name=f"kvtier-sync-{name}", daemon=True)
                 self._syncer.start()
-        except BaseException:
+        except BaseException as exc:
+            self._remove_created()  # while the lock is held: nobody else is using these files
             self.close()
+            if isinstance(exc, OSError) and not isinstance(exc, KVTierError):
+                raise self._build_error(exc) from exc
             raise
 
     # ------------------------------------------------------------------ start-up
     def _make_root(self) -> None:
-        if not self.root.is_dir():
-            os.makedirs(self.root, mode=0o700, exist_ok=True)
-            os.chmod(self.root, 0o700)
+        """Resolve `root_dir`, creating what is missing (0700); refuse an unsafe one (rootdir.py)."""
+        self.root, self._created_dirs = prepare_root(str(self.root))
+        self.slab_path = self.root / SLAB
 
     def _acquire_lock(self) -> None:
         path = self.root / LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        while True:
+            fd, created = self._open_lock_file(path)
             try:
-                holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            finally:
-                os.close(fd)
-            raise KVTierError(f"file tier root_dir {self.root} is locked by another user (pid {holder}); "
-                              f"give each process its own root_dir") from None
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                finally:
+                    os.close(fd)
+                raise KVTierError(f"file tier root_dir {self.root} is locked by another user (pid {holder}); "
+                                  f"give each process its own root_dir") from None
+            if _same_file(fd, path):
+                break
+            os.close(fd)  # a failed build removed the file after we opened it: lock the current one
+        if created:
+            self._created_files.append(path)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
+
+    @staticmethod
+    def _open_lock_file(path: Path) -> tuple[int, bool]:
+        """The lock file's descriptor, and whether it was created here."""
+        try:
+            return create_new(path, os.O_RDWR), True
+        except FileExistsError:
+            return open_existing(path, os.O_RDWR), False
+
+    def _remove_created(self) -> None:
+        """Undo a failed build: unlink the files and directories it created (none were there before)."""
+        for path in reversed(self._created_files):
+            remove_file(path)
+        remove_dirs(self._created_dirs)
+
+    def _build_error(self, exc: OSError) -> KVTierError:
+        """The `root_dir` error for an OS error met while building the tier."""
+        if exc.errno == errno.ENOSPC:
+            return self._no_space(f"{exc.strerror} writing {exc.filename or self.root}")
+        return refuse(f"file tier {self.name!r} cannot use {self.root}: {exc}")
+
+    def _no_space(self, found: str) -> KVTierError:
+        slab, journal = self.num_blocks * self.slot_bytes, self._journal_capacity()
+        return refuse(f"not enough free space in {self.root} for file tier {self.name!r}: its slab of "
+                      f"{self.num_blocks} blocks ({format_size(slab)}) and its journal ({format_size(journal)}) "
+                      f"are preallocated; {found}. Lower the tier's capacity or choose another root_dir")
+
+    def _check_free_space(self) -> None:
+        """Refuse before touching anything when the slab and the journal would not both fit (the
+        old slab is truncated first; the old journal is replaced only after the new one is written)."""
+        need = self.num_blocks * self.slot_bytes + self._journal_capacity() + ALIGN  # + the manifest
+        st = os.statvfs(self.root)
+        free = st.f_bavail * st.f_frsize
+        try:
+            reused = os.lstat(self.slab_path).st_blocks * 512
+        except FileNotFoundError:
+            reused = 0
+        if need > free + reused:
+            raise self._no_space(f"{format_size(free)} free")
 
     def _wanted_manifest(self, fingerprint: str) -> dict:
         return {"format_version": FORMAT_VERSION, "block_bytes": self.block_bytes, "slot_bytes": self.slot_bytes,
@@ -514,7 +588,7 @@ class FileBackend(Backend):
 
     def _allocate_slab(self, truncate: bool) -> None:
         size = self.num_blocks * self.slot_bytes
-        fd = os.open(self.slab_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = open_or_create(self.slab_path, os.O_RDWR)
         try:
             if truncate:
                 os.ftruncate(fd, 0)
@@ -522,8 +596,7 @@ class FileBackend(Backend):
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
-                    raise KVTierError(f"file tier {self.name}: not enough free space in {self.root} for "
-                                      f"{self.num_blocks} blocks ({size} bytes)") from None
+                    raise self._no_space(f"{format_size(size)} could not be allocated") from None
                 os.ftruncate(fd, size)  # no fallocate on this filesystem: a sparse file
             os.fsync(fd)
         finally:
@@ -531,10 +604,8 @@ class FileBackend(Backend):
 
     def _rebuild(self, wanted: dict) -> None:
         """Start empty: no manifest while the slab and journal are reset, then a new epoch."""
-        try:
-            os.unlink(self.root / MANIFEST)
-        except FileNotFoundError:
-            pass
+        self._check_free_space()
+        remove_file(self.root / MANIFEST)
         self._allocate_slab(truncate=True)
         epoch = uuid.uuid4().bytes
         self.journal = Journal.create(self.root / JOURNAL, epoch, capacity=self._journal_capacity())

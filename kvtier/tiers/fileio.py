@@ -20,6 +20,8 @@ import os
 import threading
 from abc import ABC, abstractmethod
 
+from kvtier.tiers.rootdir import open_existing
+
 log = logging.getLogger("kvtier.tiers.file")
 
 ALIGN = 4096
@@ -41,6 +43,7 @@ def buffer_address(view: memoryview) -> int:
 
 def probe_direct(path: str) -> bool:
     """Whether `path` (an existing file of at least 4 KiB) can be read and written with O_DIRECT.
+    Like every open of the engines, it never follows a symlink (`rootdir.open_existing`).
 
     Logs one warning per process the first time O_DIRECT is refused.
     """
@@ -50,7 +53,7 @@ def probe_direct(path: str) -> bool:
     if flag:
         buf = aligned_buffer(ALIGN)
         try:
-            fd = os.open(path, os.O_RDWR | flag)
+            fd = open_existing(path, os.O_RDWR | flag)
             try:
                 if os.preadv(fd, [buf], 0) == ALIGN and os.pwritev(fd, [buf], 0) == ALIGN:
                     return True
@@ -96,7 +99,7 @@ class PosixIO(IOEngine):
     def __init__(self, path: str, direct: bool):
         self.direct = direct
         flags = os.O_RDWR | (getattr(os, "O_DIRECT", 0) if direct else 0)
-        self.fd = os.open(path, flags)
+        self.fd = open_existing(path, flags)
         self._closed = False
 
     def pwrite(self, offset: int, buf) -> None:
@@ -204,8 +207,14 @@ class KvikioIO(IOEngine):
         if not gds_platform():
             settings["compat_mode"] = kvikio.CompatMode.ON
         kvikio.defaults.set(settings)
-        self._file = kvikio.CuFile(path, "r+")
-        self._sync_fd = os.open(path, os.O_RDWR)
+        # opened (O_NOFOLLOW, checked) before CuFile, which takes a path and no flags: a symlink is
+        # refused first; root_dir being yours and private, nobody can swap the file in between
+        self._sync_fd = open_existing(path, os.O_RDWR)
+        try:
+            self._file = kvikio.CuFile(path, "r+")
+        except BaseException:
+            os.close(self._sync_fd)
+            raise
         self._closed = False
 
     def _array(self, buf):

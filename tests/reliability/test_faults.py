@@ -17,7 +17,7 @@ import threading
 
 import pytest
 
-from kvtier import KVTierError, LookupResult
+from kvtier import ConfigError, KVTierError, LookupResult
 from reliability_helpers import (assert_settled, build, fill_file_tier, fill_filesystem, keys, payload, pinned,
                                  read, shm_files, store, tmpfs)
 
@@ -205,7 +205,7 @@ def test_disk_full_for_real_on_a_tiny_tmpfs(tmp_path):
 
 def test_read_only_filesystem_for_real(tmp_path):
     """A root_dir on a filesystem remounted read-only: the start fails with an error naming the
-    path, and the CPU tier built before it is released."""
+    field and the path (the OS error as its cause), and the CPU tier built before it is released."""
     with tmpfs("8m") as mnt:
         root = os.path.join(mnt, "kv")
         build(root).close()
@@ -213,9 +213,9 @@ def test_read_only_filesystem_for_real(tmp_path):
         if proc.returncode != 0:
             pytest.skip(f"cannot remount read-only: {proc.stderr.strip()}")
         before = shm_files()
-        with pytest.raises(OSError) as info:
+        with pytest.raises(ConfigError, match=r"tiers\[1\]\.root_dir: .*Read-only file system") as info:
             build(root, upper="cpu")
-        assert info.value.errno == errno.EROFS and root in str(info.value)
+        assert info.value.__cause__.errno == errno.EROFS and root in str(info.value)
         assert shm_files() == before
         # inspect still reads it
         out = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", root, "--verify"],
