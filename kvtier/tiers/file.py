@@ -68,7 +68,8 @@ SLAB = "slab.0"
 JOURNAL = "journal"
 LOCK = "lock"
 TMP = ".tmp"  # suffix of the file a manifest or journal is written to before it replaces the old one
-OWN_FILES = (LOCK, MANIFEST, SLAB, JOURNAL, MANIFEST + TMP, JOURNAL + TMP)  # all the tier writes in root_dir
+OWN_FILES = (LOCK, MANIFEST, SLAB, JOURNAL)  # with TEMPORARIES, all that the tier writes in root_dir
+TEMPORARIES = (MANIFEST + TMP, JOURNAL + TMP)  # never opened: a leftover is unlinked and created afresh
 
 _SLOT_MAGIC = b"KVTB"
 # magic, version, key_len, payload_len, payload_crc, manifest digest, header_crc; the key follows.
@@ -446,7 +447,7 @@ class FileBackend(Backend):
             self._make_root()
             self._acquire_lock()
             present = check_entries(self.root, OWN_FILES)
-            self._created_files += [self.root / n for n in OWN_FILES if n not in present and n != LOCK]
+            self._created_files += [self.root / n for n in OWN_FILES + TEMPORARIES if n not in present]
             self._open(fingerprint)
             self.io = choose_engine(io, str(self.slab_path), num_threads)
             pad = self.slot_bytes - HEADER_BYTES - block_bytes
@@ -508,7 +509,7 @@ class FileBackend(Backend):
     def _build_error(self, exc: OSError) -> KVTierError:
         """The `root_dir` error for an OS error met while building the tier."""
         if exc.errno == errno.ENOSPC:
-            return self._no_space(f"{exc.strerror} writing {exc.filename or self.root}")
+            return self._no_space(f"{exc.strerror} while creating them")
         return refuse(f"file tier {self.name!r} cannot use {self.root}: {exc}")
 
     def _no_space(self, found: str) -> KVTierError:

@@ -172,7 +172,8 @@ def remove_dirs(created: list[Path]) -> None:
 
 # ---------------------------------------------------------------------------- its files
 def check_entries(root: Path, names) -> set[str]:
-    """Which of `names` exist in `root`; `ConfigError` if one is not a safe regular file."""
+    """Which of `names` exist in `root`; `ConfigError` if one is not a safe regular file. Files
+    that group/others may read are made 0600 (root_dir is private: nobody can swap them)."""
     present = set()
     for name in names:
         path = root / name
@@ -181,6 +182,8 @@ def check_entries(root: Path, names) -> set[str]:
         except FileNotFoundError:
             continue
         _check_file(path, st)
+        if st.st_mode & 0o077:
+            os.chmod(path, 0o600)
         present.add(name)
     return present
 
