@@ -22,6 +22,10 @@ On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
                    DELs of evicted slots ride along with the next append (losing them in a
                    crash only brings back blocks that still verify).
 
+Paths: `root_dir` and its files must be the user's and not writable by group/others, and nothing
+in it is opened through a symlink (kvtier/tiers/rootdir.py); anything else is refused at build with
+a `ConfigError` on `root_dir`, and a build that fails removes the files and directories it created.
+
 Trust rules: a manifest that differs from this configuration (or a journal of another epoch) means
 the contents are not ours: the tier starts empty and logs one warning. A block is served only if
 its header (magic, version, manifest digest, key, length, header CRC) and payload CRC verify;
@@ -473,7 +477,7 @@ class FileBackend(Backend):
     def _acquire_lock(self) -> None:
         path = self.root / LOCK
         while True:
-            fd, created = self._open_lock_file(path)
+            fd, created = open_or_create(path, os.O_RDWR)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -491,14 +495,6 @@ class FileBackend(Backend):
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
-
-    @staticmethod
-    def _open_lock_file(path: Path) -> tuple[int, bool]:
-        """The lock file's descriptor, and whether it was created here."""
-        try:
-            return create_new(path, os.O_RDWR), True
-        except FileExistsError:
-            return open_existing(path, os.O_RDWR), False
 
     def _remove_created(self) -> None:
         """Undo a failed build: unlink the files and directories it created (none were there before)."""
@@ -589,7 +585,7 @@ class FileBackend(Backend):
 
     def _allocate_slab(self, truncate: bool) -> None:
         size = self.num_blocks * self.slot_bytes
-        fd = open_or_create(self.slab_path, os.O_RDWR)
+        fd, _created = open_or_create(self.slab_path, os.O_RDWR)
         try:
             if truncate:
                 os.ftruncate(fd, 0)
@@ -597,7 +593,7 @@ class FileBackend(Backend):
                 os.posix_fallocate(fd, 0, size)
             except OSError as exc:
                 if exc.errno == errno.ENOSPC:
-                    raise self._no_space(f"{format_size(size)} could not be allocated") from None
+                    raise self._no_space(f"{format_size(size)} could not be allocated") from exc
                 os.ftruncate(fd, size)  # no fallocate on this filesystem: a sparse file
             os.fsync(fd)
         finally:

@@ -232,12 +232,13 @@ def create_new(path, flags: int) -> int:
     return fd
 
 
-def open_or_create(path, flags: int) -> int:
-    """`open_existing`, or `create_new` where the file is missing."""
+def open_or_create(path, flags: int) -> tuple[int, bool]:
+    """`create_new`, or `open_existing` where the file is there; returns the descriptor and
+    whether the file was created here."""
     try:
-        return create_new(path, flags)
+        return create_new(path, flags), True
     except FileExistsError:
-        return open_existing(path, flags)
+        return open_existing(path, flags), False
 
 
 def remove_file(path) -> None:

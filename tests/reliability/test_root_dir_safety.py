@@ -290,7 +290,8 @@ def test_disk_full_during_the_build_leaves_nothing(tmp_path, monkeypatch):
         root = Path(mnt) / "kv"
         root.mkdir(mode=0o700)
         monkeypatch.setattr(os, "statvfs", roomy)
-        with pytest.raises(ConfigError, match=FIELD + rf"not enough free space in {root} .*No space left on device") as info:
+        no_space = FIELD + rf"not enough free space in {root} .*No space left on device"
+        with pytest.raises(ConfigError, match=no_space) as info:
             build(root, file_blocks=32)
         assert info.value.__cause__.errno == errno.ENOSPC
         assert os.listdir(mnt) == ["kv"] and os.listdir(root) == []
