@@ -19,6 +19,7 @@ import pytest
 
 from kvtier import ConfigError, load_config, load_config_text
 from kvtier.config import default_config_path
+from kvtier.tiers import fileio
 from kvtier.tiers.file import FileBackend, Journal
 from reliability_helpers import BLOCK, build, config_text, fill_file_tier, keys, payload, read, tmpfs
 
@@ -116,6 +117,23 @@ def test_a_symlinked_temporary_file_is_replaced_not_followed(tmp_path, name, dan
     assert not os.path.lexists(root / name)
     for tier_file in ("slab.0", "journal", "manifest.json", "lock"):
         assert not (root / tier_file).is_symlink() and mode(root / tier_file) == 0o600
+
+
+def test_the_io_engines_and_the_journal_never_open_through_a_symlink(tmp_path):
+    """Every open of the tier's files is O_NOFOLLOW, not only the checks at build."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(bytes(8192))
+    before = snapshot(victim)
+    link = tmp_path / "link"
+    link.symlink_to(victim)
+    opens = [lambda: fileio.PosixIO(str(link), direct=False), lambda: fileio.probe_direct(str(link)),
+             lambda: Journal(link, bytes(16), 0, 8192)]
+    if fileio.kvikio_importable():
+        opens.append(lambda: fileio.KvikioIO(str(link), 1))
+    for open_it in opens:
+        with pytest.raises(ConfigError, match=rf"{link} is a symlink"):
+            open_it()
+    assert snapshot(victim) == before
 
 
 def test_root_dir_through_a_symlink_of_another_user_is_refused(open_dir, tmp_path):
