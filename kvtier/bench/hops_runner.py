@@ -78,13 +78,16 @@ def file_rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _file_tier_parent(config: Any) -> str | None:
-    """Measure on the filesystem the config's file tier would use, when its parent exists."""
+    """Measure on the filesystem the config's file tier would use: the nearest existing, writable
+    directory on the way to its root_dir (the tier may not have been built yet)."""
     import os
 
     for tier in config.tiers:
         root = dict(tier.options).get("root_dir")
         if root:
             parent = os.path.dirname(os.path.abspath(root))
-            if os.path.isdir(parent) and os.access(parent, os.W_OK):
+            while not os.path.isdir(parent) and parent != os.path.dirname(parent):
+                parent = os.path.dirname(parent)
+            if os.access(parent, os.W_OK):
                 return parent
     return None
