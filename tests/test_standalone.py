@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 import runpy
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
-from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, load_config_text, make_offload_key
+from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec, GPULoadStoreSpec,
+                    load_config_text, make_offload_key)
 from kvtier.standalone import KVTier
 
 torch = pytest.importorskip("torch")
@@ -99,13 +101,16 @@ def test_groups_and_chunks(tmp_path):
             tier.store(keys(1, 50), [1])
 
 
-def test_failed_load_reports_zero(tmp_path):
+def test_failed_load_reports_zero(monkeypatch):
     kv = make_kv()
     cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 8 blocks, pin: false}\n")
     with KVTier.open(cfg, kv) as tier:
         ks = keys(2)
         assert tier.store(ks, [1, 2])
-        assert tier.load(ks, [1, 999]) == 0  # engine block out of range: the job fails
+        handler = tier._worker.handler_for(CPULoadStoreSpec, GPULoadStoreSpec)
+        with monkeypatch.context() as patch:
+            patch.setattr(handler, "copy", Mock(side_effect=OSError("injected copy failure")))
+            assert tier.load(ks, [1, 3]) == 0  # the job failed
         assert tier.stats()["engine"]["load_failures"] == 1
         assert tier.load(ks, [5, 6]) == 2  # blocks were unpinned and stay loadable
 
