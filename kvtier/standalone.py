@@ -216,7 +216,7 @@ class KVTier:
 
     def _checked_keys(self, keys: Iterable[bytes], distinct: bool) -> list[bytes]:
         """`keys` as a list of `bytes` this hierarchy can hold, or an `ArgumentError` naming the first bad one."""
-        keys = _as_list(keys, "keys")
+        keys = _as_list(keys, "keys", "[key]")
         if not all(type(key) is bytes for key in keys):
             keys = [_as_key(key, i) for i, key in enumerate(keys)]
         if keys:
@@ -226,7 +226,7 @@ class KVTier:
                 raise ArgumentError(f"keys[{i}]: empty key; a key is a block hash plus a {GROUP_BYTES}-byte "
                                     "group index (kvtier.make_offload_key)" if not key else
                                     f"keys[{i}]: key of {len(key)} bytes is longer than the {limit} bytes "
-                                    f"{holder} can hold; use a shorter block hash")
+                                    f"{holder} can hold (its max_key_bytes); use a shorter block hash")
         if len(self.layout.groups) > 1:
             for i, key in enumerate(keys):
                 self._check_group(key, i)
@@ -247,8 +247,9 @@ class KVTier:
         bpc, num_blocks = self.blocks_per_chunk, self.layout.num_engine_blocks
         ids = _as_ids(engine_block_ids)
         if len(ids) != len(keys) * bpc:
-            raise ArgumentError(f"engine_block_ids: {len(keys)} keys need {len(keys) * bpc} engine block ids "
-                                f"(len(keys) * blocks_per_chunk={bpc}), got {len(ids)}")
+            raise ArgumentError(f"engine_block_ids: {len(ids)} ids for {len(keys)} keys; each key covers "
+                                f"blocks_per_chunk={bpc} engine blocks, so {len(keys) * bpc} engine block ids "
+                                "are needed")
         if ids and (min(ids) < 0 or max(ids) >= num_blocks):
             i, block = next((i, b) for i, b in enumerate(ids) if not 0 <= b < num_blocks)
             raise ArgumentError(f"engine_block_ids[{i}]: {block} is not an engine block: the KV tensors "
@@ -303,15 +304,16 @@ def _key_limit(hierarchy: Hierarchy) -> tuple[float, str]:
     return min(limits, default=(float("inf"), "any tier"))
 
 
-def _as_list(values: Iterable[Any], name: str) -> list[Any]:
-    """`values` as a new list; a lone bytes/str (a key where a sequence of keys belongs) is refused."""
+def _as_list(values: Iterable[Any], name: str, example: str) -> list[Any]:
+    """`values` as a new list; a lone bytes/str (say a key where a sequence of keys belongs) is refused."""
     if isinstance(values, (str, bytes, bytearray, memoryview)):
         raise ArgumentTypeError(f"{name}: a single {type(values).__name__}, not a sequence; pass a list, "
-                                "e.g. [key]")
+                                f"e.g. {example}")
     try:
         return list(values)
     except TypeError:
-        raise ArgumentTypeError(f"{name}: {type(values).__name__} is not a sequence; pass a list") from None
+        raise ArgumentTypeError(f"{name}: {type(values).__name__} is not a sequence; pass a list, "
+                                f"e.g. {example}") from None
 
 
 def _as_key(key: Any, i: int) -> bytes:
@@ -331,7 +333,7 @@ def _as_ids(engine_block_ids: Any) -> list[int]:
             raise ArgumentTypeError(f"engine_block_ids: a {ndim}-D array of shape "
                                     f"{tuple(engine_block_ids.shape)}; pass a 1-D sequence of ints")
         engine_block_ids = engine_block_ids.tolist()
-    ids = _as_list(engine_block_ids, "engine_block_ids")
+    ids = _as_list(engine_block_ids, "engine_block_ids", "[3, 7]")
     if not all(type(b) is int for b in ids):
         ids = [_as_id(b, i) for i, b in enumerate(ids)]
     return ids
@@ -359,6 +361,9 @@ def _raise_duplicate(values: list[Any], name: str, why: str) -> None:
 
 
 def _short(value: Any, limit: int = 40) -> str:
-    """`repr(value)`, cut to `limit` characters (a hostile value can be huge)."""
-    text = repr(value[:limit + 1] if isinstance(value, (str, bytes, bytearray)) else value)
+    """`repr(value)` (bytes in hex), cut to `limit` characters: a hostile value can be huge."""
+    if isinstance(value, bytes):
+        text = f"key {value[:limit // 2 + 1].hex()}"
+    else:
+        text = repr(value[:limit + 1] if isinstance(value, (str, bytearray)) else value)
     return text if len(text) <= limit else text[:limit] + "..."
