@@ -77,6 +77,7 @@ class KVTier:
         The block size in bytes is derived from the KV layout (see `kvtier.handlers.gpu_cpu`).
         `build_options` go to `build_hierarchy` (e.g. `enable_events=True`).
         """
+        _check_kv_caches(kv_caches)
         if not isinstance(config, HierarchyConfig):
             config = load_config(config)
         chunked = ChunkedKVCaches(list(kv_caches.tensors), list(kv_caches.group_data_refs), blocks_per_chunk)
@@ -302,6 +303,53 @@ def _key_limit(hierarchy: Hierarchy) -> tuple[float, str]:
     limits = [(b.max_key_bytes, f"tier {name!r}") for name, b in hierarchy.backends.items()
               if b.max_key_bytes is not None]
     return min(limits, default=(float("inf"), "any tier"))
+
+
+def _check_kv_caches(kv_caches: CanonicalKVCaches) -> None:
+    """Refuse KV tensors the copies cannot use (every store would fail), naming the tensor or reference."""
+    tensors = list(getattr(kv_caches, "tensors", None) or [])
+    if not tensors:
+        raise ArgumentError("kv_caches.tensors: no KV tensors; give at least one CanonicalKVCacheTensor")
+    pages = [_check_kv_tensor(entry, f"kv_caches.tensors[{i}]", tensors[0]) for i, entry in enumerate(tensors)]
+    for g, refs in enumerate(kv_caches.group_data_refs or []):
+        for r, ref in enumerate(refs):
+            name = f"kv_caches.group_data_refs[{g}][{r}]"
+            if not 0 <= ref.tensor_idx < len(tensors):
+                raise ArgumentError(f"{name}.tensor_idx: {ref.tensor_idx} names no tensor (0..{len(tensors) - 1})")
+            if not 0 < ref.page_size_bytes <= pages[ref.tensor_idx]:
+                raise ArgumentError(f"{name}.page_size_bytes: {ref.page_size_bytes} is not within the "
+                                    f"{pages[ref.tensor_idx]}-byte page of tensor {ref.tensor_idx}")
+
+
+def _check_kv_tensor(entry: Any, name: str, first: Any) -> int:
+    """Check one `CanonicalKVCacheTensor`: a tensor whose dim 0 is the block and whose blocks are
+    contiguous runs of at least `page_size_bytes` bytes, on the first tensor's device. Returns the page."""
+    from kvtier.handlers.gpu_cpu import byte_rows
+
+    t, page = getattr(entry, "tensor", None), getattr(entry, "page_size_bytes", None)
+    if not callable(getattr(t, "element_size", None)) or not callable(getattr(t, "stride", None)):
+        raise ArgumentTypeError(f"{name}.tensor: {type(t).__name__}, not a torch tensor")
+    if type(page) is not int or page < 1:
+        raise ArgumentError(f"{name}.page_size_bytes: {_short(page)}; a positive number of bytes")
+    if t.dim() < 1 or t.device != first.tensor.device:
+        raise ArgumentError(f"{name}: a {t.dim()}-D tensor on {t.device}; KV tensors have a block dimension "
+                            f"first and live on one device ({first.tensor.device})")
+    expected = 1  # the stride each inner dimension has when one block is one contiguous run
+    for size, stride in reversed(list(zip(t.shape[1:], t.stride()[1:]))):
+        if size != 1 and stride != expected:
+            raise ArgumentError(f"{name}: a block is not contiguous (shape {tuple(t.shape)}, strides "
+                                f"{t.stride()}); the engine's KV cache itself must have contiguous blocks "
+                                "(t[i].is_contiguous()): a contiguous copy would not be the cache")
+        expected *= size
+    block_bytes = expected * t.element_size()
+    if page > block_bytes:
+        raise ArgumentError(f"{name}.page_size_bytes: {page} is more than the {block_bytes} bytes of one block "
+                            f"of a tensor of shape {tuple(t.shape)} and dtype {t.dtype}")
+    try:
+        byte_rows(t, page)  # what every copy will do
+    except (ValueError, RuntimeError) as exc:
+        raise ArgumentError(f"{name}: cannot be read as blocks of {page} bytes ({exc})") from None
+    return page
 
 
 def _as_list(values: Iterable[Any], name: str, example: str) -> list[Any]:
