@@ -167,6 +167,8 @@ def test_every_hostile_argument_gets_a_clear_error(tmp_path):
         for stats in (tier.stats(), grouped.stats()):
             assert all(s["stores"] == 0 and s["failures"] == 0 for name, s in stats.items() if name != "engine")
             assert stats["engine"]["store_failures"] == stats["engine"]["load_failures"] == 0
+        for kvtier in (tier, grouped):
+            assert all(t.backend.get_num_free_blocks() == t.backend.num_blocks for t in kvtier.manager.tiers)
         assert tier.store(K, [1, 2, 3, 4]) and tier.load(K, [5, 6, 7, 8]) == 4
     assert not (tmp_path / "open").exists()  # a refused open builds nothing
     assert elapsed < 5.0, f"the corpus of {len(CASES)} cases took {elapsed:.2f} s"
