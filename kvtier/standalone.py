@@ -218,11 +218,12 @@ class KVTier:
     def _checked_keys(self, keys: Iterable[bytes], distinct: bool) -> list[bytes]:
         """`keys` as a list of `bytes` this hierarchy can hold, or an `ArgumentError` naming the first bad one."""
         keys = _as_list(keys, "keys", "[key]")
-        if not all(type(key) is bytes for key in keys):
+        if set(map(type, keys)) - {bytes}:
             keys = [_as_key(key, i) for i, key in enumerate(keys)]
         if keys:
             limit, holder = self._key_limit
-            if not min(map(len, keys)) or max(map(len, keys)) > limit:
+            lengths = set(map(len, keys))
+            if not min(lengths) or max(lengths) > limit:
                 i, key = next((i, k) for i, k in enumerate(keys) if not k or len(k) > limit)
                 raise ArgumentError(f"keys[{i}]: empty key; a key is a block hash plus a {GROUP_BYTES}-byte "
                                     "group index (kvtier.make_offload_key)" if not key else
@@ -257,6 +258,8 @@ class KVTier:
                                 f"have {num_blocks} blocks, ids 0..{num_blocks - 1}")
         if distinct and len(set(ids)) != len(ids):
             _raise_duplicate(ids, "engine_block_ids", "a load writes each engine block once")
+        if bpc == 1:
+            return {key: [block] for key, block in zip(keys, ids)}
         return {key: ids[i * bpc:(i + 1) * bpc] for i, key in enumerate(keys)}
 
     def _group(self, key: bytes) -> int:
@@ -382,7 +385,7 @@ def _as_ids(engine_block_ids: Any) -> list[int]:
                                     f"{tuple(engine_block_ids.shape)}; pass a 1-D sequence of ints")
         engine_block_ids = engine_block_ids.tolist()
     ids = _as_list(engine_block_ids, "engine_block_ids", "[3, 7]")
-    if not all(type(b) is int for b in ids):
+    if set(map(type, ids)) - {int}:
         ids = [_as_id(b, i) for i, b in enumerate(ids)]
     return ids
 
