@@ -25,7 +25,7 @@ not honour later is refused at once with an `ArgumentError` (a `KVTierError` and
   num_engine_blocks`; no bools, floats or negative ids). `load` refuses an id given twice: one
   engine block cannot receive two keys.
 - `kv_caches` (at `open`): torch tensors whose first dimension is the block, each block a
-  contiguous run of at least `page_size_bytes` bytes.
+  contiguous run of at least `page_size_bytes` bytes; `blocks_per_chunk` an int >= 1.
 A closed `KVTier` raises `ClosedError`.
 """
 
@@ -77,7 +77,7 @@ class KVTier:
         The block size in bytes is derived from the KV layout (see `kvtier.handlers.gpu_cpu`).
         `build_options` go to `build_hierarchy` (e.g. `enable_events=True`).
         """
-        _check_kv_caches(kv_caches)
+        _check_kv_caches(kv_caches, blocks_per_chunk)
         if not isinstance(config, HierarchyConfig):
             config = load_config(config)
         chunked = ChunkedKVCaches(list(kv_caches.tensors), list(kv_caches.group_data_refs), blocks_per_chunk)
@@ -308,8 +308,13 @@ def _key_limit(hierarchy: Hierarchy) -> tuple[float, str]:
     return min(limits, default=(float("inf"), "any tier"))
 
 
-def _check_kv_caches(kv_caches: CanonicalKVCaches) -> None:
-    """Refuse KV tensors the copies cannot use (every store would fail), naming the tensor or reference."""
+def _check_kv_caches(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> None:
+    """Refuse KV tensors the copies cannot use (every store would fail), naming the tensor or reference,
+    and a `blocks_per_chunk` that is not a positive int."""
+    if type(blocks_per_chunk) is not int or blocks_per_chunk < 1:
+        error = ArgumentError if type(blocks_per_chunk) is int else ArgumentTypeError
+        raise error(f"blocks_per_chunk: {_short(blocks_per_chunk)}; the number of engine blocks one key "
+                    "covers, an int >= 1")
     tensors = list(getattr(kv_caches, "tensors", None) or [])
     if not tensors:
         raise ArgumentError("kv_caches.tensors: no KV tensors; give at least one CanonicalKVCacheTensor")

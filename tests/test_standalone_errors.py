@@ -53,8 +53,8 @@ def kv_with(mutate: Callable[[list[Any]], None], groups: int = 1) -> CanonicalKV
     return CanonicalKVCaches([CanonicalKVCacheTensor(t, PAGE) for t in tensors], kv.group_data_refs)
 
 
-def open_with(tiers: Tiers, kv: CanonicalKVCaches) -> None:
-    with KVTier.open(cpu_file(tiers.tmp / "open"), kv):
+def open_with(tiers: Tiers, kv: CanonicalKVCaches, **options: Any) -> None:
+    with KVTier.open(cpu_file(tiers.tmp / "open"), kv, **options):
         pass
 
 
@@ -132,6 +132,12 @@ CASES = [
          lambda c: open_with(c, CanonicalKVCaches(make_kv(NUM_BLOCKS).tensors,
                                                   [[CanonicalKVCacheRef(0, PAGE), CanonicalKVCacheRef(5, PAGE)]])),
          ArgumentError, "kv_caches.group_data_refs[0][1].tensor_idx"),
+    Case("zero blocks per chunk", lambda c: open_with(c, make_kv(NUM_BLOCKS), blocks_per_chunk=0), ArgumentError,
+         "blocks_per_chunk"),
+    Case("fractional blocks per chunk", lambda c: open_with(c, make_kv(NUM_BLOCKS), blocks_per_chunk=1.5),
+         ArgumentTypeError, "blocks_per_chunk"),
+    Case("bool blocks per chunk", lambda c: open_with(c, make_kv(NUM_BLOCKS), blocks_per_chunk=True),
+         ArgumentTypeError, "blocks_per_chunk"),
 ]
 
 
