@@ -17,6 +17,18 @@ class ConfigError(KVTierError, ValueError):
         super().__init__("\n".join(f"{p}: {m}" if p else m for p, m in self.problems))
 
 
+class ArgumentError(KVTierError, ValueError):
+    """An argument of an API call has a wrong value; the message names the argument (`keys[3]`)."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of an API call has a wrong type; also a `ValueError`, so one `except` catches both."""
+
+
+class ClosedError(KVTierError, RuntimeError):
+    """An object was used after `close()`."""
+
+
 class TransferError(KVTierError, OSError):
     """Moving bytes between two tiers failed for one job."""
 

@@ -9,19 +9,19 @@ from typing import NewType
 
 OffloadKey = NewType("OffloadKey", bytes)
 
-_GROUP_BYTES = 4
+GROUP_BYTES = 4  # the group index ends every key
 
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:
     """Pack a block hash and a KV-cache group index into an `OffloadKey`."""
-    return OffloadKey(block_hash + group_idx.to_bytes(_GROUP_BYTES, "big", signed=False))
+    return OffloadKey(block_hash + group_idx.to_bytes(GROUP_BYTES, "big", signed=False))
 
 
 def get_offload_block_hash(key: OffloadKey) -> bytes:
     """The block-hash part of `key`."""
-    return key[:-_GROUP_BYTES]
+    return key[:-GROUP_BYTES]
 
 
 def get_offload_group_idx(key: OffloadKey) -> int:
     """The KV-cache group index of `key`."""
-    return int.from_bytes(key[-_GROUP_BYTES:], "big", signed=False)
+    return int.from_bytes(key[-GROUP_BYTES:], "big", signed=False)

@@ -5,11 +5,15 @@ from __future__ import annotations
 import os
 import runpy
 from pathlib import Path
+from unittest.mock import Mock
 
 import pytest
 
-from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, load_config_text, make_offload_key
+from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec, GPULoadStoreSpec,
+                    load_config_text, make_offload_key)
+from kvtier.errors import ArgumentError
 from kvtier.standalone import KVTier
+from kvtier.tiers.file import MAX_KEY_BYTES
 
 torch = pytest.importorskip("torch")
 
@@ -99,15 +103,74 @@ def test_groups_and_chunks(tmp_path):
             tier.store(keys(1, 50), [1])
 
 
-def test_failed_load_reports_zero(tmp_path):
+def test_failed_load_reports_zero(monkeypatch):
     kv = make_kv()
     cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 8 blocks, pin: false}\n")
     with KVTier.open(cfg, kv) as tier:
         ks = keys(2)
         assert tier.store(ks, [1, 2])
-        assert tier.load(ks, [1, 999]) == 0  # engine block out of range: the job fails
+        handler = tier._worker.handler_for(CPULoadStoreSpec, GPULoadStoreSpec)
+        with monkeypatch.context() as patch:
+            patch.setattr(handler, "copy", Mock(side_effect=OSError("injected copy failure")))
+            assert tier.load(ks, [1, 3]) == 0  # the job failed
         assert tier.stats()["engine"]["load_failures"] == 1
         assert tier.load(ks, [5, 6]) == 2  # blocks were unpinned and stay loadable
+
+
+def test_accepted_argument_forms():
+    """Ids as numpy integers, a numpy array, an integer tensor, a range or a tuple, keys as bytearray,
+    memoryview or any iterable: each means what the list of ints or of bytes would."""
+    np = pytest.importorskip("numpy")
+    kv = make_kv(num_blocks=40)
+    cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 32 blocks, pin: false}\n")
+    with KVTier.open(cfg, kv) as tier:
+        ks = keys(12)
+        forms = [(ks[0:2], [np.int64(1), np.uint8(2)]), (ks[2:4], np.array([3, 4], dtype=np.int32)),
+                 (ks[4:6], torch.tensor([5, 6])), (ks[6:8], range(7, 9)),
+                 ([bytearray(k) for k in ks[8:10]], (9, 10)), ((memoryview(k) for k in ks[10:12]), [11, 12])]
+        for form_keys, form_ids in forms:
+            assert tier.store(form_keys, form_ids)
+        assert tier.store(keys(2, 50), [3, 3])  # one engine block stored under two keys: read twice
+        before = snapshot(kv)
+        wipe(kv)
+        assert tier.lookup(iter(ks)) == 12
+        assert tier.load(tuple(ks), torch.arange(20, 32, dtype=torch.int32)) == 12
+        for t, b in zip(kv.tensors, before):
+            assert torch.equal(t.tensor[20:32], b[1:13])
+
+
+def test_key_limit_is_the_smallest_of_the_tiers(tmp_path):
+    """A key as long as a file slot header holds goes down to the file tier and back; one byte more is
+    refused at the call; with no file tier, nothing limits a key."""
+    kv = make_kv(num_blocks=40)
+    longest = [b"%03d" % i + b"k" * (MAX_KEY_BYTES - 3) for i in range(6)]
+    with KVTier.open(cpu_file(tmp_path, cpu_blocks=2), kv) as tier:
+        assert tier.store(longest, range(6))
+        tier.wait()
+        stats = tier.stats()
+        assert stats["nvme"]["resident_blocks"] >= 4 and stats["nvme"]["failures"] == 0
+        before = snapshot(kv)
+        wipe(kv)
+        assert tier.load(longest, range(10, 16)) == 6
+        for t, b in zip(kv.tensors, before):
+            assert torch.equal(t.tensor[10:16], b[0:6])
+        with pytest.raises(ArgumentError, match=f"keys\\[0\\]: key of {MAX_KEY_BYTES + 1} bytes .* tier 'nvme'"):
+            tier.store([longest[0] + b"k"], [0])
+    cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 4 blocks, pin: false}\n")
+    with KVTier.open(cfg, kv) as tier:
+        assert tier.store([b"k" * 4096], [0]) and tier.load([b"k" * 4096], [1]) == 1
+
+
+def test_kv_rows_wider_than_the_page_are_accepted():
+    """Blocks whose rows are padded (stride(0) > page) are contiguous runs: accepted, copied exactly."""
+    wide = [torch.randint(-128, 128, (16, 2 * PAGE), dtype=torch.int8) for _ in range(2)]
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(w[:, :PAGE], PAGE) for w in wide])
+    cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 4 blocks, pin: false}\n")
+    with KVTier.open(cfg, kv) as tier:
+        before = [w.clone() for w in wide]
+        assert tier.store(keys(2), [1, 2]) and tier.load(keys(2), [5, 6]) == 2
+        for w, b in zip(wide, before):
+            assert torch.equal(w[5:7, :PAGE], b[1:3, :PAGE]) and torch.equal(w[5:7, PAGE:], b[5:7, PAGE:])
 
 
 def test_packaged_memory_config(tmp_path):

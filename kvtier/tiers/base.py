@@ -72,6 +72,9 @@ class Backend(ABC):
 
     spec_type: ClassVar[type[BlockIDsLoadStoreSpec]]
     medium: ClassVar[str]
+    # The longest key, in bytes, this backend can hold (None: no limit). Front-ends refuse longer
+    # keys up front: a block this tier cannot hold would otherwise fail every move into it.
+    max_key_bytes: ClassVar[int | None] = None
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0):
         self.name = name

@@ -400,6 +400,7 @@ class FileBackend(Backend):
 
     spec_type = FileLoadStoreSpec
     medium = "FILE"
+    max_key_bytes = MAX_KEY_BYTES  # what a slot header leaves for the key
     compact_min_records = 4096  # the journal is rewritten past max(this, 2 x capacity) records
     OPTIONS = {
         "root_dir": (REQUIRED, _root_dir),
