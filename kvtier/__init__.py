@@ -6,7 +6,8 @@ move or hold bytes, when they are used.
 
 from kvtier.config import HierarchyConfig, load_config, load_config_text, parse_config, parse_size
 from kvtier.engine import TransferEngine
-from kvtier.errors import ConfigError, IntegrityError, KVTierError, TransferError
+from kvtier.errors import (ArgumentError, ArgumentTypeError, ClosedError, ConfigError, IntegrityError, KVTierError,
+                           TransferError)
 from kvtier.hierarchy import Hierarchy, build_hierarchy
 from kvtier.interfaces import OffloadingManager
 from kvtier.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key
@@ -23,8 +24,9 @@ from kvtier.types import (BlockStatus, CanonicalKVCacheRef, CanonicalKVCaches, C
 __version__ = "0.1.0"
 
 __all__ = [
-    "ARCCachePolicy", "Backend", "BlockIDsLoadStoreSpec", "BlockStatus", "CPULoadStoreSpec", "CachePolicy",
-    "CanonicalKVCacheRef", "CanonicalKVCacheTensor", "CanonicalKVCaches", "CompositeLoadStoreSpec", "ConfigError",
+    "ARCCachePolicy", "ArgumentError", "ArgumentTypeError", "Backend", "BlockIDsLoadStoreSpec", "BlockStatus", "CPULoadStoreSpec", "CachePolicy",
+    "CanonicalKVCacheRef", "CanonicalKVCacheTensor", "CanonicalKVCaches", "ClosedError", "CompositeLoadStoreSpec",
+    "ConfigError",
     "FileLoadStoreSpec", "GPULoadStoreSpec", "Hierarchy", "HierarchyConfig", "HierarchyManager", "IntegrityError",
     "KVTierError", "LRUCachePolicy", "LRUOffloadingManager", "LoadStoreSpec", "LookupResult", "Medium",
     "OffloadKey", "OffloadingEvent", "OffloadingManager", "PrepareStoreOutput", "ReqContext",
