@@ -25,7 +25,12 @@ On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
 Trust rules: a manifest that differs from this configuration (or a journal of another epoch) means
 the contents are not ours: the tier starts empty and logs one warning. A block is served only if
 its header (magic, version, manifest digest, key, length, header CRC) and payload CRC verify;
-otherwise `read_blocks` raises `IntegrityError` and the block is forgotten.
+otherwise `read_blocks` raises `IntegrityError` and the block is forgotten. The manifest and the
+journal are read only when they are regular files (not through a symlink: a FIFO or /dev/zero is
+never read) no larger than this version writes (1 MiB; the journal's bound follows from
+`num_slots`); otherwise they are not ours either. A journal record naming a slot past the slab or
+a key no slot header can hold is ignored, with one warning counting them, and the journal is
+rewritten without it.
 """
 
 from __future__ import annotations
@@ -226,11 +231,12 @@ def journal_capacity(num_slots: int, compact_min_records: int) -> int:
     return -(-threshold * (_REC.size + 44) // (1 << 20)) * (1 << 20)
 
 
-def journal_max_bytes(num_slots: int, compact_min_records: int) -> int:
-    """The largest journal this version writes for `num_slots` slots (a compaction of every slot
-    with the longest keys doubles its need), plus 1 MiB of slack: a larger file is not ours."""
+def journal_max_bytes(num_slots: int, capacity: int) -> int:
+    """The largest journal this version writes for `num_slots` slots whose fresh journal file is
+    `capacity` bytes (a compaction of every slot with the longest keys grows it to twice their
+    need), plus 1 MiB of slack: a larger file is not ours."""
     compacted = 2 * (_JHDR.size + num_slots * (_REC.size + MAX_KEY_BYTES))
-    return max(journal_capacity(num_slots, compact_min_records), compacted) + (1 << 20)
+    return max(capacity, compacted) + (1 << 20)
 
 
 def scan_journal(data: bytes, num_slots: int | None = None) -> JournalScan:
@@ -525,7 +531,7 @@ class FileBackend(Backend):
             if scan.problem is not None:
                 diffs = [scan.problem]
         if diffs:
-            if found is not None or unreadable != f"{MANIFEST} missing" or os.path.lexists(self.slab_path):
+            if any(os.path.lexists(self.root / name) for name in (MANIFEST, SLAB)):
                 log.warning("file tier %s: contents of %s are not ours (%s); starting empty", self.name, self.root,
                             "; ".join(diffs))
             self._rebuild(wanted)
@@ -547,7 +553,7 @@ class FileBackend(Backend):
     def _scan_journal(self) -> JournalScan:
         """Replay the journal: a regular file no larger than this geometry ever writes, read
         whole; records that cannot describe this slab are ignored (counted in the scan)."""
-        limit = journal_max_bytes(self.num_blocks, self.compact_min_records)
+        limit = journal_max_bytes(self.num_blocks, self._journal_capacity())
         try:
             data = read_regular_file(self.root / JOURNAL, limit)
         except OSError as exc:

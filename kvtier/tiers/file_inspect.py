@@ -12,8 +12,9 @@ import os
 import stat
 from pathlib import Path
 
-from kvtier.tiers.file import (FORMAT_VERSION, HEADER_BYTES, JOURNAL, LOCK, SLAB, FileBackend, journal_max_bytes,
-                               load_manifest, manifest_digest, scan_journal, slot_bytes_for, verify_slot)
+from kvtier.tiers.file import (FORMAT_VERSION, HEADER_BYTES, JOURNAL, LOCK, SLAB, FileBackend, journal_capacity,
+                               journal_max_bytes, load_manifest, manifest_digest, scan_journal, slot_bytes_for,
+                               verify_slot)
 from kvtier.tiers.fileio import file_kind, open_regular_file, read_regular_file
 
 _JOURNAL_LIMIT_WITHOUT_GEOMETRY = 1 << 30  # no trusted num_slots to size the bound with
@@ -128,7 +129,7 @@ def _scan(root: Path, num_slots: int | None):
     is a regular file no larger than a tier of `num_slots` slots ever writes."""
     limit = _JOURNAL_LIMIT_WITHOUT_GEOMETRY
     if num_slots is not None:
-        limit = journal_max_bytes(num_slots, FileBackend.compact_min_records)
+        limit = journal_max_bytes(num_slots, journal_capacity(num_slots, FileBackend.compact_min_records))
     try:
         scan = scan_journal(read_regular_file(root / JOURNAL, limit), num_slots)
     except OSError as exc:

@@ -331,7 +331,8 @@ def test_hostile_manifest_values(written, patch):
 
 # ---------------------------------------------------------------------------- hostile records and files
 def _beyond_warnings(caplog) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and "beyond the slab" in r.getMessage()]
+    return [r.getMessage() for r in caplog.records
+            if r.levelno >= logging.WARNING and "beyond the slab" in r.getMessage()]
 
 
 @pytest.mark.parametrize("past", [0, 5, "2**40"])
