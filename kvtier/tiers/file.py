@@ -42,6 +42,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import uuid
@@ -56,7 +57,7 @@ from kvtier.errors import IntegrityError, KVTierError
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
 from kvtier.tiers.base import Backend
-from kvtier.tiers.fileio import aligned_buffer, buffer_address, choose_engine, read_regular_file
+from kvtier.tiers.fileio import aligned_buffer, buffer_address, choose_engine, file_kind, read_regular_file
 from kvtier.types import BlockStatus
 
 log = logging.getLogger("kvtier.tiers.file")
@@ -516,6 +517,7 @@ class FileBackend(Backend):
                 "slab": SLAB}
 
     def _open(self, fingerprint: str) -> None:
+        self._refuse_foreign_slab()
         wanted = self._wanted_manifest(fingerprint)
         found, unreadable = load_manifest(self.root)
         diffs = [f"no readable manifest: {unreadable}"] if unreadable else manifest_differences(found, wanted)
@@ -559,6 +561,18 @@ class FileBackend(Backend):
         except OSError as exc:
             return JournalScan(problem=f"journal unreadable: {exc.strerror or exc}")
         return scan_journal(data, self.num_blocks)
+
+    def _refuse_foreign_slab(self) -> None:
+        """A slab path that exists but is not a regular file (a FIFO, a device, a symlink, a
+        directory) was not made by kvtier: refuse it rather than block on it, write to it or remove it."""
+        try:
+            mode = os.lstat(self.slab_path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(mode):
+            raise KVTierError(f"file tier {self.name}: {self.slab_path} is not a regular file ({file_kind(mode)}); "
+                              f"kvtier keeps its blocks in a regular file there: remove it or give the tier "
+                              f"another root_dir")
 
     def _check_slab_size(self, scan: JournalScan) -> None:
         """A slab shorter than its geometry lost the blocks past its end: forget them, re-extend."""

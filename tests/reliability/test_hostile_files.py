@@ -495,8 +495,9 @@ def _char_device(path):
 
 @pytest.mark.parametrize("make,kind", [(_fifo, "a FIFO"), (_symlink_to_dev_zero, "a symbolic link"),
                                        (_char_device, "a character device")], ids=["fifo", "symlink", "device"])
-def test_inspect_verify_of_a_slab_that_is_not_a_regular_file(written, make, kind):
-    """`inspect --verify` never opens a FIFO or device as the slab (a FIFO would block it forever)."""
+def test_slab_that_is_not_a_regular_file(written, make, kind):
+    """`inspect --verify` never opens a FIFO or device as the slab (a FIFO would block it forever),
+    and the tier refuses to start on it (naming the file) instead of failing with EINVAL."""
     root, on_disk, _ = written
     os.unlink(root / SLAB)
     make(root / SLAB)
@@ -507,3 +508,6 @@ def test_inspect_verify_of_a_slab_that_is_not_a_regular_file(written, make, kind
     assert report["verified_ok"] == 0 and report["verify_failed"] == len(on_disk)
     report, stdout = run_inspect(root)
     assert report["verify_error"] == f"slab.0: not a regular file ({kind})" and "not a regular file" in stdout
+    outcome, _log = start_in_child(root)
+    assert SLAB in outcome.get("refused", "") and "not a regular file" in outcome["refused"], outcome
+    assert not stat.S_ISREG(os.lstat(root / SLAB).st_mode), "the foreign slab path was replaced"
