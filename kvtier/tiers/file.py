@@ -29,7 +29,12 @@ a `ConfigError` on `root_dir`, and a build that fails removes the files and dire
 Trust rules: a manifest that differs from this configuration (or a journal of another epoch) means
 the contents are not ours: the tier starts empty and logs one warning. A block is served only if
 its header (magic, version, manifest digest, key, length, header CRC) and payload CRC verify;
-otherwise `read_blocks` raises `IntegrityError` and the block is forgotten.
+otherwise `read_blocks` raises `IntegrityError` and the block is forgotten. The manifest and the
+journal are read only when they are regular files (not through a symlink: a FIFO or /dev/zero is
+never read) no larger than this version writes (1 MiB; the journal's bound follows from
+`num_slots`); otherwise they are not ours either. A journal record naming a slot past the slab or
+a key no slot header can hold is ignored, with one warning counting them, and the journal is
+rewritten without it.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ import json
 import logging
 import os
 import queue
+import stat
 import struct
 import threading
 import uuid
@@ -55,7 +61,7 @@ from kvtier.errors import IntegrityError, KVTierError
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
 from kvtier.tiers.base import Backend
-from kvtier.tiers.fileio import aligned_buffer, buffer_address, choose_engine
+from kvtier.tiers.fileio import aligned_buffer, buffer_address, choose_engine, file_kind, read_regular_file
 from kvtier.tiers.rootdir import (check_entries, create_new, expand_root_dir, open_existing, open_or_create,
                                   prepare_root, refuse, remove_dirs, remove_file)
 from kvtier.types import BlockStatus
@@ -115,13 +121,28 @@ def manifest_digest(manifest: dict) -> bytes:
     return hashlib.blake2b(json.dumps(manifest, sort_keys=True).encode(), digest_size=8).digest()
 
 
-def read_manifest(root: Path) -> dict | None:
-    """The manifest of `root`, or None if missing or unreadable."""
+MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few hundred bytes: anything this big is not one
+
+
+def load_manifest(root: Path) -> tuple[dict | None, str | None]:
+    """(the manifest of `root`, None), or (None, why it is missing or unreadable). Only a regular
+    file is read, and at most `MANIFEST_MAX_BYTES` of it (a symlink to /dev/zero is refused)."""
     try:
-        data = json.loads((root / MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+        data = json.loads(read_regular_file(root / MANIFEST, MANIFEST_MAX_BYTES))
+    except FileNotFoundError:
+        return None, f"{MANIFEST} missing"
+    except OSError as exc:
+        return None, f"{MANIFEST}: {exc.strerror or exc}"
+    except (ValueError, RecursionError):  # not JSON (or JSON nested past the parser's depth)
+        return None, f"{MANIFEST} is not JSON"
+    if not isinstance(data, dict):
+        return None, f"{MANIFEST} holds a {type(data).__name__}, not an object"
+    return data, None
+
+
+def read_manifest(root: Path) -> dict | None:
+    """The manifest of `root`, or None if missing or unreadable (see `load_manifest`)."""
+    return load_manifest(root)[0]
 
 
 _GEOMETRY = ("format_version", "block_bytes", "slot_bytes", "header_bytes", "num_slots", "fingerprint")
@@ -200,10 +221,39 @@ class JournalScan:
     good_bytes: int = 0  # length of the valid prefix (where the next record goes)
     torn_bytes: int = 0  # non-zero bytes after it (a torn or corrupt tail), ignored
     problem: str | None = None  # why the journal is unusable as a whole, if it is
+    beyond: int = 0  # well-formed records naming a slot >= num_slots: ignored
+    bad_keys: int = 0  # well-formed PUTs of a key longer than a slot header holds: ignored
+
+    def ignored(self) -> str | None:
+        """What was ignored, for a warning or a report (None when nothing was)."""
+        parts = []
+        if self.beyond:
+            parts.append(f"{self.beyond} journal records name slots beyond the slab")
+        if self.bad_keys:
+            parts.append(f"{self.bad_keys} journal records hold keys longer than {MAX_KEY_BYTES} bytes")
+        return "; ".join(parts) + " (ignored)" if parts else None
 
 
-def scan_journal(data: bytes) -> JournalScan:
-    """Replay journal bytes; stops at the first record that is truncated or fails its CRC."""
+def journal_capacity(num_slots: int, compact_min_records: int) -> int:
+    """Size of a fresh journal file: room for the records written between two compactions
+    (past max(compact_min_records, 2 x num_slots) of them), keys of ~36 bytes, in whole MiB."""
+    threshold = max(compact_min_records, 2 * num_slots) + 64
+    return -(-threshold * (_REC.size + 44) // (1 << 20)) * (1 << 20)
+
+
+def journal_max_bytes(num_slots: int, capacity: int) -> int:
+    """The largest journal this version writes for `num_slots` slots whose fresh journal file is
+    `capacity` bytes (a compaction of every slot with the longest keys grows it to twice their
+    need), plus 1 MiB of slack: a larger file is not ours."""
+    compacted = 2 * (_JHDR.size + num_slots * (_REC.size + MAX_KEY_BYTES))
+    return max(capacity, compacted) + (1 << 20)
+
+
+def scan_journal(data: bytes, num_slots: int | None = None) -> JournalScan:
+    """Replay journal bytes; stops at the first record that is truncated or fails its CRC.
+
+    A well-formed record that cannot describe this slab (a slot >= `num_slots`, a key longer than
+    a slot header holds) is skipped and counted (`beyond`, `bad_keys`), never entered."""
     scan = JournalScan()
     if len(data) < _JHDR.size:
         scan.problem = "journal missing or shorter than its header"
@@ -217,18 +267,23 @@ def scan_journal(data: bytes) -> JournalScan:
     pos, end, rec_size, unpack, crc32 = _JHDR.size, len(data), _REC.size, _REC.unpack_from, zlib.crc32
     records = 0
     pop = entries.pop
+    limit = (1 << 64) if num_slots is None else num_slots
     while pos + rec_size <= end:
         rcrc, op, key_len, slot, pcrc = unpack(data, pos)
         stop = pos + rec_size + key_len
         if stop > end or crc32(data[pos + 4:stop]) != rcrc:
             break
-        if op == _PUT:
+        if op not in (_PUT, _DEL):
+            break
+        if slot >= limit:
+            scan.beyond += 1
+        elif op == _PUT and key_len > MAX_KEY_BYTES:
+            scan.bad_keys += 1
+        elif op == _PUT:
             pop(slot, None)  # keep dict order = order of the latest record
             entries[slot] = (data[pos + rec_size:stop], pcrc, records)
-        elif op == _DEL:
-            pop(slot, None)
         else:
-            break
+            pop(slot, None)
         records += 1
         pos = stop
     scan.records = records
@@ -534,15 +589,13 @@ class FileBackend(Backend):
                 "slab": SLAB}
 
     def _open(self, fingerprint: str) -> None:
+        self._refuse_foreign_slab()
         wanted = self._wanted_manifest(fingerprint)
-        found = read_manifest(self.root)
-        diffs = manifest_differences(found, wanted)
+        found, unreadable = load_manifest(self.root)
+        diffs = [f"no readable manifest: {unreadable}"] if unreadable else manifest_differences(found, wanted)
         scan = None
         if not diffs:
-            try:
-                scan = scan_journal((self.root / JOURNAL).read_bytes())
-            except OSError as exc:
-                scan = JournalScan(problem=f"journal unreadable: {exc}")
+            scan = self._scan_journal()
             try:
                 epoch = bytes.fromhex(str(found.get("epoch", "")))
             except ValueError:  # a hand-edited or foreign manifest
@@ -552,7 +605,7 @@ class FileBackend(Backend):
             if scan.problem is not None:
                 diffs = [scan.problem]
         if diffs:
-            if found is not None or (self.root / SLAB).exists():
+            if any(os.path.lexists(self.root / name) for name in (MANIFEST, SLAB)):
                 log.warning("file tier %s: contents of %s are not ours (%s); starting empty", self.name, self.root,
                             "; ".join(diffs))
             self._rebuild(wanted)
@@ -567,6 +620,31 @@ class FileBackend(Backend):
         if scan.torn_bytes:
             log.warning("file tier %s: ignoring a torn journal tail of %d bytes", self.name, scan.torn_bytes)
             self.journal.zero_tail(scan.torn_bytes)
+        if scan.ignored():
+            log.warning("file tier %s: %s; rewriting the journal without them", self.name, scan.ignored())
+            self._compact()
+
+    def _scan_journal(self) -> JournalScan:
+        """Replay the journal: a regular file no larger than this geometry ever writes, read
+        whole; records that cannot describe this slab are ignored (counted in the scan)."""
+        limit = journal_max_bytes(self.num_blocks, self._journal_capacity())
+        try:
+            data = read_regular_file(self.root / JOURNAL, limit)
+        except OSError as exc:
+            return JournalScan(problem=f"journal unreadable: {exc.strerror or exc}")
+        return scan_journal(data, self.num_blocks)
+
+    def _refuse_foreign_slab(self) -> None:
+        """A slab path that exists but is not a regular file (a FIFO, a device, a symlink, a
+        directory) was not made by kvtier: refuse it rather than block on it, write to it or remove it."""
+        try:
+            mode = os.lstat(self.slab_path).st_mode
+        except FileNotFoundError:
+            return
+        if not stat.S_ISREG(mode):
+            raise KVTierError(f"file tier {self.name}: {self.slab_path} is not a regular file ({file_kind(mode)}); "
+                              f"kvtier keeps its blocks in a regular file there: remove it or give the tier "
+                              f"another root_dir")
 
     def _check_slab_size(self, scan: JournalScan) -> None:
         """A slab shorter than its geometry lost the blocks past its end: forget them, re-extend."""
@@ -939,9 +1017,8 @@ class FileBackend(Backend):
 
     # ------------------------------------------------------------------ journal upkeep
     def _journal_capacity(self) -> int:
-        """Room for the records written between two compactions (keys of ~36 bytes), in MiB."""
-        threshold = max(self.compact_min_records, 2 * self.num_blocks) + 64
-        return -(-threshold * (_REC.size + 44) // (1 << 20)) * (1 << 20)
+        """Size of a fresh journal file (see `journal_capacity`)."""
+        return journal_capacity(self.num_blocks, self.compact_min_records)
 
     def _compact(self) -> None:
         """Rewrite the journal with the live entries only (caller holds `_jlock`)."""

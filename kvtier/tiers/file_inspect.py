@@ -1,16 +1,23 @@
 """Read-only report on a file tier's `root_dir` (for `kvtier inspect`).
 
 Opens every file read-only and takes no lock, so it works while a running process owns the tier;
-what it reports is a snapshot (a concurrent writer may append to the journal meanwhile).
+what it reports is a snapshot (a concurrent writer may append to the journal meanwhile). Only
+regular files are opened (never through a symlink, never blocking on a FIFO) and metadata reads
+are bounded, so a hostile root_dir is reported, not followed.
 """
 
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
-from kvtier.tiers.file import (FORMAT_VERSION, HEADER_BYTES, JOURNAL, LOCK, SLAB, manifest_digest, read_manifest,
-                               scan_journal, slot_bytes_for, verify_slot)
+from kvtier.tiers.file import (FORMAT_VERSION, HEADER_BYTES, JOURNAL, LOCK, SLAB, FileBackend, journal_capacity,
+                               journal_max_bytes, load_manifest, manifest_digest, scan_journal, slot_bytes_for,
+                               verify_slot)
+from kvtier.tiers.fileio import file_kind, open_regular_file, read_regular_file
+
+_JOURNAL_LIMIT_WITHOUT_GEOMETRY = 1 << 30  # no trusted num_slots to size the bound with
 
 
 def _geometry_problem(manifest: dict) -> str | None:
@@ -30,7 +37,7 @@ def _geometry_problem(manifest: dict) -> str | None:
 def _lock_holder(root: Path) -> dict:
     """The pid written in the lock file and whether that process is alive (no lock is taken)."""
     try:
-        text = (root / LOCK).read_text().strip()
+        text = read_regular_file(root / LOCK, 64).decode(errors="replace").strip()
     except OSError:
         return {"pid": None, "alive": False}
     pid = int(text) if text.isdigit() else None
@@ -53,36 +60,35 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     blocks (committed blocks in the journal), bytes (their payload bytes), slab_bytes (file size),
     journal_records, journal_torn_bytes, index_health ("ok" or what is wrong), lock_holder;
     with `verify`, also verified_ok and verify_failed (blocks whose header/checksum fail) and
-    failures (up to 20 `{slot, reason}`). Never modifies anything.
+    failures (up to 20 `{slot, reason}`), plus verify_error when the slab could not be read at all
+    (missing, or not a regular file). Never modifies anything.
     """
     root = Path(root_dir)
     report: dict = {"root_dir": str(root)}
-    manifest = read_manifest(root)
+    manifest, unreadable = load_manifest(root)
     report["manifest"] = manifest
     geometry = _geometry_problem(manifest) if manifest is not None else None
     report["fingerprint"] = manifest.get("fingerprint") if manifest else None
     for key in ("block_bytes", "slot_bytes", "num_slots"):
         report[key] = manifest.get(key) if manifest else None
     slab = root / SLAB
-    report["slab_bytes"] = slab.stat().st_size if slab.exists() else None
-    try:
-        scan = scan_journal((root / JOURNAL).read_bytes())
-    except OSError as exc:
-        scan = None
-        problem = f"journal unreadable: {exc.strerror or exc}"
-    else:
-        problem = scan.problem
+    report["slab_bytes"], slab_problem = _slab_size(slab)
     health = []
     if manifest is None:
-        health.append("no readable manifest (the next start rebuilds the tier empty)")
+        health.append(f"no readable manifest: {unreadable} (the next start rebuilds the tier empty)")
     elif geometry is not None:
         health.append(f"{geometry} (the next start rebuilds the tier empty)")
         manifest = None  # nothing below can be located with it
+    if slab_problem:
+        health.append(slab_problem)
+    scan, problem = _scan(root, manifest["num_slots"] if manifest is not None else None)
     if problem:
         health.append(problem)
     elif manifest is not None and scan.epoch.hex() != manifest.get("epoch"):
         health.append("journal belongs to another epoch than the manifest (the next start rebuilds)")
     entries = scan.entries if scan and not problem else {}
+    if scan and scan.ignored():
+        health.append(scan.ignored())
     if scan and scan.torn_bytes:
         health.append(f"torn journal tail of {scan.torn_bytes} bytes (ignored at start)")
     keys = [key for key, _c, _s in entries.values()]
@@ -105,19 +111,55 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     return report
 
 
+def _slab_size(slab: Path) -> tuple[int | None, str | None]:
+    """(size of the slab file or None, why it is unusable or None); a symlink is not followed."""
+    try:
+        st = os.lstat(slab)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:
+        return None, f"{SLAB}: {exc.strerror or exc}"
+    if not stat.S_ISREG(st.st_mode):
+        return None, f"{SLAB}: not a regular file ({file_kind(st.st_mode)})"
+    return st.st_size, None
+
+
+def _scan(root: Path, num_slots: int | None):
+    """(JournalScan or None, why the journal is unusable or None). The journal is read only if it
+    is a regular file no larger than a tier of `num_slots` slots ever writes."""
+    limit = _JOURNAL_LIMIT_WITHOUT_GEOMETRY
+    if num_slots is not None:
+        limit = journal_max_bytes(num_slots, journal_capacity(num_slots, FileBackend.compact_min_records))
+    try:
+        scan = scan_journal(read_regular_file(root / JOURNAL, limit), num_slots)
+    except OSError as exc:
+        return None, f"journal unreadable: {exc.strerror or exc}"
+    return scan, scan.problem
+
+
 def _verify(slab: Path, manifest: dict | None, entries: dict) -> dict:
-    """Read every committed slot and check it as `read_blocks` would."""
+    """Read every committed slot and check it as `read_blocks` would. A slab that is missing or
+    not a regular file verifies nothing (`verify_error` says why); it is never read or waited on."""
     if manifest is None or not entries:
         return {"verified_ok": 0, "verify_failed": len(entries), "failures": []}
     digest = manifest_digest(manifest)
     block_bytes, slot_bytes = manifest["block_bytes"], manifest["slot_bytes"]
     ok, failures = 0, []
-    fd = os.open(slab, os.O_RDONLY)
     try:
+        fd = open_regular_file(slab)
+    except OSError as exc:
+        return {"verified_ok": 0, "verify_failed": len(entries), "failures": [],
+                "verify_error": f"{SLAB}: {exc.strerror or exc}"}
+    try:
+        size = os.fstat(fd).st_size
         for slot in sorted(entries):
             key = entries[slot][0]
-            data = os.pread(fd, slot_bytes, slot * slot_bytes)
-            why = "slab truncated" if len(data) < slot_bytes else verify_slot(memoryview(data), key, block_bytes, digest)
+            if (slot + 1) * slot_bytes > size:  # not read: a hostile geometry cannot make it allocate
+                why = "slab truncated"
+            else:
+                data = os.pread(fd, slot_bytes, slot * slot_bytes)
+                why = "slab truncated" if len(data) < slot_bytes else verify_slot(memoryview(data), key, block_bytes,
+                                                                                  digest)
             if why is None:
                 ok += 1
             else:

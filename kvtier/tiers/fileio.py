@@ -17,6 +17,7 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 from abc import ABC, abstractmethod
 
@@ -27,6 +28,73 @@ log = logging.getLogger("kvtier.tiers.file")
 ALIGN = 4096
 _direct_warned = False
 _direct_warn_lock = threading.Lock()
+
+
+class NotRegularFileError(OSError):
+    """A path that must name a regular file names a symlink, FIFO, device, socket or directory."""
+
+
+class FileTooLargeError(OSError):
+    """A metadata file is larger than anything this version writes there."""
+
+
+def file_kind(mode: int) -> str:
+    """What a `st_mode` describes, in words ("a FIFO", "a symbolic link", "a regular file", ...)."""
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "an unknown kind of file"
+
+
+def _not_regular(path, mode: int) -> NotRegularFileError:
+    return NotRegularFileError(errno.EINVAL, f"not a regular file ({file_kind(mode)})", str(path))
+
+
+def open_regular_file(path) -> int:
+    """A read-only descriptor on `path`, which must be a regular file, not reached through a
+    symlink in its last component. A device, FIFO or socket is refused before it is opened
+    (lstat: opening some devices has side effects); the open itself never follows a symlink
+    (O_NOFOLLOW) nor blocks (O_NONBLOCK, cleared after), and the check is repeated on the
+    descriptor (fstat), so a file swapped in between is refused too.
+    Raises `NotRegularFileError` ("not a regular file (a FIFO)"), or the OSError of lstat/open
+    (FileNotFoundError, PermissionError, ...)."""
+    mode = os.lstat(path).st_mode
+    if not stat.S_ISREG(mode):
+        raise _not_regular(path, mode)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # replaced by a symlink since the lstat
+            raise _not_regular(path, stat.S_IFLNK) from None
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise _not_regular(path, mode)
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular_file(path, limit: int) -> bytes:
+    """The whole contents of the regular file `path` (see `open_regular_file`), at most `limit`
+    bytes: a larger file raises `FileTooLargeError` without being read past `limit` + 1 bytes."""
+    fd = open_regular_file(path)
+    try:
+        chunks, total = [], 0
+        while total <= limit:
+            chunk = os.read(fd, min(limit + 1 - total, 1 << 24))
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    raise FileTooLargeError(errno.EFBIG, f"larger than the {limit} bytes this file can hold", str(path))
 
 
 def aligned_buffer(nbytes: int) -> mmap.mmap:
