@@ -52,17 +52,22 @@ class KVTier:
 
     @classmethod
     def open(cls, config: str | Path | HierarchyConfig, kv_caches: CanonicalKVCaches,
-             blocks_per_chunk: int = 1, **build_options: Any) -> "KVTier":
+             blocks_per_chunk: int = 1, *, model: str = "", **build_options: Any) -> "KVTier":
         """Build the hierarchy of `config` (a YAML path or a `HierarchyConfig`) around `kv_caches`.
 
         The block size in bytes is derived from the KV layout (see `kvtier.handlers.gpu_cpu`).
+        `model` identifies the model whose KV this is, e.g. `"meta-llama/Llama-3.1-8B@<revision>"`:
+        required when a tier keeps blocks across restarts (`file`) and its config sets no
+        `fingerprint`. Such a tier records it with the layout of `kv_caches` (dtypes, shapes,
+        pages, block geometry) and serves nothing written under another identity or layout.
         `build_options` go to `build_hierarchy` (e.g. `enable_events=True`).
         """
         if not isinstance(config, HierarchyConfig):
             config = load_config(config)
         chunked = ChunkedKVCaches(list(kv_caches.tensors), list(kv_caches.group_data_refs), blocks_per_chunk)
         layout = KVLayout(chunked, blocks_per_chunk)
-        hierarchy = build_hierarchy(config, block_bytes=layout.block_bytes, kv_caches=chunked, **build_options)
+        hierarchy = build_hierarchy(config, block_bytes=layout.block_bytes, kv_caches=chunked, model=model,
+                                    **build_options)
         try:
             return cls(hierarchy, layout)
         except BaseException:
