@@ -1,8 +1,11 @@
 """The standalone Python API: a hierarchy around a set of KV tensors, blocks stored and loaded by key.
 
-    with KVTier.open("cpu-file.yaml", kv_caches) as tier:
+    with KVTier.open("cpu-file.yaml", kv_caches, model="org/model@revision") as tier:
         tier.store(keys, engine_block_ids)        # engine blocks -> tier 0 (cascades below)
         n = tier.load(keys, engine_block_ids)     # the first n keys were loaded into those blocks
+
+`model` names the model whose KV this is; a file tier records it with the KV layout and never
+serves blocks written under another model or layout (see `KVTier.open`).
 
 Both planes live in this process: the hierarchy's manager (control plane, scheduler side) and a
 private `TransferEngine` for the jobs that touch the KV tensors (worker side), exactly as vLLM

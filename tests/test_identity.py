@@ -55,16 +55,11 @@ def store_all(root, kv, **open_args) -> None:
 
 
 def reopen(root, kv, **open_args) -> tuple[int, int]:
-    """A later process on the same root_dir: (blocks the file tier recovered, keys it loads)."""
-    kv_before = [t.tensor.clone() for t in kv.tensors]
-    for t in kv.tensors:
-        t.tensor.zero_()
+    """A later process on the same root_dir: (blocks the file tier recovered, keys it loads into
+    engine blocks NUM_KEYS.. of `kv`)."""
     with KVTier.open(config(root, open_args.pop("fingerprint", None)), kv, **open_args) as tier:
         recovered = tier.stats()["nvme"]["resident_blocks"]
-        targets = list(range(NUM_KEYS, 2 * NUM_KEYS))
-        loaded = tier.load(KEYS, targets)
-    for t, before in zip(kv.tensors, kv_before):  # whatever was loaded is the first process's bytes
-        assert torch.equal(t.tensor[NUM_KEYS:NUM_KEYS + loaded], before[:loaded])
+        loaded = tier.load(KEYS, list(range(NUM_KEYS, 2 * NUM_KEYS)))
     return recovered, loaded
 
 
@@ -74,27 +69,39 @@ def not_ours_warnings(caplog) -> list[str]:
 
 # ---------------------------------------------------------------------------------------- 13.5
 def test_same_model_and_layout_serves_everything_after_restart(tmp_path):
-    store_all(tmp_path / "kv", make_kv(seed=1), model="org/model@rev1")
-    assert reopen(tmp_path / "kv", make_kv(seed=1), model="org/model@rev1") == (NUM_KEYS, NUM_KEYS)
+    first = make_kv(seed=1)
+    store_all(tmp_path / "kv", first, model="org/model@rev1")
+    second = make_kv(seed=2)
+    assert reopen(tmp_path / "kv", second, model="org/model@rev1") == (NUM_KEYS, NUM_KEYS)
+    for a, b in zip(first.tensors, second.tensors):  # the first process's bytes, exactly
+        assert torch.equal(b.tensor[NUM_KEYS:], a.tensor[:NUM_KEYS])
 
 
-def test_other_kv_dtype_of_the_same_size_is_not_served(tmp_path, caplog):
+# The model named in the YAML (as before this fix) or by KVTier.open's model=: either way the
+# layout is derived from the KV tensors and recorded with it.
+IDENTITY_GIVEN = pytest.mark.parametrize("identity", [{"fingerprint": "org/model"}, {"model": "org/model"}],
+                                         ids=["yaml-fingerprint", "model-argument"])
+
+
+@IDENTITY_GIVEN
+def test_other_kv_dtype_of_the_same_size_is_not_served(tmp_path, caplog, identity):
     """fp16 -> bf16: same block size, same model name; the old bytes would decode as garbage."""
     root = tmp_path / "kv"
-    store_all(root, make_kv(torch.float16), model="org/model")
+    store_all(root, make_kv(torch.float16), **identity)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
-        assert reopen(root, make_kv(torch.bfloat16), model="org/model") == (0, 0)
+        assert reopen(root, make_kv(torch.bfloat16), **identity) == (0, 0)
     [warning] = not_ours_warnings(caplog)
     assert "layout" in warning and "float16" in warning and "bfloat16" in warning and "starting empty" in warning
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["fingerprint"] == "org/model" and "torch.bfloat16[2, 4, 64]/1024" in manifest["layout"]
     # the dropped contents stay dropped: going back to fp16 finds nothing either
-    assert reopen(root, make_kv(torch.float16), model="org/model") == (0, 0)
+    assert reopen(root, make_kv(torch.float16), **identity) == (0, 0)
 
 
-def test_other_kv_shape_of_the_same_size_is_not_served(tmp_path):
-    store_all(tmp_path / "kv", make_kv(shape=(2, 4, 64)), model="org/model")
-    assert reopen(tmp_path / "kv", make_kv(shape=(2, 8, 32)), model="org/model") == (0, 0)
+@IDENTITY_GIVEN
+def test_other_kv_shape_of_the_same_size_is_not_served(tmp_path, identity):
+    store_all(tmp_path / "kv", make_kv(shape=(2, 4, 64)), **identity)
+    assert reopen(tmp_path / "kv", make_kv(shape=(2, 8, 32)), **identity) == (0, 0)
 
 
 def test_other_model_with_the_same_layout_is_not_served(tmp_path, caplog):
