@@ -38,7 +38,7 @@ tiers:
     capacity: 64 blocks
     policy: lru
 """)
-        with KVTier.open(config, kv_caches) as tier:
+        with KVTier.open(config, kv_caches, model="kvtier-example/random-int8") as tier:
             for start in range(0, NUM_KEYS, 4):  # store in small batches, as an engine would
                 assert tier.store(keys[start:start + 4], engine_blocks[start:start + 4])
             tier.wait()

@@ -48,15 +48,24 @@ def tier_blocks(config: HierarchyConfig, block_bytes: int | None) -> list[int]:
 
 
 def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, kv_caches: Any = None,
-                    dry_run: bool = False, enable_events: bool = False) -> Hierarchy:
+                    dry_run: bool = False, enable_events: bool = False, model: str = "") -> Hierarchy:
     """Create every tier of `config` and the handlers for the hops between them.
 
     `block_bytes` (bytes per block) overrides the config's; it is required when a capacity is a
     byte size. `kv_caches` (`CanonicalKVCaches`) enables the handlers that touch the engine's KV
     cache. With `dry_run`, backends only track slots and every transfer completes at once without
     bytes (trace replay of the control plane).
+
+    `model` names the model whose KV the hierarchy holds (e.g. `"meta-llama/Llama-3.1-8B@<rev>"`).
+    A persistent tier (`Backend.persistent`, e.g. `file`) is built with `fingerprint` = its
+    configured `fingerprint` and `model` (see `tier_identity`; at least one must be given, else
+    `ConfigError` naming `tiers[i].fingerprint`) and `layout` = the block geometry and, with
+    `kv_caches`, each tensor's dtype and shape (see `describe_layout`).
     """
+    if not isinstance(model, str):
+        raise TypeError(f"model must be a string naming the model whose KV this is, got {type(model).__name__}")
     block_bytes = block_bytes or config.block_bytes
+    layout = describe_layout(block_bytes or 0, config.block_tokens, kv_caches)
     backends: dict[str, Backend] = {}
     tiers: list[Tier] = []
     try:
@@ -69,7 +78,10 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
             if dry_run:
                 backend: Backend = SlotBackend(tier_cfg.name, n, block_bytes or 0, config.block_tokens, cls.spec_type)
             else:
-                backend = _build_backend(cls, i, tier_cfg, n, block_bytes or 0, config.block_tokens)
+                options = dict(tier_cfg.options)
+                if cls.persistent:
+                    options.update(fingerprint=_persistent_identity(i, tier_cfg, model), layout=layout)
+                backend = _build_backend(cls, i, tier_cfg.name, n, block_bytes or 0, config.block_tokens, options)
             backends[tier_cfg.name] = backend
             policy = registry.resolve(registry.POLICIES, tier_cfg.policy)(n)
             tiers.append(Tier(tier_cfg.name, backend, policy, tier_cfg.cascade, tier_cfg.reserve))
@@ -82,13 +94,68 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
     return Hierarchy(config, manager, engine, backends, dry_run)
 
 
-def _build_backend(cls, i: int, tier_cfg, n: int, block_bytes: int, block_tokens: int) -> Backend:
+def _build_backend(cls, i: int, name: str, n: int, block_bytes: int, block_tokens: int, options: dict) -> Backend:
     """`cls.from_config`; a `ConfigError` on one of its options gets the tier's path (`tiers[i].`)."""
     try:
-        return cls.from_config(tier_cfg.name, n, block_bytes, block_tokens, dict(tier_cfg.options))
+        return cls.from_config(name, n, block_bytes, block_tokens, options)
     except ConfigError as exc:
         raise ConfigError([(f"tiers[{i}].{field}" if field else f"tiers[{i}]", message)
                            for field, message in exc.problems]) from exc.__cause__
+
+
+def tier_identity(configured: str, model: str) -> str:
+    """The identity recorded by a persistent tier: its configured `fingerprint` and `model`, each
+    when given (both when both are: neither can stand in for the other). Empty when neither is."""
+    return " | ".join(part for part in (configured, model) if part)
+
+
+def _persistent_identity(i: int, tier_cfg: Any, model: str) -> str:
+    """The identity of persistent tier `i`; `ConfigError` naming `tiers[i].fingerprint` if empty."""
+    identity = tier_identity(str(tier_cfg.options.get("fingerprint") or ""), model)
+    if not identity:
+        raise ConfigError([(f"tiers[{i}].fingerprint",
+                            f"empty, and no model was given: tier {tier_cfg.name!r} keeps blocks across restarts "
+                            f"and must not serve them to another model; pass model='<model name>@<revision>' "
+                            f"(KVTier.open, build_hierarchy) or set this field to the identity of the model whose "
+                            f"KV the tier holds (under vLLM it is derived from the served model)")])
+    return identity
+
+
+def describe_layout(block_bytes: int, block_tokens: int, kv_caches: Any = None) -> str:
+    """What decides the bytes of a block besides the model: the block geometry and, when the KV
+    caches are known, each tensor's dtype, shape past the block dimension and page size, and how
+    each KV group's references pack them into a block. Deterministic and human-readable (runs of
+    identical tensors are counted, consecutive references merged), so a mismatch can be logged."""
+    text = f"block_bytes={block_bytes} block_tokens={block_tokens}"
+    if kv_caches is None:
+        return text
+    tensors = [f"{getattr(t.tensor, 'dtype', '?')}{list(t.tensor.shape)[1:]}/{t.page_size_bytes}"
+               for t in kv_caches.tensors]
+    groups = ["+".join(_ref_runs(refs)) for refs in kv_caches.group_data_refs]
+    return (f"{text} blocks_per_chunk={getattr(kv_caches, 'blocks_per_chunk', 1)} "
+            f"tensors={','.join(_counted(tensors))} groups={';'.join(groups) or '-'}")
+
+
+def _counted(items: list[str]) -> list[str]:
+    """Consecutive equal items as `"N*item"` (or `item` alone)."""
+    out: list[tuple[int, str]] = []
+    for item in items:
+        if out and out[-1][1] == item:
+            out[-1] = (out[-1][0] + 1, item)
+        else:
+            out.append((1, item))
+    return [f"{n}*{item}" if n > 1 else item for n, item in out]
+
+
+def _ref_runs(refs: list[Any]) -> list[str]:
+    """References `(tensor_idx, page)` as `"first-last/page"` runs of consecutive tensors."""
+    runs: list[list[int]] = []  # [first, last, page]
+    for ref in refs:
+        if runs and ref.tensor_idx == runs[-1][1] + 1 and ref.page_size_bytes == runs[-1][2]:
+            runs[-1][1] = ref.tensor_idx
+        else:
+            runs.append([ref.tensor_idx, ref.tensor_idx, ref.page_size_bytes])
+    return [f"{a}-{b}/{page}" if a != b else f"{a}/{page}" for a, b, page in runs]
 
 
 def _build_engine(backends: dict[str, Backend], kv_caches: Any, dry_run: bool) -> TransferEngine:

@@ -1,8 +1,11 @@
 """The standalone Python API: a hierarchy around a set of KV tensors, blocks stored and loaded by key.
 
-    with KVTier.open("cpu-file.yaml", kv_caches) as tier:
+    with KVTier.open("cpu-file.yaml", kv_caches, model="org/model@revision") as tier:
         tier.store(keys, engine_block_ids)        # engine blocks -> tier 0 (cascades below)
         n = tier.load(keys, engine_block_ids)     # the first n keys were loaded into those blocks
+
+`model` names the model whose KV this is; a file tier records it with the KV layout and never
+serves blocks written under another model or layout (see `KVTier.open`).
 
 Both planes live in this process: the hierarchy's manager (control plane, scheduler side) and a
 private `TransferEngine` for the jobs that touch the KV tensors (worker side), exactly as vLLM
@@ -71,10 +74,14 @@ class KVTier:
 
     @classmethod
     def open(cls, config: str | Path | HierarchyConfig, kv_caches: CanonicalKVCaches,
-             blocks_per_chunk: int = 1, **build_options: Any) -> "KVTier":
+             blocks_per_chunk: int = 1, *, model: str = "", **build_options: Any) -> "KVTier":
         """Build the hierarchy of `config` (a YAML path or a `HierarchyConfig`) around `kv_caches`.
 
         The block size in bytes is derived from the KV layout (see `kvtier.handlers.gpu_cpu`).
+        `model` identifies the model whose KV this is, e.g. `"meta-llama/Llama-3.1-8B@<revision>"`:
+        required when a tier keeps blocks across restarts (`file`) and its config sets no
+        `fingerprint`. Such a tier records it with the layout of `kv_caches` (dtypes, shapes,
+        pages, block geometry) and serves nothing written under another identity or layout.
         `build_options` go to `build_hierarchy` (e.g. `enable_events=True`).
         """
         _check_kv_caches(kv_caches, blocks_per_chunk)
@@ -82,7 +89,8 @@ class KVTier:
             config = load_config(config)
         chunked = ChunkedKVCaches(list(kv_caches.tensors), list(kv_caches.group_data_refs), blocks_per_chunk)
         layout = KVLayout(chunked, blocks_per_chunk)
-        hierarchy = build_hierarchy(config, block_bytes=layout.block_bytes, kv_caches=chunked, **build_options)
+        hierarchy = build_hierarchy(config, block_bytes=layout.block_bytes, kv_caches=chunked, model=model,
+                                    **build_options)
         try:
             return cls(hierarchy, layout)
         except BaseException:

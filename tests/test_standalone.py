@@ -71,7 +71,7 @@ def test_cpu_tier_roundtrip_and_lookup():
 
 def test_cascade_to_file_and_load_back_byte_exact(tmp_path):
     kv = make_kv(num_blocks=40)
-    with KVTier.open(cpu_file(tmp_path), kv) as tier:
+    with KVTier.open(cpu_file(tmp_path), kv, model="test-model") as tier:
         ks = keys(20)
         for start in range(0, 20, 5):
             assert tier.store(ks[start:start + 5], list(range(start, start + 5)))
@@ -87,7 +87,7 @@ def test_cascade_to_file_and_load_back_byte_exact(tmp_path):
 
 def test_groups_and_chunks(tmp_path):
     kv = make_kv(num_blocks=40, groups=2)
-    with KVTier.open(cpu_file(tmp_path, cpu_blocks=3), kv, blocks_per_chunk=2) as tier:
+    with KVTier.open(cpu_file(tmp_path, cpu_blocks=3), kv, blocks_per_chunk=2, model="test-model") as tier:
         assert tier.layout.block_bytes == 2 * 2 * PAGE
         ks = [keys(3, group=1)[0], keys(3, group=0)[1], keys(3, group=1)[2], keys(3, group=0)[0]]
         ids = [1, 2, 3, 4, 5, 6, 7, 8]
@@ -144,7 +144,7 @@ def test_key_limit_is_the_smallest_of_the_tiers(tmp_path):
     refused at the call; with no file tier, nothing limits a key."""
     kv = make_kv(num_blocks=40)
     longest = [b"%03d" % i + b"k" * (MAX_KEY_BYTES - 3) for i in range(6)]
-    with KVTier.open(cpu_file(tmp_path, cpu_blocks=2), kv) as tier:
+    with KVTier.open(cpu_file(tmp_path, cpu_blocks=2), kv, model="test-model") as tier:
         assert tier.store(longest, range(6))
         tier.wait()
         stats = tier.stats()

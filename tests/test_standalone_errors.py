@@ -54,7 +54,7 @@ def kv_with(mutate: Callable[[list[Any]], None], groups: int = 1) -> CanonicalKV
 
 
 def open_with(tiers: Tiers, kv: CanonicalKVCaches, **options: Any) -> None:
-    with KVTier.open(cpu_file(tiers.tmp / "open"), kv, **options):
+    with KVTier.open(cpu_file(tiers.tmp / "open"), kv, **{"model": "test-model", **options}):
         pass
 
 
@@ -160,9 +160,9 @@ def run_case(case: Case, tiers: Tiers) -> str | None:
 def test_every_hostile_argument_gets_a_clear_error(tmp_path):
     started = time.perf_counter()
     grouped_kv = make_kv(num_blocks=NUM_BLOCKS, groups=2)
-    with KVTier.open(cpu_file(tmp_path), make_kv(num_blocks=NUM_BLOCKS)) as tier, \
-            KVTier.open(cpu_file(tmp_path / "g"), grouped_kv) as grouped:
-        closed = KVTier.open(cpu_file(tmp_path / "c"), make_kv(num_blocks=NUM_BLOCKS))
+    with KVTier.open(cpu_file(tmp_path), make_kv(num_blocks=NUM_BLOCKS), model="test-model") as tier, \
+            KVTier.open(cpu_file(tmp_path / "g"), grouped_kv, model="test-model") as grouped:
+        closed = KVTier.open(cpu_file(tmp_path / "c"), make_kv(num_blocks=NUM_BLOCKS), model="test-model")
         closed.close()
         tiers = Tiers(tier, grouped, closed, tmp_path)
         problems = [p for p in (run_case(case, tiers) for case in CASES) if p]

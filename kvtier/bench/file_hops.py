@@ -30,6 +30,10 @@ from kvtier.tiers.fileio import ALIGN, aligned_buffer, buffer_address
 from kvtier.tiers.memory import MemoryBackend
 
 
+BENCH_MODEL = "kvtier-bench"  # the identity of the bench's file tiers: they hold random bytes, no model's KV
+BENCH_TOKENS = 256  # tokens per block recorded in the bench's file tiers (the config default)
+
+
 def _key(i: int) -> bytes:
     return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
 
@@ -117,7 +121,8 @@ def _store_load_once(work: Path, mem, n: int, block_bytes: int, io: str, num_thr
                      job_blocks: int) -> tuple[float, float, float, str, bool]:
     """Store into a fresh file tier (first fill), store again (overwrite: slots reused, the steady
     state of a cache), load back, through the handlers; returns (fill s, store s, load s, engine, direct)."""
-    disk = FileBackend("disk", n, block_bytes, 0, root_dir=str(work / "tier"), io=io, num_threads=num_threads)
+    disk = FileBackend("disk", n, block_bytes, BENCH_TOKENS, root_dir=str(work / "tier"), io=io,
+                       num_threads=num_threads, fingerprint=BENCH_MODEL)
     handlers = [CPUToFileHandler({"mem": mem}, {"disk": disk}, num_threads),
                 FileToCPUHandler({"mem": mem}, {"disk": disk}, num_threads)]
     try:
@@ -233,7 +238,8 @@ def measure_restart(root_dir: str, num_blocks: int = 100_000, block_bytes: int =
     work = Path(root_dir) / f"kvtier-restart-{os.getpid()}"
     tier = work / "tier"
     try:
-        disk = FileBackend("disk", num_blocks, block_bytes, 0, root_dir=str(tier), io="posix")
+        disk = FileBackend("disk", num_blocks, block_bytes, BENCH_TOKENS, root_dir=str(tier), io="posix",
+                           fingerprint=BENCH_MODEL)
         batch = max(1, RUN_BYTES // disk.slot_bytes) * 4
         payload = bytes(block_bytes)
         start = time.perf_counter()
@@ -245,19 +251,21 @@ def measure_restart(root_dir: str, num_blocks: int = 100_000, block_bytes: int =
         fill_s = time.perf_counter() - start
         disk.close()
         start = time.perf_counter()
-        disk = FileBackend("disk", num_blocks, block_bytes, 0, root_dir=str(tier), io="posix")
+        disk = FileBackend("disk", num_blocks, block_bytes, BENCH_TOKENS, root_dir=str(tier), io="posix",
+                           fingerprint=BENCH_MODEL)
         found = disk.recover()
         backend_s = time.perf_counter() - start
         disk.close()
         assert len(found) == num_blocks, len(found)
         config = load_config_text(f"""
 block_bytes: {block_bytes}B
+block_tokens: {BENCH_TOKENS}
 tiers:
   - {{name: mem, backend: memory, capacity: 1024 blocks}}
   - {{name: disk, backend: file, root_dir: {tier}, capacity: {num_blocks} blocks, io: posix}}
 """)
         start = time.perf_counter()
-        hierarchy = build_hierarchy(config)
+        hierarchy = build_hierarchy(config, model=BENCH_MODEL)
         hierarchy_s = time.perf_counter() - start
         resident = hierarchy.manager.get_stats()["disk"]["resident_blocks"]
         hierarchy.close()

@@ -70,6 +70,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSp
 
 from kvtier import specs as kspecs
 from kvtier.config import HierarchyConfig, default_config_path, parse_config
+from kvtier.hierarchy import tier_identity
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -164,9 +165,10 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
                           source: str = "<dict>") -> HierarchyConfig:
     """Validate a kvtier config for use under vLLM: `block_tokens` is vLLM's, `block_bytes` is
     dropped (the caller passes vLLM's), each `cpu` tier without `shm_name` gets one derived from
-    `engine_id` (so that workers can attach it by name) and each `file` tier without a
-    `fingerprint` gets `fingerprint` (model, dtype and KV geometry: a root_dir written for another
-    model or layout is then not served)."""
+    `engine_id` (so that workers can attach it by name) and each `file` tier's `fingerprint`
+    gets `fingerprint` (model, dtype and KV geometry), after the YAML's own value when it sets
+    one (e.g. the model's revision): a root_dir written for another model or layout is then not
+    served. The YAML's value adds to the derived identity, never replaces it."""
     raw = _plain(raw)
     if not isinstance(raw, dict):
         return parse_config(raw, source)  # reports the error
@@ -181,8 +183,10 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
     for tier in raw.get("tiers") or []:
         if isinstance(tier, dict) and tier.get("backend") == "cpu" and not tier.get("shm_name"):
             tier["shm_name"] = f"kvtier-{_safe_name(engine_id)}-{_safe_name(str(tier.get('name')))}"
-        if isinstance(tier, dict) and tier.get("backend") == "file" and not tier.get("fingerprint") and fingerprint:
-            tier["fingerprint"] = fingerprint
+        if isinstance(tier, dict) and tier.get("backend") == "file" and fingerprint:
+            own = tier.get("fingerprint") or ""
+            if isinstance(own, str):  # anything else is reported by parse_config
+                tier["fingerprint"] = tier_identity(own, fingerprint)
     return parse_config(raw, source)
 
 
@@ -442,10 +446,18 @@ class KVTierOffloadingSpec(OffloadingSpec):
         self._worker: KVTierOffloadingWorker | None = None
 
     def fingerprint(self) -> str:
-        """Identity of the bytes this engine offloads: model, KV dtype and block geometry."""
-        model = getattr(self.config, "model", None)
+        """Identity of the bytes this engine offloads: the model as vLLM names it (`--model`: a hub
+        id or a local path), KV dtype, page arrangement and block geometry. vLLM passes no
+        revision: to keep two revisions or fine-tunes served under one name apart, set the file
+        tier's `fingerprint` in the YAML (e.g. to the revision); it is added to this."""
+        config = self.config
+        model = getattr(config, "model", None)
+        # How a page's bytes are arranged (NHD/HND, canonical or not): same size, other bytes.
+        arrangement = (f"{getattr(config, 'kv_cache_layout', None) or 'default'}"
+                       f"{'/canonical' if getattr(config, 'canonical_layout', False) else ''}")
         return (f"vllm:model={getattr(model, 'name', '?')}:dtype={getattr(model, 'dtype', '?')}"
-                f":tokens={self.block_tokens}:rank_bytes={self.rank_bytes}:ranks={self.num_copies}")
+                f":kv_layout={arrangement}:tokens={self.block_tokens}:rank_bytes={self.rank_bytes}"
+                f":ranks={self.num_copies}")
 
     def get_manager(self) -> OffloadingManager:
         if self._manager is None:

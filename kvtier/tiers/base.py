@@ -5,7 +5,7 @@ A backend never calls another backend and never decides what to evict; the manag
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
+from abc import ABC
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
 from typing import ClassVar
@@ -68,6 +68,11 @@ class Backend(ABC):
 
     `spec_type` is the `LoadStoreSpec` class this backend hands out; the router uses it to find
     the handler of a hop. `block_bytes` is the size of one block; `num_blocks` the capacity.
+
+    No method is abstract: slot bookkeeping (`get_num_free_blocks`, `allocate_blocks`, `free`,
+    the methods vLLM's seed `Backend` requires) defaults to `self.slots`, and everything kvtier
+    added on top (`close`, `recover`, `still_valid`, ...) has a safe default, so a subclass
+    written to the seed's contract works unchanged.
     """
 
     spec_type: ClassVar[type[BlockIDsLoadStoreSpec]]
@@ -75,6 +80,11 @@ class Backend(ABC):
     # The longest key, in bytes, this backend can hold (None: no limit). Front-ends refuse longer
     # keys up front: a block this tier cannot hold would otherwise fail every move into it.
     max_key_bytes: ClassVar[int | None] = None
+    # True when blocks outlive the process (a restart finds them). `build_hierarchy` then passes
+    # the constructor `fingerprint` (whose KV this is, never empty) and `layout` (block geometry,
+    # dtypes and shapes; see `kvtier.hierarchy.describe_layout`), and the backend must never serve
+    # a block written under another pair.
+    persistent: ClassVar[bool] = False
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0):
         self.name = name
@@ -126,6 +136,5 @@ class Backend(ABC):
         """Blocks that survive from an earlier process (ready, slots claimed). Default: none."""
         return []
 
-    @abstractmethod
     def close(self) -> None:
-        """Release memory, files and handles. Idempotent."""
+        """Release memory, files and handles. Idempotent. Default: nothing to release."""

@@ -3,7 +3,9 @@
 On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
 - `lock`           flock'ed exclusively by the owning process, which writes its pid there.
 - `manifest.json`  geometry (block_bytes, slot_bytes, num_slots, header_bytes, format version),
-                   the user's `fingerprint` and a random `epoch` chosen at each (re)build.
+                   `fingerprint` (whose KV this is: the model identity, never empty), `layout`
+                   (block geometry, dtypes and shapes, from the builder) and a random `epoch`
+                   chosen at each (re)build.
 - `slab.0`         `num_slots` fixed slots of `slot_bytes` (a multiple of 4 KiB). A slot is a
                    512-byte header (magic, version, key, payload length, CRC-32 of the payload,
                    digest of the manifest incl. epoch, CRC-32 of the header) then the payload.
@@ -57,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvtier.config import REQUIRED, format_size
-from kvtier.errors import IntegrityError, KVTierError
+from kvtier.errors import ConfigError, IntegrityError, KVTierError
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
 from kvtier.tiers.base import Backend
@@ -145,7 +147,7 @@ def read_manifest(root: Path) -> dict | None:
     return load_manifest(root)[0]
 
 
-_GEOMETRY = ("format_version", "block_bytes", "slot_bytes", "header_bytes", "num_slots", "fingerprint")
+_GEOMETRY = ("format_version", "block_bytes", "slot_bytes", "header_bytes", "num_slots", "fingerprint", "layout")
 
 
 def manifest_differences(found: dict | None, wanted: dict) -> list[str]:
@@ -456,6 +458,7 @@ class FileBackend(Backend):
     spec_type = FileLoadStoreSpec
     medium = "FILE"
     max_key_bytes = MAX_KEY_BYTES  # what a slot header leaves for the key
+    persistent = True
     compact_min_records = 4096  # the journal is rewritten past max(this, 2 x capacity) records
     OPTIONS = {
         "root_dir": (REQUIRED, _root_dir),
@@ -467,11 +470,18 @@ class FileBackend(Backend):
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *,
                  root_dir: str, io: str = "auto", fingerprint: str = "", num_threads: int = 4,
-                 sync_interval: float = 1.0):
+                 sync_interval: float = 1.0, layout: str = ""):
         super().__init__(name, num_blocks, block_bytes, block_size)
         if block_bytes <= 0:
             raise ValueError(f"file tier {name!r} needs block_bytes > 0, got {block_bytes}")
         _io(io), _fingerprint(fingerprint), _threads(num_threads)
+        if not fingerprint:
+            raise ConfigError([("fingerprint", f"empty: file tier {name!r} keeps blocks across restarts and must "
+                                               f"not serve them to another model; give the identity of the model "
+                                               f"whose KV it holds, e.g. 'meta-llama/Llama-3.1-8B@<revision>'")])
+        # What decides the bytes of a block besides the model (the builder's description, or the
+        # geometry this tier knows: the same text `describe_layout` gives without KV caches).
+        self.layout = layout or f"block_bytes={block_bytes} block_tokens={block_size}"
         self.sync_interval = _sync_interval(sync_interval)
         try:
             root_dir = _root_dir(root_dir)
@@ -586,7 +596,7 @@ class FileBackend(Backend):
     def _wanted_manifest(self, fingerprint: str) -> dict:
         return {"format_version": FORMAT_VERSION, "block_bytes": self.block_bytes, "slot_bytes": self.slot_bytes,
                 "header_bytes": HEADER_BYTES, "num_slots": self.num_blocks, "fingerprint": fingerprint,
-                "slab": SLAB}
+                "layout": self.layout, "slab": SLAB}
 
     def _open(self, fingerprint: str) -> None:
         self._refuse_foreign_slab()

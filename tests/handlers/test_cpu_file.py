@@ -200,7 +200,8 @@ def fail_first_io_call(monkeypatch, disk, names, error):
 @pytest.fixture
 def pair(tmp_path):
     mem = MemoryBackend("mem", 8, BLOCK)
-    disk = FileBackend("disk", 16, BLOCK, root_dir=str(tmp_path / "kv"), io="posix", num_threads=2)
+    disk = FileBackend("disk", 16, BLOCK, root_dir=str(tmp_path / "kv"), io="posix", num_threads=2,
+                       fingerprint="test-model")
     yield mem, disk
     disk.close()
     mem.close()

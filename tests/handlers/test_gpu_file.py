@@ -33,7 +33,8 @@ def setup(tmp_path):
     def make(kv, backend=None):
         layout = KVLayout(kv, kv.blocks_per_chunk)
         if backend is None:
-            backend = FileBackend("nvme", 16, layout.block_bytes, root_dir=str(tmp_path / "nvme"))
+            backend = FileBackend("nvme", 16, layout.block_bytes, root_dir=str(tmp_path / "nvme"),
+                                  fingerprint="test-model")
         store, load = make_gpu_to_file({"nvme": backend}, kv), make_file_to_gpu({"nvme": backend}, kv)
         jobs = Jobs(store, load)
         made.append((jobs, backend))

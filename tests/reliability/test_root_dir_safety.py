@@ -276,7 +276,7 @@ def test_too_long_root_dir_is_refused(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=FIELD + r".*too long for the files in it"):
         load_config_text(config_text(deep))
     with pytest.raises(ConfigError, match=r"^root_dir: .*a path component of 300 bytes"):
-        FileBackend("disk", 4, BLOCK, root_dir=str(long_name), io="posix")
+        FileBackend("disk", 4, BLOCK, root_dir=str(long_name), io="posix", fingerprint="test-model")
     assert os.listdir(tmp_path) == []
 
 
@@ -360,7 +360,7 @@ def test_unset_variable_is_refused(tmp_path, monkeypatch):
         with pytest.raises(ConfigError, match=FIELD + r".*\$\{?NOPE\}? is not set in the environment"):
             load_config_text(config_text(written))
     with pytest.raises(ConfigError, match=r"^root_dir: .*\$NOPE is not set"):
-        FileBackend("disk", 4, BLOCK, root_dir="$NOPE/kv", io="posix")
+        FileBackend("disk", 4, BLOCK, root_dir="$NOPE/kv", io="posix", fingerprint="test-model")
     assert os.listdir(tmp_path) == []
 
 
@@ -374,7 +374,7 @@ def test_shipped_configs_keep_the_tier_in_a_per_user_directory(tmp_path, monkeyp
     assert set(roots) == {"cpu-file.yaml", "replay-cpu-file.yaml", "vllm-cpu-file.yaml"}
     for name, root in roots.items():
         assert root.startswith(f"{home}/.cache/kvtier/"), (name, root)
-    disk = FileBackend("disk", 4, BLOCK, root_dir=roots["cpu-file.yaml"], io="posix")
+    disk = FileBackend("disk", 4, BLOCK, root_dir=roots["cpu-file.yaml"], io="posix", fingerprint="test-model")
     try:
         disk.write_blocks([0], [keys(1)[0]], [payload(keys(1)[0])])
     finally:

@@ -30,7 +30,8 @@ def id_payload(i: int, block_bytes: int) -> bytes:
 def main() -> None:
     root, seed, num_blocks, block_bytes = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
     rng = random.Random(seed)
-    backend = FileBackend("crash", num_blocks, block_bytes, 16, root_dir=root, io="posix", num_threads=2)
+    backend = FileBackend("crash", num_blocks, block_bytes, 16, root_dir=root, io="posix", num_threads=2,
+                          fingerprint="crash-test")
     occupied = {block.block_id for _, block in backend.recover()}
     next_id = seed * 1_000_000
     while True:

@@ -30,6 +30,7 @@ def payload(i: int, size: int = BLOCK) -> bytes:
 
 def open_backend(root, num_blocks=32, block_bytes=BLOCK, **options):
     options.setdefault("io", "posix")
+    options.setdefault("fingerprint", "test-model")
     return FileBackend("disk", num_blocks, block_bytes, 16, root_dir=str(root), **options)
 
 

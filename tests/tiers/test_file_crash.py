@@ -74,7 +74,8 @@ def test_sigkill_during_store_storm(tmp_path):
         in_flight = apply(lines, expected)
         totals["kills"] += 1
         totals["in_flight_slots"] += len(in_flight)
-        backend = FileBackend("crash", NUM_BLOCKS, BLOCK_BYTES, 16, root_dir=str(root), io="posix")
+        backend = FileBackend("crash", NUM_BLOCKS, BLOCK_BYTES, 16, root_dir=str(root), io="posix",
+                              fingerprint="crash-test")
         try:
             recovered = {block.block_id: key for key, block in backend.recover()}
             totals["recovered"] += len(recovered)
