@@ -26,14 +26,14 @@ PATTERN = bytes(range(256)) * 16  # one 4096-byte block
 # A child that creates a region in argv[1] (named argv[2], or generated when "-"), fills slot 0 with
 # PATTERN, prints "<name> <pid> <token>", then on each stdin line prints whether slot 0 is intact.
 OWNER = textwrap.dedent("""
-    import sys
+    import os, sys
     from kvtier.tiers import cpu
     cpu.SHM_DIR = sys.argv[1]
     name = None if sys.argv[2] == "-" else sys.argv[2]
     pattern = bytes(range(256)) * 16
     backend = cpu.CPUBackend("cpu", 4, 4096, shm_name=name, pin=False)
     backend.view(0)[:] = pattern
-    print(backend.shm_name, backend.owner_pid(), backend.token, flush=True)
+    print(backend.shm_name, os.getpid(), getattr(backend, "token", "-"), flush=True)
     for line in sys.stdin:
         print("intact" if bytes(backend.view(0)) == pattern else "changed", flush=True)
 """)
