@@ -31,8 +31,12 @@ work at import or in `__init__`.
   GPU handlers, a hit in a lower tier is always *staged*: it is promoted into the CPU tier while
   `lookup` answers RETRY, then loaded from CPU. A block that fails verification during promotion
   is dropped and reported as a MISS (vLLM recomputes it) - the GPU never sees it.
-* Worker side (`get_worker`): attaches the same CPU region by name (lazily, at the first transfer:
-  vLLM registers the KV caches before the scheduler exists) and copies GPU<->CPU.
+* Worker side (`get_worker`): attaches the same CPU region (lazily, at the first transfer: vLLM
+  registers the KV caches before the scheduler exists) and copies GPU<->CPU. It maps only the
+  region whose token the scheduler sends with each CPU spec, then removes the region's name from
+  /dev/shm: from then on no stop or kill of the engine can leave the region behind. With vLLM's
+  default executor for one worker the worker lives in the scheduler's process and maps the region
+  through the creator's descriptor, so the name is removed as soon as the region exists.
 
 Compatible with vLLM 0.32; tolerates 0.33 additions (`submit_load(..., expedited=)`,
 `on_reset_flushed`, `config_info`, `config_info_keys`) without requiring them.
