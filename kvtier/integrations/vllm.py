@@ -74,6 +74,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSp
 
 from kvtier import specs as kspecs
 from kvtier.config import HierarchyConfig, default_config_path, parse_config
+from kvtier.tiers.cpu import RegionError
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -107,12 +108,6 @@ _MEDIA = {"CPU": "CPU", "FILE": "STORAGE"}
 # shm_names of the CPU regions whose (only) worker lives in this process: vLLM's default executor
 # for one worker ("uni") runs it in the scheduler's process, where it maps the region without a name.
 _LOCAL_WORKER_REGIONS: set[str] = set()
-
-
-def _region_error(message: str) -> Exception:
-    from kvtier.tiers.cpu import RegionError
-
-    return RegionError(message)
 
 
 def to_vllm_medium(medium: str) -> Medium:
@@ -360,11 +355,11 @@ class KVTierOffloadingWorker(OffloadingWorker):
         token = getattr(cpu_spec, "region", None)
         if self._engine is not None:
             if token != self._backend.token:
-                raise _region_error(f"kvtier worker: a transfer names CPU region token {token!r}, this worker "
+                raise RegionError(f"kvtier worker: a transfer names CPU region token {token!r}, this worker "
                                     f"serves region {self._backend.shm_name} of its own scheduler")
             return self._engine
         if token is None:
-            raise _region_error(f"kvtier worker: the CPU spec {cpu_spec!r} carries no region token; this worker "
+            raise RegionError(f"kvtier worker: the CPU spec {cpu_spec!r} carries no region token; this worker "
                                 f"serves only the specs of its own kvtier scheduler")
         from kvtier.engine import TransferEngine
         from kvtier.handlers.gpu_cpu import make_handler

@@ -119,7 +119,9 @@ def _pid_alive(pid: int) -> bool:
 
 # ------------------------------------------------------------------ names this process must remove
 # path -> (st_dev, st_ino) of each region name this process published and has not removed yet.
+# A forked child inherits the table, not the ownership: it starts with an empty one.
 _PUBLISHED: dict[str, tuple[int, int]] = {}
+os.register_at_fork(after_in_child=_PUBLISHED.clear)
 _TERM_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
 _previous_handlers: dict[int, Any] = {}
 
@@ -136,6 +138,12 @@ def _unlink_if_same(path: str, ident: tuple[int, int]) -> None:
     finally:
         if _PUBLISHED.get(path) == ident:
             del _PUBLISHED[path]
+
+
+def _remove_name_of_creator(creator_pid: int, path: str, ident: tuple[int, int]) -> None:
+    """`close` and exit of a region's creator: remove its name, unless this is a forked copy."""
+    if os.getpid() == creator_pid:
+        _unlink_if_same(path, ident)
 
 
 def _on_terminate(signum: int, frame: Any) -> None:
@@ -394,7 +402,7 @@ class CPUBackend(Backend):
             _unlink_quietly(tmp)
         self._ident = (st.st_dev, st.st_ino)
         _PUBLISHED[self.path] = self._ident
-        self._finalizer = weakref.finalize(self, _unlink_if_same, self.path, self._ident)
+        self._finalizer = weakref.finalize(self, _remove_name_of_creator, os.getpid(), self.path, self._ident)
         _install_terminate_handlers()
         return fd
 

@@ -140,6 +140,35 @@ def test_sigterm_leaves_no_region(shm_dir, name):
     assert os.listdir(shm_dir) == []
 
 
+def test_a_forked_child_never_removes_its_parents_region(shm_dir):
+    """A child forked after the region exists inherits the handlers, not the ownership: its SIGTERM
+    or its normal exit leave the parent's region in place."""
+    b = cpu.CPUBackend("cpu", 2, 4096, pin=False)
+    try:
+        for how in ("sigterm", "exit"):
+            read, write = os.pipe()
+            pid = os.fork()
+            if pid == 0:  # child
+                os.close(read)
+                if how == "exit":
+                    b._finalizer()  # what its exit (or close) would run
+                    os._exit(0)
+                os.write(write, b"x")
+                time.sleep(60)
+                os._exit(1)
+            os.close(write)
+            if how == "sigterm":
+                assert os.read(read, 1) == b"x"
+                os.kill(pid, signal.SIGTERM)
+            _, status = os.waitpid(pid, 0)
+            os.close(read)
+            assert (os.WTERMSIG(status) == signal.SIGTERM) if how == "sigterm" else os.WEXITSTATUS(status) == 0
+            assert os.listdir(shm_dir) == [b.shm_name], how
+    finally:
+        b.close()
+    assert os.listdir(shm_dir) == []
+
+
 CHAINED = textwrap.dedent("""
     import signal, sys
     def handler(signum, frame):
