@@ -135,9 +135,11 @@ def _unlink_if_same(path: str, ident: tuple[int, int]) -> None:
             os.unlink(path)
     except FileNotFoundError:
         pass
+    except OSError as exc:  # best effort: a region whose owner is gone is removed by the next sweep
+        log.warning("could not remove shared-memory region %s: %s", path, exc)
     finally:
         if _PUBLISHED.get(path) == ident:
-            del _PUBLISHED[path]
+            _PUBLISHED.pop(path, None)
 
 
 def _remove_name_of_creator(creator_pid: int, path: str, ident: tuple[int, int]) -> None:
@@ -278,8 +280,8 @@ def _claim_name(path: str) -> None:
         if not _lock_if_owner_dead(fd):
             owner = f"pid {header.pid}" if header else "another process"
             raise RegionInUseError(f"region {name} in use by {owner}: two kvtier instances cannot share one "
-                                   f"CPU tier; give each its own shm_name (under vLLM, leave shm_name unset "
-                                   f"and each engine gets its own)")
+                                   f"CPU tier; give each its own shm_name (under vLLM the default name comes "
+                                   f"from the engine_id: give each engine its own)")
         log.warning("removing shared-memory region %s left by pid %s, which died", path,
                     header.pid if header else "?")
         _unlink_if_same(path, (st.st_dev, st.st_ino))
@@ -363,8 +365,13 @@ class CPUBackend(Backend):
         else:
             os.close(fd)  # the mapping keeps the file alive
         self._view = memoryview(self._mmap)
+        self.pinned = False
         if pin == "true" or (pin == "auto" and _cuda_available()):
-            self._pin(required=pin == "true")
+            try:
+                self._pin(required=pin == "true")
+            except BaseException:
+                self.close()  # a failed build leaves no region behind
+                raise
         self.pinned = bool(self._pinned)
 
     @classmethod

@@ -88,8 +88,10 @@ def test_pinning_without_cuda():
     b = CPUBackend("cpu", 1, 64)  # auto: plain memory
     assert not b.pinned
     b.close()
+    before = {n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{os.getpid()}-")}
     with pytest.raises(RuntimeError, match="CUDA"):
         CPUBackend("cpu", 1, 64, pin="true")
+    assert {n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{os.getpid()}-")} == before  # none left
 
 
 def test_yaml_options_and_errors(tmp_path):
