@@ -356,11 +356,11 @@ class KVTierOffloadingWorker(OffloadingWorker):
         if self._engine is not None:
             if token != self._backend.token:
                 raise RegionError(f"kvtier worker: a transfer names CPU region token {token!r}, this worker "
-                                    f"serves region {self._backend.shm_name} of its own scheduler")
+                                  f"serves region {self._backend.shm_name} of its own scheduler (token mismatch)")
             return self._engine
         if token is None:
             raise RegionError(f"kvtier worker: the CPU spec {cpu_spec!r} carries no region token; this worker "
-                                f"serves only the specs of its own kvtier scheduler")
+                              f"serves only the specs of its own kvtier scheduler")
         from kvtier.engine import TransferEngine
         from kvtier.handlers.gpu_cpu import make_handler
         from kvtier.tiers.cpu import CPUBackend
