@@ -31,8 +31,12 @@ work at import or in `__init__`.
   GPU handlers, a hit in a lower tier is always *staged*: it is promoted into the CPU tier while
   `lookup` answers RETRY, then loaded from CPU. A block that fails verification during promotion
   is dropped and reported as a MISS (vLLM recomputes it) - the GPU never sees it.
-* Worker side (`get_worker`): attaches the same CPU region by name (lazily, at the first transfer:
-  vLLM registers the KV caches before the scheduler exists) and copies GPU<->CPU.
+* Worker side (`get_worker`): attaches the same CPU region (lazily, at the first transfer: vLLM
+  registers the KV caches before the scheduler exists) and copies GPU<->CPU. It maps only the
+  region whose token the scheduler sends with each CPU spec, then removes the region's name from
+  /dev/shm: from then on no stop or kill of the engine can leave the region behind. With vLLM's
+  default executor for one worker the worker lives in the scheduler's process and maps the region
+  through the creator's descriptor, so the name is removed as soon as the region exists.
 
 Compatible with vLLM 0.32; tolerates 0.33 additions (`submit_load(..., expedited=)`,
 `on_reset_flushed`, `config_info`, `config_info_keys`) without requiring them.
@@ -71,6 +75,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSp
 from kvtier import specs as kspecs
 from kvtier.config import HierarchyConfig, default_config_path, parse_config
 from kvtier.hierarchy import tier_identity
+from kvtier.tiers.cpu import RegionError
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -101,6 +106,9 @@ _GAUGES: dict[str, str] = {
 }
 
 _MEDIA = {"CPU": "CPU", "FILE": "STORAGE"}
+# shm_names of the CPU regions whose (only) worker lives in this process: vLLM's default executor
+# for one worker ("uni") runs it in the scheduler's process, where it maps the region without a name.
+_LOCAL_WORKER_REGIONS: set[str] = set()
 
 
 def to_vllm_medium(medium: str) -> Medium:
@@ -110,20 +118,22 @@ def to_vllm_medium(medium: str) -> Medium:
 
 # ---------------------------------------------------------------------------------------- specs
 class KVTierCPULoadStoreSpec(VllmCPULoadStoreSpec):
-    """Slots of a kvtier CPU tier (`tier` names it). A vLLM `CPULoadStoreSpec`, so vLLM's own
-    accounting treats it as a CPU transfer; plain data, picklable."""
+    """Slots of a kvtier CPU tier (`tier` names it; `region` is the token of the shared region the
+    scheduler created, which the worker checks before it maps the region). A vLLM
+    `CPULoadStoreSpec`, so vLLM's own accounting treats it as a CPU transfer; plain data, picklable."""
 
-    def __init__(self, block_ids, tier: str | None = None):
+    def __init__(self, block_ids, tier: str | None = None, region: str | None = None):
         super().__init__(list(block_ids))
         self.tier = tier
+        self.region = region
 
     def __repr__(self) -> str:
         return f"KVTierCPULoadStoreSpec({list(map(int, self.block_ids))}, tier={self.tier!r})"
 
 
-def _to_vllm_spec(spec: kspecs.LoadStoreSpec) -> KVTierCPULoadStoreSpec:
+def _to_vllm_spec(spec: kspecs.LoadStoreSpec, region: str | None) -> KVTierCPULoadStoreSpec:
     if isinstance(spec, kspecs.CPULoadStoreSpec):
-        return KVTierCPULoadStoreSpec(spec.block_ids, spec.tier)
+        return KVTierCPULoadStoreSpec(spec.block_ids, spec.tier, region)
     raise TypeError(f"kvtier returned a {type(spec).__name__} for the engine; only CPU-tier specs are served "
                     f"to vLLM workers (lower tiers are promoted into the CPU tier first)")
 
@@ -206,6 +216,8 @@ class KVTierOffloadingManager(OffloadingManager):
         self.manager = hierarchy.manager
         self.enable_events = enable_events
         self._last_counters: dict[str, dict[str, float]] = {}
+        # token of the shared CPU region, sent with every spec: the worker maps only this region
+        self.region_token = getattr(self.manager.tiers[0].backend, "token", None)
         self._lock = threading.RLock()
 
     if "lock" in getattr(OffloadingManager, "__abstractmethods__", frozenset()):  # vLLM 0.33+, if abstract
@@ -230,7 +242,7 @@ class KVTierOffloadingManager(OffloadingManager):
         # vLLM 0.32's connector never calls touch(): recency is the manager's business. A load is
         # a reuse, so the loaded prefix becomes the most recently used (head first), as in replays.
         self.manager.touch(keys, req_context)
-        return _to_vllm_spec(spec)
+        return _to_vllm_spec(spec, self.region_token)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.manager.touch(list(keys), req_context)
@@ -243,7 +255,8 @@ class KVTierOffloadingManager(OffloadingManager):
         out = self.manager.prepare_store(list(keys), req_context)
         if out is None:
             return None
-        return PrepareStoreOutput(keys_to_store=list(out.keys_to_store), store_spec=_to_vllm_spec(out.store_spec),
+        return PrepareStoreOutput(keys_to_store=list(out.keys_to_store),
+                                  store_spec=_to_vllm_spec(out.store_spec, self.region_token),
                                   evicted_keys=list(out.evicted_keys))
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
@@ -324,11 +337,14 @@ def _make_event(keys: list, medium: Medium, removed: bool, ownership: str | None
 class KVTierOffloadingWorker(OffloadingWorker):
     """vLLM `OffloadingWorker` for kvtier: GPU <-> the kvtier CPU tier, in the worker process.
 
-    The CPU region is attached by name at the first transfer (the scheduler-side manager creates
-    it, after vLLM has registered the KV caches). Copies use kvtier's GPU<->CPU handlers
-    (`kvtier.handlers.gpu_cpu`: synchronous batched index copies on CPU tensors, a copy stream on
-    CUDA) over this rank's part of each slot. A failed copy is reported as `success=False`, never
-    as wrong bytes.
+    The CPU region is attached at the first transfer (the scheduler-side manager creates it,
+    after vLLM has registered the KV caches): only the region whose token the scheduler sent with
+    the transfer's CPU spec, so a worker never maps another engine's region (a mismatch raises
+    `RegionError`). Once mapped, the region's name is removed from /dev/shm (this is the engine's
+    only worker): no stop, kill or crash can leave the region behind after that. Copies use
+    kvtier's GPU<->CPU handlers (`kvtier.handlers.gpu_cpu`: synchronous batched index copies on
+    CPU tensors, a copy stream on CUDA) over this rank's part of each slot. A failed copy is
+    reported as `success=False`, never as wrong bytes.
     """
 
     def __init__(self, spec: "KVTierOffloadingSpec", kv_caches: CanonicalKVCaches):
@@ -337,32 +353,42 @@ class KVTierOffloadingWorker(OffloadingWorker):
         self._backend = None
         self._engine = None
         self._tier = spec.hierarchy_config.tiers[0].name
+        _LOCAL_WORKER_REGIONS.add(spec.hierarchy_config.tiers[0].options["shm_name"])
 
-    def _ready(self):
-        if self._engine is None:
-            from kvtier.engine import TransferEngine
-            from kvtier.handlers.gpu_cpu import make_handler
-            from kvtier.tiers.cpu import CPUBackend
+    def _ready(self, cpu_spec: Any):
+        token = getattr(cpu_spec, "region", None)
+        if self._engine is not None:
+            if token != self._backend.token:
+                raise RegionError(f"kvtier worker: a transfer names CPU region token {token!r}, this worker "
+                                  f"serves region {self._backend.shm_name} of its own scheduler (token mismatch)")
+            return self._engine
+        if token is None:
+            raise RegionError(f"kvtier worker: the CPU spec {cpu_spec!r} carries no region token; this worker "
+                              f"serves only the specs of its own kvtier scheduler")
+        from kvtier.engine import TransferEngine
+        from kvtier.handlers.gpu_cpu import make_handler
+        from kvtier.tiers.cpu import CPUBackend
 
-            spec = self.spec
-            tier = spec.hierarchy_config.tiers[0]
-            n = tier.capacity.to_blocks(spec.block_bytes)
-            backend = CPUBackend.attach(tier.options["shm_name"], n, spec.block_bytes, spec.block_tokens,
-                                        name=tier.name, pin=tier.options.get("pin", "auto"))
-            try:
-                part = {tier.name: backend}
-                engine = TransferEngine()
-                for to_cpu, pair in ((True, (kspecs.GPULoadStoreSpec, kspecs.CPULoadStoreSpec)),
-                                     (False, (kspecs.CPULoadStoreSpec, kspecs.GPULoadStoreSpec))):
-                    handler = make_handler(part, self.kv_caches, to_cpu, spec.blocks_per_chunk)
-                    if handler is None:
-                        raise RuntimeError("kvtier: no GPU<->CPU handler for these KV caches")
-                    engine.register(*pair, handler)
-            except BaseException:
-                backend.close()
-                raise
-            self._backend, self._engine = backend, engine
-        return self._engine
+        spec = self.spec
+        tier = spec.hierarchy_config.tiers[0]
+        n = tier.capacity.to_blocks(spec.block_bytes)
+        backend = CPUBackend.attach(tier.options["shm_name"], n, spec.block_bytes, spec.block_tokens,
+                                    name=tier.name, pin=tier.options.get("pin", "auto"), token=token)
+        try:
+            part = {tier.name: backend}
+            engine = TransferEngine()
+            for to_cpu, pair in ((True, (kspecs.GPULoadStoreSpec, kspecs.CPULoadStoreSpec)),
+                                 (False, (kspecs.CPULoadStoreSpec, kspecs.GPULoadStoreSpec))):
+                handler = make_handler(part, self.kv_caches, to_cpu, spec.blocks_per_chunk)
+                if handler is None:
+                    raise RuntimeError("kvtier: no GPU<->CPU handler for these KV caches")
+                engine.register(*pair, handler)
+        except BaseException:
+            backend.close()
+            raise
+        backend.unpublish()  # every process that maps the region (scheduler, this worker) has it now
+        self._backend, self._engine = backend, engine
+        return engine
 
     @staticmethod
     def _gpu(spec: GPULoadStoreSpec) -> kspecs.GPULoadStoreSpec:
@@ -372,11 +398,11 @@ class KVTierOffloadingWorker(OffloadingWorker):
         return kspecs.CPULoadStoreSpec(spec.block_ids, getattr(spec, "tier", None) or self._tier)
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: Any) -> bool:
-        self._ready().submit(self._gpu(src_spec), self._cpu(dst_spec), job_id)
+        self._ready(dst_spec).submit(self._gpu(src_spec), self._cpu(dst_spec), job_id)
         return True
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
-        self._ready().submit(self._cpu(src_spec), self._gpu(dst_spec), job_id)
+        self._ready(src_spec).submit(self._cpu(src_spec), self._gpu(dst_spec), job_id)
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -395,6 +421,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
         if self._backend is not None:
             self._backend.close()
             self._backend = None
+        _LOCAL_WORKER_REGIONS.discard(self.spec.hierarchy_config.tiers[0].options["shm_name"])
 
 
 # ----------------------------------------------------------------------------------------- spec
@@ -466,25 +493,19 @@ class KVTierOffloadingSpec(OffloadingSpec):
             from kvtier.hierarchy import build_hierarchy
 
             enable_events = bool(self.kv_events_config.enable_kv_cache_events)
-            self._unlink_stale_region()
+            # Creating the CPU region first sweeps the regions of dead owners (any name), reclaims
+            # this name if its owner is dead, and refuses it (RegionInUseError, with the owner's
+            # pid) if another engine holds it.
             hierarchy = build_hierarchy(self.hierarchy_config, block_bytes=self.block_bytes, kv_caches=None,
                                         enable_events=enable_events)
+            region = hierarchy.manager.tiers[0].backend
+            if region.shm_name in _LOCAL_WORKER_REGIONS:
+                region.unpublish()  # the engine's worker runs in this process: it maps the region without a name
             self._manager = KVTierOffloadingManager(hierarchy, enable_events)
             log.info("kvtier: hierarchy %s with blocks of %d tokens / %d bytes: %s", self.hierarchy_config.source,
                      self.block_tokens, self.block_bytes,
                      ", ".join(f"{t.name}={t.capacity} blocks ({t.medium})" for t in hierarchy.manager.tiers))
         return self._manager
-
-    def _unlink_stale_region(self) -> None:
-        """A region left by a crashed engine with the same engine_id holds nothing we track."""
-        import os
-
-        from kvtier.tiers.cpu import SHM_DIR
-
-        path = os.path.join(SHM_DIR, self.hierarchy_config.tiers[0].options["shm_name"])
-        if os.path.exists(path):
-            log.warning("kvtier: removing stale shared region %s", path)
-            os.unlink(path)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
         if self._worker is None:

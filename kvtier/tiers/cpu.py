@@ -1,14 +1,29 @@
 """`CPUBackend`: the CPU tier as one shared-memory region (a file in /dev/shm).
 
-Layout: slot `i` starts at byte `i * slot_stride`, where `slot_stride` is `block_bytes` rounded up to
-the OS page size; the first `block_bytes` bytes of a slot hold one block, the rest is padding.
-The region is exactly `num_blocks * slot_stride` bytes (no rounding of the capacity, no second copy).
+Layout: one header page, then slot `i` at byte `header_bytes + i * slot_stride`, where `slot_stride`
+is `block_bytes` rounded up to the OS page size; the first `block_bytes` bytes of a slot hold one
+block, the rest is padding. The region is exactly `header_bytes + num_blocks * slot_stride` bytes.
+The header names the region's creator (pid), a random per-region token and the geometry: an
+attaching process checks them, so it maps only the region it was told to map.
 
-The creating process owns the file (mode 0600) and removes it on `close`; other processes (vLLM
-workers) map the same bytes with `CPUBackend.attach(shm_name, num_blocks, block_bytes)`. When CUDA
-is available (and `pin` allows it) each process registers its mapping with `cudaHostRegister`, so
-GPU copies to and from it run as DMA without a bounce buffer. Pinning initialises CUDA in the
-process: a process that never touches the GPU (vLLM's scheduler) should pass `pin=false`.
+Ownership. The creating process holds a shared flock on the region for its whole life (the kernel
+drops it however the process dies), so "its lock can be taken" means "its owner is dead". The
+region is built under a temporary name, locked and given its header, then published under its
+name with `link` (which never replaces an existing file): every published region is locked from
+its first instant. A name held by a live owner is refused (`RegionInUseError`, with the owner's
+pid); a name left by a dead owner is reclaimed; a file that is not a kvtier region is never touched.
+
+Lifetime. The creator removes the name on `close`, at exit, and on SIGTERM/SIGHUP (a handler that
+then chains to the previous one). The name is needed only until every process that maps the region
+has mapped it: `unpublish()` removes it early (the vLLM integration does, once its worker has
+mapped the region), so no kill, not even SIGKILL, can leak it afterwards. Regions of owners that
+died before that are removed by `remove_stale_regions`, which every new region runs first.
+
+Other processes (vLLM workers) map the same bytes with `CPUBackend.attach(shm_name, num_blocks,
+block_bytes, token=...)`. When CUDA is available (and `pin` allows it) each process registers its
+mapping with `cudaHostRegister`, so GPU copies to and from it run as DMA without a bounce buffer.
+Pinning initialises CUDA in the process: a process that never touches the GPU (vLLM's scheduler)
+should pass `pin=false`.
 
 Making the region ready is `ftruncate` + `mmap` (pages are faulted in by the kernel on first touch,
 or all at once by `cudaHostRegister` when pinning), never a Python loop over pages.
@@ -20,11 +35,17 @@ import fcntl
 import logging
 import mmap
 import os
+import re
 import secrets
+import signal
+import stat
+import struct
+import threading
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
+from kvtier.errors import KVTierError
 from kvtier.specs import CPULoadStoreSpec
 from kvtier.tiers.base import Backend
 
@@ -35,12 +56,39 @@ SHM_DIR = "/dev/shm"
 _MAX_REGISTER_BYTES = 16 << 30
 _CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process
 
+# Region header (first page): magic, creator pid, token, num_blocks, slot_stride, block_bytes.
+_MAGIC = b"kvtier-region\x00v1"
+_HEADER = struct.Struct("<16sQ16sQQQ")
+HEADER_BYTES = mmap.PAGESIZE  # slot 0 starts on the second page: slots stay page-aligned
+_TMP_PREFIX = "kvtier-creating-"
+_NAME_MAX = 255  # bytes of one file name (Linux NAME_MAX)
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+class RegionError(KVTierError, ValueError):
+    """A shared-memory region is not the one expected (not a kvtier region, other geometry or token)."""
+
+
+class RegionInUseError(KVTierError, FileExistsError):
+    """The region's name is taken: by a live owner, or by a file that is not a kvtier region."""
+
+
+class RegionHeader(NamedTuple):
+    pid: int
+    token: str  # hex
+    num_blocks: int
+    slot_stride: int
+    block_bytes: int
+
 
 def _shm_name(v: Any) -> str | None:
     if v is None:
         return None
-    if not isinstance(v, str) or not v or "/" in v or v in (".", "..") or len(v) > 200:
-        raise ValueError(f"expected a file name for /dev/shm (no '/'), got {v!r}")
+    shown = repr(v[:40]) + ("..." if len(v) > 40 else "") if isinstance(v, str) else repr(v)[:60]
+    if (not isinstance(v, str) or not _NAME_RE.fullmatch(v) or len(v) > _NAME_MAX
+            or v.startswith(_TMP_PREFIX)):
+        raise ValueError(f"expected a file name for {SHM_DIR}: 1 to {_NAME_MAX} characters from A-Z a-z 0-9 "
+                         f"'_' '.' '-', not starting with '.', '-' or {_TMP_PREFIX!r}; got {shown}")
     return v
 
 
@@ -69,50 +117,176 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def remove_stale_regions(shm_dir: str = SHM_DIR, min_age_s: float = 10.0) -> list[str]:
-    """Remove the regions (`kvtier-*` files) whose creating process is gone, and return their names.
+# ------------------------------------------------------------------ names this process must remove
+# path -> (st_dev, st_ino) of each region name this process published and has not removed yet.
+# A forked child inherits the table, not the ownership: it starts with an empty one.
+_PUBLISHED: dict[str, tuple[int, int]] = {}
+os.register_at_fork(after_in_child=_PUBLISHED.clear)
+_TERM_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+_previous_handlers: dict[int, Any] = {}
 
-    A creating process holds a shared flock on its region for its whole life (the kernel drops it
-    when the process dies, however it dies), so a region on which an exclusive flock can be taken
-    has no owner left; the pid in a generated name (`kvtier-<pid>-...`) must also be gone (regions
-    of kvtier versions that took no lock). A SIGKILLed owner cannot unlink its region itself:
-    without this sweep each kill leaves the full size of its CPU tier in /dev/shm until reboot.
-    Files of other users, regions still locked and regions younger than `min_age_s` are left alone.
+
+def _unlink_if_same(path: str, ident: tuple[int, int]) -> None:
+    """Remove `path` if it still names the file `ident` (st_dev, st_ino): once a name was given
+    up, another process may have published its own region under it."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+        if (st.st_dev, st.st_ino) == ident:
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:  # best effort: a region whose owner is gone is removed by the next sweep
+        log.warning("could not remove shared-memory region %s: %s", path, exc)
+    finally:
+        if _PUBLISHED.get(path) == ident:
+            _PUBLISHED.pop(path, None)
+
+
+def _remove_name_of_creator(creator_pid: int, path: str, ident: tuple[int, int]) -> None:
+    """`close` and exit of a region's creator: remove its name, unless this is a forked copy."""
+    if os.getpid() == creator_pid:
+        _unlink_if_same(path, ident)
+
+
+def _on_terminate(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGHUP: remove this process's region names, then do what the signal did before."""
+    for path, ident in list(_PUBLISHED.items()):
+        _unlink_if_same(path, ident)
+    previous = _previous_handlers.get(signum, signal.SIG_DFL)
+    if callable(previous):
+        previous(signum, frame)
+        return
+    signal.signal(signum, signal.SIG_DFL)  # the default action (terminate), with the same status
+    os.kill(os.getpid(), signum)
+
+
+def _install_terminate_handlers() -> None:
+    """Python's default SIGTERM ends the process without finalizers or atexit: without this, a
+    plain `kill` would leave the region (the full CPU tier) in /dev/shm. Signals set to be
+    ignored, or handled outside Python, are left alone; only the main thread can set handlers."""
+    if _previous_handlers or threading.current_thread() is not threading.main_thread():
+        return
+    for signum in _TERM_SIGNALS:
+        previous = signal.getsignal(signum)
+        if previous is None or previous == signal.SIG_IGN or previous is _on_terminate:
+            continue
+        _previous_handlers[signum] = previous
+        signal.signal(signum, _on_terminate)
+
+
+# ------------------------------------------------------------------ header and owner checks
+def _read_header(fd: int) -> RegionHeader | None:
+    """The header of the region open as `fd`, or None if it is not a kvtier region."""
+    try:
+        raw = os.pread(fd, _HEADER.size, 0)
+    except OSError:
+        return None
+    if len(raw) != _HEADER.size:
+        return None
+    magic, pid, token, num_blocks, slot_stride, block_bytes = _HEADER.unpack(raw)
+    if magic != _MAGIC:
+        return None
+    return RegionHeader(pid, token.hex(), num_blocks, slot_stride, block_bytes)
+
+
+def _lock_if_owner_dead(fd: int) -> bool:
+    """Take the exclusive lock of the region open as `fd`: True (locked) iff no owner holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+def _open_no_follow(path: str) -> int:
+    return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+
+
+def remove_stale_regions(shm_dir: str | None = None, min_age_s: float = 10.0) -> list[str]:
+    """Remove the regions whose creating process is gone, whatever their names, and return the names.
+
+    A region is a file of this user that carries a kvtier region header, or (regions of earlier
+    kvtier versions, and half-built ones) whose name starts with `kvtier-`. Its owner is gone when
+    its flock can be taken exclusively (a creator holds a shared one for its whole life); a
+    headerless `kvtier-<pid>-...` region also needs that pid gone (versions that took no lock).
+    A SIGKILLed owner cannot remove its region itself: without this sweep each kill would leave
+    the full size of its CPU tier in /dev/shm until reboot. Files of other users, non-regular
+    files, regions still locked and files younger than `min_age_s` (a creator may be between
+    creating and locking one) are left alone.
     """
+    shm_dir = shm_dir or SHM_DIR
     removed = []
     try:
-        names = [n for n in os.listdir(shm_dir) if n.startswith("kvtier-")]
+        names = os.listdir(shm_dir)
     except OSError:
         return removed
-    uid = os.getuid()
     for name in names:
-        pid = name.split("-")[1]
-        if pid.isdigit() and _pid_alive(int(pid)):
-            continue
-        path = os.path.join(shm_dir, name)
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            continue
-        try:
-            st = os.fstat(fd)
-            # not someone else's, and not one being created right now (open and flock are two calls)
-            if st.st_uid != uid or time.time() - st.st_ctime < min_age_s:
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
-                continue  # an owner is alive
-            os.unlink(path)
+        if _remove_if_stale(os.path.join(shm_dir, name), min_age_s):
             removed.append(name)
-        except OSError:
-            continue
-        finally:
-            os.close(fd)
     if removed:
         log.warning("removed %d shared-memory region(s) left in %s by processes that died: %s", len(removed),
                     shm_dir, ", ".join(removed[:5]))
     return removed
+
+
+def _remove_if_stale(path: str, min_age_s: float) -> bool:
+    name = os.path.basename(path)
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+        return False
+    try:
+        fd = _open_no_follow(path)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
+            return False
+        if _read_header(fd) is None:
+            if not name.startswith("kvtier-"):
+                return False  # not a kvtier region
+            pid = name.split("-")[1]
+            if pid.isdigit() and _pid_alive(int(pid)):
+                return False
+        if time.time() - st.st_ctime < min_age_s or not _lock_if_owner_dead(fd):
+            return False
+        _unlink_if_same(path, (st.st_dev, st.st_ino))
+        return True
+    finally:
+        os.close(fd)
+
+
+def _claim_name(path: str) -> None:
+    """Make `path` free for a new region, or raise `RegionInUseError`: a name held by a live
+    owner, or by a file that is not a kvtier region of this user, is never taken over."""
+    name = os.path.basename(path)
+    try:
+        fd = _open_no_follow(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise RegionInUseError(f"{path} exists and cannot be opened as a region ({exc.strerror}); "
+                               f"remove it or choose another shm_name") from None
+    try:
+        st = os.fstat(fd)
+        header = _read_header(fd)
+        if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
+                or (header is None and not name.startswith("kvtier-"))):
+            raise RegionInUseError(f"{path} exists and is not a kvtier region of this user; remove it or "
+                                   f"choose another shm_name")
+        if not _lock_if_owner_dead(fd):
+            owner = f"pid {header.pid}" if header else "another process"
+            raise RegionInUseError(f"region {name} in use by {owner}: two kvtier instances cannot share one "
+                                   f"CPU tier; give each its own shm_name (under vLLM the default name comes "
+                                   f"from the engine_id: give each engine its own)")
+        log.warning("removing shared-memory region %s left by pid %s, which died", path,
+                    header.pid if header else "?")
+        _unlink_if_same(path, (st.st_dev, st.st_ino))
+    finally:
+        os.close(fd)
 
 
 def _cuda_available() -> bool:
@@ -137,6 +311,11 @@ def _clear_cuda_error() -> None:
         pass
 
 
+# path -> the live region this process created there: attach() in the same process maps it
+# through the creator's file descriptor, so it needs no name (and cannot map another's region).
+_OWNED: "weakref.WeakValueDictionary[str, CPUBackend]" = weakref.WeakValueDictionary()
+
+
 class CPUBackend(Backend):
     """Blocks in a shared-memory region; `view(slot)` and `tensor()` expose them without copies."""
 
@@ -149,7 +328,8 @@ class CPUBackend(Backend):
     }
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0,
-                 shm_name: str | None = None, pin: str | bool = "auto", *, _create: bool = True):
+                 shm_name: str | None = None, pin: str | bool = "auto", *, _create: bool = True,
+                 _token: str | None = None):
         super().__init__(name, num_blocks, block_bytes, block_size)
         if block_bytes <= 0:
             raise ValueError(f"CPUBackend {name!r} needs block_bytes > 0, got {block_bytes}")
@@ -157,73 +337,159 @@ class CPUBackend(Backend):
         self.shm_name = _shm_name(shm_name) or f"kvtier-{os.getpid()}-{secrets.token_hex(4)}-{name}"
         self.path = os.path.join(SHM_DIR, self.shm_name)
         page = mmap.PAGESIZE
+        self.header_bytes = HEADER_BYTES
         self.slot_stride = -(-block_bytes // page) * page
-        self.size = num_blocks * self.slot_stride
+        self.size = num_blocks * self.slot_stride  # bytes of the slots (the header page not counted)
         self.owner = _create
         self._tensor = None
         self._pinned: list[int] = []  # registered chunk addresses
         self._closed = False
         self._lock_fd = -1
+        self._finalizer = None
         if _create:
-            remove_stale_regions(os.path.dirname(self.path))
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            # held for the region's life: tells remove_stale_regions that its owner is alive
-            fcntl.flock(fd, fcntl.LOCK_SH)
-            self._finalizer = weakref.finalize(self, _unlink_quietly, self.path)
+            self.token = secrets.token_hex(16)
+            fd = self._create_region()
         else:
-            fd = os.open(self.path, os.O_RDWR)
-            self._finalizer = None
+            fd = self._open_region(_token)
         try:
-            if _create:
-                os.ftruncate(fd, self.size)
-            else:
-                actual = os.fstat(fd).st_size
-                if actual != self.size:
-                    raise ValueError(f"shared region {self.path} is {actual} bytes, expected {self.size} "
-                                     f"({num_blocks} slots of {self.slot_stride} bytes)")
-            self._mmap = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            self._mmap = mmap.mmap(fd, self.header_bytes + self.size, flags=mmap.MAP_SHARED,
+                                   prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
             if self._finalizer is not None:
                 self._finalizer()
             os.close(fd)
             raise
         if _create:
-            self._lock_fd = fd
+            self._lock_fd = fd  # keeps the flock: tells everyone that the owner is alive
+            _OWNED[self.path] = self
         else:
             os.close(fd)  # the mapping keeps the file alive
         self._view = memoryview(self._mmap)
+        self.pinned = False
         if pin == "true" or (pin == "auto" and _cuda_available()):
-            self._pin(required=pin == "true")
+            try:
+                self._pin(required=pin == "true")
+            except BaseException:
+                self.close()  # a failed build leaves no region behind
+                raise
         self.pinned = bool(self._pinned)
 
     @classmethod
     def attach(cls, shm_name: str, num_blocks: int, block_bytes: int, block_size: int = 0,
-               name: str = "cpu", pin: str | bool = "auto") -> "CPUBackend":
-        """Map a region created by another process (same geometry). `close` leaves the file in place."""
-        return cls(name, num_blocks, block_bytes, block_size, shm_name=shm_name, pin=pin, _create=False)
+               name: str = "cpu", pin: str | bool = "auto", token: str | None = None) -> "CPUBackend":
+        """Map a region created by another process or object (same geometry). With `token` (the
+        creator's `token`), only that very region is mapped; another one under the same name is
+        refused with `RegionError`. A region this process created is mapped through its creator's
+        descriptor, even after `unpublish`. `close` leaves the file in place."""
+        return cls(name, num_blocks, block_bytes, block_size, shm_name=shm_name, pin=pin, _create=False,
+                   _token=token)
+
+    # ------------------------------------------------------------------ creation and attach
+    def _header(self) -> bytes:
+        return _HEADER.pack(_MAGIC, os.getpid(), bytes.fromhex(self.token), self.num_blocks, self.slot_stride,
+                            self.block_bytes)
+
+    def _create_region(self) -> int:
+        """Build the region under a temporary name (locked, sized, with its header), then publish
+        it under `path` with link(2): an existing region is never replaced, nor reused."""
+        directory = os.path.dirname(self.path)
+        remove_stale_regions(directory)
+        tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH)  # held for the region's life: its owner is alive
+            os.ftruncate(fd, self.header_bytes + self.size)
+            os.pwrite(fd, self._header(), 0)
+            self._publish(tmp)
+            st = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        finally:
+            _unlink_quietly(tmp)
+        self._ident = (st.st_dev, st.st_ino)
+        _PUBLISHED[self.path] = self._ident
+        self._finalizer = weakref.finalize(self, _remove_name_of_creator, os.getpid(), self.path, self._ident)
+        _install_terminate_handlers()
+        return fd
+
+    def _publish(self, tmp: str) -> None:
+        for _ in range(3):
+            try:
+                os.link(tmp, self.path)
+                return
+            except FileExistsError:
+                _claim_name(self.path)  # raises RegionInUseError unless the name was left by a dead owner
+        raise RegionInUseError(f"{self.path}: the name was taken again each time it was freed; "
+                               f"choose another shm_name")
+
+    def _open_region(self, token: str | None) -> int:
+        """Open the region to attach and check that it is the one expected; returns its descriptor."""
+        owner = _OWNED.get(self.path)
+        if owner is not None and owner._lock_fd >= 0:
+            fd = os.dup(owner._lock_fd)
+        else:
+            fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            st = os.fstat(fd)
+            self._ident = (st.st_dev, st.st_ino)
+            self.token = self._check_region(fd, st, token)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
+    def _check_region(self, fd: int, st: os.stat_result, token: str | None) -> str:
+        header = _read_header(fd) if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() else None
+        if header is None:
+            raise RegionError(f"{self.path} is not a kvtier region of this user")
+        if token is not None and not secrets.compare_digest(header.token, token):
+            raise RegionError(f"region {self.shm_name} (created by pid {header.pid}) is not the one this process "
+                              f"was told to map (token mismatch): another kvtier instance uses the same shm_name")
+        expected = (self.num_blocks, self.slot_stride, self.block_bytes)
+        actual = (header.num_blocks, header.slot_stride, header.block_bytes)
+        if actual != expected or st.st_size != self.header_bytes + self.size:
+            raise RegionError(f"shared region {self.path} holds {header.num_blocks} slots of {header.block_bytes} "
+                              f"bytes ({st.st_size} bytes), expected {self.num_blocks} slots of {self.block_bytes} "
+                              f"bytes ({self.header_bytes + self.size} bytes)")
+        return header.token
+
+    def unpublish(self) -> None:
+        """Remove the region's name from /dev/shm, once every process that maps it has mapped it.
+
+        The bytes stay mapped wherever they are mapped, and are freed by the kernel when the last
+        mapping goes, however its process ends: nothing can leak any more. Nobody can attach the
+        region by name afterwards (this process still can: see `attach`). Idempotent; safe from
+        an attached process (only this region's name is removed, never a newer region's)."""
+        _unlink_if_same(self.path, self._ident)
+
+    def owner_pid(self) -> int:
+        """Pid of the process that created the region (from its header)."""
+        return _HEADER.unpack_from(self._mmap, 0)[1]
 
     # ------------------------------------------------------------------ bytes
     def view(self, slot: int) -> memoryview:
         """The `block_bytes` bytes of one slot (writable; valid until `close`)."""
         if not 0 <= slot < self.num_blocks:
             raise IndexError(f"slot {slot} out of range 0..{self.num_blocks - 1}")
-        start = slot * self.slot_stride
+        start = self.header_bytes + slot * self.slot_stride
         return self._view[start:start + self.block_bytes]
 
     def tensor(self):
-        """A uint8 tensor `(num_blocks, block_bytes)` over the region (row stride `slot_stride`), no copy."""
+        """A uint8 tensor `(num_blocks, block_bytes)` over the slots (row stride `slot_stride`), no copy.
+        Its storage is exactly the slots' `size` bytes, starting at slot 0."""
         if self._tensor is None:
             import torch
 
-            flat = torch.frombuffer(self._mmap, dtype=torch.uint8)
+            flat = torch.frombuffer(self._mmap, dtype=torch.uint8, offset=self.header_bytes, count=self.size)
             self._tensor = flat.as_strided((self.num_blocks, self.block_bytes), (self.slot_stride, 1))
         return self._tensor
 
     def data_ptr(self) -> int:
-        """Address of slot 0 in this process."""
+        """Address of slot 0 in this process (page-aligned)."""
         import ctypes
 
-        return ctypes.addressof(ctypes.c_char.from_buffer(self._mmap))
+        return ctypes.addressof(ctypes.c_char.from_buffer(self._mmap, self.header_bytes))
 
     # ------------------------------------------------------------------ pinning
     def _pin(self, required: bool) -> None:
@@ -262,7 +528,8 @@ class CPUBackend(Backend):
 
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
-        """Unpin and unmap; the creating process also removes the file. Idempotent."""
+        """Unpin and unmap; the creating process also removes the name (if still its region's) and
+        releases its lock. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -277,6 +544,8 @@ class CPUBackend(Backend):
         if self._finalizer is not None:
             self._finalizer()
         if self._lock_fd >= 0:
+            if _OWNED.get(self.path) is self:
+                del _OWNED[self.path]
             os.close(self._lock_fd)
             self._lock_fd = -1
 

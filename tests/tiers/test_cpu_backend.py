@@ -28,7 +28,11 @@ def test_region_is_a_private_shm_file_of_exact_size(backend):
     assert backend.path.startswith("/dev/shm/")
     assert stat.S_IMODE(st.st_mode) == 0o600
     assert backend.slot_stride % mmap.PAGESIZE == 0 and backend.slot_stride >= 5000
-    assert st.st_size == 5 * backend.slot_stride  # capacity exactly as configured
+    assert backend.header_bytes == mmap.PAGESIZE
+    assert st.st_size == backend.header_bytes + 5 * backend.slot_stride  # capacity exactly as configured
+    assert backend.data_ptr() % mmap.PAGESIZE == 0  # slots stay page-aligned after the header page
+    assert backend.tensor().data_ptr() == backend.data_ptr()
+    assert backend.owner_pid() == os.getpid()
 
 
 def test_view_and_tensor_share_bytes_without_copies(backend):
@@ -84,8 +88,10 @@ def test_pinning_without_cuda():
     b = CPUBackend("cpu", 1, 64)  # auto: plain memory
     assert not b.pinned
     b.close()
+    before = {n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{os.getpid()}-")}
     with pytest.raises(RuntimeError, match="CUDA"):
         CPUBackend("cpu", 1, 64, pin="true")
+    assert {n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{os.getpid()}-")} == before  # none left
 
 
 def test_yaml_options_and_errors(tmp_path):
