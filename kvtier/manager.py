@@ -474,9 +474,15 @@ class HierarchyManager(OffloadingManager):
 
     def _start_demotion(self, tier: Tier, keys: list[OffloadKey]) -> bool:
         """Pin readable blocks `keys` of `tier` and start one job copying them to the next tier;
-        False (nothing started) when the next tier has no room for them."""
+        False (nothing started) when the next tier has no room for them. A next tier that
+        writes through itself gives up its written blocks first."""
         lower = self.tiers[tier.index + 1]
-        if self._make_room(lower, len(keys), set(keys)) is None:
+        protected = set(keys)
+        if lower.unwritten and not lower.lower_full:
+            evicted = self._make_room(lower, len(keys), protected.union(lower.unwritten))
+        else:
+            evicted = None
+        if evicted is None and self._make_room(lower, len(keys), protected) is None:
             return False
         src_blocks = [tier.policy.get(k) for k in keys]
         for block in src_blocks:

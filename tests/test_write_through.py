@@ -331,3 +331,31 @@ class WriteThroughMachine(ManagerMachine):
 
 TestWriteThroughMachine = WriteThroughMachine.TestCase
 TestWriteThroughMachine.settings = settings(max_examples=100, stateful_step_count=40, deadline=None)
+
+
+def test_three_tiers_writing_through_keep_every_block(ctx):
+    """hot -> warm -> cold, both upper tiers `on_store`: every block reaches the last tier."""
+    h = build_hierarchy(load_config_text("""
+block_bytes: 64B
+tiers:
+  - {name: hot, backend: memory, capacity: 8 blocks, policy: lru, cascade: on_store, reserve: 0.125}
+  - {name: warm, backend: memory, capacity: 8 blocks, policy: lru, cascade: on_store, reserve: 0.125}
+  - {name: cold, backend: memory, capacity: 1024 blocks, policy: lru}
+"""))
+    gate = Gate(h.backends)
+    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, gate)
+    m = h.manager
+    stored, cursors = [], [0] * 4
+    for _ in range(500):  # copies land at the end of each step; stores refused are asked again
+        for i, ks in enumerate(four_requests()):
+            if cursors[i] < len(ks) and (got := store(h, ks[cursors[i]:cursors[i] + 2], ctx)) is not None:
+                stored += got
+                cursors[i] += 2
+        gate.open()
+        m.on_schedule_end()
+        if not m.has_pending_work() and min(cursors) == 12:
+            break
+    stats = m.get_stats()
+    assert len(stored) == 48 and all(readable(h.manager.tiers[2], k) for k in stored)
+    assert stats["hot"]["cascade_dropped"] == stats["warm"]["cascade_dropped"] == 0
+    h.close()
