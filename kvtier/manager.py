@@ -355,7 +355,7 @@ class HierarchyManager(OffloadingManager):
         """`_make_room` after demoting the dirty blocks among the victims it is about to take.
         Handlers that finish at once (memory copies, replay) land before the eviction; slower ones
         were meant to be cleaned ahead of time by `_refill_reserve`: what is still dirty is
-        dropped and counted."""
+        dropped and counted. A write-through tier with copies waiting uses `_evict_written`."""
         need = n - tier.backend.get_num_free_blocks()
         if need <= 0:
             return []
