@@ -7,7 +7,14 @@ Residence rules (checked by the Hypothesis state machine in tests/test_manager_s
   watermark, the manager asks the policy for its next victims and copies them to tier k+1 in the
   background (the tier-k copies stay pinned meanwhile). `prepare_store` therefore never waits for a
   slower tier; a dirty block evicted anyway (the lower tier could not keep up) is counted as
-  `cascade_dropped`. Cascade `on_store`: every completed store is copied down at once.
+  `cascade_dropped`. Cascade `on_store` (write-through): every completed store is queued for a copy
+  to tier k+1; copies start at once up to the in-flight limit, the rest wait in the queue and are
+  started every step (`on_schedule_end`, `has_pending_work` says they wait) and as jobs finish.
+  While the next tier takes copies, eviction takes only written blocks: when too few remain, the
+  queued copies of the next victims start first and `prepare_store` answers None (no room yet;
+  the engine asks again). A dirty block is evicted only when its copy failed
+  (`cascade_dropped_failed`) or the next tier had no room for it or dropped its copy
+  (`cascade_dropped_full`).
 - Lookup: tier 0 first. A readable block further down is a HIT when a handler can load it straight
   into the engine's KV cache (direct path); otherwise it is promoted into tier 0 (staged path) and
   the lookup answers RETRY until it lands. A block being written is HIT_PENDING.
@@ -18,6 +25,7 @@ Residence rules (checked by the Hypothesis state machine in tests/test_manager_s
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -57,7 +65,9 @@ class TierStats:
     demotions: int = 0  # blocks copied from this tier to the next one
     promotions: int = 0  # blocks copied from this tier up to tier 0
     cascade_dropped: int = 0  # dirty blocks evicted without a copy below
-    cascade_deferred: int = 0  # demotions not started because too many were in flight (backpressure)
+    cascade_dropped_failed: int = 0  # of those (write-through): their copy below failed
+    cascade_dropped_full: int = 0  # of those (write-through): the next tier had no room or dropped its copy
+    cascade_deferred: int = 0  # demotions not started at once because too many were in flight (backpressure)
     failures: int = 0  # failed jobs that wrote into this tier or read from it
     bytes_in: int = 0
     bytes_out: int = 0
@@ -82,6 +92,10 @@ class Tier:
     clean: set = field(default_factory=set)  # keys whose copy here is also readable in the next tier
     demoting: int = 0  # blocks of this tier pinned by running demotions
     allocated_since_walk: int = 0  # slots handed out since the last reserve pass
+    # Write-through (`on_store`) state:
+    unwritten: OrderedDict = field(default_factory=OrderedDict)  # readable keys whose copy below has not started, oldest first
+    write_failed: set = field(default_factory=set)  # keys whose copy below failed (not tried again)
+    lower_full: bool = False  # the last copy tried found no room in the next tier
     stats: TierStats = field(default_factory=TierStats)
 
     @property
@@ -120,6 +134,7 @@ class HierarchyManager(OffloadingManager):
                 raise ValueError(f"tier {tier.name!r}: cascade must be one of {CASCADE_MODES}, got {tier.cascade!r}")
             tier.direct_load = i > 0 and engine.handler_for(tier.backend.spec_type, GPULoadStoreSpec) is not None
         self._top = self.tiers[0]
+        self._write_through = [t for t in self.tiers[:-1] if t.cascade == "on_store"]
         self._jobs: dict[int, _Job] = {}
         self._promoting: dict[OffloadKey, int] = {}  # key -> source tier index (queued or running)
         self._promote_queue: dict[OffloadKey, None] = {}  # promotions to start at the end of the step
@@ -224,6 +239,7 @@ class HierarchyManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
         self._drain()
+        self._advance_writes()
         top = self._top
         to_store = list(filterfalse(top.policy.get, keys))  # not resident (a BlockStatus is truthy)
         if self._promote_queue:
@@ -272,20 +288,23 @@ class HierarchyManager(OffloadingManager):
             below = self.tiers[1].policy.get
             top.clean.update(k for k in changed if (b := below(k)) is not None and b.ref_cnt >= 0)
             if top.cascade == "on_store":
-                self._demote(top, [k for k in changed if k not in top.clean])
+                self._queue_writes(top, [k for k in changed if k not in top.clean])
 
     def on_request_finished(self, req_context: ReqContext | None = None) -> None:
         return
 
     def on_schedule_end(self, context: Any = None) -> None:
         self._drain()
+        self._advance_writes()
         if self._promote_queue:
             self._flush_promotions()
         for tier in self.tiers[:-1]:
             self._refill_reserve(tier)
 
     def has_pending_work(self) -> bool:
-        return bool(self._jobs) or bool(self._promote_queue)
+        """Jobs in flight, promotions queued, or write-through copies waiting for in-flight room
+        (not those waiting for room in a full lower tier: stepping an idle engine cannot free it)."""
+        return bool(self._jobs) or bool(self._promote_queue) or self._writes_waiting()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self.events:
@@ -303,6 +322,7 @@ class HierarchyManager(OffloadingManager):
                 tier.clean.discard(key)
                 if tier.index > 0:
                     self.tiers[tier.index - 1].clean.discard(key)
+            self._forget(tier, [k for k, _ in victims])
             self._event(tier, [k for k, _ in victims], removed=True)
 
     def get_stats(self) -> dict[str, Any]:
@@ -314,12 +334,15 @@ class HierarchyManager(OffloadingManager):
         }
 
     def wait_idle(self) -> None:
-        """Block until every job the manager started has finished and been accounted (tests, bench)."""
+        """Block until every job the manager started has finished and been accounted, and every
+        write-through copy that can start has (tests, bench)."""
+        self._advance_writes()
         while self._jobs or self._promote_queue:
             if self._promote_queue:
                 self._flush_promotions()
             self.engine.wait([j for j in self._jobs])
             self._drain()
+            self._advance_writes()
 
     def shutdown(self) -> None:
         self.wait_idle()
@@ -332,7 +355,7 @@ class HierarchyManager(OffloadingManager):
         """`_make_room` after demoting the dirty blocks among the victims it is about to take.
         Handlers that finish at once (memory copies, replay) land before the eviction; slower ones
         were meant to be cleaned ahead of time by `_refill_reserve`: what is still dirty is
-        dropped and counted."""
+        dropped and counted. A write-through tier with copies waiting uses `_evict_written`."""
         need = n - tier.backend.get_num_free_blocks()
         if need <= 0:
             return []
@@ -343,7 +366,20 @@ class HierarchyManager(OffloadingManager):
             if dirty:
                 self._demote(tier, dirty)
                 self._drain()
+        elif tier.unwritten and not tier.lower_full:
+            return self._evict_written(tier, n, need, protected)
         return self._make_room(tier, n, protected)
+
+    def _evict_written(self, tier: Tier, n: int, need: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        """`_make_room` for a write-through tier whose next tier takes copies: blocks still queued
+        for their copy are not victims. When the other blocks are too few, the queued copies of
+        the next victims are started first and the answer is None (no room yet), unless they
+        finish at once (memory tiers) or the next tier turns out to be full (then they may go)."""
+        evicted = self._make_room(tier, n, protected.union(tier.unwritten))
+        if evicted is not None:
+            return evicted
+        self._hurry_writes(tier, need, protected)
+        return self._make_room(tier, n, protected if tier.lower_full else protected.union(tier.unwritten))
 
     def _make_room(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         """Free enough slots in `tier` for `n` new blocks; returns the evicted keys, or None."""
@@ -361,9 +397,15 @@ class HierarchyManager(OffloadingManager):
         clean = tier.clean
         if tier.index + 1 < len(self.tiers) and tier.cascade != "none":
             # evicted before a copy reached the next tier: lost to the hierarchy
-            tier.stats.cascade_dropped += len(evicted) - len(clean.intersection(evicted))
+            dropped = len(evicted) - len(clean.intersection(evicted))
+            tier.stats.cascade_dropped += dropped
+            if dropped and tier.cascade == "on_store":
+                failed = len(tier.write_failed.intersection(evicted))
+                tier.stats.cascade_dropped_failed += failed
+                tier.stats.cascade_dropped_full += dropped - failed
         if clean:
             clean.difference_update(evicted)
+        self._forget(tier, evicted)
         if tier.index > 0:
             self.tiers[tier.index - 1].clean.difference_update(evicted)
         elif self._origin:
@@ -415,20 +457,33 @@ class HierarchyManager(OffloadingManager):
         """Copy readable blocks of `tier` to the next tier (one job); they stay pinned until it ends."""
         lower = self.tiers[tier.index + 1]
         keys = [k for k in keys if lower.policy.get(k) is None]
-        # Backpressure: a slow lower tier gets at most two reserves' worth of blocks in flight;
-        # the rest is deferred (tried again on a later pass, or dropped at eviction), never awaited.
-        # A burst larger than that may start when nothing is in flight (the lower tier keeps up).
-        room = 2 * max(1, int(tier.capacity * tier.reserve_fraction)) - tier.demoting
-        if tier.demoting == 0:
-            room = max(room, len(keys))
+        # Backpressure: the rest is deferred (tried again on a later pass, or dropped at
+        # eviction), never awaited.
+        room = self._demotion_room(tier, burst=len(keys))
         if len(keys) > room:
             tier.stats.cascade_deferred += len(keys) - max(0, room)
             keys = keys[:max(0, room)]
-        if not keys:
-            return
-        if self._make_room(lower, len(keys), set(keys)) is None:
+        if keys and not self._start_demotion(tier, keys):
             log.debug("tier %s: no room to demote %d blocks", lower.name, len(keys))
-            return
+
+    def _demotion_room(self, tier: Tier, burst: int = 0) -> int:
+        """How many more blocks of `tier` may start a demotion now. A slow lower tier gets at most
+        two reserves' worth in flight; a burst of `burst` blocks may start when none is."""
+        room = 2 * max(1, int(tier.capacity * tier.reserve_fraction)) - tier.demoting
+        return max(room, burst) if tier.demoting == 0 else room
+
+    def _start_demotion(self, tier: Tier, keys: list[OffloadKey]) -> bool:
+        """Pin readable blocks `keys` of `tier` and start one job copying them to the next tier;
+        False (nothing started) when the next tier has no room for them. A next tier that
+        writes through itself gives up its written blocks first."""
+        lower = self.tiers[tier.index + 1]
+        protected = set(keys)
+        if lower.unwritten and not lower.lower_full:
+            evicted = self._make_room(lower, len(keys), protected.union(lower.unwritten))
+        else:
+            evicted = None
+        if evicted is None and self._make_room(lower, len(keys), protected) is None:
+            return False
         src_blocks = [tier.policy.get(k) for k in keys]
         for block in src_blocks:
             block.ref_cnt += 1
@@ -436,6 +491,99 @@ class HierarchyManager(OffloadingManager):
         dst_blocks = lower.backend.allocate_blocks(keys)
         lower.policy.insert_many(keys, dst_blocks)
         self._submit(_Job("demote", tier, lower, keys, src_blocks, dst_blocks))
+        return True
+
+    # ------------------------------------------------------------------ write-through (on_store)
+    def _queue_writes(self, tier: Tier, keys: list[OffloadKey]) -> None:
+        """Queue copies of `tier`'s newly readable blocks `keys` to the next tier and start what
+        the in-flight limit allows (all of them when nothing is in flight); the rest is counted
+        as `cascade_deferred` and started later, oldest first (`_advance_writes`)."""
+        if not keys:
+            return
+        queue = tier.unwritten
+        queue.update(dict.fromkeys(keys))
+        self._pump_writes(tier, burst=len(keys))
+        tier.stats.cascade_deferred += min(len(keys), len(queue))  # new keys are at the tail
+        if queue and self.engine.finished:
+            self._advance_writes()
+
+    def _advance_writes(self) -> None:
+        """Start queued write-through copies until the in-flight limits stop them; copies that
+        finish at once (memory tiers) are accounted right away and so make room for the next."""
+        while self._write_through:
+            started = False
+            for tier in self._write_through:
+                if tier.unwritten:
+                    started |= self._pump_writes(tier)
+            if not (started and self.engine.finished):
+                return
+            self._drain()
+
+    def _pump_writes(self, tier: Tier, burst: int = 0) -> bool:
+        """Start copies of the head of `tier`'s write-through queue, as many as `_demotion_room`
+        allows; whether any started. Keys gone from the tier, or already below, leave the queue.
+        When the next tier has no room they stay at the head and `lower_full` is set."""
+        queue = tier.unwritten
+        lower_get = self.tiers[tier.index + 1].policy.get
+        get = tier.policy.get
+        started = False
+        while queue:
+            room = self._demotion_room(tier, burst)
+            if room <= 0:
+                break
+            keys: list[OffloadKey] = []
+            while queue and len(keys) < room:
+                key = queue.popitem(last=False)[0]
+                block, below = get(key), lower_get(key)
+                if block is None or block.ref_cnt < 0:
+                    continue
+                if below is not None:
+                    if below.ref_cnt >= 0:
+                        tier.clean.add(key)
+                    continue
+                keys.append(key)
+            if not keys:
+                continue
+            if not self._start_demotion(tier, keys):
+                for key in reversed(keys):
+                    queue[key] = None
+                    queue.move_to_end(key, last=False)
+                tier.lower_full = True
+                break
+            tier.lower_full = False
+            started = True
+        return started
+
+    def _hurry_writes(self, tier: Tier, need: int, protected: Collection[OffloadKey]) -> None:
+        """Move the queued keys among `tier`'s next `need` victims to the head of its write-through
+        queue and start what the in-flight limit allows (the rest goes first when room frees)."""
+        queue = tier.unwritten
+        hurried: list[OffloadKey] = []
+        seen = 0
+        for key, _ in tier.policy.victim_candidates():
+            if key in protected:
+                continue
+            if key in queue:
+                hurried.append(key)
+            seen += 1
+            if seen >= need:
+                break
+        for key in reversed(hurried):
+            queue.move_to_end(key, last=False)
+        self._advance_writes()
+
+    def _writes_waiting(self) -> bool:
+        """Whether a write-through queue waits for in-flight room (not for a full lower tier)."""
+        return any(t.unwritten and not t.lower_full for t in self._write_through)
+
+    def _forget(self, tier: Tier, keys: Collection[OffloadKey]) -> None:
+        """Drop write-through state of keys that left `tier`."""
+        if tier.unwritten:
+            pop = tier.unwritten.pop
+            for key in keys:
+                pop(key, None)
+        if tier.write_failed:
+            tier.write_failed.difference_update(keys)
 
     def _flush_promotions(self) -> None:
         """Start the promotions queued by `lookup`, one job per source tier. Source blocks are
@@ -509,7 +657,9 @@ class HierarchyManager(OffloadingManager):
                 src.stats.demotions += len(job.keys)
                 src.clean.update(job.keys)
                 if dst.cascade == "on_store" and dst.index + 1 < len(self.tiers):
-                    self._demote(dst, list(job.keys))
+                    dst.unwritten.update(dict.fromkeys(job.keys))  # started by `_advance_writes`
+            elif src.cascade == "on_store":
+                src.write_failed.update(k for k in job.keys if src.policy.get(k) is not None)
         else:
             for key in job.keys:
                 self._promoting.pop(key, None)
@@ -528,6 +678,7 @@ class HierarchyManager(OffloadingManager):
                         src.backend.free(block)
                         if src.index > 0:
                             self.tiers[src.index - 1].clean.discard(key)
+                        self._forget(src, [key])
                         self._event(src, [key], removed=True)
                     self._promotion_refused.add(key)
 

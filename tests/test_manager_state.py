@@ -46,9 +46,11 @@ class DeferredCopy(TransferHandler):
 
 
 class ManagerMachine(RuleBasedStateMachine):
+    HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="arc")  # subclasses vary it
+
     def __init__(self):
         super().__init__()
-        self.h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="arc")
+        self.h = memory_hierarchy(**self.HIERARCHY)
         self.copier = DeferredCopy(self.h.backends)
         self.h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, self.copier)
         self.m = self.h.manager

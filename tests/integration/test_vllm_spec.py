@@ -201,3 +201,27 @@ def test_a_load_makes_its_blocks_most_recently_used(spec):
     out = m.prepare_store(_keys(2, start=20), ctx)
     assert out is not None and sorted(out.evicted_keys) == sorted(later)
     _settle(m)
+
+
+def test_write_through_backpressure_is_exported_as_a_metric(spec):
+    """Copies that wait for in-flight room count as `vllm:kvtier_cascade_deferred`, and vLLM is
+    kept stepping (`has_pending_work`) until they are written."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.integrations.vllm import KVTierOffloadingSpec
+
+    names = set(KVTierOffloadingSpec.build_metric_definitions({}))
+    assert {"vllm:kvtier_cascade_deferred", "vllm:kvtier_cascade_dropped_failed",
+            "vllm:kvtier_cascade_dropped_full"} <= names
+    m = spec.get_manager()
+    ctx = ReqContext("r-deferred")
+    first, second = _keys(2, start=300), _keys(2, start=302)
+    out1, out2 = m.prepare_store(first, ctx), m.prepare_store(second, ctx)
+    m.complete_store(out1.keys_to_store, ctx)  # its copy starts: the in-flight limit (2) is used
+    m.complete_store(out2.keys_to_store, ctx)  # waits for room
+    data = m.get_stats().data["data"]
+    assert data["vllm:kvtier_cascade_deferred"][("cpu",)] == 2
+    assert m.has_pending_work()
+    _settle(m)
+    assert not m.has_pending_work()
+    assert m.tier_stats()["disk"]["stores"] == 4 and m.tier_stats()["cpu"]["cascade_dropped"] == 0

@@ -7,6 +7,10 @@ block), `offload_block_size` (tokens per offloaded block; default block_size), `
 `max_model_len`, `max_tokens`, `spec` (optional: {"name", "module", "extra"} to run another
 offloading spec, e.g. vLLM's own; {"name": "none"} runs without a connector), `steps`: a list of
   {"op": "generate", "name": N, "prompt": TEXT}   greedy; records tokens, seconds, metric deltas
+  {"op": "generate_many", "name": N, "prompts": [TEXT, ...]}
+                                                  the prompts as concurrent requests (one call);
+                                                  records `outputs` (per prompt: tokens, text,
+                                                  prompt_token_ids) and the step's metric deltas
   {"op": "reset"}                                 llm.reset_prefix_cache(): empties the engine cache
   {"op": "corrupt_file_tier", "root_dir": DIR}    flips one payload byte of every slot on disk
   {"op": "sleep", "seconds": S}
@@ -102,6 +106,18 @@ def main(job_path: str, report_path: str) -> None:
             report["steps"].append({"op": op, "name": step["name"], "tokens": list(out.outputs[0].token_ids),
                                     "text": out.outputs[0].text, "prompt_tokens": len(out.prompt_token_ids),
                                     "seconds": seconds, "metrics": delta})
+        elif op == "generate_many":
+            before = _counters(llm)
+            start = time.perf_counter()
+            outs = llm.generate(list(step["prompts"]), params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+            time.sleep(step.get("settle", 0.5))
+            after = _counters(llm)
+            delta = {k: after[k] - before.get(k, 0) for k in after if after[k] - before.get(k, 0)}
+            outputs = [{"tokens": list(o.outputs[0].token_ids), "text": o.outputs[0].text,
+                        "prompt_token_ids": list(o.prompt_token_ids)} for o in outs]
+            report["steps"].append({"op": op, "name": step["name"], "outputs": outputs, "seconds": seconds,
+                                    "metrics": delta})
         elif op == "reset":
             ok = llm.reset_prefix_cache()
             report["steps"].append({"op": op, "ok": bool(ok)})
