@@ -33,7 +33,7 @@ def cpu_over_file(root, cpu_blocks=32, file_blocks=1024):
 block_bytes: {BLOCK}B
 tiers:
   - {{name: cpu, backend: cpu, capacity: {cpu_blocks} blocks, policy: lru, cascade: on_store, pin: false}}
-  - {{name: nvme, backend: file, root_dir: {root}, capacity: {file_blocks} blocks, policy: lru}}
+  - {{name: nvme, backend: file, root_dir: {root}, capacity: {file_blocks} blocks, policy: lru, fingerprint: test-model}}
 """))
 
 
