@@ -253,9 +253,9 @@ class HandlerTests:
     @staticmethod
     def _engine_pair(src: Side, dst: Side, forward, backward):
         """(engine side, slot side, engine -> slot handler, slot -> engine handler), or None."""
-        if isinstance(src.spec_type, type) and issubclass(src.spec_type, GPULoadStoreSpec):
+        if issubclass(src.spec_type, GPULoadStoreSpec):
             return src, dst, forward, backward
-        if isinstance(dst.spec_type, type) and issubclass(dst.spec_type, GPULoadStoreSpec):
+        if issubclass(dst.spec_type, GPULoadStoreSpec):
             return dst, src, backward, forward
         return None
 
@@ -287,9 +287,7 @@ class HandlerTests:
         try:
             pair = self._engine_pair(src, dst, forward, backward)
             if pair is None or pair[0].span < 2:
-                import pytest
-
-                pytest.skip("needs an engine side with more than one engine block per offloaded block")
+                _skip("needs an engine side with more than one engine block per offloaded block")
             engine, slots, store, load = pair
             rng, n, bpc = random.Random(self.seed + 1), self.blocks_per_job, pair[0].span
             keys = self._keys(n)
@@ -302,7 +300,7 @@ class HandlerTests:
                 covered = n * bpc - skip - tail
                 if covered <= 0:
                     continue
-                f = [x for x in self._ids(engine, n, rng, exclude=e)][:covered]
+                f = self._ids(engine, n, rng, exclude=e)[:covered]
                 engine.fill(f, keys, rng)
                 used = -(-(covered + skip) // bpc)  # offloaded blocks the load touches
                 r = jobs.run(load, job, slots.spec(s[:used], keys[:used]), engine.spec(f, keys[:used], block_indices=[skip]))
@@ -354,6 +352,12 @@ class HandlerTests:
             assert {j: jobs.results[j].success for j in expected_ok} == expected_ok
         finally:
             self._close(src, dst, jobs)
+
+
+def _skip(reason: str) -> None:
+    import pytest  # only when a test is skipped: importing the suite does not need pytest
+
+    pytest.skip(reason)
 
 
 def _registry_path(src_type: type, dst_type: type) -> str:

@@ -72,7 +72,17 @@ class TestCPUToFile(HandlerTests):
         return cpu_side(), file_side(tmp_path)
 
 
-class TestFileToCPU(HandlerTests):
+class UnverifiedRead:
+    """Failure hook for loads out of a file tier: ask for keys no slot was ever written with
+    (the read must fail verification, not hand over whatever the slots hold)."""
+
+    def failing_job(self, src, dst, keys):
+        n = len(keys)
+        foreign = [bytes(b ^ 0xFF for b in key) for key in keys]
+        return src.spec(list(range(SLOTS - n, SLOTS)), foreign), dst.spec(list(range(n * dst.span)), keys)
+
+
+class TestFileToCPU(UnverifiedRead, HandlerTests):
     def make_sides(self, tmp_path):
         return file_side(tmp_path), memory_side()
 
@@ -97,7 +107,7 @@ class TestGPUToFile(HandlerTests):
         return engine_side(), file_side(tmp_path)
 
 
-class TestFileToGPU(HandlerTests):
+class TestFileToGPU(UnverifiedRead, HandlerTests):
     def make_sides(self, tmp_path):
         return file_side(tmp_path), engine_side()
 
@@ -109,7 +119,7 @@ class TestGPUToFileKvikio(HandlerTests):
 
 def test_every_registered_pair_runs_the_suite(tmp_path):
     covered = set()
-    for cls in HandlerTests.__subclasses__():
+    for cls in list(HandlerTests.__subclasses__()) + [TestFileToCPU, TestFileToGPU]:
         if cls.__name__.startswith("Test"):
             src, dst = cls().make_sides(tmp_path)
             covered.add((src.spec_type.__name__, dst.spec_type.__name__))
