@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import LRUOffloadingManager, build_hierarchy, load_config_text
+from kvtier import LookupResult, LRUOffloadingManager, build_hierarchy, load_config_text
 from kvtier.testing.manager import ManagerTests
 from kvtier.tiers.memory import MemoryBackend, SlotBackend
 from kvtier.types import PrepareStoreOutput
@@ -103,6 +103,14 @@ class ResetKeepsBlocks(LRUOffloadingManager):
         return
 
 
+class HitsEverything(LRUOffloadingManager):
+    """Answers HIT for blocks it never stored."""
+
+    def lookup(self, key, req_context):
+        result = super().lookup(key, req_context)
+        return LookupResult.HIT if result is LookupResult.MISS else result
+
+
 class BrokenSuite(TestLRUManager):
     manager_cls: type = LRUOffloadingManager
 
@@ -124,3 +132,8 @@ def test_a_manager_that_evicts_a_pinned_block_fails_the_suite(tmp_path):
 def test_a_manager_whose_reset_keeps_blocks_fails_the_suite(tmp_path):
     with pytest.raises(AssertionError, match="still found after reset_cache|no tier holds"):
         broken(ResetKeepsBlocks).test_reset_cache_removes_every_block(tmp_path)
+
+
+def test_a_manager_that_answers_hit_for_unknown_blocks_fails_the_suite(tmp_path):
+    with pytest.raises(AssertionError, match="no tier holds"):
+        broken(HitsEverything).test_scheduler_trace(tmp_path)

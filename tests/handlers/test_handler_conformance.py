@@ -145,6 +145,15 @@ class DoubleReport(MemoryCopyHandler):
         super().submit(job_id, src, dst)
 
 
+class LosesAJob(MemoryCopyHandler):
+    """Never reports its third job."""
+
+    def submit(self, job_id, src, dst):
+        self.submitted = getattr(self, "submitted", 0) + 1
+        if self.submitted != 3:
+            super().submit(job_id, src, dst)
+
+
 class SwallowsFailures(MemoryCopyHandler):
     """Turns a failing copy into a success."""
 
@@ -170,6 +179,11 @@ def test_a_handler_that_drops_a_block_fails_the_round_trip(tmp_path):
 def test_a_handler_that_reports_a_job_twice_fails_no_job_lost(tmp_path):
     with pytest.raises(AssertionError, match="reports per job"):
         broken_suite(DoubleReport).test_no_job_lost(tmp_path)
+
+
+def test_a_handler_that_loses_a_job_fails_no_job_lost(tmp_path):
+    with pytest.raises(AssertionError, match="reports per job"):
+        broken_suite(LosesAJob).test_no_job_lost(tmp_path)
 
 
 def test_a_handler_that_hides_a_failure_fails_the_failure_test(tmp_path):
