@@ -1,13 +1,20 @@
 """A Hypothesis state machine over the hierarchy manager with transfers that finish late or fail.
 
-Invariants after every step: no tier holds more blocks than its capacity; blocks pinned by loads
-are still resident and readable; every readable block, in any tier, holds exactly the bytes that
-were stored for its key; a tier's "clean" keys are really readable one tier down.
+Invariants after every step: no tier holds more blocks than its capacity; a block pinned by
+`prepare_load` stays in the tier it was loaded from (the same slot, still pinned) until
+`complete_load`; every readable block, in any tier, holds exactly the bytes that were stored for
+its key; a tier's "clean" keys are really readable one tier down.
+
+The tests at the end break the manager (or the copies) in one way each and check that the
+machine notices: every invariant can fail.
 """
 
-from hypothesis import settings
+from collections import Counter
+
+import pytest
+from hypothesis import Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
 from kvtier.handlers.base import TransferHandler
@@ -55,7 +62,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, self.copier)
         self.m = self.h.manager
         self.pending_stores: list[list[bytes]] = []
-        self.loads: list[bytes] = []
+        self.loads: list[tuple[bytes, str, object]] = []  # (key, tier loaded from, its BlockStatus)
 
     def teardown(self):
         self.copier.run(fail=True)
@@ -82,12 +89,12 @@ class ManagerMachine(RuleBasedStateMachine):
             spec = self.m.prepare_load([key], CTX)
             backend = self.h.backends[spec.tier]
             assert bytes(backend.view(spec.block_ids[0])) == content(key)
-            self.loads.append(key)
+            self.loads.append((key, spec.tier, self.tier(spec.tier).policy.get(key)))
 
     @precondition(lambda self: self.loads)
     @rule(data=st.data())
     def complete_load(self, data):
-        key = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
+        key, _, _ = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
         self.m.complete_load([key], CTX)
 
     @rule()
@@ -101,14 +108,22 @@ class ManagerMachine(RuleBasedStateMachine):
     @invariant()
     def capacity_never_exceeded(self):
         for tier in self.m.tiers:
-            assert len(tier.policy) <= tier.capacity
-            assert len(tier.policy) + tier.backend.get_num_free_blocks() == tier.capacity
+            assert len(tier.policy) <= tier.capacity, f"{tier.name} holds {len(tier.policy)} > capacity {tier.capacity}"
+            free = tier.backend.get_num_free_blocks()
+            assert len(tier.policy) + free == tier.capacity, (
+                f"{tier.name}: {len(tier.policy)} held + {free} free slots != capacity {tier.capacity}")
+
+    def tier(self, name):
+        return next(t for t in self.m.tiers if t.name == name)
 
     @invariant()
-    def pinned_blocks_stay_readable(self):
-        for key in self.loads:
-            pinned = [t.policy.get(key) for t in self.m.tiers if t.policy.get(key) is not None]
-            assert any(b.ref_cnt > 0 for b in pinned)
+    def pinned_blocks_stay_where_they_were_loaded_from(self):
+        pins = Counter((key, tier) for key, tier, _ in self.loads)
+        for key, tier, block in self.loads:
+            assert self.tier(tier).policy.get(key) is block, (
+                f"{key.hex()}, loaded from {tier}, left that tier before complete_load")
+            assert block.ref_cnt >= pins[(key, tier)], (
+                f"{key.hex()} in {tier}: {pins[(key, tier)]} loads pending but ref_cnt {block.ref_cnt}")
 
     @invariant()
     def readable_blocks_hold_their_bytes(self):
@@ -117,7 +132,8 @@ class ManagerMachine(RuleBasedStateMachine):
             for key in list(tier.policy.keys()):
                 block = tier.policy.get(key)
                 if block.ref_cnt >= 0:
-                    assert bytes(backend.view(block.block_id)) == content(key), (tier.name, key)
+                    assert bytes(backend.view(block.block_id)) == content(key), (
+                        f"{tier.name}: readable {key.hex()} holds other bytes than were stored")
 
     @invariant()
     def clean_keys_are_readable_below(self):
@@ -125,8 +141,117 @@ class ManagerMachine(RuleBasedStateMachine):
         for key in hot.clean:
             assert hot.policy.get(key) is not None
             below = warm.policy.get(key)
-            assert below is not None and below.ref_cnt >= 0
+            assert below is not None and below.ref_cnt >= 0, f"{key.hex()} is clean in hot but not readable in warm"
 
 
 TestManagerStateMachine = ManagerMachine.TestCase
 TestManagerStateMachine.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+# ---------------------------------------------------------------------- every invariant can fail
+FIND_FAST = settings(max_examples=300, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+                     phases=[Phase.generate])
+
+
+class PinsAnotherCopy(ManagerMachine):
+    """prepare_load moves its pin to the copy one tier down (the defect the old invariant,
+    "some copy is pinned", accepted): the copy actually read can then be evicted under the load."""
+
+    def __init__(self):
+        super().__init__()
+        hot, warm = self.m.tiers
+        prepare, complete, moved = self.m.prepare_load, self.m.complete_load, Counter()
+
+        def prepare_load(keys, ctx=None):
+            spec = prepare(keys, ctx)
+            for key in keys:
+                below = warm.policy.get(key)
+                if spec.tier == hot.name and below is not None and below.ref_cnt >= 0:
+                    hot.policy.get(key).ref_cnt -= 1
+                    below.ref_cnt += 1
+                    moved[key] += 1
+            return spec
+
+        def complete_load(keys, ctx=None):
+            for key in keys:
+                if moved[key]:
+                    moved[key] -= 1
+                    warm.policy.get(key).ref_cnt -= 1
+                    hot.policy.get(key).ref_cnt += 1
+            complete(keys, ctx)
+
+        self.m.prepare_load, self.m.complete_load = prepare_load, complete_load
+
+
+class EvictsPinnedCopy(ManagerMachine):
+    """prepare_store drops pinned hot blocks that have a readable copy below (as if the copy
+    could serve the load that is reading the hot one)."""
+
+    def __init__(self):
+        super().__init__()
+        prepare = self.m.prepare_store
+
+        def prepare_store(keys, ctx=None):
+            hot, warm = self.m.tiers
+            loading = {k for k, _, _ in self.loads}
+            for key in list(hot.policy.keys()):
+                block, below = hot.policy.get(key), warm.policy.get(key)
+                if key in loading and below is not None and below.ref_cnt >= 0:
+                    hot.policy.remove(key)
+                    hot.backend.free(block)
+                    hot.clean.discard(key)
+            return prepare(keys, ctx)
+        self.m.prepare_store = prepare_store
+
+
+class LeaksSlots(ManagerMachine):
+    """The hot tier's backend never gets its slots back."""
+
+    def __init__(self):
+        super().__init__()
+        hot = self.h.backends["hot"]
+        hot.free = hot.free_many = lambda *a: None
+
+
+class CorruptsCopies(ManagerMachine):
+    """Copies between tiers flip the first byte of every block and report success."""
+
+    def __init__(self):
+        super().__init__()
+        run = self.copier.run
+
+        def corrupt_run(fail):
+            queue = list(self.copier.queue)
+            run(fail)
+            for _, _, dst in queue if not fail else ():
+                for slot in dst.block_ids:
+                    view = self.h.backends[dst.tier].view(slot)
+                    view[0] ^= 0xFF
+        self.copier.run = corrupt_run
+
+
+class CleanTooEarly(ManagerMachine):
+    """complete_store marks blocks clean (safe to drop) before any copy reached the next tier."""
+
+    def __init__(self):
+        super().__init__()
+        complete = self.m.complete_store
+
+        def complete_store(keys, ctx=None, success=True):
+            complete(keys, ctx, success=success)
+            if success:
+                hot = self.m.tiers[0]
+                hot.clean.update(k for k in keys if hot.policy.get(k) is not None)
+        self.m.complete_store = complete_store
+
+
+@pytest.mark.parametrize("machine, message", [
+    (PinsAnotherCopy, "loads pending but ref_cnt"),
+    (EvictsPinnedCopy, "left that tier before complete_load"),
+    (LeaksSlots, "free slots != capacity"),
+    (CorruptsCopies, "holds other bytes"),
+    (CleanTooEarly, "clean in hot but not readable in warm"),
+], ids=["pin-moved", "pinned-evicted", "capacity", "bytes", "clean"])
+def test_each_invariant_catches_its_defect(machine, message):
+    with pytest.raises(AssertionError, match=message):
+        run_state_machine_as_test(machine, settings=FIND_FAST)

@@ -1,0 +1,191 @@
+"""Every registered handler pair runs `kvtier.testing.handler.HandlerTests`, and a broken handler fails it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier import registry
+from kvtier.handlers.memory import MemoryCopyHandler
+from kvtier.testing.handler import EngineSide, FileSlotSide, HandlerTests, HostSlotSide
+from kvtier.tiers import fileio
+from kvtier.tiers.cpu import CPUBackend
+from kvtier.tiers.file import FileBackend
+from kvtier.tiers.memory import MemoryBackend
+
+torch = pytest.importorskip("torch")
+
+SLOTS = 24
+BPC = 2  # engine blocks per offloaded block: exercises partial first blocks
+
+
+def engine_side(num_blocks: int = 64) -> EngineSide:
+    """Two KV tensors, one with rows wider than its page (stride(0) > page), one group over both."""
+    from kvtier import CanonicalKVCacheRef, CanonicalKVCacheTensor
+    from kvtier.handlers.gpu_cpu import ChunkedKVCaches
+
+    t0 = torch.zeros((num_blocks, 512 + 64), dtype=torch.int8)
+    t1 = torch.zeros((num_blocks, 256), dtype=torch.int8)
+    kv = ChunkedKVCaches([CanonicalKVCacheTensor(t0, 512), CanonicalKVCacheTensor(t1, 256)],
+                         [[CanonicalKVCacheRef(0, 512), CanonicalKVCacheRef(1, 256)]], BPC)
+    return EngineSide(kv)
+
+
+ENGINE_BLOCK_BYTES = BPC * (512 + 256)
+
+
+def memory_side(name="mem", block_bytes=ENGINE_BLOCK_BYTES):
+    return HostSlotSide(MemoryBackend(name, SLOTS, block_bytes))
+
+
+def cpu_side(name="cpu", block_bytes=ENGINE_BLOCK_BYTES):
+    return HostSlotSide(CPUBackend(name, SLOTS, block_bytes, pin="false"))
+
+
+def file_side(tmp_path, io="posix", block_bytes=ENGINE_BLOCK_BYTES):
+    if io == "kvikio":
+        if not fileio.kvikio_importable():
+            pytest.skip("kvikio not installed")
+        from kvtier.testing.fake_cuda import load_fake_libcuda
+
+        load_fake_libcuda()
+    return FileSlotSide(FileBackend("nvme", SLOTS, block_bytes, root_dir=str(tmp_path / f"nvme-{io}"), io=io,
+                                    fingerprint="conformance", num_threads=2))
+
+
+class TestMemoryToMemory(HandlerTests):
+    def make_sides(self, tmp_path):
+        return memory_side("a"), memory_side("b")
+
+
+class TestMemoryToSharedCPU(HandlerTests):
+    def make_sides(self, tmp_path):
+        return memory_side(), cpu_side()
+
+
+class TestSharedCPUToMemory(HandlerTests):
+    def make_sides(self, tmp_path):
+        return cpu_side(), memory_side()
+
+
+class TestCPUToFile(HandlerTests):
+    def make_sides(self, tmp_path):
+        return cpu_side(), file_side(tmp_path)
+
+
+class UnverifiedRead:
+    """Failure hook for loads out of a file tier: ask for keys no slot was ever written with
+    (the read must fail verification, not hand over whatever the slots hold)."""
+
+    def failing_job(self, src, dst, keys):
+        n = len(keys)
+        foreign = [bytes(b ^ 0xFF for b in key) for key in keys]
+        return src.spec(list(range(SLOTS - n, SLOTS)), foreign), dst.spec(list(range(n * dst.span)), keys)
+
+
+class TestFileToCPU(UnverifiedRead, HandlerTests):
+    def make_sides(self, tmp_path):
+        return file_side(tmp_path), memory_side()
+
+
+class TestCPUToFileKvikio(HandlerTests):
+    def make_sides(self, tmp_path):
+        return memory_side(), file_side(tmp_path, io="kvikio")
+
+
+class TestGPUToCPU(HandlerTests):
+    def make_sides(self, tmp_path):
+        return engine_side(), cpu_side()
+
+
+class TestCPUToGPU(HandlerTests):
+    def make_sides(self, tmp_path):
+        return memory_side(), engine_side()
+
+
+class TestGPUToFile(HandlerTests):
+    def make_sides(self, tmp_path):
+        return engine_side(), file_side(tmp_path)
+
+
+class TestFileToGPU(UnverifiedRead, HandlerTests):
+    def make_sides(self, tmp_path):
+        return file_side(tmp_path), engine_side()
+
+
+class TestGPUToFileKvikio(HandlerTests):
+    def make_sides(self, tmp_path):
+        return engine_side(), file_side(tmp_path, io="kvikio")
+
+
+def test_every_registered_pair_runs_the_suite(tmp_path):
+    covered = set()
+    for cls in list(HandlerTests.__subclasses__()) + [TestFileToCPU, TestFileToGPU]:
+        if cls.__name__.startswith("Test"):
+            src, dst = cls().make_sides(tmp_path)
+            covered.add((src.spec_type.__name__, dst.spec_type.__name__))
+            src.close()
+            dst.close()
+    assert set(registry.HANDLERS) <= covered, f"pairs without a conformance run: {set(registry.HANDLERS) - covered}"
+
+
+# ---------------------------------------------------------------------- the suite catches broken handlers
+class DroppingCopy(MemoryCopyHandler):
+    """Reports success but never copies the last block of a job."""
+
+    def copy(self, src, dst):
+        moved = super().copy(src.subset(range(len(src) - 1)), dst.subset(range(len(dst) - 1)))
+        return moved + self.backends[src.tier].block_bytes
+
+
+class DoubleReport(MemoryCopyHandler):
+    """Reports every job twice."""
+
+    def submit(self, job_id, src, dst):
+        super().submit(job_id, src, dst)
+        super().submit(job_id, src, dst)
+
+
+class LosesAJob(MemoryCopyHandler):
+    """Never reports its third job."""
+
+    def submit(self, job_id, src, dst):
+        self.submitted = getattr(self, "submitted", 0) + 1
+        if self.submitted != 3:
+            super().submit(job_id, src, dst)
+
+
+class SwallowsFailures(MemoryCopyHandler):
+    """Turns a failing copy into a success."""
+
+    def copy(self, src, dst):
+        try:
+            return super().copy(src, dst)
+        except Exception:  # noqa: BLE001 - the defect under test
+            return 0
+
+
+def broken_suite(handler_cls):
+    class Broken(TestMemoryToMemory):
+        def make_handler(self, src, dst):
+            return handler_cls({**src.backends, **dst.backends})
+    return Broken()
+
+
+def test_a_handler_that_drops_a_block_fails_the_round_trip(tmp_path):
+    with pytest.raises(AssertionError, match="other bytes"):
+        broken_suite(DroppingCopy).test_round_trip_is_byte_exact(tmp_path)
+
+
+def test_a_handler_that_reports_a_job_twice_fails_no_job_lost(tmp_path):
+    with pytest.raises(AssertionError, match="reports per job"):
+        broken_suite(DoubleReport).test_no_job_lost(tmp_path)
+
+
+def test_a_handler_that_loses_a_job_fails_no_job_lost(tmp_path):
+    with pytest.raises(AssertionError, match="reports per job"):
+        broken_suite(LosesAJob).test_no_job_lost(tmp_path)
+
+
+def test_a_handler_that_hides_a_failure_fails_the_failure_test(tmp_path):
+    with pytest.raises(AssertionError, match="reported success"):
+        broken_suite(SwallowsFailures).test_failed_job_reports_failure(tmp_path)
