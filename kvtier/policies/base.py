@@ -145,6 +145,16 @@ class KeyIndex(CachePolicy):
         return f"KeyIndex({self.policy!r})"
 
 
+def predicts_victims(policy: Any) -> bool:
+    """Whether `policy` implements `victim_candidates` (the default yields nothing); a tier that
+    cascades `on_evict` needs it to copy blocks down before they are evicted."""
+    if isinstance(policy, KeyIndex):
+        return predicts_victims(policy.policy)
+    if isinstance(policy, CachePolicy):
+        return type(policy).victim_candidates is not CachePolicy.victim_candidates
+    return callable(getattr(policy, "victim_candidates", None))
+
+
 def with_key_index(policy: Any) -> CachePolicy:
     """`policy` itself if it is a `CachePolicy` that implements `keys`, else `KeyIndex(policy)`
     (a seed-contract policy, whether it subclasses this class or vLLM's)."""
