@@ -12,6 +12,7 @@ from kvtier.engine import TransferEngine
 from kvtier.errors import ConfigError
 from kvtier.handlers.base import ImmediateHandler
 from kvtier.manager import HierarchyManager, Tier
+from kvtier.policies.base import predicts_victims, with_key_index
 from kvtier.tiers.base import Backend
 from kvtier.tiers.memory import SlotBackend
 
@@ -83,7 +84,12 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
                     options.update(fingerprint=_persistent_identity(i, tier_cfg, model), layout=layout)
                 backend = _build_backend(cls, i, tier_cfg.name, n, block_bytes or 0, config.block_tokens, options)
             backends[tier_cfg.name] = backend
-            policy = registry.resolve(registry.POLICIES, tier_cfg.policy)(n)
+            policy = with_key_index(registry.resolve(registry.POLICIES, tier_cfg.policy)(n))
+            if tier_cfg.cascade == "on_evict" and i + 1 < len(config.tiers) and not predicts_victims(policy):
+                raise ConfigError([(f"tiers[{i}].cascade", f"'on_evict' copies blocks down before they are evicted, "
+                                    f"which needs a policy that predicts its victims (victim_candidates); "
+                                    f"{tier_cfg.policy!r} does not, so every eviction would be lost: use "
+                                    f"cascade: on_store, or implement victim_candidates")])
             tiers.append(Tier(tier_cfg.name, backend, policy, tier_cfg.cascade, tier_cfg.reserve))
         engine = _build_engine(backends, kv_caches, dry_run)
     except BaseException:

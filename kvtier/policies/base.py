@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus
@@ -12,15 +13,23 @@ from kvtier.types import BlockStatus
 class CachePolicy(ABC):
     """Block organisation plus replacement decisions for one tier.
 
-    Contract (every implementation runs `tests/policies/test_conformance.py`):
+    Required (vLLM's seed `CachePolicy`, nothing more): `__init__(cache_capacity)`, `get`,
+    `insert`, `remove`, `touch`, `evict`. Everything else has a default, so a policy written to
+    the seed's contract works unchanged (run it through `kvtier.testing.policy.PolicyTests`).
+
+    Contract:
     - `get` finds a resident block, `insert` adds a newly allocated one, `remove` drops one
-      (after a failed store), `touch` marks blocks as recently used (the first key of a prefix
-      ends up the most recent, so a prefix is evicted tail first).
+      (after a failed store; an absent key is a no-op), `touch` marks blocks as recently used
+      (keys not resident are ignored; the first key of a prefix ends up the most recent, so a
+      prefix is evicted tail first).
     - `evict(n, protected)` removes exactly `n` blocks whose `ref_cnt == 0` and whose key is not in
       `protected`, and returns them; if it cannot, it returns None and changes nothing.
     - `victim_candidates()` yields the evictable blocks in the order `evict` would take them now,
       without changing anything; the manager uses it to write blocks to the next tier before
-      they are evicted. Policies that cannot predict this may yield nothing.
+      they are evicted. Policies that cannot predict this yield nothing (the default).
+    - `keys()`, `len()` and `clear()` enumerate, count and forget the resident blocks. A policy
+      that does not implement `keys` gets all three from `KeyIndex`, which `build_hierarchy` puts
+      around it (see `with_key_index`); the defaults here derive `len` and `clear` from `keys`.
     """
 
     def __init__(self, cache_capacity: int) -> None:
@@ -46,7 +55,7 @@ class CachePolicy(ABC):
 
     @abstractmethod
     def remove(self, key: OffloadKey) -> None:
-        """Drop a resident block without recording it as evicted."""
+        """Drop a resident block without recording it as evicted; an absent key is a no-op."""
 
     @abstractmethod
     def touch(self, keys: Iterable[OffloadKey]) -> None:
@@ -57,20 +66,101 @@ class CachePolicy(ABC):
         """Evict exactly `n` unpinned, unprotected blocks, or return None and change nothing."""
 
     def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        """Evictable blocks in the order `evict` would choose them now (no state change)."""
+        """Evictable blocks in the order `evict` would choose them now (no state change).
+        Default: nothing (the policy does not predict its choices)."""
         return iter(())
 
-    @abstractmethod
-    def clear(self) -> None:
-        """Forget every block (and any history such as ghost lists)."""
+    def keys(self) -> Iterable[OffloadKey]:
+        """Resident keys, in no particular order. Not derivable from the seed's methods: a policy
+        that does not override it is wrapped in `KeyIndex` by `with_key_index`."""
+        raise NotImplementedError(
+            f"{type(self).__name__} does not implement keys(); wrap it with "
+            f"kvtier.policies.base.with_key_index() (build_hierarchy does this)")
 
-    @abstractmethod
     def __len__(self) -> int:
-        """Number of resident blocks."""
+        """Number of resident blocks (default: counted from `keys`)."""
+        return sum(1 for _ in self.keys())
+
+    def clear(self) -> None:
+        """Forget every resident block (default: `remove` each key of `keys`). Policies with
+        history (ghost lists, frequencies) override it to forget that too."""
+        for key in list(self.keys()):
+            self.remove(key)
+
+
+class KeyIndex(CachePolicy):
+    """A policy written to the seed contract (`get/insert/remove/touch/evict` only), completed
+    with `keys`, `len` and `clear` by recording the keys that go in (`insert`) and out (`remove`,
+    `evict`). Every other call goes to the wrapped policy unchanged, so decisions and block
+    objects are exactly the wrapped policy's.
+
+    `clear` removes every resident block through the wrapped `remove`; history the seed contract
+    cannot reach (such as ARC's ghost lists) stays."""
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.cache_capacity = getattr(policy, "cache_capacity", None)
+        self._resident: dict[OffloadKey, None] = {}
+
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        return self.policy.get(key)
+
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        self.policy.insert(key, block)
+        self._resident[key] = None
+
+    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+        insert_many = getattr(self.policy, "insert_many", None)
+        if insert_many is None:
+            for key, block in zip(keys, blocks):
+                self.policy.insert(key, block)
+        else:
+            insert_many(keys, blocks)
+        self._resident.update(dict.fromkeys(keys))
+
+    def remove(self, key: OffloadKey) -> None:
+        self.policy.remove(key)
+        self._resident.pop(key, None)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self.policy.touch(keys)
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        victims = self.policy.evict(n, protected)
+        for key, _block in victims or ():
+            self._resident.pop(key, None)
+        return victims
+
+    def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+        candidates = getattr(self.policy, "victim_candidates", None)
+        return iter(()) if candidates is None else candidates()
 
     def keys(self) -> Iterable[OffloadKey]:
-        """Resident keys, in no particular order."""
-        raise NotImplementedError
+        return list(self._resident)
+
+    def __len__(self) -> int:
+        return len(self._resident)
+
+    def __repr__(self) -> str:
+        return f"KeyIndex({self.policy!r})"
+
+
+def predicts_victims(policy: Any) -> bool:
+    """Whether `policy` implements `victim_candidates` (the default yields nothing); a tier that
+    cascades `on_evict` needs it to copy blocks down before they are evicted."""
+    if isinstance(policy, KeyIndex):
+        return predicts_victims(policy.policy)
+    if isinstance(policy, CachePolicy):
+        return type(policy).victim_candidates is not CachePolicy.victim_candidates
+    return callable(getattr(policy, "victim_candidates", None))
+
+
+def with_key_index(policy: Any) -> CachePolicy:
+    """`policy` itself if it is a `CachePolicy` that implements `keys`, else `KeyIndex(policy)`
+    (a seed-contract policy, whether it subclasses this class or vLLM's)."""
+    if isinstance(policy, CachePolicy) and type(policy).keys is not CachePolicy.keys:
+        return policy
+    return KeyIndex(policy)
 
 
 def evictable(entries: Iterable[tuple[OffloadKey, BlockStatus]], protected: set[OffloadKey]):

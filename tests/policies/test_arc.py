@@ -158,12 +158,39 @@ def conversations(policy, cap, turns, resend_tail, first=0, count=40):
             convs[c] = sent + added
 
 
-def with_one_time_tails(policy):
-    """Give `policy` the departures that prove request tails one-time: 64 tails evicted and never
-    stored again, 64 other new blocks hit while resident."""
-    policy._returns = [64, 0, 0, 0, 0, 64]
-    assert policy._tails_one_time()
+def with_one_time_tails(policy, requests: int = 64):
+    """Traffic whose departures prove request tails one-time: `requests` requests of two new blocks whose
+    head is hit while resident and whose tail is evicted unused, in batches that fit the tier,
+    each emptied after it (tails first). Ids from 5000 on (the tests use lower ones)."""
+    cap = policy.cache_capacity
+    per_batch = min(32, cap // 2)
+    done = 0
+    while done < requests:
+        batch = min(per_batch, requests - done)
+        for r in range(done, done + batch):
+            request(policy, [], [5000 + 2 * r, 5001 + 2 * r], cap)
+            policy.touch([key(5000 + 2 * r)])
+        assert all(i % 2 for i in evicted(policy.evict(batch, set()))), "the unused tails leave first"
+        assert policy.evict(len(policy), set()) is not None
+        done += batch
+    assert demotes_tails(policy)
     return policy
+
+
+def demotes_tails(policy) -> bool:
+    """Whether `policy` now evicts a new request's tail before an older request's new block
+    (prefix-freq's rule while tails look one-time), asked through the contract: two requests
+    go in (evicting up to 4 blocks if the tier is full) and their blocks are removed again."""
+    cap = policy.cache_capacity
+    policy.touch([])
+    request(policy, [], [90_000, 90_001], cap)  # 90_000: an ordinary new block
+    policy.touch([])
+    request(policy, [], [90_002, 90_003], cap)  # 90_003: the newest request's tail
+    order = evicted(policy.victim_candidates())
+    answer = order.index(90_003) < order.index(90_000)
+    for i in range(90_000, 90_004):
+        policy.remove(key(i))
+    return answer
 
 
 def test_prefix_freq_tail_first_then_chains_from_the_deep_end():
@@ -228,11 +255,12 @@ def test_prefix_freq_demotes_tails_only_once_departures_show_them_one_time():
     demotion on, traffic that re-sends them (full last blocks) turns it off again."""
     cap = 30
     policy = PrefixFreqCachePolicy(cap)
-    assert not policy._tails_one_time()  # no evidence yet
+    assert not demotes_tails(policy)  # no evidence yet
+    policy = PrefixFreqCachePolicy(cap)
     conversations(policy, cap, turns=6, resend_tail=False)
-    assert policy._tails_one_time()
+    assert demotes_tails(policy)
     conversations(policy, cap, turns=5, resend_tail=True, first=100)
-    assert not policy._tails_one_time()
+    assert not demotes_tails(policy)
 
 
 @pytest.mark.parametrize("one_time", [True, False])
@@ -245,6 +273,8 @@ def test_prefix_freq_victim_candidates_is_the_evict_order_with_and_without_tail_
     for trial in range(20):
         cap = 40
         policy = PrefixFreqCachePolicy(cap)
+        if one_time:  # evidence enough that the random hits below do not outweigh it
+            with_one_time_tails(policy, requests=400)
         nxt = 0
         for _ in range(30):
             resident = list(policy.keys())
@@ -254,12 +284,12 @@ def test_prefix_freq_victim_candidates_is_the_evict_order_with_and_without_tail_
             new = list(range(nxt, nxt + rng.randint(1, 6)))
             nxt += len(new)
             request(policy, [], new, cap)
-        policy._tails_one_time = lambda: one_time  # the instance attribute shadows the rule
+        assert demotes_tails(policy) is one_time
         order = [k for k, _ in policy.victim_candidates()]
         if one_time and policy.segs[0]:
             assert order[0] in policy.segs[0]  # demoted tails lead
         n = rng.randint(1, len(order))
         victims = policy.evict(n, set())
         assert [k for k, _ in victims] == order[:n]
-        if one_time:  # (evict re-derives the flag from its counters: here, still one-time)
+        if one_time:
             assert [k for k, _ in policy.victim_candidates()] == order[n:]

@@ -1,0 +1,126 @@
+"""`kvtier.testing.backend.BackendTests` run on every built-in backend with bytes (memory, cpu,
+file); broken backends are shown to fail it."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier import registry
+from kvtier.testing.backend import BackendTests
+from kvtier.tiers.cpu import CPUBackend
+from kvtier.tiers.file import FileBackend
+from kvtier.tiers.memory import MemoryBackend
+from kvtier.types import BlockStatus
+
+
+class TestMemoryBackend(BackendTests):
+    def make_backend(self, num_blocks, block_bytes):
+        return MemoryBackend("mem", num_blocks, block_bytes, 16)
+
+
+class TestCPUBackend(BackendTests):
+    def make_backend(self, num_blocks, block_bytes):
+        return CPUBackend("cpu", num_blocks, block_bytes, 16, pin="false")
+
+
+class TestFileBackend(BackendTests):
+    @pytest.fixture(autouse=True)
+    def _root(self, tmp_path):
+        self.root = tmp_path / "kv"
+
+    def make_backend(self, num_blocks, block_bytes):
+        return FileBackend.from_config("disk", num_blocks, block_bytes, 16, {
+            "root_dir": str(self.root), "io": "posix", "fingerprint": "conformance-model", "sync_interval": 0})
+
+    def reopen(self, backend):
+        return self.make_backend(backend.num_blocks, backend.block_bytes)
+
+
+def test_every_registered_backend_runs_the_suite():
+    tested = {MemoryBackend, CPUBackend, FileBackend}
+    assert tested == {registry.resolve(registry.BACKENDS, name) for name in registry.BACKENDS}
+
+
+def test_a_file_backend_reopened_under_another_identity_serves_nothing(tmp_path):
+    """The suite's reopen keeps the identity; with another model the blocks must not come back."""
+    suite = TestFileBackend()
+    suite.root = tmp_path / "kv"
+    backend = suite.make_backend(4, 4096)
+    blocks = backend.allocate_blocks([b"k" * 16])
+    suite.write_bytes(backend, [b"k" * 16], blocks, [bytes(4096)])
+    backend.close()
+    other = FileBackend("disk", 4, 4096, 16, root_dir=str(suite.root), io="posix", fingerprint="other-model",
+                        sync_interval=0)
+    try:
+        assert other.recover() == []
+    finally:
+        other.close()
+
+
+# ---------------------------------------------------------------- the suite catches broken backends
+class DoubleAllocating(MemoryBackend):
+    """Broken: the last slot is never used; whoever gets it is handed slot 0 instead (counts stay right)."""
+
+    def allocate_blocks(self, keys):
+        return [BlockStatus(b.block_id % (self.num_blocks - 1)) for b in super().allocate_blocks(keys)]
+
+
+class DoubleFreeing(MemoryBackend):
+    """Broken: `free` returns the slot twice, so it is later handed to two owners."""
+
+    def free(self, block):
+        super().free(block)
+        self.slots.release(block.block_id)
+
+
+class SpecInSlotOrder(MemoryBackend):
+    """Broken: the spec lists the slots sorted instead of in the order of the keys."""
+
+    def get_load_store_spec(self, keys, blocks):
+        return self.spec_type(sorted(b.block_id for b in blocks))
+
+
+class LeakyPersistent(MemoryBackend):
+    """Broken: declares persistence but every reopen is empty."""
+
+    persistent = True
+
+
+class BrokenSuite(BackendTests):
+    backend_class: type = MemoryBackend
+
+    def make_backend(self, num_blocks, block_bytes):
+        return self.backend_class("broken", num_blocks, block_bytes, 16)
+
+    def reopen(self, backend):
+        return self.make_backend(backend.num_blocks, backend.block_bytes)
+
+
+@pytest.mark.parametrize("broken, check", [
+    (DoubleAllocating, "test_no_slot_handed_out_twice_while_allocated"),
+    (DoubleAllocating, "test_blocks_hold_their_bytes"),
+    (DoubleFreeing, "test_allocate_and_free_move_the_free_count"),
+    (DoubleFreeing, "test_freed_slots_are_reused_and_never_shared"),
+    (SpecInSlotOrder, "test_load_store_spec_names_the_blocks_in_key_order"),
+    (LeakyPersistent, "test_persistent_blocks_survive_close_and_reopen"),
+])
+def test_suite_fails_a_broken_backend(broken, check):
+    suite = BrokenSuite()
+    suite.backend_class = broken
+    try:
+        with pytest.raises(AssertionError):
+            getattr(suite, check)()
+    finally:
+        suite.teardown_method()
+
+
+def test_the_broken_suite_passes_on_a_correct_backend():
+    """The failures above come from the defects, not from the harness."""
+    suite = BrokenSuite()
+    for check in ("test_no_slot_handed_out_twice_while_allocated", "test_blocks_hold_their_bytes",
+                  "test_allocate_and_free_move_the_free_count", "test_freed_slots_are_reused_and_never_shared",
+                  "test_load_store_spec_names_the_blocks_in_key_order"):
+        try:
+            getattr(suite, check)()
+        finally:
+            suite.teardown_method()
