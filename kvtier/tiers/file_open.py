@@ -120,7 +120,7 @@ def open_root(root_dir: str, shape: TierShape) -> OpenedRoot:
     nothing this call created is left behind; an OS error comes as a `root_dir` error
     (`TierShape.build_error`)."""
     try:
-        root, created_dirs = prepare_root(root_dir)
+        root, created_dirs = prepare_root(str(Path(root_dir)))
     except OSError as exc:
         raise _as_build_error(shape, Path(root_dir), exc)
     created = _Created(created_dirs)

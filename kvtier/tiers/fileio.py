@@ -312,7 +312,12 @@ class KvikioIO(IOEngine):
         except BaseException:
             os.close(self._sync_fd)
             raise
-        _kvikio_threads.lease(kvikio.defaults, num_threads)
+        try:
+            _kvikio_threads.lease(kvikio.defaults, num_threads)
+        except BaseException:
+            self._file.close()
+            os.close(self._sync_fd)
+            raise
         self._closed = False
 
     def _array(self, buf):
@@ -346,7 +351,7 @@ class KvikioIO(IOEngine):
                 _kvikio_threads.release(self._defaults)
 
 
-def choose_engine(io: str, path: str, num_threads: int, tier: str = "?") -> IOEngine:
+def choose_engine(io: str, path: str, num_threads: int, *, tier: str) -> IOEngine:
     """Open `path` with the engine `io` asks for, for the file tier named `tier` (in warnings).
     `auto` = kvikio when importable and a GPU is present, else posix; an `auto` kvikio that fails
     its first I/O falls back to posix with a warning. `kvikio` failing raises OSError/RuntimeError

@@ -267,6 +267,40 @@ def test_directory_and_file_modes(root):
         assert stat.S_IMODE((root / name).stat().st_mode) & 0o077 == 0, name
 
 
+def _open_fds_under(directory) -> list[str]:
+    """Paths under `directory` that this process holds open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory) + "/"):
+            found.append(target)
+    return found
+
+
+@pytest.mark.parametrize("step", ["engine", "commit_log"])
+def test_build_failing_after_the_root_is_opened_leaves_nothing_behind(tmp_path, monkeypatch, step):
+    """A step that fails once root_dir is locked and its files exist (the I/O engine, the commit
+    log) removes what the build created, closes every file and releases the lock."""
+    root = tmp_path / "new" / "kv"
+
+    def failing(*args, **kw):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(file_module, "choose_engine" if step == "engine" else "CommitLog", failing)
+    with pytest.raises(ConfigError, match=rf"root_dir: file tier 'disk' cannot use {root}: .*Input/output error"):
+        open_backend(root)
+    assert not (tmp_path / "new").exists()
+    assert _open_fds_under(tmp_path) == []
+    monkeypatch.undo()
+    b = open_backend(root)  # the lock was released
+    write(b, [0], [0])
+    b.close()
+    assert _open_fds_under(tmp_path) == []
+
+
 def test_yaml_options_are_validated():
     base = """
 block_bytes: 64KiB
