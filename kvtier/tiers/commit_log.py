@@ -121,6 +121,11 @@ class CommitLog:
             if not durable:
                 self._dirty = True
 
+    def _drop(self, entries: list[Entry]) -> None:
+        """`_unindex` under the lock."""
+        with self._lock:
+            self._unindex(entries)
+
     def _unindex(self, entries: list[Entry]) -> None:
         """Forget slots whose new contents did not reach the journal (or, with `sync_interval` 0,
         were not made durable): their old index entries are stale too (caller holds `_lock`)."""
@@ -204,8 +209,7 @@ class _GroupCommit:
             self._log._sync_slab()
         except BaseException as exc:  # every caller of this batch fails with it
             error = exc
-            with self._log._lock:
-                self._log._unindex(entries)
+            self._log._drop(entries)
         else:
             try:
                 self._log._journal(entries, durable=True)
