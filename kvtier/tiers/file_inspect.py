@@ -12,10 +12,12 @@ import os
 import stat
 from pathlib import Path
 
-from kvtier.tiers.file import (FORMAT_VERSION, HEADER_BYTES, JOURNAL, LOCK, SLAB, FileBackend, journal_capacity,
-                               journal_max_bytes, load_manifest, manifest_digest, scan_journal, slot_bytes_for,
-                               verify_slot)
+from kvtier.tiers.file import FileBackend
 from kvtier.tiers.fileio import file_kind, open_regular_file, read_regular_file
+from kvtier.tiers.journal import journal_capacity, journal_max_bytes, scan_journal
+from kvtier.tiers.manifest import load_manifest, manifest_digest
+from kvtier.tiers.rootdir import JOURNAL, LOCK, SLAB
+from kvtier.tiers.slot_format import FORMAT_VERSION, HEADER_BYTES, slot_bytes_for, verify_slot
 
 _JOURNAL_LIMIT_WITHOUT_GEOMETRY = 1 << 30  # no trusted num_slots to size the bound with
 

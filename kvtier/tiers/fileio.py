@@ -9,10 +9,15 @@ or raise `OSError`); the file backend runs several calls at once on its own thre
   kvikio is optional and imported lazily.
 
 `choose_engine` resolves the `io` option (`auto` | `posix` | `kvikio`).
+
+No process-wide state is left changed: kvikio's compatibility mode is set only while a `KvikioIO`
+opens its file (the file keeps it), and kvikio's process-wide thread pool is raised while
+`KvikioIO`s are open and back to its size once the last one is closed (`_KvikioThreads`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import mmap
@@ -26,8 +31,6 @@ from kvtier.tiers.rootdir import open_existing
 log = logging.getLogger("kvtier.tiers.file")
 
 ALIGN = 4096
-_direct_warned = False
-_direct_warn_lock = threading.Lock()
 
 
 class NotRegularFileError(OSError):
@@ -109,34 +112,31 @@ def buffer_address(view: memoryview) -> int:
     return ctypes.addressof(ctypes.c_char.from_buffer(view))
 
 
-def probe_direct(path: str) -> bool:
-    """Whether `path` (an existing file of at least 4 KiB) can be read and written with O_DIRECT.
-    Like every open of the engines, it never follows a symlink (`rootdir.open_existing`).
-
-    Logs one warning per process the first time O_DIRECT is refused.
-    """
-    global _direct_warned
+def direct_refusal(path: str) -> str | None:
+    """Why `path` (an existing file of at least 4 KiB) cannot be read and written with O_DIRECT,
+    or None when it can. Like every open of the engines, it never follows a symlink
+    (`rootdir.open_existing`)."""
     flag = getattr(os, "O_DIRECT", 0)
-    reason = "this platform has no O_DIRECT"
-    if flag:
-        buf = aligned_buffer(ALIGN)
+    if not flag:
+        return "this platform has no O_DIRECT"
+    buf = aligned_buffer(ALIGN)
+    try:
+        fd = open_existing(path, os.O_RDWR | flag)
         try:
-            fd = open_existing(path, os.O_RDWR | flag)
-            try:
-                if os.preadv(fd, [buf], 0) == ALIGN and os.pwritev(fd, [buf], 0) == ALIGN:
-                    return True
-                reason = "a 4 KiB O_DIRECT probe moved a short count"
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            reason = f"O_DIRECT refused ({errno.errorcode.get(exc.errno, exc.errno)})"
+            if os.preadv(fd, [buf], 0) == ALIGN and os.pwritev(fd, [buf], 0) == ALIGN:
+                return None
+            return "a 4 KiB O_DIRECT probe moved a short count"
         finally:
-            buf.close()
-    with _direct_warn_lock:
-        if not _direct_warned:
-            _direct_warned = True
-            log.warning("file tier: %s on the filesystem of %s; using buffered I/O (page cache)", reason, path)
-    return False
+            os.close(fd)
+    except OSError as exc:
+        return f"O_DIRECT refused ({errno.errorcode.get(exc.errno, exc.errno)})"
+    finally:
+        buf.close()
+
+
+def probe_direct(path: str) -> bool:
+    """Whether `path` can be read and written with O_DIRECT (see `direct_refusal`)."""
+    return direct_refusal(path) is None
 
 
 class IOEngine(ABC):
@@ -256,31 +256,66 @@ def _listdir(path: str) -> list[str]:
         return []
 
 
+class _KvikioThreads:
+    """kvikio's thread pool is process-wide (default 1 thread). Each open `KvikioIO` holds a
+    lease of the threads it needs: the pool is raised to the most any lease asks for, and set back
+    to its size before the first lease when the last one is released."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._leases = 0
+        self._size_before = 0  # the pool's size before the first of the live leases
+
+    def lease(self, defaults, num_threads: int) -> None:
+        with self._lock:
+            current = int(defaults.get("num_threads"))
+            if self._leases == 0:
+                self._size_before = current
+            self._leases += 1
+            if num_threads > current:
+                defaults.set("num_threads", num_threads)
+
+    def release(self, defaults) -> None:
+        with self._lock:
+            self._leases -= 1
+            if self._leases == 0 and int(defaults.get("num_threads")) != self._size_before:
+                defaults.set("num_threads", self._size_before)
+
+
+_kvikio_threads = _KvikioThreads()  # kvikio's pool is one per process, so are its leases
+
+
 class KvikioIO(IOEngine):
     """kvikio.CuFile on the slab: pwrite/pread futures, waited on by the calling thread.
 
-    Compat mode (POSIX inside kvikio) is forced unless the platform has nvidia-fs; kvikio's own
-    thread pool is raised to at least `num_threads` (it is process-wide and defaults to 1).
+    Compat mode (POSIX inside kvikio) is forced for this file unless the platform has nvidia-fs
+    (set while the file is opened, then restored: the file keeps the mode it was opened with);
+    kvikio's thread pool holds at least `num_threads` while this engine is open.
     """
 
     name = "kvikio"
 
     def __init__(self, path: str, num_threads: int):
         import kvikio
-        import kvikio.defaults  # noqa: F401 - a submodule: not loaded by `import kvikio`
+        import kvikio.defaults  # a submodule: not loaded by `import kvikio`
         import numpy as np
 
         self._np = np
-        settings = {"num_threads": max(int(kvikio.defaults.get("num_threads")), num_threads)}
-        if not gds_platform():
-            settings["compat_mode"] = kvikio.CompatMode.ON
-        kvikio.defaults.set(settings)
+        self._defaults = kvikio.defaults
         # opened (O_NOFOLLOW, checked) before CuFile, which takes a path and no flags: a symlink is
         # refused first; root_dir being yours and private, nobody can swap the file in between
         self._sync_fd = open_existing(path, os.O_RDWR)
         try:
-            self._file = kvikio.CuFile(path, "r+")
+            compat = {} if gds_platform() else {"compat_mode": kvikio.CompatMode.ON}
+            with kvikio.defaults.set(compat) if compat else contextlib.nullcontext():
+                self._file = kvikio.CuFile(path, "r+")
         except BaseException:
+            os.close(self._sync_fd)
+            raise
+        try:
+            _kvikio_threads.lease(kvikio.defaults, num_threads)
+        except BaseException:
+            self._file.close()
             os.close(self._sync_fd)
             raise
         self._closed = False
@@ -309,14 +344,19 @@ class KvikioIO(IOEngine):
     def close(self) -> None:
         if not self._closed:
             self._closed = True
-            self._file.close()
-            os.close(self._sync_fd)
+            try:
+                self._file.close()
+                os.close(self._sync_fd)
+            finally:
+                _kvikio_threads.release(self._defaults)
 
 
-def choose_engine(io: str, path: str, num_threads: int) -> IOEngine:
-    """Open `path` with the engine `io` asks for. `auto` = kvikio when importable and a GPU is
-    present, else posix; an `auto` kvikio that fails its first I/O falls back to posix with a warning.
-    `kvikio` failing raises OSError/RuntimeError naming the cause."""
+def choose_engine(io: str, path: str, num_threads: int, *, tier: str) -> IOEngine:
+    """Open `path` with the engine `io` asks for, for the file tier named `tier` (in warnings).
+    `auto` = kvikio when importable and a GPU is present, else posix; an `auto` kvikio that fails
+    its first I/O falls back to posix with a warning. `kvikio` failing raises OSError/RuntimeError
+    naming the cause. A posix engine uses O_DIRECT when the filesystem takes it, else buffered I/O
+    (one warning saying why)."""
     if io == "auto":
         if gpu_present() and kvikio_importable():
             engine = None
@@ -327,12 +367,16 @@ def choose_engine(io: str, path: str, num_threads: int) -> IOEngine:
                 probe.close()
                 return engine
             except Exception as exc:  # noqa: BLE001 - any kvikio failure: use posix instead
-                log.warning("file tier: kvikio unusable (%s: %s); using posix I/O", type(exc).__name__, exc)
+                log.warning("file tier %s: kvikio unusable (%s: %s); using posix I/O", tier, type(exc).__name__, exc)
                 if engine is not None:
                     engine.close()
         io = "posix"
     if io == "kvikio":
         return KvikioIO(path, num_threads)
     if io == "posix":
-        return PosixIO(path, probe_direct(path))
+        refused = direct_refusal(path)
+        if refused is not None:
+            log.warning("file tier %s: %s on the filesystem of %s; using buffered I/O (page cache)", tier, refused,
+                        path)
+        return PosixIO(path, refused is None)
     raise ValueError(f"unknown io engine {io!r} (auto | posix | kvikio)")

@@ -24,17 +24,27 @@ Every refusal is a `ConfigError` on the field `root_dir` (the hierarchy builder 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import pwd
 import stat
 from pathlib import Path
 
-from kvtier.errors import ConfigError
+from kvtier.errors import ConfigError, KVTierError
+
+# The tier's files in root_dir. With TEMPORARIES, OWN_FILES is all that the tier writes there.
+MANIFEST = "manifest.json"
+SLAB = "slab.0"
+JOURNAL = "journal"
+LOCK = "lock"
+TMP = ".tmp"  # suffix of the file a manifest or journal is written to before it replaces the old one
+OWN_FILES = (LOCK, MANIFEST, SLAB, JOURNAL)
+TEMPORARIES = (MANIFEST + TMP, JOURNAL + TMP)  # never opened: a leftover is unlinked and created afresh
 
 FIELD = "root_dir"
 NAME_MAX = 255
 PATH_MAX = 4096  # including the terminating NUL
-LONGEST_FILE = "manifest.json.tmp"  # the longest name the tier creates in root_dir
+LONGEST_FILE = max(OWN_FILES + TEMPORARIES, key=len)  # the longest name the tier creates in root_dir
 ADVICE = "choose a directory of your own, e.g. ~/.cache/kvtier/<tier>"
 
 
@@ -247,6 +257,80 @@ def remove_file(path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
+
+
+def write_file_atomic(path: Path, data: bytes) -> None:
+    """Replace `path` with a file holding `data` (a crash leaves the old or the new one). The
+    temporary file is created afresh (O_EXCL: a leftover, or a symlink planted there, is unlinked
+    first, never followed) and removed if writing fails."""
+    tmp = path.with_name(path.name + TMP)
+    remove_file(tmp)
+    fd = create_new(tmp, os.O_WRONLY)
+    try:
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)  # replaces a symlink at `path` itself, never its target
+    except BaseException:
+        remove_file(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class RootLock:
+    """The exclusive flock on `root_dir/lock` that makes a process the tier's only user; the
+    file holds the owner's pid (for the error others get, and for `kvtier inspect`)."""
+
+    def __init__(self, root: Path):
+        """Take the lock (KVTierError naming the holder's pid when another process has it)."""
+        self.path = root / LOCK
+        while True:
+            fd, created = open_or_create(self.path, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                try:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+                finally:
+                    os.close(fd)
+                raise KVTierError(f"file tier root_dir {root} is locked by another user (pid {holder}); "
+                                  f"give each process its own root_dir") from None
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)  # a failed build removed the file after we opened it: lock the current one
+        self.created = created  # the lock file did not exist before
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        """Unlock and close. Idempotent."""
+        if self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
 
 
 # ---------------------------------------------------------------------------- wording

@@ -18,6 +18,7 @@ import threading
 import pytest
 
 from kvtier import ConfigError, KVTierError, LookupResult
+from kvtier.tiers.file import FileBackend
 from reliability_helpers import (assert_settled, build, fill_file_tier, fill_filesystem, keys, payload, pinned,
                                  read, shm_files, store, tmpfs)
 
@@ -162,7 +163,7 @@ def test_read_at_end_of_file_fails_the_job(hier, monkeypatch):
     assert_settled(mgr)
 
 
-def test_disk_full_for_real_on_a_tiny_tmpfs(tmp_path):
+def test_disk_full_for_real_on_a_tiny_tmpfs(tmp_path, monkeypatch):
     """The slab and journal are preallocated, so a full disk can only fail the start (clear error)
     or a journal compaction (that group commit's jobs fail); freeing space heals the tier."""
     with tmpfs("4m") as mnt:
@@ -170,14 +171,14 @@ def test_disk_full_for_real_on_a_tiny_tmpfs(tmp_path):
         with pytest.raises(KVTierError, match="does not fit|not enough free space"):
             build(os.path.join(mnt, "big"), upper="cpu", file_blocks=1000)  # 20 MB on a 4 MB tmpfs
         assert shm_files() == before, "the CPU tier of a failed build leaked its shared memory"
+        # past max(compact_min_records, 2 x capacity) records the journal is rewritten, which
+        # needs free space: lower the threshold so that this happens within the test
+        monkeypatch.setattr(FileBackend, "compact_min_records", 1)
         h = build(os.path.join(mnt, "kv"), file_blocks=64)
         try:
-            mgr, disk = h.manager, h.backends["disk"]
+            mgr = h.manager
             old = fill_file_tier(h, 4)
             filler = fill_filesystem(mnt)
-            # past max(compact_min_records, 2 x capacity) records the journal is rewritten, which
-            # needs free space: lower the threshold so that this happens within the test
-            disk.compact_min_records = 1
             failures = mgr.get_stats()["disk"]["failures"]
             for k in keys(160, 100):  # past 2 x capacity journal records
                 store(h, [k])

@@ -11,6 +11,7 @@ import stat
 import pytest
 
 from kvtier import ConfigError, IntegrityError, KVTierError, load_config_text
+from kvtier.tiers import file as file_module
 from kvtier.tiers import fileio
 from kvtier.tiers.file import HEADER_BYTES, JOURNAL, MANIFEST, SLAB, FileBackend
 from kvtier.tiers.file_inspect import inspect_root
@@ -136,7 +137,7 @@ def test_journal_is_compacted(root, monkeypatch, limit):
     if limit == "records":
         monkeypatch.setattr(FileBackend, "compact_min_records", 32)
     else:  # a journal file too small for the records between two compactions
-        monkeypatch.setattr(FileBackend, "_journal_capacity", lambda self: 1024)
+        monkeypatch.setattr(file_module, "journal_capacity", lambda num_slots, compact_min_records: 1024)
     b = open_backend(root, num_blocks=4)
     for i in range(200):
         slot = i % 4
@@ -266,6 +267,40 @@ def test_directory_and_file_modes(root):
         assert stat.S_IMODE((root / name).stat().st_mode) & 0o077 == 0, name
 
 
+def _open_fds_under(directory) -> list[str]:
+    """Paths under `directory` that this process holds open."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory) + "/"):
+            found.append(target)
+    return found
+
+
+@pytest.mark.parametrize("step", ["engine", "commit_log"])
+def test_build_failing_after_the_root_is_opened_leaves_nothing_behind(tmp_path, monkeypatch, step):
+    """A step that fails once root_dir is locked and its files exist (the I/O engine, the commit
+    log) removes what the build created, closes every file and releases the lock."""
+    root = tmp_path / "new" / "kv"
+
+    def failing(*args, **kw):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(file_module, "choose_engine" if step == "engine" else "CommitLog", failing)
+    with pytest.raises(ConfigError, match=rf"root_dir: file tier 'disk' cannot use {root}: .*Input/output error"):
+        open_backend(root)
+    assert not (tmp_path / "new").exists()
+    assert _open_fds_under(tmp_path) == []
+    monkeypatch.undo()
+    b = open_backend(root)  # the lock was released
+    write(b, [0], [0])
+    b.close()
+    assert _open_fds_under(tmp_path) == []
+
+
 def test_yaml_options_are_validated():
     base = """
 block_bytes: 64KiB
@@ -291,6 +326,7 @@ tiers:
 
 
 def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
+    """Each engine choice warns once, naming the tier and why; the probe itself keeps no state."""
     path = tmp_path / "f"
     path.write_bytes(b"\0" * 8192)
     real_open = os.open
@@ -301,14 +337,17 @@ def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, capl
         return real_open(p, flags, *args)
 
     monkeypatch.setattr(fileio.os, "open", no_direct)
-    monkeypatch.setattr(fileio, "_direct_warned", False)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
         assert fileio.probe_direct(str(path)) is False
         assert fileio.probe_direct(str(path)) is False
-    assert len([r for r in caplog.records if "O_DIRECT" in r.message]) == 1
-    engine = fileio.choose_engine("posix", str(path), 2)
-    assert engine.name == "posix" and engine.direct is False
-    engine.close()
+        assert not caplog.records
+        engines = [fileio.choose_engine("posix", str(path), 2, tier=name) for name in ("disk", "disk2")]
+    warnings = [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()]
+    assert warnings == [f"file tier {name}: O_DIRECT refused (EINVAL) on the filesystem of {path}; using buffered "
+                        f"I/O (page cache)" for name in ("disk", "disk2")]
+    for engine in engines:
+        assert engine.name == "posix" and engine.direct is False
+        engine.close()
 
 
 # ------------------------------------------------------------------ kvikio engine on host memory
@@ -330,11 +369,33 @@ def test_kvikio_engine_round_trip_and_restart(root):
     assert sorted(blk.block_id for _, blk in b.recover()) == [0, 2, 8]
     assert read(b, [2], [2]) == [payload(2)]
     b.close()
+
+
+def test_kvikio_engine_leaves_kvikio_settings_as_it_found_them(root):
+    """Compat mode is set only while the engine opens its file (I/O after that still runs in compat
+    mode: without nvidia-fs, cuFile would hang here), and the process-wide thread pool is back to
+    its size once the last engine is closed."""
+    if not fileio.kvikio_importable():
+        pytest.skip("kvikio not installed (CI installs it: see tests/tiers/test_file_backend.py docstring)")
     import kvikio
     import kvikio.defaults
 
-    if not fileio.gds_platform():
-        assert kvikio.defaults.get("compat_mode") == kvikio.CompatMode.ON
+    from kvtier.testing.fake_cuda import load_fake_libcuda
+
+    load_fake_libcuda()
+    before = {name: kvikio.defaults.get(name) for name in ("compat_mode", "num_threads")}
+    first = open_backend(root, io="kvikio", num_threads=before["num_threads"] + 3)
+    assert kvikio.defaults.get("compat_mode") == before["compat_mode"]
+    assert kvikio.defaults.get("num_threads") == before["num_threads"] + 3
+    second = open_backend(root.parent / "kv2", io="kvikio", num_threads=1)
+    write(first, [0, 1], [0, 1])
+    write(second, [3], [3])
+    assert read(first, [1, 0], [1, 0]) == [payload(1), payload(0)]
+    first.close()
+    assert kvikio.defaults.get("num_threads") == before["num_threads"] + 3  # `second` still uses the pool
+    assert read(second, [3], [3]) == [payload(3)]
+    second.close()
+    assert {name: kvikio.defaults.get(name) for name in before} == before
 
 
 # ------------------------------------------------------------------ inspect
@@ -452,7 +513,7 @@ def test_background_syncer_runs_and_retries_a_failed_sync(root, monkeypatch, cap
     syncs = _count_syncs(b, monkeypatch, fail_first=1)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
         write(b, [5], [5])
-        assert _wait_for(lambda: len(syncs) >= 2 and not b._dirty)  # failed once, then done
+        assert _wait_for(lambda: len(syncs) >= 2 and not b.unsynced)  # failed once, then done
     assert "background fdatasync failed" in caplog.text and "Input/output error" in caplog.text
     count = len(syncs)
     assert not _wait_for(lambda: len(syncs) > count, seconds=0.2)  # nothing new: no sync
