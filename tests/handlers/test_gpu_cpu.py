@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec,
                     GPULoadStoreSpec, build_hierarchy, load_config_text)
-from kvtier.handlers import gpu_cpu
+from kvtier.handlers import rows
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout, make_cpu_to_gpu, make_gpu_to_cpu, make_handler
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.memory import MemoryBackend
@@ -78,15 +78,15 @@ def row_copies(request, monkeypatch):
     if request.param == "whole":
         yield request.param
         return
-    monkeypatch.setattr(gpu_cpu, "_PARALLEL_COPY_BYTES", 0)
+    monkeypatch.setattr(rows, "PARALLEL_COPY_BYTES", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     yield request.param
     torch.set_num_threads(threads)
 
 
-def test_host_row_copies_in_parts_equal_one_copy(monkeypatch):
-    monkeypatch.setattr(gpu_cpu, "_PARALLEL_COPY_BYTES", 0)
+def test_host_row_copies_in_parts_equal_one_copy():
+    copier = rows.RowCopier(parallel_bytes=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
@@ -94,22 +94,23 @@ def test_host_row_copies_in_parts_equal_one_copy(monkeypatch):
         src = torch.randint(-2**62, 2**62, (10, 7), dtype=torch.int64, generator=g)
         index = torch.randperm(10, generator=g)
         out = torch.zeros_like(src)
-        gpu_cpu._index_select(src, index, out)
+        copier.index_select(src, index, out)
         assert torch.equal(out, src[index])
         dst, expected = torch.zeros_like(src), torch.zeros_like(src)
-        gpu_cpu._index_copy(dst, index, src)
+        copier.index_copy(dst, index, src)
         expected[index] = src
         assert torch.equal(dst, expected)
         dst = torch.zeros_like(src)  # repeated rows: one copy in numpy's order, the last one wins
-        gpu_cpu._index_copy(dst, torch.tensor([3, 3, 1, 3]), src[:4])
+        copier.index_copy(dst, torch.tensor([3, 3, 1, 3]), src[:4])
         assert torch.equal(dst[3], src[3]) and torch.equal(dst[1], src[2]) and int(dst[0].abs().sum()) == 0
         wide = torch.zeros((10, 9), dtype=torch.int64)  # a strided destination: torch's own path
-        gpu_cpu._index_select(src, index, wide[:, 1:8])
+        copier.index_select(src, index, wide[:, 1:8])
         assert torch.equal(wide[:, 1:8], src[index]) and int(wide[:, 0].abs().sum() + wide[:, 8].abs().sum()) == 0
         for bad in (torch.tensor([0, 10]), torch.tensor([-1, 2])):  # never clipped into a wrong row
             with pytest.raises(IndexError):
-                gpu_cpu._index_select(src, bad, torch.zeros((2, 7), dtype=torch.int64))
+                copier.index_select(src, bad, torch.zeros((2, 7), dtype=torch.int64))
     finally:
+        copier.close()
         torch.set_num_threads(threads)
 
 
