@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -12,6 +13,7 @@ from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTens
                     GPULoadStoreSpec, build_hierarchy, load_config_text)
 from kvtier.handlers import rows
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout, make_cpu_to_gpu, make_gpu_to_cpu, make_handler
+from kvtier.tiers.base import HostRegion, HostSlots
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.memory import MemoryBackend
 from conftest import Jobs
@@ -320,3 +322,58 @@ def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, tier, slots):
     assert not bad.success
     store_h.shutdown()
     load_h.shutdown()
+
+
+class ViewOnly:
+    """A host-memory backend offering `view` alone (a `HostSlots`, not a `HostRegion`)."""
+
+    def __init__(self, backend):
+        self.name, self.num_blocks, self.block_bytes = backend.name, backend.num_blocks, backend.block_bytes
+        self.view = backend.view
+
+
+def test_engine_handlers_serve_the_backends_that_declare_a_host_region(tier):
+    kv = make_kv()
+    layout, cpu = tier(kv, 1)
+    mem = MemoryBackend("mem", 4, layout.block_bytes)
+    assert isinstance(cpu, HostRegion) and isinstance(mem, HostRegion)
+    view_only = ViewOnly(mem)
+    assert isinstance(view_only, HostSlots) and not isinstance(view_only, HostRegion)
+    assert make_gpu_to_cpu({"v": view_only}, kv) is None  # cannot be addressed as one region
+    store = make_gpu_to_cpu({"cpu": cpu, "v": view_only, "mem": mem}, kv)
+    assert sorted(store.backends) == ["cpu", "mem"]
+    jobs = Jobs(store)
+    for tier_name, backend in (("cpu", cpu), ("mem", mem)):
+        spec = GPULoadStoreSpec([4], group_sizes=[0, 1])
+        assert jobs.run(store, id(backend), spec, CPULoadStoreSpec([1], tier=tier_name)).success
+        assert bytes(backend.view(1)[:512]) == engine_page(kv, 1, 4, 512)
+    jobs.close()
+
+
+def _row_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("kvtier-rows")}
+
+
+def test_shutting_a_handler_down_stops_its_row_copy_threads():
+    """A copy large enough to run in parts starts copy threads; they belong to the handler and end
+    with its shutdown (they were process-wide and never shut down)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        page = 1 << 20
+        kv = make_kv(pages=(page, page), pads=(0, 0))
+        layout = KVLayout(kv, 1)
+        mem = MemoryBackend("mem", 8, layout.block_bytes)
+        before = _row_threads()
+        store = make_gpu_to_cpu({"mem": mem}, kv)
+        load = make_cpu_to_gpu({"mem": mem}, kv)
+        jobs = Jobs(store, load)
+        spec = GPULoadStoreSpec(list(range(8)), group_sizes=[4, 4])
+        assert jobs.run(store, 1, spec, CPULoadStoreSpec(list(range(8)), tier="mem")).success
+        assert jobs.run(load, 2, CPULoadStoreSpec(list(range(8)), tier="mem"), spec).success
+        started = _row_threads() - before
+        assert started, "an 8 MiB host copy should have run in parts"
+        jobs.close()
+        assert not any(t.is_alive() for t in started)
+    finally:
+        torch.set_num_threads(threads)
