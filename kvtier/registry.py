@@ -59,9 +59,9 @@ def resolve(kind: dict[str, str], name: str) -> Any:
 
 # ---------------------------------------------------------------------- handlers
 # One table, (source spec type, destination spec type) -> factory (a callable or a "module:attr"
-# path to one), and one matching rule, the router's (`TransferEngine.handler_for`): a job from
-# spec type `S` to `D` is served by the entry of the first pair `(s, d)` registered, with `s`
-# walking `S.__mro__` and, for each `s`, `d` walking `D.__mro__` (the most specific first). So a
+# path to one), and one matching rule (`spec_pairs`), the router's too (`TransferEngine.handler_for`):
+# a job from spec type `S` to `D` is served by the entry of the first pair `(s, d)` registered, with
+# `s` walking `S.__mro__` and, for each `s`, `d` walking `D.__mro__` (the most specific first). So a
 # backend whose `spec_type` subclasses a built-in spec gets that spec's handler, and a registered
 # pair of its own types takes precedence.
 
@@ -120,14 +120,16 @@ def unregister_handler(src_spec: type, dst_spec: type) -> None:
         raise KVTierError(f"no handler is registered for {_spec_name(src_spec)} -> {_spec_name(dst_spec)}")
 
 
+def spec_pairs(src_spec: type, dst_spec: type) -> list[tuple[type, type]]:
+    """The pairs a job from `src_spec` to `dst_spec` may be served under, most specific first:
+    the matching rule, for any table keyed by (source spec type, destination spec type)."""
+    return [(s, d) for s in src_spec.__mro__ for d in dst_spec.__mro__]
+
+
 def _match(src_spec: type, dst_spec: type) -> tuple[type, type] | None:
     """The registered pair that serves `src_spec -> dst_spec` under the matching rule, or None."""
     table = _table()
-    for s in src_spec.__mro__:
-        for d in dst_spec.__mro__:
-            if (s, d) in table:
-                return s, d
-    return None
+    return next((pair for pair in spec_pairs(src_spec, dst_spec) if pair in table), None)
 
 
 def handler_factory(src_spec: type, dst_spec: type) -> Any:
