@@ -135,7 +135,7 @@ class CudaKVCopyHandler(EngineJobHandler):
         super().__init__(layout, 1, "kvtier-gpu-cpu" if to_cpu else "kvtier-cpu-gpu")
         import torch
 
-        self.backends, self.layout, self.to_cpu = dict(backends), layout, to_cpu
+        self.backends, self.to_cpu = dict(backends), to_cpu
         self.stream = torch.cuda.Stream(device=self.device)
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
