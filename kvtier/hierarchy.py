@@ -166,16 +166,14 @@ def _ref_runs(refs: list[Any]) -> list[str]:
 
 def _build_engine(backends: dict[str, Backend], kv_caches: Any, dry_run: bool) -> TransferEngine:
     engine = TransferEngine()
-    present = {b.spec_type.__name__ for b in backends.values()}
+    present = [b.spec_type for b in backends.values()]
     if kv_caches is not None:
-        present.add("GPULoadStoreSpec")
-    for (src, dst), factory_path in registry.HANDLERS.items():
-        if src not in present or dst not in present:
-            continue
+        present.append(specs.GPULoadStoreSpec)
+    for src, dst in registry.handler_pairs(present):
         if dry_run:
             handler = ImmediateHandler()
         else:
-            handler = registry.load_object(factory_path)(backends, kv_caches)
+            handler = registry.handler_factory(src, dst)(backends, kv_caches)
         if handler is not None:
-            engine.register(getattr(specs, src), getattr(specs, dst), handler)
+            engine.register(src, dst, handler)
     return engine

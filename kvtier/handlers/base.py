@@ -11,8 +11,9 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from kvtier.specs import LoadStoreSpec
 from kvtier.types import TransferResult
@@ -20,6 +21,28 @@ from kvtier.types import TransferResult
 log = logging.getLogger("kvtier.handlers")
 
 DoneCallback = Callable[[TransferResult], None]
+
+
+def serving(backends: Mapping[str, Any], capability: type) -> dict[str, Any]:
+    """The backends (by name) that offer `capability`, a runtime-checkable Protocol of
+    `kvtier.tiers.base` (`HostSlots`, `HostRegion`, `BlockFile`). Handler factories call this
+    once, when they build a handler; a handler never inspects a backend afterwards."""
+    return {name: b for name, b in backends.items() if isinstance(b, capability)}
+
+
+def pick_backend(backends: Mapping[str, Any], spec: Any, what: str) -> Any:
+    """The backend of `backends` that `spec.tier` names; a spec that names no tier (vLLM's own
+    specs) means the only one. Raises ValueError naming the backends there are."""
+    tier = getattr(spec, "tier", None)
+    if tier is None:
+        if len(backends) == 1:
+            return next(iter(backends.values()))
+        raise ValueError(f"the {type(spec).__name__} names no tier and there are {len(backends)} {what} "
+                         f"backends ({', '.join(backends)})")
+    try:
+        return backends[tier]
+    except KeyError:
+        raise ValueError(f"no {what} backend named {tier!r} (have {', '.join(backends)})") from None
 
 
 def run_copy(job_id: int, copy: Callable[[LoadStoreSpec, LoadStoreSpec], int], src: LoadStoreSpec,

@@ -1,8 +1,7 @@
 """CPU <-> FILE handlers: copy blocks between a host-memory backend and a file tier.
 
-The host side is any backend exposing `view(slot) -> memoryview` of `block_bytes` (MemoryBackend,
-the shared-memory CPUBackend); the file side is a backend with `write_blocks`/`read_blocks`
-(FileBackend). `spec.tier` names the backend of each side. Each job runs on the handler's pool;
+The host side is any `HostSlots` backend (MemoryBackend, the shared-memory CPUBackend); the file
+side any `BlockFile` backend (FileBackend); see `kvtier.tiers.base`. `spec.tier` names the backend of each side. Each job runs on the handler's pool;
 an exception inside a job (disk full, EIO, a block failing verification) fails that job only.
 """
 
@@ -10,16 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvtier.handlers.base import ThreadedHandler
+from kvtier.handlers.base import ThreadedHandler, pick_backend, serving
 from kvtier.specs import BlockIDsLoadStoreSpec, FileLoadStoreSpec
-
-
-def _host_backends(backends: Mapping) -> dict:
-    return {name: b for name, b in backends.items() if hasattr(b, "view")}
-
-
-def _file_backends(backends: Mapping) -> dict:
-    return {name: b for name, b in backends.items() if hasattr(b, "write_blocks") and hasattr(b, "read_blocks")}
+from kvtier.tiers.base import BlockFile, HostSlots
 
 
 class _CPUFileHandler(ThreadedHandler):
@@ -28,20 +20,11 @@ class _CPUFileHandler(ThreadedHandler):
         self.hosts = hosts
         self.files = files
 
-    @staticmethod
-    def _pick(backends: dict, spec: BlockIDsLoadStoreSpec, what: str):
-        if spec.tier is None and len(backends) == 1:
-            return next(iter(backends.values()))
-        try:
-            return backends[spec.tier]
-        except KeyError:
-            raise ValueError(f"no {what} backend named {spec.tier!r} (have {', '.join(backends)})") from None
-
     def _sides(self, cpu: BlockIDsLoadStoreSpec, file: FileLoadStoreSpec):
         if len(cpu) != len(file):
             raise ValueError(f"source has {len(cpu)} blocks, destination {len(file)}")
-        host = self._pick(self.hosts, cpu, "host-memory")
-        disk = self._pick(self.files, file, "file")
+        host = pick_backend(self.hosts, cpu, "host-memory")
+        disk = pick_backend(self.files, file, "file")
         if host.block_bytes != disk.block_bytes:
             raise ValueError(f"block size differs: {host.name}={host.block_bytes} B, {disk.name}={disk.block_bytes} B")
         return host, disk
@@ -65,10 +48,10 @@ class FileToCPUHandler(_CPUFileHandler):
 
 
 def _make(cls, backends: Mapping, kv_caches=None):
-    hosts, files = _host_backends(backends), _file_backends(backends)
+    hosts, files = serving(backends, HostSlots), serving(backends, BlockFile)
     if not hosts or not files:
         return None
-    threads = max(getattr(b, "num_threads", 2) for b in files.values())
+    threads = max(b.num_threads for b in files.values())
     return cls(hosts, files, num_threads=threads)
 
 

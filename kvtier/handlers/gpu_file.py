@@ -1,7 +1,7 @@
 """The direct path between the engine's KV cache and a file tier (no CPU-tier slot involved).
 
 A job gathers the engine's pages of each offloaded block into a host staging buffer laid out
-exactly like a CPU-tier slot (see `kvtier.handlers.gpu_cpu` for the layout) and hands one buffer
+exactly like a CPU-tier slot (see `kvtier.handlers.kv_layout` for the layout) and hands one buffer
 per block to the file backend's byte API:
 
     FileBackend.write_blocks(slots, keys, buffers) -> bytes      (journalled on return; see sync_interval)
@@ -19,8 +19,11 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.handlers.gpu_cpu import EngineJobHandler, KVLayout, _bpc, _pick_backend
+from kvtier.handlers.base import pick_backend, serving
+from kvtier.handlers.gpu_cpu import EngineJobHandler
+from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from kvtier.tiers.base import BlockFile
 from kvtier.types import CanonicalKVCaches
 
 _ALIGN = 4096  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
@@ -47,15 +50,15 @@ class GPUFileHandler(EngineJobHandler):
     """Engine KV cache <-> file tier through per-job staging buffers (`to_file` selects the direction)."""
 
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_file: bool, num_threads: int = 2):
-        super().__init__(layout.device, num_threads, "kvtier-gpu-file")
-        self.backends, self.layout, self.to_file = dict(backends), layout, to_file
+        super().__init__(layout, num_threads, "kvtier-gpu-file")
+        self.backends, self.to_file = dict(backends), to_file
         self._streams: dict[int, Any] = {}
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
         gpu, file_spec = (src, dst) if self.to_file else (dst, src)
         if not isinstance(gpu, GPULoadStoreSpec) or not isinstance(file_spec, FileLoadStoreSpec):
             raise TypeError(f"expected GPU and file specs, got {type(src).__name__} -> {type(dst).__name__}")
-        backend = _pick_backend(self.backends, file_spec)
+        backend = pick_backend(self.backends, file_spec, "file")
         if backend.block_bytes != self.layout.block_bytes:
             raise ValueError(f"file tier {backend.name!r} stores {backend.block_bytes} B blocks, the KV layout "
                              f"needs {self.layout.block_bytes} B")
@@ -130,21 +133,16 @@ def _finish(stream) -> None:
     done.synchronize()
 
 
-def _file_backends(backends: Mapping[str, Any]) -> dict[str, Any]:
-    return {name: b for name, b in backends.items()
-            if callable(getattr(b, "write_blocks", None)) and callable(getattr(b, "read_blocks", None))}
-
-
 def _make(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_file: bool) -> GPUFileHandler | None:
     if kv_caches is None:
         return None
-    usable = _file_backends(backends)
+    usable = serving(backends, BlockFile)
     if not usable:
         return None
-    layout = KVLayout(kv_caches, _bpc(kv_caches))
+    layout = KVLayout(kv_caches, blocks_per_chunk_of(kv_caches))
     if layout.device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported KV cache device {layout.device}")
-    threads = min(4, max(getattr(b, "num_threads", 2) for b in usable.values()))
+    threads = min(4, max(b.num_threads for b in usable.values()))
     return GPUFileHandler(usable, layout, to_file, num_threads=threads)
 
 

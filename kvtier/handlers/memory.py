@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from kvtier.handlers.base import SyncHandler
+from kvtier.handlers.base import SyncHandler, serving
 from kvtier.specs import BlockIDsLoadStoreSpec
+from kvtier.tiers.base import HostSlots
 
 
 class MemoryCopyHandler(SyncHandler):
-    """Copies slot to slot between host-memory backends (anything with `view(slot) -> memoryview`
-    and `block_bytes`); `spec.tier` selects the backend."""
+    """Copies slot to slot between host-memory backends (`HostSlots`); `spec.tier` selects the backend."""
 
     def __init__(self, backends: dict):
         super().__init__()
@@ -16,8 +16,8 @@ class MemoryCopyHandler(SyncHandler):
 
     @classmethod
     def for_backends(cls, backends, kv_caches=None) -> "MemoryCopyHandler | None":
-        """Registry factory: serves every backend that exposes `view(slot)` (host memory)."""
-        usable = {name: b for name, b in backends.items() if hasattr(b, "view")}
+        """Registry factory: serves every `HostSlots` backend; None when there is none."""
+        usable = serving(backends, HostSlots)
         return cls(usable) if usable else None
 
     def copy(self, src: BlockIDsLoadStoreSpec, dst: BlockIDsLoadStoreSpec) -> int:

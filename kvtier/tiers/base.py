@@ -8,7 +8,7 @@ from __future__ import annotations
 from abc import ABC
 from collections.abc import Iterable, Sequence
 from operator import attrgetter
-from typing import ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from kvtier.keys import OffloadKey
 from kvtier.specs import BlockIDsLoadStoreSpec
@@ -138,3 +138,51 @@ class Backend(ABC):
 
     def close(self) -> None:
         """Release memory, files and handles. Idempotent. Default: nothing to release."""
+
+
+# ---------------------------------------------------------------------- capabilities
+# What a backend offers beyond slot bookkeeping, declared by the methods it has. Handlers select
+# the backends they can serve with `isinstance(backend, Capability)`, once, when they are built;
+# a third-party backend gains a handler by offering the members, without naming these classes.
+
+
+@runtime_checkable
+class HostSlots(Protocol):
+    """Slots in this process's memory: `view(slot)` is the slot's `block_bytes` bytes, writable,
+    valid until `close` (MemoryBackend, CPUBackend). Served by the host-memory handlers
+    (slot-to-slot copies, CPU <-> file)."""
+
+    name: str
+    num_blocks: int
+    block_bytes: int
+
+    def view(self, slot: int) -> memoryview: ...
+
+
+@runtime_checkable
+class HostRegion(HostSlots, Protocol):
+    """`HostSlots` laid out as one region: `tensor()` is a uint8 torch tensor `(num_blocks,
+    block_bytes)` without a copy, row `i` being slot `i`, rows `slot_stride` bytes apart
+    (`slot_stride >= block_bytes`), its storage starting at slot 0 and spanning
+    `num_blocks * slot_stride` bytes. Served by the engine <-> CPU handlers."""
+
+    slot_stride: int
+
+    def tensor(self) -> Any: ...
+
+
+@runtime_checkable
+class BlockFile(Protocol):
+    """Slots in files, moved by whole blocks (FileBackend). `write_blocks` stores `buffers[i]`
+    (`block_bytes`, C-contiguous) as block `keys[i]` in `slots[i]`; `read_blocks` reads and
+    verifies them into the writable `buffers[i]`. Both return the bytes moved and raise on a
+    failure. `num_threads` is how many of its I/Os the backend runs at once (handlers size their
+    pools by it). Served by the CPU <-> file and engine <-> file handlers."""
+
+    name: str
+    block_bytes: int
+    num_threads: int
+
+    def write_blocks(self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence) -> int: ...
+
+    def read_blocks(self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence) -> int: ...

@@ -27,8 +27,8 @@ class SlotBackend(Backend):
 
 
 class MemoryBackend(Backend):
-    """Blocks in one process-local, page-aligned anonymous mapping (`num_blocks * block_bytes`);
-    `view(slot)` exposes a slot.
+    """Blocks in one process-local, page-aligned anonymous mapping (`num_blocks * block_bytes`),
+    slots back to back: a `HostRegion` (`view(slot)`, `tensor()`, `slot_stride == block_bytes`).
 
     Page alignment keeps behaviour independent of where the allocator puts the arena: the file
     tier's zero-copy O_DIRECT path depends on buffer alignment."""
@@ -40,12 +40,22 @@ class MemoryBackend(Backend):
         super().__init__(name, num_blocks, block_bytes, block_size)
         if block_bytes <= 0:
             raise ValueError(f"MemoryBackend {name!r} needs block_bytes > 0, got {block_bytes}")
+        self.slot_stride = block_bytes
         self.arena = mmap.mmap(-1, num_blocks * block_bytes)
         self._view = memoryview(self.arena)
+        self._tensor = None
 
     def view(self, slot: int) -> memoryview:
         start = slot * self.block_bytes
         return self._view[start:start + self.block_bytes]
+
+    def tensor(self):
+        """A uint8 tensor `(num_blocks, block_bytes)` over the arena, no copy (imports torch)."""
+        if self._tensor is None:
+            import torch
+
+            self._tensor = torch.frombuffer(self.arena, dtype=torch.uint8).view(self.num_blocks, self.block_bytes)
+        return self._tensor
 
     def close(self) -> None:
         self._view.release()

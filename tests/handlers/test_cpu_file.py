@@ -11,7 +11,10 @@ import pytest
 from kvtier import FileLoadStoreSpec, CPULoadStoreSpec, LookupResult, build_hierarchy, load_config_text, make_offload_key
 from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler, make_cpu_to_file, make_file_to_cpu
 from kvtier.tiers.file import HEADER_BYTES, FileBackend
+from kvtier.tiers.base import BlockFile, HostSlots
 from kvtier.tiers.memory import MemoryBackend
+
+from conftest import Jobs as RunJobs
 
 BLOCK = 64 * 1024
 
@@ -217,6 +220,35 @@ def test_factories_need_both_sides(pair):
     handler = make_file_to_cpu({"mem": mem, "disk": disk})
     assert isinstance(handler, FileToCPUHandler)
     handler.shutdown()
+
+
+class HostOnly:
+    """A third party's host-memory backend: `HostSlots` by its members, no kvtier base class."""
+
+    def __init__(self, name, num_blocks, block_bytes):
+        self.name, self.num_blocks, self.block_bytes = name, num_blocks, block_bytes
+        self._slots = [bytearray(block_bytes) for _ in range(num_blocks)]
+
+    def view(self, slot):
+        return memoryview(self._slots[slot])
+
+
+def test_handlers_serve_backends_by_declared_capability(pair):
+    """Host side: any `HostSlots`; file side: any `BlockFile`; the rest is left out when the handler is built."""
+    mem, disk = pair
+    host = HostOnly("host", 4, BLOCK)
+    assert isinstance(mem, HostSlots) and isinstance(host, HostSlots) and isinstance(disk, BlockFile)
+    assert not isinstance(disk, HostSlots) and not isinstance(mem, BlockFile)
+    store = make_cpu_to_file({"mem": mem, "host": host, "disk": disk})
+    load = make_file_to_cpu({"mem": mem, "host": host, "disk": disk})
+    assert sorted(store.hosts) == ["host", "mem"] and list(store.files) == ["disk"]
+    ks = keys(2)
+    host.view(3)[:] = payload(ks[0])
+    jobs = RunJobs(store, load)
+    assert jobs.run(store, 1, CPULoadStoreSpec([3], tier="host"), FileLoadStoreSpec([5], ks[:1], tier="disk")).success
+    assert jobs.run(load, 2, FileLoadStoreSpec([5], ks[:1], tier="disk"), CPULoadStoreSpec([0], tier="mem")).success
+    assert bytes(mem.view(0)) == payload(ks[0])
+    jobs.close()
 
 
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EIO])

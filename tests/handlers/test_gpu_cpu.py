@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -10,8 +11,9 @@ from hypothesis import strategies as st
 
 from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec,
                     GPULoadStoreSpec, build_hierarchy, load_config_text)
-from kvtier.handlers import gpu_cpu
+from kvtier.handlers import rows
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout, make_cpu_to_gpu, make_gpu_to_cpu, make_handler
+from kvtier.tiers.base import HostRegion, HostSlots
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.memory import MemoryBackend
 from conftest import Jobs
@@ -78,15 +80,15 @@ def row_copies(request, monkeypatch):
     if request.param == "whole":
         yield request.param
         return
-    monkeypatch.setattr(gpu_cpu, "_PARALLEL_COPY_BYTES", 0)
+    monkeypatch.setattr(rows, "PARALLEL_COPY_BYTES", 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     yield request.param
     torch.set_num_threads(threads)
 
 
-def test_host_row_copies_in_parts_equal_one_copy(monkeypatch):
-    monkeypatch.setattr(gpu_cpu, "_PARALLEL_COPY_BYTES", 0)
+def test_host_row_copies_in_parts_equal_one_copy():
+    copier = rows.RowCopier(parallel_bytes=0)
     threads = torch.get_num_threads()
     torch.set_num_threads(3)
     try:
@@ -94,22 +96,23 @@ def test_host_row_copies_in_parts_equal_one_copy(monkeypatch):
         src = torch.randint(-2**62, 2**62, (10, 7), dtype=torch.int64, generator=g)
         index = torch.randperm(10, generator=g)
         out = torch.zeros_like(src)
-        gpu_cpu._index_select(src, index, out)
+        copier.index_select(src, index, out)
         assert torch.equal(out, src[index])
         dst, expected = torch.zeros_like(src), torch.zeros_like(src)
-        gpu_cpu._index_copy(dst, index, src)
+        copier.index_copy(dst, index, src)
         expected[index] = src
         assert torch.equal(dst, expected)
         dst = torch.zeros_like(src)  # repeated rows: one copy in numpy's order, the last one wins
-        gpu_cpu._index_copy(dst, torch.tensor([3, 3, 1, 3]), src[:4])
+        copier.index_copy(dst, torch.tensor([3, 3, 1, 3]), src[:4])
         assert torch.equal(dst[3], src[3]) and torch.equal(dst[1], src[2]) and int(dst[0].abs().sum()) == 0
         wide = torch.zeros((10, 9), dtype=torch.int64)  # a strided destination: torch's own path
-        gpu_cpu._index_select(src, index, wide[:, 1:8])
+        copier.index_select(src, index, wide[:, 1:8])
         assert torch.equal(wide[:, 1:8], src[index]) and int(wide[:, 0].abs().sum() + wide[:, 8].abs().sum()) == 0
         for bad in (torch.tensor([0, 10]), torch.tensor([-1, 2])):  # never clipped into a wrong row
             with pytest.raises(IndexError):
-                gpu_cpu._index_select(src, bad, torch.zeros((2, 7), dtype=torch.int64))
+                copier.index_select(src, bad, torch.zeros((2, 7), dtype=torch.int64))
     finally:
+        copier.close()
         torch.set_num_threads(threads)
 
 
@@ -319,3 +322,58 @@ def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, tier, slots):
     assert not bad.success
     store_h.shutdown()
     load_h.shutdown()
+
+
+class ViewOnly:
+    """A host-memory backend offering `view` alone (a `HostSlots`, not a `HostRegion`)."""
+
+    def __init__(self, backend):
+        self.name, self.num_blocks, self.block_bytes = backend.name, backend.num_blocks, backend.block_bytes
+        self.view = backend.view
+
+
+def test_engine_handlers_serve_the_backends_that_declare_a_host_region(tier):
+    kv = make_kv()
+    layout, cpu = tier(kv, 1)
+    mem = MemoryBackend("mem", 4, layout.block_bytes)
+    assert isinstance(cpu, HostRegion) and isinstance(mem, HostRegion)
+    view_only = ViewOnly(mem)
+    assert isinstance(view_only, HostSlots) and not isinstance(view_only, HostRegion)
+    assert make_gpu_to_cpu({"v": view_only}, kv) is None  # cannot be addressed as one region
+    store = make_gpu_to_cpu({"cpu": cpu, "v": view_only, "mem": mem}, kv)
+    assert sorted(store.backends) == ["cpu", "mem"]
+    jobs = Jobs(store)
+    for tier_name, backend in (("cpu", cpu), ("mem", mem)):
+        spec = GPULoadStoreSpec([4], group_sizes=[0, 1])
+        assert jobs.run(store, id(backend), spec, CPULoadStoreSpec([1], tier=tier_name)).success
+        assert bytes(backend.view(1)[:512]) == engine_page(kv, 1, 4, 512)
+    jobs.close()
+
+
+def _row_threads() -> set:
+    return {t for t in threading.enumerate() if t.name.startswith("kvtier-rows")}
+
+
+def test_shutting_a_handler_down_stops_its_row_copy_threads():
+    """A copy large enough to run in parts starts copy threads; they belong to the handler and end
+    with its shutdown (they were process-wide and never shut down)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        page = 1 << 20
+        kv = make_kv(pages=(page, page), pads=(0, 0))
+        layout = KVLayout(kv, 1)
+        mem = MemoryBackend("mem", 8, layout.block_bytes)
+        before = _row_threads()
+        store = make_gpu_to_cpu({"mem": mem}, kv)
+        load = make_cpu_to_gpu({"mem": mem}, kv)
+        jobs = Jobs(store, load)
+        spec = GPULoadStoreSpec(list(range(8)), group_sizes=[4, 4])
+        assert jobs.run(store, 1, spec, CPULoadStoreSpec(list(range(8)), tier="mem")).success
+        assert jobs.run(load, 2, CPULoadStoreSpec(list(range(8)), tier="mem"), spec).success
+        started = _row_threads() - before
+        assert started, "an 8 MiB host copy should have run in parts"
+        jobs.close()
+        assert not any(t.is_alive() for t in started)
+    finally:
+        torch.set_num_threads(threads)

@@ -77,7 +77,9 @@ def test_wrong_key_fails_the_job_and_leaves_the_engine_untouched(setup):
 
 
 class FlakyBackend:
-    """The byte API of FileBackend over a dict; fails writes to slot 13."""
+    """The byte API of FileBackend over a dict (a `BlockFile`); fails writes to slot 13."""
+
+    num_threads = 2
 
     def __init__(self, block_bytes):
         self.name, self.block_bytes, self.data = "nvme", block_bytes, {}
