@@ -2,7 +2,7 @@
 
 A test class subclasses `HandlerTests` for one (source spec type, destination spec type) pair and
 says how to build both sides (`make_sides`); by default the handlers come from the registry
-(`kvtier.registry.HANDLERS`), so the suite checks what a hierarchy would really use:
+(`kvtier.registry.handler_factory`), so the suite checks what a hierarchy would really use:
 
     class TestMyPair(HandlerTests):
         def make_sides(self, tmp_path):
@@ -215,7 +215,9 @@ class HandlerTests:
         """The handler for src -> dst; by default the registry's factory for the two spec types."""
         backends = {**src.backends, **dst.backends}
         kv_caches = src.kv_caches if src.kv_caches is not None else dst.kv_caches
-        factory = registry.load_object(_registry_path(src.spec_type, dst.spec_type))
+        factory = registry.handler_factory(src.spec_type, dst.spec_type)
+        if factory is None:
+            raise LookupError(f"no handler registered for {src.spec_type.__name__} -> {dst.spec_type.__name__}")
         handler = factory(backends, kv_caches)
         assert handler is not None, f"the registry made no handler for {src.spec_type.__name__} -> {dst.spec_type.__name__}"
         return handler
@@ -358,11 +360,3 @@ def _skip(reason: str) -> None:
     import pytest  # only when a test is skipped: importing the suite does not need pytest
 
     pytest.skip(reason)
-
-
-def _registry_path(src_type: type, dst_type: type) -> str:
-    """The registry entry for a pair of spec types (by class name, as the registry keys them)."""
-    key = (src_type.__name__, dst_type.__name__)
-    if key not in registry.HANDLERS:
-        raise LookupError(f"no handler registered for {key[0]} -> {key[1]}")
-    return registry.HANDLERS[key]
