@@ -55,9 +55,6 @@ class TransferEngine:
                     break
         return handler
 
-    def pairs(self) -> list[SpecPair]:
-        return list(self._handlers)
-
     def new_job_id(self) -> int:
         return next(self._ids)
 
