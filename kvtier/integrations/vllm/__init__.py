@@ -44,14 +44,14 @@ Compatible with vLLM 0.32; tolerates 0.33 additions (`submit_load(..., expedited
 
 Modules: `spec` (`KVTierOffloadingSpec`, what vLLM loads), `config` (the YAML under vLLM),
 `manager` (scheduler side, with the metrics), `worker` (worker side: the worker plane over the
-attached CPU region), `specs` (the CPU spec both sides exchange). Every public name is
-re-exported here: import them from `kvtier.integrations.vllm`.
+attached CPU region), `translate` (the CPU spec both sides exchange, media names). Every public
+name is re-exported here: import them from `kvtier.integrations.vllm`.
 """
 
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
 from kvtier.integrations.vllm.manager import _COUNTERS, _GAUGES, METRIC_PREFIX, KVTierOffloadingManager  # noqa: F401
 from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
-from kvtier.integrations.vllm.specs import KVTierCPULoadStoreSpec, to_vllm_medium
+from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, to_vllm_medium
 from kvtier.integrations.vllm.worker import KVTierOffloadingWorker
 
 __all__ = ["KVTierCPULoadStoreSpec", "KVTierOffloadingManager", "KVTierOffloadingSpec", "KVTierOffloadingWorker",

@@ -18,7 +18,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
-from kvtier.integrations.vllm.specs import KVTierCPULoadStoreSpec, _to_vllm_spec, to_vllm_medium
+from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, _to_vllm_spec, to_vllm_medium
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource

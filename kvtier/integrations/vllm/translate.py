@@ -1,4 +1,4 @@
-"""The CPU spec the scheduler side hands to vLLM and the worker side reads back, and media names."""
+"""kvtier <-> vLLM types: the CPU spec the scheduler side hands out and the worker side reads, media."""
 
 from __future__ import annotations
 
