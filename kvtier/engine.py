@@ -1,13 +1,15 @@
 """The router: maps a (source spec type, destination spec type) pair to its handler and tracks jobs.
 
-`submit` never blocks on I/O; finished jobs are collected with `poll`. A `CompositeLoadStoreSpec`
-source is split into one sub-job per part, and its job reports success only if every part did.
+`submit` never blocks on I/O; finished jobs are collected with `poll` (or waited for with
+`wait_finished`, which sleeps until a handler reports). A `CompositeLoadStoreSpec` source is split
+into one sub-job per part, and its job reports success only if every part did.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 from collections import deque
 from collections.abc import Iterable
 
@@ -32,7 +34,8 @@ class TransferEngine:
 
     def __init__(self) -> None:
         self._handlers: dict[SpecPair, TransferHandler] = {}
-        self.finished: deque[TransferResult] = deque()  # appended to by handlers, from any thread
+        self.finished: deque[TransferResult] = deque()  # appended to by `_report`, from any thread
+        self._reported = threading.Condition()  # notified with each result appended to `finished`
         self._ids = itertools.count(1 << 40)  # far from ids chosen by callers (vLLM job ids)
         self._parents: dict[int, _Composite] = {}
         self._pending: dict[int, TransferHandler] = {}
@@ -40,7 +43,7 @@ class TransferEngine:
     def register(self, src_type: type[LoadStoreSpec], dst_type: type[LoadStoreSpec], handler: TransferHandler) -> None:
         """Serve jobs from `src_type` to `dst_type` with `handler` (replaces an earlier one)."""
         self._handlers[(src_type, dst_type)] = handler
-        handler.bind(self.finished.append)
+        handler.bind(self._report)
 
     def handler_for(self, src_type: type[LoadStoreSpec], dst_type: type[LoadStoreSpec]) -> TransferHandler | None:
         """The handler of a pair, also matching registered base classes of the spec types."""
@@ -51,9 +54,6 @@ class TransferEngine:
                 if handler is not None:
                     break
         return handler
-
-    def pairs(self) -> list[SpecPair]:
-        return list(self._handlers)
 
     def new_job_id(self) -> int:
         return next(self._ids)
@@ -89,7 +89,23 @@ class TransferEngine:
             self._fail(job_id, f"{type(exc).__name__}: {exc}")
 
     def _fail(self, job_id: int, error: str) -> None:
-        self.finished.append(TransferResult(job_id, False, 0, 0.0, error=error))
+        self._report(TransferResult(job_id, False, 0, 0.0, error=error))
+
+    def _report(self, result: TransferResult) -> None:
+        """A handler's completion callback (any thread): queue `result` for `poll` and wake waiters."""
+        with self._reported:
+            self.finished.append(result)
+            self._reported.notify_all()
+
+    def has_finished(self) -> bool:
+        """Whether some result is waiting to be collected by `poll` (a part of a composite job too)."""
+        return bool(self.finished)
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Block until some result is waiting for `poll` (at most `timeout` seconds; None: no limit).
+        Returns whether one is. Sleeps on a condition the handlers' reports signal: no polling."""
+        with self._reported:
+            return self._reported.wait_for(self.has_finished, timeout)
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs that finished since the last call (composite jobs once, when whole)."""
@@ -128,6 +144,7 @@ class TransferEngine:
             handler.wait(ids)
 
     def has_pending(self) -> bool:
+        """Jobs submitted and not yet collected by `poll`."""
         return bool(self._pending) or bool(self.finished)
 
     def shutdown(self) -> None:

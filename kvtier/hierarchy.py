@@ -1,34 +1,49 @@
-"""Build a running hierarchy (backends, policies, router, manager) from a `HierarchyConfig`."""
+"""Build a running hierarchy from a `HierarchyConfig`: its control plane and its worker plane.
+
+The control plane is the `HierarchyManager` over the tiers (backends and policies) with the
+engine of its tier-to-tier jobs; the worker plane (`kvtier.planes.WorkerPlane`) runs the jobs that
+touch the engine's KV caches. Both front-ends use the two as built here: the standalone `KVTier`
+drives both in one process; under vLLM the scheduler builds the hierarchy without KV caches (an
+empty worker plane) and each worker builds its own plane over the CPU region it attached
+(`build_worker_plane`).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier import registry, specs
+from kvtier import registry
 from kvtier.capacity import capacity_problem
 from kvtier.config import HierarchyConfig
 from kvtier.engine import TransferEngine
 from kvtier.errors import ConfigError
-from kvtier.handlers.base import ImmediateHandler
 from kvtier.manager import HierarchyManager, Tier
-from kvtier.policies.base import predicts_victims, with_key_index
+from kvtier.planes import WorkerPlane, build_engine, build_worker_plane
+from kvtier.policies.base import CachePolicy, predicts_victims, with_key_index
 from kvtier.tiers.base import Backend
 from kvtier.tiers.memory import SlotBackend
 
 
 @dataclass
 class Hierarchy:
-    """A built hierarchy: `manager` is the control plane, `engine` routes byte movement."""
+    """A built hierarchy. Control plane: `manager`, and `engine`, the router of its tier-to-tier
+    jobs. Worker plane: `worker`, the jobs between the KV caches and the tiers (empty when the
+    hierarchy was built without KV caches)."""
 
     config: HierarchyConfig
     manager: HierarchyManager
     engine: TransferEngine
+    worker: WorkerPlane
     backends: dict[str, Backend] = field(default_factory=dict)
     dry_run: bool = False
 
     def close(self) -> None:
-        self.manager.shutdown()
+        """Stop the worker plane's handlers, then the manager (its jobs finish, every tier closes)."""
+        try:
+            self.worker.shutdown()
+        finally:
+            self.manager.shutdown()
 
     def __enter__(self) -> "Hierarchy":
         return self
@@ -50,12 +65,15 @@ def tier_blocks(config: HierarchyConfig, block_bytes: int | None) -> list[int]:
 
 def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, kv_caches: Any = None,
                     dry_run: bool = False, enable_events: bool = False, model: str = "") -> Hierarchy:
-    """Create every tier of `config` and the handlers for the hops between them.
+    """Create every tier of `config`, the manager over them with the handlers for the hops between
+    tiers (control plane), and the handlers between the KV caches and the tiers (worker plane).
 
     `block_bytes` (bytes per block) overrides the config's; it is required when a capacity is a
-    byte size. `kv_caches` (`CanonicalKVCaches`) enables the handlers that touch the engine's KV
-    cache. With `dry_run`, backends only track slots and every transfer completes at once without
-    bytes (trace replay of the control plane).
+    byte size. `kv_caches` (`CanonicalKVCaches`) fills the worker plane; without it the plane is
+    empty (vLLM's scheduler: its workers build their own). A tier the worker plane loads straight
+    into the KV caches is served directly, others by promotion into the first tier. With
+    `dry_run`, backends only track slots and every transfer completes at once without bytes
+    (trace replay of the control plane). A failed build closes what it had opened.
 
     `model` names the model whose KV the hierarchy holds (e.g. `"meta-llama/Llama-3.1-8B@<rev>"`).
     A persistent tier (`Backend.persistent`, e.g. `file`) is built with `fingerprint` = its
@@ -68,7 +86,9 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
     block_bytes = block_bytes or config.block_bytes
     layout = describe_layout(block_bytes or 0, config.block_tokens, kv_caches)
     backends: dict[str, Backend] = {}
-    tiers: list[Tier] = []
+    policies: list[CachePolicy] = []
+    engine: TransferEngine | None = None
+    worker: WorkerPlane | None = None
     try:
         for i, (tier_cfg, n) in enumerate(zip(config.tiers, tier_blocks(config, block_bytes))):
             cls = registry.resolve(registry.BACKENDS, tier_cfg.backend)
@@ -90,14 +110,23 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
                                     f"which needs a policy that predicts its victims (victim_candidates); "
                                     f"{tier_cfg.policy!r} does not, so every eviction would be lost: use "
                                     f"cascade: on_store, or implement victim_candidates")])
-            tiers.append(Tier(tier_cfg.name, backend, policy, tier_cfg.cascade, tier_cfg.reserve))
-        engine = _build_engine(backends, kv_caches, dry_run)
+            policies.append(policy)
+        engine = build_engine(backends, kv_side=False, dry_run=dry_run)
+        worker = build_worker_plane(backends, kv_caches, dry_run=dry_run)
+        # A tier whose blocks the worker plane loads straight into the KV caches is served
+        # directly, without a promotion into the first tier (see `HierarchyManager.lookup`).
+        tiers = [Tier(tier_cfg.name, backend, policy, tier_cfg.cascade, tier_cfg.reserve,
+                      direct_load=worker.loads_from(backend.spec_type))
+                 for tier_cfg, backend, policy in zip(config.tiers, backends.values(), policies)]
+        manager = HierarchyManager(tiers, engine, enable_events=enable_events)
     except BaseException:
+        for plane in (worker, engine):
+            if plane is not None:
+                plane.shutdown()
         for backend in backends.values():
             backend.close()
         raise
-    manager = HierarchyManager(tiers, engine, enable_events=enable_events)
-    return Hierarchy(config, manager, engine, backends, dry_run)
+    return Hierarchy(config, manager, engine, worker, backends, dry_run)
 
 
 def _build_backend(cls, i: int, name: str, n: int, block_bytes: int, block_tokens: int, options: dict) -> Backend:
@@ -162,18 +191,3 @@ def _ref_runs(refs: list[Any]) -> list[str]:
         else:
             runs.append([ref.tensor_idx, ref.tensor_idx, ref.page_size_bytes])
     return [f"{a}-{b}/{page}" if a != b else f"{a}/{page}" for a, b, page in runs]
-
-
-def _build_engine(backends: dict[str, Backend], kv_caches: Any, dry_run: bool) -> TransferEngine:
-    engine = TransferEngine()
-    present = [b.spec_type for b in backends.values()]
-    if kv_caches is not None:
-        present.append(specs.GPULoadStoreSpec)
-    for src, dst in registry.handler_pairs(present):
-        if dry_run:
-            handler = ImmediateHandler()
-        else:
-            handler = registry.handler_factory(src, dst)(backends, kv_caches)
-        if handler is not None:
-            engine.register(src, dst, handler)
-    return engine

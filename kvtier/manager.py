@@ -132,7 +132,9 @@ class HierarchyManager(OffloadingManager):
             tier.index = i
             if tier.cascade not in CASCADE_MODES:
                 raise ValueError(f"tier {tier.name!r}: cascade must be one of {CASCADE_MODES}, got {tier.cascade!r}")
-            tier.direct_load = i > 0 and engine.handler_for(tier.backend.spec_type, GPULoadStoreSpec) is not None
+            # Declared by the builder (its worker plane loads the tier), or routed by `engine` itself.
+            tier.direct_load = i > 0 and (tier.direct_load or
+                                          engine.handler_for(tier.backend.spec_type, GPULoadStoreSpec) is not None)
         self._top = self.tiers[0]
         self._write_through = [t for t in self.tiers[:-1] if t.cascade == "on_store"]
         self._jobs: dict[int, _Job] = {}
@@ -305,6 +307,19 @@ class HierarchyManager(OffloadingManager):
         """Jobs in flight, promotions queued, or write-through copies waiting for in-flight room
         (not those waiting for room in a full lower tier: stepping an idle engine cannot free it)."""
         return bool(self._jobs) or bool(self._promote_queue) or self._writes_waiting()
+
+    def new_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """The keys `prepare_store` would allocate in the first tier: those it does not hold."""
+        return list(filterfalse(self._top.policy.get, keys))
+
+    def store_room(self) -> int | None:
+        """How many new blocks the first tier can take now without evicting a block whose copy to
+        the next tier has not been made (its free slots plus its clean blocks), when it cascades
+        on eviction; None when it does not (one tier, or cascade `none` / `on_store`)."""
+        top = self._top
+        if len(self.tiers) < 2 or top.cascade != "on_evict":
+            return None
+        return top.backend.get_num_free_blocks() + len(top.clean)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if self.events:

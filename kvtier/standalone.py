@@ -7,9 +7,10 @@
 `model` names the model whose KV this is; a file tier records it with the KV layout and never
 serves blocks written under another model or layout (see `KVTier.open`).
 
-Both planes live in this process: the hierarchy's manager (control plane, scheduler side) and a
-private `TransferEngine` for the jobs that touch the KV tensors (worker side), exactly as vLLM
-splits them across processes. Every call returns when its bytes have moved.
+Both planes the builder returns live in this process: the hierarchy's manager (control plane,
+scheduler side) and its worker plane (`kvtier.planes.WorkerPlane`: the jobs that touch the KV
+tensors, worker side), as vLLM splits them across processes. Every call returns when its bytes
+have moved.
 
 Keys are `OffloadKey`s (block hash + 4-byte big-endian group index); with several KV groups the
 group of a key selects the group's layout. One key covers `blocks_per_chunk` engine blocks, so
@@ -35,13 +36,11 @@ A closed `KVTier` raises `ClosedError`.
 from __future__ import annotations
 
 import operator
-import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from kvtier.config import HierarchyConfig, load_config
-from kvtier.engine import TransferEngine
 from kvtier.errors import ArgumentError, ArgumentTypeError, ClosedError
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.hierarchy import Hierarchy, build_hierarchy
@@ -60,13 +59,7 @@ class KVTier:
         self.manager = hierarchy.manager
         self.layout = layout
         self.blocks_per_chunk = layout.blocks_per_chunk
-        # The handlers that touch the KV tensors report to a private engine (the worker plane),
-        # so that the manager's polling never swallows their results.
-        self._worker = TransferEngine()
-        for src, dst in hierarchy.engine.pairs():
-            if GPULoadStoreSpec in (src, dst):
-                self._worker.register(src, dst, hierarchy.engine.handler_for(src, dst))
-        self._results: dict[int, TransferResult] = {}
+        self._worker = hierarchy.worker  # the jobs that touch the KV tensors
         self._key_limit = _key_limit(hierarchy)
         self._counters = {"stores": 0, "store_failures": 0, "store_bytes": 0, "store_seconds": 0.0,
                           "loads": 0, "load_failures": 0, "load_bytes": 0, "load_seconds": 0.0}
@@ -109,24 +102,21 @@ class KVTier:
         self._check_open()
         keys = self._checked_keys(keys, distinct=True)
         by_key = self._blocks_by_key(keys, engine_block_ids, distinct=False)
-        top = self.manager.tiers[0]
-        cascading = len(self.manager.tiers) > 1 and top.cascade == "on_evict"
-        pending = [key for key in keys if top.policy.get(key) is None]
+        manager = self.manager
+        pending = manager.new_keys(keys)
         ok = True
         while pending:
             n = len(pending)
-            if cascading:
-                if self._room() < n:
-                    self.manager.on_schedule_end()
-                    self.manager.wait_idle()
-                n = max(1, min(n, self._room()))
+            room = manager.store_room()  # None: the first tier can evict without waiting for a copy
+            if room is not None:
+                if room < n:
+                    manager.on_schedule_end()
+                    manager.wait_idle()
+                    room = manager.store_room() or 0
+                n = max(1, min(n, room))
             batch, pending = pending[:n], pending[n:]
             ok &= self._store_batch(batch, by_key)
         return ok
-
-    def _room(self) -> int:
-        top = self.manager.tiers[0]
-        return top.backend.get_num_free_blocks() + len(top.clean)
 
     def _store_batch(self, keys: list[bytes], by_key: dict[bytes, list[int]]) -> bool:
         output = self.manager.prepare_store(keys)
@@ -289,14 +279,7 @@ class KVTier:
 
     def _run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferResult:
         """Submit one job to the worker plane and wait for its result."""
-        job_id = self._worker.submit(src, dst)
-        while job_id not in self._results:
-            self._worker.wait([job_id])
-            for result in self._worker.poll():
-                self._results[result.job_id] = result
-            if job_id not in self._results:
-                time.sleep(0.0005)  # the result is reported just after the job's future completes
-        return self._results.pop(job_id)
+        return self._worker.result(self._worker.submit(src, dst))
 
     def _count(self, kind: str, result: TransferResult) -> None:
         c = self._counters

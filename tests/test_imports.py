@@ -1,7 +1,9 @@
 """Each layer imports in a fresh interpreter without pulling in torch, numpy, kvikio or vllm."""
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -9,7 +11,7 @@ HEAVY = ("torch", "numpy", "kvikio", "vllm")
 
 LAYERS = ["kvtier", "kvtier.keys", "kvtier.types", "kvtier.errors", "kvtier.specs", "kvtier.policies",
           "kvtier.tiers.base", "kvtier.tiers.memory", "kvtier.tiers.cpu", "kvtier.tiers.file", "kvtier.handlers.base",
-          "kvtier.manager", "kvtier.engine", "kvtier.config", "kvtier.hierarchy", "kvtier.cli.main",
+          "kvtier.manager", "kvtier.engine", "kvtier.planes", "kvtier.config", "kvtier.hierarchy", "kvtier.cli.main",
           "kvtier.bench.replay"]
 
 
@@ -27,3 +29,39 @@ def test_policies_import_only_the_standard_library():
             "print(sorted(m for m in set(sys.modules) - before if not m.startswith('kvtier')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "yaml" not in out.stdout and "torch" not in out.stdout, out.stdout
+
+
+def _imported_modules(path: Path, at_import: bool) -> set[str]:
+    """Absolute module names `path` imports: when the module is imported (`at_import`: not in a
+    function body), or anywhere."""
+    names: set[str] = set()
+    nodes = list(ast.parse(path.read_text()).body)
+    while nodes:
+        node = nodes.pop()
+        if at_import and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+        nodes.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def test_only_the_vllm_integration_package_imports_vllm():
+    """vLLM is imported by `kvtier.integrations.vllm` (a package) alone, and nothing else in kvtier
+    imports that package: kvtier works without vLLM installed. (A function elsewhere may import
+    vLLM to compare with it, e.g. `kvtier bench replay --compare vllm`.)"""
+    package = Path(__file__).resolve().parents[1] / "kvtier"
+    integration = package / "integrations" / "vllm"
+    assert (integration / "__init__.py").is_file()
+    inside, outside = [], []
+    for path in sorted(package.rglob("*.py")):
+        loaded = _imported_modules(path, at_import=True)
+        uses = any(n == "vllm" or n.startswith("vllm.") for n in loaded)
+        if integration in path.parents:
+            inside.append(uses)
+        elif uses or any(n.startswith("kvtier.integrations.vllm") for n in _imported_modules(path, at_import=False)):
+            outside.append(str(path.relative_to(package)))
+    assert outside == [], f"outside kvtier/integrations/vllm/: {outside} import vllm or the integration"
+    assert any(inside)

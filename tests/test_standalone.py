@@ -85,6 +85,24 @@ def test_cascade_to_file_and_load_back_byte_exact(tmp_path):
             assert torch.equal(t.tensor[20:40], b[:20])
 
 
+def test_file_tier_loads_straight_into_the_kv_caches(tmp_path):
+    """The file tier's blocks are loaded by the worker plane's file->KV handler, without a
+    promotion into the CPU tier (the builder tells the manager which tiers its worker plane reads)."""
+    kv = make_kv(num_blocks=40)
+    with KVTier.open(cpu_file(tmp_path), kv, model="test-model") as tier:
+        ks = keys(12)
+        assert tier.store(ks, list(range(12)))
+        tier.wait()
+        before = snapshot(kv)
+        wipe(kv)
+        assert tier.load(ks, list(range(20, 32))) == 12
+        stats = tier.stats()
+        assert stats["nvme"]["hits"] >= 8 and stats["nvme"]["promotions"] == 0
+        assert stats["cpu"]["hits"] + stats["nvme"]["hits"] == 12
+        for t, b in zip(kv.tensors, before):
+            assert torch.equal(t.tensor[20:32], b[:12])
+
+
 def test_groups_and_chunks(tmp_path):
     kv = make_kv(num_blocks=40, groups=2)
     with KVTier.open(cpu_file(tmp_path, cpu_blocks=3), kv, blocks_per_chunk=2, model="test-model") as tier:
@@ -109,7 +127,7 @@ def test_failed_load_reports_zero(monkeypatch):
     with KVTier.open(cfg, kv) as tier:
         ks = keys(2)
         assert tier.store(ks, [1, 2])
-        handler = tier._worker.handler_for(CPULoadStoreSpec, GPULoadStoreSpec)
+        handler = tier.hierarchy.worker.handler_for(CPULoadStoreSpec, GPULoadStoreSpec)
         with monkeypatch.context() as patch:
             patch.setattr(handler, "copy", Mock(side_effect=OSError("injected copy failure")))
             assert tier.load(ks, [1, 3]) == 0  # the job failed

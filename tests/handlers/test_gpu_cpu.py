@@ -228,10 +228,11 @@ def test_built_hierarchy_routes_engine_hops(tmp_path):
     layout = KVLayout(kv, 1)
     cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 8 blocks, pin: false}\n")
     with build_hierarchy(cfg, block_bytes=layout.block_bytes, kv_caches=kv) as h:
-        assert h.engine.handler_for(GPULoadStoreSpec, CPULoadStoreSpec) is not None
-        assert h.engine.handler_for(CPULoadStoreSpec, GPULoadStoreSpec) is not None
-        job = h.engine.submit(GPULoadStoreSpec([3], group_sizes=[1, 0]), CPULoadStoreSpec([5], tier="cpu"))
-        (result,) = h.engine.poll()
+        assert h.worker.handler_for(GPULoadStoreSpec, CPULoadStoreSpec) is not None
+        assert h.worker.handler_for(CPULoadStoreSpec, GPULoadStoreSpec) is not None
+        assert h.engine.handler_for(GPULoadStoreSpec, CPULoadStoreSpec) is None  # not the manager's jobs
+        job = h.worker.submit(GPULoadStoreSpec([3], group_sizes=[1, 0]), CPULoadStoreSpec([5], tier="cpu"))
+        (result,) = h.worker.poll()
         assert result.job_id == job and result.success
         assert bytes(h.backends["cpu"].view(5)[:256]) == engine_page(kv, 0, 3, 256)
 

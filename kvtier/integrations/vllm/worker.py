@@ -1,0 +1,116 @@
+"""Worker side: vLLM's `OffloadingWorker`, copying between the KV caches and the shared CPU region."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
+
+from kvtier import specs as kspecs
+from kvtier.tiers.cpu import RegionError
+
+if TYPE_CHECKING:
+    from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
+    from kvtier.planes import WorkerPlane
+
+# shm_names of the CPU regions whose (only) worker lives in this process: vLLM's default executor
+# for one worker ("uni") runs it in the scheduler's process, where it maps the region without a name.
+_LOCAL_WORKER_REGIONS: set[str] = set()
+
+
+class KVTierOffloadingWorker(OffloadingWorker):
+    """vLLM `OffloadingWorker` for kvtier: GPU <-> the kvtier CPU tier, in the worker process.
+
+    The CPU region is attached at the first transfer (the scheduler-side manager creates it,
+    after vLLM has registered the KV caches): only the region whose token the scheduler sent with
+    the transfer's CPU spec, so a worker never maps another engine's region (a mismatch raises
+    `RegionError`). Once mapped, the region's name is removed from /dev/shm (this is the engine's
+    only worker): no stop, kill or crash can leave the region behind after that. Copies run on
+    the worker plane built over that region by `kvtier.planes.build_worker_plane`, the builder a
+    standalone hierarchy uses too: kvtier's GPU<->CPU handlers (`kvtier.handlers.gpu_cpu`:
+    synchronous batched index copies on CPU tensors, a copy stream on CUDA) over this rank's part
+    of each slot. A failed copy is reported as `success=False`, never as wrong bytes.
+    """
+
+    def __init__(self, spec: "KVTierOffloadingSpec", kv_caches: CanonicalKVCaches):
+        self.spec = spec
+        self.kv_caches = kv_caches
+        self._backend = None
+        self._engine: WorkerPlane | None = None  # the worker plane, built at the first transfer
+        self._tier = spec.hierarchy_config.tiers[0].name
+        _LOCAL_WORKER_REGIONS.add(spec.hierarchy_config.tiers[0].options["shm_name"])
+
+    def _ready(self, cpu_spec: Any):
+        token = getattr(cpu_spec, "region", None)
+        if self._engine is not None:
+            if token != self._backend.token:
+                raise RegionError(f"kvtier worker: a transfer names CPU region token {token!r}, this worker "
+                                  f"serves region {self._backend.shm_name} of its own scheduler (token mismatch)")
+            return self._engine
+        if token is None:
+            raise RegionError(f"kvtier worker: the CPU spec {cpu_spec!r} carries no region token; this worker "
+                              f"serves only the specs of its own kvtier scheduler")
+        from kvtier.tiers.cpu import CPUBackend
+
+        spec = self.spec
+        tier = spec.hierarchy_config.tiers[0]
+        n = tier.capacity.to_blocks(spec.block_bytes)
+        backend = CPUBackend.attach(tier.options["shm_name"], n, spec.block_bytes, spec.block_tokens,
+                                    name=tier.name, pin=tier.options.get("pin", "auto"), token=token)
+        try:
+            plane = self._build_plane(backend)
+        except BaseException:
+            backend.close()
+            raise
+        backend.unpublish()  # every process that maps the region (scheduler, this worker) has it now
+        self._backend, self._engine = backend, plane
+        return plane
+
+    def _build_plane(self, region: Any) -> WorkerPlane:
+        """The worker plane between the KV caches and the attached CPU `region` (both directions);
+        RuntimeError when the handlers cannot serve these KV caches."""
+        from kvtier.handlers.gpu_cpu import ChunkedKVCaches
+        from kvtier.planes import build_worker_plane
+
+        kv_caches = ChunkedKVCaches(list(self.kv_caches.tensors), list(self.kv_caches.group_data_refs),
+                                    self.spec.blocks_per_chunk)
+        plane = build_worker_plane({region.name: region}, kv_caches)
+        gpu, cpu = kspecs.GPULoadStoreSpec, kspecs.CPULoadStoreSpec
+        if plane.handler_for(gpu, cpu) is None or plane.handler_for(cpu, gpu) is None:
+            plane.shutdown()
+            raise RuntimeError("kvtier: no GPU<->CPU handler for these KV caches")
+        return plane
+
+    @staticmethod
+    def _gpu(spec: GPULoadStoreSpec) -> kspecs.GPULoadStoreSpec:
+        return kspecs.GPULoadStoreSpec(spec.block_ids, spec.group_sizes, spec.block_indices)
+
+    def _cpu(self, spec: Any) -> kspecs.CPULoadStoreSpec:
+        return kspecs.CPULoadStoreSpec(spec.block_ids, getattr(spec, "tier", None) or self._tier)
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: Any) -> bool:
+        self._ready(dst_spec).submit(self._gpu(src_spec), self._cpu(dst_spec), job_id)
+        return True
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
+        self._ready(src_spec).submit(self._cpu(src_spec), self._gpu(dst_spec), job_id)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        if self._engine is None:
+            return []
+        return [TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time) for r in self._engine.poll()]
+
+    def wait(self, job_ids: set[int]) -> None:
+        if self._engine is not None:
+            self._engine.wait(job_ids)
+
+    def shutdown(self) -> None:
+        if self._engine is not None:
+            self._engine.shutdown()
+            self._engine = None
+        if self._backend is not None:
+            self._backend.close()
+            self._backend = None
+        _LOCAL_WORKER_REGIONS.discard(self.spec.hierarchy_config.tiers[0].options["shm_name"])
+

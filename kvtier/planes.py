@@ -1,0 +1,118 @@
+"""The two planes' routers, built from the registry: tier-to-tier jobs and KV-cache jobs.
+
+A hierarchy moves bytes on two planes that never share a router:
+
+* the **control plane**'s engine (`build_engine(kv_side=False)`) runs the manager's jobs between
+  tiers (cascade, promotion); the manager collects their results on its own calls.
+* the **worker plane** (`build_worker_plane`) runs the jobs that touch the engine's KV caches
+  (`GPULoadStoreSpec` on one side): stores into the first tier and loads out of any tier a handler
+  reads directly. Its caller (the standalone `KVTier`, or vLLM's worker process) collects them.
+
+Keeping the routers apart means neither side can swallow the other's results, and the worker
+plane can live in another process (vLLM) over the same backends (the shared CPU region).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from kvtier import registry
+from kvtier.engine import TransferEngine
+from kvtier.handlers.base import ImmediateHandler, TransferHandler
+from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
+from kvtier.tiers.base import Backend
+from kvtier.types import TransferResult
+
+
+
+def _touches_kv(src: type, dst: type) -> bool:
+    """Whether a pair of spec types has the engine's KV caches (`GPULoadStoreSpec`) on one side."""
+    return issubclass(src, GPULoadStoreSpec) or issubclass(dst, GPULoadStoreSpec)
+
+
+def build_engine(backends: Mapping[str, Backend], kv_caches: Any = None, *, kv_side: bool,
+                 dry_run: bool = False) -> TransferEngine:
+    """A `TransferEngine` with a handler for every registered pair both of whose spec types are
+    present (a backend's `spec_type`, or the KV caches' `GPULoadStoreSpec` when `kv_caches` is
+    given) and that the factory can serve. `kv_side` selects the pairs with a KV-cache side (the
+    worker plane), else the pairs without (the control plane). With `dry_run` every handler
+    completes at once without bytes. A factory that raises stops the handlers made before it."""
+    present = [b.spec_type for b in backends.values()]
+    if kv_caches is not None:
+        present.append(GPULoadStoreSpec)
+    engine = TransferEngine()
+    try:
+        for src, dst in registry.handler_pairs(present):
+            if _touches_kv(src, dst) != kv_side:
+                continue
+            handler = ImmediateHandler() if dry_run else registry.handler_factory(src, dst)(backends, kv_caches)
+            if handler is not None:
+                engine.register(src, dst, handler)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
+class WorkerPlane:
+    """The jobs that copy between the engine's KV caches and the tiers, and their results.
+
+    A `TransferEngine` over the KV-side handlers (see `build_worker_plane`). Jobs are submitted and
+    collected by one thread, either as they finish (`poll`, as vLLM's worker does) or one by one
+    (`result`, which sleeps until the job's handler reports it). The plane owns its handlers
+    (`shutdown` stops them), never the backends: whoever built those closes them, after the plane.
+    """
+
+    def __init__(self, engine: TransferEngine):
+        self._engine = engine
+        self._unclaimed: dict[int, TransferResult] = {}  # collected from the engine, not yet returned
+
+    def handler_for(self, src_type: type[LoadStoreSpec], dst_type: type[LoadStoreSpec]) -> TransferHandler | None:
+        """The handler serving `src_type -> dst_type` here, or None."""
+        return self._engine.handler_for(src_type, dst_type)
+
+    def loads_from(self, spec_type: type[LoadStoreSpec]) -> bool:
+        """Whether a handler here copies blocks addressed by `spec_type` straight into the KV caches."""
+        return self._engine.handler_for(spec_type, GPULoadStoreSpec) is not None
+
+    def submit(self, src: LoadStoreSpec, dst: LoadStoreSpec, job_id: int | None = None) -> int:
+        """Start a job (`TransferEngine.submit`); returns its id. Never blocks on the copy."""
+        return self._engine.submit(src, dst, job_id)
+
+    def poll(self) -> list[TransferResult]:
+        """Results of the jobs finished since the last call (and not returned by `result`)."""
+        results = list(self._unclaimed.values())
+        self._unclaimed.clear()
+        return results + self._engine.poll()
+
+    def result(self, job_id: int, timeout: float | None = None) -> TransferResult:
+        """Wait for the result of job `job_id` (submitted here) and return it; results of other
+        jobs finishing meanwhile stay for `poll`. `TimeoutError` after `timeout` seconds (None:
+        no limit), the job still running."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while job_id not in self._unclaimed:
+            self._unclaimed.update((r.job_id, r) for r in self._engine.poll())
+            if job_id in self._unclaimed:
+                break
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not self._engine.wait_finished(left):
+                raise TimeoutError(f"transfer job {job_id} did not finish within {timeout} s")
+        return self._unclaimed.pop(job_id)
+
+    def wait(self, job_ids: Iterable[int] | None = None) -> None:
+        """Block until the given jobs (default: all submitted) have finished; results stay for `poll`."""
+        self._engine.wait(job_ids)
+
+    def shutdown(self) -> None:
+        """Stop the handlers (their running copies finish first). The backends stay open."""
+        self._engine.shutdown()
+
+
+def build_worker_plane(backends: Mapping[str, Backend], kv_caches: Any, *, dry_run: bool = False) -> WorkerPlane:
+    """The worker plane over `kv_caches` (`CanonicalKVCaches`; a `ChunkedKVCaches` when one block
+    spans several engine blocks) and `backends` (name -> backend, e.g. every tier of a hierarchy,
+    or the one CPU region a vLLM worker attached): a handler for each registered pair between the
+    KV caches and a backend kind present. Without `kv_caches` the plane serves nothing."""
+    return WorkerPlane(build_engine(backends, kv_caches, kv_side=True, dry_run=dry_run))
