@@ -61,7 +61,7 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
     tiers: list[Tier] = []
     try:
         for i, (tier_cfg, n) in enumerate(zip(config.tiers, tier_blocks(config, block_bytes))):
-            cls = registry.resolve(registry.BACKENDS, tier_cfg.backend)
+            cls = registry.load_class(registry.BACKEND, tier_cfg.backend, f"tiers[{i}].backend")
             if not dry_run and block_bytes:
                 problem = capacity_problem(tier_cfg.backend, cls.medium, n * block_bytes, dict(tier_cfg.options))
                 if problem:
@@ -71,7 +71,7 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
             else:
                 backend = cls.from_config(tier_cfg.name, n, block_bytes or 0, config.block_tokens, dict(tier_cfg.options))
             backends[tier_cfg.name] = backend
-            policy = registry.resolve(registry.POLICIES, tier_cfg.policy)(n)
+            policy = registry.load_class(registry.POLICY, tier_cfg.policy, f"tiers[{i}].policy")(n)
             tiers.append(Tier(tier_cfg.name, backend, policy, tier_cfg.cascade, tier_cfg.reserve))
         engine = _build_engine(backends, kv_caches, dry_run)
     except BaseException:
