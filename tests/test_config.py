@@ -509,3 +509,19 @@ def test_hostile_cases_through_a_real_process(tmp_path, case_id):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr[-2000:]
     assert f"  {field}" in result.stderr and fragment in result.stderr and len(result.stderr) < 4000
+
+
+@pytest.mark.parametrize("libyaml", [True, False], ids=["libyaml", "pure-python"])
+@pytest.mark.parametrize("case_id", ["100k-nested-lists", "50k-nested-maps", "laughs-in-capacity", "merge-key-bomb",
+                                     "block_tokens-sexagesimal", "recursive-alias-map", "1MB-list-under-limit",
+                                     "two-documents", "control-char"])
+def test_both_yaml_parsers_apply_the_limits(libyaml, case_id):
+    from kvtier.config_input import load_yaml
+
+    [(content, field, fragment)] = [(c[1], c[4], c[5]) for c in HOSTILE if c[0] == case_id]
+    started = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        parse_config(load_yaml(content, "t.yaml", libyaml=libyaml), "t.yaml")
+    assert time.perf_counter() - started < 3
+    want = "t.yaml" if field == FILE else field
+    assert any((p.startswith(want) or want in m) and fragment in m for p, m in info.value.problems), info.value.problems
