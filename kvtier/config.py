@@ -1,13 +1,14 @@
 """YAML -> validated, frozen `HierarchyConfig`. The only module that reads raw config dicts.
 
-Every problem found is reported at once, each with the path of its field (`tiers[1].capacity`),
-what was wrong and what would be valid. Each default lives on its field, once (`FIELDS` below and
-the backends' `OPTIONS`).
+Every problem found is reported at once (the first 20 listed, the rest counted), each with the
+path of its field (`tiers[1].capacity`), what was wrong and what would be valid. Input of any size
+or shape is read under the limits of `config_input` (file size, nesting, alias expansion), and
+values are quoted in messages by `brief` (at most ~60 characters). Each default lives on its
+field, once (`FIELDS` below and the backends' `OPTIONS`).
 """
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
@@ -16,7 +17,7 @@ from types import MappingProxyType
 from typing import Any, Mapping
 
 from kvtier import registry
-from kvtier.config_input import brief, load_yaml, plain, read_config_file
+from kvtier.config_input import brief, clip, load_yaml, plain, read_config_file, suggest
 from kvtier.errors import ConfigError
 
 REQUIRED = object()
@@ -84,9 +85,8 @@ class Capacity:
         if isinstance(value, str):
             match = _BLOCKS_RE.match(value)
             if match:
-                digits = match.group(1)
-                count = (int(digits) if len(digits) <= _MAX_NUMBER_CHARS else MAX_BLOCKS + 1) \
-                    * _BLOCK_SCALE[match.group(2).lower()]
+                digits, scale = match.group(1), _BLOCK_SCALE[match.group(2).lower()]
+                count = int(digits) * scale if len(digits) <= _MAX_NUMBER_CHARS else MAX_BLOCKS + 1
                 if count <= 0:
                     raise ValueError(f"capacity must be at least 1 block, got {brief(value)}")
                 if count > MAX_BLOCKS:
@@ -156,7 +156,7 @@ def _fraction(v: Any) -> float:
 def _choice(options: tuple[str, ...]):
     def check(v: Any) -> str:
         if not isinstance(v, str) or v not in options:
-            raise ValueError(f"{brief(v)} is not one of {', '.join(options)}{_suggest(v, options)}")
+            raise ValueError(f"{brief(v)} is not one of {', '.join(options)}{suggest(v, options)}")
         return v
     return check
 
@@ -203,20 +203,12 @@ def default_policy(tier_index: int) -> str:
     return DEFAULT_POLICY_FIRST_TIER if tier_index == 0 else DEFAULT_POLICY_LOWER_TIERS
 
 
-def _suggest(value: Any, options) -> str:
-    if not isinstance(value, str) or len(value) > 64:
-        return ""
-    close = difflib.get_close_matches(value, list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
 def _key(key: Any) -> str:
     """A mapping key as it appears in a field path: plain names as they are, anything else quoted briefly."""
     return key if isinstance(key, str) and key.isprintable() and len(key) <= 40 else brief(key, 40)
 
 
-def _clip(message: str, limit: int = 300) -> str:
-    return message if len(message) <= limit else message[: limit - 1] + "…"
+NOT_SHOWN = " more problem(s) not shown"
 
 
 class _Problems:
@@ -236,7 +228,7 @@ class _Problems:
         if self.full:
             self.dropped += 1
         else:
-            self.items.append((path, _clip(message)))
+            self.items.append((path, clip(message, 300)))
 
     def extend(self, problems: list[tuple[str, str]]) -> None:
         for path, message in problems:
@@ -245,9 +237,6 @@ class _Problems:
     def error(self) -> ConfigError:
         more = [("", f"{self.dropped}{NOT_SHOWN}")] if self.dropped else []
         return ConfigError(self.items + more)
-
-
-NOT_SHOWN = " more problem(s) not shown"
 
 
 def count_problems(error: ConfigError) -> int:
@@ -269,7 +258,7 @@ def _read_fields(raw: Mapping[str, Any], fields: Mapping[str, tuple[Any, Any]], 
         if problems.full:  # no suggestion computed for problems that are not shown
             problems.dropped += 1
             continue
-        problems.add(f"{path}{_key(key)}", f"unknown key for {what}{_suggest(key, valid)}; valid keys: {', '.join(valid)}")
+        problems.add(f"{path}{_key(key)}", f"unknown key for {what}{suggest(key, valid)}; valid keys: {', '.join(valid)}")
     for key, (default, check) in fields.items():
         if key not in raw or (raw[key] is None and default is not REQUIRED):
             if default is REQUIRED:

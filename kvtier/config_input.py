@@ -3,7 +3,7 @@
 A hierarchy config is a few hundred bytes: a handful of tiers, a few dozen values. Whatever is
 handed to kvtier (a file, a string, a mapping built by vLLM from its own command line) is read
 under limits far above that, so that a mistaken or hostile input gets one `ConfigError` naming
-the field, in milliseconds, instead of a traceback, a hang or a flood of output:
+the field, in well under a second, instead of a traceback, a hang or a flood of output:
 
 * a file is at most `MAX_CONFIG_BYTES` (its size is checked before it is read, and no more than
   the limit plus one byte is ever read); it must be UTF-8 (a UTF-16 or binary file is refused);
@@ -23,6 +23,7 @@ of the file as a whole (size, encoding, YAML syntax).
 from __future__ import annotations
 
 import codecs
+import difflib
 import os
 import reprlib
 import stat
@@ -64,6 +65,14 @@ def brief(value: Any, limit: int = BRIEF_CHARS) -> str:
 def clip(text: str, limit: int = 200) -> str:
     """`text` cut to at most `limit` characters (for messages quoting other messages or paths)."""
     return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def suggest(value: Any, options) -> str:
+    """" (did you mean 'x'?)" for the option closest to a short string `value`, else ""."""
+    if not isinstance(value, str) or len(value) > 64:
+        return ""
+    close = difflib.get_close_matches(value, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def field_path(segments: list[Any]) -> str:

@@ -13,7 +13,6 @@ and return None when they cannot serve in this process (e.g. a GPU handler witho
 
 from __future__ import annotations
 
-import difflib
 import importlib
 import importlib.machinery
 import importlib.util
@@ -22,7 +21,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.config_input import brief, clip
+from kvtier.config_input import brief, clip, suggest
 from kvtier.errors import ConfigError
 
 BACKENDS: dict[str, str] = {
@@ -96,7 +95,7 @@ def check_name(kind: Kind, name: str) -> str | None:
         return f"{brief(name)} is not a {kind.word} name: {len(name)} characters long"
     module_name, sep, attr = name.partition(":")
     if not sep:
-        return (f"unknown {kind.word} {brief(name)}{_suggest(name, kind.names)}; known: {', '.join(kind.names)} "
+        return (f"unknown {kind.word} {brief(name)}{suggest(name, kind.names)}; known: {', '.join(kind.names)} "
                 f"or 'package.module:Class'")
     if not _DOTTED.match(module_name) or not _DOTTED.match(attr):
         return f"{brief(name)} is not a {kind.word} name: write one of {', '.join(kind.names)} or 'package.module:Class'"
@@ -163,11 +162,6 @@ def load_class(kind: Kind, name: str, field: str) -> type:
 def _a(obj: Any) -> str:
     kind = "function" if callable(obj) else type(obj).__name__
     return f"a {kind}" if kind[:1].lower() not in "aeiou" else f"an {kind}"
-
-
-def _suggest(value: str, options) -> str:
-    close = difflib.get_close_matches(value, list(options), n=1) if len(value) <= 64 else []
-    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def has_handler(src_spec: str, dst_spec: str) -> bool:
