@@ -446,22 +446,15 @@ def test_size_of_a_file_is_checked_before_reading_it(tmp_path):
     assert time.perf_counter() - started < 1
 
 
-def test_a_pipe_with_a_writer_is_read(tmp_path):
-    import threading
-
-    fifo = tmp_path / "pipe.yaml"
-    os.mkfifo(fifo)
-
-    def write():
-        with open(fifo, "w") as f:
-            f.write("tiers:\n" + HOT)
-
-    writer = threading.Thread(target=write)
-    writer.start()
+def test_a_pipe_with_a_writer_is_read():
+    """`kvtier config check <(cat x.yaml)`: the shell hands over /dev/fd/N, a pipe with a writer."""
+    read_end, write_end = os.pipe()
     try:
-        assert load_config(fifo).tiers[0].name == "hot"
+        os.write(write_end, ("tiers:\n" + HOT).encode())
+        os.close(write_end)  # the writer is done: the reader sees the end of the file
+        assert load_config(f"/dev/fd/{read_end}").tiers[0].name == "hot"
     finally:
-        writer.join(timeout=10)
+        os.close(read_end)
 
 
 def test_shared_and_cyclic_mappings_from_code_are_bounded():
