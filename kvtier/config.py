@@ -1,20 +1,23 @@
 """YAML -> validated, frozen `HierarchyConfig`. The only module that reads raw config dicts.
 
-Every problem found is reported at once, each with the path of its field (`tiers[1].capacity`),
-what was wrong and what would be valid. Each default lives on its field, once (`FIELDS` below and
-the backends' `OPTIONS`).
+Every problem found is reported at once (the first 20 listed, the rest counted), each with the
+path of its field (`tiers[1].capacity`), what was wrong and what would be valid. Input of any size
+or shape is read under the limits of `config_input` (file size, nesting, alias expansion), and
+values are quoted in messages by `brief` (at most ~60 characters). Each default lives on its
+field, once (`FIELDS` below and the backends' `OPTIONS`).
 """
 
 from __future__ import annotations
 
-import difflib
 import re
 from dataclasses import dataclass, field, replace
+from fractions import Fraction
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Mapping
 
 from kvtier import registry
+from kvtier.config_input import brief, clip, load_yaml, plain, read_config_file, suggest
 from kvtier.errors import ConfigError
 
 REQUIRED = object()
@@ -28,25 +31,37 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _BLOCKS_RE = re.compile(r"^\s*(\d+)\s*([km]?)\s*blocks?\s*$", re.IGNORECASE)  # "10000 blocks", "10k blocks"
 _BLOCK_SCALE = {"": 1, "k": 1000, "m": 1_000_000}
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
+MAX_BYTES = 1 << 60  # 1 EiB: more than any memory or disk, and byte offsets stay below 2**63
+_MAX_BYTES_TEXT = "1048576TiB (1 EiB)"
+MAX_BLOCKS = 10**12
+MAX_BLOCK_TOKENS = 1 << 20
+_MAX_NUMBER_CHARS = 24  # longer numbers are beyond every limit above; never converted
 
 
 def parse_size(text: Any) -> int:
-    """"64GiB" -> bytes. Units: B, KiB, MiB, GiB, TiB. Raises ValueError with a hint."""
+    """"64GiB" -> bytes (at most MAX_BYTES). Units: B, KiB, MiB, GiB, TiB. Raises ValueError with a hint."""
     if isinstance(text, bool) or not isinstance(text, (str, int)):
-        raise ValueError(f"expected a size such as '4GiB', got {type(text).__name__} {text!r}")
-    match = _SIZE_RE.match(str(text))
+        raise ValueError(f"expected a size such as '4GiB', got {type(text).__name__} {brief(text)}")
+    if isinstance(text, int):
+        raise ValueError(f"{brief(text)} has no unit; write e.g. '{brief(text)}MiB' (units: {', '.join(_UNITS)})")
+    match = _SIZE_RE.match(text)
     if not match:
-        raise ValueError(f"{text!r} is not a size; write a number and a unit, e.g. '64GiB' (units: {', '.join(_UNITS)})")
-    number, unit = float(match.group(1)), match.group(2)
+        raise ValueError(f"{brief(text)} is not a size; write a number and a unit, e.g. '64GiB' "
+                         f"(units: {', '.join(_UNITS)})")
+    number, unit = match.group(1), match.group(2)
+    if len(number) > _MAX_NUMBER_CHARS:
+        raise ValueError(f"{brief(text)} is too large; the largest size is {_MAX_BYTES_TEXT}")
     if unit == "":
-        raise ValueError(f"{text!r} has no unit; write e.g. '{match.group(1)}MiB' (units: {', '.join(_UNITS)})")
+        raise ValueError(f"{brief(text)} has no unit; write e.g. '{number}MiB' (units: {', '.join(_UNITS)})")
     if unit not in _UNITS:
         hint = _DECIMAL.get(unit)
-        better = f"; did you mean '{match.group(1)}{hint}'? (binary units only)" if hint else ""
-        raise ValueError(f"unknown unit {unit!r} in {text!r}{better} (units: {', '.join(_UNITS)})")
-    value = int(number * _UNITS[unit])
+        better = f"; did you mean '{number}{hint}'? (binary units only)" if hint else ""
+        raise ValueError(f"unknown unit {brief(unit)} in {brief(text)}{better} (units: {', '.join(_UNITS)})")
+    value = int(Fraction(number) * _UNITS[unit])
     if value <= 0:
-        raise ValueError(f"size must be > 0, got {text!r}")
+        raise ValueError(f"size must be > 0, got {brief(text)}")
+    if value > MAX_BYTES:
+        raise ValueError(f"{brief(text)} is too large; the largest size is {_MAX_BYTES_TEXT}")
     return value
 
 
@@ -70,12 +85,16 @@ class Capacity:
         if isinstance(value, str):
             match = _BLOCKS_RE.match(value)
             if match:
-                count = int(match.group(1)) * _BLOCK_SCALE[match.group(2).lower()]
+                digits, scale = match.group(1), _BLOCK_SCALE[match.group(2).lower()]
+                count = int(digits) * scale if len(digits) <= _MAX_NUMBER_CHARS else MAX_BLOCKS + 1
                 if count <= 0:
-                    raise ValueError(f"capacity must be at least 1 block, got {value!r}")
+                    raise ValueError(f"capacity must be at least 1 block, got {brief(value)}")
+                if count > MAX_BLOCKS:
+                    raise ValueError(f"{brief(value)} is too many; at most {MAX_BLOCKS} blocks")
                 return cls(blocks=count)
         if isinstance(value, int) and not isinstance(value, bool):
-            raise ValueError(f"{value} is ambiguous; write '{value} blocks' or a size such as '{value}MiB'")
+            raise ValueError(f"{brief(value)} is ambiguous; write '{brief(value)} blocks' or a size such as "
+                             f"'{brief(value)}MiB'")
         return cls(bytes=parse_size(value))
 
     def to_blocks(self, block_bytes: int | None) -> int:
@@ -120,40 +139,43 @@ class HierarchyConfig:
 
 
 # name -> (default or REQUIRED, validator(value) -> normalised value, raising ValueError)
-def _positive_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise ValueError(f"expected a positive integer, got {v!r}")
-    return v
+def _positive_int(most: int):
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v <= most:
+            raise ValueError(f"expected a positive integer up to {most}, got {brief(v)}")
+        return v
+    return check
 
 
 def _fraction(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 0.5:
-        raise ValueError(f"expected a fraction of the capacity between 0 and 0.5, got {v!r}")
+        raise ValueError(f"expected a fraction of the capacity between 0 and 0.5, got {brief(v)}")
     return float(v)
 
 
 def _choice(options: tuple[str, ...]):
     def check(v: Any) -> str:
-        if v not in options:
-            raise ValueError(f"{v!r} is not one of {', '.join(options)}{_suggest(v, options)}")
+        if not isinstance(v, str) or v not in options:
+            raise ValueError(f"{brief(v)} is not one of {', '.join(options)}{suggest(v, options)}")
         return v
     return check
 
 
 def _name(v: Any) -> str:
     if not isinstance(v, str) or not _NAME_RE.match(v):
-        raise ValueError(f"{v!r} is not a valid tier name (lowercase letters, digits, '_' or '-', starting with a letter)")
+        raise ValueError(f"{brief(v)} is not a valid tier name (lowercase letters, digits, '_' or '-', starting with "
+                         f"a letter, at most 32 characters)")
     return v
 
 
 def _text(v: Any) -> str:
     if not isinstance(v, str) or not v:
-        raise ValueError(f"expected a non-empty string, got {v!r}")
+        raise ValueError(f"expected a non-empty string, got {brief(v)}")
     return v
 
 
 TOP_FIELDS: dict[str, tuple[Any, Any]] = {
-    "block_tokens": (256, _positive_int),
+    "block_tokens": (256, _positive_int(MAX_BLOCK_TOKENS)),
     "block_bytes": (None, parse_size),
     "tiers": (REQUIRED, None),
 }
@@ -181,17 +203,48 @@ def default_policy(tier_index: int) -> str:
     return DEFAULT_POLICY_FIRST_TIER if tier_index == 0 else DEFAULT_POLICY_LOWER_TIERS
 
 
-def _suggest(value: Any, options) -> str:
-    close = difflib.get_close_matches(str(value), list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+def _key(key: Any) -> str:
+    """A mapping key as it appears in a field path: plain names as they are, anything else quoted briefly."""
+    return key if isinstance(key, str) and key.isprintable() and len(key) <= 40 else brief(key, 40)
+
+
+NOT_SHOWN = " more problem(s) not shown"
 
 
 class _Problems:
+    """Problems found so far; only the first MAX of them are kept (the rest are counted)."""
+
+    MAX = 20
+
     def __init__(self) -> None:
         self.items: list[tuple[str, str]] = []
+        self.dropped = 0
+
+    @property
+    def full(self) -> bool:
+        return len(self.items) >= self.MAX
 
     def add(self, path: str, message: str) -> None:
-        self.items.append((path, message))
+        if self.full:
+            self.dropped += 1
+        else:
+            self.items.append((path, clip(message, 300)))
+
+    def extend(self, problems: list[tuple[str, str]]) -> None:
+        for path, message in problems:
+            self.add(path, message)
+
+    def error(self) -> ConfigError:
+        more = [("", f"{self.dropped}{NOT_SHOWN}")] if self.dropped else []
+        return ConfigError(self.items + more)
+
+
+def count_problems(error: ConfigError) -> int:
+    """How many problems `error` stands for, counting those not listed."""
+    *listed, (_, last) = error.problems or [("", "")]
+    if last.endswith(NOT_SHOWN) and last[: -len(NOT_SHOWN)].isdigit():
+        return len(listed) + int(last[: -len(NOT_SHOWN)])
+    return len(error.problems)
 
 
 def _read_fields(raw: Mapping[str, Any], fields: Mapping[str, tuple[Any, Any]], path: str, problems: _Problems,
@@ -200,8 +253,12 @@ def _read_fields(raw: Mapping[str, Any], fields: Mapping[str, tuple[Any, Any]], 
     valid = [*fields, *also_valid]
     out: dict[str, Any] = {}
     for key in raw:
-        if key not in valid:
-            problems.add(f"{path}{key}", f"unknown key for {what}{_suggest(key, valid)}; valid keys: {', '.join(valid)}")
+        if key in valid:
+            continue
+        if problems.full:  # no suggestion computed for problems that are not shown
+            problems.dropped += 1
+            continue
+        problems.add(f"{path}{_key(key)}", f"unknown key for {what}{suggest(key, valid)}; valid keys: {', '.join(valid)}")
     for key, (default, check) in fields.items():
         if key not in raw or (raw[key] is None and default is not REQUIRED):
             if default is REQUIRED:
@@ -211,46 +268,72 @@ def _read_fields(raw: Mapping[str, Any], fields: Mapping[str, tuple[Any, Any]], 
             continue
         try:
             out[key] = check(raw[key]) if check else raw[key]
-        except ValueError as exc:
+        except (ValueError, TypeError, OverflowError) as exc:
             problems.add(f"{path}{key}", str(exc))
     return out
 
 
-def _backend_class(name: str):
-    return registry.resolve(registry.BACKENDS, name)
+def _code_class(kind: registry.Kind, name: str, field: str, problems: _Problems, import_code: bool):
+    """The class a tier's `backend` or `policy` names, or None.
+
+    kvtier's own registered names are always imported (their classes know the tier's options).
+    A "package.module:Class" name is imported only with `import_code` (it runs that module's code);
+    without it, the module is only located and None is returned. A problem found is recorded."""
+    if name in kind.names or import_code:
+        try:
+            return registry.load_class(kind, name, field)
+        except ConfigError as exc:
+            problems.extend(exc.problems)
+            return None
+    problem = registry.check_name(kind, name)
+    if problem:
+        problems.add(field, problem)
+    return None
 
 
-def parse_config(raw: Any, source: str = "<dict>") -> HierarchyConfig:
-    """Validate a config mapping; raises `ConfigError` listing every problem."""
+def is_external(kind: registry.Kind, name: Any) -> bool:
+    """Whether `name` is code outside kvtier's registry ("package.module:Class")."""
+    return isinstance(name, str) and name not in kind.names
+
+
+def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) -> HierarchyConfig:
+    """Validate a config mapping; raises `ConfigError` listing every problem (the first 20).
+
+    `raw` is first copied under the limits of `config_input.plain` (size, depth, no cycles).
+    With `import_code` (the default; needed before building) a "package.module:Class" named by
+    `backend:` or `policy:` is imported and checked to be a class of the right kind; without it
+    the module is only located, nothing of it runs, and such a tier's options are not checked.
+    """
     problems = _Problems()
+    raw = plain(raw, source)
+    if raw is None:
+        raise ConfigError([("", f"{source}: the config is empty; it must be a mapping with a 'tiers' list")])
     if not isinstance(raw, Mapping):
         raise ConfigError([("", f"{source}: the config must be a mapping with a 'tiers' list, got {type(raw).__name__}")])
     top = _read_fields(raw, TOP_FIELDS, "", problems, "the hierarchy")
     raw_tiers = raw.get("tiers")
     tiers: list[TierConfig] = []
     if raw_tiers is not None and (not isinstance(raw_tiers, list) or not raw_tiers):
-        problems.add("tiers", f"expected a non-empty list of tiers, got {raw_tiers!r}")
+        problems.add("tiers", f"expected a non-empty list of tiers, got {brief(raw_tiers)}")
         raw_tiers = []
     seen_names: dict[str, int] = {}
     backend_classes = []
     for i, raw_tier in enumerate(raw_tiers or []):
         path = f"tiers[{i}]."
         if not isinstance(raw_tier, Mapping):
-            problems.add(f"tiers[{i}]", f"expected a mapping with name, backend, capacity; got {raw_tier!r}")
+            problems.add(f"tiers[{i}]", f"expected a mapping with name, backend, capacity; got {brief(raw_tier)}")
             continue
         backend_cls = None
         backend_name = raw_tier.get("backend")
+        unchecked = False  # an external backend, not imported: its options are unknown
         if isinstance(backend_name, str):
-            try:
-                backend_cls = _backend_class(backend_name)
-            except (ImportError, AttributeError, ValueError) as exc:
-                if backend_name in registry.BACKENDS:
-                    problems.add(f"{path}backend", f"backend {backend_name!r} cannot be loaded here: {exc}")
-                else:
-                    problems.add(f"{path}backend", f"unknown backend {backend_name!r}{_suggest(backend_name, registry.BACKENDS)}; "
-                                 f"known: {', '.join(registry.BACKENDS)} or 'package.module:Class'")
-        options_spec = dict(getattr(backend_cls, "OPTIONS", {}))
-        what = f"a {backend_name!r} tier" if backend_cls else "a tier"
+            backend_cls = _code_class(registry.BACKEND, backend_name, f"{path}backend", problems, import_code)
+            unchecked = backend_cls is None and not import_code and is_external(registry.BACKEND, backend_name)
+        if unchecked:
+            options_spec = {k: (None, None) for k in raw_tier if k not in TIER_FIELDS}
+        else:
+            options_spec = dict(getattr(backend_cls, "OPTIONS", {}))
+        what = f"a {brief(backend_name)} tier" if backend_cls else "a tier"
         fields = _read_fields({k: v for k, v in raw_tier.items() if k not in options_spec}, TIER_FIELDS, path,
                               problems, what, also_valid=options_spec)
         options = _read_fields({k: v for k, v in raw_tier.items() if k in options_spec}, options_spec, path,
@@ -262,11 +345,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> HierarchyConfig:
             seen_names[name] = i
         policy = fields.get("policy")  # None: the default of the tier's position (HierarchyConfig)
         if isinstance(policy, str):
-            try:
-                registry.resolve(registry.POLICIES, policy)
-            except (ImportError, AttributeError, ValueError):
-                problems.add(f"{path}policy", f"unknown policy {policy!r}{_suggest(policy, registry.POLICIES)}; "
-                             f"known: {', '.join(registry.POLICIES)} or 'package.module:Class'")
+            _code_class(registry.POLICY, policy, f"{path}policy", problems, import_code)
         backend_classes.append(backend_cls)
         if all(k in fields for k in ("name", "backend", "capacity")):
             tiers.append(TierConfig(options=MappingProxyType(options), **fields))
@@ -279,7 +358,7 @@ def parse_config(raw: Any, source: str = "<dict>") -> HierarchyConfig:
     if tiers and len(tiers) == len(raw_tiers or []):
         _check_handlers(tiers, backend_classes, problems)
     if problems.items:
-        raise ConfigError([(p, m) for p, m in problems.items])
+        raise problems.error()
     return HierarchyConfig(tuple(tiers), top["block_tokens"], block_bytes, source)
 
 
@@ -298,26 +377,19 @@ def _check_handlers(tiers: list[TierConfig], classes: list, problems: _Problems)
                          f"handler from {lower} to {specs[0]} or to the engine's KV cache")
 
 
-def load_config(path: str | Path) -> HierarchyConfig:
-    """Read and validate a YAML file."""
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as exc:
-        raise ConfigError([("", f"cannot read config {path}: {exc.strerror or exc}")]) from None
-    return load_config_text(text, str(path))
+def load_config(path: str | Path, *, import_code: bool = True) -> HierarchyConfig:
+    """Read and validate a YAML file (UTF-8, at most MAX_CONFIG_BYTES; see `config_input`)."""
+    return load_config_text(read_config_file(path), str(path), import_code=import_code)
 
 
-def load_config_text(text: str, source: str = "<string>") -> HierarchyConfig:
-    import yaml
+def load_config_text(text: str, source: str = "<string>", *, import_code: bool = True) -> HierarchyConfig:
+    """Parse and validate YAML text; nesting, size and alias expansion are bounded (`config_input`)."""
+    return parse_config(load_yaml(text, source), source, import_code=import_code)
 
-    try:
-        raw = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError([("", f"{source}: invalid YAML{where}: {getattr(exc, 'problem', exc)}")]) from None
-    return parse_config(raw, source)
+
+def load_raw_config_file(path: str | Path) -> Any:
+    """The YAML value of a config file, read under the limits of `config_input`, not validated."""
+    return load_yaml(read_config_file(path), str(path))
 
 
 def default_config_path() -> Path:

@@ -91,7 +91,7 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
     worker: WorkerPlane | None = None
     try:
         for i, (tier_cfg, n) in enumerate(zip(config.tiers, tier_blocks(config, block_bytes))):
-            cls = registry.resolve(registry.BACKENDS, tier_cfg.backend)
+            cls = registry.load_class(registry.BACKEND, tier_cfg.backend, f"tiers[{i}].backend")
             if not dry_run and block_bytes:
                 problem = capacity_problem(tier_cfg.backend, cls.medium, n * block_bytes, dict(tier_cfg.options))
                 if problem:
@@ -104,7 +104,7 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
                     options.update(fingerprint=_persistent_identity(i, tier_cfg, model), layout=layout)
                 backend = _build_backend(cls, i, tier_cfg.name, n, block_bytes or 0, config.block_tokens, options)
             backends[tier_cfg.name] = backend
-            policy = with_key_index(registry.resolve(registry.POLICIES, tier_cfg.policy)(n))
+            policy = with_key_index(registry.load_class(registry.POLICY, tier_cfg.policy, f"tiers[{i}].policy")(n))
             if tier_cfg.cascade == "on_evict" and i + 1 < len(config.tiers) and not predicts_victims(policy):
                 raise ConfigError([(f"tiers[{i}].cascade", f"'on_evict' copies blocks down before they are evicted, "
                                     f"which needs a policy that predicts its victims (victim_candidates); "

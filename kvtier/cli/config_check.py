@@ -1,10 +1,16 @@
-"""`kvtier config check FILE`: the resolved hierarchy, or every error with its field path."""
+"""`kvtier config check FILE`: the resolved hierarchy, or every error with its field path.
+
+Nothing named by the config is imported unless `--import-code` is given: a "package.module:Class"
+in `backend:` or `policy:` is only located (`registry.check_name`), since importing it runs its code.
+"""
 
 from __future__ import annotations
 
 import sys
 
-from kvtier.config import format_size, load_config, parse_size
+from kvtier import registry
+from kvtier.config import count_problems, format_size, is_external, load_config, parse_size
+from kvtier.config_input import brief
 from kvtier.errors import ConfigError
 
 
@@ -22,10 +28,26 @@ def describe(config, block_bytes: int | None = None) -> str:
         arrow = ""
         if i + 1 < len(config.tiers):
             arrow = f"  -> cascade {tier.cascade} to {config.tiers[i + 1].name}"
-        opts = "".join(f", {k}={v}" for k, v in tier.options.items())
+        opts = "".join(f", {k}={_show(v)}" for k, v in tier.options.items())
         lines.append(f"  [{i}] {tier.name}: backend={tier.backend}, capacity={tier.capacity}{blocks}, "
                      f"policy={tier.policy}, reserve={tier.reserve:g}{opts}{arrow}")
     return "\n".join(lines)
+
+
+def _show(value) -> str:
+    return value if isinstance(value, str) and len(value) <= 200 and value.isprintable() else brief(value)
+
+
+def not_imported(config) -> list[str]:
+    """Notes on the "package.module:Class" names that were located but not imported."""
+    notes = []
+    for i, tier in enumerate(config.tiers):
+        for kind, field, name, checked in ((registry.BACKEND, "backend", tier.backend, "its class and options are"),
+                                           (registry.POLICY, "policy", tier.policy, "its class is")):
+            if is_external(kind, name):
+                notes.append(f"note: tiers[{i}].{field}: module of {name!r} found but not imported (nothing of it "
+                             f"ran); {checked} checked when the hierarchy is built, or with --import-code")
+    return notes
 
 
 def run_config_check(args) -> int:
@@ -34,11 +56,14 @@ def run_config_check(args) -> int:
     except ValueError as exc:
         raise ConfigError([("--block-bytes", str(exc))]) from None
     try:
-        config = load_config(args.file)
+        config = load_config(args.file, import_code=args.import_code)
     except ConfigError as exc:
-        print(f"{args.file}: {len(exc.problems)} problem(s):", file=sys.stderr)
+        print(f"{args.file}: {count_problems(exc)} problem(s):", file=sys.stderr)
         for path, message in exc.problems:
             print(f"  {path}: {message}" if path else f"  {message}", file=sys.stderr)
         return 2
     print(describe(config, block_bytes))
+    if not args.import_code:
+        for note in not_imported(config):
+            print(note)
     return 0

@@ -14,23 +14,83 @@ from kvtier.errors import KVTierError
 EXIT_USAGE = 2
 
 
-def _add_bench_args(p: argparse.ArgumentParser, *, trace: bool, hops: bool) -> None:
-    p.add_argument("--config", help="hierarchy YAML (default: the embedded configs/cpu-file.yaml)")
-    p.add_argument("--json", metavar="FILE", help="write the results as JSON (schema kvtier.bench/1, see docs/bench.md)")
-    p.add_argument("--plot", metavar="FILE.png", help="write a PNG plot of the results (needs matplotlib)")
-    p.add_argument("--quick", action="store_true", help="small sizes, for CI and smoke tests")
-    p.add_argument("--no-progress", action="store_true", help="no progress output")
-    if hops:
-        p.add_argument("--block-sizes", metavar="LIST", help="block sizes for hops, e.g. 64KiB,1MiB,8MiB")
-        p.add_argument("--root-dir", metavar="DIR", help="directory for the file-tier measurements (default: a temporary one)")
-    if trace:
-        p.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace (default: a built-in multi-turn workload)")
-        p.add_argument("--limit", type=int, metavar="N", help="replay only the first N requests")
-        p.add_argument("--capacities", metavar="LIST", help="first-tier capacities in blocks to sweep, e.g. 2k,10k,40k")
-        p.add_argument("--policies", metavar="LIST", help="first-tier policies to compare, e.g. lru,arc")
-        p.add_argument("--compare", choices=["vllm"], help="replay the same trace through vLLM's own manager too")
-        p.add_argument("--repeats", type=int, default=1, metavar="N",
-                       help="interleaved rounds per run, keeping the fastest (steadier ops/s on a busy machine)")
+HOPS, TRACE = "hops", "trace"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+# Every `bench` option once: (flags, argparse keywords with the default, the modes it applies to).
+# Each is declared on `bench` and on every sub-command it applies to, with default=SUPPRESS there,
+# so that it takes effect wherever it is written (`bench --quick trace` == `bench trace --quick`);
+# the defaults are filled in after parsing, by `_finish_bench_args`.
+BENCH_OPTIONS: list[tuple[tuple[str, ...], dict, frozenset[str]]] = [
+    (("--config",), dict(default=None, help="hierarchy YAML (default: the embedded configs/cpu-file.yaml)"),
+     frozenset({HOPS, TRACE})),
+    (("--json",), dict(default=None, metavar="FILE",
+                       help="write the results as JSON (schema kvtier.bench/1, see docs/bench.md)"), frozenset({HOPS, TRACE})),
+    (("--plot",), dict(default=None, metavar="FILE.png", help="write a PNG plot of the results (needs matplotlib)"),
+     frozenset({HOPS, TRACE})),
+    (("--quick",), dict(default=False, action="store_true", help="small sizes, for CI and smoke tests"),
+     frozenset({HOPS, TRACE})),
+    (("--no-progress",), dict(default=False, action="store_true", help="no progress output"), frozenset({HOPS, TRACE})),
+    (("--block-sizes",), dict(default=None, metavar="LIST", help="block sizes for hops, e.g. 64KiB,1MiB,8MiB"),
+     frozenset({HOPS})),
+    (("--root-dir",), dict(default=None, metavar="DIR",
+                           help="directory for the file-tier measurements (default: a temporary one)"), frozenset({HOPS})),
+    (("--trace",), dict(default=None, metavar="FILE",
+                        help="Mooncake-format JSONL trace (default: a built-in multi-turn workload)"), frozenset({TRACE})),
+    (("--limit",), dict(default=None, type=_positive_int, metavar="N", help="replay only the first N requests"),
+     frozenset({TRACE})),
+    (("--capacities",), dict(default=None, metavar="LIST",
+                             help="first-tier capacities in blocks to sweep, e.g. 2k,10k,40k"), frozenset({TRACE})),
+    (("--policies",), dict(default=None, metavar="LIST", help="first-tier policies to compare, e.g. lru,arc"),
+     frozenset({TRACE})),
+    (("--compare",), dict(default=None, choices=["vllm"], help="replay the same trace through vLLM's own manager too"),
+     frozenset({TRACE})),
+    (("--repeats",), dict(default=1, type=_positive_int, metavar="N",
+                          help="interleaved rounds per run, keeping the fastest (steadier ops/s on a busy machine)"),
+     frozenset({TRACE})),
+]
+BENCH_MODES = {"all": frozenset({HOPS, TRACE}), HOPS: frozenset({HOPS}), TRACE: frozenset({TRACE})}
+
+
+def _dest(flags: tuple[str, ...]) -> str:
+    return flags[0].lstrip("-").replace("-", "_")
+
+
+def _add_bench_args(p: argparse.ArgumentParser, modes: frozenset[str]) -> None:
+    for flags, kwargs, applies in BENCH_OPTIONS:
+        if applies & modes:
+            p.add_argument(*flags, **{**kwargs, "default": argparse.SUPPRESS})
+
+
+def _finish_bench_args(args: argparse.Namespace) -> None:
+    """Refuse an option written before a sub-command it does not apply to; fill in the defaults."""
+    mode = args.bench_command or "all"
+    for flags, kwargs, applies in BENCH_OPTIONS:
+        if not hasattr(args, _dest(flags)):
+            setattr(args, _dest(flags), kwargs["default"])
+        elif not applies & BENCH_MODES[mode]:
+            raise KVTierError(f"{flags[0]} has no effect on 'bench {mode}'; it applies to: bench "
+                              f"{', '.join(m for m, ms in BENCH_MODES.items() if applies & ms)}")
+
+
+CHECK_HELP = """Validate a YAML hierarchy and print it resolved, or every problem with the path of its field.
+
+A config is trusted input, like code: `backend:` and `policy:` may name any
+'package.module:Class', and building the hierarchy imports that module, which runs its code.
+`config check` only locates such a module (nothing of it is imported or run) unless
+--import-code is given; kvtier's own backends and policies are always checked in full.
+Files over 1 MiB, nesting over 32 levels and more than 10,000 values (YAML aliases counted
+each time they are used) are refused."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,18 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
 
     bench = sub.add_parser("bench", help="measure a hierarchy: hop bandwidths and a trace replay (default: all)")
-    _add_bench_args(bench, trace=True, hops=True)
+    _add_bench_args(bench, BENCH_MODES["all"])
     bench_sub = bench.add_subparsers(dest="bench_command")
-    for name, helptext, t, h in (("all", "hops and trace (the default)", True, True),
-                                 ("hops", "bandwidth of every hop next to same-run baselines", False, True),
-                                 ("trace", "replay a request trace through the manager", True, False)):
-        _add_bench_args(bench_sub.add_parser(name, help=helptext), trace=t, hops=h)
+    for name, helptext in (("all", "hops and trace (the default)"),
+                           (HOPS, "bandwidth of every hop next to same-run baselines"),
+                           (TRACE, "replay a request trace through the manager")):
+        _add_bench_args(bench_sub.add_parser(name, help=helptext), BENCH_MODES[name])
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command")
-    check = config_sub.add_parser("check", help="validate a YAML hierarchy and print it resolved")
+    check = config_sub.add_parser("check", help="validate a YAML hierarchy and print it resolved",
+                                  description=CHECK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("file")
     check.add_argument("--block-bytes", help="size of one block, e.g. 2MiB, to resolve byte capacities into blocks")
+    check.add_argument("--import-code", action="store_true",
+                       help="also import the modules that backend:/policy: name as 'package.module:Class' and check "
+                            "their classes and options (runs their code: only for a config you trust)")
 
     inspect = sub.add_parser("inspect", help="what a file tier holds (read-only)")
     inspect.add_argument("root_dir")
@@ -63,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":
+            _finish_bench_args(args)
             from kvtier.cli.bench import run_bench
 
             return run_bench(args)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import HierarchyConfig, default_config_path, parse_config
+from kvtier.config_input import brief, plain
 from kvtier.hierarchy import tier_identity
 
 log = logging.getLogger(__name__)
@@ -19,31 +20,26 @@ def _safe_name(text: str) -> str:
 
 
 def load_raw_config(value: Any) -> tuple[dict[str, Any], str]:
-    """`kvtier_config` (a YAML path, an inline mapping, or None for kvtier's default) -> (dict, source)."""
-    import yaml
+    """`kvtier_config` (a YAML path, an inline mapping, or None for kvtier's default) -> (dict, source).
+
+    A file is read and an inline mapping copied under the limits of `kvtier.config_input` (size,
+    nesting, values counted through aliases or shared objects, no cycles): a `ConfigError` naming
+    the field, never a hang, whatever the keys it sits under."""
+    from kvtier.config import load_raw_config_file
+    from kvtier.errors import ConfigError
 
     if value is None:
         path = default_config_path()
-        return yaml.safe_load(path.read_text()), str(path)
+        return load_raw_config_file(path), str(path)
     if isinstance(value, Mapping):
-        return _plain(value), "<kv_connector_extra_config.kvtier_config>"
+        return plain(value), "<kv_connector_extra_config.kvtier_config>"
     if isinstance(value, (str, Path)):
         path = Path(value).expanduser()
         try:
-            return yaml.safe_load(path.read_text()), str(path)
-        except OSError as exc:
-            from kvtier.errors import ConfigError
-
-            raise ConfigError([("kvtier_config", f"cannot read {path}: {exc.strerror or exc}")]) from None
+            return load_raw_config_file(path), str(path)
+        except ConfigError as exc:  # problems of the file as a whole are problems of `kvtier_config`
+            raise ConfigError([(p or "kvtier_config", m) for p, m in exc.problems]) from None
     raise TypeError(f"kvtier_config must be a path or a mapping, got {type(value).__name__}")
-
-
-def _plain(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
 
 
 def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_id: str, fingerprint: str = "",
@@ -54,14 +50,14 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
     gets `fingerprint` (model, dtype and KV geometry), after the YAML's own value when it sets
     one (e.g. the model's revision): a root_dir written for another model or layout is then not
     served. The YAML's value adds to the derived identity, never replaces it."""
-    raw = _plain(raw)
+    raw = plain(raw)
     if not isinstance(raw, dict):
         return parse_config(raw, source)  # reports the error
     yaml_tokens = raw.get("block_tokens")
     if yaml_tokens is not None and yaml_tokens != block_tokens:
         log.warning("kvtier: %s says block_tokens=%s but vLLM offloads blocks of %d tokens "
                     "(engine block size x blocks_per_chunk); using %d. Set 'block_size' in "
-                    "kv_connector_extra_config to change it.", source, yaml_tokens, block_tokens, block_tokens)
+                    "kv_connector_extra_config to change it.", source, brief(yaml_tokens), block_tokens, block_tokens)
     raw["block_tokens"] = block_tokens
     if raw.pop("block_bytes", None) is not None:
         log.info("kvtier: block_bytes of %s ignored: vLLM's KV geometry decides it", source)
