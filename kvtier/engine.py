@@ -115,6 +115,10 @@ class TransferEngine:
                                               error=None if parent.success else "a part of the job failed"))
         return results
 
+    def has_finished(self) -> bool:
+        """Whether results wait to be collected by `poll` (cheap; for callers that poll only then)."""
+        return bool(self.finished)
+
     def wait(self, job_ids: Iterable[int] | None = None) -> None:
         """Block until the given jobs (default: all submitted) have finished; results stay for `poll`."""
         wanted = set(self._pending) if job_ids is None else set(job_ids)
