@@ -61,6 +61,10 @@ def _all_writing(blocks: list[BlockStatus]) -> bool:
     return list(map(_ref_cnt, blocks)).count(-1) == len(blocks)
 
 
+def _jobs(n: int) -> str:
+    return f"{n} transfer job" + ("" if n == 1 else "s")
+
+
 class HierarchyManager(OffloadingManager):
     """`OffloadingManager` across a chain of tiers; byte movement goes through a `TransferEngine`."""
 
@@ -272,7 +276,7 @@ class HierarchyManager(OffloadingManager):
                 self._promotions.flush()
             if self._jobs and not self._jobs.wait(deadline):
                 running = self._jobs.describe()
-                raise WaitTimeout(f"wait_idle: {len(running)} transfer jobs still running after {timeout:g} s "
+                raise WaitTimeout(f"wait_idle: {_jobs(len(running))} still running after {timeout:g} s "
                                   f"(a handler may be hung): {'; '.join(running)}", running)
             self._jobs.drain()
             self._cascade.advance_writes()
@@ -286,9 +290,9 @@ class HierarchyManager(OffloadingManager):
             self.wait_idle(timeout)
         except WaitTimeout as exc:
             busy = self._jobs.tiers()
-            log.error("shutdown abandoned %d transfer jobs still running after %g s: %s. The transfer engine "
+            log.error("shutdown abandoned %s still running after %g s: %s. The transfer engine "
                       "and the backends of tiers %s are left open; their blocks may be incomplete.",
-                      len(exc.jobs), timeout, "; ".join(exc.jobs), ", ".join(sorted(busy)))
+                      _jobs(len(exc.jobs)), timeout, "; ".join(exc.jobs), ", ".join(sorted(busy)))
             for tier in self.tiers:
                 if tier.name not in busy:
                     tier.backend.close()
