@@ -195,8 +195,9 @@ class HierarchyManager(OffloadingManager):
         if evicted is None:
             return None
         blocks = top.backend.allocate_blocks(to_store)
-        # Tail first, so that the head of a prefix ends up the most recently used.
-        top.policy.insert_many(to_store[::-1], blocks[::-1])
+        # Tail first, so that the head of a prefix ends up the most recently used; the last new
+        # block is the request's tail (the `CachePolicy.insert_many` contract).
+        top.policy.insert_many(to_store[::-1], blocks[::-1], tail=to_store[-1] if to_store else None)
         top.allocated_since_walk += len(to_store)
         self._cascade.refill_reserve(top)
         return PrepareStoreOutput(to_store, top.backend.get_load_store_spec(to_store, blocks), evicted)

@@ -119,6 +119,23 @@ def test_write_through_copies_every_completed_store_down(ctx):
     h.close()
 
 
+def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx):
+    """The `CachePolicy.insert_many` contract: a request's new blocks go in tail first with
+    `tail=` its last new block; blocks copied in from another tier carry no tail."""
+    h = memory_hierarchy(hot=4, warm=16)
+    top = h.manager.tiers[0].policy
+    calls, real = [], top.insert_many
+    top.insert_many = lambda ks, blocks, tail=None: (calls.append((list(ks), tail)), real(ks, blocks, tail=tail))
+    ks = keys(8)
+    store(h, ks[:4], ctx)
+    store(h, ks[4:], ctx)  # ks[:4] go down
+    assert calls == [(ks[3::-1], ks[3]), (ks[:3:-1], ks[7])]
+    calls.clear()
+    assert read(h, ks[0], ctx) == (ks[0] * 8)[:64]  # promoted into tier 0 first
+    assert calls == [([ks[0]], None)]
+    h.close()
+
+
 def test_events_are_per_medium_and_tier(ctx):
     h = memory_hierarchy(hot=2, warm=8, enable_events=True)
     ks = keys(4)

@@ -36,10 +36,16 @@ class CachePolicy(ABC):
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         """Add a newly allocated block (not resident before)."""
 
-    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
-        """`insert(keys[i], blocks[i])` for each i, in order (the manager passes a request's new
-        blocks tail first). Policies override it with a bulk version where that is faster; the
-        result must equal the loop's."""
+    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus],
+                    tail: OffloadKey | None = None) -> None:
+        """`insert(keys[i], blocks[i])` for each i, in order. Policies override it with a bulk
+        version where that is faster; without `tail` the result must equal the loop's.
+
+        `tail` says which of `keys` is the last block of a request: the manager passes a
+        request's new blocks tail first with `tail=keys[0]` (engine stores), and no tail for
+        copies between tiers (demotions, promotions). A policy that treats request tails
+        differently (`prefix-freq` evicts them first while they look one-time) uses it; every
+        other policy accepts and ignores it."""
         insert = self.insert
         for key, block in zip(keys, blocks):
             insert(key, block)
