@@ -33,7 +33,7 @@ from collections import deque as _consume
 from collections.abc import Collection, Iterable, Sequence
 from itertools import filterfalse, repeat
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, JobTable
@@ -44,8 +44,14 @@ from kvtier.errors import WaitTimeout
 from kvtier.interfaces import OffloadingManager
 from kvtier.keys import OffloadKey
 from kvtier.specs import CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
-from kvtier.types import (BlockStatus, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext,
-                          RequestOffloadingContext)
+from kvtier.types import (
+    BlockStatus,
+    LookupResult,
+    OffloadingEvent,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
 
 __all__ = ["CASCADE_MODES", "HierarchyManager", "Tier", "TierStats"]
 
@@ -183,7 +189,9 @@ class HierarchyManager(OffloadingManager):
             tier = self.tiers[pinned.pop()]
             if not pinned:
                 del self._pins[key]
-            tier.policy.get(key).ref_cnt -= 1
+            block = tier.policy.get(key)
+            assert block is not None, "a block pinned by prepare_load stays resident"
+            block.ref_cnt -= 1
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
         self._jobs.drain()
@@ -209,7 +217,7 @@ class HierarchyManager(OffloadingManager):
         changed: list[OffloadKey] = []
         keys = keys if isinstance(keys, list) else list(keys)
         blocks = list(map(top.policy.get, keys))
-        if (success and not promoting and None not in blocks and _all_writing(blocks)
+        if (success and not promoting and None not in blocks and _all_writing(cast("list[BlockStatus]", blocks))
                 and len(set(keys)) == len(keys)):
             # The common case (every key prepared by prepare_store once, none superseded): C loops.
             _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)

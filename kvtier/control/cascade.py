@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
+from typing import cast
 
 from kvtier.control.jobs import EventLog, Job, JobTable
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
+from kvtier.types import BlockStatus
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +156,7 @@ class Cascade:
             evicted = None
         if evicted is None and self.make_room(lower, len(keys), protected) is None:
             return False
-        src_blocks = [tier.policy.get(k) for k in keys]
+        src_blocks = cast("list[BlockStatus]", [tier.policy.get(k) for k in keys])  # readable: checked by callers
         for block in src_blocks:
             block.ref_cnt += 1
         tier.demoting += len(keys)

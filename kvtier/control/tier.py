@@ -161,7 +161,8 @@ class Tier:
 
     def reset(self) -> list[OffloadKey]:
         """Evict every unpinned, readable block (`reset_cache`); returns their keys."""
-        victims = [(k, b) for k in list(self.policy.keys()) if (b := self.policy.get(k)).ref_cnt == 0]
+        get = self.policy.get
+        victims = [(k, b) for k in list(self.policy.keys()) if (b := get(k)) is not None and b.ref_cnt == 0]
         for key, block in victims:
             self.policy.remove(key)
             self.backend.free(block)
