@@ -89,6 +89,7 @@ class HierarchyManager(OffloadingManager):
         self._top = self.tiers[0]
         self._log = EventLog(enable_events)
         self._jobs = JobTable(engine)
+        self._results_waiting = engine.has_finished  # bound once: `lookup` asks on every call
         self._cascade = Cascade(self.tiers, self._jobs, self._log)
         self._promotions = Promotions(self.tiers, self._jobs, self._cascade, self._log)
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> tiers pinned by prepare_load, in order
@@ -118,7 +119,7 @@ class HierarchyManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
-        if self._jobs.results_waiting():
+        if self._results_waiting():
             self._jobs.drain()
         block = self._top.policy.get(key)
         if block is not None and block.ref_cnt >= 0:
@@ -128,7 +129,7 @@ class HierarchyManager(OffloadingManager):
             return LookupResult.RETRY
         if block is not None:
             return LookupResult.HIT_PENDING
-        if promotions.take_refusal(key):
+        if promotions.refused and promotions.take_refusal(key):
             return LookupResult.MISS
         for tier in self.tiers[1:]:
             block = tier.policy.get(key)
