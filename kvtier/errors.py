@@ -35,3 +35,11 @@ class TransferError(KVTierError, OSError):
 
 class IntegrityError(TransferError):
     """Stored bytes failed verification (header, checksum, fingerprint); they are never served."""
+
+
+class WaitTimeout(KVTierError, TimeoutError):
+    """Transfer jobs did not finish in the time allowed; `jobs` describes each one still running."""
+
+    def __init__(self, message: str, jobs: list[str]):
+        super().__init__(message)
+        self.jobs = jobs

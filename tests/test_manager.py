@@ -1,9 +1,14 @@
 """HierarchyManager across two memory tiers that carry real bytes."""
 
+import logging
+import threading
+import time
+
 import pytest
 
-from kvtier import CompositeLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec, LookupResult
-from kvtier.handlers.base import SyncHandler
+from kvtier import CompositeLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec, LookupResult, TransferResult
+from kvtier.errors import KVTierError, WaitTimeout
+from kvtier.handlers.base import SyncHandler, TransferHandler
 
 from conftest import keys, memory_hierarchy
 
@@ -111,6 +116,23 @@ def test_write_through_copies_every_completed_store_down(ctx):
     warm = h.manager.tiers[1]
     assert all(warm.policy.get(k) is not None and warm.policy.get(k).is_ready for k in ks)
     assert h.manager.tiers[0].clean == set(ks)
+    h.close()
+
+
+def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx):
+    """The `CachePolicy.insert_many` contract: a request's new blocks go in tail first with
+    `tail=` its last new block; blocks copied in from another tier carry no tail."""
+    h = memory_hierarchy(hot=4, warm=16)
+    top = h.manager.tiers[0].policy
+    calls, real = [], top.insert_many
+    top.insert_many = lambda ks, blocks, tail=None: (calls.append((list(ks), tail)), real(ks, blocks, tail=tail))
+    ks = keys(8)
+    store(h, ks[:4], ctx)
+    store(h, ks[4:], ctx)  # ks[:4] go down
+    assert calls == [(ks[3::-1], ks[3]), (ks[:3:-1], ks[7])]
+    calls.clear()
+    assert read(h, ks[0], ctx) == (ks[0] * 8)[:64]  # promoted into tier 0 first
+    assert calls == [([ks[0]], None)]
     h.close()
 
 
@@ -267,3 +289,67 @@ def test_load_source_names_the_tier_that_supplied_a_promoted_block(ctx):
     m.complete_load([ks[0]], ctx)
     assert m.load_source(ks[0]) == "CPU"  # loaded once: now a tier-0 block like any other
     h.close()
+
+
+class HungHandler(TransferHandler):
+    """Accepts jobs and reports none until `finish_all`; its `wait` and `shutdown` block until
+    then, like a thread pool whose copy hangs."""
+
+    def __init__(self):
+        self.jobs = []
+        self.released = threading.Event()
+
+    def submit(self, job_id, src, dst):
+        self.jobs.append(job_id)
+
+    def wait(self, job_ids):
+        self.released.wait()
+
+    def shutdown(self):
+        self.released.wait()
+
+    def finish_all(self):
+        self.released.set()
+        for job_id in self.jobs:
+            self._on_done(TransferResult(job_id, False, 0, 0.0, error="released"))
+
+
+def hung_hierarchy(ctx):
+    """Write-through memory tiers whose copy below never ends: one demotion of 2 blocks hangs."""
+    h = memory_hierarchy(hot=8, warm=8, cascade="on_store")
+    hung = HungHandler()
+    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, hung)
+    store(h, keys(2), ctx)
+    assert h.manager.has_pending_work() and hung.jobs
+    return h, hung
+
+
+def test_wait_idle_with_a_timeout_names_the_jobs_a_hung_handler_holds(ctx):
+    h, hung = hung_hierarchy(ctx)
+    began = time.monotonic()
+    with pytest.raises(WaitTimeout, match=r"1 transfer job still running after 0.2 s") as info:
+        h.manager.wait_idle(timeout=0.2)
+    assert time.monotonic() - began < 10  # bounded, generously for a loaded machine
+    assert info.value.jobs == [f"job {hung.jobs[0]}: demotion of 2 blocks hot -> warm"]
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, KVTierError)
+    hung.finish_all()
+    h.manager.wait_idle(timeout=5)  # the reports arrive: idle, no error
+    assert not h.manager.has_pending_work()
+    h.close()
+
+
+def test_shutdown_abandons_jobs_of_a_hung_handler_after_its_timeout(ctx, caplog):
+    h, hung = hung_hierarchy(ctx)
+    closed = []
+    for tier in h.manager.tiers:
+        tier.backend.close = lambda name=tier.name: closed.append(name)
+    began = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="kvtier.manager"):
+        h.manager.shutdown(timeout=0.2)  # the engine's shutdown would block in the hung handler
+    assert time.monotonic() - began < 10
+    assert closed == []  # both tiers are used by the abandoned copy: left open
+    assert "shutdown abandoned 1 transfer job still running" in caplog.text
+    assert "demotion of 2 blocks hot -> warm" in caplog.text and "tiers hot, warm are left open" in caplog.text
+    hung.finish_all()
+    h.manager.shutdown(timeout=5)
+    assert closed == ["hot", "warm"]

@@ -289,7 +289,7 @@ def test_full_lower_tier_drops_are_counted_and_stores_go_on(ctx):
     hot = m.get_stats()["hot"]
     assert m.tiers[0].lower_full
     assert hot["cascade_dropped"] == hot["cascade_dropped_full"] == 12 and hot["cascade_dropped_failed"] == 0
-    assert len(m.tiers[0].unwritten) == 4 and not m._writes_waiting()
+    assert len(m.tiers[0].unwritten) == 4 and not m._cascade.writes_waiting()  # they wait for room below, not for in-flight room
     gate.open()  # the copies land: the lower tier has room again (its blocks can be evicted)
     m.on_schedule_end()
     gate.open()

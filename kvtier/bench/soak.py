@@ -233,7 +233,7 @@ def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 
                     op("touch")
                 rest = [k for k in req if k not in hits]
                 if not store_while_promoting:
-                    skipped = [k for k in rest if k in mgr._promoting and top_policy.get(k) is None]
+                    skipped = [k for k in rest if k in mgr._promotions.running and top_policy.get(k) is None]
                     if skipped:
                         counts["stores_skipped_promotion_queued"] += len(skipped)
                         rest = [k for k in rest if k not in skipped]

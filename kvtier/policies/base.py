@@ -45,10 +45,16 @@ class CachePolicy(ABC):
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         """Add a newly allocated block (not resident before)."""
 
-    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
-        """`insert(keys[i], blocks[i])` for each i, in order (the manager passes a request's new
-        blocks tail first). Policies override it with a bulk version where that is faster; the
-        result must equal the loop's."""
+    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus],
+                    tail: OffloadKey | None = None) -> None:
+        """`insert(keys[i], blocks[i])` for each i, in order. Policies override it with a bulk
+        version where that is faster; without `tail` the result must equal the loop's.
+
+        `tail` says which of `keys` is the last block of a request: the manager passes a
+        request's new blocks tail first with `tail=keys[0]` (engine stores), and no tail for
+        copies between tiers (demotions, promotions). A policy that treats request tails
+        differently (`prefix-freq` evicts them first while they look one-time) uses it; every
+        other policy accepts and ignores it."""
         insert = self.insert
         for key, block in zip(keys, blocks):
             insert(key, block)
@@ -109,13 +115,16 @@ class KeyIndex(CachePolicy):
         self.policy.insert(key, block)
         self._resident[key] = None
 
-    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus],
+                    tail: OffloadKey | None = None) -> None:
         insert_many = getattr(self.policy, "insert_many", None)
         if insert_many is None:
             for key, block in zip(keys, blocks):
                 self.policy.insert(key, block)
+        elif isinstance(self.policy, CachePolicy):
+            insert_many(keys, blocks, tail=tail)
         else:
-            insert_many(keys, blocks)
+            insert_many(keys, blocks)  # vLLM's seed contract knows no tails
         self._resident.update(dict.fromkeys(keys))
 
     def remove(self, key: OffloadKey) -> None:

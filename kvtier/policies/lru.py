@@ -26,7 +26,8 @@ class LRUCachePolicy(CachePolicy):
     def insert(self, key: OffloadKey, block: BlockStatus) -> None:
         self.blocks[key] = block
 
-    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus],
+                    tail: OffloadKey | None = None) -> None:
         self.blocks.update(zip(keys, blocks))
 
     def remove(self, key: OffloadKey) -> None:

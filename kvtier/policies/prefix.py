@@ -21,7 +21,7 @@ docs/policies.md):
    they are ordinary new blocks (credit 0). (Synthetic at 40k blocks: 23% of the departing tails
    are reused, by exact repeats of a request; demoting them there lost to LRU.)
 4. *Chains are cut from the deep end.* Hits are touched in prefix order and new blocks are
-   inserted tail first (manager.prepare_store), so a chain's head always carries the newest
+   inserted tail first (`HierarchyManager.prepare_store`), so a chain's head always carries the newest
    stamp; and a deeper block never has more hits than its parent (a request holding a block holds
    its prefix), so it never has more credit either. Eviction removes a chain from its deep end and
    leaves no unreachable (dead) blocks behind.
@@ -39,13 +39,9 @@ operations (block map, ghost lookup, segment), per victim one lookup plus two de
 ghost store (done per segment with C-level map/dict.fromkeys), per touched key one pop per
 segment probed and one store; O(classes) per run of victims.
 
-Which insert is a request's tail: the manager calls `touch(hits)`, then `evict` when it needs
-room, then `insert` once per new block, tail first. The first `insert` after any other
-state-changing call (touch, evict, remove, clear) is taken as the tail. When the tier is not full
-and a request has no hits, nothing separates two requests' inserts, so the second tail is kept as
-an ordinary new block (a missed demotion, nothing worse). This reading of the call sequence only
-holds for the first tier (engine stores); lower tiers receive demotion batches, and should use
-`lru`.
+Which block is a request's tail: the caller says so, `insert_many(keys, blocks, tail=key)` (the
+`CachePolicy` contract); the manager passes the last new block of each engine store, and no tail
+for copies between tiers (demotions, promotions). `insert` never inserts a tail.
 
 Contract: exactly `CachePolicy`'s (tests/policies/test_conformance.py): `victim_candidates`
 yields the eviction order without any state change, and `evict` removes exactly n unpinned,
@@ -96,7 +92,6 @@ class PrefixFreqCachePolicy(CachePolicy):
         self.get = self.blocks.get  # type: ignore[method-assign]  # hot path: one C call
         self.clock = 0
         self.unit = float(cache_capacity)  # clock ticks per credit: running mean hit age
-        self._tail_next = True  # the next insert is a request's tail (first insert after another call)
         # Ghosts: evicted key -> its segment then, oldest first; trimmed to ghost_limit keys
         # whenever they reach twice that (one C-level copy per ghost_limit evictions).
         self.ghosts: dict[OffloadKey, int] = {}
@@ -117,34 +112,34 @@ class PrefixFreqCachePolicy(CachePolicy):
         self.blocks[key] = block
         self._place(key)
 
-    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus]) -> None:
+    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus],
+                    tail: OffloadKey | None = None) -> None:
         self.blocks.update(zip(keys, blocks))
-        if not self.ghosts.keys().isdisjoint(keys):
-            for key in keys:  # a returning ghost: the per-key rules
-                self._place(key)
+        if tail is not None and not self.demote_tail:
+            tail = None
+        if not self.ghosts.keys().isdisjoint(keys) or (tail is not None and (not keys or keys[0] != tail)):
+            for key in keys:  # a returning ghost, or the tail not first: the per-key rules
+                self._place(key, key == tail)
             return
-        # No ghost among them (the common case): the tail, then the rest in bulk (C loops).
+        # No ghost among them (the common case): the tail (first, as the manager passes it),
+        # then the rest in bulk (C loops).
         first = 0
-        if self._tail_next and keys:
-            self._tail_next = False
-            if self.demote_tail:
-                self.segs[_TAIL][keys[0]] = self.clock
-                first = 1
+        if tail is not None:
+            self.segs[_TAIL][tail] = self.clock
+            first = 1
         self._new.update(dict.fromkeys(islice(keys, first, None), self.clock))
 
-    def _place(self, key: OffloadKey) -> None:
-        """Put a just-inserted key into its segment (see `insert`)."""
+    def _place(self, key: OffloadKey, tail: bool = False) -> None:
+        """Put a just-inserted key into its segment: a returning ghost by its history, else the
+        tail segment (`tail`, with `demote_tail`) or the new blocks."""
         ghost = self._ghost_pop(key, None)
         if ghost is None:
-            if self._tail_next:
-                self._tail_next = False
-                if self.demote_tail:
-                    self.segs[_TAIL][key] = self.clock
-                    return
-            self._new[key] = self.clock
+            if tail and self.demote_tail:
+                self.segs[_TAIL][key] = self.clock
+            else:
+                self._new[key] = self.clock
             return
         # Evicted, then needed again: the re-store counts as a hit.
-        self._tail_next = False
         if ghost <= 1:
             self._returns[1 if ghost == _TAIL else 3] += 1
         segs = self.segs
@@ -158,7 +153,6 @@ class PrefixFreqCachePolicy(CachePolicy):
         return self.clock
 
     def remove(self, key: OffloadKey) -> None:
-        self._tail_next = True
         self._sync()
         if self.blocks.pop(key, None) is not None:
             for seg in self.segs:
@@ -167,7 +161,6 @@ class PrefixFreqCachePolicy(CachePolicy):
         self._mark = len(self.blocks)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        self._tail_next = True
         segs = self.segs
         new = segs[1]
         top = len(segs) - 1
@@ -322,7 +315,6 @@ class PrefixFreqCachePolicy(CachePolicy):
         if left:
             return None
         self._sync()
-        self._tail_next = True
         segs, ghosts, returns = self.segs, self.ghosts, self._returns
         if tails:
             used.append([0, 0, 0, 0, 0, _TAIL, tails])
@@ -361,7 +353,6 @@ class PrefixFreqCachePolicy(CachePolicy):
         self._returns = [0, 0, 0, 0, 0, 0]
         self.clock = self._mark = 0
         self.unit = float(self.cache_capacity)
-        self._tail_next = True
 
     def __len__(self) -> int:
         return len(self.blocks)

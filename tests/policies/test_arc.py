@@ -130,14 +130,15 @@ def test_sieve_scan_does_not_flush_reused_blocks():
 
 # ------------------------------------------------------------------ prefix-freq
 def request(policy, hits, new, capacity):
-    """What the manager does for one request: touch hits, make room, insert new blocks tail first."""
+    """What the manager does for one request: touch hits, make room, insert new blocks tail first
+    and say which one is the request's tail."""
     if hits:
         policy.touch([key(i) for i in hits])
     need = len(policy) + len(new) - capacity
     if need > 0:
         assert policy.evict(need, {key(i) for i in new}) is not None
-    for i in reversed(new):
-        policy.insert(key(i), ready(i))
+    policy.insert_many([key(i) for i in reversed(new)], [ready(i) for i in reversed(new)],
+                       tail=key(new[-1]) if new else None)
 
 
 def conversations(policy, cap, turns, resend_tail, first=0, count=40):
@@ -196,14 +197,27 @@ def demotes_tails(policy) -> bool:
 def test_prefix_freq_tail_first_then_chains_from_the_deep_end():
     policy = with_one_time_tails(PrefixFreqCachePolicy(100))
     request(policy, [], [0, 1, 2, 3, 4], 100)  # chain A, tail 4
-    request(policy, [], [10, 11, 12], 100)  # chain B: no call between the two runs, 12 is not seen as a tail
-    policy.touch([])  # the next request's touch (here: no hits) separates the runs
+    request(policy, [], [10, 11, 12], 100)  # chain B, tail 12 (no other call in between: told, not inferred)
+    policy.touch([])
     request(policy, [], [20, 21, 22], 100)
     order = [int.from_bytes(k[:8], "big") for k, _ in policy.victim_candidates()]
-    assert order[:2] == [4, 22]  # request tails go first
-    assert order.index(12) < order.index(11) < order.index(10)  # B: an ordinary chain, deepest first
+    assert order[:3] == [4, 12, 22]  # request tails go first
+    assert order.index(11) < order.index(10)  # B: deepest first
     assert order.index(3) < order.index(2) < order.index(1) < order.index(0)  # deepest first
     assert order.index(21) < order.index(20)
+
+
+def test_prefix_freq_takes_the_tail_it_is_told_and_no_other():
+    """Blocks inserted without `tail` (copies from another tier, such as a promoted prefix) hold
+    no tail even right after a touch; a tail passed explicitly is one even with no call before."""
+    policy = with_one_time_tails(PrefixFreqCachePolicy(100))
+    policy.touch([])
+    policy.insert_many([key(30), key(31)], [ready(30), ready(31)])  # a promoted prefix, head first
+    request(policy, [], [40, 41], 100)
+    request(policy, [], [50, 51], 100)
+    order = [int.from_bytes(k[:8], "big") for k, _ in policy.victim_candidates()]
+    assert order[:2] == [41, 51]  # only the tails that were named go first
+    assert order.index(31) > 1 and order.index(30) > 1
 
 
 def test_prefix_freq_scan_does_not_flush_a_reused_prefix():

@@ -1,0 +1,13 @@
+"""The parts of the hierarchy manager (the control plane), one job each.
+
+- `tier`: `Tier`, one backend in the chain with its policy and all of its per-tier state (which
+  copies are clean, the write-through queue, counters), and the operations that keep that state
+  consistent (making room, dropping a block).
+- `jobs`: `Job`, a copy between two tiers that does its own bookkeeping when it ends, the table
+  of running jobs, and the event log.
+- `cascade`: how blocks reach the next tier (`on_evict` reserve refill, `on_store`
+  write-through) and the eviction that respects it; the `Demotion` job.
+- `promotion`: copies of lower-tier blocks up into tier 0 for lookups; the `Promotion` job.
+
+`kvtier.manager.HierarchyManager` puts them together behind the `OffloadingManager` protocol.
+"""

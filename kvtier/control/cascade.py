@@ -1,0 +1,250 @@
+"""How blocks reach the next tier, and eviction that respects it.
+
+- `on_evict`: when free + clean + being-demoted slots of a tier fall below its low watermark, the
+  dirty blocks among its policy's next victims are copied to the next tier in the background
+  (`refill_reserve`); whatever is still dirty when it must go is dropped and counted.
+- `on_store` (write-through): every completed store is queued for a copy to the next tier
+  (`queue_writes`); copies start up to the in-flight limit, the rest wait in the queue and are
+  started every step and as jobs finish (`advance_writes`). Eviction then takes only written
+  blocks while the next tier takes copies (`evict_for`).
+A copy is a `Demotion` job: its source blocks stay pinned until it ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from typing import cast
+
+from kvtier.control.jobs import EventLog, Job, JobTable
+from kvtier.control.tier import Tier
+from kvtier.keys import OffloadKey
+from kvtier.types import BlockStatus
+
+log = logging.getLogger(__name__)
+
+
+class Demotion(Job):
+    """A copy of readable blocks of `src` down to the next tier `dst`."""
+
+    kind = "demotion"
+
+    def landed(self) -> None:
+        src, dst = self.src, self.dst
+        src.demoting -= len(self.keys)
+        src.stats.demotions += len(self.keys)
+        src.clean.update(self.keys)
+        if dst.writes_through:
+            dst.unwritten.update(dict.fromkeys(self.keys))  # started by `Cascade.advance_writes`
+
+    def failed(self) -> None:
+        src = self.src
+        src.demoting -= len(self.keys)
+        if src.cascade == "on_store":
+            src.write_failed.update(k for k in self.keys if src.policy.get(k) is not None)
+
+
+class Cascade:
+    """The demotion controller of a chain of tiers: starts `Demotion` jobs and evicts for room."""
+
+    def __init__(self, tiers: Sequence[Tier], jobs: JobTable, events: EventLog):
+        self._jobs = jobs
+        self._events = events
+        self._write_through = [t for t in tiers[:-1] if t.cascade == "on_store"]
+
+    # ------------------------------------------------------------------ eviction
+    def evict_for(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """Free enough slots of `tier` for `n` new blocks, keeping `protected`; the evicted keys,
+        or None (no room yet). An `on_evict` tier first demotes the dirty blocks among the
+        victims it is about to take: handlers that finish at once (memory copies, replay) land
+        before the eviction; slower ones were meant to be cleaned ahead of time by
+        `refill_reserve`, and what is still dirty is dropped and counted. A write-through tier
+        with copies waiting evicts written blocks only (`_evict_written`)."""
+        need = n - tier.backend.get_num_free_blocks()
+        if need <= 0:
+            return []
+        if not isinstance(protected, set):
+            protected = set(protected)
+        if tier.cascades_on_evict:
+            dirty = self._dirty_victims(tier, need, protected)
+            if dirty:
+                self._demote(tier, dirty)
+                self._jobs.drain()
+        elif tier.unwritten and not tier.lower_full:
+            return self._evict_written(tier, n, need, protected)
+        return self.make_room(tier, n, protected)
+
+    def make_room(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """`Tier.make_room`, recording the evictions as events."""
+        evicted = tier.make_room(n, protected)
+        if evicted:
+            self._events.record(tier, evicted, removed=True)
+        return evicted
+
+    def _evict_written(self, tier: Tier, n: int, need: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        """`make_room` for a write-through tier whose next tier takes copies: blocks still queued
+        for their copy are not victims. When the other blocks are too few, the queued copies of
+        the next victims are started first and the answer is None (no room yet), unless they
+        finish at once (memory tiers) or the next tier turns out to be full (then they may go)."""
+        evicted = self.make_room(tier, n, protected.union(tier.unwritten))
+        if evicted is not None:
+            return evicted
+        self._hurry_writes(tier, need, protected)
+        return self.make_room(tier, n, protected if tier.lower_full else protected.union(tier.unwritten))
+
+    # ------------------------------------------------------------------ on_evict
+    def refill_reserve(self, tier: Tier) -> None:
+        """Keep the next victims of an `on_evict` tier clean ahead of time: once the slots handed
+        out since the last pass reach half the reserve, copy the dirty blocks among the next
+        `reserve` victims to the next tier in the background (amortised: a pass walks `reserve`
+        entries)."""
+        if not tier.cascades_on_evict:
+            return
+        reserve = tier.reserve
+        if tier.backend.get_num_free_blocks() >= reserve or tier.allocated_since_walk < reserve // 2:
+            return
+        tier.allocated_since_walk = 0
+        dirty = self._dirty_victims(tier, reserve, ())
+        if dirty:
+            self._demote(tier, dirty)
+
+    def _dirty_victims(self, tier: Tier, count: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
+        """Among the next `count` victims of `tier`'s policy, those not yet readable in the next tier."""
+        assert tier.below is not None
+        below = tier.below.policy.get
+        clean = tier.clean
+        dirty: list[OffloadKey] = []
+        seen = 0
+        for key, _ in tier.policy.victim_candidates():
+            if key in protected:
+                continue
+            if key not in clean:
+                lower = below(key)
+                if lower is not None and lower.ref_cnt >= 0:
+                    clean.add(key)
+                elif lower is None:
+                    dirty.append(key)
+            seen += 1
+            if seen >= count:
+                break
+        return dirty
+
+    def _demote(self, tier: Tier, keys: list[OffloadKey]) -> None:
+        """Copy readable blocks of `tier` to the next tier (one job). Backpressure: what the
+        in-flight limit does not allow is deferred (tried again on a later pass, or dropped at
+        eviction), never awaited."""
+        assert tier.below is not None
+        lower_get = tier.below.policy.get
+        keys = [k for k in keys if lower_get(k) is None]
+        room = tier.demotion_room(burst=len(keys))
+        if len(keys) > room:
+            tier.stats.cascade_deferred += len(keys) - max(0, room)
+            keys = keys[:max(0, room)]
+        if keys and not self._start_demotion(tier, keys):
+            log.debug("tier %s: no room to demote %d blocks", tier.below.name, len(keys))
+
+    def _start_demotion(self, tier: Tier, keys: list[OffloadKey]) -> bool:
+        """Pin readable blocks `keys` of `tier` and start one `Demotion` to the next tier; False
+        (nothing started) when the next tier has no room for them. A next tier that writes
+        through itself gives up its written blocks first."""
+        lower = tier.below
+        assert lower is not None
+        protected = set(keys)
+        if lower.unwritten and not lower.lower_full:
+            evicted = self.make_room(lower, len(keys), protected.union(lower.unwritten))
+        else:
+            evicted = None
+        if evicted is None and self.make_room(lower, len(keys), protected) is None:
+            return False
+        src_blocks = cast("list[BlockStatus]", [tier.policy.get(k) for k in keys])  # readable: checked by callers
+        for block in src_blocks:
+            block.ref_cnt += 1
+        tier.demoting += len(keys)
+        dst_blocks = lower.backend.allocate_blocks(keys)
+        lower.policy.insert_many(keys, dst_blocks)
+        self._jobs.submit(Demotion(tier, lower, keys, src_blocks, dst_blocks, self._events))
+        return True
+
+    # ------------------------------------------------------------------ on_store (write-through)
+    def queue_writes(self, tier: Tier, keys: list[OffloadKey]) -> None:
+        """Queue copies of `tier`'s newly readable blocks `keys` to the next tier and start what
+        the in-flight limit allows (all of them when nothing is in flight); the rest is counted
+        as `cascade_deferred` and started later, oldest first (`advance_writes`)."""
+        if not keys:
+            return
+        queue = tier.unwritten
+        queue.update(dict.fromkeys(keys))
+        self._pump_writes(tier, burst=len(keys))
+        tier.stats.cascade_deferred += min(len(keys), len(queue))  # new keys are at the tail
+        if queue and self._jobs.results_waiting():
+            self.advance_writes()
+
+    def advance_writes(self) -> None:
+        """Start queued write-through copies until the in-flight limits stop them; copies that
+        finish at once (memory tiers) are accounted right away and so make room for the next."""
+        while self._write_through:
+            started = False
+            for tier in self._write_through:
+                if tier.unwritten:
+                    started |= self._pump_writes(tier)
+            if not (started and self._jobs.results_waiting()):
+                return
+            self._jobs.drain()
+
+    def writes_waiting(self) -> bool:
+        """Whether a write-through queue waits for in-flight room (not for a full lower tier)."""
+        return any(t.unwritten and not t.lower_full for t in self._write_through)
+
+    def _pump_writes(self, tier: Tier, burst: int = 0) -> bool:
+        """Start copies of the head of `tier`'s write-through queue, as many as its demotion room
+        allows; whether any started. Keys gone from the tier, or already below, leave the queue.
+        When the next tier has no room they stay at the head and `lower_full` is set."""
+        assert tier.below is not None
+        queue = tier.unwritten
+        lower_get = tier.below.policy.get
+        get = tier.policy.get
+        started = False
+        while queue:
+            room = tier.demotion_room(burst)
+            if room <= 0:
+                break
+            keys: list[OffloadKey] = []
+            while queue and len(keys) < room:
+                key = queue.popitem(last=False)[0]
+                block, below = get(key), lower_get(key)
+                if block is None or block.ref_cnt < 0:
+                    continue
+                if below is not None:
+                    if below.ref_cnt >= 0:
+                        tier.clean.add(key)
+                    continue
+                keys.append(key)
+            if not keys:
+                continue
+            if not self._start_demotion(tier, keys):
+                for key in reversed(keys):
+                    queue[key] = None
+                    queue.move_to_end(key, last=False)
+                tier.lower_full = True
+                break
+            tier.lower_full = False
+            started = True
+        return started
+
+    def _hurry_writes(self, tier: Tier, need: int, protected: Collection[OffloadKey]) -> None:
+        """Move the queued keys among `tier`'s next `need` victims to the head of its write-through
+        queue and start what the in-flight limit allows (the rest goes first when room frees)."""
+        queue = tier.unwritten
+        hurried: list[OffloadKey] = []
+        seen = 0
+        for key, _ in tier.policy.victim_candidates():
+            if key in protected:
+                continue
+            if key in queue:
+                hurried.append(key)
+            seen += 1
+            if seen >= need:
+                break
+        for key in reversed(hurried):
+            queue.move_to_end(key, last=False)
+        self.advance_writes()

@@ -1,0 +1,133 @@
+"""Jobs the manager starts (copies between two tiers), the table of running ones, the event log.
+
+A `Job` knows its tiers and blocks; when the engine reports it, `finish(result)` releases the
+source pins, settles the destination blocks (readable, or removed on failure) and the byte
+counters, then lets the job type do its own bookkeeping (`landed` / `failed`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from kvtier.control.tier import Tier
+from kvtier.engine import TransferEngine
+from kvtier.keys import OffloadKey
+from kvtier.types import BlockStatus, OffloadingEvent, TransferResult
+
+
+class EventLog:
+    """Block-stored / block-removed events for `take_events` (a no-op when events are off)."""
+
+    def __init__(self, enabled: bool):
+        self.events: list[OffloadingEvent] | None = [] if enabled else None
+
+    def record(self, tier: Tier, keys: list[OffloadKey], removed: bool) -> None:
+        if keys and self.events is not None:
+            self.events.append(OffloadingEvent(list(keys), tier.backend.block_size, tier.medium, removed, tier.name))
+
+    def take(self) -> list[OffloadingEvent]:
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
+
+
+class Job:
+    """A copy of `keys` from `src` (blocks pinned meanwhile) into new blocks of `dst`."""
+
+    kind = "copy"
+
+    def __init__(self, src: Tier, dst: Tier, keys: list[OffloadKey], src_blocks: list[BlockStatus],
+                 dst_blocks: list[BlockStatus], events: EventLog):
+        self.src, self.dst, self.keys = src, dst, keys
+        self.src_blocks, self.dst_blocks = src_blocks, dst_blocks
+        self.events = events
+
+    def finish(self, result: TransferResult) -> None:
+        """Account for the engine's report of this job (called once)."""
+        src, dst = self.src, self.dst
+        for block in self.src_blocks:
+            block.ref_cnt -= 1
+        if result.success:
+            for block in self.dst_blocks:
+                block.ref_cnt = 0
+            src.stats.bytes_out += result.transfer_size or 0
+            src.stats.seconds_out += result.transfer_time or 0.0
+            dst.stats.bytes_in += result.transfer_size or 0
+            dst.stats.seconds_in += result.transfer_time or 0.0
+            dst.stats.stores += len(self.keys)
+            self.events.record(dst, self.keys, removed=False)
+            self.landed()
+        else:
+            src.stats.failures += 1
+            dst.stats.failures += 1
+            for key, block in zip(self.keys, self.dst_blocks):
+                dst.policy.remove(key)
+                dst.backend.free(block)
+            self.failed()
+
+    def landed(self) -> None:
+        """Bookkeeping of the job type after its blocks became readable in `dst`."""
+
+    def failed(self) -> None:
+        """Bookkeeping of the job type after the copy failed and its `dst` blocks were removed."""
+
+    def __str__(self) -> str:
+        return f"{self.kind} of {len(self.keys)} blocks {self.src.name} -> {self.dst.name}"
+
+
+class JobTable:
+    """The jobs the manager submitted to the engine and has not yet accounted for, by job id."""
+
+    def __init__(self, engine: TransferEngine):
+        self._engine = engine
+        self._jobs: dict[int, Job] = {}
+
+    def submit(self, job: Job) -> None:
+        src_spec = job.src.backend.get_load_store_spec(job.keys, job.src_blocks)
+        dst_spec = job.dst.backend.get_load_store_spec(job.keys, job.dst_blocks)
+        job_id = self._engine.new_job_id()
+        self._jobs[job_id] = job
+        self._engine.submit(src_spec, dst_spec, job_id)
+
+    def drain(self) -> None:
+        """Account for every job the engine reported since the last call."""
+        for result in self._engine.poll():
+            job = self._jobs.pop(result.job_id, None)
+            if job is not None:
+                job.finish(result)
+
+    def results_waiting(self) -> bool:
+        """Whether the engine holds reports not drained yet (cheap)."""
+        return self._engine.has_finished()
+
+    def wait(self, deadline: float | None) -> bool:
+        """Block until a running job reports (all of them when `deadline` is None); False when
+        `deadline` (a `time.monotonic()` value) passed first. A bounded wait polls the engine
+        instead of blocking in a handler, so a hung handler cannot hold it."""
+        if deadline is None:
+            self._engine.wait(list(self._jobs))
+            return True
+        pause = 0.0005
+        while not self._engine.has_finished():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.01)
+        return True
+
+    def describe(self) -> list[str]:
+        """One line per running job (for errors and logs)."""
+        return [f"job {job_id}: {job}" for job_id, job in self._jobs.items()]
+
+    def tiers(self) -> set[str]:
+        """Names of the tiers that running jobs read or write."""
+        return {t.name for job in self._jobs.values() for t in (job.src, job.dst)}
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._jobs)

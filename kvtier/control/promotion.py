@@ -1,0 +1,118 @@
+"""Promotion: copying a block that a lookup found in a lower tier up into tier 0.
+
+Used for tiers no handler can load straight into the engine's KV cache (staged path): the lookup
+queues the promotion and answers RETRY; the queue is started at the end of the step, one
+`Promotion` job per source tier; the lookup answers HIT once the block landed in tier 0. A
+promotion that cannot start (its source went away, tier 0 has no room) or that fails is refused:
+the next lookup of that key answers MISS, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from kvtier.control.cascade import Cascade
+from kvtier.control.jobs import EventLog, Job, JobTable
+from kvtier.control.tier import Tier
+from kvtier.keys import OffloadKey
+from kvtier.types import BlockStatus
+
+
+class Promotion(Job):
+    """A copy of readable blocks of a lower tier `src` up into tier 0 (`dst`)."""
+
+    kind = "promotion"
+
+    def __init__(self, promotions: Promotions, src: Tier, dst: Tier, keys: list[OffloadKey],
+                 src_blocks: list[BlockStatus], dst_blocks: list[BlockStatus], events: EventLog):
+        super().__init__(src, dst, keys, src_blocks, dst_blocks, events)
+        self.promotions = promotions
+
+    def landed(self) -> None:
+        src, dst = self.src, self.dst
+        self.promotions.ended(self.keys)
+        src.stats.promotions += len(self.keys)
+        if src.above is dst:
+            dst.clean.update(self.keys)
+        for key in self.keys:
+            dst.promoted_from[key] = src.index
+
+    def failed(self) -> None:
+        """A block that could not be read back is not trusted again, unless its backend
+        verified it (a job fails as a whole when one of its blocks is bad)."""
+        src = self.src
+        self.promotions.ended(self.keys)
+        for key, block in zip(self.keys, self.src_blocks):
+            if block.ref_cnt == 0 and src.policy.get(key) is block and not src.backend.still_valid(block):
+                src.drop(key, block)
+                self.events.record(src, [key], removed=True)
+            self.promotions.refused.add(key)
+
+
+class Promotions:
+    """The promotion controller: which keys are being promoted, queued, or were refused."""
+
+    def __init__(self, tiers: Sequence[Tier], jobs: JobTable, cascade: Cascade, events: EventLog):
+        self._tiers = tiers
+        self._top = tiers[0]
+        self._jobs = jobs
+        self._cascade = cascade
+        self._events = events
+        self.running: dict[OffloadKey, int] = {}  # key -> source tier index (queued or running)
+        self.queue: dict[OffloadKey, None] = {}  # promotions to start at the end of the step
+        self.refused: set[OffloadKey] = set()  # keys whose next lookup answers MISS
+
+    def request(self, key: OffloadKey, src: Tier) -> None:
+        """Queue a promotion of `key` from `src` (started by `flush`)."""
+        self.running[key] = src.index
+        self.queue[key] = None
+
+    def take_refusal(self, key: OffloadKey) -> bool:
+        """Whether the last promotion of `key` was refused (answered once)."""
+        if key in self.refused:
+            self.refused.discard(key)
+            return True
+        return False
+
+    def supersede(self, keys: Iterable[OffloadKey]) -> None:
+        """Cancel the queued (not started) promotions of `keys`: the engine stores them itself."""
+        if self.queue:
+            for key in keys:
+                if key in self.queue:
+                    del self.queue[key]
+                    del self.running[key]
+
+    def ended(self, keys: Iterable[OffloadKey]) -> None:
+        for key in keys:
+            self.running.pop(key, None)
+
+    def flush(self) -> None:
+        """Start the queued promotions, one job per source tier. Source blocks are pinned first:
+        making room in tier 0 may demote into (and so evict from) their tier."""
+        queue, self.queue = self.queue, {}
+        top = self._top
+        by_tier: dict[int, tuple[list[OffloadKey], list[BlockStatus]]] = {}
+        for key in queue:
+            src = self._tiers[self.running[key]]
+            block = src.policy.get(key)
+            if block is None or block.ref_cnt < 0 or top.policy.get(key) is not None:
+                self._refuse(key)
+                continue
+            block.ref_cnt += 1  # held until the job ends (`Job.finish` releases it)
+            entry = by_tier.setdefault(src.index, ([], []))
+            entry[0].append(key)
+            entry[1].append(block)
+        for index, (keys, src_blocks) in by_tier.items():
+            if self._cascade.evict_for(top, len(keys), set(keys)) is None:
+                for key, block in zip(keys, src_blocks):
+                    block.ref_cnt -= 1
+                    self._refuse(key)
+                continue
+            dst_blocks = top.backend.allocate_blocks(keys)
+            top.policy.insert_many(keys, dst_blocks)
+            top.allocated_since_walk += len(keys)
+            self._jobs.submit(Promotion(self, self._tiers[index], top, keys, src_blocks, dst_blocks, self._events))
+
+    def _refuse(self, key: OffloadKey) -> None:
+        del self.running[key]
+        self.refused.add(key)

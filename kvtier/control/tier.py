@@ -1,0 +1,178 @@
+"""`Tier`: one backend in the chain, its policy, and every piece of state the manager keeps for it."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.keys import OffloadKey
+from kvtier.policies.base import CachePolicy
+from kvtier.tiers.base import Backend
+from kvtier.types import BlockStatus
+
+CASCADE_MODES = ("on_evict", "on_store", "none")
+
+
+@dataclass
+class TierStats:
+    """Counters of one tier since the start (or the last `reset`)."""
+
+    hits: int = 0  # blocks loaded to the engine that this tier supplied (directly or by promotion)
+    stores: int = 0  # blocks written into this tier (engine stores, demotions, promotions)
+    evictions: int = 0
+    demotions: int = 0  # blocks copied from this tier to the next one
+    promotions: int = 0  # blocks copied from this tier up to tier 0
+    cascade_dropped: int = 0  # dirty blocks evicted without a copy below
+    cascade_dropped_failed: int = 0  # of those (write-through): their copy below failed
+    cascade_dropped_full: int = 0  # of those (write-through): the next tier had no room or dropped its copy
+    cascade_deferred: int = 0  # demotions not started at once because too many were in flight (backpressure)
+    failures: int = 0  # failed jobs that wrote into this tier or read from it
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds_in: float = 0.0
+    seconds_out: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class Tier:
+    """One backend at a position in the chain, with its policy, cascade mode and state.
+
+    The constructor takes the configuration (name, backend, policy, cascade, reserve_fraction);
+    `HierarchyManager` sets the position (`index`, `above`, `below`, `direct_load`) and owns the
+    rest, which records, per block of this tier:
+    - residency: the policy (`policy.get(key)`, the block's `ref_cnt`: -1 while being written,
+      > 0 while pinned by loads or copies);
+    - `clean`: keys whose copy here is also readable in the next tier (evicting it loses nothing);
+    - write-through (`on_store`): `unwritten`, readable keys whose copy below has not started
+      (oldest first), `write_failed`, keys whose copy below failed, and `lower_full`;
+    - `promoted_from` (tier 0): keys promoted into this tier -> index of the tier that supplied
+      them, until they are loaded or evicted (so the supplier is credited with the hit).
+    """
+
+    name: str
+    backend: Backend
+    policy: CachePolicy
+    cascade: str = "on_evict"  # how blocks reach the next tier (ignored on the last tier)
+    reserve_fraction: float = 0.1  # low watermark of free-or-clean slots, as a fraction of capacity
+    index: int = 0
+    direct_load: bool = False  # a handler loads this tier straight into the engine's KV cache
+    above: Tier | None = field(default=None, init=False, repr=False, compare=False)
+    below: Tier | None = field(default=None, init=False, repr=False, compare=False)
+    clean: set[OffloadKey] = field(default_factory=set, init=False)
+    demoting: int = field(default=0, init=False)  # blocks of this tier pinned by running demotions
+    allocated_since_walk: int = field(default=0, init=False)  # slots handed out since the last reserve pass
+    unwritten: OrderedDict[OffloadKey, None] = field(default_factory=OrderedDict, init=False)
+    write_failed: set[OffloadKey] = field(default_factory=set, init=False)
+    lower_full: bool = field(default=False, init=False)  # the last copy tried found no room below
+    promoted_from: dict[OffloadKey, int] = field(default_factory=dict, init=False, repr=False)
+    stats: TierStats = field(default_factory=TierStats, init=False)
+
+    @property
+    def capacity(self) -> int:
+        return self.backend.num_blocks
+
+    @property
+    def medium(self) -> str:
+        return self.backend.medium
+
+    @property
+    def reserve(self) -> int:
+        """The low watermark in blocks (at least one)."""
+        return max(1, int(self.capacity * self.reserve_fraction))
+
+    @property
+    def cascades_on_evict(self) -> bool:
+        return self.cascade == "on_evict" and self.below is not None
+
+    @property
+    def writes_through(self) -> bool:
+        return self.cascade == "on_store" and self.below is not None
+
+    def readable(self, key: OffloadKey) -> BlockStatus | None:
+        """The block of `key` if it is resident and written (not being written), else None."""
+        block = self.policy.get(key)
+        return block if block is not None and block.ref_cnt >= 0 else None
+
+    def demotion_room(self, burst: int = 0) -> int:
+        """How many more blocks may start a demotion now. A slow lower tier gets at most two
+        reserves' worth in flight; a burst of `burst` blocks may start when none is."""
+        room = 2 * self.reserve - self.demoting
+        return max(room, burst) if self.demoting == 0 else room
+
+    def make_room(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """Free enough slots for `n` new blocks; returns the evicted keys, or None (nothing
+        changed) when the policy cannot find enough unpinned, unprotected victims."""
+        need = n - self.backend.get_num_free_blocks()
+        if need <= 0:
+            return []
+        victims = self.policy.evict(need, protected if isinstance(protected, set) else set(protected))
+        if victims is None:
+            return None
+        if not victims:
+            return []
+        evicted_keys, blocks = zip(*victims)
+        evicted = list(evicted_keys)
+        self.backend.free_many(blocks)
+        self._count_dropped(evicted)
+        if self.clean:
+            self.clean.difference_update(evicted)
+        self.forget(evicted)
+        if self.above is not None:
+            self.above.clean.difference_update(evicted)
+        elif self.promoted_from:
+            pop_origin = self.promoted_from.pop
+            for key in evicted:
+                pop_origin(key, None)
+        self.stats.evictions += len(evicted)
+        return evicted
+
+    def _count_dropped(self, evicted: list[OffloadKey]) -> None:
+        """Count the evicted blocks that had no copy below (lost to the hierarchy)."""
+        if self.below is None or self.cascade == "none":
+            return
+        dropped = len(evicted) - len(self.clean.intersection(evicted))
+        self.stats.cascade_dropped += dropped
+        if dropped and self.cascade == "on_store":
+            failed = len(self.write_failed.intersection(evicted))
+            self.stats.cascade_dropped_failed += failed
+            self.stats.cascade_dropped_full += dropped - failed
+
+    def drop(self, key: OffloadKey, block: BlockStatus) -> None:
+        """Remove a resident block that must not be served again and free its slot."""
+        self.policy.remove(key)
+        self.backend.free(block)
+        if self.above is not None:
+            self.above.clean.discard(key)
+        self.forget([key])
+
+    def forget(self, keys: Collection[OffloadKey]) -> None:
+        """Drop the write-through state of keys that left this tier."""
+        if self.unwritten:
+            pop = self.unwritten.pop
+            for key in keys:
+                pop(key, None)
+        if self.write_failed:
+            self.write_failed.difference_update(keys)
+
+    def reset(self) -> list[OffloadKey]:
+        """Evict every unpinned, readable block (`reset_cache`); returns their keys."""
+        get = self.policy.get
+        victims = [(k, b) for k in list(self.policy.keys()) if (b := get(k)) is not None and b.ref_cnt == 0]
+        for key, block in victims:
+            self.policy.remove(key)
+            self.backend.free(block)
+            self.clean.discard(key)
+            if self.above is not None:
+                self.above.clean.discard(key)
+        self.forget([k for k, _ in victims])
+        return [k for k, _ in victims]
+
+    def stats_row(self) -> dict[str, Any]:
+        """This tier's counters and occupancy (one entry of `get_stats`)."""
+        return {**self.stats.as_dict(), "medium": self.medium, "capacity_blocks": self.capacity,
+                "resident_blocks": len(self.policy), "free_blocks": self.backend.get_num_free_blocks()}
