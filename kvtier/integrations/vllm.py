@@ -36,7 +36,9 @@ work at import or in `__init__`.
   region whose token the scheduler sends with each CPU spec, then removes the region's name from
   /dev/shm: from then on no stop or kill of the engine can leave the region behind. With vLLM's
   default executor for one worker the worker lives in the scheduler's process and maps the region
-  through the creator's descriptor, so the name is removed as soon as the region exists.
+  through the creator's descriptor, so the name is removed as soon as the region exists. The
+  name stays the engine's all the same (the region's claim, see `kvtier.tiers.cpu`): a second
+  engine with the same `engine_id` or `shm_name` is refused at start.
 
 Compatible with vLLM 0.32; tolerates 0.33 additions (`submit_load(..., expedited=)`,
 `on_reset_flushed`, `config_info`, `config_info_keys`) without requiring them.
@@ -493,9 +495,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
             from kvtier.hierarchy import build_hierarchy
 
             enable_events = bool(self.kv_events_config.enable_kv_cache_events)
-            # Creating the CPU region first sweeps the regions of dead owners (any name), reclaims
-            # this name if its owner is dead, and refuses it (RegionInUseError, with the owner's
-            # pid) if another engine holds it.
+            # Creating the CPU region first sweeps the regions and claims of dead owners (any name),
+            # reclaims this name if its owner is dead, and refuses it (RegionInUseError, with the
+            # owner's pid) if another engine holds its claim, even once that engine's region name is gone.
             hierarchy = build_hierarchy(self.hierarchy_config, block_bytes=self.block_bytes, kv_caches=None,
                                         enable_events=enable_events)
             region = hierarchy.manager.tiers[0].backend
