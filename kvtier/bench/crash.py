@@ -25,8 +25,10 @@ Per iteration it counts:
 - `resurrected`: blocks freed before the kill that came back (and verified): allowed, since the
   DEL records of evicted slots ride along with the next journal append.
 - `child_died`: iterations where the child ended by itself (an exception) before the kill.
-- `leaked_shm`: with `--upper cpu`, shared-memory files the killed child left in /dev/shm
-  (removed by the harness; a SIGKILLed process cannot clean up after itself).
+- `leaked_shm`: with `--upper cpu`, shared-memory regions the killed child left in /dev/shm (its
+  `kvtier-<pid>-...` regions and `kvtier-creating-<pid>-...` temporaries), and `leaked_claims`, the
+  claims it left (`<region>.kvtier-claim`, a few bytes each). The harness removes both (a SIGKILLed
+  process cannot clean up after itself; otherwise the next CPU tier's sweep would).
 
 Prints a table and writes JSON (`--json`, default `ROOT/crash-report.json`). Exit status 1 when a
 block was served wrong or a durable block was lost.
@@ -278,6 +280,18 @@ def verify_root(root: Path, upper: str, durable: set[int], freed: set[int], prom
         h.close()
 
 
+def _remove_leaked_shm(pid: int) -> tuple[int, int]:
+    """Remove what the killed child `pid` left in /dev/shm: (regions, claims) removed. Its CPU
+    tier's generated name is `kvtier-<pid>-...`; a kill while building it leaves `kvtier-creating-<pid>-...`."""
+    from kvtier.tiers.cpu import CLAIM_SUFFIX
+
+    paths = glob.glob(f"/dev/shm/kvtier-{pid}-*") + glob.glob(f"/dev/shm/kvtier-creating-{pid}-*")
+    for path in paths:
+        os.unlink(path)
+    claims = sum(1 for path in paths if path.endswith(CLAIM_SUFFIX))
+    return len(paths) - claims, claims
+
+
 def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_kill_delay: float = 0.6,
         log=print, promote_batch: int = 1) -> dict:
     import logging
@@ -292,21 +306,20 @@ def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_k
         kill_after = rng.uniform(0.02, max_kill_delay)
         lines, pid, died = _run_child(root, upper, seed * 1000 + it + 1, kill_after)
         freed, writes, frees, complaints = _durable_set(lines, durable)
-        leaked = glob.glob(f"/dev/shm/kvtier-{pid}-*")
-        for path in leaked:
-            os.unlink(path)
+        leaked, claims = _remove_leaked_shm(pid)
         counts, served = verify_root(root, upper, durable, freed, promote_batch)
         row = {"iteration": it, "kill_after_s": round(kill_after, 4), "blocks_written": writes, "frees": frees,
-               **counts, "child_complaints": complaints, "leaked_shm": len(leaked),
-               "child_died": died}
+               **counts, "child_complaints": complaints, "leaked_shm": leaked,
+               "leaked_claims": claims, "child_died": died}
         rows.append(row)
         log(f"{it:>4} {kill_after:>7.3f} {writes:>7} {frees:>6} {counts['recovered']:>9} {counts['served_ok']:>9} "
             f"{counts['dropped_by_verification']:>7} {counts['served_wrong']:>6} {counts['lost_durable']:>5} "
-            f"{counts['resurrected']:>6} {len(leaked):>5}" + (f"  CHILD DIED: {died.splitlines()[-1]}" if died else ""))
+            f"{counts['resurrected']:>6} {leaked:>5}" + (f"  CHILD DIED: {died.splitlines()[-1]}" if died else ""))
         durable = served  # what the next child starts from (it recovers the same blocks)
     totals = {k: sum(r[k] for r in rows) for k in ("blocks_written", "frees", "recovered", "served_ok",
                                                     "dropped_by_verification", "served_wrong", "lost_durable",
-                                                    "resurrected", "pins_left", "leaked_shm")}
+                                                    "resurrected", "pins_left", "leaked_shm",
+                                                    "leaked_claims")}
     totals["child_complaints"] = sum(len(r["child_complaints"]) for r in rows)
     totals["child_died"] = sum(1 for r in rows if r["child_died"])
     return {"schema": "kvtier.crash/1", "iterations": iterations, "upper": upper, "seed": seed,

@@ -13,11 +13,19 @@ name with `link` (which never replaces an existing file): every published region
 its first instant. A name held by a live owner is refused (`RegionInUseError`, with the owner's
 pid); a name left by a dead owner is reclaimed; a file that is not a kvtier region is never touched.
 
-Lifetime. The creator removes the name on `close`, at exit, and on SIGTERM/SIGHUP (a handler that
-then chains to the previous one). The name is needed only until every process that maps the region
-has mapped it: `unpublish()` removes it early (the vLLM integration does, once its worker has
-mapped the region), so no kill, not even SIGKILL, can leak it afterwards. Regions of owners that
-died before that are removed by `remove_stale_regions`, which every new region runs first.
+The claim. The region's name may be removed long before its owner ends (see Lifetime), so the name
+itself is held by a second, tiny file: `<shm_name>.kvtier-claim` (a suffix no shm_name may end
+with), which holds the owner's pid and stays exclusively flocked, published the same way, for the
+creator's whole life. A new region takes the claim first: a claim whose lock is held refuses the
+name (`RegionInUseError`, "region <name> in use by pid N"), even when the region's own name is
+already gone; a claim whose owner died is reclaimed at once.
+
+Lifetime. The creator removes the name and the claim on `close`, at exit, and on SIGTERM/SIGHUP (a
+handler that then chains to the previous one). The region's name is needed only until every
+process that maps the region has mapped it: `unpublish()` removes it early (the vLLM integration
+does, once its worker has mapped the region), so no kill, not even SIGKILL, can leak the region
+afterwards; a SIGKILL leaves at most the claim (a few bytes). Regions and claims of owners that
+died are removed by `remove_stale_regions`, which every new region runs first.
 
 Other processes (vLLM workers) map the same bytes with `CPUBackend.attach(shm_name, num_blocks,
 block_bytes, token=...)`. When CUDA is available (and `pin` allows it) each process registers its
@@ -61,7 +69,9 @@ _MAGIC = b"kvtier-region\x00v1"
 _HEADER = struct.Struct("<16sQ16sQQQ")
 HEADER_BYTES = mmap.PAGESIZE  # slot 0 starts on the second page: slots stay page-aligned
 _TMP_PREFIX = "kvtier-creating-"
-_NAME_MAX = 255  # bytes of one file name (Linux NAME_MAX)
+CLAIM_SUFFIX = ".kvtier-claim"  # the claim of region <name> is <name>.kvtier-claim
+_CLAIM_MAGIC = b"kvtier-claim v1 pid "  # a claim's content: this, the owner's pid, "\n"
+_NAME_MAX = 255 - len(CLAIM_SUFFIX)  # a claim's name must fit in one file name (Linux NAME_MAX 255)
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
@@ -86,9 +96,10 @@ def _shm_name(v: Any) -> str | None:
         return None
     shown = repr(v[:40]) + ("..." if len(v) > 40 else "") if isinstance(v, str) else repr(v)[:60]
     if (not isinstance(v, str) or not _NAME_RE.fullmatch(v) or len(v) > _NAME_MAX
-            or v.startswith(_TMP_PREFIX)):
+            or v.startswith(_TMP_PREFIX) or v.endswith(CLAIM_SUFFIX)):
         raise ValueError(f"expected a file name for {SHM_DIR}: 1 to {_NAME_MAX} characters from A-Z a-z 0-9 "
-                         f"'_' '.' '-', not starting with '.', '-' or {_TMP_PREFIX!r}; got {shown}")
+                         f"'_' '.' '-', not starting with '.', '-' or {_TMP_PREFIX!r}, not ending with "
+                         f"{CLAIM_SUFFIX!r}; got {shown}")
     return v
 
 
@@ -118,7 +129,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 # ------------------------------------------------------------------ names this process must remove
-# path -> (st_dev, st_ino) of each region name this process published and has not removed yet.
+# path -> (st_dev, st_ino) of each region name and claim this process published and has not removed yet.
 # A forked child inherits the table, not the ownership: it starts with an empty one.
 _PUBLISHED: dict[str, tuple[int, int]] = {}
 os.register_at_fork(after_in_child=_PUBLISHED.clear)
@@ -142,14 +153,16 @@ def _unlink_if_same(path: str, ident: tuple[int, int]) -> None:
             _PUBLISHED.pop(path, None)
 
 
-def _remove_name_of_creator(creator_pid: int, path: str, ident: tuple[int, int]) -> None:
-    """`close` and exit of a region's creator: remove its name, unless this is a forked copy."""
+def _remove_names_of_creator(creator_pid: int, *names: tuple[str, tuple[int, int]]) -> None:
+    """`close` and exit of a region's creator: remove its names (path, ident) in order, unless this
+    is a forked copy."""
     if os.getpid() == creator_pid:
-        _unlink_if_same(path, ident)
+        for path, ident in names:
+            _unlink_if_same(path, ident)
 
 
 def _on_terminate(signum: int, frame: Any) -> None:
-    """SIGTERM/SIGHUP: remove this process's region names, then do what the signal did before."""
+    """SIGTERM/SIGHUP: remove this process's region names and claims, then do what the signal did before."""
     for path, ident in list(_PUBLISHED.items()):
         _unlink_if_same(path, ident)
     previous = _previous_handlers.get(signum, signal.SIG_DFL)
@@ -189,6 +202,18 @@ def _read_header(fd: int) -> RegionHeader | None:
     return RegionHeader(pid, token.hex(), num_blocks, slot_stride, block_bytes)
 
 
+def _read_claim(fd: int) -> int | None:
+    """The owner pid written in the claim open as `fd`, or None if it is not a kvtier claim."""
+    try:
+        raw = os.pread(fd, 64, 0)
+    except OSError:
+        return None
+    pid = raw[len(_CLAIM_MAGIC):-1]
+    if not raw.startswith(_CLAIM_MAGIC) or not raw.endswith(b"\n") or not pid.isdigit():
+        return None
+    return int(pid)
+
+
 def _lock_if_owner_dead(fd: int) -> bool:
     """Take the exclusive lock of the region open as `fd`: True (locked) iff no owner holds it."""
     try:
@@ -203,15 +228,17 @@ def _open_no_follow(path: str) -> int:
 
 
 def remove_stale_regions(shm_dir: str | None = None, min_age_s: float = 10.0) -> list[str]:
-    """Remove the regions whose creating process is gone, whatever their names, and return the names.
+    """Remove the regions and claims whose creating process is gone, whatever their names, and
+    return the names of the files removed.
 
     A region is a file of this user that carries a kvtier region header, or (regions of earlier
-    kvtier versions, and half-built ones) whose name starts with `kvtier-`. Its owner is gone when
-    its flock can be taken exclusively (a creator holds a shared one for its whole life); a
-    headerless `kvtier-<pid>-...` region also needs that pid gone (versions that took no lock).
-    A SIGKILLed owner cannot remove its region itself: without this sweep each kill would leave
+    kvtier versions, and half-built ones) whose name starts with `kvtier-`; a claim is a file of
+    this user named `<name>.kvtier-claim` whose content is a kvtier claim. The owner is gone when
+    the flock can be taken exclusively (a creator holds one for its whole life); a headerless
+    `kvtier-<pid>-...` region also needs that pid gone (versions that took no lock).
+    A SIGKILLed owner cannot remove its files itself: without this sweep each kill would leave
     the full size of its CPU tier in /dev/shm until reboot. Files of other users, non-regular
-    files, regions still locked and files younger than `min_age_s` (a creator may be between
+    files, files still locked and files younger than `min_age_s` (a creator may be between
     creating and locking one) are left alone.
     """
     shm_dir = shm_dir or SHM_DIR
@@ -224,8 +251,8 @@ def remove_stale_regions(shm_dir: str | None = None, min_age_s: float = 10.0) ->
         if _remove_if_stale(os.path.join(shm_dir, name), min_age_s):
             removed.append(name)
     if removed:
-        log.warning("removed %d shared-memory region(s) left in %s by processes that died: %s", len(removed),
-                    shm_dir, ", ".join(removed[:5]))
+        log.warning("removed %d shared-memory region(s) or claim(s) left in %s by processes that died: %s",
+                    len(removed), shm_dir, ", ".join(removed[:5]))
     return removed
 
 
@@ -245,7 +272,10 @@ def _remove_if_stale(path: str, min_age_s: float) -> bool:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid():
             return False
-        if _read_header(fd) is None:
+        if name.endswith(CLAIM_SUFFIX):
+            if _read_claim(fd) is None:
+                return False  # not a kvtier claim
+        elif _read_header(fd) is None:
             if not name.startswith("kvtier-"):
                 return False  # not a kvtier region
             pid = name.split("-")[1]
@@ -259,7 +289,13 @@ def _remove_if_stale(path: str, min_age_s: float) -> bool:
         os.close(fd)
 
 
-def _claim_name(path: str) -> None:
+def _in_use(name: str, owner: str) -> RegionInUseError:
+    return RegionInUseError(f"region {name} in use by {owner}: two kvtier instances cannot share one CPU tier; "
+                            f"give each its own shm_name (under vLLM the default name comes from the "
+                            f"engine_id: give each engine its own)")
+
+
+def _free_region_name(path: str) -> None:
     """Make `path` free for a new region, or raise `RegionInUseError`: a name held by a live
     owner, or by a file that is not a kvtier region of this user, is never taken over."""
     name = os.path.basename(path)
@@ -278,15 +314,82 @@ def _claim_name(path: str) -> None:
             raise RegionInUseError(f"{path} exists and is not a kvtier region of this user; remove it or "
                                    f"choose another shm_name")
         if not _lock_if_owner_dead(fd):
-            owner = f"pid {header.pid}" if header else "another process"
-            raise RegionInUseError(f"region {name} in use by {owner}: two kvtier instances cannot share one "
-                                   f"CPU tier; give each its own shm_name (under vLLM the default name comes "
-                                   f"from the engine_id: give each engine its own)")
+            raise _in_use(name, f"pid {header.pid}" if header else "another process")
         log.warning("removing shared-memory region %s left by pid %s, which died", path,
                     header.pid if header else "?")
         _unlink_if_same(path, (st.st_dev, st.st_ino))
     finally:
         os.close(fd)
+
+
+def _free_claim(path: str) -> None:
+    """Make the claim `path` free, or raise `RegionInUseError`: a claim whose owner is alive (its
+    lock is held), or a file there that is not a kvtier claim of this user, is never taken over."""
+    region = os.path.basename(path)[:-len(CLAIM_SUFFIX)]
+    try:
+        fd = _open_no_follow(path)
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise RegionInUseError(f"{path} exists and cannot be opened as the claim of region {region} "
+                               f"({exc.strerror}); remove it or choose another shm_name") from None
+    try:
+        st = os.fstat(fd)
+        pid = _read_claim(fd) if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() else None
+        if pid is None:
+            raise RegionInUseError(f"{path} exists and is not a kvtier claim of this user; remove it or "
+                                   f"choose another shm_name")
+        if not _lock_if_owner_dead(fd):
+            raise _in_use(region, f"pid {pid}")
+        log.warning("taking over the name of region %s from pid %s, which died", region, pid)
+        _unlink_if_same(path, (st.st_dev, st.st_ino))
+    finally:
+        os.close(fd)
+
+
+def _link_exclusively(tmp: str, path: str, free: Any) -> None:
+    """Publish the file `tmp` (already locked and filled) as `path` with link(2), which never
+    replaces a file: when `path` exists, `free(path)` removes it (left by a dead owner) or raises."""
+    for _ in range(3):
+        try:
+            os.link(tmp, path)
+            return
+        except FileExistsError:
+            free(path)
+    raise RegionInUseError(f"{path}: the name was taken again each time it was freed; choose another shm_name")
+
+
+def _new_locked_file(directory: str, lock: int, content: bytes) -> tuple[int, str]:
+    """A new file of this user (0600) under a temporary name in `directory`, flocked with `lock`
+    and holding `content`: (descriptor, temporary path). The caller publishes and removes the name."""
+    tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, lock)
+        os.pwrite(fd, content, 0)
+    except BaseException:
+        os.close(fd)
+        _unlink_quietly(tmp)
+        raise
+    return fd, tmp
+
+
+def _take_claim(region_path: str) -> tuple[int, tuple[int, int]]:
+    """Hold the name `region_path` for this process: publish its claim, exclusively locked from
+    its first instant (the lock is the descriptor returned, with the claim's (st_dev, st_ino)).
+    Raises `RegionInUseError` when a live owner holds the claim."""
+    path = region_path + CLAIM_SUFFIX
+    fd, tmp = _new_locked_file(os.path.dirname(path), fcntl.LOCK_EX, _CLAIM_MAGIC + b"%d\n" % os.getpid())
+    try:
+        _link_exclusively(tmp, path, _free_claim)
+        st = os.fstat(fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        _unlink_quietly(tmp)
+    _PUBLISHED[path] = (st.st_dev, st.st_ino)
+    return fd, (st.st_dev, st.st_ino)
 
 
 def _cuda_available() -> bool:
@@ -345,6 +448,7 @@ class CPUBackend(Backend):
         self._pinned: list[int] = []  # registered chunk addresses
         self._closed = False
         self._lock_fd = -1
+        self._claim_fd = -1
         self._finalizer = None
         if _create:
             self.token = secrets.token_hex(16)
@@ -358,6 +462,7 @@ class CPUBackend(Backend):
             if self._finalizer is not None:
                 self._finalizer()
             os.close(fd)
+            self._close_claim()
             raise
         if _create:
             self._lock_fd = fd  # keeps the flock: tells everyone that the owner is alive
@@ -390,38 +495,45 @@ class CPUBackend(Backend):
                             self.block_bytes)
 
     def _create_region(self) -> int:
-        """Build the region under a temporary name (locked, sized, with its header), then publish
-        it under `path` with link(2): an existing region is never replaced, nor reused."""
+        """Take the name's claim, build the region under a temporary name (locked, sized, with its
+        header), then publish it under `path` with link(2): a name claimed by a live owner is
+        refused, an existing region is never replaced, nor reused."""
         directory = os.path.dirname(self.path)
         remove_stale_regions(directory)
-        tmp = os.path.join(directory, f"{_TMP_PREFIX}{os.getpid()}-{secrets.token_hex(4)}")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        self._claim_fd, claim_ident = _take_claim(self.path)
+        claim = (self.path + CLAIM_SUFFIX, claim_ident)
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH)  # held for the region's life: its owner is alive
+            fd, st = self._publish_region(directory)
+        except BaseException:
+            _unlink_if_same(*claim)
+            self._close_claim()
+            raise
+        self._ident = (st.st_dev, st.st_ino)
+        _PUBLISHED[self.path] = self._ident
+        # the region's name goes before its claim: the name is never free while its region is there
+        self._finalizer = weakref.finalize(self, _remove_names_of_creator, os.getpid(), (self.path, self._ident),
+                                           claim)
+        _install_terminate_handlers()
+        return fd
+
+    def _publish_region(self, directory: str) -> tuple[int, os.stat_result]:
+        """Build the region under a temporary name (its shared lock held for its life, its header,
+        its size), then publish it under `path`: (descriptor, stat)."""
+        fd, tmp = _new_locked_file(directory, fcntl.LOCK_SH, self._header())
+        try:
             os.ftruncate(fd, self.header_bytes + self.size)
-            os.pwrite(fd, self._header(), 0)
-            self._publish(tmp)
-            st = os.fstat(fd)
+            _link_exclusively(tmp, self.path, _free_region_name)
+            return fd, os.fstat(fd)
         except BaseException:
             os.close(fd)
             raise
         finally:
             _unlink_quietly(tmp)
-        self._ident = (st.st_dev, st.st_ino)
-        _PUBLISHED[self.path] = self._ident
-        self._finalizer = weakref.finalize(self, _remove_name_of_creator, os.getpid(), self.path, self._ident)
-        _install_terminate_handlers()
-        return fd
 
-    def _publish(self, tmp: str) -> None:
-        for _ in range(3):
-            try:
-                os.link(tmp, self.path)
-                return
-            except FileExistsError:
-                _claim_name(self.path)  # raises RegionInUseError unless the name was left by a dead owner
-        raise RegionInUseError(f"{self.path}: the name was taken again each time it was freed; "
-                               f"choose another shm_name")
+    def _close_claim(self) -> None:
+        if self._claim_fd >= 0:
+            os.close(self._claim_fd)
+            self._claim_fd = -1
 
     def _open_region(self, token: str | None) -> int:
         """Open the region to attach and check that it is the one expected; returns its descriptor."""
@@ -529,7 +641,7 @@ class CPUBackend(Backend):
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Unpin and unmap; the creating process also removes the name (if still its region's) and
-        releases its lock. Idempotent."""
+        the claim, and releases their locks. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -548,6 +660,7 @@ class CPUBackend(Backend):
                 del _OWNED[self.path]
             os.close(self._lock_fd)
             self._lock_fd = -1
+        self._close_claim()
 
     def __repr__(self) -> str:
         return (f"CPUBackend({self.name!r}, {self.num_blocks} x {self.block_bytes} B, shm={self.shm_name!r}, "

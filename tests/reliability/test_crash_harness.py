@@ -8,6 +8,7 @@ restarts on the same root_dir and reads back every recovered block through the m
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -31,8 +32,24 @@ def test_crash_iterations_serve_nothing_wrong(tmp_path, upper):
     assert t["recovered"] == t["served_ok"] + t["dropped_by_verification"]
     if upper == "cpu":
         # A SIGKILLed owner cannot unlink its /dev/shm region (see docs/reliability.md); the harness
-        # counts and removes them, so none of this test's children is left behind.
-        assert t["leaked_shm"] <= report["iterations"]
+        # counts and removes them (and their claims), so none of this test's children is left behind.
+        assert t["leaked_shm"] <= report["iterations"] and t["leaked_claims"] <= report["iterations"]
+
+
+def test_leak_count_covers_temporaries_and_claims_of_the_killed_pid_only():
+    pid = 4_000_000_000 + os.getpid()  # no live process has it: the files are this test's own
+    mine = [f"kvtier-{pid}-ab12-cpu", f"kvtier-{pid}-ab12-cpu.kvtier-claim", f"kvtier-creating-{pid}-cd34"]
+    other = f"kvtier-creating-{pid}1-cd34"
+    for name in mine + [other]:
+        open(os.path.join("/dev/shm", name), "xb").close()
+    try:
+        assert crash._remove_leaked_shm(pid) == (2, 1)  # two regions (one half-built), one claim
+        assert not any(os.path.exists(os.path.join("/dev/shm", name)) for name in mine)
+        assert os.path.exists(os.path.join("/dev/shm", other))
+    finally:
+        for name in mine + [other]:
+            if os.path.exists(os.path.join("/dev/shm", name)):
+                os.unlink(os.path.join("/dev/shm", name))
 
 
 def test_crash_cli_writes_json_and_table(tmp_path):

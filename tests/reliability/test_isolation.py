@@ -212,9 +212,10 @@ def test_region_of_a_killed_owner_is_swept_the_live_one_kept(tmp_path):
     try:
         dead.send_signal(signal.SIGKILL)
         dead.wait()
-        assert sorted(os.listdir(shm_dir)) == sorted([live_name, dead_name])  # the leak
-        assert cpu.remove_stale_regions(shm_dir, min_age_s=0) == [dead_name]
-        assert os.listdir(shm_dir) == [live_name]
+        claim = cpu.CLAIM_SUFFIX  # each region's name is held by its claim (a few bytes) for its owner's life
+        assert sorted(os.listdir(shm_dir)) == sorted([live_name, live_name + claim, dead_name, dead_name + claim])
+        assert sorted(cpu.remove_stale_regions(shm_dir, min_age_s=0)) == [dead_name, dead_name + claim]
+        assert sorted(os.listdir(shm_dir)) == [live_name, live_name + claim]
         assert cpu.remove_stale_regions(shm_dir, min_age_s=0) == []
     finally:
         for p in (live, dead):
@@ -223,7 +224,7 @@ def test_region_of_a_killed_owner_is_swept_the_live_one_kept(tmp_path):
             for f in (p.stdin, p.stdout, p.stderr):
                 f.close()
     # the live owner is gone now too (killed): its region goes at the next sweep
-    assert cpu.remove_stale_regions(shm_dir, min_age_s=0) == [live_name]
+    assert sorted(cpu.remove_stale_regions(shm_dir, min_age_s=0)) == [live_name, live_name + cpu.CLAIM_SUFFIX]
 
 
 def test_fresh_regions_are_not_swept(tmp_path):

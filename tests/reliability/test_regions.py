@@ -1,9 +1,13 @@
 """The shared-memory CPU region across processes: ownership, identity, and nothing left behind.
 
-Threats: a second kvtier instance (another vLLM engine) given the same region name; a worker
-mapping a region its scheduler did not create; a normal stop (SIGTERM) or a SIGKILL leaving the
-region (the CPU tier's full size) in /dev/shm. Regions are created in a private directory
-(`cpu.SHM_DIR`) except for the vLLM spec tests, which use /dev/shm with names of their own.
+Threats: a second kvtier instance (another vLLM engine) given the same region name, also after
+the first one removed its region's name (vLLM's in-process worker: at once); a worker mapping a
+region its scheduler did not create; a normal stop (SIGTERM) or a SIGKILL leaving the region (the
+CPU tier's full size) in /dev/shm. Regions are created in a private directory (`cpu.SHM_DIR`)
+except for the vLLM spec tests, which use /dev/shm with names of their own.
+
+The name of region <name> is held for its owner's life by the claim <name>.kvtier-claim (spelled
+out here, so that the code before claims fails on behaviour, not on a missing attribute).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ from kvtier import ConfigError, load_config_text
 from kvtier.tiers import cpu
 
 PATTERN = bytes(range(256)) * 16  # one 4096-byte block
+CLAIM = ".kvtier-claim"
 
 # A child that creates a region in argv[1] (named argv[2], or generated when "-"), fills slot 0 with
-# PATTERN, prints "<name> <pid> <token>", then on each stdin line prints whether slot 0 is intact.
+# PATTERN, removes the region's name if argv[3] is "unpublish" (as under vLLM once the worker mapped
+# it), prints "<name> <pid> <token>", then on each stdin line prints whether slot 0 is intact.
 OWNER = textwrap.dedent("""
     import os, sys
     from kvtier.tiers import cpu
@@ -33,6 +39,8 @@ OWNER = textwrap.dedent("""
     pattern = bytes(range(256)) * 16
     backend = cpu.CPUBackend("cpu", 4, 4096, shm_name=name, pin=False)
     backend.view(0)[:] = pattern
+    if sys.argv[3] == "unpublish":
+        backend.unpublish()
     print(backend.shm_name, os.getpid(), getattr(backend, "token", "-"), flush=True)
     for line in sys.stdin:
         print("intact" if bytes(backend.view(0)) == pattern else "changed", flush=True)
@@ -42,8 +50,9 @@ OWNER = textwrap.dedent("""
 class Owner:
     """A child process owning one region (see OWNER)."""
 
-    def __init__(self, shm_dir, name="-"):
-        self.proc = subprocess.Popen([sys.executable, "-c", OWNER, str(shm_dir), name], stdin=subprocess.PIPE,
+    def __init__(self, shm_dir, name="-", unpublish=False):
+        self.proc = subprocess.Popen([sys.executable, "-c", OWNER, str(shm_dir), name,
+                                      "unpublish" if unpublish else "keep"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline().split()
         assert len(line) == 3, self.proc.stderr.read()
@@ -78,7 +87,8 @@ def test_second_creator_of_a_live_regions_name_is_refused_with_the_owners_pid(sh
     try:
         with pytest.raises(cpu.RegionInUseError, match=f"region kvtier-engine-a-cpu in use by pid {owner.proc.pid}"):
             cpu.CPUBackend("cpu", 4, 4096, shm_name="kvtier-engine-a-cpu", pin=False)
-        assert os.listdir(shm_dir) == ["kvtier-engine-a-cpu"]  # nothing else left by the refused build
+        # nothing else left by the refused build
+        assert sorted(os.listdir(shm_dir)) == ["kvtier-engine-a-cpu", "kvtier-engine-a-cpu" + CLAIM]
         assert owner.slot0_intact()
         peer = cpu.CPUBackend.attach("kvtier-engine-a-cpu", 4, 4096, pin=False, token=owner.token)
         try:
@@ -89,10 +99,119 @@ def test_second_creator_of_a_live_regions_name_is_refused_with_the_owners_pid(sh
         owner.kill()
 
 
+def test_second_creator_is_refused_after_the_owner_removed_its_regions_name(shm_dir):
+    """Under vLLM's in-process worker the region's name is removed at once; the name is still the
+    owner's: a second creator (another process) is refused with the owner's pid, nothing of it is
+    left behind, and the owner's bytes are intact."""
+    owner = Owner(shm_dir, "kvtier-engine-a-cpu", unpublish=True)
+    try:
+        with pytest.raises(cpu.RegionInUseError, match=f"region kvtier-engine-a-cpu in use by pid {owner.proc.pid}"):
+            cpu.CPUBackend("cpu", 4, 4096, shm_name="kvtier-engine-a-cpu", pin=False)
+        assert os.listdir(shm_dir) == ["kvtier-engine-a-cpu" + CLAIM]
+        assert owner.slot0_intact()
+    finally:
+        owner.kill()
+
+
+CONTENDER = textwrap.dedent("""
+    import sys
+    from kvtier.tiers import cpu
+    cpu.SHM_DIR = sys.argv[1]
+    print("ready", flush=True)
+    sys.stdin.readline()
+    try:
+        backend = cpu.CPUBackend("cpu", 4, 4096, shm_name="kvtier-race-cpu", pin=False)
+        backend.unpublish()
+        print("won", flush=True)
+    except cpu.RegionInUseError as exc:
+        print("refused", exc, flush=True)
+    sys.stdin.readline()
+""")
+
+
+def test_of_creators_racing_for_one_name_exactly_one_wins(shm_dir):
+    """Four processes create the same name at once, each removing its region's name as soon as it
+    has it: one wins, the others are refused naming the winner, whatever the interleaving."""
+    procs = [subprocess.Popen([sys.executable, "-c", CONTENDER, str(shm_dir)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = {p.pid: p.stdout.readline().strip() for p in procs}
+        winners = [pid for pid, line in results.items() if line == "won"]
+        assert len(winners) == 1, results
+        for pid, line in results.items():
+            if pid != winners[0]:
+                assert line.startswith(f"refused region kvtier-race-cpu in use by pid {winners[0]}"), results
+        assert os.listdir(shm_dir) == ["kvtier-race-cpu" + CLAIM]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=60)
+            for f in (p.stdin, p.stdout, p.stderr):
+                f.close()
+
+
+def test_a_sigkilled_owners_claim_is_reclaimed_at_once(shm_dir):
+    """A SIGKILL after the region's name was removed leaves only the claim; the next creator of the
+    name takes it over at once (no waiting for the sweep's minimum age)."""
+    dead = Owner(shm_dir, "kvtier-restart-cpu", unpublish=True)
+    assert dead.kill() == -signal.SIGKILL
+    assert os.listdir(shm_dir) == ["kvtier-restart-cpu" + CLAIM]
+    b = cpu.CPUBackend("cpu", 4, 4096, shm_name="kvtier-restart-cpu", pin=False)
+    try:
+        assert sorted(os.listdir(shm_dir)) == ["kvtier-restart-cpu", "kvtier-restart-cpu" + CLAIM]
+        claim = (shm_dir / ("kvtier-restart-cpu" + CLAIM)).read_text()
+        assert f"pid {os.getpid()}" in claim and str(dead.proc.pid) not in claim
+    finally:
+        b.close()
+    assert os.listdir(shm_dir) == []
+
+
+def test_the_sweep_removes_dead_owners_claims_and_keeps_live_ones(shm_dir):
+    live = Owner(shm_dir, "team-a-cache", unpublish=True)
+    dead = Owner(shm_dir, "team-b-cache", unpublish=True)
+    (shm_dir / ("notes" + CLAIM)).write_bytes(b"looks like a claim, is not one")
+    try:
+        assert dead.kill() == -signal.SIGKILL
+        assert cpu.remove_stale_regions(str(shm_dir), min_age_s=3600) == []  # too young
+        assert cpu.remove_stale_regions(str(shm_dir), min_age_s=0) == ["team-b-cache" + CLAIM]
+        assert sorted(os.listdir(shm_dir)) == ["notes" + CLAIM, "team-a-cache" + CLAIM]
+        assert (shm_dir / ("notes" + CLAIM)).read_bytes() == b"looks like a claim, is not one"
+        with pytest.raises(cpu.RegionInUseError, match=f"in use by pid {live.proc.pid}"):
+            cpu.CPUBackend("cpu", 4, 4096, shm_name="team-a-cache", pin=False)
+        assert live.slot0_intact()
+    finally:
+        live.kill()
+
+
+@pytest.mark.parametrize("planted", ["file", "symlink", "fifo"])
+def test_a_planted_claim_is_neither_taken_over_nor_followed(shm_dir, tmp_path, planted):
+    """Whatever sits at a region's claim without being a kvtier claim of this user refuses the name
+    and is left as it is (a symlink's target is never opened)."""
+    target = tmp_path / "precious"
+    target.write_bytes(b"precious")
+    claim = shm_dir / ("mine" + CLAIM)
+    if planted == "file":
+        claim.write_bytes(b"precious")
+    elif planted == "symlink":
+        claim.symlink_to(target)
+    else:
+        os.mkfifo(claim)
+    with pytest.raises(cpu.RegionInUseError, match="mine.kvtier-claim exists"):
+        cpu.CPUBackend("cpu", 1, 4096, shm_name="mine", pin=False)
+    assert os.listdir(shm_dir) == ["mine" + CLAIM] and target.read_bytes() == b"precious"
+    if planted == "file":
+        assert claim.read_bytes() == b"precious"
+
+
 def test_a_dead_owners_region_is_swept_whatever_its_name(shm_dir):
     """A SIGKILLed owner's regions go at the next sweep, whatever they are called (a name without the
     kvtier- prefix, one whose pid field names a live process); live regions and files that are not
-    kvtier regions stay."""
+    kvtier regions stay. Their claims go with them."""
     live = Owner(shm_dir, "team-a-cache")
     dead = [Owner(shm_dir, "team-b-cache"), Owner(shm_dir, "kvtier-1-cpu"), Owner(shm_dir)]  # pid 1 is alive
     (shm_dir / "notes.txt").write_bytes(b"not a region")
@@ -101,12 +220,12 @@ def test_a_dead_owners_region_is_swept_whatever_its_name(shm_dir):
             assert owner.kill() == -signal.SIGKILL
         assert cpu.remove_stale_regions(str(shm_dir), min_age_s=3600) == []  # too young: maybe being created
         removed = cpu.remove_stale_regions(str(shm_dir), min_age_s=0)
-        assert sorted(removed) == sorted(o.name for o in dead)
-        assert sorted(os.listdir(shm_dir)) == ["notes.txt", "team-a-cache"]
+        assert sorted(removed) == sorted([o.name for o in dead] + [o.name + CLAIM for o in dead])
+        assert sorted(os.listdir(shm_dir)) == ["notes.txt", "team-a-cache", "team-a-cache" + CLAIM]
         assert live.slot0_intact()
     finally:
         live.kill()
-    assert cpu.remove_stale_regions(str(shm_dir), min_age_s=0) == ["team-a-cache"]
+    assert sorted(cpu.remove_stale_regions(str(shm_dir), min_age_s=0)) == ["team-a-cache", "team-a-cache" + CLAIM]
 
 
 def test_a_name_left_by_a_dead_owner_is_reclaimed_at_once(shm_dir):
@@ -116,7 +235,7 @@ def test_a_name_left_by_a_dead_owner_is_reclaimed_at_once(shm_dir):
     b = cpu.CPUBackend("cpu", 4, 4096, shm_name="kvtier-restart-cpu", pin=False)
     try:
         assert b.owner_pid() == os.getpid() and bytes(b.view(0)) == bytes(4096)
-        assert os.listdir(shm_dir) == ["kvtier-restart-cpu"]
+        assert sorted(os.listdir(shm_dir)) == ["kvtier-restart-cpu", "kvtier-restart-cpu" + CLAIM]
     finally:
         b.close()
     assert os.listdir(shm_dir) == []
@@ -130,14 +249,19 @@ def test_a_file_that_is_not_a_region_is_never_taken_over(shm_dir):
     assert os.listdir(shm_dir) == ["mydata"]
 
 
+@pytest.mark.parametrize("unpublish", [False, True], ids=["named", "unpublished"])
 @pytest.mark.parametrize("name", ["-", "my-region"])
-def test_sigterm_leaves_no_region(shm_dir, name):
-    """Python's default SIGTERM runs no finalizer; the region is removed anyway and the process still
-    dies of SIGTERM."""
-    owner = Owner(shm_dir, name)
-    assert os.listdir(shm_dir) == [owner.name]
-    assert owner.kill(signal.SIGTERM) == -signal.SIGTERM
+def test_sigterm_leaves_neither_region_nor_claim(shm_dir, name, unpublish):
+    """Python's default SIGTERM runs no finalizer; the region and its claim are removed anyway and
+    the process still dies of SIGTERM. The name is free again at once."""
+    owner = Owner(shm_dir, name, unpublish=unpublish)
+    try:
+        assert sorted(os.listdir(shm_dir)) == ([] if unpublish else [owner.name]) + [owner.name + CLAIM]
+    finally:
+        code = owner.kill(signal.SIGTERM)
+    assert code == -signal.SIGTERM
     assert os.listdir(shm_dir) == []
+    cpu.CPUBackend("cpu", 4, 4096, shm_name=owner.name, pin=False).close()
 
 
 def test_a_forked_child_never_removes_its_parents_region(shm_dir):
@@ -163,7 +287,7 @@ def test_a_forked_child_never_removes_its_parents_region(shm_dir):
             _, status = os.waitpid(pid, 0)
             os.close(read)
             assert (os.WTERMSIG(status) == signal.SIGTERM) if how == "sigterm" else os.WEXITSTATUS(status) == 0
-            assert os.listdir(shm_dir) == [b.shm_name], how
+            assert sorted(os.listdir(shm_dir)) == [b.shm_name, b.shm_name + CLAIM], how
     finally:
         b.close()
     assert os.listdir(shm_dir) == []
@@ -187,21 +311,24 @@ def test_sigterm_handler_chains_to_the_previous_one(shm_dir):
     proc = subprocess.Popen([sys.executable, "-c", CHAINED, str(shm_dir)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     name = proc.stdout.readline().strip()
-    assert os.listdir(shm_dir) == [name], proc.stderr.read()
+    created = sorted(os.listdir(shm_dir))
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=60)
     proc.stdin.close()
+    assert created == [name, name + CLAIM], err
     assert proc.returncode == 7 and "previous handler ran" in out
     assert os.listdir(shm_dir) == []
 
 
 def test_attach_with_another_regions_token_is_refused(shm_dir):
     """A worker told to map region A never maps B, even under A's name (here: A unpublished its name,
-    B took it)."""
+    its claim was removed behind its back, as by a kvtier without claims or a user's rm, and B took
+    the name)."""
     a = cpu.CPUBackend("cpu", 4, 4096, shm_name="kvtier-x-cpu", pin=False)
     a.view(0)[:] = PATTERN
     a.unpublish()
-    assert os.listdir(shm_dir) == []
+    assert os.listdir(shm_dir) == ["kvtier-x-cpu" + CLAIM]
+    os.unlink(shm_dir / ("kvtier-x-cpu" + CLAIM))
     other = Owner(shm_dir, "kvtier-x-cpu")  # another process takes the free name
     try:
         code = ("import sys; from kvtier.tiers import cpu; cpu.SHM_DIR = sys.argv[1]\n"
@@ -221,27 +348,27 @@ def test_attach_with_another_regions_token_is_refused(shm_dir):
         assert bytes(peer.view(0)) == PATTERN
         peer.close()
         a.close()
-        assert os.listdir(shm_dir) == ["kvtier-x-cpu"]  # A's close does not remove B's region
+        # A's close removes neither B's region nor B's claim
+        assert sorted(os.listdir(shm_dir)) == ["kvtier-x-cpu", "kvtier-x-cpu" + CLAIM]
         assert other.slot0_intact()
     finally:
         other.kill()
 
 
-def test_unpublished_region_survives_sigkill_without_a_leak(shm_dir):
-    """Once every process has mapped it and the name is gone, nothing is left to leak."""
-    code = ("import sys, time; from kvtier.tiers import cpu; cpu.SHM_DIR = sys.argv[1]\n"
-            "b = cpu.CPUBackend('cpu', 4, 4096, pin=False); b.unpublish(); b.view(0)[:3] = b'abc'\n"
-            "print('ready', flush=True); time.sleep(60)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(shm_dir)], stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    assert os.listdir(shm_dir) == []
-    proc.kill()
-    proc.wait(timeout=60)
-    proc.stdout.close()
+def test_unpublished_region_survives_sigkill_leaving_only_its_claim(shm_dir):
+    """Once every process has mapped it and the name is gone, the region cannot leak: a SIGKILL
+    leaves only the claim (a few bytes), which the next sweep removes."""
+    owner = Owner(shm_dir, unpublish=True)
+    assert os.listdir(shm_dir) == [owner.name + CLAIM]
+    assert owner.kill() == -signal.SIGKILL
+    assert os.listdir(shm_dir) == [owner.name + CLAIM]
+    assert os.path.getsize(shm_dir / (owner.name + CLAIM)) < 64
+    assert cpu.remove_stale_regions(str(shm_dir), min_age_s=0) == [owner.name + CLAIM]
     assert os.listdir(shm_dir) == []
 
 
-@pytest.mark.parametrize("bad", ["a\x00b", "é" * 200, "k" * 256, ".hidden", "-x", "a b", "kvtier-creating-1-2"])
+@pytest.mark.parametrize("bad", ["a\x00b", "é" * 200, "k" * 243, ".hidden", "-x", "a b", "kvtier-creating-1-2",
+                                 "x.kvtier-claim"])
 def test_bad_shm_name_is_a_config_error_naming_the_field(bad):
     import yaml
 
@@ -255,7 +382,8 @@ def test_bad_shm_name_is_a_config_error_naming_the_field(bad):
 
 
 def test_longest_allowed_shm_name_works(shm_dir):
-    b = cpu.CPUBackend("cpu", 1, 4096, shm_name="k" * 255, pin=False)
+    b = cpu.CPUBackend("cpu", 1, 4096, shm_name="k" * 242, pin=False)  # its claim's name: 255 bytes
+    assert sorted(os.listdir(shm_dir)) == ["k" * 242, "k" * 242 + CLAIM]
     b.close()
     assert os.listdir(shm_dir) == []
 
@@ -299,24 +427,33 @@ def _key(i):
 
 
 @vllm_only
-def test_second_engine_with_the_same_engine_id_is_refused_and_the_first_keeps_its_region(tmp_path):
+@pytest.mark.parametrize("worker", ["in-process", "none-yet"])
+def test_second_engine_with_the_same_engine_id_is_refused_and_the_first_keeps_its_region(tmp_path, worker):
+    """Also after the first engine's in-process worker (vLLM's default executor for one worker)
+    made it remove its region's name: its claim still holds the name."""
     from vllm.v1.kv_offload.base import ReqContext
 
     engine_id = f"twin-{os.getpid()}-{time.time_ns()}"
     first, second = _spec(tmp_path, engine_id), _spec(tmp_path, engine_id)
+    first_worker = first.get_worker(_caches()[1]) if worker == "in-process" else None
     m = first.get_manager()
     try:
         region = m.manager.tiers[0].backend
+        assert os.path.exists(region.path) == (worker == "none-yet")
         out = m.prepare_store([_key(1)], ReqContext("r"))
         region.view(out.store_spec.block_ids[0])[:] = PATTERN
         with pytest.raises(cpu.RegionInUseError, match=f"region {region.shm_name} in use by pid {os.getpid()}"):
             second.get_manager()
-        assert os.path.exists(region.path) and os.stat(region.path).st_ino == region._ident[1]
+        if worker == "none-yet":
+            assert os.path.exists(region.path) and os.stat(region.path).st_ino == region._ident[1]
+        assert os.path.exists(region.path + CLAIM)
         assert bytes(region.view(out.store_spec.block_ids[0])) == PATTERN
         assert not [n for n in os.listdir(cpu.SHM_DIR) if n.startswith(f"kvtier-creating-{os.getpid()}-")]
     finally:
+        if first_worker is not None:
+            first_worker.shutdown()
         m.shutdown()
-    assert not os.path.exists(region.path)
+    assert not os.path.exists(region.path) and not os.path.exists(region.path + CLAIM)
 
 
 @vllm_only

@@ -37,7 +37,9 @@ work at import or in `__init__`.
   region whose token the scheduler sends with each CPU spec, then removes the region's name from
   /dev/shm: from then on no stop or kill of the engine can leave the region behind. With vLLM's
   default executor for one worker the worker lives in the scheduler's process and maps the region
-  through the creator's descriptor, so the name is removed as soon as the region exists.
+  through the creator's descriptor, so the name is removed as soon as the region exists. The
+  name stays the engine's all the same (the region's claim, see `kvtier.tiers.cpu`): a second
+  engine with the same `engine_id` or `shm_name` is refused at start.
 
 Compatible with vLLM 0.32; tolerates 0.33 additions (`submit_load(..., expedited=)`,
 `on_reset_flushed`, `config_info`, `config_info_keys`) without requiring them.

@@ -90,9 +90,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
             from kvtier.hierarchy import build_hierarchy
 
             enable_events = bool(self.kv_events_config.enable_kv_cache_events)
-            # Creating the CPU region first sweeps the regions of dead owners (any name), reclaims
-            # this name if its owner is dead, and refuses it (RegionInUseError, with the owner's
-            # pid) if another engine holds it.
+            # Creating the CPU region first sweeps the regions and claims of dead owners (any name),
+            # reclaims this name if its owner is dead, and refuses it (RegionInUseError, with the
+            # owner's pid) if another engine holds its claim, even once that engine's region name is gone.
             hierarchy = build_hierarchy(self.hierarchy_config, block_bytes=self.block_bytes, kv_caches=None,
                                         enable_events=enable_events)
             region = hierarchy.manager.tiers[0].backend
