@@ -6,10 +6,11 @@ On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
                    `fingerprint` (whose KV this is: the model identity, never empty), `layout`
                    (block geometry, dtypes and shapes, from the builder) and a random `epoch`
                    chosen at each (re)build (manifest.py).
-- `slab.0`         `num_slots` fixed slots of `slot_bytes` (a multiple of 4 KiB). A slot is a
-                   512-byte header (magic, version, key, payload length, CRC-32 of the payload,
-                   digest of the manifest incl. epoch, CRC-32 of the header) then the payload
-                   (slot_format.py), moved by slab.py over an I/O engine (fileio.py).
+- `slab.0`         `num_slots` fixed slots of `slot_bytes` (a multiple of 4 KiB). A slot (format
+                   version 2) is a 4 KiB header page (magic, version, key, payload length, payload
+                   checksum and its kind, digest of the manifest incl. epoch, CRC-32 of the header)
+                   then the payload, which so starts 4 KiB-aligned (slot_format.py), moved by
+                   slab.py over an I/O engine (fileio.py).
 - `journal`        append-only records `PUT(slot, key, crc)` / `DEL(slot)`, each with its own CRC,
                    after a header naming the epoch, written in place into a zero-filled
                    preallocated file (journal.py). A PUT is appended once the slot's bytes are
@@ -55,13 +56,27 @@ from kvtier.tiers.commit_log import CommitLog
 from kvtier.tiers.file_open import OpenedRoot, TierShape, open_root
 from kvtier.tiers.fileio import ALIGN, choose_engine
 from kvtier.tiers.journal import Journal, JournalScan, journal_capacity, journal_max_bytes, scan_journal
-from kvtier.tiers.manifest import (MANIFEST_MAX_BYTES, load_manifest, manifest_differences, manifest_digest,
-                                   read_manifest)
-from kvtier.tiers.rootdir import (JOURNAL, LOCK, MANIFEST, OWN_FILES, SLAB, TEMPORARIES, TMP, expand_root_dir,
-                                  refuse)
+from kvtier.tiers.manifest import (
+    MANIFEST_MAX_BYTES,
+    load_manifest,
+    manifest_differences,
+    manifest_digest,
+    read_manifest,
+)
+from kvtier.tiers.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, SLAB, TEMPORARIES, TMP, expand_root_dir, refuse
 from kvtier.tiers.slab import RUN_BYTES, SlabIO, block_views
-from kvtier.tiers.slot_format import (FORMAT_VERSION, HEADER_BYTES, MAX_KEY_BYTES, SlotHeader, pack_header,
-                                      parse_header, payload_crc32, slot_bytes_for, verify_parts, verify_slot)
+from kvtier.tiers.slot_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    SlotHeader,
+    pack_header,
+    parse_header,
+    payload_crc32,
+    slot_bytes_for,
+    verify_parts,
+    verify_slot,
+)
 from kvtier.types import BlockStatus
 
 __all__ = [  # what other modules and tests import from here
