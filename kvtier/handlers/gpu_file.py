@@ -152,18 +152,26 @@ class _SlabFile:
     GPUDirect Storage (the same rule as `fileio.KvikioIO`: cuFile is never started where it can
     hang). The tier validated and locked its root_dir; this opens the slab it names."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, num_threads: int):
         import kvikio
         import kvikio.defaults
 
-        from kvtier.tiers.fileio import gds_platform
+        from kvtier.tiers import fileio
 
-        compat = {} if gds_platform() else {"compat_mode": kvikio.CompatMode.ON}
+        compat = {} if fileio.gds_platform() else {"compat_mode": kvikio.CompatMode.ON}
         with kvikio.defaults.set(compat) if compat else contextlib.nullcontext():
             self.file = kvikio.CuFile(path, "r+")
+        self._defaults = kvikio.defaults
+        # kvikio's thread pool is process-wide: hold a lease of `num_threads` like the tier's engine
+        fileio._kvikio_threads.lease(kvikio.defaults, num_threads)
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        finally:
+            from kvtier.tiers import fileio
+
+            fileio._kvikio_threads.release(self._defaults)
 
 
 def _io_array(row):
@@ -185,7 +193,7 @@ class DirectGPUFileHandler(GPUFileHandler):
         with self._files_lock:
             opened = self._files.get(backend.name)
             if opened is None:
-                opened = self._files[backend.name] = _SlabFile(str(backend.slab_path))
+                opened = self._files[backend.name] = _SlabFile(str(backend.slab_path), backend.num_threads)
             return opened
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:

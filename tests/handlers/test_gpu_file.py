@@ -274,3 +274,16 @@ def test_cuda_direct_roundtrip(tmp_path):
     finally:
         jobs.close()
         backend.close()
+
+
+def test_direct_handlers_give_kvikio_threads_back(direct):
+    import kvikio.defaults
+
+    size = int(kvikio.defaults.get("num_threads"))
+    kv = make_kv()
+    backend, store, load, jobs = direct(kv)
+    assert jobs.run(store, 1, GPULoadStoreSpec([1], group_sizes=[1, 0]),
+                    FileLoadStoreSpec([0], keys(1), tier="nvme")).success
+    assert int(kvikio.defaults.get("num_threads")) >= backend.num_threads
+    jobs.close()
+    assert int(kvikio.defaults.get("num_threads")) == size
