@@ -11,10 +11,22 @@ Loads read into the staging buffer first and scatter into the engine only after 
 verified, so a failed or corrupt read never leaves foreign bytes in the KV cache. With the engine
 on CUDA the staging buffer is pinned and moves with one DMA per job on a dedicated stream that
 waits for the compute stream. Jobs run on a `ThreadedHandler` pool; an exception fails its job only.
+
+`DirectGPUFileHandler` is the direct variant (docs/gds.md), taken when kvikio imports and the KV
+cache is on CUDA: payloads move between device memory and the slab with kvikio `CuFile`
+reads/writes at the slots' 4 KiB-aligned payload offsets (one future per block, all submitted,
+then waited), through GPUDirect Storage where the platform has nvidia-fs and kvikio's
+compatibility mode otherwise. Stores checksum each block on the device (`tensor_checksum`) and
+hand the checksums to `FileBackend.commit_direct` (header pages, then the journal); loads read
+the headers first, read the payloads into a device buffer, verify them there, and scatter into
+the KV cache only when every block verified (else `IntegrityError`: the job fails, the engine's
+blocks are untouched, the bad blocks are forgotten). On CPU tensors the same code runs through
+kvikio's host path (tests, with `kvtier.testing.fake_cuda`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Mapping
 from typing import Any
@@ -24,6 +36,8 @@ from kvtier.handlers.gpu_cpu import EngineJobHandler
 from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import BlockFile
+from kvtier.tiers.checksum import tensor_checksum_async
+from kvtier.tiers.slot_format import CHECK_CRC32, CHECK_TORCH, payload_crc32
 from kvtier.types import CanonicalKVCaches
 
 _ALIGN = 4096  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
@@ -133,6 +147,164 @@ def _finish(stream) -> None:
     done.synchronize()
 
 
+class _SlabFile:
+    """A kvikio `CuFile` on one file tier's slab, in compatibility mode unless the platform has
+    GPUDirect Storage (the same rule as `fileio.KvikioIO`: cuFile is never started where it can
+    hang). The tier validated and locked its root_dir; this opens the slab it names."""
+
+    def __init__(self, path: str, num_threads: int):
+        import kvikio
+        import kvikio.defaults
+
+        from kvtier.tiers import fileio
+
+        compat = {} if fileio.gds_platform() else {"compat_mode": kvikio.CompatMode.ON}
+        with kvikio.defaults.set(compat) if compat else contextlib.nullcontext():
+            self.file = kvikio.CuFile(path, "r+")
+        self._defaults = kvikio.defaults
+        # kvikio's thread pool is process-wide: hold a lease of `num_threads` like the tier's engine
+        fileio._kvikio_threads.lease(kvikio.defaults, num_threads)
+
+    def close(self) -> None:
+        try:
+            self.file.close()
+        finally:
+            from kvtier.tiers import fileio
+
+            fileio._kvikio_threads.release(self._defaults)
+
+
+def _io_array(row):
+    """What kvikio accepts for a tensor row: the tensor itself on CUDA (it exposes
+    `__cuda_array_interface__`), a numpy view of it on the host."""
+    return row if row.is_cuda else row.numpy()
+
+
+class DirectGPUFileHandler(GPUFileHandler):
+    """Engine KV cache <-> file tier with kvikio moving payloads straight to and from the device
+    buffer of a job (module docstring). `copy` is the whole job; a failure raises (job failed)."""
+
+    def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_file: bool, num_threads: int = 2):
+        super().__init__(backends, layout, to_file, num_threads)
+        self._files: dict[str, _SlabFile] = {}
+        self._files_lock = threading.Lock()
+
+    def _slab_file(self, backend) -> _SlabFile:
+        with self._files_lock:
+            opened = self._files.get(backend.name)
+            if opened is None:
+                opened = self._files[backend.name] = _SlabFile(str(backend.slab_path), backend.num_threads)
+            return opened
+
+    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        gpu, file_spec = (src, dst) if self.to_file else (dst, src)
+        if not isinstance(gpu, GPULoadStoreSpec) or not isinstance(file_spec, FileLoadStoreSpec):
+            raise TypeError(f"expected GPU and file specs, got {type(src).__name__} -> {type(dst).__name__}")
+        backend = pick_backend(self.backends, file_spec, "file")
+        if backend.block_bytes != self.layout.block_bytes:
+            raise ValueError(f"file tier {backend.name!r} stores {backend.block_bytes} B blocks, the KV layout "
+                             f"needs {self.layout.block_bytes} B")
+        slots, keys = list(file_spec.block_ids), [bytes(key) for key in file_spec.keys]
+        if self.to_file:
+            self._store(backend, gpu, slots, keys)
+        else:
+            self._load(backend, gpu, slots, keys)
+        return self.layout.bytes_of(gpu)
+
+    def _device_rows(self, k: int, zeroed: bool):
+        """A `(k, stride)` uint8 buffer on the KV cache's device, one 4 KiB-aligned row per block
+        (zeroed for stores: bytes no sub-block covers are written as zeros)."""
+        import torch
+
+        stride = -(-self.layout.block_bytes // _ALIGN) * _ALIGN
+        make = torch.zeros if zeroed else torch.empty
+        return make((k, stride), dtype=torch.uint8, device=self.layout.device)
+
+    def _transfer(self, backend, slots, rows, write: bool) -> None:
+        """Move each block's payload between `rows[i]` and slot `slots[i]`: one future per block,
+        all submitted before any is waited on; raises OSError if any moved a short count."""
+        cufile = self._slab_file(backend).file
+        n = self.layout.block_bytes
+        call = cufile.pwrite if write else cufile.pread
+        futures = [call(_io_array(rows[i, :n]), n, backend.payload_offset(slot)) for i, slot in enumerate(slots)]
+        moved, error = [], None
+        for future in futures:  # wait for all: none may still be in flight when we fail
+            try:
+                moved.append(future.get())
+            except RuntimeError as exc:  # kvikio reports I/O errors and EOF so
+                error = error or OSError(f"kvikio {'write' if write else 'read'} failed: {exc}")
+        if error is not None:
+            raise error
+        short = [slot for slot, got in zip(slots, moved) if got != n]
+        if short:
+            raise OSError(f"kvikio moved short counts for slots {short[:8]} of {backend.slab_path}")
+
+    def _checksums(self, rows) -> list[int]:
+        """The payload checksum of each row, computed where the rows are, fetched with one copy."""
+        import torch
+
+        n = self.layout.block_bytes
+        return torch.stack([tensor_checksum_async(rows[i, :n]) for i in range(rows.shape[0])]).tolist()
+
+    def _store(self, backend, gpu: GPULoadStoreSpec, slots, keys) -> None:
+        import torch
+
+        with self._engine_stream():
+            rows = self._device_rows(len(slots), zeroed=True)
+            self.layout.gather(rows, torch.arange(len(slots)), self.layout.index(gpu, len(slots)))
+            checks = self._checksums(rows)  # synchronises: the rows are complete before kvikio reads them
+        self._transfer(backend, slots, rows, write=True)
+        backend.commit_direct(slots, keys, checks, CHECK_TORCH)
+
+    def _load(self, backend, gpu: GPULoadStoreSpec, slots, keys) -> None:
+        import torch
+
+        headers = backend.read_headers(slots, keys)
+        bad = [(slot, why) for slot, why in zip(slots, headers) if isinstance(why, str)]
+        if bad:
+            backend.reject(bad)
+        rows = self._device_rows(len(slots), zeroed=False)  # no kernel: kvikio fills it
+        self._transfer(backend, slots, rows, write=False)
+        with self._engine_stream():
+            bad = self._verify(rows, slots, headers)
+            if bad:
+                backend.reject(bad)
+            self.layout.scatter(rows, torch.arange(len(slots)), self.layout.index(gpu, len(slots)))
+            if self.cuda:
+                torch.cuda.current_stream(self.layout.device).synchronize()
+
+    def _verify(self, rows, slots, headers) -> list[tuple[int, str]]:
+        """(slot, why) of each row whose payload does not match its header's checksum: torch
+        checksums on the device; a CRC-32 (a block stored by the host path) on a host copy."""
+        n = self.layout.block_bytes
+        on_device = [i for i, h in enumerate(headers) if h.check_kind == CHECK_TORCH]
+        found = dict(zip(on_device, self._checksums(rows[on_device]) if on_device else []))
+        for i, header in enumerate(headers):
+            if header.check_kind == CHECK_CRC32:
+                found[i] = payload_crc32(rows[i, :n].cpu().numpy())
+        return [(slots[i], "payload checksum mismatch") for i, h in enumerate(headers) if found[i] != h.payload_crc]
+
+    def _engine_stream(self):
+        """This thread's side stream on CUDA (waiting for the job's compute-stream event), else nothing."""
+        return self._on_stream() if self.cuda else contextlib.nullcontext()
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            with self._files_lock:
+                for opened in self._files.values():
+                    opened.close()
+                self._files.clear()
+
+
+def direct_path_available(device) -> bool:
+    """Whether the direct handler is used for a KV cache on `device`: CUDA and kvikio importable."""
+    from kvtier.tiers.fileio import kvikio_importable
+
+    return getattr(device, "type", None) == "cuda" and kvikio_importable()
+
+
 def _make(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_file: bool) -> GPUFileHandler | None:
     if kv_caches is None:
         return None
@@ -143,7 +315,9 @@ def _make(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_f
     if layout.device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported KV cache device {layout.device}")
     threads = min(4, max(b.num_threads for b in usable.values()))
-    return GPUFileHandler(usable, layout, to_file, num_threads=threads)
+    direct = direct_path_available(layout.device) and all(hasattr(b, "commit_direct") for b in usable.values())
+    handler = DirectGPUFileHandler if direct else GPUFileHandler
+    return handler(usable, layout, to_file, num_threads=threads)
 
 
 def make_gpu_to_file(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None) -> GPUFileHandler | None:

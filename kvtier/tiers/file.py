@@ -6,10 +6,11 @@ On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
                    `fingerprint` (whose KV this is: the model identity, never empty), `layout`
                    (block geometry, dtypes and shapes, from the builder) and a random `epoch`
                    chosen at each (re)build (manifest.py).
-- `slab.0`         `num_slots` fixed slots of `slot_bytes` (a multiple of 4 KiB). A slot is a
-                   512-byte header (magic, version, key, payload length, CRC-32 of the payload,
-                   digest of the manifest incl. epoch, CRC-32 of the header) then the payload
-                   (slot_format.py), moved by slab.py over an I/O engine (fileio.py).
+- `slab.0`         `num_slots` fixed slots of `slot_bytes` (a multiple of 4 KiB). A slot (format
+                   version 2) is a 4 KiB header page (magic, version, key, payload length, payload
+                   checksum and its kind, digest of the manifest incl. epoch, CRC-32 of the header)
+                   then the payload, which so starts 4 KiB-aligned (slot_format.py), moved by
+                   slab.py over an I/O engine (fileio.py).
 - `journal`        append-only records `PUT(slot, key, crc)` / `DEL(slot)`, each with its own CRC,
                    after a header naming the epoch, written in place into a zero-filled
                    preallocated file (journal.py). A PUT is appended once the slot's bytes are
@@ -55,13 +56,27 @@ from kvtier.tiers.commit_log import CommitLog
 from kvtier.tiers.file_open import OpenedRoot, TierShape, open_root
 from kvtier.tiers.fileio import ALIGN, choose_engine
 from kvtier.tiers.journal import Journal, JournalScan, journal_capacity, journal_max_bytes, scan_journal
-from kvtier.tiers.manifest import (MANIFEST_MAX_BYTES, load_manifest, manifest_differences, manifest_digest,
-                                   read_manifest)
-from kvtier.tiers.rootdir import (JOURNAL, LOCK, MANIFEST, OWN_FILES, SLAB, TEMPORARIES, TMP, expand_root_dir,
-                                  refuse)
-from kvtier.tiers.slab import RUN_BYTES, SlabIO, block_views
-from kvtier.tiers.slot_format import (FORMAT_VERSION, HEADER_BYTES, MAX_KEY_BYTES, SlotHeader, pack_header,
-                                      parse_header, payload_crc32, slot_bytes_for, verify_parts, verify_slot)
+from kvtier.tiers.manifest import (
+    MANIFEST_MAX_BYTES,
+    load_manifest,
+    manifest_differences,
+    manifest_digest,
+    read_manifest,
+)
+from kvtier.tiers.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, SLAB, TEMPORARIES, TMP, expand_root_dir, refuse
+from kvtier.tiers.slab import RUN_BYTES, SlabIO, block_views, check_slots
+from kvtier.tiers.slot_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    SlotHeader,
+    pack_header,
+    parse_header,
+    payload_crc32,
+    slot_bytes_for,
+    verify_parts,
+    verify_slot,
+)
 from kvtier.types import BlockStatus
 
 __all__ = [  # what other modules and tests import from here
@@ -241,13 +256,43 @@ class FileBackend(Backend):
         views = self._views(slots, keys, buffers, writable=True)
         bad, error = self._slab.read(slots, keys, views)
         if bad:
-            self._commits.forget([slot for slot, _why in bad])
-            detail = "; ".join(f"slot {s}: {why}" for s, why in bad[:8])
-            raise IntegrityError(f"file tier {self.name}: {len(bad)} block(s) in {self.slab_path} failed "
-                                 f"verification and will not be served ({detail})")
+            self.reject(bad)
         if error is not None:
             raise error
         return len(slots) * self.block_bytes
+
+    # ------------------------------------------------------------------ direct (device) path
+    # A caller that moves payloads itself (kvtier/handlers/gpu_file.py: kvikio between GPU memory
+    # and the slab) writes/reads them at `payload_offset(slot)`, 4 KiB-aligned, and uses these.
+    def payload_offset(self, slot: int) -> int:
+        """Byte offset of `slot`'s payload in `slab_path` (a multiple of 4 KiB)."""
+        return slot * self.slot_bytes + HEADER_BYTES
+
+    def commit_direct(self, slots: Sequence[int], keys: Sequence[bytes], checks: Sequence[int], kind: int) -> None:
+        """After the caller wrote the payloads of `slots` (and waited for them): write their
+        header pages, carrying the payload checksums `checks` of `kind` (slot_format.CHECK_*),
+        then journal them, exactly as `write_blocks` would have."""
+        if self._closed:
+            raise KVTierError(f"file tier {self.name} is closed")
+        check_slots(slots, keys, self.num_blocks)
+        self._slab.write_headers(slots, keys, checks, kind)
+        self._commits.commit([(slot, bytes(key), check) for slot, key, check in zip(slots, keys, checks)])
+
+    def read_headers(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[SlotHeader | str]:
+        """Before the caller reads the payloads of `slots`: each slot's header if it may describe
+        the block `keys[i]` (its `check_kind` and `payload_crc` say how to verify the payload),
+        else why not (then pass it to `reject`)."""
+        if self._closed:
+            raise KVTierError(f"file tier {self.name} is closed")
+        check_slots(slots, keys, self.num_blocks)
+        return self._slab.read_headers(slots, keys)
+
+    def reject(self, bad: Sequence[tuple[int, str]]) -> None:
+        """Forget the blocks of the (slot, why) that failed verification and raise `IntegrityError`."""
+        self._commits.forget([slot for slot, _why in bad])
+        detail = "; ".join(f"slot {s}: {why}" for s, why in bad[:8])
+        raise IntegrityError(f"file tier {self.name}: {len(bad)} block(s) in {self.slab_path} failed "
+                             f"verification and will not be served ({detail})")
 
     def _views(self, slots, keys, buffers, writable: bool) -> list[memoryview]:
         if self._closed:

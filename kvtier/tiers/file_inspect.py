@@ -15,7 +15,7 @@ from pathlib import Path
 from kvtier.tiers.file import FileBackend
 from kvtier.tiers.fileio import file_kind, open_regular_file, read_regular_file
 from kvtier.tiers.journal import journal_capacity, journal_max_bytes, scan_journal
-from kvtier.tiers.manifest import load_manifest, manifest_digest
+from kvtier.tiers.manifest import load_manifest, manifest_digest, version_difference
 from kvtier.tiers.rootdir import JOURNAL, LOCK, SLAB
 from kvtier.tiers.slot_format import FORMAT_VERSION, HEADER_BYTES, slot_bytes_for, verify_slot
 
@@ -29,7 +29,7 @@ def _geometry_problem(manifest: dict) -> str | None:
     if bad:
         return "manifest geometry invalid (" + ", ".join(bad) + ")"
     if values["format_version"] != FORMAT_VERSION:
-        return f"format version {values['format_version']}, this kvtier reads {FORMAT_VERSION}"
+        return version_difference(values["format_version"])
     if values["header_bytes"] != HEADER_BYTES or values["slot_bytes"] != slot_bytes_for(values["block_bytes"]):
         return (f"manifest geometry inconsistent (slot_bytes {values['slot_bytes']}, header_bytes "
                 f"{values['header_bytes']} for blocks of {values['block_bytes']} bytes)")

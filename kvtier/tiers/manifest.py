@@ -72,4 +72,15 @@ def manifest_differences(found: dict | None, wanted: dict) -> list[str]:
     """Human-readable differences in geometry/fingerprint (empty when the contents are ours)."""
     if found is None:
         return ["no readable manifest"]
+    if found.get("format_version") != wanted["format_version"]:  # the rest means nothing in another format
+        return [version_difference(found.get("format_version"))]
     return [f"{k}: found {found.get(k)!r}, configured {wanted[k]!r}" for k in GEOMETRY if found.get(k) != wanted[k]]
+
+
+def version_difference(found_version) -> str:
+    """Why a manifest of format `found_version` is not read by this version."""
+    older = isinstance(found_version, int) and not isinstance(found_version, bool) and found_version < FORMAT_VERSION
+    who = "an older kvtier" if older else "another kvtier version"
+    return (f"slot format version {found_version!r}, written by {who}; this kvtier reads and writes version "
+            f"{FORMAT_VERSION} only (payloads 4 KiB-aligned after a {HEADER_BYTES}-byte header page) and does "
+            f"not migrate cached blocks")

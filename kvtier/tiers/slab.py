@@ -19,25 +19,43 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from kvtier.tiers.fileio import ALIGN, IOEngine, aligned_buffer, buffer_address
-from kvtier.tiers.slot_format import HEADER_BYTES, MAX_KEY_BYTES, pack_header, payload_crc32, verify_parts, verify_slot
+from kvtier.tiers.slot_format import (
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    SlotHeader,
+    check_header,
+    pack_header,
+    payload_crc32,
+    verify_parts,
+    verify_slot,
+)
 
 log = logging.getLogger("kvtier.tiers.file")
 
 RUN_BYTES = 8 << 20  # adjacent slots are merged into I/Os of about this size (a whole number of slots)
 
 
-def block_views(slots, keys, buffers, num_slots: int, block_bytes: int, writable: bool) -> list[memoryview]:
-    """Byte views of `buffers` after checking the arguments of a read or write (ValueError)."""
-    if not len(slots) == len(keys) == len(buffers):
-        raise ValueError(f"{len(slots)} slots, {len(keys)} keys and {len(buffers)} buffers: lengths must match")
+def check_slots(slots, keys, num_slots: int) -> None:
+    """ValueError unless `slots` are distinct slots of the slab, one per key, and every key fits
+    a slot header."""
+    if len(slots) != len(keys):
+        raise ValueError(f"{len(slots)} slots and {len(keys)} keys: lengths must match")
     if len(set(slots)) != len(slots):
         raise ValueError(f"duplicate slots in {list(slots)}")
-    views = []
-    for slot, key, buf in zip(slots, keys, buffers):
+    for slot, key in zip(slots, keys):
         if not 0 <= slot < num_slots:
             raise ValueError(f"slot {slot} out of range 0..{num_slots - 1}")
         if len(key) > MAX_KEY_BYTES:
             raise ValueError(f"key of {len(key)} bytes is longer than {MAX_KEY_BYTES}")
+
+
+def block_views(slots, keys, buffers, num_slots: int, block_bytes: int, writable: bool) -> list[memoryview]:
+    """Byte views of `buffers` after checking the arguments of a read or write (ValueError)."""
+    if len(buffers) != len(slots):
+        raise ValueError(f"{len(slots)} slots, {len(keys)} keys and {len(buffers)} buffers: lengths must match")
+    check_slots(slots, keys, num_slots)
+    views = []
+    for buf in buffers:
         view = memoryview(buf)
         if not view.c_contiguous:
             raise ValueError("buffers must be C-contiguous")
@@ -100,6 +118,41 @@ class SlabIO:
             except Exception as exc:  # noqa: BLE001
                 error = error or exc
         return bad, error
+
+    def write_headers(self, slots: Sequence[int], keys: Sequence[bytes], checks: Sequence[int], kind: int) -> None:
+        """Write only the header pages of `slots`, whose payloads someone else wrote at
+        `slot * slot_bytes + HEADER_BYTES` (the direct GPU path): one aligned 4 KiB write each."""
+        pages = aligned_buffer(HEADER_BYTES * max(1, len(slots)))
+        try:
+            image = memoryview(pages)
+            for i, (slot, key, check) in enumerate(zip(slots, keys, checks)):
+                page = image[i * HEADER_BYTES:(i + 1) * HEADER_BYTES]
+                pack_header(page, bytes(key), self.block_bytes, check, self.digest, kind)
+                self.io.pwrite(slot * self.slot_bytes, page)
+            del page, image
+        finally:
+            pages.close()
+
+    def read_headers(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[SlotHeader | str]:
+        """The header of each slot if it may describe the block `keys[i]` of this manifest (its
+        payload not checked: the caller verifies it where it reads it), else why not."""
+        pages = aligned_buffer(HEADER_BYTES)
+        found: list[SlotHeader | str] = []
+        try:
+            page = memoryview(pages)
+            for slot, key in zip(slots, keys):
+                try:
+                    self.io.pread(slot * self.slot_bytes, page)
+                except OSError:
+                    if os.stat(self.path).st_size < (slot + 1) * self.slot_bytes:
+                        found.append("slab truncated")
+                        continue
+                    raise
+                found.append(check_header(page, bytes(key), self.block_bytes, self.digest))
+            del page
+        finally:
+            pages.close()
+        return found
 
     def sync(self) -> None:
         """Make every completed write durable (fdatasync)."""

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from conftest import Jobs
 
 from kvtier import CanonicalKVCacheRef, CanonicalKVCacheTensor, FileLoadStoreSpec, GPULoadStoreSpec
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.handlers.gpu_file import aligned_rows, make_file_to_gpu, make_gpu_to_file
 from kvtier.tiers.file import FileBackend
-from conftest import Jobs
 
 torch = pytest.importorskip("torch")
 
@@ -92,7 +94,7 @@ class FlakyBackend:
         return len(slots) * self.block_bytes
 
     def read_blocks(self, slots, keys, buffers):
-        for s, k, b in zip(slots, keys, buffers):
+        for s, _k, b in zip(slots, keys, buffers):
             memoryview(b).cast("B")[:] = self.data[s][1]
         return len(slots) * self.block_bytes
 
@@ -134,3 +136,154 @@ def test_cuda_roundtrip_through_the_file_tier(setup):
     assert r.success, r.error
     for t_idx, page in enumerate((4096, 2048)):
         assert torch.equal(kv.tensors[t_idx].tensor[9:13, :page], before[t_idx][1:5, :page])
+
+
+# ------------------------------------------------------------------ direct path (kvikio) on CPU tensors
+@pytest.fixture
+def direct(tmp_path):
+    """Direct handlers over a real file tier, kvikio on its host path (stand-in libcuda)."""
+    from kvtier.tiers import fileio
+
+    if not fileio.kvikio_importable():
+        pytest.skip("kvikio not installed (CI installs it: see docs/gds.md)")
+    from kvtier.handlers.gpu_file import DirectGPUFileHandler
+    from kvtier.testing.fake_cuda import load_fake_libcuda
+
+    load_fake_libcuda()
+    made = []
+
+    def make(kv, num_blocks=16):
+        layout = KVLayout(kv, kv.blocks_per_chunk)
+        backend = FileBackend("nvme", num_blocks, layout.block_bytes, root_dir=str(tmp_path / "nvme"),
+                              fingerprint="test-model", io="posix")
+        store = DirectGPUFileHandler({"nvme": backend}, layout, to_file=True)
+        load = DirectGPUFileHandler({"nvme": backend}, KVLayout(kv, kv.blocks_per_chunk), to_file=False)
+        jobs = Jobs(store, load)
+        made.append((jobs, backend))
+        return backend, store, load, jobs
+    yield make
+    for jobs, backend in made:
+        jobs.close()
+        backend.close()
+
+
+def test_direct_roundtrip_writes_aligned_payloads_with_torch_checksums(direct):
+    from kvtier.tiers.checksum import bytes_checksum
+    from kvtier.tiers.slot_format import CHECK_TORCH, HEADER_BYTES, parse_header
+
+    kv = make_kv(bpc=2)
+    backend, store, load, jobs = direct(kv)
+    src = GPULoadStoreSpec([1, 2, 3, 4, 5, 6], group_sizes=[3, 3], block_indices=[1, 0])
+    file_spec = FileLoadStoreSpec([7, 2, 11, 4], keys(4), tier="nvme")
+    r = jobs.run(store, 1, src, file_spec)
+    assert r.success, r.error
+    data = backend.slab_path.read_bytes()
+    for slot, key in zip([7, 2, 11, 4], keys(4)):
+        base = slot * backend.slot_bytes
+        header = parse_header(data[base:base + HEADER_BYTES])
+        assert header.key == key and header.check_kind == CHECK_TORCH
+        payload = data[base + HEADER_BYTES:base + HEADER_BYTES + backend.block_bytes]
+        assert header.payload_crc == bytes_checksum(payload)
+    assert sorted(backend.committed()) == [2, 4, 7, 11]
+    # the host path reads what the direct path wrote (torch checksum verified on the host)
+    out = bytearray(backend.block_bytes)
+    backend.read_blocks([7], [keys(1)[0]], [out])
+    before = [t.tensor.clone() for t in kv.tensors]
+    for t in kv.tensors:
+        t.tensor.zero_()
+    dst = GPULoadStoreSpec([10, 11, 12, 13, 14, 15], group_sizes=[3, 3], block_indices=[1, 0])
+    r = jobs.run(load, 2, file_spec, dst)
+    assert r.success, r.error
+    for t_idx, page in enumerate((4096, 2048)):
+        assert torch.equal(kv.tensors[t_idx].tensor[10:16, :page], before[t_idx][1:7, :page])
+
+
+def test_direct_load_of_host_written_blocks_checks_their_crc(direct):
+    kv = make_kv()
+    backend, store, load, jobs = direct(kv)
+    blocks = [os.urandom(backend.block_bytes) for _ in range(2)]
+    backend.write_blocks([3, 4], keys(2), blocks)  # the host path: CRC-32 slots
+    r = jobs.run(load, 1, FileLoadStoreSpec([3, 4], keys(2), tier="nvme"), GPULoadStoreSpec([5, 6], group_sizes=[2, 0]))
+    assert r.success, r.error
+    assert kv.tensors[0].tensor[5, :4096].numpy().tobytes() == blocks[0][:4096]
+
+
+@pytest.mark.parametrize("where", ["payload", "header"])
+def test_direct_load_of_a_corrupt_block_fails_and_leaves_the_engine_untouched(direct, where):
+    from kvtier.tiers.slot_format import HEADER_BYTES
+
+    kv = make_kv()
+    backend, store, load, jobs = direct(kv)
+    spec = FileLoadStoreSpec([0, 1], keys(2), tier="nvme")
+    assert jobs.run(store, 1, GPULoadStoreSpec([1, 2], group_sizes=[2, 0]), spec).success
+    offset = backend.slot_bytes + (HEADER_BYTES + 1234 if where == "payload" else 40)
+    with open(backend.slab_path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+    snapshot = [t.tensor.clone() for t in kv.tensors]
+    bad = jobs.run(load, 2, spec, GPULoadStoreSpec([8, 9], group_sizes=[2, 0]))
+    assert not bad.success and "IntegrityError" in bad.error and "slot 1" in bad.error
+    assert all(torch.equal(a.tensor, b) for a, b in zip(kv.tensors, snapshot))
+    assert sorted(backend.committed()) == [0]  # the bad block is forgotten, the good one kept
+
+
+def test_direct_load_with_a_wrong_key_fails(direct):
+    kv = make_kv()
+    backend, store, load, jobs = direct(kv)
+    assert jobs.run(store, 1, GPULoadStoreSpec([1], group_sizes=[1, 0]),
+                    FileLoadStoreSpec([0], keys(1), tier="nvme")).success
+    bad = jobs.run(load, 2, FileLoadStoreSpec([0], keys(1, start=9), tier="nvme"),
+                   GPULoadStoreSpec([8], group_sizes=[1, 0]))
+    assert not bad.success and "holds another key" in bad.error
+
+
+def test_direct_path_chosen_only_for_cuda_with_kvikio():
+    from kvtier.handlers.gpu_file import DirectGPUFileHandler, direct_path_available
+
+    assert not direct_path_available(torch.device("cpu"))
+    kv = make_kv()
+    assert not isinstance(make_gpu_to_file({"x": FlakyBackend(KVLayout(kv, 1).block_bytes)}, kv),
+                          DirectGPUFileHandler)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_direct_roundtrip(tmp_path):
+    from kvtier.handlers.gpu_file import DirectGPUFileHandler
+    from kvtier.tiers.fileio import kvikio_importable
+
+    if not kvikio_importable():
+        pytest.skip("needs kvikio")
+    kv = make_kv(device="cuda", bpc=2)
+    layout = KVLayout(kv, kv.blocks_per_chunk)
+    backend = FileBackend("nvme", 16, layout.block_bytes, root_dir=str(tmp_path / "nvme"), fingerprint="m")
+    store, load = make_gpu_to_file({"nvme": backend}, kv), make_file_to_gpu({"nvme": backend}, kv)
+    assert isinstance(store, DirectGPUFileHandler) and isinstance(load, DirectGPUFileHandler)
+    jobs = Jobs(store, load)
+    try:
+        spec = FileLoadStoreSpec([5, 6], keys(2), tier="nvme")
+        src = GPULoadStoreSpec([1, 2, 3, 4], group_sizes=[4, 0], block_indices=[0, 0])
+        assert jobs.run(store, 1, src, spec).success
+        before = [t.tensor.clone() for t in kv.tensors]
+        r = jobs.run(load, 2, spec, GPULoadStoreSpec([9, 10, 11, 12], group_sizes=[4, 0], block_indices=[0, 0]))
+        assert r.success, r.error
+        for t_idx, page in enumerate((4096, 2048)):
+            assert torch.equal(kv.tensors[t_idx].tensor[9:13, :page], before[t_idx][1:5, :page])
+    finally:
+        jobs.close()
+        backend.close()
+
+
+def test_direct_handlers_give_kvikio_threads_back(direct):
+    import kvikio.defaults
+
+    size = int(kvikio.defaults.get("num_threads"))
+    kv = make_kv()
+    backend, store, load, jobs = direct(kv)
+    assert jobs.run(store, 1, GPULoadStoreSpec([1], group_sizes=[1, 0]),
+                    FileLoadStoreSpec([0], keys(1), tier="nvme")).success
+    assert int(kvikio.defaults.get("num_threads")) >= backend.num_threads
+    jobs.close()
+    assert int(kvikio.defaults.get("num_threads")) == size

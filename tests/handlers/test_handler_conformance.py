@@ -117,6 +117,28 @@ class TestGPUToFileKvikio(HandlerTests):
         return engine_side(), file_side(tmp_path, io="kvikio")
 
 
+class DirectFileHandlers:
+    """The direct (kvikio) engine <-> file handler, forced on CPU tensors: kvikio's host path."""
+
+    def make_handler(self, src, dst):
+        from kvtier.handlers.gpu_file import DirectGPUFileHandler
+        from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
+
+        engine = src if src.kv_caches is not None else dst
+        layout = KVLayout(engine.kv_caches, blocks_per_chunk_of(engine.kv_caches))
+        return DirectGPUFileHandler({**src.backends, **dst.backends}, layout, to_file=engine is src)
+
+
+class TestGPUToFileDirect(DirectFileHandlers, HandlerTests):
+    def make_sides(self, tmp_path):
+        return engine_side(), file_side(tmp_path, io="kvikio")
+
+
+class TestFileToGPUDirect(DirectFileHandlers, UnverifiedRead, HandlerTests):
+    def make_sides(self, tmp_path):
+        return file_side(tmp_path, io="kvikio"), engine_side()
+
+
 def test_every_registered_pair_runs_the_suite(tmp_path):
     covered = set()
     for cls in list(HandlerTests.__subclasses__()) + [TestFileToCPU, TestFileToGPU]:

@@ -158,12 +158,13 @@ def test_untouched_root_serves_everything(written):
     ("magic", "bad magic"),
     ("header_crc", "header checksum mismatch"),
     ("key", "header checksum mismatch"),
+    ("check_kind", "header checksum mismatch"),
 ])
 def test_bit_flip_is_never_served(written, where, reason):
     root, on_disk, _ = written
     slot = sorted(on_disk)[2]
     offset = {"payload": HEADER_BYTES + 100, "payload_last": HEADER_BYTES + BLOCK - 1, "magic": 0,
-              "header_crc": 4 + 2 + 2 + 8 + 4 + 8, "key": 40}[where]
+              "header_crc": 4 + 2 + 2 + 2 + 2 + 8 + 4 + 8, "key": 40, "check_kind": 8}[where]  # format v2 offsets
     flip(root / SLAB, slot * SLOT + offset)
     report = inspect(root)
     assert report["verify_failed"] == 1

@@ -206,7 +206,7 @@ def test_corruption_raises_integrity_error(root, where):
     write(b, [3, 4, 5], [3, 4, 5])
     base = 4 * b.slot_bytes
     offset = {"payload": base + HEADER_BYTES + BLOCK - 1, "header-key": base + 40,
-              "header-length": base + 8, "padding-is-harmless": base + HEADER_BYTES + BLOCK + 100}[where]
+              "header-length": base + 12, "padding-is-harmless": base + HEADER_BYTES + BLOCK + 100}[where]
     if offset >= base + b.slot_bytes:
         offset = base + HEADER_BYTES - 1  # no padding at this block size: header slack instead
     flip(b.slab_path, offset)
