@@ -394,12 +394,12 @@ def _rank_handlers(kind, kv, backend, bpc, offset, length):
                  for to_cpu in (True, False))
 
 
-def _ranks_share_slots(kind, pages, pads, groups):
+def _ranks_share_slots(kind, pages, pads, groups, device="cpu"):
     """Two ranks (different KV bytes) store the same engine blocks into the same slots, each into
     its own half of every slot; each loads its half back into fresh blocks, byte-exact."""
     bpc = 2
     sizes, skips, slots = ([5, 2], [1, 0], [9, 2, 13, 0]) if len(groups) == 2 else ([7], [1], [9, 2, 13, 0])
-    kvs = [make_kv(pages=pages, pads=pads, groups=groups, seed=rank + 1) for rank in (0, 1)]
+    kvs = [make_kv(device, pages=pages, pads=pads, groups=groups, seed=rank + 1) for rank in (0, 1)]
     part = KVLayout(kvs[0], bpc).block_bytes
     backend = CPUBackend("cpu", 16, 2 * part, pin="false")
     handlers = [_rank_handlers(kind, kv, backend, bpc, rank * part, part) for rank, kv in enumerate(kvs)]
@@ -435,6 +435,12 @@ def test_ranks_copy_only_their_byte_range_of_a_slot(geometry, row_copies):
 
 def test_cuda_handler_copies_only_its_byte_range_on_host_tensors(fake_cuda_api):
     _ranks_share_slots("cuda", (256, 512), (64, 0), ((0, 1), (1, 0)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ranks_copy_only_their_byte_range_of_a_slot():
+    _ranks_share_slots("cuda", (256, 512), (64, 0), ((0, 1), (1, 0)), device="cuda")
 
 
 def test_a_slot_range_smaller_than_the_pages_or_past_the_slot_is_refused():
