@@ -8,6 +8,10 @@ On CUDA the copies run on a dedicated stream that first waits for the compute st
 device staging buffer laid out like the slots, with one DMA per job between it and the pinned
 region; a completion thread waits for the job's event. Each handler owns its layout and closes it
 (and the layout's copy threads) in `shutdown`.
+
+A handler copies only its layout's byte range of each slot (`KVLayout.slot_offset` /
+`slot_length`): several worker ranks, each with its own handler, share one slot without touching
+each other's bytes.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler, pick_backend, serving
-from kvtier.handlers.kv_layout import ChunkedKVCaches, KVLayout, Segment, blocks_per_chunk_of, byte_rows
+from kvtier.handlers.kv_layout import ChunkedKVCaches, KVLayout, Segment, blocks_per_chunk_of, byte_rows, slot_range_of
 from kvtier.handlers.rows import common_words, run_start, words
 from kvtier.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import HostRegion
@@ -29,6 +33,13 @@ def _split(to_cpu: bool, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[GPULoa
     if not isinstance(gpu, GPULoadStoreSpec) or not isinstance(cpu, BlockIDsLoadStoreSpec):
         raise TypeError(f"expected a GPU spec and a slot spec, got {type(src).__name__} -> {type(dst).__name__}")
     return gpu, cpu
+
+
+def _check_fits(backend: Any, layout: KVLayout) -> None:
+    """ValueError unless the tier's blocks hold the layout's byte range."""
+    if backend.block_bytes < layout.slot_end:
+        raise ValueError(f"tier {backend.name!r} has {backend.block_bytes} B blocks, the KV layout needs "
+                         f"{layout.slot_end} B (bytes {layout.slot_offset}..{layout.slot_end} of each slot)")
 
 
 class HostKVCopyHandler(SyncHandler):
@@ -44,9 +55,7 @@ class HostKVCopyHandler(SyncHandler):
 
         gpu, cpu = _split(self.to_cpu, src, dst)
         backend = pick_backend(self.backends, cpu, "CPU")
-        if backend.block_bytes < self.layout.block_bytes:
-            raise ValueError(f"tier {backend.name!r} has {backend.block_bytes} B blocks, the KV layout needs "
-                             f"{self.layout.block_bytes} B")
+        _check_fits(backend, self.layout)
         index = self.layout.index(gpu, len(cpu.block_ids))
         rows = torch.tensor(cpu.block_ids, dtype=torch.int64)
         if len(rows) and int(rows.max()) >= backend.num_blocks:
@@ -127,8 +136,10 @@ class CudaKVCopyHandler(EngineJobHandler):
     One worker thread runs the jobs in submission order on a dedicated stream that first waits for
     the compute stream (see `EngineJobHandler`). A job gathers/scatters on the device through a
     staging buffer laid out like the slots and moves it with one non-blocking DMA when the slots
-    are consecutive, else through a pinned bounce buffer and one batched host-side row copy. The
-    thread waits for the job's end event, then reports.
+    are consecutive, else through a pinned bounce buffer and one batched host-side row copy. A
+    layout that owns only a byte range of each slot always goes through the bounce buffer (its
+    part of a slot is not contiguous with the next slot's). The thread waits for the job's end
+    event, then reports.
     """
 
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_cpu: bool):
@@ -143,12 +154,14 @@ class CudaKVCopyHandler(EngineJobHandler):
 
         gpu, cpu = _split(self.to_cpu, src, dst)
         backend = pick_backend(self.backends, cpu, "CPU")
-        if backend.block_bytes < self.layout.block_bytes:
-            raise ValueError(f"tier {backend.name!r} blocks are smaller than the KV layout's {self.layout.block_bytes} B")
+        _check_fits(backend, self.layout)
         slots = torch.as_tensor(cpu.block_ids, dtype=torch.int64)
         k = len(slots)
         if k and int(slots.max()) >= backend.num_blocks:
             raise IndexError(f"slot {int(slots.max())} >= {backend.num_blocks} slots of tier {backend.name!r}")
+        if not self.layout.owns_whole_slot:
+            self._copy_part(backend, gpu, slots)
+            return self.layout.bytes_of(gpu)
         stride = backend.slot_stride
         # Whole slots (row stride = slot_stride): every DMA below is between contiguous tensors.
         region_bytes = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
@@ -188,17 +201,54 @@ class CudaKVCopyHandler(EngineJobHandler):
                 done.synchronize()
         return self.layout.bytes_of(gpu)
 
+    def _copy_part(self, backend: Any, gpu: GPULoadStoreSpec, slots) -> None:
+        """A job over the layout's byte range of each slot only (the slot is shared with other
+        ranks): device staging of the part's width, a pinned bounce buffer, and one batched host
+        row copy between it and the part's columns of the region."""
+        import torch
+
+        k, layout = len(slots), self.layout
+        width = layout.slot_end - layout.slot_offset
+        stride = backend.slot_stride
+        whole = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
+        part = words(whole[:, layout.slot_offset:layout.slot_offset + width])
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            ready = self.ready_event()
+            if ready is not None:
+                self.stream.wait_event(ready)
+            index = layout.index(gpu, k)
+            rows = torch.arange(k, dtype=torch.int64)
+            staging = torch.empty((k, width), dtype=torch.uint8, device=self.device)
+            bounce = torch.empty((k, width), dtype=torch.uint8, pin_memory=True)
+            done = torch.cuda.Event()
+            if self.to_cpu:
+                layout.gather(staging, rows, index, base=0)
+                bounce.copy_(staging, non_blocking=True)
+                done.record(self.stream)
+                done.synchronize()
+                dst, src_rows = common_words(part, words(bounce))
+                layout.copier.index_copy(dst, slots, src_rows)
+            else:
+                src_rows, out = common_words(part, words(bounce))
+                layout.copier.index_select(src_rows, slots, out)
+                staging.copy_(bounce, non_blocking=True)
+                layout.scatter(staging, rows, index, base=0)
+                done.record(self.stream)
+                done.synchronize()
+
 
 def make_handler(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_cpu: bool,
-                 blocks_per_chunk: int = 1) -> TransferHandler | None:
+                 blocks_per_chunk: int = 1, slot_offset: int = 0,
+                 slot_length: int | None = None) -> TransferHandler | None:
     """A GPU->CPU (`to_cpu`) or CPU->GPU handler over the `HostRegion` backends, or None without
-    KV caches or such backends."""
+    KV caches or such backends. It copies bytes `[slot_offset, slot_offset + slot_length)` of each
+    slot (default: the whole slot)."""
     if kv_caches is None:
         return None
     usable = serving(backends, HostRegion)
     if not usable:
         return None
-    layout = KVLayout(kv_caches, blocks_per_chunk)
+    layout = KVLayout(kv_caches, blocks_per_chunk, slot_offset, slot_length)
     if layout.device.type == "cuda":
         return CudaKVCopyHandler(usable, layout, to_cpu)
     if layout.device.type != "cpu":
@@ -208,12 +258,12 @@ def make_handler(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | Non
 
 def make_gpu_to_cpu(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None) -> TransferHandler | None:
     """Registry factory for GPULoadStoreSpec -> CPULoadStoreSpec."""
-    return make_handler(backends, kv_caches, to_cpu=True, blocks_per_chunk=blocks_per_chunk_of(kv_caches))
+    return make_handler(backends, kv_caches, True, blocks_per_chunk_of(kv_caches), *slot_range_of(kv_caches))
 
 
 def make_cpu_to_gpu(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None) -> TransferHandler | None:
     """Registry factory for CPULoadStoreSpec -> GPULoadStoreSpec."""
-    return make_handler(backends, kv_caches, to_cpu=False, blocks_per_chunk=blocks_per_chunk_of(kv_caches))
+    return make_handler(backends, kv_caches, False, blocks_per_chunk_of(kv_caches), *slot_range_of(kv_caches))
 
 
 __all__: Sequence[str] = ["ChunkedKVCaches", "KVLayout", "Segment", "EngineJobHandler", "HostKVCopyHandler",

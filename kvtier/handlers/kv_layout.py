@@ -15,6 +15,12 @@ source) spec lists the slots, group after group too. Group `g` with `n` engine b
 block has logical index `i` skips `s = i % bpc` sub-blocks of its first slot and covers
 `ceil((n + s) / bpc)` slots. Only covered sub-blocks are written or read.
 
+A layout may own only a byte range of each slot (`slot_offset`, `slot_length`): the part of one
+worker rank when several ranks share a slot (rank `r` of the vLLM adapter owns
+`[r * P, (r + 1) * P)`). Everything above then holds inside that range: the pages start at
+`slot_offset`, and no byte of the slot outside `[slot_offset, slot_offset + slot_length)` is
+written or read. By default a layout owns the whole slot from byte 0.
+
 Hot path: index tensors are built once per job (no per-block Python loop) and every
 (group, reference) pair is one gather plus one scatter (`index_select` / row assignment, through the
 layout's `RowCopier`) over rows reinterpreted as the widest integer type the alignment allows.
@@ -75,7 +81,8 @@ class KVLayout:
     (`block_bytes`, `index`) starts no thread and needs no `close`.
     """
 
-    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int = 1):
+    def __init__(self, kv_caches: CanonicalKVCaches, blocks_per_chunk: int = 1, slot_offset: int = 0,
+                 slot_length: int | None = None):
         if blocks_per_chunk < 1:
             raise ValueError(f"blocks_per_chunk must be >= 1, got {blocks_per_chunk}")
         if not kv_caches.tensors:
@@ -98,9 +105,21 @@ class KVLayout:
             self.groups.append(segments)
         self.group_bytes = [sum(bpc * s.page for s in g) for g in self.groups]
         self.block_bytes = max(self.group_bytes)
+        self.slot_offset, self.slot_length = _check_range(slot_offset, slot_length, self.block_bytes)
         self._rows: dict[tuple[int, int], Any] = {}
         self._local = threading.local()
         self.copier = RowCopier()
+
+    @property
+    def owns_whole_slot(self) -> bool:
+        """True when no other layout's bytes share a slot with this one (no `slot_length` given)."""
+        return self.slot_length is None
+
+    @property
+    def slot_end(self) -> int:
+        """Bytes a slot must have for this layout: `slot_offset` + its part (`slot_length`, or
+        `block_bytes` for a layout that owns the whole slot)."""
+        return self.slot_offset + (self.block_bytes if self.slot_length is None else self.slot_length)
 
     def close(self) -> None:
         """Stop the copier's threads. Idempotent; copies still work afterwards, unsplit."""
@@ -152,19 +171,22 @@ class KVLayout:
         return out
 
     # ------------------------------------------------------------------ copies
-    def _slot_view(self, slots, seg: Segment):
-        """How to address sub-block `sub` of `seg` in row `r` of the slot tensor `slots`:
-        `(view, per_row, first)`, `view` 2-D with row `r * per_row + first + sub`, when every
-        sub-block is a row of one uniform view (the usual case), else `(view3d, None, None)`
-        indexed `[r, sub]`."""
+    def _slot_view(self, slots, seg: Segment, base: int):
+        """How to address sub-block `sub` of `seg` in row `r` of the slot tensor `slots` whose
+        rows hold this layout's pages from byte `base` on: `(view, per_row, first)`, `view` 2-D
+        with row `r * per_row + first + sub`, when every sub-block is a row of one uniform view
+        (the usual case), else `(view3d, None, None)` indexed `[r, sub]`."""
         row_stride = slots.stride(0)
-        page, bpc = seg.page, self.blocks_per_chunk
-        if row_stride % page == 0 and seg.offset % page == 0:
+        page, bpc, offset = seg.page, self.blocks_per_chunk, base + seg.offset
+        if row_stride % page == 0 and offset % page == 0:
             per_row = row_stride // page
-            flat = slots.as_strided((slots.shape[0] * per_row, page), (page, 1), slots.storage_offset())
-            return words(flat), per_row, seg.offset // page
+            first = offset // page
+            # Rows up to the last sub-block of the last slot (not past the tensor's storage).
+            count = (slots.shape[0] - 1) * per_row + first + bpc if slots.shape[0] else 0
+            flat = slots.as_strided((count, page), (page, 1), slots.storage_offset())
+            return words(flat), per_row, first
         view3 = slots.as_strided((slots.shape[0], bpc, page), (row_stride, page, 1),
-                                 slots.storage_offset() + seg.offset)
+                                 slots.storage_offset() + offset)
         return words(view3), None, None
 
     def _scratch(self, rows: int, like):
@@ -180,22 +202,24 @@ class KVLayout:
             buf = self._local.scratch = torch.empty(need, dtype=torch.uint8)
         return buf[:need].view(like.dtype).view(rows, like.shape[1])
 
-    def _pairs(self, slots, rows, index: list[GroupIndex]):
+    def _pairs(self, slots, rows, index: list[GroupIndex], base: int):
         """For every (group, reference): engine rows, slot view, engine ids, slot-view positions
         (host tensors; positions are `(row, sub)` pairs for a 3-D view)."""
         for gi in index:
             row = rows[gi.pos]
             for seg in self.groups[gi.group]:
                 engine = self.engine_rows(seg.tensor_idx, seg.page)
-                view, per_row, first = self._slot_view(slots, seg)
+                view, per_row, first = self._slot_view(slots, seg, base)
                 engine, view = common_words(engine, view)
                 where = row * per_row + first + gi.sub if per_row is not None else (row, gi.sub)
                 yield engine, view, gi.ids, where
 
-    def gather(self, slots, rows, index: list[GroupIndex]) -> None:
-        """Engine pages -> sub-blocks of `slots[rows[pos]]` (`slots` a uint8 `(R, >= block_bytes)`
-        tensor on the engine's device; `rows` a host int64 tensor)."""
-        for engine, view, ids, where in self._pairs(slots, rows, index):
+    def gather(self, slots, rows, index: list[GroupIndex], base: int | None = None) -> None:
+        """Engine pages -> sub-blocks of `slots[rows[pos]]` (`slots` a uint8 `(R, >= slot_end)`
+        tensor on the engine's device; `rows` a host int64 tensor). The pages go from byte `base`
+        of each row on (default `slot_offset`; 0 for a staging buffer that holds only this part)."""
+        base = self.slot_offset if base is None else base
+        for engine, view, ids, where in self._pairs(slots, rows, index, base):
             dev = engine.device
             if isinstance(where, tuple):
                 view[where[0].to(dev), where[1].to(dev)] = engine.index_select(0, ids.to(dev))
@@ -210,9 +234,10 @@ class KVLayout:
                 self.copier.index_select(engine, ids.to(dev), buf)
                 self.copier.index_copy(view, where.to(dev), buf)
 
-    def scatter(self, slots, rows, index: list[GroupIndex]) -> None:
+    def scatter(self, slots, rows, index: list[GroupIndex], base: int | None = None) -> None:
         """Sub-blocks of `slots[rows[pos]]` -> engine pages (the inverse of `gather`)."""
-        for engine, view, ids, where in self._pairs(slots, rows, index):
+        base = self.slot_offset if base is None else base
+        for engine, view, ids, where in self._pairs(slots, rows, index, base):
             dev = engine.device
             if isinstance(where, tuple):
                 engine.index_copy_(0, ids.to(dev), view[where[0].to(dev), where[1].to(dev)])
@@ -237,6 +262,8 @@ class ChunkedKVCaches(CanonicalKVCaches):
     """
 
     blocks_per_chunk: int = 1
+    slot_offset: int = 0
+    slot_length: int | None = None
 
 
 @dataclass
@@ -244,8 +271,21 @@ class _Ref:
     tensor_idx: int
     page_size_bytes: int
 
+def _check_range(offset: int, length: int | None, block_bytes: int) -> tuple[int, int | None]:
+    """Validated `(slot_offset, slot_length)` of a layout whose pages take `block_bytes`."""
+    if offset < 0:
+        raise ValueError(f"slot_offset must be >= 0, got {offset}")
+    if length is not None and length < block_bytes:
+        raise ValueError(f"slot_length {length} B is smaller than the KV pages of one block ({block_bytes} B); "
+                         f"it must be at least that")
+    return int(offset), None if length is None else int(length)
 
 
 def blocks_per_chunk_of(kv_caches: Any) -> int:
     """Engine blocks per offloaded block of `kv_caches` (`ChunkedKVCaches` says; else 1)."""
     return int(getattr(kv_caches, "blocks_per_chunk", 1))
+
+
+def slot_range_of(kv_caches: Any) -> tuple[int, int | None]:
+    """`(slot_offset, slot_length)` of `kv_caches` (`ChunkedKVCaches` says; else the whole slot)."""
+    return int(getattr(kv_caches, "slot_offset", 0)), getattr(kv_caches, "slot_length", None)

@@ -378,3 +378,81 @@ def test_shutting_a_handler_down_stops_its_row_copy_threads():
         assert not any(t.is_alive() for t in started)
     finally:
         torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------ per-rank byte ranges of a slot
+
+
+def _rank_handlers(kind, kv, backend, bpc, offset, length):
+    """Store and load handlers of one rank that owns bytes [offset, offset + length) of each slot."""
+    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+
+    if kind == "host":
+        chunked = ChunkedKVCaches(kv.tensors, kv.group_data_refs, bpc, offset, length)
+        return make_gpu_to_cpu({"cpu": backend}, chunked), make_cpu_to_gpu({"cpu": backend}, chunked)
+    return tuple(CudaKVCopyHandler({"cpu": backend}, KVLayout(kv, bpc, offset, length), to_cpu)
+                 for to_cpu in (True, False))
+
+
+def _ranks_share_slots(kind, pages, pads, groups, device="cpu"):
+    """Two ranks (different KV bytes) store the same engine blocks into the same slots, each into
+    its own half of every slot; each loads its half back into fresh blocks, byte-exact."""
+    bpc = 2
+    sizes, skips, slots = ([5, 2], [1, 0], [9, 2, 13, 0]) if len(groups) == 2 else ([7], [1], [9, 2, 13, 0])
+    kvs = [make_kv(device, pages=pages, pads=pads, groups=groups, seed=rank + 1) for rank in (0, 1)]
+    part = KVLayout(kvs[0], bpc).block_bytes
+    backend = CPUBackend("cpu", 16, 2 * part, pin="false")
+    handlers = [_rank_handlers(kind, kv, backend, bpc, rank * part, part) for rank, kv in enumerate(kvs)]
+    jobs = Jobs(*[h for pair in handlers for h in pair])
+    store = GPULoadStoreSpec([1, 2, 3, 4, 5, 6, 7], group_sizes=sizes, block_indices=skips)
+    load = GPULoadStoreSpec([11, 12, 13, 14, 15, 16, 17], group_sizes=sizes, block_indices=skips)
+    try:
+        for rank in (1, 0):  # rank 0 second: a whole-slot copy would overwrite rank 1's half
+            assert jobs.run(handlers[rank][0], 10 + rank, store, CPULoadStoreSpec(slots, tier="cpu")).success
+        for rank, kv in enumerate(kvs):
+            layout = KVLayout(kv, bpc)
+            for (slot, off), page in expected_slot_bytes(layout, kv, store, slots).items():
+                at = rank * part + off
+                assert bytes(backend.view(slot)[at:at + len(page)]) == page, (rank, slot, off)
+        before = [[t.tensor.clone() for t in kv.tensors] for kv in kvs]
+        for rank, kv in enumerate(kvs):
+            assert jobs.run(handlers[rank][1], 20 + rank, CPULoadStoreSpec(slots, tier="cpu"), load).success
+            for t_idx, page in enumerate(pages):
+                for a, b in zip(store.block_ids, load.block_ids):
+                    assert torch.equal(kv.tensors[t_idx].tensor[b, :page], before[rank][t_idx][a, :page]), rank
+    finally:
+        for pair in handlers:
+            for h in pair:
+                h.shutdown()
+        backend.close()
+
+
+@pytest.mark.parametrize("geometry", [((256, 512), (64, 0), ((0, 1), (1, 0))), ((256, 384), (0, 128), ((0, 1),))],
+                         ids=["aligned", "unaligned"])
+def test_ranks_copy_only_their_byte_range_of_a_slot(geometry, row_copies):
+    _ranks_share_slots("host", *geometry)
+
+
+def test_cuda_handler_copies_only_its_byte_range_on_host_tensors(fake_cuda_api):
+    _ranks_share_slots("cuda", (256, 512), (64, 0), ((0, 1), (1, 0)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ranks_copy_only_their_byte_range_of_a_slot():
+    _ranks_share_slots("cuda", (256, 512), (64, 0), ((0, 1), (1, 0)), device="cuda")
+
+
+def test_a_slot_range_smaller_than_the_pages_or_past_the_slot_is_refused():
+    kv = make_kv()
+    part = KVLayout(kv, 1).block_bytes
+    with pytest.raises(ValueError, match="slot_length"):
+        KVLayout(kv, 1, 0, part - 1)
+    backend = CPUBackend("cpu", 4, part, pin="false")
+    try:
+        store = make_gpu_to_cpu({"cpu": backend}, ChunkedKVCaches(kv.tensors, kv.group_data_refs, 1, part, part))
+        r = Jobs(store).run(store, 1, GPULoadStoreSpec([1], group_sizes=[1, 0]), CPULoadStoreSpec([0], tier="cpu"))
+        assert not r.success and "bytes" in str(r.error)
+        store.shutdown()
+    finally:
+        backend.close()

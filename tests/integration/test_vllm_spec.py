@@ -177,14 +177,6 @@ def test_manager_calls_do_not_wait_for_the_file_tier(spec, monkeypatch):
     assert m.tier_stats()["disk"]["stores"] > 0
 
 
-def test_more_than_one_worker_is_refused(tmp_path):
-    """TP > 1 is not supported yet: refuse at start-up rather than let ranks overwrite each other."""
-    from kvtier.integrations.vllm import KVTierOffloadingSpec
-
-    with pytest.raises(NotImplementedError, match="one worker per engine"):
-        KVTierOffloadingSpec(_config(tmp_path, rank=1, world_size=2))
-
-
 def test_a_load_makes_its_blocks_most_recently_used(spec):
     """vLLM's connector never calls touch(); the adapter applies a load's recency itself, so a
     reused block outlives blocks stored after it."""

@@ -4,7 +4,8 @@
 
 JOB keys: `model` (folder), `kvtier_config` (path or mapping), `block_size` (engine tokens per
 block), `offload_block_size` (tokens per offloaded block; default block_size), `num_gpu_blocks`,
-`max_model_len`, `max_tokens`, `spec` (optional: {"name", "module", "extra"} to run another
+`max_model_len`, `max_tokens`, `tensor_parallel_size` (default 1; above 1 the workers run as
+processes, vLLM's "mp" executor), `spec` (optional: {"name", "module", "extra"} to run another
 offloading spec, e.g. vLLM's own; {"name": "none"} runs without a connector), `steps`: a list of
   {"op": "generate", "name": N, "prompt": TEXT}   greedy; records tokens, seconds, metric deltas
   {"op": "generate_many", "name": N, "prompts": [TEXT, ...]}
@@ -85,12 +86,14 @@ def main(job_path: str, report_path: str) -> None:
     kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
     if spec is not None and spec.get("name") == "none":  # no offloading at all (recompute baseline)
         kv = None
+    tp = int(job.get("tensor_parallel_size", 1))
+    parallel = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], enforce_eager=True, enable_prefix_caching=True, block_size=job["block_size"],
               num_gpu_blocks_override=job["num_gpu_blocks"], max_model_len=job.get("max_model_len", 2048),
               max_num_batched_tokens=job.get("max_num_batched_tokens", job.get("max_model_len", 2048)),
               kv_transfer_config=kv, disable_log_stats=False, dtype=job.get("dtype", "float32"),
-              seed=0, gpu_memory_utilization=0.5, max_num_seqs=job.get("max_num_seqs", 4))
+              seed=0, gpu_memory_utilization=0.5, max_num_seqs=job.get("max_num_seqs", 4), **parallel)
     report: dict = {"startup_seconds": time.perf_counter() - t0, "steps": []}
     params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), ignore_eos=True)
     for step in job["steps"]:

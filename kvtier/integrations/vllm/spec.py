@@ -22,6 +22,21 @@ from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, KVTierOffload
 log = logging.getLogger(__name__)
 
 
+def _ranks(parallel: Any) -> tuple[int, int]:
+    """`(world_size, rank)` of vLLM's parallel config, refusing what the per-rank layout cannot
+    serve: every rank must hold the same number of KV bytes per block, which holds under tensor
+    parallelism but not across pipeline stages (each holds other layers, possibly unevenly many,
+    and the scheduler's per-block byte count covers all of them)."""
+    world, rank = max(1, int(parallel.world_size)), int(parallel.rank)
+    pp, pcp = int(getattr(parallel, "pp_size", 1)), int(getattr(parallel, "pcp_size", 1))
+    if pp > 1 or pcp > 1:
+        raise NotImplementedError(f"kvtier supports tensor parallelism only; this engine has pipeline_parallel_size="
+                                  f"{pp}, prefill_context_parallel_size={pcp} (both must be 1)")
+    if not 0 <= rank < world:
+        raise ValueError(f"kvtier: worker rank {rank} is outside 0..{world - 1} (world_size {world})")
+    return world, rank
+
+
 class KVTierOffloadingSpec(OffloadingSpec):
     """vLLM `OffloadingSpec` whose manager and worker are kvtier's (see the module docstring).
 
@@ -51,12 +66,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         if len(tokens) != 1:
             raise ValueError(f"kvtier needs one block size across KV groups, vLLM has {self.tokens_per_block}")
         self.block_tokens = tokens.pop() * self.blocks_per_chunk
-        self.num_copies = max(1, int(config.parallel.world_size))
-        if self.num_copies > 1:
-            # The block layout for several ranks is defined (module docstring), but kvtier's
-            # GPU<->CPU handlers copy whole slots: each rank would overwrite the others' bytes.
-            raise NotImplementedError(f"kvtier supports one worker per engine (TP = PP = 1) for now; this "
-                                      f"engine has {self.num_copies} workers")
+        self.num_copies, self.rank = _ranks(config.parallel)
         self.rank_bytes = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
         self.block_bytes = self.rank_bytes * self.num_copies
         raw, source = load_raw_config(self.extra_config.get("kvtier_config"))

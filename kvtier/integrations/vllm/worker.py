@@ -24,12 +24,22 @@ class KVTierOffloadingWorker(OffloadingWorker):
     The CPU region is attached at the first transfer (the scheduler-side manager creates it,
     after vLLM has registered the KV caches): only the region whose token the scheduler sent with
     the transfer's CPU spec, so a worker never maps another engine's region (a mismatch raises
-    `RegionError`). Once mapped, the region's name is removed from /dev/shm (this is the engine's
-    only worker): no stop, kill or crash can leave the region behind after that. Copies run on
+    `RegionError`). With one worker, once mapped, the region's name is removed from /dev/shm: no
+    stop, kill or crash can leave the region behind after that. With several (tensor parallel
+    ranks, each in its own process) the name stays while the engine runs, since a rank cannot know
+    that the others have mapped it too; the scheduler removes it at close or exit, and a crashed
+    engine's region is swept at the next start (its claim's owner is dead). Copies run on
     the worker plane built over that region by `kvtier.planes.build_worker_plane`, the builder a
     standalone hierarchy uses too: kvtier's GPU<->CPU handlers (`kvtier.handlers.gpu_cpu`:
     synchronous batched index copies on CPU tensors, a copy stream on CUDA) over this rank's part
-    of each slot. A failed copy is reported as `success=False`, never as wrong bytes.
+    of each slot: rank `r` of `world_size` copies bytes `[r * rank_bytes, (r + 1) * rank_bytes)`
+    of every slot and never touches the others' (the scheduler side and the file tier move whole
+    slots). A failed copy is reported as `success=False`, never as wrong bytes.
+
+    Completion across ranks is vLLM's: each rank reports its own jobs; the connector's scheduler
+    side sums the reports of all ranks (`OffloadingWorkerMetadata.aggregate`, `pending_count` =
+    world size) and calls the manager's `complete_store` only when every rank has reported, so a
+    block with a missing rank's part is never made readable.
     """
 
     def __init__(self, spec: "KVTierOffloadingSpec", kv_caches: CanonicalKVCaches):
@@ -38,7 +48,8 @@ class KVTierOffloadingWorker(OffloadingWorker):
         self._backend = None
         self._engine: WorkerPlane | None = None  # the worker plane, built at the first transfer
         self._tier = spec.hierarchy_config.tiers[0].name
-        _LOCAL_WORKER_REGIONS.add(spec.hierarchy_config.tiers[0].options["shm_name"])
+        if spec.num_copies == 1:  # vLLM's in-process executor ("uni") serves one worker only
+            _LOCAL_WORKER_REGIONS.add(spec.hierarchy_config.tiers[0].options["shm_name"])
 
     def _ready(self, cpu_spec: Any):
         token = getattr(cpu_spec, "region", None)
@@ -62,7 +73,8 @@ class KVTierOffloadingWorker(OffloadingWorker):
         except BaseException:
             backend.close()
             raise
-        backend.unpublish()  # every process that maps the region (scheduler, this worker) has it now
+        if spec.num_copies == 1:
+            backend.unpublish()  # every process that maps the region (scheduler, this worker) has it now
         self._backend, self._engine = backend, plane
         return plane
 
@@ -72,8 +84,10 @@ class KVTierOffloadingWorker(OffloadingWorker):
         from kvtier.handlers.gpu_cpu import ChunkedKVCaches
         from kvtier.planes import build_worker_plane
 
+        spec = self.spec
+        part = (spec.rank * spec.rank_bytes, spec.rank_bytes) if spec.num_copies > 1 else (0, None)
         kv_caches = ChunkedKVCaches(list(self.kv_caches.tensors), list(self.kv_caches.group_data_refs),
-                                    self.spec.blocks_per_chunk)
+                                    spec.blocks_per_chunk, *part)
         plane = build_worker_plane({region.name: region}, kv_caches)
         gpu, cpu = kspecs.GPULoadStoreSpec, kspecs.CPULoadStoreSpec
         if plane.handler_for(gpu, cpu) is None or plane.handler_for(cpu, gpu) is None:
