@@ -6,20 +6,43 @@ move or hold bytes, when they are used.
 
 from kvtier.config import HierarchyConfig, load_config, load_config_text, parse_config, parse_size
 from kvtier.engine import TransferEngine
-from kvtier.errors import (ArgumentError, ArgumentTypeError, ClosedError, ConfigError, IntegrityError, KVTierError,
-                           TransferError)
+from kvtier.errors import (
+                           ArgumentError,
+                           ArgumentTypeError,
+                           ClosedError,
+                           ConfigError,
+                           IntegrityError,
+                           KVTierError,
+                           TransferError,
+)
 from kvtier.hierarchy import Hierarchy, build_hierarchy
 from kvtier.interfaces import OffloadingManager
 from kvtier.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key
 from kvtier.lru_manager import LRUOffloadingManager
 from kvtier.manager import HierarchyManager, Tier
 from kvtier.policies import ARCCachePolicy, CachePolicy, LRUCachePolicy
-from kvtier.specs import (BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, CPULoadStoreSpec, FileLoadStoreSpec,
-                          GPULoadStoreSpec, LoadStoreSpec)
+from kvtier.specs import (
+                           BlockIDsLoadStoreSpec,
+                           CompositeLoadStoreSpec,
+                           CPULoadStoreSpec,
+                           FileLoadStoreSpec,
+                           GPULoadStoreSpec,
+                           LoadStoreSpec,
+)
 from kvtier.tiers.base import Backend
-from kvtier.types import (BlockStatus, CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, LookupResult,
-                          Medium, OffloadingEvent, PrepareStoreOutput, ReqContext, RequestOffloadingContext,
-                          TransferResult)
+from kvtier.types import (
+                           BlockStatus,
+                           CanonicalKVCacheRef,
+                           CanonicalKVCaches,
+                           CanonicalKVCacheTensor,
+                           LookupResult,
+                           Medium,
+                           OffloadingEvent,
+                           PrepareStoreOutput,
+                           ReqContext,
+                           RequestOffloadingContext,
+                           TransferResult,
+)
 
 __version__ = "0.1.0"
 

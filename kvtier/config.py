@@ -10,11 +10,12 @@ field, once (`FIELDS` below and the backends' `OPTIONS`).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from kvtier import registry
 from kvtier.config_input import brief, clip, load_yaml, plain, read_config_file, suggest
@@ -81,7 +82,7 @@ class Capacity:
     blocks: int | None = None
 
     @classmethod
-    def parse(cls, value: Any) -> "Capacity":
+    def parse(cls, value: Any) -> Capacity:
         if isinstance(value, str):
             match = _BLOCKS_RE.match(value)
             if match:
@@ -132,7 +133,7 @@ class HierarchyConfig:
                       for i, t in enumerate(self.tiers))
         object.__setattr__(self, "tiers", tiers)
 
-    def with_capacities(self, first_tier_blocks: int) -> "HierarchyConfig":
+    def with_capacities(self, first_tier_blocks: int) -> HierarchyConfig:
         """A copy whose first tier holds `first_tier_blocks` blocks (capacity sweeps)."""
         first = TierConfig(**{**self.tiers[0].__dict__, "capacity": Capacity(blocks=first_tier_blocks)})
         return HierarchyConfig((first, *self.tiers[1:]), self.block_tokens, self.block_bytes, self.source)

@@ -45,7 +45,7 @@ class Hierarchy:
         finally:
             self.manager.shutdown()
 
-    def __enter__(self) -> "Hierarchy":
+    def __enter__(self) -> Hierarchy:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -44,7 +44,7 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
         """A spec for `block_ids` holding `keys` (specs that record keys override this)."""
         return cls(block_ids, tier=tier)
 
-    def subset(self, positions: Sequence[int]) -> "BlockIDsLoadStoreSpec":
+    def subset(self, positions: Sequence[int]) -> BlockIDsLoadStoreSpec:
         """The same kind of spec restricted to `positions` (indices into `block_ids`)."""
         clone = object.__new__(type(self))
         clone.block_ids = [self.block_ids[p] for p in positions]
@@ -79,7 +79,7 @@ class FileLoadStoreSpec(BlockIDsLoadStoreSpec):
     def for_blocks(cls, block_ids: Sequence[int], keys: Sequence[OffloadKey], tier: str | None = None):
         return cls(block_ids, keys, tier=tier)
 
-    def subset(self, positions: Sequence[int]) -> "FileLoadStoreSpec":
+    def subset(self, positions: Sequence[int]) -> FileLoadStoreSpec:
         clone = super().subset(positions)
         clone.keys = [self.keys[p] for p in positions]
         return clone
@@ -129,7 +129,7 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         self.group_sizes: list[int] = sizes
         self.block_indices: list[int] | None = block_indices
 
-    def subset(self, positions: Sequence[int]) -> "GPULoadStoreSpec":
+    def subset(self, positions: Sequence[int]) -> GPULoadStoreSpec:
         """Not defined: an offloaded block may cover several engine blocks (and the first one
         partly), so key positions do not map to block ids. Build one spec per part instead."""
         raise TypeError("GPULoadStoreSpec cannot be split by key position; build one engine-side spec per part")

@@ -45,7 +45,7 @@ from kvtier.errors import ArgumentError, ArgumentTypeError, ClosedError
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.hierarchy import Hierarchy, build_hierarchy
 from kvtier.keys import GROUP_BYTES, get_offload_group_idx
-from kvtier.specs import (BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec)
+from kvtier.specs import BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import CanonicalKVCaches, LookupResult, TransferResult
 
 _MAX_LOOKUP_ROUNDS = 1000
@@ -67,7 +67,7 @@ class KVTier:
 
     @classmethod
     def open(cls, config: str | Path | HierarchyConfig, kv_caches: CanonicalKVCaches,
-             blocks_per_chunk: int = 1, *, model: str = "", **build_options: Any) -> "KVTier":
+             blocks_per_chunk: int = 1, *, model: str = "", **build_options: Any) -> KVTier:
         """Build the hierarchy of `config` (a YAML path or a `HierarchyConfig`) around `kv_caches`.
 
         The block size in bytes is derived from the KV layout (see `kvtier.handlers.gpu_cpu`).
@@ -202,7 +202,7 @@ class KVTier:
         self._closed = True
         self.hierarchy.close()
 
-    def __enter__(self) -> "KVTier":
+    def __enter__(self) -> KVTier:
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -32,7 +32,7 @@ class BlockStatus(ctypes.Structure):
         self.block_id = block_id
 
     @classmethod
-    def many(cls, block_ids: Iterable[int]) -> list["BlockStatus"]:
+    def many(cls, block_ids: Iterable[int]) -> list[BlockStatus]:
         """`[BlockStatus(i) for i in block_ids]` (being written, ref_cnt -1), built in C loops
         from a packed image of the fields instead of one `__init__` call per block."""
         return list(map(cls.from_buffer_copy, map(_PACK_WRITING, repeat(-1), block_ids)))
@@ -88,7 +88,7 @@ class PrepareStoreOutput:
     """Result of `prepare_store`: which keys to write, where, and which keys left the tier."""
 
     keys_to_store: list[OffloadKey]
-    store_spec: "LoadStoreSpec"
+    store_spec: LoadStoreSpec
     evicted_keys: list[OffloadKey]
 
 

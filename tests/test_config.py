@@ -8,8 +8,8 @@ import pytest
 
 from kvtier import ConfigError, build_hierarchy, load_config, load_config_text, parse_config, parse_size
 from kvtier.cli.main import main
-from kvtier.config_input import MAX_CONFIG_BYTES
 from kvtier.config import Capacity, HierarchyConfig, TierConfig, default_config_path
+from kvtier.config_input import MAX_CONFIG_BYTES
 from kvtier.tiers.base import Backend
 
 GOOD_TIER = "{name: cpu, backend: memory, capacity: 8 blocks}"

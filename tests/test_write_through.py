@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import time
 
-import pytest
+from conftest import keys, memory_hierarchy
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
+from test_manager_state import ManagerMachine
 
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext, build_hierarchy, load_config_text
 from kvtier.handlers.base import TransferHandler
 from kvtier.types import TransferResult
-
-from conftest import keys, memory_hierarchy
-from test_manager_state import ManagerMachine
 
 BLOCK = 4096
 

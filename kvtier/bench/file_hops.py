@@ -29,7 +29,6 @@ from kvtier.tiers.file import RUN_BYTES, FileBackend
 from kvtier.tiers.fileio import ALIGN, aligned_buffer, buffer_address
 from kvtier.tiers.memory import MemoryBackend
 
-
 BENCH_MODEL = "kvtier-bench"  # the identity of the bench's file tiers: they hold random bytes, no model's KV
 BENCH_TOKENS = 256  # tokens per block recorded in the bench's file tiers (the config default)
 

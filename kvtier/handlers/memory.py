@@ -15,7 +15,7 @@ class MemoryCopyHandler(SyncHandler):
         self.backends = backends
 
     @classmethod
-    def for_backends(cls, backends, kv_caches=None) -> "MemoryCopyHandler | None":
+    def for_backends(cls, backends, kv_caches=None) -> MemoryCopyHandler | None:
         """Registry factory: serves every `HostSlots` backend; None when there is none."""
         usable = serving(backends, HostSlots)
         return cls(usable) if usable else None

@@ -97,7 +97,7 @@ class Backend(ABC):
     OPTIONS: ClassVar[dict] = {}
 
     @classmethod
-    def from_config(cls, name: str, num_blocks: int, block_bytes: int, block_size: int, options: dict) -> "Backend":
+    def from_config(cls, name: str, num_blocks: int, block_bytes: int, block_size: int, options: dict) -> Backend:
         """Create the backend of a configured tier (`options` validated against `OPTIONS`)."""
         return cls(name, num_blocks, block_bytes, block_size, **options)
 

@@ -416,7 +416,7 @@ def _clear_cuda_error() -> None:
 
 # path -> the live region this process created there: attach() in the same process maps it
 # through the creator's file descriptor, so it needs no name (and cannot map another's region).
-_OWNED: "weakref.WeakValueDictionary[str, CPUBackend]" = weakref.WeakValueDictionary()
+_OWNED: weakref.WeakValueDictionary[str, CPUBackend] = weakref.WeakValueDictionary()
 
 
 class CPUBackend(Backend):
@@ -481,7 +481,7 @@ class CPUBackend(Backend):
 
     @classmethod
     def attach(cls, shm_name: str, num_blocks: int, block_bytes: int, block_size: int = 0,
-               name: str = "cpu", pin: str | bool = "auto", token: str | None = None) -> "CPUBackend":
+               name: str = "cpu", pin: str | bool = "auto", token: str | None = None) -> CPUBackend:
         """Map a region created by another process or object (same geometry). With `token` (the
         creator's `token`), only that very region is mapped; another one under the same name is
         refused with `RegionError`. A region this process created is mapped through its creator's

@@ -55,13 +55,27 @@ from kvtier.tiers.commit_log import CommitLog
 from kvtier.tiers.file_open import OpenedRoot, TierShape, open_root
 from kvtier.tiers.fileio import ALIGN, choose_engine
 from kvtier.tiers.journal import Journal, JournalScan, journal_capacity, journal_max_bytes, scan_journal
-from kvtier.tiers.manifest import (MANIFEST_MAX_BYTES, load_manifest, manifest_differences, manifest_digest,
-                                   read_manifest)
-from kvtier.tiers.rootdir import (JOURNAL, LOCK, MANIFEST, OWN_FILES, SLAB, TEMPORARIES, TMP, expand_root_dir,
-                                  refuse)
+from kvtier.tiers.manifest import (
+    MANIFEST_MAX_BYTES,
+    load_manifest,
+    manifest_differences,
+    manifest_digest,
+    read_manifest,
+)
+from kvtier.tiers.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, SLAB, TEMPORARIES, TMP, expand_root_dir, refuse
 from kvtier.tiers.slab import RUN_BYTES, SlabIO, block_views
-from kvtier.tiers.slot_format import (FORMAT_VERSION, HEADER_BYTES, MAX_KEY_BYTES, SlotHeader, pack_header,
-                                      parse_header, payload_crc32, slot_bytes_for, verify_parts, verify_slot)
+from kvtier.tiers.slot_format import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAX_KEY_BYTES,
+    SlotHeader,
+    pack_header,
+    parse_header,
+    payload_crc32,
+    slot_bytes_for,
+    verify_parts,
+    verify_slot,
+)
 from kvtier.types import BlockStatus
 
 __all__ = [  # what other modules and tests import from here

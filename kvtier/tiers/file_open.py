@@ -26,10 +26,28 @@ from kvtier.config import format_size
 from kvtier.errors import KVTierError
 from kvtier.tiers.fileio import ALIGN, file_kind
 from kvtier.tiers.journal import Journal, JournalScan, read_journal
-from kvtier.tiers.manifest import (load_manifest, manifest_differences, manifest_digest, manifest_epoch,
-                                   wanted_manifest, write_manifest)
-from kvtier.tiers.rootdir import (JOURNAL, MANIFEST, OWN_FILES, SLAB, TEMPORARIES, RootLock, check_entries,
-                                  open_or_create, prepare_root, refuse, remove_dirs, remove_file)
+from kvtier.tiers.manifest import (
+    load_manifest,
+    manifest_differences,
+    manifest_digest,
+    manifest_epoch,
+    wanted_manifest,
+    write_manifest,
+)
+from kvtier.tiers.rootdir import (
+    JOURNAL,
+    MANIFEST,
+    OWN_FILES,
+    SLAB,
+    TEMPORARIES,
+    RootLock,
+    check_entries,
+    open_or_create,
+    prepare_root,
+    refuse,
+    remove_dirs,
+    remove_file,
+)
 
 log = logging.getLogger("kvtier.tiers.file")
 

@@ -6,17 +6,24 @@ import math
 import threading
 
 import pytest
+from conftest import Jobs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec,
-                    GPULoadStoreSpec, build_hierarchy, load_config_text)
+from kvtier import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    build_hierarchy,
+    load_config_text,
+)
 from kvtier.handlers import rows
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout, make_cpu_to_gpu, make_gpu_to_cpu, make_handler
 from kvtier.tiers.base import HostRegion, HostSlots
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.memory import MemoryBackend
-from conftest import Jobs
 
 torch = pytest.importorskip("torch")
 

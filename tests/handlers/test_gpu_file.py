@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from conftest import Jobs
 
 from kvtier import CanonicalKVCacheRef, CanonicalKVCacheTensor, FileLoadStoreSpec, GPULoadStoreSpec
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.handlers.gpu_file import aligned_rows, make_file_to_gpu, make_gpu_to_file
 from kvtier.tiers.file import FileBackend
-from conftest import Jobs
 
 torch = pytest.importorskip("torch")
 

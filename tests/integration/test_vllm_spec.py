@@ -20,8 +20,13 @@ BPC = 2  # engine blocks per offloaded block
 
 
 def _config(tmp_path, events=True, kvtier_config=None, rank=0, world_size=1, engine_id=None):
-    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-                                           OffloadingModelConfig, OffloadingParallelConfig)
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
 
     kvtier_config = kvtier_config or {"block_tokens": 999, "tiers": [
         {"name": "cpu", "backend": "cpu", "capacity": "4 blocks", "cascade": "on_store"},
@@ -124,8 +129,13 @@ def test_manager_adapter_types_events_and_stats(spec):
 
 def test_worker_round_trip_through_shared_region(spec):
     import torch
-    from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor,
-                                         GPULoadStoreSpec, ReqContext)
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        ReqContext,
+    )
 
     m = spec.get_manager()
     engine = torch.randint(-128, 127, (8, PAGE), dtype=torch.int8)

@@ -9,6 +9,7 @@ import os
 import stat
 
 import pytest
+from conftest import flip
 
 from kvtier import ConfigError, IntegrityError, KVTierError, load_config_text
 from kvtier.tiers import file as file_module
@@ -16,7 +17,6 @@ from kvtier.tiers import fileio
 from kvtier.tiers.file import HEADER_BYTES, JOURNAL, MANIFEST, SLAB, FileBackend
 from kvtier.tiers.file_inspect import inspect_root
 from kvtier.types import BlockStatus
-from conftest import flip
 
 BLOCK = 16 * 1024
 

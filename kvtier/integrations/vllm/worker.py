@@ -32,7 +32,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
     of each slot. A failed copy is reported as `success=False`, never as wrong bytes.
     """
 
-    def __init__(self, spec: "KVTierOffloadingSpec", kv_caches: CanonicalKVCaches):
+    def __init__(self, spec: KVTierOffloadingSpec, kv_caches: CanonicalKVCaches):
         self.spec = spec
         self.kv_caches = kv_caches
         self._backend = None
