@@ -259,7 +259,8 @@ def _read_fields(raw: Mapping[str, Any], fields: Mapping[str, tuple[Any, Any]], 
         if problems.full:  # no suggestion computed for problems that are not shown
             problems.dropped += 1
             continue
-        problems.add(f"{path}{_key(key)}", f"unknown key for {what}{suggest(key, valid)}; valid keys: {', '.join(valid)}")
+        problems.add(f"{path}{_key(key)}",
+                     f"unknown key for {what}{suggest(key, valid)}; valid keys: {', '.join(valid)}")
     for key, (default, check) in fields.items():
         if key not in raw or (raw[key] is None and default is not REQUIRED):
             if default is REQUIRED:
@@ -310,7 +311,8 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
     if raw is None:
         raise ConfigError([("", f"{source}: the config is empty; it must be a mapping with a 'tiers' list")])
     if not isinstance(raw, Mapping):
-        raise ConfigError([("", f"{source}: the config must be a mapping with a 'tiers' list, got {type(raw).__name__}")])
+        raise ConfigError([("", f"{source}: the config must be a mapping with a 'tiers' list, "
+                                f"got {type(raw).__name__}")])
     top = _read_fields(raw, TOP_FIELDS, "", problems, "the hierarchy")
     raw_tiers = raw.get("tiers")
     tiers: list[TierConfig] = []
@@ -341,7 +343,8 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
                                problems, what)
         name = fields.get("name")
         if name in seen_names:
-            problems.add(f"{path}name", f"duplicate tier name {name!r} (also tiers[{seen_names[name]}]); names must be unique")
+            problems.add(f"{path}name",
+                         f"duplicate tier name {name!r} (also tiers[{seen_names[name]}]); names must be unique")
         elif isinstance(name, str):
             seen_names[name] = i
         policy = fields.get("policy")  # None: the default of the tier's position (HierarchyConfig)

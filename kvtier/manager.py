@@ -196,7 +196,8 @@ class HierarchyManager(OffloadingManager):
             assert block is not None, "a block pinned by prepare_load stays resident"
             block.ref_cnt -= 1
 
-    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Collection[OffloadKey],
+                      req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
         self._jobs.drain()
         self._cascade.advance_writes()
         top = self._top

@@ -51,14 +51,6 @@ _PACK_WRITING = struct.Struct("=i4xq").pack
 assert struct.calcsize("=i4xq") == ctypes.sizeof(BlockStatus) and BlockStatus.block_id.offset == 8
 
 
-class Medium(str, Enum):
-    """Where bytes can live."""
-
-    GPU = "GPU"
-    CPU = "CPU"
-    FILE = "FILE"
-
-
 class LookupResult(Enum):
     """Answer of `OffloadingManager.lookup` for one block."""
 

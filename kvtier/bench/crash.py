@@ -324,7 +324,8 @@ def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_k
     totals["child_died"] = sum(1 for r in rows if r["child_died"])
     return {"schema": "kvtier.crash/1", "iterations": iterations, "upper": upper, "seed": seed,
             "block_bytes": BLOCK_BYTES, "upper_blocks": UPPER_BLOCKS, "file_blocks": FILE_BLOCKS,
-            "promote_batch": promote_batch, "root_dir": str(root), "seconds": round(time.perf_counter() - started, 2), "totals": totals, "rows": rows}
+            "promote_batch": promote_batch, "root_dir": str(root), "seconds": round(time.perf_counter() - started, 2),
+            "totals": totals, "rows": rows}
 
 
 HEADER = (f"{'it':>4} {'kill_s':>7} {'written':>7} {'frees':>6} {'recovered':>9} {'served_ok':>9} "

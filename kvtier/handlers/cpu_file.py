@@ -1,7 +1,8 @@
 """CPU <-> FILE handlers: copy blocks between a host-memory backend and a file tier.
 
 The host side is any `HostSlots` backend (MemoryBackend, the shared-memory CPUBackend); the file
-side any `BlockFile` backend (FileBackend); see `kvtier.tiers.base`. `spec.tier` names the backend of each side. Each job runs on the handler's pool;
+side any `BlockFile` backend (FileBackend); see `kvtier.tiers.base`. `spec.tier` names the backend of
+each side. Each job runs on the handler's pool;
 an exception inside a job (disk full, EIO, a block failing verification) fails that job only.
 """
 

@@ -144,7 +144,8 @@ class CudaKVCopyHandler(EngineJobHandler):
         gpu, cpu = _split(self.to_cpu, src, dst)
         backend = pick_backend(self.backends, cpu, "CPU")
         if backend.block_bytes < self.layout.block_bytes:
-            raise ValueError(f"tier {backend.name!r} blocks are smaller than the KV layout's {self.layout.block_bytes} B")
+            raise ValueError(f"tier {backend.name!r} blocks are smaller than the KV layout's "
+                             f"{self.layout.block_bytes} B")
         slots = torch.as_tensor(cpu.block_ids, dtype=torch.int64)
         k = len(slots)
         if k and int(slots.max()) >= backend.num_blocks:

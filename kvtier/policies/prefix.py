@@ -174,7 +174,7 @@ class PrefixFreqCachePolicy(CachePolicy):
                 seg = 1
                 returns[5] += 1
             else:
-                for seg, lane in probe:
+                for seg, lane in probe:  # noqa: B007 - seg is read after the loop: where the key was found
                     stamp = lane.pop(key, None)
                     if stamp is not None:
                         break

@@ -136,7 +136,7 @@ class Backend(ABC):
         """Blocks that survive from an earlier process (ready, slots claimed). Default: none."""
         return []
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook, not abstract: most backends need it, some do not
         """Release memory, files and handles. Idempotent. Default: nothing to release."""
 
 

@@ -140,13 +140,13 @@ def open_root(root_dir: str, shape: TierShape) -> OpenedRoot:
     try:
         root, created_dirs = prepare_root(str(Path(root_dir)))
     except OSError as exc:
-        raise _as_build_error(shape, Path(root_dir), exc)
+        raise _as_build_error(shape, Path(root_dir), exc)  # noqa: B904 - it chains its cause itself, or is exc
     created = _Created(created_dirs)
     try:
         lock = RootLock(root)
     except BaseException as exc:
         created.remove()
-        raise _as_build_error(shape, root, exc)
+        raise _as_build_error(shape, root, exc)  # noqa: B904 - it chains its cause itself, or is exc
     try:
         if lock.created:
             created.files.append(lock.path)
@@ -158,7 +158,7 @@ def open_root(root_dir: str, shape: TierShape) -> OpenedRoot:
             created.remove()
         finally:
             lock.release()
-        raise _as_build_error(shape, root, exc)
+        raise _as_build_error(shape, root, exc)  # noqa: B904 - it chains its cause itself, or is exc
     return OpenedRoot(root, lock, created, contents)
 
 

@@ -37,7 +37,8 @@ def _config(tmp_path, events=True, kvtier_config=None, rank=0, world_size=1, eng
         extra_config={"kvtier_config": kvtier_config}, engine_id=engine_id or f"unit-{time.time_ns()}",
         model=OffloadingModelConfig(name="tiny", dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
-        parallel=OffloadingParallelConfig(rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
+        parallel=OffloadingParallelConfig(rank=rank, world_size=world_size, tp_size=world_size, pp_size=1,
+                                          pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=True))
 

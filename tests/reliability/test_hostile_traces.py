@@ -63,7 +63,7 @@ BUG_CASES = {
 def check(rc, err, path, line):
     assert rc == 2, err
     assert "Traceback" not in err
-    lines = [l for l in err.splitlines() if l.strip()]
+    lines = [line for line in err.splitlines() if line.strip()]
     assert len(lines) == 1, f"expected one message, got: {err[:500]}"
     assert lines[0].startswith("kvtier: error: ")
     assert path in lines[0]

@@ -428,7 +428,9 @@ def test_failed_commit_fails_every_caller_and_commits_nothing(root, monkeypatch)
     b = open_backend(root, sync_interval=0)
     write(b, [0], [0])
     real_sync = type(b.io).sync
-    monkeypatch.setattr(type(b.io), "sync", lambda self: (_ for _ in ()).throw(OSError(errno.EIO, "Input/output error")))
+    def eio(self):
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(type(b.io), "sync", eio)
     with pytest.raises(OSError, match="Input/output error"):
         write(b, [1, 2], [1, 2])
     assert set(b.committed()) == {0}
@@ -572,7 +574,8 @@ def test_zero_copy_round_trip_and_integrity(root, monkeypatch):
     calls = []
     for name in ("pwritev", "preadv", "pwrite", "pread"):
         real = getattr(type(b.io), name)
-        monkeypatch.setattr(type(b.io), name, lambda self, off, x, _n=name, _r=real: (calls.append(_n), _r(self, off, x))[1])
+        monkeypatch.setattr(type(b.io), name,
+                            lambda self, off, x, _n=name, _r=real: (calls.append(_n), _r(self, off, x))[1])
     _arena, src = aligned_views(4)
     for i, view in enumerate(src):
         view[:] = payload(i)
