@@ -144,7 +144,8 @@ def replay_manager(manager: Any, trace: Trace, *, vllm_api: bool = False, contex
     """
     keys_per_request = _keys_for(trace)
     make_ctx = context_factory or ReqContext
-    HIT, MISS = LookupResult.HIT, LookupResult.MISS
+    HIT: object = LookupResult.HIT
+    MISS: object = LookupResult.MISS
     if vllm_api:
         from vllm.v1.kv_offload.base import LookupResult as VLookup  # only with --compare vllm
 

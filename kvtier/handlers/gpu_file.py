@@ -24,9 +24,8 @@ from kvtier.handlers.gpu_cpu import EngineJobHandler
 from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import BlockFile
+from kvtier.tiers.fileio import ALIGN as _ALIGN  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
 from kvtier.types import CanonicalKVCaches
-
-_ALIGN = 4096  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
 
 
 def aligned_rows(n: int, row_bytes: int, pin: bool = False):

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvtier.handlers.rows import RowCopier, common_words, run_start, words
 from kvtier.specs import GPULoadStoreSpec
-from kvtier.types import CanonicalKVCaches
+from kvtier.types import CanonicalKVCacheRef, CanonicalKVCaches
 
 
 def byte_rows(tensor, page: int):
@@ -85,7 +85,7 @@ class KVLayout:
         self.device = self.tensors[0].device
         self.num_engine_blocks = min(t.shape[0] for t in self.tensors)
         refs = kv_caches.group_data_refs or [
-            [_Ref(i, t.page_size_bytes) for i, t in enumerate(kv_caches.tensors)]]
+            [CanonicalKVCacheRef(i, t.page_size_bytes) for i, t in enumerate(kv_caches.tensors)]]
         self.groups: list[list[Segment]] = []
         for refs_of_group in refs:
             offset, segments = 0, []
@@ -237,12 +237,6 @@ class ChunkedKVCaches(CanonicalKVCaches):
     """
 
     blocks_per_chunk: int = 1
-
-
-@dataclass
-class _Ref:
-    tensor_idx: int
-    page_size_bytes: int
 
 
 

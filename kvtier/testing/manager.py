@@ -49,7 +49,7 @@ IDLE_SECONDS = 20.0
 def _spec_tier(spec: LoadStoreSpec, tiers: Collection[str]) -> str:
     """The tier a spec addresses: its `tier` when the model knows that name, else its medium."""
     tier = getattr(spec, "tier", None)
-    return tier if tier in tiers else spec.medium()
+    return tier if isinstance(tier, str) and tier in tiers else spec.medium()
 
 
 def _load_tiers(spec: LoadStoreSpec, count: int, tiers: Collection[str]) -> list[str]:

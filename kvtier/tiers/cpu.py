@@ -56,8 +56,9 @@ from typing import Any, NamedTuple
 from kvtier.errors import KVTierError
 from kvtier.specs import CPULoadStoreSpec
 from kvtier.tiers.base import Backend
+from kvtier.tiers.owners import pid_alive
 
-log = logging.getLogger("kvtier.tiers.cpu")
+log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 # cudaHostRegister is called on chunks of at most this many bytes (drivers limit one registration).
@@ -116,16 +117,6 @@ def _unlink_quietly(path: str) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: exists, another user's
-        return True
-    return True
 
 
 # ------------------------------------------------------------------ names this process must remove
@@ -242,7 +233,7 @@ def remove_stale_regions(shm_dir: str | None = None, min_age_s: float = 10.0) ->
     creating and locking one) are left alone.
     """
     shm_dir = shm_dir or SHM_DIR
-    removed = []
+    removed: list[str] = []
     try:
         names = os.listdir(shm_dir)
     except OSError:
@@ -279,7 +270,7 @@ def _remove_if_stale(path: str, min_age_s: float) -> bool:
             if not name.startswith("kvtier-"):
                 return False  # not a kvtier region
             pid = name.split("-")[1]
-            if pid.isdigit() and _pid_alive(int(pid)):
+            if pid.isdigit() and pid_alive(int(pid)):
                 return False
         if time.time() - st.st_ctime < min_age_s or not _lock_if_owner_dead(fd):
             return False
@@ -449,7 +440,7 @@ class CPUBackend(Backend):
         self._closed = False
         self._lock_fd = -1
         self._claim_fd = -1
-        self._finalizer = None
+        self._finalizer: weakref.finalize | None = None
         if _create:
             self.token = secrets.token_hex(16)
             fd = self._create_region()

@@ -49,7 +49,7 @@ from kvtier.tiers.rootdir import (
     remove_file,
 )
 
-log = logging.getLogger("kvtier.tiers.file")
+log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file.py)
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,7 @@ def _open_contents(root: Path, shape: TierShape) -> _Contents:
     found, unreadable = load_manifest(root)
     diffs = [f"no readable manifest: {unreadable}"] if unreadable else manifest_differences(found, wanted)
     if not diffs:
+        assert found is not None  # no differences: a manifest was read
         scan = read_journal(root / JOURNAL, shape.num_slots, shape.journal_capacity)
         if scan.problem is None and scan.epoch != manifest_epoch(found):
             scan.problem = "journal belongs to another epoch"
