@@ -5,32 +5,67 @@ move or hold bytes, when they are used.
 """
 
 from kvtier.config import HierarchyConfig, load_config, load_config_text, parse_config, parse_size
-from kvtier.engine import TransferEngine
-from kvtier.errors import (ArgumentError, ArgumentTypeError, ClosedError, ConfigError, IntegrityError, KVTierError,
-                           TransferError)
+from kvtier.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    ClosedError,
+    ConfigError,
+    IntegrityError,
+    KVTierError,
+    TransferError,
+)
+from kvtier.handlers.base import TransferHandler
 from kvtier.hierarchy import Hierarchy, build_hierarchy
 from kvtier.interfaces import OffloadingManager
 from kvtier.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key
 from kvtier.lru_manager import LRUOffloadingManager
-from kvtier.manager import HierarchyManager, Tier
-from kvtier.policies import ARCCachePolicy, CachePolicy, LRUCachePolicy
-from kvtier.specs import (BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, CPULoadStoreSpec, FileLoadStoreSpec,
-                          GPULoadStoreSpec, LoadStoreSpec)
-from kvtier.tiers.base import Backend
-from kvtier.types import (BlockStatus, CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, LookupResult,
-                          Medium, OffloadingEvent, PrepareStoreOutput, ReqContext, RequestOffloadingContext,
-                          TransferResult)
+from kvtier.manager import HierarchyManager
+from kvtier.policies.arc import ARCCachePolicy
+from kvtier.policies.base import CachePolicy
+from kvtier.policies.lru import LRUCachePolicy
+from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.sieve import SIEVECachePolicy
+from kvtier.registry import register_handler
+from kvtier.specs import (
+    BlockIDsLoadStoreSpec,
+    CompositeLoadStoreSpec,
+    CPULoadStoreSpec,
+    FileLoadStoreSpec,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+)
+from kvtier.standalone import KVTier
+from kvtier.tiers.base import Backend, BlockFile, HostRegion, HostSlots
+from kvtier.types import (
+    BlockStatus,
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    LookupResult,
+    OffloadingEvent,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    TransferResult,
+)
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 
 __all__ = [
-    "ARCCachePolicy", "ArgumentError", "ArgumentTypeError", "Backend", "BlockIDsLoadStoreSpec", "BlockStatus", "CPULoadStoreSpec", "CachePolicy",
-    "CanonicalKVCacheRef", "CanonicalKVCacheTensor", "CanonicalKVCaches", "ClosedError", "CompositeLoadStoreSpec",
-    "ConfigError",
-    "FileLoadStoreSpec", "GPULoadStoreSpec", "Hierarchy", "HierarchyConfig", "HierarchyManager", "IntegrityError",
-    "KVTierError", "LRUCachePolicy", "LRUOffloadingManager", "LoadStoreSpec", "LookupResult", "Medium",
-    "OffloadKey", "OffloadingEvent", "OffloadingManager", "PrepareStoreOutput", "ReqContext",
-    "RequestOffloadingContext", "Tier", "TransferEngine", "TransferError", "TransferResult", "build_hierarchy",
-    "get_offload_block_hash", "get_offload_group_idx", "load_config", "load_config_text", "make_offload_key",
-    "parse_config", "parse_size",
+    # front-ends
+    "KVTier", "Hierarchy", "build_hierarchy", "HierarchyManager", "LRUOffloadingManager", "OffloadingManager",
+    # configuration
+    "HierarchyConfig", "load_config", "load_config_text", "parse_config", "parse_size",
+    # policies (every shipped one) and the base to write another
+    "CachePolicy", "LRUCachePolicy", "ARCCachePolicy", "PrefixFreqCachePolicy", "SIEVECachePolicy",
+    # extending: backends, their capabilities, handlers
+    "Backend", "HostSlots", "HostRegion", "BlockFile", "TransferHandler", "register_handler",
+    # keys, specs and the protocol's value types
+    "OffloadKey", "make_offload_key", "get_offload_block_hash", "get_offload_group_idx",
+    "LoadStoreSpec", "GPULoadStoreSpec", "CPULoadStoreSpec", "FileLoadStoreSpec", "BlockIDsLoadStoreSpec",
+    "CompositeLoadStoreSpec", "BlockStatus", "LookupResult", "OffloadingEvent", "PrepareStoreOutput", "ReqContext",
+    "RequestOffloadingContext", "TransferResult", "CanonicalKVCacheRef", "CanonicalKVCacheTensor", "CanonicalKVCaches",
+    # errors
+    "KVTierError", "ConfigError", "ArgumentError", "ArgumentTypeError", "ClosedError", "IntegrityError",
+    "TransferError",
 ]

@@ -8,8 +8,7 @@ import os
 from pathlib import Path
 
 from kvtier.config import format_size
-
-SHM_DIR = "/dev/shm"
+from kvtier.tiers import cpu
 
 
 def available_memory() -> int | None:
@@ -58,9 +57,9 @@ def capacity_problem(backend: str, medium: str, need: int, options: dict) -> str
         if mem is not None:
             limits.append((mem, "available memory"))
         if backend == "cpu":
-            shm = free_space(SHM_DIR)
+            shm = free_space(cpu.SHM_DIR)
             if shm is not None:
-                limits.append((shm, f"free space in {SHM_DIR}"))
+                limits.append((shm, f"free space in {cpu.SHM_DIR}"))
         for limit, what in limits:
             if need > limit:
                 return f"{format_size(need)} is more than the {what} ({format_size(limit)}); lower the capacity"

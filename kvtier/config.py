@@ -10,18 +10,19 @@ field, once (`FIELDS` below and the backends' `OPTIONS`).
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from fractions import Fraction
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any
 
 from kvtier import registry
 from kvtier.config_input import brief, clip, load_yaml, plain, read_config_file, suggest
 from kvtier.errors import ConfigError
+from kvtier.types import CASCADE_MODES, DEFAULT_CASCADE, DEFAULT_RESERVE
 
 REQUIRED = object()
-CASCADE_MODES = ("on_evict", "on_store", "none")
 
 _UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _DECIMAL = {"KB": "KiB", "MB": "MiB", "GB": "GiB", "TB": "TiB", "K": "KiB", "M": "MiB", "G": "GiB", "T": "TiB",
@@ -35,6 +36,7 @@ MAX_BYTES = 1 << 60  # 1 EiB: more than any memory or disk, and byte offsets sta
 _MAX_BYTES_TEXT = "1048576TiB (1 EiB)"
 MAX_BLOCKS = 10**12
 MAX_BLOCK_TOKENS = 1 << 20
+DEFAULT_BLOCK_TOKENS = 256  # tokens per offloaded block when the config does not say
 _MAX_NUMBER_CHARS = 24  # longer numbers are beyond every limit above; never converted
 
 
@@ -81,7 +83,7 @@ class Capacity:
     blocks: int | None = None
 
     @classmethod
-    def parse(cls, value: Any) -> "Capacity":
+    def parse(cls, value: Any) -> Capacity:
         if isinstance(value, str):
             match = _BLOCKS_RE.match(value)
             if match:
@@ -101,12 +103,18 @@ class Capacity:
         """Capacity in blocks, given the size of one block (needed for byte capacities)."""
         if self.blocks is not None:
             return self.blocks
+        size = self._size()
         if not block_bytes:
-            raise ConfigError(f"capacity {format_size(self.bytes)} needs the block size in bytes to be known")
-        return self.bytes // block_bytes
+            raise ConfigError(f"capacity {format_size(size)} needs the block size in bytes to be known")
+        return size // block_bytes
+
+    def _size(self) -> int:
+        """The byte size of a capacity given in bytes."""
+        assert self.bytes is not None, "a Capacity has exactly one of blocks and bytes"
+        return self.bytes
 
     def __str__(self) -> str:
-        return f"{self.blocks} blocks" if self.blocks is not None else format_size(self.bytes)
+        return f"{self.blocks} blocks" if self.blocks is not None else format_size(self._size())
 
 
 @dataclass(frozen=True)
@@ -115,15 +123,15 @@ class TierConfig:
     backend: str
     capacity: Capacity
     policy: str | None = None  # None: default_policy(position), filled in by HierarchyConfig
-    cascade: str = "on_evict"
-    reserve: float = 0.1
+    cascade: str = DEFAULT_CASCADE
+    reserve: float = DEFAULT_RESERVE
     options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
 
 @dataclass(frozen=True)
 class HierarchyConfig:
     tiers: tuple[TierConfig, ...]
-    block_tokens: int = 256
+    block_tokens: int = DEFAULT_BLOCK_TOKENS
     block_bytes: int | None = None
     source: str = "<dict>"
 
@@ -132,7 +140,7 @@ class HierarchyConfig:
                       for i, t in enumerate(self.tiers))
         object.__setattr__(self, "tiers", tiers)
 
-    def with_capacities(self, first_tier_blocks: int) -> "HierarchyConfig":
+    def with_capacities(self, first_tier_blocks: int) -> HierarchyConfig:
         """A copy whose first tier holds `first_tier_blocks` blocks (capacity sweeps)."""
         first = TierConfig(**{**self.tiers[0].__dict__, "capacity": Capacity(blocks=first_tier_blocks)})
         return HierarchyConfig((first, *self.tiers[1:]), self.block_tokens, self.block_bytes, self.source)
@@ -175,7 +183,7 @@ def _text(v: Any) -> str:
 
 
 TOP_FIELDS: dict[str, tuple[Any, Any]] = {
-    "block_tokens": (256, _positive_int(MAX_BLOCK_TOKENS)),
+    "block_tokens": (DEFAULT_BLOCK_TOKENS, _positive_int(MAX_BLOCK_TOKENS)),
     "block_bytes": (None, parse_size),
     "tiers": (REQUIRED, None),
 }
@@ -185,8 +193,8 @@ TIER_FIELDS: dict[str, tuple[Any, Any]] = {
     "backend": (REQUIRED, _text),
     "capacity": (REQUIRED, Capacity.parse),
     "policy": (None, _text),  # None: default_policy(position of the tier), see HierarchyConfig
-    "cascade": ("on_evict", _choice(CASCADE_MODES)),
-    "reserve": (0.1, _fraction),
+    "cascade": (DEFAULT_CASCADE, _choice(CASCADE_MODES)),
+    "reserve": (DEFAULT_RESERVE, _fraction),
 }
 
 
@@ -258,7 +266,8 @@ def _read_fields(raw: Mapping[str, Any], fields: Mapping[str, tuple[Any, Any]], 
         if problems.full:  # no suggestion computed for problems that are not shown
             problems.dropped += 1
             continue
-        problems.add(f"{path}{_key(key)}", f"unknown key for {what}{suggest(key, valid)}; valid keys: {', '.join(valid)}")
+        problems.add(f"{path}{_key(key)}",
+                     f"unknown key for {what}{suggest(key, valid)}; valid keys: {', '.join(valid)}")
     for key, (default, check) in fields.items():
         if key not in raw or (raw[key] is None and default is not REQUIRED):
             if default is REQUIRED:
@@ -309,7 +318,8 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
     if raw is None:
         raise ConfigError([("", f"{source}: the config is empty; it must be a mapping with a 'tiers' list")])
     if not isinstance(raw, Mapping):
-        raise ConfigError([("", f"{source}: the config must be a mapping with a 'tiers' list, got {type(raw).__name__}")])
+        raise ConfigError([("", f"{source}: the config must be a mapping with a 'tiers' list, "
+                                f"got {type(raw).__name__}")])
     top = _read_fields(raw, TOP_FIELDS, "", problems, "the hierarchy")
     raw_tiers = raw.get("tiers")
     tiers: list[TierConfig] = []
@@ -340,7 +350,8 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
                                problems, what)
         name = fields.get("name")
         if name in seen_names:
-            problems.add(f"{path}name", f"duplicate tier name {name!r} (also tiers[{seen_names[name]}]); names must be unique")
+            problems.add(f"{path}name",
+                         f"duplicate tier name {name!r} (also tiers[{seen_names[name]}]); names must be unique")
         elif isinstance(name, str):
             seen_names[name] = i
         policy = fields.get("policy")  # None: the default of the tier's position (HierarchyConfig)

@@ -217,7 +217,8 @@ def _loader_class(libyaml: bool):
             if self.check_event(AliasEvent):
                 self.aliases += 1
             if parent is not None:  # the root has no path segment
-                self.path.append(index if isinstance(index, int) else index.value if isinstance(index, ScalarNode) else "?")
+                self.path.append(index if isinstance(index, int)
+                                 else index.value if isinstance(index, ScalarNode) else "?")
             try:
                 if len(self.path) > MAX_DEPTH:
                     raise _Refused(self.path[:-1], f"nested more than {MAX_DEPTH} deep (the limit)")

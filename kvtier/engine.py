@@ -17,7 +17,7 @@ from kvtier.handlers.base import TransferHandler
 from kvtier.specs import CompositeLoadStoreSpec, LoadStoreSpec
 from kvtier.types import TransferResult
 
-log = logging.getLogger("kvtier.engine")
+log = logging.getLogger(__name__)
 
 SpecPair = tuple[type[LoadStoreSpec], type[LoadStoreSpec]]
 

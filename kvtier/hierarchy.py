@@ -11,7 +11,7 @@ empty worker plane) and each worker builds its own plane over the CPU region it 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from kvtier import registry
 from kvtier.capacity import capacity_problem
@@ -45,7 +45,7 @@ class Hierarchy:
         finally:
             self.manager.shutdown()
 
-    def __enter__(self) -> "Hierarchy":
+    def __enter__(self) -> Hierarchy:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -91,7 +91,8 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
     worker: WorkerPlane | None = None
     try:
         for i, (tier_cfg, n) in enumerate(zip(config.tiers, tier_blocks(config, block_bytes))):
-            cls = registry.load_class(registry.BACKEND, tier_cfg.backend, f"tiers[{i}].backend")
+            # load_class checked that it derives from the kind's base (Backend)
+            cls = cast("type[Backend]", registry.load_class(registry.BACKEND, tier_cfg.backend, f"tiers[{i}].backend"))
             if not dry_run and block_bytes:
                 problem = capacity_problem(tier_cfg.backend, cls.medium, n * block_bytes, dict(tier_cfg.options))
                 if problem:
@@ -104,6 +105,7 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
                     options.update(fingerprint=_persistent_identity(i, tier_cfg, model), layout=layout)
                 backend = _build_backend(cls, i, tier_cfg.name, n, block_bytes or 0, config.block_tokens, options)
             backends[tier_cfg.name] = backend
+            assert tier_cfg.policy is not None, "HierarchyConfig fills in every tier's policy"
             policy = with_key_index(registry.load_class(registry.POLICY, tier_cfg.policy, f"tiers[{i}].policy")(n))
             if tier_cfg.cascade == "on_evict" and i + 1 < len(config.tiers) and not predicts_victims(policy):
                 raise ConfigError([(f"tiers[{i}].cascade", f"'on_evict' copies blocks down before they are evicted, "

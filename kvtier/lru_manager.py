@@ -9,8 +9,14 @@ from kvtier.interfaces import OffloadingManager
 from kvtier.keys import OffloadKey
 from kvtier.specs import LoadStoreSpec
 from kvtier.tiers.base import Backend
-from kvtier.types import (BlockStatus, LookupResult, OffloadingEvent, PrepareStoreOutput, ReqContext,
-                          RequestOffloadingContext)
+from kvtier.types import (
+    BlockStatus,
+    LookupResult,
+    OffloadingEvent,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
 
 
 class LRUOffloadingManager(OffloadingManager):

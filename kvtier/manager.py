@@ -38,13 +38,14 @@ from typing import Any, cast
 from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, JobTable
 from kvtier.control.promotion import Promotions
-from kvtier.control.tier import CASCADE_MODES, Tier, TierStats
+from kvtier.control.tier import Tier, TierStats
 from kvtier.engine import TransferEngine
 from kvtier.errors import WaitTimeout
 from kvtier.interfaces import OffloadingManager
 from kvtier.keys import OffloadKey
 from kvtier.specs import CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import (
+    CASCADE_MODES,
     BlockStatus,
     LookupResult,
     OffloadingEvent,
@@ -196,7 +197,8 @@ class HierarchyManager(OffloadingManager):
             assert block is not None, "a block pinned by prepare_load stays resident"
             block.ref_cnt -= 1
 
-    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Collection[OffloadKey],
+                      req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
         self._jobs.drain()
         self._cascade.advance_writes()
         top = self._top

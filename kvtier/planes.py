@@ -26,7 +26,6 @@ from kvtier.tiers.base import Backend
 from kvtier.types import TransferResult
 
 
-
 def _touches_kv(src: type, dst: type) -> bool:
     """Whether a pair of spec types has the engine's KV caches (`GPULoadStoreSpec`) on one side."""
     return issubclass(src, GPULoadStoreSpec) or issubclass(dst, GPULoadStoreSpec)

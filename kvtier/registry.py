@@ -41,7 +41,8 @@ POLICIES: dict[str, str] = {
 # are entered into the handler table on its first use (`_table`), so importing this module imports
 # no spec, handler, torch or kvikio.
 BUILTIN_HANDLERS: tuple[tuple[str, str, str], ...] = (
-    ("kvtier.specs:CPULoadStoreSpec", "kvtier.specs:CPULoadStoreSpec", "kvtier.handlers.memory:MemoryCopyHandler.for_backends"),
+    ("kvtier.specs:CPULoadStoreSpec", "kvtier.specs:CPULoadStoreSpec",
+     "kvtier.handlers.memory:MemoryCopyHandler.for_backends"),
     ("kvtier.specs:CPULoadStoreSpec", "kvtier.specs:FileLoadStoreSpec", "kvtier.handlers.cpu_file:make_cpu_to_file"),
     ("kvtier.specs:FileLoadStoreSpec", "kvtier.specs:CPULoadStoreSpec", "kvtier.handlers.cpu_file:make_file_to_cpu"),
     ("kvtier.specs:GPULoadStoreSpec", "kvtier.specs:CPULoadStoreSpec", "kvtier.handlers.gpu_cpu:make_gpu_to_cpu"),
@@ -129,7 +130,8 @@ def register_handler(src_spec: type, dst_spec: type, factory: Any) -> None:
     _check_spec_type("src_spec", src_spec)
     _check_spec_type("dst_spec", dst_spec)
     if not (callable(factory) or isinstance(factory, str)):
-        raise ArgumentTypeError(f"register_handler: factory must be a callable or a 'module:attr' path, got {factory!r}")
+        raise ArgumentTypeError("register_handler: factory must be a callable or a 'module:attr' path, "
+                                f"got {factory!r}")
     table = _table()
     pair = (src_spec, dst_spec)
     if pair in table:
@@ -229,7 +231,8 @@ def check_name(kind: Kind, name: str) -> str | None:
         return (f"unknown {kind.word} {brief(name)}{suggest(name, kind.names)}; known: {', '.join(kind.names)} "
                 f"or 'package.module:Class'")
     if not _DOTTED.match(module_name) or not _DOTTED.match(attr):
-        return f"{brief(name)} is not a {kind.word} name: write one of {', '.join(kind.names)} or 'package.module:Class'"
+        return (f"{brief(name)} is not a {kind.word} name: write one of {', '.join(kind.names)} "
+                "or 'package.module:Class'")
     if not module_exists(module_name):
         return (f"unknown {kind.word} {brief(name)}: no module {brief(module_name)} is installed; known: "
                 f"{', '.join(kind.names)} or 'package.module:Class'")

@@ -8,7 +8,8 @@ tiers of the same kind.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import TypeVar
 
 from kvtier.keys import OffloadKey
 
@@ -24,13 +25,21 @@ class LoadStoreSpec(ABC):
     def __len__(self) -> int:  # pragma: no cover - every concrete spec overrides
         raise NotImplementedError
 
+    def subset(self, positions: Sequence[int]) -> LoadStoreSpec:
+        """The same kind of spec restricted to `positions` (needed to split a multi-tier job).
+        Default: this spec cannot be split (`TypeError`)."""
+        raise TypeError(f"{type(self).__name__} cannot be split by position (it has no subset())")
+
+
+_Spec = TypeVar("_Spec", bound="BlockIDsLoadStoreSpec")
+
 
 class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
     """Blocks addressed by slot numbers inside one tier (`tier` names it, None = the only one)."""
 
     __slots__ = ("block_ids", "tier")
 
-    def __init__(self, block_ids: Sequence[int], tier: str | None = None):
+    def __init__(self, block_ids: Iterable[int], tier: str | None = None):
         self.block_ids: list[int] = list(map(int, block_ids))
         if self.block_ids and min(self.block_ids) < 0:
             raise ValueError(f"block_ids must be >= 0, got {self.block_ids}")
@@ -44,7 +53,7 @@ class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
         """A spec for `block_ids` holding `keys` (specs that record keys override this)."""
         return cls(block_ids, tier=tier)
 
-    def subset(self, positions: Sequence[int]) -> "BlockIDsLoadStoreSpec":
+    def subset(self: _Spec, positions: Sequence[int]) -> _Spec:
         """The same kind of spec restricted to `positions` (indices into `block_ids`)."""
         clone = object.__new__(type(self))
         clone.block_ids = [self.block_ids[p] for p in positions]
@@ -79,7 +88,7 @@ class FileLoadStoreSpec(BlockIDsLoadStoreSpec):
     def for_blocks(cls, block_ids: Sequence[int], keys: Sequence[OffloadKey], tier: str | None = None):
         return cls(block_ids, keys, tier=tier)
 
-    def subset(self, positions: Sequence[int]) -> "FileLoadStoreSpec":
+    def subset(self, positions: Sequence[int]) -> FileLoadStoreSpec:
         clone = super().subset(positions)
         clone.keys = [self.keys[p] for p in positions]
         return clone
@@ -103,7 +112,7 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
 
     def __init__(
         self,
-        block_ids: Sequence[int],
+        block_ids: Iterable[int],  # ints, or a numpy array of them (vLLM's specs)
         group_sizes: Sequence[int] | None = None,
         block_indices: Sequence[int] | None = None,
     ):
@@ -129,7 +138,7 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         self.group_sizes: list[int] = sizes
         self.block_indices: list[int] | None = block_indices
 
-    def subset(self, positions: Sequence[int]) -> "GPULoadStoreSpec":
+    def subset(self, positions: Sequence[int]) -> GPULoadStoreSpec:
         """Not defined: an offloaded block may cover several engine blocks (and the first one
         partly), so key positions do not map to block ids. Build one spec per part instead."""
         raise TypeError("GPULoadStoreSpec cannot be split by key position; build one engine-side spec per part")

@@ -38,14 +38,14 @@ from __future__ import annotations
 import operator
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from kvtier.config import HierarchyConfig, load_config
 from kvtier.errors import ArgumentError, ArgumentTypeError, ClosedError
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.hierarchy import Hierarchy, build_hierarchy
-from kvtier.keys import GROUP_BYTES, get_offload_group_idx
-from kvtier.specs import (BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec)
+from kvtier.keys import GROUP_BYTES, OffloadKey, get_offload_group_idx
+from kvtier.specs import BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import CanonicalKVCaches, LookupResult, TransferResult
 
 _MAX_LOOKUP_ROUNDS = 1000
@@ -67,7 +67,7 @@ class KVTier:
 
     @classmethod
     def open(cls, config: str | Path | HierarchyConfig, kv_caches: CanonicalKVCaches,
-             blocks_per_chunk: int = 1, *, model: str = "", **build_options: Any) -> "KVTier":
+             blocks_per_chunk: int = 1, *, model: str = "", **build_options: Any) -> KVTier:
         """Build the hierarchy of `config` (a YAML path or a `HierarchyConfig`) around `kv_caches`.
 
         The block size in bytes is derived from the KV layout (see `kvtier.handlers.gpu_cpu`).
@@ -118,7 +118,7 @@ class KVTier:
             ok &= self._store_batch(batch, by_key)
         return ok
 
-    def _store_batch(self, keys: list[bytes], by_key: dict[bytes, list[int]]) -> bool:
+    def _store_batch(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
         output = self.manager.prepare_store(keys)
         if output is None and self.manager.has_pending_work():
             # Room is being made by background demotions (pinned while in flight): wait for them.
@@ -141,7 +141,7 @@ class KVTier:
         self._check_open()
         return self._lookup(self._checked_keys(keys, distinct=False))
 
-    def _lookup(self, keys: list[bytes]) -> int:
+    def _lookup(self, keys: list[OffloadKey]) -> int:
         for _ in range(_MAX_LOOKUP_ROUNDS):
             hits, again = 0, False
             for key in keys:
@@ -202,7 +202,7 @@ class KVTier:
         self._closed = True
         self.hierarchy.close()
 
-    def __enter__(self) -> "KVTier":
+    def __enter__(self) -> KVTier:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -213,7 +213,7 @@ class KVTier:
         if self._closed:
             raise ClosedError("KVTier is closed: open a new one with KVTier.open")
 
-    def _checked_keys(self, keys: Iterable[bytes], distinct: bool) -> list[bytes]:
+    def _checked_keys(self, keys: Iterable[bytes], distinct: bool) -> list[OffloadKey]:
         """`keys` as a list of `bytes` this hierarchy can hold, or an `ArgumentError` naming the first bad one."""
         keys = _as_list(keys, "keys", "[key]")
         if set(map(type, keys)) - {bytes}:
@@ -232,17 +232,17 @@ class KVTier:
                 self._check_group(key, i)
         if distinct and len(set(keys)) != len(keys):
             _raise_duplicate(keys, "keys", "each key can be given once per call")
-        return keys
+        return cast("list[OffloadKey]", keys)  # checked above: each one is a key this hierarchy can hold
 
-    def _check_group(self, key: bytes, i: int) -> None:
+    def _check_group(self, key: OffloadKey, i: int) -> None:
         n = len(self.layout.groups)
         if len(key) < GROUP_BYTES or get_offload_group_idx(key) >= n:
             raise ArgumentError(f"keys[{i}]: names no KV group of the {n} (0..{n - 1}): a key ends with a "
                                 f"{GROUP_BYTES}-byte big-endian group index, this one ends with "
                                 f"{key[-GROUP_BYTES:].hex() or 'nothing'} (kvtier.make_offload_key)")
 
-    def _blocks_by_key(self, keys: list[bytes], engine_block_ids: Iterable[int],
-                       distinct: bool) -> dict[bytes, list[int]]:
+    def _blocks_by_key(self, keys: list[OffloadKey], engine_block_ids: Iterable[int],
+                       distinct: bool) -> dict[OffloadKey, list[int]]:
         """The engine blocks of each key, checked (see the module docstring); `distinct`: no id twice."""
         bpc, num_blocks = self.blocks_per_chunk, self.layout.num_engine_blocks
         ids = _as_ids(engine_block_ids)
@@ -260,15 +260,15 @@ class KVTier:
             return {key: [block] for key, block in zip(keys, ids)}
         return {key: ids[i * bpc:(i + 1) * bpc] for i, key in enumerate(keys)}
 
-    def _group(self, key: bytes) -> int:
+    def _group(self, key: OffloadKey) -> int:
         """The KV group of a checked key."""
         return 0 if len(self.layout.groups) == 1 else get_offload_group_idx(key)
 
-    def _group_order(self, keys: Sequence[bytes]) -> list[int]:
+    def _group_order(self, keys: Sequence[OffloadKey]) -> list[int]:
         """Positions of `keys` ordered by KV group (stable), as a `GPULoadStoreSpec` lists blocks."""
         return sorted(range(len(keys)), key=lambda i: self._group(keys[i]))
 
-    def _gpu_spec(self, keys: Sequence[bytes], by_key: dict[bytes, list[int]]) -> GPULoadStoreSpec:
+    def _gpu_spec(self, keys: Sequence[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> GPULoadStoreSpec:
         """Engine blocks of `keys` (already ordered by group), whole chunks (no skipped sub-blocks)."""
         sizes = [0] * len(self.layout.groups)
         ids: list[int] = []
@@ -325,7 +325,8 @@ def _check_kv_tensor(entry: Any, name: str, first: Any) -> int:
     contiguous runs of at least `page_size_bytes` bytes, on the first tensor's device. Returns the page."""
     from kvtier.handlers.gpu_cpu import byte_rows
 
-    t, page = getattr(entry, "tensor", None), getattr(entry, "page_size_bytes", None)
+    t: Any = getattr(entry, "tensor", None)  # checked below: a torch tensor (None fails the check)
+    page = getattr(entry, "page_size_bytes", None)
     if not callable(getattr(t, "element_size", None)) or not callable(getattr(t, "stride", None)):
         raise ArgumentTypeError(f"{name}.tensor: {type(t).__name__}, not a torch tensor")
     if type(page) is not int or page < 1:

@@ -15,6 +15,13 @@ from kvtier.keys import OffloadKey
 if TYPE_CHECKING:  # pragma: no cover
     from kvtier.specs import LoadStoreSpec
 
+# How a tier's blocks reach the next tier (its `cascade` setting), and the defaults of a tier's
+# `cascade` and `reserve` (the low watermark of free-or-clean slots of a cascading tier, as a
+# fraction of its capacity). Defined here, the lowest layer, for the config and the manager alike.
+CASCADE_MODES = ("on_evict", "on_store", "none")
+DEFAULT_CASCADE = "on_evict"
+DEFAULT_RESERVE = 0.1
+
 
 class BlockStatus(ctypes.Structure):
     """Residence status of one block in one tier.
@@ -32,7 +39,7 @@ class BlockStatus(ctypes.Structure):
         self.block_id = block_id
 
     @classmethod
-    def many(cls, block_ids: Iterable[int]) -> list["BlockStatus"]:
+    def many(cls, block_ids: Iterable[int]) -> list[BlockStatus]:
         """`[BlockStatus(i) for i in block_ids]` (being written, ref_cnt -1), built in C loops
         from a packed image of the fields instead of one `__init__` call per block."""
         return list(map(cls.from_buffer_copy, map(_PACK_WRITING, repeat(-1), block_ids)))
@@ -48,15 +55,7 @@ class BlockStatus(ctypes.Structure):
 
 # The in-memory image of a BlockStatus: ref_cnt (int32), padding, block_id (int64), native order.
 _PACK_WRITING = struct.Struct("=i4xq").pack
-assert struct.calcsize("=i4xq") == ctypes.sizeof(BlockStatus) and BlockStatus.block_id.offset == 8
-
-
-class Medium(str, Enum):
-    """Where bytes can live."""
-
-    GPU = "GPU"
-    CPU = "CPU"
-    FILE = "FILE"
+assert struct.calcsize("=i4xq") == ctypes.sizeof(BlockStatus) and vars(BlockStatus)["block_id"].offset == 8
 
 
 class LookupResult(Enum):
@@ -88,7 +87,7 @@ class PrepareStoreOutput:
     """Result of `prepare_store`: which keys to write, where, and which keys left the tier."""
 
     keys_to_store: list[OffloadKey]
-    store_spec: "LoadStoreSpec"
+    store_spec: LoadStoreSpec
     evicted_keys: list[OffloadKey]
 
 

@@ -36,7 +36,8 @@ def test_bench_trace_writes_the_documented_json(tmp_path):
     assert doc["schema"] == "kvtier.bench/1"
     assert {"machine", "versions", "config", "trace", "summary", "created"} <= set(doc)
     runs = doc["trace"]["runs"]
-    assert [(r["policy"], r["capacity_blocks"]) for r in runs] == [("lru", 100), ("arc", 100), ("lru", 400), ("arc", 400)]
+    assert [(r["policy"], r["capacity_blocks"]) for r in runs] == [
+        ("lru", 100), ("arc", 100), ("lru", 400), ("arc", 400)]
     for r in runs:
         assert 0 <= r["hit_rate"] <= doc["trace"]["optimum_hit_rate"] + 1e-9 and r["block_ops_per_s"] > 0
         assert set(r["tiers"]) == {"hot", "warm"}
@@ -216,8 +217,9 @@ def test_inspect_options_take_effect_wherever_written(tmp_path, capsys, argv):
     from kvtier import build_hierarchy, load_config_text
 
     root = tmp_path / "root"
-    build_hierarchy(load_config_text(f"block_bytes: 4KiB\ntiers:\n  - {{name: hot, backend: memory, capacity: 4 blocks}}\n"
-                                     f"  - {{name: disk, backend: file, capacity: 4 blocks, root_dir: {root}}}\n"), model="test-model").close()
+    build_hierarchy(load_config_text("block_bytes: 4KiB\ntiers:\n  - {name: hot, backend: memory, capacity: 4 blocks}\n"
+                                     f"  - {{name: disk, backend: file, capacity: 4 blocks, root_dir: {root}}}\n"),
+                    model="test-model").close()
     out = tmp_path / "report.json"
     argv = [str(root) if a == "ROOT" else str(out) if a == "OUT" else a for a in argv]
     assert main(argv) == 0

@@ -8,8 +8,8 @@ import pytest
 
 from kvtier import ConfigError, build_hierarchy, load_config, load_config_text, parse_config, parse_size
 from kvtier.cli.main import main
-from kvtier.config_input import MAX_CONFIG_BYTES
 from kvtier.config import Capacity, HierarchyConfig, TierConfig, default_config_path
+from kvtier.config_input import MAX_CONFIG_BYTES
 from kvtier.tiers.base import Backend
 
 GOOD_TIER = "{name: cpu, backend: memory, capacity: 8 blocks}"
@@ -69,7 +69,8 @@ class NoHandlerBackend(Backend):  # referenced from YAML above as tests.test_con
     OPTIONS: dict = {}
 
 
-@pytest.mark.parametrize("text, path, fragment", BROKEN, ids=[f"{i:02d}-{b[1] or 'root'}" for i, b in enumerate(BROKEN)])
+@pytest.mark.parametrize("text, path, fragment", BROKEN,
+                         ids=[f"{i:02d}-{b[1] or 'root'}" for i, b in enumerate(BROKEN)])
 def test_broken_config_names_the_field(text, path, fragment):
     with pytest.raises(ConfigError) as info:
         load_config_text(text, "test.yaml")
@@ -148,7 +149,7 @@ def test_shipped_configs_load():
 def test_capacity_above_free_memory_or_disk_is_a_config_error(tmp_path, backend, capacity, extra):
     from kvtier import build_hierarchy
 
-    text = tiers("{name: big, backend: %s, capacity: %s%s}" % (backend, capacity, extra.replace("ROOT", str(tmp_path))))
+    text = tiers(f"{{name: big, backend: {backend}, capacity: {capacity}{extra.replace('ROOT', str(tmp_path))}}}")
     with pytest.raises(ConfigError) as info:
         build_hierarchy(load_config_text(text))
     [(path, message)] = info.value.problems
@@ -250,14 +251,16 @@ HOSTILE = [
      "tiers[0].capacity", "expected a size"),
     # nesting 100k deep (RecursionError and 200 kB of output before)
     ("100k-nested-lists", "tiers: " + "[" * 100_000 + "]" * 100_000 + "\n", [], 2, "tiers[0]", "nested more than 32"),
-    ("50k-nested-maps", "tiers: " + "{a: " * 50_000 + "1" + "}" * 50_000 + "\n", [], 2, "tiers.a", "nested more than 32"),
+    ("50k-nested-maps", "tiers: " + "{a: " * 50_000 + "1" + "}" * 50_000 + "\n", [], 2, "tiers.a",
+     "nested more than 32"),
     ("deep-at-root", "[" * 100_000 + "]" * 100_000 + "\n", [], 2, "[0]", "nested more than 32"),
     ("deep-block-style", "tiers:\n" + "".join("  " * i + "-\n" for i in range(1, 200)) + "  " * 200 + "1\n", [], 2,
      "tiers[0]", "nested more than 32"),
     ("deep-through-aliases", "a0: &a0 [1]\n" + "".join(f"a{i}: &a{i} [*a{i - 1}]\n" for i in range(1, 60))
      + "tiers: *a59\n", [], 2, "a", "nested more than 32"),
     # alias bombs (hangs before: the error message printed the expanded value)
-    ("laughs-in-block_tokens", laughs("block_tokens: *i\ntiers:\n" + HOT), [], 2, "block_tokens", "through YAML aliases"),
+    ("laughs-in-block_tokens", laughs("block_tokens: *i\ntiers:\n" + HOT), [], 2, "block_tokens",
+     "through YAML aliases"),
     ("laughs-in-capacity", laughs("tiers:\n  - {name: hot, backend: memory, capacity: *i}"), [], 2, "tiers[0].capacity",
      "through YAML aliases"),
     ("laughs-in-tiers", laughs("tiers: *i"), [], 2, "tiers", "through YAML aliases"),
@@ -286,7 +289,8 @@ HOSTILE = [
      "tiers[0].cascade", "not one of"),
     ("name-null", "tiers:\n  - {name: null, backend: memory, capacity: 8 blocks}\n", [], 2, "tiers[0].name",
      "not a valid tier name"),
-    ("root_dir-a-list", "tiers:\n" + HOT + "  - {name: disk, backend: file, capacity: 8 blocks, root_dir: [a]}\n", [], 2,
+    ("root_dir-a-list", "tiers:\n" + HOT + "  - {name: disk, backend: file, capacity: 8 blocks, root_dir: [a]}\n",
+     [], 2,
      "tiers[1].root_dir", ""),
     ("int-key", "1: 2\ntiers:\n" + HOT, [], 2, "1", "unknown key"),
     # code named by the config: located, never imported, by `config check`; imported with --import-code
@@ -309,7 +313,8 @@ HOSTILE = [
 ]
 
 # The existing field-by-field cases, through the command line (the one naming test code needs it imported).
-CORPUS = [(f"broken-{i:02d}", text, ["--import-code"] if "tests.test_config:" in text else [], 2, path or FILE, fragment)
+CORPUS = [(f"broken-{i:02d}", text, ["--import-code"] if "tests.test_config:" in text else [], 2, path or FILE,
+           fragment)
           for i, (text, path, fragment) in enumerate(BROKEN)] + HOSTILE
 
 SIDE_EFFECT_MODULES = {
@@ -373,7 +378,8 @@ def test_hostile_corpus_every_case_a_clear_error_fast(tmp_path, capsys, side_eff
         if problem:
             failures.append(f"{case_id}: {problem}")
     elapsed = time.perf_counter() - started
-    print(f"{len(CORPUS)} cases in {elapsed:.2f}s; slowest: {', '.join(f'{n} {t:.3f}s' for t, n in sorted(times)[-3:])}")
+    slowest = ', '.join(f'{n} {t:.3f}s' for t, n in sorted(times)[-3:])
+    print(f"{len(CORPUS)} cases in {elapsed:.2f}s; slowest: {slowest}")
     assert not failures, "\n".join(failures)
     assert elapsed < 5, f"corpus took {elapsed:.1f}s; slowest: {sorted(times)[-3:]}"
     assert not (side_effect_modules / "kvtier_sidefx_pkg" / "IMPORTED").exists()

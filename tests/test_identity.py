@@ -14,8 +14,17 @@ import os
 
 import pytest
 
-from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, ConfigError, CPULoadStoreSpec,
-                    LookupResult, build_hierarchy, load_config_text, make_offload_key)
+from kvtier import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    ConfigError,
+    CPULoadStoreSpec,
+    LookupResult,
+    build_hierarchy,
+    load_config_text,
+    make_offload_key,
+)
 from kvtier.standalone import KVTier
 from kvtier.tiers.base import Backend
 from kvtier.tiers.file import FileBackend
@@ -189,8 +198,13 @@ def test_layout_covers_dtype_shape_pages_groups_and_chunks():
 
 def test_vllm_identity_covers_dtype_and_arrangement_and_keeps_the_yaml_part(tmp_path):
     pytest.importorskip("vllm")
-    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-                                           OffloadingModelConfig, OffloadingParallelConfig)
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
 
     from kvtier.integrations.vllm import KVTierOffloadingSpec
 

@@ -9,10 +9,16 @@ import pytest
 
 HEAVY = ("torch", "numpy", "kvikio", "vllm")
 
+# One entry per layer, lowest first (ARCHITECTURE.md, "Which way imports go"); every module of the
+# package is checked too, by test_every_module_imports_light. `kvtier.integrations.vllm` is left
+# out: it is the one place that imports vLLM.
 LAYERS = ["kvtier", "kvtier.keys", "kvtier.types", "kvtier.errors", "kvtier.specs", "kvtier.policies",
-          "kvtier.tiers.base", "kvtier.tiers.memory", "kvtier.tiers.cpu", "kvtier.tiers.file", "kvtier.handlers.base",
-          "kvtier.manager", "kvtier.engine", "kvtier.planes", "kvtier.config", "kvtier.hierarchy", "kvtier.cli.main",
-          "kvtier.bench.replay"]
+          "kvtier.tiers", "kvtier.tiers.base", "kvtier.tiers.memory", "kvtier.tiers.cpu", "kvtier.tiers.file",
+          "kvtier.tiers.file_inspect", "kvtier.handlers", "kvtier.handlers.base", "kvtier.handlers.memory",
+          "kvtier.handlers.cpu_file", "kvtier.handlers.gpu_cpu", "kvtier.handlers.gpu_file", "kvtier.registry",
+          "kvtier.control", "kvtier.manager", "kvtier.engine", "kvtier.planes", "kvtier.config_input", "kvtier.config",
+          "kvtier.capacity", "kvtier.hierarchy", "kvtier.standalone", "kvtier.testing", "kvtier.integrations",
+          "kvtier.cli.main", "kvtier.bench.replay"]
 
 
 @pytest.mark.parametrize("module", LAYERS)
@@ -22,6 +28,36 @@ def test_layer_imports_light(module):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"{module} imported {out.stdout.strip()}"
+
+
+def _package_modules() -> list[str]:
+    """Every module of the kvtier package but the vLLM integration, from the source tree."""
+    package = Path(__file__).resolve().parents[1] / "kvtier"
+    names = []
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        parts = parts[:-1] if parts[-1] == "__init__" else parts
+        if parts[:3] != ("kvtier", "integrations", "vllm"):
+            names.append(".".join(parts))
+    return names
+
+
+def test_every_module_imports_light():
+    """Each module, imported in turn in one fresh interpreter, brings nothing heavy (the first one
+    that does is named: nothing heavy came before it)."""
+    modules = _package_modules()
+    assert {"kvtier.control.cascade", "kvtier.tiers.slab", "kvtier.handlers.rows", "kvtier.testing.policy",
+            "kvtier.cli.inspect"} <= set(modules)
+    code = ("import importlib, sys\n"
+            f"for name in {modules!r}:\n"
+            "    importlib.import_module(name)\n"
+            f"    heavy = sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})\n"
+            "    if heavy:\n"
+            "        print(name, 'imported', ','.join(heavy[:5]))\n"
+            "        break\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == ""
 
 
 def test_policies_import_only_the_standard_library():

@@ -1,7 +1,14 @@
 import pytest
 
-from kvtier import (BlockStatus, CPULoadStoreSpec, FileLoadStoreSpec, GPULoadStoreSpec, get_offload_block_hash,
-                    get_offload_group_idx, make_offload_key)
+from kvtier import (
+    BlockStatus,
+    CPULoadStoreSpec,
+    FileLoadStoreSpec,
+    GPULoadStoreSpec,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
 
 
 def test_offload_key_packs_hash_and_group_big_endian():

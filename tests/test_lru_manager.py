@@ -1,9 +1,9 @@
 """Seed 002 semantics of the single-tier LRU manager, over a slot-only backend."""
 
+from conftest import keys
+
 from kvtier import LookupResult, LRUOffloadingManager, ReqContext
 from kvtier.tiers.memory import SlotBackend
-
-from conftest import keys
 
 CTX = ReqContext("r")
 

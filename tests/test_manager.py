@@ -5,12 +5,11 @@ import threading
 import time
 
 import pytest
+from conftest import keys, memory_hierarchy
 
 from kvtier import CompositeLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec, LookupResult, TransferResult
 from kvtier.errors import KVTierError, WaitTimeout
 from kvtier.handlers.base import SyncHandler, TransferHandler
-
-from conftest import keys, memory_hierarchy
 
 
 def store(h, ks, ctx, fill=True):
@@ -167,8 +166,8 @@ def test_direct_path_serves_lower_tier_without_promotion(ctx):
     from kvtier.handlers.memory import MemoryCopyHandler
     from kvtier.manager import HierarchyManager, Tier
     from kvtier.policies import LRUCachePolicy
-    from kvtier.tiers.memory import MemoryBackend
     from kvtier.specs import FileLoadStoreSpec
+    from kvtier.tiers.memory import MemoryBackend
 
     class WarmBackend(MemoryBackend):  # addressed by its own spec type, as a file tier would be
         spec_type = FileLoadStoreSpec

@@ -12,6 +12,7 @@ machine notices: every invariant can fail.
 from collections import Counter
 
 import pytest
+from conftest import keys, memory_hierarchy
 from hypothesis import Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
@@ -19,8 +20,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
 from kvtier.handlers.base import TransferHandler
 from kvtier.types import TransferResult
-
-from conftest import keys, memory_hierarchy
 
 UNIVERSE = keys(24)
 CTX = ReqContext("sm")

@@ -7,13 +7,21 @@ from __future__ import annotations
 import threading
 
 import pytest
+from conftest import keys
 
-from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec,
-                    GPULoadStoreSpec, build_hierarchy, load_config_text, registry)
+from kvtier import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    build_hierarchy,
+    load_config_text,
+    registry,
+)
 from kvtier.engine import TransferEngine
 from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler
 from kvtier.planes import WorkerPlane
-from conftest import keys
 
 PAGE = 256
 TWO_MEMORY_TIERS = """

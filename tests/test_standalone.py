@@ -9,8 +9,15 @@ from unittest.mock import Mock
 
 import pytest
 
-from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec, GPULoadStoreSpec,
-                    load_config_text, make_offload_key)
+from kvtier import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    load_config_text,
+    make_offload_key,
+)
 from kvtier.errors import ArgumentError
 from kvtier.standalone import KVTier
 from kvtier.tiers.file import MAX_KEY_BYTES

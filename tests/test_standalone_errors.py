@@ -9,17 +9,17 @@ hierarchy untouched (no slot allocated, no job failed), and the whole corpus mus
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
+from test_standalone import PAGE, cpu_file, keys, make_kv
 
 from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, KVTierError, make_offload_key
 from kvtier.errors import ArgumentError, ArgumentTypeError, ClosedError
 from kvtier.standalone import KVTier
 from kvtier.tiers.file import MAX_KEY_BYTES
-
-from test_standalone import PAGE, cpu_file, keys, make_kv
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")
@@ -30,7 +30,7 @@ NUM_BLOCKS = 16
 @dataclass
 class Case:
     name: str
-    call: Callable[["Tiers"], Any]
+    call: Callable[[Tiers], Any]
     error: type[KVTierError]
     names: str  # the message must contain this (the argument, e.g. "keys[1]")
 

@@ -9,17 +9,15 @@ from __future__ import annotations
 
 import time
 
-import pytest
+from conftest import keys, memory_hierarchy
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
+from test_manager_state import ManagerMachine
 
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext, build_hierarchy, load_config_text
 from kvtier.handlers.base import TransferHandler
 from kvtier.types import TransferResult
-
-from conftest import keys, memory_hierarchy
-from test_manager_state import ManagerMachine
 
 BLOCK = 4096
 
@@ -33,7 +31,8 @@ def cpu_over_file(root, cpu_blocks=32, file_blocks=1024):
 block_bytes: {BLOCK}B
 tiers:
   - {{name: cpu, backend: cpu, capacity: {cpu_blocks} blocks, policy: lru, cascade: on_store, pin: false}}
-  - {{name: nvme, backend: file, root_dir: {root}, capacity: {file_blocks} blocks, policy: lru, fingerprint: test-model}}
+  - {{name: nvme, backend: file, root_dir: {root}, capacity: {file_blocks} blocks, policy: lru,
+      fingerprint: test-model}}
 """))
 
 
@@ -289,7 +288,8 @@ def test_full_lower_tier_drops_are_counted_and_stores_go_on(ctx):
     hot = m.get_stats()["hot"]
     assert m.tiers[0].lower_full
     assert hot["cascade_dropped"] == hot["cascade_dropped_full"] == 12 and hot["cascade_dropped_failed"] == 0
-    assert len(m.tiers[0].unwritten) == 4 and not m._cascade.writes_waiting()  # they wait for room below, not for in-flight room
+    # they wait for room below, not for in-flight room
+    assert len(m.tiers[0].unwritten) == 4 and not m._cascade.writes_waiting()
     gate.open()  # the copies land: the lower tier has room again (its blocks can be evicted)
     m.on_schedule_end()
     gate.open()

@@ -48,6 +48,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 BLOCK_BYTES = 16 * 1024
 UPPER_BLOCKS = 16
@@ -183,28 +184,30 @@ def _run_child(root: Path, upper: str, seed: int, kill_after: float) -> tuple[li
     cmd = [sys.executable, "-m", "kvtier.bench.crash", "--child", "--root", str(root), "--upper", upper,
            "--seed", str(seed)]
     child = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    stdout, stderr = child.stdout, child.stderr
+    assert stdout is not None and stderr is not None  # both are pipes
     died = None
     try:
-        first = child.stdout.readline().decode().strip()
+        first = stdout.readline().decode().strip()
         if first != "READY":
             child.kill()
-            err = child.stderr.read().decode(errors="replace")
+            err = stderr.read().decode(errors="replace")
             raise RuntimeError(f"crash child did not start (rc {child.wait()}): {first} {err[-2000:]}")
         # Not synchronisation: this picks a random moment of the storm for the kill.
         time.sleep(kill_after)
         child.send_signal(signal.SIGKILL)
         # The kill can land while the child writes a report: the text after the last newline is
         # a torn line, never a whole report, so it is dropped.
-        lines = child.stdout.read().decode(errors="replace").split("\n")[:-1]
-        err = child.stderr.read().decode(errors="replace")
+        lines = stdout.read().decode(errors="replace").split("\n")[:-1]
+        err = stderr.read().decode(errors="replace")
         if child.wait() != -signal.SIGKILL:
             died = f"exited by itself with status {child.returncode}: {err.strip()[-1500:]}"
     finally:
         if child.poll() is None:
             child.kill()
             child.wait()
-        child.stdout.close()
-        child.stderr.close()
+        stdout.close()
+        stderr.close()
     return lines, child.pid, died
 
 
@@ -229,7 +232,8 @@ def _durable_set(lines: list[str], durable: set[int]) -> tuple[set[int], int, in
     return freed, writes, frees, complaints
 
 
-def verify_root(root: Path, upper: str, durable: set[int], freed: set[int], promote_batch: int = 1) -> dict:
+def verify_root(root: Path, upper: str, durable: set[int], freed: set[int],
+                promote_batch: int = 1) -> tuple[dict[str, Any], set[int]]:
     """Restart the hierarchy on `root` and read back every recovered block through the manager.
 
     Blocks are promoted `promote_batch` at a time (one FILE -> CPU job per batch). With more than
@@ -242,7 +246,8 @@ def verify_root(root: Path, upper: str, durable: set[int], freed: set[int], prom
         mgr, up = h.manager, h.backends["upper"]
         disk_tier = mgr.tiers[1]
         recovered = [bytes(k) for k in disk_tier.policy.keys()]
-        counts = {"recovered": len(recovered), "served_ok": 0, "dropped_by_verification": 0, "served_wrong": 0,
+        counts: dict[str, Any] = {"recovered": len(recovered), "served_ok": 0, "dropped_by_verification": 0,
+                                  "served_wrong": 0,
                   "resurrected": 0}
         served: set[int] = set()
         batch_size = max(1, min(promote_batch, UPPER_BLOCKS // 2))
@@ -324,7 +329,8 @@ def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_k
     totals["child_died"] = sum(1 for r in rows if r["child_died"])
     return {"schema": "kvtier.crash/1", "iterations": iterations, "upper": upper, "seed": seed,
             "block_bytes": BLOCK_BYTES, "upper_blocks": UPPER_BLOCKS, "file_blocks": FILE_BLOCKS,
-            "promote_batch": promote_batch, "root_dir": str(root), "seconds": round(time.perf_counter() - started, 2), "totals": totals, "rows": rows}
+            "promote_batch": promote_batch, "root_dir": str(root), "seconds": round(time.perf_counter() - started, 2),
+            "totals": totals, "rows": rows}
 
 
 HEADER = (f"{'it':>4} {'kill_s':>7} {'written':>7} {'frees':>6} {'recovered':>9} {'served_ok':>9} "

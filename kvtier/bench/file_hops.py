@@ -22,20 +22,22 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+from kvtier.config import DEFAULT_BLOCK_TOKENS
 from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler
+from kvtier.keys import OffloadKey, make_offload_key
 from kvtier.specs import CPULoadStoreSpec, FileLoadStoreSpec
 from kvtier.tiers.file import RUN_BYTES, FileBackend
 from kvtier.tiers.fileio import ALIGN, aligned_buffer, buffer_address
 from kvtier.tiers.memory import MemoryBackend
 
-
 BENCH_MODEL = "kvtier-bench"  # the identity of the bench's file tiers: they hold random bytes, no model's KV
-BENCH_TOKENS = 256  # tokens per block recorded in the bench's file tiers (the config default)
+BENCH_TOKENS = DEFAULT_BLOCK_TOKENS  # tokens per block recorded in the bench's file tiers
 
 
-def _key(i: int) -> bytes:
-    return i.to_bytes(8, "big") * 4 + b"\0\0\0\0"
+def _key(i: int) -> OffloadKey:
+    return make_offload_key(i.to_bytes(8, "big") * 4, 0)
 
 
 def _run_jobs(handler, jobs: list[tuple], then=None) -> tuple[float, list]:
@@ -167,7 +169,7 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
     if host == "cpu":
         from kvtier.tiers.cpu import CPUBackend
 
-        mem = CPUBackend("mem", 2 * n, block_bytes, pin="false")
+        mem: CPUBackend | MemoryBackend = CPUBackend("mem", 2 * n, block_bytes, pin="false")
     else:
         mem = MemoryBackend("mem", 2 * n, block_bytes)
     runs: dict[str, list[float]] = {k: [] for k in ("fill", "store", "load", "f1", "w1", "r1", "ft", "wt", "rt")}
@@ -210,7 +212,7 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
         shutil.rmtree(work, ignore_errors=True)
     gb = total / 1e9
     rate = {k: gb / median(v) for k, v in runs.items()}
-    figures = {
+    figures: dict[str, Any] = {
         "block_bytes": block_bytes, "total_bytes": total, "host": host, "io": engine, "o_direct": direct,
         "num_threads": num_threads, "job_blocks": job_blocks, "repeats": repeats,
         "store_gbps": rate["store"], "store_first_fill_gbps": rate["fill"], "load_gbps": rate["load"],

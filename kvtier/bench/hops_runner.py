@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 QUICK_SIZES = [64 << 10, 1 << 20]
 FULL_SIZES = [64 << 10, 256 << 10, 1 << 20, 2 << 20, 8 << 20]

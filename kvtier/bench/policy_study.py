@@ -74,7 +74,7 @@ def optimum(trace: Trace, capacity: int | None) -> float:
     hits = 0
     for i, row in enumerate(requests):
         alive = True
-        for depth, h in enumerate(row):
+        for h in row:
             if alive and h in cached:
                 hits += 1
             else:

@@ -25,8 +25,8 @@ from kvtier.errors import KVTierError
 from kvtier.keys import make_offload_key
 from kvtier.types import LookupResult, ReqContext
 
-MAX_RETRY_STEPS = 64
-_HASH_LIMIT = 1 << 64  # block hashes become 8-byte keys  # a lookup still answering RETRY after this many steps counts as a miss
+MAX_RETRY_STEPS = 64  # a lookup still answering RETRY after this many steps counts as a miss
+_HASH_LIMIT = 1 << 64  # block hashes become 8-byte keys
 
 
 class TraceError(KVTierError, ValueError):
@@ -144,7 +144,8 @@ def replay_manager(manager: Any, trace: Trace, *, vllm_api: bool = False, contex
     """
     keys_per_request = _keys_for(trace)
     make_ctx = context_factory or ReqContext
-    HIT, MISS = LookupResult.HIT, LookupResult.MISS
+    HIT: object = LookupResult.HIT
+    MISS: object = LookupResult.MISS
     if vllm_api:
         from vllm.v1.kv_offload.base import LookupResult as VLookup  # only with --compare vllm
 
@@ -288,7 +289,8 @@ def sweep(config: Any, trace: Trace, capacities: Sequence[int] | None, policies:
         runs: list[tuple[str, str, Callable]] = []
         if compare_vllm:
             for vpolicy in ("lru", "arc"):
-                runs.append(("vllm", vpolicy, lambda progress, p=vpolicy: replay_vllm(first_cap, p, trace, progress)))
+                runs.append(("vllm", vpolicy,
+                             lambda progress, p=vpolicy, c=first_cap: replay_vllm(c, p, trace, progress)))
         for policy in (list(policies) if policies else [base.tiers[0].policy]):
             tier0 = TierConfig(**{**base.tiers[0].__dict__, "policy": policy})
             cfg = HierarchyConfig((tier0, *base.tiers[1:]), base.block_tokens, base.block_bytes, base.source)

@@ -284,7 +284,8 @@ def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 
     return {"schema": "kvtier.soak/1", "ops": n, "seed": seed, "seconds": round(elapsed, 2),
             "ops_per_s": round(n / elapsed), "tiers": {"hot": hot, "warm": warm, "universe": universe,
                                                        "hot_policy": hot_policy, "warm_policy": warm_policy},
-            "check_every": check_every, "store_while_promoting": store_while_promoting, "counts": dict(sorted(counts.items())),
+            "check_every": check_every, "store_while_promoting": store_while_promoting,
+            "counts": dict(sorted(counts.items())),
             "handler": dict(chaos.counts), "stats": stats}
 
 

@@ -35,7 +35,8 @@ BENCH_OPTIONS: list[tuple[tuple[str, ...], dict, frozenset[str]]] = [
     (("--config",), dict(default=None, help="hierarchy YAML (default: the embedded configs/cpu-file.yaml)"),
      frozenset({HOPS, TRACE})),
     (("--json",), dict(default=None, metavar="FILE",
-                       help="write the results as JSON (schema kvtier.bench/1, see docs/bench.md)"), frozenset({HOPS, TRACE})),
+                       help="write the results as JSON (schema kvtier.bench/1, see docs/bench.md)"),
+     frozenset({HOPS, TRACE})),
     (("--plot",), dict(default=None, metavar="FILE.png", help="write a PNG plot of the results (needs matplotlib)"),
      frozenset({HOPS, TRACE})),
     (("--quick",), dict(default=False, action="store_true", help="small sizes, for CI and smoke tests"),
@@ -44,9 +45,11 @@ BENCH_OPTIONS: list[tuple[tuple[str, ...], dict, frozenset[str]]] = [
     (("--block-sizes",), dict(default=None, metavar="LIST", help="block sizes for hops, e.g. 64KiB,1MiB,8MiB"),
      frozenset({HOPS})),
     (("--root-dir",), dict(default=None, metavar="DIR",
-                           help="directory for the file-tier measurements (default: a temporary one)"), frozenset({HOPS})),
+                           help="directory for the file-tier measurements (default: a temporary one)"),
+     frozenset({HOPS})),
     (("--trace",), dict(default=None, metavar="FILE",
-                        help="Mooncake-format JSONL trace (default: a built-in multi-turn workload)"), frozenset({TRACE})),
+                        help="Mooncake-format JSONL trace (default: a built-in multi-turn workload)"),
+     frozenset({TRACE})),
     (("--limit",), dict(default=None, type=_positive_int, metavar="N", help="replay only the first N requests"),
      frozenset({TRACE})),
     (("--capacities",), dict(default=None, metavar="LIST",
@@ -94,7 +97,8 @@ each time they are used) are refused."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvtier", description="Multi-tier KV-cache storage hierarchy for LLM inference.")
+    parser = argparse.ArgumentParser(prog="kvtier",
+                                     description="Multi-tier KV-cache storage hierarchy for LLM inference.")
     sub = parser.add_subparsers(dest="command")
 
     bench = sub.add_parser("bench", help="measure a hierarchy: hop bandwidths and a trace replay (default: all)")

@@ -10,9 +10,7 @@ from typing import Any
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.tiers.base import Backend
-from kvtier.types import BlockStatus
-
-CASCADE_MODES = ("on_evict", "on_store", "none")
+from kvtier.types import DEFAULT_CASCADE, DEFAULT_RESERVE, BlockStatus
 
 
 @dataclass
@@ -57,8 +55,8 @@ class Tier:
     name: str
     backend: Backend
     policy: CachePolicy
-    cascade: str = "on_evict"  # how blocks reach the next tier (ignored on the last tier)
-    reserve_fraction: float = 0.1  # low watermark of free-or-clean slots, as a fraction of capacity
+    cascade: str = DEFAULT_CASCADE  # how blocks reach the next tier (ignored on the last tier)
+    reserve_fraction: float = DEFAULT_RESERVE  # low watermark of free-or-clean slots, as a fraction of capacity
     index: int = 0
     direct_load: bool = False  # a handler loads this tier straight into the engine's KV cache
     above: Tier | None = field(default=None, init=False, repr=False, compare=False)

@@ -18,7 +18,7 @@ from typing import Any
 from kvtier.specs import LoadStoreSpec
 from kvtier.types import TransferResult
 
-log = logging.getLogger("kvtier.handlers")
+log = logging.getLogger(__name__)
 
 DoneCallback = Callable[[TransferResult], None]
 

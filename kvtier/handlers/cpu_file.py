@@ -1,7 +1,8 @@
 """CPU <-> FILE handlers: copy blocks between a host-memory backend and a file tier.
 
 The host side is any `HostSlots` backend (MemoryBackend, the shared-memory CPUBackend); the file
-side any `BlockFile` backend (FileBackend); see `kvtier.tiers.base`. `spec.tier` names the backend of each side. Each job runs on the handler's pool;
+side any `BlockFile` backend (FileBackend); see `kvtier.tiers.base`. `spec.tier` names the backend of
+each side. Each job runs on the handler's pool;
 an exception inside a job (disk full, EIO, a block failing verification) fails that job only.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvtier.handlers.base import ThreadedHandler, pick_backend, serving
-from kvtier.specs import BlockIDsLoadStoreSpec, FileLoadStoreSpec
+from kvtier.specs import BlockIDsLoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import BlockFile, HostSlots
 
 
@@ -34,7 +35,8 @@ class CPUToFileHandler(_CPUFileHandler):
     """Writes host-memory blocks into file slots (demotion, write-through); journalled when the job ends
     (found again after a killed process; fdatasync'ed per the file tier's `sync_interval`)."""
 
-    def copy(self, src: BlockIDsLoadStoreSpec, dst: FileLoadStoreSpec) -> int:
+    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        assert isinstance(src, BlockIDsLoadStoreSpec) and isinstance(dst, FileLoadStoreSpec), "the registered pair"
         host, disk = self._sides(src, dst)
         return disk.write_blocks(dst.block_ids, dst.keys, [host.view(s) for s in src.block_ids])
 
@@ -42,7 +44,8 @@ class CPUToFileHandler(_CPUFileHandler):
 class FileToCPUHandler(_CPUFileHandler):
     """Reads and verifies file blocks into host-memory slots (promotion)."""
 
-    def copy(self, src: FileLoadStoreSpec, dst: BlockIDsLoadStoreSpec) -> int:
+    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        assert isinstance(src, FileLoadStoreSpec) and isinstance(dst, BlockIDsLoadStoreSpec), "the registered pair"
         host, disk = self._sides(dst, src)
         return disk.read_blocks(src.block_ids, src.keys, [host.view(s) for s in dst.block_ids])
 

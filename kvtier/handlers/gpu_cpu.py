@@ -166,8 +166,9 @@ class CudaKVCopyHandler(EngineJobHandler):
         # Whole slots (row stride = slot_stride): every DMA below is between contiguous tensors.
         region_bytes = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
         region = words(region_bytes)
-        first = run_start(slots)
-        consecutive = first is not None
+        run = run_start(slots)
+        consecutive = run is not None
+        first = run or 0  # the run's first slot when consecutive
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             ready = self.ready_event()
             if ready is not None:

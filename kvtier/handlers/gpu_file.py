@@ -37,10 +37,9 @@ from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import BlockFile
 from kvtier.tiers.checksum import tensor_checksum_async
+from kvtier.tiers.fileio import ALIGN as _ALIGN  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
 from kvtier.tiers.slot_format import CHECK_CRC32, CHECK_TORCH, payload_crc32
 from kvtier.types import CanonicalKVCaches
-
-_ALIGN = 4096  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
 
 
 def aligned_rows(n: int, row_bytes: int, pin: bool = False):

@@ -35,7 +35,7 @@ from typing import Any
 
 from kvtier.handlers.rows import RowCopier, common_words, run_start, words
 from kvtier.specs import GPULoadStoreSpec
-from kvtier.types import CanonicalKVCaches
+from kvtier.types import CanonicalKVCacheRef, CanonicalKVCaches
 
 
 def byte_rows(tensor, page: int):
@@ -92,7 +92,7 @@ class KVLayout:
         self.device = self.tensors[0].device
         self.num_engine_blocks = min(t.shape[0] for t in self.tensors)
         refs = kv_caches.group_data_refs or [
-            [_Ref(i, t.page_size_bytes) for i, t in enumerate(kv_caches.tensors)]]
+            [CanonicalKVCacheRef(i, t.page_size_bytes) for i, t in enumerate(kv_caches.tensors)]]
         self.groups: list[list[Segment]] = []
         for refs_of_group in refs:
             offset, segments = 0, []
@@ -265,11 +265,6 @@ class ChunkedKVCaches(CanonicalKVCaches):
     slot_offset: int = 0
     slot_length: int | None = None
 
-
-@dataclass
-class _Ref:
-    tensor_idx: int
-    page_size_bytes: int
 
 def _check_range(offset: int, length: int | None, block_bytes: int) -> tuple[int, int | None]:
     """Validated `(slot_offset, slot_length)` of a layout whose pages take `block_bytes`."""

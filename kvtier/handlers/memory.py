@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvtier.handlers.base import SyncHandler, serving
-from kvtier.specs import BlockIDsLoadStoreSpec
+from kvtier.specs import BlockIDsLoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import HostSlots
 
 
@@ -15,12 +15,13 @@ class MemoryCopyHandler(SyncHandler):
         self.backends = backends
 
     @classmethod
-    def for_backends(cls, backends, kv_caches=None) -> "MemoryCopyHandler | None":
+    def for_backends(cls, backends, kv_caches=None) -> MemoryCopyHandler | None:
         """Registry factory: serves every `HostSlots` backend; None when there is none."""
         usable = serving(backends, HostSlots)
         return cls(usable) if usable else None
 
-    def copy(self, src: BlockIDsLoadStoreSpec, dst: BlockIDsLoadStoreSpec) -> int:
+    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        assert isinstance(src, BlockIDsLoadStoreSpec) and isinstance(dst, BlockIDsLoadStoreSpec), "the registered pair"
         if len(src) != len(dst):
             raise ValueError(f"source has {len(src)} blocks, destination {len(dst)}")
         s, d = self.backends[src.tier], self.backends[dst.tier]

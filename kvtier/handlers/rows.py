@@ -55,7 +55,7 @@ class RowCopier:
                     old.shutdown(wait=False)  # running parts finish; their callers hold the futures
             return self._pool
 
-    def in_parts(self, rows: int, nbytes: int, copy_rows: Callable[[int, int], None]) -> None:
+    def in_parts(self, rows: int, nbytes: int, copy_rows: Callable[[int, int], object]) -> None:
         """`copy_rows(start, stop)` over `0..rows`: at once, or for a large host copy in one part
         per torch thread, run side by side (the parts must write disjoint rows)."""
         import torch

@@ -67,6 +67,7 @@ class ARCCachePolicy(CachePolicy):
                 t1_len -= 1
                 next1 = next(it1, None)
             else:
+                assert next2 is not None  # the loop condition with the branch not taken
                 yield 2, next2[0], next2[1]
                 next2 = next(it2, None)
 

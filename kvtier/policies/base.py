@@ -105,7 +105,7 @@ class KeyIndex(CachePolicy):
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy
-        self.cache_capacity = getattr(policy, "cache_capacity", None)
+        self.cache_capacity = int(getattr(policy, "cache_capacity", 0))  # 0: the wrapped policy does not say
         self._resident: dict[OffloadKey, None] = {}
 
     def get(self, key: OffloadKey) -> BlockStatus | None:

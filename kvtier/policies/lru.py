@@ -18,7 +18,7 @@ class LRUCachePolicy(CachePolicy):
     def __init__(self, cache_capacity: int) -> None:
         super().__init__(cache_capacity)
         self.blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
-        self.get = self.blocks.get  # type: ignore[method-assign]  # hot path (every lookup): one C call
+        self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path (every lookup): one C call
 
     def get(self, key: OffloadKey) -> BlockStatus | None:  # replaced per instance by blocks.get
         return self.blocks.get(key)

@@ -89,7 +89,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         # touch looks a key up in the hit classes first (touched prefixes were hit before)
         self._probe = tuple(enumerate(self.segs))[::-1]
         self.blocks: dict[OffloadKey, BlockStatus] = {}
-        self.get = self.blocks.get  # type: ignore[method-assign]  # hot path: one C call
+        self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
         self.clock = 0
         self.unit = float(cache_capacity)  # clock ticks per credit: running mean hit age
         # Ghosts: evicted key -> its segment then, oldest first; trimmed to ghost_limit keys
@@ -174,7 +174,7 @@ class PrefixFreqCachePolicy(CachePolicy):
                 seg = 1
                 returns[5] += 1
             else:
-                for seg, lane in probe:
+                for seg, lane in probe:  # noqa: B007 - seg is read after the loop: where the key was found
                     stamp = lane.pop(key, None)
                     if stamp is not None:
                         break

@@ -32,7 +32,8 @@ def build_fake_libcuda(out_dir: str) -> str:
     if compiler is None:
         raise RuntimeError("building the fake libcuda needs a C compiler (cc or gcc) on PATH")
     path = os.path.join(out_dir, "libcuda.so.1")
-    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o", path, str(_SOURCE)], check=True,
+    subprocess.run([compiler, "-shared", "-fPIC", "-O1", "-Wl,-soname,libcuda.so.1", "-o", path, str(_SOURCE)],
+                   check=True,
                    capture_output=True, text=True)
     return path
 

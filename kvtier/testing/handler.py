@@ -56,7 +56,8 @@ class Side(ABC):
         """How many locations exist (valid ids are 0 .. num_locations - 1)."""
 
     @abstractmethod
-    def spec(self, ids: Sequence[int], keys: Sequence[bytes], block_indices: Sequence[int] | None = None) -> LoadStoreSpec:
+    def spec(self, ids: Sequence[int], keys: Sequence[bytes],
+             block_indices: Sequence[int] | None = None) -> LoadStoreSpec:
         """A spec for `ids` (`span` ids per key of `keys`, in order)."""
 
     @abstractmethod
@@ -219,7 +220,8 @@ class HandlerTests:
         if factory is None:
             raise LookupError(f"no handler registered for {src.spec_type.__name__} -> {dst.spec_type.__name__}")
         handler = factory(backends, kv_caches)
-        assert handler is not None, f"the registry made no handler for {src.spec_type.__name__} -> {dst.spec_type.__name__}"
+        assert handler is not None, \
+            f"the registry made no handler for {src.spec_type.__name__} -> {dst.spec_type.__name__}"
         return handler
 
     def failing_job(self, src: Side, dst: Side, keys: Sequence[bytes]) -> tuple[LoadStoreSpec, LoadStoreSpec]:
@@ -279,7 +281,8 @@ class HandlerTests:
             assert r.success, f"load failed: {r.error}"
             got = src.read(back, keys)
             wrong = [i for i, (x, y) in enumerate(zip(got, expected)) if x != y]
-            assert not wrong, f"locations {[back[i] for i in wrong]} came back with other bytes than {[a[i] for i in wrong]}"
+            assert not wrong, \
+                f"locations {[back[i] for i in wrong]} came back with other bytes than {[a[i] for i in wrong]}"
             assert src.read(a, keys) == expected, "the store changed its source"
         finally:
             self._close(src, dst, jobs)
@@ -305,7 +308,8 @@ class HandlerTests:
                 f = self._ids(engine, n, rng, exclude=e)[:covered]
                 engine.fill(f, keys, rng)
                 used = -(-(covered + skip) // bpc)  # offloaded blocks the load touches
-                r = jobs.run(load, job, slots.spec(s[:used], keys[:used]), engine.spec(f, keys[:used], block_indices=[skip]))
+                r = jobs.run(load, job, slots.spec(s[:used], keys[:used]),
+                             engine.spec(f, keys[:used], block_indices=[skip]))
                 assert r.success, f"load with block_indices=[{skip}] failed: {r.error}"
                 got = engine.read(f, keys)
                 assert got == expected[skip:skip + covered], (

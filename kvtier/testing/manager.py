@@ -49,7 +49,7 @@ IDLE_SECONDS = 20.0
 def _spec_tier(spec: LoadStoreSpec, tiers: Collection[str]) -> str:
     """The tier a spec addresses: its `tier` when the model knows that name, else its medium."""
     tier = getattr(spec, "tier", None)
-    return tier if tier in tiers else spec.medium()
+    return tier if isinstance(tier, str) and tier in tiers else spec.medium()
 
 
 def _load_tiers(spec: LoadStoreSpec, count: int, tiers: Collection[str]) -> list[str]:
@@ -59,7 +59,8 @@ def _load_tiers(spec: LoadStoreSpec, count: int, tiers: Collection[str]) -> list
         for part, positions in spec.parts:
             for p in positions:
                 where[p] = _spec_tier(part, tiers)
-        assert "" not in where, f"a composite load spec leaves positions {[i for i, t in enumerate(where) if not t]} out"
+        assert "" not in where, \
+            f"a composite load spec leaves positions {[i for i, t in enumerate(where) if not t]} out"
         return where
     assert len(spec) == count, f"prepare_load of {count} blocks returned a spec of {len(spec)}"
     return [_spec_tier(spec, tiers)] * count
@@ -163,7 +164,8 @@ class SchedulerDriver:
         self.drain_events()
         tiers = _load_tiers(spec, len(keys), self.resident)
         for key, tier in zip(keys, tiers):
-            assert key in self.resident.get(tier, ()), f"prepare_load of {key.hex()} points at tier {tier}, which does not hold it"
+            assert key in self.resident.get(tier, ()), \
+                f"prepare_load of {key.hex()} points at tier {tier}, which does not hold it"
             self.pins.setdefault(key, Counter())[tier] += 1
         self.loads.append((keys, tiers))
         self.loaded_blocks += len(keys)

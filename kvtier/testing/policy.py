@@ -97,7 +97,142 @@ def _probe(policy: CachePolicy, capacity: int, returning: list[int]) -> list:
     return trace
 
 
-class PolicyTests:
+class _RandomOperations:
+    """The Hypothesis half of `PolicyTests`: random operation sequences checked against a model of
+    the resident blocks. A mixin of its own only to keep each class readable; it needs what
+    `PolicyTests` provides (declared here)."""
+
+    predicts_victims: ClassVar[bool] = True
+
+    def make_policy(self, capacity: int) -> CachePolicy:
+        raise NotImplementedError  # PolicyTests.make_policy
+
+    def same_future(self, policy: CachePolicy, twin: CachePolicy, capacity: int, returning: list[int]) -> None:
+        raise NotImplementedError  # PolicyTests.same_future
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=_HEALTH, report_multiple_bugs=False)
+    @given(ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("insert"), st.integers(0, 23)),
+            st.tuples(st.just("insert"), st.integers(0, 23)),
+            st.tuples(st.just("remove"), st.integers(0, 23)),
+            st.tuples(st.just("touch"), st.lists(st.integers(0, 23), max_size=5)),
+            st.tuples(st.just("evict"), st.integers(0, 5), st.sets(st.integers(0, 23), max_size=4)),
+            st.tuples(st.just("pin"), st.integers(0, 23), st.sampled_from([-1, 0, 1, 2])),
+            st.tuples(st.just("peek"), st.integers(0, 3)),
+        ),
+        max_size=80,
+    ))
+    def test_random_operations_against_model(self, ops):
+        """The model is the set of resident blocks; the policy must agree with it on residence,
+        and evict/victim_candidates must obey the contract at every step."""
+        capacity = 12
+        policy = self.make_policy(capacity)
+        model: dict[OffloadKey, BlockStatus] = {}
+        next_id = 0
+        for op in ops:
+            kind = op[0]
+            if kind == "insert":
+                k = key(op[1])
+                if k in model or len(model) >= capacity:
+                    continue  # the manager never inserts a resident key or beyond capacity
+                model[k] = ready(next_id)
+                next_id += 1
+                policy.insert(k, model[k])
+            elif kind == "remove":
+                policy.remove(key(op[1]))
+                model.pop(key(op[1]), None)
+            elif kind == "touch":
+                policy.touch([key(i) for i in op[1]])
+            elif kind == "pin":  # the op[1]-th resident block (pins must hit resident blocks)
+                if model:
+                    model[sorted(model)[op[1] % len(model)]].ref_cnt = op[2]
+            elif kind == "peek":
+                self._check_candidates(policy, model)
+            else:  # protected: mostly resident keys (op[2] indexes them), sometimes absent ones
+                resident = sorted(model)
+                protected = {resident[i % len(resident)] if resident and i < 20 else key(i) for i in op[2]}
+                self._check_evict(policy, model, op[1], protected)
+            assert len(policy) == len(model)
+            assert set(policy.keys()) == set(model)
+            for k, b in model.items():
+                assert policy.get(k) is b
+
+    def _check_candidates(self, policy: CachePolicy, model: dict[OffloadKey, BlockStatus]) -> None:
+        before = observe(policy)
+        candidates = [k for k, _ in policy.victim_candidates()]
+        assert len(set(candidates)) == len(candidates), "a block listed twice"
+        evictable = {k for k, b in model.items() if b.ref_cnt == 0}
+        if self.predicts_victims:
+            assert set(candidates) == evictable
+        else:
+            assert set(candidates) <= evictable
+        assert observe(policy) == before
+
+    def _check_evict(self, policy: CachePolicy, model: dict[OffloadKey, BlockStatus], n: int,
+                     protected: set[OffloadKey]) -> None:
+        evictable = [k for k, b in model.items() if b.ref_cnt == 0 and k not in protected]
+        before = observe(policy)
+        predicted = [k for k, _ in policy.victim_candidates() if k not in protected][:n]
+        victims = policy.evict(n, protected)
+        if len(evictable) < n:
+            assert victims is None, f"evicted {victims} with only {len(evictable)} evictable"
+            assert observe(policy) == before
+            return
+        assert victims is not None and len(victims) == max(n, 0)
+        chosen = [k for k, _ in victims]
+        assert len(set(chosen)) == len(chosen)
+        assert set(chosen) <= set(evictable), "evicted a pinned, unready or protected block"
+        if self.predicts_victims and not protected:
+            assert chosen == predicted
+        for k, b in victims:
+            assert model.pop(k) is b
+
+    @settings(max_examples=120, deadline=None, suppress_health_check=_HEALTH, report_multiple_bugs=False)
+    @given(ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("insert"), st.lists(st.integers(0, 31), max_size=6, unique=True)),
+            st.tuples(st.just("touch"), st.lists(st.integers(0, 31), max_size=5)),
+            st.tuples(st.just("evict"), st.integers(1, 6), st.sets(st.integers(0, 31), max_size=3)),
+            st.tuples(st.just("remove"), st.integers(0, 31)),
+        ),
+        max_size=60,
+    ))
+    def test_insert_many_equals_insert_loop(self, ops):
+        """`insert_many` (the manager's store path) and a loop of `insert` are indistinguishable:
+        the same observable state after every step and the same decisions afterwards, so history
+        such as ghost lists must match too."""
+        capacity = 16
+        bulk, loop = self.make_policy(capacity), self.make_policy(capacity)
+        resident: dict[OffloadKey, BlockStatus] = {}
+        next_id = 0
+        for op in ops:
+            if op[0] == "insert":
+                keys = [key(i) for i in op[1] if key(i) not in resident][:capacity - len(resident)]
+                blocks = [ready(next_id + j) for j in range(len(keys))]
+                next_id += len(keys)
+                resident.update(zip(keys, blocks))
+                bulk.insert_many(keys, blocks)
+                for k, b in zip(keys, blocks):
+                    loop.insert(k, b)
+            elif op[0] == "touch":
+                for policy in (bulk, loop):
+                    policy.touch([key(i) for i in op[1]])
+            elif op[0] == "remove":
+                resident.pop(key(op[1]), None)
+                for policy in (bulk, loop):
+                    policy.remove(key(op[1]))
+            else:
+                protected = {key(i) for i in op[2]}
+                victims = bulk.evict(op[1], protected)
+                assert victims == loop.evict(op[1], protected)
+                for k, _ in victims or ():
+                    del resident[k]
+            assert observe(bulk) == observe(loop)
+        self.same_future(bulk, loop, capacity, returning=list(range(32)))
+
+
+class PolicyTests(_RandomOperations):
     """Subclass as `class TestMine(PolicyTests)` and set `policy_factory` (a callable taking the
     capacity in blocks) or override `make_policy`.
 
@@ -293,125 +428,3 @@ class PolicyTests:
         assert policy.evict(1, set()) is None
         blocks = fill(policy, range(3))  # usable again
         assert {k: policy.get(k) for k in policy.keys()} == blocks
-
-    # ------------------------------------------------------------------ random operations
-    @settings(max_examples=150, deadline=None, suppress_health_check=_HEALTH, report_multiple_bugs=False)
-    @given(ops=st.lists(
-        st.one_of(
-            st.tuples(st.just("insert"), st.integers(0, 23)),
-            st.tuples(st.just("insert"), st.integers(0, 23)),
-            st.tuples(st.just("remove"), st.integers(0, 23)),
-            st.tuples(st.just("touch"), st.lists(st.integers(0, 23), max_size=5)),
-            st.tuples(st.just("evict"), st.integers(0, 5), st.sets(st.integers(0, 23), max_size=4)),
-            st.tuples(st.just("pin"), st.integers(0, 23), st.sampled_from([-1, 0, 1, 2])),
-            st.tuples(st.just("peek"), st.integers(0, 3)),
-        ),
-        max_size=80,
-    ))
-    def test_random_operations_against_model(self, ops):
-        """The model is the set of resident blocks; the policy must agree with it on residence,
-        and evict/victim_candidates must obey the contract at every step."""
-        capacity = 12
-        policy = self.make_policy(capacity)
-        model: dict[OffloadKey, BlockStatus] = {}
-        next_id = 0
-        for op in ops:
-            kind = op[0]
-            if kind == "insert":
-                k = key(op[1])
-                if k in model or len(model) >= capacity:
-                    continue  # the manager never inserts a resident key or beyond capacity
-                model[k] = ready(next_id)
-                next_id += 1
-                policy.insert(k, model[k])
-            elif kind == "remove":
-                policy.remove(key(op[1]))
-                model.pop(key(op[1]), None)
-            elif kind == "touch":
-                policy.touch([key(i) for i in op[1]])
-            elif kind == "pin":  # the op[1]-th resident block (pins must hit resident blocks)
-                if model:
-                    model[sorted(model)[op[1] % len(model)]].ref_cnt = op[2]
-            elif kind == "peek":
-                self._check_candidates(policy, model)
-            else:  # protected: mostly resident keys (op[2] indexes them), sometimes absent ones
-                resident = sorted(model)
-                protected = {resident[i % len(resident)] if resident and i < 20 else key(i) for i in op[2]}
-                self._check_evict(policy, model, op[1], protected)
-            assert len(policy) == len(model)
-            assert set(policy.keys()) == set(model)
-            for k, b in model.items():
-                assert policy.get(k) is b
-
-    def _check_candidates(self, policy: CachePolicy, model: dict[OffloadKey, BlockStatus]) -> None:
-        before = observe(policy)
-        candidates = [k for k, _ in policy.victim_candidates()]
-        assert len(set(candidates)) == len(candidates), "a block listed twice"
-        evictable = {k for k, b in model.items() if b.ref_cnt == 0}
-        if self.predicts_victims:
-            assert set(candidates) == evictable
-        else:
-            assert set(candidates) <= evictable
-        assert observe(policy) == before
-
-    def _check_evict(self, policy: CachePolicy, model: dict[OffloadKey, BlockStatus], n: int,
-                     protected: set[OffloadKey]) -> None:
-        evictable = [k for k, b in model.items() if b.ref_cnt == 0 and k not in protected]
-        before = observe(policy)
-        predicted = [k for k, _ in policy.victim_candidates() if k not in protected][:n]
-        victims = policy.evict(n, protected)
-        if len(evictable) < n:
-            assert victims is None, f"evicted {victims} with only {len(evictable)} evictable"
-            assert observe(policy) == before
-            return
-        assert victims is not None and len(victims) == max(n, 0)
-        chosen = [k for k, _ in victims]
-        assert len(set(chosen)) == len(chosen)
-        assert set(chosen) <= set(evictable), "evicted a pinned, unready or protected block"
-        if self.predicts_victims and not protected:
-            assert chosen == predicted
-        for k, b in victims:
-            assert model.pop(k) is b
-
-    @settings(max_examples=120, deadline=None, suppress_health_check=_HEALTH, report_multiple_bugs=False)
-    @given(ops=st.lists(
-        st.one_of(
-            st.tuples(st.just("insert"), st.lists(st.integers(0, 31), max_size=6, unique=True)),
-            st.tuples(st.just("touch"), st.lists(st.integers(0, 31), max_size=5)),
-            st.tuples(st.just("evict"), st.integers(1, 6), st.sets(st.integers(0, 31), max_size=3)),
-            st.tuples(st.just("remove"), st.integers(0, 31)),
-        ),
-        max_size=60,
-    ))
-    def test_insert_many_equals_insert_loop(self, ops):
-        """`insert_many` (the manager's store path) and a loop of `insert` are indistinguishable:
-        the same observable state after every step and the same decisions afterwards, so history
-        such as ghost lists must match too."""
-        capacity = 16
-        bulk, loop = self.make_policy(capacity), self.make_policy(capacity)
-        resident: dict[OffloadKey, BlockStatus] = {}
-        next_id = 0
-        for op in ops:
-            if op[0] == "insert":
-                keys = [key(i) for i in op[1] if key(i) not in resident][:capacity - len(resident)]
-                blocks = [ready(next_id + j) for j in range(len(keys))]
-                next_id += len(keys)
-                resident.update(zip(keys, blocks))
-                bulk.insert_many(keys, blocks)
-                for k, b in zip(keys, blocks):
-                    loop.insert(k, b)
-            elif op[0] == "touch":
-                for policy in (bulk, loop):
-                    policy.touch([key(i) for i in op[1]])
-            elif op[0] == "remove":
-                resident.pop(key(op[1]), None)
-                for policy in (bulk, loop):
-                    policy.remove(key(op[1]))
-            else:
-                protected = {key(i) for i in op[2]}
-                victims = bulk.evict(op[1], protected)
-                assert victims == loop.evict(op[1], protected)
-                for k, _ in victims or ():
-                    del resident[k]
-            assert observe(bulk) == observe(loop)
-        self.same_future(bulk, loop, capacity, returning=list(range(32)))

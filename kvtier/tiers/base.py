@@ -97,7 +97,7 @@ class Backend(ABC):
     OPTIONS: ClassVar[dict] = {}
 
     @classmethod
-    def from_config(cls, name: str, num_blocks: int, block_bytes: int, block_size: int, options: dict) -> "Backend":
+    def from_config(cls, name: str, num_blocks: int, block_bytes: int, block_size: int, options: dict) -> Backend:
         """Create the backend of a configured tier (`options` validated against `OPTIONS`)."""
         return cls(name, num_blocks, block_bytes, block_size, **options)
 
@@ -136,7 +136,7 @@ class Backend(ABC):
         """Blocks that survive from an earlier process (ready, slots claimed). Default: none."""
         return []
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - an optional hook, not abstract: most backends need it, some do not
         """Release memory, files and handles. Idempotent. Default: nothing to release."""
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from kvtier.tiers.journal import DEL, PUT, Entry, Journal, record
 
-log = logging.getLogger("kvtier.tiers.file")
+log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file.py)
 
 
 class CommitLog:

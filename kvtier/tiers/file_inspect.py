@@ -11,11 +11,13 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from kvtier.tiers.file import FileBackend
 from kvtier.tiers.fileio import file_kind, open_regular_file, read_regular_file
 from kvtier.tiers.journal import journal_capacity, journal_max_bytes, scan_journal
 from kvtier.tiers.manifest import load_manifest, manifest_digest, version_difference
+from kvtier.tiers.owners import pid_alive
 from kvtier.tiers.rootdir import JOURNAL, LOCK, SLAB
 from kvtier.tiers.slot_format import FORMAT_VERSION, HEADER_BYTES, slot_bytes_for, verify_slot
 
@@ -24,7 +26,8 @@ _JOURNAL_LIMIT_WITHOUT_GEOMETRY = 1 << 30  # no trusted num_slots to size the bo
 
 def _geometry_problem(manifest: dict) -> str | None:
     """Why a manifest's geometry cannot describe a slab written by this version, or None."""
-    values = {k: manifest.get(k) for k in ("format_version", "block_bytes", "slot_bytes", "header_bytes", "num_slots")}
+    names = ("format_version", "block_bytes", "slot_bytes", "header_bytes", "num_slots")
+    values: dict[str, Any] = {k: manifest.get(k) for k in names}
     bad = [f"{k}={v!r}" for k, v in values.items() if isinstance(v, bool) or not isinstance(v, int) or v <= 0]
     if bad:
         return "manifest geometry invalid (" + ", ".join(bad) + ")"
@@ -43,16 +46,7 @@ def _lock_holder(root: Path) -> dict:
     except OSError:
         return {"pid": None, "alive": False}
     pid = int(text) if text.isdigit() else None
-    alive = False
-    if pid is not None:
-        try:
-            os.kill(pid, 0)
-            alive = True
-        except PermissionError:
-            alive = True
-        except OSError:
-            alive = False
-    return {"pid": pid, "alive": alive}
+    return {"pid": pid, "alive": pid is not None and pid_alive(pid)}
 
 
 def inspect_root(root_dir: str, verify: bool = False) -> dict:
@@ -156,6 +150,7 @@ def _verify(slab: Path, manifest: dict | None, entries: dict) -> dict:
         size = os.fstat(fd).st_size
         for slot in sorted(entries):
             key = entries[slot][0]
+            why: str | None
             if (slot + 1) * slot_bytes > size:  # not read: a hostile geometry cannot make it allocate
                 why = "slab truncated"
             else:

@@ -26,12 +26,30 @@ from kvtier.config import format_size
 from kvtier.errors import KVTierError
 from kvtier.tiers.fileio import ALIGN, file_kind
 from kvtier.tiers.journal import Journal, JournalScan, read_journal
-from kvtier.tiers.manifest import (load_manifest, manifest_differences, manifest_digest, manifest_epoch,
-                                   wanted_manifest, write_manifest)
-from kvtier.tiers.rootdir import (JOURNAL, MANIFEST, OWN_FILES, SLAB, TEMPORARIES, RootLock, check_entries,
-                                  open_or_create, prepare_root, refuse, remove_dirs, remove_file)
+from kvtier.tiers.manifest import (
+    load_manifest,
+    manifest_differences,
+    manifest_digest,
+    manifest_epoch,
+    wanted_manifest,
+    write_manifest,
+)
+from kvtier.tiers.rootdir import (
+    JOURNAL,
+    MANIFEST,
+    OWN_FILES,
+    SLAB,
+    TEMPORARIES,
+    RootLock,
+    check_entries,
+    open_or_create,
+    prepare_root,
+    refuse,
+    remove_dirs,
+    remove_file,
+)
 
-log = logging.getLogger("kvtier.tiers.file")
+log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file.py)
 
 
 @dataclass(frozen=True)
@@ -122,13 +140,13 @@ def open_root(root_dir: str, shape: TierShape) -> OpenedRoot:
     try:
         root, created_dirs = prepare_root(str(Path(root_dir)))
     except OSError as exc:
-        raise _as_build_error(shape, Path(root_dir), exc)
+        raise _as_build_error(shape, Path(root_dir), exc)  # noqa: B904 - it chains its cause itself, or is exc
     created = _Created(created_dirs)
     try:
         lock = RootLock(root)
     except BaseException as exc:
         created.remove()
-        raise _as_build_error(shape, root, exc)
+        raise _as_build_error(shape, root, exc)  # noqa: B904 - it chains its cause itself, or is exc
     try:
         if lock.created:
             created.files.append(lock.path)
@@ -140,7 +158,7 @@ def open_root(root_dir: str, shape: TierShape) -> OpenedRoot:
             created.remove()
         finally:
             lock.release()
-        raise _as_build_error(shape, root, exc)
+        raise _as_build_error(shape, root, exc)  # noqa: B904 - it chains its cause itself, or is exc
     return OpenedRoot(root, lock, created, contents)
 
 
@@ -160,6 +178,7 @@ def _open_contents(root: Path, shape: TierShape) -> _Contents:
     found, unreadable = load_manifest(root)
     diffs = [f"no readable manifest: {unreadable}"] if unreadable else manifest_differences(found, wanted)
     if not diffs:
+        assert found is not None  # no differences: a manifest was read
         scan = read_journal(root / JOURNAL, shape.num_slots, shape.journal_capacity)
         if scan.problem is None and scan.epoch != manifest_epoch(found):
             scan.problem = "journal belongs to another epoch"

@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 
 from kvtier.tiers.rootdir import open_existing
 
-log = logging.getLogger("kvtier.tiers.file")
+log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file.py)
 
 ALIGN = 4096
 
@@ -88,7 +88,8 @@ def read_regular_file(path, limit: int) -> bytes:
     bytes: a larger file raises `FileTooLargeError` without being read past `limit` + 1 bytes."""
     fd = open_regular_file(path)
     try:
-        chunks, total = [], 0
+        chunks: list[bytes] = []
+        total = 0
         while total <= limit:
             chunk = os.read(fd, min(limit + 1 - total, 1 << 24))
             if not chunk:
@@ -129,7 +130,7 @@ def direct_refusal(path: str) -> str | None:
         finally:
             os.close(fd)
     except OSError as exc:
-        return f"O_DIRECT refused ({errno.errorcode.get(exc.errno, exc.errno)})"
+        return f"O_DIRECT refused ({errno.errorcode.get(exc.errno or 0, exc.errno)})"
     finally:
         buf.close()
 
@@ -144,9 +145,18 @@ class IOEngine(ABC):
 
     name: str = "?"
     direct: bool = False
+    vectored: bool = False  # offers pwritev/preadv (scatter-gather over the caller's buffers)
 
     @abstractmethod
     def pwrite(self, offset: int, buf) -> None: ...
+
+    def pwritev(self, offset: int, iovs: list) -> None:
+        """Write the concatenation of `iovs` at `offset`; only where `vectored`."""
+        raise NotImplementedError(f"{type(self).__name__} has no vectored I/O")
+
+    def preadv(self, offset: int, iovs: list) -> None:
+        """Fill `iovs` in order from `offset`; only where `vectored`."""
+        raise NotImplementedError(f"{type(self).__name__} has no vectored I/O")
 
     @abstractmethod
     def pread(self, offset: int, buf) -> None: ...
@@ -163,6 +173,7 @@ class PosixIO(IOEngine):
     """pwrite/preadv on one descriptor; O_DIRECT when `direct`."""
 
     name = "posix"
+    vectored = True
 
     def __init__(self, path: str, direct: bool):
         self.direct = direct

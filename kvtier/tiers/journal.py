@@ -151,7 +151,7 @@ class Journal:
         self.fd = open_existing(path, os.O_WRONLY)
 
     @classmethod
-    def create(cls, path: Path, epoch: bytes, entries: Iterable[Entry] = (), capacity: int = 1 << 20) -> "Journal":
+    def create(cls, path: Path, epoch: bytes, entries: Iterable[Entry] = (), capacity: int = 1 << 20) -> Journal:
         """Write a fresh journal holding `entries` (slot, key, crc) atomically, and open it.
         The file is `capacity` bytes, grown to twice what the entries need when they do not fit."""
         records = b"".join(record(PUT, slot, key, crc) for slot, key, crc in entries)
@@ -162,7 +162,7 @@ class Journal:
         return cls(path, epoch, used, capacity, records=_count_records(records))
 
     @classmethod
-    def reopen(cls, path: Path, scan: JournalScan) -> "Journal":
+    def reopen(cls, path: Path, scan: JournalScan) -> Journal:
         """Open the journal `scan` was read from, to append after its valid prefix."""
         return cls(path, scan.epoch or b"", scan.good_bytes, os.stat(path).st_size, scan.records)
 
@@ -188,7 +188,7 @@ class Journal:
         os.pwrite(self.fd, bytes(nbytes), self.pos)
         os.fdatasync(self.fd)
 
-    def compacted(self, entries: Iterable[Entry], capacity: int) -> "Journal":
+    def compacted(self, entries: Iterable[Entry], capacity: int) -> Journal:
         """Close this journal and replace its file with a fresh one of the same epoch holding
         `entries` only (`capacity` bytes, see `create`); returns it open."""
         self.close()

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import mmap
+from typing import ClassVar
 
 from kvtier.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec
 from kvtier.tiers.base import Backend
@@ -12,15 +13,17 @@ from kvtier.tiers.base import Backend
 class SlotBackend(Backend):
     """Tracks slots only; stands in for any backend when transfers carry no bytes."""
 
-    spec_type = CPULoadStoreSpec
-    medium = "CPU"
+    spec_type: ClassVar[type[BlockIDsLoadStoreSpec]] = CPULoadStoreSpec
+    medium: ClassVar[str] = "CPU"
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int = 0, block_size: int = 0,
                  spec_type: type[BlockIDsLoadStoreSpec] | None = None):
         super().__init__(name, num_blocks, block_bytes, block_size)
         if spec_type is not None:
-            self.spec_type = spec_type
-            self.medium = spec_type.medium()
+            # A stand-in answers as the backend it stands for, so these two are per instance here
+            # (class-level on every real backend, where Backend's ClassVar declarations are right).
+            self.spec_type = spec_type  # type: ignore[misc]
+            self.medium = spec_type.medium()  # type: ignore[misc]
 
     def close(self) -> None:
         return

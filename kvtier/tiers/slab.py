@@ -30,7 +30,7 @@ from kvtier.tiers.slot_format import (
     verify_slot,
 )
 
-log = logging.getLogger("kvtier.tiers.file")
+log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file.py)
 
 RUN_BYTES = 8 << 20  # adjacent slots are merged into I/Os of about this size (a whole number of slots)
 
@@ -86,7 +86,7 @@ class SlabIO:
         pad = slot_bytes - HEADER_BYTES - block_bytes
         self._pad = memoryview(aligned_buffer(pad))[:pad] if pad else None  # written as is: contents unused
         self._pad_in = memoryview(aligned_buffer(pad))[:pad] if pad else None  # read into and ignored
-        self._zero_copy_ok = hasattr(engine, "pwritev") and (not engine.direct or block_bytes % ALIGN == 0)
+        self._zero_copy_ok = engine.vectored and (not engine.direct or block_bytes % ALIGN == 0)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix=f"kvtier-file-{name}")
 
     def write(self, slots: Sequence[int], keys: Sequence[bytes], views: list[memoryview]) -> dict[int, int]:

@@ -7,14 +7,20 @@ import os
 import threading
 
 import pytest
-
-from kvtier import FileLoadStoreSpec, CPULoadStoreSpec, LookupResult, build_hierarchy, load_config_text, make_offload_key
-from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler, make_cpu_to_file, make_file_to_cpu
-from kvtier.tiers.file import HEADER_BYTES, FileBackend
-from kvtier.tiers.base import BlockFile, HostSlots
-from kvtier.tiers.memory import MemoryBackend
-
 from conftest import Jobs as RunJobs
+
+from kvtier import (
+    CPULoadStoreSpec,
+    FileLoadStoreSpec,
+    LookupResult,
+    build_hierarchy,
+    load_config_text,
+    make_offload_key,
+)
+from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler, make_cpu_to_file, make_file_to_cpu
+from kvtier.tiers.base import BlockFile, HostSlots
+from kvtier.tiers.file import HEADER_BYTES, FileBackend
+from kvtier.tiers.memory import MemoryBackend
 
 BLOCK = 64 * 1024
 

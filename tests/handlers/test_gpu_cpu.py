@@ -6,17 +6,24 @@ import math
 import threading
 
 import pytest
+from conftest import Jobs
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvtier import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec,
-                    GPULoadStoreSpec, build_hierarchy, load_config_text)
+from kvtier import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    build_hierarchy,
+    load_config_text,
+)
 from kvtier.handlers import rows
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout, make_cpu_to_gpu, make_gpu_to_cpu, make_handler
 from kvtier.tiers.base import HostRegion, HostSlots
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.memory import MemoryBackend
-from conftest import Jobs
 
 torch = pytest.importorskip("torch")
 
@@ -53,7 +60,8 @@ def expected_slot_bytes(layout, kv, spec, slots):
             slot = slots[pos + (skip + p) // layout.blocks_per_chunk]
             j = (skip + p) % layout.blocks_per_chunk
             for seg in layout.groups[g]:
-                out[(slot, seg.offset + j * seg.page)] = engine_page(kv, seg.tensor_idx, spec.block_ids[first + p], seg.page)
+                out[(slot, seg.offset + j * seg.page)] = engine_page(kv, seg.tensor_idx, spec.block_ids[first + p],
+                                                                     seg.page)
         first += n
         pos += math.ceil((n + skip) / layout.blocks_per_chunk)
     return out
@@ -306,7 +314,8 @@ def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, tier, slots):
 
     kv = make_kv()
     layout, backend = tier(kv, 2)
-    store_h, load_h = CudaKVCopyHandler({"cpu": backend}, layout, True), CudaKVCopyHandler({"cpu": backend}, layout, False)
+    store_h = CudaKVCopyHandler({"cpu": backend}, layout, True)
+    load_h = CudaKVCopyHandler({"cpu": backend}, layout, False)
     jobs = Jobs(store_h, load_h)
     store = GPULoadStoreSpec([1, 2, 3, 4, 5, 6, 7], group_sizes=[5, 2], block_indices=[1, 0])
     assert jobs.run(store_h, 1, store, CPULoadStoreSpec(slots, tier="cpu")).success

@@ -94,7 +94,7 @@ class FlakyBackend:
         return len(slots) * self.block_bytes
 
     def read_blocks(self, slots, keys, buffers):
-        for s, _k, b in zip(slots, keys, buffers):
+        for s, b in zip(slots, buffers):
             memoryview(b).cast("B")[:] = self.data[s][1]
         return len(slots) * self.block_bytes
 

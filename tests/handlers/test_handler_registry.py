@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import keys
 
 from kvtier import build_hierarchy, load_config_text, registry
 from kvtier.errors import KVTierError
@@ -11,8 +12,6 @@ from kvtier.handlers.memory import MemoryCopyHandler
 from kvtier.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, FileLoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.base import Backend, HostSlots
 from kvtier.tiers.memory import MemoryBackend
-
-from conftest import keys
 
 BLOCK = 64
 

@@ -20,8 +20,13 @@ BPC = 2  # engine blocks per offloaded block
 
 
 def _config(tmp_path, events=True, kvtier_config=None, rank=0, world_size=1, engine_id=None):
-    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-                                           OffloadingModelConfig, OffloadingParallelConfig)
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
 
     kvtier_config = kvtier_config or {"block_tokens": 999, "tiers": [
         {"name": "cpu", "backend": "cpu", "capacity": "4 blocks", "cascade": "on_store"},
@@ -32,7 +37,8 @@ def _config(tmp_path, events=True, kvtier_config=None, rank=0, world_size=1, eng
         extra_config={"kvtier_config": kvtier_config}, engine_id=engine_id or f"unit-{time.time_ns()}",
         model=OffloadingModelConfig(name="tiny", dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
-        parallel=OffloadingParallelConfig(rank=rank, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
+        parallel=OffloadingParallelConfig(rank=rank, world_size=world_size, tp_size=world_size, pp_size=1,
+                                          pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=True))
 
@@ -124,8 +130,13 @@ def test_manager_adapter_types_events_and_stats(spec):
 
 def test_worker_round_trip_through_shared_region(spec):
     import torch
-    from vllm.v1.kv_offload.base import (CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor,
-                                         GPULoadStoreSpec, ReqContext)
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        ReqContext,
+    )
 
     m = spec.get_manager()
     engine = torch.randint(-128, 127, (8, PAGE), dtype=torch.int8)

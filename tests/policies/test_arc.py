@@ -284,7 +284,7 @@ def test_prefix_freq_victim_candidates_is_the_evict_order_with_and_without_tail_
     import random
 
     rng = random.Random(7)
-    for trial in range(20):
+    for _trial in range(20):
         cap = 40
         policy = PrefixFreqCachePolicy(cap)
         if one_time:  # evidence enough that the random hits below do not outweigh it

@@ -4,13 +4,12 @@ policies written to vLLM's seed contract; broken policies are shown to fail it."
 from __future__ import annotations
 
 import pytest
+from seed_policy import DuckSeedPolicy, SeedLRUPolicy
 
 from kvtier import registry
 from kvtier.policies.base import CachePolicy, KeyIndex, with_key_index
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.testing.policy import PolicyTests, fill, key
-
-from seed_policy import DuckSeedPolicy, SeedLRUPolicy
 
 
 def registered(name: str):

@@ -5,11 +5,10 @@ it to cascade on_evict (which needs `victim_candidates`) is refused up front."""
 from __future__ import annotations
 
 import pytest
+from conftest import keys
 
 from kvtier import ConfigError, LookupResult, build_hierarchy, load_config_text
 from kvtier.policies.base import KeyIndex
-
-from conftest import keys
 
 
 def seed_hierarchy(hot_policy: str, warm_policy: str, cascade: str = "on_store"):

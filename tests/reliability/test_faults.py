@@ -16,11 +16,22 @@ import sys
 import threading
 
 import pytest
+from reliability_helpers import (
+    assert_settled,
+    build,
+    fill_file_tier,
+    fill_filesystem,
+    keys,
+    payload,
+    pinned,
+    read,
+    shm_files,
+    store,
+    tmpfs,
+)
 
 from kvtier import ConfigError, KVTierError, LookupResult
 from kvtier.tiers.file import FileBackend
-from reliability_helpers import (assert_settled, build, fill_file_tier, fill_filesystem, keys, payload, pinned,
-                                 read, shm_files, store, tmpfs)
 
 UPPERS = ["memory", "cpu"]  # memory: bounce-buffer path (pwrite/preadv); cpu: page-aligned zero-copy (pwritev)
 

@@ -13,10 +13,10 @@ import json
 import logging
 import os
 import resource
+import shutil
 import signal
 import stat
 import struct
-import shutil
 import subprocess
 import sys
 import time
@@ -24,13 +24,22 @@ import tracemalloc
 import zlib
 
 import pytest
+from conftest import flip
+from reliability_helpers import BLOCK, assert_settled, build, fill_file_tier, keys, payload, read, store
 
 from kvtier import LookupResult
-from kvtier.tiers.file import (HEADER_BYTES, JOURNAL, MANIFEST, MAX_KEY_BYTES, SLAB, manifest_digest, pack_header,
-                               scan_journal, slot_bytes_for)
+from kvtier.tiers.file import (
+    HEADER_BYTES,
+    JOURNAL,
+    MANIFEST,
+    MAX_KEY_BYTES,
+    SLAB,
+    manifest_digest,
+    pack_header,
+    scan_journal,
+    slot_bytes_for,
+)
 from kvtier.tiers.file_inspect import inspect_root
-from reliability_helpers import BLOCK, assert_settled, build, fill_file_tier, keys, payload, read, store
-from conftest import flip
 
 SLOT = slot_bytes_for(BLOCK)
 CHILD_MEMORY = 1 << 30  # address-space limit of the subprocesses below: a runaway read fails fast, harmlessly

@@ -16,9 +16,9 @@ import tempfile
 import textwrap
 
 import pytest
+from reliability_helpers import build, fill_file_tier, payload, read, shm_files
 
 from kvtier import KVTierError
-from reliability_helpers import build, fill_file_tier, payload, read, shm_files
 
 NOBODY = 65534
 TIER_FILES = ("lock", "manifest.json", "slab.0", "journal")

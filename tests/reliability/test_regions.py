@@ -394,8 +394,13 @@ PAGE = 4096
 
 
 def _spec(tmp_path, engine_id):
-    from vllm.v1.kv_offload.config import (OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-                                           OffloadingModelConfig, OffloadingParallelConfig)
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
 
     from kvtier.integrations.vllm import KVTierOffloadingSpec
 

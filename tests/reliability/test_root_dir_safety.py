@@ -16,12 +16,12 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from reliability_helpers import BLOCK, build, config_text, fill_file_tier, keys, payload, read, tmpfs
 
 from kvtier import ConfigError, load_config, load_config_text
 from kvtier.config import default_config_path
 from kvtier.tiers import fileio
 from kvtier.tiers.file import FileBackend, Journal
-from reliability_helpers import BLOCK, build, config_text, fill_file_tier, keys, payload, read, tmpfs
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="files of another user need root to create")

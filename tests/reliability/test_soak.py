@@ -6,10 +6,10 @@ The long run (>= 1,000,000 operations) is documented in docs/reliability.md.
 
 from __future__ import annotations
 
+from conftest import keys, memory_hierarchy
+
 from kvtier import LookupResult
 from kvtier.bench import soak
-
-from conftest import keys, memory_hierarchy
 
 OPS = 30_000
 

@@ -23,7 +23,7 @@ from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, _to_vllm_
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover
-    CacheHitSource = None  # type: ignore[assignment]
+    CacheHitSource = None  # type: ignore[assignment,misc]
 
 METRIC_PREFIX = "vllm:kvtier_"
 # Per-tier counters of HierarchyManager.get_stats(), exported as deltas labelled by tier.

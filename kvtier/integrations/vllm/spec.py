@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.base import (
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
 from kvtier.integrations.vllm.manager import _COUNTERS, _GAUGES, METRIC_PREFIX, KVTierOffloadingManager
 from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
+from kvtier.tiers.cpu import CPUBackend
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             hierarchy = build_hierarchy(self.hierarchy_config, block_bytes=self.block_bytes, kv_caches=None,
                                         enable_events=enable_events)
             region = hierarchy.manager.tiers[0].backend
+            assert isinstance(region, CPUBackend)  # vllm_hierarchy_config puts a cpu tier first
             if region.shm_name in _LOCAL_WORKER_REGIONS:
                 region.unpublish()  # the engine's worker runs in this process: it maps the region without a name
             self._manager = KVTierOffloadingManager(hierarchy, enable_events)

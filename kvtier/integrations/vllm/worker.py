@@ -12,6 +12,7 @@ from kvtier.tiers.cpu import RegionError
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
     from kvtier.planes import WorkerPlane
+    from kvtier.tiers.cpu import CPUBackend
 
 # shm_names of the CPU regions whose (only) worker lives in this process: vLLM's default executor
 # for one worker ("uni") runs it in the scheduler's process, where it maps the region without a name.
@@ -42,10 +43,10 @@ class KVTierOffloadingWorker(OffloadingWorker):
     block with a missing rank's part is never made readable.
     """
 
-    def __init__(self, spec: "KVTierOffloadingSpec", kv_caches: CanonicalKVCaches):
+    def __init__(self, spec: KVTierOffloadingSpec, kv_caches: CanonicalKVCaches):
         self.spec = spec
         self.kv_caches = kv_caches
-        self._backend = None
+        self._backend: CPUBackend | None = None  # the attached region, set together with _engine
         self._engine: WorkerPlane | None = None  # the worker plane, built at the first transfer
         self._tier = spec.hierarchy_config.tiers[0].name
         if spec.num_copies == 1:  # vLLM's in-process executor ("uni") serves one worker only
@@ -54,9 +55,11 @@ class KVTierOffloadingWorker(OffloadingWorker):
     def _ready(self, cpu_spec: Any):
         token = getattr(cpu_spec, "region", None)
         if self._engine is not None:
-            if token != self._backend.token:
+            attached = self._backend
+            assert attached is not None  # set together with _engine
+            if token != attached.token:
                 raise RegionError(f"kvtier worker: a transfer names CPU region token {token!r}, this worker "
-                                  f"serves region {self._backend.shm_name} of its own scheduler (token mismatch)")
+                                  f"serves region {attached.shm_name} of its own scheduler (token mismatch)")
             return self._engine
         if token is None:
             raise RegionError(f"kvtier worker: the CPU spec {cpu_spec!r} carries no region token; this worker "
@@ -86,7 +89,8 @@ class KVTierOffloadingWorker(OffloadingWorker):
 
         spec = self.spec
         part = (spec.rank * spec.rank_bytes, spec.rank_bytes) if spec.num_copies > 1 else (0, None)
-        kv_caches = ChunkedKVCaches(list(self.kv_caches.tensors), list(self.kv_caches.group_data_refs),
+        vllm_kv: Any = self.kv_caches  # vLLM's CanonicalKVCaches: the fields of kvtier's, duck-typed
+        kv_caches = ChunkedKVCaches(list(vllm_kv.tensors), list(vllm_kv.group_data_refs),
                                     spec.blocks_per_chunk, *part)
         plane = build_worker_plane({region.name: region}, kv_caches)
         gpu, cpu = kspecs.GPULoadStoreSpec, kspecs.CPULoadStoreSpec
