@@ -40,6 +40,7 @@ import argparse
 import glob
 import hashlib
 import json
+import logging
 import os
 import random
 import signal
@@ -49,6 +50,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+from kvtier.bench.quiet import logger_at
 
 BLOCK_BYTES = 16 * 1024
 UPPER_BLOCKS = 16
@@ -297,11 +300,9 @@ def _remove_leaked_shm(pid: int) -> tuple[int, int]:
     return len(paths) - claims, claims
 
 
+@logger_at("kvtier.engine", logging.ERROR)  # failed verifications are counted, not logged
 def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_kill_delay: float = 0.6,
         log=print, promote_batch: int = 1) -> dict:
-    import logging
-
-    logging.getLogger("kvtier.engine").setLevel(logging.ERROR)  # failed verifications are counted below
     root = Path(root)
     rng = random.Random(seed)
     durable: set[int] = set()

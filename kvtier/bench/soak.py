@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from kvtier.bench.quiet import logger_at
 from kvtier.handlers.base import TransferHandler
 from kvtier.types import LookupResult, TransferResult
 
@@ -149,6 +150,7 @@ def check_invariants(mgr, open_loads: list, where: str) -> None:
             fail(f"pinned block {bytes(key).hex()} of tier {tier.name} was evicted or unpinned")
 
 
+@logger_at("kvtier.engine", logging.ERROR)  # injected failures are expected
 def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 160, check_every: int = 64,
         hot_policy: str = "arc", warm_policy: str = "lru", reserve: float = 0.25, progress=None,
         store_while_promoting: bool = True) -> dict:
@@ -159,7 +161,6 @@ def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 
     Raises InvariantError naming the operation at which an invariant failed or the manager raised."""
     from kvtier import CPULoadStoreSpec, ReqContext, make_offload_key
 
-    logging.getLogger("kvtier.engine").setLevel(logging.ERROR)  # injected failures are expected
 
     rng = random.Random(seed)
     h = build(hot, warm, hot_policy, warm_policy, reserve)

@@ -1,0 +1,29 @@
+"""Harnesses quiet the router's expected failure logs for their own run only."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvtier.bench import soak
+from kvtier.bench.quiet import logger_at
+
+
+def test_soak_leaves_the_engine_logger_as_it_found_it():
+    engine_log = logging.getLogger("kvtier.engine")
+    engine_log.setLevel(logging.INFO)
+    try:
+        soak.run(300, seed=1)
+        assert engine_log.level == logging.INFO
+    finally:
+        engine_log.setLevel(logging.NOTSET)
+
+
+def test_the_level_comes_back_after_an_error():
+    log = logging.getLogger("kvtier.test-quiet")
+    with pytest.raises(RuntimeError):
+        with logger_at(log.name, logging.ERROR):
+            assert log.level == logging.ERROR
+            raise RuntimeError("inside")
+    assert log.level == logging.NOTSET
