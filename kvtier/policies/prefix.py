@@ -159,6 +159,7 @@ class PrefixFreqCachePolicy(CachePolicy):
                 if seg.pop(key, None) is not None:
                     break
         self._mark = len(self.blocks)
+        self._forget_pin(key)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         segs = self.segs
@@ -259,6 +260,8 @@ class PrefixFreqCachePolicy(CachePolicy):
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
+        if self._refuses(n, protected):
+            return None  # fewer than n evictable blocks, known without looking at the pinned ones
         # The walk of _order, without a generator (this is the hot path).
         blocks = self.blocks
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
@@ -353,6 +356,8 @@ class PrefixFreqCachePolicy(CachePolicy):
         self._returns = [0, 0, 0, 0, 0, 0]
         self.clock = self._mark = 0
         self.unit = float(self.cache_capacity)
+        if self._pinned is not None:
+            self._pinned.clear()
 
     def __len__(self) -> int:
         return len(self.blocks)
