@@ -103,11 +103,11 @@ class PrefixFreqCachePolicy(CachePolicy):
         # tails hit while resident, new blocks hit while resident
         self._returns = [0, 0, 0, 0, 0, 0]
         # Evictable accounting only (track_pins): pinned or protected keys met by an eviction's
-        # walk are set aside, out of their segment's order: key -> (segment, sequence number).
-        # They stay in the segment (moved to its end) but lanes skip them; the unpinned ones
-        # are served first, from `_freed[segment]` ((stamp, seq, key), a heap): every aside key
-        # was met before the rest of its segment, so it is older than all of it.
-        self.aside: dict[OffloadKey, tuple[int, int]] = {}
+        # walk are set aside, out of their segment: key -> (segment, sequence number, stamp).
+        # The unpinned ones are served first, from `_freed[segment]` ((stamp, seq, key), a
+        # heap): every aside key was met before the rest of its segment, so it is older than
+        # all of it. A touched or evicted aside key is put back into its segment first.
+        self.aside: dict[OffloadKey, tuple[int, int, int]] = {}
         self._aside_n = [0] * len(self.segs)
         self._freed: list[list[tuple[int, int, OffloadKey]]] = [[] for _ in self.segs]
         self._seq = 0
@@ -171,15 +171,18 @@ class PrefixFreqCachePolicy(CachePolicy):
         self._mark = len(self.blocks)
         self._forget_pin(key)
         if self.aside:
-            self._unaside([key])
+            self._unaside([key], restore=False)
 
-    def _unaside(self, keys: Iterable[OffloadKey]) -> None:
-        """Keys that left the tier or were touched are no longer aside."""
-        pop, counts = self.aside.pop, self._aside_n
+    def _unaside(self, keys: Iterable[OffloadKey], restore: bool = True) -> None:
+        """Keys that are touched, evicted or removed are no longer aside; with `restore` they go
+        back into their segment (with their stamp), for the caller to move or delete them."""
+        pop, counts, segs = self.aside.pop, self._aside_n, self.segs
         for key in keys:
             entry = pop(key, None)
             if entry is not None:
                 counts[entry[0]] -= 1
+                if restore:
+                    segs[entry[0]][key] = entry[2]
 
     def unpin(self, keys: Iterable[OffloadKey]) -> None:
         pinned = self._pinned
@@ -188,30 +191,28 @@ class PrefixFreqCachePolicy(CachePolicy):
         if not self.aside:
             pinned.difference_update(keys)
             return
-        aside, segs, freed = self.aside, self.segs, self._freed
+        aside, freed = self.aside, self._freed
         for key in keys:
             pinned.discard(key)
             entry = aside.get(key)
             if entry is not None:
-                index, seq = entry
-                heappush(freed[index], (segs[index][key], seq, key))
+                index, seq, stamp = entry
+                heappush(freed[index], (stamp, seq, key))
 
     def _lane(self, index: int) -> Iterator[tuple[OffloadKey, int]]:
         """(key, stamp) of segment `index` in its order: its unpinned aside keys first."""
-        if not self._aside_n[index]:
+        if not self._freed[index]:
             return iter(self.segs[index].items())
         return self._lane_with_aside(index)
 
     def _lane_with_aside(self, index: int) -> Iterator[tuple[OffloadKey, int]]:
-        aside, pinned, seg = self.aside, self._pinned or set(), self.segs[index]
+        aside, pinned = self.aside, self._pinned or set()
         seen = set()
         for stamp, seq, key in sorted(self._freed[index]):
-            if aside.get(key) == (index, seq) and key not in pinned and key not in seen:
+            if aside.get(key) == (index, seq, stamp) and key not in pinned and key not in seen:
                 seen.add(key)
                 yield key, stamp
-        for key, stamp in seg.items():
-            if key not in aside:
-                yield key, stamp
+        yield from self.segs[index].items()
 
     def _set_aside(self, met: list[tuple[int, OffloadKey]]) -> None:
         """Take the pinned and protected keys an eviction met out of their segments' order."""
@@ -220,18 +221,17 @@ class PrefixFreqCachePolicy(CachePolicy):
         seq = self._seq
         for index, key in met:
             if key in aside or key not in self.blocks:
-                continue
-            aside[key] = (index, seq)
+                continue  # aside already (a freed key protected this time), or evicted
+            stamp = segs[index].pop(key)
+            aside[key] = (index, seq, stamp)
             counts[index] += 1
-            seg = segs[index]
-            seg.move_to_end(key)
             if key not in pinned:  # protected this time, evictable
-                heappush(freed[index], (seg[key], seq, key))
+                heappush(freed[index], (stamp, seq, key))
             seq += 1
         self._seq = seq
         for index, heap in enumerate(freed):
             if len(heap) > 2 * counts[index] + 64:  # drop stale entries now and then
-                freed[index] = [e for e in heap if aside.get(e[2]) == (index, e[1])]
+                freed[index] = [e for e in heap if aside.get(e[2]) == (index, e[1], e[0])]
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         segs = self.segs
@@ -287,8 +287,9 @@ class PrefixFreqCachePolicy(CachePolicy):
         blocks, unit, credits = self.blocks, self.unit, self.credits
         lanes: list[list] = []
         segs = self.segs
+        freed = self._freed
         for index in range(first, len(segs)):
-            if segs[index]:
+            if segs[index] or freed[index]:  # (a segment may hold only aside keys)
                 it = self._lane(index)
                 for key, stamp in it:
                     block = blocks[key]
@@ -401,6 +402,8 @@ class PrefixFreqCachePolicy(CachePolicy):
         if left:
             return None
         self._sync()
+        if self.aside:
+            self._unaside([key for key, _ in chosen])  # back into their segments, deleted below
         segs, ghosts, returns = self.segs, self.ghosts, self._returns
         if tails:
             used.append([0, 0, 0, 0, 0, _TAIL, tails])
@@ -422,8 +425,6 @@ class PrefixFreqCachePolicy(CachePolicy):
             if index <= 1:
                 returns[0 if index == _TAIL else 2] += len(taken)
         self._mark = len(blocks)
-        if self.aside:
-            self._unaside([key for key, _ in chosen])
         if met:
             self._set_aside(met)
         limit = self.ghost_limit
