@@ -97,6 +97,9 @@ class HierarchyManager(OffloadingManager):
         self._promotions = Promotions(self.tiers, self._jobs, self._cascade, self._log)
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> tiers pinned by prepare_load, in order
         self._recover()
+        for tier in self.tiers:
+            # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
+            tier.policy.track_pins()
 
     @property
     def events(self) -> list[OffloadingEvent] | None:
@@ -174,6 +177,8 @@ class HierarchyManager(OffloadingManager):
             entry[0].append(key)
             entry[1].append(block)
             entry[2].append(pos)
+        for index, (pinned_keys, _, _) in parts.items():
+            self.tiers[index].policy.pin(pinned_keys)
         specs = [(self.tiers[i].backend.get_load_store_spec(k, b), p) for i, (k, b, p) in sorted(parts.items())]
         if len(specs) == 1:
             return specs[0][0]
@@ -186,6 +191,7 @@ class HierarchyManager(OffloadingManager):
             tier.policy.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        released: dict[int, list[OffloadKey]] = {}  # tier index -> keys whose ref_cnt reached 0
         for key in keys:
             pinned = self._pins.get(key)
             if not pinned:
@@ -196,6 +202,10 @@ class HierarchyManager(OffloadingManager):
             block = tier.policy.get(key)
             assert block is not None, "a block pinned by prepare_load stays resident"
             block.ref_cnt -= 1
+            if not block.ref_cnt:
+                released.setdefault(tier.index, []).append(key)
+        for index, unpinned in released.items():
+            self.tiers[index].policy.unpin(unpinned)
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
@@ -211,6 +221,7 @@ class HierarchyManager(OffloadingManager):
         # Tail first, so that the head of a prefix ends up the most recently used; the last new
         # block is the request's tail (the `CachePolicy.insert_many` contract).
         top.policy.insert_many(to_store[::-1], blocks[::-1], tail=to_store[-1] if to_store else None)
+        top.policy.pin(to_store)  # being written
         top.allocated_since_walk += len(to_store)
         self._cascade.refill_reserve(top)
         return PrepareStoreOutput(to_store, top.backend.get_load_store_spec(to_store, blocks), evicted)
@@ -234,12 +245,14 @@ class HierarchyManager(OffloadingManager):
                 if success:
                     block.ref_cnt = 0
                 else:
+                    top.policy.unpin([key])
                     top.policy.remove(key)
                     top.backend.free(block)
                 changed.append(key)
         if not success:
             top.stats.failures += 1 if changed else 0
             return
+        top.policy.unpin(changed)
         top.stats.stores += len(changed)
         self._log.record(top, changed, removed=False)
         below = top.below

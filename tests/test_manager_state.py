@@ -166,17 +166,26 @@ class PinsAnotherCopy(ManagerMachine):
             for key in keys:
                 below = warm.policy.get(key)
                 if spec.tier == hot.name and below is not None and below.ref_cnt >= 0:
-                    hot.policy.get(key).ref_cnt -= 1
+                    block = hot.policy.get(key)
+                    block.ref_cnt -= 1
                     below.ref_cnt += 1
                     moved[key] += 1
+                    # reported to the policies as the manager reports every pin (evictable accounting)
+                    warm.policy.pin([key])
+                    if not block.ref_cnt:
+                        hot.policy.unpin([key])
             return spec
 
         def complete_load(keys, ctx=None):
             for key in keys:
                 if moved[key]:
                     moved[key] -= 1
-                    warm.policy.get(key).ref_cnt -= 1
+                    below = warm.policy.get(key)
+                    below.ref_cnt -= 1
                     hot.policy.get(key).ref_cnt += 1
+                    hot.policy.pin([key])
+                    if not below.ref_cnt:
+                        warm.policy.unpin([key])
             complete(keys, ctx)
 
         self.m.prepare_load, self.m.complete_load = prepare_load, complete_load

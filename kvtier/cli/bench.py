@@ -209,16 +209,18 @@ def _belady_ceilings(trace, config, rows: list[dict[str, Any]]) -> list[dict[str
 
 
 def _print_trace(result: dict[str, Any]) -> None:
-    print(f"\n{'system':<8}{'policy':<13}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}  per tier")
+    print(f"\n{'system':<8}{'policy':<13}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}"
+          f"{'CPU us/blk':>11}  per tier")
     for r in result["runs"]:
         tiers = ", ".join(f"{n} {t['hit_rate']:.3f}" for n, t in r.get("tiers", {}).items())
         extra = ""
         if "vs_vllm_lru" in r:
-            extra = f"  [{r['vs_vllm_lru']['block_ops_per_s']:.1f}x vLLM LRU ops/s]"
+            extra = (f"  [{r['vs_vllm_lru']['block_ops_per_s']:.1f}x vLLM LRU ops/s, "
+                     f"{r['vs_vllm_lru']['cpu_per_block']:.2f}x its CPU/block]")
         print(f"{r['system']:<8}{r['policy']:<13}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
-              f"{r['block_ops_per_s']:>13,.0f}  {tiers}{extra}")
+              f"{r['block_ops_per_s']:>13,.0f}{r['cpu_us_per_block']:>11.2f}  {tiers}{extra}")
     for o in result.get("optimum", []):
-        print(f"{'offline':<8}{'Belady':<13}{o['capacity_blocks']:>13}{o['hit_rate']:>10.4f}{'-':>13}  "
+        print(f"{'offline':<8}{'Belady':<13}{o['capacity_blocks']:>13}{o['hit_rate']:>10.4f}{'-':>13}{'-':>11}  "
               f"optimum for {o['total_capacity_blocks']} blocks in all")
     print(f"(offline ceiling with unlimited space: {result['optimum_hit_rate']:.4f})")
 
@@ -233,8 +235,10 @@ def _summarise_trace(result: dict[str, Any]) -> list[str]:
         of = (f"of the offline optimum {ceiling:.1%} at this size ({result['optimum_hit_rate']:.1%} with "
               f"unlimited space)" if ceiling is not None else f"of a {result['optimum_hit_rate']:.1%} ceiling")
         lines.append(f"{r['policy']} @ {r['capacity_blocks']} tier-0 blocks: hit rate {r['hit_rate']:.1%} "
-                     f"({per_tier}) {of}; manager {r['block_ops_per_s']:,.0f} block ops/s")
+                     f"({per_tier}) {of}; manager {r['block_ops_per_s']:,.0f} block ops/s, "
+                     f"{r['cpu_us_per_block']:.2f} CPU us per trace block")
         if "vs_vllm_lru" in r:
             lines.append(f"  vs vLLM LRU: {r['vs_vllm_lru']['block_ops_per_s']:.1f}x block ops/s, "
+                         f"{r['vs_vllm_lru']['cpu_per_block']:.2f}x its CPU time per block, "
                          f"hit rate {r['vs_vllm_best_hit_rate']:+.4f} vs vLLM's better policy")
     return lines

@@ -159,9 +159,11 @@ class Cascade:
         src_blocks = cast("list[BlockStatus]", [tier.policy.get(k) for k in keys])  # readable: checked by callers
         for block in src_blocks:
             block.ref_cnt += 1
+        tier.policy.pin(keys)
         tier.demoting += len(keys)
         dst_blocks = lower.backend.allocate_blocks(keys)
         lower.policy.insert_many(keys, dst_blocks)
+        lower.policy.pin(keys)  # being written
         self._jobs.submit(Demotion(tier, lower, keys, src_blocks, dst_blocks, self._events))
         return True
 

@@ -49,9 +49,11 @@ class Job:
         src, dst = self.src, self.dst
         for block in self.src_blocks:
             block.ref_cnt -= 1
+        src.policy.unpin([key for key, block in zip(self.keys, self.src_blocks) if not block.ref_cnt])
         if result.success:
             for block in self.dst_blocks:
                 block.ref_cnt = 0
+            dst.policy.unpin(self.keys)
             src.stats.bytes_out += result.transfer_size or 0
             src.stats.seconds_out += result.transfer_time or 0.0
             dst.stats.bytes_in += result.transfer_size or 0
@@ -62,6 +64,7 @@ class Job:
         else:
             src.stats.failures += 1
             dst.stats.failures += 1
+            dst.policy.unpin(self.keys)
             for key, block in zip(self.keys, self.dst_blocks):
                 dst.policy.remove(key)
                 dst.backend.free(block)

@@ -102,14 +102,19 @@ class Promotions:
             entry = by_tier.setdefault(src.index, ([], []))
             entry[0].append(key)
             entry[1].append(block)
+        for index, (keys, _) in by_tier.items():
+            self._tiers[index].policy.pin(keys)
         for index, (keys, src_blocks) in by_tier.items():
+            src = self._tiers[index]
             if self._cascade.evict_for(top, len(keys), set(keys)) is None:
                 for key, block in zip(keys, src_blocks):
                     block.ref_cnt -= 1
                     self._refuse(key)
+                src.policy.unpin([key for key, block in zip(keys, src_blocks) if not block.ref_cnt])
                 continue
             dst_blocks = top.backend.allocate_blocks(keys)
             top.policy.insert_many(keys, dst_blocks)
+            top.policy.pin(keys)  # being written
             top.allocated_since_walk += len(keys)
             self._jobs.submit(Promotion(self, self._tiers[index], top, keys, src_blocks, dst_blocks, self._events))
 

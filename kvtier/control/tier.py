@@ -142,6 +142,7 @@ class Tier:
 
     def drop(self, key: OffloadKey, block: BlockStatus) -> None:
         """Remove a resident block that must not be served again and free its slot."""
+        self.policy.unpin([key])
         self.policy.remove(key)
         self.backend.free(block)
         if self.above is not None:

@@ -45,6 +45,7 @@ class ARCCachePolicy(CachePolicy):
     def remove(self, key: OffloadKey) -> None:
         if self.t1.pop(key, None) is None:
             self.t2.pop(key, None)
+        self._forget_pin(key)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         t1, t2 = self.t1, self.t2
@@ -74,6 +75,8 @@ class ARCCachePolicy(CachePolicy):
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
+        if self._refuses(n, protected):
+            return None  # fewer than n evictable blocks, known without looking at the pinned ones
         chosen: list[tuple[int, OffloadKey, BlockStatus]] = []
         for entry in self._choose():
             if entry[1] in protected:
@@ -107,6 +110,8 @@ class ARCCachePolicy(CachePolicy):
         for d in (self.t1, self.t2, self.b1, self.b2):
             d.clear()
         self.target_t1_size = 0.0
+        if self._pinned is not None:
+            self._pinned.clear()
 
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)

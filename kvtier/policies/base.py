@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any
 
 from kvtier.keys import OffloadKey
@@ -30,7 +30,17 @@ class CachePolicy(ABC):
     - `keys()`, `len()` and `clear()` enumerate, count and forget the resident blocks. A policy
       that does not implement `keys` gets all three from `KeyIndex`, which `build_hierarchy` puts
       around it (see `with_key_index`); the defaults here derive `len` and `clear` from `keys`.
+    - Evictable accounting (optional for the caller, built in for every policy): a caller that
+      calls `track_pins()` promises to report, from then on, every resident block that stops
+      being evictable (`pin(keys)`: inserted while being written, or its `ref_cnt` left 0) and
+      every one that becomes evictable again (`unpin(keys)`: its `ref_cnt` reached 0). The policy
+      then knows how many blocks are evictable, so `evict(n)` refuses in O(len(protected)) when
+      fewer than `n` are (`_refuses`), whatever the number of pinned blocks, and a policy may take
+      pinned blocks out of its eviction order (LRU does). Without `track_pins()` (a policy used
+      on its own, the conformance suite) `pin`/`unpin` do nothing and `ref_cnt` is read as before.
     """
+
+    _pinned: set[OffloadKey] | None = None  # resident keys not evictable; None: not tracking
 
     def __init__(self, cache_capacity: int) -> None:
         if cache_capacity <= 0:
@@ -75,6 +85,52 @@ class CachePolicy(ABC):
         """Evictable blocks in the order `evict` would choose them now (no state change).
         Default: nothing (the policy does not predict its choices)."""
         return iter(())
+
+    # ------------------------------------------------------------------ evictable accounting
+    def track_pins(self) -> None:
+        """Start evictable accounting: the caller will report `pin`/`unpin` from now on (see the
+        class docstring). The blocks resident now are classified once by their `ref_cnt`."""
+        get = self.get
+        self._pinned = {k for k in self.keys() if (b := get(k)) is not None and b.ref_cnt != 0}
+
+    def pin(self, keys: Iterable[OffloadKey]) -> None:
+        """Resident blocks `keys` are not evictable any more (being written, or read by a copy)."""
+        if self._pinned is not None:
+            self._pinned.update(keys)
+
+    def unpin(self, keys: Iterable[OffloadKey]) -> None:
+        """Resident blocks `keys` became evictable again (their `ref_cnt` reached 0)."""
+        if self._pinned is not None:
+            self._pinned.difference_update(keys)
+
+    def _forget_pin(self, key: OffloadKey) -> None:
+        """A key left the tier (`remove`): it is no longer counted as pinned."""
+        if self._pinned:
+            self._pinned.discard(key)
+
+    def evictable_count(self, protected: Collection[OffloadKey] = ()) -> int | None:
+        """How many resident blocks `evict` could take now, not counting `protected`; None when
+        pins are not tracked. O(1), plus O(len(protected)) when that could matter."""
+        pinned = self._pinned
+        if pinned is None:
+            return None
+        free = len(self) - len(pinned)
+        if protected:
+            get = self.get
+            free -= sum(1 for k in protected if k not in pinned and get(k) is not None)
+        return free
+
+    def _refuses(self, n: int, protected: Collection[OffloadKey]) -> bool:
+        """Whether evictable accounting proves that `evict(n, protected)` must return None
+        (False when pins are not tracked: the policy finds out by looking)."""
+        pinned = self._pinned
+        if pinned is None:
+            return False
+        free = len(self) - len(pinned)
+        if free >= n + len(protected):
+            return False
+        count = self.evictable_count(protected)
+        return count is not None and count < n
 
     def keys(self) -> Iterable[OffloadKey]:
         """Resident keys, in no particular order. Not derivable from the seed's methods: a policy
@@ -130,11 +186,14 @@ class KeyIndex(CachePolicy):
     def remove(self, key: OffloadKey) -> None:
         self.policy.remove(key)
         self._resident.pop(key, None)
+        self._forget_pin(key)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         self.policy.touch(keys)
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        if self._refuses(n, protected):
+            return None
         victims = self.policy.evict(n, protected)
         for key, _block in victims or ():
             self._resident.pop(key, None)
@@ -149,6 +208,11 @@ class KeyIndex(CachePolicy):
 
     def __len__(self) -> int:
         return len(self._resident)
+
+    def clear(self) -> None:
+        super().clear()
+        if self._pinned is not None:
+            self._pinned.clear()
 
     def __repr__(self) -> str:
         return f"KeyIndex({self.policy!r})"

@@ -1,11 +1,27 @@
-"""Least-recently-used replacement."""
+"""Least-recently-used replacement.
+
+With evictable accounting (`CachePolicy.track_pins`, which the manager turns on) pinned blocks
+leave the eviction order: a block found pinned at the head of the order is set *aside* (it keeps
+a sequence number, its place in the order) instead of being scanned again on every eviction;
+when it is unpinned it becomes a *freed* aside block. Every aside block was set aside from the
+head, so it is older than every block still in the order, and the aside blocks are ordered by
+their sequence numbers: the eviction order is freed aside blocks (oldest first) and then the
+order's unpinned blocks, exactly the order of plain LRU. A touched aside block rejoins the order
+at its newest end, as in plain LRU.
+
+Representation: `blocks` (an OrderedDict) holds every resident block; an aside key is moved to
+its newest end (out of the way of the head) but is not part of the order while it is in
+`aside` (key -> sequence number). `_freed` is a heap of (sequence number, key) of unpinned aside
+keys (entries of keys no longer aside, or pinned again, are skipped when popped).
+"""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import islice
+from heapq import heappop, heappush
+from itertools import islice, repeat
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy, evictable
@@ -19,6 +35,9 @@ class LRUCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self.blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path (every lookup): one C call
+        self.aside: dict[OffloadKey, int] = {}  # key -> sequence number (only with track_pins)
+        self._freed: list[tuple[int, OffloadKey]] = []
+        self._seq = 0
 
     def get(self, key: OffloadKey) -> BlockStatus | None:  # replaced per instance by blocks.get
         return self.blocks.get(key)
@@ -32,17 +51,39 @@ class LRUCachePolicy(CachePolicy):
 
     def remove(self, key: OffloadKey) -> None:
         self.blocks.pop(key, None)
+        if self._pinned is not None:
+            self.aside.pop(key, None)
+            self._pinned.discard(key)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         blocks = self.blocks
         move = blocks.move_to_end
-        for key in reversed(list(keys)):
+        keys = list(keys)
+        if self.aside:
+            _consume(map(self.aside.pop, keys, repeat(None)), 0)  # touched: back in the order
+        for key in reversed(keys):
             if key in blocks:
                 move(key)
+
+    def unpin(self, keys: Iterable[OffloadKey]) -> None:
+        pinned = self._pinned
+        if pinned is None:
+            return
+        if not self.aside:
+            pinned.difference_update(keys)
+            return
+        aside, freed = self.aside, self._freed
+        for key in keys:
+            pinned.discard(key)
+            seq = aside.get(key)
+            if seq is not None:
+                heappush(freed, (seq, key))
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
+        if self._pinned is not None:
+            return self._evict_tracked(n, protected)
         chosen = list(islice(self.blocks.items(), n))
         keys = [key for key, _ in chosen]
         if len(chosen) < n or not protected.isdisjoint(keys) or any(block.ref_cnt for _, block in chosen):
@@ -54,11 +95,112 @@ class LRUCachePolicy(CachePolicy):
         _consume(map(self.blocks.__delitem__, keys), 0)
         return chosen
 
+    def _evict_tracked(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        """`evict` with evictable accounting: refuse at once when fewer than n blocks are
+        evictable; take freed aside blocks first, then the order's head, setting aside the
+        pinned (and protected) blocks met there so that no later eviction scans them again."""
+        if self._refuses(n, protected):
+            return None
+        blocks, aside, pinned = self.blocks, self.aside, self._pinned
+        assert pinned is not None
+        chosen: list[tuple[OffloadKey, BlockStatus]] = []
+        taken: list[tuple[int, OffloadKey]] = []  # freed heap entries chosen (restored on refusal)
+        kept: list[tuple[int, OffloadKey]] = []  # freed heap entries passed over (protected)
+        freed = self._freed
+        last = None
+        while freed and len(chosen) < n:
+            entry = heappop(freed)
+            seq, key = entry
+            if aside.get(key) != seq or key in pinned or entry == last:
+                continue  # stale (touched, removed, evicted, pinned again) or a duplicate (popped in a row)
+            last = entry
+            if key in protected or blocks[key].ref_cnt != 0:
+                kept.append(entry)
+            else:
+                taken.append(entry)
+                chosen.append((key, blocks[key]))
+        need = n - len(chosen)
+        if need:
+            head = list(islice(blocks.items(), need))
+            keys = [key for key, _ in head]
+            if (len(head) == need and protected.isdisjoint(keys) and pinned.isdisjoint(keys)
+                    and aside.keys().isdisjoint(keys) and not any(block.ref_cnt for _, block in head)):
+                chosen += head  # the common case: the head is evictable
+            elif not self._scan_head(need, protected, chosen):
+                kept += taken
+                chosen = []
+        for entry in kept:
+            heappush(freed, entry)
+        if not chosen:
+            return None
+        victims = [key for key, _ in chosen]
+        _consume(map(blocks.__delitem__, victims), 0)
+        if aside:
+            _consume(map(aside.pop, victims, repeat(None)), 0)
+        return chosen
+
+    def _scan_head(self, need: int, protected: set[OffloadKey],
+                   chosen: list[tuple[OffloadKey, BlockStatus]]) -> bool:
+        """Append the `need` oldest evictable, unprotected blocks of the order to `chosen`,
+        setting aside the pinned and protected ones met before them (in order, so the order is
+        kept); False when there are not that many (nothing chosen then, everything met aside)."""
+        blocks, aside, pinned, freed = self.blocks, self.aside, self._pinned, self._freed
+        assert pinned is not None
+        seq = self._seq
+        met: list[OffloadKey] = []  # keys to move out of the head
+        taken: list[tuple[OffloadKey, BlockStatus]] = []
+        for key, block in blocks.items():
+            if key in aside:
+                met.append(key)  # aside since an earlier scan: keep it away from the head
+            elif key in pinned or block.ref_cnt != 0:
+                aside[key] = seq
+                seq += 1
+                met.append(key)
+            elif key in protected:
+                aside[key] = seq
+                heappush(freed, (seq, key))
+                seq += 1
+                met.append(key)
+            else:
+                taken.append((key, block))
+                if len(taken) == need:
+                    break
+        else:
+            # Too few (the accounting was told less than the truth): set the found ones aside
+            # too, after the others, so that the order is kept, and refuse.
+            for key, _ in taken:
+                aside[key] = seq
+                heappush(freed, (seq, key))
+                seq += 1
+                met.append(key)
+            taken = []
+        self._seq = seq
+        _consume(map(blocks.move_to_end, met), 0)
+        chosen += taken
+        return bool(taken)
+
     def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        return evictable(self.blocks.items(), set())
+        if self._pinned is None:
+            return evictable(self.blocks.items(), set())
+        return self._tracked_candidates()
+
+    def _tracked_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+        blocks, aside, pinned = self.blocks, self.aside, self._pinned
+        assert pinned is not None
+        for _, key in sorted((seq, key) for key, seq in aside.items() if key not in pinned):
+            block = blocks[key]
+            if block.ref_cnt == 0:
+                yield key, block
+        for key, block in blocks.items():
+            if block.ref_cnt == 0 and key not in aside and key not in pinned:
+                yield key, block
 
     def clear(self) -> None:
         self.blocks.clear()
+        self.aside.clear()
+        self._freed.clear()
+        if self._pinned is not None:
+            self._pinned.clear()
 
     def __len__(self) -> int:
         return len(self.blocks)

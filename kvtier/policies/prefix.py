@@ -53,6 +53,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
+from heapq import heappush
 from itertools import islice
 
 from kvtier.keys import OffloadKey
@@ -101,6 +102,15 @@ class PrefixFreqCachePolicy(CachePolicy):
         # evicted tails, returned tails (ghost hits), evicted new blocks, returned new blocks,
         # tails hit while resident, new blocks hit while resident
         self._returns = [0, 0, 0, 0, 0, 0]
+        # Evictable accounting only (track_pins): pinned or protected keys met by an eviction's
+        # walk are set aside, out of their segment: key -> (segment, sequence number, stamp).
+        # The unpinned ones are served first, from `_freed[segment]` ((stamp, seq, key), a
+        # heap): every aside key was met before the rest of its segment, so it is older than
+        # all of it. A touched or evicted aside key is put back into its segment first.
+        self.aside: dict[OffloadKey, tuple[int, int, int]] = {}
+        self._aside_n = [0] * len(self.segs)
+        self._freed: list[list[tuple[int, int, OffloadKey]]] = [[] for _ in self.segs]
+        self._seq = 0
 
     def get(self, key: OffloadKey) -> BlockStatus | None:  # replaced per instance by blocks.get
         return self.blocks.get(key)
@@ -159,6 +169,69 @@ class PrefixFreqCachePolicy(CachePolicy):
                 if seg.pop(key, None) is not None:
                     break
         self._mark = len(self.blocks)
+        self._forget_pin(key)
+        if self.aside:
+            self._unaside([key], restore=False)
+
+    def _unaside(self, keys: Iterable[OffloadKey], restore: bool = True) -> None:
+        """Keys that are touched, evicted or removed are no longer aside; with `restore` they go
+        back into their segment (with their stamp), for the caller to move or delete them."""
+        pop, counts, segs = self.aside.pop, self._aside_n, self.segs
+        for key in keys:
+            entry = pop(key, None)
+            if entry is not None:
+                counts[entry[0]] -= 1
+                if restore:
+                    segs[entry[0]][key] = entry[2]
+
+    def unpin(self, keys: Iterable[OffloadKey]) -> None:
+        pinned = self._pinned
+        if pinned is None:
+            return
+        if not self.aside:
+            pinned.difference_update(keys)
+            return
+        aside, freed = self.aside, self._freed
+        for key in keys:
+            pinned.discard(key)
+            entry = aside.get(key)
+            if entry is not None:
+                index, seq, stamp = entry
+                heappush(freed[index], (stamp, seq, key))
+
+    def _lane(self, index: int) -> Iterator[tuple[OffloadKey, int]]:
+        """(key, stamp) of segment `index` in its order: its unpinned aside keys first."""
+        if not self._freed[index]:
+            return iter(self.segs[index].items())
+        return self._lane_with_aside(index)
+
+    def _lane_with_aside(self, index: int) -> Iterator[tuple[OffloadKey, int]]:
+        aside, pinned = self.aside, self._pinned or set()
+        seen = set()
+        for stamp, seq, key in sorted(self._freed[index]):
+            if aside.get(key) == (index, seq, stamp) and key not in pinned and key not in seen:
+                seen.add(key)
+                yield key, stamp
+        yield from self.segs[index].items()
+
+    def _set_aside(self, met: list[tuple[int, OffloadKey]]) -> None:
+        """Take the pinned and protected keys an eviction met out of their segments' order."""
+        aside, pinned, segs, freed, counts = self.aside, self._pinned, self.segs, self._freed, self._aside_n
+        assert pinned is not None
+        seq = self._seq
+        for index, key in met:
+            if key in aside or key not in self.blocks:
+                continue  # aside already (a freed key protected this time), or evicted
+            stamp = segs[index].pop(key)
+            aside[key] = (index, seq, stamp)
+            counts[index] += 1
+            if key not in pinned:  # protected this time, evictable
+                heappush(freed[index], (stamp, seq, key))
+            seq += 1
+        self._seq = seq
+        for index, heap in enumerate(freed):
+            if len(heap) > 2 * counts[index] + 64:  # drop stale entries now and then
+                freed[index] = [e for e in heap if aside.get(e[2]) == (index, e[1], e[0])]
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         segs = self.segs
@@ -168,7 +241,10 @@ class PrefixFreqCachePolicy(CachePolicy):
         clock, unit, rate = self._sync(), self.unit, self.unit_rate
         pop_new = new.pop
         returns = self._returns
-        for key in reversed(keys if isinstance(keys, list) else list(keys)):
+        keys = keys if isinstance(keys, list) else list(keys)
+        if self.aside:
+            self._unaside(keys)  # touched: back in the order of the segment they move to
+        for key in reversed(keys):
             stamp = pop_new(key, None)
             if stamp is not None:
                 seg = 1
@@ -203,22 +279,26 @@ class PrefixFreqCachePolicy(CachePolicy):
         reused, left = th + tr, th + te
         return reused * (nh + ne) < 0.5 * (nh + nr) * left and reused < self.tail_reuse_max * left
 
-    def _heads(self, protected: set[OffloadKey], first: int) -> list[list]:
+    def _heads(self, protected: set[OffloadKey], first: int,
+               met: list[tuple[int, OffloadKey]] | None = None) -> list[list]:
         """Per non-empty segment from `first` on: [score of its first evictable block, key, block,
-        iterator, offset, segment index, keys taken so far]. Offset = credit * unit (tails: 0)."""
+        iterator, offset, segment index, keys taken so far]. Offset = credit * unit (tails: 0).
+        The keys passed over (pinned, protected) are appended to `met` when it is given."""
         blocks, unit, credits = self.blocks, self.unit, self.credits
         lanes: list[list] = []
         segs = self.segs
+        freed = self._freed
         for index in range(first, len(segs)):
-            seg = segs[index]
-            if seg:
-                it = iter(seg.items())
+            if segs[index] or freed[index]:  # (a segment may hold only aside keys)
+                it = self._lane(index)
                 for key, stamp in it:
                     block = blocks[key]
                     if block.ref_cnt == 0 and key not in protected:
                         offset = credits[index - 1] * unit if index else 0.0
                         lanes.append([stamp + offset, key, block, it, offset, index, []])
                         break
+                    if met is not None:
+                        met.append((index, key))
         return lanes
 
     def _order(self, protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
@@ -228,7 +308,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         first = 0
         if self._tails_one_time():
             first = 1
-            for key, _ in self.segs[_TAIL].items():
+            for key, _ in self._lane(_TAIL):
                 block = blocks[key]
                 if block.ref_cnt == 0 and key not in protected:
                     yield key, block
@@ -259,6 +339,8 @@ class PrefixFreqCachePolicy(CachePolicy):
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
+        if self._refuses(n, protected):
+            return None  # fewer than n evictable blocks, known without looking at the pinned ones
         # The walk of _order, without a generator (this is the hot path).
         blocks = self.blocks
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
@@ -266,10 +348,11 @@ class PrefixFreqCachePolicy(CachePolicy):
         left = n
         first = 0
         tails: list[OffloadKey] = []
+        met: list[tuple[int, OffloadKey]] | None = None if self._pinned is None else []
         if self._tails_one_time():
             first = 1
             take = tails.append
-            for key, _ in self.segs[_TAIL].items():
+            for key, _ in self._lane(_TAIL):
                 block = blocks[key]
                 if block.ref_cnt == 0 and key not in protected:
                     append((key, block))
@@ -277,7 +360,9 @@ class PrefixFreqCachePolicy(CachePolicy):
                     left -= 1
                     if not left:
                         break
-        lanes = self._heads(protected, first) if left else []
+                elif met is not None:
+                    met.append((_TAIL, key))
+        lanes = self._heads(protected, first, met) if left else []
         used = lanes[:]
         while lanes:
             best = lanes[0]
@@ -307,6 +392,8 @@ class PrefixFreqCachePolicy(CachePolicy):
                     left -= 1
                     if not left:
                         break
+                elif met is not None:
+                    met.append((best[5], key))
             else:
                 lanes.remove(best)
                 continue
@@ -315,6 +402,8 @@ class PrefixFreqCachePolicy(CachePolicy):
         if left:
             return None
         self._sync()
+        if self.aside:
+            self._unaside([key for key, _ in chosen])  # back into their segments, deleted below
         segs, ghosts, returns = self.segs, self.ghosts, self._returns
         if tails:
             used.append([0, 0, 0, 0, 0, _TAIL, tails])
@@ -336,6 +425,8 @@ class PrefixFreqCachePolicy(CachePolicy):
             if index <= 1:
                 returns[0 if index == _TAIL else 2] += len(taken)
         self._mark = len(blocks)
+        if met:
+            self._set_aside(met)
         limit = self.ghost_limit
         if len(ghosts) >= 2 * limit:
             self.ghosts = ghosts = dict(islice(ghosts.items(), len(ghosts) - limit, None)) if limit else {}
@@ -353,6 +444,11 @@ class PrefixFreqCachePolicy(CachePolicy):
         self._returns = [0, 0, 0, 0, 0, 0]
         self.clock = self._mark = 0
         self.unit = float(self.cache_capacity)
+        if self._pinned is not None:
+            self._pinned.clear()
+        self.aside.clear()
+        self._aside_n = [0] * len(self.segs)
+        self._freed = [[] for _ in self.segs]
 
     def __len__(self) -> int:
         return len(self.blocks)

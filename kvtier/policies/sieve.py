@@ -48,6 +48,7 @@ class SIEVECachePolicy(CachePolicy):
         if self.ahead.pop(key, None) is None:
             self.passed.pop(key, None)
         self.visited.discard(key)
+        self._forget_pin(key)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         ahead, passed, add = self.ahead, self.passed, self.visited.add
@@ -69,6 +70,8 @@ class SIEVECachePolicy(CachePolicy):
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
+        if self._refuses(n, protected):
+            return None  # fewer than n evictable blocks, known without looking at the pinned ones
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
         for entry in self._order(protected):
             chosen.append(entry)
@@ -98,6 +101,8 @@ class SIEVECachePolicy(CachePolicy):
         self.ahead.clear()
         self.passed.clear()
         self.visited.clear()
+        if self._pinned is not None:
+            self._pinned.clear()
 
     def __len__(self) -> int:
         return len(self.ahead) + len(self.passed)

@@ -1,0 +1,175 @@
+"""Evictable accounting (`CachePolicy.track_pins`, issue 19 item 2): a refused eviction does not
+look at the pinned blocks, LRU takes pinned blocks out of its order, and decisions stay those of
+the policy without accounting.
+
+Cost is observed by counting reads of `ref_cnt` (not by timing): `CountingBlock` counts them."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from seed_policy import SeedLRUPolicy
+
+from kvtier import registry
+from kvtier.policies.base import with_key_index
+from kvtier.testing.policy import key
+from kvtier.types import BlockStatus
+
+READS = [0]
+
+
+class CountingBlock(BlockStatus):
+    """A BlockStatus whose `ref_cnt` reads are counted in READS[0]."""
+
+    @property  # type: ignore[override]
+    def ref_cnt(self) -> int:
+        READS[0] += 1
+        return BlockStatus.ref_cnt.__get__(self)  # type: ignore[attr-defined]
+
+    @ref_cnt.setter
+    def ref_cnt(self, value: int) -> None:
+        BlockStatus.ref_cnt.__set__(self, value)  # type: ignore[attr-defined]
+
+
+POLICIES = ["lru", "arc", "sieve", "prefix-freq"]
+
+
+def make(name: str, capacity: int):
+    if name == "seed":
+        return with_key_index(SeedLRUPolicy(capacity))
+    return with_key_index(registry.resolve(registry.POLICIES, name)(capacity))
+
+
+def filled(name: str, n: int, pinned: int):
+    """A tracking policy holding n blocks, the oldest `pinned` of them pinned (ref_cnt 1)."""
+    policy = make(name, n)
+    blocks = {}
+    for i in range(n):
+        block = CountingBlock(i)
+        block.ref_cnt = 1 if i < pinned else 0
+        blocks[key(i)] = block
+        policy.insert(key(i), block)
+    policy.track_pins()
+    return policy, blocks
+
+
+@pytest.mark.parametrize("name", POLICIES + ["seed"])
+def test_refusal_reads_no_pinned_block(name):
+    policy, _ = filled(name, 5000, pinned=5000)
+    READS[0] = 0
+    for _ in range(3):
+        assert policy.evict(4, set()) is None
+    assert READS[0] == 0
+    assert policy.evictable_count() == 0
+
+
+@pytest.mark.parametrize("name", POLICIES + ["seed"])
+def test_refusal_counts_protected_blocks(name):
+    policy, _ = filled(name, 100, pinned=97)
+    protected = {key(98)}
+    assert policy.evictable_count(protected) == 2
+    assert policy.evict(3, protected) is None
+    assert sorted(k for k, _ in policy.evict(2, protected)) == sorted([key(97), key(99)])
+
+
+@pytest.mark.parametrize("name", POLICIES + ["seed"])
+def test_unpinned_blocks_are_evicted_after_a_refusal(name):
+    policy, blocks = filled(name, 200, pinned=200)
+    assert policy.evict(2, set()) is None
+    for i in (5, 150):
+        blocks[key(i)].ref_cnt = 0
+    policy.unpin([key(5), key(150)])
+    assert sorted(k for k, _ in policy.evict(2, set())) == sorted([key(5), key(150)])
+    assert len(policy) == 198
+
+
+def test_lru_scans_pinned_head_once():
+    """The oldest 5000 blocks pinned: the first eviction sets them aside, later ones do not read them."""
+    policy, _ = filled("lru", 10_000, pinned=5000)
+    assert [k for k, _ in policy.evict(2, set())] == [key(5000), key(5001)]
+    READS[0] = 0
+    for i in range(10):
+        assert [k for k, _ in policy.evict(2, set())] == [key(5002 + 2 * i), key(5003 + 2 * i)]
+    assert READS[0] < 100
+
+
+def test_lru_unpinned_aside_block_keeps_its_place():
+    """A block set aside while pinned is, once unpinned, evicted before every newer block."""
+    policy, blocks = filled("lru", 10, pinned=3)
+    assert [k for k, _ in policy.evict(1, set())] == [key(3)]
+    blocks[key(1)].ref_cnt = 0
+    policy.unpin([key(1)])
+    assert [k for k, _ in policy.victim_candidates()][:2] == [key(1), key(4)]
+    assert [k for k, _ in policy.evict(2, set())] == [key(1), key(4)]
+    policy.touch([key(0)])  # touched while pinned: back in the order, newest
+    blocks[key(0)].ref_cnt = 0
+    policy.unpin([key(0)])
+    assert [k for k, _ in policy.victim_candidates()][-1] == key(0)
+
+
+@pytest.mark.parametrize("name", POLICIES + ["seed"])
+@pytest.mark.parametrize("seed", range(8))
+def test_decisions_equal_the_policy_without_accounting(name, seed):
+    """Random inserts (single, and requests inserted tail first with their tail named), touches,
+    pins, unpins, removes and evictions: a tracking policy evicts exactly what the same policy
+    without accounting evicts, and predicts the same order."""
+    rng = random.Random(seed)
+    plain, tracked = make(name, 64), make(name, 64)
+    tracked.track_pins()
+    blocks: dict = {}
+    twins: dict = {}
+    next_id = aside_seen = 0
+    for _ in range(1500):
+        op = rng.random()
+        resident = list(blocks)
+        if op < 0.3 or not resident:
+            ks = [key(next_id + i) for i in range(rng.randint(1, 4))]
+            next_id += len(ks)
+            writing = rng.random() < 0.3
+            for policy, table in ((plain, blocks), (tracked, twins)):
+                new = [BlockStatus(next_id) for _ in ks]
+                for k, block in zip(ks, new):
+                    block.ref_cnt = -1 if writing else 0
+                    table[k] = block
+                if len(ks) == 1:
+                    policy.insert(ks[0], new[0])
+                else:
+                    policy.insert_many(ks, new, tail=ks[0])
+            if writing:
+                tracked.pin(ks)
+        elif op < 0.45:
+            ks = rng.sample(resident, min(len(resident), rng.randint(1, 5)))
+            plain.touch(ks)
+            tracked.touch(ks)
+        elif op < 0.65:
+            k = rng.choice(resident)
+            if blocks[k].ref_cnt >= 0:
+                blocks[k].ref_cnt += 1
+                twins[k].ref_cnt += 1
+                tracked.pin([k])
+        elif op < 0.8:
+            k = rng.choice(resident)
+            if blocks[k].ref_cnt != 0:
+                value = 0 if blocks[k].ref_cnt == -1 else blocks[k].ref_cnt - 1
+                blocks[k].ref_cnt = twins[k].ref_cnt = value
+                if value == 0:
+                    tracked.unpin([k])
+        elif op < 0.85:
+            k = rng.choice(resident)
+            plain.remove(k)
+            tracked.remove(k)
+            del blocks[k], twins[k]
+        else:
+            n = rng.randint(1, 6)
+            protected = set(rng.sample(resident, min(len(resident), rng.randint(0, 3))))
+            a, b = plain.evict(n, protected), tracked.evict(n, protected)
+            assert (a is None) == (b is None)
+            assert [k for k, _ in a or ()] == [k for k, _ in b or ()]
+            for k, _ in a or ():
+                del blocks[k], twins[k]
+        assert [k for k, _ in plain.victim_candidates()] == [k for k, _ in tracked.victim_candidates()]
+        assert sorted(plain.keys()) == sorted(tracked.keys())
+        aside_seen = max(aside_seen, len(getattr(tracked, "aside", ())))
+    if name in ("lru", "prefix-freq"):
+        assert aside_seen, "the run never set a pinned block aside"

@@ -1,0 +1,38 @@
+"""The manager's evictable accounting (issue 19 item 2) stays exact under every manager operation:
+the keys each tier's policy counts as pinned are exactly its resident blocks with `ref_cnt != 0`.
+Runs the manager state machine of test_manager_state (deferred and failing copies, promotions,
+loads held open) with this extra invariant, for LRU (pinned blocks set aside) and prefix-freq."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis.stateful import invariant
+from test_manager_state import BLOCK, ManagerMachine
+
+
+class AccountingMachine(ManagerMachine):
+    @invariant()
+    def pinned_set_is_exact(self):
+        for tier in self.m.tiers:
+            policy = tier.policy
+            truth = {k for k in policy.keys() if policy.get(k).ref_cnt != 0}
+            assert policy._pinned == truth, f"{tier.name}: counted {policy._pinned ^ truth} wrongly"
+            evictable = sum(1 for k in policy.keys() if policy.get(k).ref_cnt == 0)
+            assert policy.evictable_count() == evictable
+
+
+class LRUAccounting(AccountingMachine):
+    HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+
+
+class PrefixAccounting(AccountingMachine):
+    HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="prefix-freq")
+
+
+FAST = settings(max_examples=60, stateful_step_count=40, deadline=None)
+TestLRUAccounting = LRUAccounting.TestCase
+TestLRUAccounting.settings = FAST
+TestPrefixAccounting = PrefixAccounting.TestCase
+TestPrefixAccounting.settings = FAST
+TestARCAccounting = AccountingMachine.TestCase
+TestARCAccounting.settings = FAST
