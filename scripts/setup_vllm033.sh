@@ -14,8 +14,10 @@ PIP=("$VENV/bin/python" -m pip install -q)
 "${PIP[@]}" --no-deps --no-warn-conflicts vllm==0.33.0
 # What `vllm.v1.kv_offload` and the offloading connector import (found by trial; see docs/vllm.md).
 "${PIP[@]}" --no-warn-conflicts packaging msgspec psutil pyzmq urllib3 regex transformers cbor2 aiohttp requests \
-    openai-harmony openai pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo prometheus_client xgrammar fastapi \
-    partial_json_parser llguidance
+    openai-harmony openai pillow pybase64 cachetools cloudpickle uvloop py-cpuinfo prometheus_client fastapi \
+    partial_json_parser llguidance apache-tvm-ffi pydantic
+# xgrammar without its triton (1 GB, never imported here)
+"${PIP[@]}" --no-deps --no-warn-conflicts xgrammar
 "${PIP[@]}" --no-warn-conflicts -e '.[test]'
 "$VENV/bin/python" -c 'import vllm, kvtier.integrations.vllm; print("vllm", vllm.__version__, "ok")'
 "$VENV/bin/python" -c 'import vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics, vllm.logger'
