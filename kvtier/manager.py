@@ -300,6 +300,31 @@ class HierarchyManager(OffloadingManager):
         for tier in self.tiers:
             self._log.record(tier, tier.reset(), removed=True)
 
+    def finish_reset(self, storing: Collection[OffloadKey], loading: Collection[OffloadKey]) -> list[OffloadKey]:
+        """Finish a `reset_cache` that found engine jobs in flight, once the engine has flushed
+        them (no transfer writes or reads their slots any more) and will never complete them.
+        `storing`: keys of the engine's flushed stores (first tier, still being written): dropped,
+        their slots freed. `loading`: keys of its flushed loads, once per `prepare_load` pin:
+        unpinned, then dropped unless pinned again since (the reset evicts them now). Returns the
+        keys dropped (reported as removed events)."""
+        top = self._top
+        for key in loading:
+            block = top.policy.get(key)
+            if block is not None and block.ref_cnt > 0:
+                block.ref_cnt -= 1
+        promoting = self._promotions.running
+        storing = set(storing)
+        dropped: list[OffloadKey] = []
+        for key in storing.union(loading):
+            block = top.policy.get(key)
+            if block is None or key in promoting:
+                continue
+            if block.ref_cnt == 0 or (block.ref_cnt == -1 and key in storing):
+                top.drop(key, block)
+                dropped.append(key)
+        self._log.record(top, dropped, removed=True)
+        return dropped
+
     def get_stats(self) -> dict[str, Any]:
         """Per-tier counters and occupancy."""
         return {tier.name: tier.stats_row() for tier in self.tiers}

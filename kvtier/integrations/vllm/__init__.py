@@ -42,8 +42,8 @@ work at import or in `__init__`.
   name stays the engine's all the same (the region's claim, see `kvtier.tiers.cpu`): a second
   engine with the same `engine_id` or `shm_name` is refused at start.
 
-Compatible with vLLM 0.32; tolerates 0.33 additions (`submit_load(..., expedited=)`,
-`on_reset_flushed`, `config_info`, `config_info_keys`) without requiring them.
+Compatible with vLLM 0.32 and 0.33; implements 0.33's additions (`lock`, `on_reset_flushed`, `config_info`,
+`config_info_keys`; `submit_load(..., expedited=)` accepted) without requiring them: see `manager`.
 
 Modules: `spec` (`KVTierOffloadingSpec`, what vLLM loads), `config` (the YAML under vLLM),
 `manager` (scheduler side, with the metrics), `worker` (worker side: the worker plane over the

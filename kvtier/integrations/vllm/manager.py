@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
+from kvtier.control.tier import TierStats
 from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, _to_vllm_spec, to_vllm_medium
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
@@ -26,8 +27,8 @@ except ImportError:  # pragma: no cover
     CacheHitSource = None  # type: ignore[assignment,misc]
 
 METRIC_PREFIX = "vllm:kvtier_"
-# Per-tier counters of HierarchyManager.get_stats(), exported as deltas labelled by tier.
-_COUNTERS: dict[str, str] = {
+# What each `TierStats` counter counts, for its Prometheus help text.
+_COUNTER_DOCS: dict[str, str] = {
     "hits": "Blocks loaded into the engine's KV cache that this tier supplied (directly or by promotion).",
     "stores": "Blocks written into this tier (engine stores, demotions, promotions).",
     "evictions": "Blocks evicted from this tier.",
@@ -43,6 +44,10 @@ _COUNTERS: dict[str, str] = {
     "seconds_in": "Seconds spent by jobs writing into this tier.",
     "seconds_out": "Seconds spent by jobs reading from this tier.",
 }
+# Every `TierStats` counter, exported as deltas labelled by tier. Derived from the dataclass's
+# fields, so a counter added there is exported without a change here.
+_COUNTERS: dict[str, str] = {f.name: _COUNTER_DOCS.get(f.name, f"kvtier TierStats.{f.name}.")
+                             for f in dataclasses.fields(TierStats)}
 _GAUGES: dict[str, str] = {
     "resident_blocks": "Blocks currently held by this tier.",
     "usage_perc": "Fraction of this tier's capacity currently used (0.0 - 1.0).",
@@ -58,6 +63,15 @@ class KVTierOffloadingManager(OffloadingManager):
     `ownership` = tier name for tiers below the first), per-tier stats to
     `OffloadingConnectorStats` (counter deltas and gauges labelled by tier). Never blocks on I/O:
     kvtier's manager only submits jobs, and their completions are collected on later calls.
+
+    Threads. The manager's state (policies, pins, job tables) is only ever touched by calls into
+    this object: kvtier's CPU<->FILE handlers run on their own threads but only move bytes and
+    report each finished job through the transfer engine's thread-safe queue, which the manager
+    drains on the caller's thread. vLLM calls it from the scheduler thread only, so vLLM's no-op
+    lock would do today; `lock` is a real re-entrant lock all the same (uncontended, it costs
+    ~0.1 us a step): a caller on another thread (kvtier's `tier_stats`, a bench, a future vLLM
+    poll thread) that holds it cannot interleave with the scheduler's step, and one that
+    re-enters it on the same thread does not deadlock.
     """
 
     def __init__(self, hierarchy: Any, enable_events: bool = False):
@@ -68,12 +82,19 @@ class KVTierOffloadingManager(OffloadingManager):
         # token of the shared CPU region, sent with every spec: the worker maps only this region
         self.region_token = getattr(self.manager.tiers[0].backend, "token", None)
         self._lock = threading.RLock()
+        # The engine's transfers not yet completed: keys being stored, keys pinned by loads (one
+        # entry per pin). A cache reset moves them to the flushed ones, which the engine never
+        # completes; `on_reset_flushed` releases those once its workers are done with them.
+        self._storing: set[OffloadKey] = set()
+        self._loading: dict[OffloadKey, int] = {}
+        self._flushed_storing: set[OffloadKey] = set()
+        self._flushed_loading: list[OffloadKey] = []
 
-    if "lock" in getattr(OffloadingManager, "__abstractmethods__", frozenset()):  # vLLM 0.33+, if abstract
-        @property
-        def lock(self):
-            """Guards the manager when vLLM calls it from more than one thread."""
-            return self._lock
+    @property
+    def lock(self) -> threading.RLock:
+        """vLLM 0.33: held by every caller across dependent calls (a lookup HIT and the
+        prepare_load that pins it); a real re-entrant lock (see the class docstring)."""
+        return self._lock
 
     # --- lookup and load
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
@@ -88,6 +109,9 @@ class KVTierOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KVTierCPULoadStoreSpec:
         keys = list(keys)
         spec = self.manager.prepare_load(keys, req_context)
+        loading = self._loading
+        for key in keys:
+            loading[key] = loading.get(key, 0) + 1
         # vLLM 0.32's connector never calls touch(): recency is the manager's business. A load is
         # a reuse, so the loaded prefix becomes the most recently used (head first), as in replays.
         self.manager.touch(keys, req_context)
@@ -97,19 +121,28 @@ class KVTierOffloadingManager(OffloadingManager):
         self.manager.touch(list(keys), req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self.manager.complete_load(list(keys), req_context)
+        keys = list(keys)
+        self.manager.complete_load(keys, req_context)
+        loading = self._loading
+        for key in keys:
+            left = loading.pop(key, 0) - 1
+            if left > 0:
+                loading[key] = left
 
     # --- store
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         out = self.manager.prepare_store(list(keys), req_context)
         if out is None:
             return None
+        self._storing.update(out.keys_to_store)
         return PrepareStoreOutput(keys_to_store=list(out.keys_to_store),
                                   store_spec=_to_vllm_spec(out.store_spec, self.region_token),
                                   evicted_keys=list(out.evicted_keys))
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        self.manager.complete_store(list(keys), req_context, success=success)
+        keys = list(keys)
+        self.manager.complete_store(keys, req_context, success=success)
+        self._storing.difference_update(keys)
 
     # --- requests and steps
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -132,13 +165,29 @@ class KVTierOffloadingManager(OffloadingManager):
                               None if event.tier == top else event.tier)
 
     def reset_cache(self) -> None:
+        """Evict every block no transfer uses. The engine flushes its transfers in flight and
+        never completes them: their blocks (being stored, or pinned by a load) stay, slots
+        untouched, until `on_reset_flushed` says no worker writes or reads them any more."""
+        self._flushed_storing |= self._storing
+        self._flushed_loading.extend(k for k, n in self._loading.items() for _ in range(n))
+        self._storing, self._loading = set(), {}
         self.manager.reset_cache()
 
-    def on_reset_flushed(self) -> None:  # vLLM 0.33: in-flight jobs were flushed after a reset
-        return
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.33: every transfer in flight at the last reset was reported by the workers.
+        Finishes the reset: the blocks those transfers were storing are dropped (never
+        completed, maybe partly written), those they were loading unpinned and evicted unless
+        pinned again since; their slots are free for new stores. (vLLM 0.32 never calls this:
+        such blocks stay until the engine stops - at most one reset's transfers in flight.)"""
+        storing, loading = self._flushed_storing, self._flushed_loading
+        self._flushed_storing, self._flushed_loading = set(), []
+        if storing or loading:
+            self.manager.finish_reset(storing, loading)
 
-    def config_info(self) -> dict[str, Any]:  # vLLM 0.33
-        return {"kvtier_tiers": [f"{t.name}:{t.medium}:{t.capacity}" for t in self.manager.tiers]}
+    def config_info(self) -> list[dict[str, str | int | float | bool]]:
+        """vLLM 0.33: the labels of `vllm:kv_offload_config_info`, one series per tier (first
+        tier first), under the names `KVTierOffloadingSpec.config_info_keys` declares."""
+        return [_tier_info(tier, self.hierarchy) for tier in self.manager.tiers]
 
     # --- metrics
     def get_stats(self):
@@ -161,11 +210,27 @@ class KVTierOffloadingManager(OffloadingManager):
         return stats
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
-        """kvtier's cumulative per-tier counters (tests, bench)."""
-        return self.manager.get_stats()
+        """kvtier's cumulative per-tier counters (tests, bench); safe from any thread."""
+        with self._lock:
+            return self.manager.get_stats()
 
     def shutdown(self) -> None:
         self.hierarchy.close()
+
+
+# Labels of `vllm:kv_offload_config_info` (vLLM 0.33), one series per tier; "" where not applicable.
+CONFIG_INFO_KEYS = ("tier", "kvtier_medium", "kvtier_capacity_blocks", "kvtier_block_tokens", "kvtier_block_bytes",
+                    "kvtier_cascade", "kvtier_root_dir", "kvtier_fingerprint", "kvtier_config")
+
+
+def _tier_info(tier: Any, hierarchy: Any) -> dict[str, str | int | float | bool]:
+    """One tier's `config_info` series: its place, size and, for a file tier, where and whose."""
+    options: dict[str, Any] = next((t.options for t in hierarchy.config.tiers if t.name == tier.name), {})
+    backend = tier.backend
+    values = (tier.name, tier.medium, tier.capacity, backend.block_size, backend.block_bytes,
+              tier.cascade if tier.below is not None else "", str(getattr(backend, "root", "") or ""),
+              str(options.get("fingerprint") or ""), str(hierarchy.config.source or ""))
+    return dict(zip(CONFIG_INFO_KEYS, values))
 
 
 _EVENT_FIELDS = {f.name for f in dataclasses.fields(OffloadingEvent)}

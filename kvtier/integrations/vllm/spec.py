@@ -16,7 +16,14 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
-from kvtier.integrations.vllm.manager import _COUNTERS, _GAUGES, METRIC_PREFIX, KVTierOffloadingManager
+from kvtier.integrations.vllm.logs import log_through_vllm, tier_summary
+from kvtier.integrations.vllm.manager import (
+    _COUNTERS,
+    _GAUGES,
+    CONFIG_INFO_KEYS,
+    METRIC_PREFIX,
+    KVTierOffloadingManager,
+)
 from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
 from kvtier.tiers.cpu import CPUBackend
 
@@ -57,10 +64,13 @@ class KVTierOffloadingSpec(OffloadingSpec):
         return defs
 
     @classmethod
-    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:  # vLLM 0.33
-        return ("kvtier_config",)
+    def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
+        """vLLM 0.33: the labels of `vllm:kv_offload_config_info` that the manager's
+        `config_info` fills (one series per tier)."""
+        return CONFIG_INFO_KEYS
 
     def __init__(self, config):
+        log_through_vllm()  # so that what follows (and the tier summary) reaches the server's log
         super().__init__(config)
         self.replicated_layout = False
         tokens = set(self.tokens_per_block)
@@ -111,9 +121,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             if region.shm_name in _LOCAL_WORKER_REGIONS:
                 region.unpublish()  # the engine's worker runs in this process: it maps the region without a name
             self._manager = KVTierOffloadingManager(hierarchy, enable_events)
-            log.info("kvtier: hierarchy %s with blocks of %d tokens / %d bytes: %s", self.hierarchy_config.source,
-                     self.block_tokens, self.block_bytes,
-                     ", ".join(f"{t.name}={t.capacity} blocks ({t.medium})" for t in hierarchy.manager.tiers))
+            log.info("%s", tier_summary(hierarchy, self.block_tokens, self.block_bytes))
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
