@@ -59,6 +59,20 @@ def _buffers(staging) -> list:
     return [array[i] for i in range(array.shape[0])]
 
 
+
+def _gpu_file_job(src: LoadStoreSpec, dst: LoadStoreSpec, to_file: bool, backends: dict[str, Any],
+                  block_bytes: int) -> tuple[GPULoadStoreSpec, FileLoadStoreSpec, Any]:
+    """A GPU<->FILE job's engine spec, file spec and file tier; `TypeError` for other specs and
+    `ValueError` for a tier whose blocks are not the KV layout's size."""
+    gpu, file_spec = (src, dst) if to_file else (dst, src)
+    if not isinstance(gpu, GPULoadStoreSpec) or not isinstance(file_spec, FileLoadStoreSpec):
+        raise TypeError(f"expected GPU and file specs, got {type(src).__name__} -> {type(dst).__name__}")
+    backend = pick_backend(backends, file_spec, "file")
+    if backend.block_bytes != block_bytes:
+        raise ValueError(f"file tier {backend.name!r} stores {backend.block_bytes} B blocks, the KV layout "
+                         f"needs {block_bytes} B")
+    return gpu, file_spec, backend
+
 class GPUFileHandler(EngineJobHandler):
     """Engine KV cache <-> file tier through per-job staging buffers (`to_file` selects the direction)."""
 
@@ -68,13 +82,7 @@ class GPUFileHandler(EngineJobHandler):
         self._streams: dict[int, Any] = {}
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
-        gpu, file_spec = (src, dst) if self.to_file else (dst, src)
-        if not isinstance(gpu, GPULoadStoreSpec) or not isinstance(file_spec, FileLoadStoreSpec):
-            raise TypeError(f"expected GPU and file specs, got {type(src).__name__} -> {type(dst).__name__}")
-        backend = pick_backend(self.backends, file_spec, "file")
-        if backend.block_bytes != self.layout.block_bytes:
-            raise ValueError(f"file tier {backend.name!r} stores {backend.block_bytes} B blocks, the KV layout "
-                             f"needs {self.layout.block_bytes} B")
+        gpu, file_spec, backend = _gpu_file_job(src, dst, self.to_file, self.backends, self.layout.block_bytes)
         k = len(file_spec.block_ids)
         keys = [bytes(key) for key in file_spec.keys]
         staging = aligned_rows(k, self.layout.block_bytes, pin=self.cuda)
@@ -196,13 +204,7 @@ class DirectGPUFileHandler(GPUFileHandler):
             return opened
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
-        gpu, file_spec = (src, dst) if self.to_file else (dst, src)
-        if not isinstance(gpu, GPULoadStoreSpec) or not isinstance(file_spec, FileLoadStoreSpec):
-            raise TypeError(f"expected GPU and file specs, got {type(src).__name__} -> {type(dst).__name__}")
-        backend = pick_backend(self.backends, file_spec, "file")
-        if backend.block_bytes != self.layout.block_bytes:
-            raise ValueError(f"file tier {backend.name!r} stores {backend.block_bytes} B blocks, the KV layout "
-                             f"needs {self.layout.block_bytes} B")
+        gpu, file_spec, backend = _gpu_file_job(src, dst, self.to_file, self.backends, self.layout.block_bytes)
         slots, keys = list(file_spec.block_ids), [bytes(key) for key in file_spec.keys]
         if self.to_file:
             self._store(backend, gpu, slots, keys)

@@ -77,8 +77,8 @@ def _random_bytes(rng: random.Random, n: int) -> bytes:
     return rng.getrandbits(8 * n).to_bytes(n, "little")
 
 
-class HostSlotSide(Side):
-    """Slots of a host-memory backend (`view(slot) -> memoryview`)."""
+class _BackendSide(Side):
+    """The slots of one backend, addressed by its own spec type."""
 
     def __init__(self, backend: Any):
         self.backend = backend
@@ -91,6 +91,10 @@ class HostSlotSide(Side):
 
     def spec(self, ids, keys, block_indices=None):
         return self.spec_type.for_blocks(ids, keys, tier=self.backend.name)
+
+
+class HostSlotSide(_BackendSide):
+    """Slots of a host-memory backend (`view(slot) -> memoryview`)."""
 
     def fill(self, ids, keys, rng):
         for slot in ids:
@@ -100,20 +104,8 @@ class HostSlotSide(Side):
         return [bytes(self.backend.view(slot)) for slot in ids]
 
 
-class FileSlotSide(Side):
+class FileSlotSide(_BackendSide):
     """Slots of a file tier (`write_blocks` / `read_blocks`, keyed and verified)."""
-
-    def __init__(self, backend: Any):
-        self.backend = backend
-        self.backends = {backend.name: backend}
-        self.spec_type = backend.spec_type
-
-    @property
-    def num_locations(self) -> int:
-        return self.backend.num_blocks
-
-    def spec(self, ids, keys, block_indices=None):
-        return self.spec_type.for_blocks(ids, keys, tier=self.backend.name)
 
     def fill(self, ids, keys, rng):
         self.backend.write_blocks(list(ids), list(keys), [_random_bytes(rng, self.backend.block_bytes) for _ in ids])
