@@ -339,9 +339,10 @@ class PrefixFreqCachePolicy(CachePolicy):
         _forget(used, self.segs, blocks, self._ghosts.evicted, self._tails.counts)
         self._mark = len(blocks)
         if met:
-            self._aside.set_aside(met, self._pinned)  # type: ignore[arg-type]  # met: pins tracked
-        if self._ghosts.full():
-            self._ghosts.trim()
+            self._aside.set_aside(met, self._pinned)
+        ghosts = self._ghosts
+        if len(ghosts.evicted) >= 2 * ghosts.limit:
+            ghosts.trim()
         return chosen
 
     def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:

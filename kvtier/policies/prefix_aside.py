@@ -67,9 +67,10 @@ class AsideBlocks:
                 yield key, stamp
         yield from self.segs[index].items()
 
-    def set_aside(self, met: list[tuple[int, OffloadKey]], pinned: set[OffloadKey]) -> None:
+    def set_aside(self, met: list[tuple[int, OffloadKey]], pinned: set[OffloadKey] | None) -> None:
         """Take the pinned and protected keys an eviction met ((segment, key)) out of their
-        segments' order."""
+        segments' order (`met` is only collected while pins are tracked: `pinned` is a set)."""
+        assert pinned is not None
         entries, segs, freed, counts, blocks = self.entries, self.segs, self.freed, self.counts, self.blocks
         seq = self.seq
         for index, key in met:

@@ -24,10 +24,6 @@ class GhostList:
         self.evicted: dict[OffloadKey, int] = {}
         self.pop = self.evicted.pop
 
-    def full(self) -> bool:
-        """Whether `trim` has work to do."""
-        return len(self.evicted) >= 2 * self.limit
-
     def trim(self) -> None:
         """Drop all but the newest `limit` keys when there are at least 2x `limit`."""
         evicted, limit = self.evicted, self.limit
