@@ -53,11 +53,21 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
-from heapq import heappush
 from itertools import islice
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
+from kvtier.policies.prefix_aside import AsideBlocks
+from kvtier.policies.prefix_ghosts import GhostList
+from kvtier.policies.prefix_tails import (
+    EVICTED_NEW,
+    EVICTED_TAIL,
+    HIT_NEW,
+    HIT_TAIL,
+    RETURNED_NEW,
+    RETURNED_TAIL,
+    TailEvidence,
+)
 from kvtier.types import BlockStatus
 
 _TAIL = 0  # segment index of request tails; segment 1 + c holds the blocks with c hits
@@ -68,8 +78,9 @@ class PrefixFreqCachePolicy(CachePolicy):
     """Recency plus a per-hit-count credit; request tails first; chains cut from the deep end.
 
     State: `blocks` (key -> block, `get` is its bound `get`), `segs[i]` (key -> stamp, an LRU
-    list per segment; a key is in exactly one segment), `ghosts` (evicted key -> its segment then,
-    in eviction order), `_returns` (the tail/new-block reuse counters behind `_tails_one_time`).
+    list per segment; a key is in exactly one segment). Parts with one job each: `_ghosts`
+    (`GhostList`: evicted keys, `ghosts`), `_tails` (`TailEvidence`: the tail rule), `_aside`
+    (`AsideBlocks`: pinned blocks kept out of the order, `aside`).
     """
 
     # Tuned on the synthetic trace and generated workloads (docs/policies.md).
@@ -93,24 +104,26 @@ class PrefixFreqCachePolicy(CachePolicy):
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
         self.clock = 0
         self.unit = float(cache_capacity)  # clock ticks per credit: running mean hit age
-        # Ghosts: evicted key -> its segment then, oldest first; trimmed to ghost_limit keys
-        # whenever they reach twice that (one C-level copy per ghost_limit evictions).
-        self.ghosts: dict[OffloadKey, int] = {}
-        self._ghost_pop = self.ghosts.pop
-        self.ghost_limit = min(int(cache_capacity * self.ghost_fraction), self.max_ghost_limit)
+        self._ghosts = GhostList(min(int(cache_capacity * self.ghost_fraction), self.max_ghost_limit))
         self._mark = 0  # len(blocks) when the clock was last synced (see insert)
-        # evicted tails, returned tails (ghost hits), evicted new blocks, returned new blocks,
-        # tails hit while resident, new blocks hit while resident
-        self._returns = [0, 0, 0, 0, 0, 0]
-        # Evictable accounting only (track_pins): pinned or protected keys met by an eviction's
-        # walk are set aside, out of their segment: key -> (segment, sequence number, stamp).
-        # The unpinned ones are served first, from `_freed[segment]` ((stamp, seq, key), a
-        # heap): every aside key was met before the rest of its segment, so it is older than
-        # all of it. A touched or evicted aside key is put back into its segment first.
-        self.aside: dict[OffloadKey, tuple[int, int, int]] = {}
-        self._aside_n = [0] * len(self.segs)
-        self._freed: list[list[tuple[int, int, OffloadKey]]] = [[] for _ in self.segs]
-        self._seq = 0
+        self._tails = TailEvidence()
+        # Evictable accounting only (track_pins). `aside` is the parts' dict (never replaced).
+        self._aside = AsideBlocks(self.segs, self.blocks)
+        self.aside = self._aside.entries
+
+    @property
+    def ghosts(self) -> dict[OffloadKey, int]:
+        """Evicted key -> its segment then, oldest first (read-only view of the ghost list)."""
+        return self._ghosts.evicted
+
+    @property
+    def ghost_limit(self) -> int:
+        """Ghosts kept: between 1x and 2x this many keys."""
+        return self._ghosts.limit
+
+    @ghost_limit.setter
+    def ghost_limit(self, limit: int) -> None:
+        self._ghosts.limit = limit
 
     def get(self, key: OffloadKey) -> BlockStatus | None:  # replaced per instance by blocks.get
         return self.blocks.get(key)
@@ -127,7 +140,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         self.blocks.update(zip(keys, blocks))
         if tail is not None and not self.demote_tail:
             tail = None
-        if not self.ghosts.keys().isdisjoint(keys) or (tail is not None and (not keys or keys[0] != tail)):
+        if not self._ghosts.evicted.keys().isdisjoint(keys) or (tail is not None and (not keys or keys[0] != tail)):
             for key in keys:  # a returning ghost, or the tail not first: the per-key rules
                 self._place(key, key == tail)
             return
@@ -142,7 +155,7 @@ class PrefixFreqCachePolicy(CachePolicy):
     def _place(self, key: OffloadKey, tail: bool = False) -> None:
         """Put a just-inserted key into its segment: a returning ghost by its history, else the
         tail segment (`tail`, with `demote_tail`) or the new blocks."""
-        ghost = self._ghost_pop(key, None)
+        ghost = self._ghosts.pop(key, None)
         if ghost is None:
             if tail and self.demote_tail:
                 self.segs[_TAIL][key] = self.clock
@@ -151,7 +164,7 @@ class PrefixFreqCachePolicy(CachePolicy):
             return
         # Evicted, then needed again: the re-store counts as a hit.
         if ghost <= 1:
-            self._returns[1 if ghost == _TAIL else 3] += 1
+            self._tails.counts[RETURNED_TAIL if ghost == _TAIL else RETURNED_NEW] += 1
         segs = self.segs
         segs[min(max(ghost, 1) + 1, len(segs) - 1)][key] = self.clock
 
@@ -171,18 +184,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         self._mark = len(self.blocks)
         self._forget_pin(key)
         if self.aside:
-            self._unaside([key], restore=False)
-
-    def _unaside(self, keys: Iterable[OffloadKey], restore: bool = True) -> None:
-        """Keys that are touched, evicted or removed are no longer aside; with `restore` they go
-        back into their segment (with their stamp), for the caller to move or delete them."""
-        pop, counts, segs = self.aside.pop, self._aside_n, self.segs
-        for key in keys:
-            entry = pop(key, None)
-            if entry is not None:
-                counts[entry[0]] -= 1
-                if restore:
-                    segs[entry[0]][key] = entry[2]
+            self._aside.unaside([key], restore=False)
 
     def unpin(self, keys: Iterable[OffloadKey]) -> None:
         pinned = self._pinned
@@ -191,47 +193,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         if not self.aside:
             pinned.difference_update(keys)
             return
-        aside, freed = self.aside, self._freed
-        for key in keys:
-            pinned.discard(key)
-            entry = aside.get(key)
-            if entry is not None:
-                index, seq, stamp = entry
-                heappush(freed[index], (stamp, seq, key))
-
-    def _lane(self, index: int) -> Iterator[tuple[OffloadKey, int]]:
-        """(key, stamp) of segment `index` in its order: its unpinned aside keys first."""
-        if not self._freed[index]:
-            return iter(self.segs[index].items())
-        return self._lane_with_aside(index)
-
-    def _lane_with_aside(self, index: int) -> Iterator[tuple[OffloadKey, int]]:
-        aside, pinned = self.aside, self._pinned or set()
-        seen = set()
-        for stamp, seq, key in sorted(self._freed[index]):
-            if aside.get(key) == (index, seq, stamp) and key not in pinned and key not in seen:
-                seen.add(key)
-                yield key, stamp
-        yield from self.segs[index].items()
-
-    def _set_aside(self, met: list[tuple[int, OffloadKey]]) -> None:
-        """Take the pinned and protected keys an eviction met out of their segments' order."""
-        aside, pinned, segs, freed, counts = self.aside, self._pinned, self.segs, self._freed, self._aside_n
-        assert pinned is not None
-        seq = self._seq
-        for index, key in met:
-            if key in aside or key not in self.blocks:
-                continue  # aside already (a freed key protected this time), or evicted
-            stamp = segs[index].pop(key)
-            aside[key] = (index, seq, stamp)
-            counts[index] += 1
-            if key not in pinned:  # protected this time, evictable
-                heappush(freed[index], (stamp, seq, key))
-            seq += 1
-        self._seq = seq
-        for index, heap in enumerate(freed):
-            if len(heap) > 2 * counts[index] + 64:  # drop stale entries now and then
-                freed[index] = [e for e in heap if aside.get(e[2]) == (index, e[1], e[0])]
+        self._aside.unpin(keys, pinned)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         segs = self.segs
@@ -240,15 +202,15 @@ class PrefixFreqCachePolicy(CachePolicy):
         probe = self._probe
         clock, unit, rate = self._sync(), self.unit, self.unit_rate
         pop_new = new.pop
-        returns = self._returns
+        returns = self._tails.counts
         keys = keys if isinstance(keys, list) else list(keys)
         if self.aside:
-            self._unaside(keys)  # touched: back in the order of the segment they move to
+            self._aside.unaside(keys)  # touched: back in the order of the segment they move to
         for key in reversed(keys):
             stamp = pop_new(key, None)
             if stamp is not None:
                 seg = 1
-                returns[5] += 1
+                returns[HIT_NEW] += 1
             else:
                 for seg, lane in probe:  # noqa: B007 - seg is read after the loop: where the key was found
                     stamp = lane.pop(key, None)
@@ -257,7 +219,7 @@ class PrefixFreqCachePolicy(CachePolicy):
                 else:
                     continue
                 if seg == _TAIL:
-                    returns[4] += 1
+                    returns[HIT_TAIL] += 1
             clock += 1
             unit += (clock - stamp - unit) * rate
             segs[seg + 1 if 0 < seg < top else (2 if seg == _TAIL else top)][key] = clock
@@ -265,19 +227,8 @@ class PrefixFreqCachePolicy(CachePolicy):
         self.unit = unit
 
     def _tails_one_time(self) -> bool:
-        """Whether request tails are reused less than half as often as other new blocks, and by
-        fewer than `tail_reuse_max` of them (so that demoting them is right on this workload);
-        false until 64 tails and 64 other new blocks have left (demoting tails on no evidence
-        cost 2 hits at synthetic 40k, where exact repeats reuse them).
-
-        A tail or new block leaves its segment either by a hit (touch) or by eviction; reuse rate
-        = (hits + re-stores of evicted ones) / (hits + evictions). Counting resident hits, not
-        only ghost returns, gives the evidence before the tier is under pressure."""
-        te, tr, ne, nr, th, nh = self._returns
-        if te + th < 64 or ne + nh < 64:
-            return False
-        reused, left = th + tr, th + te
-        return reused * (nh + ne) < 0.5 * (nh + nr) * left and reused < self.tail_reuse_max * left
+        """Whether request tails are evicted before any other block now (`TailEvidence.one_time`)."""
+        return self._tails.one_time(self.tail_reuse_max)
 
     def _heads(self, protected: set[OffloadKey], first: int,
                met: list[tuple[int, OffloadKey]] | None = None) -> list[list]:
@@ -287,10 +238,11 @@ class PrefixFreqCachePolicy(CachePolicy):
         blocks, unit, credits = self.blocks, self.unit, self.credits
         lanes: list[list] = []
         segs = self.segs
-        freed = self._freed
+        freed = self._aside.freed
+        lane_of, pinned = self._aside.lane, self._pinned
         for index in range(first, len(segs)):
             if segs[index] or freed[index]:  # (a segment may hold only aside keys)
-                it = self._lane(index)
+                it = lane_of(index, pinned)
                 for key, stamp in it:
                     block = blocks[key]
                     if block.ref_cnt == 0 and key not in protected:
@@ -308,33 +260,11 @@ class PrefixFreqCachePolicy(CachePolicy):
         first = 0
         if self._tails_one_time():
             first = 1
-            for key, _ in self._lane(_TAIL):
+            for key, _ in self._aside.lane(_TAIL, self._pinned):
                 block = blocks[key]
                 if block.ref_cnt == 0 and key not in protected:
                     yield key, block
-        lanes = self._heads(protected, first)
-        while lanes:
-            best = lanes[0]
-            limit = _INF
-            for lane in lanes[1:]:
-                score = lane[0]
-                if score < best[0]:
-                    limit = best[0]
-                    best = lane
-                elif score < limit:
-                    limit = score
-            yield best[1], best[2]
-            # Stay in this lane while its scores stay below every other lane's head.
-            below = limit - best[4]
-            for key, stamp in best[3]:
-                block = blocks[key]
-                if block.ref_cnt == 0 and key not in protected:
-                    if stamp >= below:
-                        best[0], best[1], best[2] = stamp + best[4], key, block
-                        break
-                    yield key, block
-            else:
-                lanes.remove(best)
+        yield from _merged(self._heads(protected, first), blocks, protected)
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
@@ -352,7 +282,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         if self._tails_one_time():
             first = 1
             take = tails.append
-            for key, _ in self._lane(_TAIL):
+            for key, _ in self._aside.lane(_TAIL, self._pinned):
                 block = blocks[key]
                 if block.ref_cnt == 0 and key not in protected:
                     append((key, block))
@@ -403,34 +333,16 @@ class PrefixFreqCachePolicy(CachePolicy):
             return None
         self._sync()
         if self.aside:
-            self._unaside([key for key, _ in chosen])  # back into their segments, deleted below
-        segs, ghosts, returns = self.segs, self.ghosts, self._returns
+            self._aside.unaside([key for key, _ in chosen])  # back into their segments, deleted below
         if tails:
             used.append([0, 0, 0, 0, 0, _TAIL, tails])
-        for lane in used:
-            taken = lane[6]
-            if not taken:
-                continue
-            index = lane[5]
-            if len(taken) == 1:
-                key = taken[0]
-                del segs[index][key]
-                del blocks[key]
-                ghosts[key] = index
-            else:
-                # Bulk bookkeeping at C speed (map + a zero-length deque run the loop in C).
-                _consume(map(segs[index].__delitem__, taken), 0)
-                _consume(map(blocks.__delitem__, taken), 0)
-                ghosts.update(dict.fromkeys(taken, index))
-            if index <= 1:
-                returns[0 if index == _TAIL else 2] += len(taken)
+        _forget(used, self.segs, blocks, self._ghosts.evicted, self._tails.counts)
         self._mark = len(blocks)
         if met:
-            self._set_aside(met)
-        limit = self.ghost_limit
-        if len(ghosts) >= 2 * limit:
-            self.ghosts = ghosts = dict(islice(ghosts.items(), len(ghosts) - limit, None)) if limit else {}
-            self._ghost_pop = ghosts.pop
+            self._aside.set_aside(met, self._pinned)
+        ghosts = self._ghosts
+        if len(ghosts.evicted) >= 2 * ghosts.limit:
+            ghosts.trim()
         return chosen
 
     def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
@@ -440,18 +352,68 @@ class PrefixFreqCachePolicy(CachePolicy):
         for seg in self.segs:
             seg.clear()
         self.blocks.clear()
-        self.ghosts.clear()
-        self._returns = [0, 0, 0, 0, 0, 0]
+        self._ghosts.clear()
+        self._tails.clear()
         self.clock = self._mark = 0
         self.unit = float(self.cache_capacity)
         if self._pinned is not None:
             self._pinned.clear()
-        self.aside.clear()
-        self._aside_n = [0] * len(self.segs)
-        self._freed = [[] for _ in self.segs]
+        self._aside.clear()
 
     def __len__(self) -> int:
         return len(self.blocks)
 
     def keys(self) -> Iterable[OffloadKey]:
         return list(self.blocks)
+
+
+def _merged(lanes: list[list], blocks: dict[OffloadKey, BlockStatus],
+            protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+    """The evictable blocks of `lanes` (from `_heads`) by increasing score, ties to the lower
+    segment: a k-way merge that compares only the lanes' heads. `evict` inlines this walk."""
+    while lanes:
+        best = lanes[0]
+        limit = _INF
+        for lane in lanes[1:]:
+            score = lane[0]
+            if score < best[0]:
+                limit = best[0]
+                best = lane
+            elif score < limit:
+                limit = score
+        yield best[1], best[2]
+        # Stay in this lane while its scores stay below every other lane's head.
+        below = limit - best[4]
+        for key, stamp in best[3]:
+            block = blocks[key]
+            if block.ref_cnt == 0 and key not in protected:
+                if stamp >= below:
+                    best[0], best[1], best[2] = stamp + best[4], key, block
+                    break
+                yield key, block
+        else:
+            lanes.remove(best)
+
+
+def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, int]], blocks: dict[OffloadKey, BlockStatus],
+            ghosts: dict[OffloadKey, int], departures: list[int]) -> None:
+    """Delete an eviction's victims (`lane[6]` of each lane in `used`, from segment `lane[5]`)
+    from their segment and the block map, remember them as ghosts, and count the evicted tails
+    and new blocks in `departures` (`TailEvidence.counts`)."""
+    for lane in used:
+        taken = lane[6]
+        if not taken:
+            continue
+        index = lane[5]
+        if len(taken) == 1:
+            key = taken[0]
+            del segs[index][key]
+            del blocks[key]
+            ghosts[key] = index
+        else:
+            # Bulk bookkeeping at C speed (map + a zero-length deque run the loop in C).
+            _consume(map(segs[index].__delitem__, taken), 0)
+            _consume(map(blocks.__delitem__, taken), 0)
+            ghosts.update(dict.fromkeys(taken, index))
+        if index <= 1:
+            departures[EVICTED_TAIL if index == _TAIL else EVICTED_NEW] += len(taken)
