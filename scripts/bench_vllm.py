@@ -16,10 +16,12 @@ Every warm output is checked token for token against the cold one. The table rep
 seconds of `llm.generate` (prefill + 2 tokens) per mode and the tier the metrics say served it,
 then the ratios kvtier / vLLM fs per mode (the issue's target: file <= 0.8).
 
-The kvtier and vLLM engines run at the same time (`--sequential` runs them one after the other):
-on a shared machine the load changes from minute to minute, and engines run one after the other
-met different loads (cold prefill medians 2.7 s against 10.1 s in one such run), which decided the
-ratio more than either backend did. Run together, both see the same load. The ratios are also
+The kvtier and vLLM engines run at the same time and in step (`--sequential` runs them one after
+the other): a barrier step before each warm request makes both engines take request i together.
+On a shared machine the load changes from minute to minute: engines run one after the other met
+loads four times apart (cold prefill medians 2.7 s against 10.1 s in one such run), and engines run
+together but not in step had one's warm requests overlap the other's cold prefills; either decided
+the ratio more than the backends did. The ratios are also
 given divided by each engine's own cold prefill median ("load-normalized") as a cross-check.
 
 vLLM's TieringOffloadingSpec worker refuses the CPU platform, so for it this module defines
@@ -157,6 +159,17 @@ def _steps(prompts: dict[str, str], rounds: int, recompute: bool) -> list[dict]:
     return steps
 
 
+def _in_step(steps: list[dict], folder: str, parties: int) -> list[dict]:
+    """`steps` with a barrier before each reset + warm request and after the cold requests, so
+    that engines run side by side take each request together (same machine load for both)."""
+    out: list[dict] = []
+    for i, step in enumerate(steps):
+        if step["op"] == "reset":
+            out.append({"op": "barrier", "dir": folder, "name": f"step{i}", "parties": parties})
+        out.append(step)
+    return out
+
+
 def _served_by(rec: dict) -> str:
     m = {k.replace("vllm:", ""): v for k, v in rec["metrics"].items()}
     hits = m.get("external_prefix_cache_hits", 0)
@@ -205,6 +218,9 @@ def main() -> None:
             "name": "BenchTieringSpec", "module": "bench_vllm",
             "extra": {"cpu_bytes_to_use": CPU_BLOCKS * (chunk + 4096),
                       "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}})
+    if not args.sequential and len(jobs) > 1:
+        for job in jobs.values():  # every warm request of the engines starts at the same time
+            job["steps"] = _in_step(job["steps"], str(work / "barriers"), len(jobs))
     if args.sequential:
         for name, job in jobs.items():
             reports[name] = run_engine(job, work, name, timeout=900)
@@ -249,14 +265,24 @@ def main() -> None:
     print("cold (first) requests, median s: " + ", ".join(f"{b}={t:.3f}" for b, t in cold_times.items()))
     ratios = _ratios(summary, cold_times)
     for mode, r in ratios.items():
+        r.update(_paired(summary, mode))
         print(f"ratio kvtier/vllm_fs {mode}: {r['ratio']:.2f} (load-normalized by each engine's cold median: "
-              f"{r['normalized']:.2f})")
+              f"{r['normalized']:.2f}; request by request: median {r['paired_median']:.2f}, kvtier faster in "
+              f"{r['kvtier_faster']} of {r['pairs']})")
     result = {"summary": summary, "cold_median_s": cold_times, "ratios": ratios,
               "together": not args.sequential, "model": MODEL, "engine_block": ENGINE_BLOCK,
               "offload_block": OFFLOAD_BLOCK, "cpu_blocks": CPU_BLOCKS, "words": args.words, "rounds": args.rounds,
               "workdir": str(work)}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"\nwrote {args.out}")
+
+
+def _paired(summary: dict, mode: str) -> dict:
+    """kvtier / vLLM fs request by request (the i-th warm request of each engine; they ran together
+    when the engines ran in step)."""
+    pairs = list(zip(summary[f"kvtier:{mode}"]["samples"], summary[f"vllm_fs:{mode}"]["samples"]))
+    return {"paired_median": statistics.median(a / b for a, b in pairs), "pairs": len(pairs),
+            "kvtier_faster": sum(a < b for a, b in pairs)}
 
 
 def _ratios(summary: dict, cold: dict) -> dict[str, dict[str, float]]:
