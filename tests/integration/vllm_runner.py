@@ -15,6 +15,8 @@ offloading spec, e.g. vLLM's own; {"name": "none"} runs without a connector), `s
   {"op": "reset"}                                 llm.reset_prefix_cache(): empties the engine cache
   {"op": "corrupt_file_tier", "root_dir": DIR}    flips one payload byte of every slot on disk
   {"op": "sleep", "seconds": S}
+  {"op": "barrier", "dir": DIR, "name": N, "parties": K}
+                                                  waits until K engines reached barrier N (files in DIR)
 Each generate record has `tokens`, `text`, `seconds` and `metrics` (the change, during the step,
 of every counter whose name contains "prefix_cache", "kv_offload" or "kvtier").
 Engines need the `if __name__ == "__main__"` guard: vLLM spawns worker processes.
@@ -128,12 +130,26 @@ def main(job_path: str, report_path: str) -> None:
             report["steps"].append({"op": op, "slots": corrupt_file_tier(step["root_dir"])})
         elif op == "sleep":
             time.sleep(step["seconds"])
+        elif op == "barrier":
+            barrier(step["dir"], step["name"], step["parties"], step.get("timeout", 900))
         else:
             raise ValueError(f"unknown op {op!r}")
     report["final_metrics"] = _counters(llm)
     with open(report_path, "w") as f:
         json.dump(report, f, indent=1)
     del llm
+
+
+def barrier(folder: str, name: str, parties: int, timeout: float) -> None:
+    """Mark this process as arrived at barrier `name`, then wait until `parties` processes did
+    (side-by-side benchmarks: engines meet the same load when they run each request together)."""
+    os.makedirs(folder, exist_ok=True)
+    open(os.path.join(folder, f"{name}.{os.getpid()}"), "w").close()
+    deadline = time.monotonic() + timeout
+    while sum(f.startswith(f"{name}.") for f in os.listdir(folder)) < parties:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"barrier {name!r}: fewer than {parties} engines arrived in {timeout:g} s")
+        time.sleep(0.005)
 
 
 if __name__ == "__main__":
