@@ -31,8 +31,8 @@ import logging
 import time
 from collections import deque as _consume
 from collections.abc import Collection, Iterable, Sequence
-from itertools import filterfalse, repeat
-from operator import attrgetter
+from itertools import compress, filterfalse, repeat
+from operator import add, attrgetter, not_
 from typing import Any, cast
 
 from kvtier.control.cascade import Cascade
@@ -61,6 +61,16 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
 _ref_cnt = attrgetter("ref_cnt")
+_TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
+
+
+def _ref_cnts(blocks: list[BlockStatus | None]) -> list[int]:
+    """The blocks' `ref_cnt`s, -1 (not readable) for a missing block, in C loops."""
+    return list(map(getattr, blocks, repeat("ref_cnt"), repeat(-1)))
+
+
+def _distinct(keys: list[OffloadKey]) -> bool:
+    return len(set(keys)) == len(keys)
 
 
 def _all_writing(blocks: list[BlockStatus]) -> bool:
@@ -149,6 +159,25 @@ class HierarchyManager(OffloadingManager):
             return LookupResult.RETRY
         return LookupResult.MISS
 
+    def lookup_run(self, keys: Sequence[OffloadKey],
+                   req_context: ReqContext | None = None) -> tuple[int, LookupResult | None]:
+        """Look `keys` up in order until the first answer that is not HIT: returns how many
+        leading keys are HITs and that first other answer (None when every key is a HIT).
+        The same answers and side effects as calling `lookup` on each key and stopping there;
+        the leading run of readable tier-0 blocks is found in C loops."""
+        if self._results_waiting():
+            self._jobs.drain()
+        keys = keys if isinstance(keys, list) else list(keys)
+        ref_cnts = _ref_cnts(list(map(self._top.policy.get, keys)))
+        n = ref_cnts.index(-1) if -1 in ref_cnts else len(keys)
+        lookup = self.lookup
+        for key in keys[n:]:
+            result = lookup(key, req_context)
+            if result is not LookupResult.HIT:
+                return n, result
+            n += 1
+        return n, None
+
     def load_source(self, key: OffloadKey) -> str | None:
         """Medium of the tier that supplies `key` to the engine: the tier a promotion into tier 0
         came from (until the block is loaded), else the first tier holding it readable."""
@@ -161,6 +190,27 @@ class HierarchyManager(OffloadingManager):
         return None
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
+        keys = keys if isinstance(keys, list) else list(keys)
+        spec = self._prepare_load_top(keys)
+        return spec if spec is not None else self._prepare_load_each(keys)
+
+    def _prepare_load_top(self, keys: list[OffloadKey]) -> LoadStoreSpec | None:
+        """`prepare_load` in C loops for the common case: distinct keys, every one readable in
+        tier 0, none pinned by an earlier load or promoted; None (nothing changed) otherwise."""
+        top, pins = self._top, self._pins
+        blocks = list(map(top.policy.get, keys))
+        ref_cnts = _ref_cnts(blocks)
+        if (not keys or -1 in ref_cnts or not pins.keys().isdisjoint(keys)
+                or not top.promoted_from.keys().isdisjoint(keys) or not _distinct(keys)):
+            return None
+        _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
+        pins.update(zip(keys, map(list, repeat(_TOP_ONLY, len(keys)))))
+        top.stats.hits += len(keys)
+        top.policy.pin(keys)
+        return top.backend.get_load_store_spec(keys, cast("list[BlockStatus]", blocks))
+
+    def _prepare_load_each(self, keys: list[OffloadKey]) -> LoadStoreSpec:
+        """`prepare_load` key by key: blocks in lower tiers, keys loaded twice, promoted keys."""
         parts: dict[int, tuple[list[OffloadKey], list[BlockStatus], list[int]]] = {}
         for pos, key in enumerate(keys):
             for tier in self.tiers:
@@ -187,10 +237,31 @@ class HierarchyManager(OffloadingManager):
         return CompositeLoadStoreSpec(specs)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        keys = keys if isinstance(keys, list) else list(keys)
         for tier in self.tiers:
             tier.policy.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        keys = keys if isinstance(keys, list) else list(keys)
+        if not self._complete_load_top(keys):
+            self._complete_load_each(keys)
+
+    def _complete_load_top(self, keys: list[OffloadKey]) -> bool:
+        """`complete_load` in C loops for the common case: distinct keys, each pinned once by
+        `prepare_load` in tier 0; False (nothing changed) otherwise."""
+        pins = self._pins
+        if not keys or list(map(pins.get, keys)).count(list(_TOP_ONLY)) != len(keys) or not _distinct(keys):
+            return False
+        _consume(map(pins.__delitem__, keys), 0)
+        top = self._top
+        blocks = list(map(top.policy.get, keys))
+        ref_cnts = list(map(add, map(_ref_cnt, blocks), repeat(-1)))
+        _consume(map(setattr, blocks, repeat("ref_cnt"), ref_cnts), 0)
+        top.policy.unpin(list(compress(keys, map(not_, ref_cnts))))
+        return True
+
+    def _complete_load_each(self, keys: list[OffloadKey]) -> None:
+        """`complete_load` key by key (blocks pinned in lower tiers or more than once)."""
         released: dict[int, list[OffloadKey]] = {}  # tier index -> keys whose ref_cnt reached 0
         for key in keys:
             pinned = self._pins.get(key)
