@@ -69,10 +69,6 @@ def _ref_cnts(blocks: list[BlockStatus | None]) -> list[int]:
     return list(map(getattr, blocks, repeat("ref_cnt"), repeat(-1)))
 
 
-def _distinct(keys: list[OffloadKey]) -> bool:
-    return len(set(keys)) == len(keys)
-
-
 def _all_writing(blocks: list[BlockStatus]) -> bool:
     """Whether every block is still being written (`ref_cnt == -1`), in C loops."""
     return list(map(_ref_cnt, blocks)).count(-1) == len(blocks)
@@ -105,7 +101,8 @@ class HierarchyManager(OffloadingManager):
         self._results_waiting = engine.has_finished  # bound once: `lookup` asks on every call
         self._cascade = Cascade(self.tiers, self._jobs, self._log)
         self._promotions = Promotions(self.tiers, self._jobs, self._cascade, self._log)
-        self._pins: dict[OffloadKey, list[int]] = {}  # key -> tiers pinned by prepare_load, in order
+        # key -> tiers pinned by prepare_load, in order (tuples: `_TOP_ONLY` is shared by the fast path)
+        self._pins: dict[OffloadKey, tuple[int, ...]] = {}
         self._recover()
         for tier in self.tiers:
             # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
@@ -201,10 +198,14 @@ class HierarchyManager(OffloadingManager):
         blocks = list(map(top.policy.get, keys))
         ref_cnts = _ref_cnts(blocks)
         if (not keys or -1 in ref_cnts or not pins.keys().isdisjoint(keys)
-                or not top.promoted_from.keys().isdisjoint(keys) or not _distinct(keys)):
+                or not top.promoted_from.keys().isdisjoint(keys)):
+            return None
+        before = len(pins)
+        pins.update(zip(keys, repeat(_TOP_ONLY)))
+        if len(pins) - before != len(keys):  # a key given twice: pinned twice, key by key
+            _consume(map(pins.pop, keys, repeat(None)), 0)
             return None
         _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
-        pins.update(zip(keys, map(list, repeat(_TOP_ONLY, len(keys)))))
         top.stats.hits += len(keys)
         top.policy.pin(keys)
         return top.backend.get_load_store_spec(keys, cast("list[BlockStatus]", blocks))
@@ -220,7 +221,7 @@ class HierarchyManager(OffloadingManager):
             else:
                 raise KeyError(f"prepare_load: block {key.hex()} is not readable (lookup did not answer HIT)")
             block.ref_cnt += 1
-            self._pins.setdefault(key, []).append(tier.index)
+            self._pins[key] = self._pins.get(key, ()) + (tier.index,)
             origin = self._top.promoted_from.pop(key, tier.index)
             self.tiers[origin].stats.hits += 1
             entry = parts.setdefault(tier.index, ([], [], []))
@@ -250,9 +251,13 @@ class HierarchyManager(OffloadingManager):
         """`complete_load` in C loops for the common case: distinct keys, each pinned once by
         `prepare_load` in tier 0; False (nothing changed) otherwise."""
         pins = self._pins
-        if not keys or list(map(pins.get, keys)).count(list(_TOP_ONLY)) != len(keys) or not _distinct(keys):
+        if not keys or list(map(pins.get, keys)).count(_TOP_ONLY) != len(keys):
             return False
-        _consume(map(pins.__delitem__, keys), 0)
+        before = len(pins)
+        _consume(map(pins.pop, keys, repeat(None)), 0)
+        if before - len(pins) != len(keys):  # a key given twice: the per-key path reports it
+            pins.update(zip(keys, repeat(_TOP_ONLY)))
+            return False
         top = self._top
         blocks = list(map(top.policy.get, keys))
         ref_cnts = list(map(add, map(_ref_cnt, blocks), repeat(-1)))
@@ -267,8 +272,10 @@ class HierarchyManager(OffloadingManager):
             pinned = self._pins.get(key)
             if not pinned:
                 raise KeyError(f"complete_load: block {key.hex()} was not prepared for loading")
-            tier = self.tiers[pinned.pop()]
-            if not pinned:
+            tier = self.tiers[pinned[-1]]
+            if len(pinned) > 1:
+                self._pins[key] = pinned[:-1]
+            else:
                 del self._pins[key]
             block = tier.policy.get(key)
             assert block is not None, "a block pinned by prepare_load stays resident"
