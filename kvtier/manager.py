@@ -61,6 +61,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
 _ref_cnt = attrgetter("ref_cnt")
+_FIRST_CHUNK = 4  # keys `lookup_run` checks in its first C pass; later passes double it
 _TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
 
 
@@ -165,8 +166,7 @@ class HierarchyManager(OffloadingManager):
         if self._results_waiting():
             self._jobs.drain()
         keys = keys if isinstance(keys, list) else list(keys)
-        ref_cnts = _ref_cnts(list(map(self._top.policy.get, keys)))
-        n = ref_cnts.index(-1) if -1 in ref_cnts else len(keys)
+        n = self._top_run(keys)
         lookup = self.lookup
         for key in keys[n:]:
             result = lookup(key, req_context)
@@ -174,6 +174,19 @@ class HierarchyManager(OffloadingManager):
                 return n, result
             n += 1
         return n, None
+
+    def _top_run(self, keys: list[OffloadKey]) -> int:
+        """How many leading `keys` are readable in tier 0, in C loops over chunks that double in
+        size (a request that misses early costs little more than one `get`)."""
+        get = self._top.policy.get
+        n, size, total = 0, _FIRST_CHUNK, len(keys)
+        while n < total:
+            ref_cnts = _ref_cnts(list(map(get, keys[n:n + size])))
+            if -1 in ref_cnts:
+                return n + ref_cnts.index(-1)
+            n += len(ref_cnts)
+            size *= 2
+        return n
 
     def load_source(self, key: OffloadKey) -> str | None:
         """Medium of the tier that supplies `key` to the engine: the tier a promotion into tier 0
