@@ -179,7 +179,9 @@ class HierarchyManager(OffloadingManager):
         """How many leading `keys` are readable in tier 0, in C loops over chunks that double in
         size (a request that misses early costs little more than one `get`)."""
         get = self._top.policy.get
-        n, size, total = 0, _FIRST_CHUNK, len(keys)
+        if not keys or getattr(get(keys[0]), "ref_cnt", -1) < 0:
+            return 0  # most misses miss at once: no lists built
+        n, size, total = 1, _FIRST_CHUNK, len(keys)
         while n < total:
             ref_cnts = _ref_cnts(list(map(get, keys[n:n + size])))
             if -1 in ref_cnts:
