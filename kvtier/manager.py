@@ -31,8 +31,8 @@ import logging
 import time
 from collections import deque as _consume
 from collections.abc import Collection, Iterable, Sequence
-from itertools import filterfalse, repeat
-from operator import attrgetter
+from itertools import compress, filterfalse, repeat
+from operator import add, attrgetter, not_
 from typing import Any, cast
 
 from kvtier.control.cascade import Cascade
@@ -61,6 +61,13 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
 _ref_cnt = attrgetter("ref_cnt")
+_FIRST_CHUNK = 4  # keys `lookup_run` checks in its first C pass; later passes double it
+_TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
+
+
+def _ref_cnts(blocks: list[BlockStatus | None]) -> list[int]:
+    """The blocks' `ref_cnt`s, -1 (not readable) for a missing block, in C loops."""
+    return list(map(getattr, blocks, repeat("ref_cnt"), repeat(-1)))
 
 
 def _all_writing(blocks: list[BlockStatus]) -> bool:
@@ -95,7 +102,8 @@ class HierarchyManager(OffloadingManager):
         self._results_waiting = engine.has_finished  # bound once: `lookup` asks on every call
         self._cascade = Cascade(self.tiers, self._jobs, self._log)
         self._promotions = Promotions(self.tiers, self._jobs, self._cascade, self._log)
-        self._pins: dict[OffloadKey, list[int]] = {}  # key -> tiers pinned by prepare_load, in order
+        # key -> tiers pinned by prepare_load, in order (tuples: `_TOP_ONLY` is shared by the fast path)
+        self._pins: dict[OffloadKey, tuple[int, ...]] = {}
         self._recover()
         for tier in self.tiers:
             # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
@@ -149,6 +157,39 @@ class HierarchyManager(OffloadingManager):
             return LookupResult.RETRY
         return LookupResult.MISS
 
+    def lookup_run(self, keys: Sequence[OffloadKey],
+                   req_context: ReqContext | None = None) -> tuple[int, LookupResult | None]:
+        """Look `keys` up in order until the first answer that is not HIT: returns how many
+        leading keys are HITs and that first other answer (None when every key is a HIT).
+        The same answers and side effects as calling `lookup` on each key and stopping there;
+        the leading run of readable tier-0 blocks is found in C loops."""
+        if self._results_waiting():
+            self._jobs.drain()
+        keys = keys if isinstance(keys, list) else list(keys)
+        n = self._top_run(keys)
+        lookup = self.lookup
+        for key in keys[n:]:
+            result = lookup(key, req_context)
+            if result is not LookupResult.HIT:
+                return n, result
+            n += 1
+        return n, None
+
+    def _top_run(self, keys: list[OffloadKey]) -> int:
+        """How many leading `keys` are readable in tier 0, in C loops over chunks that double in
+        size (a request that misses early costs little more than one `get`)."""
+        get = self._top.policy.get
+        if not keys or getattr(get(keys[0]), "ref_cnt", -1) < 0:
+            return 0  # most misses miss at once: no lists built
+        n, size, total = 1, _FIRST_CHUNK, len(keys)
+        while n < total:
+            ref_cnts = _ref_cnts(list(map(get, keys[n:n + size])))
+            if -1 in ref_cnts:
+                return n + ref_cnts.index(-1)
+            n += len(ref_cnts)
+            size *= 2
+        return n
+
     def load_source(self, key: OffloadKey) -> str | None:
         """Medium of the tier that supplies `key` to the engine: the tier a promotion into tier 0
         came from (until the block is loaded), else the first tier holding it readable."""
@@ -161,6 +202,31 @@ class HierarchyManager(OffloadingManager):
         return None
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
+        keys = keys if isinstance(keys, list) else list(keys)
+        spec = self._prepare_load_top(keys)
+        return spec if spec is not None else self._prepare_load_each(keys)
+
+    def _prepare_load_top(self, keys: list[OffloadKey]) -> LoadStoreSpec | None:
+        """`prepare_load` in C loops for the common case: distinct keys, every one readable in
+        tier 0, none pinned by an earlier load or promoted; None (nothing changed) otherwise."""
+        top, pins = self._top, self._pins
+        blocks = list(map(top.policy.get, keys))
+        ref_cnts = _ref_cnts(blocks)
+        if (not keys or -1 in ref_cnts or not pins.keys().isdisjoint(keys)
+                or not top.promoted_from.keys().isdisjoint(keys)):
+            return None
+        before = len(pins)
+        pins.update(zip(keys, repeat(_TOP_ONLY)))
+        if len(pins) - before != len(keys):  # a key given twice: pinned twice, key by key
+            _consume(map(pins.pop, keys, repeat(None)), 0)
+            return None
+        _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
+        top.stats.hits += len(keys)
+        top.policy.pin(keys)
+        return top.backend.get_load_store_spec(keys, cast("list[BlockStatus]", blocks))
+
+    def _prepare_load_each(self, keys: list[OffloadKey]) -> LoadStoreSpec:
+        """`prepare_load` key by key: blocks in lower tiers, keys loaded twice, promoted keys."""
         parts: dict[int, tuple[list[OffloadKey], list[BlockStatus], list[int]]] = {}
         for pos, key in enumerate(keys):
             for tier in self.tiers:
@@ -170,7 +236,7 @@ class HierarchyManager(OffloadingManager):
             else:
                 raise KeyError(f"prepare_load: block {key.hex()} is not readable (lookup did not answer HIT)")
             block.ref_cnt += 1
-            self._pins.setdefault(key, []).append(tier.index)
+            self._pins[key] = self._pins.get(key, ()) + (tier.index,)
             origin = self._top.promoted_from.pop(key, tier.index)
             self.tiers[origin].stats.hits += 1
             entry = parts.setdefault(tier.index, ([], [], []))
@@ -187,17 +253,44 @@ class HierarchyManager(OffloadingManager):
         return CompositeLoadStoreSpec(specs)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        keys = keys if isinstance(keys, list) else list(keys)
         for tier in self.tiers:
             tier.policy.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        keys = keys if isinstance(keys, list) else list(keys)
+        if not self._complete_load_top(keys):
+            self._complete_load_each(keys)
+
+    def _complete_load_top(self, keys: list[OffloadKey]) -> bool:
+        """`complete_load` in C loops for the common case: distinct keys, each pinned once by
+        `prepare_load` in tier 0; False (nothing changed) otherwise."""
+        pins = self._pins
+        if not keys or list(map(pins.get, keys)).count(_TOP_ONLY) != len(keys):
+            return False
+        before = len(pins)
+        _consume(map(pins.pop, keys, repeat(None)), 0)
+        if before - len(pins) != len(keys):  # a key given twice: the per-key path reports it
+            pins.update(zip(keys, repeat(_TOP_ONLY)))
+            return False
+        top = self._top
+        blocks = list(map(top.policy.get, keys))
+        ref_cnts = list(map(add, map(_ref_cnt, blocks), repeat(-1)))
+        _consume(map(setattr, blocks, repeat("ref_cnt"), ref_cnts), 0)
+        top.policy.unpin(list(compress(keys, map(not_, ref_cnts))))
+        return True
+
+    def _complete_load_each(self, keys: list[OffloadKey]) -> None:
+        """`complete_load` key by key (blocks pinned in lower tiers or more than once)."""
         released: dict[int, list[OffloadKey]] = {}  # tier index -> keys whose ref_cnt reached 0
         for key in keys:
             pinned = self._pins.get(key)
             if not pinned:
                 raise KeyError(f"complete_load: block {key.hex()} was not prepared for loading")
-            tier = self.tiers[pinned.pop()]
-            if not pinned:
+            tier = self.tiers[pinned[-1]]
+            if len(pinned) > 1:
+                self._pins[key] = pinned[:-1]
+            else:
                 del self._pins[key]
             block = tier.policy.get(key)
             assert block is not None, "a block pinned by prepare_load stays resident"

@@ -142,16 +142,10 @@ class KVTier:
         return self._lookup(self._checked_keys(keys, distinct=False))
 
     def _lookup(self, keys: list[OffloadKey]) -> int:
+        hits = 0
         for _ in range(_MAX_LOOKUP_ROUNDS):
-            hits, again = 0, False
-            for key in keys:
-                answer = self.manager.lookup(key)
-                if answer is LookupResult.HIT:
-                    hits += 1
-                    continue
-                again = answer in (LookupResult.RETRY, LookupResult.HIT_PENDING)
-                break
-            if not again:
+            hits, answer = self.manager.lookup_run(keys)  # leading HITs, then the first other answer
+            if answer not in (LookupResult.RETRY, LookupResult.HIT_PENDING):
                 return hits
             self.manager.on_schedule_end()
             self.manager.wait_idle()

@@ -121,6 +121,41 @@ def generate_trace(num_conversations: int = 300, turns: int = 5, system_prompts:
     return Trace("synthetic-multiturn", requests)
 
 
+def generate_agentic_trace(num_sessions: int = 40, turns: int = 25, concurrent: int = 8, system_blocks: int = 8,
+                           turn_blocks: int = 2, seed: int = 0) -> Trace:
+    """A hit-heavy agentic workload: sessions of many turns (tool calls) that share one system
+    prompt; each turn re-sends the session's whole context plus 1..`turn_blocks` new blocks.
+    At most `concurrent` sessions run at once, interleaved turn by turn, so most blocks hit."""
+    import random
+
+    rng = random.Random(seed)
+    next_id = iter(range(1, 1 << 62))
+    system = [next(next_id) for _ in range(system_blocks)]
+    waiting = list(range(num_sessions))
+    running: dict[int, list[int]] = {}
+    left: dict[int, int] = {}
+    requests: list[list[int]] = []
+    while waiting or running:
+        while waiting and len(running) < concurrent:
+            session = waiting.pop(0)
+            running[session], left[session] = list(system), turns
+        session = rng.choice(list(running))
+        context = running[session]
+        context.extend(next(next_id) for _ in range(rng.randint(1, turn_blocks)))
+        requests.append(list(context))
+        left[session] -= 1
+        if not left[session]:
+            del running[session]
+    return Trace("synthetic-agentic", requests)
+
+
+def write_trace(trace: Trace, path: str | Path) -> None:
+    """Write `trace` in the Mooncake JSONL format that `load_trace` reads."""
+    with Path(path).open("w") as out:
+        for hashes in trace.requests:
+            out.write(json.dumps({"hash_ids": hashes}) + "\n")
+
+
 def _keys_for(trace: Trace) -> list[list[bytes]]:
     cache: dict[int, bytes] = {}
     out = []
@@ -133,6 +168,35 @@ def _keys_for(trace: Trace) -> list[list[bytes]]:
             row.append(key)
         out.append(row)
     return out
+
+
+def _lookup_round(lookup: Callable, lookup_run: Callable | None, keys: list, ctx: Any, HIT: object,
+                  MISS: object) -> tuple[int, bool, int]:
+    """One scheduler step's lookups of a request, as vLLM's scheduler makes them: key by key
+    until a MISS, going on past a RETRY or HIT_PENDING (the request then waits a step). Returns
+    (HITs counted, whether the request waits, lookups made). With `lookup_run` (kvtier's bulk
+    call) the leading HITs take one call; the keys after a RETRY / HIT_PENDING are looked up
+    one by one as before, so the answers and side effects are the same."""
+    n_hit = looked = 0
+    if lookup_run is not None:
+        n_hit, result = lookup_run(keys, ctx)
+        looked = n_hit + (result is not None)
+        if result is None or result is MISS:
+            return n_hit, False, looked
+        keys = keys[looked:]
+        deferred = True
+    else:
+        deferred = False
+    for key in keys:
+        looked += 1
+        result = lookup(key, ctx)
+        if result is HIT:
+            n_hit += 1
+        elif result is MISS:
+            break
+        else:  # RETRY or HIT_PENDING: the scheduler asks again next step
+            deferred = True
+    return n_hit, deferred, looked
 
 
 def replay_manager(manager: Any, trace: Trace, *, vllm_api: bool = False, context_factory: Callable | None = None,
@@ -154,6 +218,7 @@ def replay_manager(manager: Any, trace: Trace, *, vllm_api: bool = False, contex
         HIT, MISS = VLookup.HIT, VLookup.MISS
     lookup, prepare_load, complete_load = manager.lookup, manager.prepare_load, manager.complete_load
     prepare_store, complete_store, touch = manager.prepare_store, manager.complete_store, manager.touch
+    lookup_run = None if vllm_api else getattr(manager, "lookup_run", None)
     ops = hits = stores_refused = retry_steps = 0
     report_every = max(1, len(keys_per_request) // 50)
     start = time.perf_counter()
@@ -162,16 +227,8 @@ def replay_manager(manager: Any, trace: Trace, *, vllm_api: bool = False, contex
         ctx = make_ctx(str(i))
         manager.on_new_request(ctx)
         for _ in range(MAX_RETRY_STEPS):
-            n_hit, deferred = 0, False
-            for key in keys:
-                ops += 1
-                result = lookup(key, ctx)
-                if result is HIT:
-                    n_hit += 1
-                elif result is MISS:
-                    break
-                else:  # RETRY or HIT_PENDING: the scheduler asks again next step
-                    deferred = True
+            n_hit, deferred, looked = _lookup_round(lookup, lookup_run, keys, ctx, HIT, MISS)
+            ops += looked
             if not deferred:
                 break
             retry_steps += 1

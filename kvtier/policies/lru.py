@@ -61,9 +61,7 @@ class LRUCachePolicy(CachePolicy):
         keys = list(keys)
         if self.aside:
             _consume(map(self.aside.pop, keys, repeat(None)), 0)  # touched: back in the order
-        for key in reversed(keys):
-            if key in blocks:
-                move(key)
+        _consume(map(move, filter(blocks.__contains__, reversed(keys))), 0)
 
     def unpin(self, keys: Iterable[OffloadKey]) -> None:
         pinned = self._pinned

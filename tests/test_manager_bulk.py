@@ -1,0 +1,146 @@
+"""The manager's bulk paths (issue 19 item 1) answer and change exactly what the per-key paths do.
+
+Two identical hierarchies take the same random requests: one through `lookup_run` and the batch
+fast paths of `prepare_load` / `complete_load` / `touch`, the other key by key (`lookup` per key,
+`_prepare_load_each`, `_complete_load_each`). After every step both must hold the same blocks in
+the same eviction order with the same `ref_cnt`s, pins, promotions and counters. Batches repeat
+keys and mix tiers, so both the fast paths and their fall-backs run."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import keys, memory_hierarchy
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from test_manager_state import BLOCK, DeferredCopy
+
+from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
+
+UNIVERSE = keys(16)
+CTX = ReqContext("bulk")
+
+
+def per_key_run(manager, request) -> tuple[int, LookupResult | None]:
+    """What `lookup_run` must answer: `lookup` key by key up to the first non-HIT."""
+    for n, key in enumerate(request):
+        result = manager.lookup(key, CTX)
+        if result is not LookupResult.HIT:
+            return n, result
+    return len(request), None
+
+
+def state(manager) -> list:
+    """Everything the bulk paths may change, per tier, in a comparable form."""
+    rows = []
+    for tier in manager.tiers:
+        policy = tier.policy
+        order = [k for k, _ in policy.victim_candidates()]
+        blocks = sorted((k, policy.get(k).ref_cnt, policy.get(k).block_id) for k in policy.keys())
+        rows.append((tier.name, order, blocks, sorted(policy._pinned or ()), sorted(tier.clean),
+                     dict(tier.promoted_from), tier.stats.as_dict()))
+    return [rows, {k: list(v) for k, v in manager._pins.items()}, sorted(manager._promotions.running)]
+
+
+class BulkEqualsPerKey(RuleBasedStateMachine):
+    HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+
+    def __init__(self):
+        super().__init__()
+        self.pairs = []
+        for _ in range(2):
+            h = memory_hierarchy(**self.HIERARCHY)
+            copier = DeferredCopy(h.backends)
+            h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
+            self.pairs.append((h, copier))
+        self.bulk, self.each = (h.manager for h, _ in self.pairs)
+        self.pending: list[list[bytes]] = []
+        self.loads: list[list[bytes]] = []
+
+    def teardown(self):
+        for h, copier in self.pairs:
+            copier.run(fail=True)
+            h.engine.poll()
+
+    @rule(request=st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=6))
+    def lookup_and_load(self, request):
+        got = self.bulk.lookup_run(request, CTX)
+        assert got == per_key_run(self.each, request)
+        hits = request[:got[0]]
+        if hits:
+            a = self.bulk.prepare_load(hits, CTX)
+            b = self.each._prepare_load_each(list(hits))
+            assert type(a) is type(b) and getattr(a, "block_ids", None) == getattr(b, "block_ids", None)
+            self.loads.append(hits)
+
+    @precondition(lambda self: self.loads)
+    @rule(data=st.data(), touch=st.booleans())
+    def complete_load(self, data, touch):
+        hits = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
+        self.bulk.complete_load(hits, CTX)
+        self.each._complete_load_each(list(hits))
+        if touch:
+            self.bulk.touch(hits, CTX)
+            for key in reversed(hits):  # the per-key touch: the first key ends up the most recent
+                self.each.touch([key], CTX)
+
+    @rule(picks=st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4, unique=True))
+    def prepare_store(self, picks):
+        outs = [m.prepare_store(picks, CTX) for m in (self.bulk, self.each)]
+        assert (outs[0] is None) == (outs[1] is None)
+        if outs[0] is not None:
+            assert outs[0].keys_to_store == outs[1].keys_to_store
+            self.pending.append(outs[0].keys_to_store)
+
+    @precondition(lambda self: self.pending)
+    @rule(success=st.booleans())
+    def complete_store(self, success):
+        stored = self.pending.pop(0)
+        for m in (self.bulk, self.each):
+            m.complete_store(stored, CTX, success=success)
+
+    @rule(fail=st.booleans())
+    def finish_transfers(self, fail):
+        for _, copier in self.pairs:
+            copier.run(fail)
+
+    @rule()
+    def end_step(self):
+        for m in (self.bulk, self.each):
+            m.on_schedule_end()
+
+    @invariant()
+    def same_state(self):
+        assert state(self.bulk) == state(self.each)
+
+
+class BulkEqualsPerKeyPrefix(BulkEqualsPerKey):
+    HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="prefix-freq")
+
+
+FAST = settings(max_examples=80, stateful_step_count=40, deadline=None)
+TestBulkLRU = BulkEqualsPerKey.TestCase
+TestBulkLRU.settings = FAST
+TestBulkPrefix = BulkEqualsPerKeyPrefix.TestCase
+TestBulkPrefix.settings = FAST
+
+
+def test_lookup_run_stops_at_the_first_miss_and_loads_in_one_batch():
+    h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+    m = h.manager
+    a, b, c = UNIVERSE[:3]
+    out = m.prepare_store([a, b], CTX)
+    m.complete_store(out.keys_to_store, CTX)
+    assert m.lookup_run([a, b, c, a], CTX) == (2, LookupResult.MISS)
+    assert m.lookup_run([a, b], CTX) == (2, None)
+    assert m.lookup_run([], CTX) == (0, None)
+    spec = m.prepare_load([a, b], CTX)
+    assert [m.tiers[0].policy.get(k).ref_cnt for k in (a, b)] == [1, 1]
+    assert list(spec.block_ids) == [m.tiers[0].policy.get(k).block_id for k in (a, b)]
+    m.complete_load([a, b], CTX)
+    assert [m.tiers[0].policy.get(k).ref_cnt for k in (a, b)] == [0, 0]
+    assert m.tiers[0].stats.hits == 2 and not m._pins
+    with pytest.raises(KeyError):
+        m.complete_load([a], CTX)
+    with pytest.raises(KeyError):
+        m.prepare_load([c], CTX)
