@@ -148,7 +148,9 @@ TestManagerStateMachine.settings = settings(max_examples=150, stateful_step_coun
 
 
 # ---------------------------------------------------------------------- every invariant can fail
-FIND_FAST = settings(max_examples=300, stateful_step_count=40, deadline=None, derandomize=True, database=None,
+# Each mutated run stops at its first counterexample, so the budget costs only where a defect is hard to
+# reach; 300 examples missed "pinned-evicted" when other imports changed the order of identity-hashed sets.
+FIND_FAST = settings(max_examples=2000, stateful_step_count=40, deadline=None, derandomize=True, database=None,
                      phases=[Phase.generate])
 
 

@@ -40,8 +40,10 @@ from kvtier.types import LookupResult, ReqContext
 
 __all__ = ["ManagerTests", "SchedulerDriver"]
 
-#: steps a RETRY / HIT_PENDING answer may last before the suite calls it stuck
+#: a RETRY / HIT_PENDING answer is stuck once it lasted this many steps AND this many seconds (real
+#: copies on a loaded machine need wall time, however many steps pass meanwhile)
 SETTLE_STEPS = 50
+SETTLE_SECONDS = 10.0
 #: seconds a manager may take to finish its background work when idle
 IDLE_SECONDS = 20.0
 
@@ -80,7 +82,7 @@ class SchedulerDriver:
         self.known: set[OffloadKey] = set()  # ever asked to store
         self.loads: list[tuple[list[OffloadKey], list[str]]] = []  # in flight: (keys, tier of each)
         self.stores: list[list[OffloadKey]] = []
-        self.waiting: list[tuple[list[OffloadKey], int]] = []  # (request blocks, steps waited)
+        self.waiting: list[tuple[list[OffloadKey], int, float]] = []  # (request blocks, steps waited, since)
         self.removed_events = 0
         self.idle_refusals: dict[OffloadKey, int] = {}
         self.answers: Counter[LookupResult] = Counter()
@@ -150,13 +152,17 @@ class SchedulerDriver:
 
     def settle(self, key: OffloadKey) -> LookupResult:
         """Look `key` up until the answer is HIT or MISS, stepping meanwhile (RETRY: ask again next step)."""
-        for _ in range(SETTLE_STEPS):
+        since, steps = time.monotonic(), 0
+        while True:
             result = self.lookup(key)
             if result is LookupResult.HIT or (result is LookupResult.MISS and not self.held(key)):
                 return result
+            steps += 1
+            if _stuck(steps, since):
+                raise AssertionError(f"lookup of {key.hex()} still answers {result.name} after {steps} steps "
+                                     f"and {SETTLE_SECONDS:g} s")
             self.step_end()
             time.sleep(0.001)  # a background copy may need wall time
-        raise AssertionError(f"lookup of {key.hex()} still answers {result.name} after {SETTLE_STEPS} steps")
 
     def load(self, keys: list[OffloadKey]) -> None:
         """`prepare_load` (pins), the copy finishing next step."""
@@ -232,12 +238,14 @@ class SchedulerDriver:
     def step(self, new_requests: Iterable[list[OffloadKey]] = ()) -> None:
         """One scheduler step: last step's copies end, waiting and new requests are scheduled."""
         self.finish_transfers()
-        queue = self.waiting + [(r, 0) for r in new_requests]
+        now = time.monotonic()
+        queue = self.waiting + [(r, 0, now) for r in new_requests]
         self.waiting = []
-        for request, waited in queue:
+        for request, waited, since in queue:
             if not self.schedule(request):
-                assert waited < SETTLE_STEPS, f"a request waited {waited} steps on RETRY / HIT_PENDING"
-                self.waiting.append((request, waited + 1))
+                assert not _stuck(waited, since), (f"a request waited {waited} steps and {SETTLE_SECONDS:g} s "
+                                                   f"on RETRY / HIT_PENDING")
+                self.waiting.append((request, waited + 1, since))
         self.step_end()
 
     def idle(self) -> None:
@@ -247,6 +255,11 @@ class SchedulerDriver:
             assert time.monotonic() < deadline, "the manager still has pending work after the idle deadline"
             self.step()
             time.sleep(0.001)
+
+
+def _stuck(steps: int, since: float) -> bool:
+    """Whether an answer that first came `steps` steps ago, at `since`, is stuck (see SETTLE_STEPS)."""
+    return steps >= SETTLE_STEPS and time.monotonic() - since >= SETTLE_SECONDS
 
 
 def make_keys(n: int, start: int = 0) -> list[OffloadKey]:
