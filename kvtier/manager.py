@@ -31,19 +31,20 @@ import logging
 import time
 from collections import deque as _consume
 from collections.abc import Collection, Iterable, Sequence
-from itertools import compress, filterfalse, repeat
-from operator import add, attrgetter, not_
+from itertools import filterfalse, repeat
+from operator import attrgetter
 from typing import Any, cast
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, JobTable
+from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
 from kvtier.control.tier import Tier, TierStats
 from kvtier.engine import TransferEngine
 from kvtier.errors import WaitTimeout
 from kvtier.interfaces import OffloadingManager
 from kvtier.keys import OffloadKey
-from kvtier.specs import CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import (
     CASCADE_MODES,
     BlockStatus,
@@ -61,8 +62,6 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
 _ref_cnt = attrgetter("ref_cnt")
-_FIRST_CHUNK = 4  # keys `lookup_run` checks in its first C pass; later passes double it
-_TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
 
 
 def _ref_cnts(blocks: list[BlockStatus | None]) -> list[int]:
@@ -102,8 +101,7 @@ class HierarchyManager(OffloadingManager):
         self._results_waiting = engine.has_finished  # bound once: `lookup` asks on every call
         self._cascade = Cascade(self.tiers, self._jobs, self._log)
         self._promotions = Promotions(self.tiers, self._jobs, self._cascade, self._log)
-        # key -> tiers pinned by prepare_load, in order (tuples: `_TOP_ONLY` is shared by the fast path)
-        self._pins: dict[OffloadKey, tuple[int, ...]] = {}
+        self._loads = LoadPins(self.tiers)
         self._recover()
         for tier in self.tiers:
             # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
@@ -166,7 +164,7 @@ class HierarchyManager(OffloadingManager):
         if self._results_waiting():
             self._jobs.drain()
         keys = keys if isinstance(keys, list) else list(keys)
-        n = self._top_run(keys)
+        n = self._loads.top_run(keys)
         lookup = self.lookup
         for key in keys[n:]:
             result = lookup(key, req_context)
@@ -174,21 +172,6 @@ class HierarchyManager(OffloadingManager):
                 return n, result
             n += 1
         return n, None
-
-    def _top_run(self, keys: list[OffloadKey]) -> int:
-        """How many leading `keys` are readable in tier 0, in C loops over chunks that double in
-        size (a request that misses early costs little more than one `get`)."""
-        get = self._top.policy.get
-        if not keys or getattr(get(keys[0]), "ref_cnt", -1) < 0:
-            return 0  # most misses miss at once: no lists built
-        n, size, total = 1, _FIRST_CHUNK, len(keys)
-        while n < total:
-            ref_cnts = _ref_cnts(list(map(get, keys[n:n + size])))
-            if -1 in ref_cnts:
-                return n + ref_cnts.index(-1)
-            n += len(ref_cnts)
-            size *= 2
-        return n
 
     def load_source(self, key: OffloadKey) -> str | None:
         """Medium of the tier that supplies `key` to the engine: the tier a promotion into tier 0
@@ -202,55 +185,7 @@ class HierarchyManager(OffloadingManager):
         return None
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
-        keys = keys if isinstance(keys, list) else list(keys)
-        spec = self._prepare_load_top(keys)
-        return spec if spec is not None else self._prepare_load_each(keys)
-
-    def _prepare_load_top(self, keys: list[OffloadKey]) -> LoadStoreSpec | None:
-        """`prepare_load` in C loops for the common case: distinct keys, every one readable in
-        tier 0, none pinned by an earlier load or promoted; None (nothing changed) otherwise."""
-        top, pins = self._top, self._pins
-        blocks = list(map(top.policy.get, keys))
-        ref_cnts = _ref_cnts(blocks)
-        if (not keys or -1 in ref_cnts or not pins.keys().isdisjoint(keys)
-                or not top.promoted_from.keys().isdisjoint(keys)):
-            return None
-        before = len(pins)
-        pins.update(zip(keys, repeat(_TOP_ONLY)))
-        if len(pins) - before != len(keys):  # a key given twice: pinned twice, key by key
-            _consume(map(pins.pop, keys, repeat(None)), 0)
-            return None
-        _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
-        top.stats.hits += len(keys)
-        top.policy.pin(keys)
-        return top.backend.get_load_store_spec(keys, cast("list[BlockStatus]", blocks))
-
-    def _prepare_load_each(self, keys: list[OffloadKey]) -> LoadStoreSpec:
-        """`prepare_load` key by key: blocks in lower tiers, keys loaded twice, promoted keys."""
-        parts: dict[int, tuple[list[OffloadKey], list[BlockStatus], list[int]]] = {}
-        for pos, key in enumerate(keys):
-            for tier in self.tiers:
-                block = tier.policy.get(key)
-                if block is not None and block.ref_cnt >= 0 and (tier.index == 0 or tier.direct_load):
-                    break
-            else:
-                raise KeyError(f"prepare_load: block {key.hex()} is not readable (lookup did not answer HIT)")
-            block.ref_cnt += 1
-            self._pins[key] = self._pins.get(key, ()) + (tier.index,)
-            origin = self._top.promoted_from.pop(key, tier.index)
-            self.tiers[origin].stats.hits += 1
-            entry = parts.setdefault(tier.index, ([], [], []))
-            entry[0].append(key)
-            entry[1].append(block)
-            entry[2].append(pos)
-        for index, (pinned_keys, _, _) in parts.items():
-            self.tiers[index].policy.pin(pinned_keys)
-        specs = [(self.tiers[i].backend.get_load_store_spec(k, b), p) for i, (k, b, p) in sorted(parts.items())]
-        if len(specs) == 1:
-            return specs[0][0]
-        if not specs:
-            return self._top.backend.get_load_store_spec([], [])
-        return CompositeLoadStoreSpec(specs)
+        return self._loads.prepare(keys if isinstance(keys, list) else list(keys))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
@@ -258,47 +193,7 @@ class HierarchyManager(OffloadingManager):
             tier.policy.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
-        keys = keys if isinstance(keys, list) else list(keys)
-        if not self._complete_load_top(keys):
-            self._complete_load_each(keys)
-
-    def _complete_load_top(self, keys: list[OffloadKey]) -> bool:
-        """`complete_load` in C loops for the common case: distinct keys, each pinned once by
-        `prepare_load` in tier 0; False (nothing changed) otherwise."""
-        pins = self._pins
-        if not keys or list(map(pins.get, keys)).count(_TOP_ONLY) != len(keys):
-            return False
-        before = len(pins)
-        _consume(map(pins.pop, keys, repeat(None)), 0)
-        if before - len(pins) != len(keys):  # a key given twice: the per-key path reports it
-            pins.update(zip(keys, repeat(_TOP_ONLY)))
-            return False
-        top = self._top
-        blocks = list(map(top.policy.get, keys))
-        ref_cnts = list(map(add, map(_ref_cnt, blocks), repeat(-1)))
-        _consume(map(setattr, blocks, repeat("ref_cnt"), ref_cnts), 0)
-        top.policy.unpin(list(compress(keys, map(not_, ref_cnts))))
-        return True
-
-    def _complete_load_each(self, keys: list[OffloadKey]) -> None:
-        """`complete_load` key by key (blocks pinned in lower tiers or more than once)."""
-        released: dict[int, list[OffloadKey]] = {}  # tier index -> keys whose ref_cnt reached 0
-        for key in keys:
-            pinned = self._pins.get(key)
-            if not pinned:
-                raise KeyError(f"complete_load: block {key.hex()} was not prepared for loading")
-            tier = self.tiers[pinned[-1]]
-            if len(pinned) > 1:
-                self._pins[key] = pinned[:-1]
-            else:
-                del self._pins[key]
-            block = tier.policy.get(key)
-            assert block is not None, "a block pinned by prepare_load stays resident"
-            block.ref_cnt -= 1
-            if not block.ref_cnt:
-                released.setdefault(tier.index, []).append(key)
-        for index, unpinned in released.items():
-            self.tiers[index].policy.unpin(unpinned)
+        self._loads.complete(keys if isinstance(keys, list) else list(keys))
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext | None = None) -> PrepareStoreOutput | None:

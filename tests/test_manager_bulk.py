@@ -2,7 +2,7 @@
 
 Two identical hierarchies take the same random requests: one through `lookup_run` and the batch
 fast paths of `prepare_load` / `complete_load` / `touch`, the other key by key (`lookup` per key,
-`_prepare_load_each`, `_complete_load_each`). After every step both must hold the same blocks in
+`LoadPins.prepare_each`, `LoadPins.complete_each`). After every step both must hold the same blocks in
 the same eviction order with the same `ref_cnt`s, pins, promotions and counters. Batches repeat
 keys and mix tiers, so both the fast paths and their fall-backs run."""
 
@@ -39,7 +39,7 @@ def state(manager) -> list:
         blocks = sorted((k, policy.get(k).ref_cnt, policy.get(k).block_id) for k in policy.keys())
         rows.append((tier.name, order, blocks, sorted(policy._pinned or ()), sorted(tier.clean),
                      dict(tier.promoted_from), tier.stats.as_dict()))
-    return [rows, {k: list(v) for k, v in manager._pins.items()}, sorted(manager._promotions.running)]
+    return [rows, {k: list(v) for k, v in manager._loads.pins.items()}, sorted(manager._promotions.running)]
 
 
 class BulkEqualsPerKey(RuleBasedStateMachine):
@@ -69,7 +69,7 @@ class BulkEqualsPerKey(RuleBasedStateMachine):
         hits = request[:got[0]]
         if hits:
             a = self.bulk.prepare_load(hits, CTX)
-            b = self.each._prepare_load_each(list(hits))
+            b = self.each._loads.prepare_each(list(hits))
             assert type(a) is type(b) and getattr(a, "block_ids", None) == getattr(b, "block_ids", None)
             self.loads.append(hits)
 
@@ -78,7 +78,7 @@ class BulkEqualsPerKey(RuleBasedStateMachine):
     def complete_load(self, data, touch):
         hits = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
         self.bulk.complete_load(hits, CTX)
-        self.each._complete_load_each(list(hits))
+        self.each._loads.complete_each(list(hits))
         if touch:
             self.bulk.touch(hits, CTX)
             for key in reversed(hits):  # the per-key touch: the first key ends up the most recent
@@ -139,7 +139,7 @@ def test_lookup_run_stops_at_the_first_miss_and_loads_in_one_batch():
     assert list(spec.block_ids) == [m.tiers[0].policy.get(k).block_id for k in (a, b)]
     m.complete_load([a, b], CTX)
     assert [m.tiers[0].policy.get(k).ref_cnt for k in (a, b)] == [0, 0]
-    assert m.tiers[0].stats.hits == 2 and not m._pins
+    assert m.tiers[0].stats.hits == 2 and not m._loads.pins
     with pytest.raises(KeyError):
         m.complete_load([a], CTX)
     with pytest.raises(KeyError):

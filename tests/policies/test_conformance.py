@@ -109,6 +109,18 @@ class LeaksStateOnRefusedEvict(LRUCachePolicy):
         return victims
 
 
+def _fails_within(check, runs: int = 5) -> bool:
+    """Whether `check` raises AssertionError in one of `runs` runs. The suite's random-operations
+    check draws new examples on every run (not derandomized: coverage grows across runs), so a
+    single run may miss a defect that another finds; the deterministic checks fail on the first."""
+    for _ in range(runs):
+        try:
+            check()
+        except AssertionError:
+            return True
+    return False
+
+
 class BrokenPinSuite(PolicyTests):
     policy_factory = EvictsPinned
 
@@ -119,12 +131,10 @@ class BrokenAtomicitySuite(PolicyTests):
 
 @pytest.mark.parametrize("check", ["test_pinned_and_protected_never_evicted", "test_random_operations_against_model"])
 def test_suite_fails_a_policy_that_evicts_pinned_blocks(check):
-    with pytest.raises(AssertionError):
-        getattr(BrokenPinSuite(), check)()
+    assert _fails_within(getattr(BrokenPinSuite(), check)), f"{check} passed a policy that evicts pinned blocks"
 
 
 @pytest.mark.parametrize("check", ["test_evict_too_many_returns_none_without_change",
                                    "test_random_operations_against_model"])
 def test_suite_fails_a_policy_that_changes_state_on_a_refused_evict(check):
-    with pytest.raises(AssertionError):
-        getattr(BrokenAtomicitySuite(), check)()
+    assert _fails_within(getattr(BrokenAtomicitySuite(), check)), f"{check} passed a policy that leaks state"

@@ -1,0 +1,148 @@
+"""Blocks pinned by `prepare_load` until `complete_load`: the manager's load path.
+
+A load pins each block (`ref_cnt += 1`) in the tier it is read from: tier 0, or a lower tier the
+engine loads directly. `pins` maps a key to the tiers it is pinned in, in order, so `complete_load`
+releases the last pin first. The common case (distinct keys, all readable in tier 0, none pinned
+before or promoted) runs in C loops over the batch; anything else goes key by key, with the same
+answers and side effects (`tests/test_manager_bulk.py` checks the two against each other).
+"""
+
+from __future__ import annotations
+
+from collections import deque as _consume
+from itertools import compress, repeat
+from operator import add, attrgetter, not_
+from typing import cast
+
+from kvtier.control.tier import Tier
+from kvtier.keys import OffloadKey
+from kvtier.specs import CompositeLoadStoreSpec, LoadStoreSpec
+from kvtier.types import BlockStatus
+
+_ref_cnt = attrgetter("ref_cnt")
+_FIRST_CHUNK = 4  # keys `top_run` checks in its first C pass; later passes double it
+_TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
+
+
+def _ref_cnts(blocks: list[BlockStatus | None]) -> list[int]:
+    """The blocks' `ref_cnt`s, -1 (not readable) for a missing block, in C loops."""
+    return list(map(getattr, blocks, repeat("ref_cnt"), repeat(-1)))
+
+
+class LoadPins:
+    """The load path over a hierarchy's tiers and the pins it holds (see the module docstring)."""
+
+    def __init__(self, tiers: list[Tier]):
+        self.tiers = tiers
+        self.top = tiers[0]
+        # key -> tiers pinned by prepare_load, in order (tuples: `_TOP_ONLY` is shared by the fast path)
+        self.pins: dict[OffloadKey, tuple[int, ...]] = {}
+
+    def prepare(self, keys: list[OffloadKey]) -> LoadStoreSpec:
+        """Pin `keys` (each answered HIT by `lookup`) and return where to load them from."""
+        spec = self.prepare_top(keys)
+        return spec if spec is not None else self.prepare_each(keys)
+
+    def complete(self, keys: list[OffloadKey]) -> None:
+        """Release the pins `prepare` took for `keys` (the last pin of a key pinned twice)."""
+        if not self.complete_top(keys):
+            self.complete_each(keys)
+
+    def top_run(self, keys: list[OffloadKey]) -> int:
+        """How many leading `keys` are readable in tier 0, in C loops over chunks that double in
+        size (a request that misses early costs little more than one `get`)."""
+        get = self.top.policy.get
+        if not keys or getattr(get(keys[0]), "ref_cnt", -1) < 0:
+            return 0  # most misses miss at once: no lists built
+        n, size, total = 1, _FIRST_CHUNK, len(keys)
+        while n < total:
+            ref_cnts = _ref_cnts(list(map(get, keys[n:n + size])))
+            if -1 in ref_cnts:
+                return n + ref_cnts.index(-1)
+            n += len(ref_cnts)
+            size *= 2
+        return n
+
+    def prepare_top(self, keys: list[OffloadKey]) -> LoadStoreSpec | None:
+        """`prepare_load` in C loops for the common case: distinct keys, every one readable in
+        tier 0, none pinned by an earlier load or promoted; None (nothing changed) otherwise."""
+        top, pins = self.top, self.pins
+        blocks = list(map(top.policy.get, keys))
+        ref_cnts = _ref_cnts(blocks)
+        if (not keys or -1 in ref_cnts or not pins.keys().isdisjoint(keys)
+                or not top.promoted_from.keys().isdisjoint(keys)):
+            return None
+        before = len(pins)
+        pins.update(zip(keys, repeat(_TOP_ONLY)))
+        if len(pins) - before != len(keys):  # a key given twice: pinned twice, key by key
+            _consume(map(pins.pop, keys, repeat(None)), 0)
+            return None
+        _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
+        top.stats.hits += len(keys)
+        top.policy.pin(keys)
+        return top.backend.get_load_store_spec(keys, cast("list[BlockStatus]", blocks))
+
+    def prepare_each(self, keys: list[OffloadKey]) -> LoadStoreSpec:
+        """`prepare_load` key by key: blocks in lower tiers, keys loaded twice, promoted keys."""
+        parts: dict[int, tuple[list[OffloadKey], list[BlockStatus], list[int]]] = {}
+        for pos, key in enumerate(keys):
+            for tier in self.tiers:
+                block = tier.policy.get(key)
+                if block is not None and block.ref_cnt >= 0 and (tier.index == 0 or tier.direct_load):
+                    break
+            else:
+                raise KeyError(f"prepare_load: block {key.hex()} is not readable (lookup did not answer HIT)")
+            block.ref_cnt += 1
+            self.pins[key] = self.pins.get(key, ()) + (tier.index,)
+            origin = self.top.promoted_from.pop(key, tier.index)
+            self.tiers[origin].stats.hits += 1
+            entry = parts.setdefault(tier.index, ([], [], []))
+            entry[0].append(key)
+            entry[1].append(block)
+            entry[2].append(pos)
+        for index, (pinned_keys, _, _) in parts.items():
+            self.tiers[index].policy.pin(pinned_keys)
+        specs = [(self.tiers[i].backend.get_load_store_spec(k, b), p) for i, (k, b, p) in sorted(parts.items())]
+        if len(specs) == 1:
+            return specs[0][0]
+        if not specs:
+            return self.top.backend.get_load_store_spec([], [])
+        return CompositeLoadStoreSpec(specs)
+
+    def complete_top(self, keys: list[OffloadKey]) -> bool:
+        """`complete_load` in C loops for the common case: distinct keys, each pinned once by
+        `prepare_load` in tier 0; False (nothing changed) otherwise."""
+        pins = self.pins
+        if not keys or list(map(pins.get, keys)).count(_TOP_ONLY) != len(keys):
+            return False
+        before = len(pins)
+        _consume(map(pins.pop, keys, repeat(None)), 0)
+        if before - len(pins) != len(keys):  # a key given twice: the per-key path reports it
+            pins.update(zip(keys, repeat(_TOP_ONLY)))
+            return False
+        top = self.top
+        blocks = list(map(top.policy.get, keys))
+        ref_cnts = list(map(add, map(_ref_cnt, blocks), repeat(-1)))
+        _consume(map(setattr, blocks, repeat("ref_cnt"), ref_cnts), 0)
+        top.policy.unpin(list(compress(keys, map(not_, ref_cnts))))
+        return True
+
+    def complete_each(self, keys: list[OffloadKey]) -> None:
+        """`complete_load` key by key (blocks pinned in lower tiers or more than once)."""
+        released: dict[int, list[OffloadKey]] = {}  # tier index -> keys whose ref_cnt reached 0
+        for key in keys:
+            pinned = self.pins.get(key)
+            if not pinned:
+                raise KeyError(f"complete_load: block {key.hex()} was not prepared for loading")
+            tier = self.tiers[pinned[-1]]
+            if len(pinned) > 1:
+                self.pins[key] = pinned[:-1]
+            else:
+                del self.pins[key]
+            block = tier.policy.get(key)
+            assert block is not None, "a block pinned by prepare_load stays resident"
+            block.ref_cnt -= 1
+            if not block.ref_cnt:
+                released.setdefault(tier.index, []).append(key)
+        for index, unpinned in released.items():
+            self.tiers[index].policy.unpin(unpinned)
