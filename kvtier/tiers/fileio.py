@@ -26,7 +26,7 @@ import stat
 import threading
 from abc import ABC, abstractmethod
 
-from kvtier.tiers.rootdir import open_existing
+from kvtier.tiers.rootdir import file_kind, open_existing
 
 log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file.py)
 
@@ -39,16 +39,6 @@ class NotRegularFileError(OSError):
 
 class FileTooLargeError(OSError):
     """A metadata file is larger than anything this version writes there."""
-
-
-def file_kind(mode: int) -> str:
-    """What a `st_mode` describes, in words ("a FIFO", "a symbolic link", "a regular file", ...)."""
-    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
-        if test(mode):
-            return name
-    return "an unknown kind of file"
 
 
 def _not_regular(path, mode: int) -> NotRegularFileError:

@@ -129,7 +129,7 @@ def _walk(absolute: str, created: list[Path]) -> None:
                 raise refuse(f"{prefix} (on the path of {absolute}) is a symlink to {os.path.realpath(prefix)}, "
                              f"which is not a directory; {ADVICE}")
         elif not stat.S_ISDIR(st.st_mode):
-            raise refuse(f"{prefix} (on the path of {absolute}) is {_kind(st.st_mode)}, not a directory; give "
+            raise refuse(f"{prefix} (on the path of {absolute}) is {file_kind(st.st_mode)}, not a directory; give "
                          f"the path of a directory (it is created when missing)")
 
 
@@ -203,7 +203,7 @@ def _check_file(path: Path, st: os.stat_result) -> None:
         raise refuse(f"{path} is a symlink (to {os.readlink(path)}); kvtier never opens a file in root_dir "
                      f"through a symlink. Remove it ('rm {path}'), or {ADVICE}")
     if not stat.S_ISREG(st.st_mode):
-        raise refuse(f"{path} is {_kind(st.st_mode)}, not a regular file; remove it, or {ADVICE}")
+        raise refuse(f"{path} is {file_kind(st.st_mode)}, not a regular file; remove it, or {ADVICE}")
     if st.st_uid != os.geteuid():
         raise refuse(f"{path} is owned by {_owner(st.st_uid)} (mode {_mode(st.st_mode)}), not by you "
                      f"({_owner(os.geteuid())}); remove it, or {ADVICE}")
@@ -345,13 +345,14 @@ def _mode(mode: int) -> str:
     return f"{stat.S_IMODE(mode):04o}"
 
 
-def _kind(mode: int) -> str:
-    for test, kind in ((stat.S_ISREG, "a regular file"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
-                       (stat.S_ISBLK, "a block device"), (stat.S_ISLNK, "a symlink")):
+def file_kind(mode: int) -> str:
+    """What a `st_mode` describes, in words ("a FIFO", "a symbolic link", "a regular file", ...)."""
+    for test, name in ((stat.S_ISREG, "a regular file"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISDIR, "a directory")):
         if test(mode):
-            return kind
-    return "not a regular file"
+            return name
+    return "an unknown kind of file"
 
 
 def _os_reason(exc: OSError, path: str) -> str:
