@@ -64,11 +64,6 @@ SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before
 _ref_cnt = attrgetter("ref_cnt")
 
 
-def _ref_cnts(blocks: list[BlockStatus | None]) -> list[int]:
-    """The blocks' `ref_cnt`s, -1 (not readable) for a missing block, in C loops."""
-    return list(map(getattr, blocks, repeat("ref_cnt"), repeat(-1)))
-
-
 def _all_writing(blocks: list[BlockStatus]) -> bool:
     """Whether every block is still being written (`ref_cnt == -1`), in C loops."""
     return list(map(_ref_cnt, blocks)).count(-1) == len(blocks)
