@@ -31,46 +31,11 @@ from typing import Any
 from kvtier import registry
 from kvtier.keys import make_offload_key
 from kvtier.policies.base import CachePolicy, with_key_index
+from kvtier.testing.seed_policy import SeedLRU
 from kvtier.types import BlockStatus
 
 POLICIES = ("lru", "arc", "sieve", "prefix-freq", "seed-lru")
 BUDGET_S = 0.3  # CPU seconds spent measuring one (policy, P, case, mode); at least 3 calls
-
-
-class _SeedLRU:
-    """A policy written to vLLM's seed contract only (no keys/len/clear), as third parties do."""
-
-    def __init__(self, cache_capacity: int) -> None:
-        from collections import OrderedDict
-        self.cache_capacity = cache_capacity
-        self.blocks: OrderedDict = OrderedDict()
-
-    def get(self, key):
-        return self.blocks.get(key)
-
-    def insert(self, key, block) -> None:
-        self.blocks[key] = block
-
-    def remove(self, key) -> None:
-        self.blocks.pop(key, None)
-
-    def touch(self, keys) -> None:
-        for key in reversed(list(keys)):
-            if key in self.blocks:
-                self.blocks.move_to_end(key)
-
-    def evict(self, n, protected):
-        chosen = []
-        for key, block in self.blocks.items():
-            if block.ref_cnt == 0 and key not in protected:
-                chosen.append((key, block))
-                if len(chosen) == n:
-                    break
-        else:
-            return None
-        for key, _ in chosen:
-            del self.blocks[key]
-        return chosen
 
 
 def _key(i: int):
@@ -79,7 +44,7 @@ def _key(i: int):
 
 def _make(policy: str, capacity: int) -> CachePolicy:
     if policy == "seed-lru":
-        return with_key_index(_SeedLRU(capacity))
+        return with_key_index(SeedLRU(capacity))
     return with_key_index(registry.resolve(registry.POLICIES, policy)(capacity))
 
 
