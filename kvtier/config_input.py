@@ -237,6 +237,9 @@ def _loader_class(libyaml: bool):
 _LOADERS: dict[bool, type] = {}
 
 
+LIBYAML_DEPTH_LIMIT = "exceeded maximum nesting depth"  # libyaml's own refusal of deep flow nesting
+
+
 def load_yaml(text: str, source: str, *, libyaml: bool = True) -> Any:
     """Parse one YAML document of config text under the limits above; raises `ConfigError`.
 
@@ -264,6 +267,11 @@ def load_yaml(text: str, source: str, *, libyaml: bool = True) -> Any:
         path = field_path(exc.segments)
         raise ConfigError([(path, exc.message if path else f"{source}: {exc.message}")]) from None
     except yaml.YAMLError as exc:
+        if libyaml and LIBYAML_DEPTH_LIMIT in str(exc):
+            # libyaml >= 0.2.5 (bundled with PyYAML 6.0.4) stops at its own nesting limit while
+            # scanning ahead, before our composer sees depth 33 and can name the field: the
+            # pure-Python parser reaches the composer's check with the path.
+            return load_yaml(text, source, libyaml=False)
         raise ConfigError([("", f"{source}: invalid YAML{_where(exc)}: {_yaml_problem(exc)}")]) from None
     except (ValueError, TypeError, RecursionError) as exc:  # a constructor refusing a scalar, text not encodable
         raise ConfigError([("", f"{source}: cannot read the YAML: {clip(str(exc))}")]) from None
