@@ -27,6 +27,7 @@ _EXPORTS = {
     "Side": "kvtier.testing.handler",
     "HostSlotSide": "kvtier.testing.handler",
     "FileSlotSide": "kvtier.testing.handler",
+    "RemoteSlotSide": "kvtier.testing.handler",
     "EngineSide": "kvtier.testing.handler",
     "JobCollector": "kvtier.testing.handler",
     "ManagerTests": "kvtier.testing.manager",

@@ -183,3 +183,15 @@ class FakeStore:
 
     def close(self) -> None:
         self.closed = True
+
+
+def fake_valkey(server: FakeServer, name: str = "remote", num_blocks: int = 16, block_bytes: int = 4096,
+                **options: Any) -> Any:
+    """A `ValkeyBackend` whose store is a `FakeStore` on `server` (options as in YAML; `url` and
+    `fingerprint` have test defaults)."""
+    from kvtier.tiers.valkey import ValkeyBackend
+
+    cls = type("FakeValkeyBackend", (ValkeyBackend,), {"store_factory": staticmethod(server.store)})
+    options.setdefault("url", "redis://fake:6379")
+    options.setdefault("fingerprint", "fake-model")
+    return cls(name, num_blocks, block_bytes, 16, **options)
