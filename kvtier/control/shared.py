@@ -116,18 +116,24 @@ class SharedTier:
         return LookupResult.RETRY
 
     def prefetch(self, keys: Sequence[OffloadKey]) -> None:
-        """Probe, with this step's batch, the keys after a RETRY in a run (the rest of a request's
-        prefix) that no tier holds, so that they are found and promoted together."""
+        """For the keys after a RETRY in a run (the rest of a request's prefix): promote those
+        with a readable handle, and probe, with this step's batch, those no tier holds, so that
+        the run comes up together instead of one block per lookup."""
         if not self.backend.available:
             return
-        held = [t.policy.get for t in self.local] + [self.tier.policy.get]
+        local = [t.policy.get for t in self.local]
+        handle = self.tier.readable
+        running, refused = self._promotions.running, self._promotions.refused
         room = MAX_PENDING - len(self.pending)
         for key in keys[:room]:
-            if key in self.pending or key in self.probing or key in self.absent:
+            if key in self.pending or key in self.probing or key in running or key in refused:
                 continue
-            if any(get(key) is not None for get in held) or key in self._promotions.running:
+            if any(get(key) is not None for get in local):
                 continue
-            self.pending[key] = None
+            if handle(key) is not None:
+                self._promotions.request(key, self.tier)
+            elif key not in self.absent:
+                self.pending[key] = None
 
     # ------------------------------------------------------------------ step
     def step(self) -> None:

@@ -11,7 +11,8 @@ them, as the real key scheme guarantees. Injected failures:
 - `server.down = True`: every call raises `RemoteUnavailable` (counted by the store's breaker);
 - `server.delay_s`: every call takes that long; past the store's timeout it raises
   `RemoteUnavailable` after the timeout, as a client without retries does;
-- `server.write_gate`: a `threading.Event` writes wait for (held closed: writes stay in flight);
+- `server.write_gate`, `server.probe_gate`: `threading.Event`s that writes / probes wait for
+  (cleared: they stay in flight until set);
 - `server.evict(key)`: the value is gone (`BlockMissing` on read, absent to probes);
 - `server.corrupt(key)`: one payload byte flipped (`ValueRejected` on read, present to probes).
 `server.calls` counts calls per method; `server.forbid_thread(ident)` records (in
@@ -54,6 +55,8 @@ class FakeServer:
         self.delay_s = 0.0
         self.write_gate = threading.Event()
         self.write_gate.set()
+        self.probe_gate = threading.Event()
+        self.probe_gate.set()
         self.calls: Counter[str] = Counter()
         self.probe_sizes: list[int] = []
         self.violations: list[str] = []
@@ -147,8 +150,7 @@ class FakeStore:
     # ------------------------------------------------------------------ the contract
     def write_block(self, key: bytes, block: memoryview) -> int:
         self._call("write_block")
-        if not self.server.write_gate.wait(self.timeout_s * 40):
-            self._fail("write gate never opened")
+        self.server.write_gate.wait(60)
         data = bytes(block)
         if len(data) != self.block_bytes:
             raise ValueError(f"block of {len(data)} bytes, expected {self.block_bytes}")
@@ -173,6 +175,7 @@ class FakeStore:
     def probe(self, keys: Sequence[bytes]) -> list[bool]:
         self._call("probe")
         self.server.probe_sizes.append(len(keys))
+        self.server.probe_gate.wait(60)
         with self.server.lock:
             found = [self._full(k) in self.server.values for k in keys]
         self._ok()
