@@ -167,3 +167,15 @@ def test_direct_construction_checks_the_same_options(server):
     with pytest.raises(ConfigError) as info:
         ValkeyBackend("r", 4, 4096, url="redis://h:1")
     assert "fingerprint" in dict(info.value.problems)
+
+
+def test_the_readme_valkey_example_is_a_valid_tier():
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    snippet = re.search(r"\*\*A shared tier on Valkey/Redis\*\*.*?```yaml\n(.*?)```", readme, re.S).group(1)
+    text = "block_bytes: 1MiB\ntiers:\n  - {name: cpu, backend: cpu, capacity: 1GiB}\n" + snippet
+    tier = load_config_text(text, "README.md").tiers[1]
+    assert tier.backend == "valkey" and tier.options["password_env"] == "KVT_VALKEY_PASSWORD"
+    assert tier.options["key_prefix"] == "tenantA" and tier.capacity.blocks == 100000
