@@ -318,3 +318,22 @@ def test_one_bad_block_does_not_make_the_good_ones_of_its_promotion_miss(server,
     assert b.manager.lookup_run(ks) == (2, MISS)
     assert b.load(ks[:2]) == [content(k) for k in ks[:2]]
     assert b.manager.lookup(ks[3]) == HIT
+
+
+def test_under_vllm_a_valkey_tier_gets_the_engine_identity(server):
+    """vLLM builds the hierarchy without a model name: the engine's identity (model, dtype, KV
+    geometry, ranks) is put into the valkey tier's fingerprint, as into a file tier's, so two
+    engines of other models never share values; the start-up line names the server, not a root_dir."""
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm.config import vllm_hierarchy_config
+    from kvtier.integrations.vllm.logs import tier_summary
+
+    raw = {"tiers": [{"name": "hot", "backend": "memory", "capacity": "8 blocks"},
+                     {"name": "shared", "backend": "valkey", "capacity": "8 blocks", "url": "redis://h:1",
+                      "fingerprint": "rev-7"}]}
+    config = vllm_hierarchy_config(raw, block_tokens=16, engine_id="e", fingerprint="vllm:model=m:tp=2")
+    assert config.tiers[1].options["fingerprint"] == "rev-7 | vllm:model=m:tp=2"
+    with build_hierarchy(config, block_bytes=BLOCK) as hierarchy:
+        assert server.stores[-1].identity.startswith("rev-7 | vllm:model=m:tp=2|")
+        line = tier_summary(hierarchy, 16, BLOCK)
+        assert "url=redis://h:1, key_prefix=kvt" in line and "root_dir" not in line

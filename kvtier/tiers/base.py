@@ -208,7 +208,7 @@ class RemoteBlocks(Protocol):
 
     Control API (scheduler thread; never blocks, never touches a socket): `request_probe(keys)`
     hands one batch to the backend's probe thread; `probe_results()` returns the batches answered
-    since the last call, `(keys, found)` with `found[i]` whether `keys[i]` is there, or None when
+    since the last call (`has_probe_results` says whether there are any), `(keys, found)` with `found[i]` whether `keys[i]` is there, or None when
     the probe failed; `failed_keys()` the keys whose reads failed since the last call; `available`
     is False while the server is considered down (circuit breaker open); `accepts_writes()` False
     while recent writes were slow; `max_inflight_bytes` bounds the bytes of writes in flight;
@@ -233,6 +233,9 @@ class RemoteBlocks(Protocol):
     def request_probe(self, keys: Sequence[bytes]) -> None: ...
 
     def probe_results(self) -> list[tuple[list[bytes], list[bool] | None]]: ...
+
+    @property
+    def has_probe_results(self) -> bool: ...
 
     def failed_keys(self) -> list[bytes]: ...
 
