@@ -208,8 +208,9 @@ class RemoteBlocks(Protocol):
 
     Control API (scheduler thread; never blocks, never touches a socket): `request_probe(keys)`
     hands one batch to the backend's probe thread; `probe_results()` returns the batches answered
-    since the last call (`has_probe_results` says whether there are any), `(keys, found)` with `found[i]` whether `keys[i]` is there, or None when
-    the probe failed; `failed_keys()` the keys whose reads failed since the last call; `available`
+    since the last call (`has_probe_results` says whether there are any), `(keys, found)` with
+    `found[i]` whether `keys[i]` is there, or None when the probe failed; `failed_keys()` the
+    keys whose reads failed since the last call; `available`
     is False while the server is considered down (circuit breaker open); `accepts_writes()` False
     while recent writes were slow; `max_inflight_bytes` bounds the bytes of writes in flight;
     `probe_timeout_s` is how long a probe may take; `negative_ttl_s` how long an answer "absent"
