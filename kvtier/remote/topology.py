@@ -89,6 +89,7 @@ class Topology:
                 if self._client is None:
                     kwargs = connection_kwargs(self._options, self._parsed.tls)
                     kwargs.pop("retry_on_timeout")
+                    kwargs.pop("retry")
                     if self._parsed.tls:
                         kwargs["ssl"] = True
                     seeds = [ClusterNode(e.host, e.port) for e in self._parsed.endpoints]
