@@ -110,9 +110,6 @@ class Server:
         """CLIENT PAUSE `ms` ALL: the server answers no client (this one's reply comes first)."""
         self.client().execute_command("CLIENT", "PAUSE", ms, "ALL")
 
-    def unpause(self) -> None:
-        self.client().execute_command("CLIENT", "UNPAUSE")
-
     def kill(self) -> None:
         """SIGKILL the server (by its PID) and wait for it to be gone."""
         if self.proc is not None and self.proc.poll() is None:
@@ -179,6 +176,18 @@ class Cluster:
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"cluster not ok after {timeout} s: {states}")
+            time.sleep(0.05)
+
+    def wait_failed(self, dead: Server, timeout: float = 15.0) -> None:
+        """Until a live master flags `dead` as failed (cluster-node-timeout is 2 s here)."""
+        live = next(s for s in self.servers if s is not dead and s.proc is not None and s.proc.poll() is None)
+        deadline = time.monotonic() + timeout
+        while True:
+            nodes = live.client().execute_command("CLUSTER", "NODES").decode().splitlines()
+            line = next(n for n in nodes if f":{dead.port}@" in n)
+            if "fail" in line.split()[2].split(",") or time.monotonic() > deadline:
+                assert "fail" in line.split()[2].split(","), f"not marked failed after {timeout} s: {line}"
+                return
             time.sleep(0.05)
 
     def server_for(self, key: bytes) -> Server:
