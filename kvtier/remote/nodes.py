@@ -26,7 +26,7 @@ def connection_kwargs(options: ClientOptions, tls: bool) -> dict:
     kwargs: dict = {
         "username": options.username, "password": options.password,
         "socket_timeout": options.timeout_s, "socket_connect_timeout": options.connect_timeout_s,
-        "retry": Retry(NoBackoff(), 0), "retry_on_timeout": False, "health_check_interval": 0,
+        "retry": Retry(NoBackoff(), 0), "health_check_interval": 0,
         "socket_keepalive": True, "driver_info": None,  # no CLIENT SETINFO round trips on connect
     }
     if tls:

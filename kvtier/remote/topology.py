@@ -88,7 +88,6 @@ class Topology:
             with self._lock:
                 if self._client is None:
                     kwargs = connection_kwargs(self._options, self._parsed.tls)
-                    kwargs.pop("retry_on_timeout")
                     kwargs.pop("retry")
                     if self._parsed.tls:
                         kwargs["ssl"] = True
