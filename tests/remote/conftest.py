@@ -30,11 +30,14 @@ def private_cluster(tmp_path):
 
 @pytest.fixture
 def make_store():
-    """`make_store(url, **kw)`: a RemoteStore with a prefix unique to the test run, closed at teardown."""
+    """`make_store(url, **kw)`: a RemoteStore with a prefix unique to the test run, closed at teardown.
+    Timeouts default to 2 s here (tests about timeouts pass their own): a busy CI machine can hold a
+    1 MiB SET past 250 ms while the server evicts, and those tests are not about that."""
     stores = []
 
     def make(url: str, *, block_bytes: int = 4096, tp: int = 1, fingerprint: str = "model:abc", layout: str = "L1",
              key_prefix: str | None = None, **options) -> RemoteStore:
+        options.setdefault("timeout_s", 2.0)
         prefix = key_prefix or f"kvt:test{next(_prefixes)}"
         store = RemoteStore(ClientOptions(url, **options), key_prefix=prefix, fingerprint=fingerprint,
                             layout=layout, block_bytes=block_bytes, tp=tp)

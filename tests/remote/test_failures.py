@@ -13,7 +13,7 @@ import pytest
 from kvtier.keys import make_offload_key
 from kvtier.remote.errors import BlockMissing, RemoteUnavailable
 
-MARGIN_S = 0.15  # scheduling slack on a busy 2-core machine
+MARGIN_S = 0.2  # scheduling slack on a busy 2-core machine; one retry would add another 0.25 s
 
 
 def okey(i: int) -> bytes:
@@ -45,7 +45,7 @@ def test_paused_server_fails_within_the_timeout_without_retries(private_server, 
     block = os.urandom(256 << 10)
     store.write_block(okey(1), memoryview(block))
     out = memoryview(bytearray(256 << 10))
-    private_server.pause(1500)  # 3 calls x 0.25 s fit in it
+    private_server.pause(2000)  # 3 calls x (0.25 s + margin) fit in it
     for call, args in ((store.read_block, (okey(1), out)), (store.probe, ([okey(1)],)),
                        (store.write_block, (okey(2), memoryview(block)))):
         elapsed, exc = _timed(call, *args)
@@ -69,7 +69,7 @@ def test_killed_server_opens_the_breaker_then_it_closes_by_itself(private_server
     assert not store.available and store.stats()["breaker_opens"] == 1
     failures = store.stats()["failures"]
     elapsed, exc = _timed(store.probe, [okey(1)])  # refused at once: no socket I/O, no new failure
-    assert "circuit breaker open" in str(exc) and elapsed < 0.01
+    assert "circuit breaker open" in str(exc) and elapsed < 0.05
     _timed(store.write_block, okey(2), memoryview(block))
     stats = store.stats()
     assert stats["failures"] == failures and stats["fast_fails"] == 2
