@@ -72,7 +72,7 @@ class RemoteStore:
         self._closed = False
         self._topology = Topology(options, options.parsed)
         self._reconnector = Reconnector("kvtier-remote-reconnect", self._poll)
-        if not self._topology.ready:
+        if not self._topology.complete:
             self._reconnector.wake()
 
     def __repr__(self) -> str:
@@ -123,9 +123,9 @@ class RemoteStore:
         if not parts:
             return []
         found = [False] * len(parts)
-        groups, unroutable = self._topology.group(parts)
+        groups, unroutable, why = self._topology.group(parts)
         answered, unavailable = 0, len(unroutable)
-        errors = [f"{len(unroutable)} keys on no known server"] if unroutable else []
+        errors = [f"{len(unroutable)} keys on no server ({why})"] if unroutable else []
         for name, indices in groups.items():
             node = self._topology.node(name)
             try:
@@ -200,13 +200,13 @@ class RemoteStore:
         raise RemoteUnavailable(f"{breaker.name}: {error}")
 
     def _poll(self) -> float | None:
-        """The reconnect thread's step: reload a cluster's map while it is missing or a shard is out,
+        """The reconnect thread's step: reload a cluster's map while it is missing or partial, or a shard is out;
         PING each server whose breaker is due; seconds until the next due check (None: none open)."""
         if self._closed:
             return None
         breakers = list(self._breakers.values())
         due = [b for b in breakers if (b.seconds_to_check() or 1) <= 0]
-        if self._topology.cluster and (not self._topology.ready or due):
+        if self._topology.cluster and (not self._topology.complete or due):
             try:
                 self._topology.refresh()
             except RemoteUnavailable:
@@ -218,7 +218,7 @@ class RemoteStore:
                 continue
             breaker.try_close(node.ping)
         waits = [s for s in (b.seconds_to_check() for b in breakers) if s is not None]
-        if not self._topology.ready:
+        if not self._topology.complete:
             waits.append(self.options.breaker_open_s)
         return min(waits) if waits else None
 

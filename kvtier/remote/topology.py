@@ -5,7 +5,8 @@ mode, retries off, `require_full_coverage=False`) reads the slot map from the se
 by their CRC16 key slot (keys carry no hash tags, so they spread over the shards) to one
 `NodeClient` per master. The map is copied into a flat table, so routing a key takes no lock and no
 I/O. It is reloaded when a server answers MOVED/ASK (a resharding or a failover) and by the store's
-reconnect thread while a shard is unreachable (after a failover the new master takes its slots).
+reconnect thread while a shard is unreachable (after a failover the new master takes its slots) or
+while some slot has no master.
 A slot no master covers, or a map not loaded yet, raises `RemoteUnavailable` without I/O.
 """
 
@@ -50,6 +51,11 @@ class Topology:
     def ready(self) -> bool:
         return self._single is not None or bool(self._slots)
 
+    @property
+    def complete(self) -> bool:
+        """Every slot has a master (always, for one server)."""
+        return self._single is not None or (bool(self._slots) and all(self._slots))
+
     def nodes(self) -> list[NodeClient]:
         with self._lock:
             return list(self._nodes.values())
@@ -65,16 +71,18 @@ class Topology:
             raise RemoteUnavailable(f"cluster: slot {key_slot(key)} is covered by no master")
         return node
 
-    def group(self, keys: Sequence[bytes]) -> tuple[dict[str, list[int]], list[int]]:
-        """Indices of `keys` by server name, and the indices no server can take now."""
+    def group(self, keys: Sequence[bytes]) -> tuple[dict[str, list[int]], list[int], str]:
+        """Indices of `keys` by server name, the indices no server can take now, and why not."""
         groups: dict[str, list[int]] = {}
         unroutable: list[int] = []
+        why = ""
         for i, key in enumerate(keys):
             try:
                 groups.setdefault(self.node_for(key).name, []).append(i)
-            except RemoteUnavailable:
+            except RemoteUnavailable as exc:
                 unroutable.append(i)
-        return groups, unroutable
+                why = str(exc)
+        return groups, unroutable, why
 
     def node(self, name: str) -> NodeClient:
         return self._nodes[name]

@@ -59,9 +59,10 @@ def free_port(cluster: bool = False) -> int:
 class Server:
     """One server process on 127.0.0.1:`port`, data and log in `workdir`."""
 
-    def __init__(self, workdir: Path, port: int, extra: list[str] | None = None, cluster: bool = False):
+    def __init__(self, workdir: Path, port: int, extra: list[str] | None = None, cluster: bool = False,
+                 tls_ca: Path | None = None):
         self.binary, self.cli_binary = binaries()
-        self.workdir, self.port, self.cluster = workdir, port, cluster
+        self.workdir, self.port, self.cluster, self.tls_ca = workdir, port, cluster, tls_ca
         self.args = [self.binary, "--port", str(port), "--dir", str(workdir), "--logfile", f"server-{port}.log",
                      *SERVER_ARGS, *(extra or [])]
         if cluster:
@@ -71,7 +72,7 @@ class Server:
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}"
+        return f"{'rediss' if self.tls_ca else 'redis'}://127.0.0.1:{self.port}"
 
     @property
     def name(self) -> str:
@@ -97,6 +98,8 @@ class Server:
 
     def client(self, **kwargs) -> redis.Redis:
         """An admin client (default user), 2 s timeouts."""
+        if self.tls_ca:
+            kwargs.update(ssl=True, ssl_ca_certs=str(self.tls_ca))
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, socket_connect_timeout=2, **kwargs)
 
     def cli(self, *args: str) -> str:
@@ -206,6 +209,32 @@ class Cluster:
 
 def start_server(workdir: Path, extra: list[str] | None = None) -> Server:
     return Server(workdir, free_port(), extra).start()
+
+
+def make_certificates(workdir: Path) -> tuple[Path, Path, Path]:
+    """(CA certificate, server certificate for 127.0.0.1, server key), made with the openssl command."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    ca_key, ca, key, csr, cert = (workdir / n for n in ("ca.key", "ca.crt", "server.key", "server.csr", "server.crt"))
+    ext = workdir / "san.ext"
+    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    for args in (["req", "-x509", *ec, "-keyout", ca_key, "-out", ca, "-days", "2", "-subj", "/CN=kvtier-test-ca"],
+                 ["req", *ec, "-keyout", key, "-out", csr, "-subj", "/CN=127.0.0.1"],
+                 ["x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-out", cert,
+                  "-days", "2", "-extfile", ext]):
+        out = subprocess.run(["openssl", *map(str, args)], capture_output=True, text=True, timeout=30)
+        if out.returncode:
+            raise RuntimeError(f"openssl {args[0]}: {out.stderr}")
+    return ca, cert, key
+
+
+def start_tls_server(workdir: Path) -> Server:
+    """A server that speaks TLS only (port 0 closes the plain port); its CA file is `server.tls_ca`."""
+    ca, cert, key = make_certificates(workdir / "certs")
+    port = free_port()
+    extra = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+             "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+    return Server(workdir, port, extra, tls_ca=ca).start()
 
 
 def start_cluster(workdir: Path) -> Cluster:
