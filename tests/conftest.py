@@ -54,3 +54,24 @@ def flip(path, offset: int, mask: int = 0x01) -> None:
 @pytest.fixture
 def ctx():
     return ReqContext("req-0")
+
+
+@pytest.fixture(scope="session")
+def valkey_server(tmp_path_factory):
+    """A real Valkey (else Redis) server for the session, 64 MiB allkeys-lru (tests/remote/servers.py).
+    Shared: use a key prefix of your own, and leave it running and unpaused."""
+    from remote.servers import start_server
+
+    server = start_server(tmp_path_factory.mktemp("valkey"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory):
+    """A real 3-master cluster for the session (tests/remote/servers.py); shared like `valkey_server`."""
+    from remote.servers import start_cluster
+
+    cluster = start_cluster(tmp_path_factory.mktemp("valkey-cluster"))
+    yield cluster
+    cluster.stop()
