@@ -28,19 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-try:
-    from kvtier.remote.errors import BlockMissing, RemoteUnavailable, ValueRejected
-except ImportError:  # the client package is not there: stand-ins of the same names and bases
-    from kvtier.errors import TransferError
-
-    class RemoteUnavailable(TransferError):  # type: ignore[no-redef]
-        """The server is down, timed out, or the breaker is open."""
-
-    class ValueRejected(TransferError):  # type: ignore[no-redef]
-        """A value failed verification."""
-
-    class BlockMissing(TransferError):  # type: ignore[no-redef]
-        """A key that should exist is gone."""
+from kvtier.remote.errors import BlockMissing, RemoteUnavailable, ValueRejected
 
 __all__ = ["BlockMissing", "FakeServer", "FakeStore", "RemoteUnavailable", "ValueRejected"]
 

@@ -12,7 +12,7 @@ backend's probe thread (`request_probe` hands it a batch; `probe_results` collec
 The control methods (`available`, `accepts_writes`, `probe_results`, `failed_keys`) only read
 state, so the manager can call them on the scheduler thread. The store itself is
 `kvtier.remote.store.RemoteStore` (imported when the backend is built, so `kvtier config check`
-works without the client library); `store_factory` replaces it (tests use
+works without the Redis client library); `store_factory` replaces it (tests use
 `kvtier.testing.fake_remote`).
 """
 
@@ -28,6 +28,7 @@ from typing import Any, ClassVar
 
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.keys import OffloadKey
+from kvtier.remote.errors import RemoteUnavailable
 from kvtier.specs import RemoteLoadStoreSpec
 from kvtier.tiers import valkey_options
 from kvtier.tiers.base import Backend
@@ -38,17 +39,6 @@ log = logging.getLogger(__name__)
 _MIB = 1 << 20
 SLOW_WRITE_FRACTION = 0.5  # a write slower than this fraction of the timeout pauses publishing
 PROBE_JOIN_S = 2.0
-
-
-def error_kind(exc: BaseException) -> str:
-    """'unavailable', 'missing', 'rejected' (the `kvtier.remote.errors` classes, matched by name so
-    that stand-ins of the same names work too) or 'other'."""
-    names = {cls.__name__ for cls in type(exc).__mro__}
-    for name, kind in (("RemoteUnavailable", "unavailable"), ("BlockMissing", "missing"),
-                       ("ValueRejected", "rejected")):
-        if name in names:
-            return kind
-    return "other"
 
 
 def _real_store(client: dict[str, Any], **store: Any) -> Any:
@@ -153,8 +143,12 @@ class ValkeyBackend(Backend):
             try:
                 self._store = factory(client, **self._store_args)
             except ImportError as exc:
-                raise ConfigError([("backend", f"valkey tier {self.name!r} needs kvtier's Valkey/Redis client "
-                                               f"(kvtier.remote and its client library): {exc}")]) from None
+                raise ConfigError([("backend", f"valkey tier {self.name!r} needs the Redis client library "
+                                               f"(pip install 'redis[hiredis]'): {exc}")]) from None
+            except ValueError as exc:  # ClientOptions: "<option>: what is wrong"
+                option, sep, message = str(exc).partition(": ")
+                raise ConfigError([(option if sep and option in self.OPTIONS else "", str(exc) if not sep
+                                    or option not in self.OPTIONS else message)]) from None
             except Exception as exc:  # noqa: BLE001 - a server that is down at start is retried later
                 if not at_start:
                     raise
@@ -244,7 +238,7 @@ class ValkeyBackend(Backend):
                 got += self._store_for_io().read_block(bytes(key), memoryview(buf).cast("B"))
             except Exception as exc:  # noqa: BLE001 - recorded per key, the first one raised
                 first = first or exc
-                down = error_kind(exc) == "unavailable" or isinstance(exc, ClosedError)
+                down = isinstance(exc, (RemoteUnavailable, ClosedError))
                 self._note_failed(keys[i:] if down else [key])
                 if down:
                     break

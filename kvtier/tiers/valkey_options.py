@@ -12,14 +12,13 @@ import os
 import re
 import stat
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvtier.config import REQUIRED
 from kvtier.config_input import brief
 from kvtier.errors import ConfigError
+from kvtier.remote.keys import validate_key_prefix
+from kvtier.remote.options import parse_url
 
-SCHEMES = ("redis", "rediss", "cluster")
-_PREFIX_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 _MAX_SECRET_BYTES = 4096
 
@@ -38,22 +37,20 @@ class Secret:
     __str__ = __repr__
 
 
+def _their_check(check: Any, value: Any, field: str) -> Any:
+    """Run a `kvtier.remote` validator (light: no client library), without its field prefix."""
+    try:
+        return check(value, field)
+    except ValueError as exc:
+        message = str(exc)
+        raise ValueError(message[len(field) + 2:] if message.startswith(f"{field}: ") else message) from None
+
+
 def _url(v: Any) -> str:
     if not isinstance(v, str) or not v or len(v) > 4096:
-        raise ValueError(f"expected a server address such as 'redis://host:6379', 'rediss://host:6380' (TLS) or "
-                         f"'cluster://h1:p1,h2:p2' (cluster seeds), got {brief(v)}")
-    parts = urlsplit(v)
-    if parts.scheme not in SCHEMES:
-        raise ValueError(f"{brief(v)}: the scheme must be one of {', '.join(s + '://' for s in SCHEMES)}")
-    if "@" in parts.netloc:
-        raise ValueError("credentials do not belong in the url (it is printed by 'kvtier config check' and in "
-                         "logs): give the user as 'username' and the password through 'password_env' or "
-                         "'password_file'")
-    hosts = [h for h in parts.netloc.split(",") if h]
-    if not hosts or any(":" not in h or not h.rsplit(":", 1)[1].isdigit() for h in hosts):
-        raise ValueError(f"{brief(v)}: give host:port for every server (e.g. 'redis://127.0.0.1:6379')")
-    if parts.scheme != "cluster" and len(hosts) > 1:
-        raise ValueError(f"{brief(v)}: several servers are cluster seeds; write 'cluster://h1:p1,h2:p2'")
+        raise ValueError(f"expected a server address such as 'redis://host:6379', 'rediss://host:6380' (TLS), "
+                         f"'unix:///path.sock' or 'cluster://h1:p1,h2:p2' (cluster seeds), got {brief(v)}")
+    _their_check(parse_url, v, "url")
     return v
 
 
@@ -80,10 +77,7 @@ def _path(v: Any) -> str:
 
 
 def _prefix(v: Any) -> str:
-    if not isinstance(v, str) or not _PREFIX_RE.match(v):
-        raise ValueError(f"expected a tenant prefix of 1-64 letters, digits, '_', '.' or '-' (no ':' and no "
-                         f"braces: keys are ':'-separated and must not carry hash tags), got {brief(v)}")
-    return v
+    return _their_check(validate_key_prefix, v, "key_prefix")
 
 
 def _number(low: float, high: float, what: str, integer: bool = False):
@@ -142,9 +136,16 @@ def check_options(options: dict) -> list[tuple[str, str]]:
     if options.get("password_env") and options.get("password_file"):
         problems.append(("password_file", "give the password through password_env or password_file, not both"))
     tls = [k for k in ("tls_ca_file", "tls_cert_file", "tls_key_file") if options.get(k)]
-    url = options.get("url") or ""
-    if tls and url.startswith("redis://"):
-        problems.append((tls[0], "TLS files are given but the url is 'redis://' (plain text); use 'rediss://'"))
+    url = options.get("url")
+    try:
+        plain = isinstance(url, str) and not parse_url(url).tls
+    except ValueError:  # reported on `url` itself
+        plain = False
+    if tls and plain:
+        problems.append((tls[0], "TLS files are given but the url is not a TLS one; use rediss:// (or "
+                                 "clusters:// for a cluster)"))
+    if options.get("username") and not (options.get("password_env") or options.get("password_file")):
+        problems.append(("username", "an ACL user needs a password: give password_env or password_file"))
     if bool(options.get("tls_cert_file")) != bool(options.get("tls_key_file")):
         missing = "tls_key_file" if options.get("tls_cert_file") else "tls_cert_file"
         problems.append((missing, "a client certificate needs both tls_cert_file and tls_key_file"))

@@ -46,16 +46,18 @@ def test_a_valkey_tier_loads_with_its_defaults():
 
 
 @pytest.mark.parametrize("extra, field, fragment", [
-    (", url: 'redis://user:pw@host:6379'", "tiers[1].url", "credentials do not belong in the url"),
-    (", url: 'http://host:6379'", "tiers[1].url", "scheme must be one of"),
+    (", url: 'redis://user:pw@host:6379'", "tiers[1].url", "credentials are not accepted in the URL"),
+    (", url: 'http://host:6379'", "tiers[1].url", "must start with one of"),
     (", url: 'redis://h1:1,h2:2'", "tiers[1].url", "cluster://"),
-    (", key_prefix: 'a:b'", "tiers[1].key_prefix", "no ':'"),
+    (", key_prefix: 'a b'", "tiers[1].key_prefix", "without spaces"),
     (", key_prefix: '{t}'", "tiers[1].key_prefix", "hash tags"),
+    (", username: tenant-a", "tiers[1].username", "needs a password"),
     (", timeout_ms: 0", "tiers[1].timeout_ms", "from 1 to 60000"),
     (", max_inflight_mib: -1", "tiers[1].max_inflight_mib", "above 0"),
     (", breaker_failures: 0", "tiers[1].breaker_failures", "consecutive failures"),
     (", password_env: A, password_file: /x", "tiers[1].password_file", "not both"),
     (", tls_ca_file: /ca.pem", "tiers[1].tls_ca_file", "rediss://"),
+    (", url: 'cluster://h:1,h:2', tls_ca_file: /ca.pem", "tiers[1].tls_ca_file", "clusters://"),
     (", url: 'rediss://h:1', tls_cert_file: /c.pem", "tiers[1].tls_key_file", "both tls_cert_file and tls_key_file"),
     (", password: hunter2", "tiers[1].password", "unknown key"),
 ])
@@ -114,11 +116,11 @@ def test_config_check_shows_the_tier_and_never_the_password(tmp_path, capsys, mo
 
 
 def test_config_check_needs_no_client_library(tmp_path):
-    """Neither kvtier.remote nor a Redis/Valkey client library is imported by a config check."""
+    """No Redis/Valkey client library is imported by a config check (kvtier.remote.store is not)."""
     path = tmp_path / "shared.yaml"
     path.write_text(yaml(", password_env: KVT_TEST_PASSWORD"))
     code = ("import sys\n"
-            "for name in ('kvtier.remote', 'redis', 'valkey', 'glide'): sys.modules[name] = None\n"
+            "for name in ('redis', 'hiredis', 'valkey', 'glide'): sys.modules[name] = None\n"
             "from kvtier.cli.main import main\n"
             f"sys.exit(main(['config', 'check', {str(path)!r}]))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
