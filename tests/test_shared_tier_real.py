@@ -137,3 +137,27 @@ def test_no_manager_call_does_socket_io_on_its_thread(valkey_server, engines, mo
     assert calls == [], f"socket calls on the manager's thread: {calls}"
     monkeypatch.undo()
     assert valkey_server.client().ping()
+
+
+def test_an_acl_user_publishes_under_its_prefix_only(valkey_server, engines, monkeypatch):
+    """A tenant's ACL user (`~{prefix}:*`), its password from the environment: its engine publishes
+    and another engine of the tenant finds the blocks; configured with another tenant's prefix the
+    server refuses it, and that is a dropped publish, never an error of the engine."""
+    prefix = engines.prefix
+    valkey_server.add_acl_user("tenant-a", "pw-of-tenant-a", prefix)
+    monkeypatch.setenv("KVT_TENANT_PW", "pw-of-tenant-a")
+    opts = f", key_prefix: '{prefix}', username: tenant-a, password_env: KVT_TENANT_PW"
+    a, b = engines(valkey_server.url, opts), engines(valkey_server.url, opts)
+    ks = keys(2, 600)
+    a.store(ks)
+    a.manager.wait_idle(10)
+    assert a.stats()["stores"] == 2 and a.stats()["failures"] == 0
+    assert b.manager.lookup_run(ks) == (0, RETRY)
+    b.settle()
+    assert b.manager.lookup_run(ks) == (2, None) and b.load(ks) == [content(k) for k in ks]
+    other = engines(valkey_server.url, f", key_prefix: '{prefix}-other', username: tenant-a, "
+                                       f"password_env: KVT_TENANT_PW")
+    other.store(ks)
+    other.manager.wait_idle(10)
+    assert other.stats()["stores"] == 0 and other.stats()["failures"] >= 1
+    assert other.manager.get_stats()["hot"]["resident_blocks"] == 2, "the engine's own tier is unaffected"

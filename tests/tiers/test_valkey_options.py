@@ -180,4 +180,4 @@ def test_the_readme_valkey_example_is_a_valid_tier():
     text = "block_bytes: 1MiB\ntiers:\n  - {name: cpu, backend: cpu, capacity: 1GiB}\n" + snippet
     tier = load_config_text(text, "README.md").tiers[1]
     assert tier.backend == "valkey" and tier.options["password_env"] == "KVT_VALKEY_PASSWORD"
-    assert tier.options["key_prefix"] == "tenantA" and tier.capacity.blocks == 100000
+    assert tier.options["key_prefix"] == "kvt:tenantA" and tier.capacity.blocks == 100000
