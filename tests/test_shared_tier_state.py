@@ -149,7 +149,7 @@ tiers:
     @invariant()
     def handles_being_written_stay(self):
         shared = self.m.tiers[2]
-        for job_id, src, dst in self.to_remote.queue:
+        for job_id, _src, dst in self.to_remote.queue:
             for key, slot in zip(dst.keys, dst.block_ids):
                 block = shared.policy.get(key)
                 assert block is not None and block.block_id == slot and block.ref_cnt == -1, (
