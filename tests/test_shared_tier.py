@@ -13,6 +13,7 @@ import pytest
 
 from kvtier import build_hierarchy, load_config_text, make_offload_key
 from kvtier.testing.fake_remote import FakeServer
+from kvtier.testing.manager import ManagerTests
 from kvtier.tiers.valkey import ValkeyBackend
 from kvtier.types import LookupResult
 
@@ -337,3 +338,35 @@ def test_under_vllm_a_valkey_tier_gets_the_engine_identity(server):
         assert server.stores[-1].identity.startswith("rev-7 | vllm:model=m:tp=2|")
         line = tier_summary(hierarchy, 16, BLOCK)
         assert "url=redis://h:1, key_prefix=kvt" in line and "root_dir" not in line
+
+
+# ---------------------------------------------------------------------- the manager conformance suite
+class FakeValkey(ValkeyBackend):
+    """A valkey backend on the fake server of the running suite (`SharedTierConformance`)."""
+
+
+class TestSharedTierConformance(ManagerTests):
+    """`ManagerTests` on [hot memory, valkey on a fake server], with a second engine publishing
+    half of the keys the driver will ask for, so lookups probe, find, promote and miss."""
+
+    asks_others = True
+
+    def make_manager(self, tmp_path):
+        self.server = FakeServer()
+        FakeValkey.store_factory = staticmethod(self.server.store)  # type: ignore[assignment]
+        text = f"""
+block_bytes: {BLOCK}B
+tiers:
+  - {{name: hot, backend: memory, capacity: 6 blocks, policy: lru}}
+  - {{name: shared, backend: '{__name__}:FakeValkey', capacity: 10 blocks, url: 'redis://fake:1',
+      negative_ttl_s: 0.05}}
+"""
+        self.hierarchy = build_hierarchy(load_config_text(text), enable_events=True, model="conformance")
+        other = self.server.store({}, key_prefix="kvt", fingerprint="conformance",
+                                  layout=self.hierarchy.backends["shared"]._store_args["layout"], block_bytes=BLOCK)
+        for i in range(1000, 4000, 2):  # half of the trace's keys (`kvtier.testing.manager.make_keys`)
+            other.write_block(make_offload_key((0x6D67 << 40 | i).to_bytes(8, "big"), 0), memoryview(bytes(BLOCK)))
+        return self.hierarchy.manager
+
+    def capacities(self, manager):
+        return {tier.name: tier.capacity for tier in manager.tiers}

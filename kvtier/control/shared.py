@@ -198,6 +198,7 @@ class SharedTier:
         for block in blocks:
             block.ref_cnt = 0
         tier.policy.insert_many(keys, blocks)
+        self._events.record(tier, keys, removed=False)  # now resident there, as far as this process knows
         top_get, running = self.top.policy.get, self._promotions.running
         for key in keys:
             self.absent.pop(key, None)
