@@ -162,6 +162,11 @@ class ValkeyBackend(Backend):
         store = self._store
         return store if store is not None else self._build_store()
 
+    def client_options(self) -> Any:
+        """The store's `ClientOptions` (password included, hidden from its repr), e.g. for a
+        baseline client with the same settings. Builds the store if needed (socket I/O)."""
+        return self._store_for_io().options
+
     @property
     def available(self) -> bool:
         """False while the circuit breaker is open (or the store could not be built lately)."""
