@@ -162,8 +162,9 @@ class HierarchyManager(OffloadingManager):
                    req_context: ReqContext | None = None) -> tuple[int, LookupResult | None]:
         """Look `keys` up in order until the first answer that is not HIT: returns how many
         leading keys are HITs and that first other answer (None when every key is a HIT).
-        The same answers and side effects as calling `lookup` on each key and stopping there;
-        the leading run of readable tier-0 blocks is found in C loops."""
+        The same answers and side effects as calling `lookup` on each key and stopping there
+        (with a shared tier, a RETRY also starts probes or promotions of the keys after it, as
+        vLLM's scan past a RETRY would); the leading run of readable tier-0 blocks is found in C loops."""
         if self._results_waiting():
             self._jobs.drain()
         keys = keys if isinstance(keys, list) else list(keys)
