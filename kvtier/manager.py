@@ -330,11 +330,14 @@ class HierarchyManager(OffloadingManager):
         return {tier.name: tier.stats_row() for tier in self.tiers}
 
     def wait_idle(self, timeout: float | None = None) -> None:
-        """Block until every job the manager started has finished and been accounted, and every
-        write-through copy that can start has (tests, bench, shutdown). With a `timeout` (seconds)
+        """Block until every job the manager started has finished and been accounted, every
+        write-through copy that can start has, and a shared tier's probes in flight answered
+        (tests, bench, shutdown, the standalone API). With a `timeout` (seconds)
         raises `WaitTimeout`, naming the jobs still running, when they have not all finished by
         then (a hung handler); None waits as long as it takes."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._shared is not None:
+            self._shared.wait_probes(deadline)  # what they find is queued for promotion, awaited below
         self._cascade.advance_writes()
         while self._jobs or self._promotions.queue:
             if self._promotions.queue:

@@ -370,3 +370,17 @@ tiers:
 
     def capacities(self, manager):
         return {tier.name: tier.capacity for tier in manager.tiers}
+
+
+def test_wait_idle_waits_for_the_probes_in_flight(server, engines):
+    """Regression: `wait_idle` returned while a probe was still running, so a caller that steps
+    and waits between lookups (the standalone API) could give up with a false miss."""
+    a, b = engines(), engines()
+    ks = keys(3, 20)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    server.delay_s = 0.05  # every server call takes 50 ms (within the timeout)
+    assert b.manager.lookup_run(ks) == (0, RETRY)
+    b.manager.on_schedule_end()  # the probe goes out
+    b.manager.wait_idle(5)  # its answer is taken, the promotion it queues runs and is awaited
+    assert b.manager.lookup_run(ks) == (3, None)

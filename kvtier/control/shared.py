@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Sequence
-from time import monotonic
+from time import monotonic, sleep
 from typing import Any, cast
 
 from kvtier.control.cascade import Cascade
@@ -162,6 +162,19 @@ class SharedTier:
 
     def has_pending_work(self) -> bool:
         return bool(self.pending) or bool(self.probing)
+
+    def wait_probes(self, deadline: float | None) -> None:
+        """Block until the probes in flight answered (or their own deadlines, or `deadline`, a
+        `monotonic()` value, passed) and take their answers: the blocks found are then queued for
+        promotion. For `wait_idle` (tests, the standalone API); the scheduler never waits."""
+        pause = 0.0005
+        while self._batches and not self.backend.has_probe_results:
+            until = self._batches[-1][0] if deadline is None else min(deadline, self._batches[-1][0])
+            if monotonic() >= until:
+                break
+            sleep(pause)
+            pause = min(pause * 2, 0.01)
+        self._absorb()
 
     def _absorb(self) -> None:
         """Probe answers and failed reads handed over by the backend's threads."""
