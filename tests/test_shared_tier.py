@@ -384,3 +384,29 @@ def test_wait_idle_waits_for_the_probes_in_flight(server, engines):
     b.manager.on_schedule_end()  # the probe goes out
     b.manager.wait_idle(5)  # its answer is taken, the promotion it queues runs and is awaited
     assert b.manager.lookup_run(ks) == (3, None)
+
+
+def test_the_standalone_api_loads_another_processes_blocks(server):
+    """Two `KVTier`s (two engines' KV tensors, each its own CPU tier) on one shared tier: the
+    second loads what the first stored, byte-identical, through lookup -> probe -> promotion."""
+    torch = pytest.importorskip("torch")
+    from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+    from kvtier.standalone import KVTier
+
+    def make_kv(seed):
+        g = torch.Generator().manual_seed(seed)
+        tensors = [torch.randint(-128, 128, (16, 2048), dtype=torch.int8, generator=g) for _ in range(2)]
+        return CanonicalKVCaches([CanonicalKVCacheTensor(t, 2048) for t in tensors],
+                                 [[CanonicalKVCacheRef(0, 2048), CanonicalKVCacheRef(1, 2048)]])
+
+    config = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 8 blocks, pin: false}\n"
+                              "  - {name: shared, backend: valkey, capacity: 64 blocks, url: 'redis://fake:1'}\n")
+    first, second = make_kv(1), make_kv(2)
+    ks = keys(5, 70)
+    with KVTier.open(config, first, model="m") as a, KVTier.open(config, second, model="m") as b:
+        assert a.store(ks, [3, 1, 4, 9, 2])
+        a.wait()
+        assert b.load(ks, [10, 11, 12, 13, 14]) == 5
+        for mine, theirs in zip(second.tensors, first.tensors):
+            assert torch.equal(mine.tensor[10:15], theirs.tensor[[3, 1, 4, 9, 2]])
+        assert b.stats()["shared"]["hits"] == 5
