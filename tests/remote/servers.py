@@ -27,9 +27,13 @@ SERVER_ARGS = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--max
 
 
 def binaries() -> tuple[str, str]:
-    """(server, cli): valkey's when installed, else redis'. Fails the test (never skips) without one:
-    scripts/setup.sh installs valkey-server (or redis-server) where apt-get can."""
-    for server, cli in (("valkey-server", "valkey-cli"), ("redis-server", "redis-cli")):
+    """(server, cli): valkey's when installed, else redis' (KVTIER_TEST_SERVER=redis-server prefers
+    redis'). Fails the test (never skips) without one: scripts/setup.sh installs valkey-server (or
+    redis-server) where apt-get can."""
+    pairs = [("valkey-server", "valkey-cli"), ("redis-server", "redis-cli")]
+    if os.environ.get("KVTIER_TEST_SERVER") == "redis-server":  # run the tests on Redis although Valkey is there
+        pairs.reverse()
+    for server, cli in pairs:
         found_server, found_cli = shutil.which(server), shutil.which(cli)
         if found_server and found_cli:
             return found_server, found_cli
