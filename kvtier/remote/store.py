@@ -28,6 +28,7 @@ from typing import TypeVar
 import redis
 from redis.exceptions import AskError, NoPermissionError
 
+from kvtier.errors import ArgumentError
 from kvtier.remote.breaker import CircuitBreaker, Reconnector
 from kvtier.remote.errors import BlockMissing, RemoteUnavailable, ValueRejected
 from kvtier.remote.keys import KeyScheme, key_digest
@@ -44,16 +45,22 @@ _COUNTERS = ("writes", "write_bytes", "reads", "read_bytes", "probes", "probe_ke
 def _byte_view(buf: memoryview, name: str, nbytes: int, writable: bool) -> memoryview:
     view = memoryview(buf)
     if not view.c_contiguous:
-        raise ValueError(f"{name}: needs a C-contiguous buffer")
+        raise ArgumentError(f"{name}: needs a C-contiguous buffer")
     if writable and view.readonly:
-        raise ValueError(f"{name}: needs a writable buffer")
+        raise ArgumentError(f"{name}: needs a writable buffer")
     if view.nbytes != nbytes:
-        raise ValueError(f"{name}: {view.nbytes} bytes, expected block_bytes = {nbytes}")
+        raise ArgumentError(f"{name}: {view.nbytes} bytes, expected block_bytes = {nbytes}")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class RemoteStore:
-    """Blocks of one identity on one server or cluster. Thread-safe; see the module docstring."""
+    """Blocks of one identity on one server or cluster. Thread-safe; see the module docstring.
+
+    Building one does no I/O for a single server; for a cluster it reads the slot map once (each seed
+    bounded by `connect_timeout_s`), and when no seed answers it starts without one (calls raise
+    `RemoteUnavailable`, `available` is False) while the reconnect thread keeps trying. `close()`
+    stops that thread; a store that is not closed keeps it (a daemon thread) alive.
+    """
 
     def __init__(self, options: ClientOptions, *, key_prefix: str, fingerprint: str, layout: str,
                  block_bytes: int, tp: int = 1):
