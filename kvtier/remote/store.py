@@ -9,7 +9,9 @@ A block of `block_bytes` is stored as `tp` values, value r = bytes [r*P, (r+1)*P
 Failures, per server (one circuit breaker each; a cluster has one per master):
 - timeout, refused connection, authentication or ACL refusal (NOPERM), CLUSTERDOWN, TRYAGAIN ->
   `RemoteUnavailable`, counted toward that server's breaker. An ACL refusal counts like an outage: it
-  repeats on every call until the deployment is fixed, so failing fast is what saves round trips;
+  repeats on every call until the deployment is fixed, so failing fast is what saves round trips, and
+  the reconnect check (an EXISTS in this store's namespace, `_check`) keeps the breaker open while the
+  refusal lasts;
 - `OOM command not allowed` (a full server without an eviction policy) -> `RemoteUnavailable`, not
   counted: the server is up and still serves reads;
 - MOVED / ASK -> the slot map is reloaded and the call raises `RemoteUnavailable` (not counted); the
@@ -208,7 +210,7 @@ class RemoteStore:
 
     def _poll(self) -> float | None:
         """The reconnect thread's step: reload a cluster's map while it is missing or partial, or a shard is out;
-        PING each server whose breaker is due; seconds until the next due check (None: none open)."""
+        check (`_check`) each server whose breaker is due; seconds until the next due check (None: none open)."""
         if self._closed:
             return None
         breakers = list(self._breakers.values())
@@ -223,11 +225,21 @@ class RemoteStore:
                 node = self._topology.node(breaker.name)
             except KeyError:
                 continue
-            breaker.try_close(node.ping)
+            breaker.try_close(lambda: self._check(node))  # noqa: B023 - called at once
         waits = [s for s in (b.seconds_to_check() for b in breakers) if s is not None]
         if not self._topology.complete:
             waits.append(self.options.breaker_open_s)
         return min(waits) if waits else None
+
+    def _check(self, node: NodeClient) -> None:
+        """The reconnect check of one server: EXISTS of a key of this store's namespace held by that
+        server (a PING where it holds no slot). Unlike a bare PING it also fails while an ACL refuses
+        the namespace, so a refused store stays off instead of reopening every `breaker_open_s`."""
+        key = self._topology.key_on(node, f"{self.keys.namespace}:health".encode())
+        if key is None:
+            node.ping()
+        else:
+            node.exists([key])
 
     # -- state -----------------------------------------------------------------------------------
 
