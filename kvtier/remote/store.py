@@ -258,6 +258,12 @@ class RemoteStore:
         return any(self._breakers.get(n) is None or self._breakers[n].available for n in names)
 
     def stats(self) -> dict[str, int | float]:
+        """Counters since construction: writes / write_bytes (payload + trailers sent), reads /
+        read_bytes, probes / probe_keys, missing (BlockMissing), rejected (ValueRejected), failures
+        (counted toward a breaker), of which timeouts and refused (auth / ACL); full (OOM on a write),
+        redirects (MOVED / ASK), unavailable_keys (probe parts whose server could not answer);
+        breaker_opens / breaker_closes / fast_fails (calls refused while open) / breakers_open (now),
+        servers (known masters)."""
         with self._lock:
             out: dict[str, int | float] = dict(self._counts)
         breakers = list(self._breakers.values())
