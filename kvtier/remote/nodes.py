@@ -50,8 +50,7 @@ class NodeClient:
         if endpoint.unix_path:
             kwargs["connection_class"] = redis.UnixDomainSocketConnection
             kwargs["path"] = endpoint.unix_path
-            for name in ("socket_keepalive",):
-                kwargs.pop(name)
+            kwargs.pop("socket_keepalive")  # TCP only
         else:
             kwargs.update(host=endpoint.host, port=endpoint.port)
             if tls:
@@ -100,20 +99,6 @@ class NodeClient:
 
     def ping(self) -> None:
         self._roundtrip(self._probe, [b"*1\r\n$4\r\nPING\r\n"], 1)
-
-    def command(self, *args: bytes | str | int) -> object:
-        """Any command on a data connection (tests, tools)."""
-        conn = self._data.get_connection()
-        try:
-            conn.send_packed_command(conn.pack_command(*args), check_health=False)
-            return conn.read_response(disable_decoding=True)
-        except redis.ResponseError:
-            raise
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            self._data.release(conn)
 
     def close(self) -> None:
         self._data.disconnect()
