@@ -2,15 +2,18 @@
 loopback ports, persistence off, `maxmemory 64mb` with `allkeys-lru`, each in its own directory,
 stopped by PID. No mocks: the shared tier's tests talk to a real server.
 
-Import as `remote.servers` (tests/ is on sys.path). The session fixtures `valkey_server` and
-`valkey_cluster` (tests/conftest.py) start one of each for the session; `start_server` /
-`start_cluster` start private ones for tests that kill or fill them. Helpers for failure tests:
+Import as `remote.servers` (tests/ is on sys.path); tests/conftest.py imports the fixtures, so every
+test can use them: `valkey_server` / `valkey_cluster` (one each per session, shared: use a key prefix
+of your own, leave them running and unpaused), `private_server` / `private_cluster` (per test, for
+tests that kill, pause or fill them), `make_store` (RemoteStores closed at teardown).
+`start_server` / `start_cluster` / `start_tls_server` start more. Helpers for failure tests:
 `Server.pause` (CLIENT PAUSE), `Server.kill` / `Server.restart`, `Server.add_acl_user` (a user limited
 to one key prefix), `Cluster.server_for` (the master that holds a key).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -21,6 +24,9 @@ from pathlib import Path
 
 import pytest
 import redis
+
+from kvtier.remote.options import ClientOptions
+from kvtier.remote.store import RemoteStore
 
 SERVER_ARGS = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--maxmemory", "64mb",
                "--maxmemory-policy", "allkeys-lru", "--daemonize", "no", "--protected-mode", "no"]
@@ -243,3 +249,57 @@ def start_tls_server(workdir: Path) -> Server:
 
 def start_cluster(workdir: Path) -> Cluster:
     return Cluster(workdir).start()
+
+
+@pytest.fixture(scope="session")
+def valkey_server(tmp_path_factory):
+    """A real server for the session, 64 MiB allkeys-lru; shared (module docstring)."""
+    server = start_server(tmp_path_factory.mktemp("valkey"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory):
+    """A real 3-master cluster for the session; shared (module docstring)."""
+    cluster = start_cluster(tmp_path_factory.mktemp("valkey-cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def private_server(tmp_path):
+    server = start_server(tmp_path / "valkey")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_cluster(tmp_path):
+    cluster = start_cluster(tmp_path / "cluster")
+    yield cluster
+    cluster.stop()
+
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture
+def make_store():
+    """`make_store(url, **kw)`: a RemoteStore with a prefix unique to the session, closed at teardown.
+    Timeouts default to 2 s here (tests about timeouts pass their own): a busy CI machine can hold a
+    1 MiB SET past 250 ms while the server evicts, and those tests are not about that."""
+    stores = []
+
+    def make(url: str, *, block_bytes: int = 4096, tp: int = 1, fingerprint: str = "model:abc", layout: str = "L1",
+             key_prefix: str | None = None, **options) -> RemoteStore:
+        options.setdefault("timeout_s", 2.0)
+        prefix = key_prefix or f"kvt:test{next(_prefixes)}"
+        store = RemoteStore(ClientOptions(url, **options), key_prefix=prefix, fingerprint=fingerprint,
+                            layout=layout, block_bytes=block_bytes, tp=tp)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()
