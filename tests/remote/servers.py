@@ -113,7 +113,8 @@ class Server:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, socket_connect_timeout=2, **kwargs)
 
     def cli(self, *args: str) -> str:
-        out = subprocess.run([self.cli_binary, "-h", "127.0.0.1", "-p", str(self.port), *args],
+        tls = ["--tls", "--cacert", str(self.tls_ca)] if self.tls_ca else []
+        out = subprocess.run([self.cli_binary, "-h", "127.0.0.1", "-p", str(self.port), *tls, *args],
                              capture_output=True, text=True, timeout=30)
         if out.returncode:
             raise RuntimeError(f"{self.cli_binary} {' '.join(args)}: {out.stderr or out.stdout}")
@@ -157,12 +158,19 @@ class Server:
 class Cluster:
     """Three masters, no replicas, `cluster-require-full-coverage no` (a dead shard leaves the others up)."""
 
-    def __init__(self, workdir: Path, masters: int = 3):
-        self.servers = [Server(workdir / f"node{i}", free_port(cluster=True), cluster=True) for i in range(masters)]
+    def __init__(self, workdir: Path, masters: int = 3, tls: bool = False):
+        self.tls = tls
+        self.servers = []
+        certs = make_certificates(workdir / "certs") if tls else None
+        for i in range(masters):
+            port = free_port(cluster=True)
+            extra = _tls_args(port, *certs) + ["--tls-cluster", "yes"] if certs else []
+            self.servers.append(Server(workdir / f"node{i}", port, extra, cluster=True,
+                                       tls_ca=certs[0] if certs else None))
 
     @property
     def url(self) -> str:
-        return "cluster://" + ",".join(s.name for s in self.servers)
+        return ("clusters://" if self.tls else "cluster://") + ",".join(s.name for s in self.servers)
 
     def start(self, timeout: float = 30.0) -> Cluster:
         try:
@@ -242,13 +250,17 @@ def start_tls_server(workdir: Path) -> Server:
     """A server that speaks TLS only (port 0 closes the plain port); its CA file is `server.tls_ca`."""
     ca, cert, key = make_certificates(workdir / "certs")
     port = free_port()
-    extra = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-             "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
-    return Server(workdir, port, extra, tls_ca=ca).start()
+    return Server(workdir, port, _tls_args(port, ca, cert, key), tls_ca=ca).start()
 
 
-def start_cluster(workdir: Path) -> Cluster:
-    return Cluster(workdir).start()
+def _tls_args(port: int, ca: Path, cert: Path, key: Path) -> list[str]:
+    """Server arguments for TLS only on `port` (port 0 closes the plain one), clients not authenticated."""
+    return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+            "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+
+
+def start_cluster(workdir: Path, tls: bool = False) -> Cluster:
+    return Cluster(workdir, tls=tls).start()
 
 
 @pytest.fixture(scope="session")
