@@ -1,6 +1,6 @@
 """`RemoteStore`: the blocks of one identity on one Valkey/Redis server or cluster.
 
-Contract (docs in /work/wt/REMOTE_API.md, kept here): every method may do socket I/O, bounded by
+The contract with the tier that uses it: every method may do socket I/O, bounded by
 `ClientOptions.timeout_s` per operation and never retried; never call one on the scheduler thread.
 A block of `block_bytes` is stored as `tp` values, value r = bytes [r*P, (r+1)*P) of the block
 (P = block_bytes // tp), each under its own key (keys.py) and carrying its own trailer
