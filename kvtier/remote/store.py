@@ -123,9 +123,9 @@ class RemoteStore:
 
     def probe(self, keys: Sequence[bytes]) -> list[bool]:
         """True where every part of the block exists. One pipelined round trip per server (EXISTS of
-        every part key), on probe-only connections; cluster servers are asked back to back. Keys on
-        a server that is unreachable (or whose breaker is open) answer False; `RemoteUnavailable` only
-        when no server involved answered."""
+        every part key), on probe-only connections; on a cluster every server's probe is sent before
+        any reply is read, so they run at once. Keys on a server that is unreachable (or whose breaker
+        is open) answer False; `RemoteUnavailable` only when no server involved answered."""
         if self._closed:
             raise RemoteUnavailable("remote store closed")
         parts = self.keys.all_part_keys(keys)
@@ -135,17 +135,30 @@ class RemoteStore:
         groups, unroutable, why = self._topology.group(parts)
         answered, unavailable = 0, len(unroutable)
         errors = [f"{len(unroutable)} keys on no server ({why})"] if unroutable else []
-        for name, indices in groups.items():
-            node = self._topology.node(name)
-            try:
-                replies = self._call(node, node.exists, [parts[i] for i in indices])
-            except RemoteUnavailable as exc:
-                errors.append(str(exc))
-                unavailable += len(indices)
-                continue
-            answered += 1
-            for i, hit in zip(indices, replies):
-                found[i] = hit
+        sent = []
+        try:
+            for name, indices in groups.items():
+                node = self._topology.node(name)
+                try:
+                    pending = self._call(node, node.exists_send, [parts[i] for i in indices], answered=False)
+                    sent.append((node, indices, pending))
+                except RemoteUnavailable as exc:
+                    errors.append(str(exc))
+                    unavailable += len(indices)
+            while sent:
+                node, indices, pending = sent.pop(0)
+                try:
+                    replies = self._call(node, node.exists_finish, pending)
+                except RemoteUnavailable as exc:
+                    errors.append(str(exc))
+                    unavailable += len(indices)
+                    continue
+                answered += 1
+                for i, hit in zip(indices, replies):
+                    found[i] = hit
+        finally:
+            for node, _, pending in sent:  # only after an unexpected error
+                node.exists_abandon(pending)
         self._count(probes=1, probe_keys=len(keys), unavailable_keys=unavailable)
         if not answered:
             raise RemoteUnavailable("probe: no server answered: " + "; ".join(errors))
@@ -170,8 +183,9 @@ class RemoteStore:
                     self._breakers[name] = breaker
         return breaker
 
-    def _call(self, node: NodeClient, fn: Callable[..., T], *args) -> T:
-        """Run one server command under `node`'s breaker; map client errors (module docstring)."""
+    def _call(self, node: NodeClient, fn: Callable[..., T], *args, answered: bool = True) -> T:
+        """Run one server command under `node`'s breaker; map client errors (module docstring).
+        `answered=False`: `fn` only sent something (a success proves nothing, the reply may never come)."""
         breaker = self._breaker(node.name)
         breaker.guard()
         try:
@@ -200,7 +214,8 @@ class RemoteStore:
             self._fail(breaker, f"timeout after {self.options.timeout_s} s: {exc}", timeouts=1)
         except (redis.RedisError, OSError) as exc:
             self._fail(breaker, f"{type(exc).__name__}: {exc}")
-        breaker.success()
+        if answered:
+            breaker.success()
         return result
 
     def _fail(self, breaker: CircuitBreaker, error: str, **counts: int) -> None:

@@ -163,3 +163,37 @@ def test_acl_user_limited_to_its_prefix(valkey_server, make_store, caplog):
     messages.append(str(exc))
     messages += [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if secret in m]
+
+
+def test_probes_alone_open_the_breaker_of_a_paused_server(private_server, make_store):
+    """A probe's send succeeds on a paused server and only its reply times out: that is one failure,
+    not a success followed by a failure, so probes alone open the breaker after K of them."""
+    store = make_store(private_server.url, timeout_s=0.25, breaker_failures=2, breaker_open_s=30)
+    private_server.pause(2000)
+    for _ in range(2):
+        elapsed, exc = _timed(store.probe, [okey(1)])
+        assert "timeout" in str(exc).lower() and elapsed <= 0.25 + MARGIN_S
+    elapsed, exc = _timed(store.probe, [okey(1)])
+    assert "circuit breaker open" in str(exc) and elapsed < 0.05
+    assert store.stats()["timeouts"] == 2 and not store.available
+
+
+def test_a_paused_shard_costs_a_cluster_probe_one_timeout(valkey_cluster, make_store):
+    """Every shard's probe is sent before any reply is read: with one master paused, a probe of keys
+    on all three answers in one timeout, with the other shards' hits."""
+    store = make_store(valkey_cluster.url, timeout_s=0.25, breaker_failures=5)
+    keys = [okey(i) for i in range(30)]
+    for key in keys[::2]:
+        store.write_block(key, memoryview(os.urandom(4096)))
+    paused = valkey_cluster.server_for(store.keys.part_keys(keys[0])[0])
+    on_paused = {k for k in keys if valkey_cluster.server_for(store.keys.part_keys(k)[0]) is paused}
+    paused.pause(1000)
+    try:
+        start = time.perf_counter()
+        found = store.probe(keys)
+        elapsed = time.perf_counter() - start
+    finally:
+        _wait(lambda: paused.client().ping(), 5.0, "unpaused")
+    assert found == [i % 2 == 0 and k not in on_paused for i, k in enumerate(keys)]
+    assert 0.2 <= elapsed <= 0.25 + MARGIN_S
+    assert store.stats()["unavailable_keys"] == len(on_paused) and store.stats()["timeouts"] == 1
