@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+# real Valkey/Redis servers for the shared tier's tests: valkey_server, valkey_cluster (session), private_server,
+# private_cluster, make_store (tests/remote/servers.py)
+from remote.servers import make_store, private_cluster, private_server, valkey_cluster, valkey_server  # noqa: F401
+
 from kvtier import ReqContext, build_hierarchy, load_config_text, make_offload_key
 
 
@@ -54,24 +58,3 @@ def flip(path, offset: int, mask: int = 0x01) -> None:
 @pytest.fixture
 def ctx():
     return ReqContext("req-0")
-
-
-@pytest.fixture(scope="session")
-def valkey_server(tmp_path_factory):
-    """A real Valkey (else Redis) server for the session, 64 MiB allkeys-lru (tests/remote/servers.py).
-    Shared: use a key prefix of your own, and leave it running and unpaused."""
-    from remote.servers import start_server
-
-    server = start_server(tmp_path_factory.mktemp("valkey"))
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="session")
-def valkey_cluster(tmp_path_factory):
-    """A real 3-master cluster for the session (tests/remote/servers.py); shared like `valkey_server`."""
-    from remote.servers import start_cluster
-
-    cluster = start_cluster(tmp_path_factory.mktemp("valkey-cluster"))
-    yield cluster
-    cluster.stop()

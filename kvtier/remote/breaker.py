@@ -3,7 +3,7 @@
 `CircuitBreaker` is a small state machine on an injectable clock. Closed: calls go through; each
 failure adds to a count of consecutive failures, each success resets it. At `failures` consecutive
 failures it opens: `guard()` raises `RemoteUnavailable` at once (no socket I/O) until a reconnect
-check (`try_close`, a PING) succeeds; the first check is due `open_s` after opening, the next
+check (`try_close`: the store's check, one EXISTS) succeeds; the first check is due `open_s` after opening, the next
 `open_s` after each failed check. Nothing but the check closes it: there is no half-open state in
 which callers' requests serve as probes, so no caller ever waits on a server that just failed.
 

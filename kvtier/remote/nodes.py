@@ -13,6 +13,8 @@ closed, never returned to the pool with a reply still pending.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -29,7 +31,13 @@ def connection_kwargs(options: ClientOptions, tls: bool) -> dict:
         "retry": Retry(NoBackoff(), 0), "health_check_interval": 0,
         "socket_keepalive": True, "driver_info": None,  # no CLIENT SETINFO round trips on connect
     }
-    if tls:
+    if not tls:
+        # RESP2: a new plain connection (e.g. after a timeout closed one) starts with no handshake round
+        # trip (redis-py 8 sends HELLO 3 and waits for it). Not over TLS: there, without HELLO, the pool
+        # found unread bytes on fresh connections and refused them ("Connection has data"; TLS 1.3
+        # session tickets, presumably), so TLS keeps redis-py's handshake.
+        kwargs["protocol"] = 2
+    else:
         kwargs.update(ssl_ca_certs=options.tls_ca_file, ssl_certfile=options.tls_cert_file,
                       ssl_keyfile=options.tls_key_file, ssl_cert_reqs="required" if options.tls_verify else "none",
                       ssl_check_hostname=options.tls_verify)
@@ -38,6 +46,14 @@ def connection_kwargs(options: ClientOptions, tls: bool) -> dict:
 
 def _bulk(arg: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+@dataclass
+class PendingExists:
+    """A probe sent to one server whose replies are not read yet."""
+
+    conn: Any
+    count: int
 
 
 class NodeClient:
@@ -50,8 +66,7 @@ class NodeClient:
         if endpoint.unix_path:
             kwargs["connection_class"] = redis.UnixDomainSocketConnection
             kwargs["path"] = endpoint.unix_path
-            for name in ("socket_keepalive",):
-                kwargs.pop(name)
+            kwargs.pop("socket_keepalive")  # TCP only
         else:
             kwargs.update(host=endpoint.host, port=endpoint.port)
             if tls:
@@ -91,29 +106,47 @@ class NodeClient:
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which of `keys` exist: one write, one round trip, on a probe connection. An error reply
         (e.g. an ACL refusal) raises it."""
-        packed = b"".join(b"*2\r\n$6\r\nEXISTS\r\n" + _bulk(k) for k in keys)
-        replies = self._roundtrip(self._probe, [packed], len(keys))
+        return self.exists_finish(self.exists_send(keys))
+
+    def exists_send(self, keys: Sequence[bytes]) -> PendingExists:
+        """First half of `exists`: the commands are sent, the replies not read yet, so several servers
+        work on their probes at once. Pass the result to `exists_finish`, always (it frees the connection)."""
+        conn = self._probe.get_connection()
+        try:
+            conn.send_packed_command([b"".join(b"*2\r\n$6\r\nEXISTS\r\n" + _bulk(k) for k in keys)],
+                                     check_health=False)
+        except BaseException:
+            conn.disconnect()  # send_packed_command already closed it on socket errors
+            self._probe.release(conn)
+            raise
+        return PendingExists(conn, len(keys))
+
+    def exists_finish(self, pending: PendingExists) -> list[bool]:
+        """Second half of `exists`: read the replies of `exists_send`."""
+        conn, replies = pending.conn, []
+        try:
+            for _ in range(pending.count):  # an error reply does not stop the others from being read
+                try:
+                    replies.append(conn.read_response(disable_decoding=True))
+                except redis.ResponseError as exc:
+                    replies.append(exc)
+        except BaseException:
+            conn.disconnect()
+            raise
+        finally:
+            self._probe.release(conn)
         for reply in replies:
             if isinstance(reply, Exception):
                 raise reply
         return [bool(r) for r in replies]
 
+    def exists_abandon(self, pending: PendingExists) -> None:
+        """Drop a sent probe without reading it (its connection is closed, never reused)."""
+        pending.conn.disconnect()
+        self._probe.release(pending.conn)
+
     def ping(self) -> None:
         self._roundtrip(self._probe, [b"*1\r\n$4\r\nPING\r\n"], 1)
-
-    def command(self, *args: bytes | str | int) -> object:
-        """Any command on a data connection (tests, tools)."""
-        conn = self._data.get_connection()
-        try:
-            conn.send_packed_command(conn.pack_command(*args), check_health=False)
-            return conn.read_response(disable_decoding=True)
-        except redis.ResponseError:
-            raise
-        except BaseException:
-            conn.disconnect()
-            raise
-        finally:
-            self._data.release(conn)
 
     def close(self) -> None:
         self._data.disconnect()

@@ -1,6 +1,6 @@
 """`RemoteStore`: the blocks of one identity on one Valkey/Redis server or cluster.
 
-Contract (docs in /work/wt/REMOTE_API.md, kept here): every method may do socket I/O, bounded by
+The contract with the tier that uses it: every method may do socket I/O, bounded by
 `ClientOptions.timeout_s` per operation and never retried; never call one on the scheduler thread.
 A block of `block_bytes` is stored as `tp` values, value r = bytes [r*P, (r+1)*P) of the block
 (P = block_bytes // tp), each under its own key (keys.py) and carrying its own trailer
@@ -9,7 +9,9 @@ A block of `block_bytes` is stored as `tp` values, value r = bytes [r*P, (r+1)*P
 Failures, per server (one circuit breaker each; a cluster has one per master):
 - timeout, refused connection, authentication or ACL refusal (NOPERM), CLUSTERDOWN, TRYAGAIN ->
   `RemoteUnavailable`, counted toward that server's breaker. An ACL refusal counts like an outage: it
-  repeats on every call until the deployment is fixed, so failing fast is what saves round trips;
+  repeats on every call until the deployment is fixed, so failing fast is what saves round trips, and
+  the reconnect check (an EXISTS in this store's namespace, `_check`) keeps the breaker open while the
+  refusal lasts;
 - `OOM command not allowed` (a full server without an eviction policy) -> `RemoteUnavailable`, not
   counted: the server is up and still serves reads;
 - MOVED / ASK -> the slot map is reloaded and the call raises `RemoteUnavailable` (not counted); the
@@ -28,6 +30,7 @@ from typing import TypeVar
 import redis
 from redis.exceptions import AskError, NoPermissionError
 
+from kvtier.errors import ArgumentError
 from kvtier.remote.breaker import CircuitBreaker, Reconnector
 from kvtier.remote.errors import BlockMissing, RemoteUnavailable, ValueRejected
 from kvtier.remote.keys import KeyScheme, key_digest
@@ -44,16 +47,22 @@ _COUNTERS = ("writes", "write_bytes", "reads", "read_bytes", "probes", "probe_ke
 def _byte_view(buf: memoryview, name: str, nbytes: int, writable: bool) -> memoryview:
     view = memoryview(buf)
     if not view.c_contiguous:
-        raise ValueError(f"{name}: needs a C-contiguous buffer")
+        raise ArgumentError(f"{name}: needs a C-contiguous buffer")
     if writable and view.readonly:
-        raise ValueError(f"{name}: needs a writable buffer")
+        raise ArgumentError(f"{name}: needs a writable buffer")
     if view.nbytes != nbytes:
-        raise ValueError(f"{name}: {view.nbytes} bytes, expected block_bytes = {nbytes}")
+        raise ArgumentError(f"{name}: {view.nbytes} bytes, expected block_bytes = {nbytes}")
     return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 class RemoteStore:
-    """Blocks of one identity on one server or cluster. Thread-safe; see the module docstring."""
+    """Blocks of one identity on one server or cluster. Thread-safe; see the module docstring.
+
+    Building one does no I/O for a single server; for a cluster it reads the slot map once (each seed
+    bounded by `connect_timeout_s`), and when no seed answers it starts without one (calls raise
+    `RemoteUnavailable`, `available` is False) while the reconnect thread keeps trying. `close()`
+    stops that thread; a store that is not closed keeps it (a daemon thread) alive.
+    """
 
     def __init__(self, options: ClientOptions, *, key_prefix: str, fingerprint: str, layout: str,
                  block_bytes: int, tp: int = 1):
@@ -114,9 +123,9 @@ class RemoteStore:
 
     def probe(self, keys: Sequence[bytes]) -> list[bool]:
         """True where every part of the block exists. One pipelined round trip per server (EXISTS of
-        every part key), on probe-only connections; cluster servers are asked back to back. Keys on
-        a server that is unreachable (or whose breaker is open) answer False; `RemoteUnavailable` only
-        when no server involved answered."""
+        every part key), on probe-only connections; on a cluster every server's probe is sent before
+        any reply is read, so they run at once. Keys on a server that is unreachable (or whose breaker
+        is open) answer False; `RemoteUnavailable` only when no server involved answered."""
         if self._closed:
             raise RemoteUnavailable("remote store closed")
         parts = self.keys.all_part_keys(keys)
@@ -126,17 +135,30 @@ class RemoteStore:
         groups, unroutable, why = self._topology.group(parts)
         answered, unavailable = 0, len(unroutable)
         errors = [f"{len(unroutable)} keys on no server ({why})"] if unroutable else []
-        for name, indices in groups.items():
-            node = self._topology.node(name)
-            try:
-                replies = self._call(node, node.exists, [parts[i] for i in indices])
-            except RemoteUnavailable as exc:
-                errors.append(str(exc))
-                unavailable += len(indices)
-                continue
-            answered += 1
-            for i, hit in zip(indices, replies):
-                found[i] = hit
+        sent = []
+        try:
+            for name, indices in groups.items():
+                node = self._topology.node(name)
+                try:
+                    pending = self._call(node, node.exists_send, [parts[i] for i in indices], answered=False)
+                    sent.append((node, indices, pending))
+                except RemoteUnavailable as exc:
+                    errors.append(str(exc))
+                    unavailable += len(indices)
+            while sent:
+                node, indices, pending = sent.pop(0)
+                try:
+                    replies = self._call(node, node.exists_finish, pending)
+                except RemoteUnavailable as exc:
+                    errors.append(str(exc))
+                    unavailable += len(indices)
+                    continue
+                answered += 1
+                for i, hit in zip(indices, replies):
+                    found[i] = hit
+        finally:
+            for node, _, pending in sent:  # only after an unexpected error
+                node.exists_abandon(pending)
         self._count(probes=1, probe_keys=len(keys), unavailable_keys=unavailable)
         if not answered:
             raise RemoteUnavailable("probe: no server answered: " + "; ".join(errors))
@@ -161,8 +183,9 @@ class RemoteStore:
                     self._breakers[name] = breaker
         return breaker
 
-    def _call(self, node: NodeClient, fn: Callable[..., T], *args) -> T:
-        """Run one server command under `node`'s breaker; map client errors (module docstring)."""
+    def _call(self, node: NodeClient, fn: Callable[..., T], *args, answered: bool = True) -> T:
+        """Run one server command under `node`'s breaker; map client errors (module docstring).
+        `answered=False`: `fn` only sent something (a success proves nothing, the reply may never come)."""
         breaker = self._breaker(node.name)
         breaker.guard()
         try:
@@ -191,7 +214,8 @@ class RemoteStore:
             self._fail(breaker, f"timeout after {self.options.timeout_s} s: {exc}", timeouts=1)
         except (redis.RedisError, OSError) as exc:
             self._fail(breaker, f"{type(exc).__name__}: {exc}")
-        breaker.success()
+        if answered:
+            breaker.success()
         return result
 
     def _fail(self, breaker: CircuitBreaker, error: str, **counts: int) -> None:
@@ -201,7 +225,7 @@ class RemoteStore:
 
     def _poll(self) -> float | None:
         """The reconnect thread's step: reload a cluster's map while it is missing or partial, or a shard is out;
-        PING each server whose breaker is due; seconds until the next due check (None: none open)."""
+        check (`_check`) each server whose breaker is due; seconds until the next due check (None: none open)."""
         if self._closed:
             return None
         breakers = list(self._breakers.values())
@@ -216,11 +240,21 @@ class RemoteStore:
                 node = self._topology.node(breaker.name)
             except KeyError:
                 continue
-            breaker.try_close(node.ping)
+            breaker.try_close(lambda: self._check(node))  # noqa: B023 - called at once
         waits = [s for s in (b.seconds_to_check() for b in breakers) if s is not None]
         if not self._topology.complete:
             waits.append(self.options.breaker_open_s)
         return min(waits) if waits else None
+
+    def _check(self, node: NodeClient) -> None:
+        """The reconnect check of one server: EXISTS of a key of this store's namespace held by that
+        server (a PING where it holds no slot). Unlike a bare PING it also fails while an ACL refuses
+        the namespace, so a refused store stays off instead of reopening every `breaker_open_s`."""
+        key = self._topology.key_on(node, f"{self.keys.namespace}:health".encode())
+        if key is None:
+            node.ping()
+        else:
+            node.exists([key])
 
     # -- state -----------------------------------------------------------------------------------
 
@@ -239,6 +273,12 @@ class RemoteStore:
         return any(self._breakers.get(n) is None or self._breakers[n].available for n in names)
 
     def stats(self) -> dict[str, int | float]:
+        """Counters since construction: writes / write_bytes (payload + trailers sent), reads /
+        read_bytes, probes / probe_keys, missing (BlockMissing), rejected (ValueRejected), failures
+        (counted toward a breaker), of which timeouts and refused (auth / ACL); full (OOM on a write),
+        redirects (MOVED / ASK), unavailable_keys (probe parts whose server could not answer);
+        breaker_opens / breaker_closes / fast_fails (calls refused while open) / breakers_open (now),
+        servers (known masters)."""
         with self._lock:
             out: dict[str, int | float] = dict(self._counts)
         breakers = list(self._breakers.values())

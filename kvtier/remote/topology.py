@@ -84,6 +84,19 @@ class Topology:
                 why = str(exc)
         return groups, unroutable, why
 
+    def key_on(self, node: NodeClient, base: bytes) -> bytes | None:
+        """`base`, or `base:N` with the smallest N whose slot `node` holds; None if it holds none."""
+        if self._single is not None:
+            return base
+        slots = self._slots
+        if node not in slots:
+            return None
+        for n in range(1 << 16):
+            key = b"%s:%d" % (base, n)
+            if slots[key_slot(key)] is node:
+                return key
+        return None
+
     def node(self, name: str) -> NodeClient:
         return self._nodes[name]
 

@@ -2,15 +2,18 @@
 loopback ports, persistence off, `maxmemory 64mb` with `allkeys-lru`, each in its own directory,
 stopped by PID. No mocks: the shared tier's tests talk to a real server.
 
-Import as `remote.servers` (tests/ is on sys.path). The session fixtures `valkey_server` and
-`valkey_cluster` (tests/conftest.py) start one of each for the session; `start_server` /
-`start_cluster` start private ones for tests that kill or fill them. Helpers for failure tests:
+Import as `remote.servers` (tests/ is on sys.path); tests/conftest.py imports the fixtures, so every
+test can use them: `valkey_server` / `valkey_cluster` (one each per session, shared: use a key prefix
+of your own, leave them running and unpaused), `private_server` / `private_cluster` (per test, for
+tests that kill, pause or fill them), `make_store` (RemoteStores closed at teardown).
+`start_server` / `start_cluster` / `start_tls_server` start more. Helpers for failure tests:
 `Server.pause` (CLIENT PAUSE), `Server.kill` / `Server.restart`, `Server.add_acl_user` (a user limited
 to one key prefix), `Cluster.server_for` (the master that holds a key).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -22,14 +25,21 @@ from pathlib import Path
 import pytest
 import redis
 
+from kvtier.remote.options import ClientOptions
+from kvtier.remote.store import RemoteStore
+
 SERVER_ARGS = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--maxmemory", "64mb",
                "--maxmemory-policy", "allkeys-lru", "--daemonize", "no", "--protected-mode", "no"]
 
 
 def binaries() -> tuple[str, str]:
-    """(server, cli): valkey's when installed, else redis'. Fails the test (never skips) without one:
-    scripts/setup.sh installs valkey-server (or redis-server) where apt-get can."""
-    for server, cli in (("valkey-server", "valkey-cli"), ("redis-server", "redis-cli")):
+    """(server, cli): valkey's when installed, else redis' (KVTIER_TEST_SERVER=redis-server prefers
+    redis'). Fails the test (never skips) without one: scripts/setup.sh installs valkey-server (or
+    redis-server) where apt-get can."""
+    pairs = [("valkey-server", "valkey-cli"), ("redis-server", "redis-cli")]
+    if os.environ.get("KVTIER_TEST_SERVER") == "redis-server":  # run the tests on Redis although Valkey is there
+        pairs.reverse()
+    for server, cli in pairs:
         found_server, found_cli = shutil.which(server), shutil.which(cli)
         if found_server and found_cli:
             return found_server, found_cli
@@ -103,7 +113,8 @@ class Server:
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2, socket_connect_timeout=2, **kwargs)
 
     def cli(self, *args: str) -> str:
-        out = subprocess.run([self.cli_binary, "-h", "127.0.0.1", "-p", str(self.port), *args],
+        tls = ["--tls", "--cacert", str(self.tls_ca)] if self.tls_ca else []
+        out = subprocess.run([self.cli_binary, "-h", "127.0.0.1", "-p", str(self.port), *tls, *args],
                              capture_output=True, text=True, timeout=30)
         if out.returncode:
             raise RuntimeError(f"{self.cli_binary} {' '.join(args)}: {out.stderr or out.stdout}")
@@ -147,12 +158,19 @@ class Server:
 class Cluster:
     """Three masters, no replicas, `cluster-require-full-coverage no` (a dead shard leaves the others up)."""
 
-    def __init__(self, workdir: Path, masters: int = 3):
-        self.servers = [Server(workdir / f"node{i}", free_port(cluster=True), cluster=True) for i in range(masters)]
+    def __init__(self, workdir: Path, masters: int = 3, tls: bool = False):
+        self.tls = tls
+        self.servers = []
+        certs = make_certificates(workdir / "certs") if tls else None
+        for i in range(masters):
+            port = free_port(cluster=True)
+            extra = _tls_args(port, *certs) + ["--tls-cluster", "yes"] if certs else []
+            self.servers.append(Server(workdir / f"node{i}", port, extra, cluster=True,
+                                       tls_ca=certs[0] if certs else None))
 
     @property
     def url(self) -> str:
-        return "cluster://" + ",".join(s.name for s in self.servers)
+        return ("clusters://" if self.tls else "cluster://") + ",".join(s.name for s in self.servers)
 
     def start(self, timeout: float = 30.0) -> Cluster:
         try:
@@ -232,10 +250,68 @@ def start_tls_server(workdir: Path) -> Server:
     """A server that speaks TLS only (port 0 closes the plain port); its CA file is `server.tls_ca`."""
     ca, cert, key = make_certificates(workdir / "certs")
     port = free_port()
-    extra = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
-             "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
-    return Server(workdir, port, extra, tls_ca=ca).start()
+    return Server(workdir, port, _tls_args(port, ca, cert, key), tls_ca=ca).start()
 
 
-def start_cluster(workdir: Path) -> Cluster:
-    return Cluster(workdir).start()
+def _tls_args(port: int, ca: Path, cert: Path, key: Path) -> list[str]:
+    """Server arguments for TLS only on `port` (port 0 closes the plain one), clients not authenticated."""
+    return ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+            "--tls-ca-cert-file", str(ca), "--tls-auth-clients", "no"]
+
+
+def start_cluster(workdir: Path, tls: bool = False) -> Cluster:
+    return Cluster(workdir, tls=tls).start()
+
+
+@pytest.fixture(scope="session")
+def valkey_server(tmp_path_factory):
+    """A real server for the session, 64 MiB allkeys-lru; shared (module docstring)."""
+    server = start_server(tmp_path_factory.mktemp("valkey"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory):
+    """A real 3-master cluster for the session; shared (module docstring)."""
+    cluster = start_cluster(tmp_path_factory.mktemp("valkey-cluster"))
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def private_server(tmp_path):
+    server = start_server(tmp_path / "valkey")
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def private_cluster(tmp_path):
+    cluster = start_cluster(tmp_path / "cluster")
+    yield cluster
+    cluster.stop()
+
+
+_prefixes = itertools.count()
+
+
+@pytest.fixture
+def make_store():
+    """`make_store(url, **kw)`: a RemoteStore with a prefix unique to the session, closed at teardown.
+    Timeouts default to 2 s here (tests about timeouts pass their own): a busy CI machine can hold a
+    1 MiB SET past 250 ms while the server evicts, and those tests are not about that."""
+    stores = []
+
+    def make(url: str, *, block_bytes: int = 4096, tp: int = 1, fingerprint: str = "model:abc", layout: str = "L1",
+             key_prefix: str | None = None, **options) -> RemoteStore:
+        options.setdefault("timeout_s", 2.0)
+        prefix = key_prefix or f"kvt:test{next(_prefixes)}"
+        store = RemoteStore(ClientOptions(url, **options), key_prefix=prefix, fingerprint=fingerprint,
+                            layout=layout, block_bytes=block_bytes, tp=tp)
+        stores.append(store)
+        return store
+
+    yield make
+    for store in stores:
+        store.close()

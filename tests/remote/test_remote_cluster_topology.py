@@ -1,5 +1,5 @@
-"""Cluster routing on real clusters: a slot that moves is followed, and a cluster that is down when
-the store is built is picked up when it comes up."""
+"""Cluster routing on real clusters: a slot that moves is followed, a cluster that is down when the
+store is built is picked up when it comes up, and a TLS cluster (clusters://) works end to end."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 import redis
-from remote.servers import Cluster
+from remote.servers import Cluster, start_cluster
 
 from kvtier.keys import make_offload_key
 from kvtier.remote.errors import RemoteUnavailable
@@ -64,5 +64,23 @@ def test_cluster_down_at_start_is_picked_up_in_the_background(tmp_path, make_sto
         out = bytearray(4096)
         store.read_block(okey(1), memoryview(out))
         assert out == block and store.stats()["servers"] == 3
+    finally:
+        cluster.stop()
+
+
+def test_tls_cluster(tmp_path, make_store):
+    cluster = start_cluster(tmp_path / "tls", tls=True)
+    try:
+        assert cluster.url.startswith("clusters://")
+        store = make_store(cluster.url, block_bytes=4096, tp=2, tls_ca_file=str(cluster.servers[0].tls_ca))
+        blocks = {okey(i): os.urandom(4096) for i in range(12)}
+        for key, block in blocks.items():
+            store.write_block(key, memoryview(block))
+        assert store.probe([*blocks, okey(999)]) == [True] * 12 + [False]
+        for key, block in blocks.items():
+            out = bytearray(4096)
+            store.read_block(key, memoryview(out))
+            assert out == block
+        assert store.stats()["servers"] == 3 and store.stats()["failures"] == 0
     finally:
         cluster.stop()
