@@ -348,6 +348,9 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
                               problems, what, also_valid=options_spec)
         options = _read_fields({k: v for k, v in raw_tier.items() if k in options_spec}, options_spec, path,
                                problems, what)
+        check_options = getattr(backend_cls, "check_options", None)
+        if check_options is not None:
+            problems.extend([(f"{path}{option}", message) for option, message in check_options(options)])
         name = fields.get("name")
         if name in seen_names:
             problems.add(f"{path}name",
@@ -378,14 +381,39 @@ def _check_handlers(tiers: list[TierConfig], classes: list, problems: _Problems)
     if any(c is None for c in classes):
         return
     specs = [c.spec_type.__name__ for c in classes]
+    _check_shared(tiers, classes, problems)
     for i in range(len(tiers) - 1):
         upper, lower = specs[i], specs[i + 1]
-        if tiers[i].cascade != "none" and not registry.has_handler(upper, lower):
+        shared_below = getattr(classes[i + 1], "shared", False)  # fed by publishing, not by the cascade
+        if tiers[i].cascade != "none" and not shared_below and not registry.has_handler(upper, lower):
             problems.add(f"tiers[{i}].cascade", f"no handler moves blocks from {tiers[i].backend!r} ({upper}) to "
                          f"{tiers[i + 1].backend!r} ({lower}); set cascade: none or change the backends")
         if not (registry.has_handler(lower, specs[0]) or registry.has_handler(lower, "GPULoadStoreSpec")):
             problems.add(f"tiers[{i + 1}].backend", f"blocks in {tiers[i + 1].backend!r} could never be loaded: no "
                          f"handler from {lower} to {specs[0]} or to the engine's KV cache")
+
+
+def _check_shared(tiers: list[TierConfig], classes: list, problems: _Problems) -> None:
+    """A shared tier (`Backend.shared`, e.g. valkey) comes after every local tier, at most one of
+    them, and the first tier is then a host-memory (CPU) tier: it publishes from there and
+    promotes into there."""
+    shared = [i for i, c in enumerate(classes) if getattr(c, "shared", False)]
+    if not shared:
+        return
+    for i in shared[1:]:
+        problems.add(f"tiers[{i}].backend", f"a second shared tier ({tiers[shared[0]].name!r} is one); a "
+                     f"hierarchy has at most one")
+    local = [i for i, c in enumerate(classes) if not getattr(c, "shared", False)]
+    if not local:
+        problems.add(f"tiers[{shared[0]}].backend", f"{tiers[shared[0]].backend!r} is a shared tier; it needs a "
+                     f"host-memory first tier (backend: cpu or memory) before it")
+        return
+    if local[-1] > shared[0]:
+        problems.add(f"tiers[{shared[0]}].backend", f"shared tier {tiers[shared[0]].name!r} must come after every "
+                     f"local tier (tiers[{local[-1]}] {tiers[local[-1]].name!r} is after it); move it last")
+    if classes[0].medium != "CPU":
+        problems.add("tiers[0].backend", f"with a shared tier ({tiers[shared[0]].name!r}) the first tier must be a "
+                     f"host-memory tier (backend: cpu or memory), got {tiers[0].backend!r}")
 
 
 def load_config(path: str | Path, *, import_code: bool = True) -> HierarchyConfig:

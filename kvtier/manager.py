@@ -21,6 +21,10 @@ Residence rules (checked by the Hypothesis state machine in tests/test_manager_s
 - Pinned blocks (`ref_cnt > 0`: being loaded, demoted or promoted) and blocks being written
   (`ref_cnt == -1`) are never evicted, in any tier.
 
+- A shared tier (`Backend.shared`, e.g. valkey) is last and outside the chain: tier 0 publishes
+  its stores there, lookups of keys no tier holds are probed in one batch per step (RETRY
+  meanwhile), and a block found there is promoted into tier 0 (`kvtier.control.shared`).
+
 The parts live in `kvtier.control`: per-tier state (`Tier`), jobs that do their own bookkeeping
 (`Demotion`, `Promotion`), and the two controllers that start them (`Cascade`, `Promotions`).
 """
@@ -39,6 +43,7 @@ from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, JobTable
 from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
+from kvtier.control.shared import SharedTier, local_tiers
 from kvtier.control.tier import Tier, TierStats
 from kvtier.engine import TransferEngine
 from kvtier.errors import WaitTimeout
@@ -81,12 +86,13 @@ class HierarchyManager(OffloadingManager):
             raise ValueError("a hierarchy needs at least one tier")
         self.tiers: list[Tier] = list(tiers)
         self.engine = engine
+        n_local = local_tiers(self.tiers)  # a shared tier is last and outside the cascade chain
         for i, tier in enumerate(self.tiers):
             if tier.cascade not in CASCADE_MODES:
                 raise ValueError(f"tier {tier.name!r}: cascade must be one of {CASCADE_MODES}, got {tier.cascade!r}")
             tier.index = i
-            tier.above = self.tiers[i - 1] if i > 0 else None
-            tier.below = self.tiers[i + 1] if i + 1 < len(self.tiers) else None
+            tier.above = self.tiers[i - 1] if 0 < i < n_local else None
+            tier.below = self.tiers[i + 1] if i + 1 < n_local else None
             # Declared by the builder (its worker plane loads the tier), or routed by `engine` itself.
             tier.direct_load = i > 0 and (tier.direct_load or
                                           engine.handler_for(tier.backend.spec_type, GPULoadStoreSpec) is not None)
@@ -97,6 +103,8 @@ class HierarchyManager(OffloadingManager):
         self._cascade = Cascade(self.tiers, self._jobs, self._log)
         self._promotions = Promotions(self.tiers, self._jobs, self._cascade, self._log)
         self._loads = LoadPins(self.tiers)
+        self._shared = (SharedTier(self.tiers, self._jobs, self._cascade, self._promotions, self._log)
+                        if n_local < len(self.tiers) else None)
         self._recover()
         for tier in self.tiers:
             # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
@@ -148,14 +156,15 @@ class HierarchyManager(OffloadingManager):
                 return LookupResult.HIT
             promotions.request(key, tier)
             return LookupResult.RETRY
-        return LookupResult.MISS
+        return LookupResult.MISS if self._shared is None else self._shared.lookup(key)
 
     def lookup_run(self, keys: Sequence[OffloadKey],
                    req_context: ReqContext | None = None) -> tuple[int, LookupResult | None]:
         """Look `keys` up in order until the first answer that is not HIT: returns how many
         leading keys are HITs and that first other answer (None when every key is a HIT).
-        The same answers and side effects as calling `lookup` on each key and stopping there;
-        the leading run of readable tier-0 blocks is found in C loops."""
+        The same answers and side effects as calling `lookup` on each key and stopping there
+        (with a shared tier, a RETRY also starts probes or promotions of the keys after it, as
+        vLLM's scan past a RETRY would); the leading run of readable tier-0 blocks is found in C loops."""
         if self._results_waiting():
             self._jobs.drain()
         keys = keys if isinstance(keys, list) else list(keys)
@@ -164,6 +173,8 @@ class HierarchyManager(OffloadingManager):
         for key in keys[n:]:
             result = lookup(key, req_context)
             if result is not LookupResult.HIT:
+                if result is LookupResult.RETRY and self._shared is not None:
+                    self._shared.prefetch(keys[n + 1:])
                 return n, result
             n += 1
         return n, None
@@ -244,6 +255,8 @@ class HierarchyManager(OffloadingManager):
             top.clean.update(k for k in changed if (b := get(k)) is not None and b.ref_cnt >= 0)
             if top.cascade == "on_store":
                 self._cascade.queue_writes(top, [k for k in changed if k not in top.clean])
+        if self._shared is not None:
+            self._shared.publish(changed)
 
     def on_request_finished(self, req_context: ReqContext | None = None) -> None:
         return
@@ -251,15 +264,19 @@ class HierarchyManager(OffloadingManager):
     def on_schedule_end(self, context: Any = None) -> None:
         self._jobs.drain()
         self._cascade.advance_writes()
+        if self._shared is not None:
+            self._shared.step()  # before the flush: blocks its probes found are promoted this step
         if self._promotions.queue:
             self._promotions.flush()
         for tier in self.tiers[:-1]:
             self._cascade.refill_reserve(tier)
 
     def has_pending_work(self) -> bool:
-        """Jobs in flight, promotions queued, or write-through copies waiting for in-flight room
-        (not those waiting for room in a full lower tier: stepping an idle engine cannot free it)."""
-        return bool(self._jobs) or bool(self._promotions.queue) or self._cascade.writes_waiting()
+        """Jobs in flight, promotions queued, write-through copies waiting for in-flight room (not
+        those waiting for room in a full lower tier: stepping an idle engine cannot free it), or
+        keys of a shared tier waiting for their probe."""
+        return (bool(self._jobs) or bool(self._promotions.queue) or self._cascade.writes_waiting()
+                or (self._shared is not None and self._shared.has_pending_work()))
 
     def new_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """The keys `prepare_store` would allocate in the first tier: those it does not hold."""
@@ -270,7 +287,7 @@ class HierarchyManager(OffloadingManager):
         the next tier has not been made (its free slots plus its clean blocks), when it cascades
         on eviction; None when it does not (one tier, or cascade `none` / `on_store`)."""
         top = self._top
-        if len(self.tiers) < 2 or top.cascade != "on_evict":
+        if top.below is None or top.cascade != "on_evict":
             return None
         return top.backend.get_num_free_blocks() + len(top.clean)
 
@@ -313,11 +330,14 @@ class HierarchyManager(OffloadingManager):
         return {tier.name: tier.stats_row() for tier in self.tiers}
 
     def wait_idle(self, timeout: float | None = None) -> None:
-        """Block until every job the manager started has finished and been accounted, and every
-        write-through copy that can start has (tests, bench, shutdown). With a `timeout` (seconds)
+        """Block until every job the manager started has finished and been accounted, every
+        write-through copy that can start has, and a shared tier's probes in flight answered
+        (tests, bench, shutdown, the standalone API). With a `timeout` (seconds)
         raises `WaitTimeout`, naming the jobs still running, when they have not all finished by
         then (a hung handler); None waits as long as it takes."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._shared is not None:
+            self._shared.wait_probes(deadline)  # what they find is queued for promotion, awaited below
         self._cascade.advance_writes()
         while self._jobs or self._promotions.queue:
             if self._promotions.queue:

@@ -28,6 +28,7 @@ BACKENDS: dict[str, str] = {
     "cpu": "kvtier.tiers.cpu:CPUBackend",
     "file": "kvtier.tiers.file:FileBackend",
     "memory": "kvtier.tiers.memory:MemoryBackend",
+    "valkey": "kvtier.tiers.valkey:ValkeyBackend",
 }
 
 POLICIES: dict[str, str] = {
@@ -49,6 +50,10 @@ BUILTIN_HANDLERS: tuple[tuple[str, str, str], ...] = (
     ("kvtier.specs:CPULoadStoreSpec", "kvtier.specs:GPULoadStoreSpec", "kvtier.handlers.gpu_cpu:make_cpu_to_gpu"),
     ("kvtier.specs:GPULoadStoreSpec", "kvtier.specs:FileLoadStoreSpec", "kvtier.handlers.gpu_file:make_gpu_to_file"),
     ("kvtier.specs:FileLoadStoreSpec", "kvtier.specs:GPULoadStoreSpec", "kvtier.handlers.gpu_file:make_file_to_gpu"),
+    ("kvtier.specs:CPULoadStoreSpec", "kvtier.specs:RemoteLoadStoreSpec",
+     "kvtier.handlers.cpu_remote:make_cpu_to_remote"),
+    ("kvtier.specs:RemoteLoadStoreSpec", "kvtier.specs:CPULoadStoreSpec",
+     "kvtier.handlers.cpu_remote:make_remote_to_cpu"),
 )
 
 

@@ -4,6 +4,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# A Valkey (else Redis) server binary for the shared tier's tests (tests/remote starts its own processes):
+# only when neither is installed and apt-get can install (root). valkey-server is in bookworm-backports.
+if ! command -v valkey-server >/dev/null && ! command -v redis-server >/dev/null \
+        && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    export DEBIAN_FRONTEND=noninteractive
+    if grep -qs '^VERSION_CODENAME=bookworm$' /etc/os-release \
+            && ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+        echo 'deb http://deb.debian.org/debian bookworm-backports main' >/etc/apt/sources.list.d/bookworm-backports.list
+    fi
+    apt-get update -qq || true  # an old list may still do
+    apt-get install -y -qq valkey-server valkey-tools || apt-get install -y -qq -t bookworm-backports \
+        valkey-server valkey-tools || apt-get install -y -qq redis-server redis-tools \
+        || echo 'setup.sh: no valkey-server or redis-server installed: tests/remote will fail' >&2
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 PIP=(.venv/bin/python -m pip install -q)
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+# real Valkey/Redis servers for the shared tier's tests: valkey_server, valkey_cluster (session), private_server,
+# private_cluster, make_store (tests/remote/servers.py)
+from remote.servers import make_store, private_cluster, private_server, valkey_cluster, valkey_server  # noqa: F401
+
 from kvtier import ReqContext, build_hierarchy, load_config_text, make_offload_key
 
 

@@ -2,7 +2,8 @@
 
 Rows: {"hop", "block_bytes", "gbps", "baseline", "baseline_gbps", ...}. GPU<->CPU hops use the
 engine's KV cache on CUDA when available, else CPU tensors (the engine's cache on vLLM's CPU
-platform); CPU<->FILE hops use a file tier in `root_dir` (default: a temporary directory).
+platform); CPU<->FILE hops use a file tier in `root_dir` (default: a temporary directory);
+CPU<->REMOTE hops, for each `valkey` tier of the config, its server (single-node URLs).
 """
 
 from __future__ import annotations
@@ -57,6 +58,26 @@ def run_hops(config: Any, block_sizes: list[int], root_dir: str | None = None, q
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
+    rows += _remote_rows(config, block_sizes, total, progress)
+    return rows
+
+
+def _remote_rows(config: Any, block_sizes: list[int], total: int, progress: Callable | None) -> list[dict[str, Any]]:
+    """CPU<->REMOTE rows for each `valkey` tier of the config (on its server, under a bench prefix)."""
+    rows: list[dict[str, Any]] = []
+    for tier in config.tiers:
+        if tier.backend != "valkey":
+            continue
+        from kvtier.bench.remote_hops import measure_cpu_remote, remote_rows
+
+        options = dict(tier.options)
+        update = progress(f"CPU<->REMOTE ({tier.name})") if progress else None
+        for i, size in enumerate(block_sizes):
+            figures = measure_cpu_remote(options, size, max(total, 8 * size))
+            if figures is not None:
+                rows += remote_rows(figures, options["url"])
+            if update:
+                update(i + 1, len(block_sizes))
     return rows
 
 

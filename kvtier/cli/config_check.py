@@ -26,12 +26,19 @@ def describe(config, block_bytes: int | None = None) -> str:
         elif block_bytes:
             blocks = f" = {tier.capacity.bytes // block_bytes} blocks"
         arrow = ""
-        if i + 1 < len(config.tiers):
+        if _shared(tier.backend):
+            arrow = f"  (shared: publishes {config.tiers[0].name}'s stores, promotes into it)"
+        elif i + 1 < len(config.tiers) and not _shared(config.tiers[i + 1].backend):
             arrow = f"  -> cascade {tier.cascade} to {config.tiers[i + 1].name}"
         opts = "".join(f", {k}={_show(v)}" for k, v in tier.options.items())
         lines.append(f"  [{i}] {tier.name}: backend={tier.backend}, capacity={tier.capacity}{blocks}, "
                      f"policy={tier.policy}, reserve={tier.reserve:g}{opts}{arrow}")
     return "\n".join(lines)
+
+
+def _shared(backend: str) -> bool:
+    """Whether a registered backend is a shared tier (external ones are not imported here)."""
+    return backend in registry.BACKENDS and bool(getattr(registry.resolve(registry.BACKENDS, backend), "shared", False))
 
 
 def _show(value) -> str:

@@ -8,6 +8,8 @@
 - `cascade`: how blocks reach the next tier (`on_evict` reserve refill, `on_store`
   write-through) and the eviction that respects it; the `Demotion` job.
 - `promotion`: copies of lower-tier blocks up into tier 0 for lookups; the `Promotion` job.
+- `shared`: a shared (remote) tier after the local ones: publish on store (the `Publish` job),
+  batched probes of keys no tier holds, negative answers, failures as misses.
 
 `kvtier.manager.HierarchyManager` puts them together behind the `OffloadingManager` protocol.
 """

@@ -39,14 +39,19 @@ class Promotion(Job):
 
     def failed(self) -> None:
         """A block that could not be read back is not trusted again, unless its backend
-        verified it (a job fails as a whole when one of its blocks is bad)."""
+        verified it (a job fails as a whole when one of its blocks is bad). The next lookup of
+        each bad block answers MISS; when the backend named bad blocks, the others (read fine)
+        are not refused and may be promoted again at once; when it named none (an I/O error),
+        every block of the job is refused once, so that a failing tier cannot make a key
+        answer RETRY forever."""
         src = self.src
         self.promotions.ended(self.keys)
-        for key, block in zip(self.keys, self.src_blocks):
-            if block.ref_cnt == 0 and src.policy.get(key) is block and not src.backend.still_valid(block):
+        bad = [(key, block) for key, block in zip(self.keys, self.src_blocks) if not src.backend.still_valid(block)]
+        for key, block in bad:
+            if block.ref_cnt == 0 and src.policy.get(key) is block:
                 src.drop(key, block)
                 self.events.record(src, [key], removed=True)
-            self.promotions.refused.add(key)
+        self.promotions.refused.update([key for key, _ in bad] if bad else self.keys)
 
 
 class Promotions:

@@ -27,6 +27,15 @@ class TierStats:
     cascade_dropped_full: int = 0  # of those (write-through): the next tier had no room or dropped its copy
     cascade_deferred: int = 0  # demotions not started at once because too many were in flight (backpressure)
     failures: int = 0  # failed jobs that wrote into this tier or read from it
+    # A shared tier (kvtier.control.shared); zero elsewhere:
+    publish_dropped: int = 0  # blocks not published: in-flight bound, slow writes, server down, no handle room
+    probes: int = 0  # probe batches sent (at most one per scheduler step)
+    probe_keys: int = 0  # keys in those batches
+    probe_hits: int = 0  # keys a probe found
+    probe_failures: int = 0  # batches that failed (their keys answered MISS)
+    probe_timeouts: int = 0  # keys whose probe did not answer in time (answered MISS)
+    breaker_misses: int = 0  # lookups answered MISS at once because the server was considered down
+    rejected: int = 0  # blocks a promotion could not read (gone, failed verification, unreachable): recomputed
     bytes_in: int = 0
     bytes_out: int = 0
     seconds_in: float = 0.0

@@ -11,6 +11,9 @@ Subclass a suite in your own pytest file; pytest collects and runs its tests::
   `HandlerTests` (one `(src, dst)` hop: implement `make_sides`), `ManagerTests` (an
   `OffloadingManager`, driven as vLLM's scheduler drives it: implement `make_manager`).
 
+`kvtier.testing.fake_remote` is a fake Valkey/Redis `RemoteStore` (a dict, failure injection)
+for testing code on a `valkey` tier without a server.
+
 The suites need pytest (and hypothesis for `PolicyTests`), so they are imported on first use:
 `import kvtier.testing` alone imports neither.
 """
@@ -27,6 +30,7 @@ _EXPORTS = {
     "Side": "kvtier.testing.handler",
     "HostSlotSide": "kvtier.testing.handler",
     "FileSlotSide": "kvtier.testing.handler",
+    "RemoteSlotSide": "kvtier.testing.handler",
     "EngineSide": "kvtier.testing.handler",
     "JobCollector": "kvtier.testing.handler",
     "ManagerTests": "kvtier.testing.manager",

@@ -19,7 +19,8 @@ the backward handler destination -> source. What the suite asserts:
 - every submitted job is reported exactly once, and `wait` returns only after its jobs are reported.
 
 Sides shipped here: `HostSlotSide` (a backend with `view(slot)`), `FileSlotSide` (a backend with
-`write_blocks`/`read_blocks`), `EngineSide` (the engine's KV cache as CPU tensors).
+`write_blocks`/`read_blocks`), `RemoteSlotSide` (a shared tier's handles, `put_blocks`/`get_blocks`),
+`EngineSide` (the engine's KV cache as CPU tensors).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from kvtier.keys import make_offload_key
 from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import TransferResult
 
-__all__ = ["EngineSide", "FileSlotSide", "HandlerTests", "HostSlotSide", "JobCollector", "Side"]
+__all__ = ["EngineSide", "FileSlotSide", "HandlerTests", "HostSlotSide", "JobCollector", "RemoteSlotSide", "Side"]
 
 
 class Side(ABC):
@@ -113,6 +114,18 @@ class FileSlotSide(_BackendSide):
     def read(self, ids, keys):
         buffers = [bytearray(self.backend.block_bytes) for _ in ids]
         self.backend.read_blocks(list(ids), list(keys), buffers)
+        return [bytes(b) for b in buffers]
+
+
+class RemoteSlotSide(_BackendSide):
+    """Handles of a shared remote tier (`put_blocks` / `get_blocks` by key, verified)."""
+
+    def fill(self, ids, keys, rng):
+        self.backend.put_blocks(list(keys), [_random_bytes(rng, self.backend.block_bytes) for _ in ids])
+
+    def read(self, ids, keys):
+        buffers = [bytearray(self.backend.block_bytes) for _ in ids]
+        self.backend.get_blocks(list(keys), buffers)
         return [bytes(b) for b in buffers]
 
 

@@ -21,6 +21,9 @@ the driver keeps a model of which blocks each tier holds and checks after every 
 - after `reset_cache` no unpinned block is found (removal events for it are optional: vLLM's
   own managers emit none).
 
+A manager with a shared tier (`asks_others = True`) may answer RETRY for any key while it asks the
+server (the answer must settle), and after a reset may find again what the server kept.
+
 Subclass hooks: `make_manager` (events enabled), `capacities` (blocks per tier), optionally
 `close_manager`. A tier is named by `OffloadingEvent.tier`, or its medium when that is None, and
 a spec by its `tier` attribute when a tier has that name, else by its medium.
@@ -72,8 +75,9 @@ class SchedulerDriver:
     """Calls a manager like vLLM's scheduler and checks every answer against a model built from
     its events. `capacities` maps tier name (or medium) -> blocks."""
 
-    def __init__(self, manager: OffloadingManager, capacities: dict[str, int]):
+    def __init__(self, manager: OffloadingManager, capacities: dict[str, int], asks_others: bool = False):
         self.m = manager
+        self.asks_others = asks_others  # a shared tier: RETRY while the server is asked about any key
         self.capacities = dict(capacities)
         self.ctx = ReqContext("conformance")
         self.resident: dict[str, set[OffloadKey]] = {t: set() for t in capacities}
@@ -131,7 +135,7 @@ class SchedulerDriver:
         elif result is LookupResult.MISS:
             if self.held(key):
                 self._refusal(key)
-        else:  # RETRY, HIT_PENDING
+        elif not (self.asks_others and result is LookupResult.RETRY):  # HIT_PENDING, RETRY
             assert key in self.known, f"lookup answered {result.name} for {key.hex()}, never stored"
         return result
 
@@ -211,7 +215,9 @@ class SchedulerDriver:
             self.drain_events()
             if not success:
                 for key in keys:
-                    assert self.lookup(key) is LookupResult.MISS or self.held(key), key.hex()
+                    result = self.lookup(key)
+                    assert result is LookupResult.MISS or self.held(key) or (
+                        self.asks_others and result is LookupResult.RETRY), key.hex()
 
     def step_end(self) -> None:
         self.m.on_schedule_end()
@@ -290,10 +296,14 @@ class ManagerTests:
     def close_manager(self, manager: OffloadingManager) -> None:
         manager.shutdown()
 
+    #: True for a manager with a shared tier (other engines' blocks): it may answer RETRY for a key
+    #: it never stored while it asks the server (the answer must still settle)
+    asks_others: bool = False
+
     # ------------------------------------------------------------------ helpers
     def _driver(self, tmp_path) -> SchedulerDriver:
         manager = self.make_manager(tmp_path)
-        return SchedulerDriver(manager, self.capacities(manager))
+        return SchedulerDriver(manager, self.capacities(manager), self.asks_others)
 
     def _trace(self, rng: random.Random) -> list[list[list[OffloadKey]]]:
         """Per step, the new requests: a prefix of a shared document plus a few fresh blocks."""
@@ -349,7 +359,8 @@ class ManagerTests:
             d.store(keys)
             d.finish_transfers(success=False)
             d.step_end()
-            assert [d.lookup(k) for k in keys] == [LookupResult.MISS] * 2
+            lookup = d.settle if self.asks_others else d.lookup  # a shared tier asks the server first
+            assert [lookup(k) for k in keys] == [LookupResult.MISS] * 2
             assert not any(d.resident.values()), f"a failed store left blocks: {d.resident}"
         finally:
             self.close_manager(d.m)
@@ -404,6 +415,9 @@ class ManagerTests:
             d.drain_events()
             d.forget_unpinned()  # vLLM's own managers emit no removal events on reset
             for key in sorted(d.known):
-                assert d.lookup(key) is LookupResult.MISS, f"{key.hex()} is still found after reset_cache"
+                # A shared tier's server keeps what this manager published: found again only by a probe.
+                answer = d.lookup(key)
+                assert answer is LookupResult.MISS or (self.asks_others and answer is LookupResult.RETRY), \
+                    f"{key.hex()} is still found after reset_cache"
         finally:
             self.close_manager(d.m)

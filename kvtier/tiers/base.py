@@ -85,6 +85,10 @@ class Backend(ABC):
     # dtypes and shapes; see `kvtier.hierarchy.describe_layout`), and the backend must never serve
     # a block written under another pair.
     persistent: ClassVar[bool] = False
+    # True for a tier shared with other processes through a server (Valkey/Redis): it comes after
+    # every local tier, is fed by publishing the first tier's stores and read by promotion into
+    # the first tier, never by the cascade (see `kvtier.control.shared`).
+    shared: ClassVar[bool] = False
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0):
         self.name = name
@@ -95,6 +99,12 @@ class Backend(ABC):
 
     # Backend-specific YAML keys: name -> (default or config.REQUIRED, validator). See kvtier.config.
     OPTIONS: ClassVar[dict] = {}
+
+    @classmethod
+    def check_options(cls, options: dict) -> list[tuple[str, str]]:
+        """Problems between options (each checked alone by `OPTIONS`): `(option name, message)`
+        pairs, reported by `kvtier config check` with the tier's path. Default: none."""
+        return []
 
     @classmethod
     def from_config(cls, name: str, num_blocks: int, block_bytes: int, block_size: int, options: dict) -> Backend:
@@ -186,3 +196,48 @@ class BlockFile(Protocol):
     def write_blocks(self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence) -> int: ...
 
     def read_blocks(self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence) -> int: ...
+
+
+@runtime_checkable
+class RemoteBlocks(Protocol):
+    """Blocks on a server shared by several processes, addressed by key (ValkeyBackend); slots
+    are local handles of keys known to be there. Byte API (handler threads): `put_blocks` stores
+    `buffers[i]` (`block_bytes`) under `keys[i]`; `get_blocks` reads and verifies them into the
+    writable `buffers[i]`; both return the bytes moved and raise on a failure (a key that is gone
+    or fails verification, an unreachable server). `num_threads`: how many I/Os to run at once.
+
+    Control API (scheduler thread; never blocks, never touches a socket): `request_probe(keys)`
+    hands one batch to the backend's probe thread; `probe_results()` returns the batches answered
+    since the last call (`has_probe_results` says whether there are any), `(keys, found)` with
+    `found[i]` whether `keys[i]` is there, or None when the probe failed; `failed_keys()` the
+    keys whose reads failed since the last call; `available`
+    is False while the server is considered down (circuit breaker open); `accepts_writes()` False
+    while recent writes were slow; `max_inflight_bytes` bounds the bytes of writes in flight;
+    `probe_timeout_s` is how long a probe may take; `negative_ttl_s` how long an answer "absent"
+    is trusted."""
+
+    name: str
+    block_bytes: int
+    num_blocks: int
+    num_threads: int
+    max_inflight_bytes: int
+    probe_timeout_s: float
+    negative_ttl_s: float
+
+    @property
+    def available(self) -> bool: ...
+
+    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence) -> int: ...
+
+    def get_blocks(self, keys: Sequence[bytes], buffers: Sequence) -> int: ...
+
+    def request_probe(self, keys: Sequence[bytes]) -> None: ...
+
+    def probe_results(self) -> list[tuple[list[bytes], list[bool] | None]]: ...
+
+    @property
+    def has_probe_results(self) -> bool: ...
+
+    def failed_keys(self) -> list[bytes]: ...
+
+    def accepts_writes(self) -> bool: ...

@@ -6,7 +6,8 @@ import pytest
 
 from kvtier import registry
 from kvtier.handlers.memory import MemoryCopyHandler
-from kvtier.testing.handler import EngineSide, FileSlotSide, HandlerTests, HostSlotSide
+from kvtier.testing.fake_remote import FakeServer, fake_valkey
+from kvtier.testing.handler import EngineSide, FileSlotSide, HandlerTests, HostSlotSide, RemoteSlotSide
 from kvtier.tiers import fileio
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.file import FileBackend
@@ -92,6 +93,31 @@ class TestCPUToFileKvikio(HandlerTests):
         return memory_side(), file_side(tmp_path, io="kvikio")
 
 
+def remote_side(block_bytes=ENGINE_BLOCK_BYTES):
+    """A valkey tier on a fake server (`kvtier.testing.fake_remote`)."""
+    return RemoteSlotSide(fake_valkey(FakeServer(), "shared", SLOTS, block_bytes, threads=2))
+
+
+class TestCPUToRemote(HandlerTests):
+    def make_sides(self, tmp_path):
+        return cpu_side(), remote_side()
+
+
+class MissingRemoteValue:
+    """Failure hook for loads out of a remote tier: keys never published (BlockMissing), not
+    whatever bytes the destination held."""
+
+    def failing_job(self, src, dst, keys):
+        n = len(keys)
+        foreign = [bytes(b ^ 0xFF for b in key) for key in keys]
+        return src.spec(list(range(n)), foreign), dst.spec(list(range(n * dst.span)), keys)
+
+
+class TestRemoteToCPU(MissingRemoteValue, HandlerTests):
+    def make_sides(self, tmp_path):
+        return remote_side(), memory_side()
+
+
 class TestGPUToCPU(HandlerTests):
     def make_sides(self, tmp_path):
         return engine_side(), cpu_side()
@@ -141,7 +167,7 @@ class TestFileToGPUDirect(DirectFileHandlers, UnverifiedRead, HandlerTests):
 
 def test_every_registered_pair_runs_the_suite(tmp_path):
     covered = set()
-    for cls in list(HandlerTests.__subclasses__()) + [TestFileToCPU, TestFileToGPU]:
+    for cls in list(HandlerTests.__subclasses__()) + [TestFileToCPU, TestFileToGPU, TestRemoteToCPU]:
         if cls.__name__.startswith("Test"):
             src, dst = cls().make_sides(tmp_path)
             covered.add((src.spec_type.__name__, dst.spec_type.__name__))

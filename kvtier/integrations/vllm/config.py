@@ -42,14 +42,17 @@ def load_raw_config(value: Any) -> tuple[dict[str, Any], str]:
     raise TypeError(f"kvtier_config must be a path or a mapping, got {type(value).__name__}")
 
 
+PERSISTENT_BACKENDS = ("file", "valkey")  # tiers whose blocks outlive the engine: they get its identity
+
+
 def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_id: str, fingerprint: str = "",
                           source: str = "<dict>") -> HierarchyConfig:
     """Validate a kvtier config for use under vLLM: `block_tokens` is vLLM's, `block_bytes` is
     dropped (the caller passes vLLM's), each `cpu` tier without `shm_name` gets one derived from
-    `engine_id` (so that workers can attach it by name) and each `file` tier's `fingerprint`
-    gets `fingerprint` (model, dtype and KV geometry), after the YAML's own value when it sets
-    one (e.g. the model's revision): a root_dir written for another model or layout is then not
-    served. The YAML's value adds to the derived identity, never replaces it."""
+    `engine_id` (so that workers can attach it by name) and each `file` or `valkey` tier's
+    `fingerprint` gets `fingerprint` (model, dtype and KV geometry), after the YAML's own value
+    when it sets one (e.g. the model's revision): a root_dir or a server's values written for
+    another model or layout are then not served. The YAML's value adds to the derived identity, never replaces it."""
     raw = plain(raw)
     if not isinstance(raw, dict):
         return parse_config(raw, source)  # reports the error
@@ -64,7 +67,7 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
     for tier in raw.get("tiers") or []:
         if isinstance(tier, dict) and tier.get("backend") == "cpu" and not tier.get("shm_name"):
             tier["shm_name"] = f"kvtier-{_safe_name(engine_id)}-{_safe_name(str(tier.get('name')))}"
-        if isinstance(tier, dict) and tier.get("backend") == "file" and fingerprint:
+        if isinstance(tier, dict) and tier.get("backend") in PERSISTENT_BACKENDS and fingerprint:
             own = tier.get("fingerprint") or ""
             if isinstance(own, str):  # anything else is reported by parse_config
                 tier["fingerprint"] = tier_identity(own, fingerprint)

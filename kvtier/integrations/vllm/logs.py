@@ -38,14 +38,19 @@ def _size(n: float) -> str:
 def tier_summary(hierarchy: Any, block_tokens: int, block_bytes: int) -> str:
     """The start-up line: the config's source, the block geometry, and per tier its size in
     blocks and bytes, its medium, and where it lives (a CPU tier's region name; a file tier's
-    root_dir and the fingerprint that guards it)."""
+    root_dir, a shared tier's server and tenant prefix, and the fingerprint that guards them)."""
     options = {t.name: t.options for t in hierarchy.config.tiers}
     parts = []
     for tier in hierarchy.manager.tiers:
         where = options.get(tier.name, {})
-        place = (f"shm_name={where.get('shm_name')}" if tier.medium == "CPU" else
-                 f"root_dir={getattr(tier.backend, 'root', None) or where.get('root_dir')}, "
-                 f"fingerprint={where.get('fingerprint')!r}")
+        if tier.medium == "CPU":
+            place = f"shm_name={where.get('shm_name')}"
+        elif tier.medium == "REMOTE":
+            place = (f"url={where.get('url')}, key_prefix={where.get('key_prefix')}, "
+                     f"fingerprint={where.get('fingerprint')!r}")
+        else:
+            place = (f"root_dir={getattr(tier.backend, 'root', None) or where.get('root_dir')}, "
+                     f"fingerprint={where.get('fingerprint')!r}")
         size = _size(tier.capacity * block_bytes)
         parts.append(f"{tier.name}={tier.capacity} blocks / {size} ({tier.medium}, {place})")
     return (f"kvtier: hierarchy {hierarchy.config.source} with blocks of {block_tokens} tokens / {block_bytes} bytes: "

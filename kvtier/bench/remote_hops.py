@@ -1,0 +1,147 @@
+"""CPU <-> REMOTE hop bandwidth through the tier's handlers vs the same client's raw SET/GET.
+
+`measure_cpu_remote(tier_options, block_bytes, total_bytes)` (used by `kvtier bench hops` when the
+config has a `valkey` tier): `total_bytes` of random blocks in a memory tier are published to a
+`ValkeyBackend` built from the tier's options (its own `key_prefix` and identity, so nothing of a
+real tenant is touched) through `CPUToRemoteHandler`, in as many jobs as the tier has threads, all
+submitted at once (as the manager publishes), timed until the last job completed; then loaded back
+through `RemoteToCPUHandler` (verified, byte-compared). The baseline, in the same run, rounds
+interleaved: the same client library with the same connection settings (`kvtier.remote.bench`),
+one SET per block of the same bytes (as `bytes` objects: a memoryview is packed much slower by
+redis-py with hiredis) and one GET per block copied into a preallocated buffer, on
+one thread and on as many threads as the tier (the baseline is the better of the two; redis-py
+packs in Python, under the GIL). Medians of `repeats` rounds; GB/s = 1e9 bytes per second. The bench's keys are
+left to the server's eviction. A cluster URL has no single-server baseline: no rows.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvtier.keys import make_offload_key
+
+BENCH_PREFIX = "kvtier-bench-hops"
+
+
+def _run_jobs(handler, jobs: list[tuple]) -> float:
+    """Submit every (src, dst) job at once, wait for all; seconds. Raises if one failed."""
+    results: list = []
+    done = threading.Condition()
+
+    def on_done(result):
+        with done:
+            results.append(result)
+            done.notify_all()
+
+    handler.bind(on_done)
+    start = time.perf_counter()
+    for job_id, (src, dst) in enumerate(jobs):
+        handler.submit(job_id, src, dst)
+    with done:
+        done.wait_for(lambda: len(results) == len(jobs))
+    seconds = time.perf_counter() - start
+    failed = [r.error for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(jobs)} jobs failed: {failed[0]}")
+    return seconds
+
+
+def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_bytes: int,
+                       repeats: int = 3) -> dict[str, Any] | None:
+    """Figures of one block size (module docstring); None for a cluster URL."""
+    from kvtier.handlers.cpu_remote import CPUToRemoteHandler, RemoteToCPUHandler
+    from kvtier.remote.bench import _raw_client
+    from kvtier.remote.options import ClientOptions
+    from kvtier.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
+    from kvtier.tiers.memory import MemoryBackend
+    from kvtier.tiers.valkey import ValkeyBackend
+
+    if ClientOptions(tier_options["url"]).parsed.cluster:
+        return None
+    n = max(8, total_bytes // block_bytes)
+    options = {k: v for k, v in tier_options.items() if k not in ("fingerprint",)}
+    options.update(key_prefix=BENCH_PREFIX)
+    remote = ValkeyBackend("bench-remote", n, block_bytes, 0, fingerprint="kvtier-bench",
+                           layout=f"block_bytes={block_bytes}", **options)
+    memory = MemoryBackend("bench-mem", 2 * n, block_bytes)
+    threads = remote.num_threads
+    raw = _raw_client(remote.client_options())
+    store_h = CPUToRemoteHandler({memory.name: memory}, {remote.name: remote}, threads)
+    load_h = RemoteToCPUHandler({memory.name: memory}, {remote.name: remote}, threads)
+    pool = ThreadPoolExecutor(max_workers=threads)
+    try:
+        for slot in range(n):
+            memory.view(slot)[:] = os.urandom(block_bytes)
+        keys = [make_offload_key(b"bench%03d" % (block_bytes % 997) + i.to_bytes(8, "big"), 0) for i in range(n)]
+        raw_keys = [f"{BENCH_PREFIX}:raw:{block_bytes}:{i}".encode() for i in range(n)]
+        per_job = -(-n // threads)
+        parts = [list(range(i, min(n, i + per_job))) for i in range(0, n, per_job)]
+        store_jobs = [(CPULoadStoreSpec(p, tier=memory.name), RemoteLoadStoreSpec(p, [keys[i] for i in p],
+                                                                                  tier=remote.name)) for p in parts]
+        load_jobs = [(RemoteLoadStoreSpec(p, [keys[i] for i in p], tier=remote.name),
+                      CPULoadStoreSpec([n + i for i in p], tier=memory.name)) for p in parts]
+        outs = [memoryview(bytearray(block_bytes)) for _ in range(threads)]
+
+        payloads = [bytes(memory.view(i)) for i in range(n)]  # raw SET of bytes: its fastest input
+
+        def raw_set(part: list[int]) -> None:
+            for i in part:
+                raw.set(raw_keys[i], payloads[i])
+
+        def raw_get(index: int, part: list[int]) -> None:
+            for i in part:
+                value = raw.get(raw_keys[i])
+                assert isinstance(value, bytes)
+                outs[index][:] = value
+
+        def raw_round(fn, with_index: bool = False, threaded: bool = True) -> float:
+            start = time.perf_counter()
+            if not threaded:
+                fn(*((0, list(range(n))) if with_index else (list(range(n)),)))
+                return time.perf_counter() - start
+            futures = [pool.submit(fn, *((j, p) if with_index else (p,))) for j, p in enumerate(parts)]
+            for future in futures:
+                future.result()
+            return time.perf_counter() - start
+
+        names = ("raw_set_1", "raw_set_n", "store", "raw_get_1", "raw_get_n", "load")
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(repeats):
+            times["raw_set_1"].append(raw_round(raw_set, threaded=False))
+            times["raw_set_n"].append(raw_round(raw_set))
+            times["store"].append(_run_jobs(store_h, store_jobs))
+            times["raw_get_1"].append(raw_round(raw_get, with_index=True, threaded=False))
+            times["raw_get_n"].append(raw_round(raw_get, with_index=True))
+            times["load"].append(_run_jobs(load_h, load_jobs))
+        if any(bytes(memory.view(n + i)) != bytes(memory.view(i)) for i in range(n)):
+            raise RuntimeError("a block loaded back from the remote tier differs from the one stored")
+        gbps = {name: n * block_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
+        # The baseline is the raw client at its best: on one thread or on as many as the tier.
+        gbps["raw_set"] = max(gbps["raw_set_1"], gbps["raw_set_n"])
+        gbps["raw_get"] = max(gbps["raw_get_1"], gbps["raw_get_n"])
+        return {"block_bytes": block_bytes, "total_bytes": n * block_bytes, "threads": threads, "repeats": repeats,
+                **{f"{name}_gbps": round(v, 3) for name, v in gbps.items()}}
+    finally:
+        pool.shutdown()
+        store_h.shutdown()
+        load_h.shutdown()
+        raw.close()
+        remote.close()
+        memory.close()
+
+
+def remote_rows(figures: dict[str, Any], url: str) -> list[dict[str, Any]]:
+    """The two hop rows (store, load) of one `measure_cpu_remote` result, with its raw baselines."""
+    common = {"block_bytes": figures["block_bytes"], "total_bytes": figures["total_bytes"],
+              "threads": figures["threads"], "url": url}
+    return [
+        {"hop": "CPU->REMOTE", **common, "gbps": figures["store_gbps"], "baseline": "raw client SET",
+         "baseline_gbps": figures["raw_set_gbps"]},
+        {"hop": "REMOTE->CPU", **common, "gbps": figures["load_gbps"], "baseline": "raw client GET+copy",
+         "baseline_gbps": figures["raw_get_gbps"]},
+    ]

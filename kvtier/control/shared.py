@@ -1,0 +1,262 @@
+"""The shared tier controller: publish on store, find before compute, failure is a miss.
+
+A shared tier (`Backend.shared`: a `RemoteBlocks` backend such as `ValkeyBackend`) comes after
+every local tier and is not in the cascade chain. Its policy holds *handles*: keys this process
+knows are on the server (published, or found by a probe); evicting one forgets it locally.
+
+- **Publish.** When the first tier's stores complete, the keys without a handle are copied
+  CPU -> REMOTE (`Publish` jobs, first-tier blocks pinned meanwhile, split over the backend's
+  threads), a handle allocated for each (being written: a key is never sent twice at once). Over
+  `max_inflight_bytes`, while the breaker is open, after a slow write, or without room for
+  handles, the blocks are not sent: dropped and counted (`publish_dropped`), never waited on.
+- **Lookup** of a key no tier holds (`lookup`): a negative answer still fresh, or the breaker
+  open -> MISS at once; a probe in flight -> RETRY until its deadline (the store's timeout after
+  it was sent, one step after the lookup), then MISS; else the key joins the pending set -> RETRY.
+- **Step** (`step`, each `on_schedule_end`): the answers of finished probes are taken (a key
+  found gets a handle and a promotion into the first tier; a key absent, or whose probe failed,
+  is negative-cached for `negative_ttl_s`), failed reads are negative-cached, and every pending
+  key goes to the backend's probe thread in ONE batch. Nothing here touches a socket.
+- **Reads that fail** (value gone, failing verification, server unreachable) fail the promotion:
+  `Promotion.failed` drops the handle (`still_valid` is False), the next lookup answers MISS.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Sequence
+from time import monotonic, sleep
+from typing import Any, cast
+
+from kvtier.control.cascade import Cascade
+from kvtier.control.jobs import EventLog, Job, JobTable
+from kvtier.control.promotion import Promotions
+from kvtier.control.tier import Tier
+from kvtier.keys import OffloadKey
+from kvtier.types import BlockStatus, LookupResult
+
+MAX_PENDING = 4096  # keys waiting for a probe; past this, lookups of new keys answer MISS
+MAX_NEGATIVE = 1 << 16  # negative answers kept (the oldest are forgotten first)
+
+
+def local_tiers(tiers: Sequence[Tier]) -> int:
+    """How many tiers are local (the shared one, if any, is last); ValueError for a shared tier
+    that is not last, a second one, or a first tier that is not in host memory."""
+    shared = [i for i, t in enumerate(tiers) if getattr(t.backend, "shared", False)]
+    if not shared:
+        return len(tiers)
+    if shared != [len(tiers) - 1] or len(tiers) < 2:
+        raise ValueError(f"a shared tier must be the last of at least two, and there may be one: shared tiers at "
+                         f"{shared} of {len(tiers)}")
+    if tiers[0].medium != "CPU":
+        raise ValueError(f"with a shared tier the first tier must be in host memory (CPU), got {tiers[0].medium}")
+    return len(tiers) - 1
+
+
+class Publish(Job):
+    """A copy of readable first-tier blocks to the shared tier (handles being written)."""
+
+    kind = "publish"
+
+    def __init__(self, shared: SharedTier, src: Tier, dst: Tier, keys: list[OffloadKey],
+                 src_blocks: list[BlockStatus], dst_blocks: list[BlockStatus], events: EventLog):
+        super().__init__(src, dst, keys, src_blocks, dst_blocks, events)
+        self.shared = shared
+        self.nbytes = len(keys) * dst.backend.block_bytes
+
+    def landed(self) -> None:
+        self.shared.inflight_bytes -= self.nbytes
+        absent = self.shared.absent
+        if absent:
+            for key in self.keys:
+                absent.pop(key, None)
+
+    def failed(self) -> None:
+        self.shared.inflight_bytes -= self.nbytes
+
+
+class SharedTier:
+    """The controller of the hierarchy's shared tier (the module docstring says what it does)."""
+
+    def __init__(self, tiers: Sequence[Tier], jobs: JobTable, cascade: Cascade, promotions: Promotions,
+                 events: EventLog):
+        self.tier = tiers[-1]
+        self.top = tiers[0]
+        self.backend: Any = self.tier.backend  # a RemoteBlocks
+        self.local = tiers[:-1]
+        self._jobs, self._cascade, self._promotions, self._events = jobs, cascade, promotions, events
+        self.pending: dict[OffloadKey, None] = {}  # keys to probe at the end of this step
+        self.probing: dict[OffloadKey, float] = {}  # key -> deadline of its probe in flight
+        self._batches: deque[tuple[float, list[OffloadKey]]] = deque()  # (deadline, keys) in send order
+        self.absent: OrderedDict[OffloadKey, float] = OrderedDict()  # key -> expiry of "not there"
+        self.inflight_bytes = 0
+
+    # ------------------------------------------------------------------ lookup
+    def lookup(self, key: OffloadKey) -> LookupResult:
+        """The answer for a key that no local tier holds and that has no handle."""
+        self._absorb()
+        if self.tier.policy.get(key) is not None or key in self._promotions.running:
+            return LookupResult.RETRY  # found by a probe just taken: its promotion is queued
+        now = monotonic()
+        deadline = self.probing.get(key)
+        if deadline is not None:
+            return LookupResult.RETRY if now < deadline else LookupResult.MISS
+        expiry = self.absent.get(key)
+        if expiry is not None:
+            if now < expiry:
+                return LookupResult.MISS
+            del self.absent[key]
+        if key in self.pending:
+            return LookupResult.RETRY
+        if not self.backend.available:
+            self.tier.stats.breaker_misses += 1
+            return LookupResult.MISS
+        if len(self.pending) >= MAX_PENDING:
+            return LookupResult.MISS
+        self.pending[key] = None
+        return LookupResult.RETRY
+
+    def prefetch(self, keys: Sequence[OffloadKey]) -> None:
+        """For the keys after a RETRY in a run (the rest of a request's prefix): promote those
+        with a readable handle, and probe, with this step's batch, those no tier holds, so that
+        the run comes up together instead of one block per lookup."""
+        if not self.backend.available:
+            return
+        local = [t.policy.get for t in self.local]
+        handle = self.tier.readable
+        running, refused = self._promotions.running, self._promotions.refused
+        room = MAX_PENDING - len(self.pending)
+        for key in keys[:room]:
+            if key in self.pending or key in self.probing or key in running or key in refused:
+                continue
+            if any(get(key) is not None for get in local):
+                continue
+            if handle(key) is not None:
+                self._promotions.request(key, self.tier)
+            elif key not in self.absent:
+                self.pending[key] = None
+
+    # ------------------------------------------------------------------ step
+    def step(self) -> None:
+        """Take the probes' answers and failed reads; send the pending keys in one probe."""
+        self._absorb()
+        now = monotonic()
+        while self._batches and self._batches[0][0] <= now:
+            deadline, keys = self._batches.popleft()
+            expired = [k for k in keys if self.probing.get(k) == deadline]
+            for key in expired:
+                del self.probing[key]
+            self._negative(expired, now)
+            self.tier.stats.probe_timeouts += len(expired)
+        if self.pending:
+            keys = list(self.pending)
+            self.pending.clear()
+            if not self.backend.available:
+                self.tier.stats.breaker_misses += len(keys)
+                return
+            deadline = now + self.backend.probe_timeout_s
+            self.probing.update(dict.fromkeys(keys, deadline))
+            self._batches.append((deadline, keys))
+            self.tier.stats.probes += 1
+            self.tier.stats.probe_keys += len(keys)
+            self.backend.request_probe(keys)
+
+    def has_pending_work(self) -> bool:
+        return bool(self.pending) or bool(self.probing)
+
+    def wait_probes(self, deadline: float | None) -> None:
+        """Block until the probes in flight answered (or their own deadlines, or `deadline`, a
+        `monotonic()` value, passed) and take their answers: the blocks found are then queued for
+        promotion. For `wait_idle` (tests, the standalone API); the scheduler never waits."""
+        pause = 0.0005
+        while self._batches and not self.backend.has_probe_results:
+            until = self._batches[-1][0] if deadline is None else min(deadline, self._batches[-1][0])
+            if monotonic() >= until:
+                break
+            sleep(pause)
+            pause = min(pause * 2, 0.01)
+        self._absorb()
+
+    def _absorb(self) -> None:
+        """Probe answers and failed reads handed over by the backend's threads."""
+        backend = self.backend
+        if backend.has_probe_results:
+            now = monotonic()
+            for keys, found in backend.probe_results():
+                self._answer(keys, found, now)
+        failed = backend.failed_keys()
+        if failed:
+            self.tier.stats.rejected += len(failed)
+            self._negative([cast(OffloadKey, k) for k in failed], monotonic())
+
+    def _answer(self, keys: list[OffloadKey], found: list[bool] | None, now: float) -> None:
+        probing = self.probing
+        for key in keys:
+            probing.pop(key, None)
+        if found is None:
+            self.tier.stats.probe_failures += 1
+            self._negative(keys, now)
+            return
+        present = [k for k, f in zip(keys, found) if f]
+        self._negative([k for k, f in zip(keys, found) if not f], now)
+        self.tier.stats.probe_hits += len(present)
+        self._adopt(present)
+
+    def _adopt(self, keys: list[OffloadKey]) -> None:
+        """Handles for keys found on the server (readable), and their promotions into the first tier."""
+        tier = self.tier
+        keys = [k for k in dict.fromkeys(keys) if tier.policy.get(k) is None]
+        if not keys or self._cascade.make_room(tier, len(keys), set(keys)) is None:
+            return
+        blocks = tier.backend.allocate_blocks(keys)
+        for block in blocks:
+            block.ref_cnt = 0
+        tier.policy.insert_many(keys, blocks)
+        self._events.record(tier, keys, removed=False)  # now resident there, as far as this process knows
+        top_get, running = self.top.policy.get, self._promotions.running
+        for key in keys:
+            self.absent.pop(key, None)
+            if top_get(key) is None and key not in running:
+                self._promotions.request(key, tier)
+
+    def _negative(self, keys: list[OffloadKey], now: float) -> None:
+        ttl = self.backend.negative_ttl_s
+        if not keys or ttl <= 0:
+            return
+        absent = self.absent
+        for key in keys:
+            absent.pop(key, None)
+            absent[key] = now + ttl
+        while len(absent) > MAX_NEGATIVE:
+            absent.popitem(last=False)
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, keys: list[OffloadKey]) -> None:
+        """Start copies of the first tier's newly readable blocks `keys` that have no handle;
+        what cannot start now is dropped and counted (see the module docstring)."""
+        tier, top, backend = self.tier, self.top, self.backend
+        get = tier.policy.get
+        new = [k for k in keys if get(k) is None]
+        if not new:
+            return
+        room = (backend.max_inflight_bytes - self.inflight_bytes) // backend.block_bytes
+        if not backend.available or not backend.accepts_writes() or room <= 0:
+            tier.stats.publish_dropped += len(new)
+            return
+        send = new[:room]
+        if self._cascade.make_room(tier, len(send), set(send)) is None:
+            tier.stats.publish_dropped += len(new)
+            return
+        tier.stats.publish_dropped += len(new) - len(send)
+        src_blocks = cast("list[BlockStatus]", [top.policy.get(k) for k in send])
+        for block in src_blocks:
+            block.ref_cnt += 1
+        top.policy.pin(send)
+        dst_blocks = backend.allocate_blocks(send)
+        tier.policy.insert_many(send, dst_blocks)
+        tier.policy.pin(send)  # being written
+        self.inflight_bytes += len(send) * backend.block_bytes
+        per_job = -(-len(send) // max(1, backend.num_threads))
+        for i in range(0, len(send), per_job):
+            part = slice(i, i + per_job)
+            self._jobs.submit(Publish(self, top, tier, send[part], src_blocks[part], dst_blocks[part],
+                                      self._events))

@@ -1,0 +1,71 @@
+"""CPU <-> REMOTE handlers: copy blocks between a host-memory backend and a shared remote tier.
+
+The host side is any `HostSlots` backend; the remote side any `RemoteBlocks` backend
+(`ValkeyBackend`); see `kvtier.tiers.base`. CPU -> REMOTE publishes the first tier's blocks,
+REMOTE -> CPU promotes them back. Jobs run on the handler's own pool (socket I/O never happens on
+the caller's thread); an exception inside a job (server unreachable, a value gone or failing
+verification) fails that job only, and the manager then answers MISS for its keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvtier.handlers.base import ThreadedHandler, pick_backend, serving
+from kvtier.specs import BlockIDsLoadStoreSpec, LoadStoreSpec, RemoteLoadStoreSpec
+from kvtier.tiers.base import HostSlots, RemoteBlocks
+
+
+class _CPURemoteHandler(ThreadedHandler):
+    def __init__(self, hosts: dict, remotes: dict, num_threads: int):
+        super().__init__(num_threads=num_threads, thread_name=f"kvtier-{type(self).__name__}")
+        self.hosts = hosts
+        self.remotes = remotes
+
+    def _sides(self, cpu: BlockIDsLoadStoreSpec, remote: RemoteLoadStoreSpec):
+        if len(cpu) != len(remote):
+            raise ValueError(f"source has {len(cpu)} blocks, destination {len(remote)}")
+        host = pick_backend(self.hosts, cpu, "host-memory")
+        store = pick_backend(self.remotes, remote, "remote")
+        if host.block_bytes != store.block_bytes:
+            raise ValueError(f"block size differs: {host.name}={host.block_bytes} B, "
+                             f"{store.name}={store.block_bytes} B")
+        for ids, side in ((cpu.block_ids, host), (remote.block_ids, store)):
+            if ids and max(ids) >= side.num_blocks:
+                raise ValueError(f"slot {max(ids)} is past the end of {side.name} ({side.num_blocks} slots)")
+        return host, store
+
+
+class CPUToRemoteHandler(_CPURemoteHandler):
+    """Publishes host-memory blocks to the remote tier under their keys."""
+
+    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        assert isinstance(src, BlockIDsLoadStoreSpec) and isinstance(dst, RemoteLoadStoreSpec), "the registered pair"
+        host, store = self._sides(src, dst)
+        return store.put_blocks(dst.keys, [host.view(s) for s in src.block_ids])
+
+
+class RemoteToCPUHandler(_CPURemoteHandler):
+    """Reads and verifies remote blocks into host-memory slots (promotion)."""
+
+    def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        assert isinstance(src, RemoteLoadStoreSpec) and isinstance(dst, BlockIDsLoadStoreSpec), "the registered pair"
+        host, store = self._sides(dst, src)
+        return store.get_blocks(src.keys, [host.view(s) for s in dst.block_ids])
+
+
+def _make(cls, backends: Mapping, kv_caches=None):
+    hosts, remotes = serving(backends, HostSlots), serving(backends, RemoteBlocks)
+    if not hosts or not remotes:
+        return None
+    return cls(hosts, remotes, num_threads=max(b.num_threads for b in remotes.values()))
+
+
+def make_cpu_to_remote(backends: Mapping, kv_caches=None) -> CPUToRemoteHandler | None:
+    """Registry factory for (CPULoadStoreSpec, RemoteLoadStoreSpec); None without both kinds of backend."""
+    return _make(CPUToRemoteHandler, backends, kv_caches)
+
+
+def make_remote_to_cpu(backends: Mapping, kv_caches=None) -> RemoteToCPUHandler | None:
+    """Registry factory for (RemoteLoadStoreSpec, CPULoadStoreSpec); None without both kinds of backend."""
+    return _make(RemoteToCPUHandler, backends, kv_caches)

@@ -1,0 +1,25 @@
+"""What a remote store call raises. All are `TransferError`s: one job fails, the caller recomputes.
+
+`BlockMissing` and `ValueRejected` are answers of a live server (the key is gone, the value is not
+ours or is damaged): they never count toward the circuit breaker. `RemoteUnavailable` is a server
+that did not answer in time, refused the connection or the command, or a breaker that is open.
+"""
+
+from __future__ import annotations
+
+from kvtier.errors import TransferError
+
+
+class RemoteUnavailable(TransferError):
+    """The server (or the shard that holds a key) cannot be used now: down, timed out, refused
+    (authentication, ACL permission), full (`OOM command not allowed` on a write), or the circuit
+    breaker is open (raised at once, without socket I/O)."""
+
+
+class ValueRejected(TransferError):
+    """A value read back failed verification: written by another model, layout or tenant, under
+    another key, truncated, corrupted, or not a string. Its bytes are never served."""
+
+
+class BlockMissing(TransferError):
+    """A key that should exist is gone (evicted by the server, or never fully written)."""

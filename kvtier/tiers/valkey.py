@@ -1,0 +1,322 @@
+"""`ValkeyBackend`: a tier shared by many processes on a Valkey/Redis server or cluster (medium REMOTE).
+
+The server is the index and owns the bytes' lifetime (its `maxmemory` and eviction policy bound
+them). A slot of this backend is a *handle*: a key this process knows to be on the server (it
+published it, or a probe found it). `num_blocks` bounds the handles; `free` forgets a handle
+locally and never deletes anything remotely. Identity: values are stored under keys that name the
+tenant (`key_prefix`), the model (`fingerprint`) and the layout, and carry a verified header, so a
+value of another model, layout or tenant is never served (`kvtier.remote`).
+
+Threads. Socket I/O happens only on the handlers' pool (`put_blocks`, `get_blocks`) and on the
+backend's probe thread (`request_probe` hands it a batch; `probe_results` collects the answers).
+The control methods (`available`, `accepts_writes`, `probe_results`, `failed_keys`) only read
+state, so the manager can call them on the scheduler thread. The store itself is
+`kvtier.remote.store.RemoteStore` (imported when the backend is built, so `kvtier config check`
+works without the Redis client library); `store_factory` replaces it (tests use
+`kvtier.testing.fake_remote`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
+
+from kvtier.errors import ClosedError, ConfigError
+from kvtier.keys import OffloadKey
+from kvtier.remote.errors import RemoteUnavailable
+from kvtier.specs import RemoteLoadStoreSpec
+from kvtier.tiers import valkey_options
+from kvtier.tiers.base import Backend
+from kvtier.types import BlockStatus
+
+log = logging.getLogger(__name__)
+
+_MIB = 1 << 20
+SLOW_WRITE_FRACTION = 0.5  # a write slower than this fraction of the timeout pauses publishing
+PROBE_JOIN_S = 2.0
+
+
+def _real_store(client: dict[str, Any], **store: Any) -> Any:
+    from kvtier.remote.options import ClientOptions
+    from kvtier.remote.store import RemoteStore
+
+    return RemoteStore(ClientOptions(**client), **store)
+
+
+class ValkeyBackend(Backend):
+    """Handles of blocks on a Valkey/Redis server (see the module docstring); a `RemoteBlocks`."""
+
+    spec_type = RemoteLoadStoreSpec
+    medium = "REMOTE"
+    persistent = True  # the builder passes fingerprint and layout: the identity of the values
+    shared = True
+    OPTIONS = valkey_options.OPTIONS
+    # (client options dict, key_prefix=, fingerprint=, layout=, block_bytes=, tp=) -> a RemoteStore
+    store_factory: ClassVar[Callable[..., Any] | None] = None
+
+    @classmethod
+    def check_options(cls, options: dict) -> list[tuple[str, str]]:
+        return valkey_options.check_options(options)
+
+    def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *, url: str,
+                 username: str | None = None, password_env: str | None = None, password_file: str | None = None,
+                 tls_ca_file: str | None = None, tls_cert_file: str | None = None, tls_key_file: str | None = None,
+                 tls_verify: bool = True, key_prefix: str = "kvt", timeout_ms: int = 250,
+                 max_inflight_mib: float = 256.0, breaker_failures: int = 3, breaker_open_s: float = 5.0,
+                 negative_ttl_s: float = 2.0, threads: int = 4, fingerprint: str = "", layout: str = ""):
+        super().__init__(name, num_blocks, block_bytes, block_size)
+        given = dict(url=url, username=username, password_env=password_env, password_file=password_file,
+                     tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
+                     tls_verify=tls_verify, key_prefix=key_prefix, timeout_ms=timeout_ms,
+                     max_inflight_mib=max_inflight_mib, breaker_failures=breaker_failures,
+                     breaker_open_s=breaker_open_s, negative_ttl_s=negative_ttl_s, threads=threads,
+                     fingerprint=fingerprint)
+        self._check(given)
+        if block_bytes <= 0:
+            raise ValueError(f"valkey tier {name!r} needs block_bytes > 0, got {block_bytes}")
+        if not fingerprint:
+            raise ConfigError([("fingerprint", f"empty: valkey tier {name!r} shares blocks across processes and "
+                                               f"must know whose KV they are (the builder passes the model)")])
+        self.url, self.key_prefix = url, key_prefix
+        self.num_threads = threads
+        self.max_inflight_bytes = max(block_bytes, int(max_inflight_mib * _MIB))
+        self.probe_timeout_s = timeout_ms / 1000
+        self.negative_ttl_s = float(negative_ttl_s)
+        self._breaker_open_s = float(breaker_open_s)
+        password = valkey_options.resolve_password(password_env, password_file)
+        self._client = dict(url=url, username=username, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
+                            tls_key_file=tls_key_file, tls_verify=tls_verify, timeout_s=self.probe_timeout_s,
+                            connect_timeout_s=self.probe_timeout_s, breaker_failures=breaker_failures,
+                            breaker_open_s=self._breaker_open_s)
+        self._password = password  # a Secret: never in a repr
+        self._store_args = dict(key_prefix=key_prefix, fingerprint=fingerprint, layout=layout,
+                                block_bytes=block_bytes, tp=1)
+        self._store: Any = None
+        self._store_lock = threading.Lock()
+        self._down_until = 0.0  # the store could not be built: retried after this time
+        self._slow_until = 0.0  # a write was slow: writes are refused until this time
+        self._lock = threading.Lock()  # guards _key_of and _bad across the handler threads
+        self._key_of: dict[int, bytes] = {}  # slot -> key of the handle
+        self._bad: set[bytes] = set()  # keys whose last read failed (still_valid answers False)
+        self._failed: deque[bytes] = deque()  # keys whose read failed, not yet taken by the manager
+        self._probes: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
+        self._answers: deque[tuple[list[bytes], list[bool] | None]] = deque()
+        self._probe_thread: threading.Thread | None = None
+        self._closed = False
+        self.counters = {"probes": 0, "probe_failures": 0, "slow_writes": 0, "read_failures": 0}
+        self._build_store(at_start=True)
+        log.info("valkey tier %s: %s", name, self)
+
+    def _check(self, given: dict[str, Any]) -> None:
+        """Validate options given directly (not through a config): the same checks, by option name."""
+        problems = []
+        for option, value in given.items():
+            default, check = self.OPTIONS[option]
+            if value is None or value == default:
+                continue
+            try:
+                check(value)
+            except (ValueError, TypeError) as exc:
+                problems.append((option, str(exc)))
+        problems += valkey_options.check_options(given)
+        if problems:
+            raise ConfigError(problems)
+
+    def __repr__(self) -> str:
+        return (f"ValkeyBackend(name={self.name!r}, url={self.url!r}, key_prefix={self.key_prefix!r}, "
+                f"handles={self.num_blocks}, password={'set' if self._password else 'none'})")
+
+    # ------------------------------------------------------------------ the store
+    def _build_store(self, at_start: bool = False) -> Any:
+        with self._store_lock:
+            if self._store is not None:
+                return self._store
+            if self._closed:
+                raise ClosedError(f"valkey tier {self.name!r} is closed")
+            factory = type(self).store_factory or _real_store
+            client = dict(self._client, password=self._password.value if self._password else None)
+            try:
+                self._store = factory(client, **self._store_args)
+            except ImportError as exc:
+                raise ConfigError([("backend", f"valkey tier {self.name!r} needs the Redis client library "
+                                               f"(pip install 'redis[hiredis]'): {exc}")]) from None
+            except ValueError as exc:  # ClientOptions: "<option>: what is wrong"
+                option, sep, message = str(exc).partition(": ")
+                raise ConfigError([(option if sep and option in self.OPTIONS else "", str(exc) if not sep
+                                    or option not in self.OPTIONS else message)]) from None
+            except Exception as exc:  # noqa: BLE001 - a server that is down at start is retried later
+                if not at_start:
+                    raise
+                self._down_until = time.monotonic() + self._breaker_open_s
+                log.warning("valkey tier %s: cannot reach %s at start (%s: %s); lookups miss until it answers",
+                            self.name, self.url, type(exc).__name__, exc)
+                return None
+            return self._store
+
+    def _store_for_io(self) -> Any:
+        store = self._store
+        return store if store is not None else self._build_store()
+
+    def client_options(self) -> Any:
+        """The store's `ClientOptions` (password included, hidden from its repr), e.g. for a
+        baseline client with the same settings. Builds the store if needed (socket I/O)."""
+        return self._store_for_io().options
+
+    @property
+    def available(self) -> bool:
+        """False while the circuit breaker is open (or the store could not be built lately)."""
+        store = self._store
+        if store is None:
+            return time.monotonic() >= self._down_until
+        return bool(store.available)
+
+    def accepts_writes(self) -> bool:
+        """False for a while after a slow write (see `SLOW_WRITE_FRACTION`)."""
+        return time.monotonic() >= self._slow_until
+
+    # ------------------------------------------------------------------ slots (handles)
+    def allocate_blocks(self, keys: Sequence[OffloadKey]) -> list[BlockStatus]:
+        blocks = super().allocate_blocks(keys)
+        with self._lock:
+            for key, block in zip(keys, blocks):
+                self._key_of[block.block_id] = bytes(key)
+        return blocks
+
+    def free(self, block: BlockStatus) -> None:
+        """Forget the handle; the value stays on the server."""
+        with self._lock:
+            key = self._key_of.pop(block.block_id, None)
+            if key is not None:
+                self._bad.discard(key)
+        super().free(block)
+
+    def still_valid(self, block: BlockStatus) -> bool:
+        """After a failed read: False for a handle whose own read failed (its key is dropped and
+        negative-cached), True for one read fine in a job that failed on another key."""
+        with self._lock:
+            key = self._key_of.get(block.block_id)
+            return key is not None and key not in self._bad
+
+    def recover(self) -> list[tuple[OffloadKey, BlockStatus]]:
+        """Nothing: the server is the index, found again by probing."""
+        return []
+
+    # ------------------------------------------------------------------ bytes (handler threads)
+    def _check_buffers(self, keys: Sequence[bytes], buffers: Sequence) -> None:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys for {len(buffers)} buffers")
+        for i, buf in enumerate(buffers):
+            if memoryview(buf).nbytes != self.block_bytes:
+                raise ValueError(f"buffer {i} holds {memoryview(buf).nbytes} bytes, a block is {self.block_bytes}")
+
+    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence) -> int:
+        """Store `buffers[i]` under `keys[i]`; raises on the first failure."""
+        self._check_buffers(keys, buffers)
+        store = self._store_for_io()
+        slow = self.probe_timeout_s * SLOW_WRITE_FRACTION
+        sent = 0
+        for key, buf in zip(keys, buffers):
+            start = time.monotonic()
+            sent += store.write_block(bytes(key), memoryview(buf).cast("B"))
+            end = time.monotonic()
+            if end - start > slow:
+                self._slow_until = end + self._breaker_open_s
+                self.counters["slow_writes"] += 1
+        with self._lock:
+            self._bad.difference_update(map(bytes, keys))
+        return sent
+
+    def get_blocks(self, keys: Sequence[bytes], buffers: Sequence) -> int:
+        """Read and verify `keys[i]` into `buffers[i]`. Every key is tried (until the server is
+        unreachable); the keys that failed are remembered (`still_valid`, `failed_keys`) and the
+        first error is raised."""
+        self._check_buffers(keys, buffers)
+        first: BaseException | None = None
+        got = 0
+        for i, (key, buf) in enumerate(zip(keys, buffers)):
+            try:
+                got += self._store_for_io().read_block(bytes(key), memoryview(buf).cast("B"))
+            except Exception as exc:  # noqa: BLE001 - recorded per key, the first one raised
+                first = first or exc
+                down = isinstance(exc, (RemoteUnavailable, ClosedError))
+                self._note_failed(keys[i:] if down else [key])
+                if down:
+                    break
+        if first is not None:
+            raise first
+        return got
+
+    def _note_failed(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._bad.update(map(bytes, keys))
+            self._failed.extend(map(bytes, keys))
+            self.counters["read_failures"] += len(keys)
+
+    def failed_keys(self) -> list[bytes]:
+        """Keys whose reads failed since the last call (thread-safe handoff to the manager)."""
+        out = []
+        while self._failed:
+            out.append(self._failed.popleft())
+        return out
+
+    # ------------------------------------------------------------------ probes
+    def request_probe(self, keys: Sequence[bytes]) -> None:
+        """Hand one batch to the probe thread (never blocks; answered by `probe_results`)."""
+        if self._closed:
+            self._answers.append((list(keys), None))
+            return
+        if self._probe_thread is None:
+            self._probe_thread = threading.Thread(target=self._probe_loop, name=f"kvtier-probe-{self.name}",
+                                                  daemon=True)
+            self._probe_thread.start()
+        self._probes.put(list(keys))
+
+    def probe_results(self) -> list[tuple[list[bytes], list[bool] | None]]:
+        """The batches answered since the last call: `(keys, found)`, `found` None when the probe failed."""
+        out = []
+        while self._answers:
+            out.append(self._answers.popleft())
+        return out
+
+    @property
+    def has_probe_results(self) -> bool:
+        return bool(self._answers)
+
+    def _probe_loop(self) -> None:
+        while True:
+            batch = self._probes.get()
+            if batch is None:
+                return
+            self.counters["probes"] += 1
+            found: list[bool] | None
+            try:
+                answers = [bool(f) for f in self._store_for_io().probe(batch)]
+                if len(answers) != len(batch):
+                    raise ValueError(f"probe answered {len(answers)} of {len(batch)} keys")
+                found = answers
+            except Exception as exc:  # noqa: BLE001 - a failed probe is an answer: nothing found
+                log.debug("valkey tier %s: probe of %d keys failed: %s: %s", self.name, len(batch),
+                          type(exc).__name__, exc)
+                self.counters["probe_failures"] += 1
+                found = None
+            self._answers.append((batch, found))
+
+    # ------------------------------------------------------------------ end
+    def close(self) -> None:
+        """Stop the probe thread and close the store (idempotent). Nothing is deleted remotely."""
+        if self._closed:
+            return
+        self._closed = True
+        thread = self._probe_thread
+        if thread is not None:
+            self._probes.put(None)
+            thread.join(PROBE_JOIN_S)
+        with self._store_lock:
+            store, self._store = self._store, None
+        if store is not None:
+            store.close()

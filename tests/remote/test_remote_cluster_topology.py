@@ -1,0 +1,86 @@
+"""Cluster routing on real clusters: a slot that moves is followed, a cluster that is down when the
+store is built is picked up when it comes up, and a TLS cluster (clusters://) works end to end."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import redis
+from remote.servers import Cluster, start_cluster
+
+from kvtier.keys import make_offload_key
+from kvtier.remote.errors import RemoteUnavailable
+
+
+def okey(i: int) -> bytes:
+    return make_offload_key(i.to_bytes(16, "big"), 0)
+
+
+def _node_id(server) -> str:
+    return server.client().execute_command("CLUSTER", "MYID").decode()
+
+
+def test_a_moved_slot_reloads_the_map(valkey_cluster, make_store):
+    """The slot of an unwritten key is reassigned to another master: the next write gets MOVED,
+    raises RemoteUnavailable (not a breaker failure) and reloads the map; the one after lands on the
+    new master and reads back."""
+    store = make_store(valkey_cluster.url, block_bytes=4096, breaker_failures=1)
+    key = okey(4242)
+    part = store.keys.part_keys(key)[0]
+    source = valkey_cluster.server_for(part)
+    target = next(s for s in valkey_cluster.servers if s is not source)
+    slot = redis.crc.key_slot(part)
+    for server in [target, source] + [s for s in valkey_cluster.servers if s not in (source, target)]:
+        server.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", _node_id(target))
+    block = os.urandom(4096)
+    with pytest.raises(RemoteUnavailable, match="slot moved"):
+        store.write_block(key, memoryview(block))
+    assert store.stats()["redirects"] == 1 and store.available
+    store.write_block(key, memoryview(block))
+    assert valkey_cluster.server_for(part) is target and target.client().exists(part) == 1
+    out = bytearray(4096)
+    store.read_block(key, memoryview(out))
+    assert out == block and store.stats()["failures"] == 0
+
+
+def test_cluster_down_at_start_is_picked_up_in_the_background(tmp_path, make_store):
+    cluster = Cluster(tmp_path / "late")
+    store = make_store(cluster.url, block_bytes=4096, breaker_open_s=0.2)
+    try:
+        assert not store.available
+        start = time.perf_counter()
+        with pytest.raises(RemoteUnavailable, match="slot map not loaded"):
+            store.probe([okey(1)])
+        assert time.perf_counter() - start < 0.05  # no I/O: the map is not there
+        cluster.start()
+        deadline = time.monotonic() + 10
+        while not store.available:
+            assert time.monotonic() < deadline, "the store did not load the slot map"
+            time.sleep(0.05)
+        block = os.urandom(4096)
+        store.write_block(okey(1), memoryview(block))
+        out = bytearray(4096)
+        store.read_block(okey(1), memoryview(out))
+        assert out == block and store.stats()["servers"] == 3
+    finally:
+        cluster.stop()
+
+
+def test_tls_cluster(tmp_path, make_store):
+    cluster = start_cluster(tmp_path / "tls", tls=True)
+    try:
+        assert cluster.url.startswith("clusters://")
+        store = make_store(cluster.url, block_bytes=4096, tp=2, tls_ca_file=str(cluster.servers[0].tls_ca))
+        blocks = {okey(i): os.urandom(4096) for i in range(12)}
+        for key, block in blocks.items():
+            store.write_block(key, memoryview(block))
+        assert store.probe([*blocks, okey(999)]) == [True] * 12 + [False]
+        for key, block in blocks.items():
+            out = bytearray(4096)
+            store.read_block(key, memoryview(out))
+            assert out == block
+        assert store.stats()["servers"] == 3 and store.stats()["failures"] == 0
+    finally:
+        cluster.stop()
