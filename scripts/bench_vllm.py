@@ -16,13 +16,16 @@ Every warm output is checked token for token against the cold one. The table rep
 seconds of `llm.generate` (prefill + 2 tokens) per mode and the tier the metrics say served it,
 then the ratios kvtier / vLLM fs per mode (the issue's target: file <= 0.8).
 
-The kvtier and vLLM engines run at the same time and in step (`--sequential` runs them one after
-the other): a barrier step before each warm request makes both engines take request i together.
-On a shared machine the load changes from minute to minute: engines run one after the other met
-loads four times apart (cold prefill medians 2.7 s against 10.1 s in one such run), and engines run
-together but not in step had one's warm requests overlap the other's cold prefills; either decided
-the ratio more than the backends did. The ratios are also
-given divided by each engine's own cold prefill median ("load-normalized") as a cross-check.
+The kvtier and vLLM engines are both up at once and take turns, request by request (a barrier
+before each request, the engine going first alternating): each request has the machine to itself,
+and both engines' request i runs within seconds of the other's, at the same machine load.
+`--together` makes both take each request at the same time instead (in step); then each engine's
+time includes the other's work on the shared cores, which pulls every ratio towards 1 (the faster
+engine's request runs while the slower one still computes; the slower one finishes alone).
+`--sequential` runs one engine after the other: on a shared machine the load changes from minute
+to minute (cold prefill medians 2.7 s against 10.1 s in one such run), which then decides the
+ratio more than the backends do. The ratios are also given divided by each engine's own cold
+prefill median ("load-normalized") as a cross-check.
 
 vLLM's TieringOffloadingSpec worker refuses the CPU platform, so for it this module defines
 `BenchTieringSpec`: the same spec (CPU primary tier in a shared region + `fs` secondary tier) with a
@@ -170,6 +173,28 @@ def _in_step(steps: list[dict], folder: str, parties: int) -> list[dict]:
     return out
 
 
+def _in_turns(steps: list[dict], folder: str, position: int) -> list[dict]:
+    """`steps` of one of two engines taking turns: for each request (a generate step, with the
+    reset before it) both engines meet at a barrier, then one serves the request while the other
+    waits for it at a second barrier, then the other serves it. Who goes first alternates from one
+    request to the next (`position` 0 or 1 says who goes first on request 0). Each request has
+    the machine to itself (neither engine's time includes the other's work), and both engines'
+    requests i run within seconds of each other (the same machine load)."""
+    out: list[dict] = []
+    unit: list[dict] = []
+    n = 0
+    for step in steps:
+        unit.append(step)
+        if step["op"] != "generate":
+            continue
+        first = (n + position) % 2 == 0
+        meet = {"op": "barrier", "dir": folder, "name": f"req{n}", "parties": 2}
+        turn = {"op": "barrier", "dir": folder, "name": f"turn{n}", "parties": 2}
+        out += [meet] + (unit + [turn] if first else [turn] + unit)
+        unit, n = [], n + 1
+    return out + unit
+
+
 def _served_by(rec: dict) -> str:
     m = {k.replace("vllm:", ""): v for k, v in rec["metrics"].items()}
     hits = m.get("external_prefix_cache_hits", 0)
@@ -188,6 +213,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--sequential", action="store_true",
                         help="run the kvtier and vLLM engines one after the other, not at the same time")
+    parser.add_argument("--together", action="store_true",
+                        help="both engines take each request at the same time (in step), instead of in turns")
     parser.add_argument("--only", default="kvtier,vllm_fs,recompute",
                         help="backends to run; reports of the others already in --workdir are reused")
     args = parser.parse_args()
@@ -219,8 +246,11 @@ def main() -> None:
             "extra": {"cpu_bytes_to_use": CPU_BLOCKS * (chunk + 4096),
                       "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}})
     if not args.sequential and len(jobs) > 1:
-        for job in jobs.values():  # every warm request of the engines starts at the same time
-            job["steps"] = _in_step(job["steps"], str(work / "barriers"), len(jobs))
+        for position, job in enumerate(jobs.values()):
+            if args.together:  # every warm request of the engines starts at the same time
+                job["steps"] = _in_step(job["steps"], str(work / "barriers"), len(jobs))
+            else:  # request by request, one engine after the other
+                job["steps"] = _in_turns(job["steps"], str(work / "barriers"), position)
     if args.sequential:
         for name, job in jobs.items():
             reports[name] = run_engine(job, work, name, timeout=900)
@@ -269,8 +299,10 @@ def main() -> None:
         print(f"ratio kvtier/vllm_fs {mode}: {r['ratio']:.2f} (load-normalized by each engine's cold median: "
               f"{r['normalized']:.2f}; request by request: median {r['paired_median']:.2f}, kvtier faster in "
               f"{r['kvtier_faster']} of {r['pairs']})")
-    result = {"summary": summary, "cold_median_s": cold_times, "ratios": ratios,
-              "together": not args.sequential, "model": MODEL, "engine_block": ENGINE_BLOCK,
+    schedule = "sequential" if args.sequential else "together" if args.together else "turns"
+    print(f"engines ran: {schedule}")
+    result = {"summary": summary, "cold_median_s": cold_times, "ratios": ratios, "schedule": schedule,
+              "together": schedule == "together", "model": MODEL, "engine_block": ENGINE_BLOCK,
               "offload_block": OFFLOAD_BLOCK, "cpu_blocks": CPU_BLOCKS, "words": args.words, "rounds": args.rounds,
               "workdir": str(work)}
     Path(args.out).write_text(json.dumps(result, indent=1))
