@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
+from itertools import compress, filterfalse, repeat
+from operator import is_
 from typing import cast
 
 from kvtier.control.jobs import EventLog, Job, JobTable
@@ -109,25 +111,21 @@ class Cascade:
             self._demote(tier, dirty)
 
     def _dirty_victims(self, tier: Tier, count: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
-        """Among the next `count` victims of `tier`'s policy, those not yet readable in the next tier."""
+        """Among the next `count` unprotected victims of `tier`'s policy, those not yet readable in
+        the next tier, in eviction order; the ones found readable there become clean. C loops
+        over the policy's `victim_keys`."""
         assert tier.below is not None
-        below = tier.below.policy.get
+        keys = tier.policy.victim_keys(count + len(protected))
+        if protected:
+            keys = list(filterfalse(protected.__contains__, keys))
+        del keys[count:]
         clean = tier.clean
-        dirty: list[OffloadKey] = []
-        seen = 0
-        for key, _ in tier.policy.victim_candidates():
-            if key in protected:
-                continue
-            if key not in clean:
-                lower = below(key)
-                if lower is not None and lower.ref_cnt >= 0:
-                    clean.add(key)
-                elif lower is None:
-                    dirty.append(key)
-            seen += 1
-            if seen >= count:
-                break
-        return dirty
+        unknown = list(filterfalse(clean.__contains__, keys)) if clean else keys
+        lower = list(map(tier.below.policy.get, unknown))
+        if lower.count(None) == len(lower):
+            return unknown
+        clean.update(k for k, b in zip(unknown, lower) if b is not None and b.ref_cnt >= 0)
+        return list(compress(unknown, map(is_, lower, repeat(None))))
 
     def _demote(self, tier: Tier, keys: list[OffloadKey]) -> None:
         """Copy readable blocks of `tier` to the next tier (one job). Backpressure: what the

@@ -66,18 +66,21 @@ class LoadPins:
     def prepare_top(self, keys: list[OffloadKey]) -> LoadStoreSpec | None:
         """`prepare_load` in C loops for the common case: distinct keys, every one readable in
         tier 0, none pinned by an earlier load or promoted; None (nothing changed) otherwise."""
-        top, pins = self.top, self.pins
+        top, pins, promoted = self.top, self.pins, self.top.promoted_from
         blocks = list(map(top.policy.get, keys))
         ref_cnts = _ref_cnts(blocks)
-        if (not keys or -1 in ref_cnts or not pins.keys().isdisjoint(keys)
-                or not top.promoted_from.keys().isdisjoint(keys)):
+        if (not keys or -1 in ref_cnts or (pins and not pins.keys().isdisjoint(keys))
+                or (promoted and not promoted.keys().isdisjoint(keys))):
             return None
         before = len(pins)
         pins.update(zip(keys, repeat(_TOP_ONLY)))
         if len(pins) - before != len(keys):  # a key given twice: pinned twice, key by key
             _consume(map(pins.pop, keys, repeat(None)), 0)
             return None
-        _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
+        if ref_cnts.count(0) == len(ref_cnts):  # none pinned before (the common case)
+            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(1)), 0)
+        else:
+            _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
         top.stats.hits += len(keys)
         top.policy.pin(keys)
         return top.backend.get_load_store_spec(keys, cast("list[BlockStatus]", blocks))
@@ -122,7 +125,12 @@ class LoadPins:
             return False
         top = self.top
         blocks = list(map(top.policy.get, keys))
-        ref_cnts = list(map(add, map(_ref_cnt, blocks), repeat(-1)))
+        ref_cnts = list(map(_ref_cnt, blocks))
+        if ref_cnts.count(1) == len(ref_cnts):  # each pinned by this load only (the common case)
+            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
+            top.policy.unpin(keys)
+            return True
+        ref_cnts = list(map(add, ref_cnts, repeat(-1)))
         _consume(map(setattr, blocks, repeat("ref_cnt"), ref_cnts), 0)
         top.policy.unpin(list(compress(keys, map(not_, ref_cnts))))
         return True
