@@ -56,7 +56,7 @@ class LoadPins:
             return 0  # most misses miss at once: no lists built
         n, size, total = 1, _FIRST_CHUNK, len(keys)
         while n < total:
-            ref_cnts = _ref_cnts(list(map(get, keys[n:n + size])))
+            ref_cnts = list(map(getattr, map(get, keys[n:n + size]), repeat("ref_cnt"), repeat(-1)))
             if -1 in ref_cnts:
                 return n + ref_cnts.index(-1)
             n += len(ref_cnts)
@@ -116,12 +116,11 @@ class LoadPins:
         """`complete_load` in C loops for the common case: distinct keys, each pinned once by
         `prepare_load` in tier 0; False (nothing changed) otherwise."""
         pins = self.pins
-        if not keys or list(map(pins.get, keys)).count(_TOP_ONLY) != len(keys):
+        if not keys:
             return False
-        before = len(pins)
-        _consume(map(pins.pop, keys, repeat(None)), 0)
-        if before - len(pins) != len(keys):  # a key given twice: the per-key path reports it
-            pins.update(zip(keys, repeat(_TOP_ONLY)))
+        popped = list(map(pins.pop, keys, repeat(None)))
+        if popped.count(_TOP_ONLY) != len(keys):  # pinned elsewhere or twice, not pinned, or given twice
+            pins.update(compress(zip(keys, cast("list[tuple[int, ...]]", popped)), popped))  # put back: no change
             return False
         top = self.top
         blocks = list(map(top.policy.get, keys))

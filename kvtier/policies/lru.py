@@ -63,19 +63,23 @@ class LRUCachePolicy(CachePolicy):
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         blocks = self.blocks
         move = blocks.move_to_end
-        keys = list(keys)
+        keys = keys if isinstance(keys, list) else list(keys)
         if self.aside:
             _consume(map(self.aside.pop, keys, repeat(None)), 0)  # touched: back in the order
-        _consume(map(move, filter(blocks.__contains__, reversed(keys))), 0)
+        try:
+            _consume(map(move, reversed(keys)), 0)
+        except KeyError:  # some keys are not resident: again without them (the same final order)
+            _consume(map(move, filter(blocks.__contains__, reversed(keys))), 0)
 
     def unpin(self, keys: Iterable[OffloadKey]) -> None:
         pinned = self._pinned
         if pinned is None:
             return
-        if not self.aside:
+        aside = self.aside
+        if not aside or aside.keys().isdisjoint(keys):
             pinned.difference_update(keys)
             return
-        aside, freed = self.aside, self._freed
+        freed = self._freed
         for key in keys:
             pinned.discard(key)
             seq = aside.get(key)

@@ -190,7 +190,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         pinned = self._pinned
         if pinned is None:
             return
-        if not self.aside:
+        if not self.aside or self.aside.keys().isdisjoint(keys):
             pinned.difference_update(keys)
             return
         self._aside.unpin(keys, pinned)
@@ -204,7 +204,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         pop_new = new.pop
         returns = self._tails.counts
         keys = keys if isinstance(keys, list) else list(keys)
-        if self.aside:
+        if self.aside and not self.aside.keys().isdisjoint(keys):
             self._aside.unaside(keys)  # touched: back in the order of the segment they move to
         for key in reversed(keys):
             stamp = pop_new(key, None)
