@@ -115,9 +115,13 @@ class Cascade:
         the next tier, in eviction order; the ones found readable there become clean. C loops
         over the policy's `victim_keys`."""
         assert tier.below is not None
-        keys = tier.policy.victim_keys(count + len(protected))
-        if protected:
-            keys = list(filterfalse(protected.__contains__, keys))
+        want = count
+        while True:  # more victims when some were protected (skipped, not counted)
+            found = tier.policy.victim_keys(want)
+            keys = list(filterfalse(protected.__contains__, found)) if protected else found
+            if len(keys) >= count or len(found) < want:
+                break
+            want = count + len(found) - len(keys)
         del keys[count:]
         clean = tier.clean
         unknown = list(filterfalse(clean.__contains__, keys)) if clean else keys

@@ -3,7 +3,7 @@
 A load pins each block (`ref_cnt += 1`) in the tier it is read from: tier 0, or a lower tier the
 engine loads directly. `pins` maps a key to the tiers it is pinned in, in order, so `complete_load`
 releases the last pin first. The common case (distinct keys, all readable in tier 0, none pinned
-before or promoted) runs in C loops over the batch; anything else goes key by key, with the same
+before; promoted there or not) runs in C loops over the batch; anything else goes key by key, with the same
 answers and side effects (`tests/test_manager_bulk.py` checks the two against each other).
 """
 
@@ -65,12 +65,12 @@ class LoadPins:
 
     def prepare_top(self, keys: list[OffloadKey]) -> LoadStoreSpec | None:
         """`prepare_load` in C loops for the common case: distinct keys, every one readable in
-        tier 0, none pinned by an earlier load or promoted; None (nothing changed) otherwise."""
+        tier 0 (promoted there or not), none pinned by an earlier load; None (nothing changed)
+        otherwise."""
         top, pins, promoted = self.top, self.pins, self.top.promoted_from
         blocks = list(map(top.policy.get, keys))
         ref_cnts = _ref_cnts(blocks)
-        if (not keys or -1 in ref_cnts or (pins and not pins.keys().isdisjoint(keys))
-                or (promoted and not promoted.keys().isdisjoint(keys))):
+        if not keys or -1 in ref_cnts or (pins and not pins.keys().isdisjoint(keys)):
             return None
         before = len(pins)
         pins.update(zip(keys, repeat(_TOP_ONLY)))
@@ -81,7 +81,13 @@ class LoadPins:
             _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(1)), 0)
         else:
             _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
-        top.stats.hits += len(keys)
+        if promoted and not promoted.keys().isdisjoint(keys):
+            # Promoted into tier 0 and loaded now: the tier that supplied each is credited.
+            origins = list(map(promoted.pop, keys, repeat(0)))
+            for origin in sorted(set(origins)):
+                self.tiers[origin].stats.hits += origins.count(origin)
+        else:
+            top.stats.hits += len(keys)
         top.policy.pin(keys)
         return top.backend.get_load_store_spec(keys, cast("list[BlockStatus]", blocks))
 
