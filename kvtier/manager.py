@@ -240,8 +240,9 @@ class HierarchyManager(OffloadingManager):
         self._log.record(top, changed, removed=False)
         below = top.below
         if below is not None:
-            get = below.policy.get
-            top.clean.update(k for k in changed if (b := get(k)) is not None and b.ref_cnt >= 0)
+            lower = list(map(below.policy.get, changed))
+            if lower.count(None) != len(lower):  # (new blocks are rarely below already)
+                top.clean.update(k for k, b in zip(changed, lower) if b is not None and b.ref_cnt >= 0)
             if top.cascade == "on_store":
                 self._cascade.queue_writes(top, [k for k in changed if k not in top.clean])
 

@@ -13,9 +13,10 @@ A copy is a `Demotion` job: its source blocks stay pinned until it ends.
 from __future__ import annotations
 
 import logging
+from collections import deque as _consume
 from collections.abc import Collection, Sequence
 from itertools import compress, filterfalse, repeat
-from operator import is_
+from operator import add, attrgetter, is_
 from typing import cast
 
 from kvtier.control.jobs import EventLog, Job, JobTable
@@ -24,6 +25,7 @@ from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus
 
 log = logging.getLogger(__name__)
+_ref_cnt = attrgetter("ref_cnt")
 
 
 class Demotion(Job):
@@ -158,9 +160,9 @@ class Cascade:
             evicted = None
         if evicted is None and self.make_room(lower, len(keys), protected) is None:
             return False
-        src_blocks = cast("list[BlockStatus]", [tier.policy.get(k) for k in keys])  # readable: checked by callers
-        for block in src_blocks:
-            block.ref_cnt += 1
+        src_blocks = cast("list[BlockStatus]", list(map(tier.policy.get, keys)))  # readable: checked by callers
+        # keys are distinct (victims, or a write queue's keys): one read and one write per block
+        _consume(map(setattr, src_blocks, repeat("ref_cnt"), map(add, map(_ref_cnt, src_blocks), repeat(1))), 0)
         tier.policy.pin(keys)
         tier.demoting += len(keys)
         dst_blocks = lower.backend.allocate_blocks(keys)
