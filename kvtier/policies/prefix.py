@@ -53,7 +53,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import islice
+from itertools import chain, islice
+from operator import attrgetter, itemgetter
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
@@ -72,6 +73,9 @@ from kvtier.types import BlockStatus
 
 _TAIL = 0  # segment index of request tails; segment 1 + c holds the blocks with c hits
 _INF = float("inf")
+_first = itemgetter(0)
+_second = itemgetter(1)
+_ref_cnt = attrgetter("ref_cnt")
 
 
 class PrefixFreqCachePolicy(CachePolicy):
@@ -310,21 +314,8 @@ class PrefixFreqCachePolicy(CachePolicy):
             left -= 1
             if not left:
                 break
-            below = limit - best[4]
-            for key, stamp in best[3]:
-                block = blocks[key]
-                if block.ref_cnt == 0 and key not in protected:
-                    if stamp >= below:
-                        best[0], best[1], best[2] = stamp + best[4], key, block
-                        break
-                    append((key, block))
-                    take(key)
-                    left -= 1
-                    if not left:
-                        break
-                elif met is not None:
-                    met.append((best[5], key))
-            else:
+            left, exhausted = _run(best, limit - best[4], left, blocks, protected, chosen, met)
+            if exhausted:
                 lanes.remove(best)
                 continue
             if not left:
@@ -393,6 +384,50 @@ def _merged(lanes: list[list], blocks: dict[OffloadKey, BlockStatus],
                 yield key, block
         else:
             lanes.remove(best)
+
+
+def _run(best: list, below: float, left: int, blocks: dict[OffloadKey, BlockStatus], protected: set[OffloadKey],
+         chosen: list[tuple[OffloadKey, BlockStatus]], met: list[tuple[int, OffloadKey]] | None) -> tuple[int, bool]:
+    """`evict`'s run in lane `best` (from `_heads`): take its evictable, unprotected blocks while
+    their stamps stay below `below` (the other lanes' best score less this lane's offset), at most
+    `left`; pinned or protected keys passed are appended to `met`. Returns (left, whether the
+    lane ran out). A lane stopped by a block at or above `below` holds it as its new head.
+
+    Chunks of at most `left` entries whose blocks are all taken (evictable, unprotected, below)
+    are taken in C loops; any other chunk is walked key by key, and what it did not reach is put
+    back in front of the lane's iterator."""
+    it = best[3]
+    taken = best[6]
+    get = blocks.__getitem__
+    while True:
+        chunk = list(islice(it, left))
+        if not chunk:
+            return left, True
+        keys = list(map(_first, chunk))
+        found = list(map(get, keys))
+        if (max(map(_second, chunk)) < below and not any(map(_ref_cnt, found))
+                and protected.isdisjoint(keys)):
+            chosen += zip(keys, found)
+            taken += keys
+            left -= len(keys)
+            if not left:
+                return 0, False
+            continue
+        for i, (key, stamp) in enumerate(chunk):
+            block = found[i]
+            if block.ref_cnt == 0 and key not in protected:
+                if stamp >= below:
+                    best[0], best[1], best[2] = stamp + best[4], key, block
+                    if i + 1 < len(chunk):
+                        best[3] = chain(chunk[i + 1:], it)
+                    return left, False
+                chosen.append((key, block))
+                taken.append(key)
+                left -= 1
+                if not left:
+                    return 0, False  # (the lane is not walked again by this eviction)
+            elif met is not None:
+                met.append((best[5], key))
 
 
 def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, int]], blocks: dict[OffloadKey, BlockStatus],
