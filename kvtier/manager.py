@@ -192,7 +192,8 @@ class HierarchyManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
-        self._jobs.drain()
+        if self._results_waiting():
+            self._jobs.drain()
         self._cascade.advance_writes()
         top = self._top
         to_store = list(filterfalse(top.policy.get, keys))  # not resident (a BlockStatus is truthy)

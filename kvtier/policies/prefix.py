@@ -53,7 +53,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain, islice
+from itertools import chain, islice, repeat
 from operator import attrgetter, itemgetter
 
 from kvtier.keys import OffloadKey
@@ -154,7 +154,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         if tail is not None:
             self.segs[_TAIL][tail] = self.clock
             first = 1
-        self._new.update(dict.fromkeys(islice(keys, first, None), self.clock))
+        self._new.update(zip(islice(keys, first, None), repeat(self.clock)))
 
     def _place(self, key: OffloadKey, tail: bool = False) -> None:
         """Put a just-inserted key into its segment: a returning ghost by its history, else the
