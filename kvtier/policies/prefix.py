@@ -102,8 +102,11 @@ class PrefixFreqCachePolicy(CachePolicy):
         # last use); stamps increase along each segment.
         self.segs: list[OrderedDict[OffloadKey, int]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
         self._new = self.segs[1]
-        # touch looks a key up in the hit classes first (touched prefixes were hit before)
-        self._probe = tuple(enumerate(self.segs))[::-1]
+        # touch: after the new blocks, a key is looked up in the hit classes from the top (touched
+        # prefixes were hit before), tails last; a key found in segment s moves to put[s]'s segment
+        top = len(self.segs) - 1
+        self._probe = tuple((seg, self.segs[seg].pop) for seg in (*range(top, 1, -1), _TAIL))
+        self._put = tuple(self.segs[2 if seg == _TAIL else min(seg + 1, top)].__setitem__ for seg in range(top + 1))
         self.blocks: dict[OffloadKey, BlockStatus] = {}
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
         self.clock = 0
@@ -200,33 +203,32 @@ class PrefixFreqCachePolicy(CachePolicy):
         self._aside.unpin(keys, pinned)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        segs = self.segs
-        new = segs[1]
-        top = len(segs) - 1
-        probe = self._probe
         clock, unit, rate = self._sync(), self.unit, self.unit_rate
-        pop_new = new.pop
-        returns = self._tails.counts
+        pop_new, probe, put = self._new.pop, self._probe, self._put
         keys = keys if isinstance(keys, list) else list(keys)
         if self.aside and not self.aside.keys().isdisjoint(keys):
             self._aside.unaside(keys)  # touched: back in the order of the segment they move to
+        hit_new = hit_tail = 0
         for key in reversed(keys):
             stamp = pop_new(key, None)
             if stamp is not None:
                 seg = 1
-                returns[HIT_NEW] += 1
+                hit_new += 1
             else:
-                for seg, lane in probe:  # noqa: B007 - seg is read after the loop: where the key was found
-                    stamp = lane.pop(key, None)
+                for seg, pop in probe:  # noqa: B007 - seg is read after the loop: where the key was found
+                    stamp = pop(key, None)
                     if stamp is not None:
                         break
                 else:
                     continue
                 if seg == _TAIL:
-                    returns[HIT_TAIL] += 1
+                    hit_tail += 1
             clock += 1
             unit += (clock - stamp - unit) * rate
-            segs[seg + 1 if 0 < seg < top else (2 if seg == _TAIL else top)][key] = clock
+            put[seg](key, clock)
+        returns = self._tails.counts
+        returns[HIT_NEW] += hit_new
+        returns[HIT_TAIL] += hit_tail
         self.clock = clock
         self.unit = unit
 
