@@ -20,7 +20,7 @@ from kvtier.specs import CompositeLoadStoreSpec, LoadStoreSpec
 from kvtier.types import BlockStatus
 
 _ref_cnt = attrgetter("ref_cnt")
-_FIRST_CHUNK = 4  # keys `top_run` checks in its first C pass; later passes double it
+_FIRST_CHUNK = 16  # keys `top_run` checks in its first C pass; later passes double it
 _TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
 
 
