@@ -203,7 +203,8 @@ class HierarchyManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
-        self._jobs.drain()
+        if self._results_waiting():
+            self._jobs.drain()
         self._cascade.advance_writes()
         top = self._top
         to_store = list(filterfalse(top.policy.get, keys))  # not resident (a BlockStatus is truthy)
@@ -251,8 +252,9 @@ class HierarchyManager(OffloadingManager):
         self._log.record(top, changed, removed=False)
         below = top.below
         if below is not None:
-            get = below.policy.get
-            top.clean.update(k for k in changed if (b := get(k)) is not None and b.ref_cnt >= 0)
+            lower = list(map(below.policy.get, changed))
+            if lower.count(None) != len(lower):  # (new blocks are rarely below already)
+                top.clean.update(k for k, b in zip(changed, lower) if b is not None and b.ref_cnt >= 0)
             if top.cascade == "on_store":
                 self._cascade.queue_writes(top, [k for k in changed if k not in top.clean])
         if self._shared is not None:

@@ -144,3 +144,25 @@ def test_lookup_run_stops_at_the_first_miss_and_loads_in_one_batch():
         m.complete_load([a], CTX)
     with pytest.raises(KeyError):
         m.prepare_load([c], CTX)
+
+
+@pytest.mark.parametrize("miss_at", [0, 1, 2, 15, 16, 17, 48, 49, 100, 150])
+@pytest.mark.parametrize("pending_at", [None, 20, 60])
+def test_lookup_run_over_several_chunks_equals_per_key(miss_at, pending_at):
+    """`top_run` checks tier 0 in chunks that double from `_FIRST_CHUNK`; a long request that
+    stops anywhere (a miss, a block still being written) gets the per-key answer."""
+    h = memory_hierarchy(hot=200, warm=400, block_bytes=BLOCK)
+    try:
+        stored = keys(150)
+        out = h.manager.prepare_store(stored, CTX)
+        h.manager.complete_store(out.keys_to_store, CTX)
+        request = stored[:miss_at] + keys(1, start=10_000) + stored[miss_at:]
+        if pending_at is not None:
+            pending = keys(1, start=20_000)
+            h.manager.prepare_store(pending, CTX)  # being written: HIT_PENDING until completed
+            request.insert(pending_at, pending[0])
+        want = per_key_run(h.manager, request)
+        assert h.manager.lookup_run(request, CTX) == want
+        assert want[0] == min(miss_at, pending_at if pending_at is not None else miss_at)
+    finally:
+        h.close()

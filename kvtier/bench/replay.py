@@ -149,6 +149,28 @@ def generate_agentic_trace(num_sessions: int = 40, turns: int = 25, concurrent: 
     return Trace("synthetic-agentic", requests)
 
 
+def generate_scan_trace(num_requests: int = 3000, scan_fraction: float = 0.25, prefixes: int = 12,
+                        prefix_blocks: int = 12, question_blocks: int = 2, doc_blocks: tuple[int, int] = (48, 160),
+                        seed: int = 0) -> Trace:
+    """A one-shot-scan workload: chat requests on a few hot shared prefixes (`prefixes` system
+    prompts of `prefix_blocks` blocks, then 1..`question_blocks` unique blocks), interleaved
+    with long unique documents (`doc_blocks` blocks, drawn uniformly) read once. A fraction
+    `scan_fraction` of the requests are scans; they stream many blocks that are never used again
+    through the cache, past the hot prefixes that most other requests hit."""
+    import random
+
+    rng = random.Random(seed)
+    next_id = iter(range(1, 1 << 62))
+    hot = [[next(next_id) for _ in range(prefix_blocks)] for _ in range(prefixes)]
+    requests: list[list[int]] = []
+    for _ in range(num_requests):
+        if rng.random() < scan_fraction:
+            requests.append([next(next_id) for _ in range(rng.randint(*doc_blocks))])
+        else:
+            requests.append(rng.choice(hot) + [next(next_id) for _ in range(rng.randint(1, question_blocks))])
+    return Trace("synthetic-scan", requests)
+
+
 def write_trace(trace: Trace, path: str | Path) -> None:
     """Write `trace` in the Mooncake JSONL format that `load_trace` reads."""
     with Path(path).open("w") as out:
@@ -216,13 +238,33 @@ def replay_manager(manager: Any, trace: Trace, *, vllm_api: bool = False, contex
         from vllm.v1.kv_offload.base import LookupResult as VLookup  # only with --compare vllm
 
         HIT, MISS = VLookup.HIT, VLookup.MISS
+    start = time.perf_counter()
+    cpu_start = time.process_time()
+    ops, hits, stores_refused, retry_steps = drive(manager, keys_per_request, vllm_api, make_ctx, step_context,
+                                                   HIT, MISS, progress)
+    elapsed = time.perf_counter() - start
+    cpu = time.process_time() - cpu_start
+    if progress is not None:
+        progress(len(keys_per_request), len(keys_per_request))
+    total = trace.total_blocks
+    return {
+        "requests": len(keys_per_request), "blocks": total, "hit_blocks": hits, "hit_rate": hits / max(1, total),
+        "block_ops": ops, "seconds": elapsed, "block_ops_per_s": ops / elapsed if elapsed > 0 else 0.0,
+        "cpu_seconds": cpu, "cpu_us_per_block": cpu * 1e6 / max(1, total),
+        "retry_steps": retry_steps, "stores_refused": stores_refused,
+    }
+
+
+def drive(manager: Any, keys_per_request: list[list[bytes]], vllm_api: bool, make_ctx: Callable, step_context: Any,
+          HIT: object, MISS: object, progress: Callable[[int, int], None] | None) -> tuple[int, int, int, int]:
+    """The timed part of `replay_manager`: every request's scheduler cycle. Returns (block ops,
+    hit blocks, stores refused, retry steps). A module attribute, so that an instruction count
+    (`kvtier.bench.cycle --callgrind`) can wrap exactly this."""
     lookup, prepare_load, complete_load = manager.lookup, manager.prepare_load, manager.complete_load
     prepare_store, complete_store, touch = manager.prepare_store, manager.complete_store, manager.touch
     lookup_run = None if vllm_api else getattr(manager, "lookup_run", None)
     ops = hits = stores_refused = retry_steps = 0
     report_every = max(1, len(keys_per_request) // 50)
-    start = time.perf_counter()
-    cpu_start = time.process_time()
     for i, keys in enumerate(keys_per_request):
         ctx = make_ctx(str(i))
         manager.on_new_request(ctx)
@@ -255,17 +297,7 @@ def replay_manager(manager: Any, trace: Trace, *, vllm_api: bool = False, contex
         manager.on_schedule_end(step_context)
         if progress is not None and i % report_every == 0:
             progress(i + 1, len(keys_per_request))
-    elapsed = time.perf_counter() - start
-    cpu = time.process_time() - cpu_start
-    if progress is not None:
-        progress(len(keys_per_request), len(keys_per_request))
-    total = trace.total_blocks
-    return {
-        "requests": len(keys_per_request), "blocks": total, "hit_blocks": hits, "hit_rate": hits / max(1, total),
-        "block_ops": ops, "seconds": elapsed, "block_ops_per_s": ops / elapsed if elapsed > 0 else 0.0,
-        "cpu_seconds": cpu, "cpu_us_per_block": cpu * 1e6 / max(1, total),
-        "retry_steps": retry_steps, "stores_refused": stores_refused,
-    }
+    return ops, hits, stores_refused, retry_steps
 
 
 def replay_kvtier(config: Any, trace: Trace, progress: Callable | None = None) -> dict[str, Any]:

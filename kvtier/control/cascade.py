@@ -13,7 +13,10 @@ A copy is a `Demotion` job: its source blocks stay pinned until it ends.
 from __future__ import annotations
 
 import logging
+from collections import deque as _consume
 from collections.abc import Collection, Sequence
+from itertools import compress, filterfalse, repeat
+from operator import add, attrgetter, is_
 from typing import cast
 
 from kvtier.control.jobs import EventLog, Job, JobTable
@@ -22,6 +25,7 @@ from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus
 
 log = logging.getLogger(__name__)
+_ref_cnt = attrgetter("ref_cnt")
 
 
 class Demotion(Job):
@@ -109,25 +113,25 @@ class Cascade:
             self._demote(tier, dirty)
 
     def _dirty_victims(self, tier: Tier, count: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
-        """Among the next `count` victims of `tier`'s policy, those not yet readable in the next tier."""
+        """Among the next `count` unprotected victims of `tier`'s policy, those not yet readable in
+        the next tier, in eviction order; the ones found readable there become clean. C loops
+        over the policy's `victim_keys`."""
         assert tier.below is not None
-        below = tier.below.policy.get
-        clean = tier.clean
-        dirty: list[OffloadKey] = []
-        seen = 0
-        for key, _ in tier.policy.victim_candidates():
-            if key in protected:
-                continue
-            if key not in clean:
-                lower = below(key)
-                if lower is not None and lower.ref_cnt >= 0:
-                    clean.add(key)
-                elif lower is None:
-                    dirty.append(key)
-            seen += 1
-            if seen >= count:
+        want = count
+        while True:  # more victims when some were protected (skipped, not counted)
+            found = tier.policy.victim_keys(want)
+            keys = list(filterfalse(protected.__contains__, found)) if protected else found
+            if len(keys) >= count or len(found) < want:
                 break
-        return dirty
+            want = count + len(found) - len(keys)
+        del keys[count:]
+        clean = tier.clean
+        unknown = list(filterfalse(clean.__contains__, keys)) if clean else keys
+        lower = list(map(tier.below.policy.get, unknown))
+        if lower.count(None) == len(lower):
+            return unknown
+        clean.update(k for k, b in zip(unknown, lower) if b is not None and b.ref_cnt >= 0)
+        return list(compress(unknown, map(is_, lower, repeat(None))))
 
     def _demote(self, tier: Tier, keys: list[OffloadKey]) -> None:
         """Copy readable blocks of `tier` to the next tier (one job). Backpressure: what the
@@ -156,9 +160,9 @@ class Cascade:
             evicted = None
         if evicted is None and self.make_room(lower, len(keys), protected) is None:
             return False
-        src_blocks = cast("list[BlockStatus]", [tier.policy.get(k) for k in keys])  # readable: checked by callers
-        for block in src_blocks:
-            block.ref_cnt += 1
+        src_blocks = cast("list[BlockStatus]", list(map(tier.policy.get, keys)))  # readable: checked by callers
+        # keys are distinct (victims, or a write queue's keys): one read and one write per block
+        _consume(map(setattr, src_blocks, repeat("ref_cnt"), map(add, map(_ref_cnt, src_blocks), repeat(1))), 0)
         tier.policy.pin(keys)
         tier.demoting += len(keys)
         dst_blocks = lower.backend.allocate_blocks(keys)

@@ -8,12 +8,17 @@ counters, then lets the job type do its own bookkeeping (`landed` / `failed`).
 from __future__ import annotations
 
 import time
+from collections import deque as _consume
 from collections.abc import Iterator
+from itertools import compress, repeat
+from operator import add, attrgetter, not_
 
 from kvtier.control.tier import Tier
 from kvtier.engine import TransferEngine
 from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus, OffloadingEvent, TransferResult
+
+_ref_cnt = attrgetter("ref_cnt")
 
 
 class EventLog:
@@ -34,7 +39,7 @@ class EventLog:
 
 
 class Job:
-    """A copy of `keys` from `src` (blocks pinned meanwhile) into new blocks of `dst`."""
+    """A copy of `keys` (distinct) from `src` (blocks pinned meanwhile) into new blocks of `dst`."""
 
     kind = "copy"
 
@@ -47,12 +52,12 @@ class Job:
     def finish(self, result: TransferResult) -> None:
         """Account for the engine's report of this job (called once)."""
         src, dst = self.src, self.dst
-        for block in self.src_blocks:
-            block.ref_cnt -= 1
-        src.policy.unpin([key for key, block in zip(self.keys, self.src_blocks) if not block.ref_cnt])
+        # C loops: `keys` are distinct, so each source block is in `src_blocks` once.
+        ref_cnts = list(map(add, map(_ref_cnt, self.src_blocks), repeat(-1)))
+        _consume(map(setattr, self.src_blocks, repeat("ref_cnt"), ref_cnts), 0)
+        src.policy.unpin(list(compress(self.keys, map(not_, ref_cnts))))
         if result.success:
-            for block in self.dst_blocks:
-                block.ref_cnt = 0
+            _consume(map(setattr, self.dst_blocks, repeat("ref_cnt"), repeat(0)), 0)
             dst.policy.unpin(self.keys)
             src.stats.bytes_out += result.transfer_size or 0
             src.stats.seconds_out += result.transfer_time or 0.0

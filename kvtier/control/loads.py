@@ -3,7 +3,7 @@
 A load pins each block (`ref_cnt += 1`) in the tier it is read from: tier 0, or a lower tier the
 engine loads directly. `pins` maps a key to the tiers it is pinned in, in order, so `complete_load`
 releases the last pin first. The common case (distinct keys, all readable in tier 0, none pinned
-before or promoted) runs in C loops over the batch; anything else goes key by key, with the same
+before; promoted there or not) runs in C loops over the batch; anything else goes key by key, with the same
 answers and side effects (`tests/test_manager_bulk.py` checks the two against each other).
 """
 
@@ -20,7 +20,7 @@ from kvtier.specs import CompositeLoadStoreSpec, LoadStoreSpec
 from kvtier.types import BlockStatus
 
 _ref_cnt = attrgetter("ref_cnt")
-_FIRST_CHUNK = 4  # keys `top_run` checks in its first C pass; later passes double it
+_FIRST_CHUNK = 16  # keys `top_run` checks in its first C pass; later passes double it
 _TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
 
 
@@ -56,7 +56,7 @@ class LoadPins:
             return 0  # most misses miss at once: no lists built
         n, size, total = 1, _FIRST_CHUNK, len(keys)
         while n < total:
-            ref_cnts = _ref_cnts(list(map(get, keys[n:n + size])))
+            ref_cnts = list(map(getattr, map(get, keys[n:n + size]), repeat("ref_cnt"), repeat(-1)))
             if -1 in ref_cnts:
                 return n + ref_cnts.index(-1)
             n += len(ref_cnts)
@@ -65,20 +65,29 @@ class LoadPins:
 
     def prepare_top(self, keys: list[OffloadKey]) -> LoadStoreSpec | None:
         """`prepare_load` in C loops for the common case: distinct keys, every one readable in
-        tier 0, none pinned by an earlier load or promoted; None (nothing changed) otherwise."""
-        top, pins = self.top, self.pins
+        tier 0 (promoted there or not), none pinned by an earlier load; None (nothing changed)
+        otherwise."""
+        top, pins, promoted = self.top, self.pins, self.top.promoted_from
         blocks = list(map(top.policy.get, keys))
         ref_cnts = _ref_cnts(blocks)
-        if (not keys or -1 in ref_cnts or not pins.keys().isdisjoint(keys)
-                or not top.promoted_from.keys().isdisjoint(keys)):
+        if not keys or -1 in ref_cnts or (pins and not pins.keys().isdisjoint(keys)):
             return None
         before = len(pins)
         pins.update(zip(keys, repeat(_TOP_ONLY)))
         if len(pins) - before != len(keys):  # a key given twice: pinned twice, key by key
             _consume(map(pins.pop, keys, repeat(None)), 0)
             return None
-        _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
-        top.stats.hits += len(keys)
+        if ref_cnts.count(0) == len(ref_cnts):  # none pinned before (the common case)
+            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(1)), 0)
+        else:
+            _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
+        if promoted and not promoted.keys().isdisjoint(keys):
+            # Promoted into tier 0 and loaded now: the tier that supplied each is credited.
+            origins = list(map(promoted.pop, keys, repeat(0)))
+            for origin in sorted(set(origins)):
+                self.tiers[origin].stats.hits += origins.count(origin)
+        else:
+            top.stats.hits += len(keys)
         top.policy.pin(keys)
         return top.backend.get_load_store_spec(keys, cast("list[BlockStatus]", blocks))
 
@@ -113,16 +122,20 @@ class LoadPins:
         """`complete_load` in C loops for the common case: distinct keys, each pinned once by
         `prepare_load` in tier 0; False (nothing changed) otherwise."""
         pins = self.pins
-        if not keys or list(map(pins.get, keys)).count(_TOP_ONLY) != len(keys):
+        if not keys:
             return False
-        before = len(pins)
-        _consume(map(pins.pop, keys, repeat(None)), 0)
-        if before - len(pins) != len(keys):  # a key given twice: the per-key path reports it
-            pins.update(zip(keys, repeat(_TOP_ONLY)))
+        popped = list(map(pins.pop, keys, repeat(None)))
+        if popped.count(_TOP_ONLY) != len(keys):  # pinned elsewhere or twice, not pinned, or given twice
+            pins.update(compress(zip(keys, cast("list[tuple[int, ...]]", popped)), popped))  # put back: no change
             return False
         top = self.top
         blocks = list(map(top.policy.get, keys))
-        ref_cnts = list(map(add, map(_ref_cnt, blocks), repeat(-1)))
+        ref_cnts = list(map(_ref_cnt, blocks))
+        if ref_cnts.count(1) == len(ref_cnts):  # each pinned by this load only (the common case)
+            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
+            top.policy.unpin(keys)
+            return True
+        ref_cnts = list(map(add, ref_cnts, repeat(-1)))
         _consume(map(setattr, blocks, repeat("ref_cnt"), ref_cnts), 0)
         top.policy.unpin(list(compress(keys, map(not_, ref_cnts))))
         return True

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections import deque as _consume
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from kvtier.keys import OffloadKey
@@ -132,9 +134,7 @@ class Tier:
         if self.above is not None:
             self.above.clean.difference_update(evicted)
         elif self.promoted_from:
-            pop_origin = self.promoted_from.pop
-            for key in evicted:
-                pop_origin(key, None)
+            _consume(map(self.promoted_from.pop, evicted, repeat(None)), 0)
         self.stats.evictions += len(evicted)
         return evicted
 

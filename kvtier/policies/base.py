@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Sequence
+from itertools import islice
+from operator import itemgetter
 from typing import Any
 
 from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus
+
+_first = itemgetter(0)
 
 
 class CachePolicy(ABC):
@@ -85,6 +89,11 @@ class CachePolicy(ABC):
         """Evictable blocks in the order `evict` would choose them now (no state change).
         Default: nothing (the policy does not predict its choices)."""
         return iter(())
+
+    def victim_keys(self, n: int) -> list[OffloadKey]:
+        """The keys of the first `n` blocks `victim_candidates` yields (all of them when there
+        are fewer), as a list. Policies override it with C loops where that is faster."""
+        return list(islice(map(_first, self.victim_candidates()), max(n, 0)))
 
     # ------------------------------------------------------------------ evictable accounting
     def track_pins(self) -> None:

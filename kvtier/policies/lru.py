@@ -22,10 +22,15 @@ from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
 from heapq import heappop, heappush
 from itertools import islice, repeat
+from operator import attrgetter, itemgetter
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy, evictable
 from kvtier.types import BlockStatus
+
+_first = itemgetter(0)
+_second = itemgetter(1)
+_ref_cnt = attrgetter("ref_cnt")
 
 
 class LRUCachePolicy(CachePolicy):
@@ -58,19 +63,23 @@ class LRUCachePolicy(CachePolicy):
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         blocks = self.blocks
         move = blocks.move_to_end
-        keys = list(keys)
+        keys = keys if isinstance(keys, list) else list(keys)
         if self.aside:
             _consume(map(self.aside.pop, keys, repeat(None)), 0)  # touched: back in the order
-        _consume(map(move, filter(blocks.__contains__, reversed(keys))), 0)
+        try:
+            _consume(map(move, reversed(keys)), 0)
+        except KeyError:  # some keys are not resident: again without them (the same final order)
+            _consume(map(move, filter(blocks.__contains__, reversed(keys))), 0)
 
     def unpin(self, keys: Iterable[OffloadKey]) -> None:
         pinned = self._pinned
         if pinned is None:
             return
-        if not self.aside:
+        aside = self.aside
+        if not aside or aside.keys().isdisjoint(keys):
             pinned.difference_update(keys)
             return
-        aside, freed = self.aside, self._freed
+        freed = self._freed
         for key in keys:
             pinned.discard(key)
             seq = aside.get(key)
@@ -83,8 +92,8 @@ class LRUCachePolicy(CachePolicy):
         if self._pinned is not None:
             return self._evict_tracked(n, protected)
         chosen = list(islice(self.blocks.items(), n))
-        keys = [key for key, _ in chosen]
-        if len(chosen) < n or not protected.isdisjoint(keys) or any(block.ref_cnt for _, block in chosen):
+        keys = list(map(_first, chosen))
+        if len(chosen) < n or not protected.isdisjoint(keys) or any(map(_ref_cnt, map(_second, chosen))):
             # Some of the n oldest are pinned or protected (or too few blocks): filter them.
             chosen = list(islice(evictable(self.blocks.items(), protected), n))
             if len(chosen) < n:
@@ -120,9 +129,9 @@ class LRUCachePolicy(CachePolicy):
         need = n - len(chosen)
         if need:
             head = list(islice(blocks.items(), need))
-            keys = [key for key, _ in head]
+            keys = list(map(_first, head))
             if (len(head) == need and protected.isdisjoint(keys) and pinned.isdisjoint(keys)
-                    and aside.keys().isdisjoint(keys) and not any(block.ref_cnt for _, block in head)):
+                    and aside.keys().isdisjoint(keys) and not any(map(_ref_cnt, map(_second, head)))):
                 chosen += head  # the common case: the head is evictable
             elif not self._scan_head(need, protected, chosen):
                 kept += taken
@@ -131,7 +140,7 @@ class LRUCachePolicy(CachePolicy):
             heappush(freed, entry)
         if not chosen:
             return None
-        victims = [key for key, _ in chosen]
+        victims = list(map(_first, chosen))
         _consume(map(blocks.__delitem__, victims), 0)
         if aside:
             _consume(map(aside.pop, victims, repeat(None)), 0)
@@ -192,6 +201,33 @@ class LRUCachePolicy(CachePolicy):
         for key, block in blocks.items():
             if block.ref_cnt == 0 and key not in aside and key not in pinned:
                 yield key, block
+
+    def victim_keys(self, n: int) -> list[OffloadKey]:
+        if self._pinned is None or n <= 0:
+            return super().victim_keys(n)
+        return self._head_keys(n)
+
+    def _head_keys(self, n: int) -> list[OffloadKey]:
+        """`victim_keys` with evictable accounting: the freed aside keys, then the order's
+        evictable keys, in chunks checked with C loops (a chunk with a pinned, aside or
+        unreadable block is filtered key by key)."""
+        blocks, aside, pinned = self.blocks, self.aside, self._pinned
+        assert pinned is not None
+        out = [key for _, key in sorted((seq, key) for key, seq in aside.items() if key not in pinned)
+               if blocks[key].ref_cnt == 0] if aside else []
+        del out[n:]
+        items = iter(blocks.items())
+        while len(out) < n:
+            chunk = list(islice(items, n - len(out)))
+            if not chunk:
+                break
+            keys = list(map(_first, chunk))
+            if (pinned.isdisjoint(keys) and aside.keys().isdisjoint(keys)
+                    and not any(map(_ref_cnt, map(_second, chunk)))):
+                out += keys
+            else:
+                out += [k for k, b in chunk if b.ref_cnt == 0 and k not in aside and k not in pinned]
+        return out
 
     def clear(self) -> None:
         self.blocks.clear()

@@ -53,7 +53,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import islice
+from itertools import chain, islice, repeat
+from operator import attrgetter, itemgetter
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
@@ -72,6 +73,9 @@ from kvtier.types import BlockStatus
 
 _TAIL = 0  # segment index of request tails; segment 1 + c holds the blocks with c hits
 _INF = float("inf")
+_first = itemgetter(0)
+_second = itemgetter(1)
+_ref_cnt = attrgetter("ref_cnt")
 
 
 class PrefixFreqCachePolicy(CachePolicy):
@@ -98,8 +102,11 @@ class PrefixFreqCachePolicy(CachePolicy):
         # last use); stamps increase along each segment.
         self.segs: list[OrderedDict[OffloadKey, int]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
         self._new = self.segs[1]
-        # touch looks a key up in the hit classes first (touched prefixes were hit before)
-        self._probe = tuple(enumerate(self.segs))[::-1]
+        # touch: after the new blocks, a key is looked up in the hit classes from the top (touched
+        # prefixes were hit before), tails last; a key found in segment s moves to put[s]'s segment
+        top = len(self.segs) - 1
+        self._probe = tuple((seg, self.segs[seg].pop) for seg in (*range(top, 1, -1), _TAIL))
+        self._put = tuple(self.segs[2 if seg == _TAIL else min(seg + 1, top)].__setitem__ for seg in range(top + 1))
         self.blocks: dict[OffloadKey, BlockStatus] = {}
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
         self.clock = 0
@@ -150,7 +157,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         if tail is not None:
             self.segs[_TAIL][tail] = self.clock
             first = 1
-        self._new.update(dict.fromkeys(islice(keys, first, None), self.clock))
+        self._new.update(zip(islice(keys, first, None), repeat(self.clock)))
 
     def _place(self, key: OffloadKey, tail: bool = False) -> None:
         """Put a just-inserted key into its segment: a returning ghost by its history, else the
@@ -190,39 +197,38 @@ class PrefixFreqCachePolicy(CachePolicy):
         pinned = self._pinned
         if pinned is None:
             return
-        if not self.aside:
+        if not self.aside or self.aside.keys().isdisjoint(keys):
             pinned.difference_update(keys)
             return
         self._aside.unpin(keys, pinned)
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        segs = self.segs
-        new = segs[1]
-        top = len(segs) - 1
-        probe = self._probe
         clock, unit, rate = self._sync(), self.unit, self.unit_rate
-        pop_new = new.pop
-        returns = self._tails.counts
+        pop_new, probe, put = self._new.pop, self._probe, self._put
         keys = keys if isinstance(keys, list) else list(keys)
-        if self.aside:
+        if self.aside and not self.aside.keys().isdisjoint(keys):
             self._aside.unaside(keys)  # touched: back in the order of the segment they move to
+        hit_new = hit_tail = 0
         for key in reversed(keys):
             stamp = pop_new(key, None)
             if stamp is not None:
                 seg = 1
-                returns[HIT_NEW] += 1
+                hit_new += 1
             else:
-                for seg, lane in probe:  # noqa: B007 - seg is read after the loop: where the key was found
-                    stamp = lane.pop(key, None)
+                for seg, pop in probe:  # noqa: B007 - seg is read after the loop: where the key was found
+                    stamp = pop(key, None)
                     if stamp is not None:
                         break
                 else:
                     continue
                 if seg == _TAIL:
-                    returns[HIT_TAIL] += 1
+                    hit_tail += 1
             clock += 1
             unit += (clock - stamp - unit) * rate
-            segs[seg + 1 if 0 < seg < top else (2 if seg == _TAIL else top)][key] = clock
+            put[seg](key, clock)
+        returns = self._tails.counts
+        returns[HIT_NEW] += hit_new
+        returns[HIT_TAIL] += hit_tail
         self.clock = clock
         self.unit = unit
 
@@ -310,21 +316,8 @@ class PrefixFreqCachePolicy(CachePolicy):
             left -= 1
             if not left:
                 break
-            below = limit - best[4]
-            for key, stamp in best[3]:
-                block = blocks[key]
-                if block.ref_cnt == 0 and key not in protected:
-                    if stamp >= below:
-                        best[0], best[1], best[2] = stamp + best[4], key, block
-                        break
-                    append((key, block))
-                    take(key)
-                    left -= 1
-                    if not left:
-                        break
-                elif met is not None:
-                    met.append((best[5], key))
-            else:
+            left, exhausted = _run(best, limit - best[4], left, blocks, protected, chosen, met)
+            if exhausted:
                 lanes.remove(best)
                 continue
             if not left:
@@ -393,6 +386,50 @@ def _merged(lanes: list[list], blocks: dict[OffloadKey, BlockStatus],
                 yield key, block
         else:
             lanes.remove(best)
+
+
+def _run(best: list, below: float, left: int, blocks: dict[OffloadKey, BlockStatus], protected: set[OffloadKey],
+         chosen: list[tuple[OffloadKey, BlockStatus]], met: list[tuple[int, OffloadKey]] | None) -> tuple[int, bool]:
+    """`evict`'s run in lane `best` (from `_heads`): take its evictable, unprotected blocks while
+    their stamps stay below `below` (the other lanes' best score less this lane's offset), at most
+    `left`; pinned or protected keys passed are appended to `met`. Returns (left, whether the
+    lane ran out). A lane stopped by a block at or above `below` holds it as its new head.
+
+    Chunks of at most `left` entries whose blocks are all taken (evictable, unprotected, below)
+    are taken in C loops; any other chunk is walked key by key, and what it did not reach is put
+    back in front of the lane's iterator."""
+    it = best[3]
+    taken = best[6]
+    get = blocks.__getitem__
+    while True:
+        chunk = list(islice(it, left))
+        if not chunk:
+            return left, True
+        keys = list(map(_first, chunk))
+        found = list(map(get, keys))
+        if (max(map(_second, chunk)) < below and not any(map(_ref_cnt, found))
+                and protected.isdisjoint(keys)):
+            chosen += zip(keys, found)
+            taken += keys
+            left -= len(keys)
+            if not left:
+                return 0, False
+            continue
+        for i, (key, stamp) in enumerate(chunk):
+            block = found[i]
+            if block.ref_cnt == 0 and key not in protected:
+                if stamp >= below:
+                    best[0], best[1], best[2] = stamp + best[4], key, block
+                    if i + 1 < len(chunk):
+                        best[3] = chain(chunk[i + 1:], it)
+                    return left, False
+                chosen.append((key, block))
+                taken.append(key)
+                left -= 1
+                if not left:
+                    return 0, False  # (the lane is not walked again by this eviction)
+            elif met is not None:
+                met.append((best[5], key))
 
 
 def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, int]], blocks: dict[OffloadKey, BlockStatus],

@@ -162,6 +162,8 @@ class _RandomOperations:
         before = observe(policy)
         candidates = [k for k, _ in policy.victim_candidates()]
         assert len(set(candidates)) == len(candidates), "a block listed twice"
+        for n in (0, 1, 3, len(candidates) + 1):
+            assert policy.victim_keys(n) == candidates[:n], f"victim_keys({n}) is not the head of victim_candidates"
         evictable = {k for k, b in model.items() if b.ref_cnt == 0}
         if self.predicts_victims:
             assert set(candidates) == evictable

@@ -15,6 +15,8 @@ from kvtier.specs import BlockIDsLoadStoreSpec
 from kvtier.types import BlockStatus
 
 _block_id = attrgetter("block_id")
+_PLAIN_INIT = BlockIDsLoadStoreSpec.__init__
+_PLAIN_FOR_BLOCKS = getattr(BlockIDsLoadStoreSpec.for_blocks, "__func__", None)
 
 
 class SlotAllocator:
@@ -134,7 +136,15 @@ class Backend(ABC):
 
     def get_load_store_spec(self, keys: Iterable[OffloadKey], blocks: Iterable[BlockStatus]) -> BlockIDsLoadStoreSpec:
         """Where the given blocks live, for a handler to read or write them."""
-        return self.spec_type.for_blocks(list(map(_block_id, blocks)), list(keys), tier=self.name)
+        spec_type = self.spec_type
+        if spec_type.__init__ is _PLAIN_INIT and getattr(spec_type.for_blocks, "__func__", None) is _PLAIN_FOR_BLOCKS:
+            # A spec of slots only (CPU, memory): built without re-checking the slot numbers this
+            # backend's allocator handed out (the request cycle builds one per call).
+            spec = object.__new__(spec_type)
+            spec.block_ids = list(map(_block_id, blocks))
+            spec.tier = self.name
+            return spec
+        return spec_type.for_blocks(list(map(_block_id, blocks)), list(keys), tier=self.name)
 
     def still_valid(self, block: BlockStatus) -> bool:
         """After a failed read of `block`: is it still trustworthy? Backends that verify what

@@ -168,7 +168,10 @@ def test_decisions_equal_the_policy_without_accounting(name, seed):
             assert [k for k, _ in a or ()] == [k for k, _ in b or ()]
             for k, _ in a or ():
                 del blocks[k], twins[k]
-        assert [k for k, _ in plain.victim_candidates()] == [k for k, _ in tracked.victim_candidates()]
+        order = [k for k, _ in tracked.victim_candidates()]
+        assert [k for k, _ in plain.victim_candidates()] == order
+        for n in (1, 2, 7, len(order) + 1):  # the bulk head of the order (`_dirty_victims`) is its head
+            assert tracked.victim_keys(n) == order[:n]
         assert sorted(plain.keys()) == sorted(tracked.keys())
         aside_seen = max(aside_seen, len(getattr(tracked, "aside", ())))
     if name in ("lru", "prefix-freq"):

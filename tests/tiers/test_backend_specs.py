@@ -1,0 +1,56 @@
+"""`Backend.get_load_store_spec` builds slot-only specs without re-validating the backend's own
+slot numbers (issue 19: one spec per request-cycle call); the result must be the spec
+`for_blocks` builds, and specs that record more (file keys) or validate differently still go
+through their own `for_blocks`."""
+
+from __future__ import annotations
+
+from kvtier.keys import make_offload_key
+from kvtier.specs import CPULoadStoreSpec, FileLoadStoreSpec
+from kvtier.tiers.base import Backend
+from kvtier.types import BlockStatus
+
+KEYS = [make_offload_key(bytes([i]) * 8, 0) for i in range(3)]
+
+
+class SlotsOnly(Backend):
+    spec_type = CPULoadStoreSpec
+    medium = "CPU"
+
+
+class FileSlots(Backend):
+    spec_type = FileLoadStoreSpec
+    medium = "FILE"
+
+
+class Checked(CPULoadStoreSpec):
+    """A spec subclass with its own constructor: it must still be called."""
+
+    made = 0
+
+    def __init__(self, block_ids, tier=None):
+        super().__init__(block_ids, tier)
+        Checked.made += 1
+
+
+class CheckedSlots(Backend):
+    spec_type = Checked
+    medium = "CPU"
+
+
+def test_slot_only_spec_equals_the_validated_one():
+    backend = SlotsOnly("cpu", 8, 16)
+    blocks = BlockStatus.many([5, 0, 7])
+    spec = backend.get_load_store_spec(KEYS, blocks)
+    want = CPULoadStoreSpec.for_blocks([5, 0, 7], KEYS, tier="cpu")
+    assert type(spec) is CPULoadStoreSpec and spec.block_ids == want.block_ids == [5, 0, 7]
+    assert spec.tier == want.tier == "cpu" and len(spec) == 3
+
+
+def test_specs_with_their_own_constructor_or_keys_use_it():
+    blocks = BlockStatus.many([1, 2, 3])
+    spec = FileSlots("nvme", 8, 16).get_load_store_spec(KEYS, blocks)
+    assert type(spec) is FileLoadStoreSpec and spec.keys == KEYS and spec.block_ids == [1, 2, 3]
+    before = Checked.made
+    spec = CheckedSlots("cpu", 8, 16).get_load_store_spec(KEYS, blocks)
+    assert type(spec) is Checked and Checked.made == before + 1 and spec.block_ids == [1, 2, 3]
