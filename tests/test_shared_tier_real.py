@@ -179,7 +179,7 @@ tiers:
     assert [r["hop"] for r in rows] == ["CPU->REMOTE", "REMOTE->CPU"]
     for row in rows:
         assert row["gbps"] > 0 and row["baseline_gbps"] > 0 and row["block_bytes"] == 64 << 10
-        assert row["threads"] == 2 and row["url"] == valkey_server.url
+        assert row["threads"] == 2 and row["url"] == valkey_server.url and row["paired_ratio"] > 0
 
 
 def test_a_dead_cluster_shard_leaves_partial_hits(tmp_path, engines):
