@@ -196,3 +196,14 @@ def test_docs_shared_tier_lists_every_option():
     names = [row.split("|")[1].split("(")[0] for row in table.splitlines()[2:]]  # before "(default)"
     documented = {name for cell in names for name in re.findall(r"`(\w+)`", cell)}
     assert documented == set(OPTIONS)
+
+
+def test_docs_shared_tier_config_example_is_a_valid_hierarchy():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "shared-tier.md").read_text()
+    text = re.search(r"## Configuration\n\n```yaml\n(.*?)```", doc, re.S).group(1)
+    config = load_config_text(text, "docs/shared-tier.md")
+    assert [t.backend for t in config.tiers] == ["cpu", "valkey"]
+    assert config.tiers[1].options["url"].startswith("cluster://") and config.tiers[1].options["tp"] == 1
