@@ -12,6 +12,7 @@ import time
 import pytest
 
 from kvtier import build_hierarchy, load_config_text, make_offload_key
+from kvtier.errors import ConfigError
 from kvtier.testing.fake_remote import FakeServer
 from kvtier.testing.manager import ManagerTests
 from kvtier.tiers.valkey import ValkeyBackend
@@ -339,6 +340,31 @@ def test_under_vllm_a_valkey_tier_gets_the_engine_identity(server):
         line = tier_summary(hierarchy, 16, BLOCK)
         assert "url=redis://h:1, key_prefix=kvt" in line and "root_dir" not in line
 
+
+
+def test_under_vllm_a_valkey_tier_stores_one_value_per_tensor_parallel_rank(server):
+    """The spec passes the engine's TP size: each valkey tier gets `tp` (its store splits a block
+    into that many values); a YAML `tp` that differs from the engine's is refused, naming it."""
+    pytest.importorskip("vllm")
+    from kvtier.integrations.vllm.config import vllm_hierarchy_config
+
+    def raw(**shared):
+        return {"tiers": [{"name": "hot", "backend": "memory", "capacity": "8 blocks"},
+                          {"name": "shared", "backend": "valkey", "capacity": "8 blocks", "url": "redis://h:1",
+                           **shared}]}
+
+    config = vllm_hierarchy_config(raw(), block_tokens=16, engine_id="e", fingerprint="m", ranks=2)
+    assert config.tiers[1].options["tp"] == 2
+    with build_hierarchy(config, block_bytes=BLOCK) as hierarchy:
+        assert hierarchy.backends["shared"].tp == 2
+    assert vllm_hierarchy_config(raw(tp=2), block_tokens=16, engine_id="e", fingerprint="m",
+                                 ranks=2).tiers[1].options["tp"] == 2
+    with pytest.raises(ConfigError) as info:
+        vllm_hierarchy_config(raw(tp=4), block_tokens=16, engine_id="e", fingerprint="m", ranks=2)
+    assert "tiers[1].tp" in dict(info.value.problems)
+    with pytest.raises(ConfigError) as info:
+        ValkeyBackend("r", 4, 4097, url="redis://h:1", fingerprint="m", tp=2)
+    assert "tp" in dict(info.value.problems)
 
 # ---------------------------------------------------------------------- the manager conformance suite
 class FakeValkey(ValkeyBackend):

@@ -179,7 +179,7 @@ tiers:
     assert [r["hop"] for r in rows] == ["CPU->REMOTE", "REMOTE->CPU"]
     for row in rows:
         assert row["gbps"] > 0 and row["baseline_gbps"] > 0 and row["block_bytes"] == 64 << 10
-        assert row["threads"] == 2 and row["url"] == valkey_server.url
+        assert row["threads"] == 2 and row["url"] == valkey_server.url and row["paired_ratio"] > 0
 
 
 def test_a_dead_cluster_shard_leaves_partial_hits(tmp_path, engines):
@@ -215,3 +215,67 @@ def test_a_dead_cluster_shard_leaves_partial_hits(tmp_path, engines):
         assert b.load(served) == [content(k) for k in served]
     finally:
         cluster.stop()
+
+
+def test_tp2_blocks_are_one_value_per_rank_and_a_missing_rank_is_a_miss(valkey_server, engines):
+    """A tier with tp: 2 (a TP=2 engine's: the CPU slot holds rank r's bytes at [r*P, (r+1)*P)) writes
+    `0of2` and `1of2` values, each carrying its rank's half; another TP=2 engine loads the blocks
+    byte-identical from both; a block with one rank's value gone is a miss, never served; a TP=1
+    tier of the same model and prefix finds none of them."""
+    opts = f", key_prefix: '{engines.prefix}', tp: 2"
+    a, b = engines(valkey_server.url, opts), engines(valkey_server.url, opts)
+    assert a.shared.tp == 2
+    ks = keys(4, 700)
+    a.store(ks)
+    a.manager.wait_idle(10)
+    assert a.stats()["stores"] == 4 and a.stats()["failures"] == 0
+    client = valkey_server.client()
+    stored = server_keys(client, engines.prefix)
+    assert len(stored) == 8
+    half = BLOCK // 2
+    for key in ks:
+        tail = b":%s:0" % key[:-4].hex().encode()
+        parts = sorted(k for k in stored if k.endswith(tail))
+        assert [p.split(b":")[-3] for p in parts] == [b"0of2", b"1of2"]
+        for rank, part in enumerate(parts):
+            assert client.get(part)[:half] == content(key)[rank * half:(rank + 1) * half]
+    victim = [k for k in stored if k.endswith(b":1of2:%s:0" % ks[2][:-4].hex().encode())]
+    assert len(victim) == 1
+    client.delete(victim[0])
+
+    assert b.manager.lookup_run(ks) == (0, RETRY)
+    b.settle()
+    assert b.manager.lookup_run(ks) == (2, MISS)
+    assert b.load(ks[:2]) == [content(k) for k in ks[:2]]
+    assert b.manager.lookup(ks[3]) == HIT and b.load(ks[3:]) == [content(ks[3])]
+    assert b.manager.lookup(ks[2]) == MISS
+
+    one = engines(valkey_server.url, f", key_prefix: '{engines.prefix}'")
+    assert one.manager.lookup_run(ks) == (0, RETRY)
+    one.settle()
+    assert one.manager.lookup_run(ks) == (0, MISS) and one.stats()["probe_hits"] == 0
+
+
+def test_tp2_a_rank_value_gone_after_the_probe_is_a_miss(valkey_server, engines):
+    """The probe found both ranks; one is deleted before the promotion reads it: the block is
+    recomputed (MISS), never served half-filled."""
+    opts = f", key_prefix: '{engines.prefix}', tp: 2"
+    a, b = engines(valkey_server.url, opts), engines(valkey_server.url, opts)
+    ks = keys(2, 800)
+    a.store(ks)
+    a.manager.wait_idle(10)
+    client = valkey_server.client()
+    assert b.manager.lookup_run(ks) == (0, RETRY)
+    b.manager.on_schedule_end()
+    deadline = time.monotonic() + 10
+    while not b.shared.has_probe_results:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    client.delete(b"%s:%s:1of2:%s:0" % (engines.prefix.encode(), b.shared._store.keys.tag.encode(),
+                                       ks[0][:-4].hex().encode()))
+    b.settle()
+    assert b.manager.lookup_run(ks) == (0, MISS)
+    assert b.stats()["rejected"] == 1
+    assert b.manager.lookup(ks[1]) in (HIT, RETRY)  # read fine; promoted again if in the failed job
+    b.settle()
+    assert b.manager.lookup(ks[1]) == HIT and b.load(ks[1:]) == [content(ks[1])]

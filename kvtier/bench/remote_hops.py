@@ -10,7 +10,8 @@ interleaved: the same client library with the same connection settings (`kvtier.
 one SET per block of the same bytes (as `bytes` objects: a memoryview is packed much slower by
 redis-py with hiredis) and one GET per block copied into a preallocated buffer, on
 one thread and on as many threads as the tier (the baseline is the better of the two; redis-py
-packs in Python, under the GIL). Medians of `repeats` rounds; GB/s = 1e9 bytes per second. The bench's keys are
+packs in Python, under the GIL). Medians of `repeats` rounds; GB/s = 1e9 bytes per second;
+`paired_ratio` is the median over rounds of (that round's best raw time / the tier's time). The bench's keys are
 left to the server's eviction. A cluster URL has no single-server baseline: no rows.
 """
 
@@ -52,7 +53,7 @@ def _run_jobs(handler, jobs: list[tuple]) -> float:
 
 
 def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_bytes: int,
-                       repeats: int = 3) -> dict[str, Any] | None:
+                       repeats: int = 5) -> dict[str, Any] | None:
     """Figures of one block size (module docstring); None for a cluster URL."""
     from kvtier.handlers.cpu_remote import CPUToRemoteHandler, RemoteToCPUHandler
     from kvtier.remote.bench import _raw_client
@@ -124,8 +125,14 @@ def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_byt
         # The baseline is the raw client at its best: on one thread or on as many as the tier.
         gbps["raw_set"] = max(gbps["raw_set_1"], gbps["raw_set_n"])
         gbps["raw_get"] = max(gbps["raw_get_1"], gbps["raw_get_n"])
+        # Each round's tier time against that round's best raw time: the machine's drift between
+        # rounds (other work on shared cores) cancels out of these.
+        paired = {hop: round(statistics.median(min(t1, tn) / t for t1, tn, t in
+                                               zip(times[f"raw_{op}_1"], times[f"raw_{op}_n"], times[hop])), 3)
+                  for hop, op in (("store", "set"), ("load", "get"))}
         return {"block_bytes": block_bytes, "total_bytes": n * block_bytes, "threads": threads, "repeats": repeats,
-                **{f"{name}_gbps": round(v, 3) for name, v in gbps.items()}}
+                **{f"{name}_gbps": round(v, 3) for name, v in gbps.items()},
+                "store_vs_raw_paired": paired["store"], "load_vs_raw_paired": paired["load"]}
     finally:
         pool.shutdown()
         store_h.shutdown()
@@ -141,7 +148,7 @@ def remote_rows(figures: dict[str, Any], url: str) -> list[dict[str, Any]]:
               "threads": figures["threads"], "url": url}
     return [
         {"hop": "CPU->REMOTE", **common, "gbps": figures["store_gbps"], "baseline": "raw client SET",
-         "baseline_gbps": figures["raw_set_gbps"]},
+         "baseline_gbps": figures["raw_set_gbps"], "paired_ratio": figures["store_vs_raw_paired"]},
         {"hop": "REMOTE->CPU", **common, "gbps": figures["load_gbps"], "baseline": "raw client GET+copy",
-         "baseline_gbps": figures["raw_get_gbps"]},
+         "baseline_gbps": figures["raw_get_gbps"], "paired_ratio": figures["load_vs_raw_paired"]},
     ]

@@ -1,8 +1,8 @@
 """Measurements of the remote store against the same client's raw commands, in the same run.
 
 `data_path(url, block_bytes)`: raw redis-py SET of the block's bytes vs `write_block`, and raw GET +
-copy into a preallocated buffer vs `read_block` (GET + verify + copy), rounds interleaved so both
-see the same server and machine state; medians. `probe(url)`: `RemoteStore.probe` of 64 keys
+copy into a preallocated buffer vs `read_block` (GET received into the buffer, verified there),
+rounds interleaved so both see the same server and machine state; medians. `probe(url)`: `RemoteStore.probe` of 64 keys
 (half present) vs a raw redis-py pipeline of the same EXISTS commands; p50 / p99.
 Each returns a dict (figures in GB/s, microseconds, ratios) for `kvtier bench` rows and JSON.
 

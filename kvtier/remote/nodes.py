@@ -2,7 +2,9 @@
 
 Commands are packed here and sent on a pooled redis-py connection (hiredis parses replies): a SET
 sends the caller's block buffer and the trailer as one value without joining them (no copy of the
-block), and a probe is one write of N `EXISTS` commands and N replies read back (one round trip).
+block), a GET of a block (`get_into`) receives the value's payload straight from the socket into
+the caller's buffer (no reply object, no copy: hiredis would copy it twice and the caller once
+more), and a probe is one write of N `EXISTS` commands and N replies read back (one round trip).
 Probes and PINGs use their own pool, so they never wait behind a MiB reply on a data connection.
 
 Every socket operation is bounded by `ClientOptions.timeout_s` (`connect_timeout_s` for connecting)
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import redis
+from redis._parsers.base import BaseParser
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
@@ -46,6 +49,50 @@ def connection_kwargs(options: ClientOptions, tls: bool) -> dict:
 
 def _bulk(arg: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(arg), arg)
+
+
+def _read_bulk_into(sock: Any, out: memoryview, tail: int) -> tuple[tuple[int, bytes] | None, bool]:
+    """Read one reply to a GET from `sock` (see `NodeClient.get_into`); `(result, clean)`, clean
+    when the whole reply was read. Raises an error reply as its redis-py exception."""
+    head = bytearray()
+    while b"\r\n" not in head:
+        if len(head) > 4096:
+            raise redis.ConnectionError("GET reply: no end of line in its first 4 KiB")
+        chunk = sock.recv(4096)
+        if not chunk:
+            raise redis.ConnectionError("GET reply: the server closed the connection")
+        head += chunk
+    line, _, rest = bytes(head).partition(b"\r\n")
+    kind, text = line[:1], line[1:]
+    if kind == b"-":
+        if rest:
+            raise redis.ConnectionError("GET reply: bytes after an error reply")
+        raise BaseParser.parse_error(text.decode("utf-8", "replace"))
+    if kind not in (b"$", b"_") or (kind == b"$" and not text.lstrip(b"-").isdigit()):
+        raise redis.ConnectionError(f"GET reply: unexpected {line[:32]!r}")
+    length = -1 if kind == b"_" else int(text)
+    if length < 0:  # nil (RESP2 $-1, RESP3 _)
+        return None, not rest
+    size = out.nbytes
+    if length != size + tail:
+        return (length, b""), False
+    got = min(len(rest), size)
+    out[:got] = rest[:got]
+    rest = rest[got:]
+    while got < size:
+        n = sock.recv_into(out[got:])
+        if not n:
+            raise redis.ConnectionError("GET reply: the server closed the connection")
+        got += n
+    end = bytearray(rest)
+    while len(end) < tail + 2:
+        chunk = sock.recv(tail + 2 - len(end))
+        if not chunk:
+            raise redis.ConnectionError("GET reply: the server closed the connection")
+        end += chunk
+    if len(end) != tail + 2 or not end.endswith(b"\r\n"):
+        raise redis.ConnectionError("GET reply: the value does not end where its length says")
+    return (length, bytes(end[:tail])), True
 
 
 @dataclass
@@ -102,6 +149,28 @@ class NodeClient:
 
     def get(self, key: bytes) -> bytes | None:
         return self._roundtrip(self._data, [b"*2\r\n$3\r\nGET\r\n" + _bulk(key)], 1)[0]
+
+    def get_into(self, key: bytes, out: memoryview, tail: int) -> tuple[int, bytes] | None:
+        """GET `key` into `out` (writable bytes): None when the key is missing; else `(value length,
+        trailer)`. When the value is `out.nbytes + tail` bytes long its first `out.nbytes` bytes are
+        received straight into `out` and `trailer` is the last `tail`; any other length is not read
+        (the connection is closed: nothing stays pending on it) and `trailer` is empty. An error
+        reply raises it as redis-py would (e.g. `NoPermissionError`); a socket timeout raises
+        `redis.TimeoutError`. `out` may be partly written when this raises."""
+        conn = self._data.get_connection()
+        clean = False
+        try:
+            conn.send_packed_command([b"*2\r\n$3\r\nGET\r\n" + _bulk(key)], check_health=False)
+            result, clean = _read_bulk_into(conn._sock, out, tail)
+            return result
+        except TimeoutError:  # socket.timeout
+            raise redis.TimeoutError(f"Timeout reading from {self.name}") from None
+        except OSError as exc:
+            raise redis.ConnectionError(f"Error reading from {self.name}: {exc}") from None
+        finally:
+            if not clean:
+                conn.disconnect()
+            self._data.release(conn)
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Which of `keys` exist: one write, one round trip, on a probe connection. An error reply

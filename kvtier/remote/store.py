@@ -37,7 +37,7 @@ from kvtier.remote.keys import KeyScheme, key_digest
 from kvtier.remote.nodes import NodeClient
 from kvtier.remote.options import ClientOptions
 from kvtier.remote.topology import Topology
-from kvtier.remote.value_format import TRAILER_BYTES, make_trailer, verify_value
+from kvtier.remote.value_format import TRAILER_BYTES, make_trailer, verify_parts
 
 T = TypeVar("T")
 _COUNTERS = ("writes", "write_bytes", "reads", "read_bytes", "probes", "probe_keys", "missing", "rejected",
@@ -103,21 +103,21 @@ class RemoteStore:
         return sent
 
     def read_block(self, key: bytes, out: memoryview) -> int:
-        """GET and verify each part into `out`; returns `block_bytes`. `out` may be partly written
-        when this raises (`BlockMissing`, `ValueRejected`, `RemoteUnavailable`)."""
+        """GET each part straight into its range of `out` and verify it there; returns `block_bytes`.
+        `out` may be partly written when this raises (`BlockMissing`, `ValueRejected`, `RemoteUnavailable`)."""
         view = _byte_view(out, "out", self.block_bytes, writable=True)
         for rank, part_key in enumerate(self.keys.part_keys(key)):
             node = self._route(part_key)
-            value = self._call(node, node.get, part_key)
-            if value is None:
+            part = view[rank * self.part_bytes:(rank + 1) * self.part_bytes]
+            got = self._call(node, node.get_into, part_key, part, TRAILER_BYTES)
+            if got is None:
                 self._count(missing=1)
                 raise BlockMissing(f"{part_key.decode()}: not on the server (evicted or never written)")
             try:
-                payload = verify_value(value, self.part_bytes, self.keys.identity, key_digest(part_key))
+                verify_parts(part, got[0], got[1], self.keys.identity, key_digest(part_key))
             except ValueRejected as exc:
                 self._count(rejected=1)
                 raise ValueRejected(f"{part_key.decode()}: {exc}") from None
-            view[rank * self.part_bytes:(rank + 1) * self.part_bytes] = payload
         self._count(reads=1, read_bytes=self.block_bytes)
         return self.block_bytes
 

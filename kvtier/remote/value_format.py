@@ -4,8 +4,9 @@
     trailer = identity digest (16) | key digest (8) | payload length (u64) | payload CRC-32 (u32)
               | format version (u16) | checksum kind (u16) | magic b"KVRV"          (little-endian)
 
-The payload sits at offset 0, so a GET reply is verified and copied out with no shifting, and a SET
-sends the caller's buffer as it is followed by the small trailer (no copy of the block). A value is
+The payload sits at offset 0, so a GET reply's payload is received straight into the destination
+buffer and verified there (`verify_parts`), and a SET sends the caller's buffer as it is followed by
+the small trailer (no copy of the block). A value is
 served only when its length is exactly P + 44, the magic, version and checksum kind are ours, the
 identity digest (fingerprint + layout, keys.identity_digest) and the key digest (keys.key_digest of
 the key it was read from) match, the length field is P and the CRC-32 of the payload matches.
@@ -58,10 +59,20 @@ def verify_value(value: bytes, payload_bytes: int, identity: bytes, key_digest: 
     else `ValueRejected` saying which check failed."""
     if not isinstance(value, (bytes, bytearray)):
         raise ValueRejected(f"value is a {type(value).__name__}, not a string value")
-    if len(value) != payload_bytes + TRAILER_BYTES:
-        raise ValueRejected(f"value has {len(value)} bytes, expected {payload_bytes + TRAILER_BYTES} "
+    payload = memoryview(value)[:payload_bytes]
+    verify_parts(payload, len(value), bytes(value[payload_bytes:]), identity, key_digest)
+    return payload
+
+
+def verify_parts(payload: memoryview, length: int, trailer: bytes, identity: bytes, key_digest: bytes) -> None:
+    """The checks of `verify_value` on a value received in parts: `payload` (its first
+    `payload.nbytes` bytes, e.g. already in the destination buffer), the value's `length` and its
+    `trailer` (the bytes after the payload). Raises `ValueRejected` saying which check failed."""
+    payload_bytes = payload.nbytes
+    if length != payload_bytes + TRAILER_BYTES or len(trailer) != TRAILER_BYTES:
+        raise ValueRejected(f"value has {length} bytes, expected {payload_bytes + TRAILER_BYTES} "
                             f"(payload {payload_bytes} + trailer {TRAILER_BYTES}): truncated or foreign")
-    ident, kdig, length, crc, version, kind, magic = _TRAILER.unpack_from(value, payload_bytes)
+    ident, kdig, size, crc, version, kind, magic = _TRAILER.unpack(trailer)
     if magic != MAGIC:
         raise ValueRejected(f"trailer magic {magic!r}, expected {MAGIC!r}: not a kvtier value")
     if version != FORMAT_VERSION or kind != CHECK_CRC32:
@@ -71,9 +82,7 @@ def verify_value(value: bytes, payload_bytes: int, identity: bytes, key_digest: 
         raise ValueRejected("identity digest differs: written by another model fingerprint or layout")
     if kdig != key_digest:
         raise ValueRejected("key digest differs: a value written under another key (or tenant, or rank)")
-    if length != payload_bytes:
-        raise ValueRejected(f"trailer says {length} payload bytes, expected {payload_bytes}")
-    payload = memoryview(value)[:payload_bytes]
+    if size != payload_bytes:
+        raise ValueRejected(f"trailer says {size} payload bytes, expected {payload_bytes}")
     if payload_crc32(payload) != crc:
         raise ValueRejected("payload checksum mismatch: the value is corrupt")
-    return payload

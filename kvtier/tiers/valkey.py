@@ -5,7 +5,10 @@ them). A slot of this backend is a *handle*: a key this process knows to be on t
 published it, or a probe found it). `num_blocks` bounds the handles; `free` forgets a handle
 locally and never deletes anything remotely. Identity: values are stored under keys that name the
 tenant (`key_prefix`), the model (`fingerprint`) and the layout, and carry a verified header, so a
-value of another model, layout or tenant is never served (`kvtier.remote`).
+value of another model, layout or tenant is never served (`kvtier.remote`). With `tp` > 1 a block
+is stored as `tp` values, value r holding bytes [r*P, (r+1)*P) of the block (P = block_bytes / tp:
+under vLLM, rank r's part of the scheduler-side CPU slot); a block is served only when every rank's
+value is there and verifies.
 
 Threads. Socket I/O happens only on the handlers' pool (`put_blocks`, `get_blocks`) and on the
 backend's probe thread (`request_probe` hands it a batch; `probe_results` collects the answers).
@@ -68,17 +71,21 @@ class ValkeyBackend(Backend):
                  tls_ca_file: str | None = None, tls_cert_file: str | None = None, tls_key_file: str | None = None,
                  tls_verify: bool = True, key_prefix: str = "kvt", timeout_ms: int = 250,
                  max_inflight_mib: float = 256.0, breaker_failures: int = 3, breaker_open_s: float = 5.0,
-                 negative_ttl_s: float = 2.0, threads: int = 4, fingerprint: str = "", layout: str = ""):
+                 negative_ttl_s: float = 2.0, threads: int = 4, tp: int = 1, fingerprint: str = "",
+                 layout: str = ""):
         super().__init__(name, num_blocks, block_bytes, block_size)
         given = dict(url=url, username=username, password_env=password_env, password_file=password_file,
                      tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file, tls_key_file=tls_key_file,
                      tls_verify=tls_verify, key_prefix=key_prefix, timeout_ms=timeout_ms,
                      max_inflight_mib=max_inflight_mib, breaker_failures=breaker_failures,
-                     breaker_open_s=breaker_open_s, negative_ttl_s=negative_ttl_s, threads=threads,
+                     breaker_open_s=breaker_open_s, negative_ttl_s=negative_ttl_s, threads=threads, tp=tp,
                      fingerprint=fingerprint)
         self._check(given)
         if block_bytes <= 0:
             raise ValueError(f"valkey tier {name!r} needs block_bytes > 0, got {block_bytes}")
+        if block_bytes % tp:
+            raise ConfigError([("tp", f"block_bytes {block_bytes} is not a multiple of tp = {tp}: a block is "
+                                      f"stored as one value per tensor-parallel rank, all of one size")])
         if not fingerprint:
             raise ConfigError([("fingerprint", f"empty: valkey tier {name!r} shares blocks across processes and "
                                                f"must know whose KV they are (the builder passes the model)")])
@@ -95,7 +102,8 @@ class ValkeyBackend(Backend):
                             breaker_open_s=self._breaker_open_s)
         self._password = password  # a Secret: never in a repr
         self._store_args = dict(key_prefix=key_prefix, fingerprint=fingerprint, layout=layout,
-                                block_bytes=block_bytes, tp=1)
+                                block_bytes=block_bytes, tp=tp)
+        self.tp = tp
         self._store: Any = None
         self._store_lock = threading.Lock()
         self._down_until = 0.0  # the store could not be built: retried after this time

@@ -126,6 +126,7 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
     "breaker_open_s": (5.0, _positive(3600, "seconds")),
     "negative_ttl_s": (2.0, _number(0, 3600, "seconds")),
     "threads": (4, _number(1, 256, "I/O threads", integer=True)),
+    "tp": (1, _number(1, 1024, "tensor-parallel ranks (one value per rank and block)", integer=True)),
     "fingerprint": ("", _fingerprint),
 }
 

@@ -123,3 +123,28 @@ def test_foreign_or_damaged_values_are_rejected(valkey_server, make_store, case,
         store.read_block(okey(1), memoryview(bytearray(4096)))
     stats = store.stats()
     assert stats["rejected"] == 1 and stats["failures"] == 0 and store.available
+
+
+@pytest.mark.parametrize("spoil", ["longer", "shorter", "empty", "not a string", "missing"])
+def test_a_refused_reply_leaves_no_bytes_pending_on_the_connection(valkey_server, make_store, spoil):
+    """Values are received straight into the caller's buffer; a reply that is not read to its end
+    (a value of another length) closes its connection, so the next read on the store never sees
+    the rest of it: each refusal is followed by byte-exact reads of good blocks, many times."""
+    store = make_store(valkey_server.url, block_bytes=256 << 10)
+    good = os.urandom(256 << 10)
+    store.write_block(okey(2), memoryview(good))
+    target = store.keys.part_keys(okey(1))[0]
+    client = valkey_server.client()
+    if spoil == "not a string":
+        client.rpush(target, b"x")
+    elif spoil != "missing":
+        client.set(target, {"longer": os.urandom(3 << 20), "shorter": os.urandom(1000), "empty": b""}[spoil])
+    out = memoryview(bytearray(256 << 10))
+    for _ in range(5):
+        with pytest.raises(BlockMissing if spoil == "missing" else ValueRejected):
+            store.read_block(okey(1), out)
+        for _ in range(2):
+            out[:] = bytes(256 << 10)
+            assert store.read_block(okey(2), out) == 256 << 10 and out == good
+    stats = store.stats()
+    assert stats["failures"] == 0 and stats["reads"] == 10 and store.available

@@ -9,7 +9,7 @@ import pytest
 from remote.servers import start_server, start_tls_server
 
 from kvtier.keys import make_offload_key
-from kvtier.remote.errors import RemoteUnavailable
+from kvtier.remote.errors import BlockMissing, RemoteUnavailable
 
 
 def okey(i: int) -> bytes:
@@ -36,7 +36,11 @@ def tls_server(tmp_path):
 
 def test_tls_round_trip_verified_by_the_ca(tls_server, make_store):
     assert tls_server.url.startswith("rediss://")
-    _round_trip(make_store(tls_server.url, tls_ca_file=str(tls_server.tls_ca), block_bytes=64 << 10))
+    store = make_store(tls_server.url, tls_ca_file=str(tls_server.tls_ca), block_bytes=64 << 10)
+    _round_trip(store)
+    with pytest.raises(BlockMissing):  # over TLS the client speaks RESP3: a missing key is '_', not '$-1'
+        store.read_block(okey(99), memoryview(bytearray(64 << 10)))
+    _round_trip(store)
 
 
 def test_tls_without_verification_and_an_unknown_ca(tls_server, make_store):

@@ -181,3 +181,29 @@ def test_the_readme_valkey_example_is_a_valid_tier():
     tier = load_config_text(text, "README.md").tiers[1]
     assert tier.backend == "valkey" and tier.options["password_env"] == "KVT_VALKEY_PASSWORD"
     assert tier.options["key_prefix"] == "kvt:tenantA" and tier.capacity.blocks == 100000
+
+
+def test_docs_shared_tier_lists_every_option():
+    """docs/shared-tier.md's option table names exactly the options the backend accepts."""
+    import re
+    from pathlib import Path
+
+    from kvtier.tiers.valkey_options import OPTIONS
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "shared-tier.md").read_text()
+    table = doc[doc.index("| option | meaning |"):]
+    table = table[:table.index("\n\n")]
+    names = [row.split("|")[1].split("(")[0] for row in table.splitlines()[2:]]  # before "(default)"
+    documented = {name for cell in names for name in re.findall(r"`(\w+)`", cell)}
+    assert documented == set(OPTIONS)
+
+
+def test_docs_shared_tier_config_example_is_a_valid_hierarchy():
+    import re
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "shared-tier.md").read_text()
+    text = re.search(r"## Configuration\n\n```yaml\n(.*?)```", doc, re.S).group(1)
+    config = load_config_text(text, "docs/shared-tier.md")
+    assert [t.backend for t in config.tiers] == ["cpu", "valkey"]
+    assert config.tiers[1].options["url"].startswith("cluster://") and config.tiers[1].options["tp"] == 1

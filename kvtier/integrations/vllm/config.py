@@ -46,13 +46,15 @@ PERSISTENT_BACKENDS = ("file", "valkey")  # tiers whose blocks outlive the engin
 
 
 def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_id: str, fingerprint: str = "",
-                          source: str = "<dict>") -> HierarchyConfig:
+                          source: str = "<dict>", ranks: int = 1) -> HierarchyConfig:
     """Validate a kvtier config for use under vLLM: `block_tokens` is vLLM's, `block_bytes` is
     dropped (the caller passes vLLM's), each `cpu` tier without `shm_name` gets one derived from
     `engine_id` (so that workers can attach it by name) and each `file` or `valkey` tier's
     `fingerprint` gets `fingerprint` (model, dtype and KV geometry), after the YAML's own value
     when it sets one (e.g. the model's revision): a root_dir or a server's values written for
-    another model or layout are then not served. The YAML's value adds to the derived identity, never replaces it."""
+    another model or layout are then not served. The YAML's value adds to the derived identity, never replaces it.
+    Each `valkey` tier gets `tp` = `ranks` (the engine's tensor-parallel size: a block is stored as one
+    value per rank); a YAML `tp` that differs is a `ConfigError` naming it."""
     raw = plain(raw)
     if not isinstance(raw, dict):
         return parse_config(raw, source)  # reports the error
@@ -71,5 +73,13 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
             own = tier.get("fingerprint") or ""
             if isinstance(own, str):  # anything else is reported by parse_config
                 tier["fingerprint"] = tier_identity(own, fingerprint)
+    for i, tier in enumerate(raw.get("tiers") or []):
+        if isinstance(tier, dict) and tier.get("backend") == "valkey":
+            given = tier.setdefault("tp", ranks)
+            if given != ranks:
+                from kvtier.errors import ConfigError
+
+                raise ConfigError([(f"tiers[{i}].tp", f"{brief(given)} in {source}, but this engine has {ranks} "
+                                    f"tensor-parallel ranks; leave tp out (vLLM's value is used)")])
     return parse_config(raw, source)
 

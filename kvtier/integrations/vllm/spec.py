@@ -83,7 +83,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
         raw, source = load_raw_config(self.extra_config.get("kvtier_config"))
         self.hierarchy_config = vllm_hierarchy_config(raw, block_tokens=self.block_tokens,
                                                       engine_id=str(config.engine_id),
-                                                      fingerprint=self.fingerprint(), source=source)
+                                                      fingerprint=self.fingerprint(), source=source,
+                                                      ranks=self.num_copies)
         if self.hierarchy_config.tiers[0].backend != "cpu":
             raise ValueError(f"{source}: under vLLM the first tier must use backend 'cpu' (shared with the "
                              f"workers), got {self.hierarchy_config.tiers[0].backend!r}")
