@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.hops_runner import run_jobs
 from kvtier.config import DEFAULT_BLOCK_TOKENS
 from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler
 from kvtier.keys import OffloadKey, make_offload_key
@@ -38,28 +38,6 @@ BENCH_TOKENS = DEFAULT_BLOCK_TOKENS  # tokens per block recorded in the bench's 
 
 def _key(i: int) -> OffloadKey:
     return make_offload_key(i.to_bytes(8, "big") * 4, 0)
-
-
-def _run_jobs(handler, jobs: list[tuple], then=None) -> tuple[float, list]:
-    """Submit every (src, dst) job at once, wait for all, call `then()` if given (inside the
-    timing); returns (seconds, results)."""
-    results: list = []
-    done = threading.Condition()
-
-    def on_done(result):
-        with done:
-            results.append(result)
-            done.notify_all()
-
-    handler.bind(on_done)
-    start = time.perf_counter()
-    for job_id, (src, dst) in enumerate(jobs):
-        handler.submit(job_id, src, dst)
-    with done:
-        done.wait_for(lambda: len(results) == len(jobs))
-    if then is not None:
-        then()
-    return time.perf_counter() - start, results
 
 
 def _io_views(views: list[memoryview], block_bytes: int) -> tuple[list[list[memoryview]], list]:
@@ -132,13 +110,13 @@ def _store_load_once(work: Path, mem, n: int, block_bytes: int, io: str, num_thr
         stores = [(CPULoadStoreSpec(b, tier="mem"), FileLoadStoreSpec(b, [_key(i) for i in b], tier="disk"))
                   for b in batches]
         # Timed until durable (the raw baseline ends with fdatasync too).
-        fill_s, results = _run_jobs(handlers[0], stores, then=disk.sync)
+        fill_s, results = run_jobs(handlers[0], stores, then=disk.sync)
         assert all(r.success for r in results), [r.error for r in results if not r.success][:3]
-        store_s, results = _run_jobs(handlers[0], stores, then=disk.sync)
+        store_s, results = run_jobs(handlers[0], stores, then=disk.sync)
         assert all(r.success for r in results), [r.error for r in results if not r.success][:3]
         loads = [(FileLoadStoreSpec(b, [_key(i) for i in b], tier="disk"),
                   CPULoadStoreSpec([n + i for i in b], tier="mem")) for b in batches]
-        load_s, results = _run_jobs(handlers[1], loads)
+        load_s, results = run_jobs(handlers[1], loads)
         assert all(r.success for r in results), [r.error for r in results if not r.success][:3]
         for i in range(n):
             assert mem.view(n + i) == mem.view(i), f"block {i} read back wrong"

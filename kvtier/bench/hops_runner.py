@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -113,3 +115,25 @@ def _file_tier_parent(config: Any) -> str | None:
             if os.access(parent, os.W_OK):
                 return parent
     return None
+
+
+def run_jobs(handler, jobs: list[tuple], then=None) -> tuple[float, list]:
+    """Submit every (src, dst) job at once, wait for all, call `then()` if given (inside the
+    timing); returns (seconds, results)."""
+    results: list = []
+    done = threading.Condition()
+
+    def on_done(result):
+        with done:
+            results.append(result)
+            done.notify_all()
+
+    handler.bind(on_done)
+    start = time.perf_counter()
+    for job_id, (src, dst) in enumerate(jobs):
+        handler.submit(job_id, src, dst)
+    with done:
+        done.wait_for(lambda: len(results) == len(jobs))
+    if then is not None:
+        then()
+    return time.perf_counter() - start, results

@@ -19,33 +19,19 @@ from __future__ import annotations
 
 import os
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvtier.bench.hops_runner import run_jobs
 from kvtier.keys import make_offload_key
 
 BENCH_PREFIX = "kvtier-bench-hops"
 
 
-def _run_jobs(handler, jobs: list[tuple]) -> float:
-    """Submit every (src, dst) job at once, wait for all; seconds. Raises if one failed."""
-    results: list = []
-    done = threading.Condition()
-
-    def on_done(result):
-        with done:
-            results.append(result)
-            done.notify_all()
-
-    handler.bind(on_done)
-    start = time.perf_counter()
-    for job_id, (src, dst) in enumerate(jobs):
-        handler.submit(job_id, src, dst)
-    with done:
-        done.wait_for(lambda: len(results) == len(jobs))
-    seconds = time.perf_counter() - start
+def _timed_jobs(handler, jobs: list[tuple]) -> float:
+    """`run_jobs` in seconds; raises if a job failed."""
+    seconds, results = run_jobs(handler, jobs)
     failed = [r.error for r in results if not r.success]
     if failed:
         raise RuntimeError(f"{len(failed)} of {len(jobs)} jobs failed: {failed[0]}")
@@ -115,10 +101,10 @@ def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_byt
         for _ in range(repeats):
             times["raw_set_1"].append(raw_round(raw_set, threaded=False))
             times["raw_set_n"].append(raw_round(raw_set))
-            times["store"].append(_run_jobs(store_h, store_jobs))
+            times["store"].append(_timed_jobs(store_h, store_jobs))
             times["raw_get_1"].append(raw_round(raw_get, with_index=True, threaded=False))
             times["raw_get_n"].append(raw_round(raw_get, with_index=True))
-            times["load"].append(_run_jobs(load_h, load_jobs))
+            times["load"].append(_timed_jobs(load_h, load_jobs))
         if any(bytes(memory.view(n + i)) != bytes(memory.view(i)) for i in range(n)):
             raise RuntimeError("a block loaded back from the remote tier differs from the one stored")
         gbps = {name: n * block_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
