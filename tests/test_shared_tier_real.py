@@ -22,6 +22,8 @@ def engines():
 
     def make(url: str, options: str = "", **kwargs) -> Engine:
         made.append(Engine(f", timeout_ms: 2000{options}", url=url, **kwargs))
+        store = made[-1].shared._store
+        assert store.wait_ready(10), store.reason  # a cluster's slot map loads in the background
         return made[-1]
 
     make.prefix = f"kvt:tier{next(_prefixes)}-{time.monotonic_ns()}"  # type: ignore[attr-defined]

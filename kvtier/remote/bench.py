@@ -30,8 +30,10 @@ PREFIX = "kvtier-bench"
 
 
 def _store(url: str, block_bytes: int, tp: int = 1) -> RemoteStore:
-    return RemoteStore(ClientOptions(url), key_prefix=PREFIX, fingerprint="bench", layout=f"{block_bytes}x{tp}",
-                       block_bytes=block_bytes, tp=tp)
+    store = RemoteStore(ClientOptions(url), key_prefix=PREFIX, fingerprint="bench", layout=f"{block_bytes}x{tp}",
+                        block_bytes=block_bytes, tp=tp)
+    store.wait_ready(10.0)  # a cluster's slot map loads in the background; a bench may wait for it
+    return store
 
 
 def _raw_client(options: ClientOptions) -> redis.Redis:

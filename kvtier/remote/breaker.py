@@ -48,6 +48,10 @@ class CircuitBreaker:
     def available(self) -> bool:
         return not self._open
 
+    @property
+    def last_error(self) -> str:
+        return self._last_error
+
     def guard(self) -> None:
         """Raise `RemoteUnavailable` when open; return at once otherwise."""
         if self._open:
@@ -116,10 +120,11 @@ class Reconnector:
     def wake(self) -> None:
         self._wake.set()
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = True) -> None:
+        """Stop the thread; `wait`: join it (up to 5 s) so that no `poll` runs afterwards."""
         self._stopped = True
         self._wake.set()
-        if self._thread is not threading.current_thread():
+        if wait and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
     def _run(self) -> None:

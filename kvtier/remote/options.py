@@ -74,6 +74,20 @@ def _host_port(text: str, where: str) -> Endpoint:
     return Endpoint(host=host, port=port)
 
 
+def redact_url(url: str) -> str:
+    """`url` fit to print: userinfo (`user:pw@`), query and fragment replaced by `<redacted>`."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        scheme, rest = "", url
+    cut = min((i for i in (rest.find("?"), rest.find("#")) if i >= 0), default=-1)
+    if cut >= 0:
+        rest = rest[:cut] + rest[cut] + "<redacted>"
+    userinfo, at, host = rest.rpartition("@")
+    if at:
+        rest = "<redacted>@" + host
+    return scheme + sep + rest
+
+
 def parse_url(url: str, where: str = "url") -> ParsedUrl:
     """Parse one of the URL forms of the module docstring; `where` names the field in errors."""
     if not isinstance(url, str) or not url:
@@ -86,7 +100,8 @@ def parse_url(url: str, where: str = "url") -> ParsedUrl:
         raise ValueError(f"{where}: credentials are not accepted in the URL; pass username and password "
                          "(password_env or password_file in the tier's config)")
     if any(c in rest for c in "?#") or any(c.isspace() for c in rest):
-        raise ValueError(f"{where}: {url!r} has a query, a fragment or a space; none is accepted")
+        raise ValueError(f"{where}: {redact_url(url)!r} has a query, a fragment or a space; none is accepted "
+                         "(credentials go in username and password_env or password_file)")
     if scheme == "unix":
         if not rest.startswith("/") or rest == "/":
             raise ValueError(f"{where}: unix:// needs an absolute socket path, e.g. unix:///run/valkey/valkey.sock")
@@ -104,7 +119,8 @@ def parse_url(url: str, where: str = "url") -> ParsedUrl:
     db = 0
     if path:
         if not path.isdigit():
-            raise ValueError(f"{where}: the path must be a database number (e.g. /0), got /{path}")
+            raise ValueError(f"{where}: the path must be a database number (e.g. /0); it is not one "
+                             "(not shown: it may hold a secret)")
         db = int(path)
     return ParsedUrl(cluster=False, tls=tls, endpoints=(_host_port(hostport, where),), db=db)
 
@@ -157,6 +173,10 @@ class ClientOptions:
     @property
     def parsed(self) -> ParsedUrl:
         return parse_url(self.url)
+
+    @property
+    def redacted_url(self) -> str:
+        return redact_url(self.url)
 
     def redacted(self) -> dict:
         """The options for logs and `config check`: everything but the password (only whether one is set)."""

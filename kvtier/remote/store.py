@@ -58,10 +58,10 @@ def _byte_view(buf: memoryview, name: str, nbytes: int, writable: bool) -> memor
 class RemoteStore:
     """Blocks of one identity on one server or cluster. Thread-safe; see the module docstring.
 
-    Building one does no I/O for a single server; for a cluster it reads the slot map once (each seed
-    bounded by `connect_timeout_s`), and when no seed answers it starts without one (calls raise
-    `RemoteUnavailable`, `available` is False) while the reconnect thread keeps trying. `close()`
-    stops that thread; a store that is not closed keeps it (a daemon thread) alive.
+    Building one does no I/O: a cluster's slot map is loaded by the reconnect thread (until it is,
+    calls raise `RemoteUnavailable`, `available` is False and `reason` says why; `wait_ready` waits
+    for it). `close()` stops that thread without waiting for a check or reload in flight (bounded by
+    the timeouts, it drops what it opened); a store that is not closed keeps it (a daemon thread) alive.
     """
 
     def __init__(self, options: ClientOptions, *, key_prefix: str, fingerprint: str, layout: str,
@@ -83,6 +83,10 @@ class RemoteStore:
         self._reconnector = Reconnector("kvtier-remote-reconnect", self._poll)
         if not self._topology.complete:
             self._reconnector.wake()
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a cluster's slot map to load (True at once for one server)."""
+        return self._topology.loaded.wait(timeout_s)
 
     def __repr__(self) -> str:
         return f"RemoteStore({self.options.url!r}, namespace={self.keys.namespace!r}, tp={self.tp})"
@@ -272,6 +276,19 @@ class RemoteStore:
         names = [n.name for n in self._topology.nodes()]
         return any(self._breakers.get(n) is None or self._breakers[n].available for n in names)
 
+    @property
+    def reason(self) -> str:
+        """Why `available` is False ("" while it is True): closed, the slot map's load error, or the
+        last error of each open breaker."""
+        if self._closed:
+            return "remote store closed"
+        if not self._topology.ready:
+            return self._topology.reason or "cluster slot map not loaded yet; loading in the background"
+        if self.available:
+            return ""
+        return "; ".join(f"{b.name}: circuit breaker open (last: {b.last_error})" for b in list(self._breakers.values())
+                         if not b.available)
+
     def stats(self) -> dict[str, int | float]:
         """Counters since construction: writes / write_bytes (payload + trailers sent), reads /
         read_bytes, probes / probe_keys, missing (BlockMissing), rejected (ValueRejected), failures
@@ -294,5 +311,5 @@ class RemoteStore:
         if self._closed:
             return
         self._closed = True
-        self._reconnector.stop()
+        self._reconnector.stop(wait=False)
         self._topology.close()

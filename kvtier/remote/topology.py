@@ -8,10 +8,17 @@ I/O. It is reloaded when a server answers MOVED/ASK (a resharding or a failover)
 reconnect thread while a shard is unreachable (after a failover the new master takes its slots) or
 while some slot has no master.
 A slot no master covers, or a map not loaded yet, raises `RemoteUnavailable` without I/O.
+
+Locks: a reload holds `_reload_lock` across its socket I/O (it only serialises reloads); it builds the
+new table and node set aside and swaps them in as plain attributes, so readers (`node_for`, `nodes`,
+`node`, `ready`, the scheduler thread's `RemoteStore.available`) take no lock that I/O holds. Building
+a `Topology` does no I/O: the store's reconnect thread loads a cluster's map. A reload that fails logs
+one WARNING when the map goes from loaded (or never tried) to failing, with the reason; `reason` keeps it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -24,6 +31,8 @@ from kvtier.remote.errors import RemoteUnavailable
 from kvtier.remote.nodes import NodeClient, connection_kwargs
 from kvtier.remote.options import ClientOptions, Endpoint, ParsedUrl
 
+log = logging.getLogger(__name__)
+
 
 class Topology:
     """Routes keys to `NodeClient`s. Thread-safe."""
@@ -32,20 +41,22 @@ class Topology:
         self.cluster = parsed.cluster
         self._options = options
         self._parsed = parsed
-        self._lock = threading.Lock()
-        self._nodes: dict[str, NodeClient] = {}
+        self._lock = threading.Lock()  # guards the swaps below and `_closed`; never held across I/O
+        self._reload_lock = threading.Lock()  # one reload at a time; held across socket I/O
+        self._nodes: dict[str, NodeClient] = {}  # replaced, never mutated: readers copy it without a lock
         self._slots: list[NodeClient | None] = []
         self._client: RedisCluster | None = None
+        self._closed = False
+        self._failing = False
+        self.loaded = threading.Event()  # set once a cluster map has loaded (at once for one server)
+        self.reason = ""  # why the last reload failed ("" after a successful one)
         if not self.cluster:
             node = NodeClient(options, parsed.endpoints[0], tls=parsed.tls, db=parsed.db)
-            self._nodes[node.name] = node
+            self._nodes = {node.name: node}
             self._single: NodeClient | None = node
+            self.loaded.set()
         else:
             self._single = None
-            try:
-                self.refresh()
-            except RemoteUnavailable:
-                pass  # the reconnect thread loads it later; calls raise RemoteUnavailable meanwhile
 
     @property
     def ready(self) -> bool:
@@ -57,8 +68,7 @@ class Topology:
         return self._single is not None or (bool(self._slots) and all(self._slots))
 
     def nodes(self) -> list[NodeClient]:
-        with self._lock:
-            return list(self._nodes.values())
+        return list(self._nodes.values())
 
     def node_for(self, key: bytes) -> NodeClient:
         if self._single is not None:
@@ -102,47 +112,79 @@ class Topology:
 
     def refresh(self) -> None:
         """Reload a cluster's slot map (no-op for one server); `RemoteUnavailable` when no seed or
-        known master answers."""
+        known master answers. Blocks only callers of `refresh` (module docstring)."""
         if not self.cluster:
             return
-        try:
-            with self._lock:
-                if self._client is None:
+        with self._reload_lock:
+            try:
+                if self._closed:
+                    raise RemoteUnavailable("remote store closed")
+                client = self._client
+                if client is None:
                     kwargs = connection_kwargs(self._options, self._parsed.tls)
                     kwargs.pop("retry")
                     if self._parsed.tls:
                         kwargs["ssl"] = True
                     seeds = [ClusterNode(e.host, e.port) for e in self._parsed.endpoints]
-                    self._client = RedisCluster(startup_nodes=seeds, require_full_coverage=False,
-                                                retry=Retry(NoBackoff(), 0), **kwargs)
+                    client = RedisCluster(startup_nodes=seeds, require_full_coverage=False,
+                                          retry=Retry(NoBackoff(), 0), **kwargs)
+                    with self._lock:
+                        closed, self._client = self._closed, None if self._closed else client
+                    if closed:
+                        client.close()
+                        raise RemoteUnavailable("remote store closed")
                 else:
-                    self._client.nodes_manager.initialize()
-                self._load_slots(self._client)
-        except RemoteUnavailable:
-            raise
-        except Exception as exc:  # noqa: BLE001 - redis-py raises several unrelated types here
-            raise RemoteUnavailable(f"cluster slot map: {type(exc).__name__}: {exc}") from exc
+                    client.nodes_manager.initialize()
+                self._load_slots(client)
+            except Exception as exc:  # noqa: BLE001 - redis-py raises several unrelated types here
+                error = exc if isinstance(exc, RemoteUnavailable) else \
+                    RemoteUnavailable(f"cluster slot map: {type(exc).__name__}: {exc}")
+                self._failed(str(error))
+                raise error from exc
+            self._loaded()
+
+    def _failed(self, reason: str) -> None:
+        self.reason = reason
+        if not self._failing and not self._closed:
+            self._failing = True
+            log.warning("%s: cannot load the cluster slot map (%s); every call is a miss until it loads, "
+                        "retrying in the background", self._options.redacted_url, reason)
+
+    def _loaded(self) -> None:
+        self.reason = ""
+        self.loaded.set()
+        if self._failing:
+            self._failing = False
+            log.warning("%s: cluster slot map loaded", self._options.redacted_url)
 
     def _load_slots(self, client: RedisCluster) -> None:
         cache = client.nodes_manager.slots_cache
         table: list[NodeClient | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+        nodes = dict(self._nodes)
         for slot, holders in cache.items():
             if not holders:
                 continue
             primary = holders[0]
             endpoint = Endpoint(host=primary.host, port=int(primary.port))
-            node = self._nodes.get(endpoint.name)
+            node = nodes.get(endpoint.name)
             if node is None:
-                node = self._nodes[endpoint.name] = NodeClient(self._options, endpoint, tls=self._parsed.tls)
+                node = nodes[endpoint.name] = NodeClient(self._options, endpoint, tls=self._parsed.tls)
             table[slot] = node
         if not any(table):
             raise RemoteUnavailable("cluster: the slot map covers no slot")
-        self._slots = table
+        with self._lock:
+            if not self._closed:
+                self._nodes, self._slots = nodes, table
+                return
+        for node in nodes.values():  # closed meanwhile: drop what this reload opened
+            node.close()
 
     def close(self) -> None:
+        """Closes every connection without waiting for a reload in flight (it closes its own)."""
         with self._lock:
-            for node in self._nodes.values():
-                node.close()
-            if self._client is not None:
-                self._client.close()
-                self._client = None
+            self._closed = True
+            nodes, client, self._client = list(self._nodes.values()), self._client, None
+        for node in nodes:
+            node.close()
+        if client is not None:
+            client.close()

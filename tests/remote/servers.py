@@ -304,12 +304,14 @@ def make_store():
     stores = []
 
     def make(url: str, *, block_bytes: int = 4096, tp: int = 1, fingerprint: str = "model:abc", layout: str = "L1",
-             key_prefix: str | None = None, **options) -> RemoteStore:
+             key_prefix: str | None = None, wait: bool = True, **options) -> RemoteStore:
         options.setdefault("timeout_s", 2.0)
         prefix = key_prefix or f"kvt:test{next(_prefixes)}"
         store = RemoteStore(ClientOptions(url, **options), key_prefix=prefix, fingerprint=fingerprint,
                             layout=layout, block_bytes=block_bytes, tp=tp)
         stores.append(store)
+        if wait and store.options.parsed.cluster:  # the slot map loads in the background
+            assert store.wait_ready(10.0), store.reason
         return store
 
     yield make

@@ -47,7 +47,7 @@ def test_a_moved_slot_reloads_the_map(valkey_cluster, make_store):
 
 def test_cluster_down_at_start_is_picked_up_in_the_background(tmp_path, make_store):
     cluster = Cluster(tmp_path / "late")
-    store = make_store(cluster.url, block_bytes=4096, breaker_open_s=0.2)
+    store = make_store(cluster.url, block_bytes=4096, breaker_open_s=0.2, wait=False)
     try:
         assert not store.available
         start = time.perf_counter()

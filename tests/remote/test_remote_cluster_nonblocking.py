@@ -1,0 +1,97 @@
+"""The scheduler thread never waits on cluster I/O: a slot-map reload that hangs does not hold up
+`available` / `nodes()`, building a store on hung seeds does no I/O on the caller's thread, close
+does not wait for the hung reload, and a map that cannot load says why (a WARNING once, `reason`)."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+import pytest
+
+from kvtier.remote.options import ClientOptions
+from kvtier.remote.store import RemoteStore
+
+
+@pytest.fixture
+def silent_seeds():
+    """Three listeners that accept connections and never answer (hung hosts)."""
+    socks, conns = [], []
+    for _ in range(3):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        s.listen(64)
+        socks.append(s)
+
+    def accept(s: socket.socket) -> None:
+        while True:
+            try:
+                conns.append(s.accept()[0])
+            except OSError:
+                return
+
+    for s in socks:
+        threading.Thread(target=accept, args=(s,), daemon=True).start()
+    yield "cluster://" + ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in socks)
+    for s in socks + conns:
+        s.close()
+
+
+def test_a_hung_reload_does_not_block_available(valkey_cluster, make_store):
+    store = make_store(valkey_cluster.url, block_bytes=4096)
+    topology = store._topology
+    assert store.available and topology._client is not None
+    release = threading.Event()
+    topology._client.nodes_manager.initialize = lambda: release.wait(5)  # a seed that does not answer
+    reload = threading.Thread(target=topology.refresh)
+    reload.start()
+    try:
+        time.sleep(0.2)
+        assert reload.is_alive()
+        start = time.perf_counter()
+        for _ in range(100):
+            assert store.available
+            assert len(topology.nodes()) == 3
+        assert time.perf_counter() - start < 0.1
+    finally:
+        release.set()
+        reload.join()
+
+
+def test_building_and_closing_on_hung_seeds_do_no_io_on_the_callers_thread(silent_seeds, caplog):
+    options = ClientOptions(silent_seeds, timeout_s=0.5, connect_timeout_s=0.5)
+    start = time.perf_counter()
+    store = RemoteStore(options, key_prefix="kvt:hung", fingerprint="m", layout="L", block_bytes=4096)
+    built = time.perf_counter() - start
+    try:
+        assert built < 0.2, f"building took {built:.2f} s"
+        assert not store.available
+        assert "not loaded yet" in store.reason
+    finally:
+        time.sleep(0.1)  # the reconnect thread is now in its reload, hung on the first seed
+        start = time.perf_counter()
+        store.close()
+        closed = time.perf_counter() - start
+    assert closed < 0.2, f"close took {closed:.2f} s"
+
+
+def test_a_non_cluster_server_warns_once_with_the_reason(valkey_server, caplog):
+    url = "cluster://" + valkey_server.name
+    caplog.set_level(logging.WARNING, logger="kvtier.remote.topology")
+    store = RemoteStore(ClientOptions(url, breaker_open_s=0.1), key_prefix="kvt:nc", fingerprint="m",
+                        layout="L", block_bytes=4096)
+    try:
+        deadline = time.monotonic() + 10
+        while not store._topology.reason:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.5)  # several more failed reloads (one every breaker_open_s)
+        assert not store.available
+        assert "cluster" in store.reason.lower() and store.reason != "cluster slot map not loaded yet"
+        warnings = [r for r in caplog.records if "cluster slot map" in r.getMessage()]
+        assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
+        assert store._topology.reason in warnings[0].getMessage()
+    finally:
+        store.close()
