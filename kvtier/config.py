@@ -232,11 +232,12 @@ class _Problems:
     def full(self) -> bool:
         return len(self.items) >= self.MAX
 
-    def add(self, path: str, message: str) -> None:
+    def add(self, path: str, message: str, tail: str = "") -> None:
+        """`tail` (text from the code, e.g. a list of valid keys) is kept whole; `message` is clipped."""
         if self.full:
             self.dropped += 1
         else:
-            self.items.append((path, clip(message, 300)))
+            self.items.append((path, clip(message, 300) + tail))
 
     def extend(self, problems: list[tuple[str, str]]) -> None:
         for path, message in problems:
@@ -266,8 +267,8 @@ def _read_fields(raw: Mapping[str, Any], fields: Mapping[str, tuple[Any, Any]], 
         if problems.full:  # no suggestion computed for problems that are not shown
             problems.dropped += 1
             continue
-        problems.add(f"{path}{_key(key)}",
-                     f"unknown key for {what}{suggest(key, valid)}; valid keys: {', '.join(valid)}")
+        problems.add(f"{path}{_key(key)}", f"unknown key for {what}{suggest(key, valid)}",
+                     f"; valid keys: {', '.join(valid)}")
     for key, (default, check) in fields.items():
         if key not in raw or (raw[key] is None and default is not REQUIRED):
             if default is REQUIRED:

@@ -8,6 +8,7 @@ repr, log line and `kvtier config check` output.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import stat
@@ -76,6 +77,20 @@ def _path(v: Any) -> str:
     return os.path.expanduser(v)
 
 
+def _secret_path(v: Any) -> str:
+    """A path with a '/' (absolute, ~/..., ./...): a bare word is more likely a pasted password than a
+    file name, so it is refused without being shown."""
+    if not isinstance(v, str) or "/" not in v or "\0" in v or not v.isprintable():
+        raise ValueError("expected the path of a file holding the password, with a '/' (e.g. /run/secrets/valkey, "
+                         "~/.valkey-pw or ./valkey-pw); the value given is not one (not shown: it may be a password)")
+    return os.path.expanduser(v)
+
+
+def _num(x: float) -> str:
+    """`x` as written in a config: 1048576, not 1.04858e+06."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 def _prefix(v: Any) -> str:
     return _their_check(validate_key_prefix, v, "key_prefix")
 
@@ -85,7 +100,7 @@ def _number(low: float, high: float, what: str, integer: bool = False):
         kinds = (int,) if integer else (int, float)
         if isinstance(v, bool) or not isinstance(v, kinds) or not low <= v <= high:
             kind = "an integer" if integer else "a number"
-            raise ValueError(f"expected {kind} of {what} from {low:g} to {high:g}, got {brief(v)}")
+            raise ValueError(f"expected {kind} of {what} from {_num(low)} to {_num(high)}, got {brief(v)}")
         return v if integer else float(v)
     return check
 
@@ -93,7 +108,7 @@ def _number(low: float, high: float, what: str, integer: bool = False):
 def _positive(high: float, what: str):
     def check(v: Any) -> float:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= high:
-            raise ValueError(f"expected a number of {what} above 0 and at most {high:g}, got {brief(v)}")
+            raise ValueError(f"expected a number of {what} above 0 and at most {_num(high)}, got {brief(v)}")
         return float(v)
     return check
 
@@ -114,7 +129,7 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
     "url": (REQUIRED, _url),
     "username": (None, _text("an ACL user name")),
     "password_env": (None, _env_name),
-    "password_file": (None, _path),
+    "password_file": (None, _secret_path),
     "tls_ca_file": (None, _path),
     "tls_cert_file": (None, _path),
     "tls_key_file": (None, _path),
@@ -171,6 +186,9 @@ def _read_secret_file(path: str) -> str:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ConfigError([("password_file", f"{path} is a symlink; give the file itself (symlinks are refused "
+                                                 f"so that no one can point it elsewhere)")]) from None
         raise ConfigError([("password_file", f"cannot open {path}: {exc.strerror or exc} (a regular file, not a "
                                              f"symlink, holding the password)")]) from None
     try:

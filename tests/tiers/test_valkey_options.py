@@ -207,3 +207,47 @@ def test_docs_shared_tier_config_example_is_a_valid_hierarchy():
     config = load_config_text(text, "docs/shared-tier.md")
     assert [t.backend for t in config.tiers] == ["cpu", "valkey"]
     assert config.tiers[1].options["url"].startswith("cluster://") and config.tiers[1].options["tp"] == 1
+
+
+@pytest.mark.parametrize("extra, field, secret, fragment", [
+    (f", url: 'redis://127.0.0.1:6390/0?password={SECRET}'", "tiers[1].url", SECRET, "?<redacted>"),
+    (f", url: 'redis://127.0.0.1:6390/{SECRET}'", "tiers[1].url", SECRET, "database number"),
+    (f", password_file: '{SECRET}'", "tiers[1].password_file", SECRET, "path of a file"),
+])
+def test_errors_name_the_field_without_a_value_that_may_be_a_secret(extra, field, secret, fragment, tmp_path,
+                                                                    capsys):
+    found = problems(yaml(extra))
+    assert field in found and fragment in found[field] and secret not in str(found), found
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml(extra))
+    assert main(["config", "check", str(path)]) == 2
+    out = capsys.readouterr()
+    assert field in out.err and secret not in out.err + out.out
+
+
+def test_redact_url_hides_userinfo_query_and_fragment():
+    from kvtier.remote.options import redact_url
+
+    assert redact_url(f"redis://u:{SECRET}@h:1/0?password={SECRET}#{SECRET}") == "redis://<redacted>@h:1/0?<redacted>"
+    assert redact_url("cluster://h:1,h:2") == "cluster://h:1,h:2"
+
+
+def test_a_symlinked_password_file_is_named_a_symlink(server, tmp_path):
+    secret = tmp_path / "pw"
+    secret.write_text(SECRET + "\n")
+    os.chmod(secret, 0o600)
+    link = tmp_path / "link"
+    link.symlink_to(secret)
+    with pytest.raises(ConfigError) as info:
+        build_hierarchy(load_config_text(yaml(f", password_file: '{link}'")), model="m")
+    assert "tiers[1].password_file" in str(info.value) and "is a symlink" in str(info.value)
+
+
+def test_the_unknown_key_error_lists_every_valid_key_and_limits_read_as_integers():
+    from kvtier.tiers.valkey_options import OPTIONS
+
+    found = problems(yaml(", tiemout_ms: 250, max_inflight_mib: 0"))
+    unknown = found["tiers[1].tiemout_ms"]
+    assert "timeout_ms" in unknown and "…" not in unknown
+    assert all(name in unknown.split("valid keys: ")[1].split(", ") for name in OPTIONS)
+    assert "at most 1048576," in found["tiers[1].max_inflight_mib"]
