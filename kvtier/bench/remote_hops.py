@@ -2,8 +2,9 @@
 
 `measure_cpu_remote(tier_options, block_bytes, total_bytes)` (used by `kvtier bench hops` when the
 config has a `valkey` tier): `total_bytes` of random blocks in a memory tier are published to a
-`ValkeyBackend` built from the tier's options (its own `key_prefix` and identity, so nothing of a
-real tenant is touched) through `CPUToRemoteHandler`, in as many jobs as the tier has threads, all
+`ValkeyBackend` built from the tier's options, under `{key_prefix}:bench-hops` (inside the tier's
+namespace, so the tenant's ACL user may write there; the bench's own identity, so no engine ever
+serves these values) through `CPUToRemoteHandler`, in as many jobs as the tier has threads, all
 submitted at once (as the manager publishes), timed until the last job completed; then loaded back
 through `RemoteToCPUHandler` (verified, byte-compared). The baseline, in the same run, rounds
 interleaved: the same client library with the same connection settings (`kvtier.remote.bench`),
@@ -11,12 +12,16 @@ one SET per block of the same bytes (as `bytes` objects: a memoryview is packed 
 redis-py with hiredis) and one GET per block copied into a preallocated buffer, on
 one thread and on as many threads as the tier (the baseline is the better of the two; redis-py
 packs in Python, under the GIL). Medians of `repeats` rounds; GB/s = 1e9 bytes per second;
-`paired_ratio` is the median over rounds of (that round's best raw time / the tier's time). The bench's keys are
-left to the server's eviction. A cluster URL has no single-server baseline: no rows.
+`paired_ratio` is the median over rounds of (that round's best raw time / the tier's time).
+The server holds about 2 x `total_bytes` (tier values + raw keys) during the run; at the end every key
+under `{key_prefix}:bench-hops:` is removed (SCAN + UNLINK in batches, also what an interrupted run
+left), best effort: `removed_keys` counts them, `cleanup_error` says what failed (and a WARNING).
+A cluster URL has no single-server baseline: no rows.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import statistics
 import time
@@ -26,7 +31,29 @@ from typing import Any
 from kvtier.bench.hops_runner import run_jobs
 from kvtier.keys import make_offload_key
 
-BENCH_PREFIX = "kvtier-bench-hops"
+BENCH_SUFFIX = "bench-hops"
+CLEANUP_BATCH = 500
+
+log = logging.getLogger(__name__)
+
+
+def remove_bench_keys(raw, prefix: str) -> tuple[int, str]:
+    """UNLINK every key under `prefix:` (SCAN + UNLINK in batches); (keys removed, error or "")."""
+    removed, batch = 0, []
+    try:
+        for key in raw.scan_iter(match=f"{prefix}:*", count=CLEANUP_BATCH):
+            batch.append(key)
+            if len(batch) >= CLEANUP_BATCH:
+                removed += raw.unlink(*batch)
+                batch = []
+        if batch:
+            removed += raw.unlink(*batch)
+    except Exception as exc:  # noqa: BLE001 - best effort: report, never hide the figures
+        error = f"{type(exc).__name__}: {exc}"
+        log.warning("bench hops: could not remove the bench's keys under %s:* (%s); %d removed", prefix, error,
+                    removed)
+        return removed, error
+    return removed, ""
 
 
 def _timed_jobs(handler, jobs: list[tuple]) -> float:
@@ -52,7 +79,8 @@ def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_byt
         return None
     n = max(8, total_bytes // block_bytes)
     options = {k: v for k, v in tier_options.items() if k not in ("fingerprint",)}
-    options.update(key_prefix=BENCH_PREFIX)
+    prefix = f"{tier_options.get('key_prefix') or 'kvt'}:{BENCH_SUFFIX}"
+    options.update(key_prefix=prefix)
     remote = ValkeyBackend("bench-remote", n, block_bytes, 0, fingerprint="kvtier-bench",
                            layout=f"block_bytes={block_bytes}", **options)
     memory = MemoryBackend("bench-mem", 2 * n, block_bytes)
@@ -65,7 +93,7 @@ def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_byt
         for slot in range(n):
             memory.view(slot)[:] = os.urandom(block_bytes)
         keys = [make_offload_key(b"bench%03d" % (block_bytes % 997) + i.to_bytes(8, "big"), 0) for i in range(n)]
-        raw_keys = [f"{BENCH_PREFIX}:raw:{block_bytes}:{i}".encode() for i in range(n)]
+        raw_keys = [f"{prefix}:raw:{block_bytes}:{i}".encode() for i in range(n)]
         per_job = -(-n // threads)
         parts = [list(range(i, min(n, i + per_job))) for i in range(0, n, per_job)]
         store_jobs = [(CPULoadStoreSpec(p, tier=memory.name), RemoteLoadStoreSpec(p, [keys[i] for i in p],
@@ -116,22 +144,25 @@ def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_byt
         paired = {hop: round(statistics.median(min(t1, tn) / t for t1, tn, t in
                                                zip(times[f"raw_{op}_1"], times[f"raw_{op}_n"], times[hop])), 3)
                   for hop, op in (("store", "set"), ("load", "get"))}
-        return {"block_bytes": block_bytes, "total_bytes": n * block_bytes, "threads": threads, "repeats": repeats,
-                **{f"{name}_gbps": round(v, 3) for name, v in gbps.items()},
-                "store_vs_raw_paired": paired["store"], "load_vs_raw_paired": paired["load"]}
+        figures = {"block_bytes": block_bytes, "total_bytes": n * block_bytes, "threads": threads,
+                   "repeats": repeats, **{f"{name}_gbps": round(v, 3) for name, v in gbps.items()},
+                   "store_vs_raw_paired": paired["store"], "load_vs_raw_paired": paired["load"]}
     finally:
         pool.shutdown()
         store_h.shutdown()
         load_h.shutdown()
-        raw.close()
         remote.close()
+        removed, error = remove_bench_keys(raw, prefix)
+        raw.close()
         memory.close()
+    return {**figures, "removed_keys": removed, "cleanup_error": error}
 
 
 def remote_rows(figures: dict[str, Any], url: str) -> list[dict[str, Any]]:
     """The two hop rows (store, load) of one `measure_cpu_remote` result, with its raw baselines."""
     common = {"block_bytes": figures["block_bytes"], "total_bytes": figures["total_bytes"],
-              "threads": figures["threads"], "url": url}
+              "threads": figures["threads"], "url": url, "removed_keys": figures["removed_keys"],
+              "cleanup_error": figures["cleanup_error"]}
     return [
         {"hop": "CPU->REMOTE", **common, "gbps": figures["store_gbps"], "baseline": "raw client SET",
          "baseline_gbps": figures["raw_set_gbps"], "paired_ratio": figures["store_vs_raw_paired"]},
