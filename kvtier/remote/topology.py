@@ -1,7 +1,8 @@
 """Which server holds a key: one server, or a cluster's slot map.
 
-Single server: every key is on its one `NodeClient`. Cluster: redis-py's `RedisCluster` (cluster
-mode, retries off, `require_full_coverage=False`) reads the slot map from the seeds; keys are routed
+Single server: every key is on its one `NodeClient`. Cluster: redis-py's `NodesManager` (the part
+of `RedisCluster` that reads the slot map; `RedisCluster` itself also sends COMMAND to one node, which
+fails while that node hangs) reads the slot map from the seeds, trying each in turn; keys are routed
 by their CRC16 key slot (keys carry no hash tags, so they spread over the shards) to one
 `NodeClient` per master. The map is copied into a flat table, so routing a key takes no lock and no
 I/O. It is reloaded when a server answers MOVED/ASK (a resharding or a failover) and by the store's
@@ -22,10 +23,8 @@ import logging
 import threading
 from collections.abc import Sequence
 
-from redis.backoff import NoBackoff
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import ClusterNode, NodesManager, cleanup_kwargs
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
-from redis.retry import Retry
 
 from kvtier.remote.errors import RemoteUnavailable
 from kvtier.remote.nodes import NodeClient, connection_kwargs
@@ -45,7 +44,7 @@ class Topology:
         self._reload_lock = threading.Lock()  # one reload at a time; held across socket I/O
         self._nodes: dict[str, NodeClient] = {}  # replaced, never mutated: readers copy it without a lock
         self._slots: list[NodeClient | None] = []
-        self._client: RedisCluster | None = None
+        self._client: NodesManager | None = None
         self._closed = False
         self._failing = False
         self.loaded = threading.Event()  # set once a cluster map has loaded (at once for one server)
@@ -126,15 +125,15 @@ class Topology:
                     if self._parsed.tls:
                         kwargs["ssl"] = True
                     seeds = [ClusterNode(e.host, e.port) for e in self._parsed.endpoints]
-                    client = RedisCluster(startup_nodes=seeds, require_full_coverage=False,
-                                          retry=Retry(NoBackoff(), 0), **kwargs)
+                    client = NodesManager(startup_nodes=seeds, require_full_coverage=False,
+                                          **cleanup_kwargs(**kwargs))
                     with self._lock:
                         closed, self._client = self._closed, None if self._closed else client
                     if closed:
                         client.close()
                         raise RemoteUnavailable("remote store closed")
                 else:
-                    client.nodes_manager.initialize()
+                    client.initialize()
                 self._load_slots(client)
             except Exception as exc:  # noqa: BLE001 - redis-py raises several unrelated types here
                 error = exc if isinstance(exc, RemoteUnavailable) else \
@@ -147,8 +146,9 @@ class Topology:
         self.reason = reason
         if not self._failing and not self._closed:
             self._failing = True
-            log.warning("%s: cannot load the cluster slot map (%s); every call is a miss until it loads, "
-                        "retrying in the background", self._options.redacted_url, reason)
+            then = "routing by the last map" if self._slots else "every call is a miss until it loads"
+            log.warning("%s: cannot load the cluster slot map (%s); %s, retrying in the background",
+                        self._options.redacted_url, reason, then)
 
     def _loaded(self) -> None:
         self.reason = ""
@@ -157,8 +157,8 @@ class Topology:
             self._failing = False
             log.warning("%s: cluster slot map loaded", self._options.redacted_url)
 
-    def _load_slots(self, client: RedisCluster) -> None:
-        cache = client.nodes_manager.slots_cache
+    def _load_slots(self, client: NodesManager) -> None:
+        cache = client.slots_cache
         table: list[NodeClient | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         nodes = dict(self._nodes)
         for slot, holders in cache.items():
