@@ -97,3 +97,23 @@ def test_a_non_cluster_server_warns_once_with_the_reason(valkey_server, caplog):
         assert store._topology.reason in warnings[0].getMessage()
     finally:
         store.close()
+
+
+def test_the_map_loads_while_the_first_seed_hangs(private_cluster, make_store):
+    """The first seed is SIGSTOPped (accepts, never answers): the map is read from the next seed and
+    the live shards serve their keys."""
+    import os
+    import signal
+
+    hung = private_cluster.servers[0]
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    try:
+        store = make_store(private_cluster.url, block_bytes=4096, wait=False, timeout_s=0.3,
+                           connect_timeout_s=0.3, breaker_open_s=0.2)
+        assert store.wait_ready(10), store.reason
+        key = next(k for k in (bytes([i]) * 16 for i in range(256))
+                   if store._topology.node_for(store.keys.part_keys(k)[0]).name != hung.name)
+        store.write_block(key, memoryview(bytes(4096)))
+        assert store.probe([key]) == [True]
+    finally:
+        os.kill(hung.proc.pid, signal.SIGCONT)
