@@ -121,6 +121,10 @@ def parse_url(url: str, where: str = "url") -> ParsedUrl:
         if not path.isdigit():
             raise ValueError(f"{where}: the path must be a database number (e.g. /0); it is not one "
                              "(not shown: it may hold a secret)")
+        if len(path) > 10 or int(path) >= 1 << 31:
+            raise ValueError(f"{where}: database number {path[:12] + ('...' if len(path) > 12 else '')} is "
+                             f"above the largest a server accepts (2147483647; the server's `databases`, 16 "
+                             f"by default, is the real limit)")
         db = int(path)
     return ParsedUrl(cluster=False, tls=tls, endpoints=(_host_port(hostport, where),), db=db)
 

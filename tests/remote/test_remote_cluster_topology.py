@@ -50,6 +50,10 @@ def test_cluster_down_at_start_is_picked_up_in_the_background(tmp_path, make_sto
     store = make_store(cluster.url, block_bytes=4096, breaker_open_s=0.2, wait=False)
     try:
         assert not store.available
+        deadline = time.monotonic() + 10
+        while "cannot be connected" not in store.reason:  # the load error, once the first load failed
+            assert time.monotonic() < deadline, store.reason
+            time.sleep(0.02)
         start = time.perf_counter()
         with pytest.raises(RemoteUnavailable, match="slot map not loaded"):
             store.probe([okey(1)])

@@ -60,6 +60,7 @@ def test_a_valkey_tier_loads_with_its_defaults():
     (", url: 'cluster://h:1,h:2', tls_ca_file: /ca.pem", "tiers[1].tls_ca_file", "clusters://"),
     (", url: 'rediss://h:1', tls_cert_file: /c.pem", "tiers[1].tls_key_file", "both tls_cert_file and tls_key_file"),
     (", password: hunter2", "tiers[1].password", "unknown key"),
+    (", url: 'redis://h:6379/99999999999999999999'", "tiers[1].url", "above the largest a server accepts"),
 ])
 def test_bad_options_name_their_field(extra, field, fragment):
     found = problems(yaml(extra))
