@@ -72,3 +72,32 @@ def test_a_file_run_longer_than_tier0_room_promotes_the_prefix_that_fits(tmp_pat
         assert n >= 1 and result is not RETRY, f"{n} leading hits, then {result}"
     finally:
         hierarchy.close()
+
+
+def test_negative_ttl_0_answers_miss_to_the_waiting_lookup_and_caches_nothing(server, engines):
+    b = engines(", negative_ttl_s: 0")
+    k = keys(1, 777)[0]
+    answers, n = answer(b, k)
+    assert answers[-1] is MISS and n <= 3, answers
+    assert server.probe_sizes == [1]
+    assert b.manager.lookup(k) is RETRY, "nothing cached: the next lookup probes again"
+    b.settle()
+    assert server.probe_sizes == [1, 1]
+
+
+def test_negative_ttl_0_a_failed_probe_answers_miss(server, engines):
+    b = engines(", negative_ttl_s: 0, breaker_failures: 100")
+    server.down = True
+    answers, _ = answer(b, keys(1, 778)[0])
+    assert answers[-1] is MISS and b.stats()["probe_failures"] == 1
+
+
+def test_probe_hits_beyond_the_free_handles_adopt_what_fits_and_the_rest_miss(server, engines):
+    a, b = engines(hot=16), engines(hot=16, handles=2)
+    ks = keys(8, 300)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    n, result = run_answer(b, ks)
+    assert n == 2 and result is MISS, f"{n} leading hits, then {result}"
+    assert b.load(ks[:2]) == [content(k) for k in ks[:2]]
+    assert b.stats()["resident_blocks"] == 2
