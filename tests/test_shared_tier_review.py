@@ -101,3 +101,59 @@ def test_probe_hits_beyond_the_free_handles_adopt_what_fits_and_the_rest_miss(se
     assert n == 2 and result is MISS, f"{n} leading hits, then {result}"
     assert b.load(ks[:2]) == [content(k) for k in ks[:2]]
     assert b.stats()["resident_blocks"] == 2
+
+
+def test_after_the_server_lost_its_data_stale_handles_do_not_stop_a_publish(server, engines):
+    a = engines(hot=4)
+    ks = keys(4, 500)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    server.values.clear()  # FLUSHALL, or a restart without persistence
+    a.store(keys(4, 600))  # evicts ks from the hot tier
+    a.manager.wait_idle(5)
+    server.values.clear()
+    answers, _ = answer(a, ks[0])  # its handle is read: the value is gone
+    assert answers[-1] is MISS
+    a.store(ks)  # the engine recomputes the prefix
+    a.manager.wait_idle(5)
+    assert sorted(server.keys_of("kvt")) == sorted(ks), "every block of the prefix is published again"
+
+
+def test_a_handle_older_than_its_ttl_does_not_stop_a_publish(server, engines, monkeypatch):
+    import kvtier.tiers.valkey as valkey
+
+    a = engines(hot=4)
+    ks = keys(4, 700)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    server.values.clear()
+    a.store(keys(4, 800))
+    a.manager.wait_idle(5)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    assert sorted(server.keys_of("kvt")) == sorted(keys(4, 800)), "young handles dedupe"
+    monkeypatch.setattr(valkey, "HANDLE_TTL_S", 0.0)
+    a.store(keys(4, 800))
+    a.manager.wait_idle(5)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    assert sorted(server.keys_of("kvt")) == sorted(ks + keys(4, 800))
+
+
+def test_a_full_server_pauses_publishing_with_one_warning(server, engines, monkeypatch, caplog):
+    from kvtier.testing.fake_remote import FakeStore, RemoteUnavailable
+
+    def full(self, key, block):
+        self.server._enter("write_block")
+        raise RemoteUnavailable("server full (maxmemory without eviction): OOM command not allowed")
+
+    monkeypatch.setattr(FakeStore, "write_block", full)
+    a = engines(", breaker_open_s: 30", hot=64)
+    for i in range(10):
+        a.store(keys(4, 900 + 4 * i))
+        a.manager.wait_idle(5)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "publishing paused" in warnings[0].getMessage(), [r.getMessage() for r in warnings]
+    assert server.calls["write_block"] <= 4, "publishing paused after the first failure"
+    stats = a.stats()
+    assert stats["publish_dropped"] == 40 and stats["resident_blocks"] == 0 and stats["stores"] == 0

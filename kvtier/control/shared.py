@@ -7,8 +7,12 @@ knows are on the server (published, or found by a probe); evicting one forgets i
 - **Publish.** When the first tier's stores complete, the keys without a handle are copied
   CPU -> REMOTE (`Publish` jobs, first-tier blocks pinned meanwhile, split over the backend's
   threads), a handle allocated for each (being written: a key is never sent twice at once). Over
-  `max_inflight_bytes`, while the breaker is open, after a slow write, or without room for
-  handles, the blocks are not sent: dropped and counted (`publish_dropped`), never waited on.
+  `max_inflight_bytes`, while the breaker is open, after a slow or failed write (a full
+  server: paused for `breaker_open_s`), or without room for handles, the blocks are not sent:
+  dropped and counted (`publish_dropped`), never waited on; the handles of blocks a job could not
+  write are dropped. The dedupe is not permanent: a block stored again whose handle is stale
+  (older than `HANDLE_TTL_S`, or than the last read that found a key gone: the server may have
+  restarted or been flushed) is published again.
 - **Lookup** of a key no tier holds (`lookup`): a negative answer still fresh, or the breaker
   open -> MISS at once; a probe in flight -> RETRY until its deadline (the store's timeout after
   it was sent, one step after the lookup), then MISS; else the key joins the pending set -> RETRY.
@@ -68,8 +72,18 @@ class Publish(Job):
         self.nbytes = len(keys) * dst.backend.block_bytes
 
     def landed(self) -> None:
-        self.shared.inflight_bytes -= self.nbytes
-        absent = self.shared.absent
+        shared, dst = self.shared, self.dst
+        shared.inflight_bytes -= self.nbytes
+        unsent = shared.backend.take_unsent(self.keys)
+        if unsent:  # writes paused or failed (server full, down): those handles go
+            for key in cast("list[OffloadKey]", unsent):
+                block = dst.policy.get(key)
+                if block is not None and block.ref_cnt == 0:
+                    dst.drop(key, block)
+            self.events.record(dst, unsent, removed=True)
+            dst.stats.stores -= len(unsent)
+            dst.stats.publish_dropped += len(unsent)
+        absent = shared.absent
         if absent:
             for key in self.keys:
                 absent.pop(key, None)
@@ -270,12 +284,24 @@ class SharedTier:
             absent.popitem(last=False)
 
     # ------------------------------------------------------------------ publish
+    def _stale(self, key: OffloadKey) -> bool:
+        """An idle handle that the backend no longer trusts (`ValkeyBackend.stale`)."""
+        block = self.tier.policy.get(key)
+        return (block is not None and block.ref_cnt == 0 and key not in self._promotions.running
+                and self.backend.stale(block))
+
     def publish(self, keys: list[OffloadKey]) -> None:
         """Start copies of the first tier's newly readable blocks `keys` that have no handle;
         what cannot start now is dropped and counted (see the module docstring)."""
         tier, top, backend = self.tier, self.top, self.backend
         get = tier.policy.get
         new = [k for k in keys if get(k) is None]
+        stale = [k for k in keys if k not in new and self._stale(k)]
+        if stale and backend.available and backend.accepts_writes():
+            for key in stale:
+                tier.drop(key, cast(BlockStatus, get(key)))
+            self._events.record(tier, stale, removed=True)
+            new += stale
         if not new:
             return
         room = (backend.max_inflight_bytes - self.inflight_bytes) // backend.block_bytes
