@@ -96,7 +96,7 @@ class Promotions:
         making room in tier 0 may demote into (and so evict from) their tier. When tier 0 has no
         room for all of them, the longest prefix of the queue (in request order) that fits is
         started and only the rest is refused: a run longer than tier 0's room still comes up
-        from its first block."""
+        from its first block (`_room`)."""
         queue, self.queue = self.queue, {}
         top = self._top
         wanted: list[tuple[OffloadKey, Tier, BlockStatus]] = []
@@ -133,14 +133,20 @@ class Promotions:
 
     def _room(self, top: Tier, keys: list[OffloadKey]) -> int:
         """Make room in tier 0 for the longest prefix of `keys` that can get it; its length.
-        Binary search on the prefix length: a success frees the slots it needs, a larger one
-        tried after it only frees more."""
-        if not keys or self._cascade.evict_for(top, len(keys), set(keys)) is not None:
+        Blocks promoted earlier and not loaded yet are not evicted for it: they are the hits of a
+        lookup that is still to load them, and a run longer than tier 0 would otherwise evict
+        its own head to promote its tail, again at every lookup (RETRY forever). Binary search
+        on the prefix length: a success frees the slots it needs, a larger one tried after it
+        only frees more."""
+        if not keys:
+            return 0
+        kept = set(top.promoted_from) if top.promoted_from else set()
+        if self._cascade.evict_for(top, len(keys), kept.union(keys)) is not None:
             return len(keys)
         lo, hi = 0, len(keys) - 1  # lo fits (nothing needed), hi + 1 does not
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self._cascade.evict_for(top, mid, set(keys[:mid])) is not None:
+            if self._cascade.evict_for(top, mid, kept.union(keys[:mid])) is not None:
                 lo = mid
             else:
                 hi = mid - 1
