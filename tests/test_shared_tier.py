@@ -42,11 +42,12 @@ def server(monkeypatch):
 class Engine:
     """One engine's hierarchy [memory hot, (file), valkey shared] and the calls vLLM makes."""
 
-    def __init__(self, options: str = "", hot: int = 8, middle: str = "", url: str = "redis://fake:6379"):
+    def __init__(self, options: str = "", hot: int = 8, middle: str = "", url: str = "redis://fake:6379",
+                 handles: int = 64):
         tiers = [f"{{name: hot, backend: memory, capacity: {hot} blocks, policy: lru}}"]
         if middle:
             tiers.append(middle)
-        tiers.append(f"{{name: shared, backend: valkey, capacity: 64 blocks, url: '{url}', "
+        tiers.append(f"{{name: shared, backend: valkey, capacity: {handles} blocks, url: '{url}', "
                      f"negative_ttl_s: 30{options}}}")
         text = f"block_bytes: {BLOCK}B\ntiers:\n" + "".join(f"  - {t}\n" for t in tiers)
         self.hierarchy = build_hierarchy(load_config_text(text), model="shared-test-model")

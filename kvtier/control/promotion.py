@@ -93,10 +93,13 @@ class Promotions:
 
     def flush(self) -> None:
         """Start the queued promotions, one job per source tier. Source blocks are pinned first:
-        making room in tier 0 may demote into (and so evict from) their tier."""
+        making room in tier 0 may demote into (and so evict from) their tier. When tier 0 has no
+        room for all of them, the longest prefix of the queue (in request order) that fits is
+        started and only the rest is refused: a run longer than tier 0's room still comes up
+        from its first block (`_room`)."""
         queue, self.queue = self.queue, {}
         top = self._top
-        by_tier: dict[int, tuple[list[OffloadKey], list[BlockStatus]]] = {}
+        wanted: list[tuple[OffloadKey, Tier, BlockStatus]] = []
         for key in queue:
             src = self._tiers[self.running[key]]
             block = src.policy.get(key)
@@ -104,24 +107,50 @@ class Promotions:
                 self._refuse(key)
                 continue
             block.ref_cnt += 1  # held until the job ends (`Job.finish` releases it)
-            entry = by_tier.setdefault(src.index, ([], []))
+            wanted.append((key, src, block))
+        by_tier: dict[int, list[OffloadKey]] = {}
+        for key, src, _ in wanted:
+            by_tier.setdefault(src.index, []).append(key)
+        for index, keys in by_tier.items():
+            self._tiers[index].policy.pin(keys)
+        fit = self._room(top, [key for key, _, _ in wanted])
+        for key, src, block in wanted[fit:]:
+            block.ref_cnt -= 1
+            self._refuse(key)
+            if not block.ref_cnt:
+                src.policy.unpin([key])
+        jobs: dict[int, tuple[list[OffloadKey], list[BlockStatus]]] = {}
+        for key, src, block in wanted[:fit]:
+            entry = jobs.setdefault(src.index, ([], []))
             entry[0].append(key)
             entry[1].append(block)
-        for index, (keys, _) in by_tier.items():
-            self._tiers[index].policy.pin(keys)
-        for index, (keys, src_blocks) in by_tier.items():
-            src = self._tiers[index]
-            if self._cascade.evict_for(top, len(keys), set(keys)) is None:
-                for key, block in zip(keys, src_blocks):
-                    block.ref_cnt -= 1
-                    self._refuse(key)
-                src.policy.unpin([key for key, block in zip(keys, src_blocks) if not block.ref_cnt])
-                continue
+        for index, (keys, src_blocks) in jobs.items():
             dst_blocks = top.backend.allocate_blocks(keys)
             top.policy.insert_many(keys, dst_blocks)
             top.policy.pin(keys)  # being written
             top.allocated_since_walk += len(keys)
             self._jobs.submit(Promotion(self, self._tiers[index], top, keys, src_blocks, dst_blocks, self._events))
+
+    def _room(self, top: Tier, keys: list[OffloadKey]) -> int:
+        """Make room in tier 0 for the longest prefix of `keys` that can get it; its length.
+        Blocks promoted earlier and not loaded yet are not evicted for it: they are the hits of a
+        lookup that is still to load them, and a run longer than tier 0 would otherwise evict
+        its own head to promote its tail, again at every lookup (RETRY forever). Binary search
+        on the prefix length: a success frees the slots it needs, a larger one tried after it
+        only frees more."""
+        if not keys:
+            return 0
+        kept = set(top.promoted_from) if top.promoted_from else set()
+        if self._cascade.evict_for(top, len(keys), kept.union(keys)) is not None:
+            return len(keys)
+        lo, hi = 0, len(keys) - 1  # lo fits (nothing needed), hi + 1 does not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._cascade.evict_for(top, mid, kept.union(keys[:mid])) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
 
     def _refuse(self, key: OffloadKey) -> None:
         del self.running[key]

@@ -7,15 +7,22 @@ knows are on the server (published, or found by a probe); evicting one forgets i
 - **Publish.** When the first tier's stores complete, the keys without a handle are copied
   CPU -> REMOTE (`Publish` jobs, first-tier blocks pinned meanwhile, split over the backend's
   threads), a handle allocated for each (being written: a key is never sent twice at once). Over
-  `max_inflight_bytes`, while the breaker is open, after a slow write, or without room for
-  handles, the blocks are not sent: dropped and counted (`publish_dropped`), never waited on.
+  `max_inflight_bytes`, while the breaker is open, after a slow or failed write (a full
+  server: paused for `breaker_open_s`), or without room for handles, the blocks are not sent:
+  dropped and counted (`publish_dropped`), never waited on; the handles of blocks a job could not
+  write are dropped. The dedupe is not permanent: a block stored again whose handle is stale
+  (older than `HANDLE_TTL_S`, or than the last read that found a key gone: the server may have
+  restarted or been flushed) is published again.
 - **Lookup** of a key no tier holds (`lookup`): a negative answer still fresh, or the breaker
   open -> MISS at once; a probe in flight -> RETRY until its deadline (the store's timeout after
   it was sent, one step after the lookup), then MISS; else the key joins the pending set -> RETRY.
 - **Step** (`step`, each `on_schedule_end`): the answers of finished probes are taken (a key
   found gets a handle and a promotion into the first tier; a key absent, or whose probe failed,
   is negative-cached for `negative_ttl_s`), failed reads are negative-cached, and every pending
-  key goes to the backend's probe thread in ONE batch. Nothing here touches a socket.
+  key goes to the backend's probe thread in ONE batch. Nothing here touches a socket. With
+  `negative_ttl_s: 0` a negative answer is given once, to the next lookup of the key (the one
+  waiting on the probe), and not cached beyond it. Keys found when the tier has no room for
+  their handles: the longest prefix that fits is adopted, the rest answer MISS once.
 - **Reads that fail** (value gone, failing verification, server unreachable) fail the promotion:
   `Promotion.failed` drops the handle (`still_valid` is False), the next lookup answers MISS.
 """
@@ -36,6 +43,7 @@ from kvtier.types import BlockStatus, LookupResult
 
 MAX_PENDING = 4096  # keys waiting for a probe; past this, lookups of new keys answer MISS
 MAX_NEGATIVE = 1 << 16  # negative answers kept (the oldest are forgotten first)
+ONCE = -1.0  # the expiry of a negative answer given to the next lookup only (then forgotten)
 
 
 def local_tiers(tiers: Sequence[Tier]) -> int:
@@ -64,8 +72,18 @@ class Publish(Job):
         self.nbytes = len(keys) * dst.backend.block_bytes
 
     def landed(self) -> None:
-        self.shared.inflight_bytes -= self.nbytes
-        absent = self.shared.absent
+        shared, dst = self.shared, self.dst
+        shared.inflight_bytes -= self.nbytes
+        unsent = shared.backend.take_unsent(self.keys)
+        if unsent:  # writes paused or failed (server full, down): those handles go
+            for key in cast("list[OffloadKey]", unsent):
+                block = dst.policy.get(key)
+                if block is not None and block.ref_cnt == 0:
+                    dst.drop(key, block)
+            self.events.record(dst, unsent, removed=True)
+            dst.stats.stores -= len(unsent)
+            dst.stats.publish_dropped += len(unsent)
+        absent = shared.absent
         if absent:
             for key in self.keys:
                 absent.pop(key, None)
@@ -102,9 +120,10 @@ class SharedTier:
             return LookupResult.RETRY if now < deadline else LookupResult.MISS
         expiry = self.absent.get(key)
         if expiry is not None:
-            if now < expiry:
+            if expiry == ONCE or now >= expiry:
+                del self.absent[key]
+            if expiry == ONCE or now < expiry:
                 return LookupResult.MISS
-            del self.absent[key]
         if key in self.pending:
             return LookupResult.RETRY
         if not self.backend.available:
@@ -202,10 +221,16 @@ class SharedTier:
         self._adopt(present)
 
     def _adopt(self, keys: list[OffloadKey]) -> None:
-        """Handles for keys found on the server (readable), and their promotions into the first tier."""
+        """Handles for keys found on the server (readable), and their promotions into the first
+        tier. Without room for a handle each, the longest prefix that fits is adopted and the
+        rest answer MISS once (then may be probed again): never RETRY forever."""
         tier = self.tier
         keys = [k for k in dict.fromkeys(keys) if tier.policy.get(k) is None]
-        if not keys or self._cascade.make_room(tier, len(keys), set(keys)) is None:
+        fit = self._room(keys)
+        if fit < len(keys):
+            self._once(keys[fit:])
+            keys = keys[:fit]
+        if not keys:
             return
         blocks = tier.backend.allocate_blocks(keys)
         for block in blocks:
@@ -218,9 +243,26 @@ class SharedTier:
             if top_get(key) is None and key not in running:
                 self._promotions.request(key, tier)
 
+    def _room(self, keys: list[OffloadKey]) -> int:
+        """Make room for handles of the longest prefix of `keys` that can get it; its length."""
+        make_room, tier = self._cascade.make_room, self.tier
+        if not keys or make_room(tier, len(keys), set(keys)) is not None:
+            return len(keys)
+        lo, hi = 0, len(keys) - 1  # lo fits, hi + 1 does not
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if make_room(tier, mid, set(keys[:mid])) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     def _negative(self, keys: list[OffloadKey], now: float) -> None:
+        """Cache "not there" for `keys` for `negative_ttl_s`; with 0, for the next lookup only
+        (the lookups waiting on the probe get their MISS, nothing is cached beyond it)."""
         ttl = self.backend.negative_ttl_s
-        if not keys or ttl <= 0:
+        if ttl <= 0:
+            self._once(keys)
             return
         absent = self.absent
         for key in keys:
@@ -229,13 +271,37 @@ class SharedTier:
         while len(absent) > MAX_NEGATIVE:
             absent.popitem(last=False)
 
+    def _once(self, keys: list[OffloadKey]) -> None:
+        """The next lookup of each of `keys` answers MISS (an earlier, longer answer is kept)."""
+        absent, now = self.absent, monotonic()
+        for key in keys:
+            if absent.get(key, ONCE) <= now:
+                absent.pop(key, None)
+                absent[key] = ONCE
+        while len(absent) > MAX_NEGATIVE:
+            absent.popitem(last=False)
+        while len(absent) > MAX_NEGATIVE:
+            absent.popitem(last=False)
+
     # ------------------------------------------------------------------ publish
+    def _stale(self, key: OffloadKey) -> bool:
+        """An idle handle that the backend no longer trusts (`ValkeyBackend.stale`)."""
+        block = self.tier.policy.get(key)
+        return (block is not None and block.ref_cnt == 0 and key not in self._promotions.running
+                and self.backend.stale(block))
+
     def publish(self, keys: list[OffloadKey]) -> None:
         """Start copies of the first tier's newly readable blocks `keys` that have no handle;
         what cannot start now is dropped and counted (see the module docstring)."""
         tier, top, backend = self.tier, self.top, self.backend
         get = tier.policy.get
         new = [k for k in keys if get(k) is None]
+        stale = [k for k in keys if k not in new and self._stale(k)]
+        if stale and backend.available and backend.accepts_writes():
+            for key in stale:
+                tier.drop(key, cast(BlockStatus, get(key)))
+            self._events.record(tier, stale, removed=True)
+            new += stale
         if not new:
             return
         room = (backend.max_inflight_bytes - self.inflight_bytes) // backend.block_bytes

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.keys import OffloadKey
-from kvtier.remote.errors import RemoteUnavailable
+from kvtier.remote.errors import BlockMissing, RemoteUnavailable
 from kvtier.specs import RemoteLoadStoreSpec
 from kvtier.tiers import valkey_options
 from kvtier.tiers.base import Backend
@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 
 _MIB = 1 << 20
 SLOW_WRITE_FRACTION = 0.5  # a write slower than this fraction of the timeout pauses publishing
+HANDLE_TTL_S = 60.0  # a handle older than this is not trusted to dedupe a publish (`stale`)
 PROBE_JOIN_S = 2.0
 
 
@@ -49,6 +50,65 @@ def _real_store(client: dict[str, Any], **store: Any) -> Any:
     from kvtier.remote.store import RemoteStore
 
     return RemoteStore(ClientOptions(**client), **store)
+
+
+class WritePause:
+    """When writes are refused (after a slow or a failed write, for `open_s`), and the keys of
+    publish jobs that were not written. Thread-safe; one WARNING per pause after a failure."""
+
+    def __init__(self, name: str, open_s: float):
+        self.name, self.open_s = name, open_s
+        self.slow_until = 0.0
+        self.failed_until = 0.0
+        self._unsent: set[bytes] = set()
+        self._lock = threading.Lock()
+
+    def accepts(self, now: float) -> bool:
+        return now >= self.slow_until and now >= self.failed_until
+
+    def write(self, store: Callable[[], Any], keys: Sequence[bytes], buffers: Sequence, slow: float,
+              counters: dict[str, int]) -> int:
+        """`ValkeyBackend.put_blocks`' writes: bytes sent; a write slower than `slow` s pauses, a
+        failed one pauses and leaves its keys and the rest unsent, as does a pause at the start."""
+        sent = 0
+        for i, (key, buf) in enumerate(zip(keys, buffers)):
+            start = time.monotonic()
+            if start < self.failed_until:
+                self.not_sent(keys[i:])
+                break
+            try:
+                sent += store().write_block(bytes(key), memoryview(buf).cast("B"))
+            except Exception as exc:  # noqa: BLE001 - any failed write pauses writes; its keys stay unsent
+                counters["write_failures"] += 1
+                self.failed(exc)
+                self.not_sent(keys[i:])
+                break
+            end = time.monotonic()
+            if end - start > slow:
+                self.slow_until = end + self.open_s
+                counters["slow_writes"] += 1
+        return sent
+
+    def failed(self, exc: BaseException) -> None:
+        with self._lock:
+            now = time.monotonic()
+            first = now >= self.failed_until
+            self.failed_until = now + self.open_s
+        if first:
+            log.warning("valkey tier %s: a write failed (%s: %s); publishing paused for %g s", self.name,
+                        type(exc).__name__, exc, self.open_s)
+
+    def not_sent(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._unsent.update(map(bytes, keys))
+
+    def take_unsent(self, keys: Sequence[bytes]) -> list[bytes]:
+        with self._lock:
+            if not self._unsent:
+                return []
+            out = [bytes(k) for k in keys if bytes(k) in self._unsent]
+            self._unsent.difference_update(out)
+            return out
 
 
 class ValkeyBackend(Backend):
@@ -107,7 +167,9 @@ class ValkeyBackend(Backend):
         self._store: Any = None
         self._store_lock = threading.Lock()
         self._down_until = 0.0  # the store could not be built: retried after this time
-        self._slow_until = 0.0  # a write was slow: writes are refused until this time
+        self._writes = WritePause(name, self._breaker_open_s)
+        self._born: dict[int, float] = {}  # slot -> when its handle was made
+        self._lost_at = float("-inf")  # when a read last found a key gone: older handles are `stale`
         self._lock = threading.Lock()  # guards _key_of and _bad across the handler threads
         self._key_of: dict[int, bytes] = {}  # slot -> key of the handle
         self._bad: set[bytes] = set()  # keys whose last read failed (still_valid answers False)
@@ -116,7 +178,8 @@ class ValkeyBackend(Backend):
         self._answers: deque[tuple[list[bytes], list[bool] | None]] = deque()
         self._probe_thread: threading.Thread | None = None
         self._closed = False
-        self.counters = {"probes": 0, "probe_failures": 0, "slow_writes": 0, "read_failures": 0}
+        self.counters = {"probes": 0, "probe_failures": 0, "slow_writes": 0, "write_failures": 0,
+                         "read_failures": 0}
         self._build_store(at_start=True)
         log.info("valkey tier %s: %s", name, self)
 
@@ -184,21 +247,36 @@ class ValkeyBackend(Backend):
         return bool(store.available)
 
     def accepts_writes(self) -> bool:
-        """False for a while after a slow write (see `SLOW_WRITE_FRACTION`)."""
-        return time.monotonic() >= self._slow_until
+        """False for `breaker_open_s` after a slow write (see `SLOW_WRITE_FRACTION`) or a failed one."""
+        return self._writes.accepts(time.monotonic())
+
+    def stale(self, block: BlockStatus) -> bool:
+        """Whether a handle may no longer match the server: made more than `HANDLE_TTL_S` ago, or
+        before a read found a key gone (a restart or FLUSHALL loses every value; an eviction
+        may have taken others). A stale handle does not stop a publish of its block."""
+        with self._lock:
+            born = self._born.get(block.block_id)
+        return born is None or born < max(self._lost_at, time.monotonic() - HANDLE_TTL_S)
+
+    def take_unsent(self, keys: Sequence[bytes]) -> list[bytes]:
+        """Which of a finished publish job's `keys` were not written (writes paused or failed)."""
+        return self._writes.take_unsent(keys)
 
     # ------------------------------------------------------------------ slots (handles)
     def allocate_blocks(self, keys: Sequence[OffloadKey]) -> list[BlockStatus]:
         blocks = super().allocate_blocks(keys)
+        now = time.monotonic()
         with self._lock:
             for key, block in zip(keys, blocks):
                 self._key_of[block.block_id] = bytes(key)
+                self._born[block.block_id] = now
         return blocks
 
     def free(self, block: BlockStatus) -> None:
         """Forget the handle; the value stays on the server."""
         with self._lock:
             key = self._key_of.pop(block.block_id, None)
+            self._born.pop(block.block_id, None)
             if key is not None:
                 self._bad.discard(key)
         super().free(block)
@@ -223,18 +301,14 @@ class ValkeyBackend(Backend):
                 raise ValueError(f"buffer {i} holds {memoryview(buf).nbytes} bytes, a block is {self.block_bytes}")
 
     def put_blocks(self, keys: Sequence[bytes], buffers: Sequence) -> int:
-        """Store `buffers[i]` under `keys[i]`; raises on the first failure."""
+        """Store `buffers[i]` under `keys[i]`. A write that fails (server full, unreachable)
+        pauses writes for `breaker_open_s` (one WARNING per pause); the keys it and the writes
+        after it did not store, and those of jobs that start while writes are paused, are not
+        sent and are reported by `take_unsent` (the job itself succeeds: a full server is not
+        an error of the job). Raises only for buffers that do not match the keys."""
         self._check_buffers(keys, buffers)
-        store = self._store_for_io()
-        slow = self.probe_timeout_s * SLOW_WRITE_FRACTION
-        sent = 0
-        for key, buf in zip(keys, buffers):
-            start = time.monotonic()
-            sent += store.write_block(bytes(key), memoryview(buf).cast("B"))
-            end = time.monotonic()
-            if end - start > slow:
-                self._slow_until = end + self._breaker_open_s
-                self.counters["slow_writes"] += 1
+        sent = self._writes.write(self._store_for_io, keys, buffers, self.probe_timeout_s * SLOW_WRITE_FRACTION,
+                                  self.counters)
         with self._lock:
             self._bad.difference_update(map(bytes, keys))
         return sent
@@ -252,6 +326,8 @@ class ValkeyBackend(Backend):
             except Exception as exc:  # noqa: BLE001 - recorded per key, the first one raised
                 first = first or exc
                 down = isinstance(exc, (RemoteUnavailable, ClosedError))
+                if isinstance(exc, BlockMissing):
+                    self._lost_at = time.monotonic()
                 self._note_failed(keys[i:] if down else [key])
                 if down:
                     break

@@ -1,0 +1,161 @@
+"""Issue 17's review of the shared tier, on the fake server: a key gets an answer (never RETRY
+forever) with `negative_ttl_s: 0` or without room for handles; a run longer than tier 0's room
+still comes up from its first block; blocks whose values the server lost are published again; a
+full server pauses publishing."""
+
+from __future__ import annotations
+
+import test_shared_tier as base
+from test_shared_tier import BLOCK, MISS, RETRY, Engine, content, keys
+
+from kvtier import build_hierarchy, load_config_text
+
+server, engines = base.server, base.engines  # the fixtures
+
+
+def answer(engine: Engine, key: bytes, steps: int = 200) -> tuple[list, int]:
+    """Look `key` up once per step, as vLLM does, until the answer is not RETRY."""
+    answers = []
+    for _ in range(steps):
+        answers.append(engine.manager.lookup(key))
+        if answers[-1] is not RETRY:
+            break
+        engine.manager.on_schedule_end()
+        engine.manager.wait_idle(5)
+    return answers, len(answers)
+
+
+def run_answer(engine: Engine, ks: list[bytes], steps: int = 200) -> tuple[int, object]:
+    """`lookup_run` once per step until its first non-HIT answer is not RETRY."""
+    for _ in range(steps):
+        n, result = engine.manager.lookup_run(ks)
+        if result is not RETRY:
+            return n, result
+        engine.manager.on_schedule_end()
+        engine.manager.wait_idle(5)
+    return n, result
+
+
+def test_a_run_longer_than_tier0_room_promotes_the_prefix_that_fits(server, engines):
+    a, b = engines(hot=24), engines(hot=8)
+    ks = keys(24)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    assert len(server.values) == 24
+    n, result = run_answer(b, ks)
+    assert 1 <= n <= 8 and result is MISS, f"{n} leading hits, then {result}"
+    again = run_answer(b, ks)  # asked again before loading: the head is not evicted for the tail
+    assert again == (n, MISS) or again[1] is None, again
+    assert b.load(ks[:n]) == [content(k) for k in ks[:n]]
+
+
+def test_a_file_run_longer_than_tier0_room_promotes_the_prefix_that_fits(tmp_path):
+    text = (f"block_bytes: {BLOCK}B\ntiers:\n  - {{name: hot, backend: memory, capacity: 8 blocks, policy: lru}}\n"
+            f"  - {{name: nvme, backend: file, root_dir: '{tmp_path}', capacity: 64 blocks, policy: lru}}\n")
+    hierarchy = build_hierarchy(load_config_text(text), model="m")
+    try:
+        m, hot = hierarchy.manager, hierarchy.backends["hot"]
+        ks = keys(24)
+        for i in range(0, 24, 4):
+            out = m.prepare_store(ks[i:i + 4])
+            for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+                hot.view(slot)[:] = content(key)
+            m.complete_store(out.keys_to_store)
+            m.on_schedule_end()
+            m.wait_idle(5)
+        for _ in range(200):
+            n, result = m.lookup_run(ks)
+            if result is not RETRY:
+                break
+            for key in ks[n + 1:]:  # vLLM's scan goes on past a RETRY: every key asks
+                m.lookup(key)
+            m.on_schedule_end()
+            m.wait_idle(5)
+        assert n >= 1 and result is not RETRY, f"{n} leading hits, then {result}"
+    finally:
+        hierarchy.close()
+
+
+def test_negative_ttl_0_answers_miss_to_the_waiting_lookup_and_caches_nothing(server, engines):
+    b = engines(", negative_ttl_s: 0")
+    k = keys(1, 777)[0]
+    answers, n = answer(b, k)
+    assert answers[-1] is MISS and n <= 3, answers
+    assert server.probe_sizes == [1]
+    assert b.manager.lookup(k) is RETRY, "nothing cached: the next lookup probes again"
+    b.settle()
+    assert server.probe_sizes == [1, 1]
+
+
+def test_negative_ttl_0_a_failed_probe_answers_miss(server, engines):
+    b = engines(", negative_ttl_s: 0, breaker_failures: 100")
+    server.down = True
+    answers, _ = answer(b, keys(1, 778)[0])
+    assert answers[-1] is MISS and b.stats()["probe_failures"] == 1
+
+
+def test_probe_hits_beyond_the_free_handles_adopt_what_fits_and_the_rest_miss(server, engines):
+    a, b = engines(hot=16), engines(hot=16, handles=2)
+    ks = keys(8, 300)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    n, result = run_answer(b, ks)
+    assert n == 2 and result is MISS, f"{n} leading hits, then {result}"
+    assert b.load(ks[:2]) == [content(k) for k in ks[:2]]
+    assert b.stats()["resident_blocks"] == 2
+
+
+def test_after_the_server_lost_its_data_stale_handles_do_not_stop_a_publish(server, engines):
+    a = engines(hot=4)
+    ks = keys(4, 500)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    server.values.clear()  # FLUSHALL, or a restart without persistence
+    a.store(keys(4, 600))  # evicts ks from the hot tier
+    a.manager.wait_idle(5)
+    server.values.clear()
+    answers, _ = answer(a, ks[0])  # its handle is read: the value is gone
+    assert answers[-1] is MISS
+    a.store(ks)  # the engine recomputes the prefix
+    a.manager.wait_idle(5)
+    assert sorted(server.keys_of("kvt")) == sorted(ks), "every block of the prefix is published again"
+
+
+def test_a_handle_older_than_its_ttl_does_not_stop_a_publish(server, engines, monkeypatch):
+    import kvtier.tiers.valkey as valkey
+
+    a = engines(hot=4)
+    ks = keys(4, 700)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    server.values.clear()
+    a.store(keys(4, 800))
+    a.manager.wait_idle(5)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    assert sorted(server.keys_of("kvt")) == sorted(keys(4, 800)), "young handles dedupe"
+    monkeypatch.setattr(valkey, "HANDLE_TTL_S", 0.0)
+    a.store(keys(4, 800))
+    a.manager.wait_idle(5)
+    a.store(ks)
+    a.manager.wait_idle(5)
+    assert sorted(server.keys_of("kvt")) == sorted(ks + keys(4, 800))
+
+
+def test_a_full_server_pauses_publishing_with_one_warning(server, engines, monkeypatch, caplog):
+    from kvtier.testing.fake_remote import FakeStore, RemoteUnavailable
+
+    def full(self, key, block):
+        self.server._enter("write_block")
+        raise RemoteUnavailable("server full (maxmemory without eviction): OOM command not allowed")
+
+    monkeypatch.setattr(FakeStore, "write_block", full)
+    a = engines(", breaker_open_s: 30", hot=64)
+    for i in range(10):
+        a.store(keys(4, 900 + 4 * i))
+        a.manager.wait_idle(5)
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "publishing paused" in warnings[0].getMessage(), [r.getMessage() for r in warnings]
+    assert server.calls["write_block"] <= 4, "publishing paused after the first failure"
+    stats = a.stats()
+    assert stats["publish_dropped"] == 40 and stats["resident_blocks"] == 0 and stats["stores"] == 0
