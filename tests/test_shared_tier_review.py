@@ -159,3 +159,105 @@ def test_a_full_server_pauses_publishing_with_one_warning(server, engines, monke
     assert server.calls["write_block"] <= 4, "publishing paused after the first failure"
     stats = a.stats()
     assert stats["publish_dropped"] == 40 and stats["resident_blocks"] == 0 and stats["stores"] == 0
+
+
+class Clock:
+    """A monotonic clock the test moves."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _file_hierarchy(tmp_path, stored: int):
+    """[memory 8 blocks, file 64 blocks] with `stored` blocks written through to the file tier,
+    its promotions on a test clock."""
+    text = (f"block_bytes: {BLOCK}B\ntiers:\n  - {{name: hot, backend: memory, capacity: 8 blocks, policy: lru, "
+            f"cascade: on_store}}\n"
+            f"  - {{name: nvme, backend: file, root_dir: '{tmp_path}', capacity: 64 blocks, policy: lru}}\n")
+    hierarchy = build_hierarchy(load_config_text(text), model="m")
+    m, hot = hierarchy.manager, hierarchy.backends["hot"]
+    ks = keys(stored)
+    for i in range(0, stored, 4):
+        out = m.prepare_store(ks[i:i + 4])
+        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+            hot.view(slot)[:] = content(key)
+        m.complete_store(out.keys_to_store)
+        m.on_schedule_end()
+        m.wait_idle(5)
+    clock = Clock()
+    m._promotions._clock = clock
+    return hierarchy, ks, clock
+
+
+def _run(m, ks: list[bytes]) -> tuple[int, object]:
+    """`lookup_run` once per step, as vLLM scans (every key past a RETRY asks too), until the
+    first non-HIT answer is not RETRY."""
+    for _ in range(200):
+        n, result = m.lookup_run(ks)
+        if result is not RETRY:
+            return n, result
+        for key in ks[n + 1:]:
+            m.lookup(key)
+        m.on_schedule_end()
+        m.wait_idle(5)
+    return n, result
+
+
+def test_an_abandoned_promotion_does_not_starve_later_ones(tmp_path):
+    """P's blocks are promoted and never loaded (the request went away): within HOLD_S they stay
+    (P's own lookup is still to load them), after it they are ordinary blocks and another prefix
+    Q is promoted in their place. Before, Q got only the slots P had left, until an engine store
+    evicted P's blocks."""
+    from kvtier.control.promotion import HOLD_S
+
+    hierarchy, ks, clock = _file_hierarchy(tmp_path, 40)
+    try:
+        m = hierarchy.manager
+        p, q = ks[:16], ks[16:32]
+        got_p = _run(m, p)[0]
+        assert got_p >= 2, got_p
+        within = _run(m, q)[0]
+        assert within <= 8 - got_p, "within HOLD_S P's promoted blocks are kept for P's load"
+        clock.now += HOLD_S + 0.1
+        n, _ = _run(m, q)
+        assert n >= within + got_p, f"Q got {n} blocks after P's {got_p} promotions were abandoned"
+        spec = m.prepare_load(q[:n])
+        hot = hierarchy.backends["hot"]
+        assert [bytes(hot.view(s)) for s in spec.block_ids] == [content(k) for k in q[:n]]
+        m.complete_load(q[:n])
+    finally:
+        hierarchy.close()
+
+
+def test_refusals_expire_and_are_bounded(tmp_path):
+    """The tail of a run longer than tier 0 is refused once; a refusal answers MISS only within
+    HOLD_S (an old one made a prefix come back one block per request) and the set is bounded.
+    Before, `refused` grew by the tail of every long run and never expired."""
+    from kvtier.control import promotion
+    from kvtier.control.promotion import HOLD_S
+
+    hierarchy, ks, clock = _file_hierarchy(tmp_path, 40)
+    try:
+        m = hierarchy.manager
+        run = ks[:24]  # in the file tier only (tier 0 holds the last 8 stored)
+        n, result = _run(m, run)
+        assert n >= 1 and result is MISS, (n, result)
+        tail = run[n + 1:]  # refused with the first miss, not asked yet
+        assert set(tail) <= set(m._promotions.refused)
+        m.prepare_load(ks[:n])
+        m.complete_load(ks[:n])
+        clock.now += HOLD_S + 0.1  # the head is loaded: tier 0 may evict it for the tail now
+        got, result = _run(m, tail[:4])
+        assert got == 4, f"old refusals still answered MISS: {got} of 4 blocks came back, then {result}"
+        promotion_cap = promotion.MAX_REFUSED
+        promotion.MAX_REFUSED = 4
+        try:
+            m._promotions.refuse(ks[:10])
+            assert list(m._promotions.refused) == ks[6:10]
+        finally:
+            promotion.MAX_REFUSED = promotion_cap
+    finally:
+        hierarchy.close()

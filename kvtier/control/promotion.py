@@ -4,18 +4,27 @@ Used for tiers no handler can load straight into the engine's KV cache (staged p
 queues the promotion and answers RETRY; the queue is started at the end of the step, one
 `Promotion` job per source tier; the lookup answers HIT once the block landed in tier 0. A
 promotion that cannot start (its source went away, tier 0 has no room) or that fails is refused:
-the next lookup of that key answers MISS, once.
+the next lookup of that key answers MISS, once (within `HOLD_S`). A run longer than tier 0 has
+room for promotes the prefix that fits and refuses the rest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, Job, JobTable
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus
+
+# How long a promotion's outcome is held for the engine, which acts on it within a step or two: a
+# refusal answers the key's next lookup with MISS only within it, and a block promoted and not
+# loaded yet is kept from other promotions' evictions only within it (an abandoned request's
+# promotions would otherwise starve every later one, and its refusals answer MISS much later).
+HOLD_S = 2.0
+MAX_REFUSED = 65536  # refusals remembered at most (the oldest go first)
 
 
 class Promotion(Job):
@@ -36,6 +45,7 @@ class Promotion(Job):
             dst.clean.update(self.keys)
         for key in self.keys:
             dst.promoted_from[key] = src.index
+        self.promotions.hold(self.keys)
 
     def failed(self) -> None:
         """A block that could not be read back is not trusted again, unless its backend
@@ -51,21 +61,24 @@ class Promotion(Job):
             if block.ref_cnt == 0 and src.policy.get(key) is block:
                 src.drop(key, block)
                 self.events.record(src, [key], removed=True)
-        self.promotions.refused.update([key for key, _ in bad] if bad else self.keys)
+        self.promotions.refuse([key for key, _ in bad] if bad else self.keys)
 
 
 class Promotions:
     """The promotion controller: which keys are being promoted, queued, or were refused."""
 
-    def __init__(self, tiers: Sequence[Tier], jobs: JobTable, cascade: Cascade, events: EventLog):
+    def __init__(self, tiers: Sequence[Tier], jobs: JobTable, cascade: Cascade, events: EventLog,
+                 clock: Callable[[], float] = time.monotonic):
         self._tiers = tiers
+        self._clock = clock
         self._top = tiers[0]
         self._jobs = jobs
         self._cascade = cascade
         self._events = events
         self.running: dict[OffloadKey, int] = {}  # key -> source tier index (queued or running)
         self.queue: dict[OffloadKey, None] = {}  # promotions to start at the end of the step
-        self.refused: set[OffloadKey] = set()  # keys whose next lookup answers MISS
+        self.refused: dict[OffloadKey, float] = {}  # key -> when refused: its next lookup within HOLD_S answers MISS
+        self.held: dict[OffloadKey, float] = {}  # promoted into tier 0, not loaded yet -> when it landed
 
     def request(self, key: OffloadKey, src: Tier) -> None:
         """Queue a promotion of `key` from `src` (started by `flush`)."""
@@ -73,11 +86,27 @@ class Promotions:
         self.queue[key] = None
 
     def take_refusal(self, key: OffloadKey) -> bool:
-        """Whether the last promotion of `key` was refused (answered once)."""
-        if key in self.refused:
-            self.refused.discard(key)
-            return True
-        return False
+        """Whether the last promotion of `key` was refused less than `HOLD_S` ago (answered once)."""
+        when = self.refused.pop(key, None)
+        return when is not None and when >= self._clock() - HOLD_S
+
+    def refuse(self, keys: Iterable[OffloadKey]) -> None:
+        """Answer the next lookup of each of `keys` with MISS (within `HOLD_S`)."""
+        now = self._clock()
+        refused = self.refused
+        for key in keys:
+            refused.pop(key, None)  # re-inserted last: the dict stays in time order
+            refused[key] = now
+        _expire(refused, now - HOLD_S, MAX_REFUSED)
+
+    def hold(self, keys: Iterable[OffloadKey]) -> None:
+        """Keep `keys`, just promoted into tier 0, from other promotions' evictions for `HOLD_S`."""
+        now = self._clock()
+        held = self.held
+        for key in keys:
+            held.pop(key, None)
+            held[key] = now
+        _expire(held, now - HOLD_S, self._top.capacity)
 
     def supersede(self, keys: Iterable[OffloadKey]) -> None:
         """Cancel the queued (not started) promotions of `keys`: the engine stores them itself."""
@@ -133,14 +162,17 @@ class Promotions:
 
     def _room(self, top: Tier, keys: list[OffloadKey]) -> int:
         """Make room in tier 0 for the longest prefix of `keys` that can get it; its length.
-        Blocks promoted earlier and not loaded yet are not evicted for it: they are the hits of a
-        lookup that is still to load them, and a run longer than tier 0 would otherwise evict
-        its own head to promote its tail, again at every lookup (RETRY forever). Binary search
+        Blocks promoted less than `HOLD_S` ago and not loaded yet are not evicted for it: they
+        are the hits of a lookup that is still to load them, and a run longer than tier 0 would
+        otherwise evict its own head to promote its tail, again at every lookup (RETRY forever).
+        Older ones are ordinary blocks: the request that wanted them may be gone. Binary search
         on the prefix length: a success frees the slots it needs, a larger one tried after it
         only frees more."""
         if not keys:
             return 0
-        kept = set(top.promoted_from) if top.promoted_from else set()
+        held = self.held
+        _expire(held, self._clock() - HOLD_S, top.capacity)
+        kept = set(held).intersection(top.promoted_from) if held else set()
         if self._cascade.evict_for(top, len(keys), kept.union(keys)) is not None:
             return len(keys)
         lo, hi = 0, len(keys) - 1  # lo fits (nothing needed), hi + 1 does not
@@ -154,4 +186,13 @@ class Promotions:
 
     def _refuse(self, key: OffloadKey) -> None:
         del self.running[key]
-        self.refused.add(key)
+        self.refuse([key])
+
+
+def _expire(stamps: dict[OffloadKey, float], before: float, most: int) -> None:
+    """Drop the entries of a time-ordered `stamps` made before `before`, and the oldest beyond `most`."""
+    while stamps:
+        key, when = next(iter(stamps.items()))
+        if when >= before and len(stamps) <= most:
+            return
+        del stamps[key]
