@@ -50,27 +50,9 @@ def test_a_run_longer_than_tier0_room_promotes_the_prefix_that_fits(server, engi
 
 
 def test_a_file_run_longer_than_tier0_room_promotes_the_prefix_that_fits(tmp_path):
-    text = (f"block_bytes: {BLOCK}B\ntiers:\n  - {{name: hot, backend: memory, capacity: 8 blocks, policy: lru}}\n"
-            f"  - {{name: nvme, backend: file, root_dir: '{tmp_path}', capacity: 64 blocks, policy: lru}}\n")
-    hierarchy = build_hierarchy(load_config_text(text), model="m")
+    hierarchy, ks, _ = _file_hierarchy(tmp_path, 24)
     try:
-        m, hot = hierarchy.manager, hierarchy.backends["hot"]
-        ks = keys(24)
-        for i in range(0, 24, 4):
-            out = m.prepare_store(ks[i:i + 4])
-            for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
-                hot.view(slot)[:] = content(key)
-            m.complete_store(out.keys_to_store)
-            m.on_schedule_end()
-            m.wait_idle(5)
-        for _ in range(200):
-            n, result = m.lookup_run(ks)
-            if result is not RETRY:
-                break
-            for key in ks[n + 1:]:  # vLLM's scan goes on past a RETRY: every key asks
-                m.lookup(key)
-            m.on_schedule_end()
-            m.wait_idle(5)
+        n, result = _run(hierarchy.manager, ks)
         assert n >= 1 and result is not RETRY, f"{n} leading hits, then {result}"
     finally:
         hierarchy.close()
