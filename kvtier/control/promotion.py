@@ -173,20 +173,28 @@ class Promotions:
         held = self.held
         _expire(held, self._clock() - HOLD_S, top.capacity)
         kept = set(held).intersection(top.promoted_from) if held else set()
-        if self._cascade.evict_for(top, len(keys), kept.union(keys)) is not None:
-            return len(keys)
-        lo, hi = 0, len(keys) - 1  # lo fits (nothing needed), hi + 1 does not
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self._cascade.evict_for(top, mid, kept.union(keys[:mid])) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        evict_for = self._cascade.evict_for
+        return longest_fit(len(keys), lambda n: evict_for(top, n, kept.union(keys[:n])) is not None)
 
     def _refuse(self, key: OffloadKey) -> None:
         del self.running[key]
         self.refuse([key])
+
+
+def longest_fit(n: int, make_room: Callable[[int], bool]) -> int:
+    """The largest `k <= n` for which `make_room(k)` (room made for the first `k` of `n` blocks)
+    succeeds, trying `n` first, then by binary search (a success frees the room it needs; a larger
+    one tried after it only frees more). `make_room(0)` is taken to succeed."""
+    if n == 0 or make_room(n):
+        return n
+    lo, hi = 0, n - 1  # lo fits, hi + 1 does not
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if make_room(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _expire(stamps: dict[OffloadKey, float], before: float, most: int) -> None:

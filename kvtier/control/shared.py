@@ -36,7 +36,7 @@ from typing import Any, cast
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, Job, JobTable
-from kvtier.control.promotion import Promotions
+from kvtier.control.promotion import Promotions, longest_fit
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus, LookupResult
@@ -246,16 +246,7 @@ class SharedTier:
     def _room(self, keys: list[OffloadKey]) -> int:
         """Make room for handles of the longest prefix of `keys` that can get it; its length."""
         make_room, tier = self._cascade.make_room, self.tier
-        if not keys or make_room(tier, len(keys), set(keys)) is not None:
-            return len(keys)
-        lo, hi = 0, len(keys) - 1  # lo fits, hi + 1 does not
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if make_room(tier, mid, set(keys[:mid])) is not None:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return longest_fit(len(keys), lambda n: make_room(tier, n, set(keys[:n])) is not None)
 
     def _negative(self, keys: list[OffloadKey], now: float) -> None:
         """Cache "not there" for `keys` for `negative_ttl_s`; with 0, for the next lookup only
@@ -280,8 +271,6 @@ class SharedTier:
                 absent[key] = ONCE
         while len(absent) > MAX_NEGATIVE:
             absent.popitem(last=False)
-        while len(absent) > MAX_NEGATIVE:
-            absent.popitem(last=False)
 
     # ------------------------------------------------------------------ publish
     def _stale(self, key: OffloadKey) -> bool:
@@ -295,8 +284,13 @@ class SharedTier:
         what cannot start now is dropped and counted (see the module docstring)."""
         tier, top, backend = self.tier, self.top, self.backend
         get = tier.policy.get
-        new = [k for k in keys if get(k) is None]
-        stale = [k for k in keys if k not in new and self._stale(k)]
+        new: list[OffloadKey] = []
+        stale: list[OffloadKey] = []
+        for key in keys:
+            if get(key) is None:
+                new.append(key)
+            elif self._stale(key):
+                stale.append(key)
         if stale and backend.available and backend.accepts_writes():
             for key in stale:
                 tier.drop(key, cast(BlockStatus, get(key)))
