@@ -45,6 +45,19 @@ def pick_backend(backends: Mapping[str, Any], spec: Any, what: str) -> Any:
         raise ValueError(f"no {what} backend named {tier!r} (have {', '.join(backends)})") from None
 
 
+def host_pair(hosts: Mapping[str, Any], others: Mapping[str, Any], host_spec: Any, other_spec: Any,
+              other_kind: str) -> tuple[Any, Any]:
+    """The host-memory backend and the `other_kind` backend (file, remote) that two specs of one
+    job name, checked to move the same number of blocks of one size. Raises ValueError."""
+    if len(host_spec) != len(other_spec):
+        raise ValueError(f"source has {len(host_spec)} blocks, destination {len(other_spec)}")
+    host = pick_backend(hosts, host_spec, "host-memory")
+    other = pick_backend(others, other_spec, other_kind)
+    if host.block_bytes != other.block_bytes:
+        raise ValueError(f"block size differs: {host.name}={host.block_bytes} B, {other.name}={other.block_bytes} B")
+    return host, other
+
+
 def run_copy(job_id: int, copy: Callable[[LoadStoreSpec, LoadStoreSpec], int], src: LoadStoreSpec,
              dst: LoadStoreSpec) -> TransferResult:
     """Run one job's copy and time it; an exception becomes a failed result for this job only."""

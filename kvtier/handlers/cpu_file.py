@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvtier.handlers.base import ThreadedHandler, pick_backend, serving
+from kvtier.handlers.base import ThreadedHandler, host_pair, serving
 from kvtier.specs import BlockIDsLoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import BlockFile, HostSlots
 
@@ -22,13 +22,7 @@ class _CPUFileHandler(ThreadedHandler):
         self.files = files
 
     def _sides(self, cpu: BlockIDsLoadStoreSpec, file: FileLoadStoreSpec):
-        if len(cpu) != len(file):
-            raise ValueError(f"source has {len(cpu)} blocks, destination {len(file)}")
-        host = pick_backend(self.hosts, cpu, "host-memory")
-        disk = pick_backend(self.files, file, "file")
-        if host.block_bytes != disk.block_bytes:
-            raise ValueError(f"block size differs: {host.name}={host.block_bytes} B, {disk.name}={disk.block_bytes} B")
-        return host, disk
+        return host_pair(self.hosts, self.files, cpu, file, "file")
 
 
 class CPUToFileHandler(_CPUFileHandler):

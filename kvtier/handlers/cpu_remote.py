@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvtier.handlers.base import ThreadedHandler, pick_backend, serving
+from kvtier.handlers.base import ThreadedHandler, host_pair, serving
 from kvtier.specs import BlockIDsLoadStoreSpec, LoadStoreSpec, RemoteLoadStoreSpec
 from kvtier.tiers.base import HostSlots, RemoteBlocks
 
@@ -23,13 +23,7 @@ class _CPURemoteHandler(ThreadedHandler):
         self.remotes = remotes
 
     def _sides(self, cpu: BlockIDsLoadStoreSpec, remote: RemoteLoadStoreSpec):
-        if len(cpu) != len(remote):
-            raise ValueError(f"source has {len(cpu)} blocks, destination {len(remote)}")
-        host = pick_backend(self.hosts, cpu, "host-memory")
-        store = pick_backend(self.remotes, remote, "remote")
-        if host.block_bytes != store.block_bytes:
-            raise ValueError(f"block size differs: {host.name}={host.block_bytes} B, "
-                             f"{store.name}={store.block_bytes} B")
+        host, store = host_pair(self.hosts, self.remotes, cpu, remote, "remote")
         for ids, side in ((cpu.block_ids, host), (remote.block_ids, store)):
             if ids and max(ids) >= side.num_blocks:
                 raise ValueError(f"slot {max(ids)} is past the end of {side.name} ({side.num_blocks} slots)")
