@@ -54,7 +54,7 @@ if CompactLRUIndex is not None:
     class CompactLRUCachePolicy(CompactLRUIndex, CachePolicy):
         """LRU over C arrays (see the module docstring)."""
 
-        returns_views: ClassVar[bool] = True
+        returns_views = True
         compiled: ClassVar[bool] = True
 
         def __init__(self, cache_capacity: int) -> None:
