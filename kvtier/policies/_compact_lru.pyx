@@ -25,7 +25,6 @@ from cpython.object cimport PyObject_Hash
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
 from libc.string cimport memcmp, memcpy, memset
 
-from itertools import islice
 
 cdef enum:
     USED = 1
@@ -281,6 +280,50 @@ cdef int scan_head(Core* c, Py_ssize_t need, int32_t* chosen) except -1:
         heap_push(c, Item(c.seq, chosen[j]))
         c.seq += 1
     return 0
+
+
+cdef Py_ssize_t choose(Core* c, Py_ssize_t n, int32_t* chosen) except -1:
+    """Without accounting: the n oldest blocks with ref_cnt 0 and no mark, or 0."""
+    cdef int32_t i = c.order.head
+    cdef Py_ssize_t got = 0
+    while i >= 0 and got < n:
+        if c.e[i].ref_cnt == 0 and not c.e[i].flags & MARK:
+            chosen[got] = i
+            got += 1
+        i = c.e[i].next
+    return got if got == n else 0
+
+
+cdef Py_ssize_t choose_tracked(Core* c, Py_ssize_t n, int32_t* chosen) except -1:
+    """With accounting (LRUCachePolicy._evict_tracked): freed aside entries first, oldest
+    first, then the order's head (`scan_head`); 0 when there are too few."""
+    cdef Py_ssize_t got = 0, found
+    cdef Item it, last = Item(-1, -1)
+    cdef Entry* e
+    taken, kept = [], []
+    while c.hlen and got < n:
+        it = heap_pop(c)
+        e = &c.e[it.idx]
+        if (not e.flags & ASIDE or e.seq != it.seq or e.flags & PINNED
+                or (it.seq == last.seq and it.idx == last.idx)):
+            continue  # stale (touched, removed, evicted, pinned again) or a duplicate
+        last = it
+        if e.flags & MARK or e.ref_cnt != 0:
+            kept.append((it.seq, it.idx))
+        else:
+            taken.append((it.seq, it.idx))
+            chosen[got] = it.idx
+            got += 1
+    if got < n:
+        found = scan_head(c, n - got, chosen + got)
+        if found:
+            got += found
+        else:
+            kept += taken
+            got = 0
+    for seq, idx in kept:
+        heap_push(c, Item(seq, idx))
+    return got
 
 
 include "_compact_lru_index.pxi"

@@ -255,7 +255,7 @@ cdef class CompactLRUIndex:
                 if i >= 0 and not c.e[i].flags & MARK:
                     c.e[i].flags |= MARK
                     marked.append(i)
-            got = self.choose_tracked(n, chosen) if self.tracking else self.choose(n, chosen)
+            got = choose_tracked(&self.c, n, chosen) if self.tracking else choose(&self.c, n, chosen)
             for i in marked:
                 c.e[i].flags &= ~MARK
             self.version += 1
@@ -273,50 +273,6 @@ cdef class CompactLRUIndex:
         finally:
             PyMem_Free(chosen)
 
-    cdef Py_ssize_t choose(self, Py_ssize_t n, int32_t* chosen) except -1:
-        """Without accounting: the n oldest blocks with ref_cnt 0 and no mark, or 0."""
-        cdef Core* c = &self.c
-        cdef int32_t i = c.order.head
-        cdef Py_ssize_t got = 0
-        while i >= 0 and got < n:
-            if c.e[i].ref_cnt == 0 and not c.e[i].flags & MARK:
-                chosen[got] = i
-                got += 1
-            i = c.e[i].next
-        return got if got == n else 0
-
-    cdef Py_ssize_t choose_tracked(self, Py_ssize_t n, int32_t* chosen) except -1:
-        """With accounting (LRUCachePolicy._evict_tracked): freed aside entries first, oldest
-        first, then the order's head (`scan_head`); 0 when there are too few."""
-        cdef Core* c = &self.c
-        cdef Py_ssize_t got = 0, found
-        cdef Item it, last = Item(-1, -1)
-        cdef Entry* e
-        taken, kept = [], []
-        while c.hlen and got < n:
-            it = heap_pop(c)
-            e = &c.e[it.idx]
-            if (not e.flags & ASIDE or e.seq != it.seq or e.flags & PINNED
-                    or (it.seq == last.seq and it.idx == last.idx)):
-                continue  # stale (touched, removed, evicted, pinned again) or a duplicate
-            last = it
-            if e.flags & MARK or e.ref_cnt != 0:
-                kept.append((it.seq, it.idx))
-            else:
-                taken.append((it.seq, it.idx))
-                chosen[got] = it.idx
-                got += 1
-        if got < n:
-            found = scan_head(c, n - got, chosen + got)
-            if found:
-                got += found
-            else:
-                kept += taken
-                got = 0
-        for seq, idx in kept:
-            heap_push(c, Item(seq, idx))
-        return got
-
     def victim_candidates(self):
         """Evictable blocks in `evict`'s order (freed aside blocks, then the order); raises
         RuntimeError if the policy changes while the iterator is in use."""
@@ -333,8 +289,19 @@ cdef class CompactLRUIndex:
                         raise RuntimeError("compact-lru changed during victim_candidates iteration")
                 i = self.c.e[i].next
 
-    def victim_keys(self, n):
-        return [k for k, _ in islice(self.victim_candidates(), max(n, 0))]
+    def victim_keys(self, Py_ssize_t n):
+        """The keys of the first `n` blocks `victim_candidates` yields, in one C loop."""
+        cdef int32_t i
+        cdef Entry* e = self.c.e
+        out = []
+        heads = [self.c.aside.head, self.c.order.head] if self.tracking else [self.c.order.head]
+        for chain in heads:
+            i = chain
+            while i >= 0 and len(out) < n:
+                if e[i].ref_cnt == 0 and not e[i].flags & PINNED:
+                    out.append(self.key_of(i))
+                i = e[i].next
+        return out
 
     def memory_bytes(self):
         """Bytes allocated for the arrays now (entries, keys, hash table, freed heap)."""
