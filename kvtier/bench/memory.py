@@ -41,7 +41,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * _PAGE
 
 
-def _keys(start: int, stop: int) -> list[bytes]:
+def _keys(start: int, stop: int) -> list[Any]:
     """Keys `start..stop-1`: a 32-byte hash (distinct, hash-like bytes) + a 4-byte group 0."""
     return [((i * 0x9E3779B97F4A7C15) % (1 << 256)).to_bytes(32, "big") + b"\0\0\0\0" for i in range(start, stop)]
 
@@ -58,7 +58,7 @@ def _fill_kvtier(name: str, n: int) -> Any:
         policy.insert_many(keys, BlockStatus.many(range(start, start + len(keys))))
         policy.pin(keys)
         for block in map(policy.get, keys):
-            block.ref_cnt = 0
+            block.ref_cnt = 0  # type: ignore[union-attr]  # just inserted
         policy.unpin(keys)
         del keys
     return policy
