@@ -12,12 +12,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier import build_hierarchy, load_config_text
+from kvtier import LookupResult, build_hierarchy, load_config_text
 from kvtier.bench import cycle, replay
 from kvtier.policies.compact import CompactLRUCachePolicy, PurePythonCompactLRU
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.testing.manager import ManagerTests
-from kvtier.types import BlockStatus
+from kvtier.specs import CPULoadStoreSpec
+from kvtier.types import BlockStatus, ReqContext
 
 
 def test_the_compiled_index_is_built():
@@ -243,6 +244,26 @@ tiers:
   - {name: cpu, backend: cpu, capacity: 6 blocks, policy: compact-lru, cascade: on_evict, reserve: 0.34, pin: false}
   - {name: nvme, backend: file, root_dir: "{root}", capacity: 14 blocks, policy: compact-lru, io: posix}
 """
+
+
+def test_a_failed_promotion_drops_the_lower_copy_held_as_a_view():
+    """`Promotion.failed` drops a source block that could not be read if it is still the same
+    block: with views it is compared by block_id (an identity test never matched a view)."""
+    h = build_hierarchy(load_config_text(_memory_yaml("on_evict").replace("6 blocks", "2 blocks")))
+    m, ctx = h.manager, ReqContext("r")
+    ks = [bytes([i]) * 8 + b"\0\0\0\0" for i in range(4)]
+    for part in (ks[:2], ks[2:]):
+        out = m.prepare_store(part, ctx)
+        assert out is not None
+        m.complete_store(out.keys_to_store, ctx)
+    assert m.tiers[0].policy.get(ks[0]) is None and m.tiers[1].policy.get(ks[0]) is not None
+    handler = h.engine.handler_for(CPULoadStoreSpec, CPULoadStoreSpec)
+    handler.copy = lambda src, dst: (_ for _ in ()).throw(OSError(5, "injected EIO"))
+    assert m.lookup(ks[0], ctx) is LookupResult.RETRY
+    m.on_schedule_end()
+    assert m.lookup(ks[0], ctx) is LookupResult.MISS
+    assert m.tiers[1].policy.get(ks[0]) is None
+    h.close()
 
 
 @pytest.mark.parametrize("workload", ["agentic", "scan"])
