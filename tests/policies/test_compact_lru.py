@@ -16,8 +16,8 @@ from kvtier import LookupResult, build_hierarchy, load_config_text
 from kvtier.bench import cycle, replay
 from kvtier.policies.compact import CompactLRUCachePolicy, PurePythonCompactLRU
 from kvtier.policies.lru import LRUCachePolicy
-from kvtier.testing.manager import ManagerTests
 from kvtier.specs import CPULoadStoreSpec
+from kvtier.testing.manager import ManagerTests
 from kvtier.types import BlockStatus, ReqContext
 
 
