@@ -36,6 +36,7 @@ POLICIES: dict[str, str] = {
     "arc": "kvtier.policies.arc:ARCCachePolicy",
     "sieve": "kvtier.policies.sieve:SIEVECachePolicy",
     "prefix-freq": "kvtier.policies.prefix:PrefixFreqCachePolicy",
+    "compact-lru": "kvtier.policies.compact:CompactLRUCachePolicy",
 }
 
 # The built-in handlers: (source spec, destination spec, factory), each a "module:attr" path. They

@@ -17,6 +17,10 @@ def oversized(root: Path = PACKAGE) -> list[str]:
     """'path: N lines' for each module over MAX_MODULE_LINES and 'path:line Class: N lines' for
     each class (nested ones included) over MAX_CLASS_LINES, decorators counted."""
     found = []
+    for path in sorted([*root.rglob("*.pyx"), *root.rglob("*.pxi")]):  # Cython: module lines only (no ast)
+        lines = len(path.read_text(encoding="utf-8").splitlines())
+        if lines > MAX_MODULE_LINES:
+            found.append(f"{path.relative_to(root.parent).as_posix()}: {lines} lines (module limit {MAX_MODULE_LINES})")
     for path in sorted(root.rglob("*.py")):
         text = path.read_text(encoding="utf-8")
         name = path.relative_to(root.parent).as_posix()
@@ -47,7 +51,9 @@ def test_the_size_check_names_offenders(tmp_path):
     (pkg / "long.py").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
     body = "".join(f"    a{i} = {i}\n" for i in range(MAX_CLASS_LINES))
     (pkg / "wide.py").write_text("@decorator\nclass Wide:\n" + body)
+    (pkg / "long.pyx").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
     assert oversized(pkg) == [
+        f"kvtier/long.pyx: {MAX_MODULE_LINES + 1} lines (module limit {MAX_MODULE_LINES})",
         f"kvtier/long.py: {MAX_MODULE_LINES + 1} lines (module limit {MAX_MODULE_LINES})",
         f"kvtier/wide.py:2 class Wide: {MAX_CLASS_LINES + 2} lines (class limit {MAX_CLASS_LINES})",
     ]

@@ -60,7 +60,7 @@ def load_workload(name: str, traces: str) -> replay.Trace:
 def config_for(system: str, capacity: int):
     """The dry-run hierarchy of kvtier system `system` ('lru', 'prefix-freq+file', ...): the
     packaged replay config (`replay-cpu.yaml`, or `replay-cpu-file.yaml` for '+file') with the
-    first tier's policy and capacity replaced."""
+    first tier's policy and capacity replaced ('lru+file:compact-lru': the file tier's policy too)."""
     from dataclasses import replace
 
     from kvtier.config import Capacity, load_config
@@ -69,7 +69,9 @@ def config_for(system: str, capacity: int):
     name = "replay-cpu-file.yaml" if below else "replay-cpu.yaml"
     config = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
     first = replace(config.tiers[0], capacity=Capacity(blocks=capacity), policy=policy)
-    return replace(config, tiers=(first, *config.tiers[1:]))
+    lower_policy = below.partition(":")[2]
+    rest = tuple(replace(t, policy=lower_policy) if lower_policy else t for t in config.tiers[1:])
+    return replace(config, tiers=(first, *rest))
 
 
 def run_one(system: str, trace: replay.Trace, capacity: int) -> dict[str, Any]:

@@ -21,6 +21,15 @@ from kvtier.types import BlockStatus, OffloadingEvent, TransferResult
 _ref_cnt = attrgetter("ref_cnt")
 
 
+def _held(tier: Tier, keys: list[OffloadKey], blocks: list[BlockStatus]) -> list[BlockStatus]:
+    """The blocks `tier`'s policy holds for `keys`, inserted as `blocks`: `blocks` themselves,
+    or, from a policy that copied them (`CachePolicy.returns_views`), its views of the same slots."""
+    if not tier.policy.returns_views:
+        return blocks
+    get = tier.policy.get
+    return [v for v, b in zip(map(get, keys), blocks) if v is not None and v.block_id == b.block_id]
+
+
 class EventLog:
     """Block-stored / block-removed events for `take_events` (a no-op when events are off)."""
 
@@ -57,7 +66,7 @@ class Job:
         _consume(map(setattr, self.src_blocks, repeat("ref_cnt"), ref_cnts), 0)
         src.policy.unpin(list(compress(self.keys, map(not_, ref_cnts))))
         if result.success:
-            _consume(map(setattr, self.dst_blocks, repeat("ref_cnt"), repeat(0)), 0)
+            _consume(map(setattr, _held(dst, self.keys, self.dst_blocks), repeat("ref_cnt"), repeat(0)), 0)
             dst.policy.unpin(self.keys)
             src.stats.bytes_out += result.transfer_size or 0
             src.stats.seconds_out += result.transfer_time or 0.0

@@ -58,8 +58,9 @@ class Promotion(Job):
         self.promotions.ended(self.keys)
         bad = [(key, block) for key, block in zip(self.keys, self.src_blocks) if not src.backend.still_valid(block)]
         for key, block in bad:
-            if block.ref_cnt == 0 and src.policy.get(key) is block:
-                src.drop(key, block)
+            held = src.policy.get(key)  # the same block (slot), unless it left: compared by block_id
+            if held is not None and held.block_id == block.block_id and held.ref_cnt == 0:
+                src.drop(key, held)
                 self.events.record(src, [key], removed=True)
         self.promotions.refuse([key for key, _ in bad] if bad else self.keys)
 

@@ -42,8 +42,16 @@ class CachePolicy(ABC):
       fewer than `n` are (`_refuses`), whatever the number of pinned blocks, and a policy may take
       pinned blocks out of its eviction order (LRU does). Without `track_pins()` (a policy used
       on its own, the conformance suite) `pin`/`unpin` do nothing and `ref_cnt` is read as before.
+    - Block objects: by default `get` returns the very object given to `insert`, and the caller
+      may keep it and change its `ref_cnt` later. A policy that owns its data layout sets
+      `returns_views = True`: `get` returns views of state the policy keeps (setting a view's
+      `ref_cnt` changes what every later `get` sees), the objects passed to `insert` are copied
+      and not updated later, and blocks are compared by `block_id`, not identity. A view is
+      valid while its block stays resident; callers keep views only of pinned blocks, and settle
+      blocks they inserted through `get` (see `kvtier.control.jobs.Job.finish`).
     """
 
+    returns_views: bool = False  # get() returns views of the policy's own state (see above)
     _pinned: set[OffloadKey] | None = None  # resident keys not evictable; None: not tracking
 
     def __init__(self, cache_capacity: int) -> None:
@@ -172,6 +180,7 @@ class KeyIndex(CachePolicy):
         self.policy = policy
         self.cache_capacity = int(getattr(policy, "cache_capacity", 0))  # 0: the wrapped policy does not say
         self._resident: dict[OffloadKey, None] = {}
+        self.returns_views = bool(getattr(policy, "returns_views", False))
 
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self.policy.get(key)

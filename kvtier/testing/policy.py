@@ -15,6 +15,10 @@ twin policy that never saw the call makes the same decisions from then on. A pol
 vLLM's seed contract (no `keys`/`len`/`clear`) is completed by `with_key_index` first, as
 `build_hierarchy` does.
 
+A policy whose `get` returns views of its own state (`CachePolicy.returns_views`) is checked by
+value (`block_id`, `ref_cnt`) where others are checked by identity, and its blocks' `ref_cnt` is
+changed through `get`, as the manager does.
+
 Needs pytest and hypothesis; uses no fixture and no conftest of the kvtier repository.
 """
 
@@ -57,11 +61,31 @@ def fill(policy: CachePolicy, ids: Iterable[int]) -> dict[OffloadKey, BlockStatu
     return blocks
 
 
+def set_ref_cnt(policy: CachePolicy, k: OffloadKey, block: BlockStatus, value: int) -> None:
+    """Set the `ref_cnt` of resident block `block` (inserted under `k`) as the manager does: on
+    the object itself and, for a policy returning views, through `get` (the object is a copy)."""
+    block.ref_cnt = value
+    if policy.returns_views:
+        held = policy.get(k)
+        assert held is not None and held.block_id == block.block_id, f"get({k!r}) lost block {block.block_id}"
+        held.ref_cnt = value
+
+
+def same_block(policy: CachePolicy, got: Any, expected: BlockStatus) -> bool:
+    """Whether `got` (from `get`, `evict`, `victim_candidates`) is the block inserted as
+    `expected`: the object itself, or for a policy returning views, one with its values."""
+    if not policy.returns_views:
+        return got is expected
+    return got is not None and (got.block_id, got.ref_cnt) == (expected.block_id, expected.ref_cnt)
+
+
 def observe(policy: CachePolicy, by_identity: bool = True):
     """What the contract lets anyone see: resident key -> block (the object itself, or its slot
-    number when comparing twins that hold distinct but equal blocks), size, eviction order.
-    Asking `victim_candidates` twice must give the same order (it changes nothing)."""
-    resident = {k: id(b) if by_identity else b.block_id for k in policy.keys() if (b := policy.get(k)) is not None}
+    number when comparing twins that hold distinct but equal blocks; a view's values), size,
+    eviction order. Asking `victim_candidates` twice must give the same order (it changes nothing)."""
+    views = policy.returns_views
+    resident = {k: (b.block_id, b.ref_cnt) if views else id(b) if by_identity else b.block_id
+                for k in policy.keys() if (b := policy.get(k)) is not None}
     order = [k for k, _ in policy.victim_candidates()]
     assert [k for k, _ in policy.victim_candidates()] == order, "victim_candidates changed the eviction order"
     return resident, len(policy), order
@@ -70,6 +94,10 @@ def observe(policy: CachePolicy, by_identity: bool = True):
 # The probe a policy and its twin both get: touches, fresh and returning keys, then evictions
 # one at a time until nothing is left, so hidden history (ghosts, frequencies) shows in decisions.
 _PROBE_IDS = (1000, 1001, 1002, 1003)
+
+
+def _values(victims) -> list | None:
+    return None if victims is None else [(k, b.block_id, b.ref_cnt) for k, b in victims]
 
 
 def _victim_keys(victims) -> list[OffloadKey] | None:
@@ -146,7 +174,8 @@ class _RandomOperations:
                 policy.touch([key(i) for i in op[1]])
             elif kind == "pin":  # the op[1]-th resident block (pins must hit resident blocks)
                 if model:
-                    model[sorted(model)[op[1] % len(model)]].ref_cnt = op[2]
+                    k = sorted(model)[op[1] % len(model)]
+                    set_ref_cnt(policy, k, model[k], op[2])
             elif kind == "peek":
                 self._check_candidates(policy, model)
             else:  # protected: mostly resident keys (op[2] indexes them), sometimes absent ones
@@ -156,7 +185,7 @@ class _RandomOperations:
             assert len(policy) == len(model)
             assert set(policy.keys()) == set(model)
             for k, b in model.items():
-                assert policy.get(k) is b
+                assert same_block(policy, policy.get(k), b)
 
     def _check_candidates(self, policy: CachePolicy, model: dict[OffloadKey, BlockStatus]) -> None:
         before = observe(policy)
@@ -188,7 +217,7 @@ class _RandomOperations:
         if self.predicts_victims and not protected:
             assert chosen == predicted
         for k, b in victims:
-            assert model.pop(k) is b
+            assert same_block(policy, b, model.pop(k))
 
     @settings(max_examples=120, deadline=None, suppress_health_check=_HEALTH, report_multiple_bugs=False)
     @given(ops=st.lists(
@@ -227,7 +256,11 @@ class _RandomOperations:
             else:
                 protected = {key(i) for i in op[2]}
                 victims = bulk.evict(op[1], protected)
-                assert victims == loop.evict(op[1], protected)
+                other = loop.evict(op[1], protected)
+                if bulk.returns_views:  # distinct copies: compared by value
+                    assert _values(victims) == _values(other)
+                else:
+                    assert victims == other
                 for k, _ in victims or ():
                     del resident[k]
             assert observe(bulk) == observe(loop)
@@ -275,7 +308,7 @@ class PolicyTests(_RandomOperations):
         assert len(policy) == 5
         assert set(policy.keys()) == set(blocks)
         for k, b in blocks.items():
-            assert policy.get(k) is b
+            assert same_block(policy, policy.get(k), b)
         assert policy.get(key(99)) is None
         policy.remove(key(2))
         assert policy.get(key(2)) is None
@@ -290,14 +323,15 @@ class PolicyTests(_RandomOperations):
         blocks = [ready(i) for i in range(4)]
         policy.insert_many([key(i) for i in range(4)], blocks)
         assert len(policy) == 4
-        assert all(policy.get(key(i)) is blocks[i] for i in range(4))
+        assert all(same_block(policy, policy.get(key(i)), blocks[i]) for i in range(4))
 
     def test_touch_ignores_absent_keys_and_keeps_blocks(self):
         policy = self.make_policy(16)
         blocks = fill(policy, range(4))
         policy.touch([key(100), key(1), key(101)])
         policy.touch([])
-        assert {k: policy.get(k) for k in policy.keys()} == blocks
+        assert set(policy.keys()) == set(blocks)
+        assert all(same_block(policy, policy.get(k), b) for k, b in blocks.items())
         assert policy.get(key(100)) is None
 
     def test_touched_prefix_outlives_untouched_blocks(self):
@@ -327,7 +361,7 @@ class PolicyTests(_RandomOperations):
         assert victims is not None and len(victims) == 3
         assert len({k for k, _ in victims}) == 3
         for k, b in victims:
-            assert blocks[k] is b
+            assert same_block(policy, b, blocks[k])
             assert policy.get(k) is None
         assert len(policy) == 7
         assert set(policy.keys()) == set(blocks) - {k for k, _ in victims}
@@ -344,8 +378,8 @@ class PolicyTests(_RandomOperations):
         policy, twin = self.make_policy(16), self.make_policy(16)
         for p in (policy, twin):
             blocks = fill(p, range(8))
-            blocks[key(0)].ref_cnt = 1  # being read
-            blocks[key(3)].ref_cnt = -1  # being written
+            set_ref_cnt(p, key(0), blocks[key(0)], 1)  # being read
+            set_ref_cnt(p, key(3), blocks[key(3)], -1)  # being written
         protected = {key(1), key(5)}
         assert policy.evict(5, protected) is None  # only 4 evictable
         assert observe(policy, by_identity=False) == observe(twin, by_identity=False)
@@ -361,18 +395,44 @@ class PolicyTests(_RandomOperations):
     def test_pinned_blocks_become_evictable_when_unpinned(self):
         policy = self.make_policy(8)
         blocks = fill(policy, range(3))
-        for b in blocks.values():
-            b.ref_cnt = 2
+        for k, b in blocks.items():
+            set_ref_cnt(policy, k, b, 2)
         assert policy.evict(1, set()) is None
-        blocks[key(1)].ref_cnt = 0
-        assert policy.evict(1, set()) == [(key(1), blocks[key(1)])]
+        set_ref_cnt(policy, key(1), blocks[key(1)], 0)
+        victims = policy.evict(1, set())
+        assert victims is not None and [k for k, _ in victims] == [key(1)]
+        assert same_block(policy, victims[0][1], blocks[key(1)])
+
+    def test_ref_cnt_set_through_get_is_seen_by_later_gets(self):
+        """The manager pins and releases blocks by setting `ref_cnt` on what `get` returns (never
+        on the objects it inserted, which a policy returning views copied): every later `get`
+        and every decision must see the change."""
+        policy = self.make_policy(8)
+        blocks = fill(policy, range(3))
+        held = policy.get(key(1))
+        assert held is not None and held.block_id == 1 and held.is_ready
+        held.ref_cnt = 2
+        again = policy.get(key(1))
+        assert again is not None and again.ref_cnt == 2 and again.block_id == 1
+        assert key(1) not in {k for k, _ in policy.victim_candidates()}
+        victims = policy.evict(2, set())
+        assert victims is not None and {k for k, _ in victims} == {key(0), key(2)}
+        assert policy.evict(1, set()) is None  # only the pinned block is left
+        policy.get(key(1)).ref_cnt = -1  # being written: not ready
+        assert policy.get(key(1)).is_ready is False
+        policy.get(key(1)).ref_cnt = 0
+        assert [k for k, _ in policy.victim_candidates()] == ([key(1)] if self.predicts_victims else [])
+        victims = policy.evict(1, set())
+        assert victims is not None and victims[0][0] == key(1) and victims[0][1].block_id == 1
+        if not policy.returns_views:
+            assert victims[0][1] is blocks[key(1)]
 
     # ------------------------------------------------------------------ victim_candidates
     def test_victim_candidates_only_evictable_blocks(self):
         policy = self.make_policy(16)
         blocks = fill(policy, range(6))
-        blocks[key(2)].ref_cnt = 2
-        blocks[key(4)].ref_cnt = -1
+        set_ref_cnt(policy, key(2), blocks[key(2)], 2)
+        set_ref_cnt(policy, key(4), blocks[key(4)], -1)
         candidates = [k for k, _ in policy.victim_candidates()]
         assert len(set(candidates)) == len(candidates)
         if self.predicts_victims:
@@ -429,4 +489,5 @@ class PolicyTests(_RandomOperations):
         assert list(policy.victim_candidates()) == []
         assert policy.evict(1, set()) is None
         blocks = fill(policy, range(3))  # usable again
-        assert {k: policy.get(k) for k in policy.keys()} == blocks
+        assert set(policy.keys()) == set(blocks)
+        assert all(same_block(policy, policy.get(k), b) for k, b in blocks.items())

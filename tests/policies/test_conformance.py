@@ -8,6 +8,7 @@ from seed_policy import DuckSeedPolicy, SeedLRUPolicy
 
 from kvtier import registry
 from kvtier.policies.base import CachePolicy, KeyIndex, with_key_index
+from kvtier.policies.compact import PurePythonCompactLRU
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.testing.policy import PolicyTests, fill, key
 
@@ -32,6 +33,18 @@ class TestPrefixFreq(PolicyTests):
     policy_factory = registered("prefix-freq")
 
 
+class TestCompactLRU(PolicyTests):
+    """The compiled index (tests/policies/test_compact_lru.py fails where it is not built)."""
+
+    policy_factory = registered("compact-lru")
+
+
+class TestCompactLRUFallback(PolicyTests):
+    """`compact-lru`'s pure-Python fallback, what the name resolves to without the extension."""
+
+    policy_factory = PurePythonCompactLRU
+
+
 class TestSeedContractPolicy(PolicyTests):
     """Only the seed's methods; `keys`/`len`/`clear` come from `KeyIndex`."""
 
@@ -48,7 +61,7 @@ class TestDuckTypedSeedPolicy(PolicyTests):
 
 
 def test_every_registered_policy_runs_the_suite():
-    tested = {cls.policy_factory for cls in (TestLRU, TestARC, TestSIEVE, TestPrefixFreq)}
+    tested = {cls.policy_factory for cls in (TestLRU, TestARC, TestSIEVE, TestPrefixFreq, TestCompactLRU)}
     assert tested == {registered(name) for name in registry.POLICIES}
 
 

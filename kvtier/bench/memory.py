@@ -1,0 +1,152 @@
+"""Index memory per resident block, measured as RSS growth (issue 19: <= 100 bytes including the key).
+
+    python -m kvtier.bench.memory [--blocks 1000000,8000000] [--policies lru,prefix-freq,compact-lru,vllm-lru]
+                                  [--json FILE]
+
+Each (policy, N) runs in a fresh child process: resident set size (/proc/self/statm) before, then
+N resident blocks inserted the way the manager stores them (evictable accounting on:
+`insert_many` of `BlockStatus.many` blocks being written, `pin`, `ref_cnt = 0` through `get`,
+`unpin`), in chunks of 64Ki keys of 32-byte block hash + 4-byte group (vLLM's sha256 keys), then
+`gc.collect()` and RSS after. The chunks' key lists are dropped after each chunk: a dict-based
+policy keeps every key object (that is its real cost), the compact index copies the bytes and
+keeps none. `vllm-lru` is vLLM's `CPUOffloadingManager` with its LRU policy, driven through
+`prepare_store`/`complete_store` with one request context per chunk (dropped after it).
+
+Figures are bytes of RSS growth per block (so they include allocator overhead and the
+fragmentation the insert pattern causes) and, for compact-lru, the bytes its arrays allocate.
+This is a benchmark, not a test: it prints rows and optionally writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+POLICIES = ("lru", "prefix-freq", "compact-lru", "vllm-lru")
+CHUNK = 1 << 16
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * _PAGE
+
+
+def _keys(start: int, stop: int) -> list[Any]:
+    """Keys `start..stop-1`: a 32-byte hash (distinct, hash-like bytes) + a 4-byte group 0."""
+    return [((i * 0x9E3779B97F4A7C15) % (1 << 256)).to_bytes(32, "big") + b"\0\0\0\0" for i in range(start, stop)]
+
+
+def _fill_kvtier(name: str, n: int) -> Any:
+    from kvtier import registry
+    from kvtier.policies.base import with_key_index
+    from kvtier.types import BlockStatus
+
+    policy = with_key_index(registry.resolve(registry.POLICIES, name)(n))
+    policy.track_pins()
+    for start in range(0, n, CHUNK):
+        keys = _keys(start, min(n, start + CHUNK))
+        policy.insert_many(keys, BlockStatus.many(range(start, start + len(keys))))
+        policy.pin(keys)
+        for block in map(policy.get, keys):
+            block.ref_cnt = 0  # type: ignore[union-attr]  # just inserted
+        policy.unpin(keys)
+        del keys
+    return policy
+
+
+def _fill_vllm(n: int) -> Any:
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    manager = CPUOffloadingManager(num_chunks=n, cache_policy="lru")
+    for start in range(0, n, CHUNK):
+        keys = _keys(start, min(n, start + CHUNK))
+        ctx = ReqContext(req_id=f"fill-{start}")
+        out = manager.prepare_store(keys, ctx)
+        assert out is not None and len(out.keys_to_store) == len(keys), "vLLM refused a store into free room"
+        manager.complete_store(keys, ctx)
+        del keys, ctx, out
+    return manager
+
+
+def measure(name: str, n: int) -> dict[str, Any]:
+    """In a fresh process: RSS growth of `n` resident blocks in policy `name`."""
+    if name == "vllm-lru":
+        import vllm.v1.kv_offload.cpu.manager  # noqa: F401 - imported before the first reading
+    else:
+        import kvtier.policies.compact  # noqa: F401
+        from kvtier import registry
+        from kvtier.types import BlockStatus  # noqa: F401
+
+        registry.resolve(registry.POLICIES, name)
+    _keys(0, 8)
+    gc.collect()
+    before = rss_bytes()
+    t0 = time.perf_counter()
+    held = _fill_vllm(n) if name == "vllm-lru" else _fill_kvtier(name, n)
+    seconds = time.perf_counter() - t0
+    gc.collect()
+    after = rss_bytes()
+    policy = held._policy if name == "vllm-lru" else held
+    resident = len(policy.chunks) if name == "vllm-lru" else len(policy)
+    assert resident == n, f"{name}: {resident} blocks resident after inserting {n}"
+    row = {"policy": name, "blocks": n, "rss_before": before, "rss_after": after,
+           "bytes_per_block": round((after - before) / n, 1), "fill_seconds": round(seconds, 2)}
+    if hasattr(policy, "memory_bytes"):
+        row["allocated_bytes_per_block"] = round(policy.memory_bytes() / n, 1)
+    return row
+
+
+def run_child(name: str, n: int) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-m", "kvtier.bench.memory", "--child", f"{name}:{n}"],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} at {n} blocks failed:\n{out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--blocks", default="1000000,8000000", help="resident block counts (default 1000000,8000000)")
+    parser.add_argument("--policies", default=",".join(POLICIES), help=f"default {','.join(POLICIES)}")
+    parser.add_argument("--json", metavar="FILE", help="write the rows as JSON")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        name, _, n = args.child.rpartition(":")
+        print(json.dumps(measure(name, int(n))))
+        return 0
+    from kvtier.bench.replay import parse_counts
+
+    counts = parse_counts(args.blocks)
+    names = [p for p in args.policies.split(",") if p]
+    print(f"{'policy':<14}{'blocks':>10}{'B/block (RSS)':>15}{'allocated':>11}{'fill s':>8}")
+    rows = []
+    for n in counts:
+        for name in names:
+            row = run_child(name, n)
+            rows.append(row)
+            allocated = row.get("allocated_bytes_per_block")
+            print(f"{name:<14}{n:>10}{row['bytes_per_block']:>15.1f}"
+                  f"{'' if allocated is None else f'{allocated:.1f}':>11}{row['fill_seconds']:>8.1f}", flush=True)
+    if args.json:
+        doc = {"schema": "kvtier.bench.memory/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
+               "key_bytes": 36, "rows": rows}
+        Path(args.json).write_text(json.dumps(doc, indent=1))
+        print(f"JSON written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,329 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The compiled core of `compact-lru` (kvtier.policies.compact): LRU decisions over C arrays.
+
+No Python object per resident block. Per entry: a 40-byte record (block id, ref_cnt, the key's
+hash and length, links, flags, sequence number) in one array, the key bytes inline in a second
+array of fixed width (the longest key seen; a longer key re-lays it), and two int32 slots of an
+open-addressing hash table (linear probing, backward-shift deletion, no tombstones). Arrays are
+sized from `cache_capacity` and doubled if more blocks are ever inserted.
+
+The decisions are exactly `LRUCachePolicy`'s, including its evictable accounting: with
+`track_pins()` a pinned block met at the head of the order is set *aside* (moved to an aside
+list, in the order of its sequence number) instead of being scanned again, and an unpinned aside
+block goes into a heap of freed entries (sequence number, entry) that evictions take first. See
+kvtier/policies/lru.py for the argument that this is plain LRU order.
+
+`get` returns a `BlockView` of an entry: reads and writes of its `ref_cnt` go to the arrays, so
+every later `get` sees them. A view is valid while its block stays resident; using one after its
+block left raises LookupError (checked by key and block id), never touches another block.
+"""
+
+cimport cython
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
+from cpython.object cimport PyObject_Hash
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
+from libc.string cimport memcmp, memcpy, memset
+
+
+cdef enum:
+    USED = 1
+    PINNED = 2  # reported by `pin` (evictable accounting)
+    ASIDE = 4  # in the aside list, not the order
+    MARK = 8  # in `protected` during one `evict`
+    MAX_KEY = 65535
+    MAX_ENTRIES = 1 << 30
+
+ctypedef struct Entry:
+    int64_t block_id
+    Py_hash_t hash
+    int64_t seq  # place in the eviction order while aside
+    int32_t prev  # the order (oldest first) or the aside list
+    int32_t next  # ...and the free list
+    int32_t ref_cnt
+    uint16_t klen
+    uint8_t flags
+
+ctypedef struct Item:  # an entry of the freed heap
+    int64_t seq
+    int32_t idx
+
+ctypedef struct Chain:
+    int32_t head
+    int32_t tail
+
+ctypedef struct Core:
+    Entry* e
+    char* keys
+    Py_ssize_t width
+    int32_t cap
+    int32_t hw  # entries ever used (the rest of the array is untouched)
+    int32_t free  # free list head
+    int32_t* table
+    size_t mask
+    Chain order
+    Chain aside
+    Item* heap
+    Py_ssize_t hlen
+    Py_ssize_t hcap
+    Py_ssize_t count
+    Py_ssize_t npinned
+    int64_t seq
+
+
+# ---------------------------------------------------------------------- C helpers on a Core
+cdef inline char* key_at(Core* c, int32_t i) noexcept nogil:
+    return c.keys + <Py_ssize_t>i * c.width
+
+
+cdef int32_t find(Core* c, const char* kp, Py_ssize_t klen, Py_hash_t h) noexcept nogil:
+    cdef size_t s = (<size_t>h) & c.mask
+    cdef int32_t i
+    while True:
+        i = c.table[s]
+        if i < 0:
+            return -1
+        if c.e[i].hash == h and c.e[i].klen == klen and memcmp(key_at(c, i), kp, klen) == 0:
+            return i
+        s = (s + 1) & c.mask
+
+
+cdef void table_put(Core* c, int32_t i) noexcept nogil:
+    cdef size_t s = (<size_t>c.e[i].hash) & c.mask
+    while c.table[s] >= 0:
+        s = (s + 1) & c.mask
+    c.table[s] = i
+
+
+cdef void table_del(Core* c, int32_t i) noexcept nogil:
+    """Remove entry i's slot and shift later members of its probe run back (no tombstones)."""
+    cdef size_t s = (<size_t>c.e[i].hash) & c.mask
+    cdef size_t j, home
+    cdef int32_t k
+    while c.table[s] != i:
+        s = (s + 1) & c.mask
+    j = s
+    while True:
+        j = (j + 1) & c.mask
+        k = c.table[j]
+        if k < 0:
+            break
+        home = (<size_t>c.e[k].hash) & c.mask
+        # k may fill the hole at s unless its home lies cyclically in (s, j]
+        if (s < j and (home <= s or home > j)) or (s > j and home <= s and home > j):
+            c.table[s] = k
+            s = j
+    c.table[s] = -1
+
+
+cdef int rebuild_table(Core* c, size_t slots) except -1:
+    cdef int32_t* table = <int32_t*>PyMem_Malloc(slots * sizeof(int32_t))
+    cdef int32_t i
+    if table == NULL:
+        raise MemoryError()
+    memset(table, 0xff, slots * sizeof(int32_t))
+    PyMem_Free(c.table)
+    c.table, c.mask = table, slots - 1
+    for i in range(c.hw):
+        if c.e[i].flags & USED:
+            table_put(c, i)
+    return 0
+
+
+cdef int grow(Core* c) except -1:
+    """Double the entry arrays (more blocks than `cache_capacity` were inserted)."""
+    cdef int32_t cap = c.cap * 2
+    cdef void* p
+    if c.cap >= MAX_ENTRIES:
+        raise MemoryError(f"compact-lru holds at most {MAX_ENTRIES} blocks")
+    p = PyMem_Realloc(c.e, cap * sizeof(Entry))
+    if p == NULL:
+        raise MemoryError()
+    c.e = <Entry*>p
+    if c.keys != NULL:
+        p = PyMem_Realloc(c.keys, cap * c.width)
+        if p == NULL:
+            raise MemoryError()
+        c.keys = <char*>p
+    c.cap = cap
+    if c.mask + 1 < 2 * <size_t>cap:
+        rebuild_table(c, 2 * (c.mask + 1))
+    return 0
+
+
+cdef int widen(Core* c, Py_ssize_t width) except -1:
+    """Re-lay the key array for keys of up to `width` bytes."""
+    cdef char* keys = <char*>PyMem_Malloc(<Py_ssize_t>c.cap * width)
+    cdef int32_t i
+    if keys == NULL:
+        raise MemoryError()
+    if c.keys != NULL:
+        for i in range(c.hw):
+            if c.e[i].flags & USED:
+                memcpy(keys + <Py_ssize_t>i * width, key_at(c, i), c.e[i].klen)
+        PyMem_Free(c.keys)
+    c.keys, c.width = keys, width
+    return 0
+
+
+cdef inline void link_tail(Core* c, Chain* l, int32_t i) noexcept nogil:
+    c.e[i].next = -1
+    c.e[i].prev = l.tail
+    if l.tail >= 0:
+        c.e[l.tail].next = i
+    else:
+        l.head = i
+    l.tail = i
+
+
+cdef inline void unlink(Core* c, int32_t i) noexcept nogil:
+    cdef Chain* l = &c.aside if c.e[i].flags & ASIDE else &c.order
+    cdef int32_t p = c.e[i].prev, n = c.e[i].next
+    if p >= 0:
+        c.e[p].next = n
+    else:
+        l.head = n
+    if n >= 0:
+        c.e[n].prev = p
+    else:
+        l.tail = p
+
+
+cdef inline void set_aside(Core* c, int32_t i, int64_t seq) noexcept nogil:
+    unlink(c, i)
+    c.e[i].flags |= ASIDE
+    c.e[i].seq = seq
+    link_tail(c, &c.aside, i)
+
+
+cdef void drop(Core* c, int32_t i) noexcept nogil:
+    """Forget entry i (remove, evict)."""
+    unlink(c, i)
+    table_del(c, i)
+    if c.e[i].flags & PINNED:
+        c.npinned -= 1
+    c.e[i].flags = 0
+    c.e[i].next = c.free
+    c.free = i
+    c.count -= 1
+
+
+cdef inline bint before(Item a, Item b) noexcept nogil:
+    return a.seq < b.seq or (a.seq == b.seq and a.idx < b.idx)
+
+
+cdef int heap_push(Core* c, Item it) except -1:
+    cdef Py_ssize_t k = c.hlen, parent
+    cdef void* p
+    if c.hlen == c.hcap:
+        c.hcap = max(16, 2 * c.hcap)
+        p = PyMem_Realloc(c.heap, c.hcap * sizeof(Item))
+        if p == NULL:
+            raise MemoryError()
+        c.heap = <Item*>p
+    c.hlen += 1
+    while k > 0:
+        parent = (k - 1) >> 1
+        if not before(it, c.heap[parent]):
+            break
+        c.heap[k] = c.heap[parent]
+        k = parent
+    c.heap[k] = it
+    return 0
+
+
+cdef Item heap_pop(Core* c) noexcept nogil:
+    cdef Item top = c.heap[0], last
+    cdef Py_ssize_t k = 0, child
+    c.hlen -= 1
+    last = c.heap[c.hlen]
+    while True:
+        child = 2 * k + 1
+        if child >= c.hlen:
+            break
+        if child + 1 < c.hlen and before(c.heap[child + 1], c.heap[child]):
+            child += 1
+        if not before(c.heap[child], last):
+            break
+        c.heap[k] = c.heap[child]
+        k = child
+    if c.hlen:
+        c.heap[k] = last
+    return top
+
+
+cdef int scan_head(Core* c, Py_ssize_t need, int32_t* chosen) except -1:
+    """Put the `need` oldest evictable, unmarked entries of the order in `chosen`, setting aside
+    the pinned and marked (protected) ones met before them; 0 (nothing chosen, the found ones
+    set aside after the others, so the order is kept) when there are not that many."""
+    cdef int32_t i = c.order.head, nxt
+    cdef Py_ssize_t found = 0, j
+    cdef uint8_t f
+    while i >= 0:
+        nxt = c.e[i].next
+        f = c.e[i].flags
+        if f & PINNED or c.e[i].ref_cnt != 0:
+            set_aside(c, i, c.seq)
+            c.seq += 1
+        elif f & MARK:
+            set_aside(c, i, c.seq)
+            heap_push(c, Item(c.seq, i))
+            c.seq += 1
+        else:
+            chosen[found] = i
+            found += 1
+            if found == need:
+                return need
+        i = nxt
+    for j in range(found):
+        set_aside(c, chosen[j], c.seq)
+        heap_push(c, Item(c.seq, chosen[j]))
+        c.seq += 1
+    return 0
+
+
+cdef Py_ssize_t choose(Core* c, Py_ssize_t n, int32_t* chosen) except -1:
+    """Without accounting: the n oldest blocks with ref_cnt 0 and no mark, or 0."""
+    cdef int32_t i = c.order.head
+    cdef Py_ssize_t got = 0
+    while i >= 0 and got < n:
+        if c.e[i].ref_cnt == 0 and not c.e[i].flags & MARK:
+            chosen[got] = i
+            got += 1
+        i = c.e[i].next
+    return got if got == n else 0
+
+
+cdef Py_ssize_t choose_tracked(Core* c, Py_ssize_t n, int32_t* chosen) except -1:
+    """With accounting (LRUCachePolicy._evict_tracked): freed aside entries first, oldest
+    first, then the order's head (`scan_head`); 0 when there are too few."""
+    cdef Py_ssize_t got = 0, found
+    cdef Item it, last = Item(-1, -1)
+    cdef Entry* e
+    taken, kept = [], []
+    while c.hlen and got < n:
+        it = heap_pop(c)
+        e = &c.e[it.idx]
+        if (not e.flags & ASIDE or e.seq != it.seq or e.flags & PINNED
+                or (it.seq == last.seq and it.idx == last.idx)):
+            continue  # stale (touched, removed, evicted, pinned again) or a duplicate
+        last = it
+        if e.flags & MARK or e.ref_cnt != 0:
+            kept.append((it.seq, it.idx))
+        else:
+            taken.append((it.seq, it.idx))
+            chosen[got] = it.idx
+            got += 1
+    if got < n:
+        found = scan_head(c, n - got, chosen + got)
+        if found:
+            got += found
+        else:
+            kept += taken
+            got = 0
+    for seq, idx in kept:
+        heap_push(c, Item(seq, idx))
+    return got
+
+
+include "_compact_lru_index.pxi"

@@ -1,0 +1,310 @@
+# The classes of kvtier/policies/_compact_lru.pyx (included there): the index and its block views.
+
+cdef class CompactLRUIndex
+
+
+@cython.final
+@cython.freelist(256)
+cdef class BlockView:
+    """A resident block of a `CompactLRUIndex` (what `get` returns), or an evicted one (detached,
+    what `evict` returns). `ref_cnt` reads and writes the index's entry; `block_id` is fixed."""
+
+    cdef CompactLRUIndex owner  # None: detached
+    cdef object key
+    cdef int32_t idx
+    cdef int32_t detached_ref
+    cdef readonly int64_t block_id
+
+    cdef Entry* entry(self) except NULL:
+        cdef Core* c = &self.owner.c
+        cdef Entry* e = &c.e[self.idx]
+        if (not e.flags & USED or e.block_id != self.block_id or e.klen != PyBytes_GET_SIZE(self.key)
+                or memcmp(key_at(c, self.idx), PyBytes_AS_STRING(self.key), e.klen) != 0):
+            raise LookupError(f"compact-lru: block {self.block_id} of key {self.key!r} is no longer resident; "
+                              "a view from get() is valid only while its block stays resident (pinned)")
+        return e
+
+    @property
+    def ref_cnt(self):
+        return self.detached_ref if self.owner is None else self.entry().ref_cnt
+
+    @ref_cnt.setter
+    def ref_cnt(self, int32_t value):
+        if self.owner is None:
+            self.detached_ref = value
+        else:
+            self.entry().ref_cnt = value
+
+    @property
+    def is_ready(self):
+        """Whether the block can be read."""
+        return self.ref_cnt >= 0
+
+    def __repr__(self):
+        return f"BlockView(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+cdef inline BlockView view_of(CompactLRUIndex owner, int32_t i, object key):
+    cdef BlockView v = BlockView.__new__(BlockView)
+    v.owner, v.idx, v.key, v.block_id = owner, i, key, owner.c.e[i].block_id
+    return v
+
+
+cdef class CompactLRUIndex:
+    """LRU over C arrays (see the module docstring); `kvtier.policies.compact` completes it into a
+    `CachePolicy`. Keys are bytes of at most 65535 bytes."""
+
+    cdef Core c
+    cdef bint tracking  # evictable accounting on (`track_pins`)
+    cdef Py_ssize_t version  # changes with the order, so iterators notice
+
+    def __cinit__(self, cache_capacity, *args, **kwargs):
+        cap = int(cache_capacity)
+        if cap <= 0:
+            raise ValueError(f"cache_capacity must be > 0 blocks, got {cache_capacity}")
+        if cap > MAX_ENTRIES:
+            raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for compact-lru, got {cap}")
+        slots = 8
+        while slots < 2 * cap:
+            slots *= 2
+        self.c.cap = cap
+        self.c.e = <Entry*>PyMem_Malloc(cap * sizeof(Entry))
+        if self.c.e == NULL:
+            raise MemoryError()
+        self.c.free = -1
+        self.c.order = Chain(-1, -1)
+        self.c.aside = Chain(-1, -1)
+        rebuild_table(&self.c, slots)
+
+    def __dealloc__(self):
+        PyMem_Free(self.c.e)
+        PyMem_Free(self.c.keys)
+        PyMem_Free(self.c.table)
+        PyMem_Free(self.c.heap)
+
+    cdef int32_t locate(self, object key) except -2:
+        cdef Py_ssize_t klen
+        if not PyBytes_Check(key):
+            return -1
+        klen = PyBytes_GET_SIZE(key)
+        if klen > self.c.width or self.c.count == 0:
+            return -1
+        return find(&self.c, PyBytes_AS_STRING(key), klen, PyObject_Hash(key))
+
+    cdef object key_of(self, int32_t i):
+        return PyBytes_FromStringAndSize(key_at(&self.c, i), self.c.e[i].klen)
+
+    # ------------------------------------------------------------------ the seed contract
+    def get(self, key):
+        cdef int32_t i = self.locate(key)
+        return None if i < 0 else view_of(self, i, key)
+
+    cdef int put(self, object key, int64_t block_id, int32_t ref_cnt) except -1:
+        cdef Core* c = &self.c
+        cdef Py_ssize_t klen
+        cdef Py_hash_t h
+        cdef int32_t i
+        if not PyBytes_Check(key):
+            raise TypeError(f"compact-lru: a key must be bytes (an OffloadKey), got {type(key).__name__}")
+        klen = PyBytes_GET_SIZE(key)
+        if klen > MAX_KEY:
+            raise ValueError(f"compact-lru: a key must be at most {MAX_KEY} bytes, got {klen}")
+        h = PyObject_Hash(key)
+        if c.keys == NULL or klen > c.width:
+            widen(c, max(klen, c.width, 1))
+        i = find(c, PyBytes_AS_STRING(key), klen, h) if c.count else -1
+        if i >= 0:  # resident already (outside the contract): the new values, the same place, as LRU
+            c.e[i].block_id, c.e[i].ref_cnt = block_id, ref_cnt
+            return 0
+        if c.free >= 0:
+            i = c.free
+            c.free = c.e[i].next
+        else:
+            if c.hw == c.cap:
+                grow(c)
+            i = c.hw
+            c.hw += 1
+        c.e[i].block_id, c.e[i].ref_cnt, c.e[i].hash = block_id, ref_cnt, h
+        c.e[i].klen, c.e[i].flags, c.e[i].seq = <uint16_t>klen, USED, 0
+        memcpy(key_at(c, i), PyBytes_AS_STRING(key), klen)
+        table_put(c, i)
+        link_tail(c, &c.order, i)
+        c.count += 1
+        self.version += 1
+        return 0
+
+    def insert(self, key, block):
+        """Copy `block.block_id` and `block.ref_cnt` into a new entry (`block` is not kept)."""
+        self.put(key, block.block_id, block.ref_cnt)
+
+    def insert_many(self, keys, blocks, tail=None):
+        for key, block in zip(keys, blocks):
+            self.put(key, block.block_id, block.ref_cnt)
+
+    def remove(self, key):
+        cdef int32_t i = self.locate(key)
+        if i >= 0:
+            drop(&self.c, i)
+            self.version += 1
+
+    def touch(self, keys):
+        cdef int32_t i
+        cdef Core* c = &self.c
+        keys = keys if isinstance(keys, list) else list(keys)
+        for key in reversed(keys):
+            i = self.locate(key)
+            if i >= 0:
+                unlink(c, i)
+                c.e[i].flags &= ~ASIDE
+                link_tail(c, &c.order, i)
+        self.version += 1
+
+    def __len__(self):
+        return self.c.count
+
+    def keys(self):
+        cdef int32_t i
+        out = []
+        for chain in (self.c.order.head, self.c.aside.head):
+            i = chain
+            while i >= 0:
+                out.append(self.key_of(i))
+                i = self.c.e[i].next
+        return out
+
+    def clear(self):
+        cdef Core* c = &self.c
+        memset(c.table, 0xff, (c.mask + 1) * sizeof(int32_t))
+        c.hw, c.free, c.count, c.npinned, c.hlen = 0, -1, 0, 0, 0
+        c.order = Chain(-1, -1)
+        c.aside = Chain(-1, -1)
+        self.version += 1
+
+    # ------------------------------------------------------------------ evictable accounting
+    def track_pins(self):
+        cdef int32_t i
+        cdef Core* c = &self.c
+        self.tracking = True
+        c.npinned = 0
+        for i in range(c.hw):
+            if c.e[i].flags & USED:
+                c.e[i].flags &= ~PINNED
+                if c.e[i].ref_cnt != 0:
+                    c.e[i].flags |= PINNED
+                    c.npinned += 1
+
+    def pin(self, keys):
+        cdef int32_t i
+        if not self.tracking:
+            return
+        for key in keys:
+            i = self.locate(key)
+            if i >= 0 and not self.c.e[i].flags & PINNED:
+                self.c.e[i].flags |= PINNED
+                self.c.npinned += 1
+
+    def unpin(self, keys):
+        cdef int32_t i
+        cdef Entry* e
+        if not self.tracking:
+            return
+        for key in keys:
+            i = self.locate(key)
+            if i < 0:
+                continue
+            e = &self.c.e[i]
+            if e.flags & PINNED:
+                e.flags &= ~PINNED
+                self.c.npinned -= 1
+            if e.flags & ASIDE:
+                heap_push(&self.c, Item(e.seq, i))
+
+    def evictable_count(self, protected=()):
+        cdef int32_t i
+        if not self.tracking:
+            return None
+        free = self.c.count - self.c.npinned
+        for key in protected:
+            i = self.locate(key)
+            if i >= 0 and not self.c.e[i].flags & PINNED:
+                free -= 1
+        return free
+
+    def _refuses(self, n, protected):
+        if not self.tracking or self.c.count - self.c.npinned >= n + len(protected):
+            return False
+        return self.evictable_count(protected) < n
+
+    # ------------------------------------------------------------------ decisions
+    def evict(self, Py_ssize_t n, protected):
+        cdef Core* c = &self.c
+        cdef int32_t* chosen
+        cdef Py_ssize_t got
+        cdef int32_t i
+        if n <= 0:
+            return []
+        if n > c.count or (self.tracking and self._refuses(n, protected)):
+            return None
+        chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
+        if chosen == NULL:
+            raise MemoryError()
+        marked = []
+        try:
+            for key in protected:
+                i = self.locate(key)
+                if i >= 0 and not c.e[i].flags & MARK:
+                    c.e[i].flags |= MARK
+                    marked.append(i)
+            got = choose_tracked(&self.c, n, chosen) if self.tracking else choose(&self.c, n, chosen)
+            for i in marked:
+                c.e[i].flags &= ~MARK
+            self.version += 1
+            if got == 0:
+                return None
+            out = []
+            for j in range(got):
+                i = chosen[j]
+                v = BlockView.__new__(BlockView)
+                (<BlockView>v).block_id = c.e[i].block_id
+                (<BlockView>v).detached_ref = c.e[i].ref_cnt
+                out.append((self.key_of(i), v))
+                drop(c, i)
+            return out
+        finally:
+            PyMem_Free(chosen)
+
+    def victim_candidates(self):
+        """Evictable blocks in `evict`'s order (freed aside blocks, then the order); raises
+        RuntimeError if the policy changes while the iterator is in use."""
+        cdef int32_t i
+        cdef Py_ssize_t version = self.version
+        heads = [self.c.aside.head, self.c.order.head] if self.tracking else [self.c.order.head]
+        for chain in heads:
+            i = chain
+            while i >= 0:
+                if self.c.e[i].ref_cnt == 0 and not self.c.e[i].flags & PINNED:
+                    key = self.key_of(i)
+                    yield key, view_of(self, i, key)
+                    if self.version != version:
+                        raise RuntimeError("compact-lru changed during victim_candidates iteration")
+                i = self.c.e[i].next
+
+    def victim_keys(self, Py_ssize_t n):
+        """The keys of the first `n` blocks `victim_candidates` yields, in one C loop."""
+        cdef int32_t i
+        cdef Entry* e = self.c.e
+        out = []
+        heads = [self.c.aside.head, self.c.order.head] if self.tracking else [self.c.order.head]
+        for chain in heads:
+            i = chain
+            while i >= 0 and len(out) < n:
+                if e[i].ref_cnt == 0 and not e[i].flags & PINNED:
+                    out.append(self.key_of(i))
+                i = e[i].next
+        return out
+
+    def memory_bytes(self):
+        """Bytes allocated for the arrays now (entries, keys, hash table, freed heap)."""
+        cdef Core* c = &self.c
+        return (c.cap * sizeof(Entry) + c.cap * c.width + (c.mask + 1) * sizeof(int32_t)
+                + c.hcap * sizeof(Item))

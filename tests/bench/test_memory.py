@@ -1,0 +1,33 @@
+"""The index-memory benchmark (issue 19: <= 100 bytes per resident block, key included)."""
+
+from __future__ import annotations
+
+import json
+
+from kvtier.bench import memory
+from kvtier.policies.compact import CompactLRUCachePolicy
+from kvtier.types import BlockStatus
+
+
+def test_compact_index_allocates_under_100_bytes_per_block_at_1m_and_8m():
+    """What the arrays allocate for a full tier of 36-byte keys (RSS is the benchmark's figure;
+    this is its deterministic part), at both sizes of the issue."""
+    for n in (1_000_000, 8_000_000):
+        policy = CompactLRUCachePolicy(n)
+        policy.insert(b"k" * 36, BlockStatus(0))
+        assert policy.memory_bytes() / n <= 100, f"{policy.memory_bytes() / n:.1f} B/block at {n} blocks"
+
+
+def test_rows_give_rss_growth_per_block_in_fresh_processes(tmp_path):
+    out = tmp_path / "memory.json"
+    assert memory.main(["--blocks", "60000", "--policies", "lru,compact-lru", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["schema"] == "kvtier.bench.memory/1" and doc["key_bytes"] == 36
+    lru, compact = doc["rows"]
+    assert (lru["policy"], compact["policy"]) == ("lru", "compact-lru")
+    for row in (lru, compact):
+        assert row["blocks"] == 60000 and row["rss_after"] > row["rss_before"]
+        assert row["bytes_per_block"] == round((row["rss_after"] - row["rss_before"]) / 60000, 1)
+    # lru holds a key object, a block object and a dict entry per block; compact-lru only bytes
+    assert compact["bytes_per_block"] < lru["bytes_per_block"] / 2
+    assert compact["allocated_bytes_per_block"] <= 100

@@ -1,0 +1,284 @@
+"""`compact-lru` (kvtier/policies/compact.py): built here, the same decisions as `lru` under any
+operation sequence (compiled and fallback), safe views, and whole hierarchies on it.
+
+The conformance suite runs against both implementations in test_conformance.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier import LookupResult, build_hierarchy, load_config_text
+from kvtier.bench import cycle, replay
+from kvtier.policies.compact import CompactLRUCachePolicy, PurePythonCompactLRU
+from kvtier.policies.lru import LRUCachePolicy
+from kvtier.specs import CPULoadStoreSpec
+from kvtier.testing.manager import ManagerTests
+from kvtier.types import BlockStatus, ReqContext
+
+
+def test_the_compiled_index_is_built():
+    """This machine has a C compiler: a silent fallback here is a build bug."""
+    try:
+        import kvtier.policies._compact_lru  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"kvtier.policies._compact_lru is not built ({exc}): run `pip install -e .` (or "
+                    "`python setup.py build_ext --inplace` in a checkout) with gcc and the Python headers "
+                    "installed; compact-lru falls back to pure Python (LRU's memory) without it")
+    assert CompactLRUCachePolicy.compiled and CompactLRUCachePolicy.returns_views
+
+
+def test_without_the_extension_the_name_resolves_to_the_fallback_and_says_so():
+    code = """
+import logging, sys
+sys.modules["kvtier.policies._compact_lru"] = None  # as if it were not built
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+from kvtier import registry
+from kvtier.policies.lru import LRUCachePolicy
+cls = registry.resolve(registry.POLICIES, "compact-lru")
+a, b = cls(4), cls(4)
+print("fallback", issubclass(cls, LRUCachePolicy), cls.compiled, a.returns_views)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "fallback True False False" in out
+    assert out.count("pure-Python fallback") == 1, out  # once, not per policy built
+
+
+# ---------------------------------------------------------------------- same decisions as lru
+def key(i: int) -> bytes:
+    """Keys of three lengths (the index re-lays its key array for a longer one)."""
+    return i.to_bytes(4, "big") * (1 + i % 3 * 5) + b"\x00\x00\x00\x00"
+
+
+def block(block_id: int, ref_cnt: int) -> BlockStatus:
+    b = BlockStatus(block_id)
+    b.ref_cnt = ref_cnt
+    return b
+
+
+def _state(p) -> tuple:
+    return (len(p), sorted(p.keys()), [k for k, _ in p.victim_candidates()],
+            [(k, b.block_id, b.ref_cnt) for k, b in p.victim_candidates()], p.evictable_count())
+
+
+_OPS = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.lists(st.integers(0, 40), max_size=5), st.sampled_from([-1, 0, 0, 2])),
+    st.tuples(st.just("remove"), st.integers(0, 40)),
+    st.tuples(st.just("touch"), st.lists(st.integers(0, 40), max_size=6)),
+    st.tuples(st.just("ref"), st.integers(0, 99), st.sampled_from([-1, 0, 0, 1, 2])),
+    st.tuples(st.just("pin"), st.lists(st.integers(0, 99), max_size=3), st.booleans()),
+    st.tuples(st.just("evict"), st.integers(0, 8), st.sets(st.integers(0, 40), max_size=4)),
+    st.tuples(st.just("victim_keys"), st.integers(-1, 12)),
+    st.tuples(st.just("track_pins"),),
+    st.tuples(st.just("clear"),),
+), max_size=120)
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=_OPS, capacity=st.integers(1, 12), tracked=st.booleans())
+def test_same_decisions_as_lru(ops, capacity, tracked):
+    """`lru`, compiled `compact-lru` and its fallback, driven alike: identical evictions, orders
+    and counts after every step. `ref` changes a block's ref_cnt and reports pin/unpin honestly
+    (as the manager does); `pin` reports them without a change (as a caller may, e.g. a copy
+    that pins a block), so aside blocks, the freed heap and its duplicates are reached too. More
+    blocks than the capacity are inserted at times (the index grows)."""
+    policies = [LRUCachePolicy(capacity), CompactLRUCachePolicy(capacity), PurePythonCompactLRU(capacity)]
+    tracking = tracked  # as the manager runs them (track_pins at the start), or turned on later by an op
+    for p in policies if tracked else ():
+        p.track_pins()
+    next_id = 0
+    for op in ops:
+        kind = op[0]
+        resident = sorted(policies[0].keys())
+        if kind == "insert":
+            keys = list(dict.fromkeys(key(i) for i in op[1] if policies[0].get(key(i)) is None))
+            blocks = [block(next_id + j, op[2]) for j in range(len(keys))]
+            next_id += len(keys)
+            for p in policies:
+                p.insert_many(keys, blocks) if len(keys) > 1 else [p.insert(k, b) for k, b in zip(keys, blocks)]
+                if tracking and op[2] != 0:
+                    p.pin(keys)
+        elif kind == "remove":
+            for p in policies:
+                p.remove(key(op[1]))
+        elif kind == "touch":
+            for p in policies:
+                p.touch([key(i) for i in op[1]])
+        elif kind == "ref" and resident:
+            k = resident[op[1] % len(resident)]
+            old = policies[0].get(k).ref_cnt
+            for p in policies:
+                p.get(k).ref_cnt = op[2]
+                if old == 0 and op[2] != 0:
+                    p.pin([k])
+                elif old != 0 and op[2] == 0:
+                    p.unpin([k])
+        elif kind == "pin" and resident:
+            keys = [resident[i % len(resident)] for i in op[1]]
+            for p in policies:
+                (p.pin if op[2] else p.unpin)(keys)
+        elif kind == "evict":
+            protected = {resident[i % len(resident)] if resident and i < 30 else key(i) for i in op[2]}
+            got = [p.evict(op[1], protected) for p in policies]
+            values = [None if v is None else [(k, b.block_id, b.ref_cnt) for k, b in v] for v in got]
+            assert values[1] == values[0] and values[2] == values[0]
+        elif kind == "victim_keys":
+            assert policies[1].victim_keys(op[1]) == policies[0].victim_keys(op[1]) == policies[2].victim_keys(op[1])
+        elif kind == "track_pins":
+            tracking = True
+            for p in policies:
+                p.track_pins()
+        elif kind == "clear":
+            for p in policies:
+                p.clear()
+        state = _state(policies[0])
+        assert _state(policies[1]) == state and _state(policies[2]) == state
+        assert [policies[1]._refuses(n, set()) for n in range(4)] == [policies[0]._refuses(n, set()) for n in range(4)]
+
+
+@pytest.mark.parametrize("cls", [LRUCachePolicy, CompactLRUCachePolicy])
+def test_an_aside_block_unpinned_twice_is_evicted_once(cls):
+    """An unpin of a block set aside (pinned at the head of the order) queues it for eviction
+    again each time; the duplicates must not make one block two victims."""
+    p = cls(8)
+    p.track_pins()
+    p.insert_many([key(1), key(2), key(3)], [block(1, 0), block(2, 0), block(3, 0)])
+    p.get(key(1)).ref_cnt = 1
+    p.pin([key(1)])
+    assert [k for k, _ in p.evict(1, set())] == [key(2)]  # key(1) met at the head: set aside
+    p.get(key(1)).ref_cnt = 0
+    p.unpin([key(1), key(1)])
+    p.unpin([key(1)])
+    assert [k for k, _ in p.evict(2, set())] == [key(1), key(3)]
+    assert len(p) == 0 and p.evict(1, set()) is None
+
+
+def test_grows_beyond_its_capacity_and_keeps_every_block():
+    p = CompactLRUCachePolicy(3)
+    blocks = [block(i, 0) for i in range(1000)]
+    p.insert_many([key(i) for i in range(1000)], blocks)
+    assert len(p) == 1000 and all(p.get(key(i)).block_id == i for i in range(1000))
+    assert [k for k, _ in p.evict(3, {key(1)})] == [key(0), key(2), key(3)]
+    assert p.get(key(1000)) is None
+
+
+def test_a_view_of_a_block_that_left_raises_instead_of_touching_another():
+    p = CompactLRUCachePolicy(4)
+    p.insert(key(1), block(7, 0))
+    view = p.get(key(1))
+    p.remove(key(1))
+    p.insert(key(1), block(8, 0))  # the same key, a new slot: most likely the same entry
+    with pytest.raises(LookupError, match="no longer resident"):
+        view.ref_cnt = 3
+    assert p.get(key(1)).ref_cnt == 0 and view.block_id == 7
+
+
+def test_iterating_candidates_while_the_policy_changes_raises():
+    p = CompactLRUCachePolicy(4)
+    p.insert_many([key(1), key(2)], [block(1, 0), block(2, 0)])
+    candidates = p.victim_candidates()
+    next(candidates)
+    p.remove(key(2))
+    with pytest.raises(RuntimeError, match="changed during"):
+        next(candidates)
+
+
+def test_bad_keys_are_reported():
+    p = CompactLRUCachePolicy(4)
+    with pytest.raises(TypeError, match="must be bytes"):
+        p.insert("abc", block(1, 0))
+    with pytest.raises(ValueError, match="at most 65535 bytes"):
+        p.insert(b"x" * 65536, block(1, 0))
+    with pytest.raises(ValueError, match="cache_capacity must be > 0"):
+        CompactLRUCachePolicy(0)
+
+
+# ---------------------------------------------------------------------- whole hierarchies on it
+class _Hierarchy(ManagerTests):
+    yaml = ""
+
+    def make_manager(self, tmp_path):
+        config = load_config_text(self.yaml.replace("{root}", str(tmp_path / "nvme")))
+        self.hierarchy = build_hierarchy(config, enable_events=True, model="conformance")
+        return self.hierarchy.manager
+
+    def capacities(self, manager):
+        return {tier.name: tier.capacity for tier in manager.tiers}
+
+
+def _memory_yaml(cascade: str) -> str:
+    return f"""
+block_bytes: 64B
+tiers:
+  - {{name: hot, backend: memory, capacity: 6 blocks, policy: compact-lru, cascade: {cascade}, reserve: 0.34}}
+  - {{name: warm, backend: memory, capacity: 14 blocks, policy: compact-lru}}
+"""
+
+
+class TestSingleTier(_Hierarchy):
+    yaml = """
+block_bytes: 64B
+tiers:
+  - {name: hot, backend: memory, capacity: 8 blocks, policy: compact-lru}
+"""
+
+
+class TestMemoryOnEvict(_Hierarchy):
+    yaml = _memory_yaml("on_evict")
+
+
+class TestMemoryOnStore(_Hierarchy):
+    yaml = _memory_yaml("on_store")
+
+
+class TestCPUFile(_Hierarchy):
+    """Demotions into and promotions out of a file tier whose blocks are views."""
+
+    yaml = """
+block_bytes: 4KiB
+tiers:
+  - {name: cpu, backend: cpu, capacity: 6 blocks, policy: compact-lru, cascade: on_evict, reserve: 0.34, pin: false}
+  - {name: nvme, backend: file, root_dir: "{root}", capacity: 14 blocks, policy: compact-lru, io: posix}
+"""
+
+
+def test_a_failed_promotion_drops_the_lower_copy_held_as_a_view():
+    """`Promotion.failed` drops a source block that could not be read if it is still the same
+    block: with views it is compared by block_id (an identity test never matched a view)."""
+    h = build_hierarchy(load_config_text(_memory_yaml("on_evict").replace("6 blocks", "2 blocks")))
+    m, ctx = h.manager, ReqContext("r")
+    ks = [bytes([i]) * 8 + b"\0\0\0\0" for i in range(4)]
+    for part in (ks[:2], ks[2:]):
+        out = m.prepare_store(part, ctx)
+        assert out is not None
+        m.complete_store(out.keys_to_store, ctx)
+    assert m.tiers[0].policy.get(ks[0]) is None and m.tiers[1].policy.get(ks[0]) is not None
+    handler = h.engine.handler_for(CPULoadStoreSpec, CPULoadStoreSpec)
+    handler.copy = lambda src, dst: (_ for _ in ()).throw(OSError(5, "injected EIO"))
+    assert m.lookup(ks[0], ctx) is LookupResult.RETRY
+    m.on_schedule_end()
+    assert m.lookup(ks[0], ctx) is LookupResult.MISS
+    assert m.tiers[1].policy.get(ks[0]) is None
+    h.close()
+
+
+@pytest.mark.parametrize("workload", ["agentic", "scan"])
+@pytest.mark.parametrize("multi", [False, True], ids=["one-tier", "cpu+file"])
+def test_replay_hit_rates_equal_lrus(workload, multi):
+    """The cycle benchmark's generated workloads (small capacity: many evictions, demotions and
+    promotions): every figure of the replay but time equals lru's."""
+    trace = cycle.load_workload(workload, cycle.DEFAULT_TRACES)
+    suffix = "+file" if multi else ""
+    results = [replay.replay_kvtier(cycle.config_for(system, 300), trace)
+               for system in (f"lru{suffix}", f"compact-lru{suffix}:compact-lru" if multi else "compact-lru")]
+    for r in results:
+        for row in r["tiers"].values():
+            del row["policy"]
+    keep = ("hit_rate", "hit_blocks", "stores_refused", "retry_steps", "tiers")
+    lru, compact = ({k: r[k] for k in keep} for r in results)
+    assert compact == lru
+    assert lru["hit_blocks"] > 0
