@@ -105,6 +105,9 @@ class HierarchyManager(OffloadingManager):
         self._loads = LoadPins(self.tiers)
         self._shared = (SharedTier(self.tiers, self._jobs, self._cascade, self._promotions, self._log)
                         if n_local < len(self.tiers) else None)
+        # Fixed by the chain (each skips a call per `prepare_store` where it does not apply):
+        self._writes_through = any(t.cascade == "on_store" for t in self.tiers[:-1])  # as `Cascade` finds them
+        self._refills_top = self._top.cascades_on_evict
         self._recover()
         for tier in self.tiers:
             # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
@@ -205,20 +208,24 @@ class HierarchyManager(OffloadingManager):
                       req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
         if self._results_waiting():
             self._jobs.drain()
-        self._cascade.advance_writes()
+        if self._writes_through:
+            self._cascade.advance_writes()
         top = self._top
-        to_store = list(filterfalse(top.policy.get, keys))  # not resident (a BlockStatus is truthy)
-        self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
+        policy = top.policy
+        to_store = list(filterfalse(policy.get, keys))  # not resident (a BlockStatus is truthy)
+        if self._promotions.queue:
+            self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
         evicted = self._cascade.evict_for(top, len(to_store), keys)
         if evicted is None:
             return None
         blocks = top.backend.allocate_blocks(to_store)
         # Tail first, so that the head of a prefix ends up the most recently used; the last new
         # block is the request's tail (the `CachePolicy.insert_many` contract).
-        top.policy.insert_many(to_store[::-1], blocks[::-1], tail=to_store[-1] if to_store else None)
-        top.policy.pin(to_store)  # being written
+        policy.insert_many(to_store[::-1], blocks[::-1], tail=to_store[-1] if to_store else None)
+        policy.pin(to_store)  # being written
         top.allocated_since_walk += len(to_store)
-        self._cascade.refill_reserve(top)
+        if self._refills_top:
+            self._cascade.refill_reserve(top)
         return PrepareStoreOutput(to_store, top.backend.get_load_store_spec(to_store, blocks), evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
