@@ -53,8 +53,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain, islice, repeat
-from operator import attrgetter, itemgetter
+from itertools import chain, compress, islice, repeat
+from operator import attrgetter, is_, is_not, itemgetter
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
@@ -107,6 +107,8 @@ class PrefixFreqCachePolicy(CachePolicy):
         top = len(self.segs) - 1
         self._probe = tuple((seg, self.segs[seg].pop) for seg in (*range(top, 1, -1), _TAIL))
         self._put = tuple(self.segs[2 if seg == _TAIL else min(seg + 1, top)].__setitem__ for seg in range(top + 1))
+        # a returning ghost evicted from segment s is stored again into _returns_to[s] (see _place)
+        self._returns_to = tuple(min(max(seg, 1) + 1, top) for seg in range(top + 1))
         self.blocks: dict[OffloadKey, BlockStatus] = {}
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
         self.clock = 0
@@ -148,8 +150,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         if tail is not None and not self.demote_tail:
             tail = None
         if not self._ghosts.evicted.keys().isdisjoint(keys) or (tail is not None and (not keys or keys[0] != tail)):
-            for key in keys:  # a returning ghost, or the tail not first: the per-key rules
-                self._place(key, key == tail)
+            self._place_many(keys, tail)  # a returning ghost, or the tail not first
             return
         # No ghost among them (the common case): the tail (first, as the manager passes it),
         # then the rest in bulk (C loops).
@@ -158,6 +159,32 @@ class PrefixFreqCachePolicy(CachePolicy):
             self.segs[_TAIL][tail] = self.clock
             first = 1
         self._new.update(zip(islice(keys, first, None), repeat(self.clock)))
+
+    def _place_many(self, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
+        """`_place(key, key == tail)` for each of `keys` (distinct, just inserted), in order, with
+        C loops per segment: each segment receives its keys in the order of `keys`, and the
+        segments are independent lists."""
+        clock, segs = self.clock, self.segs
+        history = list(map(self._ghosts.pop, keys, repeat(None)))  # segment evicted from, or None
+        fresh = list(map(is_, history, repeat(None)))
+        if tail is not None and tail in keys:
+            at = keys.index(tail)
+            if fresh[at]:  # (a returning tail is placed by its history)
+                segs[_TAIL][tail] = clock
+                fresh[at] = False
+        self._new.update(zip(compress(keys, fresh), repeat(clock)))
+        returning = list(map(is_not, history, repeat(None)))
+        if not any(returning):
+            return
+        # Evicted, then needed again: the re-store counts as a hit.
+        was = list(compress(history, returning))
+        counts = self._tails.counts
+        counts[RETURNED_TAIL] += was.count(_TAIL)
+        counts[RETURNED_NEW] += was.count(1)
+        back = list(compress(keys, returning))
+        into = list(map(self._returns_to.__getitem__, was))
+        for index in sorted(set(into)):
+            segs[index].update(zip(compress(back, map(index.__eq__, into)), repeat(clock)))
 
     def _place(self, key: OffloadKey, tail: bool = False) -> None:
         """Put a just-inserted key into its segment: a returning ghost by its history, else the
