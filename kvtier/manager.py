@@ -37,7 +37,7 @@ from collections import deque as _consume
 from collections.abc import Collection, Iterable, Sequence
 from itertools import filterfalse, repeat
 from operator import attrgetter
-from typing import Any, cast
+from typing import Any
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, JobTable
@@ -52,7 +52,6 @@ from kvtier.keys import OffloadKey
 from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import (
     CASCADE_MODES,
-    BlockStatus,
     LookupResult,
     OffloadingEvent,
     PrepareStoreOutput,
@@ -67,11 +66,6 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
 _ref_cnt = attrgetter("ref_cnt")
-
-
-def _all_writing(blocks: list[BlockStatus]) -> bool:
-    """Whether every block is still being written (`ref_cnt == -1`), in C loops."""
-    return list(map(_ref_cnt, blocks)).count(-1) == len(blocks)
 
 
 def _jobs(n: int) -> str:
@@ -108,6 +102,8 @@ class HierarchyManager(OffloadingManager):
         # Fixed by the chain (each skips a call per `prepare_store` where it does not apply):
         self._writes_through = any(t.cascade == "on_store" for t in self.tiers[:-1])  # as `Cascade` finds them
         self._refills_top = self._top.cascades_on_evict
+        self._refilled = [t for t in self.tiers[:-1] if t.cascades_on_evict]  # `refill_reserve` has work
+        self._alone = len(self.tiers) == 1  # no lower or shared tier: no promotion, probe or copy
         self._recover()
         for tier in self.tiers:
             # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
@@ -172,6 +168,12 @@ class HierarchyManager(OffloadingManager):
             self._jobs.drain()
         keys = keys if isinstance(keys, list) else list(keys)
         n = self._loads.top_run(keys)
+        if n == len(keys):
+            return n, None
+        if self._alone:
+            # One tier: nothing is promoted or probed, so a key that tier 0 does not hold readable
+            # is a miss, or pending while it is written (`lookup`'s answers for one tier).
+            return n, LookupResult.MISS if self._top.policy.get(keys[n]) is None else LookupResult.HIT_PENDING
         lookup = self.lookup
         for key in keys[n:]:
             result = lookup(key, req_context)
@@ -235,11 +237,12 @@ class HierarchyManager(OffloadingManager):
         changed: list[OffloadKey] = []
         keys = keys if isinstance(keys, list) else list(keys)
         blocks = list(map(top.policy.get, keys))
-        if (success and not promoting and None not in blocks and _all_writing(cast("list[BlockStatus]", blocks))
-                and len(set(keys)) == len(keys)):
-            # The common case (every key prepared by prepare_store once, none superseded): C loops.
+        if (success and not promoting and all(blocks)  # (a BlockStatus is truthy: all resident)
+                and list(map(_ref_cnt, blocks)).count(-1) == len(blocks) and len(set(keys)) == len(keys)):
+            # The common case (every key prepared by prepare_store once, none superseded, all
+            # still being written): C loops. `changed` is only read below, never kept.
             _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
-            changed = list(keys)
+            changed = keys
         else:
             for key, block in zip(keys, blocks):
                 if block is None or block.ref_cnt != -1 or key in promoting:
@@ -256,7 +259,8 @@ class HierarchyManager(OffloadingManager):
             return
         top.policy.unpin(changed)
         top.stats.stores += len(changed)
-        self._log.record(top, changed, removed=False)
+        if self._log.events is not None:
+            self._log.record(top, changed, removed=False)
         below = top.below
         if below is not None:
             lower = list(map(below.policy.get, changed))
@@ -271,13 +275,15 @@ class HierarchyManager(OffloadingManager):
         return
 
     def on_schedule_end(self, context: Any = None) -> None:
-        self._jobs.drain()
-        self._cascade.advance_writes()
+        if self._results_waiting():
+            self._jobs.drain()
+        if self._writes_through:
+            self._cascade.advance_writes()
         if self._shared is not None:
             self._shared.step()  # before the flush: blocks its probes found are promoted this step
         if self._promotions.queue:
             self._promotions.flush()
-        for tier in self.tiers[:-1]:
+        for tier in self._refilled:
             self._cascade.refill_reserve(tier)
 
     def has_pending_work(self) -> bool:

@@ -16,6 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from test_manager_state import BLOCK, DeferredCopy
 
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
+from kvtier.config import load_config_text
+from kvtier.hierarchy import build_hierarchy
 
 UNIVERSE = keys(16)
 CTX = ReqContext("bulk")
@@ -44,12 +46,22 @@ def state(manager) -> list:
 
 class BulkEqualsPerKey(RuleBasedStateMachine):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+    ONE_TIER = False  # True: the first tier alone (`lookup_run` answers without `lookup`)
+
+    def build(self):
+        if not self.ONE_TIER:
+            return memory_hierarchy(**self.HIERARCHY)
+        return build_hierarchy(load_config_text(f"""
+block_bytes: {BLOCK}B
+tiers:
+  - {{name: hot, backend: memory, capacity: {self.HIERARCHY['hot']} blocks, policy: {self.HIERARCHY['hot_policy']}}}
+"""))
 
     def __init__(self):
         super().__init__()
         self.pairs = []
         for _ in range(2):
-            h = memory_hierarchy(**self.HIERARCHY)
+            h = self.build()
             copier = DeferredCopy(h.backends)
             h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
             self.pairs.append((h, copier))
@@ -118,11 +130,24 @@ class BulkEqualsPerKeyPrefix(BulkEqualsPerKey):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="prefix-freq")
 
 
+class OneTierBulkEqualsPerKey(BulkEqualsPerKey):
+    ONE_TIER = True
+
+
+class OneTierBulkEqualsPerKeyPrefix(BulkEqualsPerKey):
+    HIERARCHY = BulkEqualsPerKeyPrefix.HIERARCHY
+    ONE_TIER = True
+
+
 FAST = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestBulkLRU = BulkEqualsPerKey.TestCase
 TestBulkLRU.settings = FAST
 TestBulkPrefix = BulkEqualsPerKeyPrefix.TestCase
 TestBulkPrefix.settings = FAST
+TestOneTierBulkLRU = OneTierBulkEqualsPerKey.TestCase
+TestOneTierBulkLRU.settings = FAST
+TestOneTierBulkPrefix = OneTierBulkEqualsPerKeyPrefix.TestCase
+TestOneTierBulkPrefix.settings = FAST
 
 
 def test_lookup_run_stops_at_the_first_miss_and_loads_in_one_batch():

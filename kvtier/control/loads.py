@@ -24,11 +24,6 @@ _FIRST_CHUNK = 16  # keys `top_run` checks in its first C pass; later passes dou
 _TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
 
 
-def _ref_cnts(blocks: list[BlockStatus | None]) -> list[int]:
-    """The blocks' `ref_cnt`s, -1 (not readable) for a missing block, in C loops."""
-    return list(map(getattr, blocks, repeat("ref_cnt"), repeat(-1)))
-
-
 class LoadPins:
     """The load path over a hierarchy's tiers and the pins it holds (see the module docstring)."""
 
@@ -69,7 +64,7 @@ class LoadPins:
         otherwise."""
         top, pins, promoted = self.top, self.pins, self.top.promoted_from
         blocks = list(map(top.policy.get, keys))
-        ref_cnts = _ref_cnts(blocks)
+        ref_cnts = list(map(getattr, blocks, repeat("ref_cnt"), repeat(-1)))  # -1: not readable (or gone)
         if not keys or -1 in ref_cnts or (pins and not pins.keys().isdisjoint(keys)):
             return None
         before = len(pins)
