@@ -52,6 +52,7 @@ from kvtier.keys import OffloadKey
 from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import (
     CASCADE_MODES,
+    BlockStatus,
     LookupResult,
     OffloadingEvent,
     PrepareStoreOutput,
@@ -66,6 +67,24 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
 _ref_cnt = attrgetter("ref_cnt")
+
+
+def _complete_each(top: Tier, keys: list[OffloadKey], blocks: list[BlockStatus | None],
+                   promoting: Collection[OffloadKey], success: bool) -> list[OffloadKey]:
+    """`complete_store` key by key: the keys whose block (`blocks[i]`) was still being written
+    and not promoted, made readable (`success`) or dropped; the others are left as they are."""
+    changed: list[OffloadKey] = []
+    for key, block in zip(keys, blocks):
+        if block is None or block.ref_cnt != -1 or key in promoting:
+            continue
+        if success:
+            block.ref_cnt = 0
+        else:
+            top.policy.unpin([key])
+            top.policy.remove(key)
+            top.backend.free(block)
+        changed.append(key)
+    return changed
 
 
 def _jobs(n: int) -> str:
@@ -99,9 +118,7 @@ class HierarchyManager(OffloadingManager):
         self._loads = LoadPins(self.tiers)
         self._shared = (SharedTier(self.tiers, self._jobs, self._cascade, self._promotions, self._log)
                         if n_local < len(self.tiers) else None)
-        # Fixed by the chain (each skips a call per `prepare_store` where it does not apply):
         self._writes_through = any(t.cascade == "on_store" for t in self.tiers[:-1])  # as `Cascade` finds them
-        self._refills_top = self._top.cascades_on_evict
         self._refilled = [t for t in self.tiers[:-1] if t.cascades_on_evict]  # `refill_reserve` has work
         self._alone = len(self.tiers) == 1  # no lower or shared tier: no promotion, probe or copy
         self._recover()
@@ -171,8 +188,7 @@ class HierarchyManager(OffloadingManager):
         if n == len(keys):
             return n, None
         if self._alone:
-            # One tier: nothing is promoted or probed, so a key that tier 0 does not hold readable
-            # is a miss, or pending while it is written (`lookup`'s answers for one tier).
+            # (`lookup` for one tier: nothing is promoted or probed; the key is not readable there)
             return n, LookupResult.MISS if self._top.policy.get(keys[n]) is None else LookupResult.HIT_PENDING
         lookup = self.lookup
         for key in keys[n:]:
@@ -213,8 +229,7 @@ class HierarchyManager(OffloadingManager):
         if self._writes_through:
             self._cascade.advance_writes()
         top = self._top
-        policy = top.policy
-        to_store = list(filterfalse(policy.get, keys))  # not resident (a BlockStatus is truthy)
+        to_store = list(filterfalse(top.policy.get, keys))  # not resident (a BlockStatus is truthy)
         if self._promotions.queue:
             self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
         evicted = self._cascade.evict_for(top, len(to_store), keys)
@@ -223,10 +238,10 @@ class HierarchyManager(OffloadingManager):
         blocks = top.backend.allocate_blocks(to_store)
         # Tail first, so that the head of a prefix ends up the most recently used; the last new
         # block is the request's tail (the `CachePolicy.insert_many` contract).
-        policy.insert_many(to_store[::-1], blocks[::-1], tail=to_store[-1] if to_store else None)
-        policy.pin(to_store)  # being written
+        top.policy.insert_many(to_store[::-1], blocks[::-1], tail=to_store[-1] if to_store else None)
+        top.policy.pin(to_store)  # being written
         top.allocated_since_walk += len(to_store)
-        if self._refills_top:
+        if self._refilled:
             self._cascade.refill_reserve(top)
         return PrepareStoreOutput(to_store, top.backend.get_load_store_spec(to_store, blocks), evicted)
 
@@ -234,26 +249,15 @@ class HierarchyManager(OffloadingManager):
                        success: bool = True) -> None:
         top = self._top
         promoting = self._promotions.running
-        changed: list[OffloadKey] = []
         keys = keys if isinstance(keys, list) else list(keys)
         blocks = list(map(top.policy.get, keys))
         if (success and not promoting and all(blocks)  # (a BlockStatus is truthy: all resident)
                 and list(map(_ref_cnt, blocks)).count(-1) == len(blocks) and len(set(keys)) == len(keys)):
-            # The common case (every key prepared by prepare_store once, none superseded, all
-            # still being written): C loops. `changed` is only read below, never kept.
+            # The common case (each key prepared by prepare_store once, being written): C loops.
             _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
-            changed = keys
+            changed = keys  # (only read below)
         else:
-            for key, block in zip(keys, blocks):
-                if block is None or block.ref_cnt != -1 or key in promoting:
-                    continue
-                if success:
-                    block.ref_cnt = 0
-                else:
-                    top.policy.unpin([key])
-                    top.policy.remove(key)
-                    top.backend.free(block)
-                changed.append(key)
+            changed = _complete_each(top, keys, blocks, promoting, success)
         if not success:
             top.stats.failures += 1 if changed else 0
             return

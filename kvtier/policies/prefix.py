@@ -55,6 +55,7 @@ from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, compress, islice, repeat
 from operator import attrgetter, is_, is_not, itemgetter
+from typing import cast
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
@@ -150,7 +151,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         if tail is not None and not self.demote_tail:
             tail = None
         if not self._ghosts.evicted.keys().isdisjoint(keys) or (tail is not None and (not keys or keys[0] != tail)):
-            self._place_many(keys, tail)  # a returning ghost, or the tail not first
+            _place_many(self, keys, tail)  # a returning ghost, or the tail not first
             return
         # No ghost among them (the common case): the tail (first, as the manager passes it),
         # then the rest in bulk (C loops).
@@ -159,32 +160,6 @@ class PrefixFreqCachePolicy(CachePolicy):
             self.segs[_TAIL][tail] = self.clock
             first = 1
         self._new.update(zip(islice(keys, first, None), repeat(self.clock)))
-
-    def _place_many(self, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
-        """`_place(key, key == tail)` for each of `keys` (distinct, just inserted), in order, with
-        C loops per segment: each segment receives its keys in the order of `keys`, and the
-        segments are independent lists."""
-        clock, segs = self.clock, self.segs
-        history = list(map(self._ghosts.pop, keys, repeat(None)))  # segment evicted from, or None
-        fresh = list(map(is_, history, repeat(None)))
-        if tail is not None and tail in keys:
-            at = keys.index(tail)
-            if fresh[at]:  # (a returning tail is placed by its history)
-                segs[_TAIL][tail] = clock
-                fresh[at] = False
-        self._new.update(zip(compress(keys, fresh), repeat(clock)))
-        returning = list(map(is_not, history, repeat(None)))
-        if not any(returning):
-            return
-        # Evicted, then needed again: the re-store counts as a hit.
-        was = list(compress(history, returning))
-        counts = self._tails.counts
-        counts[RETURNED_TAIL] += was.count(_TAIL)
-        counts[RETURNED_NEW] += was.count(1)
-        back = list(compress(keys, returning))
-        into = list(map(self._returns_to.__getitem__, was))
-        for index in sorted(set(into)):
-            segs[index].update(zip(compress(back, map(index.__eq__, into)), repeat(clock)))
 
     def _place(self, key: OffloadKey, tail: bool = False) -> None:
         """Put a just-inserted key into its segment: a returning ghost by its history, else the
@@ -385,6 +360,33 @@ class PrefixFreqCachePolicy(CachePolicy):
 
     def keys(self) -> Iterable[OffloadKey]:
         return list(self.blocks)
+
+
+def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
+    """`policy._place(key, key == tail)` for each of `keys` (distinct, just inserted), in order,
+    in C loops per segment: each segment receives its keys in the order of `keys`, and the
+    segments are independent lists."""
+    clock, segs = policy.clock, policy.segs
+    history = list(map(policy._ghosts.pop, keys, repeat(None)))  # segment evicted from, or None
+    fresh = list(map(is_, history, repeat(None)))
+    if tail is not None and tail in keys:
+        at = keys.index(tail)
+        if fresh[at]:  # (a returning tail is placed by its history)
+            segs[_TAIL][tail] = clock
+            fresh[at] = False
+    policy._new.update(zip(compress(keys, fresh), repeat(clock)))
+    returning = list(map(is_not, history, repeat(None)))
+    if not any(returning):
+        return
+    # Evicted, then needed again: the re-store counts as a hit.
+    was = cast("list[int]", list(compress(history, returning)))
+    counts = policy._tails.counts
+    counts[RETURNED_TAIL] += was.count(_TAIL)
+    counts[RETURNED_NEW] += was.count(1)
+    back = list(compress(keys, returning))
+    into = list(map(policy._returns_to.__getitem__, was))
+    for index in sorted(set(into)):
+        segs[index].update(zip(compress(back, map(index.__eq__, into)), repeat(clock)))
 
 
 def _merged(lanes: list[list], blocks: dict[OffloadKey, BlockStatus],
