@@ -33,11 +33,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque as _consume
 from collections.abc import Collection, Iterable, Sequence
-from itertools import filterfalse, repeat
+from itertools import filterfalse
 from operator import attrgetter
-from typing import Any
+from typing import Any, cast
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, JobTable
@@ -254,7 +253,8 @@ class HierarchyManager(OffloadingManager):
         if (success and not promoting and all(blocks)  # (a BlockStatus is truthy: all resident)
                 and list(map(_ref_cnt, blocks)).count(-1) == len(blocks) and len(set(keys)) == len(keys)):
             # The common case (each key prepared by prepare_store once, being written): C loops.
-            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
+            for block in cast("list[BlockStatus]", blocks):  # (a loop writes a ctypes field faster than map)
+                block.ref_cnt = 0
             changed = keys  # (only read below)
         else:
             changed = _complete_each(top, keys, blocks, promoting, success)

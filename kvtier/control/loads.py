@@ -73,7 +73,8 @@ class LoadPins:
             _consume(map(pins.pop, keys, repeat(None)), 0)
             return None
         if ref_cnts.count(0) == len(ref_cnts):  # none pinned before (the common case)
-            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(1)), 0)
+            for block in cast("list[BlockStatus]", blocks):  # (a loop writes a ctypes field faster than map)
+                block.ref_cnt = 1
         else:
             _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
         if promoted and not promoted.keys().isdisjoint(keys):
@@ -127,7 +128,8 @@ class LoadPins:
         blocks = list(map(top.policy.get, keys))
         ref_cnts = list(map(_ref_cnt, blocks))
         if ref_cnts.count(1) == len(ref_cnts):  # each pinned by this load only (the common case)
-            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
+            for block in cast("list[BlockStatus]", blocks):
+                block.ref_cnt = 0
             top.policy.unpin(keys)
             return True
         ref_cnts = list(map(add, ref_cnts, repeat(-1)))
