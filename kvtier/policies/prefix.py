@@ -249,16 +249,20 @@ class PrefixFreqCachePolicy(CachePolicy):
         freed = self._aside.freed
         lane_of, pinned = self._aside.lane, self._pinned
         for index in range(first, len(segs)):
-            if segs[index] or freed[index]:  # (a segment may hold only aside keys)
+            if freed[index]:  # (a segment may hold only aside keys)
                 it = lane_of(index, pinned)
-                for key, stamp in it:
-                    block = blocks[key]
-                    if block.ref_cnt == 0 and key not in protected:
-                        offset = credits[index - 1] * unit if index else 0.0
-                        lanes.append([stamp + offset, key, block, it, offset, index, []])
-                        break
-                    if met is not None:
-                        met.append((index, key))
+            elif segs[index]:
+                it = iter(segs[index].items())  # (`lane_of` when no key is aside)
+            else:
+                continue
+            for key, stamp in it:
+                block = blocks[key]
+                if block.ref_cnt == 0 and key not in protected:
+                    offset = credits[index - 1] * unit if index else 0.0
+                    lanes.append([stamp + offset, key, block, it, offset, index, []])
+                    break
+                if met is not None:
+                    met.append((index, key))
         return lanes
 
     def _order(self, protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
@@ -277,20 +281,21 @@ class PrefixFreqCachePolicy(CachePolicy):
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
-        if self._refuses(n, protected):
+        blocks, pinned = self.blocks, self._pinned
+        if (pinned is None or len(blocks) - len(pinned) < n + len(protected)) and self._refuses(n, protected):
             return None  # fewer than n evictable blocks, known without looking at the pinned ones
         # The walk of _order, without a generator (this is the hot path).
-        blocks = self.blocks
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
         append = chosen.append
         left = n
         first = 0
         tails: list[OffloadKey] = []
-        met: list[tuple[int, OffloadKey]] | None = None if self._pinned is None else []
-        if self._tails_one_time():
+        met: list[tuple[int, OffloadKey]] | None = None if pinned is None else []
+        if self._tails.one_time(self.tail_reuse_max):  # (`_tails_one_time`)
             first = 1
             take = tails.append
-            for key, _ in self._aside.lane(_TAIL, self._pinned):
+            aside = self._aside
+            for key, _ in (aside.lane(_TAIL, pinned) if aside.freed[_TAIL] else self.segs[_TAIL].items()):
                 block = blocks[key]
                 if block.ref_cnt == 0 and key not in protected:
                     append((key, block))
