@@ -103,10 +103,10 @@ class PrefixFreqCachePolicy(CachePolicy):
         # last use); stamps increase along each segment.
         self.segs: list[OrderedDict[OffloadKey, int]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
         self._new = self.segs[1]
-        # touch: after the new blocks, a key is looked up in the hit classes from the top (touched
+        # touch: a key is looked up in the new blocks, then the hit classes from the top (touched
         # prefixes were hit before), tails last; a key found in segment s moves to put[s]'s segment
         top = len(self.segs) - 1
-        self._probe = tuple((seg, self.segs[seg].pop) for seg in (*range(top, 1, -1), _TAIL))
+        self._probe = tuple((seg, self.segs[seg].pop) for seg in (1, *range(top, 1, -1), _TAIL))
         self._put = tuple(self.segs[2 if seg == _TAIL else min(seg + 1, top)].__setitem__ for seg in range(top + 1))
         # a returning ghost evicted from segment s is stored again into _returns_to[s] (see _place)
         self._returns_to = tuple(min(max(seg, 1) + 1, top) for seg in range(top + 1))
@@ -206,24 +206,27 @@ class PrefixFreqCachePolicy(CachePolicy):
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         clock, unit, rate = self._sync(), self.unit, self.unit_rate
-        pop_new, probe, put = self._new.pop, self._probe, self._put
+        probe, put = self._probe, self._put
         keys = keys if isinstance(keys, list) else list(keys)
         if self.aside and not self.aside.keys().isdisjoint(keys):
             self._aside.unaside(keys)  # touched: back in the order of the segment they move to
         hit_new = hit_tail = 0
+        # A key is in one segment, so the order of the probes does not matter; the segment of the
+        # previous key goes first (a touched prefix is a few runs of keys of one segment).
+        seg, pop = probe[0]
         for key in reversed(keys):
-            stamp = pop_new(key, None)
-            if stamp is not None:
-                seg = 1
-                hit_new += 1
-            else:
-                for seg, pop in probe:  # noqa: B007 - seg is read after the loop: where the key was found
+            stamp = pop(key, None)
+            if stamp is None:
+                for seg, pop in probe:  # noqa: B007 - seg and pop are read after the loop: where the key was
                     stamp = pop(key, None)
                     if stamp is not None:
                         break
                 else:
                     continue
-                if seg == _TAIL:
+            if seg <= 1:
+                if seg == 1:
+                    hit_new += 1
+                else:
                     hit_tail += 1
             clock += 1
             unit += (clock - stamp - unit) * rate
