@@ -231,7 +231,8 @@ class HierarchyManager(OffloadingManager):
         to_store = list(filterfalse(top.policy.get, keys))  # not resident (a BlockStatus is truthy)
         if self._promotions.queue:
             self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
-        evicted = self._cascade.evict_for(top, len(to_store), keys)
+        # Only resident keys can be victims: when none of `keys` is, none needs protecting.
+        evicted = self._cascade.evict_for(top, len(to_store), keys if len(to_store) != len(keys) else ())
         if evicted is None:
             return None
         blocks = top.backend.allocate_blocks(to_store)
