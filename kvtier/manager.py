@@ -35,7 +35,6 @@ import logging
 import time
 from collections.abc import Collection, Iterable, Sequence
 from itertools import filterfalse
-from operator import attrgetter
 from typing import Any, cast
 
 from kvtier.control.cascade import Cascade
@@ -65,7 +64,19 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
-_ref_cnt = attrgetter("ref_cnt")
+
+
+def _all_written(blocks: list[BlockStatus]) -> bool:
+    """Make the blocks readable (`ref_cnt` -1 -> 0) when each is being written and given once;
+    otherwise change nothing and answer False. One pass: a block given twice is found at its
+    second place, readable already."""
+    for i, block in enumerate(blocks):
+        if block.ref_cnt != -1:
+            for earlier in blocks[:i]:
+                earlier.ref_cnt = -1
+            return False
+        block.ref_cnt = 0
+    return True
 
 
 def _complete_each(top: Tier, keys: list[OffloadKey], blocks: list[BlockStatus | None],
@@ -251,12 +262,8 @@ class HierarchyManager(OffloadingManager):
         promoting = self._promotions.running
         keys = keys if isinstance(keys, list) else list(keys)
         blocks = list(map(top.policy.get, keys))
-        if (success and not promoting and all(blocks)  # (a BlockStatus is truthy: all resident)
-                and list(map(_ref_cnt, blocks)).count(-1) == len(blocks) and len(set(keys)) == len(keys)):
-            # The common case (each key prepared by prepare_store once, being written): C loops.
-            for block in cast("list[BlockStatus]", blocks):  # (a loop writes a ctypes field faster than map)
-                block.ref_cnt = 0
-            changed = keys  # (only read below)
+        if success and not promoting and all(blocks) and _all_written(cast("list[BlockStatus]", blocks)):
+            changed = keys  # the common case: each key prepared by prepare_store once (only read below)
         else:
             changed = _complete_each(top, keys, blocks, promoting, success)
         if not success:

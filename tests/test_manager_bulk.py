@@ -191,3 +191,32 @@ def test_lookup_run_over_several_chunks_equals_per_key(miss_at, pending_at):
         assert want[0] == min(miss_at, pending_at if pending_at is not None else miss_at)
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("order", [["a", "a"], ["a", "b", "a"], ["a", "r", "b"], ["r", "a"], ["a", "b", "gone"],
+                                   ["a", "b"]])
+def test_complete_store_batches_equal_key_by_key(order):
+    """`complete_store`'s one-pass path makes blocks readable only when each was being written
+    and given once; a batch with a key given twice, a readable key or an unknown key gets the
+    key-by-key answer (each block written once made readable, stores counted once each)."""
+    states = []
+    for per_key in (False, True):
+        h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+        try:
+            m = h.manager
+            a, b, r, gone = UNIVERSE[:4]
+            done = m.prepare_store([r], CTX)
+            m.complete_store(done.keys_to_store, CTX)
+            m.prepare_store([a, b], CTX)
+            batch = [{"a": a, "b": b, "r": r, "gone": gone}[name] for name in order]
+            if per_key:
+                for k in batch:
+                    m.complete_store([k], CTX)
+            else:
+                m.complete_store(batch, CTX)
+            top = m.tiers[0]
+            states.append(([(k, top.policy.get(k).ref_cnt) for k in (a, b, r)], sorted(top.policy._pinned),
+                           top.stats.stores))
+        finally:
+            h.close()
+    assert states[0] == states[1]
