@@ -220,3 +220,29 @@ def test_complete_store_batches_equal_key_by_key(order):
         finally:
             h.close()
     assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("shared_at", [0, 1, 2])
+def test_complete_load_of_blocks_also_pinned_by_a_copy(shared_at):
+    """A batch whose blocks were pinned once by the load, one of them also by a copy (a
+    demotion): `complete_load` releases the load's pins only, as key by key (the block the copy
+    holds stays pinned, the others become evictable), wherever that block is in the batch."""
+    states = []
+    for per_key in (False, True):
+        h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+        try:
+            m = h.manager
+            batch = UNIVERSE[:3]
+            m.complete_store(m.prepare_store(batch, CTX).keys_to_store, CTX)
+            m.prepare_load(batch, CTX)
+            top = m.tiers[0]
+            top.policy.get(batch[shared_at]).ref_cnt += 1  # what a demotion's pin does
+            top.policy.pin([batch[shared_at]])
+            if per_key:
+                m._loads.complete_each(list(batch))
+            else:
+                m.complete_load(batch, CTX)
+            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.policy._pinned), m._loads.pins))
+        finally:
+            h.close()
+    assert states[0] == states[1] and states[0][0] == [int(i == shared_at) for i in range(3)]

@@ -125,16 +125,17 @@ class LoadPins:
             pins.update(compress(zip(keys, cast("list[tuple[int, ...]]", popped)), popped))  # put back: no change
             return False
         top = self.top
-        blocks = list(map(top.policy.get, keys))
-        ref_cnts = list(map(_ref_cnt, blocks))
-        if ref_cnts.count(1) == len(ref_cnts):  # each pinned by this load only (the common case)
-            for block in cast("list[BlockStatus]", blocks):
-                block.ref_cnt = 0
+        blocks = cast("list[BlockStatus]", list(map(top.policy.get, keys)))
+        for done, block in enumerate(blocks):  # noqa: B007 - (where it stopped) each pinned by this load only: 1 -> 0
+            if block.ref_cnt != 1:
+                break
+            block.ref_cnt = 0
+        else:
             top.policy.unpin(keys)
             return True
-        ref_cnts = list(map(add, ref_cnts, repeat(-1)))
-        _consume(map(setattr, blocks, repeat("ref_cnt"), ref_cnts), 0)
-        top.policy.unpin(list(compress(keys, map(not_, ref_cnts))))
+        ref_cnts = list(map(add, map(_ref_cnt, blocks[done:]), repeat(-1)))  # (pinned by others too)
+        _consume(map(setattr, blocks[done:], repeat("ref_cnt"), ref_cnts), 0)
+        top.policy.unpin(keys[:done] + list(compress(keys[done:], map(not_, ref_cnts))))
         return True
 
     def complete_each(self, keys: list[OffloadKey]) -> None:
