@@ -246,3 +246,30 @@ def test_complete_load_of_blocks_also_pinned_by_a_copy(shared_at):
         finally:
             h.close()
     assert states[0] == states[1] and states[0][0] == [int(i == shared_at) for i in range(3)]
+
+
+@pytest.mark.parametrize("writing_at", [0, 1, 2])
+@pytest.mark.parametrize("loaded_at", [None, 0, 2])
+def test_prepare_load_of_a_block_being_written_equals_key_by_key(writing_at, loaded_at):
+    """A batch with a block still being written (and maybe one pinned by an earlier load):
+    the one-pass path undoes what it did and the key-by-key path answers (KeyError at that
+    block, the blocks before it pinned), exactly as `prepare_each` alone."""
+    states = []
+    for per_key in (False, True):
+        h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+        try:
+            m = h.manager
+            batch = list(UNIVERSE[:3])
+            ready = [k for i, k in enumerate(batch) if i != writing_at]
+            m.complete_store(m.prepare_store(ready, CTX).keys_to_store, CTX)
+            m.prepare_store([batch[writing_at]], CTX)
+            if loaded_at is not None and loaded_at != writing_at:
+                m.prepare_load([batch[loaded_at]], CTX)
+            with pytest.raises(KeyError):
+                (m._loads.prepare_each if per_key else m.prepare_load)(batch)
+            top = m.tiers[0]
+            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.policy._pinned),
+                           dict(m._loads.pins), top.stats.hits))
+        finally:
+            h.close()
+    assert states[0] == states[1]
