@@ -371,9 +371,8 @@ class PrefixFreqCachePolicy(CachePolicy):
 
 
 def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
-    """`policy._place(key, key == tail)` for each of `keys` (distinct, just inserted), in order,
-    in C loops per segment: each segment receives its keys in the order of `keys`, and the
-    segments are independent lists."""
+    """`policy._place(key, key == tail)` for each of `keys` (distinct, just inserted), in order, in
+    C loops per segment (independent lists: each receives its keys in the order of `keys`)."""
     clock, segs = policy.clock, policy.segs
     history = list(map(policy._ghosts.pop, keys, repeat(None)))  # segment evicted from, or None
     fresh = list(map(is_, history, repeat(None)))
@@ -433,8 +432,9 @@ def _run(best: list, below: float, left: int, blocks: dict[OffloadKey, BlockStat
     lane ran out). A lane stopped by a block at or above `below` holds it as its new head.
 
     Chunks of at most `left` entries whose blocks are all taken (evictable, unprotected, below)
-    are taken in C loops; any other chunk is walked key by key, and what it did not reach is put
-    back in front of the lane's iterator."""
+    are taken in C loops, and so is a chunk's part before its first stamp at or above `below`
+    when all of it may go; the rest of a chunk is walked key by key, and what the walk did not
+    reach is put back in front of the lane's iterator."""
     it = best[3]
     taken = best[6]
     get = blocks.__getitem__
@@ -444,15 +444,22 @@ def _run(best: list, below: float, left: int, blocks: dict[OffloadKey, BlockStat
             return left, True
         keys = list(map(_first, chunk))
         found = list(map(get, keys))
-        if (max(map(_second, chunk)) < below and not any(map(_ref_cnt, found))
-                and protected.isdisjoint(keys)):
-            chosen += zip(keys, found)
-            taken += keys
-            left -= len(keys)
+        stamps = list(map(_second, chunk))
+        # Taken in C loops when all of it may go: the chunk, or its part before its first stamp at
+        # or above `below` (then fewer than `left`, and the walk goes on from that stamp).
+        start = len(chunk) if max(stamps) < below else list(map(below.__le__, stamps)).index(True)
+        if start and not any(map(_ref_cnt, islice(found, start))) and protected.isdisjoint(islice(keys, start)):
+            chosen += zip(islice(keys, start), found)
+            taken += islice(keys, start)
+            left -= start
             if not left:
                 return 0, False
-            continue
-        for i, (key, stamp) in enumerate(chunk):
+            if start == len(chunk):
+                continue
+        else:
+            start = 0
+        for i in range(start, len(chunk)):
+            key, stamp = chunk[i]
             block = found[i]
             if block.ref_cnt == 0 and key not in protected:
                 if stamp >= below:
