@@ -16,6 +16,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from test_manager_state import BLOCK, DeferredCopy
 
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
+from kvtier.config import load_config_text
+from kvtier.hierarchy import build_hierarchy
 
 UNIVERSE = keys(16)
 CTX = ReqContext("bulk")
@@ -44,12 +46,22 @@ def state(manager) -> list:
 
 class BulkEqualsPerKey(RuleBasedStateMachine):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+    ONE_TIER = False  # True: the first tier alone (`lookup_run` answers without `lookup`)
+
+    def build(self):
+        if not self.ONE_TIER:
+            return memory_hierarchy(**self.HIERARCHY)
+        return build_hierarchy(load_config_text(f"""
+block_bytes: {BLOCK}B
+tiers:
+  - {{name: hot, backend: memory, capacity: {self.HIERARCHY['hot']} blocks, policy: {self.HIERARCHY['hot_policy']}}}
+"""))
 
     def __init__(self):
         super().__init__()
         self.pairs = []
         for _ in range(2):
-            h = memory_hierarchy(**self.HIERARCHY)
+            h = self.build()
             copier = DeferredCopy(h.backends)
             h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
             self.pairs.append((h, copier))
@@ -118,11 +130,24 @@ class BulkEqualsPerKeyPrefix(BulkEqualsPerKey):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="prefix-freq")
 
 
+class OneTierBulkEqualsPerKey(BulkEqualsPerKey):
+    ONE_TIER = True
+
+
+class OneTierBulkEqualsPerKeyPrefix(BulkEqualsPerKey):
+    HIERARCHY = BulkEqualsPerKeyPrefix.HIERARCHY
+    ONE_TIER = True
+
+
 FAST = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestBulkLRU = BulkEqualsPerKey.TestCase
 TestBulkLRU.settings = FAST
 TestBulkPrefix = BulkEqualsPerKeyPrefix.TestCase
 TestBulkPrefix.settings = FAST
+TestOneTierBulkLRU = OneTierBulkEqualsPerKey.TestCase
+TestOneTierBulkLRU.settings = FAST
+TestOneTierBulkPrefix = OneTierBulkEqualsPerKeyPrefix.TestCase
+TestOneTierBulkPrefix.settings = FAST
 
 
 def test_lookup_run_stops_at_the_first_miss_and_loads_in_one_batch():
@@ -166,3 +191,85 @@ def test_lookup_run_over_several_chunks_equals_per_key(miss_at, pending_at):
         assert want[0] == min(miss_at, pending_at if pending_at is not None else miss_at)
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("order", [["a", "a"], ["a", "b", "a"], ["a", "r", "b"], ["r", "a"], ["a", "b", "gone"],
+                                   ["a", "b"]])
+def test_complete_store_batches_equal_key_by_key(order):
+    """`complete_store`'s one-pass path makes blocks readable only when each was being written
+    and given once; a batch with a key given twice, a readable key or an unknown key gets the
+    key-by-key answer (each block written once made readable, stores counted once each)."""
+    states = []
+    for per_key in (False, True):
+        h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+        try:
+            m = h.manager
+            a, b, r, gone = UNIVERSE[:4]
+            done = m.prepare_store([r], CTX)
+            m.complete_store(done.keys_to_store, CTX)
+            m.prepare_store([a, b], CTX)
+            batch = [{"a": a, "b": b, "r": r, "gone": gone}[name] for name in order]
+            if per_key:
+                for k in batch:
+                    m.complete_store([k], CTX)
+            else:
+                m.complete_store(batch, CTX)
+            top = m.tiers[0]
+            states.append(([(k, top.policy.get(k).ref_cnt) for k in (a, b, r)], sorted(top.policy._pinned),
+                           top.stats.stores))
+        finally:
+            h.close()
+    assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("shared_at", [0, 1, 2])
+def test_complete_load_of_blocks_also_pinned_by_a_copy(shared_at):
+    """A batch whose blocks were pinned once by the load, one of them also by a copy (a
+    demotion): `complete_load` releases the load's pins only, as key by key (the block the copy
+    holds stays pinned, the others become evictable), wherever that block is in the batch."""
+    states = []
+    for per_key in (False, True):
+        h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+        try:
+            m = h.manager
+            batch = UNIVERSE[:3]
+            m.complete_store(m.prepare_store(batch, CTX).keys_to_store, CTX)
+            m.prepare_load(batch, CTX)
+            top = m.tiers[0]
+            top.policy.get(batch[shared_at]).ref_cnt += 1  # what a demotion's pin does
+            top.policy.pin([batch[shared_at]])
+            if per_key:
+                m._loads.complete_each(list(batch))
+            else:
+                m.complete_load(batch, CTX)
+            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.policy._pinned), m._loads.pins))
+        finally:
+            h.close()
+    assert states[0] == states[1] and states[0][0] == [int(i == shared_at) for i in range(3)]
+
+
+@pytest.mark.parametrize("writing_at", [0, 1, 2])
+@pytest.mark.parametrize("loaded_at", [None, 0, 2])
+def test_prepare_load_of_a_block_being_written_equals_key_by_key(writing_at, loaded_at):
+    """A batch with a block still being written (and maybe one pinned by an earlier load):
+    the one-pass path undoes what it did and the key-by-key path answers (KeyError at that
+    block, the blocks before it pinned), exactly as `prepare_each` alone."""
+    states = []
+    for per_key in (False, True):
+        h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+        try:
+            m = h.manager
+            batch = list(UNIVERSE[:3])
+            ready = [k for i, k in enumerate(batch) if i != writing_at]
+            m.complete_store(m.prepare_store(ready, CTX).keys_to_store, CTX)
+            m.prepare_store([batch[writing_at]], CTX)
+            if loaded_at is not None and loaded_at != writing_at:
+                m.prepare_load([batch[loaded_at]], CTX)
+            with pytest.raises(KeyError):
+                (m._loads.prepare_each if per_key else m.prepare_load)(batch)
+            top = m.tiers[0]
+            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.policy._pinned),
+                           dict(m._loads.pins), top.stats.hits))
+        finally:
+            h.close()
+    assert states[0] == states[1]

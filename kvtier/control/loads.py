@@ -24,11 +24,6 @@ _FIRST_CHUNK = 16  # keys `top_run` checks in its first C pass; later passes dou
 _TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
 
 
-def _ref_cnts(blocks: list[BlockStatus | None]) -> list[int]:
-    """The blocks' `ref_cnt`s, -1 (not readable) for a missing block, in C loops."""
-    return list(map(getattr, blocks, repeat("ref_cnt"), repeat(-1)))
-
-
 class LoadPins:
     """The load path over a hierarchy's tiers and the pins it holds (see the module docstring)."""
 
@@ -68,19 +63,29 @@ class LoadPins:
         tier 0 (promoted there or not), none pinned by an earlier load; None (nothing changed)
         otherwise."""
         top, pins, promoted = self.top, self.pins, self.top.promoted_from
-        blocks = list(map(top.policy.get, keys))
-        ref_cnts = _ref_cnts(blocks)
-        if not keys or -1 in ref_cnts or (pins and not pins.keys().isdisjoint(keys)):
-            return None
+        found = list(map(top.policy.get, keys))
+        if not keys or not all(found) or (pins and not pins.keys().isdisjoint(keys)):
+            return None  # (a BlockStatus is truthy: all(found) means all resident)
         before = len(pins)
         pins.update(zip(keys, repeat(_TOP_ONLY)))
         if len(pins) - before != len(keys):  # a key given twice: pinned twice, key by key
             _consume(map(pins.pop, keys, repeat(None)), 0)
             return None
-        if ref_cnts.count(0) == len(ref_cnts):  # none pinned before (the common case)
-            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(1)), 0)
+        blocks = cast("list[BlockStatus]", found)
+        for done, block in enumerate(blocks):  # noqa: B007 - (where it stopped) none pinned before: 0 -> 1
+            if block.ref_cnt:
+                break
+            block.ref_cnt = 1
         else:
-            _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
+            done = len(blocks)
+        if done < len(blocks):  # pinned by others too, or not readable (being written): undone
+            ref_cnts = list(map(_ref_cnt, blocks[done:]))
+            if -1 in ref_cnts:
+                for block in blocks[:done]:
+                    block.ref_cnt = 0
+                _consume(map(pins.pop, keys, repeat(None)), 0)
+                return None
+            _consume(map(setattr, blocks[done:], repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
         if promoted and not promoted.keys().isdisjoint(keys):
             # Promoted into tier 0 and loaded now: the tier that supplied each is credited.
             origins = list(map(promoted.pop, keys, repeat(0)))
@@ -89,7 +94,7 @@ class LoadPins:
         else:
             top.stats.hits += len(keys)
         top.policy.pin(keys)
-        return top.backend.get_load_store_spec(keys, cast("list[BlockStatus]", blocks))
+        return top.backend.get_load_store_spec(keys, blocks)
 
     def prepare_each(self, keys: list[OffloadKey]) -> LoadStoreSpec:
         """`prepare_load` key by key: blocks in lower tiers, keys loaded twice, promoted keys."""
@@ -129,15 +134,17 @@ class LoadPins:
             pins.update(compress(zip(keys, cast("list[tuple[int, ...]]", popped)), popped))  # put back: no change
             return False
         top = self.top
-        blocks = list(map(top.policy.get, keys))
-        ref_cnts = list(map(_ref_cnt, blocks))
-        if ref_cnts.count(1) == len(ref_cnts):  # each pinned by this load only (the common case)
-            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
+        blocks = cast("list[BlockStatus]", list(map(top.policy.get, keys)))
+        for done, block in enumerate(blocks):  # noqa: B007 - (where it stopped) each pinned by this load only: 1 -> 0
+            if block.ref_cnt != 1:
+                break
+            block.ref_cnt = 0
+        else:
             top.policy.unpin(keys)
             return True
-        ref_cnts = list(map(add, ref_cnts, repeat(-1)))
-        _consume(map(setattr, blocks, repeat("ref_cnt"), ref_cnts), 0)
-        top.policy.unpin(list(compress(keys, map(not_, ref_cnts))))
+        ref_cnts = list(map(add, map(_ref_cnt, blocks[done:]), repeat(-1)))  # (pinned by others too)
+        _consume(map(setattr, blocks[done:], repeat("ref_cnt"), ref_cnts), 0)
+        top.policy.unpin(keys[:done] + list(compress(keys[done:], map(not_, ref_cnts))))
         return True
 
     def complete_each(self, keys: list[OffloadKey]) -> None:

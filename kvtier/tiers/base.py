@@ -17,6 +17,7 @@ from kvtier.types import BlockStatus
 _block_id = attrgetter("block_id")
 _PLAIN_INIT = BlockIDsLoadStoreSpec.__init__
 _PLAIN_FOR_BLOCKS = getattr(BlockIDsLoadStoreSpec.for_blocks, "__func__", None)
+_PLAIN_SPECS: dict[type, bool] = {}  # spec type -> whether it is built from slot numbers alone (as checked once)
 
 
 class SlotAllocator:
@@ -37,9 +38,9 @@ class SlotAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """`n` distinct free slots. Raises `RuntimeError` if fewer are free (callers check first)."""
-        if n > self.num_free:
-            raise RuntimeError(f"asked for {n} slots, only {self.num_free} free")
         free = self._free
+        if n > len(free) + self.num_slots - self._next_fresh:  # (`num_free`)
+            raise RuntimeError(f"asked for {n} slots, only {self.num_free} free")
         reused = min(n, len(free))
         cut = len(free) - reused
         slots = free[cut:]
@@ -137,7 +138,11 @@ class Backend(ABC):
     def get_load_store_spec(self, keys: Iterable[OffloadKey], blocks: Iterable[BlockStatus]) -> BlockIDsLoadStoreSpec:
         """Where the given blocks live, for a handler to read or write them."""
         spec_type = self.spec_type
-        if spec_type.__init__ is _PLAIN_INIT and getattr(spec_type.for_blocks, "__func__", None) is _PLAIN_FOR_BLOCKS:
+        plain = _PLAIN_SPECS.get(spec_type)
+        if plain is None:
+            plain = _PLAIN_SPECS[spec_type] = (spec_type.__init__ is _PLAIN_INIT and getattr(
+                spec_type.for_blocks, "__func__", None) is _PLAIN_FOR_BLOCKS)
+        if plain:
             # A spec of slots only (CPU, memory): built without re-checking the slot numbers this
             # backend's allocator handed out (the request cycle builds one per call).
             spec = object.__new__(spec_type)

@@ -176,3 +176,21 @@ def test_decisions_equal_the_policy_without_accounting(name, seed):
         aside_seen = max(aside_seen, len(getattr(tracked, "aside", ())))
     if name in ("lru", "prefix-freq"):
         assert aside_seen, "the run never set a pinned block aside"
+
+
+@pytest.mark.parametrize("blocker", ["pinned", "protected"])
+def test_lru_head_that_may_not_go_is_put_back_in_order(blocker):
+    """LRU takes the order's head off in one pass and puts it back when one of those blocks
+    may not go: the order afterwards is exactly what it would be had the head not been taken."""
+    policy, blocks = filled("lru", 12, pinned=0)
+    protected: set = set()
+    if blocker == "pinned":
+        blocks[key(2)].ref_cnt = 1
+        policy.pin([key(2)])
+    else:
+        protected = {key(2)}
+    assert [k for k, _ in policy.evict(4, protected)] == [key(0), key(1), key(3), key(4)]
+    order = [k for k, _ in policy.victim_candidates()]
+    # A protected block met is set aside, free: it goes first next time (it is the oldest).
+    assert order == ([key(2)] if blocker == "protected" else []) + [key(i) for i in range(5, 12)]
+    assert [k for k, _ in policy.evict(2, set())] == order[:2]
