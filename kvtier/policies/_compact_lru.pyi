@@ -1,4 +1,4 @@
-"""Type stub of the compiled core of `compact-lru` (kvtier/policies/_compact_lru.pyx)."""
+"""Type stub of the compiled core of `lru` (kvtier/policies/_compact_lru.pyx)."""
 
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from typing import Any

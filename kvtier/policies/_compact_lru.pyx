@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The compiled core of `compact-lru` (kvtier.policies.compact): LRU decisions over C arrays.
+"""The compiled core of `lru` (kvtier.policies.compact): LRU decisions over C arrays.
 
 No Python object per resident block. Per entry: a 40-byte record (block id, ref_cnt, the key's
 hash and length, links, flags, sequence number) in one array, the key bytes inline in a second
@@ -135,7 +135,7 @@ cdef int grow(Core* c) except -1:
     cdef int32_t cap = c.cap * 2
     cdef void* p
     if c.cap >= MAX_ENTRIES:
-        raise MemoryError(f"compact-lru holds at most {MAX_ENTRIES} blocks")
+        raise MemoryError(f"lru (compiled) holds at most {MAX_ENTRIES} blocks")
     p = PyMem_Realloc(c.e, cap * sizeof(Entry))
     if p == NULL:
         raise MemoryError()

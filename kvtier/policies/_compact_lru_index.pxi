@@ -20,7 +20,7 @@ cdef class BlockView:
         cdef Entry* e = &c.e[self.idx]
         if (not e.flags & USED or e.block_id != self.block_id or e.klen != PyBytes_GET_SIZE(self.key)
                 or memcmp(key_at(c, self.idx), PyBytes_AS_STRING(self.key), e.klen) != 0):
-            raise LookupError(f"compact-lru: block {self.block_id} of key {self.key!r} is no longer resident; "
+            raise LookupError(f"lru: block {self.block_id} of key {self.key!r} is no longer resident; "
                               "a view from get() is valid only while its block stays resident (pinned)")
         return e
 
@@ -63,7 +63,7 @@ cdef class CompactLRUIndex:
         if cap <= 0:
             raise ValueError(f"cache_capacity must be > 0 blocks, got {cache_capacity}")
         if cap > MAX_ENTRIES:
-            raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for compact-lru, got {cap}")
+            raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for lru, got {cap}")
         slots = 8
         while slots < 2 * cap:
             slots *= 2
@@ -105,10 +105,10 @@ cdef class CompactLRUIndex:
         cdef Py_hash_t h
         cdef int32_t i
         if not PyBytes_Check(key):
-            raise TypeError(f"compact-lru: a key must be bytes (an OffloadKey), got {type(key).__name__}")
+            raise TypeError(f"lru: a key must be bytes (an OffloadKey), got {type(key).__name__}")
         klen = PyBytes_GET_SIZE(key)
         if klen > MAX_KEY:
-            raise ValueError(f"compact-lru: a key must be at most {MAX_KEY} bytes, got {klen}")
+            raise ValueError(f"lru: a key must be at most {MAX_KEY} bytes, got {klen}")
         h = PyObject_Hash(key)
         if c.keys == NULL or klen > c.width:
             widen(c, max(klen, c.width, 1))
@@ -286,7 +286,7 @@ cdef class CompactLRUIndex:
                     key = self.key_of(i)
                     yield key, view_of(self, i, key)
                     if self.version != version:
-                        raise RuntimeError("compact-lru changed during victim_candidates iteration")
+                        raise RuntimeError("lru changed during victim_candidates iteration")
                 i = self.c.e[i].next
 
     def victim_keys(self, Py_ssize_t n):
