@@ -126,6 +126,7 @@ class HierarchyManager(OffloadingManager):
         self._cascade = Cascade(self.tiers, self._jobs, self._log)
         self._promotions = Promotions(self.tiers, self._jobs, self._cascade, self._log)
         self._loads = LoadPins(self.tiers)
+        self._batch = getattr(self._top.policy, "batch_calls", False)  # tier 0's policy owns the loops (`CachePolicy`)
         self._shared = (SharedTier(self.tiers, self._jobs, self._cascade, self._promotions, self._log)
                         if n_local < len(self.tiers) else None)
         self._writes_through = any(t.cascade == "on_store" for t in self.tiers[:-1])  # as `Cascade` finds them
@@ -239,7 +240,7 @@ class HierarchyManager(OffloadingManager):
         if self._writes_through:
             self._cascade.advance_writes()
         top = self._top
-        to_store = list(filterfalse(top.policy.get, keys))  # not resident (a BlockStatus is truthy)
+        to_store = top.policy.absent(keys) if self._batch else list(filterfalse(top.policy.get, keys))  # not resident
         if self._promotions.queue:
             self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
         # Only resident keys can be victims: when none of `keys` is, none needs protecting.
@@ -261,15 +262,18 @@ class HierarchyManager(OffloadingManager):
         top = self._top
         promoting = self._promotions.running
         keys = keys if isinstance(keys, list) else list(keys)
-        blocks = list(map(top.policy.get, keys))
-        if success and not promoting and all(blocks) and _all_written(cast("list[BlockStatus]", blocks)):
-            changed = keys  # the common case: each key prepared by prepare_store once (only read below)
+        if self._batch and success and not promoting and top.policy.mark_written(keys):
+            changed = keys  # the common case, made readable and unpinned by the policy's loop
         else:
-            changed = _complete_each(top, keys, blocks, promoting, success)
-        if not success:
-            top.stats.failures += 1 if changed else 0
-            return
-        top.policy.unpin(changed)
+            blocks = list(map(top.policy.get, keys))
+            if success and not promoting and all(blocks) and _all_written(cast("list[BlockStatus]", blocks)):
+                changed = keys  # the common case: each key prepared by prepare_store once (only read below)
+            else:
+                changed = _complete_each(top, keys, blocks, promoting, success)
+            if not success:
+                top.stats.failures += 1 if changed else 0
+                return
+            top.policy.unpin(changed)
         top.stats.stores += len(changed)
         if self._log.events is not None:
             self._log.record(top, changed, removed=False)
@@ -307,6 +311,8 @@ class HierarchyManager(OffloadingManager):
 
     def new_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """The keys `prepare_store` would allocate in the first tier: those it does not hold."""
+        if self._batch:
+            return self._top.policy.absent(keys)
         return list(filterfalse(self._top.policy.get, keys))
 
     def store_room(self) -> int | None:

@@ -252,6 +252,18 @@ cdef Item heap_pop(Core* c) noexcept nogil:
     return top
 
 
+cdef int unpin_entry(Core* c, int32_t i) except -1:
+    """Entry i became evictable (`unpin`): no longer counted as pinned; an aside entry is queued
+    in the freed heap (duplicates are skipped when popped)."""
+    cdef Entry* e = &c.e[i]
+    if e.flags & PINNED:
+        e.flags &= ~PINNED
+        c.npinned -= 1
+    if e.flags & ASIDE:
+        heap_push(c, Item(e.seq, i))
+    return 0
+
+
 cdef int scan_head(Core* c, Py_ssize_t need, int32_t* chosen) except -1:
     """Put the `need` oldest evictable, unmarked entries of the order in `chosen`, setting aside
     the pinned and marked (protected) ones met before them; 0 (nothing chosen, the found ones
@@ -327,3 +339,4 @@ cdef Py_ssize_t choose_tracked(Core* c, Py_ssize_t n, int32_t* chosen) except -1
 
 
 include "_compact_lru_index.pxi"
+include "_compact_lru_batch.pxi"

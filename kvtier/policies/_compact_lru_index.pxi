@@ -205,19 +205,19 @@ cdef class CompactLRUIndex:
 
     def unpin(self, keys):
         cdef int32_t i
-        cdef Entry* e
         if not self.tracking:
             return
         for key in keys:
             i = self.locate(key)
-            if i < 0:
-                continue
-            e = &self.c.e[i]
-            if e.flags & PINNED:
-                e.flags &= ~PINNED
-                self.c.npinned -= 1
-            if e.flags & ASIDE:
-                heap_push(&self.c, Item(e.seq, i))
+            if i >= 0:
+                unpin_entry(&self.c, i)
+
+    def pinned_keys(self):
+        """The resident keys counted as pinned (a new set), or None when pins are not tracked."""
+        cdef int32_t i
+        if not self.tracking:
+            return None
+        return {self.key_of(i) for i in range(self.c.hw) if self.c.e[i].flags & USED and self.c.e[i].flags & PINNED}
 
     def evictable_count(self, protected=()):
         cdef int32_t i

@@ -26,14 +26,14 @@ from kvtier.policies.lru import LRUCachePolicy
 log = logging.getLogger(__name__)
 
 try:
-    from kvtier.policies._compact_lru import CompactLRUIndex
+    from kvtier.policies._compact_lru import CompactLRUBatch
 except ImportError as exc:  # not built: the fallback below
-    CompactLRUIndex = None  # type: ignore[assignment,misc]
+    CompactLRUBatch = None  # type: ignore[assignment,misc]
     _IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}"
 else:
     _IMPORT_ERROR = None
 
-COMPILED = CompactLRUIndex is not None
+COMPILED = CompactLRUBatch is not None
 _warned = False
 
 
@@ -53,11 +53,12 @@ class PurePythonCompactLRU(LRUCachePolicy):
                         "to build it.", _IMPORT_ERROR)
 
 
-if CompactLRUIndex is not None:
-    class CompactLRUCachePolicy(CompactLRUIndex, CachePolicy):
+if CompactLRUBatch is not None:
+    class CompactLRUCachePolicy(CompactLRUBatch, CachePolicy):
         """LRU over C arrays (see the module docstring)."""
 
         returns_views = True
+        batch_calls = True
         compiled: ClassVar[bool] = True
 
         def __init__(self, cache_capacity: int) -> None:

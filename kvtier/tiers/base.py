@@ -137,6 +137,18 @@ class Backend(ABC):
 
     def get_load_store_spec(self, keys: Iterable[OffloadKey], blocks: Iterable[BlockStatus]) -> BlockIDsLoadStoreSpec:
         """Where the given blocks live, for a handler to read or write them."""
+        return self._spec(keys, list(map(_block_id, blocks)))
+
+    def spec_for_ids(self, keys: Sequence[OffloadKey], block_ids: list[int]) -> BlockIDsLoadStoreSpec:
+        """`get_load_store_spec` for blocks given by their `block_id`s (a policy's batch calls,
+        `CachePolicy.pin_loads`, make no block objects). A backend that overrides
+        `get_load_store_spec` gets it called with `BlockStatus`es of those ids."""
+        if type(self).get_load_store_spec is not Backend.get_load_store_spec:
+            blocks = [BlockStatus(block_id) for block_id in block_ids]
+            return self.get_load_store_spec(keys, blocks)
+        return self._spec(keys, block_ids)
+
+    def _spec(self, keys: Iterable[OffloadKey], block_ids: list[int]) -> BlockIDsLoadStoreSpec:
         spec_type = self.spec_type
         plain = _PLAIN_SPECS.get(spec_type)
         if plain is None:
@@ -146,10 +158,10 @@ class Backend(ABC):
             # A spec of slots only (CPU, memory): built without re-checking the slot numbers this
             # backend's allocator handed out (the request cycle builds one per call).
             spec = object.__new__(spec_type)
-            spec.block_ids = list(map(_block_id, blocks))
+            spec.block_ids = block_ids
             spec.tier = self.name
             return spec
-        return spec_type.for_blocks(list(map(_block_id, blocks)), list(keys), tier=self.name)
+        return spec_type.for_blocks(block_ids, list(keys), tier=self.name)
 
     def still_valid(self, block: BlockStatus) -> bool:
         """After a failed read of `block`: is it still trustworthy? Backends that verify what

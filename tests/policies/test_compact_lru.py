@@ -270,7 +270,8 @@ class TestCPUFileFallback(TestCPUFile):
 def test_a_failed_promotion_drops_the_lower_copy_held_as_a_view():
     """`Promotion.failed` drops a source block that could not be read if it is still the same
     block: with views it is compared by block_id (an identity test never matched a view)."""
-    h = build_hierarchy(load_config_text(_memory_yaml("on_evict").replace("6 blocks", "2 blocks").replace("{policy}", "lru")))
+    yaml = _memory_yaml("on_evict").replace("6 blocks", "2 blocks").replace("{policy}", "lru")
+    h = build_hierarchy(load_config_text(yaml))
     m, ctx = h.manager, ReqContext("r")
     ks = [bytes([i]) * 8 + b"\0\0\0\0" for i in range(4)]
     for part in (ks[:2], ks[2:]):
