@@ -23,6 +23,7 @@ from kvtier.config import load_config_text
 from kvtier.hierarchy import build_hierarchy
 from kvtier.policies.lru import LRUCachePolicy
 
+
 class BatchDefaultsLRU(LRUCachePolicy):
     """The pure-Python LRU with the manager calling `CachePolicy`'s default batch calls."""
 

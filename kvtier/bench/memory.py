@@ -10,8 +10,9 @@ N resident blocks inserted the way the manager stores them (evictable accounting
 `gc.collect()` and RSS after. The chunks' key lists are dropped after each chunk: a dict-based
 policy keeps every key object (that is its real cost), the compact index copies the bytes and
 keeps none. `lru` is the registered name (the compiled index when it is built), `lru-py` the
-pure-Python `LRUCachePolicy` (its fallback). `vllm-lru` is vLLM's `CPUOffloadingManager` with its LRU policy, driven through
-`prepare_store`/`complete_store` with one request context per chunk (dropped after it).
+pure-Python `LRUCachePolicy` (its fallback). `vllm-lru` is vLLM's `CPUOffloadingManager` with its
+LRU policy, driven through `prepare_store`/`complete_store` with one request context per chunk
+(dropped after it).
 
 Figures are bytes of RSS growth per block (so they include allocator overhead and the
 fragmentation the insert pattern causes) and, for the compiled `lru`, the bytes its arrays allocate.
