@@ -247,15 +247,22 @@ class HierarchyManager(OffloadingManager):
         evicted = self._cascade.evict_for(top, len(to_store), keys if len(to_store) != len(keys) else ())
         if evicted is None:
             return None
-        blocks = top.backend.allocate_blocks(to_store)
         # Tail first, so that the head of a prefix ends up the most recently used; the last new
         # block is the request's tail (the `CachePolicy.insert_many` contract).
-        top.policy.insert_many(to_store[::-1], blocks[::-1], tail=to_store[-1] if to_store else None)
-        top.policy.pin(to_store)  # being written
+        tail = to_store[-1] if to_store else None
+        if self._batch:  # (block ids only: no BlockStatus per new block)
+            ids = top.backend.allocate_ids(to_store)
+            top.policy.insert_written(to_store[::-1], ids[::-1], tail=tail)  # being written, pinned
+        else:
+            blocks = top.backend.allocate_blocks(to_store)
+            top.policy.insert_many(to_store[::-1], blocks[::-1], tail=tail)
+            top.policy.pin(to_store)  # being written
         top.allocated_since_walk += len(to_store)
         if self._refilled:
             self._cascade.refill_reserve(top)
-        return PrepareStoreOutput(to_store, top.backend.get_load_store_spec(to_store, blocks), evicted)
+        spec = top.backend.spec_for_ids(to_store, ids) if self._batch else top.backend.get_load_store_spec(
+            to_store, blocks)
+        return PrepareStoreOutput(to_store, spec, evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
                        success: bool = True) -> None:

@@ -34,6 +34,17 @@ cdef class CompactLRUBatch(CompactLRUIndex):
     def absent(self, keys):
         return [key for key in keys if self.locate(key) < 0]
 
+    def insert_written(self, keys, block_ids, tail=None):
+        cdef Py_ssize_t j, n = len(keys)
+        cdef int32_t i
+        if len(block_ids) != n:
+            raise ValueError(f"insert_written: {n} keys but {len(block_ids)} block ids")
+        for j in range(n):
+            i = self.put(keys[j], block_ids[j], -1)
+            if self.tracking and not self.c.e[i].flags & PINNED:
+                self.c.e[i].flags |= PINNED
+                self.c.npinned += 1
+
     def pin_loads(self, keys):
         cdef list ks = keys if type(keys) is list else list(keys)
         cdef Py_ssize_t n = len(ks), j

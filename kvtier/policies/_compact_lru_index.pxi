@@ -99,7 +99,8 @@ cdef class CompactLRUIndex:
         cdef int32_t i = self.locate(key)
         return None if i < 0 else view_of(self, i, key)
 
-    cdef int put(self, object key, int64_t block_id, int32_t ref_cnt) except -1:
+    cdef int32_t put(self, object key, int64_t block_id, int32_t ref_cnt) except -1:
+        """Enter a block (or overwrite a resident one's values); its entry."""
         cdef Core* c = &self.c
         cdef Py_ssize_t klen
         cdef Py_hash_t h
@@ -115,7 +116,7 @@ cdef class CompactLRUIndex:
         i = find(c, PyBytes_AS_STRING(key), klen, h) if c.count else -1
         if i >= 0:  # resident already (outside the contract): the new values, the same place, as LRU
             c.e[i].block_id, c.e[i].ref_cnt = block_id, ref_cnt
-            return 0
+            return i
         if c.free >= 0:
             i = c.free
             c.free = c.e[i].next
@@ -131,7 +132,7 @@ cdef class CompactLRUIndex:
         link_tail(c, &c.order, i)
         c.count += 1
         self.version += 1
-        return 0
+        return i
 
     def insert(self, key, block):
         """Copy `block.block_id` and `block.ref_cnt` into a new entry (`block` is not kept)."""

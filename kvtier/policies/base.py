@@ -49,8 +49,8 @@ class CachePolicy(ABC):
       and not updated later, and blocks are compared by `block_id`, not identity. A view is
       valid while its block stays resident; callers keep views only of pinned blocks, and settle
       blocks they inserted through `get` (see `kvtier.control.jobs.Job.finish`).
-    - Batch calls (optional): `readable_run`, `absent`, `pin_loads`, `release_loads` and
-      `mark_written` do for a whole request what the manager otherwise does key by key through
+    - Batch calls (optional): `readable_run`, `absent`, `insert_written`, `pin_loads`,
+      `release_loads` and `mark_written` do for a whole request what the manager otherwise does key by key through
       `get`, the blocks' `ref_cnt` and `pin`/`unpin`. The defaults here do exactly that; a policy
       that owns its data layout overrides them with loops that make no block object or view and
       sets `batch_calls = True`, and only then does the manager call them (its own loops over the
@@ -125,6 +125,15 @@ class CachePolicy(ABC):
         """The `keys` not resident, in order."""
         get = self.get
         return [key for key in keys if get(key) is None]
+
+    def insert_written(self, keys: Sequence[OffloadKey], block_ids: Sequence[int],
+                       tail: OffloadKey | None = None) -> None:
+        """Insert new blocks being written (`ref_cnt == -1`) with these `block_ids` and `pin` them:
+        `insert_many(keys, BlockStatus.many(block_ids), tail)`, then `pin(keys)`."""
+        if len(block_ids) != len(keys):
+            raise ValueError(f"insert_written: {len(keys)} keys but {len(block_ids)} block ids")
+        self.insert_many(keys, BlockStatus.many(block_ids), tail=tail)
+        self.pin(keys)
 
     def pin_loads(self, keys: Sequence[OffloadKey]) -> list[int] | None:
         """Pin blocks for reading: when every key is resident and readable, add 1 to each

@@ -122,6 +122,13 @@ class Backend(ABC):
         """Slots for writing `keys` (caller checked `get_num_free_blocks`). Each has `ref_cnt == -1`."""
         return BlockStatus.many(self.slots.allocate(len(keys)))
 
+    def allocate_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """The `block_id`s of `allocate_blocks(keys)`, without block objects where this backend
+        does not extend `allocate_blocks` (a policy's batch calls, `CachePolicy.insert_written`)."""
+        if type(self).allocate_blocks is Backend.allocate_blocks:
+            return self.slots.allocate(len(keys))
+        return list(map(_block_id, self.allocate_blocks(keys)))
+
     def free(self, block: BlockStatus) -> None:
         """Return a block's slot; call once per allocated block."""
         self.slots.release(block.block_id)

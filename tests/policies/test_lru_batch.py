@@ -1,5 +1,5 @@
-"""The batch calls of `CachePolicy` (`readable_run`, `absent`, `pin_loads`, `release_loads`,
-`mark_written`): the compiled `lru` index's C loops give exactly the answers and side effects of
+"""The batch calls of `CachePolicy` (`readable_run`, `absent`, `insert_written`, `pin_loads`,
+`release_loads`, `mark_written`): the compiled `lru` index's C loops give exactly the answers and side effects of
 the defaults, which go key by key through `get`, the blocks' `ref_cnt` and `pin`/`unpin`
 (`LRUCachePolicy` runs the defaults). Batches repeat keys and mix resident, absent, pinned and
 unwritten blocks, with and without evictable accounting, so refusals (nothing changed) are
@@ -30,6 +30,7 @@ def state(p) -> tuple:
 BATCH = st.lists(st.integers(0, 11), max_size=6)
 OPS = st.lists(st.one_of(
     st.tuples(st.just("insert"), st.lists(st.integers(0, 11), max_size=4), st.sampled_from([-1, 0])),
+    st.tuples(st.just("insert_written"), st.lists(st.integers(0, 11), max_size=4)),
     st.tuples(st.sampled_from(["readable_run", "absent", "pin_loads", "release_loads", "mark_written"]), BATCH),
     st.tuples(st.just("evict"), st.integers(1, 3)),
     st.tuples(st.just("touch"), BATCH),
@@ -59,6 +60,12 @@ def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
                 if op[2]:
                     p.pin(keys)  # being written, as prepare_store reports it
             next_id += len(keys)
+        elif kind == "insert_written":  # as prepare_store stores a request: tail first, tail named
+            keys = list(dict.fromkeys(key(i) for i in arg if ref.get(key(i)) is None))
+            ids = list(range(next_id, next_id + len(keys)))
+            for p in policies:
+                p.insert_written(keys[::-1], ids[::-1], tail=keys[-1] if keys else None)
+            next_id += len(keys)
         elif kind == "evict":
             answers = [[(k, b.block_id) for k, b in p.evict(arg, set()) or ()] for p in policies]
         elif kind == "remove":
@@ -84,8 +91,9 @@ def test_the_manager_path_of_a_request(cls):
     p = cls(4)
     p.track_pins()
     keys = [key(i) for i in range(3)]
-    p.insert_many(keys[::-1], BlockStatus.many([12, 11, 10]))
-    p.pin(keys)
+    p.insert_written(keys[::-1], [12, 11, 10], tail=keys[-1])
+    with pytest.raises(ValueError, match="3 keys but 2 block ids"):
+        p.insert_written([key(5), key(6), key(7)], [1, 2])
     assert p.readable_run(keys) == 0 and p.absent(keys + [key(9)]) == [key(9)]
     assert p.mark_written(keys) and not p.mark_written(keys[:1])  # (only blocks being written)
     assert p.readable_run(keys + [key(9)]) == 3 and p.evictable_count() == 3
