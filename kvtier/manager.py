@@ -79,6 +79,22 @@ def _all_written(blocks: list[BlockStatus]) -> bool:
     return True
 
 
+def _enter_new(top: Tier, keys: list[OffloadKey], batch: bool) -> LoadStoreSpec:
+    """Allocate a request's new blocks in tier 0 and insert them being written (pinned); where
+    they are. Tail first, so that the head of a prefix ends up the most recently used; the last
+    new block is the request's tail (the `CachePolicy.insert_many` contract). `batch`: through
+    the policy's batch calls, from block ids (no `BlockStatus` per new block)."""
+    tail = keys[-1] if keys else None
+    if batch:
+        ids = top.backend.allocate_ids(keys)
+        top.policy.insert_written(keys[::-1], ids[::-1], tail=tail)
+        return top.backend.spec_for_ids(keys, ids)
+    blocks = top.backend.allocate_blocks(keys)
+    top.policy.insert_many(keys[::-1], blocks[::-1], tail=tail)
+    top.policy.pin(keys)
+    return top.backend.get_load_store_spec(keys, blocks)
+
+
 def _complete_each(top: Tier, keys: list[OffloadKey], blocks: list[BlockStatus | None],
                    promoting: Collection[OffloadKey], success: bool) -> list[OffloadKey]:
     """`complete_store` key by key: the keys whose block (`blocks[i]`) was still being written
@@ -247,21 +263,10 @@ class HierarchyManager(OffloadingManager):
         evicted = self._cascade.evict_for(top, len(to_store), keys if len(to_store) != len(keys) else ())
         if evicted is None:
             return None
-        # Tail first, so that the head of a prefix ends up the most recently used; the last new
-        # block is the request's tail (the `CachePolicy.insert_many` contract).
-        tail = to_store[-1] if to_store else None
-        if self._batch:  # (block ids only: no BlockStatus per new block)
-            ids = top.backend.allocate_ids(to_store)
-            top.policy.insert_written(to_store[::-1], ids[::-1], tail=tail)  # being written, pinned
-        else:
-            blocks = top.backend.allocate_blocks(to_store)
-            top.policy.insert_many(to_store[::-1], blocks[::-1], tail=tail)
-            top.policy.pin(to_store)  # being written
+        spec = _enter_new(top, to_store, self._batch)
         top.allocated_since_walk += len(to_store)
         if self._refilled:
             self._cascade.refill_reserve(top)
-        spec = top.backend.spec_for_ids(to_store, ids) if self._batch else top.backend.get_load_store_spec(
-            to_store, blocks)
         return PrepareStoreOutput(to_store, spec, evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
