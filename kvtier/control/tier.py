@@ -129,13 +129,22 @@ class Tier:
         """Evict `need` (> 0) blocks that are not pinned or `protected`; the evicted keys, or None
         (nothing changed) when the policy cannot find that many (`make_room` without the count
         of free slots)."""
-        victims = self.policy.evict(need, protected)
-        if victims is None:
-            return None
-        if not victims:
-            return []
-        evicted = list(map(_first, victims))
-        self.backend.free_many(map(_second, victims))
+        if getattr(self.policy, "batch_calls", False):  # (keys and slot ids: no block objects)
+            got = self.policy.evict_ids(need, protected)
+            if got is None:
+                return None
+            evicted, ids = got
+            if not evicted:
+                return []
+            self.backend.free_ids(ids)
+        else:
+            victims = self.policy.evict(need, protected)
+            if victims is None:
+                return None
+            if not victims:
+                return []
+            evicted = list(map(_first, victims))
+            self.backend.free_many(map(_second, victims))
         if self.below is not None and self.cascade != "none":
             self._count_dropped(evicted)
         if self.clean:

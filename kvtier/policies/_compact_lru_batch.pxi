@@ -96,3 +96,29 @@ cdef class CompactLRUBatch(CompactLRUIndex):
             return True
         finally:
             PyMem_Free(idx)
+
+    def evict_ids(self, Py_ssize_t n, protected):
+        cdef Core* c = &self.c
+        cdef int32_t* chosen
+        cdef Py_ssize_t got, j
+        cdef int32_t i
+        if n <= 0:
+            return [], []
+        if n > c.count or (self.tracking and self._refuses(n, protected)):
+            return None
+        chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
+        if chosen == NULL:
+            raise MemoryError()
+        try:
+            got = self.pick(n, protected, chosen)
+            if got == 0:
+                return None
+            keys, ids = [None] * got, [None] * got
+            for j in range(got):
+                i = chosen[j]
+                keys[j] = self.key_of(i)
+                ids[j] = c.e[i].block_id
+                drop(c, i)
+            return keys, ids
+        finally:
+            PyMem_Free(chosen)

@@ -237,10 +237,30 @@ cdef class CompactLRUIndex:
         return self.evictable_count(protected) < n
 
     # ------------------------------------------------------------------ decisions
+    cdef Py_ssize_t pick(self, Py_ssize_t n, object protected, int32_t* chosen) except -1:
+        """Choose `evict(n, protected)`'s victims (0 < n <= count) into `chosen`; 0 when it
+        refuses (nothing changed). Protected entries are marked while choosing."""
+        cdef Core* c = &self.c
+        cdef int32_t i
+        cdef Py_ssize_t got = 0
+        marked = []
+        try:
+            for key in protected:
+                i = self.locate(key)
+                if i >= 0 and not c.e[i].flags & MARK:
+                    c.e[i].flags |= MARK
+                    marked.append(i)
+            got = choose_tracked(c, n, chosen) if self.tracking else choose(c, n, chosen)
+        finally:
+            for i in marked:
+                c.e[i].flags &= ~MARK
+            self.version += 1
+        return got
+
     def evict(self, Py_ssize_t n, protected):
         cdef Core* c = &self.c
         cdef int32_t* chosen
-        cdef Py_ssize_t got
+        cdef Py_ssize_t got, j
         cdef int32_t i
         if n <= 0:
             return []
@@ -249,17 +269,8 @@ cdef class CompactLRUIndex:
         chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
         if chosen == NULL:
             raise MemoryError()
-        marked = []
         try:
-            for key in protected:
-                i = self.locate(key)
-                if i >= 0 and not c.e[i].flags & MARK:
-                    c.e[i].flags |= MARK
-                    marked.append(i)
-            got = choose_tracked(&self.c, n, chosen) if self.tracking else choose(&self.c, n, chosen)
-            for i in marked:
-                c.e[i].flags &= ~MARK
-            self.version += 1
+            got = self.pick(n, protected, chosen)
             if got == 0:
                 return None
             out = []

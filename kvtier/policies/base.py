@@ -50,12 +50,14 @@ class CachePolicy(ABC):
       valid while its block stays resident; callers keep views only of pinned blocks, and settle
       blocks they inserted through `get` (see `kvtier.control.jobs.Job.finish`).
     - Batch calls (optional): `readable_run`, `absent`, `insert_written`, `pin_loads`,
-      `release_loads` and `mark_written` do for a whole request what the manager otherwise does key by key through
-      `get`, the blocks' `ref_cnt` and `pin`/`unpin`. The defaults here do exactly that; a policy
-      that owns its data layout overrides them with loops that make no block object or view and
-      sets `batch_calls = True`, and only then does the manager call them (its own loops over the
-      blocks `get` returns are faster for the other policies). An override must give the
-      defaults' answers and side effects, pin accounting included (see tests/test_manager_bulk.py).
+      `release_loads`, `mark_written` and `evict_ids` do for a whole request what the manager
+      otherwise does key by key through `get`, `insert_many`, `evict`, the blocks' `ref_cnt` and
+      `pin`/`unpin`. The defaults here do exactly that; a policy that owns its data layout
+      overrides them with loops that make no block object or view and sets `batch_calls = True`,
+      and only then does the manager call them (its own loops over the blocks `get` returns are
+      faster for the other policies). An override must give the defaults' answers and side
+      effects, pin accounting included (tests/policies/test_lru_batch.py,
+      tests/test_manager_bulk.py).
     """
 
     returns_views: bool = False  # get() returns views of the policy's own state (see above)
@@ -173,6 +175,13 @@ class CachePolicy(ABC):
             block.ref_cnt = 0
         self.unpin(keys)
         return True
+
+    def evict_ids(self, n: int, protected: set[OffloadKey]) -> tuple[list[OffloadKey], list[int]] | None:
+        """`evict(n, protected)` answered as the victims' keys and `block_id`s, or None."""
+        victims = self.evict(n, protected)
+        if victims is None:
+            return None
+        return [key for key, _ in victims], [block.block_id for _, block in victims]
 
     # ------------------------------------------------------------------ evictable accounting
     def track_pins(self) -> None:

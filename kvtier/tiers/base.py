@@ -133,6 +133,14 @@ class Backend(ABC):
         """Return a block's slot; call once per allocated block."""
         self.slots.release(block.block_id)
 
+    def free_ids(self, block_ids: list[int]) -> None:
+        """`free_many` for blocks given by their `block_id`s (a policy's `CachePolicy.evict_ids`);
+        a backend that extends `free` or `free_many` gets `BlockStatus`es of those ids."""
+        if type(self).free is Backend.free and type(self).free_many is Backend.free_many:
+            self.slots.release_many(block_ids)
+        else:
+            self.free_many(BlockStatus.many(block_ids))
+
     def free_many(self, blocks: Iterable[BlockStatus]) -> None:
         """`free` for each block (one C-level pass unless a subclass extends `free`)."""
         if type(self).free is Backend.free:

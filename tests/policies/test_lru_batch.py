@@ -1,9 +1,9 @@
 """The batch calls of `CachePolicy` (`readable_run`, `absent`, `insert_written`, `pin_loads`,
-`release_loads`, `mark_written`): the compiled `lru` index's C loops give exactly the answers and side effects of
-the defaults, which go key by key through `get`, the blocks' `ref_cnt` and `pin`/`unpin`
-(`LRUCachePolicy` runs the defaults). Batches repeat keys and mix resident, absent, pinned and
-unwritten blocks, with and without evictable accounting, so refusals (nothing changed) are
-reached as often as the common case."""
+`release_loads`, `mark_written`, `evict_ids`): the compiled `lru` index's C loops give exactly
+the answers and side effects of the defaults, which go key by key through `get`, `insert_many`,
+`evict`, the blocks' `ref_cnt` and `pin`/`unpin` (`LRUCachePolicy` runs the defaults). Batches
+repeat keys and mix resident, absent, pinned and unwritten blocks, with and without evictable
+accounting, so refusals (nothing changed) are reached as often as the common case."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("insert_written"), st.lists(st.integers(0, 11), max_size=4)),
     st.tuples(st.sampled_from(["readable_run", "absent", "pin_loads", "release_loads", "mark_written"]), BATCH),
     st.tuples(st.just("evict"), st.integers(1, 3)),
+    st.tuples(st.just("evict_ids"), st.integers(0, 3), st.lists(st.integers(0, 11), max_size=2)),
     st.tuples(st.just("touch"), BATCH),
     st.tuples(st.just("remove"), st.integers(0, 11)),
 ), max_size=60)
@@ -68,6 +69,9 @@ def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
             next_id += len(keys)
         elif kind == "evict":
             answers = [[(k, b.block_id) for k, b in p.evict(arg, set()) or ()] for p in policies]
+        elif kind == "evict_ids":
+            protected = {key(i) for i in op[2]}
+            answers = [p.evict_ids(arg, protected) for p in policies]
         elif kind == "remove":
             for p in policies:
                 p.remove(key(arg))

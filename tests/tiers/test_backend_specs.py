@@ -80,3 +80,20 @@ def test_spec_for_ids_goes_through_an_overridden_get_load_store_spec():
 
     spec = Own("cpu", 8, 16).spec_for_ids(KEYS, [2, 3, 1])
     assert seen == [[2, 3, 1]] and spec.block_ids == [2, 3, 1]
+
+
+def test_free_ids_frees_the_slots_or_goes_through_an_extended_free():
+    plain = SlotsOnly("cpu", 8, 16)
+    ids = plain.slots.allocate(3)
+    plain.free_ids(ids[:2])
+    assert plain.get_num_free_blocks() == 7
+    freed = []
+
+    class Own(SlotsOnly):
+        def free(self, block):
+            freed.append(block.block_id)
+            super().free(block)
+
+    own = Own("cpu", 8, 16)
+    own.free_ids(own.slots.allocate(2))
+    assert freed == [0, 1] and own.get_num_free_blocks() == 8
