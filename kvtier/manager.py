@@ -86,7 +86,7 @@ def _enter_new(top: Tier, keys: list[OffloadKey], batch: bool) -> LoadStoreSpec:
     the policy's batch calls, from block ids (no `BlockStatus` per new block)."""
     tail = keys[-1] if keys else None
     if batch:
-        ids = top.backend.allocate_ids(keys)
+        ids = top.backend.allocate_block_ids(keys)
         top.policy.insert_written(keys[::-1], ids[::-1], tail=tail)
         return top.backend.spec_for_ids(keys, ids)
     blocks = top.backend.allocate_blocks(keys)

@@ -136,7 +136,7 @@ class Tier:
             evicted, ids = got
             if not evicted:
                 return []
-            self.backend.free_ids(ids)
+            self.backend.free_block_ids(ids)
         else:
             victims = self.policy.evict(need, protected)
             if victims is None:

@@ -122,7 +122,7 @@ class Backend(ABC):
         """Slots for writing `keys` (caller checked `get_num_free_blocks`). Each has `ref_cnt == -1`."""
         return BlockStatus.many(self.slots.allocate(len(keys)))
 
-    def allocate_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
+    def allocate_block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
         """The `block_id`s of `allocate_blocks(keys)`, without block objects where this backend
         does not extend `allocate_blocks` (a policy's batch calls, `CachePolicy.insert_written`)."""
         if type(self).allocate_blocks is Backend.allocate_blocks:
@@ -133,7 +133,7 @@ class Backend(ABC):
         """Return a block's slot; call once per allocated block."""
         self.slots.release(block.block_id)
 
-    def free_ids(self, block_ids: list[int]) -> None:
+    def free_block_ids(self, block_ids: list[int]) -> None:
         """`free_many` for blocks given by their `block_id`s (a policy's `CachePolicy.evict_ids`);
         a backend that extends `free` or `free_many` gets `BlockStatus`es of those ids."""
         if type(self).free is Backend.free and type(self).free_many is Backend.free_many:

@@ -85,7 +85,7 @@ def test_spec_for_ids_goes_through_an_overridden_get_load_store_spec():
 def test_free_ids_frees_the_slots_or_goes_through_an_extended_free():
     plain = SlotsOnly("cpu", 8, 16)
     ids = plain.slots.allocate(3)
-    plain.free_ids(ids[:2])
+    plain.free_block_ids(ids[:2])
     assert plain.get_num_free_blocks() == 7
     freed = []
 
@@ -95,5 +95,5 @@ def test_free_ids_frees_the_slots_or_goes_through_an_extended_free():
             super().free(block)
 
     own = Own("cpu", 8, 16)
-    own.free_ids(own.slots.allocate(2))
+    own.free_block_ids(own.slots.allocate(2))
     assert freed == [0, 1] and own.get_num_free_blocks() == 8
