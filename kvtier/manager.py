@@ -33,10 +33,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque as _consume
 from collections.abc import Collection, Iterable, Sequence
-from itertools import filterfalse, repeat
-from operator import attrgetter
+from itertools import filterfalse
 from typing import Any, cast
 
 from kvtier.control.cascade import Cascade
@@ -66,12 +64,53 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
-_ref_cnt = attrgetter("ref_cnt")
 
 
-def _all_writing(blocks: list[BlockStatus]) -> bool:
-    """Whether every block is still being written (`ref_cnt == -1`), in C loops."""
-    return list(map(_ref_cnt, blocks)).count(-1) == len(blocks)
+def _all_written(blocks: list[BlockStatus]) -> bool:
+    """Make the blocks readable (`ref_cnt` -1 -> 0) when each is being written and given once;
+    otherwise change nothing and answer False. One pass: a block given twice is found at its
+    second place, readable already."""
+    for i, block in enumerate(blocks):
+        if block.ref_cnt != -1:
+            for earlier in blocks[:i]:
+                earlier.ref_cnt = -1
+            return False
+        block.ref_cnt = 0
+    return True
+
+
+def _enter_new(top: Tier, keys: list[OffloadKey], batch: bool) -> LoadStoreSpec:
+    """Allocate a request's new blocks in tier 0 and insert them being written (pinned); where
+    they are. Tail first, so that the head of a prefix ends up the most recently used; the last
+    new block is the request's tail (the `CachePolicy.insert_many` contract). `batch`: through
+    the policy's batch calls, from block ids (no `BlockStatus` per new block)."""
+    tail = keys[-1] if keys else None
+    if batch:
+        ids = top.backend.allocate_block_ids(keys)
+        top.policy.insert_written(keys[::-1], ids[::-1], tail=tail)
+        return top.backend.spec_for_ids(keys, ids)
+    blocks = top.backend.allocate_blocks(keys)
+    top.policy.insert_many(keys[::-1], blocks[::-1], tail=tail)
+    top.policy.pin(keys)
+    return top.backend.get_load_store_spec(keys, blocks)
+
+
+def _complete_each(top: Tier, keys: list[OffloadKey], blocks: list[BlockStatus | None],
+                   promoting: Collection[OffloadKey], success: bool) -> list[OffloadKey]:
+    """`complete_store` key by key: the keys whose block (`blocks[i]`) was still being written
+    and not promoted, made readable (`success`) or dropped; the others are left as they are."""
+    changed: list[OffloadKey] = []
+    for key, block in zip(keys, blocks):
+        if block is None or block.ref_cnt != -1 or key in promoting:
+            continue
+        if success:
+            block.ref_cnt = 0
+        else:
+            top.policy.unpin([key])
+            top.policy.remove(key)
+            top.backend.free(block)
+        changed.append(key)
+    return changed
 
 
 def _jobs(n: int) -> str:
@@ -103,8 +142,12 @@ class HierarchyManager(OffloadingManager):
         self._cascade = Cascade(self.tiers, self._jobs, self._log)
         self._promotions = Promotions(self.tiers, self._jobs, self._cascade, self._log)
         self._loads = LoadPins(self.tiers)
+        self._batch = getattr(self._top.policy, "batch_calls", False)  # tier 0's policy owns the loops (`CachePolicy`)
         self._shared = (SharedTier(self.tiers, self._jobs, self._cascade, self._promotions, self._log)
                         if n_local < len(self.tiers) else None)
+        self._writes_through = any(t.cascade == "on_store" for t in self.tiers[:-1])  # as `Cascade` finds them
+        self._refilled = [t for t in self.tiers[:-1] if t.cascades_on_evict]  # `refill_reserve` has work
+        self._alone = len(self.tiers) == 1  # no lower or shared tier: no promotion, probe or copy
         self._recover()
         for tier in self.tiers:
             # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
@@ -169,6 +212,11 @@ class HierarchyManager(OffloadingManager):
             self._jobs.drain()
         keys = keys if isinstance(keys, list) else list(keys)
         n = self._loads.top_run(keys)
+        if n == len(keys):
+            return n, None
+        if self._alone:
+            # (`lookup` for one tier: nothing is promoted or probed; the key is not readable there)
+            return n, LookupResult.MISS if self._top.policy.get(keys[n]) is None else LookupResult.HIT_PENDING
         lookup = self.lookup
         for key in keys[n:]:
             result = lookup(key, req_context)
@@ -205,51 +253,42 @@ class HierarchyManager(OffloadingManager):
                       req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
         if self._results_waiting():
             self._jobs.drain()
-        self._cascade.advance_writes()
+        if self._writes_through:
+            self._cascade.advance_writes()
         top = self._top
-        to_store = list(filterfalse(top.policy.get, keys))  # not resident (a BlockStatus is truthy)
-        self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
-        evicted = self._cascade.evict_for(top, len(to_store), keys)
+        to_store = top.policy.absent(keys) if self._batch else list(filterfalse(top.policy.get, keys))  # not resident
+        if self._promotions.queue:
+            self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
+        # Only resident keys can be victims: when none of `keys` is, none needs protecting.
+        evicted = self._cascade.evict_for(top, len(to_store), keys if len(to_store) != len(keys) else ())
         if evicted is None:
             return None
-        blocks = top.backend.allocate_blocks(to_store)
-        # Tail first, so that the head of a prefix ends up the most recently used; the last new
-        # block is the request's tail (the `CachePolicy.insert_many` contract).
-        top.policy.insert_many(to_store[::-1], blocks[::-1], tail=to_store[-1] if to_store else None)
-        top.policy.pin(to_store)  # being written
+        spec = _enter_new(top, to_store, self._batch)
         top.allocated_since_walk += len(to_store)
-        self._cascade.refill_reserve(top)
-        return PrepareStoreOutput(to_store, top.backend.get_load_store_spec(to_store, blocks), evicted)
+        if self._refilled:
+            self._cascade.refill_reserve(top)
+        return PrepareStoreOutput(to_store, spec, evicted)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
                        success: bool = True) -> None:
         top = self._top
         promoting = self._promotions.running
-        changed: list[OffloadKey] = []
         keys = keys if isinstance(keys, list) else list(keys)
-        blocks = list(map(top.policy.get, keys))
-        if (success and not promoting and None not in blocks and _all_writing(cast("list[BlockStatus]", blocks))
-                and len(set(keys)) == len(keys)):
-            # The common case (every key prepared by prepare_store once, none superseded): C loops.
-            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
-            changed = list(keys)
+        if self._batch and success and not promoting and top.policy.mark_written(keys):
+            changed = keys  # the common case, made readable and unpinned by the policy's loop
         else:
-            for key, block in zip(keys, blocks):
-                if block is None or block.ref_cnt != -1 or key in promoting:
-                    continue
-                if success:
-                    block.ref_cnt = 0
-                else:
-                    top.policy.unpin([key])
-                    top.policy.remove(key)
-                    top.backend.free(block)
-                changed.append(key)
-        if not success:
-            top.stats.failures += 1 if changed else 0
-            return
-        top.policy.unpin(changed)
+            blocks = list(map(top.policy.get, keys))
+            if success and not promoting and all(blocks) and _all_written(cast("list[BlockStatus]", blocks)):
+                changed = keys  # the common case: each key prepared by prepare_store once (only read below)
+            else:
+                changed = _complete_each(top, keys, blocks, promoting, success)
+            if not success:
+                top.stats.failures += 1 if changed else 0
+                return
+            top.policy.unpin(changed)
         top.stats.stores += len(changed)
-        self._log.record(top, changed, removed=False)
+        if self._log.events is not None:
+            self._log.record(top, changed, removed=False)
         below = top.below
         if below is not None:
             lower = list(map(below.policy.get, changed))
@@ -264,13 +303,15 @@ class HierarchyManager(OffloadingManager):
         return
 
     def on_schedule_end(self, context: Any = None) -> None:
-        self._jobs.drain()
-        self._cascade.advance_writes()
+        if self._results_waiting():
+            self._jobs.drain()
+        if self._writes_through:
+            self._cascade.advance_writes()
         if self._shared is not None:
             self._shared.step()  # before the flush: blocks its probes found are promoted this step
         if self._promotions.queue:
             self._promotions.flush()
-        for tier in self.tiers[:-1]:
+        for tier in self._refilled:
             self._cascade.refill_reserve(tier)
 
     def has_pending_work(self) -> bool:
@@ -282,6 +323,8 @@ class HierarchyManager(OffloadingManager):
 
     def new_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """The keys `prepare_store` would allocate in the first tier: those it does not hold."""
+        if self._batch:
+            return self._top.policy.absent(keys)
         return list(filterfalse(self._top.policy.get, keys))
 
     def store_room(self) -> int | None:

@@ -32,11 +32,10 @@ BACKENDS: dict[str, str] = {
 }
 
 POLICIES: dict[str, str] = {
-    "lru": "kvtier.policies.lru:LRUCachePolicy",
+    "lru": "kvtier.policies.compact:CompactLRUCachePolicy",  # pure-Python LRUCachePolicy when not built
     "arc": "kvtier.policies.arc:ARCCachePolicy",
     "sieve": "kvtier.policies.sieve:SIEVECachePolicy",
     "prefix-freq": "kvtier.policies.prefix:PrefixFreqCachePolicy",
-    "compact-lru": "kvtier.policies.compact:CompactLRUCachePolicy",
 }
 
 # The built-in handlers: (source spec, destination spec, factory), each a "module:attr" path. They

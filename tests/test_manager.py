@@ -118,13 +118,22 @@ def test_write_through_copies_every_completed_store_down(ctx):
     h.close()
 
 
-def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx):
+@pytest.mark.parametrize("policy", ["kvtier.policies.lru:LRUCachePolicy", "lru"], ids=["pure", "compiled"])
+def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx, policy):
     """The `CachePolicy.insert_many` contract: a request's new blocks go in tail first with
-    `tail=` its last new block; blocks copied in from another tier carry no tail."""
-    h = memory_hierarchy(hot=4, warm=16)
+    `tail=` its last new block; blocks copied in from another tier carry no tail. A policy with
+    batch calls (the compiled `lru`) gets the engine's stores through `insert_written`, alike."""
+    h = memory_hierarchy(hot=4, warm=16, hot_policy=policy)
     top = h.manager.tiers[0].policy
-    calls, real = [], top.insert_many
-    top.insert_many = lambda ks, blocks, tail=None: (calls.append((list(ks), tail)), real(ks, blocks, tail=tail))
+    calls = []
+
+    def spy(real):
+        def call(ks, blocks, tail=None):
+            calls.append((list(ks), tail))
+            return real(ks, blocks, tail=tail)
+        return call
+
+    top.insert_many, top.insert_written = spy(top.insert_many), spy(top.insert_written)
     ks = keys(8)
     store(h, ks[:4], ctx)
     store(h, ks[4:], ctx)  # ks[:4] go down

@@ -4,7 +4,10 @@ Two identical hierarchies take the same random requests: one through `lookup_run
 fast paths of `prepare_load` / `complete_load` / `touch`, the other key by key (`lookup` per key,
 `LoadPins.prepare_each`, `LoadPins.complete_each`). After every step both must hold the same blocks in
 the same eviction order with the same `ref_cnt`s, pins, promotions and counters. Batches repeat
-keys and mix tiers, so both the fast paths and their fall-backs run."""
+keys and mix tiers, so both the fast paths and their fall-backs run. The registered `lru` is the
+compiled index here, whose batch calls (`CachePolicy.batch_calls`) the fast paths use; the same
+machines run on its pure-Python fallback (the manager's own loops) and on `BatchDefaultsLRU` (the
+manager through `CachePolicy`'s default batch calls)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,19 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from test_manager_state import BLOCK, DeferredCopy
 
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
+from kvtier.config import load_config_text
+from kvtier.hierarchy import build_hierarchy
+from kvtier.policies.lru import LRUCachePolicy
 
+
+class BatchDefaultsLRU(LRUCachePolicy):
+    """The pure-Python LRU with the manager calling `CachePolicy`'s default batch calls."""
+
+    batch_calls = True
+
+
+PURE_LRU = "kvtier.policies.lru:LRUCachePolicy"
+DEFAULTS_LRU = "test_manager_bulk:BatchDefaultsLRU"
 UNIVERSE = keys(16)
 CTX = ReqContext("bulk")
 
@@ -37,19 +52,29 @@ def state(manager) -> list:
         policy = tier.policy
         order = [k for k, _ in policy.victim_candidates()]
         blocks = sorted((k, policy.get(k).ref_cnt, policy.get(k).block_id) for k in policy.keys())
-        rows.append((tier.name, order, blocks, sorted(policy._pinned or ()), sorted(tier.clean),
+        rows.append((tier.name, order, blocks, sorted(policy.pinned_keys() or ()), sorted(tier.clean),
                      dict(tier.promoted_from), tier.stats.as_dict()))
     return [rows, {k: list(v) for k, v in manager._loads.pins.items()}, sorted(manager._promotions.running)]
 
 
 class BulkEqualsPerKey(RuleBasedStateMachine):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+    ONE_TIER = False  # True: the first tier alone (`lookup_run` answers without `lookup`)
+
+    def build(self):
+        if not self.ONE_TIER:
+            return memory_hierarchy(**self.HIERARCHY)
+        return build_hierarchy(load_config_text(f"""
+block_bytes: {BLOCK}B
+tiers:
+  - {{name: hot, backend: memory, capacity: {self.HIERARCHY['hot']} blocks, policy: {self.HIERARCHY['hot_policy']}}}
+"""))
 
     def __init__(self):
         super().__init__()
         self.pairs = []
         for _ in range(2):
-            h = memory_hierarchy(**self.HIERARCHY)
+            h = self.build()
             copier = DeferredCopy(h.backends)
             h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
             self.pairs.append((h, copier))
@@ -118,15 +143,50 @@ class BulkEqualsPerKeyPrefix(BulkEqualsPerKey):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="prefix-freq")
 
 
+class BulkEqualsPerKeyPure(BulkEqualsPerKey):
+    HIERARCHY = dict(BulkEqualsPerKey.HIERARCHY, hot_policy=PURE_LRU)
+
+
+class BulkEqualsPerKeyDefaults(BulkEqualsPerKey):
+    HIERARCHY = dict(BulkEqualsPerKey.HIERARCHY, hot_policy=DEFAULTS_LRU)
+
+
+class OneTierBulkEqualsPerKey(BulkEqualsPerKey):
+    ONE_TIER = True
+
+
+class OneTierBulkEqualsPerKeyPure(BulkEqualsPerKeyPure):
+    ONE_TIER = True
+
+
+class OneTierBulkEqualsPerKeyPrefix(BulkEqualsPerKey):
+    HIERARCHY = BulkEqualsPerKeyPrefix.HIERARCHY
+    ONE_TIER = True
+
+
 FAST = settings(max_examples=80, stateful_step_count=40, deadline=None)
 TestBulkLRU = BulkEqualsPerKey.TestCase
 TestBulkLRU.settings = FAST
 TestBulkPrefix = BulkEqualsPerKeyPrefix.TestCase
 TestBulkPrefix.settings = FAST
+TestBulkPureLRU = BulkEqualsPerKeyPure.TestCase
+TestBulkPureLRU.settings = FAST
+TestBulkDefaultsLRU = BulkEqualsPerKeyDefaults.TestCase
+TestBulkDefaultsLRU.settings = FAST
+TestOneTierBulkPureLRU = OneTierBulkEqualsPerKeyPure.TestCase
+TestOneTierBulkPureLRU.settings = FAST
+TestOneTierBulkLRU = OneTierBulkEqualsPerKey.TestCase
+TestOneTierBulkLRU.settings = FAST
+TestOneTierBulkPrefix = OneTierBulkEqualsPerKeyPrefix.TestCase
+TestOneTierBulkPrefix.settings = FAST
 
 
-def test_lookup_run_stops_at_the_first_miss_and_loads_in_one_batch():
-    h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+LRUS = pytest.mark.parametrize("lru", ["lru", PURE_LRU, DEFAULTS_LRU], ids=["compiled", "pure", "defaults"])
+
+
+@LRUS
+def test_lookup_run_stops_at_the_first_miss_and_loads_in_one_batch(lru):
+    h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy=lru)
     m = h.manager
     a, b, c = UNIVERSE[:3]
     out = m.prepare_store([a, b], CTX)
@@ -146,12 +206,13 @@ def test_lookup_run_stops_at_the_first_miss_and_loads_in_one_batch():
         m.prepare_load([c], CTX)
 
 
+@LRUS
 @pytest.mark.parametrize("miss_at", [0, 1, 2, 15, 16, 17, 48, 49, 100, 150])
 @pytest.mark.parametrize("pending_at", [None, 20, 60])
-def test_lookup_run_over_several_chunks_equals_per_key(miss_at, pending_at):
+def test_lookup_run_over_several_chunks_equals_per_key(miss_at, pending_at, lru):
     """`top_run` checks tier 0 in chunks that double from `_FIRST_CHUNK`; a long request that
     stops anywhere (a miss, a block still being written) gets the per-key answer."""
-    h = memory_hierarchy(hot=200, warm=400, block_bytes=BLOCK)
+    h = memory_hierarchy(hot=200, warm=400, block_bytes=BLOCK, hot_policy=lru)
     try:
         stored = keys(150)
         out = h.manager.prepare_store(stored, CTX)
@@ -166,3 +227,88 @@ def test_lookup_run_over_several_chunks_equals_per_key(miss_at, pending_at):
         assert want[0] == min(miss_at, pending_at if pending_at is not None else miss_at)
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("order", [["a", "a"], ["a", "b", "a"], ["a", "r", "b"], ["r", "a"], ["a", "b", "gone"],
+                                   ["a", "b"]])
+@LRUS
+def test_complete_store_batches_equal_key_by_key(order, lru):
+    """`complete_store`'s one-pass path makes blocks readable only when each was being written
+    and given once; a batch with a key given twice, a readable key or an unknown key gets the
+    key-by-key answer (each block written once made readable, stores counted once each)."""
+    states = []
+    for per_key in (False, True):
+        h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy=lru)
+        try:
+            m = h.manager
+            a, b, r, gone = UNIVERSE[:4]
+            done = m.prepare_store([r], CTX)
+            m.complete_store(done.keys_to_store, CTX)
+            m.prepare_store([a, b], CTX)
+            batch = [{"a": a, "b": b, "r": r, "gone": gone}[name] for name in order]
+            if per_key:
+                for k in batch:
+                    m.complete_store([k], CTX)
+            else:
+                m.complete_store(batch, CTX)
+            top = m.tiers[0]
+            states.append(([(k, top.policy.get(k).ref_cnt) for k in (a, b, r)], sorted(top.policy.pinned_keys()),
+                           top.stats.stores))
+        finally:
+            h.close()
+    assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("shared_at", [0, 1, 2])
+@LRUS
+def test_complete_load_of_blocks_also_pinned_by_a_copy(shared_at, lru):
+    """A batch whose blocks were pinned once by the load, one of them also by a copy (a
+    demotion): `complete_load` releases the load's pins only, as key by key (the block the copy
+    holds stays pinned, the others become evictable), wherever that block is in the batch."""
+    states = []
+    for per_key in (False, True):
+        h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy=lru)
+        try:
+            m = h.manager
+            batch = UNIVERSE[:3]
+            m.complete_store(m.prepare_store(batch, CTX).keys_to_store, CTX)
+            m.prepare_load(batch, CTX)
+            top = m.tiers[0]
+            top.policy.get(batch[shared_at]).ref_cnt += 1  # what a demotion's pin does
+            top.policy.pin([batch[shared_at]])
+            if per_key:
+                m._loads.complete_each(list(batch))
+            else:
+                m.complete_load(batch, CTX)
+            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.policy.pinned_keys()), m._loads.pins))
+        finally:
+            h.close()
+    assert states[0] == states[1] and states[0][0] == [int(i == shared_at) for i in range(3)]
+
+
+@pytest.mark.parametrize("writing_at", [0, 1, 2])
+@pytest.mark.parametrize("loaded_at", [None, 0, 2])
+@LRUS
+def test_prepare_load_of_a_block_being_written_equals_key_by_key(writing_at, loaded_at, lru):
+    """A batch with a block still being written (and maybe one pinned by an earlier load):
+    the one-pass path undoes what it did and the key-by-key path answers (KeyError at that
+    block, the blocks before it pinned), exactly as `prepare_each` alone."""
+    states = []
+    for per_key in (False, True):
+        h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy=lru)
+        try:
+            m = h.manager
+            batch = list(UNIVERSE[:3])
+            ready = [k for i, k in enumerate(batch) if i != writing_at]
+            m.complete_store(m.prepare_store(ready, CTX).keys_to_store, CTX)
+            m.prepare_store([batch[writing_at]], CTX)
+            if loaded_at is not None and loaded_at != writing_at:
+                m.prepare_load([batch[loaded_at]], CTX)
+            with pytest.raises(KeyError):
+                (m._loads.prepare_each if per_key else m.prepare_load)(batch)
+            top = m.tiers[0]
+            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.policy.pinned_keys()),
+                           dict(m._loads.pins), top.stats.hits))
+        finally:
+            h.close()
+    assert states[0] == states[1]

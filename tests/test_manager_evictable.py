@@ -16,13 +16,20 @@ class AccountingMachine(ManagerMachine):
         for tier in self.m.tiers:
             policy = tier.policy
             truth = {k for k in policy.keys() if policy.get(k).ref_cnt != 0}
-            assert policy._pinned == truth, f"{tier.name}: counted {policy._pinned ^ truth} wrongly"
+            pinned = policy.pinned_keys()
+            assert pinned == truth, f"{tier.name}: counted {pinned ^ truth} wrongly"
             evictable = sum(1 for k in policy.keys() if policy.get(k).ref_cnt == 0)
             assert policy.evictable_count() == evictable
 
 
 class LRUAccounting(AccountingMachine):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
+
+
+class PureLRUAccounting(AccountingMachine):
+    """`lru`'s pure-Python fallback (the registered `lru` is the compiled index here)."""
+
+    HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="kvtier.policies.lru:LRUCachePolicy")
 
 
 class PrefixAccounting(AccountingMachine):
@@ -32,6 +39,8 @@ class PrefixAccounting(AccountingMachine):
 FAST = settings(max_examples=60, stateful_step_count=40, deadline=None)
 TestLRUAccounting = LRUAccounting.TestCase
 TestLRUAccounting.settings = FAST
+TestPureLRUAccounting = PureLRUAccounting.TestCase
+TestPureLRUAccounting.settings = FAST
 TestPrefixAccounting = PrefixAccounting.TestCase
 TestPrefixAccounting.settings = FAST
 TestARCAccounting = AccountingMachine.TestCase

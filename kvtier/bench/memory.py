@@ -1,6 +1,6 @@
 """Index memory per resident block, measured as RSS growth (issue 19: <= 100 bytes including the key).
 
-    python -m kvtier.bench.memory [--blocks 1000000,8000000] [--policies lru,prefix-freq,compact-lru,vllm-lru]
+    python -m kvtier.bench.memory [--blocks 1000000,8000000] [--policies lru,lru-py,prefix-freq,vllm-lru]
                                   [--json FILE]
 
 Each (policy, N) runs in a fresh child process: resident set size (/proc/self/statm) before, then
@@ -9,11 +9,13 @@ N resident blocks inserted the way the manager stores them (evictable accounting
 `unpin`), in chunks of 64Ki keys of 32-byte block hash + 4-byte group (vLLM's sha256 keys), then
 `gc.collect()` and RSS after. The chunks' key lists are dropped after each chunk: a dict-based
 policy keeps every key object (that is its real cost), the compact index copies the bytes and
-keeps none. `vllm-lru` is vLLM's `CPUOffloadingManager` with its LRU policy, driven through
-`prepare_store`/`complete_store` with one request context per chunk (dropped after it).
+keeps none. `lru` is the registered name (the compiled index when it is built), `lru-py` the
+pure-Python `LRUCachePolicy` (its fallback). `vllm-lru` is vLLM's `CPUOffloadingManager` with its
+LRU policy, driven through `prepare_store`/`complete_store` with one request context per chunk
+(dropped after it).
 
 Figures are bytes of RSS growth per block (so they include allocator overhead and the
-fragmentation the insert pattern causes) and, for compact-lru, the bytes its arrays allocate.
+fragmentation the insert pattern causes) and, for the compiled `lru`, the bytes its arrays allocate.
 This is a benchmark, not a test: it prints rows and optionally writes JSON.
 """
 
@@ -30,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-POLICIES = ("lru", "prefix-freq", "compact-lru", "vllm-lru")
+POLICIES = ("lru", "lru-py", "prefix-freq", "vllm-lru")
+_NAMES = {"lru-py": "kvtier.policies.lru:LRUCachePolicy"}  # bench names that are not registered
 CHUNK = 1 << 16
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -51,7 +54,7 @@ def _fill_kvtier(name: str, n: int) -> Any:
     from kvtier.policies.base import with_key_index
     from kvtier.types import BlockStatus
 
-    policy = with_key_index(registry.resolve(registry.POLICIES, name)(n))
+    policy = with_key_index(registry.resolve(registry.POLICIES, _NAMES.get(name, name))(n))
     policy.track_pins()
     for start in range(0, n, CHUNK):
         keys = _keys(start, min(n, start + CHUNK))
@@ -88,7 +91,7 @@ def measure(name: str, n: int) -> dict[str, Any]:
         from kvtier import registry
         from kvtier.types import BlockStatus  # noqa: F401
 
-        registry.resolve(registry.POLICIES, name)
+        registry.resolve(registry.POLICIES, _NAMES.get(name, name))
     _keys(0, 8)
     gc.collect()
     before = rss_bytes()

@@ -73,15 +73,19 @@ class Cascade:
             dirty = self._dirty_victims(tier, need, protected)
             if dirty:
                 self._demote(tier, dirty)
-                self._jobs.drain()
-        elif tier.unwritten and not tier.lower_full:
+                self._jobs.drain()  # (jobs that ended may have freed slots: counted again)
+            return self.make_room(tier, n, protected)
+        if tier.unwritten and not tier.lower_full:
             return self._evict_written(tier, n, need, protected)
-        return self.make_room(tier, n, protected)
+        evicted = tier.evict(need, protected)
+        if evicted and self._events.events is not None:
+            self._events.record(tier, evicted, removed=True)
+        return evicted
 
     def make_room(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         """`Tier.make_room`, recording the evictions as events."""
         evicted = tier.make_room(n, protected)
-        if evicted:
+        if evicted and self._events.events is not None:
             self._events.record(tier, evicted, removed=True)
         return evicted
 

@@ -66,7 +66,8 @@ class Job:
         _consume(map(setattr, self.src_blocks, repeat("ref_cnt"), ref_cnts), 0)
         src.policy.unpin(list(compress(self.keys, map(not_, ref_cnts))))
         if result.success:
-            _consume(map(setattr, _held(dst, self.keys, self.dst_blocks), repeat("ref_cnt"), repeat(0)), 0)
+            for block in _held(dst, self.keys, self.dst_blocks):  # (a loop writes a ctypes field faster)
+                block.ref_cnt = 0
             dst.policy.unpin(self.keys)
             src.stats.bytes_out += result.transfer_size or 0
             src.stats.seconds_out += result.transfer_time or 0.0

@@ -4,7 +4,9 @@ A load pins each block (`ref_cnt += 1`) in the tier it is read from: tier 0, or 
 engine loads directly. `pins` maps a key to the tiers it is pinned in, in order, so `complete_load`
 releases the last pin first. The common case (distinct keys, all readable in tier 0, none pinned
 before; promoted there or not) runs in C loops over the batch; anything else goes key by key, with the same
-answers and side effects (`tests/test_manager_bulk.py` checks the two against each other).
+answers and side effects (`tests/test_manager_bulk.py` checks the two against each other). When
+tier 0's policy has batch calls (`CachePolicy.batch_calls`) the common case is its `readable_run`,
+`pin_loads` and `release_loads`, with no block object or view per key.
 """
 
 from __future__ import annotations
@@ -24,33 +26,31 @@ _FIRST_CHUNK = 16  # keys `top_run` checks in its first C pass; later passes dou
 _TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
 
 
-def _ref_cnts(blocks: list[BlockStatus | None]) -> list[int]:
-    """The blocks' `ref_cnt`s, -1 (not readable) for a missing block, in C loops."""
-    return list(map(getattr, blocks, repeat("ref_cnt"), repeat(-1)))
-
-
 class LoadPins:
     """The load path over a hierarchy's tiers and the pins it holds (see the module docstring)."""
 
     def __init__(self, tiers: list[Tier]):
         self.tiers = tiers
         self.top = tiers[0]
+        self.batch = getattr(tiers[0].policy, "batch_calls", False)  # (the policy owns the loops: see CachePolicy)
         # key -> tiers pinned by prepare_load, in order (tuples: `_TOP_ONLY` is shared by the fast path)
         self.pins: dict[OffloadKey, tuple[int, ...]] = {}
 
     def prepare(self, keys: list[OffloadKey]) -> LoadStoreSpec:
         """Pin `keys` (each answered HIT by `lookup`) and return where to load them from."""
-        spec = self.prepare_top(keys)
+        spec = self.prepare_batch(keys) if self.batch else self.prepare_top(keys)
         return spec if spec is not None else self.prepare_each(keys)
 
     def complete(self, keys: list[OffloadKey]) -> None:
         """Release the pins `prepare` took for `keys` (the last pin of a key pinned twice)."""
-        if not self.complete_top(keys):
+        if not (self.complete_batch(keys) if self.batch else self.complete_top(keys)):
             self.complete_each(keys)
 
     def top_run(self, keys: list[OffloadKey]) -> int:
         """How many leading `keys` are readable in tier 0, in C loops over chunks that double in
         size (a request that misses early costs little more than one `get`)."""
+        if self.batch:
+            return self.top.policy.readable_run(keys)
         get = self.top.policy.get
         if not keys or getattr(get(keys[0]), "ref_cnt", -1) < 0:
             return 0  # most misses miss at once: no lists built
@@ -67,29 +67,59 @@ class LoadPins:
         """`prepare_load` in C loops for the common case: distinct keys, every one readable in
         tier 0 (promoted there or not), none pinned by an earlier load; None (nothing changed)
         otherwise."""
-        top, pins, promoted = self.top, self.pins, self.top.promoted_from
-        blocks = list(map(top.policy.get, keys))
-        ref_cnts = _ref_cnts(blocks)
-        if not keys or -1 in ref_cnts or (pins and not pins.keys().isdisjoint(keys)):
-            return None
+        top, pins = self.top, self.pins
+        found = list(map(top.policy.get, keys))
+        if not keys or not all(found) or (pins and not pins.keys().isdisjoint(keys)):
+            return None  # (a BlockStatus is truthy: all(found) means all resident)
         before = len(pins)
         pins.update(zip(keys, repeat(_TOP_ONLY)))
         if len(pins) - before != len(keys):  # a key given twice: pinned twice, key by key
             _consume(map(pins.pop, keys, repeat(None)), 0)
             return None
-        if ref_cnts.count(0) == len(ref_cnts):  # none pinned before (the common case)
-            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(1)), 0)
+        blocks = cast("list[BlockStatus]", found)
+        for done, block in enumerate(blocks):  # noqa: B007 - (where it stopped) none pinned before: 0 -> 1
+            if block.ref_cnt:
+                break
+            block.ref_cnt = 1
         else:
-            _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
+            done = len(blocks)
+        if done < len(blocks):  # pinned by others too, or not readable (being written): undone
+            ref_cnts = list(map(_ref_cnt, blocks[done:]))
+            if -1 in ref_cnts:
+                for block in blocks[:done]:
+                    block.ref_cnt = 0
+                _consume(map(pins.pop, keys, repeat(None)), 0)
+                return None
+            _consume(map(setattr, blocks[done:], repeat("ref_cnt"), map(add, ref_cnts, repeat(1))), 0)
+        self._credit(keys)
+        top.policy.pin(keys)
+        return top.backend.get_load_store_spec(keys, blocks)
+
+    def prepare_batch(self, keys: list[OffloadKey]) -> LoadStoreSpec | None:
+        """`prepare_top` through tier 0's batch calls (`CachePolicy.pin_loads`): the same
+        cases, answers and side effects, no block object per key."""
+        pins = self.pins
+        if not keys or (pins and not pins.keys().isdisjoint(keys)):
+            return None
+        before = len(pins)
+        pins.update(zip(keys, repeat(_TOP_ONLY)))
+        ids = self.top.policy.pin_loads(keys) if len(pins) - before == len(keys) else None
+        if ids is None:  # a key given twice (pinned twice, key by key), or one not readable
+            _consume(map(pins.pop, keys, repeat(None)), 0)
+            return None
+        self._credit(keys)
+        return self.top.backend.spec_for_ids(keys, ids)
+
+    def _credit(self, keys: list[OffloadKey]) -> None:
+        """Count the hits of a batch loaded from tier 0."""
+        promoted = self.top.promoted_from
         if promoted and not promoted.keys().isdisjoint(keys):
             # Promoted into tier 0 and loaded now: the tier that supplied each is credited.
             origins = list(map(promoted.pop, keys, repeat(0)))
             for origin in sorted(set(origins)):
                 self.tiers[origin].stats.hits += origins.count(origin)
         else:
-            top.stats.hits += len(keys)
-        top.policy.pin(keys)
-        return top.backend.get_load_store_spec(keys, cast("list[BlockStatus]", blocks))
+            self.top.stats.hits += len(keys)
 
     def prepare_each(self, keys: list[OffloadKey]) -> LoadStoreSpec:
         """`prepare_load` key by key: blocks in lower tiers, keys loaded twice, promoted keys."""
@@ -129,15 +159,29 @@ class LoadPins:
             pins.update(compress(zip(keys, cast("list[tuple[int, ...]]", popped)), popped))  # put back: no change
             return False
         top = self.top
-        blocks = list(map(top.policy.get, keys))
-        ref_cnts = list(map(_ref_cnt, blocks))
-        if ref_cnts.count(1) == len(ref_cnts):  # each pinned by this load only (the common case)
-            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)), 0)
+        blocks = cast("list[BlockStatus]", list(map(top.policy.get, keys)))
+        for done, block in enumerate(blocks):  # noqa: B007 - (where it stopped) each pinned by this load only: 1 -> 0
+            if block.ref_cnt != 1:
+                break
+            block.ref_cnt = 0
+        else:
             top.policy.unpin(keys)
             return True
-        ref_cnts = list(map(add, ref_cnts, repeat(-1)))
-        _consume(map(setattr, blocks, repeat("ref_cnt"), ref_cnts), 0)
-        top.policy.unpin(list(compress(keys, map(not_, ref_cnts))))
+        ref_cnts = list(map(add, map(_ref_cnt, blocks[done:]), repeat(-1)))  # (pinned by others too)
+        _consume(map(setattr, blocks[done:], repeat("ref_cnt"), ref_cnts), 0)
+        top.policy.unpin(keys[:done] + list(compress(keys[done:], map(not_, ref_cnts))))
+        return True
+
+    def complete_batch(self, keys: list[OffloadKey]) -> bool:
+        """`complete_top` through tier 0's batch calls (`CachePolicy.release_loads`)."""
+        pins = self.pins
+        if not keys:
+            return False
+        popped = list(map(pins.pop, keys, repeat(None)))
+        if popped.count(_TOP_ONLY) != len(keys):  # pinned elsewhere or twice, not pinned, or given twice
+            pins.update(compress(zip(keys, cast("list[tuple[int, ...]]", popped)), popped))  # put back: no change
+            return False
+        self.top.policy.release_loads(keys)
         return True
 
     def complete_each(self, keys: list[OffloadKey]) -> None:

@@ -7,12 +7,16 @@ from collections import deque as _consume
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from itertools import repeat
+from operator import itemgetter
 from typing import Any
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.tiers.base import Backend
 from kvtier.types import DEFAULT_CASCADE, DEFAULT_RESERVE, BlockStatus
+
+_first = itemgetter(0)
+_second = itemgetter(1)
 
 
 @dataclass
@@ -119,18 +123,34 @@ class Tier:
         need = n - self.backend.get_num_free_blocks()
         if need <= 0:
             return []
-        victims = self.policy.evict(need, protected if isinstance(protected, set) else set(protected))
-        if victims is None:
-            return None
-        if not victims:
-            return []
-        evicted_keys, blocks = zip(*victims)
-        evicted = list(evicted_keys)
-        self.backend.free_many(blocks)
-        self._count_dropped(evicted)
+        return self.evict(need, protected if isinstance(protected, set) else set(protected))
+
+    def evict(self, need: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
+        """Evict `need` (> 0) blocks that are not pinned or `protected`; the evicted keys, or None
+        (nothing changed) when the policy cannot find that many (`make_room` without the count
+        of free slots)."""
+        if getattr(self.policy, "batch_calls", False):  # (keys and slot ids: no block objects)
+            got = self.policy.evict_ids(need, protected)
+            if got is None:
+                return None
+            evicted, ids = got
+            if not evicted:
+                return []
+            self.backend.free_block_ids(ids)
+        else:
+            victims = self.policy.evict(need, protected)
+            if victims is None:
+                return None
+            if not victims:
+                return []
+            evicted = list(map(_first, victims))
+            self.backend.free_many(map(_second, victims))
+        if self.below is not None and self.cascade != "none":
+            self._count_dropped(evicted)
         if self.clean:
             self.clean.difference_update(evicted)
-        self.forget(evicted)
+        if self.unwritten or self.write_failed:
+            self.forget(evicted)
         if self.above is not None:
             self.above.clean.difference_update(evicted)
         elif self.promoted_from:
@@ -139,9 +159,8 @@ class Tier:
         return evicted
 
     def _count_dropped(self, evicted: list[OffloadKey]) -> None:
-        """Count the evicted blocks that had no copy below (lost to the hierarchy)."""
-        if self.below is None or self.cascade == "none":
-            return
+        """Count the evicted blocks that had no copy below (lost to the hierarchy); a tier that
+        cascades (`below` set, cascade not `none`)."""
         dropped = len(evicted) - len(self.clean.intersection(evicted))
         self.stats.cascade_dropped += dropped
         if dropped and self.cascade == "on_store":

@@ -1,5 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The compiled core of `compact-lru` (kvtier.policies.compact): LRU decisions over C arrays.
+"""The compiled core of `lru` (kvtier.policies.compact): LRU decisions over C arrays.
 
 No Python object per resident block. Per entry: a 40-byte record (block id, ref_cnt, the key's
 hash and length, links, flags, sequence number) in one array, the key bytes inline in a second
@@ -135,7 +135,7 @@ cdef int grow(Core* c) except -1:
     cdef int32_t cap = c.cap * 2
     cdef void* p
     if c.cap >= MAX_ENTRIES:
-        raise MemoryError(f"compact-lru holds at most {MAX_ENTRIES} blocks")
+        raise MemoryError(f"lru (compiled) holds at most {MAX_ENTRIES} blocks")
     p = PyMem_Realloc(c.e, cap * sizeof(Entry))
     if p == NULL:
         raise MemoryError()
@@ -252,6 +252,18 @@ cdef Item heap_pop(Core* c) noexcept nogil:
     return top
 
 
+cdef int unpin_entry(Core* c, int32_t i) except -1:
+    """Entry i became evictable (`unpin`): no longer counted as pinned; an aside entry is queued
+    in the freed heap (duplicates are skipped when popped)."""
+    cdef Entry* e = &c.e[i]
+    if e.flags & PINNED:
+        e.flags &= ~PINNED
+        c.npinned -= 1
+    if e.flags & ASIDE:
+        heap_push(c, Item(e.seq, i))
+    return 0
+
+
 cdef int scan_head(Core* c, Py_ssize_t need, int32_t* chosen) except -1:
     """Put the `need` oldest evictable, unmarked entries of the order in `chosen`, setting aside
     the pinned and marked (protected) ones met before them; 0 (nothing chosen, the found ones
@@ -327,3 +339,4 @@ cdef Py_ssize_t choose_tracked(Core* c, Py_ssize_t n, int32_t* chosen) except -1
 
 
 include "_compact_lru_index.pxi"
+include "_compact_lru_batch.pxi"

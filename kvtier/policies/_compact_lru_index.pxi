@@ -20,7 +20,7 @@ cdef class BlockView:
         cdef Entry* e = &c.e[self.idx]
         if (not e.flags & USED or e.block_id != self.block_id or e.klen != PyBytes_GET_SIZE(self.key)
                 or memcmp(key_at(c, self.idx), PyBytes_AS_STRING(self.key), e.klen) != 0):
-            raise LookupError(f"compact-lru: block {self.block_id} of key {self.key!r} is no longer resident; "
+            raise LookupError(f"lru: block {self.block_id} of key {self.key!r} is no longer resident; "
                               "a view from get() is valid only while its block stays resident (pinned)")
         return e
 
@@ -63,7 +63,7 @@ cdef class CompactLRUIndex:
         if cap <= 0:
             raise ValueError(f"cache_capacity must be > 0 blocks, got {cache_capacity}")
         if cap > MAX_ENTRIES:
-            raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for compact-lru, got {cap}")
+            raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for lru, got {cap}")
         slots = 8
         while slots < 2 * cap:
             slots *= 2
@@ -99,23 +99,24 @@ cdef class CompactLRUIndex:
         cdef int32_t i = self.locate(key)
         return None if i < 0 else view_of(self, i, key)
 
-    cdef int put(self, object key, int64_t block_id, int32_t ref_cnt) except -1:
+    cdef int32_t put(self, object key, int64_t block_id, int32_t ref_cnt) except -1:
+        """Enter a block (or overwrite a resident one's values); its entry."""
         cdef Core* c = &self.c
         cdef Py_ssize_t klen
         cdef Py_hash_t h
         cdef int32_t i
         if not PyBytes_Check(key):
-            raise TypeError(f"compact-lru: a key must be bytes (an OffloadKey), got {type(key).__name__}")
+            raise TypeError(f"lru: a key must be bytes (an OffloadKey), got {type(key).__name__}")
         klen = PyBytes_GET_SIZE(key)
         if klen > MAX_KEY:
-            raise ValueError(f"compact-lru: a key must be at most {MAX_KEY} bytes, got {klen}")
+            raise ValueError(f"lru: a key must be at most {MAX_KEY} bytes, got {klen}")
         h = PyObject_Hash(key)
         if c.keys == NULL or klen > c.width:
             widen(c, max(klen, c.width, 1))
         i = find(c, PyBytes_AS_STRING(key), klen, h) if c.count else -1
         if i >= 0:  # resident already (outside the contract): the new values, the same place, as LRU
             c.e[i].block_id, c.e[i].ref_cnt = block_id, ref_cnt
-            return 0
+            return i
         if c.free >= 0:
             i = c.free
             c.free = c.e[i].next
@@ -131,7 +132,7 @@ cdef class CompactLRUIndex:
         link_tail(c, &c.order, i)
         c.count += 1
         self.version += 1
-        return 0
+        return i
 
     def insert(self, key, block):
         """Copy `block.block_id` and `block.ref_cnt` into a new entry (`block` is not kept)."""
@@ -205,19 +206,19 @@ cdef class CompactLRUIndex:
 
     def unpin(self, keys):
         cdef int32_t i
-        cdef Entry* e
         if not self.tracking:
             return
         for key in keys:
             i = self.locate(key)
-            if i < 0:
-                continue
-            e = &self.c.e[i]
-            if e.flags & PINNED:
-                e.flags &= ~PINNED
-                self.c.npinned -= 1
-            if e.flags & ASIDE:
-                heap_push(&self.c, Item(e.seq, i))
+            if i >= 0:
+                unpin_entry(&self.c, i)
+
+    def pinned_keys(self):
+        """The resident keys counted as pinned (a new set), or None when pins are not tracked."""
+        cdef int32_t i
+        if not self.tracking:
+            return None
+        return {self.key_of(i) for i in range(self.c.hw) if self.c.e[i].flags & USED and self.c.e[i].flags & PINNED}
 
     def evictable_count(self, protected=()):
         cdef int32_t i
@@ -236,10 +237,30 @@ cdef class CompactLRUIndex:
         return self.evictable_count(protected) < n
 
     # ------------------------------------------------------------------ decisions
+    cdef Py_ssize_t pick(self, Py_ssize_t n, object protected, int32_t* chosen) except -1:
+        """Choose `evict(n, protected)`'s victims (0 < n <= count) into `chosen`; 0 when it
+        refuses (nothing changed). Protected entries are marked while choosing."""
+        cdef Core* c = &self.c
+        cdef int32_t i
+        cdef Py_ssize_t got = 0
+        marked = []
+        try:
+            for key in protected:
+                i = self.locate(key)
+                if i >= 0 and not c.e[i].flags & MARK:
+                    c.e[i].flags |= MARK
+                    marked.append(i)
+            got = choose_tracked(c, n, chosen) if self.tracking else choose(c, n, chosen)
+        finally:
+            for i in marked:
+                c.e[i].flags &= ~MARK
+            self.version += 1
+        return got
+
     def evict(self, Py_ssize_t n, protected):
         cdef Core* c = &self.c
         cdef int32_t* chosen
-        cdef Py_ssize_t got
+        cdef Py_ssize_t got, j
         cdef int32_t i
         if n <= 0:
             return []
@@ -248,17 +269,8 @@ cdef class CompactLRUIndex:
         chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
         if chosen == NULL:
             raise MemoryError()
-        marked = []
         try:
-            for key in protected:
-                i = self.locate(key)
-                if i >= 0 and not c.e[i].flags & MARK:
-                    c.e[i].flags |= MARK
-                    marked.append(i)
-            got = choose_tracked(&self.c, n, chosen) if self.tracking else choose(&self.c, n, chosen)
-            for i in marked:
-                c.e[i].flags &= ~MARK
-            self.version += 1
+            got = self.pick(n, protected, chosen)
             if got == 0:
                 return None
             out = []
@@ -286,7 +298,7 @@ cdef class CompactLRUIndex:
                     key = self.key_of(i)
                     yield key, view_of(self, i, key)
                     if self.version != version:
-                        raise RuntimeError("compact-lru changed during victim_candidates iteration")
+                        raise RuntimeError("lru changed during victim_candidates iteration")
                 i = self.c.e[i].next
 
     def victim_keys(self, Py_ssize_t n):

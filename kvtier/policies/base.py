@@ -6,7 +6,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from itertools import islice
 from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus
@@ -49,9 +49,19 @@ class CachePolicy(ABC):
       and not updated later, and blocks are compared by `block_id`, not identity. A view is
       valid while its block stays resident; callers keep views only of pinned blocks, and settle
       blocks they inserted through `get` (see `kvtier.control.jobs.Job.finish`).
+    - Batch calls (optional): `readable_run`, `absent`, `insert_written`, `pin_loads`,
+      `release_loads`, `mark_written` and `evict_ids` do for a whole request what the manager
+      otherwise does key by key through `get`, `insert_many`, `evict`, the blocks' `ref_cnt` and
+      `pin`/`unpin`. The defaults here do exactly that; a policy that owns its data layout
+      overrides them with loops that make no block object or view and sets `batch_calls = True`,
+      and only then does the manager call them (its own loops over the blocks `get` returns are
+      faster for the other policies). An override must give the defaults' answers and side
+      effects, pin accounting included (tests/policies/test_lru_batch.py,
+      tests/test_manager_bulk.py).
     """
 
     returns_views: bool = False  # get() returns views of the policy's own state (see above)
+    batch_calls: bool = False  # the manager uses the batch calls (see above)
     _pinned: set[OffloadKey] | None = None  # resident keys not evictable; None: not tracking
 
     def __init__(self, cache_capacity: int) -> None:
@@ -103,6 +113,76 @@ class CachePolicy(ABC):
         are fewer), as a list. Policies override it with C loops where that is faster."""
         return list(islice(map(_first, self.victim_candidates()), max(n, 0)))
 
+    # ------------------------------------------------------------------ batch calls
+    def readable_run(self, keys: Sequence[OffloadKey]) -> int:
+        """How many leading `keys` are resident and readable (`ref_cnt >= 0`)."""
+        get = self.get
+        for n, key in enumerate(keys):
+            block = get(key)
+            if block is None or block.ref_cnt < 0:
+                return n
+        return len(keys)
+
+    def absent(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """The `keys` not resident, in order."""
+        get = self.get
+        return [key for key in keys if get(key) is None]
+
+    def insert_written(self, keys: Sequence[OffloadKey], block_ids: Sequence[int],
+                       tail: OffloadKey | None = None) -> None:
+        """Insert new blocks being written (`ref_cnt == -1`) with these `block_ids` and `pin` them:
+        `insert_many(keys, BlockStatus.many(block_ids), tail)`, then `pin(keys)`."""
+        if len(block_ids) != len(keys):
+            raise ValueError(f"insert_written: {len(keys)} keys but {len(block_ids)} block ids")
+        self.insert_many(keys, BlockStatus.many(block_ids), tail=tail)
+        self.pin(keys)
+
+    def pin_loads(self, keys: Sequence[OffloadKey]) -> list[int] | None:
+        """Pin blocks for reading: when every key is resident and readable, add 1 to each
+        block's `ref_cnt` (a key given twice: 2), `pin(keys)`, and return their `block_id`s in
+        order; otherwise change nothing and return None."""
+        blocks = list(map(self.get, keys))
+        if not all(block is not None and block.ref_cnt >= 0 for block in blocks):
+            return None
+        for block in cast("list[BlockStatus]", blocks):
+            block.ref_cnt += 1
+        self.pin(keys)
+        return [cast("BlockStatus", block).block_id for block in blocks]
+
+    def release_loads(self, keys: Sequence[OffloadKey]) -> None:
+        """Undo `pin_loads(keys)`: subtract 1 from each block's `ref_cnt` and `unpin` those that
+        reach 0. Raises KeyError (nothing changed) if a key is not resident."""
+        blocks = list(map(self.get, keys))
+        if None in blocks:
+            raise KeyError(keys[blocks.index(None)])
+        released = []
+        for key, block in zip(keys, cast("list[BlockStatus]", blocks)):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                released.append(key)
+        self.unpin(released)
+
+    def mark_written(self, keys: Sequence[OffloadKey]) -> bool:
+        """Make blocks written readable: when every key is resident, being written
+        (`ref_cnt == -1`) and given once, set each `ref_cnt` to 0, `unpin(keys)` and return True;
+        otherwise change nothing and return False."""
+        blocks = list(map(self.get, keys))
+        for i, block in enumerate(blocks):
+            if block is None or block.ref_cnt != -1:  # (a key given twice: 0 at its second place)
+                for earlier in cast("list[BlockStatus]", blocks[:i]):
+                    earlier.ref_cnt = -1
+                return False
+            block.ref_cnt = 0
+        self.unpin(keys)
+        return True
+
+    def evict_ids(self, n: int, protected: set[OffloadKey]) -> tuple[list[OffloadKey], list[int]] | None:
+        """`evict(n, protected)` answered as the victims' keys and `block_id`s, or None."""
+        victims = self.evict(n, protected)
+        if victims is None:
+            return None
+        return [key for key, _ in victims], [block.block_id for _, block in victims]
+
     # ------------------------------------------------------------------ evictable accounting
     def track_pins(self) -> None:
         """Start evictable accounting: the caller will report `pin`/`unpin` from now on (see the
@@ -119,6 +199,11 @@ class CachePolicy(ABC):
         """Resident blocks `keys` became evictable again (their `ref_cnt` reached 0)."""
         if self._pinned is not None:
             self._pinned.difference_update(keys)
+
+    def pinned_keys(self) -> set[OffloadKey] | None:
+        """The resident keys counted as not evictable (a new set), or None when pins are not
+        tracked: for checks and inspection, not the request path."""
+        return None if self._pinned is None else set(self._pinned)
 
     def _forget_pin(self, key: OffloadKey) -> None:
         """A key left the tier (`remove`): it is no longer counted as pinned."""

@@ -1,16 +1,18 @@
-"""`compact-lru`: LRU's decisions with its data layout owned by compiled code.
+"""`lru`: LRU's decisions with its data layout owned by compiled code, when it is built.
 
 `CompactLRUCachePolicy` is the compiled index (kvtier/policies/_compact_lru.pyx, built by
 `pip install` with the C compiler there) completed into a `CachePolicy`: about 85 bytes per
-resident block including the key, against some 340 for `lru` (its dict entry, block object and
-key object); see docs/policies.md. Its `get` returns views of state the policy keeps
-(`returns_views`): a view's `ref_cnt` reads and writes the policy's arrays, the objects given to
-`insert` are copied and not kept, and blocks are compared by `block_id`, not identity. A view is
-valid while its block stays resident; the manager holds views only of pinned blocks.
+resident block including the key, against some 340 for the pure-Python `LRUCachePolicy` (its dict
+entry, block object and key object); see docs/policies.md. Its `get` returns views of state the
+policy keeps (`returns_views`): a view's `ref_cnt` reads and writes the policy's arrays, the
+objects given to `insert` are copied and not kept, and blocks are compared by `block_id`, not
+identity. A view is valid while its block stays resident; the manager holds views only of pinned
+blocks. It implements the batch calls of the request cycle (`CachePolicy.readable_run`,
+`pin_loads`, `release_loads`, `mark_written`) in C loops.
 
-When the extension is not importable (no compiler at install time) the name resolves to
-`PurePythonCompactLRU`, a plain `LRUCachePolicy` (the same decisions, LRU's memory), and the first
-policy built says so in the log. The same conformance suites run against both.
+When the extension is not importable (no compiler at install time) the registered name `lru`
+resolves to `PurePythonCompactLRU`, a plain `LRUCachePolicy` (the same decisions, more memory),
+and the first policy built says so in the log. The same conformance suites run against both.
 """
 
 from __future__ import annotations
@@ -24,19 +26,19 @@ from kvtier.policies.lru import LRUCachePolicy
 log = logging.getLogger(__name__)
 
 try:
-    from kvtier.policies._compact_lru import CompactLRUIndex
+    from kvtier.policies._compact_lru import CompactLRUBatch
 except ImportError as exc:  # not built: the fallback below
-    CompactLRUIndex = None  # type: ignore[assignment,misc]
+    CompactLRUBatch = None  # type: ignore[assignment,misc]
     _IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}"
 else:
     _IMPORT_ERROR = None
 
-COMPILED = CompactLRUIndex is not None
+COMPILED = CompactLRUBatch is not None
 _warned = False
 
 
 class PurePythonCompactLRU(LRUCachePolicy):
-    """`compact-lru` without its compiled index: `LRUCachePolicy` itself (the same decisions)."""
+    """`lru` without its compiled index: `LRUCachePolicy` itself (the same decisions)."""
 
     compiled: ClassVar[bool] = False
 
@@ -45,16 +47,18 @@ class PurePythonCompactLRU(LRUCachePolicy):
         super().__init__(cache_capacity)
         if not _warned and type(self) is _FALLBACK_SAYS:
             _warned = True
-            log.warning("compact-lru: the compiled index kvtier.policies._compact_lru is not built (%s); using "
-                        "the pure-Python fallback (LRU's decisions and memory). Reinstall kvtier with a C "
-                        "compiler and Python headers present (pip install -e .) to build it.", _IMPORT_ERROR)
+            log.warning("lru: the compiled index kvtier.policies._compact_lru is not built (%s); using "
+                        "the pure-Python fallback (the same decisions, about 4x the memory per block). "
+                        "Reinstall kvtier with a C compiler and Python headers present (pip install -e .) "
+                        "to build it.", _IMPORT_ERROR)
 
 
-if CompactLRUIndex is not None:
-    class CompactLRUCachePolicy(CompactLRUIndex, CachePolicy):
+if CompactLRUBatch is not None:
+    class CompactLRUCachePolicy(CompactLRUBatch, CachePolicy):
         """LRU over C arrays (see the module docstring)."""
 
         returns_views = True
+        batch_calls = True
         compiled: ClassVar[bool] = True
 
         def __init__(self, cache_capacity: int) -> None:
@@ -64,6 +68,6 @@ if CompactLRUIndex is not None:
             return f"CompactLRUCachePolicy({len(self)}/{self.cache_capacity} blocks)"
 else:
     class CompactLRUCachePolicy(PurePythonCompactLRU):  # type: ignore[no-redef]
-        """`compact-lru` without its compiled index (see `PurePythonCompactLRU`)."""
+        """`lru` without its compiled index (see `PurePythonCompactLRU`)."""
 
 _FALLBACK_SAYS = CompactLRUCachePolicy  # only the registered name warns, not tests that pick the fallback

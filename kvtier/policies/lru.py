@@ -106,10 +106,20 @@ class LRUCachePolicy(CachePolicy):
         """`evict` with evictable accounting: refuse at once when fewer than n blocks are
         evictable; take freed aside blocks first, then the order's head, setting aside the
         pinned (and protected) blocks met there so that no later eviction scans them again."""
-        if self._refuses(n, protected):
-            return None
         blocks, aside, pinned = self.blocks, self.aside, self._pinned
         assert pinned is not None
+        if len(blocks) - len(pinned) < n + len(protected) and self._refuses(n, protected):
+            return None
+        if not self._freed and len(blocks) >= n:
+            # The common case: no freed aside block goes first, so the victims are the order's
+            # head. Taken off in one C pass; put back as they were if one of them may not go.
+            head = list(map(blocks.popitem, repeat(False, n)))
+            keys = list(map(_first, head))
+            if (protected.isdisjoint(keys) and pinned.isdisjoint(keys) and (not aside or aside.keys().isdisjoint(keys))
+                    and not any(map(_ref_cnt, map(_second, head)))):
+                return head
+            blocks.update(head)
+            _consume(map(blocks.move_to_end, reversed(keys), repeat(False)), 0)
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
         taken: list[tuple[int, OffloadKey]] = []  # freed heap entries chosen (restored on refusal)
         kept: list[tuple[int, OffloadKey]] = []  # freed heap entries passed over (protected)

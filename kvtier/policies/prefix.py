@@ -53,8 +53,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
-from itertools import chain, islice, repeat
-from operator import attrgetter, itemgetter
+from itertools import chain, compress, islice, repeat
+from operator import attrgetter, is_, is_not, itemgetter
+from typing import cast
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
@@ -102,11 +103,13 @@ class PrefixFreqCachePolicy(CachePolicy):
         # last use); stamps increase along each segment.
         self.segs: list[OrderedDict[OffloadKey, int]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
         self._new = self.segs[1]
-        # touch: after the new blocks, a key is looked up in the hit classes from the top (touched
+        # touch: a key is looked up in the new blocks, then the hit classes from the top (touched
         # prefixes were hit before), tails last; a key found in segment s moves to put[s]'s segment
         top = len(self.segs) - 1
-        self._probe = tuple((seg, self.segs[seg].pop) for seg in (*range(top, 1, -1), _TAIL))
+        self._probe = tuple((seg, self.segs[seg].pop) for seg in (1, *range(top, 1, -1), _TAIL))
         self._put = tuple(self.segs[2 if seg == _TAIL else min(seg + 1, top)].__setitem__ for seg in range(top + 1))
+        # a returning ghost evicted from segment s is stored again into _returns_to[s] (see _place)
+        self._returns_to = tuple(min(max(seg, 1) + 1, top) for seg in range(top + 1))
         self.blocks: dict[OffloadKey, BlockStatus] = {}
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
         self.clock = 0
@@ -148,8 +151,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         if tail is not None and not self.demote_tail:
             tail = None
         if not self._ghosts.evicted.keys().isdisjoint(keys) or (tail is not None and (not keys or keys[0] != tail)):
-            for key in keys:  # a returning ghost, or the tail not first: the per-key rules
-                self._place(key, key == tail)
+            _place_many(self, keys, tail)  # a returning ghost, or the tail not first
             return
         # No ghost among them (the common case): the tail (first, as the manager passes it),
         # then the rest in bulk (C loops).
@@ -204,24 +206,27 @@ class PrefixFreqCachePolicy(CachePolicy):
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         clock, unit, rate = self._sync(), self.unit, self.unit_rate
-        pop_new, probe, put = self._new.pop, self._probe, self._put
+        probe, put = self._probe, self._put
         keys = keys if isinstance(keys, list) else list(keys)
         if self.aside and not self.aside.keys().isdisjoint(keys):
             self._aside.unaside(keys)  # touched: back in the order of the segment they move to
         hit_new = hit_tail = 0
+        # A key is in one segment, so the order of the probes does not matter; the segment of the
+        # previous key goes first (a touched prefix is a few runs of keys of one segment).
+        seg, pop = probe[0]
         for key in reversed(keys):
-            stamp = pop_new(key, None)
-            if stamp is not None:
-                seg = 1
-                hit_new += 1
-            else:
-                for seg, pop in probe:  # noqa: B007 - seg is read after the loop: where the key was found
+            stamp = pop(key, None)
+            if stamp is None:
+                for seg, pop in probe:  # noqa: B007 - seg and pop are read after the loop: where the key was
                     stamp = pop(key, None)
                     if stamp is not None:
                         break
                 else:
                     continue
-                if seg == _TAIL:
+            if seg <= 1:
+                if seg == 1:
+                    hit_new += 1
+                else:
                     hit_tail += 1
             clock += 1
             unit += (clock - stamp - unit) * rate
@@ -247,16 +252,20 @@ class PrefixFreqCachePolicy(CachePolicy):
         freed = self._aside.freed
         lane_of, pinned = self._aside.lane, self._pinned
         for index in range(first, len(segs)):
-            if segs[index] or freed[index]:  # (a segment may hold only aside keys)
+            if freed[index]:  # (a segment may hold only aside keys)
                 it = lane_of(index, pinned)
-                for key, stamp in it:
-                    block = blocks[key]
-                    if block.ref_cnt == 0 and key not in protected:
-                        offset = credits[index - 1] * unit if index else 0.0
-                        lanes.append([stamp + offset, key, block, it, offset, index, []])
-                        break
-                    if met is not None:
-                        met.append((index, key))
+            elif segs[index]:
+                it = iter(segs[index].items())  # (`lane_of` when no key is aside)
+            else:
+                continue
+            for key, stamp in it:
+                block = blocks[key]
+                if block.ref_cnt == 0 and key not in protected:
+                    offset = credits[index - 1] * unit if index else 0.0
+                    lanes.append([stamp + offset, key, block, it, offset, index, []])
+                    break
+                if met is not None:
+                    met.append((index, key))
         return lanes
 
     def _order(self, protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
@@ -275,20 +284,21 @@ class PrefixFreqCachePolicy(CachePolicy):
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
-        if self._refuses(n, protected):
+        blocks, pinned = self.blocks, self._pinned
+        if (pinned is None or len(blocks) - len(pinned) < n + len(protected)) and self._refuses(n, protected):
             return None  # fewer than n evictable blocks, known without looking at the pinned ones
         # The walk of _order, without a generator (this is the hot path).
-        blocks = self.blocks
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
         append = chosen.append
         left = n
         first = 0
         tails: list[OffloadKey] = []
-        met: list[tuple[int, OffloadKey]] | None = None if self._pinned is None else []
-        if self._tails_one_time():
+        met: list[tuple[int, OffloadKey]] | None = None if pinned is None else []
+        if self._tails.one_time(self.tail_reuse_max):  # (`_tails_one_time`)
             first = 1
             take = tails.append
-            for key, _ in self._aside.lane(_TAIL, self._pinned):
+            aside = self._aside
+            for key, _ in (aside.lane(_TAIL, pinned) if aside.freed[_TAIL] else self.segs[_TAIL].items()):
                 block = blocks[key]
                 if block.ref_cnt == 0 and key not in protected:
                     append((key, block))
@@ -360,6 +370,32 @@ class PrefixFreqCachePolicy(CachePolicy):
         return list(self.blocks)
 
 
+def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
+    """`policy._place(key, key == tail)` for each of `keys` (distinct, just inserted), in order, in
+    C loops per segment (independent lists: each receives its keys in the order of `keys`)."""
+    clock, segs = policy.clock, policy.segs
+    history = list(map(policy._ghosts.pop, keys, repeat(None)))  # segment evicted from, or None
+    fresh = list(map(is_, history, repeat(None)))
+    if tail is not None and tail in keys:
+        at = keys.index(tail)
+        if fresh[at]:  # (a returning tail is placed by its history)
+            segs[_TAIL][tail] = clock
+            fresh[at] = False
+    policy._new.update(zip(compress(keys, fresh), repeat(clock)))
+    returning = list(map(is_not, history, repeat(None)))
+    if not any(returning):
+        return
+    # Evicted, then needed again: the re-store counts as a hit.
+    was = cast("list[int]", list(compress(history, returning)))
+    counts = policy._tails.counts
+    counts[RETURNED_TAIL] += was.count(_TAIL)
+    counts[RETURNED_NEW] += was.count(1)
+    back = list(compress(keys, returning))
+    into = list(map(policy._returns_to.__getitem__, was))
+    for index in sorted(set(into)):
+        segs[index].update(zip(compress(back, map(index.__eq__, into)), repeat(clock)))
+
+
 def _merged(lanes: list[list], blocks: dict[OffloadKey, BlockStatus],
             protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
     """The evictable blocks of `lanes` (from `_heads`) by increasing score, ties to the lower
@@ -396,8 +432,9 @@ def _run(best: list, below: float, left: int, blocks: dict[OffloadKey, BlockStat
     lane ran out). A lane stopped by a block at or above `below` holds it as its new head.
 
     Chunks of at most `left` entries whose blocks are all taken (evictable, unprotected, below)
-    are taken in C loops; any other chunk is walked key by key, and what it did not reach is put
-    back in front of the lane's iterator."""
+    are taken in C loops, and so is a chunk's part before its first stamp at or above `below`
+    when all of it may go; the rest of a chunk is walked key by key, and what the walk did not
+    reach is put back in front of the lane's iterator."""
     it = best[3]
     taken = best[6]
     get = blocks.__getitem__
@@ -407,15 +444,22 @@ def _run(best: list, below: float, left: int, blocks: dict[OffloadKey, BlockStat
             return left, True
         keys = list(map(_first, chunk))
         found = list(map(get, keys))
-        if (max(map(_second, chunk)) < below and not any(map(_ref_cnt, found))
-                and protected.isdisjoint(keys)):
-            chosen += zip(keys, found)
-            taken += keys
-            left -= len(keys)
+        stamps = list(map(_second, chunk))
+        # Taken in C loops when all of it may go: the chunk, or its part before its first stamp at
+        # or above `below` (then fewer than `left`, and the walk goes on from that stamp).
+        start = len(chunk) if max(stamps) < below else list(map(below.__le__, stamps)).index(True)
+        if start and not any(map(_ref_cnt, islice(found, start))) and protected.isdisjoint(islice(keys, start)):
+            chosen += zip(islice(keys, start), found)
+            taken += islice(keys, start)
+            left -= start
             if not left:
                 return 0, False
-            continue
-        for i, (key, stamp) in enumerate(chunk):
+            if start == len(chunk):
+                continue
+        else:
+            start = 0
+        for i in range(start, len(chunk)):
+            key, stamp = chunk[i]
             block = found[i]
             if block.ref_cnt == 0 and key not in protected:
                 if stamp >= below:

@@ -17,6 +17,7 @@ from kvtier.types import BlockStatus
 _block_id = attrgetter("block_id")
 _PLAIN_INIT = BlockIDsLoadStoreSpec.__init__
 _PLAIN_FOR_BLOCKS = getattr(BlockIDsLoadStoreSpec.for_blocks, "__func__", None)
+_PLAIN_SPECS: dict[type, bool] = {}  # spec type -> whether it is built from slot numbers alone (as checked once)
 
 
 class SlotAllocator:
@@ -37,9 +38,9 @@ class SlotAllocator:
 
     def allocate(self, n: int) -> list[int]:
         """`n` distinct free slots. Raises `RuntimeError` if fewer are free (callers check first)."""
-        if n > self.num_free:
-            raise RuntimeError(f"asked for {n} slots, only {self.num_free} free")
         free = self._free
+        if n > len(free) + self.num_slots - self._next_fresh:  # (`num_free`)
+            raise RuntimeError(f"asked for {n} slots, only {self.num_free} free")
         reused = min(n, len(free))
         cut = len(free) - reused
         slots = free[cut:]
@@ -121,9 +122,24 @@ class Backend(ABC):
         """Slots for writing `keys` (caller checked `get_num_free_blocks`). Each has `ref_cnt == -1`."""
         return BlockStatus.many(self.slots.allocate(len(keys)))
 
+    def allocate_block_ids(self, keys: Sequence[OffloadKey]) -> list[int]:
+        """The `block_id`s of `allocate_blocks(keys)`, without block objects where this backend
+        does not extend `allocate_blocks` (a policy's batch calls, `CachePolicy.insert_written`)."""
+        if type(self).allocate_blocks is Backend.allocate_blocks:
+            return self.slots.allocate(len(keys))
+        return list(map(_block_id, self.allocate_blocks(keys)))
+
     def free(self, block: BlockStatus) -> None:
         """Return a block's slot; call once per allocated block."""
         self.slots.release(block.block_id)
+
+    def free_block_ids(self, block_ids: list[int]) -> None:
+        """`free_many` for blocks given by their `block_id`s (a policy's `CachePolicy.evict_ids`);
+        a backend that extends `free` or `free_many` gets `BlockStatus`es of those ids."""
+        if type(self).free is Backend.free and type(self).free_many is Backend.free_many:
+            self.slots.release_many(block_ids)
+        else:
+            self.free_many(BlockStatus.many(block_ids))
 
     def free_many(self, blocks: Iterable[BlockStatus]) -> None:
         """`free` for each block (one C-level pass unless a subclass extends `free`)."""
@@ -136,15 +152,31 @@ class Backend(ABC):
 
     def get_load_store_spec(self, keys: Iterable[OffloadKey], blocks: Iterable[BlockStatus]) -> BlockIDsLoadStoreSpec:
         """Where the given blocks live, for a handler to read or write them."""
+        return self._spec(keys, list(map(_block_id, blocks)))
+
+    def spec_for_ids(self, keys: Sequence[OffloadKey], block_ids: list[int]) -> BlockIDsLoadStoreSpec:
+        """`get_load_store_spec` for blocks given by their `block_id`s (a policy's batch calls,
+        `CachePolicy.pin_loads`, make no block objects). A backend that overrides
+        `get_load_store_spec` gets it called with `BlockStatus`es of those ids."""
+        if type(self).get_load_store_spec is not Backend.get_load_store_spec:
+            blocks = [BlockStatus(block_id) for block_id in block_ids]
+            return self.get_load_store_spec(keys, blocks)
+        return self._spec(keys, block_ids)
+
+    def _spec(self, keys: Iterable[OffloadKey], block_ids: list[int]) -> BlockIDsLoadStoreSpec:
         spec_type = self.spec_type
-        if spec_type.__init__ is _PLAIN_INIT and getattr(spec_type.for_blocks, "__func__", None) is _PLAIN_FOR_BLOCKS:
+        plain = _PLAIN_SPECS.get(spec_type)
+        if plain is None:
+            plain = _PLAIN_SPECS[spec_type] = (spec_type.__init__ is _PLAIN_INIT and getattr(
+                spec_type.for_blocks, "__func__", None) is _PLAIN_FOR_BLOCKS)
+        if plain:
             # A spec of slots only (CPU, memory): built without re-checking the slot numbers this
             # backend's allocator handed out (the request cycle builds one per call).
             spec = object.__new__(spec_type)
-            spec.block_ids = list(map(_block_id, blocks))
+            spec.block_ids = block_ids
             spec.tier = self.name
             return spec
-        return spec_type.for_blocks(list(map(_block_id, blocks)), list(keys), tier=self.name)
+        return spec_type.for_blocks(block_ids, list(keys), tier=self.name)
 
     def still_valid(self, block: BlockStatus) -> bool:
         """After a failed read of `block`: is it still trustworthy? Backends that verify what

@@ -20,14 +20,14 @@ def test_compact_index_allocates_under_100_bytes_per_block_at_1m_and_8m():
 
 def test_rows_give_rss_growth_per_block_in_fresh_processes(tmp_path):
     out = tmp_path / "memory.json"
-    assert memory.main(["--blocks", "60000", "--policies", "lru,compact-lru", "--json", str(out)]) == 0
+    assert memory.main(["--blocks", "60000", "--policies", "lru-py,lru", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == "kvtier.bench.memory/1" and doc["key_bytes"] == 36
     lru, compact = doc["rows"]
-    assert (lru["policy"], compact["policy"]) == ("lru", "compact-lru")
+    assert (lru["policy"], compact["policy"]) == ("lru-py", "lru")  # pure Python, compiled
     for row in (lru, compact):
         assert row["blocks"] == 60000 and row["rss_after"] > row["rss_before"]
         assert row["bytes_per_block"] == round((row["rss_after"] - row["rss_before"]) / 60000, 1)
-    # lru holds a key object, a block object and a dict entry per block; compact-lru only bytes
+    # LRUCachePolicy holds a key object, a block object and a dict entry per block; the index only bytes
     assert compact["bytes_per_block"] < lru["bytes_per_block"] / 2
     assert compact["allocated_bytes_per_block"] <= 100

@@ -1,5 +1,6 @@
-"""`compact-lru` (kvtier/policies/compact.py): built here, the same decisions as `lru` under any
-operation sequence (compiled and fallback), safe views, and whole hierarchies on it.
+"""`lru`'s compiled index (kvtier/policies/compact.py): built here, the same decisions as the
+pure-Python `LRUCachePolicy` under any operation sequence (compiled and fallback), safe views, and
+whole hierarchies on it (and on the fallback).
 
 The conformance suite runs against both implementations in test_conformance.py."""
 
@@ -28,7 +29,7 @@ def test_the_compiled_index_is_built():
     except ImportError as exc:
         pytest.fail(f"kvtier.policies._compact_lru is not built ({exc}): run `pip install -e .` (or "
                     "`python setup.py build_ext --inplace` in a checkout) with gcc and the Python headers "
-                    "installed; compact-lru falls back to pure Python (LRU's memory) without it")
+                    "installed; lru falls back to pure Python (LRUCachePolicy's memory) without it")
     assert CompactLRUCachePolicy.compiled and CompactLRUCachePolicy.returns_views
 
 
@@ -39,7 +40,7 @@ sys.modules["kvtier.policies._compact_lru"] = None  # as if it were not built
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
 from kvtier import registry
 from kvtier.policies.lru import LRUCachePolicy
-cls = registry.resolve(registry.POLICIES, "compact-lru")
+cls = registry.resolve(registry.POLICIES, "lru")
 a, b = cls(4), cls(4)
 print("fallback", issubclass(cls, LRUCachePolicy), cls.compiled, a.returns_views)
 """
@@ -81,7 +82,7 @@ _OPS = st.lists(st.one_of(
 @settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=_OPS, capacity=st.integers(1, 12), tracked=st.booleans())
 def test_same_decisions_as_lru(ops, capacity, tracked):
-    """`lru`, compiled `compact-lru` and its fallback, driven alike: identical evictions, orders
+    """`LRUCachePolicy`, the compiled `lru` and its fallback, driven alike: identical evictions, orders
     and counts after every step. `ref` changes a block's ref_cnt and reports pin/unpin honestly
     (as the manager does); `pin` reports them without a change (as a caller may, e.g. a copy
     that pins a block), so aside blocks, the freed heap and its duplicates are reached too. More
@@ -200,22 +201,26 @@ def test_bad_keys_are_reported():
 # ---------------------------------------------------------------------- whole hierarchies on it
 class _Hierarchy(ManagerTests):
     yaml = ""
+    policy = "lru"  # the registered name: the compiled index here
 
     def make_manager(self, tmp_path):
-        config = load_config_text(self.yaml.replace("{root}", str(tmp_path / "nvme")))
-        self.hierarchy = build_hierarchy(config, enable_events=True, model="conformance")
+        text = self.yaml.replace("{root}", str(tmp_path / "nvme")).replace("{policy}", self.policy)
+        self.hierarchy = build_hierarchy(load_config_text(text), enable_events=True, model="conformance")
         return self.hierarchy.manager
 
     def capacities(self, manager):
         return {tier.name: tier.capacity for tier in manager.tiers}
 
 
+FALLBACK = "kvtier.policies.compact:PurePythonCompactLRU"  # what `lru` resolves to when not built
+
+
 def _memory_yaml(cascade: str) -> str:
     return f"""
 block_bytes: 64B
 tiers:
-  - {{name: hot, backend: memory, capacity: 6 blocks, policy: compact-lru, cascade: {cascade}, reserve: 0.34}}
-  - {{name: warm, backend: memory, capacity: 14 blocks, policy: compact-lru}}
+  - {{name: hot, backend: memory, capacity: 6 blocks, policy: {{policy}}, cascade: {cascade}, reserve: 0.34}}
+  - {{name: warm, backend: memory, capacity: 14 blocks, policy: {{policy}}}}
 """
 
 
@@ -223,7 +228,7 @@ class TestSingleTier(_Hierarchy):
     yaml = """
 block_bytes: 64B
 tiers:
-  - {name: hot, backend: memory, capacity: 8 blocks, policy: compact-lru}
+  - {name: hot, backend: memory, capacity: 8 blocks, policy: {policy}}
 """
 
 
@@ -241,15 +246,32 @@ class TestCPUFile(_Hierarchy):
     yaml = """
 block_bytes: 4KiB
 tiers:
-  - {name: cpu, backend: cpu, capacity: 6 blocks, policy: compact-lru, cascade: on_evict, reserve: 0.34, pin: false}
-  - {name: nvme, backend: file, root_dir: "{root}", capacity: 14 blocks, policy: compact-lru, io: posix}
+  - {name: cpu, backend: cpu, capacity: 6 blocks, policy: {policy}, cascade: on_evict, reserve: 0.34, pin: false}
+  - {name: nvme, backend: file, root_dir: "{root}", capacity: 14 blocks, policy: {policy}, io: posix}
 """
+
+
+class TestSingleTierFallback(TestSingleTier):
+    policy = FALLBACK
+
+
+class TestMemoryOnEvictFallback(TestMemoryOnEvict):
+    policy = FALLBACK
+
+
+class TestMemoryOnStoreFallback(TestMemoryOnStore):
+    policy = FALLBACK
+
+
+class TestCPUFileFallback(TestCPUFile):
+    policy = FALLBACK
 
 
 def test_a_failed_promotion_drops_the_lower_copy_held_as_a_view():
     """`Promotion.failed` drops a source block that could not be read if it is still the same
     block: with views it is compared by block_id (an identity test never matched a view)."""
-    h = build_hierarchy(load_config_text(_memory_yaml("on_evict").replace("6 blocks", "2 blocks")))
+    yaml = _memory_yaml("on_evict").replace("6 blocks", "2 blocks").replace("{policy}", "lru")
+    h = build_hierarchy(load_config_text(yaml))
     m, ctx = h.manager, ReqContext("r")
     ks = [bytes([i]) * 8 + b"\0\0\0\0" for i in range(4)]
     for part in (ks[:2], ks[2:]):
@@ -270,11 +292,14 @@ def test_a_failed_promotion_drops_the_lower_copy_held_as_a_view():
 @pytest.mark.parametrize("multi", [False, True], ids=["one-tier", "cpu+file"])
 def test_replay_hit_rates_equal_lrus(workload, multi):
     """The cycle benchmark's generated workloads (small capacity: many evictions, demotions and
-    promotions): every figure of the replay but time equals lru's."""
+    promotions): every figure of the replay but time equals the pure-Python LRUCachePolicy's."""
+    from dataclasses import replace
+
     trace = cycle.load_workload(workload, cycle.DEFAULT_TRACES)
-    suffix = "+file" if multi else ""
-    results = [replay.replay_kvtier(cycle.config_for(system, 300), trace)
-               for system in (f"lru{suffix}", f"compact-lru{suffix}:compact-lru" if multi else "compact-lru")]
+    compiled = cycle.config_for("lru+file" if multi else "lru", 300)
+    pure = replace(compiled, tiers=tuple(replace(t, policy="kvtier.policies.lru:LRUCachePolicy")
+                                         for t in compiled.tiers))
+    results = [replay.replay_kvtier(config, trace) for config in (pure, compiled)]
     for r in results:
         for row in r["tiers"].values():
             del row["policy"]

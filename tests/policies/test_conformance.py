@@ -18,7 +18,19 @@ def registered(name: str):
 
 
 class TestLRU(PolicyTests):
+    """The compiled index (tests/policies/test_compact_lru.py fails where it is not built)."""
+
     policy_factory = registered("lru")
+
+
+class TestLRUFallback(PolicyTests):
+    """`lru`'s pure-Python fallback, what the name resolves to without the extension."""
+
+    policy_factory = PurePythonCompactLRU
+
+
+class TestPurePythonLRU(PolicyTests):
+    policy_factory = LRUCachePolicy
 
 
 class TestARC(PolicyTests):
@@ -31,18 +43,6 @@ class TestSIEVE(PolicyTests):
 
 class TestPrefixFreq(PolicyTests):
     policy_factory = registered("prefix-freq")
-
-
-class TestCompactLRU(PolicyTests):
-    """The compiled index (tests/policies/test_compact_lru.py fails where it is not built)."""
-
-    policy_factory = registered("compact-lru")
-
-
-class TestCompactLRUFallback(PolicyTests):
-    """`compact-lru`'s pure-Python fallback, what the name resolves to without the extension."""
-
-    policy_factory = PurePythonCompactLRU
 
 
 class TestSeedContractPolicy(PolicyTests):
@@ -61,7 +61,7 @@ class TestDuckTypedSeedPolicy(PolicyTests):
 
 
 def test_every_registered_policy_runs_the_suite():
-    tested = {cls.policy_factory for cls in (TestLRU, TestARC, TestSIEVE, TestPrefixFreq, TestCompactLRU)}
+    tested = {cls.policy_factory for cls in (TestLRU, TestARC, TestSIEVE, TestPrefixFreq)}
     assert tested == {registered(name) for name in registry.POLICIES}
 
 

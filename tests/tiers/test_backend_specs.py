@@ -54,3 +54,46 @@ def test_specs_with_their_own_constructor_or_keys_use_it():
     before = Checked.made
     spec = CheckedSlots("cpu", 8, 16).get_load_store_spec(KEYS, blocks)
     assert type(spec) is Checked and Checked.made == before + 1 and spec.block_ids == [1, 2, 3]
+
+
+def _same(a, b) -> bool:
+    return (type(a) is type(b) and list(a.block_ids) == list(b.block_ids) and a.tier == b.tier
+            and getattr(a, "keys", None) == getattr(b, "keys", None))
+
+
+def test_spec_for_ids_equals_the_spec_of_the_blocks():
+    """`spec_for_ids` (the batch calls' path: block ids, no block objects) builds what
+    `get_load_store_spec` builds from blocks of those ids, for every kind of spec above."""
+    for backend in (SlotsOnly("cpu", 8, 16), FileSlots("nvme", 8, 16), CheckedSlots("cpu", 8, 16)):
+        want = backend.get_load_store_spec(KEYS, BlockStatus.many([4, 0, 6]))
+        assert _same(backend.spec_for_ids(KEYS, [4, 0, 6]), want)
+
+
+def test_spec_for_ids_goes_through_an_overridden_get_load_store_spec():
+    """A backend that builds its specs itself gets them built by its own method."""
+    seen = []
+
+    class Own(SlotsOnly):
+        def get_load_store_spec(self, keys, blocks):
+            seen.append([b.block_id for b in blocks])
+            return super().get_load_store_spec(keys, blocks)
+
+    spec = Own("cpu", 8, 16).spec_for_ids(KEYS, [2, 3, 1])
+    assert seen == [[2, 3, 1]] and spec.block_ids == [2, 3, 1]
+
+
+def test_free_ids_frees_the_slots_or_goes_through_an_extended_free():
+    plain = SlotsOnly("cpu", 8, 16)
+    ids = plain.slots.allocate(3)
+    plain.free_block_ids(ids[:2])
+    assert plain.get_num_free_blocks() == 7
+    freed = []
+
+    class Own(SlotsOnly):
+        def free(self, block):
+            freed.append(block.block_id)
+            super().free(block)
+
+    own = Own("cpu", 8, 16)
+    own.free_block_ids(own.slots.allocate(2))
+    assert freed == [0, 1] and own.get_num_free_blocks() == 8

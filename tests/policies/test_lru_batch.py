@@ -1,0 +1,108 @@
+"""The batch calls of `CachePolicy` (`readable_run`, `absent`, `insert_written`, `pin_loads`,
+`release_loads`, `mark_written`, `evict_ids`): the compiled `lru` index's C loops give exactly
+the answers and side effects of the defaults, which go key by key through `get`, `insert_many`,
+`evict`, the blocks' `ref_cnt` and `pin`/`unpin` (`LRUCachePolicy` runs the defaults). Batches
+repeat keys and mix resident, absent, pinned and unwritten blocks, with and without evictable
+accounting, so refusals (nothing changed) are reached as often as the common case."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.policies.compact import CompactLRUCachePolicy, PurePythonCompactLRU
+from kvtier.policies.lru import LRUCachePolicy
+from kvtier.types import BlockStatus
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big") + b"\0\0\0\0"
+
+
+def state(p) -> tuple:
+    pinned = p.pinned_keys()
+    return (sorted((k, p.get(k).block_id, p.get(k).ref_cnt) for k in p.keys()),
+            [k for k, _ in p.victim_candidates()], None if pinned is None else sorted(pinned),
+            p.evictable_count())
+
+
+BATCH = st.lists(st.integers(0, 11), max_size=6)
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("insert"), st.lists(st.integers(0, 11), max_size=4), st.sampled_from([-1, 0])),
+    st.tuples(st.just("insert_written"), st.lists(st.integers(0, 11), max_size=4)),
+    st.tuples(st.sampled_from(["readable_run", "absent", "pin_loads", "release_loads", "mark_written"]), BATCH),
+    st.tuples(st.just("evict"), st.integers(1, 3)),
+    st.tuples(st.just("evict_ids"), st.integers(0, 3), st.lists(st.integers(0, 11), max_size=2)),
+    st.tuples(st.just("touch"), BATCH),
+    st.tuples(st.just("remove"), st.integers(0, 11)),
+), max_size=60)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(ops=OPS, tracked=st.booleans())
+def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
+    ref, compiled, fallback = LRUCachePolicy(8), CompactLRUCachePolicy(8), PurePythonCompactLRU(8)
+    policies = (ref, compiled, fallback)
+    assert compiled.batch_calls and not ref.batch_calls
+    for p in policies if tracked else ():
+        p.track_pins()
+    next_id = 0
+    for op in ops:
+        kind, arg = op[0], op[1]
+        answers: list = [None] * 3
+        if kind == "insert":
+            keys = list(dict.fromkeys(key(i) for i in arg if ref.get(key(i)) is None))
+            for p in policies:
+                blocks = BlockStatus.many(range(next_id, next_id + len(keys)))
+                for b in blocks:
+                    b.ref_cnt = op[2]
+                p.insert_many(keys[::-1], blocks[::-1])
+                if op[2]:
+                    p.pin(keys)  # being written, as prepare_store reports it
+            next_id += len(keys)
+        elif kind == "insert_written":  # as prepare_store stores a request: tail first, tail named
+            keys = list(dict.fromkeys(key(i) for i in arg if ref.get(key(i)) is None))
+            ids = list(range(next_id, next_id + len(keys)))
+            for p in policies:
+                p.insert_written(keys[::-1], ids[::-1], tail=keys[-1] if keys else None)
+            next_id += len(keys)
+        elif kind == "evict":
+            answers = [[(k, b.block_id) for k, b in p.evict(arg, set()) or ()] for p in policies]
+        elif kind == "evict_ids":
+            protected = {key(i) for i in op[2]}
+            answers = [p.evict_ids(arg, protected) for p in policies]
+        elif kind == "remove":
+            for p in policies:
+                p.remove(key(arg))
+        else:
+            keys = [key(i) for i in arg]
+            if kind == "release_loads":  # (its precondition: every key resident; KeyError otherwise)
+                if any(ref.get(k) is None for k in keys):
+                    for p in policies:
+                        with pytest.raises(KeyError):
+                            p.release_loads(keys)
+                    continue
+            answers = [getattr(p, kind)(keys) for p in policies]
+        assert answers[1] == answers[0] and answers[2] == answers[0], (kind, arg)
+        assert state(compiled) == state(ref) and state(fallback) == state(ref), (kind, arg)
+
+
+@pytest.mark.parametrize("cls", [CompactLRUCachePolicy, LRUCachePolicy])
+def test_the_manager_path_of_a_request(cls):
+    """The cycle the manager runs through the batch calls: written, found, pinned for loading
+    (out of the eviction order), released, evictable again (oldest first: inserted tail first)."""
+    p = cls(4)
+    p.track_pins()
+    keys = [key(i) for i in range(3)]
+    p.insert_written(keys[::-1], [12, 11, 10], tail=keys[-1])
+    with pytest.raises(ValueError, match="3 keys but 2 block ids"):
+        p.insert_written([key(5), key(6), key(7)], [1, 2])
+    assert p.readable_run(keys) == 0 and p.absent(keys + [key(9)]) == [key(9)]
+    assert p.mark_written(keys) and not p.mark_written(keys[:1])  # (only blocks being written)
+    assert p.readable_run(keys + [key(9)]) == 3 and p.evictable_count() == 3
+    assert p.pin_loads(keys[:2] + [key(9)]) is None and p.evictable_count() == 3  # refused: unchanged
+    assert p.pin_loads(keys[:2]) == [10, 11] and p.pinned_keys() == set(keys[:2])
+    assert [k for k, _ in p.evict(1, set())] == [keys[2]] and p.evict(1, set()) is None
+    p.release_loads(keys[:2])
+    assert p.pinned_keys() == set() and [k for k, _ in p.evict(2, set())] == [keys[1], keys[0]]

@@ -1,0 +1,124 @@
+"""prefix-freq's faster batch paths (issue 19 item 1) must change exactly what the key-by-key
+rules do: `insert_many` places a batch with returning ghosts in C loops per segment (as `_place`
+key by key, wherever the tail is and whatever segments the ghosts left), and `touch` probes the
+segment of the previous key first (as the fixed probe order: new blocks, hit classes from the
+top, tails), with the same stamps, running mean and counters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.prefix_tails import HIT_NEW, HIT_TAIL
+from kvtier.types import BlockStatus
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "big") + b"\0\0\0\0"
+
+
+def per_key(policy: PrefixFreqCachePolicy, keys: list, blocks: list, tail) -> None:
+    """The per-key rule that `insert_many` must equal (the `_place` loop)."""
+    policy.blocks.update(zip(keys, blocks))
+    for k in keys:
+        policy._place(k, k == tail)
+
+
+def snapshot(policy: PrefixFreqCachePolicy) -> tuple:
+    return ([list(seg.items()) for seg in policy.segs], list(policy.ghosts.items()), list(policy._tails.counts),
+            sorted(policy.blocks), policy.clock)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_insert_many_with_ghosts_equals_place_per_key(seed):
+    rng = random.Random(seed)
+    bulk, each = PrefixFreqCachePolicy(60), PrefixFreqCachePolicy(60)
+    next_id = 0
+    ghost_batches = 0
+    for _ in range(400):
+        resident = list(bulk.blocks)
+        op = rng.random()
+        if op < 0.45 or len(resident) < 20:
+            ghosts = list(bulk.ghosts)
+            fresh = [key(next_id + i) for i in range(rng.randint(0, 12))]
+            next_id += len(fresh)
+            returning = rng.sample(ghosts, min(len(ghosts), rng.randint(0, 8)))
+            ks = fresh + returning
+            rng.shuffle(ks)
+            if not ks:
+                continue
+            ghost_batches += bool(returning)
+            tail = rng.choice([ks[0], ks[-1], rng.choice(ks), None, key(10**9)])
+            for policy, fn in ((bulk, None), (each, per_key)):
+                blocks = BlockStatus.many(range(len(ks)))
+                for b in blocks:
+                    b.ref_cnt = 0
+                if fn is None:
+                    policy.insert_many(ks, blocks, tail=tail)
+                else:
+                    fn(policy, ks, blocks, tail if tail is not None and policy.demote_tail else None)
+        elif op < 0.7:
+            ks = rng.sample(resident, min(len(resident), rng.randint(1, 8)))
+            bulk.touch(ks)
+            each.touch(ks)
+        else:
+            n = rng.randint(1, 15)
+            a, b = bulk.evict(n, set()), each.evict(n, set())
+            assert [k for k, _ in a or ()] == [k for k, _ in b or ()]
+        assert snapshot(bulk) == snapshot(each)
+    assert ghost_batches > 20
+
+
+def touch_reference(policy: PrefixFreqCachePolicy, keys: list) -> None:
+    """`touch` as it was written before the probe order changed (new blocks, then the hit
+    classes from the top, then tails, for every key)."""
+    clock, unit, rate = policy._sync(), policy.unit, policy.unit_rate
+    top = len(policy.segs) - 1
+    if policy.aside and not policy.aside.keys().isdisjoint(keys):
+        policy._aside.unaside(keys)
+    for key in reversed(keys):
+        for seg in (1, *range(top, 1, -1), 0):
+            stamp = policy.segs[seg].pop(key, None)
+            if stamp is not None:
+                break
+        else:
+            continue
+        policy._tails.counts[HIT_TAIL if seg == 0 else HIT_NEW] += seg <= 1
+        clock += 1
+        unit += (clock - stamp - unit) * rate
+        policy.segs[2 if seg == 0 else min(seg + 1, top)][key] = clock
+    policy.clock, policy.unit = clock, unit
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_touch_equals_the_fixed_probe_order(seed):
+    rng = random.Random(seed)
+    fast, slow = PrefixFreqCachePolicy(80), PrefixFreqCachePolicy(80)
+    next_id = 0
+    for _ in range(500):
+        resident = list(fast.blocks)
+        op = rng.random()
+        if op < 0.35 or len(resident) < 20:
+            ks = [key(next_id + i) for i in range(rng.randint(1, 10))] + rng.sample(list(fast.ghosts), 1 if
+                                                                                  fast.ghosts else 0)
+            next_id += 10
+            for policy in (fast, slow):
+                blocks = BlockStatus.many(range(len(ks)))
+                for b in blocks:
+                    b.ref_cnt = 0
+                policy.insert_many(ks[::-1], blocks[::-1], tail=ks[-1])
+        elif op < 0.8:
+            # prefixes of resident keys (runs of segments), other keys, repeats, absent keys
+            ks = rng.sample(resident, min(len(resident), rng.randint(1, 25)))
+            ks.sort(key=lambda k: -max(i for i, seg in enumerate(fast.segs) if k in seg or i == 0))
+            if rng.random() < 0.3:
+                ks += [rng.choice(ks), key(10**9)]
+            fast.touch(ks)
+            touch_reference(slow, ks)
+        else:
+            n = rng.randint(1, 15)
+            a, b = fast.evict(n, set()), slow.evict(n, set())
+            assert [k for k, _ in a or ()] == [k for k, _ in b or ()]
+        assert snapshot(fast) == snapshot(slow) and fast.unit == slow.unit
