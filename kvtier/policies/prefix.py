@@ -106,8 +106,8 @@ class PrefixFreqCachePolicy(CachePolicy):
         # touch: a key is looked up in the new blocks, then the hit classes from the top (touched
         # prefixes were hit before), tails last; a key found in segment s moves to put[s]'s segment
         top = len(self.segs) - 1
-        self._probe = tuple((seg, self.segs[seg].pop) for seg in (1, *range(top, 1, -1), _TAIL))
-        self._put = tuple(self.segs[2 if seg == _TAIL else min(seg + 1, top)].__setitem__ for seg in range(top + 1))
+        self._probe = tuple((self.segs[seg].pop, self.segs[2 if seg == _TAIL else min(seg + 1, top)])
+                            for seg in (1, *range(top, 1, -1), _TAIL))
         # a returning ghost evicted from segment s is stored again into _returns_to[s] (see _place)
         self._returns_to = tuple(min(max(seg, 1) + 1, top) for seg in range(top + 1))
         self.blocks: dict[OffloadKey, BlockStatus] = {}
@@ -206,34 +206,31 @@ class PrefixFreqCachePolicy(CachePolicy):
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         clock, unit, rate = self._sync(), self.unit, self.unit_rate
-        probe, put = self._probe, self._put
         keys = keys if isinstance(keys, list) else list(keys)
         if self.aside and not self.aside.keys().isdisjoint(keys):
             self._aside.unaside(keys)  # touched: back in the order of the segment they move to
-        hit_new = hit_tail = 0
+        # Nothing enters the tails or the new blocks here, so what leaves them was hit.
+        tails, new = self.segs[_TAIL], self._new
+        n_tails, n_new = len(tails), len(new)
         # A key is in one segment, so the order of the probes does not matter; the segment of the
         # previous key goes first (a touched prefix is a few runs of keys of one segment).
-        seg, pop = probe[0]
+        probe = self._probe
+        pop, dest = probe[0]
         for key in reversed(keys):
             stamp = pop(key, None)
             if stamp is None:
-                for seg, pop in probe:  # noqa: B007 - seg and pop are read after the loop: where the key was
+                for pop, dest in probe:  # noqa: B007 - pop and dest are read after the loop
                     stamp = pop(key, None)
                     if stamp is not None:
                         break
                 else:
                     continue
-            if seg <= 1:
-                if seg == 1:
-                    hit_new += 1
-                else:
-                    hit_tail += 1
             clock += 1
             unit += (clock - stamp - unit) * rate
-            put[seg](key, clock)
-        returns = self._tails.counts
-        returns[HIT_NEW] += hit_new
-        returns[HIT_TAIL] += hit_tail
+            dest[key] = clock
+        counts = self._tails.counts
+        counts[HIT_NEW] += n_new - len(new)
+        counts[HIT_TAIL] += n_tails - len(tails)
         self.clock = clock
         self.unit = unit
 
