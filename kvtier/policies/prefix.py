@@ -103,11 +103,15 @@ class PrefixFreqCachePolicy(CachePolicy):
         # last use); stamps increase along each segment.
         self.segs: list[OrderedDict[OffloadKey, int]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
         self._new = self.segs[1]
-        # touch: a key is looked up in the new blocks, then the hit classes from the top (touched
-        # prefixes were hit before), tails last; a key found in segment s moves to put[s]'s segment
+        # touch: a key found in segment s moves to segment 2 (s = 0) or min(s + 1, top). A touched
+        # prefix, reversed, is runs of keys with more and more hits (its tail first), so a key not
+        # in the segment of the key before it is looked for in the segments above first:
+        # _probe[s] = [segment s's pop, the segment its keys move to, the probes after s].
         top = len(self.segs) - 1
-        self._probe = tuple((self.segs[seg].pop, self.segs[2 if seg == _TAIL else min(seg + 1, top)])
-                            for seg in (1, *range(top, 1, -1), _TAIL))
+        self._probe: list[list] = [[seg.pop, self.segs[2 if s == _TAIL else min(s + 1, top)]]
+                                   for s, seg in enumerate(self.segs)]
+        for s, probe in enumerate(self._probe):
+            probe.append(tuple(self._probe[t] for t in (*range(s + 1, top + 1), *range(s - 1, -1, -1))))
         # a returning ghost evicted from segment s is stored again into _returns_to[s] (see _place)
         self._returns_to = tuple(min(max(seg, 1) + 1, top) for seg in range(top + 1))
         self.blocks: dict[OffloadKey, BlockStatus] = {}
@@ -214,12 +218,11 @@ class PrefixFreqCachePolicy(CachePolicy):
         n_tails, n_new = len(tails), len(new)
         # A key is in one segment, so the order of the probes does not matter; the segment of the
         # previous key goes first (a touched prefix is a few runs of keys of one segment).
-        probe = self._probe
-        pop, dest = probe[0]
+        pop, dest, after = self._probe[_TAIL]
         for key in reversed(keys):
             stamp = pop(key, None)
             if stamp is None:
-                for pop, dest in probe:  # noqa: B007 - pop and dest are read after the loop
+                for pop, dest, after in after:  # noqa: B007,B020 - read after the loop: where the key was
                     stamp = pop(key, None)
                     if stamp is not None:
                         break
