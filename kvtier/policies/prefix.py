@@ -101,7 +101,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         # segs[0]: request tails; segs[1 + c]: blocks with c hits. key -> stamp (clock at the
         # last use); stamps increase along each segment.
-        self.segs: list[OrderedDict[OffloadKey, int]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
+        self.segs: list[OrderedDict[OffloadKey, float]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
         self._new = self.segs[1]
         # touch: a key found in segment s moves to segment 2 (s = 0) or min(s + 1, top). A touched
         # prefix, reversed, is runs of keys with more and more hits (its tail first), so a key not
@@ -116,7 +116,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         self._returns_to = tuple(min(max(seg, 1) + 1, top) for seg in range(top + 1))
         self.blocks: dict[OffloadKey, BlockStatus] = {}
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
-        self.clock = 0
+        self.clock = 0.0  # a float holding an integer (exact below 2**53): touch's arithmetic stays float
         self.unit = float(cache_capacity)  # clock ticks per credit: running mean hit age
         self._ghosts = GhostList(min(int(cache_capacity * self.ghost_fraction), self.max_ghost_limit))
         self._mark = 0  # len(blocks) when the clock was last synced (see insert)
@@ -181,7 +181,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         segs = self.segs
         segs[min(max(ghost, 1) + 1, len(segs) - 1)][key] = self.clock
 
-    def _sync(self) -> int:
+    def _sync(self) -> float:
         """Advance the clock by the blocks inserted since the last call that synced; returns it."""
         n = len(self.blocks)
         self.clock += n - self._mark
@@ -228,7 +228,7 @@ class PrefixFreqCachePolicy(CachePolicy):
                         break
                 else:
                     continue
-            clock += 1
+            clock += 1.0
             unit += (clock - stamp - unit) * rate
             dest[key] = clock
         counts = self._tails.counts
@@ -357,7 +357,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         self.blocks.clear()
         self._ghosts.clear()
         self._tails.clear()
-        self.clock = self._mark = 0
+        self.clock, self._mark = 0.0, 0
         self.unit = float(self.cache_capacity)
         if self._pinned is not None:
             self._pinned.clear()
@@ -469,7 +469,7 @@ def _run(best: list, below: float, left: int, blocks: dict[OffloadKey, BlockStat
                 met.append((best[5], key))
 
 
-def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, int]], blocks: dict[OffloadKey, BlockStatus],
+def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, float]], blocks: dict[OffloadKey, BlockStatus],
             ghosts: dict[OffloadKey, int], departures: list[int]) -> None:
     """Delete an eviction's victims (`lane[6]` of each lane in `used`, from segment `lane[5]`)
     from their segment and the block map, remember them as ghosts, and count the evicted tails

@@ -71,9 +71,17 @@ def test_insert_many_with_ghosts_equals_place_per_key(seed):
     assert ghost_batches > 20
 
 
+def int_clock_policy(capacity: int) -> PrefixFreqCachePolicy:
+    """A policy whose clock and stamps are ints, as they were before `touch` went to float
+    arithmetic: the float clock must give the same stamps, running mean and evictions."""
+    policy = PrefixFreqCachePolicy(capacity)
+    policy.clock = 0
+    return policy
+
+
 def touch_reference(policy: PrefixFreqCachePolicy, keys: list) -> None:
     """`touch` as it was written before the probe order changed (new blocks, then the hit
-    classes from the top, then tails, for every key)."""
+    classes from the top, then tails, for every key), on a policy made by `int_clock_policy`."""
     clock, unit, rate = policy._sync(), policy.unit, policy.unit_rate
     top = len(policy.segs) - 1
     if policy.aside and not policy.aside.keys().isdisjoint(keys):
@@ -95,7 +103,7 @@ def touch_reference(policy: PrefixFreqCachePolicy, keys: list) -> None:
 @pytest.mark.parametrize("seed", range(10))
 def test_touch_equals_the_fixed_probe_order(seed):
     rng = random.Random(seed)
-    fast, slow = PrefixFreqCachePolicy(80), PrefixFreqCachePolicy(80)
+    fast, slow = PrefixFreqCachePolicy(80), int_clock_policy(80)
     next_id = 0
     for _ in range(500):
         resident = list(fast.blocks)
@@ -122,6 +130,7 @@ def test_touch_equals_the_fixed_probe_order(seed):
             a, b = fast.evict(n, set()), slow.evict(n, set())
             assert [k for k, _ in a or ()] == [k for k, _ in b or ()]
         assert snapshot(fast) == snapshot(slow) and fast.unit == slow.unit
+        assert type(slow.clock) is int
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -129,7 +138,7 @@ def test_touch_with_pins_and_aside_keys_equals_the_fixed_probe_order(seed):
     """Evictable accounting on: evictions set pinned keys aside and `touch` puts them back first,
     so the hit counts that `touch` takes from the tails' and new blocks' sizes include them."""
     rng = random.Random(seed)
-    fast, slow = PrefixFreqCachePolicy(80), PrefixFreqCachePolicy(80)
+    fast, slow = PrefixFreqCachePolicy(80), int_clock_policy(80)
     fast.track_pins()
     slow.track_pins()
     next_id = 0
@@ -170,5 +179,6 @@ def test_touch_with_pins_and_aside_keys_equals_the_fixed_probe_order(seed):
             a, b = fast.evict(n, protected), slow.evict(n, protected)
             assert [k for k, _ in a or ()] == [k for k, _ in b or ()]
         assert snapshot(fast) == snapshot(slow) and fast.unit == slow.unit
+        assert type(slow.clock) is int
         assert dict(fast.aside) == dict(slow.aside)
     assert aside_touches > 10
