@@ -158,12 +158,13 @@ class PrefixFreqCachePolicy(CachePolicy):
             _place_many(self, keys, tail)  # a returning ghost, or the tail not first
             return
         # No ghost among them (the common case): the tail (first, as the manager passes it),
-        # then the rest in bulk (C loops).
-        first = 0
+        # then the rest (stored one by one: an OrderedDict's `update` from pairs makes an
+        # iterator per pair, which costs more than the loop).
+        clock, new, it = self.clock, self._new, iter(keys)
         if tail is not None:
-            self.segs[_TAIL][tail] = self.clock
-            first = 1
-        self._new.update(zip(islice(keys, first, None), repeat(self.clock)))
+            self.segs[_TAIL][next(it)] = clock
+        for key in it:
+            new[key] = clock
 
     def _place(self, key: OffloadKey, tail: bool = False) -> None:
         """Put a just-inserted key into its segment: a returning ghost by its history, else the
