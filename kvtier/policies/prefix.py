@@ -51,7 +51,6 @@ unprotected blocks or returns None and changes nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, compress, islice, repeat
 from operator import attrgetter, is_, is_not, itemgetter
@@ -486,9 +485,12 @@ def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, float]], blocks
             del blocks[key]
             ghosts[key] = index
         else:
-            # Bulk bookkeeping at C speed (map + a zero-length deque run the loop in C).
-            _consume(map(segs[index].__delitem__, taken), 0)
-            _consume(map(blocks.__delitem__, taken), 0)
+            # (`del` by subscript: a map over the bound `__delitem__` goes through a method
+            # wrapper per key, which costs more than this loop)
+            seg = segs[index]
+            for key in taken:
+                del seg[key]
+                del blocks[key]
             ghosts.update(dict.fromkeys(taken, index))
         if index <= 1:
             departures[EVICTED_TAIL if index == _TAIL else EVICTED_NEW] += len(taken)
