@@ -372,7 +372,7 @@ class PrefixFreqCachePolicy(CachePolicy):
 
 def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
     """`policy._place(key, key == tail)` for each of `keys` (distinct, just inserted), in order,
-    in C loops per segment: each segment receives its keys in the order of `keys`, and the
+    a segment at a time: each segment receives its keys in the order of `keys`, and the
     segments are independent lists."""
     clock, segs = policy.clock, policy.segs
     history = list(map(policy._ghosts.pop, keys, repeat(None)))  # segment evicted from, or None
@@ -382,7 +382,9 @@ def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail:
         if fresh[at]:  # (a returning tail is placed by its history)
             segs[_TAIL][tail] = clock
             fresh[at] = False
-    policy._new.update(zip(compress(keys, fresh), repeat(clock)))
+    new = policy._new
+    for key in compress(keys, fresh):  # (a loop: OrderedDict.update makes an iterator per pair)
+        new[key] = clock
     returning = list(map(is_not, history, repeat(None)))
     if not any(returning):
         return
@@ -394,7 +396,9 @@ def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail:
     back = list(compress(keys, returning))
     into = list(map(policy._returns_to.__getitem__, was))
     for index in sorted(set(into)):
-        segs[index].update(zip(compress(back, map(index.__eq__, into)), repeat(clock)))
+        seg = segs[index]
+        for key in compress(back, map(index.__eq__, into)):
+            seg[key] = clock
 
 
 def _merged(lanes: list[list], blocks: dict[OffloadKey, BlockStatus],
