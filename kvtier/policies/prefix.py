@@ -51,7 +51,6 @@ unprotected blocks or returns None and changes nothing.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections import deque as _consume
 from collections.abc import Iterable, Iterator, Sequence
 from itertools import chain, compress, islice, repeat
 from operator import attrgetter, is_, is_not, itemgetter
@@ -101,18 +100,22 @@ class PrefixFreqCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         # segs[0]: request tails; segs[1 + c]: blocks with c hits. key -> stamp (clock at the
         # last use); stamps increase along each segment.
-        self.segs: list[OrderedDict[OffloadKey, int]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
+        self.segs: list[OrderedDict[OffloadKey, float]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
         self._new = self.segs[1]
-        # touch: a key is looked up in the new blocks, then the hit classes from the top (touched
-        # prefixes were hit before), tails last; a key found in segment s moves to put[s]'s segment
+        # touch: a key found in segment s moves to segment 2 (s = 0) or min(s + 1, top). A touched
+        # prefix, reversed, is runs of keys with more and more hits (its tail first), so a key not
+        # in the segment of the key before it is looked for in the segments above first:
+        # _probe[s] = [segment s's pop, the segment its keys move to, the probes after s].
         top = len(self.segs) - 1
-        self._probe = tuple((seg, self.segs[seg].pop) for seg in (1, *range(top, 1, -1), _TAIL))
-        self._put = tuple(self.segs[2 if seg == _TAIL else min(seg + 1, top)].__setitem__ for seg in range(top + 1))
+        self._probe: list[list] = [[seg.pop, self.segs[2 if s == _TAIL else min(s + 1, top)]]
+                                   for s, seg in enumerate(self.segs)]
+        for s, probe in enumerate(self._probe):
+            probe.append(tuple(self._probe[t] for t in (*range(s + 1, top + 1), *range(s - 1, -1, -1))))
         # a returning ghost evicted from segment s is stored again into _returns_to[s] (see _place)
         self._returns_to = tuple(min(max(seg, 1) + 1, top) for seg in range(top + 1))
         self.blocks: dict[OffloadKey, BlockStatus] = {}
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
-        self.clock = 0
+        self.clock = 0.0  # a float holding an integer (exact below 2**53): touch's arithmetic stays float
         self.unit = float(cache_capacity)  # clock ticks per credit: running mean hit age
         self._ghosts = GhostList(min(int(cache_capacity * self.ghost_fraction), self.max_ghost_limit))
         self._mark = 0  # len(blocks) when the clock was last synced (see insert)
@@ -154,12 +157,13 @@ class PrefixFreqCachePolicy(CachePolicy):
             _place_many(self, keys, tail)  # a returning ghost, or the tail not first
             return
         # No ghost among them (the common case): the tail (first, as the manager passes it),
-        # then the rest in bulk (C loops).
-        first = 0
+        # then the rest (stored one by one: an OrderedDict's `update` from pairs makes an
+        # iterator per pair, which costs more than the loop).
+        clock, new, it = self.clock, self._new, iter(keys)
         if tail is not None:
-            self.segs[_TAIL][tail] = self.clock
-            first = 1
-        self._new.update(zip(islice(keys, first, None), repeat(self.clock)))
+            self.segs[_TAIL][next(it)] = clock
+        for key in it:
+            new[key] = clock
 
     def _place(self, key: OffloadKey, tail: bool = False) -> None:
         """Put a just-inserted key into its segment: a returning ghost by its history, else the
@@ -177,7 +181,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         segs = self.segs
         segs[min(max(ghost, 1) + 1, len(segs) - 1)][key] = self.clock
 
-    def _sync(self) -> int:
+    def _sync(self) -> float:
         """Advance the clock by the blocks inserted since the last call that synced; returns it."""
         n = len(self.blocks)
         self.clock += n - self._mark
@@ -206,34 +210,30 @@ class PrefixFreqCachePolicy(CachePolicy):
 
     def touch(self, keys: Iterable[OffloadKey]) -> None:
         clock, unit, rate = self._sync(), self.unit, self.unit_rate
-        probe, put = self._probe, self._put
         keys = keys if isinstance(keys, list) else list(keys)
         if self.aside and not self.aside.keys().isdisjoint(keys):
             self._aside.unaside(keys)  # touched: back in the order of the segment they move to
-        hit_new = hit_tail = 0
+        # Nothing enters the tails or the new blocks here, so what leaves them was hit.
+        tails, new = self.segs[_TAIL], self._new
+        n_tails, n_new = len(tails), len(new)
         # A key is in one segment, so the order of the probes does not matter; the segment of the
         # previous key goes first (a touched prefix is a few runs of keys of one segment).
-        seg, pop = probe[0]
+        pop, dest, after = self._probe[_TAIL]
         for key in reversed(keys):
             stamp = pop(key, None)
             if stamp is None:
-                for seg, pop in probe:  # noqa: B007 - seg and pop are read after the loop: where the key was
+                for pop, dest, after in after:  # noqa: B007,B020 - read after the loop: where the key was
                     stamp = pop(key, None)
                     if stamp is not None:
                         break
                 else:
                     continue
-            if seg <= 1:
-                if seg == 1:
-                    hit_new += 1
-                else:
-                    hit_tail += 1
-            clock += 1
+            clock += 1.0
             unit += (clock - stamp - unit) * rate
-            put[seg](key, clock)
-        returns = self._tails.counts
-        returns[HIT_NEW] += hit_new
-        returns[HIT_TAIL] += hit_tail
+            dest[key] = clock
+        counts = self._tails.counts
+        counts[HIT_NEW] += n_new - len(new)
+        counts[HIT_TAIL] += n_tails - len(tails)
         self.clock = clock
         self.unit = unit
 
@@ -357,7 +357,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         self.blocks.clear()
         self._ghosts.clear()
         self._tails.clear()
-        self.clock = self._mark = 0
+        self.clock, self._mark = 0.0, 0
         self.unit = float(self.cache_capacity)
         if self._pinned is not None:
             self._pinned.clear()
@@ -371,8 +371,9 @@ class PrefixFreqCachePolicy(CachePolicy):
 
 
 def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
-    """`policy._place(key, key == tail)` for each of `keys` (distinct, just inserted), in order, in
-    C loops per segment (independent lists: each receives its keys in the order of `keys`)."""
+    """`policy._place(key, key == tail)` for each of `keys` (distinct, just inserted), in order,
+    a segment at a time: each segment receives its keys in the order of `keys`, and the
+    segments are independent lists."""
     clock, segs = policy.clock, policy.segs
     history = list(map(policy._ghosts.pop, keys, repeat(None)))  # segment evicted from, or None
     fresh = list(map(is_, history, repeat(None)))
@@ -381,7 +382,9 @@ def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail:
         if fresh[at]:  # (a returning tail is placed by its history)
             segs[_TAIL][tail] = clock
             fresh[at] = False
-    policy._new.update(zip(compress(keys, fresh), repeat(clock)))
+    new = policy._new
+    for key in compress(keys, fresh):  # (a loop: OrderedDict.update makes an iterator per pair)
+        new[key] = clock
     returning = list(map(is_not, history, repeat(None)))
     if not any(returning):
         return
@@ -393,7 +396,9 @@ def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail:
     back = list(compress(keys, returning))
     into = list(map(policy._returns_to.__getitem__, was))
     for index in sorted(set(into)):
-        segs[index].update(zip(compress(back, map(index.__eq__, into)), repeat(clock)))
+        seg = segs[index]
+        for key in compress(back, map(index.__eq__, into)):
+            seg[key] = clock
 
 
 def _merged(lanes: list[list], blocks: dict[OffloadKey, BlockStatus],
@@ -476,7 +481,7 @@ def _run(best: list, below: float, left: int, blocks: dict[OffloadKey, BlockStat
                 met.append((best[5], key))
 
 
-def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, int]], blocks: dict[OffloadKey, BlockStatus],
+def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, float]], blocks: dict[OffloadKey, BlockStatus],
             ghosts: dict[OffloadKey, int], departures: list[int]) -> None:
     """Delete an eviction's victims (`lane[6]` of each lane in `used`, from segment `lane[5]`)
     from their segment and the block map, remember them as ghosts, and count the evicted tails
@@ -492,9 +497,12 @@ def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, int]], blocks: 
             del blocks[key]
             ghosts[key] = index
         else:
-            # Bulk bookkeeping at C speed (map + a zero-length deque run the loop in C).
-            _consume(map(segs[index].__delitem__, taken), 0)
-            _consume(map(blocks.__delitem__, taken), 0)
+            # (`del` by subscript: a map over the bound `__delitem__` goes through a method
+            # wrapper per key, which costs more than this loop)
+            seg = segs[index]
+            for key in taken:
+                del seg[key]
+                del blocks[key]
             ghosts.update(dict.fromkeys(taken, index))
         if index <= 1:
             departures[EVICTED_TAIL if index == _TAIL else EVICTED_NEW] += len(taken)

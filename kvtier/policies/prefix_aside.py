@@ -23,12 +23,12 @@ class AsideBlocks:
 
     __slots__ = ("blocks", "counts", "entries", "freed", "segs", "seq")
 
-    def __init__(self, segs: list[OrderedDict[OffloadKey, int]], blocks: dict[OffloadKey, BlockStatus]) -> None:
+    def __init__(self, segs: list[OrderedDict[OffloadKey, float]], blocks: dict[OffloadKey, BlockStatus]) -> None:
         self.segs = segs
         self.blocks = blocks
-        self.entries: dict[OffloadKey, tuple[int, int, int]] = {}
+        self.entries: dict[OffloadKey, tuple[int, int, float]] = {}
         self.counts = [0] * len(segs)  # aside keys per segment
-        self.freed: list[list[tuple[int, int, OffloadKey]]] = [[] for _ in segs]
+        self.freed: list[list[tuple[float, int, OffloadKey]]] = [[] for _ in segs]
         self.seq = 0
 
     def unaside(self, keys: Iterable[OffloadKey], restore: bool = True) -> None:
@@ -52,13 +52,13 @@ class AsideBlocks:
                 index, seq, stamp = entry
                 heappush(freed[index], (stamp, seq, key))
 
-    def lane(self, index: int, pinned: set[OffloadKey] | None) -> Iterator[tuple[OffloadKey, int]]:
+    def lane(self, index: int, pinned: set[OffloadKey] | None) -> Iterator[tuple[OffloadKey, float]]:
         """(key, stamp) of segment `index` in its order: its unpinned aside keys first."""
         if not self.freed[index]:
             return iter(self.segs[index].items())
         return self._lane_with_aside(index, pinned or set())
 
-    def _lane_with_aside(self, index: int, pinned: set[OffloadKey]) -> Iterator[tuple[OffloadKey, int]]:
+    def _lane_with_aside(self, index: int, pinned: set[OffloadKey]) -> Iterator[tuple[OffloadKey, float]]:
         entries = self.entries
         seen = set()
         for stamp, seq, key in sorted(self.freed[index]):

@@ -71,9 +71,17 @@ def test_insert_many_with_ghosts_equals_place_per_key(seed):
     assert ghost_batches > 20
 
 
+def int_clock_policy(capacity: int) -> PrefixFreqCachePolicy:
+    """A policy whose clock and stamps are ints, as they were before `touch` went to float
+    arithmetic: the float clock must give the same stamps, running mean and evictions."""
+    policy = PrefixFreqCachePolicy(capacity)
+    policy.clock = 0
+    return policy
+
+
 def touch_reference(policy: PrefixFreqCachePolicy, keys: list) -> None:
     """`touch` as it was written before the probe order changed (new blocks, then the hit
-    classes from the top, then tails, for every key)."""
+    classes from the top, then tails, for every key), on a policy made by `int_clock_policy`."""
     clock, unit, rate = policy._sync(), policy.unit, policy.unit_rate
     top = len(policy.segs) - 1
     if policy.aside and not policy.aside.keys().isdisjoint(keys):
@@ -95,7 +103,7 @@ def touch_reference(policy: PrefixFreqCachePolicy, keys: list) -> None:
 @pytest.mark.parametrize("seed", range(10))
 def test_touch_equals_the_fixed_probe_order(seed):
     rng = random.Random(seed)
-    fast, slow = PrefixFreqCachePolicy(80), PrefixFreqCachePolicy(80)
+    fast, slow = PrefixFreqCachePolicy(80), int_clock_policy(80)
     next_id = 0
     for _ in range(500):
         resident = list(fast.blocks)
@@ -122,3 +130,55 @@ def test_touch_equals_the_fixed_probe_order(seed):
             a, b = fast.evict(n, set()), slow.evict(n, set())
             assert [k for k, _ in a or ()] == [k for k, _ in b or ()]
         assert snapshot(fast) == snapshot(slow) and fast.unit == slow.unit
+        assert type(slow.clock) is int
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_touch_with_pins_and_aside_keys_equals_the_fixed_probe_order(seed):
+    """Evictable accounting on: evictions set pinned keys aside and `touch` puts them back first,
+    so the hit counts that `touch` takes from the tails' and new blocks' sizes include them."""
+    rng = random.Random(seed)
+    fast, slow = PrefixFreqCachePolicy(80), int_clock_policy(80)
+    fast.track_pins()
+    slow.track_pins()
+    next_id = 0
+    aside_touches = 0
+    for _ in range(500):
+        resident = list(fast.blocks)
+        op = rng.random()
+        if op < 0.3 or len(resident) < 20:
+            ks = [key(next_id + i) for i in range(rng.randint(1, 10))]
+            next_id += 10
+            for policy in (fast, slow):
+                blocks = BlockStatus.many(range(len(ks)))
+                for b in blocks:
+                    b.ref_cnt = 0
+                policy.insert_many(ks[::-1], blocks[::-1], tail=ks[-1])
+        elif op < 0.45:
+            ks = rng.sample(resident, min(len(resident), rng.randint(1, 6)))
+            for policy in (fast, slow):
+                for k in ks:
+                    policy.blocks[k].ref_cnt += 1
+                policy.pin(ks)
+        elif op < 0.55:
+            ks = [k for k in resident if fast.blocks[k].ref_cnt][:rng.randint(1, 6)]
+            for policy in (fast, slow):
+                for k in ks:
+                    policy.blocks[k].ref_cnt -= 1
+                policy.unpin([k for k in ks if policy.blocks[k].ref_cnt == 0])
+        elif op < 0.85:
+            ks = rng.sample(resident, min(len(resident), rng.randint(1, 25)))
+            aside_touches += not fast.aside.keys().isdisjoint(ks)
+            if rng.random() < 0.2:
+                ks += [rng.choice(ks), key(10**9)]
+            fast.touch(ks)
+            touch_reference(slow, ks)
+        else:
+            n = rng.randint(1, 15)
+            protected = set(rng.sample(resident, min(len(resident), rng.randint(0, 3))))
+            a, b = fast.evict(n, protected), slow.evict(n, protected)
+            assert [k for k, _ in a or ()] == [k for k, _ in b or ()]
+        assert snapshot(fast) == snapshot(slow) and fast.unit == slow.unit
+        assert type(slow.clock) is int
+        assert dict(fast.aside) == dict(slow.aside)
+    assert aside_touches > 10
