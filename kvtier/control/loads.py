@@ -148,15 +148,23 @@ class LoadPins:
             return self.top.backend.get_load_store_spec([], [])
         return CompositeLoadStoreSpec(specs)
 
-    def complete_top(self, keys: list[OffloadKey]) -> bool:
-        """`complete_load` in C loops for the common case: distinct keys, each pinned once by
-        `prepare_load` in tier 0; False (nothing changed) otherwise."""
+    def _release_top_pins(self, keys: list[OffloadKey]) -> bool:
+        """Forget the load pins of `keys` when each is pinned once, in tier 0 (the batch case of
+        `complete_load`); False, with the pins unchanged, otherwise (pinned elsewhere or twice,
+        not pinned, given twice, or no keys)."""
         pins = self.pins
         if not keys:
             return False
         popped = list(map(pins.pop, keys, repeat(None)))
-        if popped.count(_TOP_ONLY) != len(keys):  # pinned elsewhere or twice, not pinned, or given twice
+        if popped.count(_TOP_ONLY) != len(keys):
             pins.update(compress(zip(keys, cast("list[tuple[int, ...]]", popped)), popped))  # put back: no change
+            return False
+        return True
+
+    def complete_top(self, keys: list[OffloadKey]) -> bool:
+        """`complete_load` in C loops for the common case: distinct keys, each pinned once by
+        `prepare_load` in tier 0; False (nothing changed) otherwise."""
+        if not self._release_top_pins(keys):
             return False
         top = self.top
         blocks = cast("list[BlockStatus]", list(map(top.policy.get, keys)))
@@ -174,12 +182,7 @@ class LoadPins:
 
     def complete_batch(self, keys: list[OffloadKey]) -> bool:
         """`complete_top` through tier 0's batch calls (`CachePolicy.release_loads`)."""
-        pins = self.pins
-        if not keys:
-            return False
-        popped = list(map(pins.pop, keys, repeat(None)))
-        if popped.count(_TOP_ONLY) != len(keys):  # pinned elsewhere or twice, not pinned, or given twice
-            pins.update(compress(zip(keys, cast("list[tuple[int, ...]]", popped)), popped))  # put back: no change
+        if not self._release_top_pins(keys):
             return False
         self.top.policy.release_loads(keys)
         return True
