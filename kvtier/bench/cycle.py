@@ -60,7 +60,7 @@ def load_workload(name: str, traces: str) -> replay.Trace:
 def config_for(system: str, capacity: int):
     """The dry-run hierarchy of kvtier system `system` ('lru', 'prefix-freq+file', ...): the
     packaged replay config (`replay-cpu.yaml`, or `replay-cpu-file.yaml` for '+file') with the
-    first tier's policy and capacity replaced ('lru+file:compact-lru': the file tier's policy too)."""
+    first tier's policy and capacity replaced ('lru+file:arc': the file tier's policy too)."""
     from dataclasses import replace
 
     from kvtier.config import Capacity, load_config
