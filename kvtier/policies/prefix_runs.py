@@ -1,0 +1,128 @@
+"""The eviction runs of `prefix-freq` (kvtier/policies/prefix.py): the k-way merge of its segment
+lanes by score, a run of victims taken from one lane while it stays below the other heads, and
+the bookkeeping of the blocks a run evicted. Module functions over the policy's structures, kept
+apart so that the policy module stays one readable size."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator
+from itertools import chain, islice
+from operator import attrgetter, itemgetter
+
+from kvtier.keys import OffloadKey
+from kvtier.policies.prefix_tails import EVICTED_NEW, EVICTED_TAIL
+from kvtier.types import BlockStatus
+
+_first = itemgetter(0)
+_second = itemgetter(1)
+_ref_cnt = attrgetter("ref_cnt")
+_TAIL = 0  # segment index of request tails; segment 1 + c holds the blocks with c hits
+_INF = float("inf")
+
+
+def _merged(lanes: list[list], blocks: dict[OffloadKey, BlockStatus],
+            protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
+    """The evictable blocks of `lanes` (from `_heads`) by increasing score, ties to the lower
+    segment: a k-way merge that compares only the lanes' heads. `evict` inlines this walk."""
+    while lanes:
+        best = lanes[0]
+        limit = _INF
+        for lane in lanes[1:]:
+            score = lane[0]
+            if score < best[0]:
+                limit = best[0]
+                best = lane
+            elif score < limit:
+                limit = score
+        yield best[1], best[2]
+        # Stay in this lane while its scores stay below every other lane's head.
+        below = limit - best[4]
+        for key, stamp in best[3]:
+            block = blocks[key]
+            if block.ref_cnt == 0 and key not in protected:
+                if stamp >= below:
+                    best[0], best[1], best[2] = stamp + best[4], key, block
+                    break
+                yield key, block
+        else:
+            lanes.remove(best)
+
+
+def _run(best: list, below: float, left: int, blocks: dict[OffloadKey, BlockStatus], protected: set[OffloadKey],
+         chosen: list[tuple[OffloadKey, BlockStatus]], met: list[tuple[int, OffloadKey]] | None) -> tuple[int, bool]:
+    """`evict`'s run in lane `best` (from `_heads`): take its evictable, unprotected blocks while
+    their stamps stay below `below` (the other lanes' best score less this lane's offset), at most
+    `left`; pinned or protected keys passed are appended to `met`. Returns (left, whether the
+    lane ran out). A lane stopped by a block at or above `below` holds it as its new head.
+
+    Chunks of at most `left` entries whose blocks are all taken (evictable, unprotected, below)
+    are taken in C loops, and so is a chunk's part before its first stamp at or above `below`
+    when all of it may go; the rest of a chunk is walked key by key, and what the walk did not
+    reach is put back in front of the lane's iterator."""
+    it = best[3]
+    taken = best[6]
+    get = blocks.__getitem__
+    while True:
+        chunk = list(islice(it, left))
+        if not chunk:
+            return left, True
+        keys = list(map(_first, chunk))
+        found = list(map(get, keys))
+        stamps = list(map(_second, chunk))
+        # Taken in C loops when all of it may go: the chunk, or its part before its first stamp at
+        # or above `below` (then fewer than `left`, and the walk goes on from that stamp).
+        start = len(chunk) if max(stamps) < below else list(map(below.__le__, stamps)).index(True)
+        if start and not any(map(_ref_cnt, islice(found, start))) and protected.isdisjoint(islice(keys, start)):
+            chosen += zip(islice(keys, start), found)
+            taken += islice(keys, start)
+            left -= start
+            if not left:
+                return 0, False
+            if start == len(chunk):
+                continue
+        else:
+            start = 0
+        for i in range(start, len(chunk)):
+            key, stamp = chunk[i]
+            block = found[i]
+            if block.ref_cnt == 0 and key not in protected:
+                if stamp >= below:
+                    best[0], best[1], best[2] = stamp + best[4], key, block
+                    if i + 1 < len(chunk):
+                        best[3] = chain(chunk[i + 1:], it)
+                    return left, False
+                chosen.append((key, block))
+                taken.append(key)
+                left -= 1
+                if not left:
+                    return 0, False  # (the lane is not walked again by this eviction)
+            elif met is not None:
+                met.append((best[5], key))
+
+
+def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, float]], blocks: dict[OffloadKey, BlockStatus],
+            ghosts: dict[OffloadKey, int], departures: list[int]) -> None:
+    """Delete an eviction's victims (`lane[6]` of each lane in `used`, from segment `lane[5]`)
+    from their segment and the block map, remember them as ghosts, and count the evicted tails
+    and new blocks in `departures` (`TailEvidence.counts`)."""
+    for lane in used:
+        taken = lane[6]
+        if not taken:
+            continue
+        index = lane[5]
+        if len(taken) == 1:
+            key = taken[0]
+            del segs[index][key]
+            del blocks[key]
+            ghosts[key] = index
+        else:
+            # (`del` by subscript: a map over the bound `__delitem__` goes through a method
+            # wrapper per key, which costs more than this loop)
+            seg = segs[index]
+            for key in taken:
+                del seg[key]
+                del blocks[key]
+            ghosts.update(dict.fromkeys(taken, index))
+        if index <= 1:
+            departures[EVICTED_TAIL if index == _TAIL else EVICTED_NEW] += len(taken)
