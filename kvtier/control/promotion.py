@@ -173,7 +173,9 @@ class Promotions:
             return 0
         held = self.held
         _expire(held, self._clock() - HOLD_S, top.capacity)
-        kept = set(held).intersection(top.promoted_from) if held else set()
+        promoted = top.promoted_from
+        small, large = (held, promoted) if len(held) <= len(promoted) else (promoted, held)
+        kept = {key for key in small if key in large}  # (iterating the smaller: held can reach the capacity)
         evict_for = self._cascade.evict_for
         return longest_fit(len(keys), lambda n: evict_for(top, n, kept.union(keys[:n])) is not None)
 
