@@ -34,8 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Collection, Iterable, Sequence
-from itertools import filterfalse
-from typing import Any, cast
+from typing import Any
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, JobTable
@@ -64,19 +63,6 @@ log = logging.getLogger(__name__)
 
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
-
-
-def _all_written(blocks: list[BlockStatus]) -> bool:
-    """Make the blocks readable (`ref_cnt` -1 -> 0) when each is being written and given once;
-    otherwise change nothing and answer False. One pass: a block given twice is found at its
-    second place, readable already."""
-    for i, block in enumerate(blocks):
-        if block.ref_cnt != -1:
-            for earlier in blocks[:i]:
-                earlier.ref_cnt = -1
-            return False
-        block.ref_cnt = 0
-    return True
 
 
 def _enter_new(top: Tier, keys: list[OffloadKey], batch: bool) -> LoadStoreSpec:
@@ -256,7 +242,7 @@ class HierarchyManager(OffloadingManager):
         if self._writes_through:
             self._cascade.advance_writes()
         top = self._top
-        to_store = top.policy.absent(keys) if self._batch else list(filterfalse(top.policy.get, keys))  # not resident
+        to_store = top.policy.absent(keys)
         if self._promotions.queue:
             self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
         # Only resident keys can be victims: when none of `keys` is, none needs protecting.
@@ -274,14 +260,10 @@ class HierarchyManager(OffloadingManager):
         top = self._top
         promoting = self._promotions.running
         keys = keys if isinstance(keys, list) else list(keys)
-        if self._batch and success and not promoting and top.policy.mark_written(keys):
-            changed = keys  # the common case, made readable and unpinned by the policy's loop
+        if success and not promoting and top.policy.mark_written(keys):
+            changed = keys  # the common case (each key prepared once), made readable and unpinned in one pass
         else:
-            blocks = list(map(top.policy.get, keys))
-            if success and not promoting and all(blocks) and _all_written(cast("list[BlockStatus]", blocks)):
-                changed = keys  # the common case: each key prepared by prepare_store once (only read below)
-            else:
-                changed = _complete_each(top, keys, blocks, promoting, success)
+            changed = _complete_each(top, keys, list(map(top.policy.get, keys)), promoting, success)
             if not success:
                 top.stats.failures += 1 if changed else 0
                 return
@@ -323,9 +305,7 @@ class HierarchyManager(OffloadingManager):
 
     def new_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """The keys `prepare_store` would allocate in the first tier: those it does not hold."""
-        if self._batch:
-            return self._top.policy.absent(keys)
-        return list(filterfalse(self._top.policy.get, keys))
+        return self._top.policy.absent(keys)
 
     def store_room(self) -> int | None:
         """How many new blocks the first tier can take now without evicting a block whose copy to

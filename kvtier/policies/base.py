@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from itertools import islice
+from itertools import filterfalse, islice
 from operator import itemgetter
 from typing import Any, cast
 
@@ -53,9 +53,10 @@ class CachePolicy(ABC):
       `release_loads`, `mark_written` and `evict_ids` do for a whole request what the manager
       otherwise does key by key through `get`, `insert_many`, `evict`, the blocks' `ref_cnt` and
       `pin`/`unpin`. The defaults here do exactly that; a policy that owns its data layout
-      overrides them with loops that make no block object or view and sets `batch_calls = True`,
-      and only then does the manager call them (its own loops over the blocks `get` returns are
-      faster for the other policies). An override must give the defaults' answers and side
+      overrides them with loops that make no block object or view and sets `batch_calls = True`.
+      The manager calls `absent` and `mark_written` for every policy (the defaults are its own
+      loops); the others only when `batch_calls` is set (its own loops over the blocks `get`
+      returns are faster for the other policies). An override must give the defaults' answers and side
       effects, pin accounting included (tests/policies/test_lru_batch.py,
       tests/test_manager_bulk.py).
     """
@@ -125,8 +126,7 @@ class CachePolicy(ABC):
 
     def absent(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """The `keys` not resident, in order."""
-        get = self.get
-        return [key for key in keys if get(key) is None]
+        return list(filterfalse(self.get, keys))  # (a block, object or view, is truthy)
 
     def insert_written(self, keys: Sequence[OffloadKey], block_ids: Sequence[int],
                        tail: OffloadKey | None = None) -> None:

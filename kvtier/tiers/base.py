@@ -159,8 +159,7 @@ class Backend(ABC):
         `CachePolicy.pin_loads`, make no block objects). A backend that overrides
         `get_load_store_spec` gets it called with `BlockStatus`es of those ids."""
         if type(self).get_load_store_spec is not Backend.get_load_store_spec:
-            blocks = [BlockStatus(block_id) for block_id in block_ids]
-            return self.get_load_store_spec(keys, blocks)
+            return self.get_load_store_spec(keys, BlockStatus.many(block_ids))
         return self._spec(keys, block_ids)
 
     def _spec(self, keys: Iterable[OffloadKey], block_ids: list[int]) -> BlockIDsLoadStoreSpec:
