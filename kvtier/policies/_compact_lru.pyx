@@ -71,109 +71,9 @@ ctypedef struct Core:
     int64_t seq
 
 
-# ---------------------------------------------------------------------- C helpers on a Core
-cdef inline char* key_at(Core* c, int32_t i) noexcept nogil:
-    return c.keys + <Py_ssize_t>i * c.width
+POLICY_NAME = "lru"
 
-
-cdef int32_t find(Core* c, const char* kp, Py_ssize_t klen, Py_hash_t h) noexcept nogil:
-    cdef size_t s = (<size_t>h) & c.mask
-    cdef int32_t i
-    while True:
-        i = c.table[s]
-        if i < 0:
-            return -1
-        if c.e[i].hash == h and c.e[i].klen == klen and memcmp(key_at(c, i), kp, klen) == 0:
-            return i
-        s = (s + 1) & c.mask
-
-
-cdef void table_put(Core* c, int32_t i) noexcept nogil:
-    cdef size_t s = (<size_t>c.e[i].hash) & c.mask
-    while c.table[s] >= 0:
-        s = (s + 1) & c.mask
-    c.table[s] = i
-
-
-cdef void table_del(Core* c, int32_t i) noexcept nogil:
-    """Remove entry i's slot and shift later members of its probe run back (no tombstones)."""
-    cdef size_t s = (<size_t>c.e[i].hash) & c.mask
-    cdef size_t j, home
-    cdef int32_t k
-    while c.table[s] != i:
-        s = (s + 1) & c.mask
-    j = s
-    while True:
-        j = (j + 1) & c.mask
-        k = c.table[j]
-        if k < 0:
-            break
-        home = (<size_t>c.e[k].hash) & c.mask
-        # k may fill the hole at s unless its home lies cyclically in (s, j]
-        if (s < j and (home <= s or home > j)) or (s > j and home <= s and home > j):
-            c.table[s] = k
-            s = j
-    c.table[s] = -1
-
-
-cdef int rebuild_table(Core* c, size_t slots) except -1:
-    cdef int32_t* table = <int32_t*>PyMem_Malloc(slots * sizeof(int32_t))
-    cdef int32_t i
-    if table == NULL:
-        raise MemoryError()
-    memset(table, 0xff, slots * sizeof(int32_t))
-    PyMem_Free(c.table)
-    c.table, c.mask = table, slots - 1
-    for i in range(c.hw):
-        if c.e[i].flags & USED:
-            table_put(c, i)
-    return 0
-
-
-cdef int grow(Core* c) except -1:
-    """Double the entry arrays (more blocks than `cache_capacity` were inserted)."""
-    cdef int32_t cap = c.cap * 2
-    cdef void* p
-    if c.cap >= MAX_ENTRIES:
-        raise MemoryError(f"lru (compiled) holds at most {MAX_ENTRIES} blocks")
-    p = PyMem_Realloc(c.e, cap * sizeof(Entry))
-    if p == NULL:
-        raise MemoryError()
-    c.e = <Entry*>p
-    if c.keys != NULL:
-        p = PyMem_Realloc(c.keys, cap * c.width)
-        if p == NULL:
-            raise MemoryError()
-        c.keys = <char*>p
-    c.cap = cap
-    if c.mask + 1 < 2 * <size_t>cap:
-        rebuild_table(c, 2 * (c.mask + 1))
-    return 0
-
-
-cdef int widen(Core* c, Py_ssize_t width) except -1:
-    """Re-lay the key array for keys of up to `width` bytes."""
-    cdef char* keys = <char*>PyMem_Malloc(<Py_ssize_t>c.cap * width)
-    cdef int32_t i
-    if keys == NULL:
-        raise MemoryError()
-    if c.keys != NULL:
-        for i in range(c.hw):
-            if c.e[i].flags & USED:
-                memcpy(keys + <Py_ssize_t>i * width, key_at(c, i), c.e[i].klen)
-        PyMem_Free(c.keys)
-    c.keys, c.width = keys, width
-    return 0
-
-
-cdef inline void link_tail(Core* c, Chain* l, int32_t i) noexcept nogil:
-    c.e[i].next = -1
-    c.e[i].prev = l.tail
-    if l.tail >= 0:
-        c.e[l.tail].next = i
-    else:
-        l.head = i
-    l.tail = i
+include "_compact_table.pxi"
 
 
 cdef inline void unlink(Core* c, int32_t i) noexcept nogil:
@@ -338,5 +238,6 @@ cdef Py_ssize_t choose_tracked(Core* c, Py_ssize_t n, int32_t* chosen) except -1
     return got
 
 
+include "_compact_batch_ops.pxi"
 include "_compact_lru_index.pxi"
 include "_compact_lru_batch.pxi"

@@ -83,16 +83,10 @@ cdef class CompactLRUIndex:
         PyMem_Free(self.c.heap)
 
     cdef int32_t locate(self, object key) except -2:
-        cdef Py_ssize_t klen
-        if not PyBytes_Check(key):
-            return -1
-        klen = PyBytes_GET_SIZE(key)
-        if klen > self.c.width or self.c.count == 0:
-            return -1
-        return find(&self.c, PyBytes_AS_STRING(key), klen, PyObject_Hash(key))
+        return locate_in(&self.c, key)
 
     cdef object key_of(self, int32_t i):
-        return PyBytes_FromStringAndSize(key_at(&self.c, i), self.c.e[i].klen)
+        return key_in(&self.c, i)
 
     # ------------------------------------------------------------------ the seed contract
     def get(self, key):
@@ -100,38 +94,13 @@ cdef class CompactLRUIndex:
         return None if i < 0 else view_of(self, i, key)
 
     cdef int32_t put(self, object key, int64_t block_id, int32_t ref_cnt) except -1:
-        """Enter a block (or overwrite a resident one's values); its entry."""
-        cdef Core* c = &self.c
-        cdef Py_ssize_t klen
-        cdef Py_hash_t h
-        cdef int32_t i
-        if not PyBytes_Check(key):
-            raise TypeError(f"lru: a key must be bytes (an OffloadKey), got {type(key).__name__}")
-        klen = PyBytes_GET_SIZE(key)
-        if klen > MAX_KEY:
-            raise ValueError(f"lru: a key must be at most {MAX_KEY} bytes, got {klen}")
-        h = PyObject_Hash(key)
-        if c.keys == NULL or klen > c.width:
-            widen(c, max(klen, c.width, 1))
-        i = find(c, PyBytes_AS_STRING(key), klen, h) if c.count else -1
-        if i >= 0:  # resident already (outside the contract): the new values, the same place, as LRU
-            c.e[i].block_id, c.e[i].ref_cnt = block_id, ref_cnt
-            return i
-        if c.free >= 0:
-            i = c.free
-            c.free = c.e[i].next
-        else:
-            if c.hw == c.cap:
-                grow(c)
-            i = c.hw
-            c.hw += 1
-        c.e[i].block_id, c.e[i].ref_cnt, c.e[i].hash = block_id, ref_cnt, h
-        c.e[i].klen, c.e[i].flags, c.e[i].seq = <uint16_t>klen, USED, 0
-        memcpy(key_at(c, i), PyBytes_AS_STRING(key), klen)
-        table_put(c, i)
-        link_tail(c, &c.order, i)
-        c.count += 1
-        self.version += 1
+        """Enter a block (or overwrite a resident one's values, in the same place, as LRU); its entry."""
+        cdef bint fresh
+        cdef int32_t i = claim(&self.c, key, block_id, ref_cnt, &fresh)
+        if fresh:
+            self.c.e[i].seq = 0
+            link_tail(&self.c, &self.c.order, i)
+            self.version += 1
         return i
 
     def insert(self, key, block):
@@ -200,9 +169,8 @@ cdef class CompactLRUIndex:
             return
         for key in keys:
             i = self.locate(key)
-            if i >= 0 and not self.c.e[i].flags & PINNED:
-                self.c.e[i].flags |= PINNED
-                self.c.npinned += 1
+            if i >= 0:
+                pin_entry(&self.c, i)
 
     def unpin(self, keys):
         cdef int32_t i

@@ -1,0 +1,173 @@
+# The hash table and key array of a compiled index (included by _compact_lru.pyx and
+# _compact_prefix.pyx, which each define `Entry` (with hash, klen, flags & USED, next),
+# `Chain` and `Core` (e, keys, width, cap, hw, table, mask) and POLICY_NAME).
+
+
+cdef inline char* key_at(Core* c, int32_t i) noexcept nogil:
+    return c.keys + <Py_ssize_t>i * c.width
+
+
+cdef int32_t find(Core* c, const char* kp, Py_ssize_t klen, Py_hash_t h) noexcept nogil:
+    cdef size_t s = (<size_t>h) & c.mask
+    cdef int32_t i
+    while True:
+        i = c.table[s]
+        if i < 0:
+            return -1
+        if c.e[i].hash == h and c.e[i].klen == klen and memcmp(key_at(c, i), kp, klen) == 0:
+            return i
+        s = (s + 1) & c.mask
+
+
+cdef void table_put(Core* c, int32_t i) noexcept nogil:
+    cdef size_t s = (<size_t>c.e[i].hash) & c.mask
+    while c.table[s] >= 0:
+        s = (s + 1) & c.mask
+    c.table[s] = i
+
+
+cdef void table_del(Core* c, int32_t i) noexcept nogil:
+    """Remove entry i's slot and shift later members of its probe run back (no tombstones)."""
+    cdef size_t s = (<size_t>c.e[i].hash) & c.mask
+    cdef size_t j, home
+    cdef int32_t k
+    while c.table[s] != i:
+        s = (s + 1) & c.mask
+    j = s
+    while True:
+        j = (j + 1) & c.mask
+        k = c.table[j]
+        if k < 0:
+            break
+        home = (<size_t>c.e[k].hash) & c.mask
+        # k may fill the hole at s unless its home lies cyclically in (s, j]
+        if (s < j and (home <= s or home > j)) or (s > j and home <= s and home > j):
+            c.table[s] = k
+            s = j
+    c.table[s] = -1
+
+
+cdef int rebuild_table(Core* c, size_t slots) except -1:
+    cdef int32_t* table = <int32_t*>PyMem_Malloc(slots * sizeof(int32_t))
+    cdef int32_t i
+    if table == NULL:
+        raise MemoryError()
+    memset(table, 0xff, slots * sizeof(int32_t))
+    PyMem_Free(c.table)
+    c.table, c.mask = table, slots - 1
+    for i in range(c.hw):
+        if c.e[i].flags & USED:
+            table_put(c, i)
+    return 0
+
+
+cdef int grow(Core* c) except -1:
+    """Double the entry arrays (more blocks than `cache_capacity` were inserted)."""
+    cdef int32_t cap = c.cap * 2
+    cdef void* p
+    if c.cap >= MAX_ENTRIES:
+        raise MemoryError(f"{POLICY_NAME} (compiled) holds at most {MAX_ENTRIES} blocks")
+    p = PyMem_Realloc(c.e, cap * sizeof(Entry))
+    if p == NULL:
+        raise MemoryError()
+    c.e = <Entry*>p
+    if c.keys != NULL:
+        p = PyMem_Realloc(c.keys, cap * c.width)
+        if p == NULL:
+            raise MemoryError()
+        c.keys = <char*>p
+    c.cap = cap
+    if c.mask + 1 < 2 * <size_t>cap:
+        rebuild_table(c, 2 * (c.mask + 1))
+    return 0
+
+
+cdef int widen(Core* c, Py_ssize_t width) except -1:
+    """Re-lay the key array for keys of up to `width` bytes."""
+    cdef char* keys = <char*>PyMem_Malloc(<Py_ssize_t>c.cap * width)
+    cdef int32_t i
+    if keys == NULL:
+        raise MemoryError()
+    if c.keys != NULL:
+        for i in range(c.hw):
+            if c.e[i].flags & USED:
+                memcpy(keys + <Py_ssize_t>i * width, key_at(c, i), c.e[i].klen)
+        PyMem_Free(c.keys)
+    c.keys, c.width = keys, width
+    return 0
+
+
+cdef inline void link_tail(Core* c, Chain* l, int32_t i) noexcept nogil:
+    c.e[i].next = -1
+    c.e[i].prev = l.tail
+    if l.tail >= 0:
+        c.e[l.tail].next = i
+    else:
+        l.head = i
+    l.tail = i
+
+
+cdef inline int32_t locate_in(Core* c, object key) except -2:
+    """The entry of `key`, or -1 (not resident; not bytes, or longer than any key entered)."""
+    cdef Py_ssize_t klen
+    if not PyBytes_Check(key):
+        return -1
+    klen = PyBytes_GET_SIZE(key)
+    if klen > c.width or c.count == 0:
+        return -1
+    return find(c, PyBytes_AS_STRING(key), klen, PyObject_Hash(key))
+
+
+cdef inline object key_in(Core* c, int32_t i):
+    return PyBytes_FromStringAndSize(key_at(c, i), c.e[i].klen)
+
+
+cdef int32_t claim(Core* c, object key, int64_t block_id, int32_t ref_cnt, bint* fresh) except -1:
+    """The entry for `key` with these values: a resident one overwritten (`fresh` False), or a new
+    one in the table, counted, linked nowhere (`fresh` True: the caller links it)."""
+    cdef Py_ssize_t klen
+    cdef Py_hash_t h
+    cdef int32_t i
+    if not PyBytes_Check(key):
+        raise TypeError(f"{POLICY_NAME}: a key must be bytes (an OffloadKey), got {type(key).__name__}")
+    klen = PyBytes_GET_SIZE(key)
+    if klen > MAX_KEY:
+        raise ValueError(f"{POLICY_NAME}: a key must be at most {MAX_KEY} bytes, got {klen}")
+    h = PyObject_Hash(key)
+    if c.keys == NULL or klen > c.width:
+        widen(c, max(klen, c.width, 1))
+    i = find(c, PyBytes_AS_STRING(key), klen, h) if c.count else -1
+    if i >= 0:
+        c.e[i].block_id, c.e[i].ref_cnt = block_id, ref_cnt
+        fresh[0] = False
+        return i
+    if c.free >= 0:
+        i = c.free
+        c.free = c.e[i].next
+    else:
+        if c.hw == c.cap:
+            grow(c)
+        i = c.hw
+        c.hw += 1
+    c.e[i].block_id, c.e[i].ref_cnt, c.e[i].hash = block_id, ref_cnt, h
+    c.e[i].klen, c.e[i].flags = <uint16_t>klen, USED
+    memcpy(key_at(c, i), PyBytes_AS_STRING(key), klen)
+    table_put(c, i)
+    c.count += 1
+    fresh[0] = True
+    return i
+
+
+cdef int32_t* entries_of(Core* c, list keys, bint resident) except NULL:
+    """The entries of `keys` (PyMem_Malloc'd, for the caller to free); -1 for a key not resident.
+    With `resident`, raises KeyError (nothing allocated) unless all are."""
+    cdef Py_ssize_t n = len(keys), j
+    cdef int32_t* idx = <int32_t*>PyMem_Malloc(max(n, 1) * sizeof(int32_t))
+    if idx == NULL:
+        raise MemoryError()
+    for j in range(n):
+        idx[j] = locate_in(c, keys[j])
+        if resident and idx[j] < 0:
+            PyMem_Free(idx)
+            raise KeyError(keys[j])
+    return idx
