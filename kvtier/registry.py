@@ -35,7 +35,7 @@ POLICIES: dict[str, str] = {
     "lru": "kvtier.policies.compact:CompactLRUCachePolicy",  # pure-Python LRUCachePolicy when not built
     "arc": "kvtier.policies.arc:ARCCachePolicy",
     "sieve": "kvtier.policies.sieve:SIEVECachePolicy",
-    "prefix-freq": "kvtier.policies.prefix:PrefixFreqCachePolicy",
+    "prefix-freq": "kvtier.policies.compact_prefix:CompactPrefixFreqCachePolicy",  # pure-Python when not built
 }
 
 # The built-in handlers: (source spec, destination spec, factory), each a "module:attr" path. They

@@ -112,9 +112,9 @@ tiers:
     assert [t.policy for t in cfg.tiers] == ["prefix-freq", "lru", "arc", "lru"]
     hierarchy = build_hierarchy(cfg, dry_run=True)
     try:
-        lru = "CompactLRUCachePolicy"  # the compiled index (tests/policies/test_compact_lru.py: built here)
+        lru = "CompactLRUCachePolicy"  # the compiled indexes (tests/policies/test_compact_*.py: built here)
         assert [type(t.policy).__name__ for t in hierarchy.manager.tiers] == [
-            "PrefixFreqCachePolicy", lru, "ARCCachePolicy", lru]
+            "CompactPrefixFreqCachePolicy", lru, "ARCCachePolicy", lru]
     finally:
         hierarchy.close()
 

@@ -9,7 +9,9 @@ from seed_policy import DuckSeedPolicy, SeedLRUPolicy
 from kvtier import registry
 from kvtier.policies.base import CachePolicy, KeyIndex, with_key_index
 from kvtier.policies.compact import PurePythonCompactLRU
+from kvtier.policies.compact_prefix import PurePythonCompactPrefixFreq
 from kvtier.policies.lru import LRUCachePolicy
+from kvtier.policies.prefix import PrefixFreqCachePolicy
 from kvtier.testing.policy import PolicyTests, fill, key
 
 
@@ -42,7 +44,19 @@ class TestSIEVE(PolicyTests):
 
 
 class TestPrefixFreq(PolicyTests):
+    """The compiled index (tests/policies/test_compact_prefix.py fails where it is not built)."""
+
     policy_factory = registered("prefix-freq")
+
+
+class TestPrefixFreqFallback(PolicyTests):
+    """`prefix-freq`'s pure-Python fallback, what the name resolves to without the extension."""
+
+    policy_factory = PurePythonCompactPrefixFreq
+
+
+class TestPurePythonPrefixFreq(PolicyTests):
+    policy_factory = PrefixFreqCachePolicy
 
 
 class TestSeedContractPolicy(PolicyTests):

@@ -16,6 +16,7 @@ from seed_policy import SeedLRUPolicy
 from kvtier import registry
 from kvtier.policies.base import with_key_index
 from kvtier.policies.lru import LRUCachePolicy
+from kvtier.policies.prefix import PrefixFreqCachePolicy
 from kvtier.testing.policy import key
 from kvtier.types import BlockStatus
 
@@ -35,7 +36,7 @@ class CountingBlock(BlockStatus):
         BlockStatus.ref_cnt.__set__(self, value)  # type: ignore[attr-defined]
 
 
-POLICIES = ["lru", "lru-py", "arc", "sieve", "prefix-freq"]
+POLICIES = ["lru", "lru-py", "arc", "sieve", "prefix-freq", "prefix-freq-py"]
 
 
 def make(name: str, capacity: int):
@@ -43,6 +44,8 @@ def make(name: str, capacity: int):
         return with_key_index(SeedLRUPolicy(capacity))
     if name == "lru-py":
         return LRUCachePolicy(capacity)
+    if name == "prefix-freq-py":
+        return PrefixFreqCachePolicy(capacity)
     return with_key_index(registry.resolve(registry.POLICIES, name)(capacity))
 
 
@@ -180,7 +183,7 @@ def test_decisions_equal_the_policy_without_accounting(name, seed):
             assert tracked.victim_keys(n) == order[:n]
         assert sorted(plain.keys()) == sorted(tracked.keys())
         aside_seen = max(aside_seen, len(getattr(tracked, "aside", ())))
-    if name in ("lru-py", "prefix-freq"):
+    if name in ("lru-py", "prefix-freq", "prefix-freq-py"):
         assert aside_seen, "the run never set a pinned block aside"
 
 

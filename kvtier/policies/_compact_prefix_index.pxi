@@ -1,0 +1,264 @@
+# The classes of kvtier/policies/_compact_prefix.pyx (included there): the policy's index and its
+# block views.
+
+cdef class CompactPrefixIndex
+
+
+@cython.final
+@cython.freelist(256)
+cdef class PrefixBlockView:
+    """A resident block of a `CompactPrefixIndex` (what `get` returns), or an evicted one
+    (detached, what `evict` returns). `ref_cnt` reads and writes the index's entry; `block_id`
+    is fixed. Used after its block left, it raises LookupError (checked by key and block id)."""
+
+    cdef CompactPrefixIndex owner  # None: detached
+    cdef object key
+    cdef int32_t idx
+    cdef int32_t detached_ref
+    cdef readonly int64_t block_id
+
+    cdef Entry* entry(self) except NULL:
+        cdef Core* c = &self.owner.c
+        cdef Entry* e = &c.e[self.idx]
+        if (not e.flags & USED or e.block_id != self.block_id or e.klen != PyBytes_GET_SIZE(self.key)
+                or memcmp(key_at(c, self.idx), PyBytes_AS_STRING(self.key), e.klen) != 0):
+            raise LookupError(f"prefix-freq: block {self.block_id} of key {self.key!r} is no longer resident; "
+                              "a view from get() is valid only while its block stays resident (pinned)")
+        return e
+
+    @property
+    def ref_cnt(self):
+        return self.detached_ref if self.owner is None else self.entry().ref_cnt
+
+    @ref_cnt.setter
+    def ref_cnt(self, int32_t value):
+        if self.owner is None:
+            self.detached_ref = value
+        else:
+            self.entry().ref_cnt = value
+
+    @property
+    def is_ready(self):
+        """Whether the block can be read."""
+        return self.ref_cnt >= 0
+
+    def __repr__(self):
+        return f"PrefixBlockView(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
+
+
+cdef inline PrefixBlockView view_of(CompactPrefixIndex owner, int32_t i, object key):
+    cdef PrefixBlockView v = PrefixBlockView.__new__(PrefixBlockView)
+    v.owner, v.idx, v.key, v.block_id = owner, i, key, owner.c.e[i].block_id
+    return v
+
+
+cdef inline PrefixBlockView detached(Entry* e):
+    cdef PrefixBlockView v = PrefixBlockView.__new__(PrefixBlockView)
+    v.block_id, v.detached_ref = e.block_id, e.ref_cnt
+    return v
+
+
+cdef class CompactPrefixIndex:
+    """`PrefixFreqCachePolicy`'s decisions over C arrays (see the module docstring);
+    `kvtier.policies.compact_prefix` completes it into a `CachePolicy`. The tuning is read from
+    the class attributes `credits`, `tail_reuse_max`, `ghost_fraction`, `max_ghost_limit`,
+    `unit_rate` and `demote_tail` when an instance is made. Keys are bytes of at most 65535 bytes."""
+
+    cdef Core c
+    cdef bint tracking  # evictable accounting on (`track_pins`)
+    cdef Py_ssize_t version  # changes with the order, so iterators notice
+    cdef double now  # the logical clock (an integer held in a double)
+    cdef double mean_age  # `unit`: clock ticks per credit
+    cdef Py_ssize_t mark  # the count when the clock was last synced
+    cdef double rate, reuse_max
+    cdef double credit[MAX_SEGS]
+    cdef bint demote
+    cdef int64_t counts[6]
+    cdef dict evicted  # the ghost list: evicted key -> its segment then, oldest first
+    cdef Py_ssize_t glimit
+    cdef Py_ssize_t capacity  # as given (the arrays may grow past it)
+
+    def __cinit__(self, cache_capacity, *args, **kwargs):
+        cdef int s
+        cls = type(self)
+        cap = int(cache_capacity)
+        if cap <= 0:
+            raise ValueError(f"cache_capacity must be > 0 blocks, got {cache_capacity}")
+        if cap > MAX_ENTRIES:
+            raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for prefix-freq, got {cap}")
+        credits = tuple(cls.credits)
+        if not 1 <= len(credits) < MAX_SEGS:
+            raise ValueError(f"prefix-freq: credits must hold 1 to {MAX_SEGS - 1} values, got {len(credits)}")
+        self.c.nsegs = len(credits) + 1
+        for s in range(len(credits)):
+            self.credit[s] = credits[s]
+        self.rate, self.reuse_max, self.demote = cls.unit_rate, cls.tail_reuse_max, cls.demote_tail
+        self.glimit = min(int(cap * cls.ghost_fraction), cls.max_ghost_limit)
+        self.mean_age = float(cap)
+        self.evicted = {}
+        slots = 8
+        while slots < 2 * cap:
+            slots *= 2
+        self.c.cap = self.capacity = cap
+        self.c.e = <Entry*>PyMem_Malloc(cap * sizeof(Entry))
+        if self.c.e == NULL:
+            raise MemoryError()
+        self.c.free = -1
+        for s in range(MAX_SEGS):
+            self.c.seg[s] = Chain(-1, -1)
+        rebuild_table(&self.c, slots)
+
+    def __dealloc__(self):
+        cdef int s
+        PyMem_Free(self.c.e)
+        PyMem_Free(self.c.keys)
+        PyMem_Free(self.c.table)
+        for s in range(MAX_SEGS):
+            PyMem_Free(self.c.freed[s].items)
+
+    cdef int32_t locate(self, object key) except -2:
+        return locate_in(&self.c, key)
+
+    cdef object key_of(self, int32_t i):
+        return key_in(&self.c, i)
+
+    cdef double sync(self):
+        """Advance the clock by the blocks inserted since it was last synced; returns it."""
+        self.now += self.c.count - self.mark
+        self.mark = self.c.count
+        return self.now
+
+    # ------------------------------------------------------------------ inspection
+    @property
+    def ghosts(self):
+        """Evicted key -> its segment then, oldest first (the policy's dict: read it only)."""
+        return self.evicted
+
+    @property
+    def ghost_limit(self):
+        """Ghosts kept: between 1x and 2x this many keys."""
+        return self.glimit
+
+    @ghost_limit.setter
+    def ghost_limit(self, Py_ssize_t limit):
+        self.glimit = limit
+
+    @property
+    def clock(self):
+        return self.now
+
+    @property
+    def unit(self):
+        return self.mean_age
+
+    @property
+    def tail_counts(self):
+        """The departures of tails and new blocks (`TailEvidence.counts`, a copy)."""
+        return [self.counts[k] for k in range(6)]
+
+    @property
+    def aside(self):
+        """The keys set aside now (pinned or protected when an eviction met them): inspection, O(n)."""
+        cdef int32_t i
+        return [self.key_of(i) for i in range(self.c.hw) if self.c.e[i].flags & USED and self.c.e[i].flags & ASIDE]
+
+    def memory_bytes(self):
+        """Bytes allocated for the arrays now (entries, keys, hash table, queues); not the ghosts."""
+        cdef Core* c = &self.c
+        return (c.cap * sizeof(Entry) + c.cap * c.width + (c.mask + 1) * sizeof(int32_t)
+                + sum(c.freed[s].cap for s in range(MAX_SEGS)) * sizeof(Freed))
+
+    # ------------------------------------------------------------------ the seed contract
+    def get(self, key):
+        cdef int32_t i = self.locate(key)
+        return None if i < 0 else view_of(self, i, key)
+
+    cdef int destination(self, object key, bint tail) except -1:
+        """The segment of a block just inserted (`PrefixFreqCachePolicy._place`): a returning
+        ghost by its history (the re-store counts as a hit), else the tails or the new blocks."""
+        cdef int ghost
+        found = self.evicted.pop(key, None) if self.evicted else None
+        if found is None:
+            return TAIL if tail and self.demote else 1
+        ghost = found
+        if ghost <= 1:
+            self.counts[RETURNED_TAIL if ghost == TAIL else RETURNED_NEW] += 1
+        return min(max(ghost, 1) + 1, self.c.nsegs - 1)
+
+    cdef int32_t put(self, object key, int64_t block_id, int32_t ref_cnt, bint tail) except -1:
+        """Enter a block (a resident one: its values overwritten, its place kept); its entry.
+        The clock is not advanced: `sync` counts the inserts at the next call that reads it."""
+        cdef bint fresh
+        cdef int32_t i = claim(&self.c, key, block_id, ref_cnt, &fresh)
+        if fresh:
+            place(&self.c, i, self.destination(key, tail), self.now)
+            self.version += 1
+        return i
+
+    def insert(self, key, block):
+        """Copy `block.block_id` and `block.ref_cnt` into a new entry (`block` is not kept)."""
+        self.put(key, block.block_id, block.ref_cnt, False)
+
+    def insert_many(self, keys, blocks, tail=None):
+        cdef bint is_tail
+        if not self.demote:
+            tail = None
+        for key, block in zip(keys, blocks):
+            is_tail = tail is not None and key == tail
+            if is_tail:
+                tail = None
+            self.put(key, block.block_id, block.ref_cnt, is_tail)
+
+    def remove(self, key):
+        cdef int32_t i
+        self.sync()
+        i = self.locate(key)
+        if i >= 0:
+            drop(&self.c, i)
+            self.version += 1
+        self.mark = self.c.count
+
+    def touch(self, keys):
+        cdef Core* c = &self.c
+        cdef double now = self.sync(), unit = self.mean_age, rate = self.rate, stamp
+        cdef int32_t i
+        cdef int s, top = c.nsegs - 1
+        keys = keys if isinstance(keys, list) else list(keys)
+        for key in reversed(keys):
+            i = self.locate(key)
+            if i < 0:
+                continue
+            s = c.e[i].seg
+            if c.e[i].flags & ASIDE:
+                c.e[i].flags &= ~ASIDE  # touched: back in the order, in the segment it moves to
+            else:
+                unlink(c, i)
+            stamp = c.e[i].stamp
+            now += 1.0
+            unit += (now - stamp - unit) * rate
+            if s <= 1:
+                self.counts[HIT_TAIL if s == TAIL else HIT_NEW] += 1
+            place(c, i, 2 if s == TAIL else min(s + 1, top), now)
+        self.now, self.mean_age = now, unit
+        self.version += 1
+
+    def __len__(self):
+        return self.c.count
+
+    def keys(self):
+        cdef int32_t i
+        return [self.key_of(i) for i in range(self.c.hw) if self.c.e[i].flags & USED]
+
+    def clear(self):
+        cdef Core* c = &self.c
+        cdef int s
+        memset(c.table, 0xff, (c.mask + 1) * sizeof(int32_t))
+        c.hw, c.free, c.count, c.npinned = 0, -1, 0, 0
+        for s in range(MAX_SEGS):
+            c.seg[s] = Chain(-1, -1)
+            c.freed[s].n = 0
+        self.evicted.clear()
+        for s in range(6):
+            self.counts[s] = 0
+        self.now, self.mark, self.mean_age = 0.0, 0, float(self.capacity)
+        self.version += 1
