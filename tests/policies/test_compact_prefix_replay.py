@@ -1,0 +1,133 @@
+"""`prefix-freq`'s compiled index (kvtier/policies/compact_prefix.py) as a system part: built here,
+the registered name's fallback without it, and whole hierarchies replaying workloads with exactly
+the decisions of the pure-Python `PrefixFreqCachePolicy` (every figure, and the policy's state
+at the end: ghosts, clock, hit-age mean, tail evidence). The operation-level differential tests
+are in test_compact_prefix.py; the conformance suites run on both in test_conformance.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from kvtier.bench import cycle, replay
+from kvtier.hierarchy import build_hierarchy
+from kvtier.policies.compact_prefix import CompactPrefixFreqCachePolicy
+from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.prefix_tails import TailEvidence
+from kvtier.types import BlockStatus
+
+PURE = "kvtier.policies.prefix:PrefixFreqCachePolicy"
+
+
+def test_the_compiled_index_is_built():
+    """This machine has a C compiler: a silent fallback here is a build bug."""
+    try:
+        import kvtier.policies._compact_prefix  # noqa: F401
+    except ImportError as exc:
+        pytest.fail(f"kvtier.policies._compact_prefix is not built ({exc}): run `pip install -e .` (or "
+                    "`python setup.py build_ext --inplace` in a checkout) with gcc and the Python headers "
+                    "installed; prefix-freq falls back to pure Python without it")
+    assert CompactPrefixFreqCachePolicy.compiled and CompactPrefixFreqCachePolicy.returns_views
+    assert CompactPrefixFreqCachePolicy.batch_calls
+
+
+def test_without_the_extension_the_name_resolves_to_the_fallback_and_says_so():
+    code = """
+import logging, sys
+sys.modules["kvtier.policies._compact_prefix"] = None  # as if it were not built
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
+from kvtier import registry
+from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.prefix_tails import TailEvidence
+cls = registry.resolve(registry.POLICIES, "prefix-freq")
+a, b = cls(4), cls(4)
+print("fallback", issubclass(cls, PrefixFreqCachePolicy), cls.compiled, a.returns_views, a.batch_calls)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "fallback True False False False" in out
+    assert out.count("pure-Python fallback") == 1, out  # once, not per policy built
+
+
+def readable(block_ids) -> list[BlockStatus]:
+    blocks = BlockStatus.many(block_ids)
+    for block in blocks:
+        block.ref_cnt = 0
+    return blocks
+
+
+def test_grows_beyond_its_capacity_and_keeps_every_block():
+    p = CompactPrefixFreqCachePolicy(3)
+    keys = [i.to_bytes(4, "big") * (1 + i % 4) for i in range(1000)]  # the key array re-laid as keys grow
+    p.insert_many(keys, readable(range(1000)))
+    assert len(p) == 1000 and all(p.get(k).block_id == i for i, k in enumerate(keys))
+    assert [k for k, _ in p.evict(3, {keys[1]})] == [keys[0], keys[2], keys[3]]
+    assert p.get(b"absent") is None
+
+
+def test_iterating_candidates_while_the_policy_changes_raises():
+    p = CompactPrefixFreqCachePolicy(4)
+    p.insert_many([b"k1", b"k2"], readable([1, 2]))
+    candidates = p.victim_candidates()
+    next(candidates)
+    p.remove(b"k2")
+    with pytest.raises(RuntimeError, match="changed during"):
+        next(candidates)
+
+
+def test_bad_keys_and_capacities_are_reported():
+    p = CompactPrefixFreqCachePolicy(4)
+    with pytest.raises(TypeError, match="must be bytes"):
+        p.insert("abc", BlockStatus(1))
+    with pytest.raises(ValueError, match="at most 65535 bytes"):
+        p.insert(b"x" * 65536, BlockStatus(1))
+    with pytest.raises(ValueError, match="cache_capacity must be > 0"):
+        CompactPrefixFreqCachePolicy(0)
+
+
+def policy_state(policy) -> tuple:
+    """What the two implementations must agree on after a replay (the pure class's internals,
+    the compiled one's inspection properties)."""
+    counts = policy.tail_counts if hasattr(policy, "tail_counts") else list(policy._tails.counts)
+    return (sorted((k, policy.get(k).block_id, policy.get(k).ref_cnt) for k in policy.keys()),
+            policy.victim_keys(len(policy)), list(policy.ghosts.items()), policy.clock, policy.unit, counts,
+            sorted(policy.pinned_keys() or ()))
+
+
+def replayed(config, trace) -> tuple[dict, tuple, bool]:
+    """Replay `trace` through a dry-run hierarchy; (its figures, tier 0's policy state, whether
+    request tails were one-time at the end)."""
+    hierarchy = build_hierarchy(config, dry_run=True)
+    try:
+        result = replay.replay_manager(hierarchy.manager, trace)
+        stats = hierarchy.manager.get_stats()
+        policy = hierarchy.manager.tiers[0].policy
+        evidence = TailEvidence()
+        evidence.counts = list(policy.tail_counts if hasattr(policy, "tail_counts") else policy._tails.counts)
+        one_time = evidence.one_time(PrefixFreqCachePolicy.tail_reuse_max)
+        return ({k: result[k] for k in ("hit_rate", "hit_blocks", "stores_refused", "retry_steps")} | {"tiers": stats},
+                policy_state(policy), one_time)
+    finally:
+        hierarchy.close()
+
+
+@pytest.mark.parametrize("workload", ["agentic", "scan", "conversations"])
+@pytest.mark.parametrize("multi", [False, True], ids=["one-tier", "cpu+file"])
+def test_replay_equals_the_pure_policy(workload, multi):
+    """Generated workloads at a small capacity (many evictions, aside blocks, demotions and
+    promotions): every figure of the replay and tier 0's final state equal the pure class's."""
+    if workload == "conversations":  # each request ends in a partial block of its own (the Mooncake traces' tails)
+        turns = replay.generate_trace().requests
+        trace = replay.Trace("partial-tails", [r + [(1 << 62) + i] for i, r in enumerate(turns)])
+    else:
+        trace = cycle.load_workload(workload, "")
+    compiled = cycle.config_for("prefix-freq+file" if multi else "prefix-freq", 200)
+    pure = replace(compiled, tiers=(replace(compiled.tiers[0], policy=PURE), *compiled.tiers[1:]))
+    (figures, state, one_time), (pure_figures, pure_state, _) = replayed(compiled, trace), replayed(pure, trace)
+    assert figures == pure_figures
+    assert state == pure_state
+    assert figures["hit_blocks"] > 0 and state[2], "the replay evicted nothing"
+    if workload == "conversations":
+        assert one_time, "the tail rule never switched on: the replay does not test it"
