@@ -8,7 +8,9 @@ Four workloads: the Mooncake conversation and synthetic traces (`--traces`, defa
 (`replay.generate_agentic_trace`) and the generated one-shot-scan workload
 (`replay.generate_scan_trace`). Systems: kvtier with `lru` and with `prefix-freq` in one tier of
 `--capacity` blocks, vLLM 0.32's `CPUOffloadingManager` with LRU at the same capacity, and with
-`--multi` kvtier with each policy over a file tier nine times larger (`lru+file`, ...).
+`--multi` kvtier with each policy over a file tier nine times larger (`lru+file`, ...). Named in
+`--systems`, `prefix-freq-py` and `lru-py` are the pure-Python policies the compiled indexes
+replaced (their fallbacks).
 
 Default mode: every (workload, system) replayed `--repeats` times in interleaved rounds (round r
 runs every system once, so all meet the same machine load); each keeps its least CPU time
@@ -60,15 +62,17 @@ def load_workload(name: str, traces: str) -> replay.Trace:
 def config_for(system: str, capacity: int):
     """The dry-run hierarchy of kvtier system `system` ('lru', 'prefix-freq+file', ...): the
     packaged replay config (`replay-cpu.yaml`, or `replay-cpu-file.yaml` for '+file') with the
-    first tier's policy and capacity replaced ('lru+file:arc': the file tier's policy too)."""
+    first tier's policy and capacity replaced ('lru+file:arc': the file tier's policy too). The
+    first tier's policy may be a pure-Python one (`memory.PURE`: 'prefix-freq-py', 'lru-py')."""
     from dataclasses import replace
 
+    from kvtier.bench.memory import PURE
     from kvtier.config import Capacity, load_config
 
     policy, _, below = system.partition("+")
     name = "replay-cpu-file.yaml" if below else "replay-cpu.yaml"
     config = load_config(Path(__file__).resolve().parent.parent / "configs" / name)
-    first = replace(config.tiers[0], capacity=Capacity(blocks=capacity), policy=policy)
+    first = replace(config.tiers[0], capacity=Capacity(blocks=capacity), policy=PURE.get(policy, policy))
     lower_policy = below.partition(":")[2]
     rest = tuple(replace(t, policy=lower_policy) if lower_policy else t for t in config.tiers[1:])
     return replace(config, tiers=(first, *rest))

@@ -1,6 +1,6 @@
 """Index memory per resident block, measured as RSS growth (issue 19: <= 100 bytes including the key).
 
-    python -m kvtier.bench.memory [--blocks 1000000,8000000] [--policies lru,lru-py,prefix-freq,vllm-lru]
+    python -m kvtier.bench.memory [--blocks 1000000,8000000] [--policies lru,lru-py,prefix-freq,prefix-freq-py,vllm-lru]
                                   [--json FILE]
 
 Each (policy, N) runs in a fresh child process: resident set size (/proc/self/statm) before, then
@@ -9,13 +9,14 @@ N resident blocks inserted the way the manager stores them (evictable accounting
 `unpin`), in chunks of 64Ki keys of 32-byte block hash + 4-byte group (vLLM's sha256 keys), then
 `gc.collect()` and RSS after. The chunks' key lists are dropped after each chunk: a dict-based
 policy keeps every key object (that is its real cost), the compact index copies the bytes and
-keeps none. `lru` is the registered name (the compiled index when it is built), `lru-py` the
-pure-Python `LRUCachePolicy` (its fallback). `vllm-lru` is vLLM's `CPUOffloadingManager` with its
+keeps none. `lru` and `prefix-freq` are the registered names (the compiled indexes when they are
+built), `lru-py` and `prefix-freq-py` the pure-Python `LRUCachePolicy` and `PrefixFreqCachePolicy`
+(their fallbacks). `vllm-lru` is vLLM's `CPUOffloadingManager` with its
 LRU policy, driven through `prepare_store`/`complete_store` with one request context per chunk
 (dropped after it).
 
 Figures are bytes of RSS growth per block (so they include allocator overhead and the
-fragmentation the insert pattern causes) and, for the compiled `lru`, the bytes its arrays allocate.
+fragmentation the insert pattern causes) and, for the compiled indexes, the bytes their arrays allocate.
 This is a benchmark, not a test: it prints rows and optionally writes JSON.
 """
 
@@ -32,8 +33,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-POLICIES = ("lru", "lru-py", "prefix-freq", "vllm-lru")
-_NAMES = {"lru-py": "kvtier.policies.lru:LRUCachePolicy"}  # bench names that are not registered
+POLICIES = ("lru", "lru-py", "prefix-freq", "prefix-freq-py", "vllm-lru")
+PURE = {"lru-py": "kvtier.policies.lru:LRUCachePolicy",  # bench names that are not registered:
+        "prefix-freq-py": "kvtier.policies.prefix:PrefixFreqCachePolicy"}  # the pure-Python policies
 CHUNK = 1 << 16
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -54,7 +56,7 @@ def _fill_kvtier(name: str, n: int) -> Any:
     from kvtier.policies.base import with_key_index
     from kvtier.types import BlockStatus
 
-    policy = with_key_index(registry.resolve(registry.POLICIES, _NAMES.get(name, name))(n))
+    policy = with_key_index(registry.resolve(registry.POLICIES, PURE.get(name, name))(n))
     policy.track_pins()
     for start in range(0, n, CHUNK):
         keys = _keys(start, min(n, start + CHUNK))
@@ -91,7 +93,7 @@ def measure(name: str, n: int) -> dict[str, Any]:
         from kvtier import registry
         from kvtier.types import BlockStatus  # noqa: F401
 
-        registry.resolve(registry.POLICIES, _NAMES.get(name, name))
+        registry.resolve(registry.POLICIES, PURE.get(name, name))
     _keys(0, 8)
     gc.collect()
     before = rss_bytes()
