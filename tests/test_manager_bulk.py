@@ -7,7 +7,8 @@ the same eviction order with the same `ref_cnt`s, pins, promotions and counters.
 keys and mix tiers, so both the fast paths and their fall-backs run. The registered `lru` is the
 compiled index here, whose batch calls (`CachePolicy.batch_calls`) the fast paths use; the same
 machines run on its pure-Python fallback (the manager's own loops) and on `BatchDefaultsLRU` (the
-manager through `CachePolicy`'s default batch calls)."""
+manager through `CachePolicy`'s default batch calls), and on the compiled `prefix-freq` and the
+pure-Python `PrefixFreqCachePolicy` it replaced."""
 
 from __future__ import annotations
 
@@ -143,6 +144,10 @@ class BulkEqualsPerKeyPrefix(BulkEqualsPerKey):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="prefix-freq")
 
 
+class BulkEqualsPerKeyPurePrefix(BulkEqualsPerKey):
+    HIERARCHY = dict(BulkEqualsPerKeyPrefix.HIERARCHY, hot_policy="kvtier.policies.prefix:PrefixFreqCachePolicy")
+
+
 class BulkEqualsPerKeyPure(BulkEqualsPerKey):
     HIERARCHY = dict(BulkEqualsPerKey.HIERARCHY, hot_policy=PURE_LRU)
 
@@ -169,6 +174,8 @@ TestBulkLRU = BulkEqualsPerKey.TestCase
 TestBulkLRU.settings = FAST
 TestBulkPrefix = BulkEqualsPerKeyPrefix.TestCase
 TestBulkPrefix.settings = FAST
+TestBulkPurePrefix = BulkEqualsPerKeyPurePrefix.TestCase
+TestBulkPurePrefix.settings = FAST
 TestBulkPureLRU = BulkEqualsPerKeyPure.TestCase
 TestBulkPureLRU.settings = FAST
 TestBulkDefaultsLRU = BulkEqualsPerKeyDefaults.TestCase
