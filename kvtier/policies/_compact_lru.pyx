@@ -99,13 +99,7 @@ cdef inline void set_aside(Core* c, int32_t i, int64_t seq) noexcept nogil:
 cdef void drop(Core* c, int32_t i) noexcept nogil:
     """Forget entry i (remove, evict)."""
     unlink(c, i)
-    table_del(c, i)
-    if c.e[i].flags & PINNED:
-        c.npinned -= 1
-    c.e[i].flags = 0
-    c.e[i].next = c.free
-    c.free = i
-    c.count -= 1
+    release(c, i)
 
 
 cdef inline bint before(Item a, Item b) noexcept nogil:
@@ -114,13 +108,7 @@ cdef inline bint before(Item a, Item b) noexcept nogil:
 
 cdef int heap_push(Core* c, Item it) except -1:
     cdef Py_ssize_t k = c.hlen, parent
-    cdef void* p
-    if c.hlen == c.hcap:
-        c.hcap = max(16, 2 * c.hcap)
-        p = PyMem_Realloc(c.heap, c.hcap * sizeof(Item))
-        if p == NULL:
-            raise MemoryError()
-        c.heap = <Item*>p
+    reserve(<void**>&c.heap, c.hlen, &c.hcap, sizeof(Item))
     c.hlen += 1
     while k > 0:
         parent = (k - 1) >> 1
@@ -155,12 +143,9 @@ cdef Item heap_pop(Core* c) noexcept nogil:
 cdef int unpin_entry(Core* c, int32_t i) except -1:
     """Entry i became evictable (`unpin`): no longer counted as pinned; an aside entry is queued
     in the freed heap (duplicates are skipped when popped)."""
-    cdef Entry* e = &c.e[i]
-    if e.flags & PINNED:
-        e.flags &= ~PINNED
-        c.npinned -= 1
-    if e.flags & ASIDE:
-        heap_push(c, Item(e.seq, i))
+    forget_pin(c, i)
+    if c.e[i].flags & ASIDE:
+        heap_push(c, Item(c.e[i].seq, i))
     return 0
 
 

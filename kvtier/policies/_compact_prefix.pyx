@@ -133,13 +133,7 @@ cdef inline void place(Core* c, int32_t i, int seg, double stamp) noexcept nogil
 
 cdef int push_freed(Core* c, int32_t i) except -1:
     cdef FreedList* f = &c.freed[c.e[i].seg]
-    cdef void* p
-    if f.n == f.cap:
-        f.cap = max(16, 2 * f.cap)
-        p = PyMem_Realloc(f.items, f.cap * sizeof(Freed))
-        if p == NULL:
-            raise MemoryError()
-        f.items = <Freed*>p
+    reserve(<void**>&f.items, f.n, &f.cap, sizeof(Freed))
     f.items[f.n] = Freed(c.e[i].stamp, c.e[i].seq, i)
     f.n += 1
     return 0
@@ -160,9 +154,7 @@ cdef int set_aside(Core* c, int32_t i) except -1:
 cdef int unpin_entry(Core* c, int32_t i) except -1:
     """Entry i became evictable (`unpin`): no longer counted as pinned; an aside entry is queued
     (duplicates are dropped when the queue is read)."""
-    if c.e[i].flags & PINNED:
-        c.e[i].flags &= ~PINNED
-        c.npinned -= 1
+    forget_pin(c, i)
     if c.e[i].flags & ASIDE:
         push_freed(c, i)
     return 0
@@ -172,13 +164,7 @@ cdef void drop(Core* c, int32_t i) noexcept nogil:
     """Forget entry i (remove, evict); its queued items go stale."""
     if not c.e[i].flags & ASIDE:
         unlink(c, i)
-    table_del(c, i)
-    if c.e[i].flags & PINNED:
-        c.npinned -= 1
-    c.e[i].flags = 0
-    c.e[i].next = c.free
-    c.free = i
-    c.count -= 1
+    release(c, i)
 
 
 cdef int freed_order(const void* a, const void* b) noexcept nogil:
@@ -231,13 +217,7 @@ cdef inline int32_t lane_next(Core* c, Lane* l) noexcept nogil:
 
 
 cdef int vec_push(IdxVec* v, int32_t i) except -1:
-    cdef void* p
-    if v.n == v.cap:
-        v.cap = max(16, 2 * v.cap)
-        p = PyMem_Realloc(v.v, v.cap * sizeof(int32_t))
-        if p == NULL:
-            raise MemoryError()
-        v.v = <int32_t*>p
+    reserve(<void**>&v.v, v.n, &v.cap, sizeof(int32_t))
     v.v[v.n] = i
     v.n += 1
     return 0

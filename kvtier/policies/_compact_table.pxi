@@ -171,3 +171,33 @@ cdef int32_t* entries_of(Core* c, list keys, bint resident) except NULL:
             PyMem_Free(idx)
             raise KeyError(keys[j])
     return idx
+
+
+cdef int reserve(void** items, Py_ssize_t n, Py_ssize_t* cap, size_t size) except -1:
+    """Room for item `n` of a growable array of `size`-byte items (doubled, at least 16)."""
+    cdef void* p
+    if n < cap[0]:
+        return 0
+    cap[0] = max(16, 2 * cap[0])
+    p = PyMem_Realloc(items[0], cap[0] * size)
+    if p == NULL:
+        raise MemoryError()
+    items[0] = p
+    return 0
+
+
+cdef inline void forget_pin(Core* c, int32_t i) noexcept nogil:
+    """Entry i is no longer counted as pinned."""
+    if c.e[i].flags & PINNED:
+        c.e[i].flags &= ~PINNED
+        c.npinned -= 1
+
+
+cdef void release(Core* c, int32_t i) noexcept nogil:
+    """Entry i out of the table and the pin count, onto the free list (it is linked nowhere)."""
+    table_del(c, i)
+    forget_pin(c, i)
+    c.e[i].flags = 0
+    c.e[i].next = c.free
+    c.free = i
+    c.count -= 1

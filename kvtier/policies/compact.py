@@ -17,24 +17,16 @@ and the first policy built says so in the log. The same conformance suites run a
 
 from __future__ import annotations
 
-import logging
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvtier.policies.base import CachePolicy
+from kvtier.policies.compiled import CompiledIndex
 from kvtier.policies.lru import LRUCachePolicy
 
-log = logging.getLogger(__name__)
-
-try:
+INDEX = CompiledIndex("lru", "kvtier.policies._compact_lru", "CompactLRUBatch", "about 4x the memory per block")
+COMPILED = INDEX.cls is not None
+if TYPE_CHECKING or COMPILED:
     from kvtier.policies._compact_lru import CompactLRUBatch
-except ImportError as exc:  # not built: the fallback below
-    CompactLRUBatch = None  # type: ignore[assignment,misc]
-    _IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}"
-else:
-    _IMPORT_ERROR = None
-
-COMPILED = CompactLRUBatch is not None
-_warned = False
 
 
 class PurePythonCompactLRU(LRUCachePolicy):
@@ -43,17 +35,12 @@ class PurePythonCompactLRU(LRUCachePolicy):
     compiled: ClassVar[bool] = False
 
     def __init__(self, cache_capacity: int) -> None:
-        global _warned
         super().__init__(cache_capacity)
-        if not _warned and type(self) is _FALLBACK_SAYS:
-            _warned = True
-            log.warning("lru: the compiled index kvtier.policies._compact_lru is not built (%s); using "
-                        "the pure-Python fallback (the same decisions, about 4x the memory per block). "
-                        "Reinstall kvtier with a C compiler and Python headers present (pip install -e .) "
-                        "to build it.", _IMPORT_ERROR)
+        if type(self) is _FALLBACK_SAYS:
+            INDEX.fallback_built()
 
 
-if CompactLRUBatch is not None:
+if COMPILED:
     class CompactLRUCachePolicy(CompactLRUBatch, CachePolicy):
         """LRU over C arrays (see the module docstring)."""
 

@@ -18,24 +18,17 @@ first policy built says so in the log. The same conformance suites run against b
 
 from __future__ import annotations
 
-import logging
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from kvtier.policies.base import CachePolicy
+from kvtier.policies.compiled import CompiledIndex
 from kvtier.policies.prefix import PrefixFreqCachePolicy
 
-log = logging.getLogger(__name__)
-
-try:
+INDEX = CompiledIndex("prefix-freq", "kvtier.policies._compact_prefix", "CompactPrefixPolicy",
+                      "about 4x the memory per block and 3-4x the CPU")
+COMPILED = INDEX.cls is not None
+if TYPE_CHECKING or COMPILED:
     from kvtier.policies._compact_prefix import CompactPrefixPolicy
-except ImportError as exc:  # not built: the fallback below
-    CompactPrefixPolicy = None  # type: ignore[assignment,misc]
-    _IMPORT_ERROR: str | None = f"{type(exc).__name__}: {exc}"
-else:
-    _IMPORT_ERROR = None
-
-COMPILED = CompactPrefixPolicy is not None
-_warned = False
 
 
 class PurePythonCompactPrefixFreq(PrefixFreqCachePolicy):
@@ -44,14 +37,9 @@ class PurePythonCompactPrefixFreq(PrefixFreqCachePolicy):
     compiled: ClassVar[bool] = False
 
     def __init__(self, cache_capacity: int) -> None:
-        global _warned
         super().__init__(cache_capacity)
-        if not _warned and type(self) is _FALLBACK_SAYS:
-            _warned = True
-            log.warning("prefix-freq: the compiled index kvtier.policies._compact_prefix is not built (%s); "
-                        "using the pure-Python fallback (the same decisions, about 4x the memory per block "
-                        "and several times the CPU). Reinstall kvtier with a C compiler and Python headers "
-                        "present (pip install -e .) to build it.", _IMPORT_ERROR)
+        if type(self) is _FALLBACK_SAYS:
+            INDEX.fallback_built()
 
     @property
     def tail_counts(self) -> list[int]:
@@ -59,7 +47,7 @@ class PurePythonCompactPrefixFreq(PrefixFreqCachePolicy):
         return list(self._tails.counts)
 
 
-if CompactPrefixPolicy is not None:
+if COMPILED:
     class CompactPrefixFreqCachePolicy(CompactPrefixPolicy, CachePolicy):
         """`prefix-freq` over C arrays (see the module docstring)."""
 
