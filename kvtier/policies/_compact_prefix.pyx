@@ -227,6 +227,37 @@ cdef inline bint takeable(Core* c, int32_t i) noexcept nogil:
     return c.e[i].ref_cnt == 0 and not c.e[i].flags & MARK
 
 
+cdef enum:  # how a run ended
+    DONE = 0  # n entries taken
+    HEAD = 1  # stopped at an entry at or above its bound: the lane's new head
+    EMPTY = 2  # the lane ran out
+
+
+cdef int run(Core* c, Lane* l, double below, int32_t* out, Py_ssize_t* got, Py_ssize_t n,
+             IdxVec* met) except -1:
+    """Take lane l's evictable, unmarked entries into `out` while their stamps stay below
+    `below`, until `n` are there; the entries passed over go to `met` (when not NULL)."""
+    cdef int32_t i = lane_next(c, l)
+    while i >= 0:
+        if takeable(c, i):
+            if c.e[i].stamp >= below:
+                l.head, l.score = i, c.e[i].stamp + l.offset
+                return HEAD
+            out[got[0]] = i
+            got[0] += 1
+            if got[0] == n:
+                return DONE
+        elif met != NULL:
+            vec_push(met, i)
+        i = lane_next(c, l)
+    return EMPTY
+
+
+cdef inline void open_lane(Core* c, Lane* l, int s, double offset) noexcept nogil:
+    settle_freed(c, s)
+    l.seg, l.fpos, l.cur, l.offset = s, 0, c.seg[s].head, offset
+
+
 cdef Py_ssize_t walk(Core* c, Py_ssize_t n, int32_t* out, bint tails_first, const double* offsets,
                      IdxVec* met) except -1:
     """Up to `n` evictable, unmarked entries in eviction order into `out` (no state change but
@@ -237,40 +268,18 @@ cdef Py_ssize_t walk(Core* c, Py_ssize_t n, int32_t* out, bint tails_first, cons
     cdef Py_ssize_t got = 0
     cdef int s, k, b, nl = 0, first = 0
     cdef Lane lanes[MAX_SEGS]
-    cdef Lane* l
-    cdef int32_t i
-    cdef double limit, below
-    cdef bint exhausted
+    cdef double limit
     if n <= 0:
         return 0
     if tails_first:
         first = 1
-        settle_freed(c, TAIL)
-        l = &lanes[0]
-        l.seg, l.fpos, l.cur = TAIL, 0, c.seg[TAIL].head
-        i = lane_next(c, l)
-        while i >= 0:
-            if takeable(c, i):
-                out[got] = i
-                got += 1
-                if got == n:
-                    return got
-            elif met != NULL:
-                vec_push(met, i)
-            i = lane_next(c, l)
-    for s in range(first, c.nsegs):
-        settle_freed(c, s)
-        l = &lanes[nl]
-        l.seg, l.fpos, l.cur, l.offset = s, 0, c.seg[s].head, offsets[s]
-        i = lane_next(c, l)
-        while i >= 0:
-            if takeable(c, i):
-                l.head, l.score = i, c.e[i].stamp + l.offset
-                nl += 1
-                break
-            if met != NULL:
-                vec_push(met, i)
-            i = lane_next(c, l)
+        open_lane(c, &lanes[0], TAIL, 0.0)
+        if run(c, &lanes[0], INF, out, &got, n, met) == DONE:
+            return got
+    for s in range(first, c.nsegs):  # each lane's first evictable entry is its head
+        open_lane(c, &lanes[nl], s, offsets[s])
+        if run(c, &lanes[nl], -INF, out, &got, n, met) == HEAD:
+            nl += 1
     while nl:
         b = 0
         limit = INF
@@ -280,28 +289,14 @@ cdef Py_ssize_t walk(Core* c, Py_ssize_t n, int32_t* out, bint tails_first, cons
                 b = k
             elif lanes[k].score < limit:
                 limit = lanes[k].score
-        l = &lanes[b]
-        out[got] = l.head
+        out[got] = lanes[b].head
         got += 1
         if got == n:
             return got
-        below = limit - l.offset
-        exhausted = True
-        i = lane_next(c, l)
-        while i >= 0:
-            if takeable(c, i):
-                if c.e[i].stamp >= below:
-                    l.head, l.score = i, c.e[i].stamp + l.offset
-                    exhausted = False
-                    break
-                out[got] = i
-                got += 1
-                if got == n:
-                    return got
-            elif met != NULL:
-                vec_push(met, i)
-            i = lane_next(c, l)
-        if exhausted:
+        k = run(c, &lanes[b], limit - lanes[b].offset, out, &got, n, met)
+        if k == DONE:
+            return got
+        if k == EMPTY:
             nl -= 1
             memmove(&lanes[b], &lanes[b + 1], (nl - b) * sizeof(Lane))
     return got

@@ -17,10 +17,10 @@ and the first policy built says so in the log. The same conformance suites run a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from kvtier.policies.base import CachePolicy
-from kvtier.policies.compiled import CompiledIndex
+from kvtier.policies.compiled import CompiledIndex, CompiledPolicy, FallbackPolicy
 from kvtier.policies.lru import LRUCachePolicy
 
 INDEX = CompiledIndex("lru", "kvtier.policies._compact_lru", "CompactLRUBatch", "about 4x the memory per block")
@@ -29,32 +29,17 @@ if TYPE_CHECKING or COMPILED:
     from kvtier.policies._compact_lru import CompactLRUBatch
 
 
-class PurePythonCompactLRU(LRUCachePolicy):
+class PurePythonCompactLRU(FallbackPolicy, LRUCachePolicy):
     """`lru` without its compiled index: `LRUCachePolicy` itself (the same decisions)."""
 
-    compiled: ClassVar[bool] = False
-
-    def __init__(self, cache_capacity: int) -> None:
-        super().__init__(cache_capacity)
-        if type(self) is _FALLBACK_SAYS:
-            INDEX.fallback_built()
+    index = INDEX
 
 
 if COMPILED:
-    class CompactLRUCachePolicy(CompactLRUBatch, CachePolicy):
+    class CompactLRUCachePolicy(CompiledPolicy, CompactLRUBatch, CachePolicy):
         """LRU over C arrays (see the module docstring)."""
-
-        returns_views = True
-        batch_calls = True
-        compiled: ClassVar[bool] = True
-
-        def __init__(self, cache_capacity: int) -> None:
-            CachePolicy.__init__(self, cache_capacity)
-
-        def __repr__(self) -> str:
-            return f"CompactLRUCachePolicy({len(self)}/{self.cache_capacity} blocks)"
 else:
     class CompactLRUCachePolicy(PurePythonCompactLRU):  # type: ignore[no-redef]
         """`lru` without its compiled index (see `PurePythonCompactLRU`)."""
 
-_FALLBACK_SAYS = CompactLRUCachePolicy  # only the registered name warns, not tests that pick the fallback
+        announces_fallback = True  # only the registered name logs, not tests that pick the fallback

@@ -18,10 +18,10 @@ first policy built says so in the log. The same conformance suites run against b
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING
 
 from kvtier.policies.base import CachePolicy
-from kvtier.policies.compiled import CompiledIndex
+from kvtier.policies.compiled import CompiledIndex, CompiledPolicy, FallbackPolicy
 from kvtier.policies.prefix import PrefixFreqCachePolicy
 
 INDEX = CompiledIndex("prefix-freq", "kvtier.policies._compact_prefix", "CompactPrefixPolicy",
@@ -31,15 +31,10 @@ if TYPE_CHECKING or COMPILED:
     from kvtier.policies._compact_prefix import CompactPrefixPolicy
 
 
-class PurePythonCompactPrefixFreq(PrefixFreqCachePolicy):
+class PurePythonCompactPrefixFreq(FallbackPolicy, PrefixFreqCachePolicy):
     """`prefix-freq` without its compiled index: `PrefixFreqCachePolicy` itself."""
 
-    compiled: ClassVar[bool] = False
-
-    def __init__(self, cache_capacity: int) -> None:
-        super().__init__(cache_capacity)
-        if type(self) is _FALLBACK_SAYS:
-            INDEX.fallback_built()
+    index = INDEX
 
     @property
     def tail_counts(self) -> list[int]:
@@ -48,7 +43,7 @@ class PurePythonCompactPrefixFreq(PrefixFreqCachePolicy):
 
 
 if COMPILED:
-    class CompactPrefixFreqCachePolicy(CompactPrefixPolicy, CachePolicy):
+    class CompactPrefixFreqCachePolicy(CompiledPolicy, CompactPrefixPolicy, CachePolicy):
         """`prefix-freq` over C arrays (see the module docstring)."""
 
         # The tuning, read by the compiled index when an instance is made (see prefix.py).
@@ -58,17 +53,8 @@ if COMPILED:
         max_ghost_limit = PrefixFreqCachePolicy.max_ghost_limit
         unit_rate = PrefixFreqCachePolicy.unit_rate
         demote_tail = PrefixFreqCachePolicy.demote_tail
-        returns_views = True
-        batch_calls = True
-        compiled: ClassVar[bool] = True
-
-        def __init__(self, cache_capacity: int) -> None:
-            CachePolicy.__init__(self, cache_capacity)
-
-        def __repr__(self) -> str:
-            return f"CompactPrefixFreqCachePolicy({len(self)}/{self.cache_capacity} blocks)"
 else:
     class CompactPrefixFreqCachePolicy(PurePythonCompactPrefixFreq):  # type: ignore[no-redef]
         """`prefix-freq` without its compiled index (see `PurePythonCompactPrefixFreq`)."""
 
-_FALLBACK_SAYS = CompactPrefixFreqCachePolicy  # only the registered name warns, not tests that pick the fallback
+        announces_fallback = True  # only the registered name logs, not tests that pick the fallback

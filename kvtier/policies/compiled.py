@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 log = logging.getLogger("kvtier.policies")
 
@@ -32,3 +32,36 @@ class CompiledIndex:
         log.warning("%s: the compiled index %s is not built (%s); using the pure-Python fallback (the same "
                     "decisions, %s). Reinstall kvtier with a C compiler and Python headers present "
                     "(pip install -e .) to build it.", self.policy, self.module, self.error, self.cost)
+
+
+class FallbackPolicy:
+    """Base (first) of a registered policy's pure-Python fallback class. The class registered in
+    the extension's place sets `announces_fallback`, so the first instance made under the
+    registered name logs that `index` is not built; tests that make the fallback directly do not."""
+
+    index: ClassVar[CompiledIndex]
+    announces_fallback: ClassVar[bool] = False
+    compiled: ClassVar[bool] = False
+
+    def __init__(self, cache_capacity: int) -> None:
+        super().__init__(cache_capacity)  # type: ignore[call-arg]  # the policy class after this one
+        if type(self).announces_fallback:
+            self.index.fallback_built()
+
+
+class CompiledPolicy:
+    """Base (first) of a policy made of a compiled index and `CachePolicy`: its `get` returns
+    views, it implements the batch calls, and `CachePolicy.__init__` checks the capacity (the
+    index allocated its arrays in `__cinit__`)."""
+
+    returns_views = True
+    batch_calls = True
+    compiled: ClassVar[bool] = True
+
+    def __init__(self, cache_capacity: int) -> None:
+        from kvtier.policies.base import CachePolicy
+
+        CachePolicy.__init__(self, cache_capacity)  # type: ignore[arg-type]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)}/{self.cache_capacity} blocks)"  # type: ignore[arg-type,attr-defined]
