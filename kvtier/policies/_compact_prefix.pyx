@@ -28,6 +28,8 @@ from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
 from libc.stdlib cimport qsort
 from libc.string cimport memcmp, memcpy, memmove, memset
 
+from kvtier.policies.prefix_tails import TailEvidence
+
 
 cdef enum:
     USED = 1

@@ -6,15 +6,20 @@ cdef class CompactPrefixPolicy(CompactPrefixIndex):
     """`CompactPrefixIndex` with `evict` (`PrefixFreqCachePolicy.evict`'s walk, `walk` here),
     the eviction order, evictable accounting and the batch calls `CachePolicy` documents."""
 
-    cdef bint tails_one_time(self):
-        """`TailEvidence.one_time(tail_reuse_max)`, compared exactly as Python compares an int
-        with a float (the long double holds both without rounding)."""
+    cdef bint tails_one_time(self) except -1:
+        """`TailEvidence.one_time(tail_reuse_max)`. Python compares its integer products with
+        floats exactly: here they are int64 (exact while every count is below 2**30) compared in
+        long double (which holds both without rounding); beyond that, the Python rule itself."""
         cdef int64_t te = self.counts[EVICTED_TAIL], tr = self.counts[RETURNED_TAIL]
         cdef int64_t ne = self.counts[EVICTED_NEW], nr = self.counts[RETURNED_NEW]
         cdef int64_t th = self.counts[HIT_TAIL], nh = self.counts[HIT_NEW]
         cdef int64_t reused = th + tr, left = th + te
         if te + th < 64 or ne + nh < 64:
             return False
+        if max(te, tr, ne, nr, th, nh) >= (<int64_t>1 << 30):
+            evidence = TailEvidence()
+            evidence.counts = self.tail_counts
+            return evidence.one_time(self.reuse_max)
         return (<long double>(reused * (nh + ne)) < <long double>(0.5 * <double>(nh + nr) * <double>left)
                 and <long double>reused < <long double>(self.reuse_max * <double>left))
 

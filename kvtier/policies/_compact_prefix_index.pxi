@@ -153,8 +153,18 @@ cdef class CompactPrefixIndex:
 
     @property
     def tail_counts(self):
-        """The departures of tails and new blocks (`TailEvidence.counts`, a copy)."""
+        """The departures of tails and new blocks (`TailEvidence.counts`, a copy); settable, as
+        evidence carried over from another instance."""
         return [self.counts[k] for k in range(6)]
+
+    @tail_counts.setter
+    def tail_counts(self, counts):
+        cdef int k
+        values = [int(v) for v in counts]
+        if len(values) != 6 or min(values) < 0:
+            raise ValueError(f"prefix-freq: tail_counts must be 6 counts >= 0, got {counts!r}")
+        for k in range(6):
+            self.counts[k] = values[k]
 
     @property
     def aside(self):

@@ -131,3 +131,33 @@ def test_replay_equals_the_pure_policy(workload, multi):
     assert figures["hit_blocks"] > 0 and state[2], "the replay evicted nothing"
     if workload == "conversations":
         assert one_time, "the tail rule never switched on: the replay does not test it"
+
+
+COUNTS = [[0] * 6, [64, 0, 64, 0, 0, 0], [100, 1, 100, 30, 5, 90], [100, 9, 50, 5, 1, 60],
+          [3_000_000_000, 1, 3_000_000_000, 2_000_000_000, 5, 2_900_000_000],
+          [2**40, 2**38, 2**41, 2**35, 2**37, 2**42], [2**62, 0, 2**62, 2**61, 2**60, 2**62 + 5],
+          # a product past int64: wrapped around, it would have said one-time
+          [23_012_293_790, 303_136_405, 787_103_486_489, 17_569_897_831, 991_255_390, 71_045_694_426]]
+
+
+@pytest.mark.parametrize("counts", COUNTS, ids=range(len(COUNTS)))
+def test_the_tail_rule_equals_pythons_exact_comparison_at_any_count(counts):
+    """The compiled rule compares in C while counts are small and in Python beyond, so counts past
+    int64 products (a long-running scheduler) decide as the pure class decides. Observed through
+    the eviction order: an older new block goes first unless tails are one-time."""
+    expected = TailEvidence()
+    expected.counts = list(counts)
+    one_time = expected.one_time(PrefixFreqCachePolicy.tail_reuse_max)
+    orders = []
+    for cls in (PrefixFreqCachePolicy, CompactPrefixFreqCachePolicy):
+        p = cls(8)
+        p.insert(b"older", readable([1])[0])
+        p.touch([b"absent"])  # the clock moves on
+        p.insert_many([b"tail"], readable([2]), tail=b"tail")
+        p.touch([b"absent"])
+        if isinstance(p, CompactPrefixFreqCachePolicy):
+            p.tail_counts = counts
+        else:
+            p._tails.counts = list(counts)
+        orders.append(p.victim_keys(2))
+    assert orders[0] == orders[1] == ([b"tail", b"older"] if one_time else [b"older", b"tail"])
