@@ -144,8 +144,8 @@ cdef class CompactLRUIndex:
 
     def clear(self):
         cdef Core* c = &self.c
-        memset(c.table, 0xff, (c.mask + 1) * sizeof(int32_t))
-        c.hw, c.free, c.count, c.npinned, c.hlen = 0, -1, 0, 0, 0
+        forget_all(c)
+        c.hlen = 0
         c.order = Chain(-1, -1)
         c.aside = Chain(-1, -1)
         self.version += 1

@@ -262,8 +262,7 @@ cdef class CompactPrefixIndex:
     def clear(self):
         cdef Core* c = &self.c
         cdef int s
-        memset(c.table, 0xff, (c.mask + 1) * sizeof(int32_t))
-        c.hw, c.free, c.count, c.npinned = 0, -1, 0, 0
+        forget_all(c)
         for s in range(MAX_SEGS):
             c.seg[s] = Chain(-1, -1)
             c.freed[s].n = 0

@@ -201,3 +201,13 @@ cdef void release(Core* c, int32_t i) noexcept nogil:
     c.e[i].next = c.free
     c.free = i
     c.count -= 1
+
+
+cdef void forget_all(Core* c) noexcept nogil:
+    """No entry resident, none pinned (`clear`; the caller resets its lists). The used entries
+    are marked unused, so that a view of one fails its check instead of reading stale values."""
+    cdef int32_t i
+    for i in range(c.hw):
+        c.e[i].flags = 0
+    memset(c.table, 0xff, (c.mask + 1) * sizeof(int32_t))
+    c.hw, c.free, c.count, c.npinned = 0, -1, 0, 0

@@ -178,6 +178,19 @@ def test_a_view_of_a_block_that_left_raises_instead_of_touching_another():
     assert p.get(key(1)).ref_cnt == 0 and view.block_id == 7
 
 
+def test_a_view_kept_across_clear_raises():
+    """`clear` left the entries marked used: a view of a block beyond the entries used again
+    afterwards still read and wrote its old entry."""
+    p = CompactLRUCachePolicy(8)
+    p.insert_many([key(1), key(2), key(3)], [block(1, 0), block(2, 0), block(3, 0)])
+    view = p.get(key(3))
+    p.clear()
+    p.insert(key(1), block(9, 0))
+    with pytest.raises(LookupError, match="no longer resident"):
+        view.ref_cnt = 5
+    assert p.get(key(1)).ref_cnt == 0 and p.get(key(3)) is None
+
+
 def test_iterating_candidates_while_the_policy_changes_raises():
     p = CompactLRUCachePolicy(4)
     p.insert_many([key(1), key(2)], [block(1, 0), block(2, 0)])
