@@ -161,3 +161,18 @@ def test_the_tail_rule_equals_pythons_exact_comparison_at_any_count(counts):
             p._tails.counts = list(counts)
         orders.append(p.victim_keys(2))
     assert orders[0] == orders[1] == ([b"tail", b"older"] if one_time else [b"older", b"tail"])
+
+
+def test_the_package_ships_what_builds_the_compiled_indexes():
+    """An sdist must carry every Cython source the extensions include (setuptools adds only the
+    `.pyx` it is given), or a build from it silently falls back to pure Python."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kvtier"]
+    sources = [p.relative_to(root / "kvtier").as_posix() for ext in ("pyx", "pxi", "pyi")
+               for p in (root / "kvtier" / "policies").glob(f"*.{ext}")]
+    assert len(sources) >= 10
+    assert [s for s in sources if not any(fnmatch.fnmatch(s, pattern) for pattern in patterns)] == []
