@@ -167,8 +167,9 @@ def test_the_package_ships_what_builds_the_compiled_indexes():
     """An sdist must carry every Cython source the extensions include (setuptools adds only the
     `.pyx` it is given), or a build from it silently falls back to pure Python."""
     import fnmatch
-    import tomllib
     from pathlib import Path
+
+    import tomllib
 
     root = Path(__file__).resolve().parents[2]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kvtier"]
