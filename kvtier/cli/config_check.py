@@ -2,6 +2,10 @@
 
 Nothing named by the config is imported unless `--import-code` is given: a "package.module:Class"
 in `backend:` or `policy:` is only located (`registry.check_name`), since importing it runs its code.
+
+`--env` also checks this machine, changing nothing: what each tier's backend reads when it is built
+(`Backend.check_environment`: the valkey tier's password variable or file and TLS files, the file
+tier's `root_dir`), so that a config checked on the serving host is one that starts there.
 """
 
 from __future__ import annotations
@@ -73,4 +77,25 @@ def run_config_check(args) -> int:
     if not args.import_code:
         for note in not_imported(config):
             print(note)
+    return check_environment(config, args) if args.env else 0
+
+
+def check_environment(config, args) -> int:
+    """`--env`: each tier's `Backend.check_environment` on this machine; 2 when one has problems."""
+    print("on this machine:")
+    problems = []
+    for i, tier in enumerate(config.tiers):
+        if is_external(registry.BACKEND, tier.backend) and not args.import_code:
+            print(f"  tiers[{i}] {tier.name}: backend {tier.backend!r} not imported: not checked (--import-code)")
+            continue
+        check = getattr(registry.resolve(registry.BACKENDS, tier.backend), "check_environment", None)
+        notes, found = check(tier.options) if check is not None else ([], [])
+        problems += [(f"tiers[{i}].{field}", message) for field, message in found]
+        print(f"  tiers[{i}] {tier.name}: " + ("; ".join(notes) if notes else "nothing to check" if not found
+                                                else f"{len(found)} problem(s)"))
+    if problems:
+        print(f"{args.file}: {len(problems)} problem(s) on this machine:", file=sys.stderr)
+        for path, message in problems:
+            print(f"  {path}: {message}", file=sys.stderr)
+        return 2
     return 0

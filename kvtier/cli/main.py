@@ -118,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--import-code", action="store_true",
                        help="also import the modules that backend:/policy: name as 'package.module:Class' and check "
                             "their classes and options (runs their code: only for a config you trust)")
+    check.add_argument("--env", action="store_true",
+                       help="also check this machine, changing nothing: the password variable or file and TLS "
+                            "files of a valkey tier, the root_dir of a file tier (exit 2 if one would fail)")
 
     inspect = sub.add_parser("inspect", help="what a file tier holds (read-only)")
     inspect.add_argument("root_dir")

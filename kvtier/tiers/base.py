@@ -110,6 +110,13 @@ class Backend(ABC):
         return []
 
     @classmethod
+    def check_environment(cls, options: dict) -> tuple[list[str], list[tuple[str, str]]]:
+        """What this machine would make of the options when the tier is built (the files and
+        environment variables it reads), changing nothing: (notes, problems as `(option name,
+        message)` pairs), for `kvtier config check --env`. Default: nothing to check."""
+        return [], []
+
+    @classmethod
     def from_config(cls, name: str, num_blocks: int, block_bytes: int, block_size: int, options: dict) -> Backend:
         """Create the backend of a configured tier (`options` validated against `OPTIONS`)."""
         return cls(name, num_blocks, block_bytes, block_size, **options)

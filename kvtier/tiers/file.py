@@ -63,7 +63,18 @@ from kvtier.tiers.manifest import (
     manifest_digest,
     read_manifest,
 )
-from kvtier.tiers.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, SLAB, TEMPORARIES, TMP, expand_root_dir, refuse
+from kvtier.tiers.rootdir import (
+    JOURNAL,
+    LOCK,
+    MANIFEST,
+    OWN_FILES,
+    SLAB,
+    TEMPORARIES,
+    TMP,
+    expand_root_dir,
+    inspect_root,
+    refuse,
+)
 from kvtier.tiers.slab import RUN_BYTES, SlabIO, block_views, check_slots
 from kvtier.tiers.slot_format import (
     FORMAT_VERSION,
@@ -139,6 +150,14 @@ class FileBackend(Backend):
         "num_threads": (4, _threads),
         "sync_interval": (1.0, _sync_interval),
     }
+
+    @classmethod
+    def check_environment(cls, options: dict) -> tuple[list[str], list[tuple[str, str]]]:
+        """Whether `root_dir` passes the opening checks here (`rootdir.inspect_root`)."""
+        try:
+            return [f"root_dir {inspect_root(options['root_dir'])}"], []
+        except ConfigError as exc:
+            return [], list(exc.problems)
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *,
                  root_dir: str, io: str = "auto", fingerprint: str = "", num_threads: int = 4,

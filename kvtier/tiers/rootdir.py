@@ -106,8 +106,9 @@ def prepare_root(root: str) -> tuple[Path, list[Path]]:
     return resolved, created
 
 
-def _walk(absolute: str, created: list[Path]) -> None:
-    """lstat each prefix of `absolute` as written, creating the missing ones (0700)."""
+def _walk(absolute: str, created: list[Path] | None) -> str | None:
+    """lstat each prefix of `absolute` as written, creating the missing ones (0700); with
+    `created` None, create nothing and return the first missing prefix (None: all exist)."""
     prefix = "/"
     for part in absolute.split("/"):
         if part in ("", "."):
@@ -116,6 +117,8 @@ def _walk(absolute: str, created: list[Path]) -> None:
         try:
             st = os.lstat(prefix)
         except FileNotFoundError:
+            if created is None:
+                return prefix
             _mkdir(prefix, absolute, created)
             continue
         except OSError as exc:
@@ -131,6 +134,7 @@ def _walk(absolute: str, created: list[Path]) -> None:
         elif not stat.S_ISDIR(st.st_mode):
             raise refuse(f"{prefix} (on the path of {absolute}) is {file_kind(st.st_mode)}, not a directory; give "
                          f"the path of a directory (it is created when missing)")
+    return None
 
 
 def _mkdir(path: str, root: str, created: list[Path]) -> None:
@@ -146,7 +150,11 @@ def _mkdir(path: str, root: str, created: list[Path]) -> None:
 
 def _check_ancestors(resolved: Path) -> None:
     """No ancestor of `root_dir` may let other users rename entries (world-writable, not sticky)."""
-    for parent in resolved.parents:
+    _check_parents(resolved, resolved.parents)
+
+
+def _check_parents(resolved: Path, parents) -> None:
+    for parent in parents:
         st = os.stat(parent)
         if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
             raise refuse(f"{parent}, a parent of root_dir {resolved}, is writable by everyone without the "
@@ -169,6 +177,33 @@ def _check_directory(resolved: Path, root: str) -> None:
         raise refuse(f"{shown} is writable by group or others (mode {_mode(st.st_mode)}, owner "
                      f"{_owner(st.st_uid)}): they could plant or swap the tier's files. Run 'chmod 700 "
                      f"{resolved}', or {ADVICE}")
+
+
+def inspect_root(root: str) -> str:
+    """What `prepare_root(root)` and the tier's opening checks would find, changing nothing (for
+    `kvtier config check --env`): the same `ConfigError` where they would refuse, else a line
+    saying whether `root_dir` exists or would be created."""
+    absolute = os.path.join(os.getcwd(), root)
+    missing = _walk(absolute, None)
+    if missing is not None:
+        parent = Path(os.path.realpath(os.path.dirname(missing)))
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise refuse(f"cannot create {root}: {parent} is not writable by you ({_owner(os.geteuid())}); "
+                         f"{ADVICE}")
+        _check_parents(Path(absolute), [parent, *parent.parents])
+        return f"{root}: would be created in {parent}"
+    resolved = Path(os.path.realpath(absolute))
+    _check_ancestors(resolved)
+    _check_directory(resolved, root)
+    if not os.access(resolved, os.W_OK | os.X_OK):
+        raise refuse(f"{root} is not writable by you (mode {_mode(os.stat(resolved).st_mode)}); run 'chmod 700 "
+                     f"{resolved}', or {ADVICE}")
+    for name in OWN_FILES:
+        try:
+            _check_file(resolved / name, os.lstat(resolved / name))
+        except FileNotFoundError:
+            continue
+    return f"{root}: exists" + (f" (= {resolved})" if str(resolved) != root else "")
 
 
 def remove_dirs(created: list[Path]) -> None:

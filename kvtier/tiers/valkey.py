@@ -126,6 +126,10 @@ class ValkeyBackend(Backend):
     def check_options(cls, options: dict) -> list[tuple[str, str]]:
         return valkey_options.check_options(options)
 
+    @classmethod
+    def check_environment(cls, options: dict) -> tuple[list[str], list[tuple[str, str]]]:
+        return valkey_options.check_environment(options)
+
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *, url: str,
                  username: str | None = None, password_env: str | None = None, password_file: str | None = None,
                  tls_ca_file: str | None = None, tls_cert_file: str | None = None, tls_key_file: str | None = None,
@@ -156,6 +160,7 @@ class ValkeyBackend(Backend):
         self.negative_ttl_s = float(negative_ttl_s)
         self._breaker_open_s = float(breaker_open_s)
         password = valkey_options.resolve_password(password_env, password_file)
+        valkey_options.check_tls_files(given)
         self._client = dict(url=url, username=username, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
                             tls_key_file=tls_key_file, tls_verify=tls_verify, timeout_s=self.probe_timeout_s,
                             connect_timeout_s=self.probe_timeout_s, breaker_failures=breaker_failures,

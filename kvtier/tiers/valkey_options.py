@@ -151,7 +151,7 @@ def check_options(options: dict) -> list[tuple[str, str]]:
     problems = []
     if options.get("password_env") and options.get("password_file"):
         problems.append(("password_file", "give the password through password_env or password_file, not both"))
-    tls = [k for k in ("tls_ca_file", "tls_cert_file", "tls_key_file") if options.get(k)]
+    tls = [k for k in TLS_FILES if options.get(k)]
     url = options.get("url")
     try:
         plain = isinstance(url, str) and not parse_url(url).tls
@@ -166,6 +166,42 @@ def check_options(options: dict) -> list[tuple[str, str]]:
         missing = "tls_key_file" if options.get("tls_cert_file") else "tls_cert_file"
         problems.append((missing, "a client certificate needs both tls_cert_file and tls_key_file"))
     return problems
+
+
+TLS_FILES = ("tls_ca_file", "tls_cert_file", "tls_key_file")
+
+
+def check_tls_files(options: dict) -> None:
+    """`ConfigError` naming each TLS file option whose file cannot be read here: the client would
+    fail every connection (each lookup a miss) instead of refusing the config."""
+    problems = []
+    for name in TLS_FILES:
+        path = options.get(name)
+        if not path:
+            continue
+        if not os.path.isfile(path):
+            what = "does not exist" if not os.path.lexists(path) else "is not a regular file"
+            problems.append((name, f"{path} {what}; give the PEM file the client reads"))
+        elif not os.access(path, os.R_OK):
+            problems.append((name, f"{path} is not readable by you; fix its permissions or run as its owner"))
+    if problems:
+        raise ConfigError(problems)
+
+
+def check_environment(options: dict) -> tuple[list[str], list[tuple[str, str]]]:
+    """`Backend.check_environment`: the password the options point to, and the TLS files."""
+    notes, problems = [], []
+    for check in (lambda: resolve_password(options.get("password_env"), options.get("password_file")),
+                  lambda: check_tls_files(options)):
+        try:
+            check()
+        except ConfigError as exc:
+            problems += exc.problems
+    if not problems and (options.get("password_env") or options.get("password_file")):
+        notes.append("password found (not shown)")
+    if not problems and any(options.get(name) for name in TLS_FILES):
+        notes.append("TLS files readable")
+    return notes, problems
 
 
 def resolve_password(password_env: str | None, password_file: str | None) -> Secret | None:
