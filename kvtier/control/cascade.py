@@ -13,19 +13,15 @@ A copy is a `Demotion` job: its source blocks stay pinned until it ends.
 from __future__ import annotations
 
 import logging
-from collections import deque as _consume
 from collections.abc import Collection, Sequence
 from itertools import compress, filterfalse, repeat
-from operator import add, attrgetter, is_
-from typing import cast
+from operator import is_
 
-from kvtier.control.jobs import EventLog, Job, JobTable
+from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies, pin_sources
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
-from kvtier.types import BlockStatus
 
 log = logging.getLogger(__name__)
-_ref_cnt = attrgetter("ref_cnt")
 
 
 class Demotion(Job):
@@ -131,19 +127,25 @@ class Cascade:
         del keys[count:]
         clean = tier.clean
         unknown = list(filterfalse(clean.__contains__, keys)) if clean else keys
-        lower = list(map(tier.below.policy.get, unknown))
+        below = tier.below
+        if below.batch:  # (the keys not resident below, in one C pass: no view per key)
+            dirty = below.policy.absent(unknown)
+            if len(dirty) == len(unknown):
+                return dirty
+            held = set(unknown).difference(dirty)  # resident below: clean once written there
+            clean.update(k for k in held if (b := below.policy.get(k)) is not None and b.ref_cnt >= 0)
+            return dirty
+        lower = list(map(below.policy.get, unknown))
         if lower.count(None) == len(lower):
             return unknown
         clean.update(k for k, b in zip(unknown, lower) if b is not None and b.ref_cnt >= 0)
         return list(compress(unknown, map(is_, lower, repeat(None))))
 
     def _demote(self, tier: Tier, keys: list[OffloadKey]) -> None:
-        """Copy readable blocks of `tier` to the next tier (one job). Backpressure: what the
-        in-flight limit does not allow is deferred (tried again on a later pass, or dropped at
-        eviction), never awaited."""
+        """Copy readable blocks `keys` of `tier`, absent from the next tier (`_dirty_victims`),
+        to the next tier (one job). Backpressure: what the in-flight limit does not allow is
+        deferred (tried again on a later pass, or dropped at eviction), never awaited."""
         assert tier.below is not None
-        lower_get = tier.below.policy.get
-        keys = [k for k in keys if lower_get(k) is None]
         room = tier.demotion_room(burst=len(keys))
         if len(keys) > room:
             tier.stats.cascade_deferred += len(keys) - max(0, room)
@@ -152,9 +154,9 @@ class Cascade:
             log.debug("tier %s: no room to demote %d blocks", tier.below.name, len(keys))
 
     def _start_demotion(self, tier: Tier, keys: list[OffloadKey]) -> bool:
-        """Pin readable blocks `keys` of `tier` and start one `Demotion` to the next tier; False
-        (nothing started) when the next tier has no room for them. A next tier that writes
-        through itself gives up its written blocks first."""
+        """Pin readable blocks `keys` (distinct) of `tier` and start one `Demotion` to the next
+        tier; False (nothing started) when the next tier has no room for them. A next tier that
+        writes through itself gives up its written blocks first."""
         lower = tier.below
         assert lower is not None
         protected = set(keys)
@@ -164,15 +166,11 @@ class Cascade:
             evicted = None
         if evicted is None and self.make_room(lower, len(keys), protected) is None:
             return False
-        src_blocks = cast("list[BlockStatus]", list(map(tier.policy.get, keys)))  # readable: checked by callers
-        # keys are distinct (victims, or a write queue's keys): one read and one write per block
-        _consume(map(setattr, src_blocks, repeat("ref_cnt"), map(add, map(_ref_cnt, src_blocks), repeat(1))), 0)
-        tier.policy.pin(keys)
+        src_blocks, src_ids = pin_sources(tier, keys)  # readable: checked by callers
         tier.demoting += len(keys)
-        dst_blocks = lower.backend.allocate_blocks(keys)
-        lower.policy.insert_many(keys, dst_blocks)
-        lower.policy.pin(keys)  # being written
-        self._jobs.submit(Demotion(tier, lower, keys, src_blocks, dst_blocks, self._events))
+        dst_blocks, dst_ids = enter_copies(lower, keys)  # being written: pinned
+        self._jobs.submit(Demotion(tier, lower, keys, src_blocks, dst_blocks, self._events,
+                                   src_ids=src_ids, dst_ids=dst_ids))
         return True
 
     # ------------------------------------------------------------------ on_store (write-through)
