@@ -157,3 +157,68 @@ def test_a_demotion_and_a_promotion_through_the_batch_calls(fail, backend):
             copier.run(fail=True)
             h.close()
     assert states[0] == states[1]
+
+
+def _state(m) -> list:
+    return [(t.name, sorted((k, t.policy.get(k).ref_cnt, t.policy.get(k).block_id) for k in t.policy.keys()),
+             sorted(t.policy.pinned_keys()), sorted(t.clean), t.stats.as_dict()) for t in m.tiers] + [
+        sorted(m._promotions.refused), sorted(m._promotions.running)]
+
+
+def test_a_promotion_longer_than_the_room_left_through_the_batch_calls():
+    """A run of six keys below, with room for one in the first tier (two blocks pinned by a load,
+    one by its copy down): the first is promoted, the other five are released in their tier and
+    refused, as key by key."""
+    states = []
+    for batch in (True, False):
+        h, copier = _hierarchy(batch)
+        try:
+            m = h.manager
+            hot, warm = m.tiers
+            run, loaded = keys(6), keys(2, start=100)
+            for key in run + keys(2, start=50) + loaded:  # one by one, each copy down done
+                m.complete_store(m.prepare_store([key], CTX).keys_to_store, CTX)
+                copier.run(False)
+                m.on_schedule_end()
+                copier.run(False)
+                m._jobs.drain()
+            m.prepare_load(loaded, CTX)
+            assert all(warm.policy.get(k) is not None and hot.policy.get(k) is None for k in run)
+            assert [m.lookup(k, CTX).name for k in run] == ["RETRY"] * 6
+            m.on_schedule_end()
+            assert [k for k in run if hot.policy.get(k) is not None] == run[:1]
+            assert [warm.policy.get(k).ref_cnt for k in run] == [1, 0, 0, 0, 0, 0]
+            assert [m.lookup(k, CTX).name for k in run] == ["RETRY"] + ["MISS"] * 5
+            copier.run(False)
+            states.append(_state(m))
+        finally:
+            copier.run(fail=True)
+            h.close()
+    assert states[0] == states[1]
+
+
+def test_victims_already_below_become_clean_without_a_copy():
+    """Victims whose copy below is readable but not recorded as clean (the record lost) are
+    recorded clean by `_dirty_victims` and not copied again, through `absent` as key by key."""
+    states = []
+    for batch in (True, False):
+        h, copier = _hierarchy(batch)
+        try:
+            m = h.manager
+            hot, warm = m.tiers
+            first = keys(4)
+            m.complete_store(m.prepare_store(first, CTX).keys_to_store, CTX)
+            m.complete_store(m.prepare_store(keys(2, start=100), CTX).keys_to_store, CTX)
+            copier.run(False)
+            m._jobs.drain()
+            assert sorted(hot.clean) == sorted(first[2:])
+            hot.clean.clear()
+            demotions = warm.stats.stores
+            out = m.prepare_store(keys(2, start=200), CTX)
+            assert sorted(out.evicted_keys) == sorted(first[2:])  # evicted as clean: not counted as dropped
+            assert warm.stats.stores == demotions and hot.stats.cascade_dropped == 2  # (the first two, earlier)
+            states.append(_state(m))
+        finally:
+            copier.run(fail=True)
+            h.close()
+    assert states[0] == states[1]
