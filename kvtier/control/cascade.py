@@ -24,6 +24,25 @@ from kvtier.keys import OffloadKey
 log = logging.getLogger(__name__)
 
 
+def split_below(tier: Tier, keys: list[OffloadKey]) -> list[OffloadKey]:
+    """The `keys` of `tier` not resident in the next tier, in order; those readable there are
+    recorded as clean (those being written there are neither). One C pass (`absent`) when the
+    next tier's policy has batch calls (`Tier.batch`), else a `get` per key."""
+    below = tier.below
+    assert below is not None
+    if below.batch:
+        absent = below.policy.absent(keys)
+        if len(absent) != len(keys):
+            get = below.policy.get
+            tier.clean.update(k for k in set(keys).difference(absent) if (b := get(k)) is not None and b.ref_cnt >= 0)
+        return absent
+    lower = list(map(below.policy.get, keys))
+    if lower.count(None) == len(lower):  # (new blocks are rarely below already)
+        return keys
+    tier.clean.update(k for k, b in zip(keys, lower) if b is not None and b.ref_cnt >= 0)
+    return list(compress(keys, map(is_, lower, repeat(None))))
+
+
 class Demotion(Job):
     """A copy of readable blocks of `src` down to the next tier `dst`."""
 
@@ -113,9 +132,9 @@ class Cascade:
             self._demote(tier, dirty)
 
     def _dirty_victims(self, tier: Tier, count: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
-        """Among the next `count` unprotected victims of `tier`'s policy, those not yet readable in
-        the next tier, in eviction order; the ones found readable there become clean. C loops
-        over the policy's `victim_keys`."""
+        """Among the next `count` unprotected victims of `tier`'s policy, those the next tier does
+        not hold, in eviction order; the ones found readable there become clean (`split_below`).
+        C loops over the policy's `victim_keys`."""
         assert tier.below is not None
         want = count
         while True:  # more victims when some were protected (skipped, not counted)
@@ -126,20 +145,7 @@ class Cascade:
             want = count + len(found) - len(keys)
         del keys[count:]
         clean = tier.clean
-        unknown = list(filterfalse(clean.__contains__, keys)) if clean else keys
-        below = tier.below
-        if below.batch:  # (the keys not resident below, in one C pass: no view per key)
-            dirty = below.policy.absent(unknown)
-            if len(dirty) == len(unknown):
-                return dirty
-            held = set(unknown).difference(dirty)  # resident below: clean once written there
-            clean.update(k for k in held if (b := below.policy.get(k)) is not None and b.ref_cnt >= 0)
-            return dirty
-        lower = list(map(below.policy.get, unknown))
-        if lower.count(None) == len(lower):
-            return unknown
-        clean.update(k for k, b in zip(unknown, lower) if b is not None and b.ref_cnt >= 0)
-        return list(compress(unknown, map(is_, lower, repeat(None))))
+        return split_below(tier, list(filterfalse(clean.__contains__, keys)) if clean else keys)
 
     def _demote(self, tier: Tier, keys: list[OffloadKey]) -> None:
         """Copy readable blocks `keys` of `tier`, absent from the next tier (`_dirty_victims`),
