@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import pytest
 from conftest import keys
-from hypothesis import settings
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from hypothesis.stateful import invariant
 from test_manager_bulk import CTX, DEFAULTS_LRU, BulkEqualsPerKey
 from test_manager_state import BLOCK, DeferredCopy
 
 from kvtier import CPULoadStoreSpec
 from kvtier.config import load_config_text
+from kvtier.control.promotion import _expire
 from kvtier.hierarchy import build_hierarchy
 from kvtier.tiers.memory import MemoryBackend
 
@@ -222,3 +224,27 @@ def test_victims_already_below_become_clean_without_a_copy():
             copier.run(fail=True)
             h.close()
     assert states[0] == states[1]
+
+
+def _expire_one_by_one(stamps, before, most):
+    """`promotion._expire` as it was: the oldest entry, one at a time."""
+    while stamps:
+        key, when = next(iter(stamps.items()))
+        if when >= before and len(stamps) <= most:
+            return
+        del stamps[key]
+
+
+@given(gaps=st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.5]), max_size=12), before=st.floats(-1, 20),
+       most=st.integers(0, 14))
+def test_expire_counts_in_c_what_one_by_one_drops(gaps, before, most):
+    """`_expire` (the leading stale run counted by `takewhile`) leaves what dropping the oldest
+    entry one at a time leaves, on time-ordered stamps (ties included)."""
+    now, stamps = 0.0, {}
+    for i, gap in enumerate(gaps):
+        now += gap
+        stamps[bytes([i])] = now
+    want = dict(stamps)
+    _expire_one_by_one(want, before, most)
+    _expire(stamps, before, most)
+    assert list(stamps.items()) == list(want.items())

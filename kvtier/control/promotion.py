@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from collections import deque as _consume
 from collections.abc import Callable, Iterable, Sequence
-from itertools import repeat
+from itertools import islice, repeat, takewhile
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies
@@ -238,9 +238,8 @@ def longest_fit(n: int, make_room: Callable[[int], bool]) -> int:
 
 
 def _expire(stamps: dict[OffloadKey, float], before: float, most: int) -> None:
-    """Drop the entries of a time-ordered `stamps` made before `before`, and the oldest beyond `most`."""
-    while stamps:
-        key, when = next(iter(stamps.items()))
-        if when >= before and len(stamps) <= most:
-            return
-        del stamps[key]
+    """Drop the entries of a time-ordered `stamps` made before `before`, and the oldest beyond
+    `most`. (The leading run made before `before` is counted in C: `takewhile` over the values.)"""
+    drop = max(len(list(takewhile(before.__gt__, stamps.values()))), len(stamps) - most)
+    if drop > 0:
+        _consume(map(stamps.pop, list(islice(stamps, drop))), 0)
