@@ -13,8 +13,10 @@ A copy is a `Demotion` job: its source blocks stay pinned until it ends.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
+from collections import deque as _consume
 from collections.abc import Collection, Sequence
-from itertools import compress, filterfalse, repeat
+from itertools import compress, filterfalse, islice, repeat
 from operator import is_
 
 from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies, pin_sources
@@ -215,24 +217,13 @@ class Cascade:
         When the next tier has no room they stay at the head and `lower_full` is set."""
         assert tier.below is not None
         queue = tier.unwritten
-        lower_get = tier.below.policy.get
-        get = tier.policy.get
+        batch = tier.batch and tier.below.batch
         started = False
         while queue:
             room = tier.demotion_room(burst)
             if room <= 0:
                 break
-            keys: list[OffloadKey] = []
-            while queue and len(keys) < room:
-                key = queue.popitem(last=False)[0]
-                block, below = get(key), lower_get(key)
-                if block is None or block.ref_cnt < 0:
-                    continue
-                if below is not None:
-                    if below.ref_cnt >= 0:
-                        tier.clean.add(key)
-                    continue
-                keys.append(key)
+            keys = (_ready_head(tier, queue, room) if batch else []) or _take_each(tier, queue, room)
             if not keys:
                 continue
             if not self._start_demotion(tier, keys):
@@ -262,3 +253,35 @@ class Cascade:
         for key in reversed(hurried):
             queue.move_to_end(key, last=False)
         self.advance_writes()
+
+
+def _ready_head(tier: Tier, queue: OrderedDict[OffloadKey, None], room: int) -> list[OffloadKey]:
+    """The first `room` keys of `tier`'s write-through `queue`, taken from it, when every one is
+    readable in `tier` and absent from the next tier (the common case, checked in C loops by the
+    batch calls `readable_run` and `absent`); else [] and the queue unchanged (`_take_each`)."""
+    assert tier.below is not None
+    head = list(islice(queue, room))
+    if tier.policy.readable_run(head) != len(head) or len(tier.below.policy.absent(head)) != len(head):
+        return []
+    _consume(map(queue.pop, head), 0)
+    return head
+
+
+def _take_each(tier: Tier, queue: OrderedDict[OffloadKey, None], room: int) -> list[OffloadKey]:
+    """Take keys from the head of `tier`'s write-through `queue` until `room` of them are readable
+    in `tier` and absent from the next tier (returned); the others leave the queue, those
+    readable below recorded as clean."""
+    assert tier.below is not None
+    get, lower_get = tier.policy.get, tier.below.policy.get
+    keys: list[OffloadKey] = []
+    while queue and len(keys) < room:
+        key = queue.popitem(last=False)[0]
+        block, below = get(key), lower_get(key)
+        if block is None or block.ref_cnt < 0:
+            continue
+        if below is not None:
+            if below.ref_cnt >= 0:
+                tier.clean.add(key)
+            continue
+        keys.append(key)
+    return keys
