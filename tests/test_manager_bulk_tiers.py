@@ -20,8 +20,8 @@ import pytest
 from conftest import keys
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import invariant
-from test_manager_bulk import CTX, DEFAULTS_LRU, BulkEqualsPerKey
+from hypothesis.stateful import invariant, rule
+from test_manager_bulk import CTX, DEFAULTS_LRU, UNIVERSE, BulkEqualsPerKey, spec_ids
 from test_manager_state import BLOCK, DeferredCopy
 
 from kvtier import CPULoadStoreSpec
@@ -60,18 +60,28 @@ class TiersBatchEqualsEach(BulkEqualsPerKey):
     TIERS = (("hot", 6, "lru"), ("warm", 10, "lru"))  # (name, blocks, policy), first to last
     CASCADE = "on_evict"
     LAST_BACKEND = "memory"
+    DIRECT = False  # the engine loads the last tier directly (`Tier.direct_load`): loads split over two tiers
 
     def build(self):
         lines = [f"  - {{name: {name}, backend: memory, capacity: {n} blocks, policy: '{policy}', "
                  f"cascade: {self.CASCADE}, reserve: 0.34}}" for name, n, policy in self.TIERS[:-1]]
         name, n, policy = self.TIERS[-1]
         lines.append(f"  - {{name: {name}, backend: '{self.LAST_BACKEND}', capacity: {n} blocks, policy: '{policy}'}}")
-        return build_hierarchy(load_config_text(f"block_bytes: {BLOCK}B\ntiers:\n" + "\n".join(lines) + "\n"))
+        h = build_hierarchy(load_config_text(f"block_bytes: {BLOCK}B\ntiers:\n" + "\n".join(lines) + "\n"))
+        h.manager.tiers[-1].direct_load = self.DIRECT
+        return h
 
     def __init__(self):
         super().__init__()
         for tier in self.each.tiers:
             tier.batch = False
+
+    @rule(data=st.data())
+    def load_resident(self, data):
+        """`lookup_and_load` of keys some tier holds (random requests mostly miss at once)."""
+        resident = [k for k in UNIVERSE if any(t.policy.get(k) is not None for t in self.bulk.tiers)]
+        if resident:
+            self.lookup_and_load(data.draw(st.lists(st.sampled_from(resident), min_size=1, max_size=6)))
 
     def _copies(self, copier):
         return [(s.tier, list(s.block_ids), d.tier, list(d.block_ids)) for _, s, d in copier.queue]
@@ -100,6 +110,12 @@ _, TestTiersFileLike = machine("TiersFileLike", TIERS=(("hot", 6, "prefix-freq")
                                LAST_BACKEND=FILE_LIKE)
 _, TestTiersThree = machine("TiersThree", TIERS=(("hot", 5, "lru"), ("mid", 6, "prefix-freq"), ("warm", 9, "lru")),
                             LAST_BACKEND=FILE_LIKE)
+_, TestTiersDirect = machine("TiersDirect", DIRECT=True)
+_, TestTiersDirectPrefix = machine("TiersDirectPrefix", DIRECT=True, LAST_BACKEND=FILE_LIKE,
+                                   TIERS=(("hot", 6, "prefix-freq"), ("warm", 10, "lru")))
+_, TestTiersDirectThree = machine("TiersDirectThree", DIRECT=True,
+                                  TIERS=(("hot", 5, "lru"), ("mid", 6, "prefix-freq"), ("warm", 9, "lru")))
+_, TestTiersDirectMixed = machine("TiersDirectMixed", DIRECT=True, TIERS=(("hot", 6, "lru"), ("warm", 10, PURE_PREFIX)))
 _, TestTiersWriteThrough = machine("TiersWriteThrough", CASCADE="on_store")
 _, TestTiersThreeWriteThrough = machine("TiersThreeWriteThrough", CASCADE="on_store",
                                         TIERS=(("hot", 5, "prefix-freq"), ("mid", 6, "lru"), ("warm", 9, "lru")))
@@ -248,3 +264,44 @@ def test_expire_counts_in_c_what_one_by_one_drops(gaps, before, most):
     _expire_one_by_one(want, before, most)
     _expire(stamps, before, most)
     assert list(stamps.items()) == list(want.items())
+
+
+@pytest.mark.parametrize("order", ["below_first", "top_first", "mixed", "below_only"])
+@pytest.mark.parametrize("promoted", [False, True])
+def test_a_load_from_tier_0_and_a_tier_loaded_directly(order, promoted):
+    """A load of blocks of tier 0 and of a tier the engine loads directly, in any order: through
+    both tiers' batch calls (`prepare_split` / `complete_split`) it pins, credits, answers and
+    releases exactly what `prepare_each` / `complete_each` do."""
+    states = []
+    for batch in (True, False):
+        h, copier = _hierarchy(batch)
+        try:
+            m = h.manager
+            hot, warm = m.tiers
+            warm.direct_load = True
+            stored = keys(8)
+            for key in stored:  # one by one, each copy down done: the first four end up below only
+                m.complete_store(m.prepare_store([key], CTX).keys_to_store, CTX)
+                copier.run(False)
+                m.on_schedule_end()
+                copier.run(False)
+                m._jobs.drain()
+            if promoted:
+                hot.promoted_from[stored[5]] = 1  # (as if promoted from below and not loaded yet)
+            below, top = stored[:4], stored[4:]
+            assert all(hot.policy.get(k) is None and warm.policy.get(k) is not None for k in below)
+            load = {"below_first": below[:2] + top[:2], "top_first": top[:3] + below[:3],
+                    "mixed": [top[0], below[0], top[1], below[1], below[2]], "below_only": below[:3]}[order]
+            assert m.lookup_run(load, CTX) == (len(load), None)
+            spec = m.prepare_load(load, CTX) if batch else m._loads.prepare_each(load)
+            taken = _state(m) + [dict(m._loads.pins)]
+            if batch:
+                m.complete_load(load, CTX)
+            else:
+                m._loads.complete_each(load)
+            states.append((spec_ids(spec), taken, _state(m), dict(m._loads.pins)))
+        finally:
+            copier.run(fail=True)
+            h.close()
+    assert states[0] == states[1]
+    assert states[0][1] != states[0][2]  # (the load pinned and credited something)
