@@ -36,7 +36,7 @@ import time
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from kvtier.control.cascade import Cascade
+from kvtier.control.cascade import Cascade, split_below
 from kvtier.control.jobs import EventLog, JobTable
 from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
@@ -271,11 +271,8 @@ class HierarchyManager(OffloadingManager):
         top.stats.stores += len(changed)
         if self._log.events is not None:
             self._log.record(top, changed, removed=False)
-        below = top.below
-        if below is not None:
-            lower = list(map(below.policy.get, changed))
-            if lower.count(None) != len(lower):  # (new blocks are rarely below already)
-                top.clean.update(k for k, b in zip(changed, lower) if b is not None and b.ref_cnt >= 0)
+        if top.below is not None:
+            split_below(top, changed)  # (those readable below are clean)
             if top.cascade == "on_store":
                 self._cascade.queue_writes(top, [k for k in changed if k not in top.clean])
         if self._shared is not None:

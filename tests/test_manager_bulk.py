@@ -46,6 +46,14 @@ def per_key_run(manager, request) -> tuple[int, LookupResult | None]:
     return len(request), None
 
 
+def spec_ids(spec) -> tuple:
+    """A load's spec in a comparable form: its type and slots, per part of a composite one."""
+    parts = getattr(spec, "parts", None)
+    if parts is not None:
+        return type(spec), [(spec_ids(part), list(positions)) for part, positions in parts]
+    return type(spec), spec.tier, list(spec.block_ids)
+
+
 def state(manager) -> list:
     """Everything the bulk paths may change, per tier, in a comparable form."""
     rows = []
@@ -96,7 +104,7 @@ tiers:
         if hits:
             a = self.bulk.prepare_load(hits, CTX)
             b = self.each._loads.prepare_each(list(hits))
-            assert type(a) is type(b) and getattr(a, "block_ids", None) == getattr(b, "block_ids", None)
+            assert spec_ids(a) == spec_ids(b)
             self.loads.append(hits)
 
     @precondition(lambda self: self.loads)

@@ -13,19 +13,36 @@ A copy is a `Demotion` job: its source blocks stay pinned until it ends.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Collection, Sequence
-from itertools import compress, filterfalse, repeat
-from operator import add, attrgetter, is_
-from typing import cast
+from itertools import compress, filterfalse, islice, repeat
+from operator import is_
 
-from kvtier.control.jobs import EventLog, Job, JobTable
+from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies, pin_sources
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
-from kvtier.types import BlockStatus
 
 log = logging.getLogger(__name__)
-_ref_cnt = attrgetter("ref_cnt")
+
+
+def split_below(tier: Tier, keys: list[OffloadKey]) -> list[OffloadKey]:
+    """The `keys` of `tier` not resident in the next tier, in order; those readable there are
+    recorded as clean (those being written there are neither). One C pass (`absent`) when the
+    next tier's policy has batch calls (`Tier.batch`), else a `get` per key."""
+    below = tier.below
+    assert below is not None
+    if below.batch:
+        absent = below.policy.absent(keys)
+        if len(absent) != len(keys):
+            get = below.policy.get
+            tier.clean.update(k for k in set(keys).difference(absent) if (b := get(k)) is not None and b.ref_cnt >= 0)
+        return absent
+    lower = list(map(below.policy.get, keys))
+    if lower.count(None) == len(lower):  # (new blocks are rarely below already)
+        return keys
+    tier.clean.update(k for k, b in zip(keys, lower) if b is not None and b.ref_cnt >= 0)
+    return list(compress(keys, map(is_, lower, repeat(None))))
 
 
 class Demotion(Job):
@@ -117,9 +134,9 @@ class Cascade:
             self._demote(tier, dirty)
 
     def _dirty_victims(self, tier: Tier, count: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
-        """Among the next `count` unprotected victims of `tier`'s policy, those not yet readable in
-        the next tier, in eviction order; the ones found readable there become clean. C loops
-        over the policy's `victim_keys`."""
+        """Among the next `count` unprotected victims of `tier`'s policy, those the next tier does
+        not hold, in eviction order; the ones found readable there become clean (`split_below`).
+        C loops over the policy's `victim_keys`."""
         assert tier.below is not None
         want = count
         while True:  # more victims when some were protected (skipped, not counted)
@@ -130,20 +147,13 @@ class Cascade:
             want = count + len(found) - len(keys)
         del keys[count:]
         clean = tier.clean
-        unknown = list(filterfalse(clean.__contains__, keys)) if clean else keys
-        lower = list(map(tier.below.policy.get, unknown))
-        if lower.count(None) == len(lower):
-            return unknown
-        clean.update(k for k, b in zip(unknown, lower) if b is not None and b.ref_cnt >= 0)
-        return list(compress(unknown, map(is_, lower, repeat(None))))
+        return split_below(tier, list(filterfalse(clean.__contains__, keys)) if clean else keys)
 
     def _demote(self, tier: Tier, keys: list[OffloadKey]) -> None:
-        """Copy readable blocks of `tier` to the next tier (one job). Backpressure: what the
-        in-flight limit does not allow is deferred (tried again on a later pass, or dropped at
-        eviction), never awaited."""
+        """Copy readable blocks `keys` of `tier`, absent from the next tier (`_dirty_victims`),
+        to the next tier (one job). Backpressure: what the in-flight limit does not allow is
+        deferred (tried again on a later pass, or dropped at eviction), never awaited."""
         assert tier.below is not None
-        lower_get = tier.below.policy.get
-        keys = [k for k in keys if lower_get(k) is None]
         room = tier.demotion_room(burst=len(keys))
         if len(keys) > room:
             tier.stats.cascade_deferred += len(keys) - max(0, room)
@@ -152,9 +162,9 @@ class Cascade:
             log.debug("tier %s: no room to demote %d blocks", tier.below.name, len(keys))
 
     def _start_demotion(self, tier: Tier, keys: list[OffloadKey]) -> bool:
-        """Pin readable blocks `keys` of `tier` and start one `Demotion` to the next tier; False
-        (nothing started) when the next tier has no room for them. A next tier that writes
-        through itself gives up its written blocks first."""
+        """Pin readable blocks `keys` (distinct) of `tier` and start one `Demotion` to the next
+        tier; False (nothing started) when the next tier has no room for them. A next tier that
+        writes through itself gives up its written blocks first."""
         lower = tier.below
         assert lower is not None
         protected = set(keys)
@@ -164,15 +174,11 @@ class Cascade:
             evicted = None
         if evicted is None and self.make_room(lower, len(keys), protected) is None:
             return False
-        src_blocks = cast("list[BlockStatus]", list(map(tier.policy.get, keys)))  # readable: checked by callers
-        # keys are distinct (victims, or a write queue's keys): one read and one write per block
-        _consume(map(setattr, src_blocks, repeat("ref_cnt"), map(add, map(_ref_cnt, src_blocks), repeat(1))), 0)
-        tier.policy.pin(keys)
+        src_blocks, src_ids = pin_sources(tier, keys)  # readable: checked by callers
         tier.demoting += len(keys)
-        dst_blocks = lower.backend.allocate_blocks(keys)
-        lower.policy.insert_many(keys, dst_blocks)
-        lower.policy.pin(keys)  # being written
-        self._jobs.submit(Demotion(tier, lower, keys, src_blocks, dst_blocks, self._events))
+        dst_blocks, dst_ids = enter_copies(lower, keys)  # being written: pinned
+        self._jobs.submit(Demotion(tier, lower, keys, src_blocks, dst_blocks, self._events,
+                                   src_ids=src_ids, dst_ids=dst_ids))
         return True
 
     # ------------------------------------------------------------------ on_store (write-through)
@@ -211,24 +217,13 @@ class Cascade:
         When the next tier has no room they stay at the head and `lower_full` is set."""
         assert tier.below is not None
         queue = tier.unwritten
-        lower_get = tier.below.policy.get
-        get = tier.policy.get
+        batch = tier.batch and tier.below.batch
         started = False
         while queue:
             room = tier.demotion_room(burst)
             if room <= 0:
                 break
-            keys: list[OffloadKey] = []
-            while queue and len(keys) < room:
-                key = queue.popitem(last=False)[0]
-                block, below = get(key), lower_get(key)
-                if block is None or block.ref_cnt < 0:
-                    continue
-                if below is not None:
-                    if below.ref_cnt >= 0:
-                        tier.clean.add(key)
-                    continue
-                keys.append(key)
+            keys = (_ready_head(tier, queue, room) if batch else []) or _take_each(tier, queue, room)
             if not keys:
                 continue
             if not self._start_demotion(tier, keys):
@@ -258,3 +253,35 @@ class Cascade:
         for key in reversed(hurried):
             queue.move_to_end(key, last=False)
         self.advance_writes()
+
+
+def _ready_head(tier: Tier, queue: OrderedDict[OffloadKey, None], room: int) -> list[OffloadKey]:
+    """The first `room` keys of `tier`'s write-through `queue`, taken from it, when every one is
+    readable in `tier` and absent from the next tier (the common case, checked in C loops by the
+    batch calls `readable_run` and `absent`); else [] and the queue unchanged (`_take_each`)."""
+    assert tier.below is not None
+    head = list(islice(queue, room))
+    if tier.policy.readable_run(head) != len(head) or len(tier.below.policy.absent(head)) != len(head):
+        return []
+    _consume(map(queue.pop, head), 0)
+    return head
+
+
+def _take_each(tier: Tier, queue: OrderedDict[OffloadKey, None], room: int) -> list[OffloadKey]:
+    """Take keys from the head of `tier`'s write-through `queue` until `room` of them are readable
+    in `tier` and absent from the next tier (returned); the others leave the queue, those
+    readable below recorded as clean."""
+    assert tier.below is not None
+    get, lower_get = tier.policy.get, tier.below.policy.get
+    keys: list[OffloadKey] = []
+    while queue and len(keys) < room:
+        key = queue.popitem(last=False)[0]
+        block, below = get(key), lower_get(key)
+        if block is None or block.ref_cnt < 0:
+            continue
+        if below is not None:
+            if below.ref_cnt >= 0:
+                tier.clean.add(key)
+            continue
+        keys.append(key)
+    return keys

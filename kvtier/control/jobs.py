@@ -3,6 +3,12 @@
 A `Job` knows its tiers and blocks; when the engine reports it, `finish(result)` releases the
 source pins, settles the destination blocks (readable, or removed on failure) and the byte
 counters, then lets the job type do its own bookkeeping (`landed` / `failed`).
+
+Each side of a job is held either as block objects (`src_blocks`, `dst_blocks`: what the
+policy's `get` returned, or what was inserted) or, for a tier whose policy has batch calls
+(`Tier.batch`), as slot ids only (`src_ids`, `dst_ids`): `pin_sources` and `enter_copies` take
+the pins and make the copies' blocks, `finish` settles them through `release_loads` and
+`mark_written`, with no block object or view per key.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from collections import deque as _consume
 from collections.abc import Iterator
 from itertools import compress, repeat
 from operator import add, attrgetter, not_
+from typing import cast
 
 from kvtier.control.tier import Tier
 from kvtier.engine import TransferEngine
@@ -19,6 +26,37 @@ from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus, OffloadingEvent, TransferResult
 
 _ref_cnt = attrgetter("ref_cnt")
+# One side of a job: its blocks (key by key), or their slot ids (`Tier.batch`); the other is None.
+Side = tuple["list[BlockStatus] | None", "list[int] | None"]
+
+
+def pin_sources(tier: Tier, keys: list[OffloadKey]) -> Side:
+    """Pin readable blocks `keys` (distinct) of `tier` for a copy: `ref_cnt += 1` and `pin`.
+    Through the policy's `pin_loads` when `tier.batch` (the slot ids, no block object), else
+    key by key (the blocks); the caller checked that every key is readable."""
+    if tier.batch:
+        ids = tier.policy.pin_loads(keys)
+        if ids is not None:
+            return None, ids
+    blocks = cast("list[BlockStatus]", list(map(tier.policy.get, keys)))
+    # keys are distinct: one read and one write per block
+    _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, map(_ref_cnt, blocks), repeat(1))), 0)
+    tier.policy.pin(keys)
+    return blocks, None
+
+
+def enter_copies(tier: Tier, keys: list[OffloadKey]) -> Side:
+    """Allocate slots of `tier` for copies of `keys` (distinct, absent there; the caller made
+    room) and insert them being written (`ref_cnt == -1`, pinned). Through the policy's
+    `insert_written` when `tier.batch` (the slot ids), else `insert_many` (the blocks)."""
+    if tier.batch:
+        ids = tier.backend.allocate_block_ids(keys)
+        tier.policy.insert_written(keys, ids)
+        return None, ids
+    blocks = tier.backend.allocate_blocks(keys)
+    tier.policy.insert_many(keys, blocks)
+    tier.policy.pin(keys)
+    return blocks, None
 
 
 def _held(tier: Tier, keys: list[OffloadKey], blocks: list[BlockStatus]) -> list[BlockStatus]:
@@ -48,27 +86,46 @@ class EventLog:
 
 
 class Job:
-    """A copy of `keys` (distinct) from `src` (blocks pinned meanwhile) into new blocks of `dst`."""
+    """A copy of `keys` (distinct) from `src` (blocks pinned meanwhile) into new blocks of `dst`.
+    Each side is given as its blocks or, with `src_ids` / `dst_ids`, as slot ids (blocks None)."""
 
     kind = "copy"
 
-    def __init__(self, src: Tier, dst: Tier, keys: list[OffloadKey], src_blocks: list[BlockStatus],
-                 dst_blocks: list[BlockStatus], events: EventLog):
+    def __init__(self, src: Tier, dst: Tier, keys: list[OffloadKey], src_blocks: list[BlockStatus] | None,
+                 dst_blocks: list[BlockStatus] | None, events: EventLog, *,
+                 src_ids: list[int] | None = None, dst_ids: list[int] | None = None):
         self.src, self.dst, self.keys = src, dst, keys
         self.src_blocks, self.dst_blocks = src_blocks, dst_blocks
+        self.src_ids, self.dst_ids = src_ids, dst_ids
         self.events = events
+
+    def source_blocks(self) -> list[BlockStatus]:
+        """The source blocks: those kept, or `BlockStatus`es of the slot ids kept (their
+        `block_id` is all they tell: for `Backend.still_valid` and comparisons)."""
+        return self.src_blocks if self.src_blocks is not None else BlockStatus.many(cast("list[int]", self.src_ids))
 
     def finish(self, result: TransferResult) -> None:
         """Account for the engine's report of this job (called once)."""
         src, dst = self.src, self.dst
-        # C loops: `keys` are distinct, so each source block is in `src_blocks` once.
-        ref_cnts = list(map(add, map(_ref_cnt, self.src_blocks), repeat(-1)))
-        _consume(map(setattr, self.src_blocks, repeat("ref_cnt"), ref_cnts), 0)
-        src.policy.unpin(list(compress(self.keys, map(not_, ref_cnts))))
+        if self.src_blocks is None:
+            src.policy.release_loads(self.keys)  # (pinned by this job: resident)
+        else:
+            # C loops: `keys` are distinct, so each source block is in `src_blocks` once.
+            ref_cnts = list(map(add, map(_ref_cnt, self.src_blocks), repeat(-1)))
+            _consume(map(setattr, self.src_blocks, repeat("ref_cnt"), ref_cnts), 0)
+            src.policy.unpin(list(compress(self.keys, map(not_, ref_cnts))))
         if result.success:
-            for block in _held(dst, self.keys, self.dst_blocks):  # (a loop writes a ctypes field faster)
-                block.ref_cnt = 0
-            dst.policy.unpin(self.keys)
+            if self.dst_blocks is not None:
+                for block in _held(dst, self.keys, self.dst_blocks):  # (a loop writes a ctypes field faster)
+                    block.ref_cnt = 0
+                dst.policy.unpin(self.keys)
+            elif not dst.policy.mark_written(self.keys):  # (some block not being written any more)
+                get = dst.policy.get
+                for key, block_id in zip(self.keys, cast("list[int]", self.dst_ids)):
+                    view = get(key)
+                    if view is not None and view.block_id == block_id:
+                        view.ref_cnt = 0
+                dst.policy.unpin(self.keys)
             src.stats.bytes_out += result.transfer_size or 0
             src.stats.seconds_out += result.transfer_time or 0.0
             dst.stats.bytes_in += result.transfer_size or 0
@@ -80,9 +137,14 @@ class Job:
             src.stats.failures += 1
             dst.stats.failures += 1
             dst.policy.unpin(self.keys)
-            for key, block in zip(self.keys, self.dst_blocks):
-                dst.policy.remove(key)
-                dst.backend.free(block)
+            remove = dst.policy.remove
+            if self.dst_blocks is None:
+                _consume(map(remove, self.keys), 0)
+                dst.backend.free_block_ids(cast("list[int]", self.dst_ids))
+            else:
+                for key, block in zip(self.keys, self.dst_blocks):
+                    remove(key)
+                    dst.backend.free(block)
             self.failed()
 
     def landed(self) -> None:
@@ -103,8 +165,10 @@ class JobTable:
         self._jobs: dict[int, Job] = {}
 
     def submit(self, job: Job) -> None:
-        src_spec = job.src.backend.get_load_store_spec(job.keys, job.src_blocks)
-        dst_spec = job.dst.backend.get_load_store_spec(job.keys, job.dst_blocks)
+        src_spec = (job.src.backend.get_load_store_spec(job.keys, job.src_blocks) if job.src_blocks is not None
+                    else job.src.backend.spec_for_ids(job.keys, cast("list[int]", job.src_ids)))
+        dst_spec = (job.dst.backend.get_load_store_spec(job.keys, job.dst_blocks) if job.dst_blocks is not None
+                    else job.dst.backend.spec_for_ids(job.keys, cast("list[int]", job.dst_ids)))
         job_id = self._engine.new_job_id()
         self._jobs[job_id] = job
         self._engine.submit(src_spec, dst_spec, job_id)

@@ -6,13 +6,15 @@ releases the last pin first. The common case (distinct keys, all readable in tie
 before; promoted there or not) runs in C loops over the batch; anything else goes key by key, with the same
 answers and side effects (`tests/test_manager_bulk.py` checks the two against each other). When
 tier 0's policy has batch calls (`CachePolicy.batch_calls`) the common case is its `readable_run`,
-`pin_loads` and `release_loads`, with no block object or view per key.
+`pin_loads` and `release_loads`, with no block object or view per key. A load that also reads a
+tier the engine loads directly goes through both tiers' batch calls when both have them
+(`prepare_split`, `complete_split`; tests/test_manager_bulk_tiers.py checks them).
 """
 
 from __future__ import annotations
 
 from collections import deque as _consume
-from itertools import compress, repeat
+from itertools import compress, filterfalse, repeat
 from operator import add, attrgetter, not_
 from typing import cast
 
@@ -33,18 +35,22 @@ class LoadPins:
         self.tiers = tiers
         self.top = tiers[0]
         self.batch = getattr(tiers[0].policy, "batch_calls", False)  # (the policy owns the loops: see CachePolicy)
+        self.alone = len(tiers) == 1  # (no lower tier to load from)
         # key -> tiers pinned by prepare_load, in order (tuples: `_TOP_ONLY` is shared by the fast path)
         self.pins: dict[OffloadKey, tuple[int, ...]] = {}
 
     def prepare(self, keys: list[OffloadKey]) -> LoadStoreSpec:
         """Pin `keys` (each answered HIT by `lookup`) and return where to load them from."""
         spec = self.prepare_batch(keys) if self.batch else self.prepare_top(keys)
+        if spec is None and not self.alone:
+            spec = self.prepare_split(keys)
         return spec if spec is not None else self.prepare_each(keys)
 
     def complete(self, keys: list[OffloadKey]) -> None:
         """Release the pins `prepare` took for `keys` (the last pin of a key pinned twice)."""
         if not (self.complete_batch(keys) if self.batch else self.complete_top(keys)):
-            self.complete_each(keys)
+            if self.alone or not self.complete_split(keys):
+                self.complete_each(keys)
 
     def top_run(self, keys: list[OffloadKey]) -> int:
         """How many leading `keys` are readable in tier 0, in C loops over chunks that double in
@@ -120,6 +126,62 @@ class LoadPins:
                 self.tiers[origin].stats.hits += origins.count(origin)
         else:
             self.top.stats.hits += len(keys)
+
+    def prepare_split(self, keys: list[OffloadKey]) -> LoadStoreSpec | None:
+        """`prepare_load` through the batch calls (`Tier.batch`) of tier 0 and of the first tier
+        below that the engine loads directly: distinct keys not pinned before, each readable in
+        tier 0 or, absent there, readable in that tier. The same answers and side effects as
+        `prepare_each`; None (nothing changed) otherwise."""
+        top, pins = self.top, self.pins
+        direct = next((t for t in self.tiers[1:] if t.direct_load), None)
+        if direct is None or not (top.batch and direct.batch) or not keys or len(set(keys)) != len(keys):
+            return None
+        if pins and not pins.keys().isdisjoint(keys):
+            return None
+        rest = top.policy.absent(keys)  # (in order) loaded from `direct`; the others from tier 0
+        if not rest:
+            return None
+        below = set(rest).__contains__
+        head = list(filterfalse(below, keys))
+        if top.policy.readable_run(head) != len(head) or direct.policy.readable_run(rest) != len(rest):
+            return None  # (checked before pinning: nothing to undo)
+        head_ids = cast("list[int]", top.policy.pin_loads(head))
+        rest_ids = cast("list[int]", direct.policy.pin_loads(rest))
+        pins.update(zip(head, repeat(_TOP_ONLY)))
+        pins.update(zip(rest, repeat((direct.index,))))
+        promoted = top.promoted_from
+        if promoted:  # (the tier that supplied a promoted key is credited, as by prepare_each)
+            origins = list(map(promoted.pop, head, repeat(0))) + list(map(promoted.pop, rest, repeat(direct.index)))
+            for origin in sorted(set(origins)):
+                self.tiers[origin].stats.hits += origins.count(origin)
+        else:
+            top.stats.hits += len(head)
+            direct.stats.hits += len(rest)
+        spec = direct.backend.spec_for_ids(rest, rest_ids)
+        if not head:
+            return spec
+        places = list(map(below, keys))  # position i: whether keys[i] comes from `direct`
+        return CompositeLoadStoreSpec([
+            (top.backend.spec_for_ids(head, head_ids), list(compress(range(len(keys)), map(not_, places)))),
+            (spec, list(compress(range(len(keys)), places)))])
+
+    def complete_split(self, keys: list[OffloadKey]) -> bool:
+        """`complete_load` through the batch calls of the tiers the keys were loaded from, when
+        each key (given once) is pinned once, in a tier whose policy has them (`Tier.batch`);
+        False, with the pins unchanged, otherwise."""
+        pins, tiers = self.pins, self.tiers
+        if not keys:
+            return False
+        popped = list(map(pins.pop, keys, repeat(None)))
+        by_tier: dict[int, list[OffloadKey]] = {}
+        for key, pinned in zip(keys, popped):
+            if pinned is None or len(pinned) != 1 or not tiers[pinned[0]].batch:
+                pins.update(compress(zip(keys, cast("list[tuple[int, ...]]", popped)), popped))  # put back
+                return False
+            by_tier.setdefault(pinned[0], []).append(key)
+        for index, released in by_tier.items():
+            tiers[index].policy.release_loads(released)
+        return True
 
     def prepare_each(self, keys: list[OffloadKey]) -> LoadStoreSpec:
         """`prepare_load` key by key: blocks in lower tiers, keys loaded twice, promoted keys."""

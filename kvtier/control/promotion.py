@@ -11,10 +11,12 @@ room for promotes the prefix that fits and refuses the rest.
 from __future__ import annotations
 
 import time
+from collections import deque as _consume
 from collections.abc import Callable, Iterable, Sequence
+from itertools import islice, repeat, takewhile
 
 from kvtier.control.cascade import Cascade
-from kvtier.control.jobs import EventLog, Job, JobTable
+from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus
@@ -33,8 +35,9 @@ class Promotion(Job):
     kind = "promotion"
 
     def __init__(self, promotions: Promotions, src: Tier, dst: Tier, keys: list[OffloadKey],
-                 src_blocks: list[BlockStatus], dst_blocks: list[BlockStatus], events: EventLog):
-        super().__init__(src, dst, keys, src_blocks, dst_blocks, events)
+                 src_blocks: list[BlockStatus] | None, dst_blocks: list[BlockStatus] | None, events: EventLog, *,
+                 src_ids: list[int] | None = None, dst_ids: list[int] | None = None):
+        super().__init__(src, dst, keys, src_blocks, dst_blocks, events, src_ids=src_ids, dst_ids=dst_ids)
         self.promotions = promotions
 
     def landed(self) -> None:
@@ -43,8 +46,7 @@ class Promotion(Job):
         src.stats.promotions += len(self.keys)
         if src.above is dst:
             dst.clean.update(self.keys)
-        for key in self.keys:
-            dst.promoted_from[key] = src.index
+        dst.promoted_from.update(zip(self.keys, repeat(src.index)))
         self.promotions.hold(self.keys)
 
     def failed(self) -> None:
@@ -56,7 +58,8 @@ class Promotion(Job):
         answer RETRY forever."""
         src = self.src
         self.promotions.ended(self.keys)
-        bad = [(key, block) for key, block in zip(self.keys, self.src_blocks) if not src.backend.still_valid(block)]
+        valid = src.backend.still_valid
+        bad = [(key, block) for key, block in zip(self.keys, self.source_blocks()) if not valid(block)]
         for key, block in bad:
             held = src.policy.get(key)  # the same block (slot), unless it left: compared by block_id
             if held is not None and held.block_id == block.block_id and held.ref_cnt == 0:
@@ -104,9 +107,9 @@ class Promotions:
         """Keep `keys`, just promoted into tier 0, from other promotions' evictions for `HOLD_S`."""
         now = self._clock()
         held = self.held
-        for key in keys:
-            held.pop(key, None)
-            held[key] = now
+        keys = list(keys)  # (distinct) moved to the end, in order: the dict stays in time order
+        _consume(map(held.pop, keys, repeat(None)), 0)
+        held.update(zip(keys, repeat(now)))
         _expire(held, now - HOLD_S, self._top.capacity)
 
     def supersede(self, keys: Iterable[OffloadKey]) -> None:
@@ -118,8 +121,7 @@ class Promotions:
                     del self.running[key]
 
     def ended(self, keys: Iterable[OffloadKey]) -> None:
-        for key in keys:
-            self.running.pop(key, None)
+        _consume(map(self.running.pop, keys, repeat(None)), 0)
 
     def flush(self) -> None:
         """Start the queued promotions, one job per source tier. Source blocks are pinned first:
@@ -128,9 +130,39 @@ class Promotions:
         started and only the rest is refused: a run longer than tier 0's room still comes up
         from its first block (`_room`)."""
         queue, self.queue = self.queue, {}
+        keys = list(queue)
+        if keys and not self._flush_batch(keys):
+            self._flush_each(keys)
+
+    def _flush_batch(self, keys: list[OffloadKey]) -> bool:
+        """`flush` for the common case, through the source policy's batch calls (`Tier.batch`):
+        every key from one source tier, readable there and absent from tier 0. False (nothing
+        changed) otherwise."""
+        running, top = self.running, self._top
+        index = running[keys[0]]
+        src = self._tiers[index]
+        if not src.batch or list(map(running.__getitem__, keys)).count(index) != len(keys):
+            return False
+        if len(top.policy.absent(keys)) != len(keys):
+            return False
+        src_ids = src.policy.pin_loads(keys)  # held until the job ends (`Job.finish` releases them)
+        if src_ids is None:  # (one not readable)
+            return False
+        fit = self._room(top, keys)
+        if fit < len(keys):
+            src.policy.release_loads(keys[fit:])
+            for key in keys[fit:]:
+                self._refuse(key)
+            keys, src_ids = keys[:fit], src_ids[:fit]
+        if keys:
+            self._start(src, keys, None, src_ids)
+        return True
+
+    def _flush_each(self, keys: list[OffloadKey]) -> None:
+        """`flush` key by key (several source tiers, keys to refuse, policies without batch calls)."""
         top = self._top
         wanted: list[tuple[OffloadKey, Tier, BlockStatus]] = []
-        for key in queue:
+        for key in keys:
             src = self._tiers[self.running[key]]
             block = src.policy.get(key)
             if block is None or block.ref_cnt < 0 or top.policy.get(key) is not None:
@@ -141,8 +173,8 @@ class Promotions:
         by_tier: dict[int, list[OffloadKey]] = {}
         for key, src, _ in wanted:
             by_tier.setdefault(src.index, []).append(key)
-        for index, keys in by_tier.items():
-            self._tiers[index].policy.pin(keys)
+        for index, pinned in by_tier.items():
+            self._tiers[index].policy.pin(pinned)
         fit = self._room(top, [key for key, _, _ in wanted])
         for key, src, block in wanted[fit:]:
             block.ref_cnt -= 1
@@ -154,12 +186,17 @@ class Promotions:
             entry = jobs.setdefault(src.index, ([], []))
             entry[0].append(key)
             entry[1].append(block)
-        for index, (keys, src_blocks) in jobs.items():
-            dst_blocks = top.backend.allocate_blocks(keys)
-            top.policy.insert_many(keys, dst_blocks)
-            top.policy.pin(keys)  # being written
-            top.allocated_since_walk += len(keys)
-            self._jobs.submit(Promotion(self, self._tiers[index], top, keys, src_blocks, dst_blocks, self._events))
+        for index, (started, src_blocks) in jobs.items():
+            self._start(self._tiers[index], started, src_blocks, None)
+
+    def _start(self, src: Tier, keys: list[OffloadKey], src_blocks: list[BlockStatus] | None,
+               src_ids: list[int] | None) -> None:
+        """Insert copies of `keys` (pinned in `src`, room made) into tier 0 and start their job."""
+        top = self._top
+        dst_blocks, dst_ids = enter_copies(top, keys)  # being written: pinned
+        top.allocated_since_walk += len(keys)
+        self._jobs.submit(Promotion(self, src, top, keys, src_blocks, dst_blocks, self._events,
+                                    src_ids=src_ids, dst_ids=dst_ids))
 
     def _room(self, top: Tier, keys: list[OffloadKey]) -> int:
         """Make room in tier 0 for the longest prefix of `keys` that can get it; its length.
@@ -201,9 +238,8 @@ def longest_fit(n: int, make_room: Callable[[int], bool]) -> int:
 
 
 def _expire(stamps: dict[OffloadKey, float], before: float, most: int) -> None:
-    """Drop the entries of a time-ordered `stamps` made before `before`, and the oldest beyond `most`."""
-    while stamps:
-        key, when = next(iter(stamps.items()))
-        if when >= before and len(stamps) <= most:
-            return
-        del stamps[key]
+    """Drop the entries of a time-ordered `stamps` made before `before`, and the oldest beyond
+    `most`. (The leading run made before `before` is counted in C: `takewhile` over the values.)"""
+    drop = max(len(list(takewhile(before.__gt__, stamps.values()))), len(stamps) - most)
+    if drop > 0:
+        _consume(map(stamps.pop, list(islice(stamps, drop))), 0)

@@ -84,6 +84,12 @@ class Tier:
     lower_full: bool = field(default=False, init=False)  # the last copy tried found no room below
     promoted_from: dict[OffloadKey, int] = field(default_factory=dict, init=False, repr=False)
     stats: TierStats = field(default_factory=TierStats, init=False)
+    # Copies into and out of this tier go through its policy's batch calls (`CachePolicy.batch_calls`):
+    # slot ids, no block object per key. Tests clear it to run the key-by-key path instead.
+    batch: bool = field(default=False, init=False)
+
+    def __post_init__(self) -> None:
+        self.batch = bool(getattr(self.policy, "batch_calls", False))
 
     @property
     def capacity(self) -> int:
