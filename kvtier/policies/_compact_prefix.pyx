@@ -12,8 +12,8 @@ by tests/policies/test_compact_prefix.py):
 - an *aside* entry (pinned or protected when an eviction's walk met it) is out of its list; the
   unpinned ones are queued per segment as (stamp, sequence number, entry) and read, sorted, before
   the list (`AsideBlocks`' rule, kvtier/policies/prefix_aside.py);
-- the ghost list stays a Python dict of evicted keys (`GhostList`): evictions make the key objects
-  for the caller anyway, and the dict keeps the insertion order the trim relies on.
+- the ghost list (`GhostList`: evicted keys, oldest first) is in C arrays too, with a hash table of
+  its own (_compact_ghosts.pxi).
 
 Floats: the clock, stamps, the running mean `unit` and the scores are C doubles computed with the
 same operations in the same order as the Python floats of the pure class (setup.py builds without
@@ -305,5 +305,6 @@ cdef Py_ssize_t walk(Core* c, Py_ssize_t n, int32_t* out, bint tails_first, cons
 
 
 include "_compact_batch_ops.pxi"
+include "_compact_ghosts.pxi"
 include "_compact_prefix_index.pxi"
 include "_compact_prefix_evict.pxi"

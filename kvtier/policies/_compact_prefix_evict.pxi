@@ -84,8 +84,9 @@ cdef class CompactPrefixPolicy(CompactPrefixIndex):
             for k in range(first, c.nsegs + first):
                 s = k % c.nsegs
                 for j in range(n):
-                    if c.e[chosen[j]].seg == s:
-                        self.evicted[keys[j]] = s
+                    i = chosen[j]
+                    if c.e[i].seg == s:
+                        ghost_add(&self.gh, key_at(c, i), c.e[i].klen, c.e[i].hash, s)
                         if s <= 1:
                             self.counts[EVICTED_TAIL if s == TAIL else EVICTED_NEW] += 1
             for j in range(n):
@@ -95,18 +96,12 @@ cdef class CompactPrefixPolicy(CompactPrefixIndex):
                 i = met.v[j]
                 if c.e[i].flags & USED and not c.e[i].flags & ASIDE:
                     set_aside(c, i)
-            if len(self.evicted) >= 2 * self.glimit:
-                self.trim_ghosts()
+            ghost_trim(&self.gh, self.glimit)
             self.version += 1
             return out
         finally:
             PyMem_Free(chosen)
             PyMem_Free(met.v)
-
-    cdef void trim_ghosts(self):
-        """Keep the newest `ghost_limit` ghosts (`GhostList.trim`)."""
-        items = list(self.evicted.items())
-        self.evicted = dict(items[len(items) - self.glimit:]) if self.glimit else {}
 
     def evict(self, Py_ssize_t n, protected):
         if n <= 0:

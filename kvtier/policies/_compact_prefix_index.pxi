@@ -74,7 +74,7 @@ cdef class CompactPrefixIndex:
     cdef double credit[MAX_SEGS]
     cdef bint demote
     cdef int64_t counts[6]
-    cdef dict evicted  # the ghost list: evicted key -> its segment then, oldest first
+    cdef Ghosts gh  # the ghost list: evicted keys and their segment then, oldest first
     cdef Py_ssize_t glimit
     cdef Py_ssize_t capacity  # as given (the arrays may grow past it)
 
@@ -95,7 +95,6 @@ cdef class CompactPrefixIndex:
         self.rate, self.reuse_max, self.demote = cls.unit_rate, cls.tail_reuse_max, cls.demote_tail
         self.glimit = min(int(cap * cls.ghost_fraction), cls.max_ghost_limit)
         self.mean_age = float(cap)
-        self.evicted = {}
         slots = 8
         while slots < 2 * cap:
             slots *= 2
@@ -115,6 +114,7 @@ cdef class CompactPrefixIndex:
         PyMem_Free(self.c.table)
         for s in range(MAX_SEGS):
             PyMem_Free(self.c.freed[s].items)
+        ghost_free(&self.gh)
 
     cdef int32_t locate(self, object key) except -2:
         return locate_in(&self.c, key)
@@ -131,8 +131,8 @@ cdef class CompactPrefixIndex:
     # ------------------------------------------------------------------ inspection
     @property
     def ghosts(self):
-        """Evicted key -> its segment then, oldest first (the policy's dict: read it only)."""
-        return self.evicted
+        """Evicted key -> its segment then, oldest first (a new dict: inspection, O(ghosts))."""
+        return ghost_dict(&self.gh)
 
     @property
     def ghost_limit(self):
@@ -183,14 +183,12 @@ cdef class CompactPrefixIndex:
         cdef int32_t i = self.locate(key)
         return None if i < 0 else view_of(self, i, key)
 
-    cdef int destination(self, object key, bint tail) except -1:
-        """The segment of a block just inserted (`PrefixFreqCachePolicy._place`): a returning
+    cdef int destination(self, int32_t i, bint tail) except -1:
+        """The segment of entry i, just inserted (`PrefixFreqCachePolicy._place`): a returning
         ghost by its history (the re-store counts as a hit), else the tails or the new blocks."""
-        cdef int ghost
-        found = self.evicted.pop(key, None) if self.evicted else None
-        if found is None:
+        cdef int ghost = ghost_pop(&self.gh, key_at(&self.c, i), self.c.e[i].klen, self.c.e[i].hash)
+        if ghost < 0:
             return TAIL if tail and self.demote else 1
-        ghost = found
         if ghost <= 1:
             self.counts[RETURNED_TAIL if ghost == TAIL else RETURNED_NEW] += 1
         return min(max(ghost, 1) + 1, self.c.nsegs - 1)
@@ -201,7 +199,7 @@ cdef class CompactPrefixIndex:
         cdef bint fresh
         cdef int32_t i = claim(&self.c, key, block_id, ref_cnt, &fresh)
         if fresh:
-            place(&self.c, i, self.destination(key, tail), self.now)
+            place(&self.c, i, self.destination(i, tail), self.now)
             self.version += 1
         return i
 
@@ -266,7 +264,7 @@ cdef class CompactPrefixIndex:
         for s in range(MAX_SEGS):
             c.seg[s] = Chain(-1, -1)
             c.freed[s].n = 0
-        self.evicted.clear()
+        ghost_clear(&self.gh)
         for s in range(6):
             self.counts[s] = 0
         self.now, self.mark, self.mean_age = 0.0, 0, float(self.capacity)

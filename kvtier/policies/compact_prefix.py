@@ -8,8 +8,9 @@ is explained) — the same victims, ghosts, clock and hit-age mean, to the last 
 bytes per resident block including the key instead of some 370, and its request-cycle calls
 (`CachePolicy.batch_calls`) in C loops. Like the compiled `lru`, `get` returns views of state the
 policy keeps (`returns_views`): a view's `ref_cnt` reads and writes the policy's arrays, the
-objects given to `insert` are copied and not kept, and blocks are compared by `block_id`. The
-ghost list (evicted keys) stays a Python dict, as in the pure class.
+objects given to `insert` are copied and not kept, and blocks are compared by `block_id`. Its
+ghost list (evicted keys) is in C arrays too, about 75 bytes per ghost against ~145 for the pure
+class's dict of bytes objects.
 
 When the extension is not importable (no compiler at install time) the registered name
 `prefix-freq` resolves to `PurePythonCompactPrefixFreq`, a plain `PrefixFreqCachePolicy`, and the

@@ -177,3 +177,30 @@ def test_the_package_ships_what_builds_the_compiled_indexes():
                for p in (root / "kvtier" / "policies").glob(f"*.{ext}")]
     assert len(sources) >= 10
     assert [s for s in sources if not any(fnmatch.fnmatch(s, pattern) for pattern in patterns)] == []
+
+
+@pytest.mark.parametrize("limit", [None, 0, 1, 37])
+def test_the_compiled_ghost_list_keeps_the_pure_ones_order_through_compactions(limit):
+    """Thousands of evictions and returns with keys that grow longer as the run goes (the ghost
+    array is re-laid for them) and ghost limits that trim often or never: the ghosts, oldest
+    first, and every placement they decide equal the pure class's after each request."""
+    import random
+
+    rng = random.Random(limit)
+    pure, compiled = PrefixFreqCachePolicy(40), CompactPrefixFreqCachePolicy(40)
+    if limit is not None:
+        pure.ghost_limit = compiled.ghost_limit = limit
+    for step in range(3000):
+        width = 4 + step // 300  # 4..13 bytes, longer every 300 requests
+        keys = list(dict.fromkeys(rng.randrange(400).to_bytes(2, "big") * width for _ in range(rng.randint(1, 6))))
+        keys = [k for k in keys if pure.get(k) is None]
+        over = len(pure) + len(keys) - 40
+        if over > 0:
+            assert [k for k, _ in pure.evict(over, set())] == [k for k, _ in compiled.evict(over, set())]
+        for p in (pure, compiled):
+            p.insert_many(keys, readable(range(len(keys))), tail=keys[0] if keys else None)
+            p.touch(keys[1:2])
+        assert list(compiled.ghosts.items()) == list(pure.ghosts.items()), step
+    assert compiled.tail_counts == pure._tails.counts and compiled.unit == pure.unit
+    if limit is None or limit > 1:
+        assert pure._tails.counts[1] + pure._tails.counts[3] > 0, "no ghost ever returned"

@@ -1,0 +1,170 @@
+# The ghost list of the compiled prefix-freq (included by _compact_prefix.pyx): evicted keys and
+# the segment each was evicted from, oldest first, in C arrays (`GhostList`'s rules, exactly).
+#
+# Entries are appended in eviction order; a key stored again leaves a dead entry behind, dropped
+# when the array is compacted (when it is full, and at each trim). A key's bytes sit in a slot of
+# fixed width (the longest key seen), and an open-addressing table of int32 entry indexes finds
+# them. About 50 bytes per ghost for 36-byte keys, against ~145 for a bytes object in a dict.
+
+ctypedef struct Ghost:
+    Py_hash_t hash
+    uint16_t klen
+    uint8_t seg
+    uint8_t alive
+
+ctypedef struct Ghosts:
+    Ghost* g  # appended in eviction order, dead ones among them
+    char* keys  # `width` bytes per entry
+    Py_ssize_t width
+    Py_ssize_t n  # entries used
+    Py_ssize_t cap  # entries allocated
+    Py_ssize_t live
+    int32_t* table  # -1: empty
+    size_t mask
+
+
+cdef inline char* ghost_key(Ghosts* gs, Py_ssize_t i) noexcept nogil:
+    return gs.keys + i * gs.width
+
+
+cdef Py_ssize_t ghost_find(Ghosts* gs, const char* kp, Py_ssize_t klen, Py_hash_t h) noexcept nogil:
+    cdef size_t s
+    cdef int32_t i
+    if gs.table == NULL:
+        return -1
+    s = (<size_t>h) & gs.mask
+    while True:
+        i = gs.table[s]
+        if i < 0:
+            return -1
+        if gs.g[i].hash == h and gs.g[i].klen == klen and memcmp(ghost_key(gs, i), kp, klen) == 0:
+            return i
+        s = (s + 1) & gs.mask
+
+
+cdef void ghost_table_put(Ghosts* gs, int32_t i) noexcept nogil:
+    cdef size_t s = (<size_t>gs.g[i].hash) & gs.mask
+    while gs.table[s] >= 0:
+        s = (s + 1) & gs.mask
+    gs.table[s] = i
+
+
+cdef void ghost_table_del(Ghosts* gs, int32_t i) noexcept nogil:
+    """Entry i's slot out of the table, later members of its probe run shifted back."""
+    cdef size_t s = (<size_t>gs.g[i].hash) & gs.mask
+    cdef size_t j, home
+    cdef int32_t k
+    while gs.table[s] != i:
+        s = (s + 1) & gs.mask
+    j = s
+    while True:
+        j = (j + 1) & gs.mask
+        k = gs.table[j]
+        if k < 0:
+            break
+        home = (<size_t>gs.g[k].hash) & gs.mask
+        if (s < j and (home <= s or home > j)) or (s > j and home <= s and home > j):
+            gs.table[s] = k
+            s = j
+    gs.table[s] = -1
+
+
+cdef int ghost_layout(Ghosts* gs, Py_ssize_t cap, Py_ssize_t width, Py_ssize_t keep_from) except -1:
+    """Re-lay the arrays for `cap` entries of keys up to `width` bytes, keeping the live entries
+    from index `keep_from` on (older ones are dropped), in order; the table rebuilt."""
+    cdef Ghost* g = <Ghost*>PyMem_Malloc(max(cap, 1) * sizeof(Ghost))
+    cdef char* keys = <char*>PyMem_Malloc(max(cap * width, 1))
+    cdef size_t slots = 8
+    cdef int32_t* table
+    cdef Py_ssize_t i, k = 0
+    while slots < <size_t>(2 * cap):
+        slots *= 2
+    table = <int32_t*>PyMem_Malloc(slots * sizeof(int32_t))
+    if g == NULL or keys == NULL or table == NULL:
+        PyMem_Free(g)
+        PyMem_Free(keys)
+        PyMem_Free(table)
+        raise MemoryError()
+    memset(table, 0xff, slots * sizeof(int32_t))
+    for i in range(keep_from, gs.n):
+        if gs.g[i].alive:
+            g[k] = gs.g[i]
+            memcpy(keys + k * width, ghost_key(gs, i), gs.g[i].klen)
+            k += 1
+    PyMem_Free(gs.g)
+    PyMem_Free(gs.keys)
+    PyMem_Free(gs.table)
+    gs.g, gs.keys, gs.table, gs.mask = g, keys, table, slots - 1
+    gs.width, gs.cap, gs.n, gs.live = width, cap, k, k
+    for i in range(k):
+        ghost_table_put(gs, <int32_t>i)
+    return 0
+
+
+cdef int ghost_add(Ghosts* gs, const char* kp, Py_ssize_t klen, Py_hash_t h, int seg) except -1:
+    """`evicted[key] = seg`: a ghost already there keeps its place and takes the new segment."""
+    cdef Py_ssize_t i = ghost_find(gs, kp, klen, h)
+    if i >= 0:
+        gs.g[i].seg = <uint8_t>seg
+        return 0
+    if gs.n == gs.cap or klen > gs.width:  # full (maybe of dead entries), or a longer key
+        ghost_layout(gs, max(16, 2 * gs.live + 16, gs.cap if gs.live * 2 < gs.cap else 2 * gs.cap),
+                     max(klen, gs.width), 0)
+    i = gs.n
+    gs.g[i].hash, gs.g[i].klen, gs.g[i].seg, gs.g[i].alive = h, <uint16_t>klen, <uint8_t>seg, 1
+    memcpy(ghost_key(gs, i), kp, klen)
+    ghost_table_put(gs, <int32_t>i)
+    gs.n += 1
+    gs.live += 1
+    return 0
+
+
+cdef int ghost_pop(Ghosts* gs, const char* kp, Py_ssize_t klen, Py_hash_t h) noexcept nogil:
+    """`evicted.pop(key)`: the segment it was evicted from, or -1."""
+    cdef Py_ssize_t i
+    if gs.live == 0:
+        return -1
+    i = ghost_find(gs, kp, klen, h)
+    if i < 0:
+        return -1
+    ghost_table_del(gs, <int32_t>i)
+    gs.g[i].alive = 0
+    gs.live -= 1
+    return gs.g[i].seg
+
+
+cdef int ghost_trim(Ghosts* gs, Py_ssize_t limit) except -1:
+    """`GhostList.trim`: once there are 2x `limit` ghosts, keep the newest `limit`."""
+    cdef Py_ssize_t i, kept = 0
+    if gs.live < 2 * limit:
+        return 0
+    i = gs.n
+    while i > 0 and kept < limit:
+        i -= 1
+        if gs.g[i].alive:
+            kept += 1
+    if kept < limit or limit == 0:  # (limit 0: keep none)
+        i = gs.n
+    ghost_layout(gs, max(16, 2 * limit + 16), gs.width, i)
+    return 0
+
+
+cdef void ghost_clear(Ghosts* gs) noexcept nogil:
+    cdef size_t s
+    gs.n, gs.live = 0, 0
+    if gs.table != NULL:
+        for s in range(gs.mask + 1):
+            gs.table[s] = -1
+
+
+cdef void ghost_free(Ghosts* gs) noexcept:
+    PyMem_Free(gs.g)
+    PyMem_Free(gs.keys)
+    PyMem_Free(gs.table)
+
+
+cdef dict ghost_dict(Ghosts* gs):
+    """The ghosts as `GhostList.evicted` holds them: key -> segment, oldest first."""
+    cdef Py_ssize_t i
+    return {PyBytes_FromStringAndSize(ghost_key(gs, i), gs.g[i].klen): gs.g[i].seg
+            for i in range(gs.n) if gs.g[i].alive}
