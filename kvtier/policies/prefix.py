@@ -60,7 +60,7 @@ from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.prefix_aside import AsideBlocks
 from kvtier.policies.prefix_ghosts import GhostList
-from kvtier.policies.prefix_runs import _INF, _TAIL, _forget, _merged, _run
+from kvtier.policies.prefix_runs import _TAIL, _best_lane, _forget, _merged, _run
 from kvtier.policies.prefix_tails import (
     HIT_NEW,
     HIT_TAIL,
@@ -308,15 +308,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         lanes = self._heads(protected, first, met) if left else []
         used = lanes[:]
         while lanes:
-            best = lanes[0]
-            limit = _INF
-            for lane in lanes[1:]:
-                score = lane[0]
-                if score < best[0]:
-                    limit = best[0]
-                    best = lane
-                elif score < limit:
-                    limit = score
+            best, limit = _best_lane(lanes)
             take = best[6].append
             append((best[1], best[2]))
             take(best[1])

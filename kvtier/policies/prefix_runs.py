@@ -21,20 +21,28 @@ _TAIL = 0  # segment index of request tails; segment 1 + c holds the blocks with
 _INF = float("inf")
 
 
+def _best_lane(lanes: list[list]) -> tuple[list, float]:
+    """The lane whose head scores lowest (the first of equals: ties go to the lower segment),
+    and the lowest score among the other lanes' heads (inf when there is none)."""
+    best = lanes[0]
+    limit = _INF
+    for lane in lanes[1:]:
+        score = lane[0]
+        if score < best[0]:
+            limit = best[0]
+            best = lane
+        elif score < limit:
+            limit = score
+    return best, limit
+
+
 def _merged(lanes: list[list], blocks: dict[OffloadKey, BlockStatus],
             protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
     """The evictable blocks of `lanes` (from `_heads`) by increasing score, ties to the lower
-    segment: a k-way merge that compares only the lanes' heads. `evict` inlines this walk."""
+    segment: a k-way merge that compares only the lanes' heads. `evict` walks the same way
+    without a generator (`_run`)."""
     while lanes:
-        best = lanes[0]
-        limit = _INF
-        for lane in lanes[1:]:
-            score = lane[0]
-            if score < best[0]:
-                limit = best[0]
-                best = lane
-            elif score < limit:
-                limit = score
+        best, limit = _best_lane(lanes)
         yield best[1], best[2]
         # Stay in this lane while its scores stay below every other lane's head.
         below = limit - best[4]
