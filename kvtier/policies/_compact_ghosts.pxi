@@ -42,31 +42,12 @@ cdef Py_ssize_t ghost_find(Ghosts* gs, const char* kp, Py_ssize_t klen, Py_hash_
         s = (s + 1) & gs.mask
 
 
-cdef void ghost_table_put(Ghosts* gs, int32_t i) noexcept nogil:
-    cdef size_t s = (<size_t>gs.g[i].hash) & gs.mask
-    while gs.table[s] >= 0:
-        s = (s + 1) & gs.mask
-    gs.table[s] = i
+cdef inline void ghost_table_put(Ghosts* gs, int32_t i) noexcept nogil:
+    slot_put(gs.table, gs.mask, gs.g[i].hash, i)
 
 
-cdef void ghost_table_del(Ghosts* gs, int32_t i) noexcept nogil:
-    """Entry i's slot out of the table, later members of its probe run shifted back."""
-    cdef size_t s = (<size_t>gs.g[i].hash) & gs.mask
-    cdef size_t j, home
-    cdef int32_t k
-    while gs.table[s] != i:
-        s = (s + 1) & gs.mask
-    j = s
-    while True:
-        j = (j + 1) & gs.mask
-        k = gs.table[j]
-        if k < 0:
-            break
-        home = (<size_t>gs.g[k].hash) & gs.mask
-        if (s < j and (home <= s or home > j)) or (s > j and home <= s and home > j):
-            gs.table[s] = k
-            s = j
-    gs.table[s] = -1
+cdef inline void ghost_table_del(Ghosts* gs, int32_t i) noexcept nogil:
+    slot_del(gs.table, gs.mask, <const char*>&gs.g[0].hash, sizeof(Ghost), i)
 
 
 cdef int ghost_layout(Ghosts* gs, Py_ssize_t cap, Py_ssize_t width, Py_ssize_t keep_from) except -1:
@@ -108,7 +89,8 @@ cdef int ghost_add(Ghosts* gs, const char* kp, Py_ssize_t klen, Py_hash_t h, int
         gs.g[i].seg = <uint8_t>seg
         return 0
     if gs.n == gs.cap or klen > gs.width:  # full (maybe of dead entries), or a longer key
-        ghost_layout(gs, max(16, 2 * gs.live + 16, gs.cap if gs.live * 2 < gs.cap else 2 * gs.cap),
+        # compacted in place while at most half are live, else twice the room
+        ghost_layout(gs, max(16, 2 * gs.cap) if gs.n == gs.cap and 2 * gs.live >= gs.cap else gs.cap,
                      max(klen, gs.width), 0)
     i = gs.n
     gs.g[i].hash, gs.g[i].klen, gs.g[i].seg, gs.g[i].alive = h, <uint16_t>klen, <uint8_t>seg, 1
@@ -138,23 +120,19 @@ cdef int ghost_trim(Ghosts* gs, Py_ssize_t limit) except -1:
     cdef Py_ssize_t i, kept = 0
     if gs.live < 2 * limit:
         return 0
-    i = gs.n
-    while i > 0 and kept < limit:
+    i = gs.n  # back from the newest to the oldest of the `limit` kept (limit 0: none)
+    while kept < limit:
         i -= 1
         if gs.g[i].alive:
             kept += 1
-    if kept < limit or limit == 0:  # (limit 0: keep none)
-        i = gs.n
     ghost_layout(gs, max(16, 2 * limit + 16), gs.width, i)
     return 0
 
 
 cdef void ghost_clear(Ghosts* gs) noexcept nogil:
-    cdef size_t s
     gs.n, gs.live = 0, 0
     if gs.table != NULL:
-        for s in range(gs.mask + 1):
-            gs.table[s] = -1
+        memset(gs.table, 0xff, (gs.mask + 1) * sizeof(int32_t))
 
 
 cdef void ghost_free(Ghosts* gs) noexcept:

@@ -19,32 +19,47 @@ cdef int32_t find(Core* c, const char* kp, Py_ssize_t klen, Py_hash_t h) noexcep
         s = (s + 1) & c.mask
 
 
-cdef void table_put(Core* c, int32_t i) noexcept nogil:
-    cdef size_t s = (<size_t>c.e[i].hash) & c.mask
-    while c.table[s] >= 0:
-        s = (s + 1) & c.mask
-    c.table[s] = i
+# An open-addressing table of int32 entry indexes (-1: empty), linear probing, `mask + 1` slots.
+# The entries' hashes are read through `hashes` + i * `stride` (the hash field of entry 0 and the
+# entry size), so that the index and the ghost list (_compact_ghosts.pxi) share one table code.
+cdef inline Py_hash_t hash_of(const char* hashes, size_t stride, int32_t i) noexcept nogil:
+    return (<const Py_hash_t*>(hashes + <size_t>i * stride))[0]
 
 
-cdef void table_del(Core* c, int32_t i) noexcept nogil:
+cdef inline void slot_put(int32_t* table, size_t mask, Py_hash_t h, int32_t i) noexcept nogil:
+    cdef size_t s = (<size_t>h) & mask
+    while table[s] >= 0:
+        s = (s + 1) & mask
+    table[s] = i
+
+
+cdef void slot_del(int32_t* table, size_t mask, const char* hashes, size_t stride, int32_t i) noexcept nogil:
     """Remove entry i's slot and shift later members of its probe run back (no tombstones)."""
-    cdef size_t s = (<size_t>c.e[i].hash) & c.mask
+    cdef size_t s = (<size_t>hash_of(hashes, stride, i)) & mask
     cdef size_t j, home
     cdef int32_t k
-    while c.table[s] != i:
-        s = (s + 1) & c.mask
+    while table[s] != i:
+        s = (s + 1) & mask
     j = s
     while True:
-        j = (j + 1) & c.mask
-        k = c.table[j]
+        j = (j + 1) & mask
+        k = table[j]
         if k < 0:
             break
-        home = (<size_t>c.e[k].hash) & c.mask
+        home = (<size_t>hash_of(hashes, stride, k)) & mask
         # k may fill the hole at s unless its home lies cyclically in (s, j]
         if (s < j and (home <= s or home > j)) or (s > j and home <= s and home > j):
-            c.table[s] = k
+            table[s] = k
             s = j
-    c.table[s] = -1
+    table[s] = -1
+
+
+cdef inline void table_put(Core* c, int32_t i) noexcept nogil:
+    slot_put(c.table, c.mask, c.e[i].hash, i)
+
+
+cdef inline void table_del(Core* c, int32_t i) noexcept nogil:
+    slot_del(c.table, c.mask, <const char*>&c.e[0].hash, sizeof(Entry), i)
 
 
 cdef int rebuild_table(Core* c, size_t slots) except -1:
