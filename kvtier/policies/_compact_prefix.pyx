@@ -78,6 +78,7 @@ ctypedef struct FreedList:
     Freed* items
     Py_ssize_t n
     Py_ssize_t cap
+    bint pushed  # items were appended since the list was last sorted
 
 ctypedef struct Core:
     Entry* e
@@ -138,6 +139,7 @@ cdef int push_freed(Core* c, int32_t i) except -1:
     reserve(<void**>&f.items, f.n, &f.cap, sizeof(Freed))
     f.items[f.n] = Freed(c.e[i].stamp, c.e[i].seq, i)
     f.n += 1
+    f.pushed = True
     return 0
 
 
@@ -181,7 +183,8 @@ cdef int freed_order(const void* a, const void* b) noexcept nogil:
 
 cdef void settle_freed(Core* c, int s) noexcept nogil:
     """Segment s's queue sorted by (stamp, seq), without stale items (the entry left, came back
-    into its list, or was set aside again) or duplicates. Pinned ones stay (read past)."""
+    into its list, or was set aside again) or duplicates. Pinned ones stay (read past). Only
+    pushes unsort it or add duplicates: without any since the last call, filtering is all."""
     cdef FreedList* f = &c.freed[s]
     cdef Py_ssize_t j, k = 0
     cdef Freed it
@@ -193,7 +196,7 @@ cdef void settle_freed(Core* c, int s) noexcept nogil:
             f.items[k] = it
             k += 1
     f.n = k
-    if k > 1:
+    if k > 1 and f.pushed:
         qsort(f.items, k, sizeof(Freed), freed_order)
         k = 1
         for j in range(1, f.n):
@@ -201,6 +204,7 @@ cdef void settle_freed(Core* c, int s) noexcept nogil:
                 f.items[k] = f.items[j]
                 k += 1
         f.n = k
+    f.pushed = False
 
 
 cdef inline int32_t lane_next(Core* c, Lane* l) noexcept nogil:
