@@ -1,13 +1,6 @@
 # The batch calls of the request cycle (`CachePolicy.batch_calls`) as C loops over a `Core`, shared
-# by the compiled indexes (included by _compact_lru.pyx and _compact_prefix.pyx after their
-# `unpin_entry`): the answers and side effects of `CachePolicy`'s key-by-key defaults.
-
-
-cdef inline void pin_entry(Core* c, int32_t i) noexcept nogil:
-    """Entry i is not evictable any more (`pin`, evictable accounting)."""
-    if not c.e[i].flags & PINNED:
-        c.e[i].flags |= PINNED
-        c.npinned += 1
+# by the compiled indexes (included by _compact_lru.pyx and _compact_prefix.pyx after
+# _compact_pins.pxi): the answers and side effects of `CachePolicy`'s key-by-key defaults.
 
 
 cdef Py_ssize_t readable_run_in(Core* c, object keys) except -1:

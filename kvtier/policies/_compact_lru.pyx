@@ -223,6 +223,7 @@ cdef Py_ssize_t choose_tracked(Core* c, Py_ssize_t n, int32_t* chosen) except -1
     return got
 
 
+include "_compact_pins.pxi"
 include "_compact_batch_ops.pxi"
 include "_compact_lru_index.pxi"
 include "_compact_lru_batch.pxi"

@@ -39,7 +39,7 @@ cdef class CompactLRUBatch(CompactLRUIndex):
         cdef int32_t i
         if n <= 0:
             return [], []
-        if n > c.count or (self.tracking and self._refuses(n, protected)):
+        if n > c.count or (self.tracking and refuses_in(c, n, protected)):
             return None
         chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
         if chosen == NULL:

@@ -152,76 +152,38 @@ cdef class CompactLRUIndex:
 
     # ------------------------------------------------------------------ evictable accounting
     def track_pins(self):
-        cdef int32_t i
-        cdef Core* c = &self.c
         self.tracking = True
-        c.npinned = 0
-        for i in range(c.hw):
-            if c.e[i].flags & USED:
-                c.e[i].flags &= ~PINNED
-                if c.e[i].ref_cnt != 0:
-                    c.e[i].flags |= PINNED
-                    c.npinned += 1
+        pin_by_ref_cnt(&self.c)
 
     def pin(self, keys):
-        cdef int32_t i
-        if not self.tracking:
-            return
-        for key in keys:
-            i = self.locate(key)
-            if i >= 0:
-                pin_entry(&self.c, i)
+        if self.tracking:
+            pin_keys(&self.c, keys)
 
     def unpin(self, keys):
-        cdef int32_t i
-        if not self.tracking:
-            return
-        for key in keys:
-            i = self.locate(key)
-            if i >= 0:
-                unpin_entry(&self.c, i)
+        if self.tracking:
+            unpin_keys(&self.c, keys)
 
     def pinned_keys(self):
         """The resident keys counted as pinned (a new set), or None when pins are not tracked."""
-        cdef int32_t i
-        if not self.tracking:
-            return None
-        return {self.key_of(i) for i in range(self.c.hw) if self.c.e[i].flags & USED and self.c.e[i].flags & PINNED}
+        return pinned_set(&self.c) if self.tracking else None
 
     def evictable_count(self, protected=()):
-        cdef int32_t i
-        if not self.tracking:
-            return None
-        free = self.c.count - self.c.npinned
-        for key in protected:
-            i = self.locate(key)
-            if i >= 0 and not self.c.e[i].flags & PINNED:
-                free -= 1
-        return free
+        return evictable_in(&self.c, protected) if self.tracking else None
 
     def _refuses(self, n, protected):
-        if not self.tracking or self.c.count - self.c.npinned >= n + len(protected):
-            return False
-        return self.evictable_count(protected) < n
+        return self.tracking and refuses_in(&self.c, n, protected)
 
     # ------------------------------------------------------------------ decisions
     cdef Py_ssize_t pick(self, Py_ssize_t n, object protected, int32_t* chosen) except -1:
         """Choose `evict(n, protected)`'s victims (0 < n <= count) into `chosen`; 0 when it
         refuses (nothing changed). Protected entries are marked while choosing."""
         cdef Core* c = &self.c
-        cdef int32_t i
         cdef Py_ssize_t got = 0
-        marked = []
+        marked = mark_keys(c, protected)
         try:
-            for key in protected:
-                i = self.locate(key)
-                if i >= 0 and not c.e[i].flags & MARK:
-                    c.e[i].flags |= MARK
-                    marked.append(i)
             got = choose_tracked(c, n, chosen) if self.tracking else choose(c, n, chosen)
         finally:
-            for i in marked:
-                c.e[i].flags &= ~MARK
+            unmark_keys(c, marked)
             self.version += 1
         return got
 
@@ -232,7 +194,7 @@ cdef class CompactLRUIndex:
         cdef int32_t i
         if n <= 0:
             return []
-        if n > c.count or (self.tracking and self._refuses(n, protected)):
+        if n > c.count or (self.tracking and refuses_in(c, n, protected)):
             return None
         chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
         if chosen == NULL:

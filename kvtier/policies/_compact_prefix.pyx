@@ -308,6 +308,7 @@ cdef Py_ssize_t walk(Core* c, Py_ssize_t n, int32_t* out, bint tails_first, cons
     return got
 
 
+include "_compact_pins.pxi"
 include "_compact_batch_ops.pxi"
 include "_compact_ghosts.pxi"
 include "_compact_prefix_index.pxi"

@@ -29,32 +29,17 @@ cdef class CompactPrefixPolicy(CompactPrefixIndex):
         for s in range(1, self.c.nsegs):
             out[s] = self.credit[s - 1] * self.mean_age
 
-    cdef list mark_protected(self, object protected):
-        cdef int32_t i
-        marked = []
-        for key in protected:
-            i = self.locate(key)
-            if i >= 0 and not self.c.e[i].flags & MARK:
-                self.c.e[i].flags |= MARK
-                marked.append(i)
-        return marked
-
-    cdef void unmark(self, list marked):
-        cdef int32_t i
-        for i in marked:
-            self.c.e[i].flags &= ~MARK
-
     cdef Py_ssize_t find_victims(self, Py_ssize_t n, object protected, int32_t* out, bint exact,
                                  IdxVec* met) except -1:
         """`walk` with `protected` marked: up to n victims in order (with `exact`, n or 0)."""
         cdef double offs[MAX_SEGS]
         cdef Py_ssize_t got
         self.offsets(offs)
-        marked = self.mark_protected(protected)
+        marked = mark_keys(&self.c, protected)
         try:
             got = walk(&self.c, n, out, self.tails_one_time(), offs, met)
         finally:
-            self.unmark(marked)
+            unmark_keys(&self.c, marked)
         return got if got == n or not exact else 0
 
     cdef list take(self, Py_ssize_t n, object protected, bint ids):
@@ -66,7 +51,7 @@ cdef class CompactPrefixPolicy(CompactPrefixIndex):
         cdef Py_ssize_t got, j
         cdef int32_t i
         cdef int s, k
-        if n > c.count or (self.tracking and self._refuses(n, protected)):
+        if n > c.count or (self.tracking and refuses_in(c, n, protected)):
             return None
         chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
         if chosen == NULL:
@@ -146,56 +131,26 @@ cdef class CompactPrefixPolicy(CompactPrefixIndex):
 
     # ------------------------------------------------------------------ evictable accounting
     def track_pins(self):
-        cdef int32_t i
-        cdef Core* c = &self.c
         self.tracking = True
-        c.npinned = 0
-        for i in range(c.hw):
-            if c.e[i].flags & USED:
-                c.e[i].flags &= ~PINNED
-                if c.e[i].ref_cnt != 0:
-                    pin_entry(c, i)
+        pin_by_ref_cnt(&self.c)
 
     def pin(self, keys):
-        cdef int32_t i
-        if not self.tracking:
-            return
-        for key in keys:
-            i = self.locate(key)
-            if i >= 0:
-                pin_entry(&self.c, i)
+        if self.tracking:
+            pin_keys(&self.c, keys)
 
     def unpin(self, keys):
-        cdef int32_t i
-        if not self.tracking:
-            return
-        for key in keys:
-            i = self.locate(key)
-            if i >= 0:
-                unpin_entry(&self.c, i)
+        if self.tracking:
+            unpin_keys(&self.c, keys)
 
     def pinned_keys(self):
         """The resident keys counted as pinned (a new set), or None when pins are not tracked."""
-        cdef int32_t i
-        if not self.tracking:
-            return None
-        return {self.key_of(i) for i in range(self.c.hw) if self.c.e[i].flags & USED and self.c.e[i].flags & PINNED}
+        return pinned_set(&self.c) if self.tracking else None
 
     def evictable_count(self, protected=()):
-        cdef int32_t i
-        if not self.tracking:
-            return None
-        free = self.c.count - self.c.npinned
-        for key in protected:
-            i = self.locate(key)
-            if i >= 0 and not self.c.e[i].flags & PINNED:
-                free -= 1
-        return free
+        return evictable_in(&self.c, protected) if self.tracking else None
 
     def _refuses(self, n, protected):
-        if not self.tracking or self.c.count - self.c.npinned >= n + len(protected):
-            return False
-        return self.evictable_count(protected) < n
+        return self.tracking and refuses_in(&self.c, n, protected)
 
     # ------------------------------------------------------------------ batch calls
     def readable_run(self, keys):
