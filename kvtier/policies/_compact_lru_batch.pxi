@@ -2,8 +2,8 @@
 # one C loop per batch over the index (_compact_batch_ops.pxi), no view per block.
 
 
-cdef class CompactLRUBatch(CompactLRUIndex):
-    """`CompactLRUIndex` with the batch calls `CachePolicy` documents (`readable_run`,
+cdef class CompactLRUBatch(Index):
+    """`Index` with the batch calls `CachePolicy` documents (`readable_run`,
     `absent`, `pin_loads`, `release_loads`, `mark_written`): the same answers and side
     effects as its defaults there, which go key by key through `get`, `pin` and `unpin`."""
 
@@ -33,27 +33,4 @@ cdef class CompactLRUBatch(CompactLRUIndex):
         return mark_written_in(&self.c, keys, self.tracking)
 
     def evict_ids(self, Py_ssize_t n, protected):
-        cdef Core* c = &self.c
-        cdef int32_t* chosen
-        cdef Py_ssize_t got, j
-        cdef int32_t i
-        if n <= 0:
-            return [], []
-        if n > c.count or (self.tracking and refuses_in(c, n, protected)):
-            return None
-        chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
-        if chosen == NULL:
-            raise MemoryError()
-        try:
-            got = self.pick(n, protected, chosen)
-            if got == 0:
-                return None
-            keys, ids = [None] * got, [None] * got
-            for j in range(got):
-                i = chosen[j]
-                keys[j] = self.key_of(i)
-                ids[j] = c.e[i].block_id
-                drop(c, i)
-            return keys, ids
-        finally:
-            PyMem_Free(chosen)
+        return ([], []) if n <= 0 else self.take(n, protected, True)

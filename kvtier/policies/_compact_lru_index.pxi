@@ -1,56 +1,9 @@
 # The classes of kvtier/policies/_compact_lru.pyx (included there): the index and its block views.
 
-cdef class CompactLRUIndex
+include "_compact_view.pxi"
 
 
-@cython.final
-@cython.freelist(256)
-cdef class BlockView:
-    """A resident block of a `CompactLRUIndex` (what `get` returns), or an evicted one (detached,
-    what `evict` returns). `ref_cnt` reads and writes the index's entry; `block_id` is fixed."""
-
-    cdef CompactLRUIndex owner  # None: detached
-    cdef object key
-    cdef int32_t idx
-    cdef int32_t detached_ref
-    cdef readonly int64_t block_id
-
-    cdef Entry* entry(self) except NULL:
-        cdef Core* c = &self.owner.c
-        cdef Entry* e = &c.e[self.idx]
-        if (not e.flags & USED or e.block_id != self.block_id or e.klen != PyBytes_GET_SIZE(self.key)
-                or memcmp(key_at(c, self.idx), PyBytes_AS_STRING(self.key), e.klen) != 0):
-            raise LookupError(f"lru: block {self.block_id} of key {self.key!r} is no longer resident; "
-                              "a view from get() is valid only while its block stays resident (pinned)")
-        return e
-
-    @property
-    def ref_cnt(self):
-        return self.detached_ref if self.owner is None else self.entry().ref_cnt
-
-    @ref_cnt.setter
-    def ref_cnt(self, int32_t value):
-        if self.owner is None:
-            self.detached_ref = value
-        else:
-            self.entry().ref_cnt = value
-
-    @property
-    def is_ready(self):
-        """Whether the block can be read."""
-        return self.ref_cnt >= 0
-
-    def __repr__(self):
-        return f"BlockView(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
-
-
-cdef inline BlockView view_of(CompactLRUIndex owner, int32_t i, object key):
-    cdef BlockView v = BlockView.__new__(BlockView)
-    v.owner, v.idx, v.key, v.block_id = owner, i, key, owner.c.e[i].block_id
-    return v
-
-
-cdef class CompactLRUIndex:
+cdef class Index:
     """LRU over C arrays (see the module docstring); `kvtier.policies.compact` completes it into a
     `CachePolicy`. Keys are bytes of at most 65535 bytes."""
 
@@ -187,13 +140,12 @@ cdef class CompactLRUIndex:
             self.version += 1
         return got
 
-    def evict(self, Py_ssize_t n, protected):
+    cdef object take(self, Py_ssize_t n, protected, bint ids):
+        """`evict(n, protected)` (n > 0): its victims in order as (key, detached view) pairs, or
+        with `ids` as (keys, block ids); None (nothing changed) when there are not n."""
         cdef Core* c = &self.c
         cdef int32_t* chosen
         cdef Py_ssize_t got, j
-        cdef int32_t i
-        if n <= 0:
-            return []
         if n > c.count or (self.tracking and refuses_in(c, n, protected)):
             return None
         chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
@@ -203,17 +155,17 @@ cdef class CompactLRUIndex:
             got = self.pick(n, protected, chosen)
             if got == 0:
                 return None
-            out = []
+            keys = [self.key_of(chosen[j]) for j in range(got)]
+            out = (keys, [c.e[chosen[j]].block_id for j in range(got)]) if ids else [
+                (keys[j], detached(&c.e[chosen[j]])) for j in range(got)]
             for j in range(got):
-                i = chosen[j]
-                v = BlockView.__new__(BlockView)
-                (<BlockView>v).block_id = c.e[i].block_id
-                (<BlockView>v).detached_ref = c.e[i].ref_cnt
-                out.append((self.key_of(i), v))
-                drop(c, i)
+                drop(c, chosen[j])
             return out
         finally:
             PyMem_Free(chosen)
+
+    def evict(self, Py_ssize_t n, protected):
+        return [] if n <= 0 else self.take(n, protected, False)
 
     def victim_candidates(self):
         """Evictable blocks in `evict`'s order (freed aside blocks, then the order); raises

@@ -2,8 +2,8 @@
 # accounting and the batch calls of the request cycle.
 
 
-cdef class CompactPrefixPolicy(CompactPrefixIndex):
-    """`CompactPrefixIndex` with `evict` (`PrefixFreqCachePolicy.evict`'s walk, `walk` here),
+cdef class CompactPrefixPolicy(Index):
+    """`Index` with `evict` (`PrefixFreqCachePolicy.evict`'s walk, `walk` here),
     the eviction order, evictable accounting and the batch calls `CachePolicy` documents."""
 
     cdef bint tails_one_time(self) except -1:
@@ -42,9 +42,9 @@ cdef class CompactPrefixPolicy(CompactPrefixIndex):
             unmark_keys(&self.c, marked)
         return got if got == n or not exact else 0
 
-    cdef list take(self, Py_ssize_t n, object protected, bint ids):
+    cdef object take(self, Py_ssize_t n, object protected, bint ids):
         """`evict(n, protected)`'s victims in order as (key, detached view) pairs, or with `ids`
-        as [keys, block_ids]; None (nothing changed) when there are not n."""
+        as (keys, block_ids); None (nothing changed) when there are not n."""
         cdef Core* c = &self.c
         cdef int32_t* chosen
         cdef IdxVec met = IdxVec(NULL, 0, 0)
@@ -61,7 +61,7 @@ cdef class CompactPrefixPolicy(CompactPrefixIndex):
             if got == 0:
                 return None
             keys = [self.key_of(chosen[j]) for j in range(n)]
-            out = [keys, [c.e[chosen[j]].block_id for j in range(n)]] if ids else [
+            out = (keys, [c.e[chosen[j]].block_id for j in range(n)]) if ids else [
                 (keys[j], detached(&c.e[chosen[j]])) for j in range(n)]
             self.sync()
             # Ghosts in `_forget`'s order: by segment, the one-time tails last.
@@ -89,15 +89,10 @@ cdef class CompactPrefixPolicy(CompactPrefixIndex):
             PyMem_Free(met.v)
 
     def evict(self, Py_ssize_t n, protected):
-        if n <= 0:
-            return []
-        return self.take(n, protected, False)
+        return [] if n <= 0 else self.take(n, protected, False)
 
     def evict_ids(self, Py_ssize_t n, protected):
-        if n <= 0:
-            return [], []
-        got = self.take(n, protected, True)
-        return None if got is None else tuple(got)
+        return ([], []) if n <= 0 else self.take(n, protected, True)
 
     def victim_keys(self, Py_ssize_t n):
         """The keys of the first `n` blocks `victim_candidates` yields, in one C walk."""

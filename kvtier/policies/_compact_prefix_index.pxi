@@ -1,64 +1,10 @@
 # The classes of kvtier/policies/_compact_prefix.pyx (included there): the policy's index and its
 # block views.
 
-cdef class CompactPrefixIndex
+include "_compact_view.pxi"
 
 
-@cython.final
-@cython.freelist(256)
-cdef class PrefixBlockView:
-    """A resident block of a `CompactPrefixIndex` (what `get` returns), or an evicted one
-    (detached, what `evict` returns). `ref_cnt` reads and writes the index's entry; `block_id`
-    is fixed. Used after its block left, it raises LookupError (checked by key and block id)."""
-
-    cdef CompactPrefixIndex owner  # None: detached
-    cdef object key
-    cdef int32_t idx
-    cdef int32_t detached_ref
-    cdef readonly int64_t block_id
-
-    cdef Entry* entry(self) except NULL:
-        cdef Core* c = &self.owner.c
-        cdef Entry* e = &c.e[self.idx]
-        if (not e.flags & USED or e.block_id != self.block_id or e.klen != PyBytes_GET_SIZE(self.key)
-                or memcmp(key_at(c, self.idx), PyBytes_AS_STRING(self.key), e.klen) != 0):
-            raise LookupError(f"prefix-freq: block {self.block_id} of key {self.key!r} is no longer resident; "
-                              "a view from get() is valid only while its block stays resident (pinned)")
-        return e
-
-    @property
-    def ref_cnt(self):
-        return self.detached_ref if self.owner is None else self.entry().ref_cnt
-
-    @ref_cnt.setter
-    def ref_cnt(self, int32_t value):
-        if self.owner is None:
-            self.detached_ref = value
-        else:
-            self.entry().ref_cnt = value
-
-    @property
-    def is_ready(self):
-        """Whether the block can be read."""
-        return self.ref_cnt >= 0
-
-    def __repr__(self):
-        return f"PrefixBlockView(block_id={self.block_id}, ref_cnt={self.ref_cnt})"
-
-
-cdef inline PrefixBlockView view_of(CompactPrefixIndex owner, int32_t i, object key):
-    cdef PrefixBlockView v = PrefixBlockView.__new__(PrefixBlockView)
-    v.owner, v.idx, v.key, v.block_id = owner, i, key, owner.c.e[i].block_id
-    return v
-
-
-cdef inline PrefixBlockView detached(Entry* e):
-    cdef PrefixBlockView v = PrefixBlockView.__new__(PrefixBlockView)
-    v.block_id, v.detached_ref = e.block_id, e.ref_cnt
-    return v
-
-
-cdef class CompactPrefixIndex:
+cdef class Index:
     """`PrefixFreqCachePolicy`'s decisions over C arrays (see the module docstring);
     `kvtier.policies.compact_prefix` completes it into a `CachePolicy`. The tuning is read from
     the class attributes `credits`, `tail_reuse_max`, `ghost_fraction`, `max_ghost_limit`,
