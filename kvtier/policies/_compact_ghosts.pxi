@@ -55,11 +55,9 @@ cdef int ghost_layout(Ghosts* gs, Py_ssize_t cap, Py_ssize_t width, Py_ssize_t k
     from index `keep_from` on (older ones are dropped), in order; the table rebuilt."""
     cdef Ghost* g = <Ghost*>PyMem_Malloc(max(cap, 1) * sizeof(Ghost))
     cdef char* keys = <char*>PyMem_Malloc(max(cap * width, 1))
-    cdef size_t slots = 8
+    cdef size_t slots = table_slots(cap)
     cdef int32_t* table
     cdef Py_ssize_t i, k = 0
-    while slots < <size_t>(2 * cap):
-        slots *= 2
     table = <int32_t*>PyMem_Malloc(slots * sizeof(int32_t))
     if g == NULL or keys == NULL or table == NULL:
         PyMem_Free(g)

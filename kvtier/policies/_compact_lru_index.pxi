@@ -12,27 +12,12 @@ cdef class Index:
     cdef Py_ssize_t version  # changes with the order, so iterators notice
 
     def __cinit__(self, cache_capacity, *args, **kwargs):
-        cap = int(cache_capacity)
-        if cap <= 0:
-            raise ValueError(f"cache_capacity must be > 0 blocks, got {cache_capacity}")
-        if cap > MAX_ENTRIES:
-            raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for lru, got {cap}")
-        slots = 8
-        while slots < 2 * cap:
-            slots *= 2
-        self.c.cap = cap
-        self.c.e = <Entry*>PyMem_Malloc(cap * sizeof(Entry))
-        if self.c.e == NULL:
-            raise MemoryError()
-        self.c.free = -1
+        core_init(&self.c, cache_capacity)
         self.c.order = Chain(-1, -1)
         self.c.aside = Chain(-1, -1)
-        rebuild_table(&self.c, slots)
 
     def __dealloc__(self):
-        PyMem_Free(self.c.e)
-        PyMem_Free(self.c.keys)
-        PyMem_Free(self.c.table)
+        core_free(&self.c)
         PyMem_Free(self.c.heap)
 
     cdef int32_t locate(self, object key) except -2:

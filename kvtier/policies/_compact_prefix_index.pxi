@@ -27,11 +27,10 @@ cdef class Index:
     def __cinit__(self, cache_capacity, *args, **kwargs):
         cdef int s
         cls = type(self)
-        cap = int(cache_capacity)
-        if cap <= 0:
-            raise ValueError(f"cache_capacity must be > 0 blocks, got {cache_capacity}")
-        if cap > MAX_ENTRIES:
-            raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for prefix-freq, got {cap}")
+        core_init(&self.c, cache_capacity)
+        cap = self.capacity = self.c.cap
+        for s in range(MAX_SEGS):
+            self.c.seg[s] = Chain(-1, -1)
         credits = tuple(cls.credits)
         if not 1 <= len(credits) < MAX_SEGS:
             raise ValueError(f"prefix-freq: credits must hold 1 to {MAX_SEGS - 1} values, got {len(credits)}")
@@ -41,23 +40,10 @@ cdef class Index:
         self.rate, self.reuse_max, self.demote = cls.unit_rate, cls.tail_reuse_max, cls.demote_tail
         self.glimit = min(int(cap * cls.ghost_fraction), cls.max_ghost_limit)
         self.mean_age = float(cap)
-        slots = 8
-        while slots < 2 * cap:
-            slots *= 2
-        self.c.cap = self.capacity = cap
-        self.c.e = <Entry*>PyMem_Malloc(cap * sizeof(Entry))
-        if self.c.e == NULL:
-            raise MemoryError()
-        self.c.free = -1
-        for s in range(MAX_SEGS):
-            self.c.seg[s] = Chain(-1, -1)
-        rebuild_table(&self.c, slots)
 
     def __dealloc__(self):
         cdef int s
-        PyMem_Free(self.c.e)
-        PyMem_Free(self.c.keys)
-        PyMem_Free(self.c.table)
+        core_free(&self.c)
         for s in range(MAX_SEGS):
             PyMem_Free(self.c.freed[s].items)
         ghost_free(&self.gh)

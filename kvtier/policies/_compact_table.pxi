@@ -62,6 +62,37 @@ cdef inline void table_del(Core* c, int32_t i) noexcept nogil:
     slot_del(c.table, c.mask, <const char*>&c.e[0].hash, sizeof(Entry), i)
 
 
+cdef inline size_t table_slots(Py_ssize_t entries) noexcept nogil:
+    """Slots for a table of up to `entries` entries: a power of two, at most half full (>= 8)."""
+    cdef size_t slots = 8
+    while slots < <size_t>(2 * entries):
+        slots *= 2
+    return slots
+
+
+cdef int core_init(Core* c, object cache_capacity) except -1:
+    """Arrays for `cache_capacity` entries (checked: a ValueError names it); no key array yet
+    (the first key lays it out) and no list (the caller's)."""
+    cap = int(cache_capacity)
+    if cap <= 0:
+        raise ValueError(f"cache_capacity must be > 0 blocks, got {cache_capacity}")
+    if cap > MAX_ENTRIES:
+        raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for {POLICY_NAME}, got {cap}")
+    c.cap = cap
+    c.e = <Entry*>PyMem_Malloc(cap * sizeof(Entry))
+    if c.e == NULL:
+        raise MemoryError()
+    c.free = -1
+    rebuild_table(c, table_slots(cap))
+    return 0
+
+
+cdef void core_free(Core* c) noexcept:
+    PyMem_Free(c.e)
+    PyMem_Free(c.keys)
+    PyMem_Free(c.table)
+
+
 cdef int rebuild_table(Core* c, size_t slots) except -1:
     cdef int32_t* table = <int32_t*>PyMem_Malloc(slots * sizeof(int32_t))
     cdef int32_t i
