@@ -37,7 +37,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.control.cascade import Cascade, split_below
-from kvtier.control.jobs import EventLog, JobTable
+from kvtier.control.jobs import EventLog, JobTable, enter_copies, side_spec
 from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
 from kvtier.control.shared import SharedTier, local_tiers
@@ -65,20 +65,11 @@ SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before
 
 
 
-def _enter_new(top: Tier, keys: list[OffloadKey], batch: bool) -> LoadStoreSpec:
+def _enter_new(top: Tier, keys: list[OffloadKey]) -> LoadStoreSpec:
     """Allocate a request's new blocks in tier 0 and insert them being written (pinned); where
     they are. Tail first, so that the head of a prefix ends up the most recently used; the last
-    new block is the request's tail (the `CachePolicy.insert_many` contract). `batch`: through
-    the policy's batch calls, from block ids (no `BlockStatus` per new block)."""
-    tail = keys[-1] if keys else None
-    if batch:
-        ids = top.backend.allocate_block_ids(keys)
-        top.policy.insert_written(keys[::-1], ids[::-1], tail=tail)
-        return top.backend.spec_for_ids(keys, ids)
-    blocks = top.backend.allocate_blocks(keys)
-    top.policy.insert_many(keys[::-1], blocks[::-1], tail=tail)
-    top.policy.pin(keys)
-    return top.backend.get_load_store_spec(keys, blocks)
+    new block is the request's tail (`enter_copies` with `tail_first`)."""
+    return side_spec(top, keys, enter_copies(top, keys, tail_first=True))
 
 
 def _complete_each(top: Tier, keys: list[OffloadKey], blocks: list[BlockStatus | None],
@@ -128,7 +119,6 @@ class HierarchyManager(OffloadingManager):
         self._cascade = Cascade(self.tiers, self._jobs, self._log)
         self._promotions = Promotions(self.tiers, self._jobs, self._cascade, self._log)
         self._loads = LoadPins(self.tiers)
-        self._batch = getattr(self._top.policy, "batch_calls", False)  # tier 0's policy owns the loops (`CachePolicy`)
         self._shared = (SharedTier(self.tiers, self._jobs, self._cascade, self._promotions, self._log)
                         if n_local < len(self.tiers) else None)
         self._writes_through = any(t.cascade == "on_store" for t in self.tiers[:-1])  # as `Cascade` finds them
@@ -249,7 +239,7 @@ class HierarchyManager(OffloadingManager):
         evicted = self._cascade.evict_for(top, len(to_store), keys if len(to_store) != len(keys) else ())
         if evicted is None:
             return None
-        spec = _enter_new(top, to_store, self._batch)
+        spec = _enter_new(top, to_store)
         top.allocated_since_walk += len(to_store)
         if self._refilled:
             self._cascade.refill_reserve(top)

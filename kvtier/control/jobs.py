@@ -23,6 +23,7 @@ from typing import cast
 from kvtier.control.tier import Tier
 from kvtier.engine import TransferEngine
 from kvtier.keys import OffloadKey
+from kvtier.specs import LoadStoreSpec
 from kvtier.types import BlockStatus, OffloadingEvent, TransferResult
 
 _ref_cnt = attrgetter("ref_cnt")
@@ -45,18 +46,29 @@ def pin_sources(tier: Tier, keys: list[OffloadKey]) -> Side:
     return blocks, None
 
 
-def enter_copies(tier: Tier, keys: list[OffloadKey]) -> Side:
-    """Allocate slots of `tier` for copies of `keys` (distinct, absent there; the caller made
-    room) and insert them being written (`ref_cnt == -1`, pinned). Through the policy's
-    `insert_written` when `tier.batch` (the slot ids), else `insert_many` (the blocks)."""
+def enter_copies(tier: Tier, keys: list[OffloadKey], tail_first: bool = False) -> Side:
+    """Allocate slots of `tier` for `keys` (distinct, absent there; the caller made room), in
+    their order, and insert them being written (`ref_cnt == -1`, pinned). Through the policy's
+    `insert_written` when `tier.batch` (the slot ids), else `insert_many` (the blocks). With
+    `tail_first` (a request's new blocks) they are inserted last key first, the last one named
+    as the request's tail (the `CachePolicy.insert_many` contract); copies have no tail."""
+    step, tail = (-1, keys[-1] if keys else None) if tail_first else (1, None)
     if tier.batch:
         ids = tier.backend.allocate_block_ids(keys)
-        tier.policy.insert_written(keys, ids)
+        tier.policy.insert_written(keys[::step], ids[::step], tail=tail)
         return None, ids
     blocks = tier.backend.allocate_blocks(keys)
-    tier.policy.insert_many(keys, blocks)
+    tier.policy.insert_many(keys[::step], blocks[::step], tail=tail)
     tier.policy.pin(keys)
     return blocks, None
+
+
+def side_spec(tier: Tier, keys: list[OffloadKey], side: Side) -> LoadStoreSpec:
+    """Where one side of a copy is in `tier`: from its blocks, or from its slot ids."""
+    blocks, ids = side
+    if blocks is not None:
+        return tier.backend.get_load_store_spec(keys, blocks)
+    return tier.backend.spec_for_ids(keys, cast("list[int]", ids))
 
 
 def _held(tier: Tier, keys: list[OffloadKey], blocks: list[BlockStatus]) -> list[BlockStatus]:
@@ -165,10 +177,8 @@ class JobTable:
         self._jobs: dict[int, Job] = {}
 
     def submit(self, job: Job) -> None:
-        src_spec = (job.src.backend.get_load_store_spec(job.keys, job.src_blocks) if job.src_blocks is not None
-                    else job.src.backend.spec_for_ids(job.keys, cast("list[int]", job.src_ids)))
-        dst_spec = (job.dst.backend.get_load_store_spec(job.keys, job.dst_blocks) if job.dst_blocks is not None
-                    else job.dst.backend.spec_for_ids(job.keys, cast("list[int]", job.dst_ids)))
+        src_spec = side_spec(job.src, job.keys, (job.src_blocks, job.src_ids))
+        dst_spec = side_spec(job.dst, job.keys, (job.dst_blocks, job.dst_ids))
         job_id = self._engine.new_job_id()
         self._jobs[job_id] = job
         self._engine.submit(src_spec, dst_spec, job_id)

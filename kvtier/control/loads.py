@@ -34,28 +34,27 @@ class LoadPins:
     def __init__(self, tiers: list[Tier]):
         self.tiers = tiers
         self.top = tiers[0]
-        self.batch = getattr(tiers[0].policy, "batch_calls", False)  # (the policy owns the loops: see CachePolicy)
         self.alone = len(tiers) == 1  # (no lower tier to load from)
         # key -> tiers pinned by prepare_load, in order (tuples: `_TOP_ONLY` is shared by the fast path)
         self.pins: dict[OffloadKey, tuple[int, ...]] = {}
 
     def prepare(self, keys: list[OffloadKey]) -> LoadStoreSpec:
         """Pin `keys` (each answered HIT by `lookup`) and return where to load them from."""
-        spec = self.prepare_batch(keys) if self.batch else self.prepare_top(keys)
+        spec = self.prepare_batch(keys) if self.top.batch else self.prepare_top(keys)
         if spec is None and not self.alone:
             spec = self.prepare_split(keys)
         return spec if spec is not None else self.prepare_each(keys)
 
     def complete(self, keys: list[OffloadKey]) -> None:
         """Release the pins `prepare` took for `keys` (the last pin of a key pinned twice)."""
-        if not (self.complete_batch(keys) if self.batch else self.complete_top(keys)):
+        if not (self.complete_batch(keys) if self.top.batch else self.complete_top(keys)):
             if self.alone or not self.complete_split(keys):
                 self.complete_each(keys)
 
     def top_run(self, keys: list[OffloadKey]) -> int:
         """How many leading `keys` are readable in tier 0, in C loops over chunks that double in
         size (a request that misses early costs little more than one `get`)."""
-        if self.batch:
+        if self.top.batch:
             return self.top.policy.readable_run(keys)
         get = self.top.policy.get
         if not keys or getattr(get(keys[0]), "ref_cnt", -1) < 0:

@@ -84,8 +84,8 @@ class Tier:
     lower_full: bool = field(default=False, init=False)  # the last copy tried found no room below
     promoted_from: dict[OffloadKey, int] = field(default_factory=dict, init=False, repr=False)
     stats: TierStats = field(default_factory=TierStats, init=False)
-    # Copies into and out of this tier go through its policy's batch calls (`CachePolicy.batch_calls`):
-    # slot ids, no block object per key. Tests clear it to run the key-by-key path instead.
+    # Its policy's batch calls (`CachePolicy.batch_calls`) serve this tier's requests, copies and
+    # evictions: slot ids, no block object per key. Tests clear it to run the key-by-key paths.
     batch: bool = field(default=False, init=False)
 
     def __post_init__(self) -> None:
@@ -135,7 +135,7 @@ class Tier:
         """Evict `need` (> 0) blocks that are not pinned or `protected`; the evicted keys, or None
         (nothing changed) when the policy cannot find that many (`make_room` without the count
         of free slots)."""
-        if getattr(self.policy, "batch_calls", False):  # (keys and slot ids: no block objects)
+        if self.batch:  # (keys and slot ids: no block objects)
             got = self.policy.evict_ids(need, protected)
             if got is None:
                 return None
