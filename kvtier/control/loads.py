@@ -115,16 +115,16 @@ class LoadPins:
         self._credit(keys)
         return self.top.backend.spec_for_ids(keys, ids)
 
-    def _credit(self, keys: list[OffloadKey]) -> None:
-        """Count the hits of a batch loaded from tier 0."""
+    def _credit(self, keys: list[OffloadKey], source: int = 0) -> None:
+        """Count the hits of a batch loaded from tier `source`."""
         promoted = self.top.promoted_from
         if promoted and not promoted.keys().isdisjoint(keys):
             # Promoted into tier 0 and loaded now: the tier that supplied each is credited.
-            origins = list(map(promoted.pop, keys, repeat(0)))
+            origins = list(map(promoted.pop, keys, repeat(source)))
             for origin in sorted(set(origins)):
                 self.tiers[origin].stats.hits += origins.count(origin)
         else:
-            self.top.stats.hits += len(keys)
+            self.tiers[source].stats.hits += len(keys)
 
     def prepare_split(self, keys: list[OffloadKey]) -> LoadStoreSpec | None:
         """`prepare_load` through the batch calls (`Tier.batch`) of tier 0 and of the first tier
@@ -148,14 +148,8 @@ class LoadPins:
         rest_ids = cast("list[int]", direct.policy.pin_loads(rest))
         pins.update(zip(head, repeat(_TOP_ONLY)))
         pins.update(zip(rest, repeat((direct.index,))))
-        promoted = top.promoted_from
-        if promoted:  # (the tier that supplied a promoted key is credited, as by prepare_each)
-            origins = list(map(promoted.pop, head, repeat(0))) + list(map(promoted.pop, rest, repeat(direct.index)))
-            for origin in sorted(set(origins)):
-                self.tiers[origin].stats.hits += origins.count(origin)
-        else:
-            top.stats.hits += len(head)
-            direct.stats.hits += len(rest)
+        self._credit(head)  # (the tier that supplied a promoted key is credited, as by prepare_each)
+        self._credit(rest, direct.index)
         spec = direct.backend.spec_for_ids(rest, rest_ids)
         if not head:
             return spec
