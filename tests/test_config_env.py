@@ -113,3 +113,25 @@ def test_a_root_dir_that_is_a_file_or_under_an_open_directory_is_reported(tmp_pa
     code, _, err = check(tmp_path, file_yaml(str(open_dir / "tier")), capsys, "--env")
     assert code == 2 and "writable by everyone without the sticky bit" in err
     assert not (open_dir / "tier").exists()
+
+
+def test_a_root_dir_that_resolves_too_long_is_reported_as_the_build_would(tmp_path, capsys):
+    """A short root_dir through a symlink of yours into a directory so deep that the tier's files
+    would not fit in PATH_MAX: the build refuses it, so `--env` must too (it said "exists")."""
+    from kvtier.tiers.rootdir import LONGEST_FILE, PATH_MAX
+
+    deep = PATH_MAX - len(LONGEST_FILE) - 1  # then `deep/LONGEST_FILE` is PATH_MAX bytes: too long
+    target, fd = str(tmp_path), os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        while len(target) < deep:
+            name = "d" * min(200, deep - len(target) - 1)
+            os.mkdir(name, dir_fd=fd)
+            fd, old = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd), fd
+            os.close(old)
+            target += "/" + name
+    finally:
+        os.close(fd)
+    os.symlink(target, tmp_path / "deep")
+    for root in (tmp_path / "deep", tmp_path / "deep" / "new"):  # existing, and to be created
+        code, _, err = check(tmp_path, file_yaml(str(root)), capsys, "--env")
+        assert code == 2 and "too long a path for the files in it" in err, err

@@ -96,14 +96,18 @@ def prepare_root(root: str) -> tuple[Path, list[Path]]:
     try:
         _walk(absolute, created)
         resolved = Path(os.path.realpath(absolute))
-        if len(os.fsencode(str(resolved / LONGEST_FILE))) >= PATH_MAX:
-            raise refuse(f"{root} resolves to {resolved}, too long a path for the files in it; use a shorter path")
+        _check_length(resolved, root)
         _check_ancestors(resolved)
         _check_directory(resolved, root)
     except BaseException:
         remove_dirs(created)
         raise
     return resolved, created
+
+
+def _check_length(resolved: Path, root: str) -> None:
+    if len(os.fsencode(str(resolved / LONGEST_FILE))) >= PATH_MAX:
+        raise refuse(f"{root} resolves to {resolved}, too long a path for the files in it; use a shorter path")
 
 
 def _walk(absolute: str, created: list[Path] | None) -> str | None:
@@ -187,22 +191,20 @@ def inspect_root(root: str) -> str:
     missing = _walk(absolute, None)
     if missing is not None:
         parent = Path(os.path.realpath(os.path.dirname(missing)))
+        _check_length(parent / os.path.relpath(absolute, os.path.dirname(missing)), root)
         if not os.access(parent, os.W_OK | os.X_OK):
             raise refuse(f"cannot create {root}: {parent} is not writable by you ({_owner(os.geteuid())}); "
                          f"{ADVICE}")
         _check_parents(Path(absolute), [parent, *parent.parents])
         return f"{root}: would be created in {parent}"
     resolved = Path(os.path.realpath(absolute))
+    _check_length(resolved, root)
     _check_ancestors(resolved)
     _check_directory(resolved, root)
     if not os.access(resolved, os.W_OK | os.X_OK):
         raise refuse(f"{root} is not writable by you (mode {_mode(os.stat(resolved).st_mode)}); run 'chmod 700 "
                      f"{resolved}', or {ADVICE}")
-    for name in OWN_FILES:
-        try:
-            _check_file(resolved / name, os.lstat(resolved / name))
-        except FileNotFoundError:
-            continue
+    check_entries(resolved, OWN_FILES, private=False)
     return f"{root}: exists" + (f" (= {resolved})" if str(resolved) != root else "")
 
 
@@ -216,9 +218,10 @@ def remove_dirs(created: list[Path]) -> None:
 
 
 # ---------------------------------------------------------------------------- its files
-def check_entries(root: Path, names) -> set[str]:
-    """Which of `names` exist in `root`; `ConfigError` if one is not a safe regular file. Files
-    that group/others may read are made 0600 (root_dir is private: nobody can swap them)."""
+def check_entries(root: Path, names, private: bool = True) -> set[str]:
+    """Which of `names` exist in `root`; `ConfigError` if one is not a safe regular file. With
+    `private`, files that group/others may read are made 0600 (root_dir is private: nobody can
+    swap them); without it nothing is changed (`inspect_root`)."""
     present = set()
     for name in names:
         path = root / name
@@ -227,7 +230,7 @@ def check_entries(root: Path, names) -> set[str]:
         except FileNotFoundError:
             continue
         _check_file(path, st)
-        if st.st_mode & 0o077:
+        if private and st.st_mode & 0o077:
             os.chmod(path, 0o600)
         present.add(name)
     return present
