@@ -115,7 +115,18 @@ class TransferResult:
 
 @dataclass
 class CanonicalKVCacheTensor:
-    """One KV-cache tensor whose first dimension is the number of blocks (bytes per block = page)."""
+    """One engine KV-cache tensor whose first dimension is the engine block.
+
+    `tensor`: a torch tensor of any dtype, shape `(N, ...)` for `N` engine blocks; each block's
+    bytes must be one contiguous run (last dimension contiguous; `stride(0)` may be larger than
+    the page, e.g. a view into a bigger buffer).
+    `page_size_bytes`: the bytes of one engine block in this tensor that kvtier offloads, at
+    most the row stride in bytes. For a block-major `(N, 2, T, H, D)` tensor (K and V, `T` tokens
+    per block, `H` KV heads, `D` head dim) it is `2 * T * H * D * tensor.element_size()`, which is
+    `tensor[0].numel() * tensor.element_size()`. Example: `N = 1000` blocks of `T = 16` tokens,
+    `H = 8` KV heads, `D = 128`, float16 (2 bytes): `2 * 16 * 8 * 128 * 2 = 65,536` bytes per
+    block and layer (64 KiB). docs/standalone.md works the example through a whole model.
+    """
 
     tensor: Any
     page_size_bytes: int
@@ -123,7 +134,13 @@ class CanonicalKVCacheTensor:
 
 @dataclass
 class CanonicalKVCacheRef:
-    """Reference from a layer (or group of layers) to a `CanonicalKVCacheTensor` by index."""
+    """One layer's pages in an offloaded block: `page_size_bytes` bytes per engine block of
+    `CanonicalKVCaches.tensors[tensor_idx]`.
+
+    `page_size_bytes` is usually that tensor's own `page_size_bytes`; it may be smaller (the
+    first bytes of each of its blocks), never larger. Several references (of several groups)
+    may name the same tensor.
+    """
 
     tensor_idx: int
     page_size_bytes: int
@@ -131,7 +148,28 @@ class CanonicalKVCacheRef:
 
 @dataclass
 class CanonicalKVCaches:
-    """The KV caches as unique block tensors plus, per KV group, references into them."""
+    """The engine's KV caches: its distinct block tensors and, per KV-cache group, the pages an
+    offloaded block holds.
+
+    `tensors`: every distinct KV tensor (typically one per layer).
+    `group_data_refs[g]`: the references making up one offloaded block of KV group `g`, in the
+    order their pages are laid out in the block (one group for an ordinary decoder, where every
+    layer shares the block table; hybrid models have one group per block table). A key's last 4
+    bytes name its group (`make_offload_key(block_hash, g)`). Empty means one group holding every
+    tensor's full page, in order.
+
+    One offloaded block of group `g` holds, for each reference, `blocks_per_chunk` consecutive
+    pages; so its size is `blocks_per_chunk * sum(ref.page_size_bytes for ref in
+    group_data_refs[g])`, and a tier's slot is the largest group's size (`KVLayout.block_bytes`,
+    kvtier/handlers/kv_layout.py). `blocks_per_chunk` (an argument of `KVTier.open`, a field of
+    `ChunkedKVCaches`; default 1) is how many engine blocks one key covers: with 16-token engine
+    blocks and `blocks_per_chunk=16`, one key is one 256-token block.
+
+    `block_tokens` (the YAML's top-level field) changes no byte standalone: the sizes come from
+    these pages. It is reported in events and recorded with the layout (dtype, shapes, pages,
+    `blocks_per_chunk`) in a file tier's manifest, so reopening a `root_dir` with another
+    `block_tokens` or another layout never serves the blocks written before.
+    """
 
     tensors: list[CanonicalKVCacheTensor]
     group_data_refs: list[list[CanonicalKVCacheRef]] = field(default_factory=list)

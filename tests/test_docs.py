@@ -13,3 +13,16 @@ def test_readme_config_example_loads():
     config = load_config_text(text, "README.md")
     assert [t.backend for t in config.tiers] == ["cpu", "file"]
     assert config.tiers[0].options["pin"] == "auto" and config.tiers[1].options["num_threads"] == 4
+
+
+STANDALONE = README.parent / "docs" / "standalone.md"
+
+
+def test_standalone_worked_example_runs():
+    """docs/standalone.md's worked example is code that runs: its page and block sizes are what
+    kvtier computes (KVLayout), not arithmetic typed by hand."""
+    section = STANDALONE.read_text().split("## Worked example", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    namespace: dict = {}
+    exec(compile(code, str(STANDALONE), "exec"), namespace)
+    assert namespace["layout"].block_bytes == 32 << 20
