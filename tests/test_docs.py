@@ -26,3 +26,12 @@ def test_standalone_worked_example_runs():
     namespace: dict = {}
     exec(compile(code, str(STANDALONE), "exec"), namespace)
     assert namespace["layout"].block_bytes == 32 << 20
+
+
+def test_readme_lists_every_policy_clause():
+    """The README's list of what a third-party policy must meet is the suite's own list."""
+    from kvtier.testing.policy_contract import POLICY_CLAUSES
+
+    text = " ".join(README.read_text().split())  # the README wraps lines
+    missing = [clause for clause in POLICY_CLAUSES if " ".join(clause.split()) not in text]
+    assert not missing, f"README.md does not list these PolicyTests clauses: {missing}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -42,3 +43,47 @@ def test_every_export_resolves():
 
     for name in t.__all__:
         assert isinstance(getattr(t, name), type), name
+
+
+BROKEN_POLICIES = textwrap.dedent('''
+    from kvtier.policies.lru import LRUCachePolicy
+    from kvtier.testing import PolicyTests
+
+
+    class RaisesOnAbsentRemove(LRUCachePolicy):
+        def remove(self, key):
+            if self.get(key) is None:
+                raise KeyError(key)
+            super().remove(key)
+
+
+    class RefusesNegativeEvict(LRUCachePolicy):
+        def evict(self, n, protected):
+            return None if n < 0 else super().evict(n, protected)
+
+
+    class TestAbsentRemove(PolicyTests):
+        policy_factory = RaisesOnAbsentRemove
+
+
+    class TestNegativeEvict(PolicyTests):
+        policy_factory = RefusesNegativeEvict
+''')
+
+
+def test_a_broken_policy_is_told_which_clause_it_broke(tmp_path):
+    """A third-party policy failing `PolicyTests` sees the contract clause in the failure, not a
+    bare AssertionError or a KeyError from its own code."""
+    from kvtier.testing.policy_contract import EVICT_NONPOSITIVE, REMOVE_ABSENT
+
+    (tmp_path / "test_broken.py").write_text(BROKEN_POLICIES)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                          "test_insert_get_remove or test_evict_zero_and_negative", str(tmp_path)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "2 failed, 2 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    parts = re.split(r"_{3,} (\S+) _{3,}", run.stdout)  # [before, name, section, name, section, ...]
+    sections = dict(zip(parts[1::2], parts[2::2]))
+    absent = sections["TestAbsentRemove.test_insert_get_remove"]
+    negative = sections["TestNegativeEvict.test_evict_zero_and_negative"]
+    assert f"AssertionError: {REMOVE_ABSENT}: remove() of a key removed before raised KeyError" in absent, absent
+    assert f"AssertionError: {EVICT_NONPOSITIVE}: evict(-1) returned None" in negative, negative
