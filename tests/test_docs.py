@@ -35,3 +35,37 @@ def test_readme_lists_every_policy_clause():
     text = " ".join(README.read_text().split())  # the README wraps lines
     missing = [clause for clause in POLICY_CLAUSES if " ".join(clause.split()) not in text]
     assert not missing, f"README.md does not list these PolicyTests clauses: {missing}"
+
+
+RESULTS = README.parent / "docs" / "results"
+
+
+def _which_policy_rows() -> dict[str, list[str]]:
+    """README "Which policy when" rows: policy name -> cells (hit rates, CPU µs, bytes)."""
+    section = README.read_text().split("## Which policy when", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        name = re.fullmatch(r"`([a-z-]+)`", cells[0])
+        if line.startswith("|") and name:
+            rows[name.group(1)] = cells
+    return rows
+
+
+def test_which_policy_table_matches_its_results():
+    """Every figure of the README's policy table is the one in the JSON the README names."""
+    import json
+
+    trace = json.loads((RESULTS / "trace-conversation-policies-2026-11-27.json").read_text())["trace"]["runs"]
+    cycle = json.loads((RESULTS / "cycle-cpu-2026-11-27.json").read_text())["rows"]
+    memory = json.loads((RESULTS / "memory-2026-11-27.json").read_text())["rows"]
+    rows = _which_policy_rows()
+    assert set(rows) == {"prefix-freq", "lru", "arc", "sieve"}
+    for policy, cells in rows.items():
+        rates = [f"{r['hit_rate']:.4f}" for cap in (2000, 10000, 40000) for r in trace
+                 if (r["system"], r["policy"], r["capacity_blocks"]) == ("kvtier", policy, cap)]
+        assert cells[2].replace("*", "") == " / ".join(rates), policy
+        cpu = next(r["cpu_us_per_block"] for r in cycle if (r["workload"], r["system"]) == ("conversation", policy))
+        assert cells[3].replace("*", "") == f"{cpu:.2f}", policy
+        per_block = next(r["bytes_per_block"] for r in memory if r["policy"] == policy)
+        assert cells[4].replace("*", "").split()[0] == f"{per_block:.0f}", policy
