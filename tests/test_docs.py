@@ -69,3 +69,37 @@ def test_which_policy_table_matches_its_results():
         assert cells[3].replace("*", "") == f"{cpu:.2f}", policy
         per_block = next(r["bytes_per_block"] for r in memory if r["policy"] == policy)
         assert cells[4].replace("*", "").split()[0] == f"{per_block:.0f}", policy
+
+
+def test_docs_name_no_path_of_one_machine():
+    """Commands in the docs run anywhere: no path into this project's own machines (the traces
+    live wherever the reader put them: `TRACES`, `DIR`)."""
+    docs = [README, *sorted((README.parent / "docs").glob("*.md"))]
+    found = [f"{path.name}:{n}: {line.strip()}" for path in docs
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             if re.search(r"(?<![\w.~])/(work|home|root|Users)/", line)]
+    assert not found, "\n".join(found)
+
+
+def test_policies_hit_rate_table_matches_its_results():
+    """docs/policies.md's hit rates are those of the JSON it names, for kvtier's and vLLM's rows."""
+    import json
+
+    text = (README.parent / "docs" / "policies.md").read_text()
+    table = text.split("## Hit rates", 1)[1].split("\n## ", 1)[0]
+    checked = 0
+    for line in table.splitlines():
+        cells = [c.strip().replace("*", "") for c in line.strip("|").split("|")]
+        if len(cells) != 5 or cells[0] not in ("conversation", "synthetic"):
+            continue
+        trace = json.loads((RESULTS / f"trace-{cells[0]}-policies-2026-11-27.json").read_text())["trace"]
+        system, _, policy = cells[1].rpartition(" ")
+        for cap, cell in zip((2000, 10000, 40000), cells[2:]):
+            if system == "offline":  # offline Belady
+                got = next(o["hit_rate"] for o in trace["optimum"] if o["capacity_blocks"] == cap)
+            else:
+                got = next(r["hit_rate"] for r in trace["runs"] if (r["system"], r["policy"], r["capacity_blocks"])
+                           == (system or "kvtier", policy, cap))
+            assert cell == f"{got:.4f}", (cells[0], cells[1], cap)
+            checked += 1
+    assert checked == 2 * 7 * 3
