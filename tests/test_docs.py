@@ -28,13 +28,14 @@ def test_standalone_worked_example_runs():
     assert namespace["layout"].block_bytes == 32 << 20
 
 
-def test_readme_lists_every_policy_clause():
-    """The README's list of what a third-party policy must meet is the suite's own list."""
+def test_readme_lists_every_suite_clause():
+    """The README's lists of what a third-party policy or backend must meet are the suites' own."""
+    from kvtier.testing.backend_contract import BACKEND_CLAUSES
     from kvtier.testing.policy_contract import POLICY_CLAUSES
 
     text = " ".join(README.read_text().split())  # the README wraps lines
-    missing = [clause for clause in POLICY_CLAUSES if " ".join(clause.split()) not in text]
-    assert not missing, f"README.md does not list these PolicyTests clauses: {missing}"
+    missing = [clause for clause in (*POLICY_CLAUSES, *BACKEND_CLAUSES) if " ".join(clause.split()) not in text]
+    assert not missing, f"README.md does not list these conformance clauses: {missing}"
 
 
 RESULTS = README.parent / "docs" / "results"

@@ -87,3 +87,36 @@ def test_a_broken_policy_is_told_which_clause_it_broke(tmp_path):
     negative = sections["TestNegativeEvict.test_evict_zero_and_negative"]
     assert f"AssertionError: {REMOVE_ABSENT}: remove() of a key removed before raised KeyError" in absent, absent
     assert f"AssertionError: {EVICT_NONPOSITIVE}: evict(-1) returned None" in negative, negative
+
+
+BROKEN_BACKEND = textwrap.dedent('''
+    from kvtier.testing import BackendTests
+    from kvtier.tiers.memory import MemoryBackend
+
+
+    class ClosesOnce(MemoryBackend):
+        def close(self):
+            if getattr(self, "closed_once", False):
+                raise RuntimeError("already closed")
+            self.closed_once = True
+            super().close()
+
+
+    class TestClosesOnce(BackendTests):
+        def make_backend(self, num_blocks, block_bytes):
+            return ClosesOnce("mine", num_blocks, block_bytes)
+
+        def teardown_method(self, method=None):
+            self.__dict__.pop("_open_backends", None)  # (its second close would fail every test)
+''')
+
+
+def test_a_broken_backend_is_told_which_clause_it_broke(tmp_path):
+    from kvtier.testing.backend_contract import CLOSE
+
+    (tmp_path / "test_broken_backend.py").write_text(BROKEN_BACKEND)
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "close_twice",
+                          str(tmp_path)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "1 failed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
+    assert f"AssertionError: {CLOSE}: the second close() raised RuntimeError: already closed" in run.stdout, \
+        run.stdout[-3000:]

@@ -23,6 +23,9 @@ Bytes are moved by `write_bytes`/`read_bytes`. Their defaults know kvtier's two 
 files (`write_blocks`/`read_blocks`, as `FileBackend`) and host-addressable slots (`view(slot)`,
 as `MemoryBackend` and `CPUBackend`); override them for any other kind.
 
+Every failure message starts with the contract clause it enforces
+(`kvtier.testing.backend_contract.BACKEND_CLAUSES`, listed in the README).
+
 Needs pytest only; uses no fixture and no conftest of the kvtier repository. Each test closes
 what it builds (call `self.track(backend)` for backends a test makes itself).
 """
@@ -36,6 +39,8 @@ import pytest
 
 from kvtier.keys import OffloadKey, make_offload_key
 from kvtier.specs import BlockIDsLoadStoreSpec
+from kvtier.testing import backend_contract as contract
+from kvtier.testing.clauses import call
 from kvtier.tiers.base import Backend
 from kvtier.types import BlockStatus
 
@@ -110,61 +115,69 @@ class BackendTests:
 
     def allocate(self, backend: Backend, ids: Sequence[int]) -> list[BlockStatus]:
         free = backend.get_num_free_blocks()
-        blocks = backend.allocate_blocks(keys(ids))
-        assert len(blocks) == len(ids), f"asked for {len(ids)} blocks, got {len(blocks)}"
-        assert all(isinstance(b, BlockStatus) for b in blocks)
-        assert backend.get_num_free_blocks() == free - len(ids), "free count did not drop by the blocks allocated"
+        blocks = call(contract.ALLOCATE, f"allocate_blocks({len(ids)} keys)", backend.allocate_blocks, keys(ids))
+        assert len(blocks) == len(ids), f"{contract.ALLOCATE}: asked for {len(ids)} blocks, got {len(blocks)}"
+        assert all(isinstance(b, BlockStatus) for b in blocks), f"{contract.ALLOCATE}: not BlockStatus objects"
+        assert backend.get_num_free_blocks() == free - len(ids), \
+            f"{contract.ALLOCATE}: free count went from {free} to {backend.get_num_free_blocks()} for {len(ids)} blocks"
         return blocks
+
+    def assert_free(self, backend: Backend, expected: int, clause: str) -> None:
+        got = backend.get_num_free_blocks()
+        assert got == expected, f"{clause}: get_num_free_blocks() is {got}, expected {expected}"
 
     # ------------------------------------------------------------------ declarations
     def test_declares_spec_type_and_medium(self):
         backend = self.backend()
-        assert issubclass(backend.spec_type, BlockIDsLoadStoreSpec)
-        assert isinstance(backend.medium, str) and backend.medium
-        assert isinstance(type(backend).persistent, bool)
-        assert backend.num_blocks == self.num_blocks and backend.block_bytes == self.block_bytes
+        assert issubclass(backend.spec_type, BlockIDsLoadStoreSpec), f"{contract.DECLARES}: spec_type"
+        assert isinstance(backend.medium, str) and backend.medium, f"{contract.DECLARES}: medium"
+        assert isinstance(type(backend).persistent, bool), f"{contract.DECLARES}: persistent"
+        assert backend.num_blocks == self.num_blocks and backend.block_bytes == self.block_bytes, \
+            f"{contract.DECLARES}: made with {self.num_blocks} x {self.block_bytes} B, " \
+            f"has {backend.num_blocks} x {backend.block_bytes} B"
 
     # ------------------------------------------------------------------ slots
     def test_starts_with_every_slot_free(self):
-        backend = self.backend()
-        assert backend.get_num_free_blocks() == self.num_blocks
+        self.assert_free(self.backend(), self.num_blocks, contract.STARTS_FREE)
 
     def test_allocate_and_free_move_the_free_count(self):
         backend = self.backend()
         first = self.allocate(backend, range(3))
         second = self.allocate(backend, range(3, 5))
-        backend.free(first[1])
-        assert backend.get_num_free_blocks() == self.num_blocks - 4
-        backend.free_many([first[0], first[2], *second])
-        assert backend.get_num_free_blocks() == self.num_blocks
+        call(contract.FREE, "free(block)", backend.free, first[1])
+        self.assert_free(backend, self.num_blocks - 4, contract.FREE)
+        call(contract.FREE, "free_many(4 blocks)", backend.free_many, [first[0], first[2], *second])
+        self.assert_free(backend, self.num_blocks, contract.FREE)
 
     def test_new_blocks_are_being_written(self):
         backend = self.backend()
-        assert [b.ref_cnt for b in self.allocate(backend, range(3))] == [-1, -1, -1]
+        got = [b.ref_cnt for b in self.allocate(backend, range(3))]
+        assert got == [-1, -1, -1], f"{contract.BEING_WRITTEN}: ref_cnt {got}"
 
     def test_allocate_nothing(self):
         backend = self.backend()
-        assert self.allocate(backend, []) == []
+        got = self.allocate(backend, [])
+        assert got == [], f"{contract.ALLOCATE}: allocate_blocks([]) returned {got!r}"
 
     def test_no_slot_handed_out_twice_while_allocated(self):
         backend = self.backend()
         held = self.allocate(backend, range(self.num_blocks // 2))
         held += self.allocate(backend, range(100, 100 + self.num_blocks - len(held)))
         slots = [b.block_id for b in held]
-        assert len(set(slots)) == self.num_blocks, f"slots handed out twice: {sorted(slots)}"
-        assert all(0 <= s < self.num_blocks for s in slots), f"slot outside 0..{self.num_blocks - 1}: {slots}"
-        assert backend.get_num_free_blocks() == 0
+        assert len(set(slots)) == self.num_blocks, f"{contract.UNIQUE_SLOTS}: slots handed out twice: {sorted(slots)}"
+        assert all(0 <= s < self.num_blocks for s in slots), f"{contract.UNIQUE_SLOTS}: got {slots}"
+        self.assert_free(backend, 0, contract.ALLOCATE)
 
     def test_never_over_allocates(self):
         backend = self.backend()
         self.allocate(backend, range(self.num_blocks))
-        assert backend.get_num_free_blocks() == 0
+        self.assert_free(backend, 0, contract.ALLOCATE)
         try:
             extra = backend.allocate_blocks(keys([999]))
         except Exception:  # noqa: BLE001 - refusing loudly is allowed (callers check first)
             extra = None
-        assert not extra, f"handed out {extra} with no slot free"
-        assert backend.get_num_free_blocks() == 0
+        assert not extra, f"{contract.NO_OVERALLOCATION}: handed out {extra} with no slot free"
+        self.assert_free(backend, 0, contract.NO_OVERALLOCATION)
 
     def test_freed_slots_are_reused_and_never_shared(self):
         backend = self.backend()
@@ -173,9 +186,10 @@ class BackendTests:
         kept = blocks[0::2]
         backend.free_many(freed)
         again = self.allocate(backend, range(200, 200 + len(freed)))
-        assert {b.block_id for b in again} == {b.block_id for b in freed}
-        assert not {b.block_id for b in again} & {b.block_id for b in kept}
-        assert backend.get_num_free_blocks() == 0
+        assert {b.block_id for b in again} == {b.block_id for b in freed}, \
+            f"{contract.REUSE}: freed {sorted(b.block_id for b in freed)}, got {sorted(b.block_id for b in again)}"
+        assert not {b.block_id for b in again} & {b.block_id for b in kept}, f"{contract.REUSE}: a held slot again"
+        self.assert_free(backend, 0, contract.ALLOCATE)
 
     def test_churn_keeps_slots_unique(self):
         """Allocate and free in a fixed interleaving: the held slots are always distinct, the
@@ -188,30 +202,32 @@ class BackendTests:
             held += self.allocate(backend, range(step, step + want))
             step += want
             slots = [b.block_id for b in held]
-            assert len(set(slots)) == len(slots), f"slot held twice: {sorted(slots)}"
-            assert backend.get_num_free_blocks() == self.num_blocks - len(held)
+            assert len(set(slots)) == len(slots), f"{contract.UNIQUE_SLOTS}: slot held twice: {sorted(slots)}"
+            self.assert_free(backend, self.num_blocks - len(held), contract.ALLOCATE)
             for b in held[::2]:
                 backend.free(b)
             held = held[1::2]
-            assert backend.get_num_free_blocks() == self.num_blocks - len(held)
+            self.assert_free(backend, self.num_blocks - len(held), contract.FREE)
 
     # ------------------------------------------------------------------ specs
     def test_load_store_spec_names_the_blocks_in_key_order(self):
         backend = self.backend()
         blocks = self.allocate(backend, range(5))
         order = [3, 0, 4, 1]
-        spec = backend.get_load_store_spec([key(i) for i in order], [blocks[i] for i in order])
-        assert isinstance(spec, backend.spec_type)
-        assert list(spec.block_ids) == [blocks[i].block_id for i in order]
-        assert len(spec) == len(order)
+        spec = call(contract.SPEC, "get_load_store_spec(4 keys, 4 blocks)", backend.get_load_store_spec,
+                    [key(i) for i in order], [blocks[i] for i in order])
+        assert isinstance(spec, backend.spec_type), f"{contract.SPEC}: a {type(spec).__name__}"
+        assert list(spec.block_ids) == [blocks[i].block_id for i in order], \
+            f"{contract.SPEC}: block_ids {list(spec.block_ids)}, expected {[blocks[i].block_id for i in order]}"
+        assert len(spec) == len(order), f"{contract.SPEC}: len(spec) is {len(spec)}, expected {len(order)}"
         if hasattr(spec, "keys"):
-            assert list(spec.keys) == [key(i) for i in order]
-        assert backend.get_num_free_blocks() == self.num_blocks - 5, "a spec must not allocate or free"
+            assert list(spec.keys) == [key(i) for i in order], f"{contract.SPEC}: keys out of order"
+        self.assert_free(backend, self.num_blocks - 5, contract.SPEC)
 
     def test_load_store_spec_of_nothing(self):
         backend = self.backend()
-        spec = backend.get_load_store_spec([], [])
-        assert isinstance(spec, backend.spec_type) and len(spec) == 0
+        spec = call(contract.SPEC, "get_load_store_spec([], [])", backend.get_load_store_spec, [], [])
+        assert isinstance(spec, backend.spec_type) and len(spec) == 0, f"{contract.SPEC}: {spec!r} for no blocks"
 
     # ------------------------------------------------------------------ bytes
     def test_blocks_hold_their_bytes(self):
@@ -220,8 +236,9 @@ class BackendTests:
         blocks = self.allocate(backend, ids)
         data = [payload(i, self.block_bytes) for i in ids]
         self.write_bytes(backend, keys(ids), blocks, data)
-        assert self.read_bytes(backend, keys(ids), blocks) == data
-        assert self.read_bytes(backend, keys(ids[::-1]), blocks[::-1]) == data[::-1]
+        assert self.read_bytes(backend, keys(ids), blocks) == data, f"{contract.BYTES}: read back in order"
+        assert self.read_bytes(backend, keys(ids[::-1]), blocks[::-1]) == data[::-1], \
+            f"{contract.BYTES}: read back in reverse order"
 
     # ------------------------------------------------------------------ still_valid, recover, close
     def test_still_valid_is_a_question(self):
@@ -231,23 +248,25 @@ class BackendTests:
         for b in blocks:
             b.ref_cnt = 0
         answers = [backend.still_valid(b) for b in blocks]
-        assert all(isinstance(a, bool) for a in answers)
-        assert [backend.still_valid(b) for b in blocks] == answers, "still_valid changed its answer"
-        assert backend.get_num_free_blocks() == self.num_blocks - 2
+        assert all(isinstance(a, bool) for a in answers), f"{contract.STILL_VALID}: answered {answers!r}"
+        assert [backend.still_valid(b) for b in blocks] == answers, f"{contract.STILL_VALID}: the answer changed"
+        self.assert_free(backend, self.num_blocks - 2, contract.STILL_VALID)
         if type(backend).persistent:
-            assert answers == [True, True], "a persistent backend distrusts blocks it wrote and can read"
-        assert self.read_bytes(backend, keys(range(2)), blocks) == [payload(i, self.block_bytes) for i in range(2)]
+            assert answers == [True, True], f"{contract.STILL_VALID}: answered {answers} for readable blocks"
+        assert self.read_bytes(backend, keys(range(2)), blocks) == [payload(i, self.block_bytes) for i in range(2)], \
+            f"{contract.STILL_VALID}: the bytes changed"
 
     def test_recover_on_a_new_backend(self):
         backend = self.backend()
-        assert backend.recover() == []
-        assert backend.get_num_free_blocks() == self.num_blocks
+        found = call(contract.RECOVER_NEW, "recover()", backend.recover)
+        assert found == [], f"{contract.RECOVER_NEW}: found {len(found)} blocks"
+        self.assert_free(backend, self.num_blocks, contract.RECOVER_NEW)
 
     def test_close_twice(self):
         backend = self.make_backend(self.num_blocks, self.block_bytes)
         self.allocate(backend, range(2))
-        backend.close()
-        backend.close()
+        call(contract.CLOSE, "the first close()", backend.close)
+        call(contract.CLOSE, "the second close()", backend.close)
 
     # ------------------------------------------------------------------ persistence
     def test_persistent_blocks_survive_close_and_reopen(self):
@@ -265,13 +284,15 @@ class BackendTests:
         backend.close()
 
         again = self.track(self.reopen(backend))
-        found = again.recover()
-        assert {k: b.block_id for k, b in found} == slot_of
-        assert all(b.ref_cnt == 0 for _, b in found), "recovered blocks must be ready"
-        assert again.get_num_free_blocks() == self.num_blocks - len(found), "recovered slots must be claimed"
+        found = call(contract.PERSISTENT, "recover() after reopen()", again.recover)
+        clause = contract.PERSISTENT
+        assert {k: b.block_id for k, b in found} == slot_of, \
+            f"{clause}: found {len(found)} blocks, held {len(slot_of)} (or in other slots)"
+        assert all(b.ref_cnt == 0 for _, b in found), f"{clause}: recovered blocks must be ready (ref_cnt 0)"
+        self.assert_free(again, self.num_blocks - len(found), clause)
         by_key = dict(found)
         survivors = [i for i in ids if key(i) in by_key]
         assert self.read_bytes(again, keys(survivors), [by_key[key(i)] for i in survivors]) == \
-            [payload(i, self.block_bytes) for i in survivors]
+            [payload(i, self.block_bytes) for i in survivors], f"{clause}: the bytes changed"
         fresh = self.allocate(again, range(500, 500 + again.get_num_free_blocks()))
-        assert not {b.block_id for b in fresh} & set(slot_of.values()), "a recovered slot was handed out again"
+        assert not {b.block_id for b in fresh} & set(slot_of.values()), f"{clause}: a recovered slot was handed out"

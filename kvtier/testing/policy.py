@@ -34,8 +34,8 @@ import pytest
 
 from kvtier.policies.base import CachePolicy, with_key_index
 from kvtier.testing import policy_contract as contract
+from kvtier.testing.clauses import call
 from kvtier.testing.policy_helpers import (
-    call,
     fill,
     key,
     observe,

@@ -8,7 +8,7 @@ decisions: two policies with equal probes are indistinguishable from then on.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from kvtier.keys import OffloadKey, make_offload_key
@@ -36,15 +36,6 @@ def fill(policy: CachePolicy, ids: Iterable[int]) -> dict[OffloadKey, BlockStatu
         blocks[key(i)] = ready(i)
         policy.insert(key(i), blocks[key(i)])
     return blocks
-
-
-def call(clause: str, what: str, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)`, with an exception it raises reported as a failure of `clause` (`what`: the call
-    as the message shows it), so a policy that raises is told which rule it broke."""
-    try:
-        return fn(*args)
-    except Exception as exc:  # any exception: the contract allows none here
-        raise AssertionError(f"{clause}: {what} raised {type(exc).__name__}: {exc}") from exc
 
 
 def set_ref_cnt(policy: CachePolicy, k: OffloadKey, block: BlockStatus, value: int) -> None:

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.testing import policy_contract as contract
-from kvtier.testing.policy_helpers import call, key, observe, ready, same_block, set_ref_cnt, values_of
+from kvtier.testing.clauses import call
+from kvtier.testing.policy_helpers import key, observe, ready, same_block, set_ref_cnt, values_of
 from kvtier.types import BlockStatus
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.differing_executors]
