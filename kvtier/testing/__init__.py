@@ -11,6 +11,9 @@ Subclass a suite in your own pytest file; pytest collects and runs its tests::
   `HandlerTests` (one `(src, dst)` hop: implement `make_sides`), `ManagerTests` (an
   `OffloadingManager`, driven as vLLM's scheduler drives it: implement `make_manager`).
 
+A failing `PolicyTests` or `BackendTests` check says which clause of the contract was broken; the
+clauses are sentences in `kvtier.testing.policy_contract` and `kvtier.testing.backend_contract`.
+
 `kvtier.testing.fake_remote` is a fake Valkey/Redis `RemoteStore` (a dict, failure injection)
 for testing code on a `valkey` tier without a server.
 
