@@ -119,8 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also import the modules that backend:/policy: name as 'package.module:Class' and check "
                             "their classes and options (runs their code: only for a config you trust)")
     check.add_argument("--env", action="store_true",
-                       help="also check this machine, changing nothing: the password variable or file and TLS "
-                            "files of a valkey tier, the root_dir of a file tier (exit 2 if one would fail)")
+                       help="also check this machine, changing nothing: a valkey tier's password and TLS files, "
+                            "then one PING of its server (the cause of a failure is shown), a file tier's "
+                            "root_dir, and each local tier's capacity against free memory, /dev/shm and disk "
+                            "(exit 2 if a build would fail or a server cannot be used)")
 
     inspect = sub.add_parser("inspect", help="what a file tier holds (read-only)")
     inspect.add_argument("root_dir")
