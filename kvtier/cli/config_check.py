@@ -71,14 +71,22 @@ def run_config_check(args) -> int:
         block_bytes = parse_size(args.block_bytes) if args.block_bytes else None
     except ValueError as exc:
         raise ConfigError([("--block-bytes", str(exc))]) from None
+    notes: list[str] = []
     try:
-        config = load_config(args.file, import_code=args.import_code)
+        if args.vllm:
+            from kvtier.cli.vllm_check import load_for_vllm
+
+            config, notes = load_for_vllm(args.file, args.import_code)
+        else:
+            config = load_config(args.file, import_code=args.import_code)
     except ConfigError as exc:
         print(f"{args.file}: {count_problems(exc)} problem(s):", file=sys.stderr)
         for path, message in exc.problems:
             print(f"  {path}: {message}" if path else f"  {message}", file=sys.stderr)
         return 2
     print(describe(config, block_bytes))
+    for note in notes:
+        print(note)
     if not args.import_code:
         for note in not_imported(config):
             print(note)

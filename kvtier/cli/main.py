@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "root_dir, and each local tier's capacity against free memory, /dev/shm and disk "
                             "(exit 2 if a build would fail or a server cannot be used)")
 
+    check.add_argument("--vllm", action="store_true",
+                       help="apply the vLLM connector's rules (first tier backend: cpu; tokens and bytes per block, "
+                            "the cpu tier's shm_name and the tiers' identity come from the engine: see docs/vllm.md)")
+
     inspect = sub.add_parser("inspect", help="what a file tier holds (read-only)")
     inspect.add_argument("root_dir")
     inspect.add_argument("--verify", action="store_true", help="read every block and check its checksum")
