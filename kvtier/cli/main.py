@@ -141,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("root_dir")
     inspect.add_argument("--verify", action="store_true", help="read every block and check its checksum")
     inspect.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+
+    clear = sub.add_parser("clear", help="remove a file tier's files (only those; refused while the tier is open)",
+                           description="Remove the files a file tier keeps in ROOT_DIR (lock, manifest.json, "
+                                       "slab.0, journal) and nothing else; the directory is left. Refused for a "
+                                       "directory that is no tier, a symlink, or a tier open in a live process. "
+                                       "Without --yes, lists what would be removed and removes nothing (exit 2).")
+    clear.add_argument("root_dir")
+    clear.add_argument("--yes", action="store_true", help="remove them (no question is asked)")
     return parser
 
 
@@ -161,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.cli.doctor import run_doctor
 
             return run_doctor(args)
+        if args.command == "clear":
+            from kvtier.cli.clear import run_clear
+
+            return run_clear(args)
         if args.command == "inspect":
             from kvtier.cli.inspect import run_inspect
 
