@@ -39,7 +39,7 @@ def test_an_open_tier_is_refused(tmp_path, capsys):
     root = tmp_path / "tier"
     with build(root):
         code, _, err = clear(capsys, str(root), "--yes")
-        assert code == 2 and "is a tier in use, nothing removed" in err and f"process {os.getpid()}" in err
+        assert code == 2 and "is a tier in use, nothing removed" in err and f"(pid {os.getpid()})" in err
         assert all((root / name).exists() for name in OWN_FILES)
 
 

@@ -101,4 +101,4 @@ def test_a_second_opener_of_the_same_user_is_told_the_pid_not_another_user(tmp_p
         with pytest.raises(KVTierError) as info:
             build(root)
     message = str(info.value)
-    assert f"in use: locked by process {os.getpid()};" in message and "another user" not in message
+    assert f"is in use by another process of yours (pid {os.getpid()});" in message and "another user" not in message

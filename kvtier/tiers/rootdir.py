@@ -343,7 +343,7 @@ class RootLock:
                     holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 finally:
                     os.close(fd)
-                raise KVTierError(f"file tier root_dir {root} is in use: locked by {_process(holder)}; "
+                raise KVTierError(f"file tier root_dir {root} is in use by {_process(holder)}; "
                                   f"give each process its own root_dir") from None
             if _same_file(fd, self.path):
                 break
@@ -376,14 +376,16 @@ def _same_file(fd: int, path: Path) -> bool:
 
 # ---------------------------------------------------------------------------- wording
 def _process(pid_text: str) -> str:
-    """"process 123" (of this user), "process 123 of user bob", or what the lock file held."""
+    """"another process of yours (pid 123)", "a process of uid 7 (bob) (pid 123)", or what the
+    lock file held."""
     if not pid_text.isdigit():
-        return f"a process (the lock file holds {pid_text[:32]!r})"
+        return f"another process (the lock file holds {pid_text[:32]!r})"
     try:
         uid = os.stat(f"/proc/{pid_text}").st_uid
     except OSError:
-        return f"process {pid_text}"
-    return f"process {pid_text}" if uid == os.getuid() else f"process {pid_text} of {_owner(uid)}"
+        return f"another process (pid {pid_text})"
+    return (f"another process of yours (pid {pid_text})" if uid == os.getuid()
+            else f"a process of {_owner(uid)} (pid {pid_text})")
 
 
 def _owner(uid: int) -> str:
