@@ -6,7 +6,7 @@ memory for a cpu tier, the disk under a file tier's root_dir). Before, all of th
 from __future__ import annotations
 
 import pytest
-from remote.servers import free_port
+from remote.servers import free_port, make_certificates, start_tls_server
 
 from kvtier.cli.main import main
 
@@ -103,3 +103,16 @@ def test_a_cluster_is_reached_through_its_seeds(valkey_cluster, tmp_path, capsys
     code, out, err = run_check(tmp_path, shared_yaml(url), capsys)
     assert code == 0, err
     assert "answered PING" in out and f"no answer from server {dead}: connection refused" in out
+
+
+def test_a_tls_server_with_the_wrong_ca_is_reported_as_tls(tmp_path, capsys):
+    server = start_tls_server(tmp_path / "tls")
+    try:
+        other_ca = make_certificates(tmp_path / "other")[0]
+        url = f"rediss://127.0.0.1:{server.port}"
+        code, out, err = run_check(tmp_path, shared_yaml(url, f", tls_ca_file: '{server.tls_ca}'"), capsys)
+        assert code == 0, err
+        code, _, err = run_check(tmp_path, shared_yaml(url, f", tls_ca_file: '{other_ca}'"), capsys)
+        assert code == 2 and f"tiers[1].tls_ca_file: server 127.0.0.1:{server.port}: TLS handshake failed" in err
+    finally:
+        server.stop()
