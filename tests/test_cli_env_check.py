@@ -116,3 +116,10 @@ def test_a_tls_server_with_the_wrong_ca_is_reported_as_tls(tmp_path, capsys):
         assert code == 2 and f"tiers[1].tls_ca_file: server 127.0.0.1:{server.port}: TLS handshake failed" in err
     finally:
         server.stop()
+
+
+def test_a_server_that_does_not_answer_in_time_is_reported_as_a_timeout(private_server, tmp_path, capsys):
+    private_server.pause(3000)  # CLIENT PAUSE: the PING waits past timeout_ms (500 ms here)
+    code, _, err = run_check(tmp_path, shared_yaml(private_server.url), capsys)
+    assert code == 2
+    assert f"tiers[1].url: server {private_server.name}: timeout: no answer within timeout_ms (500 ms)" in err
