@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import pytest
 from remote.servers import free_port, make_certificates, start_tls_server
-
-from kvtier.cli.main import main
+from test_config_env import check  # config check FILE FLAGS -> (exit status, stdout, stderr)
 
 PASSWORD = "env-check-right"
 
 
 def run_check(tmp_path, text: str, capsys) -> tuple[int, str, str]:
-    path = tmp_path / "tiers.yaml"
-    path.write_text(text)
-    code = main(["config", "check", str(path), "--env"])
-    out, err = capsys.readouterr()
-    return code, out, err
+    return check(tmp_path, text, capsys, "--env")
 
 
 def shared_yaml(url: str, extra: str = "") -> str:
