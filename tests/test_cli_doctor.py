@@ -18,7 +18,7 @@ def test_doctor_passes_here_with_one_line_per_check(capsys):
     for name in ("extensions", "kvikio", "cuda", "/dev/shm", "round trip"):
         [line] = [ln for ln in lines if f"  {name}: " in ln]
         assert line.split()[0] in ("OK", "WARN"), line
-    assert "OK    round trip: 4 blocks of 32KiB stored (cpu -> file), closed, reopened, loaded, bytes identical" in out
+    assert "OK    round trip: 4 blocks of 32 KiB stored (cpu -> file), closed, reopened, loaded, bytes identical" in out
 
 
 def test_a_round_trip_that_loses_blocks_fails(capsys, monkeypatch):

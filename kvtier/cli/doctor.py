@@ -54,7 +54,7 @@ def check_cuda() -> Result:
 
 
 def check_shm() -> Result:
-    from kvtier.config import format_size
+    from kvtier.cli.inspect import human_size
     from kvtier.tiers.cpu import SHM_DIR
 
     try:
@@ -64,7 +64,7 @@ def check_shm() -> Result:
     size, free = st.f_blocks * st.f_frsize, st.f_bavail * st.f_frsize
     if not os.access(SHM_DIR, os.W_OK):
         return FAIL, f"{SHM_DIR} is not writable by you: a cpu tier cannot be created"
-    return OK, f"{SHM_DIR}: {format_size(size)}, {format_size(free)} free (bounds the cpu tiers' capacity)"
+    return OK, f"{SHM_DIR}: {human_size(size)}, {human_size(free)} free (bounds the cpu tiers' capacity)"
 
 
 def valkey_checks(config) -> list[tuple[str, Callable[[], Result]]]:

@@ -28,12 +28,12 @@ tiers:
 
 
 def round_trip() -> str:
-    """What came back, e.g. "4 blocks of 32KiB stored, reopened, loaded, bytes identical"; raises
+    """What came back, e.g. "4 blocks of 32 KiB stored, reopened, loaded, bytes identical"; raises
     `RuntimeError` saying what differed, or the error of the step that failed."""
     import torch
 
     from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, make_offload_key
-    from kvtier.config import format_size
+    from kvtier.cli.inspect import human_size
     from kvtier.standalone import KVTier
 
     tensors = [torch.randint(-128, 128, (BLOCKS, PAGE), dtype=torch.int8) for _ in range(LAYERS)]
@@ -57,5 +57,5 @@ def round_trip() -> str:
         bad = [i for i in blocks if not all(torch.equal(t[i], o[i]) for t, o in zip(tensors, original))]
         if bad:
             raise RuntimeError(f"blocks {bad} came back with other bytes")
-    return (f"{BLOCKS} blocks of {format_size(LAYERS * PAGE)} stored (cpu -> file), closed, reopened, loaded, "
+    return (f"{BLOCKS} blocks of {human_size(LAYERS * PAGE)} stored (cpu -> file), closed, reopened, loaded, "
             f"bytes identical")
