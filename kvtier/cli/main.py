@@ -1,4 +1,4 @@
-"""The `kvtier` command: `bench` (hops, trace, all), `config check`, `inspect`.
+"""The `kvtier` command: `bench` (hops, trace, all), `config check`, `doctor`, `inspect`, `clear`.
 
 User mistakes (a bad config, a missing or malformed trace, an unwritable output path) print one
 clear message and exit with status 2, without a traceback.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvtier import __version__
 from kvtier.errors import KVTierError
 
 EXIT_USAGE = 2
@@ -99,6 +100,7 @@ each time they are used) are refused."""
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier",
                                      description="Multi-tier KV-cache storage hierarchy for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command")
 
     bench = sub.add_parser("bench", help="measure a hierarchy: hop bandwidths and a trace replay (default: all)")
@@ -119,13 +121,34 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also import the modules that backend:/policy: name as 'package.module:Class' and check "
                             "their classes and options (runs their code: only for a config you trust)")
     check.add_argument("--env", action="store_true",
-                       help="also check this machine, changing nothing: the password variable or file and TLS "
-                            "files of a valkey tier, the root_dir of a file tier (exit 2 if one would fail)")
+                       help="also check this machine, changing nothing: a valkey tier's password and TLS files, "
+                            "then one PING of its server (the cause of a failure is shown), a file tier's "
+                            "root_dir, and each local tier's capacity against free memory, /dev/shm and disk "
+                            "(exit 2 if a build would fail or a server cannot be used)")
+
+    check.add_argument("--vllm", action="store_true",
+                       help="apply the vLLM connector's rules (first tier backend: cpu; tokens and bytes per block, "
+                            "the cpu tier's shm_name and the tiers' identity come from the engine: see docs/vllm.md)")
+
+    doctor = sub.add_parser("doctor", help="check that kvtier works on this machine (under a minute)",
+                            description="One line per check (OK/WARN/FAIL): compiled policy indexes, kvikio, "
+                                        "CUDA, /dev/shm, each valkey tier of --config (one PING), and a store -> "
+                                        "close -> reopen -> load round trip on a temporary cpu + file hierarchy, "
+                                        "bytes compared. Exit status 1 when a check fails.")
+    doctor.add_argument("--config", metavar="FILE", help="also reach the valkey tiers of this hierarchy YAML")
 
     inspect = sub.add_parser("inspect", help="what a file tier holds (read-only)")
     inspect.add_argument("root_dir")
     inspect.add_argument("--verify", action="store_true", help="read every block and check its checksum")
     inspect.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+
+    clear = sub.add_parser("clear", help="remove a file tier's files (only those; refused while the tier is open)",
+                           description="Remove the files a file tier keeps in ROOT_DIR (lock, manifest.json, "
+                                       "slab.0, journal) and nothing else; the directory is left. Refused for a "
+                                       "directory that is no tier, a symlink, or a tier open in a live process. "
+                                       "Without --yes, lists what would be removed and removes nothing (exit 2).")
+    clear.add_argument("root_dir")
+    clear.add_argument("--yes", action="store_true", help="remove them (no question is asked)")
     return parser
 
 
@@ -142,6 +165,14 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.cli.config_check import run_config_check
 
             return run_config_check(args)
+        if args.command == "doctor":
+            from kvtier.cli.doctor import run_doctor
+
+            return run_doctor(args)
+        if args.command == "clear":
+            from kvtier.cli.clear import run_clear
+
+            return run_clear(args)
         if args.command == "inspect":
             from kvtier.cli.inspect import run_inspect
 
