@@ -342,7 +342,10 @@ def vllm_available() -> bool:
 
 
 def parse_counts(text: str) -> list[int]:
-    """"2k,10k,40000" -> [2000, 10000, 40000]. Raises ValueError naming the bad item."""
+    """"2k,10k,40000" -> [2000, 10000, 40000], each in [1, MAX_BLOCKS] (the config's limit on a
+    tier's block count). Raises ValueError naming the bad item and the allowed range."""
+    from kvtier.config import MAX_BLOCKS
+
     counts = []
     for item in text.split(","):
         item = item.strip().lower()
@@ -354,11 +357,12 @@ def parse_counts(text: str) -> list[int]:
         elif item.endswith("m"):
             item, scale = item[:-1], 1_000_000
         try:
-            value = int(float(item) * scale)
-        except ValueError:
+            value = int(float(item) * scale) if len(item) <= 24 else MAX_BLOCKS + 1
+        except (ValueError, OverflowError):  # OverflowError: 'inf', '1e400'
             raise ValueError(f"{item!r} is not a block count (write e.g. 2k,10k,40000)") from None
-        if value <= 0:
-            raise ValueError(f"block counts must be > 0, got {value}")
+        if not 0 < value <= MAX_BLOCKS:
+            raise ValueError(f"{item}{'k' if scale == 1000 else 'm' if scale > 1000 else ''} is out of range: a "
+                             f"block count is from 1 to {MAX_BLOCKS:,} (the config's largest tier)")
         counts.append(value)
     if not counts:
         raise ValueError("no block counts given (write e.g. 2k,10k,40000)")
