@@ -12,7 +12,7 @@ from kvtier.bench.hops_runner import hop_label
 from kvtier.bench.spread import FLAG_TEXT, flag_reasons
 from kvtier.config import format_size
 
-HEADER = (f"{'hop':<22}{'block':>7}{'kvtier GB/s':>12}{'spread':>7}  {'baseline':<20}{'GB/s':>7}{'spread':>7}"
+HEADER = (f"{'hop':<22}{'block':>7}{'kvtier GB/s':>12}{'spread':>7}  {'baseline':<24}{'GB/s':>7}{'spread':>7}"
           f"{'ratio':>8}  flags")
 
 
@@ -36,7 +36,7 @@ def table(rows: list[dict[str, Any]]) -> list[str]:
         mark = "?" if r.get("flags") else " "
         shown = f"{_pct(value)}{mark}" if value is not None else "-"
         lines.append(f"{hop_label(r):<22}{format_size(r['block_bytes']):>7}{r['gbps']:>12.2f}"
-                     f"{_pct(r.get('spread')):>7}  {r.get('baseline', '-'):<20}{r.get('baseline_gbps') or 0:>7.2f}"
+                     f"{_pct(r.get('spread')):>7}  {r.get('baseline', '-'):<24}{r.get('baseline_gbps') or 0:>7.2f}"
                      f"{_pct(r.get('baseline_spread')):>7}{shown:>8}  {','.join(r.get('flags', ()))}")
     seen = [f for f in FLAG_TEXT if any(f in r.get("flags", ()) for r in rows)]
     if seen:

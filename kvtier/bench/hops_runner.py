@@ -3,7 +3,8 @@
 Rows: {"hop", "block_bytes", "gbps", "baseline", "baseline_gbps", "ratio", "flags", ...} (medians
 of `repeats` rounds, with every sample: `kvtier.bench.spread`). GPU<->CPU hops use the engine's KV
 cache on CUDA when available, else CPU tensors (the engine's cache on vLLM's CPU platform), with
-consecutive and scattered CPU slots; CPU<->FILE hops use a fresh directory inside the place that
+consecutive and scattered CPU slots; engine<->FILE hops its staged and (on CUDA with kvikio) direct
+handler; CPU<->FILE hops use a fresh directory inside the place that
 `kvtier.bench.where.file_hops_place` chose; CPU<->REMOTE hops, for each `valkey` tier of the
 config, its server (single-node URLs).
 """
@@ -39,10 +40,26 @@ def _engine_device() -> str:
         return "none"
 
 
+def engine_file_paths(device: str) -> tuple[list[str], str | None]:
+    """The engine<->FILE handler paths measurable here, and why the others are not (or None)."""
+    if device == "none":
+        return [], "engine<->FILE not measured: torch is not importable"
+    if device != "cuda":
+        return ["staged"], ("engine<->FILE direct (kvikio) not measured: it serves a KV cache on CUDA, and the "
+                            "engine's KV cache is in CPU tensors here")
+    from kvtier.tiers.fileio import kvikio_importable
+
+    if not kvikio_importable():
+        return ["staged"], "engine<->FILE direct not measured: kvikio is not importable"
+    return ["staged", "direct"], None
+
+
 def run_hops(config: Any, block_sizes: list[int], place: dict[str, Any], quick: bool = False,
-             progress: Callable | None = None, repeats: int = 3) -> list[dict[str, Any]]:
-    """Measure engine<->CPU and CPU<->FILE for each block size, `repeats` rounds each; the file
-    hops in a fresh directory under `place["parent"]` (removed at the end)."""
+             progress: Callable | None = None, repeats: int = 3, notes: list[str] | None = None
+             ) -> list[dict[str, Any]]:
+    """Measure engine<->CPU, CPU<->FILE and engine<->FILE for each block size, `repeats` rounds
+    each; the file hops in a fresh directory under `place["parent"]` (removed at the end). Lines
+    saying what could not be measured here are appended to `notes`."""
     rows: list[dict[str, Any]] = []
     device = _engine_device()
     if device != "none":
@@ -62,6 +79,17 @@ def run_hops(config: Any, block_sizes: list[int], place: dict[str, Any], quick: 
             rows += file_rows(figures)
             if update:
                 update(i + 1, len(block_sizes))
+        paths, why_not = engine_file_paths(device)
+        if why_not and notes is not None:
+            notes.append(why_not)
+        if paths:
+            from kvtier.bench.engine_file_hops import measure_engine_file
+
+            update = progress(f"engine({device})<->FILE") if progress else None
+            for i, size in enumerate(block_sizes):
+                rows += measure_engine_file(work, device, size, max(total, 8 * size), repeats, paths)
+                if update:
+                    update(i + 1, len(block_sizes))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows += _remote_rows(config, block_sizes, total, progress)
@@ -89,9 +117,11 @@ def _remote_rows(config: Any, block_sizes: list[int], total: int, progress: Call
 
 def hop_label(row: dict[str, Any]) -> str:
     """A hop's display name: 'GPU' becomes 'engine' when the engine's KV cache is in CPU memory;
-    rows into scattered CPU slots say so."""
+    rows into scattered CPU slots say so, engine<->FILE rows name their handler path."""
     name = row["hop"].replace("GPU", "engine") if row.get("device") == "cpu" else row["hop"]
-    return f"{name} scattered" if row.get("slots") == "scattered" else name
+    if row.get("slots") == "scattered":
+        return f"{name} scattered"
+    return f"{name} {row['path']}" if row.get("path") else name
 
 
 def _raw_seconds(figures: dict[str, Any], kind: str) -> list[float]:

@@ -5,13 +5,15 @@ from __future__ import annotations
 HOPS_COLUMNS = """hop table (kvtier bench / bench hops), one row per hop and block size:
   hop          the transfer: engine->CPU, CPU->engine (GPU when the engine's KV cache is on CUDA),
                '... scattered' into/from a random permutation of CPU slots (a cache after churn),
-               CPU->FILE, FILE->CPU, CPU->REMOTE, REMOTE->CPU
+               CPU->FILE, FILE->CPU, engine->FILE / FILE->engine 'staged' or 'direct' (the two
+               engine<->file handlers), CPU->REMOTE, REMOTE->CPU
   block        bytes per block
   kvtier GB/s  median over --repeats rounds of kvtier's handler (1 GB = 1e9 bytes), bytes verified after
   spread       interquartile range / median of those rounds (with 3 rounds: half their range)
   baseline     what kvtier is compared with, measured in the same run on the same bytes, its rounds
-               alternating with kvtier's: one contiguous copy (engine hops), raw O_DIRECT write/read
-               (file hops), the client's raw SET/GET (remote hops)
+               alternating with kvtier's: one contiguous copy (engine<->CPU), raw O_DIRECT write/read
+               (CPU<->file), that plus one engine<->host copy (engine<->file), the client's raw
+               SET/GET (remote hops)
   GB/s, spread the baseline's median and spread
   ratio        kvtier's median / the baseline's median; '?' marks a flagged ratio, not a finding
   flags        why: kvtier-unstable / baseline-unstable (spread over 25%), cache-resident (the bytes

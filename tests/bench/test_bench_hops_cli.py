@@ -24,9 +24,11 @@ def test_hops_repeat_verify_and_name_what_they_measured(tmp_path, capsys):
     assert place["parent"] == os.path.realpath(tmp_path) and place["reason"].startswith("given by --root-dir")
     assert place["fstype"] and place["mount_point"] and os.path.realpath(tmp_path).startswith(place["mount_point"])
     assert f"file hops measured in {place['parent']} ({place['fstype']} on " in text
-    hops = {(r["hop"], r.get("slots")) for r in doc["hops"]}
+    hops = {(r["hop"], r.get("slots") or r.get("path")) for r in doc["hops"]}
     assert {("GPU->CPU", "consecutive"), ("GPU->CPU", "scattered"), ("CPU->GPU", "consecutive"),
-            ("CPU->GPU", "scattered"), ("CPU->FILE", None), ("FILE->CPU", None)} <= hops
+            ("CPU->GPU", "scattered"), ("CPU->FILE", None), ("FILE->CPU", None), ("GPU->FILE", "staged"),
+            ("FILE->GPU", "staged")} <= hops
+    assert "engine<->FILE direct (kvikio) not measured: it serves a KV cache on CUDA" in text
     for row in doc["hops"]:
         assert row["verified"] is True and row["repeats"] == 2
         assert len(row["samples_gbps"]) == 2 and len(row["baseline_samples_gbps"]) == 2
