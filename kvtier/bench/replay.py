@@ -29,6 +29,10 @@ MAX_RETRY_STEPS = 64  # a lookup still answering RETRY after this many steps cou
 _HASH_LIMIT = 1 << 64  # block hashes become 8-byte keys
 
 
+class ReplayCapacityError(KVTierError):
+    """A swept capacity that a policy cannot hold (past its own limit, or more memory than there is)."""
+
+
 class TraceError(KVTierError, ValueError):
     """A trace file is missing or malformed (the message names the line)."""
 
@@ -304,7 +308,15 @@ def replay_kvtier(config: Any, trace: Trace, progress: Callable | None = None) -
     """Replay through a dry-run kvtier hierarchy built from `config`; adds per-tier figures."""
     from kvtier.hierarchy import build_hierarchy
 
-    hierarchy = build_hierarchy(config, dry_run=True)
+    try:
+        hierarchy = build_hierarchy(config, dry_run=True)
+    except KVTierError:
+        raise
+    except (ValueError, MemoryError) as exc:  # a policy's own limit (the compiled indexes: 2**30 blocks)
+        tier = config.tiers[0]
+        raise ReplayCapacityError(f"--capacities: tier '{tier.name}' of {tier.capacity.blocks:,} blocks with policy "
+                                  f"'{tier.policy}' cannot be built ({type(exc).__name__}: {str(exc)[:200]}); give "
+                                  f"a smaller capacity") from None
     try:
         result = replay_manager(hierarchy.manager, trace, progress=progress)
         stats = hierarchy.manager.get_stats()

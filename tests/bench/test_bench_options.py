@@ -26,3 +26,18 @@ def test_out_of_range_values_are_refused_up_front(capsys, monkeypatch, argv, mes
     assert main([*argv, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_a_capacity_past_a_policy_limit_is_a_clear_error(capsys, monkeypatch):
+    # The compiled lru index refuses more than 2**30 blocks (it is not built on every machine, so its
+    # refusal is reproduced here); the pure-Python fallback has no such limit.
+    def refuse(config, **kwargs):
+        raise ValueError(f"cache_capacity must be <= 1073741824 blocks for lru, got {config.tiers[0].capacity.blocks}")
+
+    monkeypatch.setattr("kvtier.hierarchy.build_hierarchy", refuse)
+    assert main(["bench", "trace", "--capacities", "2000000000", "--config", "configs/memory.yaml",
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert ("--capacities: tier 'hot' of 2,000,000,000 blocks with policy 'arc' cannot be built (ValueError: "
+            "cache_capacity must be <= 1073741824 blocks for lru, got 2000000000); give a smaller capacity") in err
+    assert "Traceback" not in err
