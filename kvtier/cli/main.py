@@ -36,7 +36,7 @@ BENCH_OPTIONS: list[tuple[tuple[str, ...], dict, frozenset[str]]] = [
     (("--config",), dict(default=None, help="hierarchy YAML (default: the embedded configs/cpu-file.yaml)"),
      frozenset({HOPS, TRACE})),
     (("--json",), dict(default=None, metavar="FILE",
-                       help="write the results as JSON (schema kvtier.bench/1, see docs/bench.md)"),
+                       help="write the results as JSON (schema kvtier.bench/2, see docs/bench.md)"),
      frozenset({HOPS, TRACE})),
     (("--plot",), dict(default=None, metavar="FILE.png", help="write a PNG plot of the results (needs matplotlib)"),
      frozenset({HOPS, TRACE})),
@@ -46,10 +46,12 @@ BENCH_OPTIONS: list[tuple[tuple[str, ...], dict, frozenset[str]]] = [
     (("--block-sizes",), dict(default=None, metavar="LIST", help="block sizes for hops, e.g. 64KiB,1MiB,8MiB"),
      frozenset({HOPS})),
     (("--root-dir",), dict(default=None, metavar="DIR",
-                           help="directory for the file-tier measurements (default: a temporary one)"),
+                           help="an existing, writable directory on the filesystem whose file hops to measure "
+                             "(default: next to the config's file tier root_dir, else a temporary one)"),
      frozenset({HOPS})),
     (("--trace",), dict(default=None, metavar="FILE",
-                        help="Mooncake-format JSONL trace (default: a built-in multi-turn workload)"),
+                        help="Mooncake-format JSONL trace, or 'sample' (a slice of Mooncake's conversation "
+                             "trace shipped with kvtier; default: a built-in multi-turn workload)"),
      frozenset({TRACE})),
     (("--limit",), dict(default=None, type=_positive_int, metavar="N", help="replay only the first N requests"),
      frozenset({TRACE})),
@@ -59,9 +61,10 @@ BENCH_OPTIONS: list[tuple[tuple[str, ...], dict, frozenset[str]]] = [
      frozenset({TRACE})),
     (("--compare",), dict(default=None, choices=["vllm"], help="replay the same trace through vLLM's own manager too"),
      frozenset({TRACE})),
-    (("--repeats",), dict(default=1, type=_positive_int, metavar="N",
-                          help="interleaved rounds per run, keeping the fastest (steadier ops/s on a busy machine)"),
-     frozenset({TRACE})),
+    (("--repeats",), dict(default=None, type=_positive_int, metavar="N",
+                          help="rounds of each measurement: hops print their median and spread (default 5, "
+                               "--quick 3); trace replays keep the fastest round (default 1)"),
+     frozenset({HOPS, TRACE})),
 ]
 BENCH_MODES = {"all": frozenset({HOPS, TRACE}), HOPS: frozenset({HOPS}), TRACE: frozenset({TRACE})}
 
@@ -103,13 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command")
 
-    bench = sub.add_parser("bench", help="measure a hierarchy: hop bandwidths and a trace replay (default: all)")
+    from kvtier.cli.bench_help import BENCH_EPILOG, HOPS_COLUMNS, TRACE_COLUMNS
+
+    raw = argparse.RawDescriptionHelpFormatter
+    bench = sub.add_parser("bench", help="measure a hierarchy: hop bandwidths and a trace replay (default: all)",
+                           epilog=BENCH_EPILOG, formatter_class=raw)
     _add_bench_args(bench, BENCH_MODES["all"])
     bench_sub = bench.add_subparsers(dest="bench_command")
-    for name, helptext in (("all", "hops and trace (the default)"),
-                           (HOPS, "bandwidth of every hop next to same-run baselines"),
-                           (TRACE, "replay a request trace through the manager")):
-        _add_bench_args(bench_sub.add_parser(name, help=helptext), BENCH_MODES[name])
+    for name, helptext, epilog in (("all", "hops and trace (the default)", BENCH_EPILOG),
+                                   (HOPS, "bandwidth of every hop next to same-run baselines", HOPS_COLUMNS),
+                                   (TRACE, "replay a request trace through the manager", TRACE_COLUMNS)):
+        _add_bench_args(bench_sub.add_parser(name, help=helptext, epilog=epilog, formatter_class=raw),
+                        BENCH_MODES[name])
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command")
