@@ -329,14 +329,16 @@ class FileBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        clean = False
         try:
             self._slab.drain()
             self._commits.close()
+            clean = True
         finally:
             try:
                 self._slab.close()
             finally:
-                self._lock.release()
+                self._lock.release(clean=clean)
 
     def __repr__(self) -> str:
         return f"FileBackend({self.name!r}, {self.num_blocks} blocks of {self.block_bytes} B in {self.root})"
