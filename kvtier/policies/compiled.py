@@ -7,6 +7,8 @@ import importlib
 import logging
 from typing import Any, ClassVar
 
+from kvtier.limits import MAX_INDEX_BLOCKS
+
 log = logging.getLogger("kvtier.policies")
 
 
@@ -57,6 +59,7 @@ class CompiledPolicy:
     returns_views = True
     batch_calls = True
     compiled: ClassVar[bool] = True
+    max_blocks: int | None = MAX_INDEX_BLOCKS  # int32 entry numbers (the .pyx's MAX_ENTRIES)
 
     def __init__(self, cache_capacity: int) -> None:
         from kvtier.policies.base import CachePolicy

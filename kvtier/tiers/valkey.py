@@ -116,6 +116,9 @@ class ValkeyBackend(Backend):
 
     spec_type = RemoteLoadStoreSpec
     medium = "REMOTE"
+    # Handles cost nothing until remembered (a dict entry each, slot numbers handed out lazily):
+    # the tier's policy, which indexes them, is the limit (kvtier.limits).
+    max_blocks = None
     persistent = True  # the builder passes fingerprint and layout: the identity of the values
     shared = True
     OPTIONS = valkey_options.OPTIONS
