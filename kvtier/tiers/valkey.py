@@ -116,9 +116,7 @@ class ValkeyBackend(Backend):
 
     spec_type = RemoteLoadStoreSpec
     medium = "REMOTE"
-    # Handles cost nothing until remembered (a dict entry each, slot numbers handed out lazily):
-    # the tier's policy, which indexes them, is the limit (kvtier.limits).
-    max_blocks = None
+    max_blocks = None  # handles cost nothing until remembered; the policy indexing them is the limit
     persistent = True  # the builder passes fingerprint and layout: the identity of the values
     shared = True
     OPTIONS = valkey_options.OPTIONS
