@@ -11,8 +11,9 @@ count with `tier_blocks_problem`, against what the tier's backend and its policy
   entries with int32, so at most `MAX_INDEX_BLOCKS`; they allocate as blocks arrive, so a large
   capacity costs nothing up front. The pure-Python policies have no limit of their own.
 
-Keys: the compiled indexes hold keys of up to `MAX_KEY_BYTES` bytes, each costing its own length;
-a backend may hold less (`Backend.max_key_bytes`: the file tier's slot header holds 480 bytes).
+Keys: the compiled indexes hold keys of up to `MAX_KEY_BYTES` bytes (their `max_key_bytes`),
+each costing its own length; a backend may hold less (`Backend.max_key_bytes`: the file tier's
+slot header holds 480 bytes).
 
 Only the standard library is imported here: every layer may use these names.
 """

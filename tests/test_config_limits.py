@@ -13,6 +13,7 @@ from kvtier.policies.compact import CompactLRUCachePolicy
 from kvtier.policies.compact_prefix import CompactPrefixFreqCachePolicy
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.tiers.valkey import ValkeyBackend
+from kvtier.types import BlockStatus
 
 LIMIT = limits.MAX_INDEX_BLOCKS
 
@@ -49,6 +50,17 @@ def test_the_limits_are_stated_once():
         assert cls.max_blocks == LIMIT
         cls(LIMIT)  # what the index itself accepts (test_compact_keys.py: one more is refused)
     assert LRUCachePolicy.max_blocks is None and ValkeyBackend.max_blocks is None
+
+
+@pytest.mark.parametrize("cls", [CompactLRUCachePolicy, CompactPrefixFreqCachePolicy], ids=lambda c: c.__name__)
+def test_a_compiled_index_holds_keys_up_to_the_length_it_states(cls):
+    policy = cls(4)
+    longest = b"k" * limits.MAX_KEY_BYTES
+    assert cls.max_key_bytes == limits.MAX_KEY_BYTES and LRUCachePolicy.max_key_bytes is None
+    policy.insert(longest, BlockStatus(1))
+    assert policy.get(longest).block_id == 1
+    with pytest.raises(ValueError, match=f"at most {limits.MAX_KEY_BYTES} bytes"):
+        policy.insert(longest + b"k", BlockStatus(2))
 
 
 def test_config_check_refuses_handles_past_the_index_of_the_valkey_tier(tmp_path, capsys):
