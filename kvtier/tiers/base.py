@@ -102,6 +102,10 @@ class Backend(ABC):
     # The longest key, in bytes, this backend can hold (None: no limit). Front-ends refuse longer
     # keys up front: a block this tier cannot hold would otherwise fail every move into it.
     max_key_bytes: ClassVar[int | None] = None
+    # The most blocks (slots, handles) a tier of this backend can have, whatever its policy holds
+    # (None: no limit of its own). `config check` and the build check a tier's capacity against
+    # it and its policy's `max_blocks` alike (`kvtier.limits.tier_blocks_problem`).
+    max_blocks: ClassVar[int | None] = None
     # True when blocks outlive the process (a restart finds them). `build_hierarchy` then passes
     # the constructor `fingerprint` (whose KV this is, never empty) and `layout` (block geometry,
     # dtypes and shapes; see `kvtier.hierarchy.describe_layout`), and the backend must never serve

@@ -141,6 +141,7 @@ class FileBackend(Backend):
     spec_type = FileLoadStoreSpec
     medium = "FILE"
     max_key_bytes = MAX_KEY_BYTES  # what a slot header leaves for the key
+    max_blocks = None  # slot numbers are 64-bit; bounded by the disk, checked at build (kvtier.capacity)
     persistent = True
     compact_min_records = 4096  # the journal is rewritten past max(this, 2 x capacity) records
     OPTIONS = {

@@ -116,6 +116,7 @@ class ValkeyBackend(Backend):
 
     spec_type = RemoteLoadStoreSpec
     medium = "REMOTE"
+    max_blocks = None  # handles cost nothing until remembered; the policy indexing them is the limit
     persistent = True  # the builder passes fingerprint and layout: the identity of the values
     shared = True
     OPTIONS = valkey_options.OPTIONS
