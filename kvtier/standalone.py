@@ -35,24 +35,39 @@ A closed `KVTier` raises `ClosedError`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
 from kvtier.config import HierarchyConfig, load_config
-from kvtier.errors import ArgumentError, ClosedError
+from kvtier.errors import ArgumentError, ClosedError, WaitTimeout
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.hierarchy import Hierarchy, build_hierarchy
 from kvtier.keys import GROUP_BYTES, OffloadKey, get_offload_group_idx
 from kvtier.specs import BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.standalone_args import as_ids, as_key, as_list, check_kv_caches, key_limit, raise_duplicate
+from kvtier.standalone_metrics import MetricsEndpoint, check_metrics_port
 from kvtier.types import CanonicalKVCaches, LookupResult, TransferResult
 
 _MAX_LOOKUP_ROUNDS = 1000
+_RECHECK_S = 0.1  # how often a call waiting for a job looks whether another thread closed the KVTier
+FLUSH_TIMEOUT_S = 60.0  # `close()`'s default bound on writing the first tier's dirty blocks down
+
+log = logging.getLogger(__name__)
 
 
 class KVTier:
-    """A running hierarchy bound to one set of KV tensors. Not thread-safe: one caller at a time."""
+    """A running hierarchy bound to one set of KV tensors.
+
+    Thread-safe: one `KVTier` may be shared by several threads. `store`, `load`, `lookup`,
+    `wait`, `flush` and `stats` never overlap: each runs whole while the others wait for it
+    (the hierarchy's manager is single-threaded, as vLLM's scheduler drives it), and each waits
+    only for its own jobs. `close()` may be called from any thread: calls waiting to run, and a
+    call waiting for a copy, raise `ClosedError` (the copy itself finishes first).
+    """
 
     def __init__(self, hierarchy: Hierarchy, layout: KVLayout):
         self.hierarchy = hierarchy
@@ -61,13 +76,18 @@ class KVTier:
         self.blocks_per_chunk = layout.blocks_per_chunk
         self._worker = hierarchy.worker  # the jobs that touch the KV tensors
         self._key_limit = key_limit(hierarchy)
+        self._top_capacity = self.manager.tiers[0].capacity
         self._counters = {"stores": 0, "store_failures": 0, "store_bytes": 0, "store_seconds": 0.0,
                           "loads": 0, "load_failures": 0, "load_bytes": 0, "load_seconds": 0.0}
+        self._lock = threading.RLock()  # held by the running call (see the class docstring)
+        self._closing = False  # set by `close()` before it takes the lock: waiting calls give up
         self._closed = False
+        self._metrics: Any = None  # the metrics endpoint (`open(metrics_port=)`), stopped by `close`
 
     @classmethod
     def open(cls, config: str | Path | HierarchyConfig, kv_caches: CanonicalKVCaches,
-             blocks_per_chunk: int = 1, *, model: str = "", **build_options: Any) -> KVTier:
+             blocks_per_chunk: int = 1, *, model: str = "", metrics_port: int | None = None,
+             metrics_addr: str = "127.0.0.1", **build_options: Any) -> KVTier:
         """Build the hierarchy of `config` (a YAML path or a `HierarchyConfig`) around `kv_caches`.
 
         The block size in bytes is derived from the KV layout (see `kvtier.handlers.gpu_cpu`).
@@ -75,9 +95,12 @@ class KVTier:
         required when a tier keeps blocks across restarts (`file`) and its config sets no
         `fingerprint`. Such a tier records it with the layout of `kv_caches` (dtypes, shapes,
         pages, block geometry) and serves nothing written under another identity or layout.
+        `metrics_port` (0: any free port, see `metrics_url`) serves `stats()` as Prometheus text
+        at `http://{metrics_addr}:{port}/metrics` until `close()` (needs `prometheus_client`).
         `build_options` go to `build_hierarchy` (e.g. `enable_events=True`).
         """
         check_kv_caches(kv_caches, blocks_per_chunk)
+        check_metrics_port(metrics_port)
         if not isinstance(config, HierarchyConfig):
             config = load_config(config)
         chunked = ChunkedKVCaches(list(kv_caches.tensors), list(kv_caches.group_data_refs), blocks_per_chunk)
@@ -85,46 +108,67 @@ class KVTier:
         hierarchy = build_hierarchy(config, block_bytes=layout.block_bytes, kv_caches=chunked, model=model,
                                     **build_options)
         try:
-            return cls(hierarchy, layout)
+            tier = cls(hierarchy, layout)
+            if metrics_port is not None:
+                tier._metrics = MetricsEndpoint(tier.stats, metrics_port, metrics_addr)
+            return tier
         except BaseException:
             hierarchy.close()
             raise
 
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the metrics endpoint serves (`open(metrics_port=)`), None without one."""
+        return None if self._metrics is None else self._metrics.url
+
     # ------------------------------------------------------------------ public API
     def store(self, keys: Sequence[bytes], engine_block_ids: Sequence[int]) -> bool:
         """Copy the engine blocks of `keys` into the hierarchy. Keys already held are skipped.
-        Returns False when some blocks could not be stored (no room, or the copy failed).
 
-        With a cascading first tier, blocks go in batches no larger than its free-or-clean room,
-        waiting for background demotions in between, so no block is evicted before it is safe
-        below (the manager alone would drop it: it never waits, as vLLM's scheduler must not).
-        """
-        self._check_open()
-        keys = self._checked_keys(keys, distinct=True)
-        by_key = self._blocks_by_key(keys, engine_block_ids, distinct=False)
+        Stores in rounds no larger than what the first tier can take without losing a block:
+        with a cascading first tier (`on_evict` or `on_store`), its free slots plus its blocks
+        already copied below, waiting between rounds for the copies that make room; with cascade
+        `none` (or one tier), its capacity (older blocks are evicted, as that mode means).
+        Returns False when some blocks could not be stored (the hierarchy had no room: every
+        block pinned or the next tier full; or a copy failed), logging a warning that says how
+        many and why; the other rounds are stored all the same."""
+        with self._call():
+            keys = self._checked_keys(keys, distinct=True)
+            by_key = self._blocks_by_key(keys, engine_block_ids, distinct=False)
+            pending = self.manager.new_keys(keys)
+            ok = True
+            while pending:
+                n = self._room(len(pending))
+                batch, pending = pending[:n], pending[n:]
+                ok &= self._store_batch(batch, by_key)
+            return ok
+
+    def _room(self, n: int) -> int:
+        """How many of `n` new blocks the next store round takes (at least one): what the first
+        tier can take without dropping a block not yet below, after waiting for the copies down
+        (started now for the next victims) when that is less than `n`; its capacity when it
+        evicts freely."""
         manager = self.manager
-        pending = manager.new_keys(keys)
-        ok = True
-        while pending:
-            n = len(pending)
-            room = manager.store_room()  # None: the first tier can evict without waiting for a copy
-            if room is not None:
-                if room < n:
-                    manager.on_schedule_end()
-                    manager.wait_idle()
-                    room = manager.store_room() or 0
-                n = max(1, min(n, room))
-            batch, pending = pending[:n], pending[n:]
-            ok &= self._store_batch(batch, by_key)
-        return ok
+        room = manager.store_room()
+        if room is None:
+            return max(1, min(n, self._top_capacity))
+        if room < n:
+            manager.clean_ahead(min(n, self._top_capacity) - room)
+            manager.on_schedule_end()
+            self._wait_idle()
+            room = manager.store_room() or 0
+        return max(1, min(n, room))
 
     def _store_batch(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
         output = self.manager.prepare_store(keys)
         if output is None and self.manager.has_pending_work():
-            # Room is being made by background demotions (pinned while in flight): wait for them.
-            self.manager.wait_idle()
+            # Room is being made by background copies (pinned while in flight): wait for them.
+            self._wait_idle()
             output = self.manager.prepare_store(keys)
         if output is None:
+            log.warning("store: %d block(s) not stored: tier %r has no room for them (every block is pinned by "
+                        "a load or copy, or its copy to the next tier cannot be made: is that tier full?)",
+                        len(keys), self.manager.tiers[0].name)
             return False
         to_store = list(output.keys_to_store)
         if not to_store:
@@ -133,13 +177,16 @@ class KVTier:
         result = self._run(self._gpu_spec([to_store[i] for i in order], by_key), output.store_spec.subset(order))
         self.manager.complete_store(to_store, success=result.success)
         self._count("store", result)
+        if not result.success:
+            log.warning("store: %d block(s) not stored: the copy failed (%s)", len(to_store), result.error)
         return result.success
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` can be loaded now. Blocks found in a lower tier are brought up
-        first when no handler loads them directly (this call waits for that)."""
-        self._check_open()
-        return self._lookup(self._checked_keys(keys, distinct=False))
+        first when no handler loads them directly (this call waits for that); a run longer than
+        the first tier holds answers what fits there (`load` goes on in rounds)."""
+        with self._call():
+            return self._lookup(self._checked_keys(keys, distinct=False))
 
     def _lookup(self, keys: list[OffloadKey]) -> int:
         hits = 0
@@ -148,25 +195,34 @@ class KVTier:
             if answer not in (LookupResult.RETRY, LookupResult.HIT_PENDING):
                 return hits
             self.manager.on_schedule_end()
-            self.manager.wait_idle()
+            self._wait_idle()
         return hits
 
     def load(self, keys: Sequence[bytes], engine_block_ids: Sequence[int]) -> int:
         """Load the longest loadable prefix of `keys` into its engine blocks; returns how many keys
-        were loaded (0 when the copy failed: the caller must then recompute those blocks)."""
-        self._check_open()
-        keys = self._checked_keys(keys, distinct=True)
-        by_key = self._blocks_by_key(keys, engine_block_ids, distinct=True)
-        n = self._lookup(keys)
-        if n == 0:
-            return 0
-        wanted = list(keys[:n])
+        were loaded (the first n). Blocks a lower tier supplies through the first tier come up
+        in rounds of what the first tier has room for, so the whole prefix is loaded however
+        long. A failed copy stops there: the keys from its round on are not loaded (the caller
+        recomputes them)."""
+        with self._call():
+            keys = self._checked_keys(keys, distinct=True)
+            by_key = self._blocks_by_key(keys, engine_block_ids, distinct=True)
+            loaded = 0
+            while loaded < len(keys):
+                window = keys[loaded:loaded + self._room(len(keys) - loaded)]
+                n = self._lookup(window)
+                if n == 0 or not self._load_run(window[:n], by_key):
+                    break
+                loaded += n
+            return loaded
+
+    def _load_run(self, wanted: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
+        """Copy `wanted` (each answered HIT) into their engine blocks; whether every copy succeeded."""
         source = self.manager.prepare_load(wanted)
         try:
-            parts = source.parts if isinstance(source, CompositeLoadStoreSpec) else [(source, range(n))]
+            parts = source.parts if isinstance(source, CompositeLoadStoreSpec) else [(source, range(len(wanted)))]
             ok, moved, seconds = True, 0, 0.0
             for spec, positions in parts:  # one job per source tier
-                positions = list(positions)
                 part_keys = [wanted[p] for p in positions]
                 order = self._group_order(part_keys)
                 assert isinstance(spec, BlockIDsLoadStoreSpec)
@@ -177,24 +233,48 @@ class KVTier:
         finally:
             self.manager.complete_load(wanted)
         self._count("load", TransferResult(0, ok, moved, seconds))
-        return n if ok else 0
+        return ok
 
     def wait(self) -> None:
         """Block until every background job (cascades, promotions) has finished."""
-        self._check_open()
-        self.manager.wait_idle()
-        self._worker.wait()
+        with self._call():
+            self._wait_idle()
+            self._worker.wait()
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Write every block that is not yet in the next tier down (the first tier's dirty blocks
+        under cascade `on_evict`; under `on_store` those whose copy is still queued or failed),
+        and wait for the copies, at most `timeout` seconds (None: no limit). Returns how many
+        blocks are still without a copy below (0: a restart finds every block a lower,
+        persistent tier can hold)."""
+        with self._call():
+            return self.manager.flush(timeout)
 
     def stats(self) -> dict[str, Any]:
         """Per-tier counters of the manager plus this API's store/load totals under `"engine"`."""
-        return {**self.manager.get_stats(), "engine": dict(self._counters)}
+        with self._lock:
+            return {**self.manager.get_stats(), "engine": dict(self._counters)}
 
-    def close(self) -> None:
-        """Finish background jobs and release every tier. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.hierarchy.close()
+    def close(self, flush: bool = True, flush_timeout: float | None = FLUSH_TIMEOUT_S) -> None:
+        """Write the dirty blocks down (`flush`, unless `flush` is False; at most `flush_timeout`
+        seconds, logging how many were not written), finish background jobs and release every
+        tier. Idempotent; from any thread: the other threads' calls end with `ClosedError`."""
+        self._closing = True
+        if self._metrics is not None:  # (first: a scrape waits for the lock held below)
+            self._metrics.stop()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if flush:
+                    left = self.manager.flush(flush_timeout)
+                    if left:
+                        log.warning("close: %d block(s) were not written to the next tier within %s s and are "
+                                    "lost with this process (call flush() first, or raise flush_timeout)",
+                                    left, flush_timeout)
+            finally:
+                self.hierarchy.close()
 
     def __enter__(self) -> KVTier:
         return self
@@ -203,9 +283,26 @@ class KVTier:
         self.close()
 
     # ------------------------------------------------------------------ helpers
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        """Run one public call alone (the class docstring); `ClosedError` once closing."""
+        self._check_open()
+        with self._lock:
+            self._check_open()
+            yield
+
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closing or self._closed:
             raise ClosedError("KVTier is closed: open a new one with KVTier.open")
+
+    def _wait_idle(self) -> None:
+        """`manager.wait_idle`, giving up with `ClosedError` when another thread closes the KVTier."""
+        while True:
+            try:
+                self.manager.wait_idle(_RECHECK_S)
+                return
+            except WaitTimeout:
+                self._check_open()
 
     def _checked_keys(self, keys: Iterable[bytes], distinct: bool) -> list[OffloadKey]:
         """`keys` as a list of `bytes` this hierarchy can hold, or an `ArgumentError` naming the first bad one."""
@@ -272,8 +369,14 @@ class KVTier:
         return GPULoadStoreSpec(ids, group_sizes=sizes, block_indices=[0] * len(sizes))
 
     def _run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferResult:
-        """Submit one job to the worker plane and wait for its result."""
-        return self._worker.result(self._worker.submit(src, dst))
+        """Submit one job to the worker plane and wait for its result (`ClosedError` when another
+        thread closes the KVTier meanwhile: the job finishes before the close releases a tier)."""
+        job_id = self._worker.submit(src, dst)
+        while True:
+            try:
+                return self._worker.result(job_id, timeout=_RECHECK_S)
+            except TimeoutError:
+                self._check_open()
 
     def _count(self, kind: str, result: TransferResult) -> None:
         c = self._counters
