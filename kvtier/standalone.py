@@ -10,7 +10,9 @@ serves blocks written under another model or layout (see `KVTier.open`).
 Both planes the builder returns live in this process: the hierarchy's manager (control plane,
 scheduler side) and its worker plane (`kvtier.planes.WorkerPlane`: the jobs that touch the KV
 tensors, worker side), as vLLM splits them across processes. Every call returns when its bytes
-have moved.
+have moved; calls from several threads run one at a time (`KVTier`). `store` and `load` take any
+number of keys (rounds of the first tier's room); `flush` (and `close`, by default) writes the
+blocks not yet below to the next tier, so a restart on the same file tier finds them.
 
 Keys are `OffloadKey`s (block hash + 4-byte big-endian group index); with several KV groups the
 group of a key selects the group's layout. One key covers `blocks_per_chunk` engine blocks, so
