@@ -53,7 +53,7 @@ def run_threads(target, count=THREADS):
 
 def test_threads_store_and_load_their_own_blocks_byte_exact(tmp_path):
     tier, tensor = open_tier(tmp_path)
-    rounds, per_round = 40, 4
+    rounds, per_round = 100, 4
     wrong: list[str] = []
 
     def worker(w):
