@@ -82,7 +82,7 @@ def refused(root, kv, **open_args) -> str:
     [(path, message)] = info.value.problems
     assert path == "tiers[1].root_dir"
     assert f"{root} holds the blocks of another model or KV layout" in message
-    assert "'on_identity_change: reset'" in message and f"delete {root}" in message
+    assert "'on_identity_change: reset'" in message and f"(kvtier clear {root} --yes)" in message
     return message
 
 

@@ -205,7 +205,7 @@ def _refuse_other_identity(root: Path, shape: TierShape, diffs: list[str]) -> No
         raise refuse(f"{root} holds the blocks of another model or KV layout ({'; '.join(diffs)}); file tier "
                      f"{shape.name!r} will not erase them. To keep them, give this configuration its own "
                      f"root_dir (one per model identity); to erase them on purpose, set "
-                     f"'on_identity_change: reset' on this tier, or delete {root}")
+                     f"'on_identity_change: reset' on this tier, or remove its files (kvtier clear {root} --yes)")
 
 
 def _replay(root: Path, shape: TierShape, manifest: dict, scan: JournalScan) -> _Contents:
