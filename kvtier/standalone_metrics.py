@@ -2,7 +2,8 @@
 
 Serves the numbers of `KVTier.stats()` as gauges, read at each scrape: `kvtier_tier_<counter>`
 with a `tier` label for each tier's counters and occupancy (e.g. `kvtier_tier_resident_blocks
-{tier="cpu"}`), and `kvtier_engine_<counter>` for the API's store/load totals. `prometheus_client`
+{tier="cpu"}`), and `kvtier_engine_<counter>` for the API's store/load totals (a scrape during a `store` or `load`
+waits for it: `stats()` runs between calls). `prometheus_client`
 (a vLLM dependency; `pip install kvtier[metrics]`) is imported only when an endpoint starts.
 """
 
