@@ -30,12 +30,15 @@ class _Composite:
 
 
 class TransferEngine:
-    """Routes jobs to handlers; thread-safe completion, single-threaded submission and polling."""
+    """Routes jobs to handlers; thread-safe completion, single-threaded submission and polling
+    (`WorkerPlane` serialises them under `reported`)."""
 
     def __init__(self) -> None:
         self._handlers: dict[SpecPair, TransferHandler] = {}
         self.finished: deque[TransferResult] = deque()  # appended to by `_report`, from any thread
-        self._reported = threading.Condition()  # notified with each result appended to `finished`
+        # Notified with each result appended to `finished`. Reentrant: a handler that finishes
+        # inside `submit` reports on the submitting thread, which may hold it (`WorkerPlane`).
+        self.reported = threading.Condition(threading.RLock())
         self._ids = itertools.count(1 << 40)  # far from ids chosen by callers (vLLM job ids)
         self._parents: dict[int, _Composite] = {}
         self._pending: dict[int, TransferHandler] = {}
@@ -93,9 +96,9 @@ class TransferEngine:
 
     def _report(self, result: TransferResult) -> None:
         """A handler's completion callback (any thread): queue `result` for `poll` and wake waiters."""
-        with self._reported:
+        with self.reported:
             self.finished.append(result)
-            self._reported.notify_all()
+            self.reported.notify_all()
 
     def has_finished(self) -> bool:
         """Whether some result is waiting to be collected by `poll` (a part of a composite job too)."""
@@ -104,8 +107,8 @@ class TransferEngine:
     def wait_finished(self, timeout: float | None = None) -> bool:
         """Block until some result is waiting for `poll` (at most `timeout` seconds; None: no limit).
         Returns whether one is. Sleeps on a condition the handlers' reports signal: no polling."""
-        with self._reported:
-            return self._reported.wait_for(self.has_finished, timeout)
+        with self.reported:
+            return self.reported.wait_for(self.has_finished, timeout)
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs that finished since the last call (composite jobs once, when whole)."""
@@ -133,11 +136,12 @@ class TransferEngine:
 
     def wait(self, job_ids: Iterable[int] | None = None) -> None:
         """Block until the given jobs (default: all submitted) have finished; results stay for `poll`."""
-        wanted = set(self._pending) if job_ids is None else set(job_ids)
-        wanted |= {sub for sub, parent in self._parents.items() if parent.job_id in wanted}
+        pending, parents = dict(self._pending), dict(self._parents)  # (copies: `poll` may run meanwhile)
+        wanted = set(pending) if job_ids is None else set(job_ids)
+        wanted |= {sub for sub, parent in parents.items() if parent.job_id in wanted}
         by_handler: dict[int, tuple[TransferHandler, list[int]]] = {}
         for job_id in wanted:
-            handler = self._pending.get(job_id)
+            handler = pending.get(job_id)
             if handler is not None:
                 by_handler.setdefault(id(handler), (handler, []))[1].append(job_id)
         for handler, ids in by_handler.values():

@@ -94,6 +94,11 @@ def _jobs(n: int) -> str:
     return f"{n} transfer job" + ("" if n == 1 else "s")
 
 
+def _left(deadline: float | None) -> float | None:
+    """Seconds until `deadline` (a `time.monotonic()` value; never negative), None for none."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 class HierarchyManager(OffloadingManager):
     """`OffloadingManager` across a chain of tiers; byte movement goes through a `TransferEngine`."""
 
@@ -297,11 +302,34 @@ class HierarchyManager(OffloadingManager):
     def store_room(self) -> int | None:
         """How many new blocks the first tier can take now without evicting a block whose copy to
         the next tier has not been made (its free slots plus its clean blocks), when it cascades
-        on eviction; None when it does not (one tier, or cascade `none` / `on_store`)."""
+        (`on_evict` or `on_store`); None when it does not (one tier, or cascade
+        `none`: it evicts freely)."""
         top = self._top
-        if top.below is None or top.cascade != "on_evict":
+        if top.below is None or top.cascade == "none":
             return None
         return top.backend.get_num_free_blocks() + len(top.clean)
+
+    def clean_ahead(self, count: int) -> None:
+        """Start copying the dirty blocks among the first tier's next `count` victims to the next
+        tier now (`on_evict`; a caller about to wait for room, see `store_room`)."""
+        self._cascade.clean_ahead(self._top, count)
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Copy every readable block of each cascading tier (cascade not `none`) that the next
+        tier lacks down to it, tier after tier, and wait for the copies. Returns how many blocks
+        are still without a copy below: no room there, a failed copy (each block is tried once),
+        or `timeout` seconds passed first (None: no limit; the copies left running finish later)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cascading = [t for t in self.tiers if t.below is not None and t.cascade != "none"]
+        try:
+            self.wait_idle(_left(deadline))
+            for tier in cascading:
+                tried: set[OffloadKey] = set()
+                while self._cascade.flush_step(tier, max(1, 2 * tier.reserve), tried):
+                    self.wait_idle(_left(deadline))
+        except WaitTimeout:
+            pass
+        return sum(len(self._cascade.dirty_keys(t)) for t in cascading)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         yield from self._log.take()

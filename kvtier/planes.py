@@ -58,15 +58,20 @@ def build_engine(backends: Mapping[str, Backend], kv_caches: Any = None, *, kv_s
 class WorkerPlane:
     """The jobs that copy between the engine's KV caches and the tiers, and their results.
 
-    A `TransferEngine` over the KV-side handlers (see `build_worker_plane`). Jobs are submitted and
-    collected by one thread, either as they finish (`poll`, as vLLM's worker does) or one by one
-    (`result`, which sleeps until the job's handler reports it). The plane owns its handlers
-    (`shutdown` stops them), never the backends: whoever built those closes them, after the plane.
+    A `TransferEngine` over the KV-side handlers (see `build_worker_plane`). Jobs are collected
+    either as they finish (`poll`, as vLLM's worker does) or one by one (`result`, which sleeps
+    until the job's handler reports it). Thread-safe: `submit`, `poll` and `result` may be called
+    from several threads, and a thread waiting in `result` is woken when another thread collects
+    its job's report (it is kept for it). The plane owns its handlers (`shutdown` stops them),
+    never the backends: whoever built those closes them, after the plane.
     """
 
     def __init__(self, engine: TransferEngine):
         self._engine = engine
         self._unclaimed: dict[int, TransferResult] = {}  # collected from the engine, not yet returned
+        # The engine's report condition also guards `_unclaimed` and the engine's submission and
+        # polling: a waiter sleeps on it until a handler reports or another thread collected.
+        self._cond = engine.reported
 
     def handler_for(self, src_type: type[LoadStoreSpec], dst_type: type[LoadStoreSpec]) -> TransferHandler | None:
         """The handler serving `src_type -> dst_type` here, or None."""
@@ -78,30 +83,38 @@ class WorkerPlane:
 
     def submit(self, src: LoadStoreSpec, dst: LoadStoreSpec, job_id: int | None = None) -> int:
         """Start a job (`TransferEngine.submit`); returns its id. Never blocks on the copy."""
-        return self._engine.submit(src, dst, job_id)
+        with self._cond:
+            return self._engine.submit(src, dst, job_id)
 
     def poll(self) -> list[TransferResult]:
         """Results of the jobs finished since the last call (and not returned by `result`)."""
-        results = list(self._unclaimed.values())
-        self._unclaimed.clear()
-        return results + self._engine.poll()
+        with self._cond:
+            results = list(self._unclaimed.values())
+            self._unclaimed.clear()
+            return results + self._engine.poll()
 
     def result(self, job_id: int, timeout: float | None = None) -> TransferResult:
         """Wait for the result of job `job_id` (submitted here) and return it; results of other
-        jobs finishing meanwhile stay for `poll`. `TimeoutError` after `timeout` seconds (None:
-        no limit), the job still running."""
+        jobs finishing meanwhile stay for `poll` (or their own `result` call, which is woken).
+        `TimeoutError` after `timeout` seconds (None: no limit), the job still running."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        while job_id not in self._unclaimed:
-            self._unclaimed.update((r.job_id, r) for r in self._engine.poll())
-            if job_id in self._unclaimed:
-                break
-            left = None if deadline is None else deadline - time.monotonic()
-            if (left is not None and left <= 0) or not self._engine.wait_finished(left):
-                raise TimeoutError(f"transfer job {job_id} did not finish within {timeout} s")
-        return self._unclaimed.pop(job_id)
+        with self._cond:
+            while True:
+                if job_id not in self._unclaimed:
+                    collected = self._engine.poll()
+                    if collected:
+                        self._unclaimed.update((r.job_id, r) for r in collected)
+                        self._cond.notify_all()  # (another thread may wait for one of them)
+                if job_id in self._unclaimed:
+                    return self._unclaimed.pop(job_id)
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"transfer job {job_id} did not finish within {timeout} s")
+                self._cond.wait(left)
 
     def wait(self, job_ids: Iterable[int] | None = None) -> None:
-        """Block until the given jobs (default: all submitted) have finished; results stay for `poll`."""
+        """Block until the given jobs (default: all submitted) have finished; results stay for `poll`.
+        (Not under the condition: the handlers' reports need it.)"""
         self._engine.wait(job_ids)
 
     def shutdown(self) -> None:

@@ -10,7 +10,9 @@ serves blocks written under another model or layout (see `KVTier.open`).
 Both planes the builder returns live in this process: the hierarchy's manager (control plane,
 scheduler side) and its worker plane (`kvtier.planes.WorkerPlane`: the jobs that touch the KV
 tensors, worker side), as vLLM splits them across processes. Every call returns when its bytes
-have moved.
+have moved; calls from several threads run one at a time (`KVTier`). `store` and `load` take any
+number of keys (rounds of the first tier's room); `flush` (and `close`, by default) writes the
+blocks not yet below to the next tier, so a restart on the same file tier finds them.
 
 Keys are `OffloadKey`s (block hash + 4-byte big-endian group index); with several KV groups the
 group of a key selects the group's layout. One key covers `blocks_per_chunk` engine blocks, so
@@ -35,24 +37,39 @@ A closed `KVTier` raises `ClosedError`.
 
 from __future__ import annotations
 
-import operator
-from collections.abc import Iterable, Sequence
+import logging
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
 
 from kvtier.config import HierarchyConfig, load_config
-from kvtier.errors import ArgumentError, ArgumentTypeError, ClosedError
+from kvtier.errors import ArgumentError, ClosedError, WaitTimeout
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.hierarchy import Hierarchy, build_hierarchy
 from kvtier.keys import GROUP_BYTES, OffloadKey, get_offload_group_idx
 from kvtier.specs import BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from kvtier.standalone_args import as_ids, as_key, as_list, check_kv_caches, key_limit, raise_duplicate
+from kvtier.standalone_metrics import MetricsEndpoint, check_metrics_port
 from kvtier.types import CanonicalKVCaches, LookupResult, TransferResult
 
 _MAX_LOOKUP_ROUNDS = 1000
+_RECHECK_S = 0.1  # how often a call waiting for a job looks whether another thread closed the KVTier
+FLUSH_TIMEOUT_S = 60.0  # `close()`'s default bound on writing the first tier's dirty blocks down
+
+log = logging.getLogger(__name__)
 
 
 class KVTier:
-    """A running hierarchy bound to one set of KV tensors. Not thread-safe: one caller at a time."""
+    """A running hierarchy bound to one set of KV tensors.
+
+    Thread-safe: one `KVTier` may be shared by several threads. `store`, `load`, `lookup`,
+    `wait`, `flush` and `stats` never overlap: each runs whole while the others wait for it
+    (the hierarchy's manager is single-threaded, as vLLM's scheduler drives it), and each waits
+    only for its own jobs. `close()` may be called from any thread: calls waiting to run, and a
+    call waiting for a copy, raise `ClosedError` (the copy itself finishes first).
+    """
 
     def __init__(self, hierarchy: Hierarchy, layout: KVLayout):
         self.hierarchy = hierarchy
@@ -60,14 +77,19 @@ class KVTier:
         self.layout = layout
         self.blocks_per_chunk = layout.blocks_per_chunk
         self._worker = hierarchy.worker  # the jobs that touch the KV tensors
-        self._key_limit = _key_limit(hierarchy)
+        self._key_limit = key_limit(hierarchy)
+        self._top_capacity = self.manager.tiers[0].capacity
         self._counters = {"stores": 0, "store_failures": 0, "store_bytes": 0, "store_seconds": 0.0,
                           "loads": 0, "load_failures": 0, "load_bytes": 0, "load_seconds": 0.0}
+        self._lock = threading.RLock()  # held by the running call (see the class docstring)
+        self._closing = False  # set by `close()` before it takes the lock: waiting calls give up
         self._closed = False
+        self._metrics: Any = None  # the metrics endpoint (`open(metrics_port=)`), stopped by `close`
 
     @classmethod
     def open(cls, config: str | Path | HierarchyConfig, kv_caches: CanonicalKVCaches,
-             blocks_per_chunk: int = 1, *, model: str = "", **build_options: Any) -> KVTier:
+             blocks_per_chunk: int = 1, *, model: str = "", metrics_port: int | None = None,
+             metrics_addr: str = "127.0.0.1", **build_options: Any) -> KVTier:
         """Build the hierarchy of `config` (a YAML path or a `HierarchyConfig`) around `kv_caches`.
 
         The block size in bytes is derived from the KV layout (see `kvtier.handlers.gpu_cpu`).
@@ -75,9 +97,12 @@ class KVTier:
         required when a tier keeps blocks across restarts (`file`) and its config sets no
         `fingerprint`. Such a tier records it with the layout of `kv_caches` (dtypes, shapes,
         pages, block geometry) and serves nothing written under another identity or layout.
+        `metrics_port` (0: any free port, see `metrics_url`) serves `stats()` as Prometheus text
+        at `http://{metrics_addr}:{port}/metrics` until `close()` (needs `prometheus_client`).
         `build_options` go to `build_hierarchy` (e.g. `enable_events=True`).
         """
-        _check_kv_caches(kv_caches, blocks_per_chunk)
+        check_kv_caches(kv_caches, blocks_per_chunk)
+        check_metrics_port(metrics_port)
         if not isinstance(config, HierarchyConfig):
             config = load_config(config)
         chunked = ChunkedKVCaches(list(kv_caches.tensors), list(kv_caches.group_data_refs), blocks_per_chunk)
@@ -85,46 +110,67 @@ class KVTier:
         hierarchy = build_hierarchy(config, block_bytes=layout.block_bytes, kv_caches=chunked, model=model,
                                     **build_options)
         try:
-            return cls(hierarchy, layout)
+            tier = cls(hierarchy, layout)
+            if metrics_port is not None:
+                tier._metrics = MetricsEndpoint(tier.stats, metrics_port, metrics_addr)
+            return tier
         except BaseException:
             hierarchy.close()
             raise
 
+    @property
+    def metrics_url(self) -> str | None:
+        """Where the metrics endpoint serves (`open(metrics_port=)`), None without one."""
+        return None if self._metrics is None else self._metrics.url
+
     # ------------------------------------------------------------------ public API
     def store(self, keys: Sequence[bytes], engine_block_ids: Sequence[int]) -> bool:
         """Copy the engine blocks of `keys` into the hierarchy. Keys already held are skipped.
-        Returns False when some blocks could not be stored (no room, or the copy failed).
 
-        With a cascading first tier, blocks go in batches no larger than its free-or-clean room,
-        waiting for background demotions in between, so no block is evicted before it is safe
-        below (the manager alone would drop it: it never waits, as vLLM's scheduler must not).
-        """
-        self._check_open()
-        keys = self._checked_keys(keys, distinct=True)
-        by_key = self._blocks_by_key(keys, engine_block_ids, distinct=False)
+        Stores in rounds no larger than what the first tier can take without losing a block:
+        with a cascading first tier (`on_evict` or `on_store`), its free slots plus its blocks
+        already copied below, waiting between rounds for the copies that make room; with cascade
+        `none` (or one tier), its capacity (older blocks are evicted, as that mode means).
+        Returns False when some blocks could not be stored (the hierarchy had no room: every
+        block pinned or the next tier full; or a copy failed), logging a warning that says how
+        many and why; the other rounds are stored all the same."""
+        with self._call():
+            keys = self._checked_keys(keys, distinct=True)
+            by_key = self._blocks_by_key(keys, engine_block_ids, distinct=False)
+            pending = self.manager.new_keys(keys)
+            ok = True
+            while pending:
+                n = self._room(len(pending))
+                batch, pending = pending[:n], pending[n:]
+                ok &= self._store_batch(batch, by_key)
+            return ok
+
+    def _room(self, n: int) -> int:
+        """How many of `n` new blocks the next store round takes (at least one): what the first
+        tier can take without dropping a block not yet below, after waiting for the copies down
+        (started now for the next victims) when that is less than `n`; its capacity when it
+        evicts freely."""
         manager = self.manager
-        pending = manager.new_keys(keys)
-        ok = True
-        while pending:
-            n = len(pending)
-            room = manager.store_room()  # None: the first tier can evict without waiting for a copy
-            if room is not None:
-                if room < n:
-                    manager.on_schedule_end()
-                    manager.wait_idle()
-                    room = manager.store_room() or 0
-                n = max(1, min(n, room))
-            batch, pending = pending[:n], pending[n:]
-            ok &= self._store_batch(batch, by_key)
-        return ok
+        room = manager.store_room()
+        if room is None:
+            return max(1, min(n, self._top_capacity))
+        if room < n:
+            manager.clean_ahead(min(n, self._top_capacity) - room)
+            manager.on_schedule_end()
+            self._wait_idle()
+            room = manager.store_room() or 0
+        return max(1, min(n, room))
 
     def _store_batch(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
         output = self.manager.prepare_store(keys)
         if output is None and self.manager.has_pending_work():
-            # Room is being made by background demotions (pinned while in flight): wait for them.
-            self.manager.wait_idle()
+            # Room is being made by background copies (pinned while in flight): wait for them.
+            self._wait_idle()
             output = self.manager.prepare_store(keys)
         if output is None:
+            log.warning("store: %d block(s) not stored: tier %r has no room for them (every block is pinned by "
+                        "a load or copy, or its copy to the next tier cannot be made: is that tier full?)",
+                        len(keys), self.manager.tiers[0].name)
             return False
         to_store = list(output.keys_to_store)
         if not to_store:
@@ -133,13 +179,16 @@ class KVTier:
         result = self._run(self._gpu_spec([to_store[i] for i in order], by_key), output.store_spec.subset(order))
         self.manager.complete_store(to_store, success=result.success)
         self._count("store", result)
+        if not result.success:
+            log.warning("store: %d block(s) not stored: the copy failed (%s)", len(to_store), result.error)
         return result.success
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` can be loaded now. Blocks found in a lower tier are brought up
-        first when no handler loads them directly (this call waits for that)."""
-        self._check_open()
-        return self._lookup(self._checked_keys(keys, distinct=False))
+        first when no handler loads them directly (this call waits for that); a run longer than
+        the first tier holds answers what fits there (`load` goes on in rounds)."""
+        with self._call():
+            return self._lookup(self._checked_keys(keys, distinct=False))
 
     def _lookup(self, keys: list[OffloadKey]) -> int:
         hits = 0
@@ -148,25 +197,34 @@ class KVTier:
             if answer not in (LookupResult.RETRY, LookupResult.HIT_PENDING):
                 return hits
             self.manager.on_schedule_end()
-            self.manager.wait_idle()
+            self._wait_idle()
         return hits
 
     def load(self, keys: Sequence[bytes], engine_block_ids: Sequence[int]) -> int:
         """Load the longest loadable prefix of `keys` into its engine blocks; returns how many keys
-        were loaded (0 when the copy failed: the caller must then recompute those blocks)."""
-        self._check_open()
-        keys = self._checked_keys(keys, distinct=True)
-        by_key = self._blocks_by_key(keys, engine_block_ids, distinct=True)
-        n = self._lookup(keys)
-        if n == 0:
-            return 0
-        wanted = list(keys[:n])
+        were loaded (the first n). Blocks a lower tier supplies through the first tier come up
+        in rounds of what the first tier has room for, so the whole prefix is loaded however
+        long. A failed copy stops there: the keys from its round on are not loaded (the caller
+        recomputes them)."""
+        with self._call():
+            keys = self._checked_keys(keys, distinct=True)
+            by_key = self._blocks_by_key(keys, engine_block_ids, distinct=True)
+            loaded = 0
+            while loaded < len(keys):
+                window = keys[loaded:loaded + self._room(len(keys) - loaded)]
+                n = self._lookup(window)
+                if n == 0 or not self._load_run(window[:n], by_key):
+                    break
+                loaded += n
+            return loaded
+
+    def _load_run(self, wanted: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
+        """Copy `wanted` (each answered HIT) into their engine blocks; whether every copy succeeded."""
         source = self.manager.prepare_load(wanted)
         try:
-            parts = source.parts if isinstance(source, CompositeLoadStoreSpec) else [(source, range(n))]
+            parts = source.parts if isinstance(source, CompositeLoadStoreSpec) else [(source, range(len(wanted)))]
             ok, moved, seconds = True, 0, 0.0
             for spec, positions in parts:  # one job per source tier
-                positions = list(positions)
                 part_keys = [wanted[p] for p in positions]
                 order = self._group_order(part_keys)
                 assert isinstance(spec, BlockIDsLoadStoreSpec)
@@ -177,24 +235,48 @@ class KVTier:
         finally:
             self.manager.complete_load(wanted)
         self._count("load", TransferResult(0, ok, moved, seconds))
-        return n if ok else 0
+        return ok
 
     def wait(self) -> None:
         """Block until every background job (cascades, promotions) has finished."""
-        self._check_open()
-        self.manager.wait_idle()
-        self._worker.wait()
+        with self._call():
+            self._wait_idle()
+            self._worker.wait()
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Write every block that is not yet in the next tier down (the first tier's dirty blocks
+        under cascade `on_evict`; under `on_store` those whose copy is still queued or failed),
+        and wait for the copies, at most `timeout` seconds (None: no limit). Returns how many
+        blocks are still without a copy below (0: a restart finds every block a lower,
+        persistent tier can hold)."""
+        with self._call():
+            return self.manager.flush(timeout)
 
     def stats(self) -> dict[str, Any]:
         """Per-tier counters of the manager plus this API's store/load totals under `"engine"`."""
-        return {**self.manager.get_stats(), "engine": dict(self._counters)}
+        with self._lock:
+            return {**self.manager.get_stats(), "engine": dict(self._counters)}
 
-    def close(self) -> None:
-        """Finish background jobs and release every tier. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self.hierarchy.close()
+    def close(self, flush: bool = True, flush_timeout: float | None = FLUSH_TIMEOUT_S) -> None:
+        """Write the dirty blocks down (`flush`, unless `flush` is False; at most `flush_timeout`
+        seconds, logging how many were not written), finish background jobs and release every
+        tier. Idempotent; from any thread: the other threads' calls end with `ClosedError`."""
+        self._closing = True
+        if self._metrics is not None:  # (first: a scrape waits for the lock held below)
+            self._metrics.stop()
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if flush:
+                    left = self.manager.flush(flush_timeout)
+                    if left:
+                        log.warning("close: %d block(s) were not written to the next tier within %s s and are "
+                                    "lost with this process (call flush() first, or raise flush_timeout)",
+                                    left, flush_timeout)
+            finally:
+                self.hierarchy.close()
 
     def __enter__(self) -> KVTier:
         return self
@@ -203,15 +285,32 @@ class KVTier:
         self.close()
 
     # ------------------------------------------------------------------ helpers
+    @contextmanager
+    def _call(self) -> Iterator[None]:
+        """Run one public call alone (the class docstring); `ClosedError` once closing."""
+        self._check_open()
+        with self._lock:
+            self._check_open()
+            yield
+
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closing or self._closed:
             raise ClosedError("KVTier is closed: open a new one with KVTier.open")
+
+    def _wait_idle(self) -> None:
+        """`manager.wait_idle`, giving up with `ClosedError` when another thread closes the KVTier."""
+        while True:
+            try:
+                self.manager.wait_idle(_RECHECK_S)
+                return
+            except WaitTimeout:
+                self._check_open()
 
     def _checked_keys(self, keys: Iterable[bytes], distinct: bool) -> list[OffloadKey]:
         """`keys` as a list of `bytes` this hierarchy can hold, or an `ArgumentError` naming the first bad one."""
-        keys = _as_list(keys, "keys", "[key]")
+        keys = as_list(keys, "keys", "[key]")
         if set(map(type, keys)) - {bytes}:
-            keys = [_as_key(key, i) for i, key in enumerate(keys)]
+            keys = [as_key(key, i) for i, key in enumerate(keys)]
         if keys:
             limit, holder = self._key_limit
             lengths = set(map(len, keys))
@@ -225,7 +324,7 @@ class KVTier:
             for i, key in enumerate(keys):
                 self._check_group(key, i)
         if distinct and len(set(keys)) != len(keys):
-            _raise_duplicate(keys, "keys", "each key can be given once per call")
+            raise_duplicate(keys, "keys", "each key can be given once per call")
         return cast("list[OffloadKey]", keys)  # checked above: each one is a key this hierarchy can hold
 
     def _check_group(self, key: OffloadKey, i: int) -> None:
@@ -239,7 +338,7 @@ class KVTier:
                        distinct: bool) -> dict[OffloadKey, list[int]]:
         """The engine blocks of each key, checked (see the module docstring); `distinct`: no id twice."""
         bpc, num_blocks = self.blocks_per_chunk, self.layout.num_engine_blocks
-        ids = _as_ids(engine_block_ids)
+        ids = as_ids(engine_block_ids)
         if len(ids) != len(keys) * bpc:
             raise ArgumentError(f"engine_block_ids: {len(ids)} ids for {len(keys)} keys; each key covers "
                                 f"blocks_per_chunk={bpc} engine blocks, so {len(keys) * bpc} engine block ids "
@@ -249,7 +348,7 @@ class KVTier:
             raise ArgumentError(f"engine_block_ids[{i}]: {block} is not an engine block: the KV tensors "
                                 f"have {num_blocks} blocks, ids 0..{num_blocks - 1}")
         if distinct and len(set(ids)) != len(ids):
-            _raise_duplicate(ids, "engine_block_ids", "a load writes each engine block once")
+            raise_duplicate(ids, "engine_block_ids", "a load writes each engine block once")
         if bpc == 1:
             return {key: [block] for key, block in zip(keys, ids)}
         return {key: ids[i * bpc:(i + 1) * bpc] for i, key in enumerate(keys)}
@@ -272,8 +371,14 @@ class KVTier:
         return GPULoadStoreSpec(ids, group_sizes=sizes, block_indices=[0] * len(sizes))
 
     def _run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferResult:
-        """Submit one job to the worker plane and wait for its result."""
-        return self._worker.result(self._worker.submit(src, dst))
+        """Submit one job to the worker plane and wait for its result (`ClosedError` when another
+        thread closes the KVTier meanwhile: the job finishes before the close releases a tier)."""
+        job_id = self._worker.submit(src, dst)
+        while True:
+            try:
+                return self._worker.result(job_id, timeout=_RECHECK_S)
+            except TimeoutError:
+                self._check_open()
 
     def _count(self, kind: str, result: TransferResult) -> None:
         c = self._counters
@@ -283,129 +388,3 @@ class KVTier:
             c[f"{kind}_seconds"] += result.transfer_time or 0.0
         else:
             c[f"{kind}_failures"] += 1
-
-
-# ---------------------------------------------------------------------- argument checks
-def _key_limit(hierarchy: Hierarchy) -> tuple[float, str]:
-    """The longest key every backend of `hierarchy` can hold, and which tier sets it."""
-    limits = [(b.max_key_bytes, f"tier {name!r}") for name, b in hierarchy.backends.items()
-              if b.max_key_bytes is not None]
-    return min(limits, default=(float("inf"), "any tier"))
-
-
-def _check_kv_caches(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> None:
-    """Refuse KV tensors the copies cannot use (every store would fail), naming the tensor or reference,
-    and a `blocks_per_chunk` that is not a positive int."""
-    if type(blocks_per_chunk) is not int or blocks_per_chunk < 1:
-        error = ArgumentError if type(blocks_per_chunk) is int else ArgumentTypeError
-        raise error(f"blocks_per_chunk: {_short(blocks_per_chunk)}; the number of engine blocks one key "
-                    "covers, an int >= 1")
-    tensors = list(getattr(kv_caches, "tensors", None) or [])
-    if not tensors:
-        raise ArgumentError("kv_caches.tensors: no KV tensors; give at least one CanonicalKVCacheTensor")
-    pages = [_check_kv_tensor(entry, f"kv_caches.tensors[{i}]", tensors[0]) for i, entry in enumerate(tensors)]
-    for g, refs in enumerate(kv_caches.group_data_refs or []):
-        for r, ref in enumerate(refs):
-            name = f"kv_caches.group_data_refs[{g}][{r}]"
-            if not 0 <= ref.tensor_idx < len(tensors):
-                raise ArgumentError(f"{name}.tensor_idx: {ref.tensor_idx} names no tensor (0..{len(tensors) - 1})")
-            if not 0 < ref.page_size_bytes <= pages[ref.tensor_idx]:
-                raise ArgumentError(f"{name}.page_size_bytes: {ref.page_size_bytes} is not within the "
-                                    f"{pages[ref.tensor_idx]}-byte page of tensor {ref.tensor_idx}")
-
-
-def _check_kv_tensor(entry: Any, name: str, first: Any) -> int:
-    """Check one `CanonicalKVCacheTensor`: a tensor whose dim 0 is the block and whose blocks are
-    contiguous runs of at least `page_size_bytes` bytes, on the first tensor's device. Returns the page."""
-    from kvtier.handlers.gpu_cpu import byte_rows
-
-    t: Any = getattr(entry, "tensor", None)  # checked below: a torch tensor (None fails the check)
-    page = getattr(entry, "page_size_bytes", None)
-    if not callable(getattr(t, "element_size", None)) or not callable(getattr(t, "stride", None)):
-        raise ArgumentTypeError(f"{name}.tensor: {type(t).__name__}, not a torch tensor")
-    if type(page) is not int or page < 1:
-        raise ArgumentError(f"{name}.page_size_bytes: {_short(page)}; a positive number of bytes")
-    if t.dim() < 1 or t.device != first.tensor.device:
-        raise ArgumentError(f"{name}: a {t.dim()}-D tensor on {t.device}; KV tensors have a block dimension "
-                            f"first and live on one device ({first.tensor.device})")
-    expected = 1  # the stride each inner dimension has when one block is one contiguous run
-    for size, stride in reversed(list(zip(t.shape[1:], t.stride()[1:]))):
-        if size != 1 and stride != expected:
-            raise ArgumentError(f"{name}: a block is not contiguous (shape {tuple(t.shape)}, strides "
-                                f"{t.stride()}); the engine's KV cache itself must have contiguous blocks "
-                                "(t[i].is_contiguous()): a contiguous copy would not be the cache")
-        expected *= size
-    block_bytes = expected * t.element_size()
-    if page > block_bytes:
-        raise ArgumentError(f"{name}.page_size_bytes: {page} is more than the {block_bytes} bytes of one block "
-                            f"of a tensor of shape {tuple(t.shape)} and dtype {t.dtype}")
-    try:
-        byte_rows(t, page)  # what every copy will do
-    except (ValueError, RuntimeError) as exc:
-        raise ArgumentError(f"{name}: cannot be read as blocks of {page} bytes ({exc})") from None
-    return page
-
-
-def _as_list(values: Iterable[Any], name: str, example: str) -> list[Any]:
-    """`values` as a new list; a lone bytes/str (say a key where a sequence of keys belongs) is refused."""
-    if isinstance(values, (str, bytes, bytearray, memoryview)):
-        raise ArgumentTypeError(f"{name}: a single {type(values).__name__}, not a sequence; pass a list, "
-                                f"e.g. {example}")
-    try:
-        return list(values)
-    except TypeError:
-        raise ArgumentTypeError(f"{name}: {type(values).__name__} is not a sequence; pass a list, "
-                                f"e.g. {example}") from None
-
-
-def _as_key(key: Any, i: int) -> bytes:
-    if isinstance(key, bytes):
-        return key
-    if isinstance(key, (bytearray, memoryview)):
-        return bytes(key)
-    raise ArgumentTypeError(f"keys[{i}]: {type(key).__name__} {_short(key)} is not a key; keys are bytes "
-                            f"(a block hash plus a {GROUP_BYTES}-byte group index, kvtier.make_offload_key)")
-
-
-def _as_ids(engine_block_ids: Any) -> list[int]:
-    """Engine block ids as a list of ints: a sequence of ints, or a 1-D integer numpy array or tensor."""
-    ndim = getattr(engine_block_ids, "ndim", None)
-    if ndim is not None and hasattr(engine_block_ids, "tolist"):  # numpy array or torch tensor
-        if ndim != 1:
-            raise ArgumentTypeError(f"engine_block_ids: a {ndim}-D array of shape "
-                                    f"{tuple(engine_block_ids.shape)}; pass a 1-D sequence of ints")
-        engine_block_ids = engine_block_ids.tolist()
-    ids = _as_list(engine_block_ids, "engine_block_ids", "[3, 7]")
-    if set(map(type, ids)) - {int}:
-        ids = [_as_id(b, i) for i, b in enumerate(ids)]
-    return ids
-
-
-def _as_id(block: Any, i: int) -> int:
-    """One engine block id as an int: any integer (numpy's too) but a bool; never a float."""
-    if type(block) is int:
-        return block
-    if not isinstance(block, bool) and "bool" not in str(getattr(block, "dtype", "")):
-        try:
-            return operator.index(block)
-        except TypeError:
-            pass
-    raise ArgumentTypeError(f"engine_block_ids[{i}]: {type(block).__name__} {_short(block)} is not an engine "
-                            "block id; ids are ints")
-
-
-def _raise_duplicate(values: list[Any], name: str, why: str) -> None:
-    first: dict[Any, int] = {}
-    for i, value in enumerate(values):
-        j = first.setdefault(value, i)
-        if j != i:
-            raise ArgumentError(f"{name}[{i}]: {_short(value)} repeats {name}[{j}]; {why}")
-
-
-def _short(value: Any, limit: int = 40) -> str:
-    """`repr(value)` (bytes in hex), cut to `limit` characters: a hostile value can be huge."""
-    if isinstance(value, bytes):
-        text = f"key {value[:limit // 2 + 1].hex()}"
-    else:
-        text = repr(value[:limit + 1] if isinstance(value, (str, bytearray)) else value)
-    return text if len(text) <= limit else text[:limit] + "..."

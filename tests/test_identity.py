@@ -2,8 +2,10 @@
 
 A file tier's manifest records an identity (the model, given by the user or derived by the vLLM
 spec) and a layout (block geometry and, in the standalone API, each KV tensor's dtype, shape and
-page). A process that opens the same root_dir with another identity or layout finds nothing: the
-old contents are dropped, with one warning that says what differed.
+page). A process that opens the same root_dir with another identity or layout is refused (issue
+26.3) with a `ConfigError` naming root_dir, both identities and how to reset; the old blocks stay
+and serve their own model again. With `on_identity_change: reset` the old contents are dropped,
+with one warning that says what differed.
 """
 
 from __future__ import annotations
@@ -45,8 +47,9 @@ def make_kv(dtype=torch.float16, shape=BLOCK_SHAPE, seed=0, num_blocks=2 * NUM_K
                              [[CanonicalKVCacheRef(i, page) for i in range(len(tensors))]])
 
 
-def config(root, fingerprint=None):
+def config(root, fingerprint=None, reset=False):
     extra = f", fingerprint: {json.dumps(fingerprint)}" if fingerprint is not None else ""
+    extra += ", on_identity_change: reset" if reset else ""
     return load_config_text(f"""
 block_tokens: 16
 tiers:
@@ -55,21 +58,32 @@ tiers:
 """)
 
 
-def store_all(root, kv, **open_args) -> None:
+def store_all(root, kv, reset=False, **open_args) -> None:
     """One process's life: store the keys (written through to the file tier), then stop."""
-    with KVTier.open(config(root, open_args.pop("fingerprint", None)), kv, **open_args) as tier:
+    with KVTier.open(config(root, open_args.pop("fingerprint", None), reset), kv, **open_args) as tier:
         assert tier.store(KEYS, list(range(NUM_KEYS)))
         tier.wait()
         assert tier.stats()["nvme"]["resident_blocks"] == NUM_KEYS
 
 
-def reopen(root, kv, **open_args) -> tuple[int, int]:
+def reopen(root, kv, reset=False, **open_args) -> tuple[int, int]:
     """A later process on the same root_dir: (blocks the file tier recovered, keys it loads into
-    engine blocks NUM_KEYS.. of `kv`)."""
-    with KVTier.open(config(root, open_args.pop("fingerprint", None)), kv, **open_args) as tier:
+    engine blocks NUM_KEYS.. of `kv`); `reset`: erase another identity's blocks."""
+    with KVTier.open(config(root, open_args.pop("fingerprint", None), reset), kv, **open_args) as tier:
         recovered = tier.stats()["nvme"]["resident_blocks"]
         loaded = tier.load(KEYS, list(range(NUM_KEYS, 2 * NUM_KEYS)))
     return recovered, loaded
+
+
+def refused(root, kv, **open_args) -> str:
+    """The `ConfigError` of opening `root` with another identity (the message of its one problem)."""
+    with pytest.raises(ConfigError) as info:
+        reopen(root, kv, **open_args)
+    [(path, message)] = info.value.problems
+    assert path == "tiers[1].root_dir"
+    assert f"{root} holds the blocks of another model or KV layout" in message
+    assert "'on_identity_change: reset'" in message and f"(kvtier clear {root} --yes)" in message
+    return message
 
 
 def not_ours_warnings(caplog) -> list[str]:
@@ -93,44 +107,74 @@ IDENTITY_GIVEN = pytest.mark.parametrize("identity", [{"fingerprint": "org/model
 
 
 @IDENTITY_GIVEN
-def test_other_kv_dtype_of_the_same_size_is_not_served(tmp_path, caplog, identity):
-    """fp16 -> bf16: same block size, same model name; the old bytes would decode as garbage."""
+def test_other_kv_dtype_of_the_same_size_is_refused_and_the_old_blocks_kept(tmp_path, caplog, identity):
+    """fp16 -> bf16: same block size, same model name; the old bytes would decode as garbage, and
+    erasing them would lose the fp16 engine's cache: the open is refused."""
     root = tmp_path / "kv"
     store_all(root, make_kv(torch.float16), **identity)
-    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
-        assert reopen(root, make_kv(torch.bfloat16), **identity) == (0, 0)
+    message = refused(root, make_kv(torch.bfloat16), **identity)
+    assert "layout: found" in message and "float16" in message and "bfloat16" in message
+    assert reopen(root, make_kv(torch.float16), **identity) == (NUM_KEYS, NUM_KEYS)  # nothing was erased
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):  # erased on purpose
+        assert reopen(root, make_kv(torch.bfloat16), reset=True, **identity) == (0, 0)
     [warning] = not_ours_warnings(caplog)
     assert "layout" in warning and "float16" in warning and "bfloat16" in warning and "starting empty" in warning
     manifest = json.loads((root / "manifest.json").read_text())
     assert manifest["fingerprint"] == "org/model" and "torch.bfloat16[2, 4, 64]/1024" in manifest["layout"]
     # the dropped contents stay dropped: going back to fp16 finds nothing either
-    assert reopen(root, make_kv(torch.float16), **identity) == (0, 0)
+    assert reopen(root, make_kv(torch.float16), reset=True, **identity) == (0, 0)
 
 
 @IDENTITY_GIVEN
-def test_other_kv_shape_of_the_same_size_is_not_served(tmp_path, identity):
+def test_other_kv_shape_of_the_same_size_is_refused(tmp_path, identity):
     store_all(tmp_path / "kv", make_kv(shape=(2, 4, 64)), **identity)
-    assert reopen(tmp_path / "kv", make_kv(shape=(2, 8, 32)), **identity) == (0, 0)
+    assert "[2, 8, 32]" in refused(tmp_path / "kv", make_kv(shape=(2, 8, 32)), **identity)
+    assert reopen(tmp_path / "kv", make_kv(shape=(2, 8, 32)), reset=True, **identity) == (0, 0)
 
 
-def test_other_model_with_the_same_layout_is_not_served(tmp_path, caplog):
+def test_other_model_with_the_same_layout_is_refused(tmp_path, caplog):
     """A fine-tune (or another revision) has the very same geometry: only the identity differs."""
     store_all(tmp_path / "kv", make_kv(), model="org/model@rev1")
+    message = refused(tmp_path / "kv", make_kv(), model="org/model-finetune@rev1")
+    assert "fingerprint: found 'org/model@rev1', configured 'org/model-finetune@rev1'" in message
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
-        assert reopen(tmp_path / "kv", make_kv(), model="org/model-finetune@rev1") == (0, 0)
+        assert reopen(tmp_path / "kv", make_kv(), reset=True, model="org/model-finetune@rev1") == (0, 0)
     [warning] = not_ours_warnings(caplog)
     assert "fingerprint: found 'org/model@rev1', configured 'org/model-finetune@rev1'" in warning
+
+
+def test_another_capacity_still_starts_empty_with_a_warning(tmp_path, caplog):
+    """Not an identity change: the same model's tier resized is rebuilt, as before (one warning)."""
+    store_all(tmp_path / "kv", make_kv(), model="org/model@rev1")
+    bigger = config(tmp_path / "kv").tiers[1].options
+    cfg = load_config_text(f"""
+block_tokens: 16
+tiers:
+  - {{name: cpu, backend: cpu, capacity: 16 blocks, pin: false}}
+  - {{name: nvme, backend: file, root_dir: {bigger['root_dir']}, capacity: 48 blocks, io: posix}}
+""")
+    with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
+        with KVTier.open(cfg, make_kv(), model="org/model@rev1") as tier:
+            assert tier.stats()["nvme"]["resident_blocks"] == 0
+    [warning] = not_ours_warnings(caplog)
+    assert "num_slots: found 32, configured 48" in warning
 
 
 def test_config_fingerprint_is_an_identity_and_adds_to_model(tmp_path):
     root = tmp_path / "kv"
     store_all(root, make_kv(), fingerprint="weights-v1")  # the YAML alone names the model
     assert reopen(root, make_kv(), fingerprint="weights-v1") == (NUM_KEYS, NUM_KEYS)
-    assert reopen(root, make_kv(), fingerprint="weights-v2") == (0, 0)
-    store_all(root, make_kv(), fingerprint="weights-v2", model="org/model")
+    assert "found 'weights-v1', configured 'weights-v2'" in refused(root, make_kv(), fingerprint="weights-v2")
+    store_all(root, make_kv(), fingerprint="weights-v2", model="org/model", reset=True)
     assert json.loads((root / "manifest.json").read_text())["fingerprint"] == "weights-v2 | org/model"
     assert reopen(root, make_kv(), fingerprint="weights-v2", model="org/model") == (NUM_KEYS, NUM_KEYS)
-    assert reopen(root, make_kv(), fingerprint="weights-v2", model="org/other") == (0, 0)
+    refused(root, make_kv(), fingerprint="weights-v2", model="org/other")
+
+
+def test_on_identity_change_must_be_refuse_or_reset(tmp_path):
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.on_identity_change: 'wipe' is not an answer"):
+        load_config_text(f"tiers:\n  - {{name: cpu, backend: cpu, capacity: 4 blocks}}\n  - {{name: nvme, "
+                         f"backend: file, root_dir: {tmp_path}, capacity: 8 blocks, on_identity_change: wipe}}\n")
 
 
 def shm_entries() -> set[str]:

@@ -22,6 +22,7 @@ from kvtier import (
 from kvtier.engine import TransferEngine
 from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler
 from kvtier.planes import WorkerPlane
+from kvtier.types import TransferResult
 
 PAGE = 256
 TWO_MEMORY_TIERS = """
@@ -108,6 +109,28 @@ def test_result_keeps_other_results_for_poll():
     assert plane.result(second).job_id == second
     assert sorted(r.job_id for r in plane.poll()) == [first, third]
     assert plane.poll() == []
+
+
+def test_two_threads_waiting_in_result_each_get_their_own_job():
+    """Issue 30: two jobs report together while two threads wait in `result`, one for each; the
+    first thread to wake collects both reports. The other must be woken and get its own (on main it
+    slept on "some report waiting" for ever: the report it wanted was already collected)."""
+    silent = Silent()
+    plane, engine = plane_with(silent)
+    first, second = gpu_to_cpu(plane), gpu_to_cpu(plane)
+    got: dict[int, int] = {}
+    waiters = [threading.Thread(target=lambda j=j: got.update({j: plane.result(j, timeout=10).job_id}), daemon=True)
+               for j in (first, second)]
+    for waiter in waiters:
+        waiter.start()
+    threading.Event().wait(0.2)  # both are asleep in `result` by now
+    condition = getattr(engine, "reported", None) or engine._reported
+    with condition:  # both reports land before either waiter runs again
+        engine._report(TransferResult(first, True, 1, 0.0))
+        engine._report(TransferResult(second, True, 1, 0.0))
+    for waiter in waiters:
+        waiter.join(15)
+    assert got == {first: first, second: second}
 
 
 def test_result_of_a_hung_job_times_out():

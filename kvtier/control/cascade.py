@@ -181,6 +181,32 @@ class Cascade:
                                    src_ids=src_ids, dst_ids=dst_ids))
         return True
 
+    # ------------------------------------------------------------------ on demand (standalone API)
+    def clean_ahead(self, tier: Tier, count: int) -> None:
+        """Start one copy to the next tier of the dirty blocks among `tier`'s next `count` victims
+        now, past the in-flight limit, for a caller that waits for it (the standalone `store`
+        making room for its next round). An `on_evict` tier only."""
+        if tier.cascades_on_evict and count > 0:
+            dirty = self._dirty_victims(tier, count, ())
+            if dirty:
+                self._start_demotion(tier, dirty)
+
+    def dirty_keys(self, tier: Tier) -> list[OffloadKey]:
+        """`tier`'s readable blocks without a readable copy in the next tier (those found readable
+        there are recorded as clean), in the policy's order."""
+        get, clean = tier.policy.get, tier.clean
+        keys = [k for k in list(tier.policy.keys())
+                if k not in clean and (b := get(k)) is not None and b.ref_cnt >= 0]
+        return split_below(tier, keys) if keys else []
+
+    def flush_step(self, tier: Tier, limit: int, tried: set[OffloadKey]) -> int:
+        """Start one copy of up to `limit` dirty blocks of `tier` not in `tried` (`flush`) to the
+        next tier, adding them to `tried`; how many started (0: none left, or no room below)."""
+        keys = [k for k in self.dirty_keys(tier) if k not in tried][:limit]
+        tried.update(keys)
+        tier.forget(keys)  # (out of a write-through queue: copied here)
+        return len(keys) if keys and self._start_demotion(tier, keys) else 0
+
     # ------------------------------------------------------------------ on_store (write-through)
     def queue_writes(self, tier: Tier, keys: list[OffloadKey]) -> None:
         """Queue copies of `tier`'s newly readable blocks `keys` to the next tier and start what

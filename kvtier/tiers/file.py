@@ -30,8 +30,11 @@ Paths: `root_dir` and its files must be the user's and not writable by group/oth
 in it is opened through a symlink (kvtier/tiers/rootdir.py); anything else is refused at build with
 a `ConfigError` on `root_dir`, and a build that fails removes the files and directories it created.
 
-Trust rules (file_open.py): a manifest that differs from this configuration (or a journal of
-another epoch) means the contents are not ours: the tier starts empty and logs one warning. A block
+Trust rules (file_open.py): a manifest of another identity (`fingerprint` or `layout`, which names
+the block geometry) is refused with a `root_dir` `ConfigError` naming both, so that no model's
+blocks are erased by a reused config; option `on_identity_change: reset` (default `refuse`) erases
+them instead. A manifest that differs otherwise (capacity, format version, none readable) or a
+journal of another epoch means the contents are not ours: the tier starts empty and logs one warning. A block
 is served only if its header (magic, version, manifest digest, key, length, header CRC) and payload
 CRC verify; otherwise `read_blocks` raises `IntegrityError` and the block is forgotten. The
 manifest and the journal are read only when they are regular files (not through a symlink: a FIFO
@@ -112,6 +115,13 @@ def _fingerprint(v) -> str:
     return v
 
 
+def _identity_change(v) -> str:
+    if v not in ("refuse", "reset"):
+        raise ValueError(f"{v!r} is not an answer to another identity's blocks in root_dir; use refuse (keep them: "
+                         f"the open fails) or reset (erase them)")
+    return v
+
+
 def _sync_interval(v) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 3600:
         raise ValueError(f"expected seconds between background fdatasyncs from 0 (each store job durable "
@@ -150,6 +160,7 @@ class FileBackend(Backend):
         "fingerprint": ("", _fingerprint),
         "num_threads": (4, _threads),
         "sync_interval": (1.0, _sync_interval),
+        "on_identity_change": ("refuse", _identity_change),
     }
 
     @classmethod
@@ -162,11 +173,11 @@ class FileBackend(Backend):
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *,
                  root_dir: str, io: str = "auto", fingerprint: str = "", num_threads: int = 4,
-                 sync_interval: float = 1.0, layout: str = ""):
+                 sync_interval: float = 1.0, layout: str = "", on_identity_change: str = "refuse"):
         super().__init__(name, num_blocks, block_bytes, block_size)
         if block_bytes <= 0:
             raise ValueError(f"file tier {name!r} needs block_bytes > 0, got {block_bytes}")
-        _io(io), _fingerprint(fingerprint), _threads(num_threads)
+        _io(io), _fingerprint(fingerprint), _threads(num_threads), _identity_change(on_identity_change)
         if not fingerprint:
             raise ConfigError([("fingerprint", f"empty: file tier {name!r} keeps blocks across restarts and must "
                                                f"not serve them to another model; give the identity of the model "
@@ -182,7 +193,7 @@ class FileBackend(Backend):
         self.slot_bytes = slot_bytes_for(block_bytes)
         self.num_threads = num_threads
         shape = TierShape(name, num_blocks, block_bytes, self.slot_bytes, fingerprint, self.layout,
-                          journal_capacity(num_blocks, self.compact_min_records))
+                          journal_capacity(num_blocks, self.compact_min_records), on_identity_change)
         opened = open_root(root_dir, shape)
         self.root = opened.root
         self.slab_path = opened.slab_path

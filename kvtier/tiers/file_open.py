@@ -5,7 +5,11 @@ slab describe this tier, its committed blocks replayed from the journal.
 takes the lock, and either trusts what it finds (manifest equal to the configuration, journal of
 the manifest's epoch: the journal is replayed, a torn tail zeroed, records that cannot describe the
 slab dropped by a compaction, a slab shorter than its geometry re-extended without the blocks past
-its end) or logs one warning that the contents are not ours and rebuilds the tier empty (new epoch).
+its end), or refuses a manifest of another identity (fingerprint or layout: a
+`root_dir` `ConfigError` that says how to keep or erase those blocks) unless the tier's
+`on_identity_change` is `reset`, or logs one warning that the contents are not ours and rebuilds
+the tier empty (new epoch): no manifest, another format version, another capacity, a journal that
+does not match).
 No slot header is read: 100k blocks are ready in well under a second.
 
 A build that fails removes the files and directories it created (`OpenedRoot.abandon` after a
@@ -27,6 +31,7 @@ from kvtier.errors import KVTierError
 from kvtier.tiers.fileio import ALIGN, file_kind
 from kvtier.tiers.journal import Journal, JournalScan, read_journal
 from kvtier.tiers.manifest import (
+    identity_differences,
     load_manifest,
     manifest_differences,
     manifest_digest,
@@ -63,6 +68,7 @@ class TierShape:
     fingerprint: str
     layout: str
     journal_capacity: int  # bytes of a fresh journal file
+    on_identity_change: str = "refuse"  # or "reset": erase the blocks of another identity (see file.py)
 
     @property
     def slab_bytes(self) -> int:
@@ -185,10 +191,21 @@ def _open_contents(root: Path, shape: TierShape) -> _Contents:
         if scan.problem is None:
             return _replay(root, shape, found, scan)
         diffs = [scan.problem]
+    elif shape.on_identity_change == "refuse":
+        _refuse_other_identity(root, shape, identity_differences(found, wanted))
     if any(os.path.lexists(root / name) for name in (MANIFEST, SLAB)):
         log.warning("file tier %s: contents of %s are not ours (%s); starting empty", shape.name, root,
                     "; ".join(diffs))
     return _rebuild(root, shape, wanted)
+
+
+def _refuse_other_identity(root: Path, shape: TierShape, diffs: list[str]) -> None:
+    """Refuse to erase the blocks of another model or KV layout (`diffs`: how the manifest differs)."""
+    if diffs:
+        raise refuse(f"{root} holds the blocks of another model or KV layout ({'; '.join(diffs)}); file tier "
+                     f"{shape.name!r} will not erase them. To keep them, give this configuration its own "
+                     f"root_dir (one per model identity); to erase them on purpose, set "
+                     f"'on_identity_change: reset' on this tier, or remove its files (kvtier clear {root} --yes)")
 
 
 def _replay(root: Path, shape: TierShape, manifest: dict, scan: JournalScan) -> _Contents:

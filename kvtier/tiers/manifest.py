@@ -20,6 +20,9 @@ from kvtier.tiers.slot_format import FORMAT_VERSION, HEADER_BYTES
 
 MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few hundred bytes: anything this big is not one
 GEOMETRY = ("format_version", "block_bytes", "slot_bytes", "header_bytes", "num_slots", "fingerprint", "layout")
+# Whose blocks these are and how they decode: a manifest differing in one of these holds another
+# model's (or layout's) KV, which a tier refuses to erase unless told to (`on_identity_change`).
+IDENTITY = ("fingerprint", "layout")  # (the layout names the block geometry too)
 
 
 def wanted_manifest(block_bytes: int, slot_bytes: int, num_slots: int, fingerprint: str, layout: str) -> dict:
@@ -75,6 +78,14 @@ def manifest_differences(found: dict | None, wanted: dict) -> list[str]:
     if found.get("format_version") != wanted["format_version"]:  # the rest means nothing in another format
         return [version_difference(found.get("format_version"))]
     return [f"{k}: found {found.get(k)!r}, configured {wanted[k]!r}" for k in GEOMETRY if found.get(k) != wanted[k]]
+
+
+def identity_differences(found: dict | None, wanted: dict) -> list[str]:
+    """The `IDENTITY` fields in which a readable manifest of this format differs from `wanted`
+    (empty when none does, or when there is no such manifest: nothing to keep)."""
+    if found is None or found.get("format_version") != wanted["format_version"]:
+        return []
+    return [f"{k}: found {found.get(k)!r}, configured {wanted[k]!r}" for k in IDENTITY if found.get(k) != wanted[k]]
 
 
 def version_difference(found_version) -> str:

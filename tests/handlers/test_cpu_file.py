@@ -10,6 +10,7 @@ import pytest
 from conftest import Jobs as RunJobs
 
 from kvtier import (
+    ConfigError,
     CPULoadStoreSpec,
     FileLoadStoreSpec,
     LookupResult,
@@ -25,7 +26,7 @@ from kvtier.tiers.memory import MemoryBackend
 BLOCK = 64 * 1024
 
 
-def config(root, mem_blocks=4, file_blocks=32, io="posix", upper="memory"):
+def config(root, mem_blocks=4, file_blocks=32, io="posix", upper="memory", reset=False):
     return load_config_text(f"""
 block_tokens: 16
 block_bytes: 64KiB
@@ -44,6 +45,7 @@ tiers:
     io: {io}
     fingerprint: test-model/layout-1
     num_threads: 2
+    on_identity_change: {"reset" if reset else "refuse"}
 """)
 
 
@@ -138,8 +140,10 @@ def test_other_fingerprint_starts_empty(tmp_path, caplog):
         assert h.manager.get_stats()["disk"]["resident_blocks"] > 0
     text = (tmp_path / "kv" / "manifest.json").read_text()
     (tmp_path / "kv" / "manifest.json").write_text(text.replace("test-model/layout-1", "other-model"))
+    with pytest.raises(ConfigError, match="holds the blocks of another model"):  # by default: kept, refused
+        build_hierarchy(config(tmp_path / "kv"))
     with caplog.at_level("WARNING", logger="kvtier.tiers.file"):
-        with build_hierarchy(config(tmp_path / "kv")) as h:
+        with build_hierarchy(config(tmp_path / "kv", reset=True)) as h:
             assert h.manager.get_stats()["disk"]["resident_blocks"] == 0
             assert all(h.manager.lookup(k) == LookupResult.MISS for k in keys(8))
     assert sum("not ours" in r.message for r in caplog.records) == 1

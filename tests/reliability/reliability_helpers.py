@@ -23,8 +23,11 @@ def config_text(root, upper="memory", upper_blocks=8, file_blocks=32, fingerprin
                              fingerprint=fingerprint)
 
 
-def build(root, **kw):
-    return build_hierarchy(load_config_text(config_text(root, **kw)))
+def build(root, reset=False, **kw):
+    """The hierarchy of `config_text`; `reset`: its file tier erases another identity's blocks
+    (`on_identity_change: reset`) instead of refusing to open."""
+    text = config_text(root, **kw)
+    return build_hierarchy(load_config_text(text + "    on_identity_change: reset\n" if reset else text))
 
 
 def keys(n, start=0):

@@ -27,7 +27,7 @@ import pytest
 from conftest import flip
 from reliability_helpers import BLOCK, assert_settled, build, fill_file_tier, keys, payload, read, store
 
-from kvtier import LookupResult
+from kvtier import ConfigError, LookupResult
 from kvtier.tiers.file import (
     HEADER_BYTES,
     JOURNAL,
@@ -226,17 +226,21 @@ def test_manifest_of_another_model_starts_empty(written, caplog):
     root, on_disk, _ = written
     report = inspect(root, verify=False)
     assert report["fingerprint"] == "model-a/layout-1"
-    served = serve_all(root, fingerprint="model-b/layout-1")
+    with pytest.raises(ConfigError, match="holds the blocks of another model"):  # by default: kept, refused
+        build(root, fingerprint="model-b/layout-1")
+    served = serve_all(root, fingerprint="model-b/layout-1", reset=True)
     assert served == {}
     report = inspect(root)
     assert report["fingerprint"] == "model-b/layout-1" and report["blocks"] == 0
-    # and model A does not get its blocks back either: they were not ours to keep
-    assert serve_all(root) == {}
+    # and model A does not get its blocks back either: they were erased on purpose
+    assert serve_all(root, reset=True) == {}
 
 
 def test_manifest_of_another_block_geometry_starts_empty(written):
     root, _, _ = written
-    h = build(root, block_bytes=2 * BLOCK)
+    with pytest.raises(ConfigError, match="layout: found"):  # the layout names the block geometry
+        build(root, block_bytes=2 * BLOCK)
+    h = build(root, block_bytes=2 * BLOCK, reset=True)
     try:
         assert len(h.manager.tiers[1].policy) == 0
     finally:

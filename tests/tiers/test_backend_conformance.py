@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import registry
+from kvtier import ConfigError, registry
 from kvtier.testing.backend import BackendTests, key, keys, payload
 from kvtier.testing.fake_remote import FakeServer, fake_valkey
 from kvtier.tiers.cpu import CPUBackend
@@ -94,15 +94,18 @@ def test_every_registered_backend_runs_the_suite():
 
 
 def test_a_file_backend_reopened_under_another_identity_serves_nothing(tmp_path):
-    """The suite's reopen keeps the identity; with another model the blocks must not come back."""
+    """The suite's reopen keeps the identity; with another model the blocks must not come back
+    (the open is refused, or with `on_identity_change: reset` they are erased)."""
     suite = TestFileBackend()
     suite.root = tmp_path / "kv"
     backend = suite.make_backend(4, 4096)
     blocks = backend.allocate_blocks([b"k" * 16])
     suite.write_bytes(backend, [b"k" * 16], blocks, [bytes(4096)])
     backend.close()
+    with pytest.raises(ConfigError, match="holds the blocks of another model"):
+        FileBackend("disk", 4, 4096, 16, root_dir=str(suite.root), io="posix", fingerprint="other-model")
     other = FileBackend("disk", 4, 4096, 16, root_dir=str(suite.root), io="posix", fingerprint="other-model",
-                        sync_interval=0)
+                        sync_interval=0, on_identity_change="reset")
     try:
         assert other.recover() == []
     finally:

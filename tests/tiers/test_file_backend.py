@@ -173,7 +173,7 @@ def test_manifest_mismatch_starts_empty(root, caplog, change):
     b = open_backend(root, fingerprint="model-a")
     write(b, [0, 1], [0, 1])
     b.close()
-    options = {"fingerprint": "model-a", **change}
+    options = {"fingerprint": "model-a", **change, "on_identity_change": "reset"}  # (else refused: test_identity)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
         b = open_backend(root, **options)
     assert b.recover() == []
@@ -322,7 +322,7 @@ tiers:
     assert load_config_text(base % ", root_dir: /tmp/x, sync_interval: 0").tiers[1].options["sync_interval"] == 0
     cfg = load_config_text(base % ", root_dir: /tmp/x")
     assert dict(cfg.tiers[1].options) == {"root_dir": "/tmp/x", "io": "auto", "fingerprint": "", "num_threads": 4,
-                                          "sync_interval": 1.0}
+                                          "sync_interval": 1.0, "on_identity_change": "refuse"}
 
 
 def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):

@@ -1,0 +1,86 @@
+"""A Prometheus endpoint for the standalone API: `KVTier.open(..., metrics_port=N)`.
+
+Serves the numbers of `KVTier.stats()` as gauges, read at each scrape: `kvtier_tier_<counter>`
+with a `tier` label for each tier's counters and occupancy (e.g. `kvtier_tier_resident_blocks
+{tier="cpu"}`), and `kvtier_engine_<counter>` for the API's store/load totals (a scrape during a `store` or `load`
+waits for it: `stats()` runs between calls). `prometheus_client`
+(a vLLM dependency; `pip install kvtier[metrics]`) is imported only when an endpoint starts.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from kvtier.errors import ArgumentError, ArgumentTypeError, ConfigError
+
+_NAME = re.compile(r"[^a-zA-Z0-9_]")
+
+
+def check_metrics_port(port: Any) -> None:
+    """Refuse a `metrics_port` that is not None or a TCP port (0: any free one), naming it."""
+    if port is None:
+        return
+    if type(port) is not int:
+        raise ArgumentTypeError(f"metrics_port: {type(port).__name__} {port!r}; an int port (0: any free port)")
+    if not 0 <= port <= 65535:
+        raise ArgumentError(f"metrics_port: {port} is not a TCP port; use 0..65535 (0: any free port)")
+
+
+def stat_families(stats: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, str], float]]:
+    """(metric name, help, labels, value) for each number of a `KVTier.stats()` dict."""
+    for group, values in stats.items():
+        if not isinstance(values, dict):
+            continue
+        prefix, labels = ("kvtier_engine", {}) if group == "engine" else ("kvtier_tier", {"tier": group})
+        for name, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                yield f"{prefix}_{_NAME.sub('_', name)}", f"KVTier.stats() {name}", labels, float(value)
+
+
+class _StatsCollector:
+    """A `prometheus_client` collector reading `stats()` at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]]):
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        families: dict[str, Any] = {}
+        for name, doc, labels, value in stat_families(self._stats()):
+            family = families.get(name)
+            if family is None:
+                family = families[name] = GaugeMetricFamily(name, doc, labels=sorted(labels))
+            family.add_metric([labels[k] for k in sorted(labels)], value)
+        yield from families.values()
+
+
+class MetricsEndpoint:
+    """An HTTP server on `addr:port` (0: a free port; see `url`) serving `stats()` at /metrics
+    on its own thread, until `stop()` (idempotent)."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], port: int, addr: str = "127.0.0.1"):
+        try:
+            from prometheus_client import CollectorRegistry, start_http_server
+        except ImportError:
+            raise ConfigError([("metrics_port", "needs the prometheus_client package "
+                                "(pip install 'kvtier[metrics]')")]) from None
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_StatsCollector(stats))
+        try:
+            server, self._thread = start_http_server(port, addr, registry=registry)
+        except OSError as exc:
+            raise ArgumentError(f"metrics_port: cannot serve on {addr}:{port} ({exc}); "
+                                "pick a free port, or 0 for any") from None
+        self._server: Any = server  # (None once stopped)
+        self.port: int = server.server_port
+        self.url = f"http://{addr}:{self.port}/metrics"
+
+    def stop(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+            self._thread.join(5)
