@@ -116,6 +116,9 @@ class EngineJobHandler(ThreadedHandler):
         try:
             super()._run(job_id, src, dst)  # reports through on_done
         finally:
+            # No CUDA object may outlive its job in thread-local state: a fork tears other
+            # threads' states down in the child, and destroying a CUDA event there aborts it.
+            self._job_local.ready = None
             with self._job_lock:
                 reported = self._reported.pop(job_id, None)
             if reported is not None:
