@@ -5,9 +5,10 @@ pinned copy of the same bytes: GB/s and ratio per page size, direction and copy 
 
 Each measurement moves `--total-mib` through the real handlers (`make_handler` over a pinned
 `CPUBackend`), in jobs of 16 MiB (256 blocks of 64 KiB, 16 of 2 MiB, as vLLM submits them),
-slots a random permutation; best of `--repeats`. Paths: `staged` (the bounce path),
-and `auto` (the fast path the self-check chose, named in the JSON), plus `batch`/`loop` each
-alone. Every load is checked byte for byte against the engine's bytes before the store.
+slots a random permutation; best of `--repeats`. Paths: `staged` (the bounce path), `auto`
+(the fast path the self-check chose, named in the JSON), and `batch`, `bindings` and `loop`
+each alone (`KVTIER_GPU_COPY`). Every load is checked byte for byte against the engine's bytes
+before the store.
 Exits 2 with "skipped: no CUDA" where torch sees no GPU.
 """
 
@@ -21,7 +22,7 @@ import sys
 import time
 
 JOB_BYTES = 16 << 20
-MODES = ("staged", "auto", "batch", "loop")
+MODES = ("staged", "auto", "batch", "bindings", "loop")
 
 
 def parse_size(text: str) -> int:

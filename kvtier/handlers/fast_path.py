@@ -4,14 +4,15 @@ A fast path (a `kvtier.handlers.cuda_copy.Submitter`: one DMA per page straight 
 engine and its CPU slot) is used only after it proved itself on that device: at first use it
 copies a known pattern from a device buffer to scattered pages of pinned host memory and back,
 and every byte must match (`check_round_trip`). The candidates are tried in order
-(`cudaMemcpyBatchAsync`, then the compiled `cudaMemcpyAsync` loop); the first that passes is
-kept. If any fails (an exception or a wrong byte), ONE warning names the cause and what is used
-instead, for the rest of the process: the next candidate, or (`None`) the staged path the
-handlers had before (device staging buffer and a pinned bounce buffer). A wrong CUDA call may
-cost speed, never bytes.
+(`cudaMemcpyBatchAsync` through ctypes, the same through cuda-bindings, then the compiled
+`cudaMemcpyAsync` loop); the first that passes is kept. If any fails (an exception or a wrong
+byte), ONE warning names the cause and what is used instead, for the rest of the process: the
+next candidate, or (`None`) the staged path the handlers had before (device staging buffer and a
+pinned bounce buffer). A wrong CUDA call may cost speed, never bytes.
 
-`KVTIER_GPU_COPY` (read at the first decision) narrows the choice: `auto` (default), `batch`,
-`loop`, or `staged` (no fast path: for comparisons and as an escape hatch).
+`KVTIER_GPU_COPY` (read when a handler is built and at the first decision) narrows the choice:
+`auto` (default), `batch`, `bindings`, `loop`, or `staged` (no fast path: for comparisons and as
+an escape hatch).
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvtier.handlers.copy_plan import CopyPlan
-from kvtier.handlers.cuda_copy import CopyError, Submitter, make_batch_submitter, make_loop_submitter
+from kvtier.handlers.cuda_copy import (
+    CopyError,
+    Submitter,
+    make_batch_submitter,
+    make_c_batch_submitter,
+    make_loop_submitter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +39,11 @@ PROBE_PAGES = 16
 STAGED = "the staged path (device staging buffer, pinned bounce buffer, host row copies)"
 Candidate = tuple[str, Callable[[], Submitter]]
 CANDIDATES: dict[str, Candidate] = {
-    "batch": ("cudaMemcpyBatchAsync", make_batch_submitter),
+    "batch": ("cudaMemcpyBatchAsync", make_c_batch_submitter),
+    "bindings": ("cudaMemcpyBatchAsync (cuda.bindings)", make_batch_submitter),
     "loop": ("cudaMemcpyAsync loop", make_loop_submitter),
 }
-MODES = ("auto", "batch", "loop", "staged")
+MODES = ("auto", "batch", "bindings", "loop", "staged")
 
 
 def candidates_for(mode: str) -> list[Candidate]:
@@ -43,7 +51,7 @@ def candidates_for(mode: str) -> list[Candidate]:
     if mode not in MODES:
         raise ValueError(f"KVTIER_GPU_COPY={mode!r} is not a copy path; use one of {', '.join(MODES)}")
     if mode == "auto":
-        return [CANDIDATES["batch"], CANDIDATES["loop"]]
+        return [CANDIDATES["batch"], CANDIDATES["bindings"], CANDIDATES["loop"]]
     return [] if mode == "staged" else [CANDIDATES[mode]]
 
 

@@ -12,7 +12,14 @@ import pytest
 
 from kvtier.handlers import fast_path
 from kvtier.handlers.copy_plan import CopyPlan
-from kvtier.handlers.cuda_copy import CUDA_MEMCPY_DEFAULT, CopyError, LoopSubmitter
+from kvtier.handlers.cuda_copy import (
+    CUDA_MEMCPY_DEFAULT,
+    SRC_ACCESS_ORDER_STREAM,
+    CBatchSubmitter,
+    CopyError,
+    LoopSubmitter,
+    batch_prototype,
+)
 
 torch = pytest.importorskip("torch")
 
@@ -77,6 +84,52 @@ def test_the_loop_refuses_mismatched_arrays_and_a_null_function():
         LoopSubmitter(FakeMemcpyAsync().address).submit(plan, 0)
     with pytest.raises(ValueError, match="null cudaMemcpyAsync"):
         LoopSubmitter(0).submit(CopyPlan(*(np.zeros(1, dtype=np.int64),) * 3), 0)
+
+
+class FakeBatch:
+    """A C function with cudaMemcpyBatchAsync's prototype (CUDA 12.8/12.9 with failIdx, or 13)
+    that checks the one attribute and memmoves every descriptor, or fails at descriptor `fail_at`."""
+
+    def __init__(self, with_fail_index: bool, fail_at: int | None = None):
+        self.with_fail_index, self.fail_at, self.calls = with_fail_index, fail_at, []
+        self.function = batch_prototype(with_fail_index)(self._call)
+
+    def _call(self, dsts, srcs, sizes, count, attrs, attr_idxs, num_attrs, *rest):
+        self.calls.append((count, num_attrs, rest[-1]))
+        order = ctypes.c_uint32.from_address(attrs).value
+        if num_attrs != 1 or ctypes.c_size_t.from_address(attr_idxs).value != 0 or order != SRC_ACCESS_ORDER_STREAM:
+            return 1  # cudaErrorInvalidValue
+        arrays = [(ctypes.c_int64 * count).from_address(a) for a in (dsts, srcs, sizes)]
+        for i, (d, s, n) in enumerate(zip(*arrays)):
+            if i == self.fail_at:
+                if self.with_fail_index:
+                    ctypes.c_size_t.from_address(rest[0]).value = i
+                return 1
+            ctypes.memmove(d, s, n)
+        return 0
+
+
+@pytest.mark.parametrize("with_fail_index", [True, False], ids=["cuda12.8", "cuda13"])
+def test_one_batch_call_moves_every_descriptor(with_fail_index):
+    fake = FakeBatch(with_fail_index)
+    src = torch.randint(0, 256, (12 * 32,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    order = [11, 4, 0, 7, 2, 9, 1, 10, 3, 8, 5, 6]
+    CBatchSubmitter(fake.function, with_fail_index).submit(scattered_plan(src, dst, 32, order), stream=0x5EED)
+    assert torch.equal(dst.view(12, 32)[order], src.view(12, 32))
+    assert fake.calls == [(12, 1, 0x5EED)]  # one call, one attribute, the handler's stream
+    CBatchSubmitter(fake.function, with_fail_index).submit(CopyPlan(*(np.zeros(0, dtype=np.int64),) * 3), 1)
+    assert len(fake.calls) == 1  # an empty plan calls nothing
+
+
+@pytest.mark.parametrize("with_fail_index", [True, False], ids=["cuda12.8", "cuda13"])
+def test_a_failing_batch_call_raises_with_the_index_where_cuda_gives_it(with_fail_index):
+    fake = FakeBatch(with_fail_index, fail_at=3)
+    src = torch.randint(0, 256, (6 * 32,), dtype=torch.uint8)
+    expected = "returned error 1 at descriptor 3$" if with_fail_index else "returned error 1$"
+    with pytest.raises(CopyError, match=expected):
+        CBatchSubmitter(fake.function, with_fail_index).submit(
+            scattered_plan(src, torch.zeros_like(src), 32, range(6)), stream=7)
 
 
 class Memmove:
@@ -157,8 +210,8 @@ def test_no_working_fast_path_means_the_staged_path_with_one_warning(caplog):
 
 
 def test_copy_modes():
-    assert [name for name, _ in fast_path.candidates_for("auto")] == ["cudaMemcpyBatchAsync",
-                                                                        "cudaMemcpyAsync loop"]
+    assert [name for name, _ in fast_path.candidates_for("auto")] == [
+        "cudaMemcpyBatchAsync", "cudaMemcpyBatchAsync (cuda.bindings)", "cudaMemcpyAsync loop"]
     assert fast_path.candidates_for("staged") == []
     with pytest.raises(ValueError, match="KVTIER_GPU_COPY='fast' is not a copy path; use one of auto, batch"):
         fast_path.candidates_for("fast")
@@ -166,7 +219,7 @@ def test_copy_modes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["batch", "loop"])
+@pytest.mark.parametrize("mode", ["batch", "bindings", "loop"])
 def test_each_cuda_submitter_passes_the_self_check(mode):
     name, make = fast_path.candidates_for(mode)[0]
     submitter = make()
