@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
-COMPAT_COST = "0.4-0.8x of staged on an H100, docs/benchmarks.md"
+COMPAT_COST = "0.4-0.8x of staged on an H100 (docs/benchmarks.md)"
 
 
 @dataclass(frozen=True)
@@ -57,11 +57,11 @@ def choose_file_path(io: str, facts: PlatformFacts) -> tuple[str, str]:
     if io == "kvikio":
         if facts.nvidia_fs:
             return "direct", "io: kvikio, GPUDirect Storage (nvidia-fs driver loaded)"
-        return "direct", f"io: kvikio chosen explicitly; no nvidia-fs driver, so kvikio runs in compatibility mode " \
-                         f"({COMPAT_COST})"
+        return "direct", f"io: kvikio chosen explicitly; no nvidia-fs driver, so kvikio runs in compatibility mode, " \
+                         f"{COMPAT_COST}"
     if facts.nvidia_fs:
         return "direct", "GPUDirect Storage: the nvidia-fs driver is loaded"
-    return "staged", f"no nvidia-fs driver: kvikio would run in compatibility mode ({COMPAT_COST})"
+    return "staged", f"no nvidia-fs driver: kvikio would run in compatibility mode, {COMPAT_COST}"
 
 
 def file_path(io: str = "auto", cuda: bool | None = None) -> tuple[str, str]:
