@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.handlers.kv_layout import KVLayout, byte_rows
+from kvtier.handlers.kv_layout import KVLayout
 from kvtier.specs import GPULoadStoreSpec
 
 
@@ -65,8 +65,8 @@ def plan_copies(layout: KVLayout, spec: GPULoadStoreSpec, slots, region, to_cpu:
         places = slot_base[gi.pos.numpy()]  # the slot of each engine block of the group
         sub = gi.sub.numpy()
         for seg in layout.groups[gi.group]:
-            rows = byte_rows(layout.tensors[seg.tensor_idx], seg.page)
-            engine_parts.append(rows.data_ptr() + ids * rows.stride(0))
+            rows = layout.engine_rows(seg.tensor_idx, seg.page)  # cached view: row r = block r's page
+            engine_parts.append(rows.data_ptr() + ids * (rows.stride(0) * rows.element_size()))
             slot_parts.append(places + seg.offset + sub * seg.page)
             size_parts.append(np.full(len(ids), seg.page, dtype=np.int64))
     if not size_parts:

@@ -142,20 +142,23 @@ class EngineJobHandler(ThreadedHandler):
 class CudaKVCopyHandler(EngineJobHandler):
     """Engine KV cache on CUDA <-> pinned CPU tier.
 
-    One worker thread runs the jobs in submission order on a dedicated stream that first waits for
-    the compute stream (see `EngineJobHandler`). With a pinned region and a fast path that passed
-    its self-check on the device (`fast_path.cuda_fast_path`), every page moves straight between
-    the engine and its slot: one plan of descriptors per job (`plan_copies`), submitted in one
-    call, whatever the slot order and for a byte range of each slot too. Otherwise (the staged
-    path) a job gathers/scatters on the device through a staging buffer laid out like the slots
-    and moves it with one non-blocking DMA when the slots are consecutive, else through a pinned
-    bounce buffer and one batched host-side row copy; a layout that owns only a byte range of each
+    Two worker threads run the jobs on one dedicated stream; each job's stream work first waits
+    for its compute-stream event (see `EngineJobHandler`), and jobs may complete out of order.
+    With a pinned region and a fast path that passed its self-check on the device
+    (`fast_path.cuda_fast_path`), every page moves straight between the engine and its slot: one
+    plan of descriptors per job (`plan_copies`), submitted in one call, whatever the slot order
+    and for a byte range of each slot too. Otherwise (the staged path) a job gathers/scatters on
+    the device through a staging buffer laid out like the slots and moves it with one
+    non-blocking DMA when the slots are consecutive, else through a pinned bounce buffer and one
+    batched host-side row copy; a layout that owns only a byte range of each
     slot always goes through the bounce buffer there. The thread waits for the job's end event,
     then reports.
     """
 
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_cpu: bool):
-        super().__init__(layout, 1, "kvtier-gpu-cpu" if to_cpu else "kvtier-cpu-gpu")
+        # Two threads on one stream: a job's host work (plan, submission) overlaps the previous
+        # job's DMA. Each job's stream work is in order: wait for its event, copy, record its end.
+        super().__init__(layout, 2, "kvtier-gpu-cpu" if to_cpu else "kvtier-cpu-gpu")
         import torch
 
         self.backends, self.to_cpu = dict(backends), to_cpu
