@@ -37,11 +37,13 @@ class PlatformFacts:
 
 
 def platform_facts(cuda: bool | None = None) -> PlatformFacts:
-    """This machine's facts; `cuda` None means "an NVIDIA GPU is visible" (device nodes)."""
+    """This machine's facts; `cuda` None means "an NVIDIA GPU is visible" (device nodes). Without
+    CUDA nothing else matters and nothing else is probed (kvikio is not imported): all False."""
     from kvtier.tiers import fileio
 
-    nvidia_fs = fileio.gds_platform()
-    return PlatformFacts(fileio.gpu_present() if cuda is None else cuda, fileio.kvikio_importable(), nvidia_fs)
+    if not (fileio.gpu_present() if cuda is None else cuda):
+        return PlatformFacts(False, False, False)
+    return PlatformFacts(True, fileio.kvikio_importable(), fileio.gds_platform())
 
 
 def choose_file_path(io: str, facts: PlatformFacts) -> tuple[str, str]:

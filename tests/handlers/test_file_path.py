@@ -47,6 +47,12 @@ def test_the_platform_facts_come_from_the_driver_files(monkeypatch, nvidia_fs):
     assert file_path("kvikio", cuda=True)[0] == "direct"
 
 
+def test_without_cuda_kvikio_is_not_even_imported(monkeypatch):
+    monkeypatch.setattr(fileio, "kvikio_importable", lambda: pytest.fail("kvikio probed without CUDA"))
+    assert platform_facts(cuda=False) == PlatformFacts(False, False, False)
+    assert file_path("kvikio", cuda=False) == ("staged", "the KV cache is not on a CUDA device")
+
+
 def kv_caches():
     return CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros((8, 4096), dtype=torch.uint8), 4096)], None)
 
