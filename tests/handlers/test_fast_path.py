@@ -126,10 +126,11 @@ def test_one_batch_call_moves_every_descriptor(with_fail_index):
 def test_a_failing_batch_call_raises_with_the_index_where_cuda_gives_it(with_fail_index):
     fake = FakeBatch(with_fail_index, fail_at=3)
     src = torch.randint(0, 256, (6 * 32,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)  # alive while the plan's addresses are written
     expected = "returned error 1 at descriptor 3$" if with_fail_index else "returned error 1$"
     with pytest.raises(CopyError, match=expected):
-        CBatchSubmitter(fake.function, with_fail_index).submit(
-            scattered_plan(src, torch.zeros_like(src), 32, range(6)), stream=7)
+        CBatchSubmitter(fake.function, with_fail_index).submit(scattered_plan(src, dst, 32, range(6)), stream=7)
+    assert torch.equal(dst[:3 * 32], src[:3 * 32]) and int(dst[3 * 32:].sum()) == 0
 
 
 class Memmove:
