@@ -133,6 +133,43 @@ def test_a_failing_batch_call_raises_with_the_index_where_cuda_gives_it(with_fai
     assert torch.equal(dst[:3 * 32], src[:3 * 32]) and int(dst[3 * 32:].sum()) == 0
 
 
+class FakeCudart:
+    """Stands for a loaded libcudart: a runtime version and cudaMemcpyBatchAsync stand-ins of
+    both prototypes (the one the version calls for is the one that works)."""
+
+    def __init__(self, version: int):
+        self.version = version
+        self.batches = {True: FakeBatch(True), False: FakeBatch(False)}
+        self.cudaMemcpyBatchAsync = self.batches[version < 13000].function
+
+    def cudaRuntimeGetVersion(self, out) -> int:
+        out._obj.value = self.version
+        return 0
+
+
+@pytest.mark.parametrize("version,fail_index", [(12080, True), (12090, True), (13000, False), (13020, False)])
+def test_the_batch_prototype_follows_the_runtime_version(monkeypatch, version, fail_index):
+    from kvtier.handlers import cuda_copy
+
+    fake = FakeCudart(version)
+    monkeypatch.setattr(cuda_copy, "loaded_cudart", lambda: fake)
+    submitter = cuda_copy.make_c_batch_submitter()
+    assert submitter.with_fail_index is fail_index
+    src = torch.randint(0, 256, (4 * 16,), dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+    submitter.submit(scattered_plan(src, dst, 16, [2, 0, 3, 1]), stream=9)
+    assert torch.equal(dst.view(4, 16)[[2, 0, 3, 1]], src.view(4, 16))
+    assert fake.batches[fail_index].calls == [(4, 1, 9)]
+
+
+def test_a_runtime_older_than_12_8_has_no_batch_path(monkeypatch):
+    from kvtier.handlers import cuda_copy
+
+    monkeypatch.setattr(cuda_copy, "loaded_cudart", lambda: FakeCudart(12040))
+    with pytest.raises(CopyError, match=r"CUDA runtime 12.4 has no cudaMemcpyBatchAsync \(needs 12.8\)"):
+        cuda_copy.make_c_batch_submitter()
+
+
 class Memmove:
     """A fake submitter that executes plans with memmove (what a correct CUDA path does)."""
 
