@@ -14,7 +14,8 @@
 #      paths, against one contiguous pinned copy (scripts/bench_gpu_copy.py -> gpu_copy.json);
 #   4. runs `kvtier bench hops` (-> hops.json) and records which fast path the self-check chose
 #      and which engine<->file path `io: auto` takes here (-> paths.txt).
-# Everything goes under ${OUT:-./gpu-check-out}: one log per step, summary.txt.
+# Everything goes under ${OUT:-./gpu-check-out} (relative to the checkout): one log per step,
+# summary.txt.
 #
 # Exit status: 0 every step passed; 1 a step failed (summary.txt names it); 3 no CUDA on this
 # machine: nothing is run, and the script says "no CUDA" (on a CPU-only machine that is the
@@ -42,7 +43,10 @@ if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
   say "no CUDA: torch is missing or sees no GPU on this machine; nothing was run (see $OUT/cuda.log)"
   exit 3
 fi
-"$PY" -c 'import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0))' | tee -a "$SUMMARY"
+"$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))' \
+  | tee -a "$SUMMARY"
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max \
+  --format=csv,noheader >> "$SUMMARY" 2>&1
 
 status=0
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
