@@ -8,7 +8,9 @@ and every byte must match (`check_round_trip`). The candidates are tried in orde
 `cudaMemcpyAsync` loop); the first that passes is kept. If any fails (an exception or a wrong
 byte), ONE warning names the cause and what is used instead, for the rest of the process: the
 next candidate, or (`None`) the staged path the handlers had before (device staging buffer and a
-pinned bounce buffer). A wrong CUDA call may cost speed, never bytes.
+pinned bounce buffer). A wrong CUDA call may cost speed, never bytes: a fast path that fails a
+job later (`demote_cuda`) is dropped the same way, with one warning, and that job is redone on
+the staged path.
 
 `KVTIER_GPU_COPY` (read when a handler is built and at the first decision) narrows the choice:
 `auto` (default), `batch`, `bindings`, `loop`, or `staged` (no fast path: for comparisons and as
@@ -86,6 +88,16 @@ class FastPathChoice:
             log.info("engine<->CPU copies on %s: %s", key, using if candidates else f"{using} (KVTIER_GPU_COPY)")
         return chosen
 
+    def demote(self, key: Any, submitter: Submitter, why: str) -> None:
+        """`submitter` failed a job on `key`: the staged path from now on (one WARNING, from the
+        first handler that reports it)."""
+        with self._lock:
+            if self._chosen.get(key) is not submitter:
+                return
+            self._chosen[key] = None
+        log.warning("engine<->CPU copies on %s: %s failed a job (%s); using %s in this process",
+                    key, submitter.name, why, STAGED)
+
     def forget(self) -> None:
         """Drop every decision (tests)."""
         with self._lock:
@@ -136,12 +148,24 @@ def _compare(what: str, got, expected) -> None:
                         f"(got {int(got[at])}, expected {int(expected[at])})")
 
 
+def _key(device) -> str:
+    import torch
+
+    device = torch.device(device)
+    return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+
+
+def demote_cuda(device, submitter: Submitter, why: str) -> None:
+    """A job on `device` failed in `submitter`: the device's later jobs take the staged path."""
+    CHOICE.demote(_key(device), submitter, why)
+
+
 def cuda_fast_path(device) -> Submitter | None:
     """The fast path for a CUDA `device`, self-checked on first use (module docstring)."""
     import torch
 
-    device = torch.device(device)
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    key = _key(device)
+    index = int(key.split(":")[1])
 
     def check(submitter: Submitter) -> None:
         with torch.cuda.device(index):
@@ -151,4 +175,4 @@ def cuda_fast_path(device) -> Submitter | None:
             with torch.cuda.stream(stream):
                 check_round_trip(submitter, engine, host, stream.cuda_stream, stream.synchronize)
 
-    return CHOICE.get(f"cuda:{index}", candidates_for(os.environ.get("KVTIER_GPU_COPY", "auto")), check)
+    return CHOICE.get(key, candidates_for(os.environ.get("KVTIER_GPU_COPY", "auto")), check)

@@ -27,6 +27,7 @@ from typing import Any
 
 from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler, pick_backend, serving
 from kvtier.handlers.copy_plan import plan_copies
+from kvtier.handlers.cuda_copy import CopyError
 from kvtier.handlers.kv_layout import ChunkedKVCaches, KVLayout, Segment, blocks_per_chunk_of, byte_rows, slot_range_of
 from kvtier.handlers.rows import common_words, run_start, words
 from kvtier.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
@@ -167,7 +168,8 @@ class CudaKVCopyHandler(EngineJobHandler):
         self._fast_known = False  # the fast path is decided (self-checked) on the first job
 
     def fast_path(self) -> Any:
-        """The device's self-checked fast path (a `cuda_copy.Submitter`), or None: the staged path."""
+        """The device's self-checked fast path (a `cuda_copy.Submitter`), or None: the staged path
+        (for good once a job failed in the fast path: that job is redone on the staged path)."""
         if not self._fast_known:
             from kvtier.handlers.fast_path import cuda_fast_path
 
@@ -186,8 +188,14 @@ class CudaKVCopyHandler(EngineJobHandler):
             raise IndexError(f"slot {int(slots.max())} >= {backend.num_blocks} slots of tier {backend.name!r}")
         fast = self.fast_path() if getattr(backend, "pinned", False) else None
         if fast is not None:
-            self._copy_direct(fast, backend, gpu, slots)
-            return self.layout.bytes_of(gpu)
+            try:
+                self._copy_direct(fast, backend, gpu, slots)
+                return self.layout.bytes_of(gpu)
+            except CopyError as exc:  # the staged path redoes the whole job, on the same stream
+                from kvtier.handlers.fast_path import demote_cuda
+
+                self._fast = None
+                demote_cuda(self.device, fast, str(exc))
         if not self.layout.owns_whole_slot:
             self._copy_part(backend, gpu, slots)
             return self.layout.bytes_of(gpu)

@@ -247,6 +247,17 @@ def test_no_working_fast_path_means_the_staged_path_with_one_warning(caplog):
     assert choice.get("cuda:2", [("loop", Memmove)], host_check) is not None  # per device
 
 
+def test_a_path_that_fails_a_job_is_dropped_with_one_warning(caplog):
+    choice = fast_path.FastPathChoice()
+    good = choice.get("cuda:0", [("memmove", Memmove)], host_check)
+    with caplog.at_level(logging.WARNING, logger="kvtier.handlers.fast_path"):
+        choice.demote("cuda:0", good, "error 700")
+        choice.demote("cuda:0", good, "error 700")  # the other handler of the device, later
+        choice.demote("cuda:1", Memmove(), "not that device's path")
+    assert choice.get("cuda:0", [("memmove", Memmove)], host_check) is None
+    assert len(caplog.records) == 1 and "memmove failed a job (error 700)" in caplog.records[0].getMessage()
+
+
 def test_copy_modes():
     assert [name for name, _ in fast_path.candidates_for("auto")] == [
         "cudaMemcpyBatchAsync", "cudaMemcpyBatchAsync (cuda.bindings)", "cudaMemcpyAsync loop"]

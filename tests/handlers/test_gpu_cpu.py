@@ -389,6 +389,38 @@ def test_cuda_handler_moves_pages_straight_into_pinned_slots(fake_cuda_api, host
         jobs.close()
 
 
+def test_a_job_that_fails_in_the_fast_path_is_redone_on_the_staged_path(fake_cuda_api, monkeypatch, tier):
+    """A fast path that fails a job (a CUDA error after its self-check passed) is dropped: the job
+    still succeeds, byte-exact, through the staged path, and so do the next ones."""
+    from kvtier.handlers import fast_path
+    from kvtier.handlers.cuda_copy import CopyError
+    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+
+    class Failing(HostDMA):
+        def submit(self, plan, stream) -> None:
+            self.plans.append(plan)
+            raise CopyError("cudaMemcpyBatchAsync of 3 descriptors returned error 700")
+
+    failing, demoted = Failing(), []
+    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: failing)
+    monkeypatch.setattr(fast_path, "demote_cuda", lambda device, submitter, why: demoted.append((submitter, why)))
+    kv = make_kv()
+    layout, backend = tier(kv, 1)
+    backend.pinned = True
+    handler = CudaKVCopyHandler({"cpu": backend}, layout, True)
+    jobs = Jobs(handler)
+    try:
+        for job_id, (ids, slots) in enumerate((([1, 2], [5, 3]), ([4], [7]))):
+            spec = GPULoadStoreSpec(ids, group_sizes=[len(ids), 0])
+            assert jobs.run(handler, job_id, spec, CPULoadStoreSpec(slots, tier="cpu")).success
+            for (slot, off), page in expected_slot_bytes(layout, kv, spec, slots).items():
+                assert bytes(backend.view(slot)[off:off + len(page)]) == page
+        assert len(failing.plans) == 1 and demoted == [(failing, "cudaMemcpyBatchAsync of 3 descriptors "
+                                                                 "returned error 700")]
+    finally:
+        jobs.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["batch", "bindings", "loop", "staged"])
