@@ -310,12 +310,20 @@ def fake_cuda_api(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["staged", "fast-path"])
 @pytest.mark.parametrize("slots", [[4, 5, 6, 7], [9, 2, 13, 0]], ids=["consecutive", "scattered"])
-def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, tier, slots):
+def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, monkeypatch, tier, slots, fast):
+    """`fast`: a pinned region and a self-checked fast path (a `HostDMA`): a job is one plan of
+    page <-> slot-place copies, whatever the slot order."""
+    from kvtier.handlers import fast_path
     from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
 
     kv = make_kv()
     layout, backend = tier(kv, 2)
+    dma = HostDMA()
+    if fast:
+        monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: dma)
+        backend.pinned = True
     store_h = CudaKVCopyHandler({"cpu": backend}, layout, True)
     load_h = CudaKVCopyHandler({"cpu": backend}, layout, False)
     jobs = Jobs(store_h, load_h)
@@ -332,6 +340,7 @@ def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, tier, slots):
         assert torch.equal(kv.tensors[t_idx].tensor[11:18, :page], before[t_idx][1:8, :page])
     bad = jobs.run(store_h, 3, store, CPULoadStoreSpec([1], tier="cpu"))
     assert not bad.success
+    assert [p.nbytes for p in dma.plans] == ([layout.bytes_of(store)] * 2 if fast else [])
     store_h.shutdown()
     load_h.shutdown()
 
@@ -360,33 +369,6 @@ def host_dma(monkeypatch):
     dma = HostDMA()
     monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: dma)
     return dma
-
-
-@pytest.mark.parametrize("slots", [[4, 5, 6, 7], [9, 2, 13, 0]], ids=["consecutive", "scattered"])
-def test_cuda_handler_moves_pages_straight_into_pinned_slots(fake_cuda_api, host_dma, tier, slots):
-    """With a pinned region and a fast path, a job is one plan of page <-> slot-place copies."""
-    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
-
-    kv = make_kv()
-    layout, backend = tier(kv, 2)
-    backend.pinned = True
-    store_h, load_h = (CudaKVCopyHandler({"cpu": backend}, layout, to_cpu) for to_cpu in (True, False))
-    jobs = Jobs(store_h, load_h)
-    store = GPULoadStoreSpec([1, 2, 3, 4, 5, 6, 7], group_sizes=[5, 2], block_indices=[1, 0])
-    load = GPULoadStoreSpec([11, 12, 13, 14, 15, 16, 17], group_sizes=[5, 2], block_indices=[1, 0])
-    try:
-        assert jobs.run(store_h, 1, store, CPULoadStoreSpec(slots, tier="cpu")).success
-        for (slot, off), page in expected_slot_bytes(layout, kv, store, slots).items():
-            assert bytes(backend.view(slot)[off:off + len(page)]) == page
-        before = [t.tensor.clone() for t in kv.tensors]
-        for t in kv.tensors:
-            t.tensor.zero_()
-        assert jobs.run(load_h, 2, CPULoadStoreSpec(slots, tier="cpu"), load).success
-        for t_idx, page in enumerate((256, 512)):
-            assert torch.equal(kv.tensors[t_idx].tensor[11:18, :page], before[t_idx][1:8, :page])
-        assert len(host_dma.plans) == 2 and all(p.nbytes == layout.bytes_of(store) for p in host_dma.plans)
-    finally:
-        jobs.close()
 
 
 def test_a_job_that_fails_in_the_fast_path_is_redone_on_the_staged_path(fake_cuda_api, monkeypatch, tier):
