@@ -2,13 +2,14 @@
 pinned copy of the same bytes: GB/s and ratio per page size, direction and copy path.
 
     python scripts/bench_gpu_copy.py --json OUT.json [--total-mib 512] [--pages 64KiB,256KiB,2MiB]
+                                     [--slots scattered,consecutive]
 
 Each measurement moves `--total-mib` through the real handlers (`make_handler` over a pinned
 `CPUBackend`), in jobs of 16 MiB (256 blocks of 64 KiB, 16 of 2 MiB, as vLLM submits them),
-slots a random permutation; best of `--repeats`. Paths: `staged` (the bounce path), `auto`
-(the fast path the self-check chose, named in the JSON), and `batch`, `bindings` and `loop`
-each alone (`KVTIER_GPU_COPY`). Every load is checked byte for byte against the engine's bytes
-before the store.
+slots a random permutation (and, for comparison, consecutive); best of `--repeats`. Paths:
+`staged` (the bounce path), `auto` (the fast path the self-check chose, named in the JSON), and
+`batch`, `bindings` and `loop` each alone (`KVTIER_GPU_COPY`). Every load is checked byte for
+byte against the engine's bytes before the store.
 Exits 2 with "skipped: no CUDA" where torch sees no GPU.
 """
 
@@ -64,7 +65,7 @@ def run_jobs(handler, jobs, results) -> float:
     return elapsed
 
 
-def measure(torch, page: int, total: int, mode: str, repeats: int) -> dict:
+def measure(torch, page: int, total: int, mode: str, repeats: int, order: str) -> dict:
     from kvtier import CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec, GPULoadStoreSpec
     from kvtier.handlers import fast_path
     from kvtier.handlers.gpu_cpu import make_handler
@@ -82,7 +83,7 @@ def measure(torch, page: int, total: int, mode: str, repeats: int) -> dict:
     store.bind(results.append)
     load.bind(results.append)
     try:
-        slots = random.Random(page).sample(range(n), n)
+        slots = random.Random(page).sample(range(n), n) if order == "scattered" else list(range(n))
         per_job = max(1, JOB_BYTES // page)
         cuts = range(0, n, per_job)
         stores = [(GPULoadStoreSpec(range(a, min(n, a + per_job))), CPULoadStoreSpec(slots[a:a + per_job]))
@@ -98,7 +99,7 @@ def measure(torch, page: int, total: int, mode: str, repeats: int) -> dict:
             if not torch.equal(engine, original):
                 raise RuntimeError(f"{mode} {page} B pages: the loaded bytes differ from the stored ones")
         chosen = store.fast_path()
-        return {"page": page, "mode": mode, "path": chosen.name if chosen is not None else "staged",
+        return {"page": page, "slots": order, "mode": mode, "path": chosen.name if chosen is not None else "staged",
                 "jobs": len(stores), "d2h_gbps": total / best_store / 1e9, "h2d_gbps": total / best_load / 1e9}
     finally:
         store.shutdown()
@@ -112,7 +113,10 @@ def main(argv=None) -> int:
     parser.add_argument("--total-mib", type=int, default=512)
     parser.add_argument("--pages", default="64KiB,256KiB,2MiB")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--slots", default="scattered,consecutive", help="slot orders to measure")
     args = parser.parse_args(argv)
+    if set(args.slots.split(",")) - {"scattered", "consecutive"}:
+        parser.error(f"--slots {args.slots!r}: use scattered, consecutive or both (comma-separated)")
     import torch
 
     if not torch.cuda.is_available():
@@ -122,11 +126,11 @@ def main(argv=None) -> int:
     d2h, h2d = contiguous_gbps(torch, total, args.repeats)
     rows = []
     for page in (parse_size(p) for p in args.pages.split(",")):
-        for mode in MODES:
+        for order, mode in [(o, m) for o in args.slots.split(",") for m in MODES]:
             try:
-                row = measure(torch, page, total, mode, args.repeats)
+                row = measure(torch, page, total, mode, args.repeats, order)
             except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
-                row = {"page": page, "mode": mode, "error": f"{type(exc).__name__}: {exc}"}
+                row = {"page": page, "slots": order, "mode": mode, "error": f"{type(exc).__name__}: {exc}"}
             if "error" not in row:
                 row["d2h_ratio"], row["h2d_ratio"] = row["d2h_gbps"] / d2h, row["h2d_gbps"] / h2d
             rows.append(row)

@@ -10,8 +10,9 @@
 #   1. builds the compiled extensions in place (the memcpy loop, the policy indexes);
 #   2. runs the `gpu` tests, then the handler tests followed by the fork test of issue 25 in the
 #      same process (tests/reliability/test_regions.py);
-#   3. measures engine<->CPU with scattered slots, 64 KiB / 256 KiB / 2 MiB pages, staged and fast
-#      paths, against one contiguous pinned copy (scripts/bench_gpu_copy.py -> gpu_copy.json);
+#   3. measures engine<->CPU with scattered (and consecutive) slots, 64 KiB / 256 KiB / 2 MiB pages,
+#      staged and fast paths, against one contiguous pinned copy (scripts/bench_gpu_copy.py ->
+#      gpu_copy.json);
 #   4. runs `kvtier bench hops` (-> hops.json) and records which fast path the self-check chose
 #      and which engine<->file path `io: auto` takes here (-> paths.txt).
 # Everything goes under ${OUT:-./gpu-check-out} (relative to the checkout): one log per step,
@@ -63,7 +64,7 @@ step build 120 "$PY" setup.py build_ext --inplace -q
 step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/handlers tests/tiers
 step handler-and-fork-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/handlers \
   tests/reliability/test_regions.py
-step gpu-copy-bench 90 "$PY" scripts/bench_gpu_copy.py --json "$OUT/gpu_copy.json"
+step gpu-copy-bench 150 "$PY" scripts/bench_gpu_copy.py --json "$OUT/gpu_copy.json"
 step bench-hops 90 "$PY" -m kvtier.cli.main bench hops --no-progress --block-sizes 64KiB,256KiB,2MiB \
   --json "$OUT/hops.json"
 step paths 30 "$PY" - <<'EOF'
