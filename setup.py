@@ -1,5 +1,6 @@
 """Builds kvtier's compiled modules, the indexes of `lru` (kvtier/policies/_compact_lru.pyx) and
-`prefix-freq` (kvtier/policies/_compact_prefix.pyx).
+`prefix-freq` (kvtier/policies/_compact_prefix.pyx), and the `cudaMemcpyAsync` loop of the engine <-> CPU
+handlers (kvtier/handlers/_memcpy_loop.pyx; no CUDA headers needed: it calls a function address).
 
 Everything else is in pyproject.toml. The extensions are optional: without a C compiler (or
 Cython, outside pip's build isolation) the install succeeds and both policies run their
@@ -20,7 +21,8 @@ else:
     ext_modules = cythonize(
         [Extension(f"kvtier.policies.{name}", [f"kvtier/policies/{name}.pyx"], optional=True,
                    extra_compile_args=["-ffp-contract=off"])
-         for name in ("_compact_lru", "_compact_prefix")],
+         for name in ("_compact_lru", "_compact_prefix")]
+        + [Extension("kvtier.handlers._memcpy_loop", ["kvtier/handlers/_memcpy_loop.pyx"], optional=True)],
         compiler_directives={"language_level": "3"},
     )
 

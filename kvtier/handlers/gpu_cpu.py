@@ -4,10 +4,14 @@ Where each engine page goes in a slot is `KVLayout`'s (`kvtier.handlers.kv_layou
 layout described there); the host row copies are `kvtier.handlers.rows`'. The CPU side is any
 `HostRegion` backend (`kvtier.tiers.base`: the shared-memory CPUBackend, MemoryBackend).
 
-On CUDA the copies run on a dedicated stream that first waits for the compute stream, through a
-device staging buffer laid out like the slots, with one DMA per job between it and the pinned
-region; a completion thread waits for the job's event. Each handler owns its layout and closes it
-(and the layout's copy threads) in `shutdown`.
+On CUDA the copies run on a dedicated stream that first waits for the compute stream; a
+completion thread waits for the job's event. Each page moves by DMA straight between the engine and
+its place in the pinned slot: the job's descriptors (`kvtier.handlers.copy_plan`, adjacent runs
+merged) go to the device in one call (`kvtier.handlers.cuda_copy`), once that fast path passed its
+self-check on the device (`kvtier.handlers.fast_path`). Otherwise (or with `KVTIER_GPU_COPY=staged`)
+a job goes through a device staging buffer laid out like the slots and one DMA per job, with a
+pinned bounce buffer and host row copies when the slots are not consecutive. Each handler owns its
+layout and closes it (and the layout's copy threads) in `shutdown`.
 
 A handler copies only its layout's byte range of each slot (`KVLayout.slot_offset` /
 `slot_length`): several worker ranks, each with its own handler, share one slot without touching
@@ -16,11 +20,14 @@ each other's bytes.
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler, pick_backend, serving
+from kvtier.handlers.copy_plan import plan_copies
+from kvtier.handlers.cuda_copy import CopyError
 from kvtier.handlers.kv_layout import ChunkedKVCaches, KVLayout, Segment, blocks_per_chunk_of, byte_rows, slot_range_of
 from kvtier.handlers.rows import common_words, run_start, words
 from kvtier.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
@@ -110,6 +117,9 @@ class EngineJobHandler(ThreadedHandler):
         try:
             super()._run(job_id, src, dst)  # reports through on_done
         finally:
+            # No CUDA object may outlive its job in thread-local state: a fork tears other
+            # threads' states down in the child, and destroying a CUDA event there aborts it.
+            self._job_local.ready = None
             with self._job_lock:
                 reported = self._reported.pop(job_id, None)
             if reported is not None:
@@ -133,21 +143,38 @@ class EngineJobHandler(ThreadedHandler):
 class CudaKVCopyHandler(EngineJobHandler):
     """Engine KV cache on CUDA <-> pinned CPU tier.
 
-    One worker thread runs the jobs in submission order on a dedicated stream that first waits for
-    the compute stream (see `EngineJobHandler`). A job gathers/scatters on the device through a
-    staging buffer laid out like the slots and moves it with one non-blocking DMA when the slots
-    are consecutive, else through a pinned bounce buffer and one batched host-side row copy. A
-    layout that owns only a byte range of each slot always goes through the bounce buffer (its
-    part of a slot is not contiguous with the next slot's). The thread waits for the job's end
-    event, then reports.
+    Two worker threads run the jobs on one dedicated stream; each job's stream work first waits
+    for its compute-stream event (see `EngineJobHandler`), and jobs may complete out of order.
+    With a pinned region and a fast path that passed its self-check on the device
+    (`fast_path.cuda_fast_path`), every page moves straight between the engine and its slot: one
+    plan of descriptors per job (`plan_copies`), submitted in one call, whatever the slot order
+    and for a byte range of each slot too. Otherwise (the staged path) a job gathers/scatters on
+    the device through a staging buffer laid out like the slots and moves it with one
+    non-blocking DMA when the slots are consecutive, else through a pinned bounce buffer and one
+    batched host-side row copy; a layout that owns only a byte range of each
+    slot always goes through the bounce buffer there. The thread waits for the job's end event,
+    then reports.
     """
 
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_cpu: bool):
-        super().__init__(layout, 1, "kvtier-gpu-cpu" if to_cpu else "kvtier-cpu-gpu")
+        # Two threads on one stream: a job's host work (plan, submission) overlaps the previous
+        # job's DMA. Each job's stream work is in order: wait for its event, copy, record its end.
+        super().__init__(layout, 2, "kvtier-gpu-cpu" if to_cpu else "kvtier-cpu-gpu")
         import torch
 
         self.backends, self.to_cpu = dict(backends), to_cpu
         self.stream = torch.cuda.Stream(device=self.device)
+        self._fast: Any = None
+        self._fast_known = False  # the fast path is decided (self-checked) on the first job
+
+    def fast_path(self) -> Any:
+        """The device's self-checked fast path (a `cuda_copy.Submitter`), or None: the staged path
+        (for good once a job failed in the fast path: that job is redone on the staged path)."""
+        if not self._fast_known:
+            from kvtier.handlers.fast_path import cuda_fast_path
+
+            self._fast, self._fast_known = cuda_fast_path(self.device), True
+        return self._fast
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
         import torch
@@ -159,6 +186,16 @@ class CudaKVCopyHandler(EngineJobHandler):
         k = len(slots)
         if k and int(slots.max()) >= backend.num_blocks:
             raise IndexError(f"slot {int(slots.max())} >= {backend.num_blocks} slots of tier {backend.name!r}")
+        fast = self.fast_path() if getattr(backend, "pinned", False) else None
+        if fast is not None:
+            try:
+                self._copy_direct(fast, backend, gpu, slots)
+                return self.layout.bytes_of(gpu)
+            except CopyError as exc:  # the staged path redoes the whole job, on the same stream
+                from kvtier.handlers.fast_path import demote_cuda
+
+                self._fast = None
+                demote_cuda(self.device, fast, str(exc))
         if not self.layout.owns_whole_slot:
             self._copy_part(backend, gpu, slots)
             return self.layout.bytes_of(gpu)
@@ -201,6 +238,22 @@ class CudaKVCopyHandler(EngineJobHandler):
                 done.record(self.stream)
                 done.synchronize()
         return self.layout.bytes_of(gpu)
+
+    def _copy_direct(self, fast: Any, backend: Any, gpu: GPULoadStoreSpec, slots) -> None:
+        """The job as one plan of page <-> slot-place DMAs, submitted on the handler's stream."""
+        import torch
+
+        stride = backend.slot_stride
+        region = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
+        plan = plan_copies(self.layout, gpu, slots.numpy(), region, self.to_cpu)
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+            ready = self.ready_event()
+            if ready is not None:
+                self.stream.wait_event(ready)
+            fast.submit(plan, self.stream.cuda_stream)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+            done.synchronize()
 
     def _copy_part(self, backend: Any, gpu: GPULoadStoreSpec, slots) -> None:
         """A job over the layout's byte range of each slot only (the slot is shared with other
@@ -251,6 +304,9 @@ def make_handler(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | Non
         return None
     layout = KVLayout(kv_caches, blocks_per_chunk, slot_offset, slot_length)
     if layout.device.type == "cuda":
+        from kvtier.handlers.fast_path import candidates_for
+
+        candidates_for(os.environ.get("KVTIER_GPU_COPY", "auto"))  # a bad value fails here, not each job
         return CudaKVCopyHandler(usable, layout, to_cpu)
     if layout.device.type != "cpu":
         raise ValueError(f"unsupported KV cache device {layout.device}")

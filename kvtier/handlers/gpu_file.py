@@ -12,12 +12,14 @@ verified, so a failed or corrupt read never leaves foreign bytes in the KV cache
 on CUDA the staging buffer is pinned and moves with one DMA per job on a dedicated stream that
 waits for the compute stream. Jobs run on a `ThreadedHandler` pool; an exception fails its job only.
 
-`DirectGPUFileHandler` is the direct variant (docs/gds.md), taken when kvikio imports and the KV
-cache is on CUDA: payloads move between device memory and the slab with kvikio `CuFile`
-reads/writes at the slots' 4 KiB-aligned payload offsets (one future per block, all submitted,
-then waited), through GPUDirect Storage where the platform has nvidia-fs and kvikio's
-compatibility mode otherwise. Stores checksum each block on the device (`tensor_checksum`) and
-hand the checksums to `FileBackend.commit_direct` (header pages, then the journal); loads read
+`DirectGPUFileHandler` is the direct variant (docs/gds.md), taken when the KV cache is on CUDA,
+kvikio imports and the tier's `io` asks for it (`kvikio`) or `auto` finds GPUDirect Storage
+(`kvtier.handlers.file_path`: without it the direct path is slower than the staged one):
+payloads move between device memory and the slab with kvikio `CuFile` reads/writes at the
+slots' 4 KiB-aligned payload offsets (one future per block, all submitted, then waited), through
+GPUDirect Storage where the platform has nvidia-fs and kvikio's compatibility mode otherwise.
+Stores checksum each block on the device (`tensor_checksum`) and hand the checksums to
+`FileBackend.commit_direct` (header pages, then the journal); loads read
 the headers first, read the payloads into a device buffer, verify them there, and scatter into
 the KV cache only when every block verified (else `IntegrityError`: the job fails, the engine's
 blocks are untouched, the bad blocks are forgotten). On CPU tensors the same code runs through
@@ -32,6 +34,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtier.handlers.base import pick_backend, serving
+from kvtier.handlers.file_path import file_path, log_choice
 from kvtier.handlers.gpu_cpu import EngineJobHandler
 from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
@@ -299,11 +302,12 @@ class DirectGPUFileHandler(GPUFileHandler):
                 self._files.clear()
 
 
-def direct_path_available(device) -> bool:
-    """Whether the direct handler is used for a KV cache on `device`: CUDA and kvikio importable."""
-    from kvtier.tiers.fileio import kvikio_importable
+def direct_path_available(device, io: str = "auto") -> bool:
+    """Whether the direct handler is used for a KV cache on `device` and a file tier with `io`
+    (`kvtier.handlers.file_path.choose_file_path`: with `auto`, only under GPUDirect Storage)."""
+    from kvtier.handlers.file_path import file_path
 
-    return getattr(device, "type", None) == "cuda" and kvikio_importable()
+    return file_path(io, cuda=getattr(device, "type", None) == "cuda")[0] == "direct"
 
 
 def _make(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_file: bool) -> GPUFileHandler | None:
@@ -316,7 +320,13 @@ def _make(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_f
     if layout.device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported KV cache device {layout.device}")
     threads = min(4, max(b.num_threads for b in usable.values()))
-    direct = direct_path_available(layout.device) and all(hasattr(b, "commit_direct") for b in usable.values())
+    direct = True
+    for name, backend in usable.items():
+        choice, why = file_path(getattr(backend, "io_option", "auto"), cuda=layout.device.type == "cuda")
+        if choice == "direct" and not hasattr(backend, "commit_direct"):
+            choice, why = "staged", f"{type(backend).__name__} has no direct commit"
+        log_choice(name, choice, why)
+        direct = direct and choice == "direct"
     handler = DirectGPUFileHandler if direct else GPUFileHandler
     return handler(usable, layout, to_file, num_threads=threads)
 

@@ -192,6 +192,7 @@ class FileBackend(Backend):
             raise refuse(str(exc)) from None
         self.slot_bytes = slot_bytes_for(block_bytes)
         self.num_threads = num_threads
+        self.io_option = io  # as configured: the engine <-> file path honours an explicit kvikio
         shape = TierShape(name, num_blocks, block_bytes, self.slot_bytes, fingerprint, self.layout,
                           journal_capacity(num_blocks, self.compact_min_records), on_identity_change)
         opened = open_root(root_dir, shape)

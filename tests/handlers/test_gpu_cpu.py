@@ -293,6 +293,8 @@ def fake_cuda_api(monkeypatch):
             pass
 
     class Stream:
+        cuda_stream = 0
+
         def __init__(self, device=None):
             pass
 
@@ -308,12 +310,20 @@ def fake_cuda_api(monkeypatch):
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["staged", "fast-path"])
 @pytest.mark.parametrize("slots", [[4, 5, 6, 7], [9, 2, 13, 0]], ids=["consecutive", "scattered"])
-def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, tier, slots):
+def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, monkeypatch, tier, slots, fast):
+    """`fast`: a pinned region and a self-checked fast path (a `HostDMA`): a job is one plan of
+    page <-> slot-place copies, whatever the slot order."""
+    from kvtier.handlers import fast_path
     from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
 
     kv = make_kv()
     layout, backend = tier(kv, 2)
+    dma = HostDMA()
+    if fast:
+        monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: dma)
+        backend.pinned = True
     store_h = CudaKVCopyHandler({"cpu": backend}, layout, True)
     load_h = CudaKVCopyHandler({"cpu": backend}, layout, False)
     jobs = Jobs(store_h, load_h)
@@ -330,8 +340,91 @@ def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, tier, slots):
         assert torch.equal(kv.tensors[t_idx].tensor[11:18, :page], before[t_idx][1:8, :page])
     bad = jobs.run(store_h, 3, store, CPULoadStoreSpec([1], tier="cpu"))
     assert not bad.success
+    assert [p.nbytes for p in dma.plans] == ([layout.bytes_of(store)] * 2 if fast else [])
     store_h.shutdown()
     load_h.shutdown()
+
+
+class HostDMA:
+    """A fast path that executes each plan with memmove (what a correct CUDA submitter does)."""
+
+    name = "host memmove"
+
+    def __init__(self):
+        self.plans = []
+
+    def submit(self, plan, stream) -> None:
+        import ctypes
+
+        self.plans.append(plan)
+        for src, dst, size in zip(plan.src.tolist(), plan.dst.tolist(), plan.size.tolist()):
+            ctypes.memmove(dst, src, size)
+
+
+@pytest.fixture
+def host_dma(monkeypatch):
+    """The CUDA handler's fast path, self-checked: a `HostDMA` (on host tensors, with `fake_cuda_api`)."""
+    from kvtier.handlers import fast_path
+
+    dma = HostDMA()
+    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: dma)
+    return dma
+
+
+def test_a_job_that_fails_in_the_fast_path_is_redone_on_the_staged_path(fake_cuda_api, monkeypatch, tier):
+    """A fast path that fails a job (a CUDA error after its self-check passed) is dropped: the job
+    still succeeds, byte-exact, through the staged path, and so do the next ones."""
+    from kvtier.handlers import fast_path
+    from kvtier.handlers.cuda_copy import CopyError
+    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+
+    class Failing(HostDMA):
+        def submit(self, plan, stream) -> None:
+            self.plans.append(plan)
+            raise CopyError("cudaMemcpyBatchAsync of 3 descriptors returned error 700")
+
+    failing, demoted = Failing(), []
+    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: failing)
+    monkeypatch.setattr(fast_path, "demote_cuda", lambda device, submitter, why: demoted.append((submitter, why)))
+    kv = make_kv()
+    layout, backend = tier(kv, 1)
+    backend.pinned = True
+    handler = CudaKVCopyHandler({"cpu": backend}, layout, True)
+    jobs = Jobs(handler)
+    try:
+        for job_id, (ids, slots) in enumerate((([1, 2], [5, 3]), ([4], [7]))):
+            spec = GPULoadStoreSpec(ids, group_sizes=[len(ids), 0])
+            assert jobs.run(handler, job_id, spec, CPULoadStoreSpec(slots, tier="cpu")).success
+            for (slot, off), page in expected_slot_bytes(layout, kv, spec, slots).items():
+                assert bytes(backend.view(slot)[off:off + len(page)]) == page
+        assert len(failing.plans) == 1 and demoted == [(failing, "cudaMemcpyBatchAsync of 3 descriptors "
+                                                                 "returned error 700")]
+    finally:
+        jobs.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("mode", ["batch", "bindings", "loop", "staged"])
+def test_cuda_roundtrip_through_each_copy_path(monkeypatch, mode):
+    from kvtier.handlers import fast_path
+
+    monkeypatch.setenv("KVTIER_GPU_COPY", mode)
+    fast_path.CHOICE.forget()
+    kv = make_kv(device="cuda")
+    layout = KVLayout(kv, 2)
+    backend = CPUBackend("cpu", 16, layout.block_bytes, pin="true")
+    try:
+        store = GPULoadStoreSpec([1, 2, 3, 4, 5, 6, 7], group_sizes=[5, 2], block_indices=[1, 0])
+        load = GPULoadStoreSpec([11, 12, 13, 14, 15, 16, 17], group_sizes=[5, 2], block_indices=[1, 0])
+        before = roundtrip(kv, layout, backend, store, [9, 2, 13, 0], load)
+        for t_idx, page in enumerate((256, 512)):
+            assert torch.equal(kv.tensors[t_idx].tensor[11:18, :page], before[t_idx][1:8, :page])
+        chosen = fast_path.cuda_fast_path(kv.tensors[0].tensor.device)
+        assert (chosen is None) == (mode == "staged")
+    finally:
+        backend.close()
+        fast_path.CHOICE.forget()
 
 
 class ViewOnly:
@@ -403,14 +496,16 @@ def _rank_handlers(kind, kv, backend, bpc, offset, length):
                  for to_cpu in (True, False))
 
 
-def _ranks_share_slots(kind, pages, pads, groups, device="cpu"):
+def _ranks_share_slots(kind, pages, pads, groups, device="cpu", pinned=False):
     """Two ranks (different KV bytes) store the same engine blocks into the same slots, each into
-    its own half of every slot; each loads its half back into fresh blocks, byte-exact."""
+    its own half of every slot; each loads its half back into fresh blocks, byte-exact. `pinned`:
+    the region counts as pinned (the CUDA handler's fast path)."""
     bpc = 2
     sizes, skips, slots = ([5, 2], [1, 0], [9, 2, 13, 0]) if len(groups) == 2 else ([7], [1], [9, 2, 13, 0])
     kvs = [make_kv(device, pages=pages, pads=pads, groups=groups, seed=rank + 1) for rank in (0, 1)]
     part = KVLayout(kvs[0], bpc).block_bytes
-    backend = CPUBackend("cpu", 16, 2 * part, pin="false")
+    backend = CPUBackend("cpu", 16, 2 * part, pin="true" if pinned and device == "cuda" else "false")
+    backend.pinned = backend.pinned or pinned
     handlers = [_rank_handlers(kind, kv, backend, bpc, rank * part, part) for rank, kv in enumerate(kvs)]
     jobs = Jobs(*[h for pair in handlers for h in pair])
     store = GPULoadStoreSpec([1, 2, 3, 4, 5, 6, 7], group_sizes=sizes, block_indices=skips)
@@ -446,10 +541,16 @@ def test_cuda_handler_copies_only_its_byte_range_on_host_tensors(fake_cuda_api):
     _ranks_share_slots("cuda", (256, 512), (64, 0), ((0, 1), (1, 0)))
 
 
+def test_the_fast_path_copies_only_a_ranks_byte_range_on_host_tensors(fake_cuda_api, host_dma):
+    _ranks_share_slots("cuda", (256, 512), (64, 0), ((0, 1), (1, 0)), pinned=True)
+    assert len(host_dma.plans) == 4  # two ranks, a store and a load each
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_ranks_copy_only_their_byte_range_of_a_slot():
-    _ranks_share_slots("cuda", (256, 512), (64, 0), ((0, 1), (1, 0)), device="cuda")
+@pytest.mark.parametrize("pinned", [False, True], ids=["staged", "fast-path"])
+def test_cuda_ranks_copy_only_their_byte_range_of_a_slot(pinned):
+    _ranks_share_slots("cuda", (256, 512), (64, 0), ((0, 1), (1, 0)), device="cuda", pinned=pinned)
 
 
 def test_a_slot_range_smaller_than_the_pages_or_past_the_slot_is_refused():

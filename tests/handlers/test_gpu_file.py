@@ -258,7 +258,8 @@ def test_cuda_direct_roundtrip(tmp_path):
         pytest.skip("needs kvikio")
     kv = make_kv(device="cuda", bpc=2)
     layout = KVLayout(kv, kv.blocks_per_chunk)
-    backend = FileBackend("nvme", 16, layout.block_bytes, root_dir=str(tmp_path / "nvme"), fingerprint="m")
+    backend = FileBackend("nvme", 16, layout.block_bytes, root_dir=str(tmp_path / "nvme"), fingerprint="m",
+                          io="kvikio")  # explicit: auto takes the direct path only with nvidia-fs
     store, load = make_gpu_to_file({"nvme": backend}, kv), make_file_to_gpu({"nvme": backend}, kv)
     assert isinstance(store, DirectGPUFileHandler) and isinstance(load, DirectGPUFileHandler)
     jobs = Jobs(store, load)

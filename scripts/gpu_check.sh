@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# Verify kvtier's CUDA paths on a CUDA machine, offline, in under 5 minutes (issue 25).
+#
+#   scripts/gpu_check.sh [WHEEL_DIR]        (run from anywhere; works in the checkout it belongs to)
+#
+# Needs python with torch (CUDA build), numpy, pyyaml, pytest, hypothesis and Cython; anything
+# else (kvikio-cu13, libkvikio-cu13, rapids-logger, cuda-pathfinder, redis, ... as cp312 wheels)
+# comes from WHEEL_DIR (or $KVTIER_WHEELS), installed with
+# `pip install --no-index --no-deps --target DIR` and put on PYTHONPATH. It:
+#   1. builds the compiled extensions in place (the memcpy loop, the policy indexes);
+#   2. runs the `gpu` tests, then the handler tests followed by the fork test of issue 25 in the
+#      same process (tests/reliability/test_regions.py);
+#   3. measures engine<->CPU with scattered (and consecutive) slots, 64 KiB / 256 KiB / 2 MiB pages,
+#      staged and fast paths, against one contiguous pinned copy (scripts/bench_gpu_copy.py ->
+#      gpu_copy.json);
+#   4. runs `kvtier bench hops` (-> hops.json) and records which fast path the self-check chose
+#      and which engine<->file path `io: auto` takes here (-> paths.txt).
+# Everything goes under ${OUT:-./gpu-check-out} (relative to the checkout): one log per step,
+# summary.txt.
+#
+# Exit status: 0 every step passed; 1 a step failed (summary.txt names it); 3 no CUDA on this
+# machine: nothing is run, and the script says "no CUDA" (on a CPU-only machine that is the
+# expected outcome, not a pass).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-./gpu-check-out}
+PY=${PYTHON:-python3}
+WHEELS=${1:-${KVTIER_WHEELS:-}}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+if [ -n "$WHEELS" ]; then
+  TARGET=${TMPDIR:-/tmp}/kvtier-gpu-wheels
+  if ! "$PY" -m pip install -q --no-index --no-deps --target "$TARGET" "$WHEELS"/*.whl > "$OUT/wheels.log" 2>&1; then
+    say "FAILED: installing the wheels of $WHEELS (see $OUT/wheels.log)"; exit 1
+  fi
+  export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+
+if ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' > "$OUT/cuda.log" 2>&1; then
+  say "no CUDA: torch is missing or sees no GPU on this machine; nothing was run (see $OUT/cuda.log)"
+  exit 3
+fi
+"$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name(0))' \
+  | tee -a "$SUMMARY"
+command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.max,pcie.link.width.max \
+  --format=csv,noheader >> "$SUMMARY" 2>&1
+
+status=0
+step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  if timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; then
+    say "ok      $name ($((SECONDS - start)) s)"
+  else
+    say "FAILED  $name (exit $?, $((SECONDS - start)) s; see $OUT/$name.log)"; status=1
+  fi
+}
+
+step build 120 "$PY" setup.py build_ext --inplace -q
+step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/handlers tests/tiers
+step handler-and-fork-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/handlers \
+  tests/reliability/test_regions.py
+step gpu-copy-bench 150 "$PY" scripts/bench_gpu_copy.py --json "$OUT/gpu_copy.json"
+step bench-hops 90 "$PY" -m kvtier.cli.main bench hops --no-progress --block-sizes 64KiB,256KiB,2MiB \
+  --json "$OUT/hops.json"
+step paths 30 "$PY" - <<'EOF'
+from kvtier.handlers import fast_path
+from kvtier.handlers.file_path import file_path
+
+fast_path.CHOICE.forget()
+chosen = fast_path.cuda_fast_path("cuda:0")
+print("engine<->CPU fast path:", chosen.name if chosen is not None else "none (staged path)")
+print("engine<->file, io: auto:", *file_path("auto", cuda=True))
+EOF
+cat "$OUT/paths.log" >> "$SUMMARY"
+say "results in $OUT (gpu_copy.json, hops.json, one log per step)"
+exit $status

@@ -1,0 +1,89 @@
+"""The engine <-> file path choice: `auto` takes the direct (kvikio) path only under GPUDirect
+Storage; an explicit `io` is honoured; the handler factory follows the choice and logs it once."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from kvtier import CanonicalKVCaches, CanonicalKVCacheTensor
+from kvtier.handlers import gpu_file
+from kvtier.handlers.file_path import PlatformFacts, choose_file_path, file_path, platform_facts
+from kvtier.tiers import fileio
+from kvtier.tiers.file import FileBackend
+
+torch = pytest.importorskip("torch")
+
+CLOUD_VM = PlatformFacts(cuda=True, kvikio=True, nvidia_fs=False)  # the H100 of issue 25
+GDS = PlatformFacts(cuda=True, kvikio=True, nvidia_fs=True)
+
+
+def test_auto_is_direct_only_where_gpudirect_storage_is_real():
+    choice, why = choose_file_path("auto", CLOUD_VM)
+    assert choice == "staged" and "no nvidia-fs driver" in why and "compatibility mode" in why
+    assert choose_file_path("auto", GDS) == ("direct", "GPUDirect Storage: the nvidia-fs driver is loaded")
+    assert choose_file_path("auto", PlatformFacts(True, False, True)) == ("staged", "kvikio does not import")
+    assert choose_file_path("auto", PlatformFacts(False, True, True))[0] == "staged"
+
+
+def test_an_explicit_io_is_honoured():
+    choice, why = choose_file_path("kvikio", CLOUD_VM)
+    assert choice == "direct" and "explicitly" in why and "compatibility mode" in why
+    assert choose_file_path("kvikio", GDS)[0] == "direct"
+    assert choose_file_path("posix", GDS) == ("staged", "io: posix")
+    assert choose_file_path("kvikio", PlatformFacts(False, True, True))[0] == "staged"  # no CUDA: cannot
+    with pytest.raises(ValueError, match="io 'gds' is not an I/O engine; use auto, posix or kvikio"):
+        choose_file_path("gds", GDS)
+
+
+@pytest.mark.parametrize("nvidia_fs", [False, True])
+def test_the_platform_facts_come_from_the_driver_files(monkeypatch, nvidia_fs):
+    present = {"/proc/modules"} | ({"/proc/driver/nvidia-fs/devcount"} if nvidia_fs else set())
+    monkeypatch.setattr(fileio.os.path, "exists", lambda path: path in present)
+    monkeypatch.setattr(fileio, "kvikio_importable", lambda: True)
+    assert platform_facts(cuda=True) == PlatformFacts(True, True, nvidia_fs)
+    assert file_path("auto", cuda=True)[0] == ("direct" if nvidia_fs else "staged")
+    assert file_path("kvikio", cuda=True)[0] == "direct"
+
+
+def test_without_cuda_kvikio_is_not_even_imported(monkeypatch):
+    monkeypatch.setattr(fileio, "kvikio_importable", lambda: pytest.fail("kvikio probed without CUDA"))
+    assert platform_facts(cuda=False) == PlatformFacts(False, False, False)
+    assert file_path("kvikio", cuda=False) == ("staged", "the KV cache is not on a CUDA device")
+
+
+def kv_caches():
+    return CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros((8, 4096), dtype=torch.uint8), 4096)], None)
+
+
+@pytest.mark.parametrize("io", ["auto", "kvikio", "posix"])
+def test_the_factory_follows_the_choice_and_logs_it_once(tmp_path, monkeypatch, caplog, io):
+    """With the facts of a GPU machine without nvidia-fs injected, `auto` builds the staged
+    handler (it built the direct one before) and `kvikio` the direct one."""
+    monkeypatch.setattr(gpu_file, "file_path", lambda io_, cuda: choose_file_path(io_, CLOUD_VM))
+    monkeypatch.setattr("kvtier.handlers.file_path._logged", set())
+    backend = FileBackend("nvme", 8, 4096, root_dir=str(tmp_path / "nvme"), fingerprint="m",
+                          io="posix" if io == "kvikio" else io)  # the tier's own engine: no kvikio here
+    backend.io_option = io
+    try:
+        with caplog.at_level(logging.INFO, logger="kvtier.handlers.file_path"):
+            handlers = [gpu_file.make_gpu_to_file({"nvme": backend}, kv_caches()),
+                        gpu_file.make_file_to_gpu({"nvme": backend}, kv_caches())]
+        direct = io == "kvikio"
+        assert all(isinstance(h, gpu_file.DirectGPUFileHandler) == direct for h in handlers)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and lines[0].startswith(f"file tier nvme: engine<->file path "
+                                                       f"{'direct' if direct else 'staged'} (")
+        for h in handlers:
+            h.shutdown()
+    finally:
+        backend.close()
+
+
+def test_a_file_tier_records_its_configured_io(tmp_path):
+    backend = FileBackend("nvme", 4, 4096, root_dir=str(tmp_path / "n"), fingerprint="m", io="posix")
+    try:
+        assert backend.io_option == "posix"
+    finally:
+        backend.close()
