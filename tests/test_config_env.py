@@ -136,3 +136,15 @@ def test_a_root_dir_that_resolves_too_long_is_reported_as_the_build_would(tmp_pa
     for root in (tmp_path / "deep", tmp_path / "deep" / "new"):  # existing, and to be created
         code, _, err = check(tmp_path, file_yaml(str(root)), capsys, "--env")
         assert code == 2 and "too long a path for the files in it" in err, err
+
+
+@pytest.mark.parametrize("gds, expected", [(False, "engine<->file staged (no nvidia-fs driver"),
+                                           (True, "engine<->file direct (GPUDirect Storage")])
+def test_env_says_which_engine_file_path_a_file_tier_takes_and_why(tmp_path, capsys, monkeypatch, gds, expected):
+    from kvtier.tiers import fileio
+
+    monkeypatch.setattr(fileio, "gpu_present", lambda: True)
+    monkeypatch.setattr(fileio, "kvikio_importable", lambda: True)
+    monkeypatch.setattr(fileio, "gds_platform", lambda: gds)
+    code, out, _ = check(tmp_path, file_yaml(str(tmp_path / "kv")), capsys, "--env")
+    assert code == 0 and expected in out

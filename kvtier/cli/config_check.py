@@ -109,6 +109,7 @@ def check_environment(config, args, block_bytes: int | None = None) -> int:
         found = [(f"tiers[{i}].{field}", message) for field, message in found]
         note, problem = _capacity_fits(tier, cls, block_bytes)
         notes += [note] if note else []
+        notes += [_engine_file_path(tier.options)] if cls.medium == "FILE" else []
         found += [(f"tiers[{i}].capacity", problem)] if problem else []
         problems += found
         print(f"  tiers[{i}] {tier.name}: " + ("; ".join(notes) if notes else "nothing to check" if not found
@@ -119,6 +120,14 @@ def check_environment(config, args, block_bytes: int | None = None) -> int:
             print(f"  {path}: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+def _engine_file_path(options) -> str:
+    """Which path the engine's KV cache takes to and from this file tier here, and why."""
+    from kvtier.handlers.file_path import file_path
+
+    choice, why = file_path(str(options.get("io", "auto")))
+    return f"engine<->file {choice} ({why})"
 
 
 def _capacity_fits(tier, cls, block_bytes: int | None) -> tuple[str, str | None]:

@@ -354,12 +354,14 @@ class KvikioIO(IOEngine):
 
 def choose_engine(io: str, path: str, num_threads: int, *, tier: str) -> IOEngine:
     """Open `path` with the engine `io` asks for, for the file tier named `tier` (in warnings).
-    `auto` = kvikio when importable and a GPU is present, else posix; an `auto` kvikio that fails
-    its first I/O falls back to posix with a warning. `kvikio` failing raises OSError/RuntimeError
+    `auto` = kvikio where GPUDirect Storage is real (a GPU, the nvidia-fs driver: `gds_platform`)
+    and kvikio imports, else posix: without nvidia-fs kvikio only bounces through its own buffers,
+    no faster than O_DIRECT from host memory (docs/benchmarks.md); an `auto` kvikio that fails its
+    first I/O falls back to posix with a warning. `kvikio` failing raises OSError/RuntimeError
     naming the cause. A posix engine uses O_DIRECT when the filesystem takes it, else buffered I/O
     (one warning saying why)."""
     if io == "auto":
-        if gpu_present() and kvikio_importable():
+        if gpu_present() and gds_platform() and kvikio_importable():
             engine = None
             try:
                 engine = KvikioIO(path, num_threads)

@@ -545,7 +545,8 @@ def test_payload_checksum_is_zlib_crc32_whichever_library_computes_it():
 
 def test_auto_engine_is_posix_without_gpu_and_kvikio_failure_falls_back(root, monkeypatch, caplog):
     b = open_backend(root, io="auto")
-    assert b.io.name == ("kvikio" if fileio.gpu_present() and fileio.kvikio_importable() else "posix")
+    real_gds = fileio.gpu_present() and fileio.gds_platform() and fileio.kvikio_importable()
+    assert b.io.name == ("kvikio" if real_gds else "posix")
     b.close()
 
     class Broken(fileio.IOEngine):
@@ -561,6 +562,7 @@ def test_auto_engine_is_posix_without_gpu_and_kvikio_failure_falls_back(root, mo
             self.closed = True
 
     monkeypatch.setattr(fileio, "gpu_present", lambda: True)
+    monkeypatch.setattr(fileio, "gds_platform", lambda: True)
     monkeypatch.setattr(fileio, "kvikio_importable", lambda: True)
     monkeypatch.setattr(fileio, "KvikioIO", Broken)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
@@ -641,3 +643,30 @@ def test_vector_io_finishes_partial_transfers(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="short read"):
         engine.preadv(60, [bytearray(8)])
     engine.close()
+
+
+def test_auto_engine_is_posix_on_a_gpu_without_gpudirect_storage(root, monkeypatch):
+    """kvikio without nvidia-fs runs in compatibility mode, bouncing through its own buffers: no
+    faster than O_DIRECT from host memory, so `auto` does not take it (issue 25, item 3)."""
+    opened = []
+
+    class Recording(fileio.IOEngine):
+        name = "kvikio stand-in"
+
+        def __init__(self, path, num_threads):
+            opened.append(path)
+
+        def pread(self, offset, buf):
+            pass
+
+        pwrite = sync = close = lambda self, *a: None
+
+    monkeypatch.setattr(fileio, "gpu_present", lambda: True)
+    monkeypatch.setattr(fileio, "gds_platform", lambda: False)
+    monkeypatch.setattr(fileio, "kvikio_importable", lambda: True)
+    monkeypatch.setattr(fileio, "KvikioIO", Recording)
+    b = open_backend(root, io="auto")
+    try:
+        assert b.io.name == "posix" and opened == []
+    finally:
+        b.close()
