@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from kvtier import build_hierarchy, load_config_text
+from kvtier.cli import clear as clear_module
 from kvtier.cli.main import main
 from kvtier.tiers.rootdir import OWN_FILES, SLAB
 
@@ -77,3 +78,53 @@ def test_a_directory_under_a_tier_name_is_refused(tmp_path, capsys):
     code, _, err = clear(capsys, str(root), "--yes")
     assert code == 2 and "is a directory, not a file kvtier wrote" in err
     assert (root / SLAB / "x").exists() and all((root / n).exists() for n in OWN_FILES)
+
+
+def test_files_that_merely_carry_the_tiers_names_are_refused(tmp_path, capsys):
+    """Another program's `lock`, `journal` and `manifest.json` are no tier: nothing is removed."""
+    other = tmp_path / "webapp"
+    other.mkdir()
+    for name, text in (("lock", "42\n"), ("journal", "2026-11-27 deployed\n"), ("manifest.json", '{"name": "app"}')):
+        (other / name).write_text(text)
+    for argv in ((str(other),), (str(other), "--yes")):
+        code, _, err = clear(capsys, *argv)
+        assert code == 2 and "neither a kvtier manifest.json nor a kvtier journal" in err
+    assert sorted(os.listdir(other)) == ["journal", "lock", "manifest.json"]
+
+
+def test_a_tier_without_a_readable_manifest_is_still_cleared_by_its_journal(tmp_path, capsys):
+    root = tmp_path / "tier"
+    build(root).close()
+    (root / "manifest.json").write_text("garbage{")
+    code, _, err = clear(capsys, str(root), "--yes")
+    assert code == 0, err
+    assert os.listdir(root) == []
+
+
+def test_a_root_swapped_for_a_symlink_after_the_checks_loses_nothing_elsewhere(tmp_path, capsys, monkeypatch):
+    """The race: ROOT_DIR is replaced by a symlink to another tier between the checks and the
+    removal; that other tier's files must stay."""
+    root, victim = tmp_path / "tier", tmp_path / "victim"
+    build(root).close()
+    build(victim).close()
+    taken = clear_module.RootLock
+
+    def swap_then_lock(path):
+        os.rename(root, tmp_path / "moved")
+        os.symlink(victim, root)
+        return taken(path)
+
+    monkeypatch.setattr(clear_module, "RootLock", swap_then_lock)
+    code, _, err = clear(capsys, str(root), "--yes")
+    assert code == 2 and "was replaced by another directory" in err
+    assert all((victim / name).exists() for name in OWN_FILES if name != "lock")
+    assert all((tmp_path / "moved" / name).exists() for name in OWN_FILES if name != "lock")
+
+
+def test_another_users_directory_is_refused(tmp_path, capsys):
+    root = tmp_path / "tier"
+    build(root).close()
+    os.chown(root, 65534, 65534)  # nobody (the tests run as root)
+    code, _, err = clear(capsys, str(root), "--yes")
+    assert code == 2 and "is not yours (owner uid 65534)" in err
+    assert all((root / name).exists() for name in OWN_FILES)

@@ -3,43 +3,88 @@
 Only the names the tier writes in its `root_dir` are removed (`rootdir.OWN_FILES`: lock,
 manifest.json, slab.0, journal, and the temporaries of an interrupted rewrite); the directory and
 anything else in it stay. Refused (exit 2, nothing removed): a path that is a symlink, not a
-directory or not yours; a directory holding none of the tier's files; one of those names being a
-directory; a tier open in a live process (its lock is taken first, so no process can open the tier
-while its files go). A name that is a symlink is removed itself, never followed. Without `--yes`
-nothing is removed: what would be is listed (exit 2).
+directory or not yours; a directory holding none of the tier's files, or only files that merely
+carry its names (neither a kvtier manifest nor a kvtier journal is there: a `manifest.json` or
+`journal` of another program is no tier); one of those names being a directory; a tier open in a
+live process (its lock is taken first, so no process can open the tier while its files go); a
+`ROOT_DIR` replaced by another directory meanwhile. The directory is opened once (`O_NOFOLLOW`)
+and every name is looked up and unlinked relative to it, so a swap of `ROOT_DIR` or of a path
+component after the checks cannot redirect a removal. A name that is a symlink is removed itself,
+never followed. Without `--yes` nothing is removed: what would be is listed (exit 2).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 from pathlib import Path
 
 from kvtier.cli.inspect import human_size
 from kvtier.errors import KVTierError
-from kvtier.tiers.rootdir import LOCK, OWN_FILES, TEMPORARIES, RootLock, file_kind, remove_file
+from kvtier.tiers.journal import JOURNAL_MAGIC
+from kvtier.tiers.manifest import MANIFEST_MAX_BYTES
+from kvtier.tiers.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, TEMPORARIES, RootLock, file_kind
+
+_MANIFEST_KEYS = ("format_version", "slot_bytes", "num_slots", "fingerprint")  # every kvtier manifest has them
 
 
-def _check_root(root: Path) -> None:
+def _open_root(root: Path) -> int:
+    """A descriptor of the directory `root` itself (never through a final symlink); `KVTierError`
+    when it is a symlink, no directory or not yours."""
     try:
-        st = os.lstat(root)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     except OSError as exc:
-        raise KVTierError(f"{root}: {exc.strerror or exc}") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise KVTierError(f"{root} is a symlink; give the tier's directory itself (links are not followed)")
-    if not stat.S_ISDIR(st.st_mode):
-        raise KVTierError(f"{root} is {file_kind(st.st_mode)}, not a directory (give the root_dir of a file tier)")
+        try:
+            st = os.lstat(root)
+        except OSError:
+            raise KVTierError(f"{root}: {exc.strerror or exc}") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise KVTierError(f"{root} is a symlink; give the tier's directory itself (links are not "
+                              f"followed)") from None
+        raise KVTierError(f"{root} is {file_kind(st.st_mode)}, not a directory (give the root_dir of a file "
+                          f"tier)") from None
+    st = os.fstat(fd)
     if st.st_uid != os.geteuid():
+        os.close(fd)
         raise KVTierError(f"{root} is not yours (owner uid {st.st_uid}); only its owner may clear it")
+    return fd
 
 
-def tier_files(root: Path) -> dict[str, os.stat_result]:
-    """The tier's own names present in `root` (lstat: links not followed); `KVTierError` when
-    none of its files is there, or when one of the names is a directory."""
+def _head(dir_fd: int, name: str, limit: int) -> bytes | None:
+    """At most `limit` bytes of the regular file `name` in `dir_fd` (None: no such regular file)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def _is_tier(dir_fd: int) -> bool:
+    """Whether the directory holds a kvtier manifest or a kvtier journal (what only a tier writes)."""
+    journal = _head(dir_fd, JOURNAL, len(JOURNAL_MAGIC))
+    if journal == JOURNAL_MAGIC:
+        return True
+    data = _head(dir_fd, MANIFEST, MANIFEST_MAX_BYTES + 1)
+    try:
+        manifest = json.loads(data) if data and len(data) <= MANIFEST_MAX_BYTES else None
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(manifest, dict) and all(key in manifest for key in _MANIFEST_KEYS)
+
+
+def tier_files(root: Path, dir_fd: int) -> dict[str, os.stat_result]:
+    """The tier's own names present in the directory `dir_fd` (`root`: its path, for messages;
+    lstat: links not followed); `KVTierError` when it is no tier, or one of the names is a directory."""
     found = {}
     for name in OWN_FILES + TEMPORARIES:
         try:
-            found[name] = os.lstat(root / name)
+            found[name] = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
         except FileNotFoundError:
             continue
     if not set(found) & set(OWN_FILES):
@@ -49,6 +94,10 @@ def tier_files(root: Path) -> dict[str, os.stat_result]:
     if dirs:
         raise KVTierError(f"{root / dirs[0]} is a directory, not a file kvtier wrote; remove it by hand if you "
                           f"mean to; nothing removed")
+    if not _is_tier(dir_fd):
+        raise KVTierError(f"{root} is not a file tier's root_dir: it has files named like a tier's "
+                          f"({', '.join(found)}) but neither a kvtier {MANIFEST} nor a kvtier {JOURNAL}; "
+                          f"nothing removed (remove them by hand if they are a tier's leftovers)")
     return found
 
 
@@ -58,27 +107,53 @@ def _describe(name: str, st: os.stat_result) -> str:
     return f"{name} ({file_kind(st.st_mode)}: removed itself, never followed)"
 
 
+def _unlink(name: str, dir_fd: int) -> None:
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def _same_directory(root: Path, dir_fd: int) -> bool:
+    try:
+        now = os.lstat(root)
+    except OSError:
+        return False
+    mine = os.fstat(dir_fd)
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
+
 def run_clear(args) -> int:
     root = Path(args.root_dir)
-    _check_root(root)
-    found = tier_files(root)
-    if not args.yes:
+    dir_fd = _open_root(root)
+    try:
+        return _clear(root, dir_fd, args.yes)
+    finally:
+        os.close(dir_fd)
+
+
+def _clear(root: Path, dir_fd: int, yes: bool) -> int:
+    found = tier_files(root, dir_fd)
+    if not yes:
         print(f"would remove from {root}: " + ", ".join(_describe(n, st) for n, st in found.items()))
         print("nothing removed: run again with --yes to remove them")
         return 2
     lock_st = found.get(LOCK)
     if lock_st is not None and not stat.S_ISREG(lock_st.st_mode):
-        remove_file(root / LOCK)  # no kvtier process locks through anything but a regular file
+        _unlink(LOCK, dir_fd)  # no kvtier process locks through anything but a regular file
     try:
         lock = RootLock(root)
     except KVTierError as exc:  # held by a live process: the tier is open
         raise KVTierError(f"{root} is a tier in use, nothing removed ({exc}); close it first") from None
     try:
-        found = tier_files(root)  # again, under the lock
+        if not _same_directory(root, dir_fd):  # the lock was taken in whatever `root` names now
+            raise KVTierError(f"{root} was replaced by another directory while it was being cleared; nothing "
+                              f"removed")
+        found = tier_files(root, dir_fd)  # again, under the lock
         for name in found:
             if name != LOCK:
-                remove_file(root / name)
-        remove_file(root / LOCK)
+                _unlink(name, dir_fd)
+        _unlink(LOCK, dir_fd)
     finally:
         lock.release()
     total = sum(st.st_size for st in found.values() if stat.S_ISREG(st.st_mode))

@@ -22,7 +22,7 @@ from kvtier.tiers.fileio import read_regular_file
 from kvtier.tiers.rootdir import open_existing, write_file_atomic
 from kvtier.tiers.slot_format import FORMAT_VERSION, MAX_KEY_BYTES
 
-_JOURNAL_MAGIC = b"KVTJ"
+JOURNAL_MAGIC = b"KVTJ"  # the first bytes of every journal (`kvtier clear` looks for them)
 _JHDR = struct.Struct("<4sI16s")  # magic, version, epoch
 # record crc, op, key_len, slot, payload crc; the key follows. The CRC covers everything after it.
 _REC = struct.Struct("<IBxHQI")
@@ -79,7 +79,7 @@ def scan_journal(data: bytes, num_slots: int | None = None) -> JournalScan:
         scan.problem = "journal missing or shorter than its header"
         return scan
     magic, version, epoch = _JHDR.unpack_from(data, 0)
-    if magic != _JOURNAL_MAGIC or version != FORMAT_VERSION:
+    if magic != JOURNAL_MAGIC or version != FORMAT_VERSION:
         scan.problem = "journal header not recognised"
         return scan
     scan.epoch = epoch
@@ -157,7 +157,7 @@ class Journal:
         records = b"".join(record(PUT, slot, key, crc) for slot, key, crc in entries)
         used = _JHDR.size + len(records)
         capacity = max(capacity, 2 * used)
-        header = _JHDR.pack(_JOURNAL_MAGIC, FORMAT_VERSION, epoch)
+        header = _JHDR.pack(JOURNAL_MAGIC, FORMAT_VERSION, epoch)
         write_file_atomic(path, header + records + bytes(capacity - used))
         return cls(path, epoch, used, capacity, records=_count_records(records))
 
