@@ -10,16 +10,26 @@ with the tier's `timeout_ms` for connecting and for the reply, with the tier's c
 - on a single server, one EXISTS of a key under `key_prefix` (nothing is written): an ACL user that
   may PING but not use the tier's keys is refused here (NOPERM) as its GETs and SETs would be.
 
+The servers are asked at once (one thread each) and the whole check ends within
+`ANSWER_ROUNDS` x `timeout_ms` (+ `SLACK_S`), however many seeds the url names: a server that sends
+a reply byte by byte, so that no single read times out, is reported as a timeout too.
+
 A failure is a problem on the field to fix, naming the cause: connection refused, timeout,
-authentication failed, NOPERM, TLS.
+authentication failed, NOPERM, TLS. The password is never part of a message.
 """
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.valkey_options import resolve_password
+
+# Round trips one server's check may take: connect, the handshake (AUTH / HELLO), PING, EXISTS.
+ANSWER_ROUNDS = 4
+SLACK_S = 0.5
 
 # redis-py exception class name -> (field to fix, what it means)
 _CAUSES = {
@@ -27,6 +37,7 @@ _CAUSES = {
     "AuthenticationWrongNumberOfArgsError": ("password", "authentication failed (the server has no ACL users)"),
     "NoPermissionError": ("username", "NOPERM: the ACL user may not run this command or use these keys"),
     "TimeoutError": ("url", "timeout"),
+    "InvalidResponse": ("url", "the answer is not the Redis protocol (is a valkey server listening there?)"),
 }
 
 
@@ -37,7 +48,7 @@ def reach(options: dict) -> tuple[list[str], list[tuple[str, str]]]:
     except ConfigError as exc:  # reported by valkey_options.check_environment
         return [], list(exc.problems)
     try:
-        from kvtier.remote.nodes import NodeClient
+        import kvtier.remote.nodes  # noqa: F401 - the Redis client library, imported here to report its absence
         from kvtier.remote.options import ClientOptions
     except ImportError as exc:
         return [], [("backend", f"the valkey tier needs the Redis client library (pip install 'redis[hiredis]'): "
@@ -49,24 +60,48 @@ def reach(options: dict) -> tuple[list[str], list[tuple[str, str]]]:
                            tls_verify=options.get("tls_verify", True), timeout_s=timeout_s,
                            connect_timeout_s=timeout_s)
     parsed = client.parsed
+    key = None if parsed.cluster else f"{options.get('key_prefix', 'kvt')}:kvtier-config-check".encode()
+    outcomes: dict[str, BaseException | None] = {}
+    threads = [threading.Thread(target=_ask, args=(client, parsed, endpoint, key, outcomes), daemon=True,
+                                name=f"kvtier-check-{endpoint.name}") for endpoint in parsed.endpoints]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + ANSWER_ROUNDS * timeout_s + SLACK_S
+    for thread in threads:  # a thread still reading at the deadline is left behind (daemon)
+        thread.join(max(0.0, deadline - time.monotonic()))
     answered, problems = [], []
     for endpoint in parsed.endpoints:
-        node = NodeClient(client, endpoint, tls=parsed.tls, db=parsed.db)
-        try:
-            node.ping()
-            if not parsed.cluster:
-                node.exists([f"{options.get('key_prefix', 'kvt')}:kvtier-config-check".encode()])
+        outcome = outcomes.get(endpoint.name, _Unfinished("the reply was still incomplete"))
+        if outcome is None:
             answered.append(endpoint.name)
-        except Exception as exc:  # noqa: BLE001 - every failure is reported with its cause
-            problems.append(_problem(options, endpoint.name, exc, timeout_s))
-        finally:
-            node.close()
+        else:
+            problems.append(_problem(options, endpoint.name, outcome, timeout_s))
     if parsed.cluster and answered:  # a cluster is reached through any of its seeds
         notes = [f"no answer from {message}" for _field, message in problems]
         return [f"cluster seed(s) {', '.join(answered)} answered PING"] + notes, []
     if problems:
         return [], problems
     return [f"{', '.join(answered)} answered PING and EXISTS as {options.get('username') or 'the default user'}"], []
+
+
+class _Unfinished(Exception):
+    """A server whose answers did not end in time (e.g. sent byte by byte): reported as a timeout."""
+
+
+def _ask(client: Any, parsed: Any, endpoint: Any, key: bytes | None, outcomes: dict) -> None:
+    """PING (and EXISTS `key` unless None) one server; its outcome (None: answered) into `outcomes`."""
+    from kvtier.remote.nodes import NodeClient
+
+    node = NodeClient(client, endpoint, tls=parsed.tls, db=parsed.db)
+    try:
+        node.ping()
+        if key is not None:
+            node.exists([key])
+        outcomes[endpoint.name] = None
+    except Exception as exc:  # noqa: BLE001 - every failure is reported with its cause
+        outcomes[endpoint.name] = exc
+    finally:
+        node.close()
 
 
 def _problem(options: dict, where: str, exc: BaseException, timeout_s: float) -> tuple[str, str]:
@@ -76,6 +111,10 @@ def _problem(options: dict, where: str, exc: BaseException, timeout_s: float) ->
     text = str(exc)
     if kind == "TimeoutError":
         cause = f"timeout: no answer within timeout_ms ({timeout_s * 1000:g} ms)"
+    elif kind == "_Unfinished":
+        cause = (f"timeout: no complete answer within {ANSWER_ROUNDS} x timeout_ms "
+                 f"({ANSWER_ROUNDS * timeout_s * 1000:g} ms)")
+        kind = "TimeoutError"
     elif not cause and ("SSL" in text or "certificate" in text or "TLS" in text):
         field, cause = ("tls_ca_file" if options.get("tls_ca_file") else "url"), "TLS handshake failed"
     elif not cause and "refused" in text.lower():

@@ -1,0 +1,100 @@
+"""`config check --env` (`valkey_env.reach`) against hostile servers on 127.0.0.1: one that
+answers byte by byte forever, one that answers another protocol, and a cluster url of many seeds
+that each answer only once all of them are connected (so they must be asked at once, within the
+one bound of the whole check). Before, the first hung the check and the seeds were asked one by one."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("redis")
+
+from kvtier.tiers.valkey_env import reach  # noqa: E402
+
+
+class FakeServer:
+    """A listening socket on 127.0.0.1 whose accepted connections are handed to `serve`."""
+
+    def __init__(self, serve):
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.stopped = threading.Event()
+        self._serve = serve
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._run, args=(conn,), daemon=True).start()
+
+    def _run(self, conn):
+        with conn:
+            try:
+                self._serve(conn, self.stopped)
+            except OSError:
+                pass
+
+    def stop(self):
+        self.stopped.set()
+        self.sock.close()
+
+
+def trickle(conn, stopped):
+    """A status reply that never ends: one byte every 50 ms (each read gets a byte in time), for 6 s."""
+    conn.recv(4096)
+    end = time.monotonic() + 6
+    conn.sendall(b"+")
+    while not stopped.is_set() and time.monotonic() < end:
+        conn.sendall(b"P")
+        time.sleep(0.05)
+
+
+def test_a_server_answering_byte_by_byte_is_a_timeout_of_the_whole_check(monkeypatch):
+    monkeypatch.setenv("KVT_HOSTILE_PW", "hostile-secret")
+    server = FakeServer(trickle)
+    try:
+        notes, problems = reach({"url": f"redis://127.0.0.1:{server.port}", "timeout_ms": 200,
+                                 "password_env": "KVT_HOSTILE_PW"})
+    finally:
+        server.stop()
+    assert notes == [] and len(problems) == 1
+    field, message = problems[0]
+    assert field == "url" and "timeout: no complete answer within 4 x timeout_ms (800 ms)" in message
+    assert "hostile-secret" not in message
+
+
+def test_a_server_of_another_protocol_is_named_as_such():
+    server = FakeServer(lambda conn, _stopped: (conn.recv(4096), conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")))
+    try:
+        _notes, problems = reach({"url": f"redis://127.0.0.1:{server.port}", "timeout_ms": 500})
+    finally:
+        server.stop()
+    assert problems and problems[0][0] == "url"
+    assert "the answer is not the Redis protocol (is a valkey server listening there?)" in problems[0][1]
+
+
+def test_the_seeds_of_a_cluster_url_are_asked_at_once():
+    seeds = 8
+    barrier = threading.Barrier(seeds, timeout=5)
+
+    def pong_once_all_are_connected(conn, _stopped):
+        barrier.wait()  # raises BrokenBarrierError (the seed does not answer) if asked one by one
+        while conn.recv(4096):
+            conn.sendall(b"+PONG\r\n")
+
+    servers = [FakeServer(pong_once_all_are_connected) for _ in range(seeds)]
+    try:
+        notes, problems = reach({"url": "cluster://" + ",".join(f"127.0.0.1:{s.port}" for s in servers),
+                                 "timeout_ms": 1000})
+    finally:
+        for server in servers:
+            server.stop()
+    assert problems == [] and notes == [f"cluster seed(s) {', '.join(f'127.0.0.1:{s.port}' for s in servers)} "
+                                        f"answered PING"]
