@@ -98,11 +98,13 @@ class KVTier:
         `fingerprint`. Such a tier records it with the layout of `kv_caches` (dtypes, shapes,
         pages, block geometry) and serves nothing written under another identity or layout.
         `metrics_port` (0: any free port, see `metrics_url`) serves `stats()` as Prometheus text
-        at `http://{metrics_addr}:{port}/metrics` until `close()` (needs `prometheus_client`).
+        at `http://{metrics_addr}:{port}/metrics` until `close()` (needs `prometheus_client`);
+        `metrics_addr` is loopback by default (the endpoint has no authentication: give '0.0.0.0'
+        or an interface's address only to let other hosts scrape it).
         `build_options` go to `build_hierarchy` (e.g. `enable_events=True`).
         """
         check_kv_caches(kv_caches, blocks_per_chunk)
-        check_metrics_port(metrics_port)
+        check_metrics_port(metrics_port, metrics_addr)
         if not isinstance(config, HierarchyConfig):
             config = load_config(config)
         chunked = ChunkedKVCaches(list(kv_caches.tensors), list(kv_caches.group_data_refs), blocks_per_chunk)

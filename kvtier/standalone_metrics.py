@@ -10,6 +10,7 @@ waits for it: `stats()` runs between calls). `prometheus_client`
 from __future__ import annotations
 
 import re
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -18,14 +19,20 @@ from kvtier.errors import ArgumentError, ArgumentTypeError, ConfigError
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 
-def check_metrics_port(port: Any) -> None:
-    """Refuse a `metrics_port` that is not None or a TCP port (0: any free one), naming it."""
+def check_metrics_port(port: Any, addr: Any = "127.0.0.1") -> None:
+    """Refuse a `metrics_port` that is not None or a TCP port (0: any free one), and a
+    `metrics_addr` that is not a non-empty address string, naming them."""
     if port is None:
         return
     if type(port) is not int:
         raise ArgumentTypeError(f"metrics_port: {type(port).__name__} {port!r}; an int port (0: any free port)")
     if not 0 <= port <= 65535:
         raise ArgumentError(f"metrics_port: {port} is not a TCP port; use 0..65535 (0: any free port)")
+    if not isinstance(addr, str):  # None would listen on every interface
+        raise ArgumentTypeError(f"metrics_addr: {type(addr).__name__} {addr!r}; an address string such as "
+                                f"'127.0.0.1' (the default: this host only) or '0.0.0.0' (every interface)")
+    if not addr.strip():
+        raise ArgumentError("metrics_addr: empty; an address such as '127.0.0.1' (the default: this host only)")
 
 
 def stat_families(stats: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, str], float]]:
@@ -59,7 +66,8 @@ class _StatsCollector:
 
 class MetricsEndpoint:
     """An HTTP server on `addr:port` (0: a free port; see `url`) serving `stats()` at /metrics
-    on its own thread, until `stop()` (idempotent)."""
+    on its own thread, until `stop()` (idempotent). `addr` is loopback by default: the endpoint
+    has no authentication, so listening on other interfaces is the caller's explicit choice."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]], port: int, addr: str = "127.0.0.1"):
         try:
@@ -71,12 +79,16 @@ class MetricsEndpoint:
         registry.register(_StatsCollector(stats))
         try:
             server, self._thread = start_http_server(port, addr, registry=registry)
+        except socket.gaierror as exc:
+            raise ArgumentError(f"metrics_addr: {addr!r} is no address of this host ({exc.strerror or exc}); "
+                                "use '127.0.0.1' (the default) or an address of one of its interfaces") from None
         except OSError as exc:
             raise ArgumentError(f"metrics_port: cannot serve on {addr}:{port} ({exc}); "
                                 "pick a free port, or 0 for any") from None
         self._server: Any = server  # (None once stopped)
         self.port: int = server.server_port
-        self.url = f"http://{addr}:{self.port}/metrics"
+        host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address is bracketed in a URL
+        self.url = f"http://{host}:{self.port}/metrics"
 
     def stop(self) -> None:
         server, self._server = self._server, None

@@ -62,3 +62,37 @@ def test_a_port_in_use_is_an_argument_error_and_nothing_stays_open():
             KVTier.open(CPU, make_kv(), metrics_port=first._metrics.port)
     finally:
         first.close()
+
+
+def test_a_bad_metrics_addr_is_named_and_none_never_means_every_interface():
+    """Before: None listened on every interface (url 'http://None:N/metrics'), 5 raised a bare
+    TypeError and a host name that resolves nowhere was blamed on metrics_port."""
+    with pytest.raises(ArgumentTypeError, match=r"metrics_addr: NoneType None; an address string"):
+        KVTier.open(CPU, make_kv(), metrics_port=0, metrics_addr=None)
+    with pytest.raises(ArgumentTypeError, match=r"metrics_addr: int 5"):
+        KVTier.open(CPU, make_kv(), metrics_port=0, metrics_addr=5)
+    with pytest.raises(ArgumentError, match=r"metrics_addr: 'no-such-host\.invalid' is no address of this host"):
+        KVTier.open(CPU, make_kv(), metrics_port=0, metrics_addr="no-such-host.invalid")
+
+
+def test_an_ipv6_metrics_addr_gives_a_bracketed_url():
+    try:
+        tier = KVTier.open(CPU, make_kv(), metrics_port=0, metrics_addr="::1")
+    except ArgumentError as exc:
+        pytest.skip(f"no IPv6 loopback here: {exc}")
+    try:
+        assert re.fullmatch(r"http://\[::1\]:[1-9]\d*/metrics", tier.metrics_url or "")
+        assert value(scrape(tier.metrics_url), "kvtier_tier_capacity_blocks", '{tier="cpu"}') == 16
+    finally:
+        tier.close()
+
+
+def test_close_frees_the_port_and_two_tiers_serve_apart():
+    first, second = KVTier.open(CPU, make_kv(), metrics_port=0), KVTier.open(CPU, make_kv(), metrics_port=0)
+    port = first._metrics.port
+    assert port != second._metrics.port
+    first.close()
+    assert value(scrape(second.metrics_url), "kvtier_tier_capacity_blocks", '{tier="cpu"}') == 16
+    second.close()
+    again = KVTier.open(CPU, make_kv(), metrics_port=port)  # the port was released by close()
+    again.close()
