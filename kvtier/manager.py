@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.control.cascade import Cascade, split_below
@@ -61,6 +61,7 @@ __all__ = ["CASCADE_MODES", "HierarchyManager", "Tier", "TierStats"]
 
 log = logging.getLogger(__name__)
 
+FLUSH_RECHECK_S = 0.1  # how often a `flush` given a `check` calls it while waiting
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
 
@@ -314,22 +315,35 @@ class HierarchyManager(OffloadingManager):
         tier now (`on_evict`; a caller about to wait for room, see `store_room`)."""
         self._cascade.clean_ahead(self._top, count)
 
-    def flush(self, timeout: float | None = None) -> int:
+    def flush(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> int:
         """Copy every readable block of each cascading tier (cascade not `none`) that the next
         tier lacks down to it, tier after tier, and wait for the copies. Returns how many blocks
         are still without a copy below: no room there, a failed copy (each block is tried once),
-        or `timeout` seconds passed first (None: no limit; the copies left running finish later)."""
+        or `timeout` seconds passed first (None: no limit; the copies left running finish later).
+        `check` is called every `FLUSH_RECHECK_S` while waiting: what it raises ends the flush
+        (the copies started go on; the standalone API's `ClosedError` once another thread closes)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         cascading = [t for t in self.tiers if t.below is not None and t.cascade != "none"]
         try:
-            self.wait_idle(_left(deadline))
+            self._wait_checking(deadline, check)
             for tier in cascading:
                 tried: set[OffloadKey] = set()
                 while self._cascade.flush_step(tier, max(1, 2 * tier.reserve), tried):
-                    self.wait_idle(_left(deadline))
+                    self._wait_checking(deadline, check)
         except WaitTimeout:
             pass
         return sum(len(self._cascade.dirty_keys(t)) for t in cascading)
+
+    def _wait_checking(self, deadline: float | None, check: Callable[[], None] | None) -> None:
+        """`wait_idle` until `deadline` (`WaitTimeout` then), calling `check` between slices."""
+        while True:
+            left = _left(deadline)
+            if check is None or (left is not None and left <= FLUSH_RECHECK_S):
+                return self.wait_idle(left)
+            try:
+                return self.wait_idle(FLUSH_RECHECK_S)
+            except WaitTimeout:
+                check()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         yield from self._log.take()

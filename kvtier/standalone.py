@@ -250,9 +250,9 @@ class KVTier:
         under cascade `on_evict`; under `on_store` those whose copy is still queued or failed),
         and wait for the copies, at most `timeout` seconds (None: no limit). Returns how many
         blocks are still without a copy below (0: a restart finds every block a lower,
-        persistent tier can hold)."""
+        persistent tier can hold). `ClosedError` when another thread closes the KVTier meanwhile."""
         with self._call():
-            return self.manager.flush(timeout)
+            return self.manager.flush(timeout, check=self._check_open)  # ClosedError once another thread closes
 
     def stats(self) -> dict[str, Any]:
         """Per-tier counters of the manager plus this API's store/load totals under `"engine"`."""

@@ -7,8 +7,18 @@ import random
 import threading
 
 import pytest
+from test_manager import HungHandler
+from test_standalone import keys as std_keys
+from test_standalone import make_kv
 
-from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, load_config_text, make_offload_key
+from kvtier import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    CPULoadStoreSpec,
+    load_config_text,
+    make_offload_key,
+)
 from kvtier.errors import ClosedError
 from kvtier.standalone import KVTier
 
@@ -104,3 +114,36 @@ def test_close_from_another_thread_ends_the_others_calls_with_closed_error(tmp_p
     assert all(isinstance(e, ClosedError) for e in errors.values()), errors
     with pytest.raises(ClosedError):
         tier.lookup([make_offload_key(b"x" * 16, 0)])
+
+
+def test_close_ends_a_flush_waiting_for_copies_in_another_thread():
+    """A `flush()` (no timeout) waiting for a cascade copy that does not end held the call lock,
+    so `close()` from another thread waited as long; now the flush ends with `ClosedError`."""
+    tier = KVTier.open(load_config_text("tiers:\n  - {name: hot, backend: cpu, capacity: 8 blocks, pin: false, "
+                                        "cascade: on_store}\n  - {name: warm, backend: memory, capacity: 8 blocks}\n"),
+                       make_kv())
+    hung = HungHandler()
+    tier.hierarchy.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, hung)
+    assert tier.store(std_keys(2), [0, 1])
+    outcome: dict[str, BaseException | int] = {}
+    flusher = threading.Thread(target=lambda: outcome.update(flush=_call(tier.flush)), daemon=True)
+    flusher.start()
+    while not hung.jobs:  # the copy below has started and will not end
+        threading.Event().wait(0.01)
+    closer = threading.Thread(target=lambda: tier.close(flush=False), daemon=True)
+    closer.start()
+    flusher.join(WATCHDOG_S / 20)
+    ended = not flusher.is_alive()
+    hung.finish_all()  # let close() (and, before the fix, the flush) finish either way
+    flusher.join(WATCHDOG_S)
+    closer.join(WATCHDOG_S)
+    assert ended, "flush() still waiting for its copies after close() was called"
+    assert isinstance(outcome["flush"], ClosedError), outcome
+    assert not closer.is_alive()
+
+
+def _call(fn):
+    try:
+        return fn()
+    except BaseException as exc:  # noqa: BLE001 - returned to the test
+        return exc
