@@ -15,18 +15,14 @@ never followed. Without `--yes` nothing is removed: what would be is listed (exi
 
 from __future__ import annotations
 
-import json
 import os
 import stat
 from pathlib import Path
 
 from kvtier.cli.inspect import human_size
 from kvtier.errors import KVTierError
-from kvtier.tiers.journal import JOURNAL_MAGIC
-from kvtier.tiers.manifest import MANIFEST_MAX_BYTES
+from kvtier.tiers.own_files import holds_tier
 from kvtier.tiers.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, TEMPORARIES, RootLock, file_kind
-
-_MANIFEST_KEYS = ("format_version", "slot_bytes", "num_slots", "fingerprint")  # every kvtier manifest has them
 
 
 def _open_root(root: Path) -> int:
@@ -51,33 +47,6 @@ def _open_root(root: Path) -> int:
     return fd
 
 
-def _head(dir_fd: int, name: str, limit: int) -> bytes | None:
-    """At most `limit` bytes of the regular file `name` in `dir_fd` (None: no such regular file)."""
-    try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
-    except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.read(fd, limit)
-    finally:
-        os.close(fd)
-
-
-def _is_tier(dir_fd: int) -> bool:
-    """Whether the directory holds a kvtier manifest or a kvtier journal (what only a tier writes)."""
-    journal = _head(dir_fd, JOURNAL, len(JOURNAL_MAGIC))
-    if journal == JOURNAL_MAGIC:
-        return True
-    data = _head(dir_fd, MANIFEST, MANIFEST_MAX_BYTES + 1)
-    try:
-        manifest = json.loads(data) if data and len(data) <= MANIFEST_MAX_BYTES else None
-    except (ValueError, RecursionError):
-        return False
-    return isinstance(manifest, dict) and all(key in manifest for key in _MANIFEST_KEYS)
-
-
 def tier_files(root: Path, dir_fd: int) -> dict[str, os.stat_result]:
     """The tier's own names present in the directory `dir_fd` (`root`: its path, for messages;
     lstat: links not followed); `KVTierError` when it is no tier, or one of the names is a directory."""
@@ -94,7 +63,7 @@ def tier_files(root: Path, dir_fd: int) -> dict[str, os.stat_result]:
     if dirs:
         raise KVTierError(f"{root / dirs[0]} is a directory, not a file kvtier wrote; remove it by hand if you "
                           f"mean to; nothing removed")
-    if not _is_tier(dir_fd):
+    if not holds_tier(dir_fd):
         raise KVTierError(f"{root} is not a file tier's root_dir: it has files named like a tier's "
                           f"({', '.join(found)}) but neither a kvtier {MANIFEST} nor a kvtier {JOURNAL}; "
                           f"nothing removed (remove them by hand if they are a tier's leftovers)")

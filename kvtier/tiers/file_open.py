@@ -9,7 +9,8 @@ its end), or refuses a manifest of another identity (fingerprint or layout: a
 `root_dir` `ConfigError` that says how to keep or erase those blocks) unless the tier's
 `on_identity_change` is `reset`, or logs one warning that the contents are not ours and rebuilds
 the tier empty (new epoch): no manifest, another format version, another capacity, a journal that
-does not match).
+does not match). A rebuild never replaces a `journal`, `slab.0` or `manifest.json` that no tier
+wrote (`own_files.foreign_files`: another program's files in a root_dir given by mistake): refused.
 No slot header is read: 100k blocks are ready in well under a second.
 
 A build that fails removes the files and directories it created (`OpenedRoot.abandon` after a
@@ -39,6 +40,7 @@ from kvtier.tiers.manifest import (
     wanted_manifest,
     write_manifest,
 )
+from kvtier.tiers.own_files import foreign_files
 from kvtier.tiers.rootdir import (
     JOURNAL,
     MANIFEST,
@@ -193,10 +195,26 @@ def _open_contents(root: Path, shape: TierShape) -> _Contents:
         diffs = [scan.problem]
     elif shape.on_identity_change == "refuse":
         _refuse_other_identity(root, shape, identity_differences(found, wanted))
+    _refuse_foreign_files(root, shape.name)
     if any(os.path.lexists(root / name) for name in (MANIFEST, SLAB)):
         log.warning("file tier %s: contents of %s are not ours (%s); starting empty", shape.name, root,
                     "; ".join(diffs))
     return _rebuild(root, shape, wanted)
+
+
+def _refuse_foreign_files(root: Path, name: str) -> None:
+    """Before a rebuild replaces them: refuse files under the tier's names that no tier wrote
+    (another program's `journal` or `slab.0` in a root_dir given by mistake), in either
+    `on_identity_change` mode."""
+    dir_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        foreign = foreign_files(dir_fd)
+    finally:
+        os.close(dir_fd)
+    if foreign:
+        raise refuse(f"{root} holds {', '.join(foreign)} that file tier {name!r} did not write (no tier's "
+                     f"manifest or journal is there); kvtier will not overwrite them. Give the tier a "
+                     f"directory of its own, or move those files away")
 
 
 def _refuse_other_identity(root: Path, shape: TierShape, diffs: list[str]) -> None:

@@ -30,7 +30,7 @@ CHECK_CRC32 = 1  # payload checksum: zlib CRC-32 (host)
 CHECK_TORCH = 2  # payload checksum: checksum.tensor_checksum (any torch device)
 CHECK_NAMES = {CHECK_CRC32: "crc32", CHECK_TORCH: "torch-sum"}
 
-_SLOT_MAGIC = b"KVTB"
+SLOT_MAGIC = b"KVTB"
 # magic, version, key_len, check kind, reserved, payload_len, payload check, manifest digest, header_crc;
 # the key follows.
 _HDR = struct.Struct("<4sHHHHQI8sI")
@@ -63,7 +63,7 @@ def pack_header(view: memoryview, key: bytes, payload_len: int, payload_check: i
                 check_kind: int = CHECK_CRC32) -> None:
     """Write a slot header into `view` (at least `_HDR.size` + len(key) bytes; the rest of the
     header page is left as it is and never read)."""
-    fields = (_SLOT_MAGIC, FORMAT_VERSION, len(key), check_kind, 0, payload_len, payload_check, digest)
+    fields = (SLOT_MAGIC, FORMAT_VERSION, len(key), check_kind, 0, payload_len, payload_check, digest)
     hcrc = zlib.crc32(key, zlib.crc32(_HDR.pack(*fields, 0)))
     _HDR.pack_into(view, 0, *fields, hcrc)
     end = _HDR.size + len(key)
@@ -85,7 +85,7 @@ def parse_header(view) -> SlotHeader | str:
     if len(view) < _HDR.size:
         return "header truncated"
     magic, version, key_len, kind, reserved, payload_len, check, digest, hcrc = _HDR.unpack_from(view, 0)
-    if magic != _SLOT_MAGIC:
+    if magic != SLOT_MAGIC:
         return "no slot header (bad magic)"
     if version != FORMAT_VERSION:
         return f"format version {version}, expected {FORMAT_VERSION}"

@@ -332,6 +332,36 @@ def test_a_refused_rebuild_leaves_the_previous_contents(tmp_path):
             h.close()
 
 
+@pytest.mark.parametrize("reset", [False, True], ids=["refuse", "reset"])
+def test_another_programs_files_under_the_tiers_names_are_never_overwritten(tmp_path, reset):
+    """root_dir given by mistake: a directory of another program's `journal`, `slab.0` and
+    `manifest.json`. Before, the tier took them for its own and rebuilt over them (erased)."""
+    root = tmp_path / "notes"
+    root.mkdir(mode=0o700)
+    mine = {"journal": b"2026-11-27: dear diary\n", "slab.0": b"a slab of text\n", "manifest.json": b'{"name": "app"}'}
+    for name, data in mine.items():
+        (root / name).write_bytes(data)
+    with pytest.raises(ConfigError, match=FIELD + r".*holds manifest.json, journal, slab.0 that file tier 'disk' did "
+                       r"not write \(no tier's manifest or journal is there\); kvtier will not overwrite them"):
+        build(root, reset=reset)
+    assert {name: (root / name).read_bytes() for name in mine} == mine
+
+
+def test_the_leftovers_of_an_interrupted_first_build_are_rebuilt(tmp_path):
+    """A first build stopped after allocating its (zero-filled) slab, before its journal and
+    manifest: the tier's own leftovers, so the tier starts empty over them."""
+    root = tmp_path / "kv"
+    root.mkdir(mode=0o700)
+    (root / "slab.0").write_bytes(bytes(4096))
+    (root / "journal").write_bytes(b"")
+    h = build(root)
+    try:
+        (k,) = fill_file_tier(h, 1)
+        assert read(h, k) == payload(k)
+    finally:
+        h.close()
+
+
 # ---------------------------------------------------------------------------- ~ and $VARS
 def test_home_and_variables_are_expanded(tmp_path, monkeypatch):
     home, cwd = tmp_path / "home", tmp_path / "cwd"
