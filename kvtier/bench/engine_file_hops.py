@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -75,8 +76,7 @@ def measure_engine_file(root_dir: str, device: str, block_bytes: int, total_byte
     layout = KVLayout(kv, blocks_per_chunk_of(kv))
     engine_ids = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
     host = aligned_rows(n, block_bytes, pin=device == "cuda")
-    work = Path(root_dir) / f"kvtier-engine-file-{os.getpid()}"
-    work.mkdir()
+    work = Path(tempfile.mkdtemp(prefix="kvtier-engine-file-", dir=root_dir))  # 0700, a name nobody planted
     raw_write, raw_read, raw_close = _raw_io(work / "raw", host, THREADS)
     engine_bytes, host_blocks = engine.view(torch.uint8), host[:, :block_bytes]
     nb = device == "cuda"

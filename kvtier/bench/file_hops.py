@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -145,7 +146,8 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
     Handler and raw runs alternate `repeats` times on fresh files; figures are medians (the disk
     is shared and noisy). `host` is the CPU side: `cpu` (the shared-memory CPU tier) or `memory`
     (the in-process memory tier); both have page-aligned slots, so file I/O is zero-copy. Uses and removes
-    `root_dir/kvtier-bench-<pid>`. `seconds` holds every round's seconds per measurement (handler:
+    a fresh `root_dir/kvtier-bench-XXXXXXXX` (mkdtemp: a name planted in a shared `root_dir`
+    such as /tmp is never used). `seconds` holds every round's seconds per measurement (handler:
     `fill`, `store`, `load`; raw on one thread: `f1`, `w1`, `r1`, on `num_threads`: `ft`, `wt`, `rt`).
     Raises TransferCorrupted if a job fails or a block reads back wrong.
     """
@@ -153,8 +155,7 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
 
     n = max(1, total_bytes // block_bytes)
     total = n * block_bytes
-    work = Path(root_dir) / f"kvtier-bench-{os.getpid()}"
-    work.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=root_dir))  # 0700, a fresh name: nothing planted
     if host == "cpu":
         from kvtier.tiers.cpu import CPUBackend
 
@@ -226,7 +227,7 @@ def measure_restart(root_dir: str, num_blocks: int = 100_000, block_bytes: int =
     (1 rewrite = 2 x capacity, the most it holds before it is compacted: the worst case)."""
     from kvtier import build_hierarchy, load_config_text
 
-    work = Path(root_dir) / f"kvtier-restart-{os.getpid()}"
+    work = Path(tempfile.mkdtemp(prefix="kvtier-restart-", dir=root_dir))
     tier = work / "tier"
     try:
         disk = FileBackend("disk", num_blocks, block_bytes, BENCH_TOKENS, root_dir=str(tier), io="posix",

@@ -75,3 +75,20 @@ def test_without_a_file_tier_the_temporary_directory_is_named_with_the_reason():
     place = file_hops_place(_config(None), None)
     assert place["reason"].startswith("the temporary directory: the config has no file tier with a root_dir")
     assert where.describe(place).startswith(f"file hops measured in {place['parent']} (")
+
+
+def test_the_file_hops_never_write_through_a_name_planted_in_a_shared_root_dir(tmp_path):
+    """`python -m kvtier.bench.file_hops` measures in /tmp by default. Before, it worked in
+    `ROOT/kvtier-bench-<pid>` (reused if present) and its raw baseline opened `raw` there
+    following links: a neighbour who planted that directory with `raw` -> one of your files had
+    the bench's bytes written into it."""
+    from kvtier.bench.file_hops import measure_cpu_file
+
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 512)
+    planted = tmp_path / f"kvtier-bench-{os.getpid()}"
+    planted.mkdir()
+    os.symlink(victim, planted / "raw")
+    measure_cpu_file(str(tmp_path), 4096, 64 << 10, repeats=1, host="memory")
+    assert victim.read_bytes() == b"precious" * 512
+    assert sorted(os.listdir(tmp_path)) == sorted(["victim", planted.name])  # its own directory is removed
