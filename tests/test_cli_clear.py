@@ -128,3 +128,13 @@ def test_another_users_directory_is_refused(tmp_path, capsys):
     code, _, err = clear(capsys, str(root), "--yes")
     assert code == 2 and "is not yours (owner uid 65534)" in err
     assert all((root / name).exists() for name in OWN_FILES)
+
+
+def test_an_empty_root_dir_is_refused_not_taken_for_the_current_directory(tmp_path, capsys, monkeypatch):
+    """`kvtier clear "$ROOT" --yes` with ROOT unset: before, "" was Path(".") and the tier in the
+    current directory was cleared."""
+    build(tmp_path).close()
+    monkeypatch.chdir(tmp_path)
+    code, _, err = clear(capsys, "", "--yes")
+    assert code == 2 and "ROOT_DIR is empty" in err
+    assert all((tmp_path / name).exists() for name in OWN_FILES)

@@ -93,6 +93,9 @@ def _same_directory(root: Path, dir_fd: int) -> bool:
 
 
 def run_clear(args) -> int:
+    if not args.root_dir:  # Path("") is ".": an unset shell variable must not mean the current directory
+        raise KVTierError(f"ROOT_DIR is empty ({args.root_dir!r}); give the tier's directory (an unset variable?); "
+                          f"nothing removed")
     root = Path(args.root_dir)
     dir_fd = _open_root(root)
     try:
