@@ -2,15 +2,17 @@
 
 Only the names the tier writes in its `root_dir` are removed (`rootdir.OWN_FILES`: lock,
 manifest.json, slab.0, journal, and the temporaries of an interrupted rewrite); the directory and
-anything else in it stay. Refused (exit 2, nothing removed): a path that is a symlink, not a
-directory or not yours; a directory holding none of the tier's files, or only files that merely
-carry its names (neither a kvtier manifest nor a kvtier journal is there: a `manifest.json` or
-`journal` of another program is no tier); one of those names being a directory; a tier open in a
-live process (its lock is taken first, so no process can open the tier while its files go); a
-`ROOT_DIR` replaced by another directory meanwhile. The directory is opened once (`O_NOFOLLOW`)
-and every name is looked up and unlinked relative to it, so a swap of `ROOT_DIR` or of a path
-component after the checks cannot redirect a removal. A name that is a symlink is removed itself,
-never followed. Without `--yes` nothing is removed: what would be is listed (exit 2).
+anything else in it stay. Refused (exit 2, nothing removed): an empty `ROOT_DIR` (never taken for
+the current directory); a path that is a symlink, not a directory or not yours; a directory
+holding none of the tier's files, or only files that merely carry its names
+(`own_files.holds_tier`: neither a kvtier manifest nor a kvtier journal is there; a
+`manifest.json` or `journal` of another program is no tier); one of those names being a
+directory; a tier open in a live process (its lock is taken first, so no process can open the
+tier while its files go); a `ROOT_DIR` replaced by another directory meanwhile. The directory is
+opened once (`O_NOFOLLOW`) and every name is looked up and unlinked relative to it, so a swap of
+`ROOT_DIR` or of a path component after the checks cannot redirect a removal. A name that is a
+symlink is removed itself, never followed. Without `--yes` nothing is removed: what would be is
+listed (exit 2).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from kvtier.cli.inspect import human_size
 from kvtier.errors import KVTierError
 from kvtier.tiers.own_files import holds_tier
-from kvtier.tiers.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, TEMPORARIES, RootLock, file_kind
+from kvtier.tiers.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, TEMPORARIES, RootLock, file_kind, same_file
 
 
 def _open_root(root: Path) -> int:
@@ -83,15 +85,6 @@ def _unlink(name: str, dir_fd: int) -> None:
         pass
 
 
-def _same_directory(root: Path, dir_fd: int) -> bool:
-    try:
-        now = os.lstat(root)
-    except OSError:
-        return False
-    mine = os.fstat(dir_fd)
-    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 def run_clear(args) -> int:
     if not args.root_dir:  # Path("") is ".": an unset shell variable must not mean the current directory
         raise KVTierError(f"ROOT_DIR is empty ({args.root_dir!r}); give the tier's directory (an unset variable?); "
@@ -118,7 +111,7 @@ def _clear(root: Path, dir_fd: int, yes: bool) -> int:
     except KVTierError as exc:  # held by a live process: the tier is open
         raise KVTierError(f"{root} is a tier in use, nothing removed ({exc}); close it first") from None
     try:
-        if not _same_directory(root, dir_fd):  # the lock was taken in whatever `root` names now
+        if not same_file(dir_fd, root):  # the lock was taken in whatever `root` names now
             raise KVTierError(f"{root} was replaced by another directory while it was being cleared; nothing "
                               f"removed")
         found = tier_files(root, dir_fd)  # again, under the lock

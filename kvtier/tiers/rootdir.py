@@ -345,7 +345,7 @@ class RootLock:
                     os.close(fd)
                 raise KVTierError(f"file tier root_dir {root} is in use by {_process(holder)}; "
                                   f"give each process its own root_dir") from None
-            if _same_file(fd, self.path):
+            if same_file(fd, self.path):
                 break
             os.close(fd)  # a failed build removed the file after we opened it: lock the current one
         self.created = created  # the lock file did not exist before
@@ -364,7 +364,7 @@ class RootLock:
             self._fd = -1
 
 
-def _same_file(fd: int, path: Path) -> bool:
+def same_file(fd: int, path: Path) -> bool:
     """Whether `path` still names the file open as `fd`."""
     try:
         st = os.lstat(path)
