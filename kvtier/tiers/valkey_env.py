@@ -75,7 +75,7 @@ def reach(options: dict) -> tuple[list[str], list[tuple[str, str]]]:
         if outcome is None:
             answered.append(endpoint.name)
         else:
-            problems.append(_problem(options, endpoint.name, outcome, timeout_s))
+            problems.append(_problem(options, endpoint.name, outcome, timeout_s, client.password))
     if parsed.cluster and answered:  # a cluster is reached through any of its seeds
         notes = [f"no answer from {message}" for _field, message in problems]
         return [f"cluster seed(s) {', '.join(answered)} answered PING"] + notes, []
@@ -104,11 +104,12 @@ def _ask(client: Any, parsed: Any, endpoint: Any, key: bytes | None, outcomes: d
         node.close()
 
 
-def _problem(options: dict, where: str, exc: BaseException, timeout_s: float) -> tuple[str, str]:
-    """The field to fix and the message for one failed server."""
+def _problem(options: dict, where: str, exc: BaseException, timeout_s: float,
+             password: str | None) -> tuple[str, str]:
+    """The field to fix and the message for one failed server (never holding `password`)."""
     kind = type(exc).__name__
     field, cause = _CAUSES.get(kind, ("url", ""))
-    text = str(exc)
+    text = _redact(str(exc), password)
     if kind == "TimeoutError":
         cause = f"timeout: no answer within timeout_ms ({timeout_s * 1000:g} ms)"
     elif kind == "_Unfinished":
@@ -117,6 +118,8 @@ def _problem(options: dict, where: str, exc: BaseException, timeout_s: float) ->
         kind = "TimeoutError"
     elif not cause and ("SSL" in text or "certificate" in text or "TLS" in text):
         field, cause = ("tls_ca_file" if options.get("tls_ca_file") else "url"), "TLS handshake failed"
+    elif not cause and "unknown command" in text.lower():
+        cause = "the server does not know a command sent (AUTH renamed or disabled there? a valkey server?)"
     elif not cause and "refused" in text.lower():
         cause = "connection refused (no server listening there)"
     elif not cause:
@@ -129,6 +132,15 @@ def _problem(options: dict, where: str, exc: BaseException, timeout_s: float) ->
     if field == "username" and not options.get("username"):
         field = "key_prefix"  # the default user may not use these keys
     return field, f"server {where}: {cause} ({kind}: {_short(text)})"
+
+
+def _redact(text: str, password: str | None) -> str:
+    """`text` of a server's error without the password: a server that does not know a command
+    (AUTH renamed or disabled, a proxy) echoes its arguments ("... with args beginning with: 'pw'")."""
+    echoed = text.find("with args beginning with")
+    if echoed >= 0:
+        text = text[:echoed] + "with args beginning with: <hidden>"
+    return text.replace(password, "<hidden>") if password else text
 
 
 def _short(text: Any) -> str:

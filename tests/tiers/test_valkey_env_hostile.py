@@ -1,7 +1,8 @@
 """`config check --env` (`valkey_env.reach`) against hostile servers on 127.0.0.1: one that
 answers byte by byte forever, one that answers another protocol, and a cluster url of many seeds
 that each answer only once all of them are connected (so they must be asked at once, within the
-one bound of the whole check). Before, the first hung the check and the seeds were asked one by one."""
+one bound of the whole check), and one that echoes AUTH's arguments in its error. Before, the first
+hung the check, the seeds were asked one by one and the echoed password was printed."""
 
 from __future__ import annotations
 
@@ -98,3 +99,24 @@ def test_the_seeds_of_a_cluster_url_are_asked_at_once():
             server.stop()
     assert problems == [] and notes == [f"cluster seed(s) {', '.join(f'127.0.0.1:{s.port}' for s in servers)} "
                                         f"answered PING"]
+
+
+def echo_unknown_command(conn, _stopped):
+    """Answer the first command as Redis answers one it does not know (AUTH renamed or disabled):
+    an error that repeats its arguments, the password among them."""
+    words = [w for w in conn.recv(4096).split(b"\r\n") if w and w[:1] not in b"*$"]
+    conn.sendall(b"-ERR unknown command '%s', with args beginning with: %s\r\n"
+                 % (words[0], b" ".join(b"'%s'" % w for w in words[1:])))
+
+
+def test_a_server_echoing_the_auth_arguments_never_gets_the_password_printed(monkeypatch):
+    monkeypatch.setenv("KVT_HOSTILE_PW", "hostile-secret")
+    server = FakeServer(echo_unknown_command)
+    try:
+        _notes, problems = reach({"url": f"redis://127.0.0.1:{server.port}", "timeout_ms": 500,
+                                  "password_env": "KVT_HOSTILE_PW"})
+    finally:
+        server.stop()
+    (field, message), = problems
+    assert "hostile-secret" not in message and "with args beginning with: <hidden>" in message
+    assert field == "url" and "the server does not know a command sent" in message
