@@ -34,7 +34,8 @@ Trust rules (file_open.py): a manifest of another identity (`fingerprint` or `la
 the block geometry) is refused with a `root_dir` `ConfigError` naming both, so that no model's
 blocks are erased by a reused config; option `on_identity_change: reset` (default `refuse`) erases
 them instead. A manifest that differs otherwise (capacity, format version, none readable) or a
-journal of another epoch means the contents are not ours: the tier starts empty and logs one warning. A block
+journal of another epoch means the contents are not ours: the tier starts empty and logs one warning
+(never over a `journal` or `slab.0` that no tier wrote: refused, `own_files.py`). A block
 is served only if its header (magic, version, manifest digest, key, length, header CRC) and payload
 CRC verify; otherwise `read_blocks` raises `IntegrityError` and the block is forgotten. The
 manifest and the journal are read only when they are regular files (not through a symlink: a FIFO
