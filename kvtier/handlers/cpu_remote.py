@@ -3,12 +3,15 @@
 The host side is any `HostSlots` backend; the remote side any `RemoteBlocks` backend
 (`ValkeyBackend`); see `kvtier.tiers.base`. CPU -> REMOTE publishes the first tier's blocks,
 REMOTE -> CPU promotes them back. Jobs run on the handler's own pool (socket I/O never happens on
-the caller's thread); an exception inside a job (server unreachable, a value gone or failing
+the caller's thread). A promotion must end within the remote tier's `probe_timeout_s` of being
+submitted (its deadline goes to `get_blocks`): one queued behind others fails when its time is up
+instead of making its lookup wait. An exception inside a job (server unreachable, a value gone or failing
 verification) fails that job only, and the manager then answers MISS for its keys.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping
 
 from kvtier.handlers.base import ThreadedHandler, host_pair, serving
@@ -42,10 +45,20 @@ class CPUToRemoteHandler(_CPURemoteHandler):
 class RemoteToCPUHandler(_CPURemoteHandler):
     """Reads and verifies remote blocks into host-memory slots (promotion)."""
 
+    def __init__(self, hosts: dict, remotes: dict, num_threads: int):
+        super().__init__(hosts, remotes, num_threads)
+        self._timeout_s = max(r.probe_timeout_s for r in remotes.values())  # (there is one shared tier)
+        self._deadlines: dict[int, float] = {}  # id(src spec) -> when its job must end (spec alive till then)
+
+    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        self._deadlines[id(src)] = time.monotonic() + self._timeout_s
+        super().submit(job_id, src, dst)
+
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
         assert isinstance(src, RemoteLoadStoreSpec) and isinstance(dst, BlockIDsLoadStoreSpec), "the registered pair"
+        deadline = self._deadlines.pop(id(src), None)
         host, store = self._sides(dst, src)
-        return store.get_blocks(src.keys, [host.view(s) for s in dst.block_ids])
+        return store.get_blocks(src.keys, [host.view(s) for s in dst.block_ids], deadline)
 
 
 def _make(cls, backends: Mapping, kv_caches=None):
