@@ -69,10 +69,11 @@ def _bounded(base: type) -> type:
     until the calling thread's operation deadline (`_DEADLINE.at`), and at most the configured
     timeouts."""
 
-    class Bounded(base):  # type: ignore[valid-type, misc]
+    class Bounded(base):
         def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
             if self._sock is None:
-                limits = self.__dict__.setdefault("_kvt_limits", (self.socket_connect_timeout, self.socket_timeout))
+                conn: Any = self
+                limits = conn.__dict__.setdefault("_kvt_limits", (conn.socket_connect_timeout, conn.socket_timeout))
                 at = getattr(_DEADLINE, "at", None)
                 left = limits[1] if at is None else time_left(at, "connect")
                 self.socket_connect_timeout = min(limits[0], left)
@@ -83,7 +84,7 @@ def _bounded(base: type) -> type:
     return Bounded
 
 
-_CLASSES = {cls: _bounded(cls) for cls in (redis.Connection, redis.UnixDomainSocketConnection, redis.SSLConnection)}
+_CLASSES: dict[type, type] = {cls: _bounded(cls) for cls in (redis.Connection, redis.UnixDomainSocketConnection, redis.SSLConnection)}
 
 
 def _bulk(arg: bytes) -> bytes:
@@ -129,7 +130,7 @@ class _Reply:
         line = self.line()
         kind, text = line[:1], line[1:]
         if kind == b"-":
-            return BaseParser.parse_error(text.decode("utf-8", "replace"))  # type: ignore[return-value]
+            return BaseParser.parse_error(text.decode("utf-8", "replace"))
         if kind == b"+":
             return text
         if kind == b":" and text.lstrip(b"-").isdigit():
@@ -216,7 +217,7 @@ class NodeClient:
         """A connection of `pool` (connected by `deadline`) with `packed` sent on it (by `deadline`)."""
         _DEADLINE.at = deadline
         try:
-            conn = pool.get_connection()  # (released by the pool itself when connecting fails)
+            conn: Any = pool.get_connection()  # (released by the pool itself when connecting fails)
         finally:
             _DEADLINE.at = None
         try:
