@@ -84,7 +84,8 @@ def _bounded(base: type) -> type:
     return Bounded
 
 
-_CLASSES: dict[type, type] = {cls: _bounded(cls) for cls in (redis.Connection, redis.UnixDomainSocketConnection, redis.SSLConnection)}
+_CLASSES: dict[type, type] = {
+    cls: _bounded(cls) for cls in (redis.Connection, redis.UnixDomainSocketConnection, redis.SSLConnection)}
 
 
 def _bulk(arg: bytes) -> bytes:

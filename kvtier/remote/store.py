@@ -155,6 +155,7 @@ class RemoteStore:
         groups, unroutable, why = self._topology.group(parts)
         answered, unavailable = 0, len(unroutable)
         errors = [f"{len(unroutable)} keys on no server ({why})"] if unroutable else []
+        causes = ["NoSlotMap"] if unroutable else []
         sent = []
         try:
             for name, indices in groups.items():
@@ -165,6 +166,7 @@ class RemoteStore:
                     sent.append((node, indices, pending))
                 except RemoteUnavailable as exc:
                     errors.append(str(exc))
+                    causes.append(exc.cause)
                     unavailable += len(indices)
             while sent:
                 node, indices, pending = sent.pop(0)
@@ -172,6 +174,7 @@ class RemoteStore:
                     replies = self._call(node, node.exists_finish, pending, since=started)
                 except RemoteUnavailable as exc:
                     errors.append(str(exc))
+                    causes.append(exc.cause)
                     unavailable += len(indices)
                     continue
                 answered += 1
@@ -182,7 +185,8 @@ class RemoteStore:
                 node.exists_abandon(pending)
         self._count(probes=1, probe_keys=len(keys), unavailable_keys=unavailable)
         if not answered:
-            raise RemoteUnavailable("probe: no server answered: " + "; ".join(errors))
+            cause = next((c for c in causes if c != "BreakerOpen"), "BreakerOpen" if causes else "")
+            raise RemoteUnavailable("probe: no server answered: " + "; ".join(errors), cause)
         tp = self.tp
         return [all(found[i * tp:(i + 1) * tp]) for i in range(len(keys))]
 

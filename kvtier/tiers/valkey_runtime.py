@@ -9,8 +9,9 @@ Each is thread-safe and does no socket I/O itself; `kvtier.tiers.valkey.ValkeyBa
 - `WritePause`: after a failed write or a slow one, publishing pauses for `open_s`; the keys not
   written are reported by `take_unsent`.
 - `FailureNotice`: the first failure of the tier logs ONE WARNING naming the server and the cause
-  (`AuthenticationError`, `NoPermissionError`, `TimeoutError`, ...); later failures are counted, and
-  logged again only for a cause not seen since the last recovery; a recovery logs one WARNING too.
+  (`AuthenticationError`, `NoPermissionError`, `TimeoutError`, `SlowAnswer`, ...); later failures
+  are counted, and a WARNING is logged again only for a cause not logged before (at most one per
+  cause in the tier's life, so a flapping server cannot flood the log); a recovery is logged at INFO.
 """
 
 from __future__ import annotations
@@ -79,34 +80,35 @@ class FailureNotice:
     def __init__(self, name: str, url: str):
         self.name, self.url = name, url
         self.failures = 0
-        self._seen: set[str] = set()
+        self._logged: set[str] = set()  # causes logged (never forgotten: one WARNING each)
+        self._failing = False  # failures since the last success
         self._lock = threading.Lock()
 
     def failed(self, exc: BaseException, what: str = "") -> None:
-        """Count one failure; the first of its cause since the last recovery is logged. `what`: the
-        consequence, added to the message (e.g. publishing paused)."""
+        """Count one failure; the first of its cause is logged. `what`: the consequence, added to
+        the message (e.g. publishing paused)."""
         cause = cause_of(exc)
         with self._lock:
             self.failures += 1
-            if cause == "BreakerOpen" or cause in self._seen:
+            self._failing = True
+            if cause == "BreakerOpen" or cause in self._logged:
                 return
-            self._seen.add(cause)
-            first = len(self._seen) == 1
-        log.warning("valkey tier %s: %s %s: %s: %s%s; %s", self.name, self.url,
+            self._logged.add(cause)
+            first = len(self._logged) == 1
+        log.warning("valkey tier %s: %s %s (%s): %s%s; %s", self.name, self.url,
                     "failed" if first else "failed with another cause", cause, exc, what and f"; {what}",
                     "lookups miss and blocks are recomputed meanwhile; later failures are counted, not logged "
                     "(stats: shared.probe_failures, read_failures, write_failures)")
 
     def recovered(self) -> None:
-        """A call that worked: one WARNING when failures were logged before it."""
-        if not self._seen:
+        """A call that worked: logged (INFO) when failures came before it."""
+        if not self._failing:
             return
         with self._lock:
-            causes, self._seen = sorted(self._seen), set()
+            failing, self._failing = self._failing, False
             failures = self.failures
-        if causes:
-            log.warning("valkey tier %s: %s answers again (%d failures so far; causes: %s)", self.name, self.url,
-                        failures, ", ".join(causes))
+        if failing:
+            log.info("valkey tier %s: %s answers again (%d failures so far)", self.name, self.url, failures)
 
 
 class WritePause:
