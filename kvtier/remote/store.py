@@ -226,11 +226,12 @@ class RemoteStore:
                 self._topology.refresh()
             except RemoteUnavailable:
                 pass
-            raise RemoteUnavailable(f"{node.name}: slot moved ({exc}); slot map reloaded") from None
+            raise RemoteUnavailable(f"{node.name}: slot moved ({exc}); slot map reloaded", "SlotMoved") from None
         except redis.OutOfMemoryError as exc:
             breaker.success(data)
             self._count(full=1)
-            raise RemoteUnavailable(f"{node.name}: server full (maxmemory without eviction): {exc}") from None
+            raise RemoteUnavailable(f"{node.name}: server full (maxmemory without eviction): {exc}",
+                                    "OutOfMemoryError") from None
         except (NoPermissionError, redis.AuthenticationError) as exc:
             self._fail(breaker, type(exc).__name__, f"refused: {type(exc).__name__}: {exc}", refused=1)
         except redis.ResponseError as exc:
