@@ -12,6 +12,7 @@ import time
 import pytest
 from test_shared_tier import MISS, RETRY, Engine, keys
 
+from kvtier.testing.fake_remote import FakeServer, fake_valkey
 from kvtier.testing.slow_proxy import SlowProxy
 from kvtier.tiers.valkey_runtime import MAX_QUEUED
 
@@ -146,3 +147,23 @@ def test_the_first_failure_logs_one_warning_with_its_cause(valkey_server, monkey
         assert len(warnings) == 1, warnings
     finally:
         engine.close()
+
+
+def test_a_read_long_after_the_probe_that_found_its_block_gets_its_own_deadline():
+    """A block found by a probe is read by that probe's deadline; a read started after that deadline
+    (its promotion was refused for room, a later lookup used the handle) gets its own instead of
+    failing at once."""
+    backend = fake_valkey(FakeServer(), timeout_ms=100, block_bytes=256)
+    try:
+        key = b"k" * 16
+        backend.put_blocks([key], [bytearray(256)])
+        backend.request_probe([key])
+        for _ in range(200):  # (bounded: 2 s)
+            if backend.has_probe_results:
+                break
+            time.sleep(STEP_S)
+        assert backend.probe_results() == [([key], [True])]
+        time.sleep(0.15)  # the probe's deadline passed
+        assert backend.get_blocks([key], [bytearray(256)], time.monotonic() + 0.1) == 256
+    finally:
+        backend.close()

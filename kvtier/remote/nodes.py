@@ -110,7 +110,7 @@ class _Reply:
             raise redis.TimeoutError("reply: the operation's deadline passed") from None
 
     def _more(self) -> None:
-        chunk = self._recv(self.sock.recv, 65536)
+        chunk = self._recv(self.sock.recv, 4096)  # (small: a value's payload goes straight to `into`)
         if not chunk:
             raise redis.ConnectionError("the server closed the connection mid-reply")
         self.buf += chunk

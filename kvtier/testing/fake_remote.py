@@ -116,7 +116,7 @@ class FakeStore:
         delay = self.server.delay_s
         if delay:
             time.sleep(min(delay, limit))
-        if delay > limit:
+        if delay > limit or limit <= 0:
             self._fail("timed out", "TimeoutError")
         if self.server.down:
             self._fail("connection refused", "ConnectionError")

@@ -296,12 +296,15 @@ class ValkeyBackend(Backend):
 
     def _read_deadline(self, keys: Sequence[bytes], deadline: float | None) -> float:
         """The earliest of `deadline` (default `timeout_ms` from now) and the deadlines of the
-        probes that found `keys` (taken: each is used once)."""
+        probes that found `keys` (taken: each is used once). A probe's deadline that had passed
+        when this read was started (`deadline` - `timeout_ms`) is not used: that promotion did not
+        come from its lookup (e.g. it was refused for room, and a later lookup used the handle)."""
         out = time.monotonic() + self.probe_timeout_s if deadline is None else deadline
+        started = out - self.probe_timeout_s
         with self._lock:
             for key in keys:
                 found_by = self._read_by.pop(bytes(key), None)
-                if found_by is not None:
+                if found_by is not None and found_by > started:
                     out = min(out, found_by)
         return out
 
