@@ -20,6 +20,7 @@ from typing import Any
 from kvtier import registry
 from kvtier.config_input import brief, clip, load_yaml, plain, read_config_file, suggest
 from kvtier.errors import ConfigError
+from kvtier.limits import MAX_BLOCK_TOKENS, MAX_BLOCKS, MAX_BYTES, tier_blocks_problem
 from kvtier.types import CASCADE_MODES, DEFAULT_CASCADE, DEFAULT_RESERVE
 
 REQUIRED = object()
@@ -32,10 +33,7 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _BLOCKS_RE = re.compile(r"^\s*(\d+)\s*([km]?)\s*blocks?\s*$", re.IGNORECASE)  # "10000 blocks", "10k blocks"
 _BLOCK_SCALE = {"": 1, "k": 1000, "m": 1_000_000}
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
-MAX_BYTES = 1 << 60  # 1 EiB: more than any memory or disk, and byte offsets stay below 2**63
-_MAX_BYTES_TEXT = "1048576TiB (1 EiB)"
-MAX_BLOCKS = 10**12
-MAX_BLOCK_TOKENS = 1 << 20
+_MAX_BYTES_TEXT = "1048576TiB (1 EiB)"  # MAX_BYTES (the limits: kvtier.limits)
 DEFAULT_BLOCK_TOKENS = 256  # tokens per offloaded block when the config does not say
 _MAX_NUMBER_CHARS = 24  # longer numbers are beyond every limit above; never converted
 
@@ -359,11 +357,15 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
         elif isinstance(name, str):
             seen_names[name] = i
         policy = fields.get("policy")  # None: the default of the tier's position (HierarchyConfig)
+        policy_cls = None
         if isinstance(policy, str):
-            _code_class(registry.POLICY, policy, f"{path}policy", problems, import_code)
+            policy_cls = _code_class(registry.POLICY, policy, f"{path}policy", problems, import_code)
+        elif policy is None:
+            policy_cls = registry.load_class(registry.POLICY, default_policy(i), f"{path}policy")
         backend_classes.append(backend_cls)
         if all(k in fields for k in ("name", "backend", "capacity")):
             tiers.append(TierConfig(options=MappingProxyType(options), **fields))
+            _check_blocks(i, tiers[-1], backend_cls, policy_cls, top.get("block_bytes"), problems)
     block_bytes = top.get("block_bytes")
     if block_bytes:
         for i, tier in enumerate(tiers):
@@ -375,6 +377,21 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
     if problems.items:
         raise problems.error()
     return HierarchyConfig(tuple(tiers), top["block_tokens"], block_bytes, source)
+
+
+def _check_blocks(i: int, tier: TierConfig, backend_cls, policy_cls, block_bytes: int | None,
+                  problems: _Problems) -> None:
+    """tiers[i]'s block count against what its backend and policy can hold (`kvtier.limits`, as
+    the build checks it); a capacity in bytes is counted only when the config gives block_bytes."""
+    blocks = tier.capacity.blocks
+    if blocks is None and block_bytes and tier.capacity.bytes is not None:
+        blocks = tier.capacity.bytes // block_bytes
+    if not blocks:  # unknown, or a size smaller than a block (reported below)
+        return
+    policy = tier.policy or default_policy(i)
+    problem = tier_blocks_problem(blocks, backend_cls, policy_cls, backend_name=tier.backend, policy_name=policy)
+    if problem:
+        problems.add(f"tiers[{i}].capacity", problem)
 
 
 def _check_handlers(tiers: list[TierConfig], classes: list, problems: _Problems) -> None:

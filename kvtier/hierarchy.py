@@ -15,9 +15,10 @@ from typing import Any, cast
 
 from kvtier import registry
 from kvtier.capacity import capacity_problem
-from kvtier.config import HierarchyConfig
+from kvtier.config import HierarchyConfig, TierConfig
 from kvtier.engine import TransferEngine
 from kvtier.errors import ConfigError
+from kvtier.limits import tier_blocks_problem
 from kvtier.manager import HierarchyManager, Tier
 from kvtier.planes import WorkerPlane, build_engine, build_worker_plane
 from kvtier.policies.base import CachePolicy, predicts_victims, with_key_index
@@ -93,10 +94,9 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
         for i, (tier_cfg, n) in enumerate(zip(config.tiers, tier_blocks(config, block_bytes))):
             # load_class checked that it derives from the kind's base (Backend)
             cls = cast("type[Backend]", registry.load_class(registry.BACKEND, tier_cfg.backend, f"tiers[{i}].backend"))
-            if not dry_run and block_bytes:
-                problem = capacity_problem(tier_cfg.backend, cls.medium, n * block_bytes, dict(tier_cfg.options))
-                if problem:
-                    raise ConfigError([(f"tiers[{i}].capacity", problem)])
+            assert tier_cfg.policy is not None, "HierarchyConfig fills in every tier's policy"
+            policy_cls = registry.load_class(registry.POLICY, tier_cfg.policy, f"tiers[{i}].policy")
+            _check_capacity(i, tier_cfg, n, cls, policy_cls, 0 if dry_run else block_bytes or 0)
             if dry_run:
                 backend: Backend = SlotBackend(tier_cfg.name, n, block_bytes or 0, config.block_tokens, cls.spec_type)
             else:
@@ -105,8 +105,7 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
                     options.update(fingerprint=_persistent_identity(i, tier_cfg, model), layout=layout)
                 backend = _build_backend(cls, i, tier_cfg.name, n, block_bytes or 0, config.block_tokens, options)
             backends[tier_cfg.name] = backend
-            assert tier_cfg.policy is not None, "HierarchyConfig fills in every tier's policy"
-            policy = with_key_index(registry.load_class(registry.POLICY, tier_cfg.policy, f"tiers[{i}].policy")(n))
+            policy = with_key_index(policy_cls(n))
             if tier_cfg.cascade == "on_evict" and i + 1 < len(config.tiers) and not predicts_victims(policy):
                 raise ConfigError([(f"tiers[{i}].cascade", f"'on_evict' copies blocks down before they are evicted, "
                                     f"which needs a policy that predicts its victims (victim_candidates); "
@@ -129,6 +128,18 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
             backend.close()
         raise
     return Hierarchy(config, manager, engine, worker, backends, dry_run)
+
+
+def _check_capacity(i: int, tier_cfg: TierConfig, n: int, cls: type[Backend], policy_cls: type,
+                    block_bytes: int) -> None:
+    """`n` blocks are what tiers[i]'s backend and policy can hold (`kvtier.limits`, as `config
+    check` checks them) and, with `block_bytes` (0: not checked), fit this machine; else a
+    `ConfigError` on `tiers[i].capacity`, before anything is allocated."""
+    problem = tier_blocks_problem(n, cls, policy_cls, backend_name=tier_cfg.backend, policy_name=tier_cfg.policy or "")
+    if not problem and block_bytes:
+        problem = capacity_problem(tier_cfg.backend, cls.medium, n * block_bytes, dict(tier_cfg.options))
+    if problem:
+        raise ConfigError([(f"tiers[{i}].capacity", problem)])
 
 
 def _build_backend(cls, i: int, name: str, n: int, block_bytes: int, block_tokens: int, options: dict) -> Backend:

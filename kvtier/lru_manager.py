@@ -58,12 +58,16 @@ class LRUOffloadingManager(OffloadingManager):
             block.ref_cnt -= 1
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        keys = list(keys)
         to_store = [key for key in keys if key not in self.blocks]
         need = len(to_store) - self.backend.get_num_free_blocks()
         evicted: list[OffloadKey] = []
         if need > 0:
+            # The call's own keys are protected (the `OffloadingManager` contract): evicting one of
+            # them would leave a hole in the request's prefix that no later lookup can pass.
+            protected = set(keys)
             for key, block in self.blocks.items():
-                if block.ref_cnt == 0:
+                if block.ref_cnt == 0 and key not in protected:
                     evicted.append(key)
                     if len(evicted) == need:
                         break

@@ -33,7 +33,7 @@ def test_bench_trace_writes_the_documented_json(tmp_path):
     assert main(["bench", "trace", "--config", MEMORY, "--quick", "--capacities", "100,400", "--policies", "lru,arc",
                  "--json", str(out), "--no-progress"]) == 0
     doc = json.loads(out.read_text())
-    assert doc["schema"] == "kvtier.bench/1"
+    assert doc["schema"] == "kvtier.bench/2"
     assert {"machine", "versions", "config", "trace", "summary", "created"} <= set(doc)
     runs = doc["trace"]["runs"]
     assert [(r["policy"], r["capacity_blocks"]) for r in runs] == [

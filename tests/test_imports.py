@@ -12,7 +12,7 @@ HEAVY = ("torch", "numpy", "kvikio", "vllm")
 # One entry per layer, lowest first (ARCHITECTURE.md, "Which way imports go"); every module of the
 # package is checked too, by test_every_module_imports_light. `kvtier.integrations.vllm` is left
 # out: it is the one place that imports vLLM.
-LAYERS = ["kvtier", "kvtier.keys", "kvtier.types", "kvtier.errors", "kvtier.specs", "kvtier.policies",
+LAYERS = ["kvtier", "kvtier.keys", "kvtier.types", "kvtier.errors", "kvtier.limits", "kvtier.specs", "kvtier.policies",
           "kvtier.tiers", "kvtier.tiers.base", "kvtier.tiers.memory", "kvtier.tiers.cpu", "kvtier.tiers.file",
           "kvtier.tiers.file_inspect", "kvtier.handlers", "kvtier.handlers.base", "kvtier.handlers.memory",
           "kvtier.handlers.cpu_file", "kvtier.handlers.gpu_cpu", "kvtier.handlers.gpu_file", "kvtier.registry",

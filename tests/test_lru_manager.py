@@ -61,3 +61,24 @@ def test_events_carry_medium_block_size_and_direction():
     assert [(e.keys, e.removed, e.medium, e.block_size) for e in events] == [
         ([k[0]], False, "CPU", 16), ([k[0]], True, "CPU", 16), ([k[1]], False, "CPU", 16)]
     assert list(m.take_events()) == []
+
+
+def test_prepare_store_never_evicts_a_key_named_in_the_same_call():
+    # Seed 003: the given blocks are protected from eviction until complete_store. Evicting k[1]
+    # here would leave a hole in the request's prefix (vLLM's manager evicts k[0] and keeps k[1]).
+    m = make(capacity=2)
+    k = keys(3)
+    m.complete_store(m.prepare_store(k[:2], CTX).keys_to_store, CTX)
+    m.touch([k[0]], CTX)  # k[1] is now the least recently used
+    out = m.prepare_store([k[1], k[2]], CTX)
+    assert out.keys_to_store == [k[2]] and out.evicted_keys == [k[0]]
+    m.complete_store(out.keys_to_store, CTX)
+    assert m.lookup(k[1], CTX) is LookupResult.HIT
+
+
+def test_prepare_store_answers_none_when_only_the_calls_own_keys_could_go():
+    m = make(capacity=1)
+    k = keys(2)
+    m.complete_store(m.prepare_store(k[:1], CTX).keys_to_store, CTX)
+    assert m.prepare_store([k[0], k[1]], CTX) is None
+    assert m.lookup(k[0], CTX) is LookupResult.HIT

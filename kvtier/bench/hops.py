@@ -2,12 +2,16 @@
 
 For each block size: the engine's KV cache is one tensor of `total_bytes / block_bytes` blocks on
 `device` ("cuda", or "cpu" for vLLM's CPU platform), the CPU tier a `CPUBackend` of as many slots
-(pinned when CUDA is there). One job moves every block, engine blocks in shuffled order into
-consecutive slots (what a fresh tier hands out). Measured in the same run:
+(pinned when CUDA is there). One job moves every block, engine blocks in shuffled order, once into
+consecutive slots (what a fresh tier hands out) and once into scattered slots (a random permutation:
+the steady state of a cache after churn). Measured in the same run, kvtier and its baseline
+alternating in each of `repeats` rounds after one warm-up:
   - kvtier: the GPU->CPU / CPU->GPU handler (`kvtier.handlers.gpu_cpu`), submit to completion;
   - baseline: one contiguous copy of the same bytes (the ceiling);
-  - naive: one `copy_` per block in a Python loop (what the batched path replaces).
-Each figure is the best of a few repetitions after one warm-up. Rows are plain dicts.
+  - naive (consecutive rows): one `copy_` per block in a Python loop (what the batched path replaces).
+After measuring, each direction is run once more into cleared memory and every block compared with
+its source: a transfer that corrupts bytes raises `TransferCorrupted`, it is never a figure.
+Rows are plain dicts (`kvtier.bench.spread.annotate` adds samples, medians, spread and flags).
 """
 
 from __future__ import annotations
@@ -17,7 +21,14 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.bench.spread import annotate
+
 _REPEATS = 3
+SLOT_ORDERS = ("consecutive", "scattered")
+
+
+class TransferCorrupted(RuntimeError):
+    """A measured transfer moved wrong bytes: the bench reports it instead of a figure."""
 
 
 def _sync(device: str) -> None:
@@ -27,16 +38,24 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _best(fn: Callable[[], None], device: str, repeats: int = _REPEATS) -> float:
+def _timed(fn: Callable[[], None], device: str) -> float:
+    start = time.perf_counter()
     fn()
     _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return time.perf_counter() - start
+
+
+def interleaved(fns: Sequence[Callable[[], None]], device: str, repeats: int) -> list[list[float]]:
+    """Seconds of each of `fns` in each of `repeats` rounds (one warm-up call each first); the
+    functions alternate within a round, so a slow patch of the machine hits them alike."""
+    for fn in fns:
         fn()
         _sync(device)
-        best = min(best, time.perf_counter() - start)
-    return best
+    samples: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, samples):
+            out.append(_timed(fn, device))
+    return samples
 
 
 def _job_runner(handler) -> Callable[[Any, Any], Any]:
@@ -61,21 +80,42 @@ def _job_runner(handler) -> Callable[[Any, Any], Any]:
 
 
 def measure_gpu_cpu(device: str, block_bytes_list: Sequence[int], total_bytes: int,
-                    progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
-    """GPU->CPU and CPU->GPU rows per block size: `hop`, `device`, `block_bytes`, `blocks`,
-    `bytes`, `seconds`, `gbps`, `baseline`, `baseline_seconds`, `baseline_gbps`, `naive_seconds`,
-    `naive_gbps`, `pinned`, `torch_threads` (GB/s = 1e9 bytes per second)."""
+                    progress: Callable[[int, int], None] | None = None, repeats: int = _REPEATS,
+                    slot_orders: Sequence[str] = SLOT_ORDERS) -> list[dict[str, Any]]:
+    """GPU->CPU and CPU->GPU rows per block size and slot order: `hop`, `slots`, `device`,
+    `block_bytes`, `blocks`, `bytes`, `baseline`, `naive_gbps` (consecutive rows), `pinned`,
+    `torch_threads`, `verified`, and `annotate`'s samples, medians, spread and flags
+    (GB/s = 1e9 bytes per second). Raises TransferCorrupted if a block arrives wrong."""
     rows: list[dict[str, Any]] = []
     for step, block_bytes in enumerate(block_bytes_list):
-        rows.extend(_gpu_cpu_rows(device, step, block_bytes, total_bytes))
+        for order in slot_orders:
+            rows.extend(_gpu_cpu_rows(device, step, block_bytes, total_bytes, order, repeats))
         if progress:
             progress(step + 1, len(block_bytes_list))
     return rows
 
 
-def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int) -> list[dict[str, Any]]:
-    """Both GPU<->CPU rows for one block size (a function of its own so that the timed closures
-    bind this call's tensors, which are released when it returns)."""
+def _slots(n: int, order: str, seed: int) -> list[int]:
+    import torch
+
+    if order == "consecutive":
+        return list(range(n))
+    return torch.randperm(n, generator=torch.Generator().manual_seed(1000 + seed)).tolist()
+
+
+def _verify(hop: str, block_bytes: int, moved: Callable[[], None], clear, check) -> None:
+    """Clear the destination, run the transfer once, and compare every block with its source."""
+    clear()
+    moved()
+    if not check():
+        raise TransferCorrupted(f"{hop} with {block_bytes}-byte blocks moved wrong bytes: a defect of the "
+                                f"handler, not a figure (please report it)")
+
+
+def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int, order: str,
+                  repeats: int) -> list[dict[str, Any]]:
+    """Both GPU<->CPU rows for one block size and slot order (a function of its own so that the
+    timed closures bind this call's tensors, which are released when it returns)."""
     import torch
 
     from kvtier.handlers.gpu_cpu import make_handler
@@ -86,13 +126,15 @@ def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int) ->
     rows: list[dict[str, Any]] = []
     n = max(2, total_bytes // block_bytes)
     engine = torch.randint(-128, 128, (n, block_bytes), dtype=torch.int8, device=device)
+    reference = engine.clone()
     kv = CanonicalKVCaches([CanonicalKVCacheTensor(engine, block_bytes)], [[CanonicalKVCacheRef(0, block_bytes)]])
     tier = CPUBackend("bench", n, block_bytes)
     try:
         region = tier.tensor()
         engine_ids = torch.randperm(n, generator=torch.Generator().manual_seed(step)).tolist()
+        slots = _slots(n, order, step)
         gpu_spec = GPULoadStoreSpec(engine_ids)
-        cpu_spec = CPULoadStoreSpec(list(range(n)), tier="bench")
+        cpu_spec = CPULoadStoreSpec(slots, tier="bench")
         store = make_handler({"bench": tier}, kv, to_cpu=True)
         load = make_handler({"bench": tier}, kv, to_cpu=False)
         assert store is not None and load is not None, "a CPU tier always has GPU<->CPU handlers"
@@ -100,6 +142,8 @@ def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int) ->
         engine_bytes = engine.view(torch.uint8)
         flat = region if tier.slot_stride == block_bytes else None
         nb = device == "cuda"
+        src_idx = torch.tensor(engine_ids, device=device)
+        slot_idx = torch.tensor(slots)
 
         def contiguous_out() -> None:
             (flat if flat is not None else region).copy_(engine_bytes, non_blocking=nb)
@@ -108,26 +152,41 @@ def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int) ->
             engine_bytes.copy_(flat if flat is not None else region, non_blocking=nb)
 
         def naive_out() -> None:
-            for slot, b in enumerate(engine_ids):
+            for slot, b in zip(slots, engine_ids):
                 region[slot].copy_(engine_bytes[b], non_blocking=nb)
 
         def naive_in() -> None:
-            for slot, b in enumerate(engine_ids):
+            for slot, b in zip(slots, engine_ids):
                 engine_bytes[b].copy_(region[slot], non_blocking=nb)
 
-        cases = (("GPU->CPU", lambda: run_store(gpu_spec, cpu_spec), contiguous_out, naive_out),
-                 ("CPU->GPU", lambda: run_load(cpu_spec, gpu_spec), contiguous_in, naive_in))
+        def stored_right() -> bool:
+            expected = torch.empty_like(engine_bytes)
+            expected[slot_idx.to(device)] = reference.view(torch.uint8)[src_idx]
+            return bool(torch.equal(region.to(device), expected))
+
+        def loaded_right() -> bool:
+            return bool(torch.equal(engine, reference))
+
+        cases = (("GPU->CPU", lambda: run_store(gpu_spec, cpu_spec), contiguous_out, naive_out,
+                  lambda: region.zero_(), stored_right),
+                 ("CPU->GPU", lambda: run_load(cpu_spec, gpu_spec), contiguous_in, naive_in,
+                  lambda: engine.zero_(), loaded_right))
         nbytes = n * block_bytes
-        for hop, ours, base, naive in cases:
-            seconds = _best(ours, device)
-            base_s = _best(base, device)
-            naive_s = _best(naive, device, repeats=1)
-            rows.append({"hop": hop, "device": device, "block_bytes": block_bytes, "blocks": n, "bytes": nbytes,
-                         "seconds": seconds, "gbps": nbytes / seconds / 1e9,
-                         "baseline": "one contiguous copy", "baseline_seconds": base_s,
-                         "baseline_gbps": nbytes / base_s / 1e9,
-                         "naive_seconds": naive_s, "naive_gbps": nbytes / naive_s / 1e9,
-                         "pinned": tier.pinned, "torch_threads": torch.get_num_threads()})
+        for hop, ours, base, naive, clear, check in cases:
+            ours_s, base_s = interleaved((ours, base), device, repeats)
+            row: dict[str, Any] = {
+                "hop": hop, "slots": order, "device": device, "block_bytes": block_bytes, "blocks": n,
+                "bytes": nbytes, "baseline": "one contiguous copy", "pinned": tier.pinned,
+                "torch_threads": torch.get_num_threads()}
+            annotate(row, ours_s, base_s, nbytes, host_copy=device == "cpu")
+            if order == "consecutive":  # once, cold: a loop of small copies needs no warm-up to show its cost
+                row["naive_gbps"] = nbytes / _timed(naive, device) / 1e9
+            if hop == "CPU->GPU":  # the timed copies scrambled both sides: put the reference in its slots
+                engine.copy_(reference)
+                run_store(gpu_spec, cpu_spec)
+            _verify(f"{hop} ({order} slots)", block_bytes, ours, clear, check)
+            row["verified"] = True
+            rows.append(row)
         store.shutdown()
         load.shutdown()
     finally:

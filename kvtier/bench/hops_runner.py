@@ -1,9 +1,12 @@
 """Runs every hop measurement this machine supports, each next to its same-run baseline.
 
-Rows: {"hop", "block_bytes", "gbps", "baseline", "baseline_gbps", ...}. GPU<->CPU hops use the
-engine's KV cache on CUDA when available, else CPU tensors (the engine's cache on vLLM's CPU
-platform); CPU<->FILE hops use a file tier in `root_dir` (default: a temporary directory);
-CPU<->REMOTE hops, for each `valkey` tier of the config, its server (single-node URLs).
+Rows: {"hop", "block_bytes", "gbps", "baseline", "baseline_gbps", "ratio", "flags", ...} (medians
+of `repeats` rounds, with every sample: `kvtier.bench.spread`). GPU<->CPU hops use the engine's KV
+cache on CUDA when available, else CPU tensors (the engine's cache on vLLM's CPU platform), with
+consecutive and scattered CPU slots; engine<->FILE hops its staged and (on CUDA with kvikio) direct
+handler; CPU<->FILE hops use a fresh directory inside the place that
+`kvtier.bench.where.file_hops_place` chose; CPU<->REMOTE hops, for each `valkey` tier of the
+config, its server (single-node URLs).
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.bench.spread import annotate
+
 QUICK_SIZES = [64 << 10, 1 << 20]
 FULL_SIZES = [64 << 10, 256 << 10, 1 << 20, 2 << 20, 8 << 20]
+QUICK_ENGINE_BYTES = 40 << 20  # above this machine's 32 MiB L3: a host copy of less runs from cache
+QUICK_FILE_BYTES = 16 << 20
+FULL_BYTES = 128 << 20
 
 
 def default_block_sizes(quick: bool) -> list[int]:
@@ -32,34 +40,58 @@ def _engine_device() -> str:
         return "none"
 
 
-def run_hops(config: Any, block_sizes: list[int], root_dir: str | None = None, quick: bool = False,
-             progress: Callable | None = None) -> list[dict[str, Any]]:
-    """Measure engine<->CPU and CPU<->FILE for each block size."""
+def engine_file_paths(device: str) -> tuple[list[str], str | None]:
+    """The engine<->FILE handler paths measurable here, and why the others are not (or None)."""
+    if device == "none":
+        return [], "engine<->FILE not measured: torch is not importable"
+    if device != "cuda":
+        return ["staged"], ("engine<->FILE direct (kvikio) not measured: it serves a KV cache on CUDA, and the "
+                            "engine's KV cache is in CPU tensors here")
+    from kvtier.tiers.fileio import kvikio_importable
+
+    if not kvikio_importable():
+        return ["staged"], "engine<->FILE direct not measured: kvikio is not importable"
+    return ["staged", "direct"], None
+
+
+def run_hops(config: Any, block_sizes: list[int], place: dict[str, Any], quick: bool = False,
+             progress: Callable | None = None, repeats: int = 3, notes: list[str] | None = None
+             ) -> list[dict[str, Any]]:
+    """Measure engine<->CPU, CPU<->FILE and engine<->FILE for each block size, `repeats` rounds
+    each; the file hops in a fresh directory under `place["parent"]` (removed at the end). Lines
+    saying what could not be measured here are appended to `notes`."""
     rows: list[dict[str, Any]] = []
-    total = (16 << 20) if quick else (128 << 20)
     device = _engine_device()
     if device != "none":
         from kvtier.bench.hops import measure_gpu_cpu
 
         update = progress(f"engine({device})<->CPU") if progress else None
-        rows += measure_gpu_cpu(device, block_sizes, total, progress=update)
+        rows += measure_gpu_cpu(device, block_sizes, QUICK_ENGINE_BYTES if quick else FULL_BYTES,
+                                progress=update, repeats=repeats)
     from kvtier.bench.file_hops import measure_cpu_file
 
-    tmp = None
-    if root_dir is None:
-        tmp = root_dir = tempfile.mkdtemp(prefix="kvtier-bench-", dir=_file_tier_parent(config))
+    total = QUICK_FILE_BYTES if quick else FULL_BYTES
+    work = tempfile.mkdtemp(prefix="kvtier-bench-", dir=place["parent"])
     try:
         update = progress("CPU<->FILE") if progress else None
         for i, size in enumerate(block_sizes):
-            # Medians of 3 even when quick: one ~100 ms stall of the disk (seen here) would
-            # otherwise decide a 16 MiB figure.
-            figures = measure_cpu_file(root_dir, size, max(total, 8 * size), repeats=3)
+            figures = measure_cpu_file(work, size, max(total, 8 * size), repeats=repeats)
             rows += file_rows(figures)
             if update:
                 update(i + 1, len(block_sizes))
+        paths, why_not = engine_file_paths(device)
+        if why_not and notes is not None:
+            notes.append(why_not)
+        if paths:
+            from kvtier.bench.engine_file_hops import measure_engine_file
+
+            update = progress(f"engine({device})<->FILE") if progress else None
+            for i, size in enumerate(block_sizes):
+                rows += measure_engine_file(work, device, size, max(total, 8 * size), repeats, paths)
+                if update:
+                    update(i + 1, len(block_sizes))
     finally:
-        if tmp:
-            shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     rows += _remote_rows(config, block_sizes, total, progress)
     return rows
 
@@ -84,37 +116,33 @@ def _remote_rows(config: Any, block_sizes: list[int], total: int, progress: Call
 
 
 def hop_label(row: dict[str, Any]) -> str:
-    """A hop's display name: 'GPU' becomes 'engine' when the engine's KV cache is in CPU memory."""
-    return row["hop"].replace("GPU", "engine") if row.get("device") == "cpu" else row["hop"]
+    """A hop's display name: 'GPU' becomes 'engine' when the engine's KV cache is in CPU memory;
+    rows into scattered CPU slots say so, engine<->FILE rows name their handler path."""
+    name = row["hop"].replace("GPU", "engine") if row.get("device") == "cpu" else row["hop"]
+    if row.get("slots") == "scattered":
+        return f"{name} scattered"
+    return f"{name} {row['path']}" if row.get("path") else name
+
+
+def _raw_seconds(figures: dict[str, Any], kind: str) -> list[float]:
+    """The raw baseline's samples of `kind` (`w` write, `r` read, `f` first fill): the thread count
+    with the better median (as `measure_cpu_file` chose it)."""
+    from statistics import median
+
+    one, many = figures["seconds"][kind + "1"], figures["seconds"][kind + "t"]
+    return one if median(one) <= median(many) else many
 
 
 def file_rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
     """The two hop rows (store, load) of one `measure_cpu_file` result, with its raw baselines."""
     common = {"block_bytes": figures["block_bytes"], "total_bytes": figures["total_bytes"], "io": figures["io"],
-              "o_direct": figures["o_direct"]}
-    return [
-        {"hop": "CPU->FILE", **common, "gbps": figures["store_gbps"], "baseline": "raw O_DIRECT write",
-         "baseline_gbps": figures["raw_write_gbps"], "first_fill_gbps": figures["store_first_fill_gbps"],
-         "raw_first_fill_gbps": figures["raw_first_fill_gbps"]},
-        {"hop": "FILE->CPU", **common, "gbps": figures["load_gbps"], "baseline": "raw O_DIRECT read",
-         "baseline_gbps": figures["raw_read_gbps"]},
-    ]
-
-
-def _file_tier_parent(config: Any) -> str | None:
-    """Measure on the filesystem the config's file tier would use: the nearest existing, writable
-    directory on the way to its root_dir (the tier may not have been built yet)."""
-    import os
-
-    for tier in config.tiers:
-        root = dict(tier.options).get("root_dir")
-        if root:
-            parent = os.path.dirname(os.path.abspath(root))
-            while not os.path.isdir(parent) and parent != os.path.dirname(parent):
-                parent = os.path.dirname(parent)
-            if os.access(parent, os.W_OK):
-                return parent
-    return None
+              "o_direct": figures["o_direct"], "verified": True}
+    nbytes, seconds = figures["total_bytes"], figures["seconds"]
+    store = {"hop": "CPU->FILE", **common, "baseline": "raw O_DIRECT write",
+             "first_fill_gbps": figures["store_first_fill_gbps"], "raw_first_fill_gbps": figures["raw_first_fill_gbps"]}
+    load = {"hop": "FILE->CPU", **common, "baseline": "raw O_DIRECT read"}
+    return [annotate(store, seconds["store"], _raw_seconds(figures, "w"), nbytes),
+            annotate(load, seconds["load"], _raw_seconds(figures, "r"), nbytes)]
 
 
 def run_jobs(handler, jobs: list[tuple], then=None) -> tuple[float, list]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvtier.config import format_size
 from kvtier.errors import KVTierError
 
 
@@ -36,14 +37,17 @@ def _plot_hops(ax, rows: list[dict[str, Any]]) -> None:
     hops = sorted({hop_label(r) for r in rows})
     for i, hop in enumerate(hops):
         mine = sorted((r for r in rows if hop_label(r) == hop), key=lambda r: r["block_bytes"])
-        sizes = [r["block_bytes"] / 1024 for r in mine]
+        sizes = [r["block_bytes"] for r in mine]
         color = f"C{i}"
         ax.plot(sizes, [r["gbps"] for r in mine], "o-", color=color, label=f"{hop} (kvtier)")
         if any(r.get("baseline_gbps") for r in mine):
             ax.plot(sizes, [r.get("baseline_gbps") or float("nan") for r in mine], "--", color=color, alpha=0.6,
                     label=f"{hop} baseline: {mine[0].get('baseline', '')}")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("block size (KiB)")
+    ticks = sorted({r["block_bytes"] for r in rows})
+    ax.set_xticks(ticks, [format_size(t) for t in ticks])  # 64KiB, 1MiB: not 2^6 KiB
+    ax.minorticks_off()
+    ax.set_xlabel("block size")
     ax.set_ylabel("GB/s")
     ax.set_title("bandwidth per hop")
     ax.grid(True, alpha=0.3)

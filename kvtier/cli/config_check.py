@@ -4,8 +4,10 @@ Nothing named by the config is imported unless `--import-code` is given: a "pack
 in `backend:` or `policy:` is only located (`registry.check_name`), since importing it runs its code.
 
 `--env` also checks this machine, changing nothing: what each tier's backend reads when it is built
-(`Backend.check_environment`: the valkey tier's password variable or file and TLS files, the file
-tier's `root_dir`), so that a config checked on the serving host is one that starts there.
+(`Backend.check_environment`: the valkey tier's password variable or file and TLS files and one PING
+of its server, the file tier's `root_dir`) and whether each local tier's capacity fits the room the
+build checks (`kvtier.capacity.capacity_problem`), so that a config checked on the serving host is
+one that starts and works there.
 """
 
 from __future__ import annotations
@@ -13,30 +15,33 @@ from __future__ import annotations
 import sys
 
 from kvtier import registry
+from kvtier.capacity import capacity_problem
 from kvtier.config import count_problems, format_size, is_external, load_config, parse_size
 from kvtier.config_input import brief
 from kvtier.errors import ConfigError
 
 
 def describe(config, block_bytes: int | None = None) -> str:
-    """A human-readable summary of a resolved hierarchy."""
+    """A human-readable summary of a resolved hierarchy: one line per tier with what applies to it
+    (a reserve only where an `on_evict` cascade uses it, no cascade or reserve for a shared tier)."""
     block_bytes = block_bytes or config.block_bytes
     lines = [f"hierarchy from {config.source}: {len(config.tiers)} tier(s), {config.block_tokens} tokens per block"
              + (f", {format_size(block_bytes)} per block" if block_bytes else "")]
     for i, tier in enumerate(config.tiers):
-        blocks = ""
-        if tier.capacity.blocks is not None:
-            blocks = f" = {tier.capacity.blocks} blocks"
-        elif block_bytes:
-            blocks = f" = {tier.capacity.bytes // block_bytes} blocks"
-        arrow = ""
+        capacity = f"capacity={tier.capacity}"
+        if tier.capacity.blocks is None and block_bytes:
+            capacity += f" = {tier.capacity.bytes // block_bytes} blocks"
+        below = config.tiers[i + 1] if i + 1 < len(config.tiers) and not _shared(config.tiers[i + 1].backend) else None
         if _shared(tier.backend):
+            fields = [f"{capacity} (handles of keys on the server)", f"policy={tier.policy} (which handles to forget)"]
             arrow = f"  (shared: publishes {config.tiers[0].name}'s stores, promotes into it)"
-        elif i + 1 < len(config.tiers) and not _shared(config.tiers[i + 1].backend):
-            arrow = f"  -> cascade {tier.cascade} to {config.tiers[i + 1].name}"
-        opts = "".join(f", {k}={_show(v)}" for k, v in tier.options.items())
-        lines.append(f"  [{i}] {tier.name}: backend={tier.backend}, capacity={tier.capacity}{blocks}, "
-                     f"policy={tier.policy}, reserve={tier.reserve:g}{opts}{arrow}")
+        else:
+            fields = [capacity, f"policy={tier.policy}"]
+            arrow = f"  -> cascade {tier.cascade} to {below.name}" if below is not None else ""
+            if below is not None and tier.cascade == "on_evict":
+                fields.append(f"reserve={tier.reserve:g}")
+        fields += [f"{k}={_show(v)}" for k, v in tier.options.items() if v is not None]
+        lines.append(f"  [{i}] {tier.name}: backend={tier.backend}, " + ", ".join(fields) + arrow)
     return "\n".join(lines)
 
 
@@ -66,31 +71,46 @@ def run_config_check(args) -> int:
         block_bytes = parse_size(args.block_bytes) if args.block_bytes else None
     except ValueError as exc:
         raise ConfigError([("--block-bytes", str(exc))]) from None
+    notes: list[str] = []
     try:
-        config = load_config(args.file, import_code=args.import_code)
+        if args.vllm:
+            from kvtier.cli.vllm_check import load_for_vllm
+
+            config, notes = load_for_vllm(args.file, args.import_code)
+        else:
+            config = load_config(args.file, import_code=args.import_code)
     except ConfigError as exc:
         print(f"{args.file}: {count_problems(exc)} problem(s):", file=sys.stderr)
         for path, message in exc.problems:
             print(f"  {path}: {message}" if path else f"  {message}", file=sys.stderr)
         return 2
     print(describe(config, block_bytes))
+    for note in notes:
+        print(note)
     if not args.import_code:
         for note in not_imported(config):
             print(note)
-    return check_environment(config, args) if args.env else 0
+    return check_environment(config, args, block_bytes) if args.env else 0
 
 
-def check_environment(config, args) -> int:
-    """`--env`: each tier's `Backend.check_environment` on this machine; 2 when one has problems."""
+def check_environment(config, args, block_bytes: int | None = None) -> int:
+    """`--env`: each tier's `Backend.check_environment` on this machine and whether its capacity
+    fits (the build's own `capacity_problem`); 2 when one has problems."""
     print("on this machine:")
+    block_bytes = block_bytes or config.block_bytes
     problems = []
     for i, tier in enumerate(config.tiers):
         if is_external(registry.BACKEND, tier.backend) and not args.import_code:
             print(f"  tiers[{i}] {tier.name}: backend {tier.backend!r} not imported: not checked (--import-code)")
             continue
-        check = getattr(registry.resolve(registry.BACKENDS, tier.backend), "check_environment", None)
+        cls = registry.resolve(registry.BACKENDS, tier.backend)
+        check = getattr(cls, "check_environment", None)
         notes, found = check(tier.options) if check is not None else ([], [])
-        problems += [(f"tiers[{i}].{field}", message) for field, message in found]
+        found = [(f"tiers[{i}].{field}", message) for field, message in found]
+        note, problem = _capacity_fits(tier, cls, block_bytes)
+        notes += [note] if note else []
+        found += [(f"tiers[{i}].capacity", problem)] if problem else []
+        problems += found
         print(f"  tiers[{i}] {tier.name}: " + ("; ".join(notes) if notes else "nothing to check" if not found
                                                 else f"{len(found)} problem(s)"))
     if problems:
@@ -99,3 +119,16 @@ def check_environment(config, args) -> int:
             print(f"  {path}: {message}", file=sys.stderr)
         return 2
     return 0
+
+
+def _capacity_fits(tier, cls, block_bytes: int | None) -> tuple[str, str | None]:
+    """(note, problem) of comparing a tier's capacity with this machine's room, as the build does:
+    `n * block_bytes` bytes with n the capacity in blocks (a byte capacity when the block size is
+    unknown; a count of blocks then cannot be compared)."""
+    if getattr(cls, "shared", False) or cls.medium not in ("CPU", "FILE"):
+        return "", None
+    if tier.capacity.blocks is not None and not block_bytes:
+        return f"capacity {tier.capacity} not compared with free space (give --block-bytes)", None
+    need = tier.capacity.to_blocks(block_bytes) * block_bytes if block_bytes else tier.capacity.bytes
+    problem = capacity_problem(tier.backend, cls.medium, need, dict(tier.options))
+    return ("", problem) if problem else (f"capacity {format_size(need)} fits", None)

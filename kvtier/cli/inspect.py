@@ -1,11 +1,46 @@
-"""`kvtier inspect ROOT_DIR`: what a file tier holds, read-only."""
+"""`kvtier inspect ROOT_DIR`: what a file tier holds, read-only.
+
+Sizes are printed in binary units (the `--json` report keeps bytes). Exit status: 0; 2 when
+ROOT_DIR is not a directory or holds none of a file tier's files; 1 with `--verify` when a block
+failed verification or the slab could not be read (the report is printed first).
+"""
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from kvtier.errors import KVTierError
+
+EXIT_VERIFY_FAILED = 1
+SIZES = ("block_bytes", "slot_bytes", "slab_bytes", "bytes")
+_UNITS = (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10))
+
+
+def human_size(n: int | None) -> str:
+    """`n` bytes as e.g. '1.5 GiB', '32 KiB', '512 B' (two decimals at most); '-' for None."""
+    if n is None:
+        return "-"
+    for unit, shift in _UNITS:
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.2f}".rstrip("0").rstrip(".") + f" {unit}"
+    return f"{n} B"
+
+
+def _lines(report: dict) -> list[tuple[str, str]]:
+    """The report as (label, text) rows: sizes in units, the lock in words, the manifest last."""
+    rows = []
+    for key, value in report.items():
+        if key in ("manifest", "lock_holder", "is_tier"):
+            continue
+        if key in SIZES and (value is None or isinstance(value, int)):
+            value = human_size(value)
+        elif isinstance(value, (dict, list)):
+            value = json.dumps(value, default=str)
+        rows.append((key, str(value)))
+    rows.append(("manifest", json.dumps(report.get("manifest"), default=str)))
+    return rows
 
 
 def run_inspect(args) -> int:
@@ -15,14 +50,21 @@ def run_inspect(args) -> int:
     if not root.is_dir():
         raise KVTierError(f"{root} is not a directory (give the root_dir of a file tier)")
     report = inspect_root(str(root), verify=args.verify) if args.verify else inspect_root(str(root))
-    width = max((len(k) for k in report), default=0)
-    for key, value in report.items():
-        if isinstance(value, (dict, list)):
-            value = json.dumps(value, default=str)
-        print(f"{key:<{width}}  {value}")
+    if not report["is_tier"]:
+        raise KVTierError(f"{root} is not a file tier's root_dir: none of its files (lock, manifest.json, slab.0, "
+                          f"journal) is there")
+    rows = _lines(report)
+    width = max(len(label) for label, _ in rows)
+    for label, text in rows:
+        print(f"{label:<{width}}  {text}")
     if args.json:
         try:
             Path(args.json).write_text(json.dumps(report, indent=2, default=str))
         except OSError as exc:
             raise KVTierError(f"cannot write {args.json}: {exc.strerror or exc}") from None
+    failed = report.get("verify_failed", 0)
+    if args.verify and (failed or report.get("verify_error")):
+        print(f"kvtier inspect: {failed} block(s) failed verification"
+              + (f"; {report['verify_error']}" if report.get("verify_error") else ""), file=sys.stderr)
+        return EXIT_VERIFY_FAILED
     return 0

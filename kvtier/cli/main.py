@@ -1,4 +1,4 @@
-"""The `kvtier` command: `bench` (hops, trace, all), `config check`, `inspect`.
+"""The `kvtier` command: `bench` (hops, trace, all), `config check`, `doctor`, `inspect`, `clear`.
 
 User mistakes (a bad config, a missing or malformed trace, an unwritable output path) print one
 clear message and exit with status 2, without a traceback.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvtier import __version__
 from kvtier.errors import KVTierError
 
 EXIT_USAGE = 2
@@ -35,7 +36,7 @@ BENCH_OPTIONS: list[tuple[tuple[str, ...], dict, frozenset[str]]] = [
     (("--config",), dict(default=None, help="hierarchy YAML (default: the embedded configs/cpu-file.yaml)"),
      frozenset({HOPS, TRACE})),
     (("--json",), dict(default=None, metavar="FILE",
-                       help="write the results as JSON (schema kvtier.bench/1, see docs/bench.md)"),
+                       help="write the results as JSON (schema kvtier.bench/2, see docs/bench.md)"),
      frozenset({HOPS, TRACE})),
     (("--plot",), dict(default=None, metavar="FILE.png", help="write a PNG plot of the results (needs matplotlib)"),
      frozenset({HOPS, TRACE})),
@@ -45,10 +46,12 @@ BENCH_OPTIONS: list[tuple[tuple[str, ...], dict, frozenset[str]]] = [
     (("--block-sizes",), dict(default=None, metavar="LIST", help="block sizes for hops, e.g. 64KiB,1MiB,8MiB"),
      frozenset({HOPS})),
     (("--root-dir",), dict(default=None, metavar="DIR",
-                           help="directory for the file-tier measurements (default: a temporary one)"),
+                           help="an existing, writable directory on the filesystem whose file hops to measure "
+                             "(default: next to the config's file tier root_dir, else a temporary one)"),
      frozenset({HOPS})),
     (("--trace",), dict(default=None, metavar="FILE",
-                        help="Mooncake-format JSONL trace (default: a built-in multi-turn workload)"),
+                        help="Mooncake-format JSONL trace, or 'sample' (a slice of Mooncake's conversation "
+                             "trace shipped with kvtier; default: a built-in multi-turn workload)"),
      frozenset({TRACE})),
     (("--limit",), dict(default=None, type=_positive_int, metavar="N", help="replay only the first N requests"),
      frozenset({TRACE})),
@@ -58,9 +61,10 @@ BENCH_OPTIONS: list[tuple[tuple[str, ...], dict, frozenset[str]]] = [
      frozenset({TRACE})),
     (("--compare",), dict(default=None, choices=["vllm"], help="replay the same trace through vLLM's own manager too"),
      frozenset({TRACE})),
-    (("--repeats",), dict(default=1, type=_positive_int, metavar="N",
-                          help="interleaved rounds per run, keeping the fastest (steadier ops/s on a busy machine)"),
-     frozenset({TRACE})),
+    (("--repeats",), dict(default=None, type=_positive_int, metavar="N",
+                          help="rounds of each measurement: hops print their median and spread (default 5, "
+                               "--quick 3); trace replays keep the fastest round (default 1)"),
+     frozenset({HOPS, TRACE})),
 ]
 BENCH_MODES = {"all": frozenset({HOPS, TRACE}), HOPS: frozenset({HOPS}), TRACE: frozenset({TRACE})}
 
@@ -99,15 +103,21 @@ each time they are used) are refused."""
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvtier",
                                      description="Multi-tier KV-cache storage hierarchy for LLM inference.")
+    parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command")
 
-    bench = sub.add_parser("bench", help="measure a hierarchy: hop bandwidths and a trace replay (default: all)")
+    from kvtier.cli.bench_help import BENCH_EPILOG, HOPS_COLUMNS, TRACE_COLUMNS
+
+    raw = argparse.RawDescriptionHelpFormatter
+    bench = sub.add_parser("bench", help="measure a hierarchy: hop bandwidths and a trace replay (default: all)",
+                           epilog=BENCH_EPILOG, formatter_class=raw)
     _add_bench_args(bench, BENCH_MODES["all"])
     bench_sub = bench.add_subparsers(dest="bench_command")
-    for name, helptext in (("all", "hops and trace (the default)"),
-                           (HOPS, "bandwidth of every hop next to same-run baselines"),
-                           (TRACE, "replay a request trace through the manager")):
-        _add_bench_args(bench_sub.add_parser(name, help=helptext), BENCH_MODES[name])
+    for name, helptext, epilog in (("all", "hops and trace (the default)", BENCH_EPILOG),
+                                   (HOPS, "bandwidth of every hop next to same-run baselines", HOPS_COLUMNS),
+                                   (TRACE, "replay a request trace through the manager", TRACE_COLUMNS)):
+        _add_bench_args(bench_sub.add_parser(name, help=helptext, epilog=epilog, formatter_class=raw),
+                        BENCH_MODES[name])
 
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command")
@@ -119,13 +129,34 @@ def build_parser() -> argparse.ArgumentParser:
                        help="also import the modules that backend:/policy: name as 'package.module:Class' and check "
                             "their classes and options (runs their code: only for a config you trust)")
     check.add_argument("--env", action="store_true",
-                       help="also check this machine, changing nothing: the password variable or file and TLS "
-                            "files of a valkey tier, the root_dir of a file tier (exit 2 if one would fail)")
+                       help="also check this machine, changing nothing: a valkey tier's password and TLS files, "
+                            "then one PING of its server (the cause of a failure is shown), a file tier's "
+                            "root_dir, and each local tier's capacity against free memory, /dev/shm and disk "
+                            "(exit 2 if a build would fail or a server cannot be used)")
+
+    check.add_argument("--vllm", action="store_true",
+                       help="apply the vLLM connector's rules (first tier backend: cpu; tokens and bytes per block, "
+                            "the cpu tier's shm_name and the tiers' identity come from the engine: see docs/vllm.md)")
+
+    doctor = sub.add_parser("doctor", help="check that kvtier works on this machine (under a minute)",
+                            description="One line per check (OK/WARN/FAIL): compiled policy indexes, kvikio, "
+                                        "CUDA, /dev/shm, each valkey tier of --config (one PING), and a store -> "
+                                        "close -> reopen -> load round trip on a temporary cpu + file hierarchy, "
+                                        "bytes compared. Exit status 1 when a check fails.")
+    doctor.add_argument("--config", metavar="FILE", help="also reach the valkey tiers of this hierarchy YAML")
 
     inspect = sub.add_parser("inspect", help="what a file tier holds (read-only)")
     inspect.add_argument("root_dir")
     inspect.add_argument("--verify", action="store_true", help="read every block and check its checksum")
     inspect.add_argument("--json", metavar="FILE", help="also write the report as JSON")
+
+    clear = sub.add_parser("clear", help="remove a file tier's files (only those; refused while the tier is open)",
+                           description="Remove the files a file tier keeps in ROOT_DIR (lock, manifest.json, "
+                                       "slab.0, journal) and nothing else; the directory is left. Refused for a "
+                                       "directory that is no tier, a symlink, or a tier open in a live process. "
+                                       "Without --yes, lists what would be removed and removes nothing (exit 2).")
+    clear.add_argument("root_dir")
+    clear.add_argument("--yes", action="store_true", help="remove them (no question is asked)")
     return parser
 
 
@@ -142,6 +173,14 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.cli.config_check import run_config_check
 
             return run_config_check(args)
+        if args.command == "doctor":
+            from kvtier.cli.doctor import run_doctor
+
+            return run_doctor(args)
+        if args.command == "clear":
+            from kvtier.cli.clear import run_clear
+
+            return run_clear(args)
         if args.command == "inspect":
             from kvtier.cli.inspect import run_inspect
 

@@ -3,8 +3,10 @@
 #
 # Entries are appended in eviction order; a key stored again leaves a dead entry behind, dropped
 # when the array is compacted (when it is full, and at each trim). A key's bytes sit in a slot of
-# fixed width (the longest key seen), and an open-addressing table of int32 entry indexes finds
-# them. About 50 bytes per ghost for 36-byte keys, against ~145 for a bytes object in a dict.
+# fixed width (the longest key seen, up to INLINE_KEY; a longer key has an allocation of its own,
+# owned by its ghost while it is alive: _compact_keys.pxi), and an open-addressing table of int32
+# entry indexes finds them. About 50 bytes per ghost for 36-byte keys, against ~145 for a bytes
+# object in a dict.
 
 ctypedef struct Ghost:
     Py_hash_t hash
@@ -24,7 +26,7 @@ ctypedef struct Ghosts:
 
 
 cdef inline char* ghost_key(Ghosts* gs, Py_ssize_t i) noexcept nogil:
-    return gs.keys + i * gs.width
+    return slot_key(gs.keys, gs.width, i, gs.g[i].klen)
 
 
 cdef Py_ssize_t ghost_find(Ghosts* gs, const char* kp, Py_ssize_t klen, Py_hash_t h) noexcept nogil:
@@ -51,8 +53,9 @@ cdef inline void ghost_table_del(Ghosts* gs, int32_t i) noexcept nogil:
 
 
 cdef int ghost_layout(Ghosts* gs, Py_ssize_t cap, Py_ssize_t width, Py_ssize_t keep_from) except -1:
-    """Re-lay the arrays for `cap` entries of keys up to `width` bytes, keeping the live entries
-    from index `keep_from` on (older ones are dropped), in order; the table rebuilt."""
+    """Re-lay the arrays for `cap` entries of slots of `width` bytes, keeping the live entries
+    from index `keep_from` on (older ones are dropped, their long keys freed), in order; the
+    table rebuilt."""
     cdef Ghost* g = <Ghost*>PyMem_Malloc(max(cap, 1) * sizeof(Ghost))
     cdef char* keys = <char*>PyMem_Malloc(max(cap * width, 1))
     cdef size_t slots = table_slots(cap)
@@ -65,10 +68,13 @@ cdef int ghost_layout(Ghosts* gs, Py_ssize_t cap, Py_ssize_t width, Py_ssize_t k
         PyMem_Free(table)
         raise MemoryError()
     memset(table, 0xff, slots * sizeof(int32_t))
+    for i in range(keep_from):
+        if gs.g[i].alive:
+            slot_free(gs.keys, gs.width, i, gs.g[i].klen)
     for i in range(keep_from, gs.n):
         if gs.g[i].alive:
             g[k] = gs.g[i]
-            memcpy(keys + k * width, ghost_key(gs, i), gs.g[i].klen)
+            slot_move(keys, width, k, gs.keys, gs.width, i, gs.g[i].klen)
             k += 1
     PyMem_Free(gs.g)
     PyMem_Free(gs.keys)
@@ -83,16 +89,19 @@ cdef int ghost_layout(Ghosts* gs, Py_ssize_t cap, Py_ssize_t width, Py_ssize_t k
 cdef int ghost_add(Ghosts* gs, const char* kp, Py_ssize_t klen, Py_hash_t h, int seg) except -1:
     """`evicted[key] = seg`: a ghost already there keeps its place and takes the new segment."""
     cdef Py_ssize_t i = ghost_find(gs, kp, klen, h)
+    cdef char* copy = NULL
     if i >= 0:
         gs.g[i].seg = <uint8_t>seg
         return 0
-    if gs.n == gs.cap or klen > gs.width:  # full (maybe of dead entries), or a longer key
+    if gs.n == gs.cap or slot_width(klen) > gs.width:  # full (maybe of dead entries), or a wider slot
         # compacted in place while at most half are live, else twice the room
         ghost_layout(gs, max(16, 2 * gs.cap) if gs.n == gs.cap and 2 * gs.live >= gs.cap else gs.cap,
-                     max(klen, gs.width), 0)
+                     max(slot_width(klen), gs.width), 0)
+    if klen > INLINE_KEY:
+        copy = long_copy(kp, klen)
     i = gs.n
     gs.g[i].hash, gs.g[i].klen, gs.g[i].seg, gs.g[i].alive = h, <uint16_t>klen, <uint8_t>seg, 1
-    memcpy(ghost_key(gs, i), kp, klen)
+    slot_fill(gs.keys, gs.width, i, kp, klen, copy)
     ghost_table_put(gs, <int32_t>i)
     gs.n += 1
     gs.live += 1
@@ -108,6 +117,7 @@ cdef int ghost_pop(Ghosts* gs, const char* kp, Py_ssize_t klen, Py_hash_t h) noe
     if i < 0:
         return -1
     ghost_table_del(gs, <int32_t>i)
+    slot_free(gs.keys, gs.width, i, gs.g[i].klen)
     gs.g[i].alive = 0
     gs.live -= 1
     return gs.g[i].seg
@@ -127,13 +137,23 @@ cdef int ghost_trim(Ghosts* gs, Py_ssize_t limit) except -1:
     return 0
 
 
+cdef void ghost_free_keys(Ghosts* gs) noexcept nogil:
+    """Free the long keys of the live ghosts (all of them are about to be forgotten)."""
+    cdef Py_ssize_t i
+    for i in range(gs.n):
+        if gs.g[i].alive:
+            slot_free(gs.keys, gs.width, i, gs.g[i].klen)
+
+
 cdef void ghost_clear(Ghosts* gs) noexcept nogil:
+    ghost_free_keys(gs)
     gs.n, gs.live = 0, 0
     if gs.table != NULL:
         memset(gs.table, 0xff, (gs.mask + 1) * sizeof(int32_t))
 
 
 cdef void ghost_free(Ghosts* gs) noexcept:
+    ghost_free_keys(gs)
     PyMem_Free(gs.g)
     PyMem_Free(gs.keys)
     PyMem_Free(gs.table)

@@ -3,9 +3,11 @@
 
 No Python object per resident block. Per entry: a 40-byte record (block id, ref_cnt, the key's
 hash and length, links, flags, sequence number) in one array, the key bytes inline in a second
-array of fixed width (the longest key seen; a longer key re-lays it), and two int32 slots of an
-open-addressing hash table (linear probing, backward-shift deletion, no tombstones). Arrays are
-sized from `cache_capacity` and doubled if more blocks are ever inserted.
+array of fixed width (the longest key seen up to 64 bytes; a longer key re-lays it, and a key
+past 64 bytes has an allocation of its own: _compact_keys.pxi), and two int32 slots of an
+open-addressing hash table (linear probing, backward-shift deletion, no tombstones). Arrays grow
+as blocks are inserted, doubling, up to `cache_capacity` (at most 2^30) and past it if more
+blocks are ever inserted.
 
 The decisions are exactly `LRUCachePolicy`'s, including its evictable accounting: with
 `track_pins()` a pinned block met at the head of the order is set *aside* (moved to an aside
@@ -56,7 +58,9 @@ ctypedef struct Core:
     Entry* e
     char* keys
     Py_ssize_t width
-    int32_t cap
+    int32_t cap  # entries allocated
+    int32_t want  # cache_capacity: the arrays grow to it, doubling, as blocks are inserted
+    Py_ssize_t long_bytes  # bytes of the keys longer than INLINE_KEY (allocated one by one)
     int32_t hw  # entries ever used (the rest of the array is untouched)
     int32_t free  # free list head
     int32_t* table

@@ -183,7 +183,7 @@ cdef class Index:
         return out
 
     def memory_bytes(self):
-        """Bytes allocated for the arrays now (entries, keys, hash table, freed heap)."""
+        """Bytes allocated for the arrays now (entries, keys, long keys, hash table, freed heap)."""
         cdef Core* c = &self.c
-        return (c.cap * sizeof(Entry) + c.cap * c.width + (c.mask + 1) * sizeof(int32_t)
+        return (c.cap * sizeof(Entry) + c.cap * c.width + c.long_bytes + (c.mask + 1) * sizeof(int32_t)
                 + c.hcap * sizeof(Item))

@@ -7,7 +7,8 @@ by tests/policies/test_compact_prefix.py):
 
 - an entry per resident block, a 48-byte record (block id, key hash, stamp, aside sequence number,
   segment links, ref_cnt, key length, flags, segment) in one array, the key inline in a second
-  (_compact_table.pxi, shared with `lru`), two int32 slots of an open-addressing hash table;
+  (up to 64 bytes; a longer one has an allocation of its own) and the arrays growing as blocks
+  arrive (_compact_table.pxi, shared with `lru`), two int32 slots of an open-addressing hash table;
 - a segment is a doubly-linked list of entries (stamps increase along it);
 - an *aside* entry (pinned or protected when an eviction's walk met it) is out of its list; the
   unpinned ones are queued per segment as (stamp, sequence number, entry) and read, sorted, before
@@ -84,7 +85,9 @@ ctypedef struct Core:
     Entry* e
     char* keys
     Py_ssize_t width
-    int32_t cap
+    int32_t cap  # entries allocated
+    int32_t want  # cache_capacity: the arrays grow to it, doubling, as blocks are inserted
+    Py_ssize_t long_bytes  # bytes of the keys longer than INLINE_KEY (allocated one by one)
     int32_t hw  # entries ever used (the rest of the array is untouched)
     int32_t free  # free list head
     int32_t* table

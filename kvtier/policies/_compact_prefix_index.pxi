@@ -28,7 +28,7 @@ cdef class Index:
         cdef int s
         cls = type(self)
         core_init(&self.c, cache_capacity)
-        cap = self.capacity = self.c.cap
+        cap = self.capacity = self.c.want
         for s in range(MAX_SEGS):
             self.c.seg[s] = Chain(-1, -1)
         credits = tuple(cls.credits)
@@ -105,9 +105,10 @@ cdef class Index:
         return [self.key_of(i) for i in range(self.c.hw) if self.c.e[i].flags & USED and self.c.e[i].flags & ASIDE]
 
     def memory_bytes(self):
-        """Bytes allocated for the arrays now (entries, keys, hash table, queues); not the ghosts."""
+        """Bytes allocated for the arrays now (entries, keys, long keys, hash table, queues); not
+        the ghosts."""
         cdef Core* c = &self.c
-        return (c.cap * sizeof(Entry) + c.cap * c.width + (c.mask + 1) * sizeof(int32_t)
+        return (c.cap * sizeof(Entry) + c.cap * c.width + c.long_bytes + (c.mask + 1) * sizeof(int32_t)
                 + sum(c.freed[s].cap for s in range(MAX_SEGS)) * sizeof(Freed))
 
     # ------------------------------------------------------------------ the seed contract

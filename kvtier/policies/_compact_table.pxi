@@ -1,10 +1,18 @@
 # The hash table and key array of a compiled index (included by _compact_lru.pyx and
 # _compact_prefix.pyx, which each define `Entry` (with hash, klen, flags & USED, next),
-# `Chain` and `Core` (e, keys, width, cap, hw, table, mask) and POLICY_NAME).
+# `Chain` and `Core` (e, keys, width, cap, want, hw, table, mask, long_bytes) and POLICY_NAME).
+#
+# The arrays grow as blocks are inserted (doubling, up to `cache_capacity`, then doubling again
+# if more are ever inserted), so a large capacity costs nothing until it is used.
+
+include "_compact_keys.pxi"
+
+cdef enum:
+    FIRST_ENTRIES = 1024  # entries allocated when an index is made
 
 
 cdef inline char* key_at(Core* c, int32_t i) noexcept nogil:
-    return c.keys + <Py_ssize_t>i * c.width
+    return slot_key(c.keys, c.width, i, c.e[i].klen)
 
 
 cdef int32_t find(Core* c, const char* kp, Py_ssize_t klen, Py_hash_t h) noexcept nogil:
@@ -71,23 +79,37 @@ cdef inline size_t table_slots(Py_ssize_t entries) noexcept nogil:
 
 
 cdef int core_init(Core* c, object cache_capacity) except -1:
-    """Arrays for `cache_capacity` entries (checked: a ValueError names it); no key array yet
-    (the first key lays it out) and no list (the caller's)."""
+    """Arrays for the first entries of an index of `cache_capacity` (checked: a ValueError names
+    it); no key array yet (the first key lays it out) and no list (the caller's)."""
     cap = int(cache_capacity)
     if cap <= 0:
         raise ValueError(f"cache_capacity must be > 0 blocks, got {cache_capacity}")
     if cap > MAX_ENTRIES:
-        raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for {POLICY_NAME}, got {cap}")
-    c.cap = cap
-    c.e = <Entry*>PyMem_Malloc(cap * sizeof(Entry))
+        raise ValueError(f"cache_capacity must be <= {MAX_ENTRIES} blocks for {POLICY_NAME} (compiled), got {cap}")
+    c.want = cap
+    c.cap = min(cap, FIRST_ENTRIES)
+    c.e = <Entry*>PyMem_Malloc(c.cap * sizeof(Entry))
     if c.e == NULL:
         raise MemoryError()
     c.free = -1
-    rebuild_table(c, table_slots(cap))
+    rebuild_table(c, table_slots(c.cap))
     return 0
 
 
+cdef void forget_long_keys(Core* c) noexcept nogil:
+    """Free the allocations of the resident long keys (their entries are about to be forgotten)."""
+    cdef int32_t i
+    if c.long_bytes == 0:
+        return
+    for i in range(c.hw):
+        if c.e[i].flags & USED:
+            slot_free(c.keys, c.width, i, c.e[i].klen)
+    c.long_bytes = 0
+
+
 cdef void core_free(Core* c) noexcept:
+    if c.e != NULL:
+        forget_long_keys(c)
     PyMem_Free(c.e)
     PyMem_Free(c.keys)
     PyMem_Free(c.table)
@@ -108,11 +130,13 @@ cdef int rebuild_table(Core* c, size_t slots) except -1:
 
 
 cdef int grow(Core* c) except -1:
-    """Double the entry arrays (more blocks than `cache_capacity` were inserted)."""
-    cdef int32_t cap = c.cap * 2
+    """Double the entry arrays (up to `cache_capacity` while below it; past it when more blocks
+    than that are inserted)."""
+    cdef int32_t cap
     cdef void* p
     if c.cap >= MAX_ENTRIES:
         raise MemoryError(f"{POLICY_NAME} (compiled) holds at most {MAX_ENTRIES} blocks")
+    cap = min(2 * c.cap, c.want) if c.cap < c.want else 2 * c.cap
     p = PyMem_Realloc(c.e, cap * sizeof(Entry))
     if p == NULL:
         raise MemoryError()
@@ -137,7 +161,7 @@ cdef int widen(Core* c, Py_ssize_t width) except -1:
     if c.keys != NULL:
         for i in range(c.hw):
             if c.e[i].flags & USED:
-                memcpy(keys + <Py_ssize_t>i * width, key_at(c, i), c.e[i].klen)
+                slot_move(keys, width, i, c.keys, c.width, i, c.e[i].klen)
         PyMem_Free(c.keys)
     c.keys, c.width = keys, width
     return 0
@@ -154,12 +178,12 @@ cdef inline void link_tail(Core* c, Chain* l, int32_t i) noexcept nogil:
 
 
 cdef inline int32_t locate_in(Core* c, object key) except -2:
-    """The entry of `key`, or -1 (not resident; not bytes, or longer than any key entered)."""
+    """The entry of `key`, or -1 (not resident; not bytes, or longer than any inline key entered)."""
     cdef Py_ssize_t klen
     if not PyBytes_Check(key):
         return -1
     klen = PyBytes_GET_SIZE(key)
-    if klen > c.width or c.count == 0:
+    if c.count == 0 or (klen <= INLINE_KEY and klen > c.width):
         return -1
     return find(c, PyBytes_AS_STRING(key), klen, PyObject_Hash(key))
 
@@ -174,30 +198,34 @@ cdef int32_t claim(Core* c, object key, int64_t block_id, int32_t ref_cnt, bint*
     cdef Py_ssize_t klen
     cdef Py_hash_t h
     cdef int32_t i
+    cdef char* copy = NULL
     if not PyBytes_Check(key):
         raise TypeError(f"{POLICY_NAME}: a key must be bytes (an OffloadKey), got {type(key).__name__}")
     klen = PyBytes_GET_SIZE(key)
     if klen > MAX_KEY:
         raise ValueError(f"{POLICY_NAME}: a key must be at most {MAX_KEY} bytes, got {klen}")
     h = PyObject_Hash(key)
-    if c.keys == NULL or klen > c.width:
-        widen(c, max(klen, c.width, 1))
+    if c.keys == NULL or slot_width(klen) > c.width:
+        widen(c, max(slot_width(klen), c.width, 1))
     i = find(c, PyBytes_AS_STRING(key), klen, h) if c.count else -1
     if i >= 0:
         c.e[i].block_id, c.e[i].ref_cnt = block_id, ref_cnt
         fresh[0] = False
         return i
+    if c.free < 0 and c.hw == c.cap:
+        grow(c)
+    if klen > INLINE_KEY:  # before an entry is taken: nothing fails after that
+        copy = long_copy(PyBytes_AS_STRING(key), klen)
+        c.long_bytes += klen
     if c.free >= 0:
         i = c.free
         c.free = c.e[i].next
     else:
-        if c.hw == c.cap:
-            grow(c)
         i = c.hw
         c.hw += 1
     c.e[i].block_id, c.e[i].ref_cnt, c.e[i].hash = block_id, ref_cnt, h
     c.e[i].klen, c.e[i].flags = <uint16_t>klen, USED
-    memcpy(key_at(c, i), PyBytes_AS_STRING(key), klen)
+    slot_fill(c.keys, c.width, i, PyBytes_AS_STRING(key), klen, copy)
     table_put(c, i)
     c.count += 1
     fresh[0] = True
@@ -243,6 +271,9 @@ cdef void release(Core* c, int32_t i) noexcept nogil:
     """Entry i out of the table and the pin count, onto the free list (it is linked nowhere)."""
     table_del(c, i)
     forget_pin(c, i)
+    if c.e[i].klen > INLINE_KEY:
+        slot_free(c.keys, c.width, i, c.e[i].klen)
+        c.long_bytes -= c.e[i].klen
     c.e[i].flags = 0
     c.e[i].next = c.free
     c.free = i
@@ -253,6 +284,7 @@ cdef void forget_all(Core* c) noexcept nogil:
     """No entry resident, none pinned (`clear`; the caller resets its lists). The used entries
     are marked unused, so that a view of one fails its check instead of reading stale values."""
     cdef int32_t i
+    forget_long_keys(c)
     for i in range(c.hw):
         c.e[i].flags = 0
     memset(c.table, 0xff, (c.mask + 1) * sizeof(int32_t))

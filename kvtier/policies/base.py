@@ -63,6 +63,12 @@ class CachePolicy(ABC):
 
     returns_views: bool = False  # get() returns views of the policy's own state (see above)
     batch_calls: bool = False  # the manager uses the batch calls (see above)
+    # The most blocks an instance can hold (None: no limit of its own); a tier's capacity is
+    # checked against it by `config check` and the build (kvtier.limits).
+    max_blocks: int | None = None
+    # The longest key an instance holds, in bytes (None: no limit of its own); `insert` of a
+    # longer one raises ValueError. Front-ends may refuse longer keys up front (as for backends).
+    max_key_bytes: int | None = None
     _pinned: set[OffloadKey] | None = None  # resident keys not evictable; None: not tracking
 
     def __init__(self, cache_capacity: int) -> None:

@@ -7,6 +7,8 @@ import importlib
 import logging
 from typing import Any, ClassVar
 
+from kvtier.limits import MAX_INDEX_BLOCKS, MAX_KEY_BYTES
+
 log = logging.getLogger("kvtier.policies")
 
 
@@ -57,6 +59,8 @@ class CompiledPolicy:
     returns_views = True
     batch_calls = True
     compiled: ClassVar[bool] = True
+    max_blocks: int | None = MAX_INDEX_BLOCKS  # int32 entry numbers (the .pyx's MAX_ENTRIES)
+    max_key_bytes: int | None = MAX_KEY_BYTES  # a uint16 key length (the .pyx's MAX_KEY)
 
     def __init__(self, cache_capacity: int) -> None:
         from kvtier.policies.base import CachePolicy

@@ -66,6 +66,25 @@ class SlotAllocator:
         self._free.extend(slots)
 
 
+class _SeedSlots(SlotAllocator):
+    """The slots of a backend built with the seed's `Backend(block_size, medium)`: it manages its
+    own, so kvtier's slot defaults must not be used; each says so instead of guessing."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: str):
+        self.owner = owner
+        self.num_slots = self._next_fresh = 0
+        self._free = []
+
+    def _refuse(self, *_args: Any) -> Any:
+        raise NotImplementedError(f"{self.owner} was built with the seed's Backend(block_size, medium): it must "
+                                  "implement get_num_free_blocks, allocate_blocks and free itself")
+
+    num_free = property(_refuse)
+    allocate = claim = release = release_many = _refuse  # type: ignore[assignment]
+
+
 class Backend(ABC):
     """Storage for fixed-size blocks in one medium.
 
@@ -83,6 +102,10 @@ class Backend(ABC):
     # The longest key, in bytes, this backend can hold (None: no limit). Front-ends refuse longer
     # keys up front: a block this tier cannot hold would otherwise fail every move into it.
     max_key_bytes: ClassVar[int | None] = None
+    # The most blocks (slots, handles) a tier of this backend can have, whatever its policy holds
+    # (None: no limit of its own). `config check` and the build check a tier's capacity against
+    # it and its policy's `max_blocks` alike (`kvtier.limits.tier_blocks_problem`).
+    max_blocks: ClassVar[int | None] = None
     # True when blocks outlive the process (a restart finds them). `build_hierarchy` then passes
     # the constructor `fingerprint` (whose KV this is, never empty) and `layout` (block geometry,
     # dtypes and shapes; see `kvtier.hierarchy.describe_layout`), and the backend must never serve
@@ -93,12 +116,27 @@ class Backend(ABC):
     # the first tier, never by the cascade (see `kvtier.control.shared`).
     shared: ClassVar[bool] = False
 
-    def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0):
-        self.name = name
+    def __init__(self, name: str | int = "", num_blocks: int | str = 0, block_bytes: int = 0,
+                 block_size: int = 0, medium: str | None = None):
+        """kvtier's form: `Backend(name, num_blocks, block_bytes, block_size=0)`.
+
+        The seed's form, `Backend(block_size, medium)` (positional or by keyword), is accepted too,
+        for a backend written to vLLM's contract: it implements `get_num_free_blocks`,
+        `allocate_blocks` and `free` itself, so no slot allocator is made (the defaults raise).
+        """
+        if isinstance(name, int) and isinstance(num_blocks, str):  # the seed's positional order
+            block_size, medium = name, num_blocks
+            name, num_blocks = "", 0
+        if medium is not None:
+            vars(self)["medium"] = medium  # per instance, as the seed's constructor sets it
+        if not isinstance(name, str) or not isinstance(num_blocks, int):
+            raise TypeError(f"Backend(name: str, num_blocks: int, ...) or Backend(block_size: int, medium: str), "
+                            f"got name={name!r}, num_blocks={num_blocks!r}")
+        self.name = name or (medium or type(self).__name__).lower()
         self.num_blocks = num_blocks
         self.block_bytes = block_bytes
         self.block_size = block_size  # tokens per block, reported in events
-        self.slots = SlotAllocator(num_blocks)
+        self.slots = SlotAllocator(num_blocks) if medium is None or num_blocks else _SeedSlots(type(self).__name__)
 
     # Backend-specific YAML keys: name -> (default or config.REQUIRED, validator). See kvtier.config.
     OPTIONS: ClassVar[dict] = {}

@@ -115,5 +115,20 @@ def measure(nbytes: int = 64 << 20, repeat: int = 5) -> dict[str, float]:
             "crc32_gbps": best(lambda: payload_crc32(array)), "torch_threads": torch.get_num_threads()}
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvtier.tiers.checksum [--mib N] [--repeat N]`: prints `measure()`'s figures."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m kvtier.tiers.checksum",
+                                     description="GB/s of the device checksum and the host CRC-32 on CPU tensors.")
+    parser.add_argument("--mib", type=int, default=64, help="MiB of random bytes to checksum (default: 64)")
+    parser.add_argument("--repeat", type=int, default=5, help="runs, keeping the best (default: 5)")
+    args = parser.parse_args(argv)
+    if args.mib < 1 or args.repeat < 1:
+        parser.error("--mib and --repeat must be at least 1")
+    print(measure(args.mib << 20, args.repeat))
+    return 0
+
+
 if __name__ == "__main__":
-    print(measure())
+    raise SystemExit(main())

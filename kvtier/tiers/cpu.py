@@ -141,6 +141,7 @@ class CPUBackend(Backend):
 
     spec_type = CPULoadStoreSpec
     medium = "CPU"
+    max_blocks = None  # bounded by memory and /dev/shm, checked at build (kvtier.capacity)
 
     OPTIONS = {
         "shm_name": (None, _shm_name),  # file name in /dev/shm; default: generated, unique

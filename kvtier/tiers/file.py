@@ -141,6 +141,7 @@ class FileBackend(Backend):
     spec_type = FileLoadStoreSpec
     medium = "FILE"
     max_key_bytes = MAX_KEY_BYTES  # what a slot header leaves for the key
+    max_blocks = None  # slot numbers are 64-bit; bounded by the disk, checked at build (kvtier.capacity)
     persistent = True
     compact_min_records = 4096  # the journal is rewritten past max(this, 2 x capacity) records
     OPTIONS = {
@@ -329,14 +330,16 @@ class FileBackend(Backend):
         if self._closed:
             return
         self._closed = True
+        clean = False
         try:
             self._slab.drain()
             self._commits.close()
+            clean = True
         finally:
             try:
                 self._slab.close()
             finally:
-                self._lock.release()
+                self._lock.release(clean=clean)
 
     def __repr__(self) -> str:
         return f"FileBackend({self.name!r}, {self.num_blocks} blocks of {self.block_bytes} B in {self.root})"

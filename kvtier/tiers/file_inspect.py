@@ -18,7 +18,7 @@ from kvtier.tiers.fileio import file_kind, open_regular_file, read_regular_file
 from kvtier.tiers.journal import journal_capacity, journal_max_bytes, scan_journal
 from kvtier.tiers.manifest import load_manifest, manifest_digest, version_difference
 from kvtier.tiers.owners import pid_alive
-from kvtier.tiers.rootdir import JOURNAL, LOCK, SLAB
+from kvtier.tiers.rootdir import JOURNAL, LOCK, OWN_FILES, SLAB
 from kvtier.tiers.slot_format import FORMAT_VERSION, HEADER_BYTES, slot_bytes_for, verify_slot
 
 _JOURNAL_LIMIT_WITHOUT_GEOMETRY = 1 << 30  # no trusted num_slots to size the bound with
@@ -39,14 +39,47 @@ def _geometry_problem(manifest: dict) -> str | None:
     return None
 
 
-def _lock_holder(root: Path) -> dict:
-    """The pid written in the lock file and whether that process is alive (no lock is taken)."""
+def _lock_holder(root: Path) -> tuple[dict, str]:
+    """({pid, alive}, the state in words) of the tier's lock, read-only (no lock is taken). The
+    pid is the one written in the lock file: erased by a clean close, left by a process that died
+    holding the tier. Whether a process holds the lock now comes from /proc/locks where readable."""
     try:
         text = read_regular_file(root / LOCK, 64).decode(errors="replace").strip()
-    except OSError:
-        return {"pid": None, "alive": False}
+    except FileNotFoundError:
+        return {"pid": None, "alive": False}, "not open (no lock file: never opened)"
+    except OSError as exc:
+        return {"pid": None, "alive": False}, f"unknown (lock file unreadable: {exc.strerror or exc})"
     pid = int(text) if text.isdigit() else None
-    return {"pid": pid, "alive": pid is not None and pid_alive(pid)}
+    alive = pid is not None and pid_alive(pid)
+    holders = _flock_holders(root / LOCK)
+    holder = {"pid": pid, "alive": alive}
+    if pid is None:
+        if holders:
+            return holder, f"open (process {holders[0]} is opening it)"
+        return holder, "not open (closed cleanly)" if not text else f"unknown (lock file holds {text[:32]!r})"
+    if not alive:
+        return holder, (f"not open: stale lock of process {pid}, which ended without closing the tier (killed or "
+                        f"crashed); the next start takes it over")
+    if holders is not None and pid not in holders:
+        return holder, f"not open (process {pid}, which opened it last, no longer holds it)"
+    return holder, f"open by process {pid}"
+
+
+def _flock_holders(path: Path) -> list[int] | None:
+    """The pids holding a flock on `path` (from /proc/locks), or None where that cannot be read."""
+    try:
+        st = os.lstat(path)
+        with open("/proc/locks") as handle:
+            lines = handle.read().splitlines()
+    except OSError:
+        return None
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    pids = []
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == where and fields[4].isdigit():
+            pids.append(int(fields[4]))
+    return pids
 
 
 def inspect_root(root_dir: str, verify: bool = False) -> dict:
@@ -54,13 +87,15 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
 
     Keys: root_dir, manifest (dict or None), fingerprint, block_bytes, slot_bytes, num_slots,
     blocks (committed blocks in the journal), bytes (their payload bytes), slab_bytes (file size),
-    journal_records, journal_torn_bytes, index_health ("ok" or what is wrong), lock_holder;
+    journal_records, journal_torn_bytes, index_health ("ok" or what is wrong), lock_holder ({pid, alive}:
+    the pid in the lock file, None after a clean close), lock (open, closed cleanly, or a stale lock
+    of a process that died, in words), is_tier (whether any of the tier's own files is there);
     with `verify`, also verified_ok and verify_failed (blocks whose header/checksum fail) and
     failures (up to 20 `{slot, reason}`), plus verify_error when the slab could not be read at all
     (missing, or not a regular file). Never modifies anything.
     """
     root = Path(root_dir)
-    report: dict = {"root_dir": str(root)}
+    report: dict = {"root_dir": str(root), "is_tier": any(os.path.lexists(root / name) for name in OWN_FILES)}
     manifest, unreadable = load_manifest(root)
     report["manifest"] = manifest
     geometry = _geometry_problem(manifest) if manifest is not None else None
@@ -101,7 +136,7 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     report["journal_records"] = scan.records if scan else 0
     report["journal_torn_bytes"] = scan.torn_bytes if scan else 0
     report["index_health"] = "; ".join(health) if health else "ok"
-    report["lock_holder"] = _lock_holder(root)
+    report["lock_holder"], report["lock"] = _lock_holder(root)
     if verify:
         report.update(_verify(slab, manifest, entries))
     return report

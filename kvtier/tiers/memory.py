@@ -38,6 +38,7 @@ class MemoryBackend(Backend):
 
     spec_type = CPULoadStoreSpec
     medium = "CPU"
+    max_blocks = None  # bounded by memory, checked at build (kvtier.capacity)
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0):
         super().__init__(name, num_blocks, block_bytes, block_size)

@@ -343,7 +343,7 @@ class RootLock:
                     holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
                 finally:
                     os.close(fd)
-                raise KVTierError(f"file tier root_dir {root} is locked by another user (pid {holder}); "
+                raise KVTierError(f"file tier root_dir {root} is in use by {_process(holder)}; "
                                   f"give each process its own root_dir") from None
             if _same_file(fd, self.path):
                 break
@@ -353,9 +353,12 @@ class RootLock:
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
 
-    def release(self) -> None:
-        """Unlock and close. Idempotent."""
+    def release(self, clean: bool = True) -> None:
+        """Unlock and close. Idempotent. After a `clean` close the pid is erased first, so that
+        `kvtier inspect` tells a tier closed cleanly from one whose process died holding it."""
         if self._fd >= 0:
+            if clean:
+                os.ftruncate(self._fd, 0)
             fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = -1
@@ -372,6 +375,19 @@ def _same_file(fd: int, path: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------- wording
+def _process(pid_text: str) -> str:
+    """"another process of yours (pid 123)", "a process of uid 7 (bob) (pid 123)", or what the
+    lock file held."""
+    if not pid_text.isdigit():
+        return f"another process (the lock file holds {pid_text[:32]!r})"
+    try:
+        uid = os.stat(f"/proc/{pid_text}").st_uid
+    except OSError:
+        return f"another process (pid {pid_text})"
+    return (f"another process of yours (pid {pid_text})" if uid == os.getuid()
+            else f"a process of {_owner(uid)} (pid {pid_text})")
+
+
 def _owner(uid: int) -> str:
     try:
         return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"

@@ -64,6 +64,7 @@ class ValkeyBackend(Backend):
 
     spec_type = RemoteLoadStoreSpec
     medium = "REMOTE"
+    max_blocks = None  # handles cost nothing until remembered; the policy indexing them is the limit
     persistent = True  # the builder passes fingerprint and layout: the identity of the values
     shared = True
     OPTIONS = valkey_options.OPTIONS
@@ -76,7 +77,15 @@ class ValkeyBackend(Backend):
 
     @classmethod
     def check_environment(cls, options: dict) -> tuple[list[str], list[tuple[str, str]]]:
-        return valkey_options.check_environment(options)
+        """The password and TLS files the options name, then (when they are fine) one PING of the
+        server with them (`valkey_env.reach`: the cause of a failure is the problem)."""
+        notes, problems = valkey_options.check_environment(options)
+        if problems:
+            return notes, problems
+        from kvtier.tiers.valkey_env import reach
+
+        reached, problems = reach(options)
+        return notes + reached, problems
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *, url: str,
                  username: str | None = None, password_env: str | None = None, password_file: str | None = None,

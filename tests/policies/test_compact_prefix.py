@@ -27,8 +27,9 @@ CLASSES = (PrefixFreqCachePolicy, CompactPrefixFreqCachePolicy, PurePythonCompac
 
 
 def key(i: int) -> bytes:
-    """Keys of three lengths (8, 20 and 32 bytes)."""
-    return i.to_bytes(4, "big") * (1 + i % 3 * 3) + b"\0\0\0\0"
+    """Keys of four lengths (8, 32, 56 and 80 bytes: the last is past the index's inline width,
+    a key with an allocation of its own, in the index and in the ghost list)."""
+    return i.to_bytes(4, "big") * (1 + i % 4 * 6) + b"\0\0\0\0"
 
 
 def block(block_id: int, ref_cnt: int) -> BlockStatus:

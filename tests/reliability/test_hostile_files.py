@@ -62,9 +62,12 @@ def run_inspect(root, verify=True, tmp=None):
     os.makedirs(os.path.dirname(out_json), exist_ok=True)
     args += ["--json", out_json] + (["--verify"] if verify else [])
     proc = subprocess.run(args, capture_output=True, text=True, timeout=60, preexec_fn=_limit_memory)
-    assert proc.returncode == 0, proc.stderr
+    assert proc.returncode in (0, 1), proc.stderr
     assert "Traceback" not in proc.stderr
-    return json.loads(open(out_json).read()), proc.stdout
+    report = json.loads(open(out_json).read())
+    failed = verify and bool(report.get("verify_failed") or report.get("verify_error"))
+    assert proc.returncode == (1 if failed else 0), proc.stderr  # --verify: non-zero when a block failed
+    return report, proc.stdout
 
 
 def inspect(root, verify=True, tmp=None) -> dict:
@@ -316,8 +319,11 @@ def test_foreign_files_in_root_dir_are_left_alone(written):
 def test_inspect_of_a_root_that_is_not_a_tier(tmp_path):
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "x").write_bytes(os.urandom(100))
-    report = inspect(tmp_path / "junk", tmp=str(tmp_path / "out"))
-    assert "no readable manifest" in report["index_health"] and report["blocks"] == 0
+    proc = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", str(tmp_path / "junk")],
+                          capture_output=True, text=True, timeout=60, preexec_fn=_limit_memory)
+    assert proc.returncode == 2 and "is not a file tier's root_dir" in proc.stderr, proc.stderr  # issue 26.17
+    report = inspect_root(str(tmp_path / "junk"))
+    assert "no readable manifest" in report["index_health"] and report["blocks"] == 0 and not report["is_tier"]
 
 
 @pytest.mark.parametrize("patch", [

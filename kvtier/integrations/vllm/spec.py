@@ -15,6 +15,7 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
 )
 
+from kvtier.config_vllm import require_cpu_first
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
 from kvtier.integrations.vllm.logs import log_through_vllm, tier_summary
 from kvtier.integrations.vllm.manager import (
@@ -85,9 +86,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                                                       engine_id=str(config.engine_id),
                                                       fingerprint=self.fingerprint(), source=source,
                                                       ranks=self.num_copies)
-        if self.hierarchy_config.tiers[0].backend != "cpu":
-            raise ValueError(f"{source}: under vLLM the first tier must use backend 'cpu' (shared with the "
-                             f"workers), got {self.hierarchy_config.tiers[0].backend!r}")
+        require_cpu_first(self.hierarchy_config)
         self._manager: KVTierOffloadingManager | None = None
         self._worker: KVTierOffloadingWorker | None = None
 

@@ -1,0 +1,37 @@
+"""Help texts of `kvtier bench`: what every column of its output means (no imports: argparse only)."""
+
+from __future__ import annotations
+
+HOPS_COLUMNS = """hop table (kvtier bench / bench hops), one row per hop and block size:
+  hop          the transfer: engine->CPU, CPU->engine (GPU when the engine's KV cache is on CUDA),
+               '... scattered' into/from a random permutation of CPU slots (a cache after churn),
+               CPU->FILE, FILE->CPU, engine->FILE / FILE->engine 'staged' or 'direct' (the two
+               engine<->file handlers), CPU->REMOTE, REMOTE->CPU
+  block        bytes per block
+  kvtier GB/s  median over --repeats rounds of kvtier's handler (1 GB = 1e9 bytes), bytes verified after
+  spread       interquartile range / median of those rounds (with 3 rounds: half their range)
+  baseline     what kvtier is compared with, measured in the same run on the same bytes, its rounds
+               alternating with kvtier's: one contiguous copy (engine<->CPU), raw O_DIRECT write/read
+               (CPU<->file), that plus one engine<->host copy (engine<->file), the client's raw
+               SET/GET (remote hops)
+  GB/s, spread the baseline's median and spread
+  ratio        kvtier's median / the baseline's median; '?' marks a flagged ratio, not a finding
+  flags        why: kvtier-unstable / baseline-unstable (spread over 25%), cache-resident (the bytes
+               fit in the CPU cache), ratio-high (over 130%: the baseline is no ceiling), ratio-low
+               (under 5%: a stall)
+A line before the table names the directory and filesystem the file hops measured, and why that one."""
+
+TRACE_COLUMNS = """trace table (kvtier bench / bench trace), one row per system, policy and capacity:
+  system, policy  kvtier or vllm (--compare vllm); the first tier's policy; 'offline Belady': the optimum
+  tier0 blocks    the first tier's capacity in blocks
+  hit rate        blocks found / blocks looked up, over the whole hierarchy
+  block ops/s     lookups + stores the manager answered per second
+  CPU us/blk      the manager's CPU time per trace block
+  per tier        each tier's share of the hit rate
+
+Traces: --trace FILE reads a Mooncake-format JSONL file (one request per line with 'hash_ids'), as
+published by the Mooncake project (kvcache-ai/Mooncake, its FAST'25 traces); --trace sample uses a
+few hundred requests of its conversation trace shipped with kvtier; without --trace, a built-in
+multi-turn workload is generated."""
+
+BENCH_EPILOG = HOPS_COLUMNS + "\n\n" + TRACE_COLUMNS

@@ -1,0 +1,58 @@
+"""`kvtier bench`'s option values, checked before anything is measured or created.
+
+`check_options(args, mode)` returns the parsed values (`block_sizes`, `root_dir`, `capacities`) or
+raises `ConfigError` naming the option, the value given and the allowed range (exit status 2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvtier.bench import replay
+from kvtier.bench.hops_runner import default_block_sizes
+from kvtier.bench.where import RootDirError, check_root_dir
+from kvtier.config import format_size, parse_size
+from kvtier.errors import ConfigError
+
+MAX_REPEATS = 1000  # rounds per measurement; more would run for hours on the default sizes
+MAX_HOP_BLOCK_BYTES = 1 << 30  # a hop moves at least 8 blocks, twice over in memory: 16 GiB at this size
+
+
+def _block_sizes(text: str | None, quick: bool) -> list[int]:
+    if not text:
+        return default_block_sizes(quick)
+    sizes = []
+    for item in (s.strip() for s in text.split(",")):
+        if not item:
+            continue
+        try:
+            size = parse_size(item)
+        except ValueError as exc:
+            raise ConfigError([("--block-sizes", str(exc))]) from None
+        if not 1 <= size <= MAX_HOP_BLOCK_BYTES:
+            raise ConfigError([("--block-sizes", f"{item!r} is out of range: a block size is from 1B to "
+                                                 f"{format_size(MAX_HOP_BLOCK_BYTES)}")])
+        sizes.append(size)
+    if not sizes:
+        raise ConfigError([("--block-sizes", "no block size given (write e.g. 64KiB,1MiB,8MiB)")])
+    return sizes
+
+
+def check_options(args: Any, mode: str) -> dict[str, Any]:
+    """The checked values of the options `mode` ('all', 'hops' or 'trace') uses."""
+    if args.repeats is not None and args.repeats > MAX_REPEATS:
+        raise ConfigError([("--repeats", f"{args.repeats} is out of range: from 1 to {MAX_REPEATS}")])
+    out: dict[str, Any] = {"block_sizes": None, "root_dir": None, "capacities": None}
+    if mode in ("all", "hops"):
+        out["block_sizes"] = _block_sizes(args.block_sizes, args.quick)
+        if args.root_dir is not None:
+            try:
+                out["root_dir"] = check_root_dir(args.root_dir)
+            except RootDirError as exc:
+                raise ConfigError([("--root-dir", str(exc).removeprefix("--root-dir "))]) from None
+    if mode in ("all", "trace") and args.capacities:
+        try:
+            out["capacities"] = replay.parse_counts(args.capacities)
+        except ValueError as exc:
+            raise ConfigError([("--capacities", str(exc))]) from None
+    return out

@@ -1,0 +1,55 @@
+"""engine <-> FILE hop rows: the staged handler (and the direct one, on kvikio's host path here),
+each beside a raw O_DIRECT + copy baseline, byte-verified after measuring."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.bench.engine_file_hops import measure_engine_file
+from kvtier.bench.hops import TransferCorrupted
+from kvtier.bench.hops_runner import engine_file_paths, hop_label
+
+pytest.importorskip("torch")
+
+
+def test_staged_rows_are_measured_against_raw_io_plus_a_copy_and_verified(tmp_path):
+    rows = measure_engine_file(str(tmp_path), "cpu", 64 << 10, 1 << 20, repeats=2, paths=["staged"])
+    assert [(r["hop"], r["path"], r["baseline"]) for r in rows] == [
+        ("GPU->FILE", "staged", "raw O_DIRECT write+copy"), ("FILE->GPU", "staged", "raw O_DIRECT read+copy")]
+    for row in rows:
+        assert row["verified"] and len(row["samples_gbps"]) == 2 and len(row["baseline_samples_gbps"]) == 2
+        assert row["total_bytes"] == 16 * (64 << 10)
+    assert [hop_label(r) for r in rows] == ["engine->FILE staged", "FILE->engine staged"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_direct_path_runs_through_the_same_measurement(tmp_path):
+    from kvtier.tiers import fileio
+
+    if not fileio.kvikio_importable():
+        pytest.skip("kvikio not installed")
+    from kvtier.testing.fake_cuda import load_fake_libcuda
+
+    load_fake_libcuda()
+    rows = measure_engine_file(str(tmp_path), "cpu", 64 << 10, 1 << 20, repeats=1, paths=["direct"])
+    assert [(r["hop"], r["path"], r["verified"]) for r in rows] == [("GPU->FILE", "direct", True),
+                                                                     ("FILE->GPU", "direct", True)]
+
+
+def test_a_load_that_corrupts_bytes_raises(tmp_path, monkeypatch):
+    from kvtier.handlers import gpu_file
+
+    real = gpu_file.GPUFileHandler._host_to_engine
+
+    def corrupt(self, gpu, staging, k):
+        staging[0, 0] ^= 0xFF
+        real(self, gpu, staging, k)
+
+    monkeypatch.setattr(gpu_file.GPUFileHandler, "_host_to_engine", corrupt)
+    with pytest.raises(TransferCorrupted, match="engine<->FILE \\(staged\\) with 65536-byte blocks moved wrong"):
+        measure_engine_file(str(tmp_path), "cpu", 64 << 10, 1 << 20, repeats=1, paths=["staged"])
+
+
+def test_without_cuda_one_line_says_why_direct_is_not_measured():
+    paths, why = engine_file_paths("cpu")
+    assert paths == ["staged"] and why is not None and "direct (kvikio) not measured" in why and "CUDA" in why

@@ -1,0 +1,45 @@
+"""`kvtier config check --vllm`: the vLLM connector's own rules (kvtier.config_vllm), without vLLM.
+Before, a config whose first tier is `backend: memory` passed, though vLLM refuses it at start."""
+
+from __future__ import annotations
+
+import pytest
+from test_config_env import check  # config check FILE FLAGS -> (exit status, stdout, stderr)
+
+from kvtier.config_vllm import require_cpu_first, vllm_hierarchy_config
+from kvtier.errors import ConfigError
+
+MEMORY_FIRST = "block_tokens: 16\ntiers:\n  - {name: hot, backend: memory, capacity: 8 blocks}\n"
+
+
+def test_a_first_tier_that_is_not_cpu_is_refused_under_vllm(tmp_path, capsys):
+    assert check(tmp_path, MEMORY_FIRST, capsys)[0] == 0  # fine standalone
+    code, _, err = check(tmp_path, MEMORY_FIRST, capsys, "--vllm")
+    assert code == 2
+    assert "tiers[0].backend: under vLLM the first tier must use backend 'cpu'" in err and "got 'memory'" in err
+
+
+def test_what_vllm_decides_is_shown(tmp_path, capsys):
+    text = ("block_tokens: 16\nblock_bytes: 4KiB\ntiers:\n  - {name: cpu, backend: cpu, capacity: 1MiB}\n"
+            f"  - {{name: nvme, backend: file, capacity: 4MiB, root_dir: '{tmp_path / 'tier'}'}}\n")
+    code, out, err = check(tmp_path, text, capsys, "--vllm")
+    assert code == 0, err
+    assert "shm_name=kvtier-ENGINE_ID-cpu" in out
+    assert "the YAML's block_tokens (16) is replaced" in out and "the YAML's block_bytes is ignored" in out
+    assert "get the served model and KV layout as their identity" in out
+    assert "1MiB per block" not in out  # block_bytes is vLLM's, not the YAML's
+
+
+def test_a_valkey_tp_in_the_yaml_is_flagged(tmp_path, capsys):
+    text = ("tiers:\n  - {name: cpu, backend: cpu, capacity: 8 blocks}\n"
+            "  - {name: shared, backend: valkey, capacity: 8 blocks, url: 'redis://127.0.0.1:1', tp: 2}\n")
+    code, out, err = check(tmp_path, text, capsys, "--vllm")
+    assert code == 0, err
+    assert "the YAML's 2 is refused at start unless it matches" in out
+
+
+def test_the_connector_refuses_the_same_config_with_the_field_named():
+    with pytest.raises(ConfigError) as info:
+        require_cpu_first(vllm_hierarchy_config({"tiers": [{"name": "hot", "backend": "memory",
+                                                            "capacity": "8 blocks"}]}, block_tokens=16, engine_id="e"))
+    assert [p for p, _ in info.value.problems] == ["tiers[0].backend"]
