@@ -40,7 +40,7 @@ from kvtier.remote.options import redact_url
 from kvtier.specs import RemoteLoadStoreSpec
 from kvtier.tiers import valkey_options
 from kvtier.tiers.base import Backend
-from kvtier.tiers.valkey_runtime import FailureNotice, ProbeQueue, WritePause
+from kvtier.tiers.valkey_runtime import FailureNotice, FoundBy, ProbeQueue, WritePause
 from kvtier.types import BlockStatus
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,6 @@ _MIB = 1 << 20
 SLOW_WRITE_FRACTION = 0.5  # a write slower than this fraction of the timeout pauses publishing
 HANDLE_TTL_S = 60.0  # a handle older than this is not trusted to dedupe a publish (`stale`)
 CLOSE_MARGIN_S = 0.1  # close() waits for the probe thread at most its deadline plus this
-MAX_READ_BY = 4096  # promotion deadlines of keys found by probes kept (expired ones go first)
 
 
 def _real_store(client: dict[str, Any], **store: Any) -> Any:
@@ -138,7 +137,7 @@ class ValkeyBackend(Backend):
         self._bad: set[bytes] = set()  # keys whose last read failed (still_valid answers False)
         self._failed: deque[bytes] = deque()  # keys whose read failed, not yet taken by the manager
         self._probes = ProbeQueue()
-        self._read_by: dict[bytes, float] = {}  # key found by a probe -> its batch's deadline (for the read)
+        self._found_by = FoundBy()  # key found by a probe -> its batch's deadline (for the read)
         self._answers: deque[tuple[list[bytes], list[bool] | None]] = deque()
         self._probe_thread: threading.Thread | None = None
         self._closed = False
@@ -283,7 +282,7 @@ class ValkeyBackend(Backend):
         earlier. Every key is tried (until the server is unreachable or the deadline passed); the
         keys that failed are remembered (`still_valid`, `failed_keys`) and the first error is raised."""
         self._check_buffers(keys, buffers)
-        deadline = self._read_deadline(keys, deadline)
+        deadline = self._found_by.deadline(keys, deadline, self.probe_timeout_s)
         first: BaseException | None = None
         got = 0
         for i, (key, buf) in enumerate(zip(keys, buffers)):
@@ -302,20 +301,6 @@ class ValkeyBackend(Backend):
         if first is not None:
             raise first
         return got
-
-    def _read_deadline(self, keys: Sequence[bytes], deadline: float | None) -> float:
-        """The earliest of `deadline` (default `timeout_ms` from now) and the deadlines of the
-        probes that found `keys` (taken: each is used once). A probe's deadline that had passed
-        when this read was started (`deadline` - `timeout_ms`) is not used: that promotion did not
-        come from its lookup (e.g. it was refused for room, and a later lookup used the handle)."""
-        out = time.monotonic() + self.probe_timeout_s if deadline is None else deadline
-        started = out - self.probe_timeout_s
-        with self._lock:
-            for key in keys:
-                found_by = self._read_by.pop(bytes(key), None)
-                if found_by is not None and found_by > started:
-                    out = min(out, found_by)
-        return out
 
     def _note_failed(self, keys: Sequence[bytes]) -> None:
         with self._lock:
@@ -371,21 +356,9 @@ class ValkeyBackend(Backend):
                 found = None
             else:
                 self.notice.recovered()
-                self._remember_found(batch, answers, deadline)
+                self._found_by.remember(batch, answers, deadline)
             self.counters["probes_shed"] = self._probes.shed
             self._answers.append((batch, found))
-
-    def _remember_found(self, batch: list[bytes], found: list[bool], deadline: float) -> None:
-        """The deadline by which the blocks `batch` found must be read (`get_blocks`)."""
-        with self._lock:
-            read_by = self._read_by
-            read_by.update((k, deadline) for k, f in zip(batch, found) if f)
-            if len(read_by) > MAX_READ_BY:
-                now = time.monotonic()
-                for key in [k for k, d in read_by.items() if d <= now]:
-                    del read_by[key]
-                while len(read_by) > MAX_READ_BY:
-                    del read_by[next(iter(read_by))]
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:

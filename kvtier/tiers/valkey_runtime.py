@@ -6,6 +6,7 @@ Each is thread-safe and does no socket I/O itself; `kvtier.tiers.valkey.ValkeyBa
   pushes the oldest out), each with the deadline by which its answer is of use; a batch whose deadline
   passed before the thread took it is dropped unsent (the lookups waiting on it were answered MISS
   at that deadline). With one probe thread, at most one batch per server is in flight.
+- `FoundBy`: the deadline of the probe that found each block, by which its promotion must read it.
 - `WritePause`: after a failed write or a slow one, publishing pauses for `open_s`; the keys not
   written are reported by `take_unsent`.
 - `FailureNotice`: the first failure of the tier logs ONE WARNING naming the server and the cause
@@ -26,6 +27,7 @@ from typing import Any
 log = logging.getLogger("kvtier.tiers.valkey")
 
 MAX_QUEUED = 2  # probe batches waiting for the probe thread (besides the one in flight)
+MAX_FOUND = 4096  # deadlines of blocks found by probes kept (expired ones go first, then the oldest)
 
 
 class ProbeQueue:
@@ -67,6 +69,39 @@ class ProbeQueue:
             self._stopped = True
             self._batches.clear()
             self._ready.notify_all()
+
+
+class FoundBy:
+    """Blocks found by a probe -> that probe's deadline: their promotion must read them by it."""
+
+    def __init__(self) -> None:
+        self._by: dict[bytes, float] = {}
+        self._lock = threading.Lock()
+
+    def remember(self, batch: list[bytes], found: list[bool], deadline: float) -> None:
+        with self._lock:
+            by = self._by
+            by.update((k, deadline) for k, f in zip(batch, found) if f)
+            if len(by) > MAX_FOUND:
+                now = time.monotonic()
+                for key in [k for k, d in by.items() if d <= now]:
+                    del by[key]
+                while len(by) > MAX_FOUND:
+                    del by[next(iter(by))]
+
+    def deadline(self, keys: Sequence[bytes], deadline: float | None, timeout_s: float) -> float:
+        """The earliest of `deadline` (default `timeout_s` from now) and the deadlines of the probes
+        that found `keys` (taken: each is used once). A probe's deadline that had passed when this
+        read was started (`deadline` - `timeout_s`) is not used: that promotion did not come from its
+        lookup (e.g. it was refused for room, and a later lookup used the handle)."""
+        out = time.monotonic() + timeout_s if deadline is None else deadline
+        started = out - timeout_s
+        with self._lock:
+            for key in keys:
+                found_by = self._by.pop(bytes(key), None)
+                if found_by is not None and found_by > started:
+                    out = min(out, found_by)
+        return out
 
 
 def cause_of(exc: BaseException) -> str:
