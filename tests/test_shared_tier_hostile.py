@@ -91,6 +91,21 @@ def test_a_dripped_server_answers_every_lookup_in_time_and_closes_fast(hostile):
     assert took < 3 * (TIMEOUT_S + 0.1)
 
 
+def test_close_is_bounded_with_publishes_in_flight_to_a_dripping_server(hostile):
+    """64 blocks being published when close() is called, each SET's reply dripped (100 ms): a
+    publish job leaves unsent what it did not write within timeout_ms of being submitted, so close()
+    does not wait for 16 writes per thread."""
+    _, slow = hostile(", breaker_failures: 1000", hot=128, drip_s=0.02)
+    slow.store(keys(64, 40_000))
+    start = time.monotonic()
+    slow.close()
+    took = time.monotonic() - start
+    print(f"dripped: close() with 64 publishes in flight took {took * 1000:.0f} ms")
+    assert took < 3 * (TIMEOUT_S + 0.1)
+    counters = slow.shared.counters
+    assert counters["late_writes"] + counters["write_failures"] > 0, "the jobs stopped at their deadline"
+
+
 def test_a_slow_server_gets_bounded_probe_work_and_opens_the_breaker(hostile):
     """Every reply 200 ms late (inside the 250 ms timeout), a new key looked up every step for 3 s:
     at most one probe in flight and MAX_QUEUED waiting, batches whose time ran out are dropped unsent,

@@ -142,7 +142,7 @@ class ValkeyBackend(Backend):
         self._probe_thread: threading.Thread | None = None
         self._closed = False
         self.counters = {"probes": 0, "probe_failures": 0, "slow_writes": 0, "write_failures": 0,
-                         "read_failures": 0, "probes_shed": 0}
+                         "read_failures": 0, "probes_shed": 0, "late_writes": 0}
         self._build_store(at_start=True)
         log.info("valkey tier %s: %s", name, self)
 
@@ -263,15 +263,16 @@ class ValkeyBackend(Backend):
             if memoryview(buf).nbytes != self.block_bytes:
                 raise ValueError(f"buffer {i} holds {memoryview(buf).nbytes} bytes, a block is {self.block_bytes}")
 
-    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence) -> int:
-        """Store `buffers[i]` under `keys[i]`. A write that fails (server full, unreachable)
-        pauses writes for `breaker_open_s` (one WARNING per pause); the keys it and the writes
-        after it did not store, and those of jobs that start while writes are paused, are not
-        sent and are reported by `take_unsent` (the job itself succeeds: a full server is not
-        an error of the job). Raises only for buffers that do not match the keys."""
+    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence, deadline: float | None = None) -> int:
+        """Store `buffers[i]` under `keys[i]`, by `deadline` when given (else each write by
+        `timeout_ms`). A write that fails (server full, unreachable) or is slow pauses writes for
+        `breaker_open_s` (one WARNING the first time); the keys it and the writes after it did not
+        store, those not written by `deadline`, and those of jobs that start while writes are paused,
+        are not sent and are reported by `take_unsent` (the job itself succeeds: a full server is
+        not an error of the job). Raises only for buffers that do not match the keys."""
         self._check_buffers(keys, buffers)
         sent = self._writes.write(self._store_for_io, keys, buffers, self.probe_timeout_s * SLOW_WRITE_FRACTION,
-                                  self.counters)
+                                  self.counters, deadline)
         with self._lock:
             self._bad.difference_update(map(bytes, keys))
         return sent

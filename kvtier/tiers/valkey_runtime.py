@@ -161,18 +161,21 @@ class WritePause:
         return now >= self.slow_until and now >= self.failed_until
 
     def write(self, store: Callable[[], Any], keys: Sequence[bytes], buffers: Sequence, slow: float,
-              counters: dict[str, int]) -> int:
+              counters: dict[str, int], deadline: float | None = None) -> int:
         """`ValkeyBackend.put_blocks`' writes: bytes sent. A write slower than `slow` s or a failed one
         pauses writes and leaves the rest of the keys unsent (a failed one: its own key too), as does
-        a pause at the start: a job never keeps writing to a server that is slow or failing."""
+        a pause at the start or `deadline` passing (counted in `late_writes`): a job never keeps
+        writing to a server that is slow or failing, nor past its deadline."""
         sent = 0
         for i, (key, buf) in enumerate(zip(keys, buffers)):
             start = time.monotonic()
-            if start < self.failed_until or start < self.slow_until:
+            late = deadline is not None and start >= deadline
+            if late or start < self.failed_until or start < self.slow_until:
+                counters["late_writes"] += len(keys) - i if late else 0
                 self.not_sent(keys[i:])
                 break
             try:
-                sent += store().write_block(bytes(key), memoryview(buf).cast("B"))
+                sent += store().write_block(bytes(key), memoryview(buf).cast("B"), deadline)
             except Exception as exc:  # noqa: BLE001 - any failed write pauses writes; its keys stay unsent
                 counters["write_failures"] += 1
                 self.failed(exc)
