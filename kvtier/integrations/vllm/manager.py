@@ -137,6 +137,17 @@ class KVTierOffloadingManager(OffloadingManager):
             if left > 0:
                 loading[key] = left
 
+    def complete_failed_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """`complete_load` of a load that failed in a worker (`KVTierOffloadingConnector`): the
+        pins are released, then every one of `keys` that no other load pins is dropped from the
+        first tier, so vLLM's recompute of those tokens does not load the same blocks again (a
+        copy in a lower tier stays, and is verified again if promoted)."""
+        keys = list(keys)
+        self.complete_load(keys, req_context)
+        # finish_reset drops the first tier's unpinned blocks among its `storing` keys; these keys
+        # are readable (ref_cnt >= 0), so only those no other load pins are dropped.
+        self.manager.finish_reset(keys, ())
+
     # --- store
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         out = self.manager.prepare_store(list(keys), req_context)
