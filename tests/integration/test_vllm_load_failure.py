@@ -96,3 +96,12 @@ def test_a_failed_load_is_recomputed_and_the_engine_keeps_serving(failing_engine
     loaded = step(report, "B_loaded")
     assert loaded["tokens"] == step(report, "B_cold")["tokens"]
     assert metric(loaded, "external_prefix_cache_hits") > 0
+
+
+@pytest.mark.slow
+def test_vllms_own_offload_metric_names_reach_llm_get_metrics(failing_engine):
+    report, _ = failing_engine
+    # one prepare_store per cold prompt: vLLM's allocation histogram, filled by kvtier
+    assert metric(step(report, "A_cold"), "kv_offload_cpu_allocation_size") >= 1
+    assert "vllm:kv_offload_cpu_cache_usage_perc" in report["final_metrics"]
+    assert "vllm:kvtier_stores[cpu]" in report["final_metrics"]  # beside kvtier's own
