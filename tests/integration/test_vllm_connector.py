@@ -153,7 +153,8 @@ def test_a_failed_store_never_becomes_readable(tmp_path):
         side.manager.shutdown()
 
 
-def test_a_failed_load_unpins_and_drops_its_blocks(tmp_path):
+@pytest.mark.parametrize("failed", [True, False])
+def test_a_failed_load_drops_its_blocks_and_a_completed_one_keeps_them(tmp_path, failed):
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
     side = _scheduler_side(tmp_path)
@@ -163,25 +164,10 @@ def test_a_failed_load_unpins_and_drops_its_blocks(tmp_path):
         side.manager.complete_store(keys, ctx)
         side.manager.prepare_load(keys, ctx)
         _job(side, LOAD, keys, False, ctx)
-        _finish(side, [LOAD], [LOAD])
-        # the recompute's lookup misses instead of loading the same blocks again
-        assert [side.manager.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 3
-        assert side.manager.tier_stats()["cpu"]["resident_blocks"] == 0
-    finally:
-        side.manager.shutdown()
-
-
-def test_a_completed_load_keeps_its_blocks(tmp_path):
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
-
-    side = _scheduler_side(tmp_path)
-    try:
-        ctx, keys = ReqContext("r1"), _keys(3)
-        side.manager.prepare_store(keys, ctx)
-        side.manager.complete_store(keys, ctx)
-        side.manager.prepare_load(keys, ctx)
-        _job(side, LOAD, keys, False, ctx)
-        _finish(side, [LOAD], [])
-        assert [side.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 3
+        _finish(side, [LOAD], [LOAD] if failed else [])
+        # after a failure the recompute's lookup misses instead of loading the same blocks again
+        expected = LookupResult.MISS if failed else LookupResult.HIT
+        assert [side.manager.lookup(k, ctx) for k in keys] == [expected] * 3
+        assert side.manager.tier_stats()["cpu"]["resident_blocks"] == (0 if failed else 3)
     finally:
         side.manager.shutdown()

@@ -17,7 +17,7 @@ metrics) and changes what a failed job does:
   valid prefix); with several groups, where vLLM 0.32 refuses block ids (its block ids are unique
   only within a group), as `failed_recving` (the whole request is recomputed). With
   `kv_load_failure_policy: "recompute"` vLLM recomputes those tokens; with vLLM's default
-  (`"fail"`) the request ends with an error and the engine keeps serving. On the scheduler side
+  (`"fail"`) vLLM ends the request with an error. On the scheduler side
   the failed load's blocks are unpinned and dropped from kvtier's first tier
   (`KVTierOffloadingManager.complete_failed_load`), so the recompute's own lookup does not load
   them again.
