@@ -171,3 +171,15 @@ def test_a_failed_load_drops_its_blocks_and_a_completed_one_keeps_them(tmp_path,
         assert side.manager.tier_stats()["cpu"]["resident_blocks"] == (0 if failed else 3)
     finally:
         side.manager.shutdown()
+
+
+def test_a_vllm_without_the_fields_the_connector_relies_on_is_refused_at_start():
+    from kvtier.integrations.vllm.connector import _Scheduler, _Worker
+
+    scheduler = object.__new__(_Scheduler)
+    scheduler.manager, scheduler._jobs = object(), {}  # no _stale_job_threshold: a renamed field
+    with pytest.raises(RuntimeError, match="has no _stale_job_threshold; it supports vLLM 0.32 and 0.33"):
+        scheduler._adopt()
+    worker = object.__new__(_Worker)
+    with pytest.raises(RuntimeError, match="has no worker, _load_jobs, _connector_worker_meta"):
+        worker._adopt(True)

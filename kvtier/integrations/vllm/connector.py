@@ -93,10 +93,23 @@ class _FailureAwareManager:
             self._inner.complete_load(keys, req_context)
 
 
+def _require(side: Any, names: tuple[str, ...]) -> None:
+    """Refuse to start (RuntimeError) when vLLM's connector side lacks a field this connector
+    relies on: a vLLM that renamed it would otherwise make failed stores readable."""
+    missing = [name for name in names if not hasattr(side, name)]
+    if missing:
+        raise RuntimeError(f"KVTierOffloadingConnector: this vLLM's {type(side).__name__} has no "
+                           f"{', '.join(missing)}; it supports vLLM 0.32 and 0.33's offloading connector "
+                           f"(use kv_connector 'OffloadingConnector' with this vLLM)")
+
+
 class _Scheduler(OffloadingConnectorScheduler):
     """vLLM's scheduler side; failed jobs reach the manager as failures (see the module docstring)."""
 
+    _REQUIRED = ("manager", "_jobs", "_stale_job_threshold")
+
     def _adopt(self) -> None:
+        _require(self, self._REQUIRED)
         self.manager = cast(Any, _FailureAwareManager(self.manager))
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -116,7 +129,10 @@ class _Scheduler(OffloadingConnectorScheduler):
 class _Worker(OffloadingConnectorWorker):
     """vLLM's worker side, reporting failed jobs instead of asserting that none failed."""
 
+    _REQUIRED = ("worker", "_load_jobs", "_connector_worker_meta")
+
     def _adopt(self, block_level: bool) -> None:
+        _require(self, self._REQUIRED)
         self._block_level = block_level  # one KV-cache group: report engine block ids
         self._load_blocks: dict[int, list[int]] = {}  # load job id -> the engine blocks it fills
         self._failed_jobs: set[int] = set()  # since the last worker metadata
