@@ -11,7 +11,8 @@ under vLLM, rank r's part of the scheduler-side CPU slot); a block is served onl
 value is there and verifies.
 
 Threads. Socket I/O happens only on the handlers' pool (`put_blocks`, `get_blocks`) and on the
-backend's probe thread (`request_probe` hands it a batch; `probe_results` collects the answers).
+backend's probe thread (`valkey_probes.Probes`: `request_probe` hands it a batch; `probe_results`
+collects the answers).
 Deadlines: a probe batch must be answered within `timeout_ms` of `request_probe` (one in flight,
 at most `valkey_runtime.MAX_QUEUED` waiting, those past their deadline dropped unsent); a block a
 probe found must then be read by that same deadline, and any other read by the deadline its
@@ -40,7 +41,8 @@ from kvtier.remote.options import redact_url
 from kvtier.specs import RemoteLoadStoreSpec
 from kvtier.tiers import valkey_options
 from kvtier.tiers.base import Backend
-from kvtier.tiers.valkey_runtime import FailureNotice, FoundBy, ProbeQueue, WritePause
+from kvtier.tiers.valkey_probes import Probes
+from kvtier.tiers.valkey_runtime import FailureNotice, FoundBy, WritePause
 from kvtier.types import BlockStatus
 
 log = logging.getLogger(__name__)
@@ -100,7 +102,7 @@ class ValkeyBackend(Backend):
                      max_inflight_mib=max_inflight_mib, breaker_failures=breaker_failures,
                      breaker_open_s=breaker_open_s, negative_ttl_s=negative_ttl_s, threads=threads, tp=tp,
                      fingerprint=fingerprint)
-        self._check(given)
+        valkey_options.check_given(given, self.OPTIONS)
         if block_bytes <= 0:
             raise ValueError(f"valkey tier {name!r} needs block_bytes > 0, got {block_bytes}")
         if block_bytes % tp:
@@ -136,30 +138,15 @@ class ValkeyBackend(Backend):
         self._key_of: dict[int, bytes] = {}  # slot -> key of the handle
         self._bad: set[bytes] = set()  # keys whose last read failed (still_valid answers False)
         self._failed: deque[bytes] = deque()  # keys whose read failed, not yet taken by the manager
-        self._probes = ProbeQueue()
         self._found_by = FoundBy()  # key found by a probe -> its batch's deadline (for the read)
-        self._answers: deque[tuple[list[bytes], list[bool] | None]] = deque()
-        self._probe_thread: threading.Thread | None = None
         self._closed = False
         self.counters = {"probes": 0, "probe_failures": 0, "slow_writes": 0, "write_failures": 0,
                          "read_failures": 0, "probes_shed": 0, "late_writes": 0}
+        self._probes = Probes(name, self._store_for_io, self.probe_timeout_s, self.notice, self._found_by,
+                              self.counters)
+        self._answers = self._probes.answers  # (the same deque: a subclass may answer probes itself)
         self._build_store(at_start=True)
         log.info("valkey tier %s: %s", name, self)
-
-    def _check(self, given: dict[str, Any]) -> None:
-        """Validate options given directly (not through a config): the same checks, by option name."""
-        problems = []
-        for option, value in given.items():
-            default, check = self.OPTIONS[option]
-            if value is None or value == default:
-                continue
-            try:
-                check(value)
-            except (ValueError, TypeError) as exc:
-                problems.append((option, str(exc)))
-        problems += valkey_options.check_options(given)
-        if problems:
-            raise ConfigError(problems)
 
     def __repr__(self) -> str:
         return (f"ValkeyBackend(name={self.name!r}, url={self.url!r}, key_prefix={self.key_prefix!r}, "
@@ -321,45 +308,15 @@ class ValkeyBackend(Backend):
         """Hand one batch to the probe thread, to be answered within `timeout_ms` (never blocks;
         answered by `probe_results`, or dropped unsent when newer batches push it out or its deadline
         passes first: its lookups were answered MISS at that deadline)."""
-        if self._closed:
-            self._answers.append((list(keys), None))
-            return
-        if self._probe_thread is None:
-            self._probe_thread = threading.Thread(target=self._probe_loop, name=f"kvtier-probe-{self.name}",
-                                                  daemon=True)
-            self._probe_thread.start()
-        self._probes.put(list(keys), time.monotonic() + self.probe_timeout_s)
+        self._probes.request(list(keys))
 
     def probe_results(self) -> list[tuple[list[bytes], list[bool] | None]]:
         """The batches answered since the last call: `(keys, found)`, `found` None when the probe failed."""
-        out = []
-        while self._answers:
-            out.append(self._answers.popleft())
-        return out
+        return self._probes.results()
 
     @property
     def has_probe_results(self) -> bool:
-        return bool(self._answers)
-
-    def _probe_loop(self) -> None:
-        while (item := self._probes.get()) is not None:
-            deadline, batch = item
-            self.counters["probes"] += 1
-            found: list[bool] | None
-            try:
-                answers = [bool(f) for f in self._store_for_io().probe(batch, deadline)]
-                if len(answers) != len(batch):
-                    raise ValueError(f"probe answered {len(answers)} of {len(batch)} keys")
-                found = answers
-            except Exception as exc:  # noqa: BLE001 - a failed probe is an answer: nothing found
-                self.counters["probe_failures"] += 1
-                self.notice.failed(exc)
-                found = None
-            else:
-                self.notice.recovered()
-                self._found_by.remember(batch, answers, deadline)
-            self.counters["probes_shed"] = self._probes.shed
-            self._answers.append((batch, found))
+        return self._probes.answered
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
@@ -375,6 +332,4 @@ class ValkeyBackend(Backend):
             store, self._store = self._store, None
         if store is not None:
             store.close()
-        thread = self._probe_thread
-        if thread is not None:
-            thread.join(self.probe_timeout_s + CLOSE_MARGIN_S)
+        self._probes.join(self.probe_timeout_s + CLOSE_MARGIN_S)
