@@ -42,6 +42,7 @@ class TransferEngine:
         self._ids = itertools.count(1 << 40)  # far from ids chosen by callers (vLLM job ids)
         self._parents: dict[int, _Composite] = {}
         self._pending: dict[int, TransferHandler] = {}
+        self.failed_jobs: dict[str, int] = {}  # kind of error (its exception type) -> jobs failed with it
 
     def register(self, src_type: type[LoadStoreSpec], dst_type: type[LoadStoreSpec], handler: TransferHandler) -> None:
         """Serve jobs from `src_type` to `dst_type` with `handler` (replaces an earlier one)."""
@@ -110,6 +111,15 @@ class TransferEngine:
         with self.reported:
             return self.reported.wait_for(self.has_finished, timeout)
 
+    def _note_failure(self, result: TransferResult) -> None:
+        """Count a failed job by the kind of its error; the first of each kind is a WARNING, later
+        ones DEBUG (a server that keeps failing fails every job: the tiers' stats count them)."""
+        kind = (result.error or "").partition(":")[0] or "unknown"
+        seen = self.failed_jobs.get(kind, 0)
+        self.failed_jobs[kind] = seen + 1
+        log.log(logging.DEBUG if seen else logging.WARNING, "transfer job %d failed: %s%s", result.job_id,
+                result.error, "" if seen else f" (later failures of {kind} are logged at DEBUG only)")
+
     def poll(self) -> list[TransferResult]:
         """Results of the jobs that finished since the last call (composite jobs once, when whole)."""
         done = self.finished
@@ -120,7 +130,7 @@ class TransferEngine:
             result = done.popleft()
             self._pending.pop(result.job_id, None)
             if not result.success:
-                log.warning("transfer job %d failed: %s", result.job_id, result.error)
+                self._note_failure(result)
             parent = self._parents.pop(result.job_id, None)
             if parent is None:
                 results.append(result)

@@ -26,13 +26,13 @@ Residence rules (checked by the Hypothesis state machine in tests/test_manager_s
   meanwhile), and a block found there is promoted into tier 0 (`kvtier.control.shared`).
 
 The parts live in `kvtier.control`: per-tier state (`Tier`), jobs that do their own bookkeeping
-(`Demotion`, `Promotion`), and the two controllers that start them (`Cascade`, `Promotions`).
+(`Demotion`, `Promotion`), the two controllers that start them (`Cascade`, `Promotions`), and
+the waits for them at `wait_idle`, `flush` and `shutdown` (`Quiescer`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
@@ -40,10 +40,10 @@ from kvtier.control.cascade import Cascade, split_below
 from kvtier.control.jobs import EventLog, JobTable, enter_copies, side_spec
 from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
+from kvtier.control.quiesce import Quiescer
 from kvtier.control.shared import SharedTier, local_tiers
 from kvtier.control.tier import Tier, TierStats
 from kvtier.engine import TransferEngine
-from kvtier.errors import WaitTimeout
 from kvtier.interfaces import OffloadingManager
 from kvtier.keys import OffloadKey
 from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
@@ -61,7 +61,6 @@ __all__ = ["CASCADE_MODES", "HierarchyManager", "Tier", "TierStats"]
 
 log = logging.getLogger(__name__)
 
-FLUSH_RECHECK_S = 0.1  # how often a `flush` given a `check` calls it while waiting
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
 
@@ -89,15 +88,6 @@ def _complete_each(top: Tier, keys: list[OffloadKey], blocks: list[BlockStatus |
             top.backend.free(block)
         changed.append(key)
     return changed
-
-
-def _jobs(n: int) -> str:
-    return f"{n} transfer job" + ("" if n == 1 else "s")
-
-
-def _left(deadline: float | None) -> float | None:
-    """Seconds until `deadline` (a `time.monotonic()` value; never negative), None for none."""
-    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class HierarchyManager(OffloadingManager):
@@ -130,6 +120,7 @@ class HierarchyManager(OffloadingManager):
         self._writes_through = any(t.cascade == "on_store" for t in self.tiers[:-1])  # as `Cascade` finds them
         self._refilled = [t for t in self.tiers[:-1] if t.cascades_on_evict]  # `refill_reserve` has work
         self._alone = len(self.tiers) == 1  # no lower or shared tier: no promotion, probe or copy
+        self._quiescer = Quiescer(self.tiers, engine, self._jobs, self._cascade, self._promotions, self._shared)
         self._recover()
         for tier in self.tiers:
             # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
@@ -320,30 +311,10 @@ class HierarchyManager(OffloadingManager):
         tier lacks down to it, tier after tier, and wait for the copies. Returns how many blocks
         are still without a copy below: no room there, a failed copy (each block is tried once),
         or `timeout` seconds passed first (None: no limit; the copies left running finish later).
-        `check` is called every `FLUSH_RECHECK_S` while waiting: what it raises ends the flush
-        (the copies started go on; the standalone API's `ClosedError` once another thread closes)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        cascading = [t for t in self.tiers if t.below is not None and t.cascade != "none"]
-        try:
-            self._wait_checking(deadline, check)
-            for tier in cascading:
-                tried: set[OffloadKey] = set()
-                while self._cascade.flush_step(tier, max(1, 2 * tier.reserve), tried):
-                    self._wait_checking(deadline, check)
-        except WaitTimeout:
-            pass
-        return sum(len(self._cascade.dirty_keys(t)) for t in cascading)
-
-    def _wait_checking(self, deadline: float | None, check: Callable[[], None] | None) -> None:
-        """`wait_idle` until `deadline` (`WaitTimeout` then), calling `check` between slices."""
-        while True:
-            left = _left(deadline)
-            if check is None or (left is not None and left <= FLUSH_RECHECK_S):
-                return self.wait_idle(left)
-            try:
-                return self.wait_idle(FLUSH_RECHECK_S)
-            except WaitTimeout:
-                check()
+        `check` is called every `quiesce.FLUSH_RECHECK_S` while waiting: what it raises ends the
+        flush (the copies started go on; the standalone API's `ClosedError` once another thread
+        closes)."""
+        return self._quiescer.flush(timeout, check)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         yield from self._log.take()
@@ -389,36 +360,11 @@ class HierarchyManager(OffloadingManager):
         (tests, bench, shutdown, the standalone API). With a `timeout` (seconds)
         raises `WaitTimeout`, naming the jobs still running, when they have not all finished by
         then (a hung handler); None waits as long as it takes."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        if self._shared is not None:
-            self._shared.wait_probes(deadline)  # what they find is queued for promotion, awaited below
-        self._cascade.advance_writes()
-        while self._jobs or self._promotions.queue:
-            if self._promotions.queue:
-                self._promotions.flush()
-            if self._jobs and not self._jobs.wait(deadline):
-                running = self._jobs.describe()
-                raise WaitTimeout(f"wait_idle: {_jobs(len(running))} still running after {timeout:g} s "
-                                  f"(a handler may be hung): {'; '.join(running)}", running)
-            self._jobs.drain()
-            self._cascade.advance_writes()
+        self._quiescer.wait_idle(timeout)
 
     def shutdown(self, timeout: float | None = SHUTDOWN_TIMEOUT_S) -> None:
         """Wait up to `timeout` seconds for running copies, then shut the engine down and close the
         backends. Copies still running then are abandoned and logged: the engine (whose
         shutdown would wait for them) and the backends they use are left open, since a copy
         may still be writing into them; the other backends are closed."""
-        try:
-            self.wait_idle(timeout)
-        except WaitTimeout as exc:
-            busy = self._jobs.tiers()
-            log.error("shutdown abandoned %s still running after %g s: %s. The transfer engine "
-                      "and the backends of tiers %s are left open; their blocks may be incomplete.",
-                      _jobs(len(exc.jobs)), timeout, "; ".join(exc.jobs), ", ".join(sorted(busy)))
-            for tier in self.tiers:
-                if tier.name not in busy:
-                    tier.backend.close()
-            return
-        self.engine.shutdown()
-        for tier in self.tiers:
-            tier.backend.close()
+        self._quiescer.shutdown(timeout)

@@ -39,18 +39,19 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from kvtier.config import HierarchyConfig, load_config
-from kvtier.errors import ArgumentError, ClosedError, WaitTimeout
+from kvtier.errors import ClosedError, WaitTimeout
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.hierarchy import Hierarchy, build_hierarchy
-from kvtier.keys import GROUP_BYTES, OffloadKey, get_offload_group_idx
-from kvtier.specs import BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
-from kvtier.standalone_args import as_ids, as_key, as_list, check_kv_caches, key_limit, raise_duplicate
+from kvtier.keys import OffloadKey
+from kvtier.specs import BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, LoadStoreSpec
+from kvtier.standalone_args import check_kv_caches, key_limit
+from kvtier.standalone_blocks import KeyBlocks
 from kvtier.standalone_metrics import MetricsEndpoint, check_metrics_port
 from kvtier.types import CanonicalKVCaches, LookupResult, TransferResult
 
@@ -77,7 +78,7 @@ class KVTier:
         self.layout = layout
         self.blocks_per_chunk = layout.blocks_per_chunk
         self._worker = hierarchy.worker  # the jobs that touch the KV tensors
-        self._key_limit = key_limit(hierarchy)
+        self._blocks = KeyBlocks(layout, key_limit(hierarchy))  # checks and lays out each call's keys and ids
         self._top_capacity = self.manager.tiers[0].capacity
         self._counters = {"stores": 0, "store_failures": 0, "store_bytes": 0, "store_seconds": 0.0,
                           "loads": 0, "load_failures": 0, "load_bytes": 0, "load_seconds": 0.0}
@@ -137,8 +138,8 @@ class KVTier:
         block pinned or the next tier full; or a copy failed), logging a warning that says how
         many and why; the other rounds are stored all the same."""
         with self._call():
-            keys = self._checked_keys(keys, distinct=True)
-            by_key = self._blocks_by_key(keys, engine_block_ids, distinct=False)
+            keys = self._blocks.keys(keys, distinct=True)
+            by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=False)
             pending = self.manager.new_keys(keys)
             ok = True
             while pending:
@@ -177,8 +178,8 @@ class KVTier:
         to_store = list(output.keys_to_store)
         if not to_store:
             return True
-        order = self._group_order(to_store)
-        result = self._run(self._gpu_spec([to_store[i] for i in order], by_key), output.store_spec.subset(order))
+        order = self._blocks.group_order(to_store)
+        result = self._run(self._blocks.gpu_spec([to_store[i] for i in order], by_key), output.store_spec.subset(order))
         self.manager.complete_store(to_store, success=result.success)
         self._count("store", result)
         if not result.success:
@@ -190,7 +191,7 @@ class KVTier:
         first when no handler loads them directly (this call waits for that); a run longer than
         the first tier holds answers what fits there (`load` goes on in rounds)."""
         with self._call():
-            return self._lookup(self._checked_keys(keys, distinct=False))
+            return self._lookup(self._blocks.keys(keys, distinct=False))
 
     def _lookup(self, keys: list[OffloadKey]) -> int:
         hits = 0
@@ -209,8 +210,8 @@ class KVTier:
         long. A failed copy stops there: the keys from its round on are not loaded (the caller
         recomputes them)."""
         with self._call():
-            keys = self._checked_keys(keys, distinct=True)
-            by_key = self._blocks_by_key(keys, engine_block_ids, distinct=True)
+            keys = self._blocks.keys(keys, distinct=True)
+            by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True)
             loaded = 0
             while loaded < len(keys):
                 window = keys[loaded:loaded + self._room(len(keys) - loaded)]
@@ -228,9 +229,9 @@ class KVTier:
             ok, moved, seconds = True, 0, 0.0
             for spec, positions in parts:  # one job per source tier
                 part_keys = [wanted[p] for p in positions]
-                order = self._group_order(part_keys)
+                order = self._blocks.group_order(part_keys)
                 assert isinstance(spec, BlockIDsLoadStoreSpec)
-                result = self._run(spec.subset(order), self._gpu_spec([part_keys[i] for i in order], by_key))
+                result = self._run(spec.subset(order), self._blocks.gpu_spec([part_keys[i] for i in order], by_key))
                 ok &= result.success
                 moved += result.transfer_size or 0
                 seconds += result.transfer_time or 0.0
@@ -307,70 +308,6 @@ class KVTier:
                 return
             except WaitTimeout:
                 self._check_open()
-
-    def _checked_keys(self, keys: Iterable[bytes], distinct: bool) -> list[OffloadKey]:
-        """`keys` as a list of `bytes` this hierarchy can hold, or an `ArgumentError` naming the first bad one."""
-        keys = as_list(keys, "keys", "[key]")
-        if set(map(type, keys)) - {bytes}:
-            keys = [as_key(key, i) for i, key in enumerate(keys)]
-        if keys:
-            limit, holder = self._key_limit
-            lengths = set(map(len, keys))
-            if not min(lengths) or max(lengths) > limit:
-                i, key = next((i, k) for i, k in enumerate(keys) if not k or len(k) > limit)
-                raise ArgumentError(f"keys[{i}]: empty key; a key is a block hash plus a {GROUP_BYTES}-byte "
-                                    "group index (kvtier.make_offload_key)" if not key else
-                                    f"keys[{i}]: key of {len(key)} bytes is longer than the {limit} bytes "
-                                    f"{holder} can hold (its max_key_bytes); use a shorter block hash")
-        if len(self.layout.groups) > 1:
-            for i, key in enumerate(keys):
-                self._check_group(key, i)
-        if distinct and len(set(keys)) != len(keys):
-            raise_duplicate(keys, "keys", "each key can be given once per call")
-        return cast("list[OffloadKey]", keys)  # checked above: each one is a key this hierarchy can hold
-
-    def _check_group(self, key: OffloadKey, i: int) -> None:
-        n = len(self.layout.groups)
-        if len(key) < GROUP_BYTES or get_offload_group_idx(key) >= n:
-            raise ArgumentError(f"keys[{i}]: names no KV group of the {n} (0..{n - 1}): a key ends with a "
-                                f"{GROUP_BYTES}-byte big-endian group index, this one ends with "
-                                f"{key[-GROUP_BYTES:].hex() or 'nothing'} (kvtier.make_offload_key)")
-
-    def _blocks_by_key(self, keys: list[OffloadKey], engine_block_ids: Iterable[int],
-                       distinct: bool) -> dict[OffloadKey, list[int]]:
-        """The engine blocks of each key, checked (see the module docstring); `distinct`: no id twice."""
-        bpc, num_blocks = self.blocks_per_chunk, self.layout.num_engine_blocks
-        ids = as_ids(engine_block_ids)
-        if len(ids) != len(keys) * bpc:
-            raise ArgumentError(f"engine_block_ids: {len(ids)} ids for {len(keys)} keys; each key covers "
-                                f"blocks_per_chunk={bpc} engine blocks, so {len(keys) * bpc} engine block ids "
-                                "are needed")
-        if ids and (min(ids) < 0 or max(ids) >= num_blocks):
-            i, block = next((i, b) for i, b in enumerate(ids) if not 0 <= b < num_blocks)
-            raise ArgumentError(f"engine_block_ids[{i}]: {block} is not an engine block: the KV tensors "
-                                f"have {num_blocks} blocks, ids 0..{num_blocks - 1}")
-        if distinct and len(set(ids)) != len(ids):
-            raise_duplicate(ids, "engine_block_ids", "a load writes each engine block once")
-        if bpc == 1:
-            return {key: [block] for key, block in zip(keys, ids)}
-        return {key: ids[i * bpc:(i + 1) * bpc] for i, key in enumerate(keys)}
-
-    def _group(self, key: OffloadKey) -> int:
-        """The KV group of a checked key."""
-        return 0 if len(self.layout.groups) == 1 else get_offload_group_idx(key)
-
-    def _group_order(self, keys: Sequence[OffloadKey]) -> list[int]:
-        """Positions of `keys` ordered by KV group (stable), as a `GPULoadStoreSpec` lists blocks."""
-        return sorted(range(len(keys)), key=lambda i: self._group(keys[i]))
-
-    def _gpu_spec(self, keys: Sequence[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> GPULoadStoreSpec:
-        """Engine blocks of `keys` (already ordered by group), whole chunks (no skipped sub-blocks)."""
-        sizes = [0] * len(self.layout.groups)
-        ids: list[int] = []
-        for key in keys:
-            sizes[self._group(key)] += self.blocks_per_chunk
-            ids.extend(by_key[key])
-        return GPULoadStoreSpec(ids, group_sizes=sizes, block_indices=[0] * len(sizes))
 
     def _run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferResult:
         """Submit one job to the worker plane and wait for its result (`ClosedError` when another

@@ -164,9 +164,9 @@ TestSharedTierStateMachine.settings = settings(max_examples=120, stateful_step_c
 class ServesRejected(InlineProbes):
     """Broken: a value that fails verification is served anyway (its bytes were already copied)."""
 
-    def get_blocks(self, keys, buffers):
+    def get_blocks(self, keys, buffers, deadline=None):
         try:
-            return super().get_blocks(keys, buffers)
+            return super().get_blocks(keys, buffers, deadline)
         except Exception as exc:  # noqa: BLE001
             if type(exc).__name__ != "ValueRejected":
                 raise

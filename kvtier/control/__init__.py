@@ -10,6 +10,8 @@
 - `promotion`: copies of lower-tier blocks up into tier 0 for lookups; the `Promotion` job.
 - `shared`: a shared (remote) tier after the local ones: publish on store (the `Publish` job),
   batched probes of keys no tier holds, negative answers, failures as misses.
+- `quiesce`: waiting until the jobs the controllers started have ended (`wait_idle`), and the
+  manager's `flush` and `shutdown` built on it.
 
 `kvtier.manager.HierarchyManager` puts them together behind the `OffloadingManager` protocol.
 """

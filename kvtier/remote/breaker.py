@@ -1,11 +1,14 @@
 """A circuit breaker per server, and the background thread that closes them.
 
 `CircuitBreaker` is a small state machine on an injectable clock. Closed: calls go through; each
-failure adds to a count of consecutive failures, each success resets it. At `failures` consecutive
-failures it opens: `guard()` raises `RemoteUnavailable` at once (no socket I/O) until a reconnect
-check (`try_close`: the store's check, one EXISTS) succeeds; the first check is due `open_s` after opening, the next
-`open_s` after each failed check. Nothing but the check closes it: there is no half-open state in
-which callers' requests serve as probes, so no caller ever waits on a server that just failed.
+failure adds to a count of consecutive failures, each success resets it. Refusals of the data path
+(an ACL refusing GET or SET while it allows EXISTS) are also counted apart, and only a success of
+the data path resets that count (`success(data=True)`): probes that keep succeeding do not hide
+them. At `failures` consecutive failures (or data-path refusals) it opens: `guard()` raises
+`RemoteUnavailable` at once (no socket I/O) until a reconnect check (`try_close`: the store's check)
+succeeds; the first check is due `open_s` after opening, the next `open_s` after each failed check.
+Nothing but the check closes it: there is no half-open state in which callers' requests serve as
+probes, so no caller ever waits on a server that just failed.
 
 `Reconnector` is the thread that runs the checks: it sleeps until the next check is due (or until
 `wake()`), calls `poll()`, and stops on `stop()`.
@@ -37,6 +40,7 @@ class CircuitBreaker:
         self._on_open = on_open
         self._lock = threading.Lock()
         self._consecutive = 0
+        self._refused = 0  # consecutive data-path refusals (reset by data-path successes only)
         self._open = False
         self._check_at = 0.0
         self._last_error = ""
@@ -58,24 +62,29 @@ class CircuitBreaker:
             with self._lock:
                 self.fast_fails += 1
             raise RemoteUnavailable(f"{self.name}: circuit breaker open after {self.failures} consecutive "
-                                    f"failures (last: {self._last_error}); reconnecting in the background")
+                                    f"failures (last: {self._last_error}); reconnecting in the background",
+                                    "BreakerOpen")
 
-    def success(self) -> None:
-        if self._consecutive:
+    def success(self, data: bool = True) -> None:
+        """A call that worked; `data`: a GET or SET (also resets the count of data-path refusals)."""
+        if self._consecutive or (data and self._refused):
             with self._lock:
                 self._consecutive = 0
+                if data:
+                    self._refused = 0
 
-    def failure(self, error: str) -> bool:
-        """Count one failure; True when it opened the breaker."""
+    def failure(self, error: str, refused: bool = False) -> bool:
+        """Count one failure (`refused`: a refusal of the data path); True when it opened the breaker."""
         with self._lock:
             self._last_error = error
             self._consecutive += 1
-            if self._open or self._consecutive < self.failures:
+            self._refused += refused
+            if self._open or max(self._consecutive, self._refused) < self.failures:
                 return False
             self._open = True
             self._check_at = self._clock() + self.open_s
             self.opens += 1
-        log.warning("%s: %d consecutive failures (last: %s); off for %.1f s, then a background check",
+        log.info("%s: %d consecutive failures (last: %s); off for %.1f s, then a background check",
                     self.name, self.failures, error, self.open_s)
         if self._on_open is not None:
             self._on_open()
@@ -98,11 +107,11 @@ class CircuitBreaker:
                 self._check_at = self._clock() + self.open_s
             return False
         with self._lock:
-            was_open, self._open, self._consecutive = self._open, False, 0
+            was_open, self._open, self._consecutive, self._refused = self._open, False, 0, 0
             if was_open:
                 self.closes += 1
         if was_open:
-            log.warning("%s: reachable again; circuit breaker closed", self.name)
+            log.info("%s: reachable again; circuit breaker closed", self.name)
         return True
 
 

@@ -13,7 +13,13 @@ from kvtier.errors import TransferError
 class RemoteUnavailable(TransferError):
     """The server (or the shard that holds a key) cannot be used now: down, timed out, refused
     (authentication, ACL permission), full (`OOM command not allowed` on a write), or the circuit
-    breaker is open (raised at once, without socket I/O)."""
+    breaker is open (raised at once, without socket I/O). `cause`: the name of what went wrong
+    (`AuthenticationError`, `NoPermissionError`, `TimeoutError`, `ConnectionError`, `SlowAnswer`,
+    `BreakerOpen`, ...), "" when not known."""
+
+    def __init__(self, message: str, cause: str = ""):
+        super().__init__(message)
+        self.cause = cause
 
 
 class ValueRejected(TransferError):

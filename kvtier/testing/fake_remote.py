@@ -9,8 +9,8 @@
 Values are kept under (prefix, identity, key) so that another tenant, model or layout never sees
 them, as the real key scheme guarantees. Injected failures:
 - `server.down = True`: every call raises `RemoteUnavailable` (counted by the store's breaker);
-- `server.delay_s`: every call takes that long; past the store's timeout it raises
-  `RemoteUnavailable` after the timeout, as a client without retries does;
+- `server.delay_s`: every call takes that long; past the call's deadline (default: the store's
+  timeout) it raises `RemoteUnavailable` at the deadline, as the real store does;
 - `server.write_gate`, `server.probe_gate`: `threading.Event`s that writes / probes wait for
   (cleared: they stay in flight until set);
 - `server.evict(key)`: the value is gone (`BlockMissing` on read, absent to probes);
@@ -105,29 +105,30 @@ class FakeStore:
     def available(self) -> bool:
         return time.monotonic() >= self._open_until
 
-    def _call(self, method: str) -> None:
-        """Breaker and injected failures before a call's work."""
+    def _call(self, method: str, deadline: float | None = None) -> None:
+        """Breaker and injected failures before a call's work (which must end by `deadline`)."""
         self.server._enter(method)
         if self.closed:
             raise RemoteUnavailable("store closed")
         if not self.available:
-            raise RemoteUnavailable("circuit breaker open")
+            raise RemoteUnavailable("circuit breaker open", "BreakerOpen")
+        limit = self.timeout_s if deadline is None else max(0.0, deadline - time.monotonic())
         delay = self.server.delay_s
         if delay:
-            time.sleep(min(delay, self.timeout_s))
-            if delay > self.timeout_s:
-                self._fail("timed out")
+            time.sleep(min(delay, limit))
+        if delay > limit or limit <= 0:
+            self._fail("timed out", "TimeoutError")
         if self.server.down:
-            self._fail("connection refused")
+            self._fail("connection refused", "ConnectionError")
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, cause: str) -> None:
         self._failures += 1
         self.counts["failures"] += 1
         if self._failures >= self.breaker_failures:
             self._open_until = time.monotonic() + self.breaker_open_s
             self._failures = 0
             self.counts["breaker_opens"] += 1
-        raise RemoteUnavailable(why)
+        raise RemoteUnavailable(why, cause)
 
     def _ok(self) -> None:
         self._failures = 0
@@ -136,8 +137,8 @@ class FakeStore:
         return (self.prefix, self.identity, bytes(key))
 
     # ------------------------------------------------------------------ the contract
-    def write_block(self, key: bytes, block: memoryview) -> int:
-        self._call("write_block")
+    def write_block(self, key: bytes, block: memoryview, deadline: float | None = None) -> int:
+        self._call("write_block", deadline)
         self.server.write_gate.wait(60)
         data = bytes(block)
         if len(data) != self.block_bytes:
@@ -147,8 +148,8 @@ class FakeStore:
         self._ok()
         return len(data)
 
-    def read_block(self, key: bytes, out: memoryview) -> int:
-        self._call("read_block")
+    def read_block(self, key: bytes, out: memoryview, deadline: float | None = None) -> int:
+        self._call("read_block", deadline)
         with self.server.lock:
             value = self.server.values.get(self._full(key))
         self._ok()
@@ -160,8 +161,8 @@ class FakeStore:
             raise ValueRejected(f"key {bytes(key).hex()}: payload checksum mismatch")
         return len(data)
 
-    def probe(self, keys: Sequence[bytes]) -> list[bool]:
-        self._call("probe")
+    def probe(self, keys: Sequence[bytes], deadline: float | None = None) -> list[bool]:
+        self._call("probe", deadline)
         self.server.probe_sizes.append(len(keys))
         self.server.probe_gate.wait(60)
         with self.server.lock:

@@ -286,11 +286,12 @@ class BlockFile(Protocol):
 
 @runtime_checkable
 class RemoteBlocks(Protocol):
-    """Blocks on a server shared by several processes, addressed by key (ValkeyBackend); slots
-    are local handles of keys known to be there. Byte API (handler threads): `put_blocks` stores
-    `buffers[i]` (`block_bytes`) under `keys[i]`; `get_blocks` reads and verifies them into the
-    writable `buffers[i]`; both return the bytes moved and raise on a failure (a key that is gone
-    or fails verification, an unreachable server). `num_threads`: how many I/Os to run at once.
+    """Blocks on a server shared by several processes, addressed by key (ValkeyBackend); slots are local
+    handles of keys known to be there. Byte API (handler threads): `put_blocks` stores `buffers[i]`
+    (`block_bytes`) under `keys[i]` (what is not written by `deadline` is left unsent); `get_blocks`
+    reads and verifies them into the writable `buffers[i]` by `deadline` (a `time.monotonic()` value,
+    default `probe_timeout_s` from now); both return the bytes moved and raise on a failure (a key that
+    is gone or fails verification, an unreachable server). `num_threads`: how many I/Os to run at once.
 
     Control API (scheduler thread; never blocks, never touches a socket): `request_probe(keys)`
     hands one batch to the backend's probe thread; `probe_results()` returns the batches answered
@@ -313,9 +314,9 @@ class RemoteBlocks(Protocol):
     @property
     def available(self) -> bool: ...
 
-    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence) -> int: ...
+    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence, deadline: float | None = None) -> int: ...
 
-    def get_blocks(self, keys: Sequence[bytes], buffers: Sequence) -> int: ...
+    def get_blocks(self, keys: Sequence[bytes], buffers: Sequence, deadline: float | None = None) -> int: ...
 
     def request_probe(self, keys: Sequence[bytes]) -> None: ...
 

@@ -11,7 +11,13 @@ under vLLM, rank r's part of the scheduler-side CPU slot); a block is served onl
 value is there and verifies.
 
 Threads. Socket I/O happens only on the handlers' pool (`put_blocks`, `get_blocks`) and on the
-backend's probe thread (`request_probe` hands it a batch; `probe_results` collects the answers).
+backend's probe thread (`valkey_probes.Probes`: `request_probe` hands it a batch; `probe_results`
+collects the answers).
+Deadlines: a probe batch must be answered within `timeout_ms` of `request_probe` (one in flight,
+at most `valkey_runtime.MAX_QUEUED` waiting, those past their deadline dropped unsent); a block a
+probe found must then be read by that same deadline, and any other read by the deadline its
+handler passes (`timeout_ms` after the job was submitted): a promotion never outlives the time its
+lookup may wait. The first failure logs one WARNING with its cause (`valkey_runtime.FailureNotice`).
 The control methods (`available`, `accepts_writes`, `probe_results`, `failed_keys`) only read
 state, so the manager can call them on the scheduler thread. The store itself is
 `kvtier.remote.store.RemoteStore` (imported when the backend is built, so `kvtier config check`
@@ -22,7 +28,6 @@ works without the Redis client library); `store_factory` replaces it (tests use
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
 from collections import deque
@@ -32,9 +37,12 @@ from typing import Any, ClassVar
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.remote.errors import BlockMissing, RemoteUnavailable
+from kvtier.remote.options import redact_url
 from kvtier.specs import RemoteLoadStoreSpec
 from kvtier.tiers import valkey_options
 from kvtier.tiers.base import Backend
+from kvtier.tiers.valkey_probes import Probes
+from kvtier.tiers.valkey_runtime import FailureNotice, FoundBy, WritePause
 from kvtier.types import BlockStatus
 
 log = logging.getLogger(__name__)
@@ -42,7 +50,7 @@ log = logging.getLogger(__name__)
 _MIB = 1 << 20
 SLOW_WRITE_FRACTION = 0.5  # a write slower than this fraction of the timeout pauses publishing
 HANDLE_TTL_S = 60.0  # a handle older than this is not trusted to dedupe a publish (`stale`)
-PROBE_JOIN_S = 2.0
+CLOSE_MARGIN_S = 0.1  # close() waits for the probe thread at most its deadline plus this
 
 
 def _real_store(client: dict[str, Any], **store: Any) -> Any:
@@ -50,65 +58,6 @@ def _real_store(client: dict[str, Any], **store: Any) -> Any:
     from kvtier.remote.store import RemoteStore
 
     return RemoteStore(ClientOptions(**client), **store)
-
-
-class WritePause:
-    """When writes are refused (after a slow or a failed write, for `open_s`), and the keys of
-    publish jobs that were not written. Thread-safe; one WARNING per pause after a failure."""
-
-    def __init__(self, name: str, open_s: float):
-        self.name, self.open_s = name, open_s
-        self.slow_until = 0.0
-        self.failed_until = 0.0
-        self._unsent: set[bytes] = set()
-        self._lock = threading.Lock()
-
-    def accepts(self, now: float) -> bool:
-        return now >= self.slow_until and now >= self.failed_until
-
-    def write(self, store: Callable[[], Any], keys: Sequence[bytes], buffers: Sequence, slow: float,
-              counters: dict[str, int]) -> int:
-        """`ValkeyBackend.put_blocks`' writes: bytes sent; a write slower than `slow` s pauses, a
-        failed one pauses and leaves its keys and the rest unsent, as does a pause at the start."""
-        sent = 0
-        for i, (key, buf) in enumerate(zip(keys, buffers)):
-            start = time.monotonic()
-            if start < self.failed_until:
-                self.not_sent(keys[i:])
-                break
-            try:
-                sent += store().write_block(bytes(key), memoryview(buf).cast("B"))
-            except Exception as exc:  # noqa: BLE001 - any failed write pauses writes; its keys stay unsent
-                counters["write_failures"] += 1
-                self.failed(exc)
-                self.not_sent(keys[i:])
-                break
-            end = time.monotonic()
-            if end - start > slow:
-                self.slow_until = end + self.open_s
-                counters["slow_writes"] += 1
-        return sent
-
-    def failed(self, exc: BaseException) -> None:
-        with self._lock:
-            now = time.monotonic()
-            first = now >= self.failed_until
-            self.failed_until = now + self.open_s
-        if first:
-            log.warning("valkey tier %s: a write failed (%s: %s); publishing paused for %g s", self.name,
-                        type(exc).__name__, exc, self.open_s)
-
-    def not_sent(self, keys: Sequence[bytes]) -> None:
-        with self._lock:
-            self._unsent.update(map(bytes, keys))
-
-    def take_unsent(self, keys: Sequence[bytes]) -> list[bytes]:
-        with self._lock:
-            if not self._unsent:
-                return []
-            out = [bytes(k) for k in keys if bytes(k) in self._unsent]
-            self._unsent.difference_update(out)
-            return out
 
 
 class ValkeyBackend(Backend):
@@ -153,7 +102,7 @@ class ValkeyBackend(Backend):
                      max_inflight_mib=max_inflight_mib, breaker_failures=breaker_failures,
                      breaker_open_s=breaker_open_s, negative_ttl_s=negative_ttl_s, threads=threads, tp=tp,
                      fingerprint=fingerprint)
-        self._check(given)
+        valkey_options.check_given(given, self.OPTIONS)
         if block_bytes <= 0:
             raise ValueError(f"valkey tier {name!r} needs block_bytes > 0, got {block_bytes}")
         if block_bytes % tp:
@@ -181,36 +130,23 @@ class ValkeyBackend(Backend):
         self._store: Any = None
         self._store_lock = threading.Lock()
         self._down_until = 0.0  # the store could not be built: retried after this time
-        self._writes = WritePause(name, self._breaker_open_s)
+        self.notice = FailureNotice(name, redact_url(url))
+        self._writes = WritePause(name, self._breaker_open_s, self.notice)
         self._born: dict[int, float] = {}  # slot -> when its handle was made
         self._lost_at = float("-inf")  # when a read last found a key gone: older handles are `stale`
         self._lock = threading.Lock()  # guards _key_of and _bad across the handler threads
         self._key_of: dict[int, bytes] = {}  # slot -> key of the handle
         self._bad: set[bytes] = set()  # keys whose last read failed (still_valid answers False)
         self._failed: deque[bytes] = deque()  # keys whose read failed, not yet taken by the manager
-        self._probes: queue.SimpleQueue[list[bytes] | None] = queue.SimpleQueue()
-        self._answers: deque[tuple[list[bytes], list[bool] | None]] = deque()
-        self._probe_thread: threading.Thread | None = None
+        self._found_by = FoundBy()  # key found by a probe -> its batch's deadline (for the read)
         self._closed = False
         self.counters = {"probes": 0, "probe_failures": 0, "slow_writes": 0, "write_failures": 0,
-                         "read_failures": 0}
+                         "read_failures": 0, "probes_shed": 0, "late_writes": 0}
+        self._probes = Probes(name, self._store_for_io, self.probe_timeout_s, self.notice, self._found_by,
+                              self.counters)
+        self._answers = self._probes.answers  # (the same deque: a subclass may answer probes itself)
         self._build_store(at_start=True)
         log.info("valkey tier %s: %s", name, self)
-
-    def _check(self, given: dict[str, Any]) -> None:
-        """Validate options given directly (not through a config): the same checks, by option name."""
-        problems = []
-        for option, value in given.items():
-            default, check = self.OPTIONS[option]
-            if value is None or value == default:
-                continue
-            try:
-                check(value)
-            except (ValueError, TypeError) as exc:
-                problems.append((option, str(exc)))
-        problems += valkey_options.check_options(given)
-        if problems:
-            raise ConfigError(problems)
 
     def __repr__(self) -> str:
         return (f"ValkeyBackend(name={self.name!r}, url={self.url!r}, key_prefix={self.key_prefix!r}, "
@@ -314,34 +250,39 @@ class ValkeyBackend(Backend):
             if memoryview(buf).nbytes != self.block_bytes:
                 raise ValueError(f"buffer {i} holds {memoryview(buf).nbytes} bytes, a block is {self.block_bytes}")
 
-    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence) -> int:
-        """Store `buffers[i]` under `keys[i]`. A write that fails (server full, unreachable)
-        pauses writes for `breaker_open_s` (one WARNING per pause); the keys it and the writes
-        after it did not store, and those of jobs that start while writes are paused, are not
-        sent and are reported by `take_unsent` (the job itself succeeds: a full server is not
-        an error of the job). Raises only for buffers that do not match the keys."""
+    def put_blocks(self, keys: Sequence[bytes], buffers: Sequence, deadline: float | None = None) -> int:
+        """Store `buffers[i]` under `keys[i]`, by `deadline` when given (else each write by
+        `timeout_ms`). A write that fails (server full, unreachable) or is slow pauses writes for
+        `breaker_open_s` (one WARNING the first time); the keys it and the writes after it did not
+        store, those not written by `deadline`, and those of jobs that start while writes are paused,
+        are not sent and are reported by `take_unsent` (the job itself succeeds: a full server is
+        not an error of the job). Raises only for buffers that do not match the keys."""
         self._check_buffers(keys, buffers)
         sent = self._writes.write(self._store_for_io, keys, buffers, self.probe_timeout_s * SLOW_WRITE_FRACTION,
-                                  self.counters)
+                                  self.counters, deadline)
         with self._lock:
             self._bad.difference_update(map(bytes, keys))
         return sent
 
-    def get_blocks(self, keys: Sequence[bytes], buffers: Sequence) -> int:
-        """Read and verify `keys[i]` into `buffers[i]`. Every key is tried (until the server is
-        unreachable); the keys that failed are remembered (`still_valid`, `failed_keys`) and the
-        first error is raised."""
+    def get_blocks(self, keys: Sequence[bytes], buffers: Sequence, deadline: float | None = None) -> int:
+        """Read and verify `keys[i]` into `buffers[i]`, all by `deadline` (a `time.monotonic()` value;
+        default `timeout_ms` from now), or by the deadline of the probe that found them when that is
+        earlier. Every key is tried (until the server is unreachable or the deadline passed); the
+        keys that failed are remembered (`still_valid`, `failed_keys`) and the first error is raised."""
         self._check_buffers(keys, buffers)
+        deadline = self._found_by.deadline(keys, deadline, self.probe_timeout_s)
         first: BaseException | None = None
         got = 0
         for i, (key, buf) in enumerate(zip(keys, buffers)):
             try:
-                got += self._store_for_io().read_block(bytes(key), memoryview(buf).cast("B"))
+                got += self._store_for_io().read_block(bytes(key), memoryview(buf).cast("B"), deadline)
             except Exception as exc:  # noqa: BLE001 - recorded per key, the first one raised
                 first = first or exc
                 down = isinstance(exc, (RemoteUnavailable, ClosedError))
                 if isinstance(exc, BlockMissing):
                     self._lost_at = time.monotonic()
+                if isinstance(exc, RemoteUnavailable):
+                    self.notice.failed(exc)
                 self._note_failed(keys[i:] if down else [key])
                 if down:
                     break
@@ -364,57 +305,31 @@ class ValkeyBackend(Backend):
 
     # ------------------------------------------------------------------ probes
     def request_probe(self, keys: Sequence[bytes]) -> None:
-        """Hand one batch to the probe thread (never blocks; answered by `probe_results`)."""
-        if self._closed:
-            self._answers.append((list(keys), None))
-            return
-        if self._probe_thread is None:
-            self._probe_thread = threading.Thread(target=self._probe_loop, name=f"kvtier-probe-{self.name}",
-                                                  daemon=True)
-            self._probe_thread.start()
-        self._probes.put(list(keys))
+        """Hand one batch to the probe thread, to be answered within `timeout_ms` (never blocks;
+        answered by `probe_results`, or dropped unsent when newer batches push it out or its deadline
+        passes first: its lookups were answered MISS at that deadline)."""
+        self._probes.request(list(keys))
 
     def probe_results(self) -> list[tuple[list[bytes], list[bool] | None]]:
         """The batches answered since the last call: `(keys, found)`, `found` None when the probe failed."""
-        out = []
-        while self._answers:
-            out.append(self._answers.popleft())
-        return out
+        return self._probes.results()
 
     @property
     def has_probe_results(self) -> bool:
-        return bool(self._answers)
-
-    def _probe_loop(self) -> None:
-        while True:
-            batch = self._probes.get()
-            if batch is None:
-                return
-            self.counters["probes"] += 1
-            found: list[bool] | None
-            try:
-                answers = [bool(f) for f in self._store_for_io().probe(batch)]
-                if len(answers) != len(batch):
-                    raise ValueError(f"probe answered {len(answers)} of {len(batch)} keys")
-                found = answers
-            except Exception as exc:  # noqa: BLE001 - a failed probe is an answer: nothing found
-                log.debug("valkey tier %s: probe of %d keys failed: %s: %s", self.name, len(batch),
-                          type(exc).__name__, exc)
-                self.counters["probe_failures"] += 1
-                found = None
-            self._answers.append((batch, found))
+        return self._probes.answered
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
-        """Stop the probe thread and close the store (idempotent). Nothing is deleted remotely."""
+        """Stop the probe thread and close the store (idempotent). Nothing is deleted remotely.
+        Returns within about `timeout_ms`: the store's sockets are closed first (a probe blocked on
+        one fails at once) and the probe thread, bounded by its deadline anyway, is waited for at
+        most `timeout_ms` + `CLOSE_MARGIN_S`."""
         if self._closed:
             return
         self._closed = True
-        thread = self._probe_thread
-        if thread is not None:
-            self._probes.put(None)
-            thread.join(PROBE_JOIN_S)
+        self._probes.stop()
         with self._store_lock:
             store, self._store = self._store, None
         if store is not None:
             store.close()
+        self._probes.join(self.probe_timeout_s + CLOSE_MARGIN_S)

@@ -118,6 +118,8 @@ def _problem(options: dict, where: str, exc: BaseException, timeout_s: float,
         kind = "TimeoutError"
     elif not cause and ("SSL" in text or "certificate" in text or "TLS" in text):
         field, cause = ("tls_ca_file" if options.get("tls_ca_file") else "url"), "TLS handshake failed"
+    elif not cause and ("reply: unexpected" in text or "no end of line" in text):  # kvtier.remote.nodes' reader
+        cause = _CAUSES["InvalidResponse"][1]
     elif not cause and "unknown command" in text.lower():
         cause = "the server does not know a command sent (AUTH renamed or disabled there? a valkey server?)"
     elif not cause and "refused" in text.lower():

@@ -171,6 +171,24 @@ def check_options(options: dict) -> list[tuple[str, str]]:
 TLS_FILES = ("tls_ca_file", "tls_cert_file", "tls_key_file")
 
 
+def check_given(given: dict[str, Any], table: dict[str, tuple[Any, Any]]) -> None:
+    """Validate options given directly to `ValkeyBackend` (not through a config): each one that is
+    not None nor its default by its own check in `table`, then `check_options`; one `ConfigError`
+    naming every option that is wrong."""
+    problems = []
+    for option, value in given.items():
+        default, check = table[option]
+        if value is None or value == default:
+            continue
+        try:
+            check(value)
+        except (ValueError, TypeError) as exc:
+            problems.append((option, str(exc)))
+    problems += check_options(given)
+    if problems:
+        raise ConfigError(problems)
+
+
 def check_tls_files(options: dict) -> None:
     """`ConfigError` naming each TLS file option whose file cannot be read here: the client would
     fail every connection (each lookup a miss) instead of refusing the config."""

@@ -22,7 +22,7 @@ def run_engine(job: dict, workdir: Path, name: str, timeout: float = 300) -> dic
     job_path.write_text(json.dumps(job))
     env = dict(os.environ)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parents[1]), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parents[1]), str(HERE), env.get("PYTHONPATH")]))
     with open(log_path, "w") as log:
         proc = subprocess.run([sys.executable, str(RUNNER), str(job_path), str(report_path)], stdout=log,
                               stderr=subprocess.STDOUT, env=env, timeout=timeout)

@@ -6,7 +6,9 @@ JOB keys: `model` (folder), `kvtier_config` (path or mapping), `block_size` (eng
 block), `offload_block_size` (tokens per offloaded block; default block_size), `num_gpu_blocks`,
 `max_model_len`, `max_tokens`, `tensor_parallel_size` (default 1; above 1 the workers run as
 processes, vLLM's "mp" executor), `spec` (optional: {"name", "module", "extra"} to run another
-offloading spec, e.g. vLLM's own; {"name": "none"} runs without a connector), `steps`: a list of
+offloading spec, e.g. vLLM's own; {"name": "none"} runs without a connector), `connector` (optional:
+{"name", "module"}, the connector class; default vLLM's `OffloadingConnector`),
+`kv_load_failure_policy` (optional: "recompute" or "fail", vLLM's), `steps`: a list of
   {"op": "generate", "name": N, "prompt": TEXT}   greedy; records tokens, seconds, metric deltas
   {"op": "generate_many", "name": N, "prompts": [TEXT, ...]}
                                                   the prompts as concurrent requests (one call);
@@ -85,7 +87,10 @@ def main(job_path: str, report_path: str) -> None:
         extra = {"spec_name": spec["name"], "spec_module_path": spec["module"], **spec.get("extra", {})}
     if job.get("offload_block_size"):
         extra["block_size"] = job["offload_block_size"]
-    kv = KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both", kv_connector_extra_config=extra)
+    connector = job.get("connector") or {"name": "OffloadingConnector", "module": None}
+    policy = {"kv_load_failure_policy": job["kv_load_failure_policy"]} if job.get("kv_load_failure_policy") else {}
+    kv = KVTransferConfig(kv_connector=connector["name"], kv_connector_module_path=connector.get("module"),
+                          kv_role="kv_both", kv_connector_extra_config=extra, **policy)
     if spec is not None and spec.get("name") == "none":  # no offloading at all (recompute baseline)
         kv = None
     tp = int(job.get("tensor_parallel_size", 1))

@@ -48,7 +48,10 @@ Compatible with vLLM 0.32 and 0.33; implements 0.33's additions (`lock`, `on_res
 Modules: `spec` (`KVTierOffloadingSpec`, what vLLM loads), `config` (the YAML under vLLM),
 `manager` (scheduler side, with the metrics), `worker` (worker side: the worker plane over the
 attached CPU region), `translate` (the CPU spec both sides exchange, media names). Every public
-name is re-exported here: import them from `kvtier.integrations.vllm`.
+name of those is re-exported here: import them from `kvtier.integrations.vllm`. One module is not
+imported here, because it loads vLLM's whole connector: `connector` (`KVTierOffloadingConnector`,
+vLLM's offloading connector with failed loads and stores reported instead of asserted; selected
+with `kv_connector_module_path`, see docs/vllm.md).
 """
 
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config

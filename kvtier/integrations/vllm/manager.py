@@ -20,6 +20,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.control.tier import TierStats
 from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, _to_vllm_spec, to_vllm_medium
+from kvtier.integrations.vllm.vllm_metrics import record_first_tier, record_lower_tier
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -97,6 +98,8 @@ class KVTierOffloadingManager(OffloadingManager):
         self._loading: dict[OffloadKey, int] = {}
         self._flushed_storing: set[OffloadKey] = set()
         self._flushed_loading: list[OffloadKey] = []
+        # blocks allocated by each prepare_store since the last get_stats (vLLM's allocation histogram)
+        self._allocation_sizes: list[int] = []
 
     @property
     def lock(self) -> threading.RLock:
@@ -137,12 +140,25 @@ class KVTierOffloadingManager(OffloadingManager):
             if left > 0:
                 loading[key] = left
 
+    def complete_failed_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """`complete_load` of a load that failed in a worker (`KVTierOffloadingConnector`): the
+        pins are released, then every one of `keys` that no other load pins is dropped from the
+        first tier, so vLLM's recompute of those tokens does not load the same blocks again (a
+        copy in a lower tier stays, and is verified again if promoted)."""
+        keys = list(keys)
+        self.complete_load(keys, req_context)
+        # finish_reset drops the first tier's unpinned blocks among its `storing` keys; these keys
+        # are readable (ref_cnt >= 0), so only those no other load pins are dropped.
+        self.manager.finish_reset(keys, ())
+
     # --- store
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         out = self.manager.prepare_store(list(keys), req_context)
         if out is None:
             return None
         self._storing.update(out.keys_to_store)
+        if out.keys_to_store:
+            self._allocation_sizes.append(len(out.keys_to_store))
         return PrepareStoreOutput(keys_to_store=list(out.keys_to_store),
                                   store_spec=_to_vllm_spec(out.store_spec, self.region_token),
                                   evicted_keys=list(out.evicted_keys))
@@ -199,22 +215,29 @@ class KVTierOffloadingManager(OffloadingManager):
 
     # --- metrics
     def get_stats(self):
+        """kvtier's per-tier metrics (`vllm:kvtier_*`: counter deltas since the last call, gauges)
+        and vLLM's own names with the same meaning (`kvtier.integrations.vllm.vllm_metrics`)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
         stats = OffloadingConnectorStats()
-        for tier, values in self.manager.get_stats().items():
+        for index, (tier, values) in enumerate(self.manager.get_stats().items()):
             last = self._last_counters.setdefault(tier, {})
+            deltas: dict[str, float] = {}
             for name in _COUNTERS:
                 now = values.get(name, 0)
-                delta = now - last.get(name, 0)
+                deltas[name] = delta = now - last.get(name, 0)
                 last[name] = now
                 if delta:
                     stats.increase_counter(METRIC_PREFIX + name, delta, (tier,))
+            if index:
+                record_lower_tier(stats, tier, deltas)
             capacity = values.get("capacity_blocks") or 0
             resident = values.get("resident_blocks", 0)
             stats.set_gauge(METRIC_PREFIX + "resident_blocks", resident, (tier,))
             stats.set_gauge(METRIC_PREFIX + "capacity_blocks", capacity, (tier,))
             stats.set_gauge(METRIC_PREFIX + "usage_perc", resident / capacity if capacity else 0.0, (tier,))
+        sizes, self._allocation_sizes = self._allocation_sizes, []
+        record_first_tier(stats, self.manager.tiers[0], len(self._storing), sizes)
         return stats
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:

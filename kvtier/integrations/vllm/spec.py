@@ -25,6 +25,7 @@ from kvtier.integrations.vllm.manager import (
     METRIC_PREFIX,
     KVTierOffloadingManager,
 )
+from kvtier.integrations.vllm.vllm_metrics import vllm_metric_definitions
 from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
 from kvtier.tiers.cpu import CPUBackend
 
@@ -62,7 +63,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         for name, doc in _GAUGES.items():
             defs[METRIC_PREFIX + name] = OffloadingGaugeMetadata(documentation=f"kvtier: {doc}",
                                                                  labelnames=("tier",))
-        return defs
+        return {**defs, **vllm_metric_definitions()}
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:

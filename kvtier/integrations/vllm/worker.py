@@ -35,9 +35,11 @@ class KVTierOffloadingWorker(OffloadingWorker):
     synchronous batched index copies on CPU tensors, a copy stream on CUDA) over this rank's part
     of each slot: rank `r` of `world_size` copies bytes `[r * rank_bytes, (r + 1) * rank_bytes)`
     of every slot and never touches the others' (the scheduler side and the file tier move whole
-    slots). A failed copy is reported as `success=False`, never as wrong bytes; vLLM 0.32's
-    connector asserts that every transfer succeeded, so such a report stops the engine: only the
-    scheduler side (promotion, verified before `lookup` answers HIT) can turn a bad block into a MISS.
+    slots). A failed copy is reported as `success=False`, never as wrong bytes; vLLM 0.32's own
+    connector asserts that every transfer succeeded, so there such a report stops the engine;
+    under `KVTierOffloadingConnector` (`kvtier.integrations.vllm.connector`) a failed load is
+    reported to vLLM, which recomputes it (`kv_load_failure_policy: recompute`), and a failed
+    store is never made readable.
 
     Completion across ranks is vLLM's: each rank reports its own jobs; the connector's scheduler
     side sums the reports of all ranks (`OffloadingWorkerMetadata.aggregate`, `pending_count` =

@@ -1,0 +1,105 @@
+"""Bringing a hierarchy's control plane to rest: waiting for its jobs, flushing, shutting down.
+
+`Quiescer` holds no state of its own; it drives the manager's parts (`JobTable`, `Cascade`,
+`Promotions`, `SharedTier`) until the work they started has ended, and is what
+`HierarchyManager.wait_idle`, `flush` and `shutdown` do (their docstrings are the contracts).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from kvtier.control.cascade import Cascade
+from kvtier.control.jobs import JobTable
+from kvtier.control.promotion import Promotions
+from kvtier.control.shared import SharedTier
+from kvtier.control.tier import Tier
+from kvtier.engine import TransferEngine
+from kvtier.errors import WaitTimeout
+from kvtier.keys import OffloadKey
+
+log = logging.getLogger("kvtier.manager")  # (its messages are the manager's)
+FLUSH_RECHECK_S = 0.1  # how often a `flush` given a `check` calls it while waiting
+
+
+def _jobs(n: int) -> str:
+    return f"{n} transfer job" + ("" if n == 1 else "s")
+
+
+def _left(deadline: float | None) -> float | None:
+    """Seconds until `deadline` (a `time.monotonic()` value; never negative), None for none."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class Quiescer:
+    """Waits for the jobs a manager's controllers started, and runs its flush and shutdown."""
+
+    def __init__(self, tiers: Sequence[Tier], engine: TransferEngine, jobs: JobTable, cascade: Cascade,
+                 promotions: Promotions, shared: SharedTier | None):
+        self._tiers = tiers
+        self._engine = engine
+        self._jobs = jobs
+        self._cascade = cascade
+        self._promotions = promotions
+        self._shared = shared
+
+    def wait_idle(self, timeout: float | None) -> None:
+        """`HierarchyManager.wait_idle`: `WaitTimeout` naming the jobs still running after `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if self._shared is not None:
+            self._shared.wait_probes(deadline)  # what they find is queued for promotion, awaited below
+        self._cascade.advance_writes()
+        while self._jobs or self._promotions.queue:
+            if self._promotions.queue:
+                self._promotions.flush()
+            if self._jobs and not self._jobs.wait(deadline):
+                running = self._jobs.describe()
+                raise WaitTimeout(f"wait_idle: {_jobs(len(running))} still running after {timeout:g} s "
+                                  f"(a handler may be hung): {'; '.join(running)}", running)
+            self._jobs.drain()
+            self._cascade.advance_writes()
+
+    def flush(self, timeout: float | None, check: Callable[[], None] | None = None) -> int:
+        """`HierarchyManager.flush`: the blocks of cascading tiers still without a copy below."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        cascading = [t for t in self._tiers if t.below is not None and t.cascade != "none"]
+        try:
+            self._wait_checking(deadline, check)
+            for tier in cascading:
+                tried: set[OffloadKey] = set()
+                while self._cascade.flush_step(tier, max(1, 2 * tier.reserve), tried):
+                    self._wait_checking(deadline, check)
+        except WaitTimeout:
+            pass
+        return sum(len(self._cascade.dirty_keys(t)) for t in cascading)
+
+    def _wait_checking(self, deadline: float | None, check: Callable[[], None] | None) -> None:
+        """`wait_idle` until `deadline` (`WaitTimeout` then), calling `check` between slices."""
+        while True:
+            left = _left(deadline)
+            if check is None or (left is not None and left <= FLUSH_RECHECK_S):
+                return self.wait_idle(left)
+            try:
+                return self.wait_idle(FLUSH_RECHECK_S)
+            except WaitTimeout:
+                check()
+
+    def shutdown(self, timeout: float | None) -> None:
+        """`HierarchyManager.shutdown`: the engine and backends closed, but those of copies still
+        running after `timeout` s (abandoned, logged) left open."""
+        try:
+            self.wait_idle(timeout)
+        except WaitTimeout as exc:
+            busy = self._jobs.tiers()
+            log.error("shutdown abandoned %s still running after %g s: %s. The transfer engine "
+                      "and the backends of tiers %s are left open; their blocks may be incomplete.",
+                      _jobs(len(exc.jobs)), timeout, "; ".join(exc.jobs), ", ".join(sorted(busy)))
+            for tier in self._tiers:
+                if tier.name not in busy:
+                    tier.backend.close()
+            return
+        self._engine.shutdown()
+        for tier in self._tiers:
+            tier.backend.close()

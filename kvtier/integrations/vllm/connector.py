@@ -1,0 +1,221 @@
+"""`KVTierOffloadingConnector`: vLLM's `OffloadingConnector`, with failed transfers reported to
+vLLM instead of asserted away. Select it with::
+
+    --kv-transfer-config '{"kv_connector": "KVTierOffloadingConnector",
+      "kv_connector_module_path": "kvtier.integrations.vllm.connector", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"spec_name": "KVTierOffloadingSpec",
+        "spec_module_path": "kvtier.integrations.vllm", "kvtier_config": "configs/vllm-cpu-file.yaml"}}'
+
+vLLM 0.32's connector asserts that every transfer job succeeded, so one failed job stops the
+engine. This connector keeps everything else of vLLM's (scheduling, job ids, store fencing,
+metrics) and changes what a failed job does:
+
+* A failed LOAD is still reported as finished receiving (the request must leave its wait), and
+  the engine blocks it was to fill are reported as load errors: with one KV-cache group as
+  `get_block_ids_with_load_errors()` (vLLM recomputes from the first failed block on, keeping the
+  valid prefix); with several groups, where vLLM 0.32 refuses block ids (its block ids are unique
+  only within a group), as `failed_recving` (the whole request is recomputed). With
+  `kv_load_failure_policy: "recompute"` vLLM recomputes those tokens; with vLLM's default
+  (`"fail"`) vLLM ends the request with an error. On the scheduler side
+  the failed load's blocks are unpinned and dropped from kvtier's first tier
+  (`KVTierOffloadingManager.complete_failed_load`), so the recompute's own lookup does not load
+  them again.
+* A failed STORE never becomes readable: the job is still completed (so the engine's store
+  fences and the request's bookkeeping are released), but kvtier's manager is told
+  `complete_store(..., success=False)`, which frees the slots.
+
+How the failure travels: the worker side marks the job completed as usual and lists it in
+`KVTierWorkerMetadata.failed_jobs` (summed over workers like `completed_jobs`); the scheduler side
+marks the job's keys as `FailedKeys` before vLLM's own completion code runs, and the manager
+wrapper (`_FailureAwareManager`) turns a completion of `FailedKeys` into the failure calls above.
+Under tensor parallelism a job that failed on any rank is a failed job.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import OffloadingConnectorScheduler
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+
+log = logging.getLogger(__name__)
+
+__all__ = ["FailedKeys", "KVTierOffloadingConnector", "KVTierWorkerMetadata"]
+
+
+class FailedKeys(set):
+    """The keys of a transfer job that failed on at least one worker (a marker type: the job's
+    key set is replaced by one of these before vLLM completes the job)."""
+
+
+@dataclass
+class KVTierWorkerMetadata(OffloadingWorkerMetadata):
+    """`OffloadingWorkerMetadata` plus `failed_jobs` ({job_id: workers that reported it failed}).
+
+    A failed job is in `completed_jobs` too: vLLM counts it done once every worker reported it."""
+
+    failed_jobs: dict[int, int] = field(default_factory=dict)
+
+    def aggregate(self, other: Any) -> KVTierWorkerMetadata:
+        merged = cast(OffloadingWorkerMetadata, super().aggregate(other))
+        failed = dict(self.failed_jobs)
+        for job_id, n in (getattr(other, "failed_jobs", None) or {}).items():
+            failed[job_id] = failed.get(job_id, 0) + n
+        return KVTierWorkerMetadata(merged.completed_jobs, merged.transfer_stats, failed)
+
+
+class _FailureAwareManager:
+    """The scheduler side's `OffloadingManager`, with completions of `FailedKeys` turned into
+    failures: `complete_store(success=False)`, and `complete_failed_load` where the manager has it
+    (kvtier's does; any other manager gets its plain `complete_load`). Everything else is the
+    wrapped manager's, unchanged."""
+
+    def __init__(self, inner: Any):
+        self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def complete_store(self, keys: Any, req_context: Any, success: bool = True) -> None:
+        self._inner.complete_store(keys, req_context, success=success and not isinstance(keys, FailedKeys))
+
+    def complete_load(self, keys: Any, req_context: Any) -> None:
+        failed_load = getattr(self._inner, "complete_failed_load", None)
+        if isinstance(keys, FailedKeys) and failed_load is not None:
+            failed_load(keys, req_context)
+        else:
+            self._inner.complete_load(keys, req_context)
+
+
+def _require(side: Any, names: tuple[str, ...]) -> None:
+    """Refuse to start (RuntimeError) when vLLM's connector side lacks a field this connector
+    relies on: a vLLM that renamed it would otherwise make failed stores readable."""
+    missing = [name for name in names if not hasattr(side, name)]
+    if missing:
+        raise RuntimeError(f"KVTierOffloadingConnector: this vLLM's {type(side).__name__} has no "
+                           f"{', '.join(missing)}; it supports vLLM 0.32 and 0.33's offloading connector "
+                           f"(use kv_connector 'OffloadingConnector' with this vLLM)")
+
+
+class _Scheduler(OffloadingConnectorScheduler):
+    """vLLM's scheduler side; failed jobs reach the manager as failures (see the module docstring)."""
+
+    _REQUIRED = ("manager", "_jobs", "_stale_job_threshold")
+
+    def _adopt(self) -> None:
+        _require(self, self._REQUIRED)
+        self.manager = cast(Any, _FailureAwareManager(self.manager))
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = connector_output.kv_connector_worker_meta
+        for job_id in getattr(meta, "failed_jobs", None) or ():
+            job = self._jobs.get(job_id)
+            if job is None or job_id < self._stale_job_threshold:
+                continue  # a job of before a cache reset: vLLM skips its completion too
+            if not isinstance(job.keys, FailedKeys):
+                kind = "store" if job.is_store else "load"
+                log.warning("kvtier: %s job %d of request %s failed on a worker (%d blocks)", kind, job_id,
+                            job.req_id, len(job.keys))
+                job.keys = FailedKeys(job.keys)
+        super().update_connector_output(connector_output)
+
+
+class _Worker(OffloadingConnectorWorker):
+    """vLLM's worker side, reporting failed jobs instead of asserting that none failed."""
+
+    _REQUIRED = ("worker", "_load_jobs", "_connector_worker_meta")
+
+    def _adopt(self, block_level: bool) -> None:
+        _require(self, self._REQUIRED)
+        self._block_level = block_level  # one KV-cache group: report engine block ids
+        self._load_blocks: dict[int, list[int]] = {}  # load job id -> the engine blocks it fills
+        self._failed_jobs: set[int] = set()  # since the last worker metadata
+        self._failed_blocks: set[int] = set()  # since the last get_block_ids_with_load_errors
+        self._failed_requests: set[str] = set()  # since the last get_transfer_results
+
+    def start_kv_transfers(self, metadata: Any) -> None:
+        for job_id, entry in metadata.load_jobs.items():
+            self._load_blocks[job_id] = list(entry.dst_spec.block_ids)
+        super().start_kv_transfers(metadata)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """As vLLM's, except that a failed job is completed and recorded as failed (a load's
+        request is still finished receiving); a failed job's bytes are not counted as moved."""
+        assert self.worker is not None
+        finished_recving: set[str] = set()
+        meta = self._connector_worker_meta
+        for result in self.worker.get_finished():
+            job_id = result.job_id
+            req_id = self._load_jobs.pop(job_id, None)
+            blocks = self._load_blocks.pop(job_id, [])
+            if result.success:
+                if result.transfer_time is not None and result.transfer_size is not None:
+                    stats = meta.transfer_stats.load if req_id is not None else meta.transfer_stats.store
+                    stats.record(result.transfer_size, result.transfer_time)
+            else:
+                self._record_failure(job_id, req_id, blocks)
+            meta.mark_completed(job_id)
+            if req_id is not None:
+                finished_recving.add(req_id)
+        return set(), finished_recving
+
+    def _record_failure(self, job_id: int, req_id: str | None, blocks: list[int]) -> None:
+        self._failed_jobs.add(job_id)
+        if req_id is None:
+            log.warning("kvtier: store job %d failed; its blocks are not made readable", job_id)
+            return
+        log.warning("kvtier: load job %d of request %s failed (%d engine blocks); vLLM's "
+                    "kv_load_failure_policy decides what follows", job_id, req_id, len(blocks))
+        if self._block_level:
+            self._failed_blocks.update(blocks)
+        else:
+            self._failed_requests.add(req_id)
+
+    def take_failed_blocks(self) -> set[int]:
+        failed, self._failed_blocks = self._failed_blocks, set()
+        return failed
+
+    def take_failed_requests(self) -> set[str]:
+        failed, self._failed_requests = self._failed_requests, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> OffloadingWorkerMetadata | None:
+        meta = super().build_connector_worker_meta()
+        if meta is None:  # (a failed job is a completed one: nothing failed either)
+            return None
+        failed, self._failed_jobs = self._failed_jobs, set()
+        return KVTierWorkerMetadata(meta.completed_jobs, meta.transfer_stats, dict.fromkeys(failed, 1))
+
+
+class KVTierOffloadingConnector(OffloadingConnector):
+    """vLLM's `OffloadingConnector` whose failed transfers are reported, not asserted (see the
+    module docstring). Works with any offloading spec; kvtier's manager also drops a failed
+    load's blocks so they are not loaded again."""
+
+    def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any):
+        super().__init__(vllm_config, role, kv_cache_config)
+        # vLLM's constructor builds its own scheduler or worker side; they become ours in place
+        # (building them again would build the spec's manager, and kvtier's CPU region, twice).
+        if self.connector_scheduler is not None:
+            self.connector_scheduler.__class__ = _Scheduler
+            cast(_Scheduler, self.connector_scheduler)._adopt()
+        if self.connector_worker is not None:
+            self.connector_worker.__class__ = _Worker
+            cast(_Worker, self.connector_worker)._adopt(len(kv_cache_config.kv_cache_groups) <= 1)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        results = super().get_transfer_results(finished_req_ids)
+        if isinstance(self.connector_worker, _Worker):
+            results.failed_recving |= self.connector_worker.take_failed_requests()
+        return results
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        if isinstance(self.connector_worker, _Worker):
+            return self.connector_worker.take_failed_blocks()
+        return set()

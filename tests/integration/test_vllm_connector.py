@@ -1,0 +1,185 @@
+"""`KVTierOffloadingConnector` without an engine: vLLM 0.32's real connector sides and metadata
+types, fed a failed load and a failed store, and kvtier's real manager on the scheduler side.
+
+The end-to-end run (tests/integration/test_vllm_load_failure.py) shows vLLM recomputing a failed
+load; these pin each hop of the failure: the worker side reports it (no assertion), the metadata
+carries it across workers, and the scheduler side turns it into `complete_store(success=False)` or
+a dropped block, so nothing a failed job touched is ever answered HIT.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_vllm_spec import _config, _keys  # noqa: E402
+
+LOAD, FAILED_STORE, STORE = 7, 8, 9
+
+
+class _Results:
+    """An `OffloadingWorker` whose jobs finish as told: {job_id: success}."""
+
+    def __init__(self, outcomes: dict[int, bool]):
+        self.outcomes = outcomes
+
+    def submit_load(self, job_id, src_spec, dst_spec, expedited=False):
+        return True
+
+    def get_finished(self):
+        from vllm.v1.kv_offload.base import TransferResult
+
+        return [TransferResult(j, ok, 100 * j, 0.5) for j, ok in self.outcomes.items()]
+
+
+def _worker_side(outcomes: dict[int, bool], block_level: bool = True):
+    """The connector's worker side past its constructor (which needs a whole engine): one load job
+    (request r1, engine blocks 3 and 4) submitted, then `outcomes` reported by the worker."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        OffloadingWorkerMetadata,
+        TransferJob,
+    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier.integrations.vllm.connector import _Worker
+
+    side = object.__new__(_Worker)
+    side.worker = _Results(outcomes)
+    side._load_jobs, side._unsubmitted_store_jobs = {}, []
+    side._connector_worker_meta = OffloadingWorkerMetadata()
+    side._adopt(block_level)
+    load = TransferJob("r1", object(), GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0]))
+    side.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={LOAD: load}, store_jobs={}))
+    return side
+
+
+def test_the_worker_side_reports_failed_jobs_instead_of_asserting():
+    side = _worker_side({LOAD: False, FAILED_STORE: False, STORE: True})
+    sending, recving = side.get_finished(set())
+    assert recving == {"r1"}  # a failed load still ends the request's wait
+    assert side.take_failed_blocks() == {3, 4} and side.take_failed_blocks() == set()
+    assert side.take_failed_requests() == set()  # one KV-cache group: block ids say it
+    meta = side.build_connector_worker_meta()
+    assert meta.completed_jobs == {LOAD: 1, FAILED_STORE: 1, STORE: 1}
+    assert meta.failed_jobs == {LOAD: 1, FAILED_STORE: 1}
+    # only the job that succeeded moved bytes
+    assert meta.transfer_stats.store.bytes == 100 * STORE and meta.transfer_stats.load.bytes == 0
+
+
+def test_with_several_kv_cache_groups_a_failed_load_is_reported_by_request():
+    side = _worker_side({LOAD: False}, block_level=False)
+    side.get_finished(set())
+    assert side.take_failed_requests() == {"r1"}
+    assert side.take_failed_blocks() == set()  # vLLM 0.32 refuses block ids of several groups
+
+
+def test_a_job_that_failed_on_one_rank_is_failed_after_aggregation():
+    from kvtier.integrations.vllm.connector import KVTierWorkerMetadata
+
+    rank0 = KVTierWorkerMetadata(completed_jobs={LOAD: 1, STORE: 1}, failed_jobs={LOAD: 1})
+    rank1 = KVTierWorkerMetadata(completed_jobs={LOAD: 1, STORE: 1})
+    merged = rank0.aggregate(rank1)
+    assert isinstance(merged, KVTierWorkerMetadata)
+    assert merged.completed_jobs == {LOAD: 2, STORE: 2} and merged.failed_jobs == {LOAD: 1}
+
+
+class _Req:
+    def is_finished(self):
+        return False
+
+
+def _scheduler_side(tmp_path):
+    """The connector's scheduler side past its constructor, over kvtier's real manager."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+    from kvtier.integrations.vllm import KVTierOffloadingSpec
+    from kvtier.integrations.vllm.connector import _Scheduler
+
+    spec = KVTierOffloadingSpec(_config(tmp_path, events=False, kvtier_config={"tiers": [
+        {"name": "cpu", "backend": "cpu", "capacity": "8 blocks"}]}))
+    side = object.__new__(_Scheduler)
+    side.manager = spec.get_manager()
+    side._jobs, side._req_status, side._stale_job_threshold = {}, {}, 0
+    side._block_id_to_pending_jobs, side._chunks_being_loaded = {}, None
+    side._connector_stats = OffloadingConnectorStats()
+    side._adopt()
+    return side
+
+
+def _job(side, job_id, keys, is_store, ctx):
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.scheduler import TransferJobStatus
+
+    side._jobs[job_id] = TransferJobStatus(req_id="r1", pending_count=1, keys=set(keys), is_store=is_store)
+    status = side._req_status.setdefault("r1", SimpleNamespace(req_context=ctx, transfer_jobs=set(), req=_Req(),
+                                                                finished_signaled=False))
+    status.transfer_jobs.add(job_id)
+
+
+def _finish(side, completed, failed):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from kvtier.integrations.vllm.connector import KVTierWorkerMetadata
+
+    meta = KVTierWorkerMetadata(completed_jobs=dict.fromkeys(completed, 1), failed_jobs=dict.fromkeys(failed, 1))
+    side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
+
+
+def test_a_failed_store_never_becomes_readable(tmp_path):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    side = _scheduler_side(tmp_path)
+    try:
+        ctx, good, bad = ReqContext("r1"), _keys(2), _keys(2, start=10)
+        for job_id, keys in ((STORE, good), (FAILED_STORE, bad)):
+            assert side.manager.prepare_store(keys, ctx).keys_to_store == keys
+            _job(side, job_id, keys, True, ctx)
+        _finish(side, [STORE, FAILED_STORE], [FAILED_STORE])
+        assert [side.manager.lookup(k, ctx) for k in good] == [LookupResult.HIT] * 2
+        assert [side.manager.lookup(k, ctx) for k in bad] == [LookupResult.MISS] * 2
+        assert not side._jobs  # both jobs done: the request's bookkeeping is released
+        # the failed store's slots are free again: 6 more blocks fit next to the 2 good ones
+        assert side.manager.prepare_store(_keys(6, start=20), ctx).evicted_keys == []
+    finally:
+        side.manager.shutdown()
+
+
+@pytest.mark.parametrize("failed", [True, False])
+def test_a_failed_load_drops_its_blocks_and_a_completed_one_keeps_them(tmp_path, failed):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    side = _scheduler_side(tmp_path)
+    try:
+        ctx, keys = ReqContext("r1"), _keys(3)
+        side.manager.prepare_store(keys, ctx)
+        side.manager.complete_store(keys, ctx)
+        side.manager.prepare_load(keys, ctx)
+        _job(side, LOAD, keys, False, ctx)
+        _finish(side, [LOAD], [LOAD] if failed else [])
+        # after a failure the recompute's lookup misses instead of loading the same blocks again
+        expected = LookupResult.MISS if failed else LookupResult.HIT
+        assert [side.manager.lookup(k, ctx) for k in keys] == [expected] * 3
+        assert side.manager.tier_stats()["cpu"]["resident_blocks"] == (0 if failed else 3)
+    finally:
+        side.manager.shutdown()
+
+
+def test_a_vllm_without_the_fields_the_connector_relies_on_is_refused_at_start():
+    from kvtier.integrations.vllm.connector import _Scheduler, _Worker
+
+    scheduler = object.__new__(_Scheduler)
+    scheduler.manager, scheduler._jobs = object(), {}  # no _stale_job_threshold: a renamed field
+    with pytest.raises(RuntimeError, match="has no _stale_job_threshold; it supports vLLM 0.32 and 0.33"):
+        scheduler._adopt()
+    worker = object.__new__(_Worker)
+    with pytest.raises(RuntimeError, match="has no worker, _load_jobs, _connector_worker_meta"):
+        worker._adopt(True)
