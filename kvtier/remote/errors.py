@@ -9,6 +9,16 @@ from __future__ import annotations
 
 from kvtier.errors import TransferError
 
+_ECHO = "with args beginning with"  # how Redis/Valkey quote a command they do not know, arguments and all
+
+
+def without_echo(text: str) -> str:
+    """`text` (a server's error) with the arguments it quotes hidden: a server that does not know
+    AUTH (renamed or disabled there, a proxy) answers "unknown command 'AUTH', with args beginning
+    with: '<the password>'". Every message built from a server's error goes through this."""
+    at = text.find(_ECHO)
+    return text if at < 0 else text[:at] + _ECHO + ": <hidden>"
+
 
 class RemoteUnavailable(TransferError):
     """The server (or the shard that holds a key) cannot be used now: down, timed out, refused
@@ -18,7 +28,7 @@ class RemoteUnavailable(TransferError):
     `BreakerOpen`, ...), "" when not known."""
 
     def __init__(self, message: str, cause: str = ""):
-        super().__init__(message)
+        super().__init__(without_echo(message))
         self.cause = cause
 
 

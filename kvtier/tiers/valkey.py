@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.keys import OffloadKey
-from kvtier.remote.errors import BlockMissing, RemoteUnavailable
+from kvtier.remote.errors import BlockMissing, RemoteUnavailable, without_echo
 from kvtier.remote.options import redact_url
 from kvtier.specs import RemoteLoadStoreSpec
 from kvtier.tiers import valkey_options
@@ -175,7 +175,7 @@ class ValkeyBackend(Backend):
                     raise
                 self._down_until = time.monotonic() + self._breaker_open_s
                 log.warning("valkey tier %s: cannot reach %s at start (%s: %s); lookups miss until it answers",
-                            self.name, self.url, type(exc).__name__, exc)
+                            self.name, self.url, type(exc).__name__, without_echo(str(exc)))
                 return None
             return self._store
 

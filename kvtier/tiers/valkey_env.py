@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.remote.errors import without_echo
 from kvtier.tiers.valkey_options import resolve_password
 
 # Round trips one server's check may take: connect, the handshake (AUTH / HELLO), PING, EXISTS.
@@ -137,11 +138,9 @@ def _problem(options: dict, where: str, exc: BaseException, timeout_s: float,
 
 
 def _redact(text: str, password: str | None) -> str:
-    """`text` of a server's error without the password: a server that does not know a command
-    (AUTH renamed or disabled, a proxy) echoes its arguments ("... with args beginning with: 'pw'")."""
-    echoed = text.find("with args beginning with")
-    if echoed >= 0:
-        text = text[:echoed] + "with args beginning with: <hidden>"
+    """`text` of a server's error without the password (`without_echo`: the arguments a server
+    quotes of a command it does not know, AUTH's among them)."""
+    text = without_echo(text)
     return text.replace(password, "<hidden>") if password else text
 
 

@@ -24,6 +24,8 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from kvtier.remote.errors import without_echo
+
 log = logging.getLogger("kvtier.tiers.valkey")
 
 MAX_QUEUED = 2  # probe batches waiting for the probe thread (besides the one in flight)
@@ -131,7 +133,8 @@ class FailureNotice:
             self._logged.add(cause)
             first = len(self._logged) == 1
         log.warning("valkey tier %s: %s %s (%s): %s%s; %s", self.name, self.url,
-                    "failed" if first else "failed with another cause", cause, exc, what and f"; {what}",
+                    "failed" if first else "failed with another cause", cause, without_echo(str(exc)),
+                    what and f"; {what}",
                     "lookups miss and blocks are recomputed meanwhile; later failures are counted, not logged "
                     "(stats: shared.probe_failures, read_failures, write_failures)")
 

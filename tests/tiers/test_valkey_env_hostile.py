@@ -1,8 +1,9 @@
 """`config check --env` (`valkey_env.reach`) against hostile servers on 127.0.0.1: one that
 answers byte by byte forever, one that answers another protocol, and a cluster url of many seeds
 that each answer only once all of them are connected (so they must be asked at once, within the
-one bound of the whole check), and one that echoes AUTH's arguments in its error. Before, the first
-hung the check, the seeds were asked one by one and the echoed password was printed."""
+one bound of the whole check), and one that echoes AUTH's arguments in its error (in the check and
+under a built tier). Before, the first hung the check, the seeds were asked one by one and the
+echoed password was printed, raised and logged."""
 
 from __future__ import annotations
 
@@ -104,7 +105,10 @@ def test_the_seeds_of_a_cluster_url_are_asked_at_once():
 def echo_unknown_command(conn, _stopped):
     """Answer the first command as Redis answers one it does not know (AUTH renamed or disabled):
     an error that repeats its arguments, the password among them."""
-    words = [w for w in conn.recv(4096).split(b"\r\n") if w and w[:1] not in b"*$"]
+    data = conn.recv(4096)
+    if not data:
+        raise ConnectionResetError("the client hung up")  # (an OSError: ends this connection quietly)
+    words = [w for w in data.split(b"\r\n") if w and w[:1] not in b"*$"]
     conn.sendall(b"-ERR unknown command '%s', with args beginning with: %s\r\n"
                  % (words[0], b" ".join(b"'%s'" % w for w in words[1:])))
 
@@ -120,3 +124,31 @@ def test_a_server_echoing_the_auth_arguments_never_gets_the_password_printed(mon
     (field, message), = problems
     assert "hostile-secret" not in message and "with args beginning with: <hidden>" in message
     assert field == "url" and "the server does not know a command sent" in message
+
+
+def test_at_run_time_the_echoed_password_is_neither_raised_nor_logged(monkeypatch, caplog):
+    """The same server under a built valkey tier: before, the error of a read and the tier's
+    WARNING quoted the password."""
+    from kvtier import build_hierarchy, load_config_text, make_offload_key
+    from kvtier.remote.errors import RemoteUnavailable
+
+    def echo_each_connection(conn, stopped):
+        while not stopped.is_set():
+            echo_unknown_command(conn, stopped)
+
+    monkeypatch.setenv("KVT_HOSTILE_PW", "hostile-secret")
+    server = FakeServer(echo_each_connection)
+    h = build_hierarchy(load_config_text(
+        "block_bytes: 4KiB\ntiers:\n  - {name: cpu, backend: memory, capacity: 8 blocks}\n  - {name: shared, "
+        f"backend: valkey, capacity: 64 blocks, url: 'redis://127.0.0.1:{server.port}', password_env: "
+        "KVT_HOSTILE_PW, timeout_ms: 500}\n"), model="hostile/echo")
+    key = bytes(make_offload_key(b"k" * 16, 0))
+    try:
+        with caplog.at_level("WARNING", logger="kvtier.tiers.valkey"):
+            with pytest.raises(RemoteUnavailable) as info:
+                h.manager.tiers[1].backend.get_blocks([key], [bytearray(4096)])
+    finally:
+        h.close()
+        server.stop()
+    assert "hostile-secret" not in str(info.value) and "with args beginning with: <hidden>" in str(info.value)
+    assert "with args beginning with: <hidden>" in caplog.text and "hostile-secret" not in caplog.text
