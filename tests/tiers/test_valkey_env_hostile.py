@@ -48,6 +48,27 @@ class FakeServer:
         self.sock.close()
 
 
+def reach_with_password(serve, timeout_ms: int) -> list[tuple[str, str]]:
+    """The problems `reach` finds on a server run by `serve`, with password `PASSWORD` (set in the
+    environment by the `password` fixture)."""
+    server = FakeServer(serve)
+    try:
+        notes, problems = reach({"url": f"redis://127.0.0.1:{server.port}", "timeout_ms": timeout_ms,
+                                 "password_env": "KVT_HOSTILE_PW"})
+    finally:
+        server.stop()
+    assert notes == []
+    return problems
+
+
+PASSWORD = "hostile-secret"
+
+
+@pytest.fixture
+def password(monkeypatch):
+    monkeypatch.setenv("KVT_HOSTILE_PW", PASSWORD)
+
+
 def trickle(conn, stopped):
     """A status reply that never ends: one byte every 50 ms (each read gets a byte in time), for 6 s."""
     conn.recv(4096)
@@ -58,18 +79,10 @@ def trickle(conn, stopped):
         time.sleep(0.05)
 
 
-def test_a_server_answering_byte_by_byte_is_a_timeout_of_the_whole_check(monkeypatch):
-    monkeypatch.setenv("KVT_HOSTILE_PW", "hostile-secret")
-    server = FakeServer(trickle)
-    try:
-        notes, problems = reach({"url": f"redis://127.0.0.1:{server.port}", "timeout_ms": 200,
-                                 "password_env": "KVT_HOSTILE_PW"})
-    finally:
-        server.stop()
-    assert notes == [] and len(problems) == 1
-    field, message = problems[0]
+def test_a_server_answering_byte_by_byte_is_a_timeout_of_the_whole_check(password):
+    (field, message), = reach_with_password(trickle, 200)
     assert field == "url" and "timeout: no complete answer within 4 x timeout_ms (800 ms)" in message
-    assert "hostile-secret" not in message
+    assert PASSWORD not in message
 
 
 def test_a_server_of_another_protocol_is_named_as_such():
@@ -113,20 +126,13 @@ def echo_unknown_command(conn, _stopped):
                  % (words[0], b" ".join(b"'%s'" % w for w in words[1:])))
 
 
-def test_a_server_echoing_the_auth_arguments_never_gets_the_password_printed(monkeypatch):
-    monkeypatch.setenv("KVT_HOSTILE_PW", "hostile-secret")
-    server = FakeServer(echo_unknown_command)
-    try:
-        _notes, problems = reach({"url": f"redis://127.0.0.1:{server.port}", "timeout_ms": 500,
-                                  "password_env": "KVT_HOSTILE_PW"})
-    finally:
-        server.stop()
-    (field, message), = problems
-    assert "hostile-secret" not in message and "with args beginning with: <hidden>" in message
+def test_a_server_echoing_the_auth_arguments_never_gets_the_password_printed(password):
+    (field, message), = reach_with_password(echo_unknown_command, 500)
+    assert PASSWORD not in message and "with args beginning with: <hidden>" in message
     assert field == "url" and "the server does not know a command sent" in message
 
 
-def test_at_run_time_the_echoed_password_is_neither_raised_nor_logged(monkeypatch, caplog):
+def test_at_run_time_the_echoed_password_is_neither_raised_nor_logged(password, caplog):
     """The same server under a built valkey tier: before, the error of a read and the tier's
     WARNING quoted the password."""
     from kvtier import build_hierarchy, load_config_text, make_offload_key
@@ -136,7 +142,6 @@ def test_at_run_time_the_echoed_password_is_neither_raised_nor_logged(monkeypatc
         while not stopped.is_set():
             echo_unknown_command(conn, stopped)
 
-    monkeypatch.setenv("KVT_HOSTILE_PW", "hostile-secret")
     server = FakeServer(echo_each_connection)
     h = build_hierarchy(load_config_text(
         "block_bytes: 4KiB\ntiers:\n  - {name: cpu, backend: memory, capacity: 8 blocks}\n  - {name: shared, "
@@ -150,5 +155,5 @@ def test_at_run_time_the_echoed_password_is_neither_raised_nor_logged(monkeypatc
     finally:
         h.close()
         server.stop()
-    assert "hostile-secret" not in str(info.value) and "with args beginning with: <hidden>" in str(info.value)
-    assert "with args beginning with: <hidden>" in caplog.text and "hostile-secret" not in caplog.text
+    assert PASSWORD not in str(info.value) and "with args beginning with: <hidden>" in str(info.value)
+    assert "with args beginning with: <hidden>" in caplog.text and PASSWORD not in caplog.text
