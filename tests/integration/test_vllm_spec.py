@@ -228,3 +228,53 @@ def test_write_through_backpressure_is_exported_as_a_metric(spec):
     _settle(m)
     assert not m.has_pending_work()
     assert m.tier_stats()["disk"]["stores"] == 4 and m.tier_stats()["cpu"]["cascade_dropped"] == 0
+
+
+def test_shutdown_copies_on_evict_blocks_down_so_a_restart_finds_them(tmp_path):
+    """Under `on_evict` the CPU tier's blocks reach the file tier only when evicted; the adapter's
+    shutdown flushes them (bounded), as a standalone close does, so the next engine finds them."""
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        ReqContext,
+    )
+
+    from kvtier.integrations.vllm import KVTierOffloadingSpec
+
+    tiers = {"block_tokens": 999, "tiers": [
+        {"name": "cpu", "backend": "cpu", "capacity": "4 blocks", "cascade": "on_evict"},
+        {"name": "disk", "backend": "file", "root_dir": str(tmp_path / "disk"), "capacity": "16 blocks"}]}
+    keys = _keys(2, start=300)
+    engine = torch.randint(-128, 127, (8, PAGE), dtype=torch.int8)
+    original = engine.clone()
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(engine, PAGE)], [[CanonicalKVCacheRef(0, PAGE)]])
+    gpu = GPULoadStoreSpec([0, 1, 2, 3], group_sizes=[4], block_indices=[0])
+    first = KVTierOffloadingSpec(_config(tmp_path, kvtier_config=tiers))
+    m, worker = first.get_manager(), first.get_worker(caches)
+    out = m.prepare_store(keys, ReqContext("r"))
+    assert worker.submit_store(1, gpu, out.store_spec)
+    worker.wait({1})
+    assert worker.get_finished()[0].success
+    m.complete_store(keys, ReqContext("r"))
+    worker.shutdown()
+    m.shutdown()
+
+    second = KVTierOffloadingSpec(_config(tmp_path, kvtier_config=tiers))
+    m2 = second.get_manager()
+    try:
+        end = time.time() + 10
+        while (any(m2.lookup(k, ReqContext("r2")).name != "HIT" for k in keys)
+               and time.time() < end):  # RETRY while the file tier's blocks come up
+            _settle(m2, 0.5)
+        assert [m2.lookup(k, ReqContext("r2")).name for k in keys] == ["HIT", "HIT"]
+        engine.zero_()
+        worker2 = second.get_worker(caches)
+        worker2.submit_load(2, m2.prepare_load(keys, ReqContext("r2")), gpu)
+        worker2.wait({2})
+        assert worker2.get_finished()[0].success and torch.equal(engine[:4], original[:4])
+        worker2.shutdown()
+    finally:
+        m2.shutdown()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Collection, Iterable
 from typing import Any
@@ -28,6 +29,9 @@ except ImportError:  # pragma: no cover
     CacheHitSource = None  # type: ignore[assignment,misc]
 
 METRIC_PREFIX = "vllm:kvtier_"
+# How long shutdown waits for the CPU tier's blocks to be copied down (`KVTierOffloadingManager.shutdown`).
+SHUTDOWN_FLUSH_S = 30.0
+log = logging.getLogger(__name__)
 # What each `TierStats` counter counts, for its Prometheus help text.
 _COUNTER_DOCS: dict[str, str] = {
     "hits": "Blocks loaded into the engine's KV cache that this tier supplied (directly or by promotion).",
@@ -246,6 +250,13 @@ class KVTierOffloadingManager(OffloadingManager):
             return self.manager.get_stats()
 
     def shutdown(self) -> None:
+        """Copy down every block that has no copy in the tier below (at most `SHUTDOWN_FLUSH_S`
+        seconds: an `on_evict` tier would otherwise keep them only in the CPU tier, lost with the
+        process, where a standalone `KVTier.close` keeps them), then close the hierarchy."""
+        left = self.hierarchy.manager.flush(SHUTDOWN_FLUSH_S)
+        if left:
+            log.warning("kvtier: %d block(s) not copied below within %.0f s of shutdown; they are not kept "
+                        "for the next start", left, SHUTDOWN_FLUSH_S)
         self.hierarchy.close()
 
 
