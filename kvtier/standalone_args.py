@@ -15,9 +15,12 @@ if TYPE_CHECKING:
     from kvtier.hierarchy import Hierarchy
 
 def key_limit(hierarchy: Hierarchy) -> tuple[float, str]:
-    """The longest key every backend of `hierarchy` can hold, and which tier sets it."""
+    """The longest key every tier of `hierarchy` can hold, its backend and its policy alike (their
+    `max_key_bytes`), and what sets it."""
     limits = [(b.max_key_bytes, f"tier {name!r}") for name, b in hierarchy.backends.items()
               if b.max_key_bytes is not None]
+    limits += [(limit, f"the policy of tier {t.name!r}") for t in hierarchy.manager.tiers
+               if (limit := getattr(t.policy, "max_key_bytes", None)) is not None]
     return min(limits, default=(float("inf"), "any tier"))
 
 

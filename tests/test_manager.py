@@ -107,6 +107,22 @@ def test_failed_store_frees_slots(ctx):
     h.close()
 
 
+def test_a_dropped_clean_block_no_longer_counts_as_room(ctx):
+    """A block of tier 0 whose copy below exists, then dropped (a failed or reset load): its slot
+    is free, and it is no longer counted among the clean blocks (`store_room` would count it twice)."""
+    h = memory_hierarchy(hot=8, warm=32)
+    m = h.manager
+    ks = keys(4)
+    store(h, ks, ctx)
+    assert m.flush(timeout=30) == 0
+    assert m.tiers[0].clean == set(ks) and m.store_room() == 8  # 4 free + 4 clean
+    m.prepare_load(ks[:1], ctx)
+    assert m.finish_reset((), ks[:1]) == ks[:1]
+    assert m.tiers[0].clean == set(ks[1:])
+    assert m.store_room() == 8  # 5 free + 3 clean: never more than the tier holds
+    h.close()
+
+
 def test_write_through_copies_every_completed_store_down(ctx):
     h = memory_hierarchy(hot=8, warm=8, cascade="on_store")
     ks = keys(3)

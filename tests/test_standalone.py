@@ -166,7 +166,7 @@ def test_accepted_argument_forms():
 
 def test_key_limit_is_the_smallest_of_the_tiers(tmp_path):
     """A key as long as a file slot header holds goes down to the file tier and back; one byte more is
-    refused at the call; with no file tier, nothing limits a key."""
+    refused at the call; with no file tier, a key of 4 KiB is held."""
     kv = make_kv(num_blocks=40)
     longest = [b"%03d" % i + b"k" * (MAX_KEY_BYTES - 3) for i in range(6)]
     with KVTier.open(cpu_file(tmp_path, cpu_blocks=2), kv, model="test-model") as tier:
@@ -184,6 +184,22 @@ def test_key_limit_is_the_smallest_of_the_tiers(tmp_path):
     cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 4 blocks, pin: false}\n")
     with KVTier.open(cfg, kv) as tier:
         assert tier.store([b"k" * 4096], [0]) and tier.load([b"k" * 4096], [1]) == 1
+
+
+def test_a_key_longer_than_the_policy_holds_is_refused_before_a_slot_is_taken():
+    """The compiled `lru` holds keys of up to `kvtier.limits.MAX_KEY_BYTES`: a longer one is an
+    ArgumentError naming the policy's tier, and no slot is taken (before: the policy's ValueError
+    from inside the store, one slot of the CPU tier lost)."""
+    from kvtier.limits import MAX_KEY_BYTES as POLICY_KEY_BYTES
+
+    kv = make_kv(num_blocks=4)
+    cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 4 blocks, pin: false, policy: lru}\n")
+    with KVTier.open(cfg, kv) as tier:
+        with pytest.raises(ArgumentError, match=f"keys\\[0\\]: key of {POLICY_KEY_BYTES + 1} bytes .* "
+                                                "the policy of tier 'cpu'"):
+            tier.store([b"k" * (POLICY_KEY_BYTES + 1)], [0])
+        assert tier.stats()["cpu"]["free_blocks"] == 4
+        assert tier.store([b"k" * POLICY_KEY_BYTES], [0]) and tier.load([b"k" * POLICY_KEY_BYTES], [1]) == 1
 
 
 def test_kv_rows_wider_than_the_page_are_accepted():

@@ -359,3 +359,31 @@ tiers:
     assert len(stored) == 48 and all(readable(h.manager.tiers[2], k) for k in stored)
     assert stats["hot"]["cascade_dropped"] == stats["warm"]["cascade_dropped"] == 0
     h.close()
+
+
+def test_a_flush_finding_no_room_below_keeps_the_blocks_queued(ctx):
+    """`flush` with every slot below pinned starts nothing and reports the blocks left; they stay
+    in the write-through queue, so they are written once the next tier has room again."""
+    h, gate = gated(hot=8, warm=4, reserve=0.5)
+    m = h.manager
+    store(h, keys(4), ctx)
+    gate.open()
+    m.on_schedule_end()
+    warm = m.tiers[1]
+    for key in keys(4):  # the lower tier's every block pinned (as a copy out of it would): no room there
+        warm.policy.get(key).ref_cnt += 1
+    warm.policy.pin(keys(4))
+    waiting = keys(2, start=4)
+    store(h, waiting, ctx)
+    assert list(m.tiers[0].unwritten) == waiting and m.tiers[0].lower_full
+    assert m.flush(timeout=5) == 2
+    assert list(m.tiers[0].unwritten) == waiting
+    for key in keys(4):
+        warm.policy.get(key).ref_cnt -= 1
+    warm.policy.unpin(keys(4))
+    store(h, keys(2, start=6), ctx)  # the queue is tried again, oldest first
+    while m.has_pending_work():
+        gate.open()
+        m.on_schedule_end()
+    assert all(readable(warm, k) for k in waiting)
+    assert m.get_stats()["hot"]["cascade_dropped"] == 0

@@ -204,8 +204,10 @@ class Cascade:
         next tier, adding them to `tried`; how many started (0: none left, or no room below)."""
         keys = [k for k in self.dirty_keys(tier) if k not in tried][:limit]
         tried.update(keys)
+        if not keys or not self._start_demotion(tier, keys):
+            return 0  # (a write-through queue keeps them: written once there is room below)
         tier.forget(keys)  # (out of a write-through queue: copied here)
-        return len(keys) if keys and self._start_demotion(tier, keys) else 0
+        return len(keys)
 
     # ------------------------------------------------------------------ on_store (write-through)
     def queue_writes(self, tier: Tier, keys: list[OffloadKey]) -> None:

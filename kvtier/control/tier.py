@@ -179,6 +179,7 @@ class Tier:
         self.policy.unpin([key])
         self.policy.remove(key)
         self.backend.free(block)
+        self.clean.discard(key)
         if self.above is not None:
             self.above.clean.discard(key)
         self.forget([key])

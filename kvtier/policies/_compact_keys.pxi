@@ -20,11 +20,19 @@ cdef inline char* slot_at(char* keys, Py_ssize_t width, Py_ssize_t i) noexcept n
     return keys + i * width
 
 
+cdef inline char* slot_address(char* keys, Py_ssize_t width, Py_ssize_t i) noexcept nogil:
+    """The address a long key's slot holds. Copied out with memcpy: a slot of a key array
+    `width` bytes wide (36 for vLLM's keys) is not aligned for a pointer."""
+    cdef char* p
+    memcpy(&p, slot_at(keys, width, i), sizeof(char*))
+    return p
+
+
 cdef inline char* slot_key(char* keys, Py_ssize_t width, Py_ssize_t i, Py_ssize_t klen) noexcept nogil:
     """The bytes of the key of `klen` bytes in slot i."""
     if klen <= INLINE_KEY:
         return slot_at(keys, width, i)
-    return (<char**>slot_at(keys, width, i))[0]
+    return slot_address(keys, width, i)
 
 
 cdef char* long_copy(const char* kp, Py_ssize_t klen) except NULL:
@@ -43,7 +51,7 @@ cdef inline void slot_fill(char* keys, Py_ssize_t width, Py_ssize_t i, const cha
     if klen <= INLINE_KEY:
         memcpy(slot_at(keys, width, i), kp, klen)
     else:
-        (<char**>slot_at(keys, width, i))[0] = copy
+        memcpy(slot_at(keys, width, i), &copy, sizeof(char*))  # (unaligned: see slot_address)
 
 
 cdef inline void slot_move(char* dst, Py_ssize_t dst_width, Py_ssize_t k, char* src, Py_ssize_t src_width,
@@ -55,4 +63,4 @@ cdef inline void slot_move(char* dst, Py_ssize_t dst_width, Py_ssize_t k, char* 
 cdef inline void slot_free(char* keys, Py_ssize_t width, Py_ssize_t i, Py_ssize_t klen) noexcept nogil:
     """Free the allocation of slot i's key, if it is a long one."""
     if klen > INLINE_KEY:
-        free((<char**>slot_at(keys, width, i))[0])
+        free(slot_address(keys, width, i))

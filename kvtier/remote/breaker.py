@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvtier.remote.errors import RemoteUnavailable
+from kvtier.remote.errors import RemoteUnavailable, without_echo
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,9 @@ class CircuitBreaker:
                     self._refused = 0
 
     def failure(self, error: str, refused: bool = False) -> bool:
-        """Count one failure (`refused`: a refusal of the data path); True when it opened the breaker."""
+        """Count one failure (`refused`: a refusal of the data path); True when it opened the breaker.
+        `error` is kept (`last_error`) and logged without the arguments a server quotes (`without_echo`)."""
+        error = without_echo(error)
         with self._lock:
             self._last_error = error
             self._consecutive += 1
@@ -103,7 +105,7 @@ class CircuitBreaker:
             check()
         except Exception as exc:  # noqa: BLE001 - any failure of the check keeps it open
             with self._lock:
-                self._last_error = str(exc) or type(exc).__name__
+                self._last_error = without_echo(str(exc)) or type(exc).__name__
                 self._check_at = self._clock() + self.open_s
             return False
         with self._lock:

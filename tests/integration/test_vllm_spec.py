@@ -278,3 +278,18 @@ def test_shutdown_copies_on_evict_blocks_down_so_a_restart_finds_them(tmp_path):
         worker2.shutdown()
     finally:
         m2.shutdown()
+
+
+def test_shutdown_closes_the_hierarchy_even_when_its_flush_raises(tmp_path, monkeypatch):
+    """The flush at shutdown raising (a handler that cannot take the copy) still closes the
+    hierarchy (its CPU region, files and threads) before the error goes on."""
+    from kvtier.integrations.vllm import KVTierOffloadingSpec
+
+    m = KVTierOffloadingSpec(_config(tmp_path)).get_manager()
+    closed = []
+    real_close = m.hierarchy.close
+    monkeypatch.setattr(m.hierarchy, "close", lambda: (closed.append(True), real_close()))
+    monkeypatch.setattr(m.hierarchy.manager, "flush", lambda timeout: (_ for _ in ()).throw(RuntimeError("no copy")))
+    with pytest.raises(RuntimeError, match="no copy"):
+        m.shutdown()
+    assert closed == [True]

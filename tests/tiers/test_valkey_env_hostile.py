@@ -157,3 +157,40 @@ def test_at_run_time_the_echoed_password_is_neither_raised_nor_logged(password, 
         server.stop()
     assert PASSWORD not in str(info.value) and "with args beginning with: <hidden>" in str(info.value)
     assert "with args beginning with: <hidden>" in caplog.text and PASSWORD not in caplog.text
+
+
+def test_the_breaker_opened_by_an_echoed_password_never_logs_or_reports_it(password, caplog):
+    """Failures enough to open the circuit breaker, then its failed reconnect checks: its INFO line
+    and the store's `reason` name the last error without the password (before, both quoted it as
+    the server sent it)."""
+    from kvtier.remote.errors import RemoteUnavailable
+    from kvtier.tiers.valkey import ValkeyBackend
+
+    def echo_each_connection(conn, stopped):
+        while not stopped.is_set():
+            echo_unknown_command(conn, stopped)
+
+    server = FakeServer(echo_each_connection)
+    tier = ValkeyBackend("shared", 64, 4096, url=f"redis://127.0.0.1:{server.port}", password_env="KVT_HOSTILE_PW",
+                         timeout_ms=500, breaker_failures=2, breaker_open_s=0.05, fingerprint="hostile/echo",
+                         layout="test")
+    try:
+        with caplog.at_level("INFO", logger="kvtier"):
+            for _ in range(2):
+                with pytest.raises(RemoteUnavailable):
+                    tier.get_blocks([b"k" * 20], [bytearray(4096)])
+        store = tier._store_for_io()
+        reasons = [store.reason]
+        breaker, = store._breakers.values()
+        end = time.monotonic() + 10
+        while breaker.last_error.startswith("ResponseError") and time.monotonic() < end:
+            time.sleep(0.02)  # until a reconnect check has failed (its error is the last one)
+        reasons.append(store.reason)
+    finally:
+        tier.close()
+        server.stop()
+    assert "(last: ResponseError" in reasons[0] and "(last: ResponseError" not in reasons[1]  # the check's error
+    for reason in reasons:
+        assert "circuit breaker open" in reason and "with args beginning with: <hidden>" in reason
+        assert PASSWORD not in reason
+    assert "consecutive failures" in caplog.text and PASSWORD not in caplog.text

@@ -252,12 +252,15 @@ class KVTierOffloadingManager(OffloadingManager):
     def shutdown(self) -> None:
         """Copy down every block that has no copy in the tier below (at most `SHUTDOWN_FLUSH_S`
         seconds: an `on_evict` tier would otherwise keep them only in the CPU tier, lost with the
-        process, where a standalone `KVTier.close` keeps them), then close the hierarchy."""
-        left = self.hierarchy.manager.flush(SHUTDOWN_FLUSH_S)
-        if left:
-            log.warning("kvtier: %d block(s) not copied below within %.0f s of shutdown; they are not kept "
-                        "for the next start", left, SHUTDOWN_FLUSH_S)
-        self.hierarchy.close()
+        process, where a standalone `KVTier.close` keeps them), then close the hierarchy (also when
+        the flush raises: the error goes on after the close)."""
+        try:
+            left = self.hierarchy.manager.flush(SHUTDOWN_FLUSH_S)
+            if left:
+                log.warning("kvtier: %d block(s) not copied below within %.0f s of shutdown; they are not "
+                            "kept for the next start", left, SHUTDOWN_FLUSH_S)
+        finally:
+            self.hierarchy.close()
 
 
 # Labels of `vllm:kv_offload_config_info` (vLLM 0.33), one series per tier; "" where not applicable.
