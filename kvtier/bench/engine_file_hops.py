@@ -41,7 +41,11 @@ def _raw_io(path: Path, host, threads: int) -> tuple[Callable[[], None], Callabl
     view = memoryview(host.numpy().reshape(-1))
     chunks = [(view[o:o + RUN_BYTES], o) for o in range(0, len(view), RUN_BYTES)]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
-    os.posix_fallocate(fd, 0, len(view))
+    try:
+        os.posix_fallocate(fd, 0, len(view))
+    except BaseException:
+        os.close(fd)
+        raise
     pool = ThreadPoolExecutor(threads)
 
     def run(op) -> None:
@@ -77,7 +81,11 @@ def measure_engine_file(root_dir: str, device: str, block_bytes: int, total_byte
     engine_ids = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
     host = aligned_rows(n, block_bytes, pin=device == "cuda")
     work = Path(tempfile.mkdtemp(prefix="kvtier-engine-file-", dir=root_dir))  # 0700, a name nobody planted
-    raw_write, raw_read, raw_close = _raw_io(work / "raw", host, THREADS)
+    try:
+        raw_write, raw_read, raw_close = _raw_io(work / "raw", host, THREADS)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     engine_bytes, host_blocks = engine.view(torch.uint8), host[:, :block_bytes]
     nb = device == "cuda"
 

@@ -53,3 +53,20 @@ def test_a_load_that_corrupts_bytes_raises(tmp_path, monkeypatch):
 def test_without_cuda_one_line_says_why_direct_is_not_measured():
     paths, why = engine_file_paths("cpu")
     assert paths == ["staged"] and why is not None and "direct (kvikio) not measured" in why and "CUDA" in why
+
+
+def test_a_raw_file_that_cannot_be_allocated_leaves_no_directory_and_no_descriptor(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from kvtier.bench import engine_file_hops
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(engine_file_hops.os, "posix_fallocate", full)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="No space left"):
+        measure_engine_file(str(tmp_path), "cpu", 64 << 10, 1 << 20, repeats=1, paths=["staged"])
+    assert list(tmp_path.iterdir()) == []
+    assert set(os.listdir("/proc/self/fd")) <= before
