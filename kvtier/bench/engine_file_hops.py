@@ -122,9 +122,11 @@ def _path_rows(path: str, work: Path, layout, engine, reference, engine_ids: lis
     cls = DirectGPUFileHandler if path == "direct" else GPUFileHandler
     disk = FileBackend("disk", n, block_bytes, BENCH_TOKENS, root_dir=str(work / path), io="posix",
                        num_threads=THREADS, fingerprint=BENCH_MODEL)
-    store, load = cls({"disk": disk}, layout, True, num_threads=THREADS), cls({"disk": disk}, layout, False,
-                                                                               num_threads=THREADS)
+    handlers: list[Any] = []
     try:
+        handlers += [cls({"disk": disk}, layout, True, num_threads=THREADS)]
+        handlers += [cls({"disk": disk}, layout, False, num_threads=THREADS)]
+        store, load = handlers
         batches = [range(s, min(n, s + JOB_BLOCKS)) for s in range(0, n, JOB_BLOCKS)]
         pairs = [(GPULoadStoreSpec([engine_ids[i] for i in b]),
                   FileLoadStoreSpec(list(b), [_key(i) for i in b], tier="disk")) for b in batches]
@@ -152,6 +154,6 @@ def _path_rows(path: str, work: Path, layout, engine, reference, engine_ids: lis
             row["verified"] = True
         return rows
     finally:
-        store.shutdown()
-        load.shutdown()
+        for handler in handlers:
+            handler.shutdown()
         disk.close()
