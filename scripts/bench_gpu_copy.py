@@ -26,14 +26,6 @@ JOB_BYTES = 16 << 20
 MODES = ("staged", "auto", "batch", "bindings", "loop")
 
 
-def parse_size(text: str) -> int:
-    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
-    for unit, factor in units.items():
-        if text.endswith(unit):
-            return int(text[:-len(unit)]) * factor
-    return int(text)
-
-
 def contiguous_gbps(torch, nbytes: int, repeats: int) -> tuple[float, float]:
     """(device->host, host->device) GB/s of one copy between a device buffer and pinned memory."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
@@ -117,6 +109,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if set(args.slots.split(",")) - {"scattered", "consecutive"}:
         parser.error(f"--slots {args.slots!r}: use scattered, consecutive or both (comma-separated)")
+    from kvtier.config import parse_size
+
+    try:
+        pages = [parse_size(p.strip()) for p in args.pages.split(",")]
+    except ValueError as exc:
+        parser.error(f"--pages {args.pages!r}: {exc}")
     import torch
 
     if not torch.cuda.is_available():
@@ -125,7 +123,7 @@ def main(argv=None) -> int:
     total = args.total_mib << 20
     d2h, h2d = contiguous_gbps(torch, total, args.repeats)
     rows = []
-    for page in (parse_size(p) for p in args.pages.split(",")):
+    for page in pages:
         for order, mode in [(o, m) for o in args.slots.split(",") for m in MODES]:
             try:
                 row = measure(torch, page, total, mode, args.repeats, order)

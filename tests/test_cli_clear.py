@@ -138,3 +138,23 @@ def test_an_empty_root_dir_is_refused_not_taken_for_the_current_directory(tmp_pa
     code, _, err = clear(capsys, "", "--yes")
     assert code == 2 and "ROOT_DIR is empty" in err
     assert all((tmp_path / name).exists() for name in OWN_FILES)
+
+
+def test_a_removal_that_fails_is_a_clear_error_naming_what_is_left(tmp_path, capsys, monkeypatch):
+    """An unlink refused by the OS (a read-only directory, I/O) ends in one message and exit 2,
+    not a traceback, saying what was removed before it and what is left."""
+    root = tmp_path / "tier"
+    build(root).close()
+    real = os.unlink
+
+    def unlink(name, *, dir_fd=None):
+        if name == SLAB:
+            raise PermissionError(13, "Permission denied")
+        real(name, dir_fd=dir_fd)
+
+    monkeypatch.setattr(clear_module.os, "unlink", unlink)
+    code, _, err = clear(capsys, str(root), "--yes")
+    assert code == 2
+    assert f"cannot remove {root / SLAB}: Permission denied; removed before it: " in err
+    assert "; left: slab.0, " in err and err.rstrip().endswith("lock")
+    assert (root / SLAB).exists() and (root / "lock").exists()

@@ -64,3 +64,15 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as info:
         main(["--version"])
     assert info.value.code == 0 and capsys.readouterr().out.strip() == f"kvtier {kvtier.__version__}"
+
+
+def test_the_round_trip_works_under_a_temporary_directory_with_quotes_and_commas(tmp_path, monkeypatch):
+    """The file tier's root_dir goes into the YAML quoted: a TMPDIR holding ', or : still works."""
+    import tempfile
+
+    from kvtier.cli.doctor_roundtrip import round_trip
+
+    odd = tmp_path / "it's, odd: #1"
+    odd.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(odd))
+    assert round_trip().endswith("bytes identical")

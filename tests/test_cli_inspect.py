@@ -69,6 +69,25 @@ def test_open_clean_close_and_dead_holder_are_told_apart(tmp_path, capsys):
     assert lock.startswith(f"not open: stale lock of process {pid}, which ended without closing the tier")
 
 
+def test_an_open_tier_is_told_open_where_proc_locks_names_another_device(tmp_path, capsys, monkeypatch):
+    """On btrfs /proc/locks names the filesystem by another device number than stat's st_dev (a
+    device per subvolume): the lock is still found by its inode, so the open tier is open."""
+    from kvtier.tiers import file_inspect
+    from kvtier.tiers.rootdir import LOCK
+
+    root = tmp_path / "tier"
+    hierarchy = build(root)
+    try:
+        st = os.lstat(root / LOCK)
+        other = f"{os.major(st.st_dev) + 1:02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+        locks = tmp_path / "locks"
+        locks.write_text(f"1: FLOCK  ADVISORY  WRITE {os.getpid()} {other} 0 EOF\n")
+        monkeypatch.setattr(file_inspect, "PROC_LOCKS", str(locks))
+        assert inspect(capsys, str(root))[1]["lock"] == f"open by process {os.getpid()}"
+    finally:
+        hierarchy.close()
+
+
 def test_a_directory_that_is_no_tier_exits_2(tmp_path, capsys):
     (tmp_path / "notes.txt").write_text("not a tier")
     code, _, err = inspect(capsys, str(tmp_path))

@@ -120,3 +120,19 @@ def test_a_broken_backend_is_told_which_clause_it_broke(tmp_path):
     assert "1 failed" in run.stdout, run.stdout[-3000:] + run.stderr[-2000:]
     assert f"AssertionError: {CLOSE}: the second close() raised RuntimeError: already closed" in run.stdout, \
         run.stdout[-3000:]
+
+
+def test_a_stopped_slow_proxy_leaves_no_descriptor_open():
+    """`stop()` closes the proxy's event loop too (its selector and wake-up sockets: three
+    descriptors per proxy were left to the garbage collector)."""
+    import os
+    import socket
+
+    from kvtier.testing.slow_proxy import SlowProxy
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        before = set(os.listdir("/proc/self/fd"))
+        with SlowProxy(server.getsockname()[1], delay_s=0.01) as proxy:
+            with socket.create_connection(("127.0.0.1", proxy.port), timeout=10):
+                pass
+        assert set(os.listdir("/proc/self/fd")) <= before

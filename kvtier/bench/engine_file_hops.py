@@ -41,7 +41,11 @@ def _raw_io(path: Path, host, threads: int) -> tuple[Callable[[], None], Callabl
     view = memoryview(host.numpy().reshape(-1))
     chunks = [(view[o:o + RUN_BYTES], o) for o in range(0, len(view), RUN_BYTES)]
     fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
-    os.posix_fallocate(fd, 0, len(view))
+    try:
+        os.posix_fallocate(fd, 0, len(view))
+    except BaseException:
+        os.close(fd)
+        raise
     pool = ThreadPoolExecutor(threads)
 
     def run(op) -> None:
@@ -77,7 +81,11 @@ def measure_engine_file(root_dir: str, device: str, block_bytes: int, total_byte
     engine_ids = torch.randperm(n, generator=torch.Generator().manual_seed(n)).tolist()
     host = aligned_rows(n, block_bytes, pin=device == "cuda")
     work = Path(tempfile.mkdtemp(prefix="kvtier-engine-file-", dir=root_dir))  # 0700, a name nobody planted
-    raw_write, raw_read, raw_close = _raw_io(work / "raw", host, THREADS)
+    try:
+        raw_write, raw_read, raw_close = _raw_io(work / "raw", host, THREADS)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
     engine_bytes, host_blocks = engine.view(torch.uint8), host[:, :block_bytes]
     nb = device == "cuda"
 
@@ -114,9 +122,11 @@ def _path_rows(path: str, work: Path, layout, engine, reference, engine_ids: lis
     cls = DirectGPUFileHandler if path == "direct" else GPUFileHandler
     disk = FileBackend("disk", n, block_bytes, BENCH_TOKENS, root_dir=str(work / path), io="posix",
                        num_threads=THREADS, fingerprint=BENCH_MODEL)
-    store, load = cls({"disk": disk}, layout, True, num_threads=THREADS), cls({"disk": disk}, layout, False,
-                                                                               num_threads=THREADS)
+    handlers: list[Any] = []
     try:
+        handlers += [cls({"disk": disk}, layout, True, num_threads=THREADS)]
+        handlers += [cls({"disk": disk}, layout, False, num_threads=THREADS)]
+        store, load = handlers
         batches = [range(s, min(n, s + JOB_BLOCKS)) for s in range(0, n, JOB_BLOCKS)]
         pairs = [(GPULoadStoreSpec([engine_ids[i] for i in b]),
                   FileLoadStoreSpec(list(b), [_key(i) for i in b], tier="disk")) for b in batches]
@@ -144,6 +154,6 @@ def _path_rows(path: str, work: Path, layout, engine, reference, engine_ids: lis
             row["verified"] = True
         return rows
     finally:
-        store.shutdown()
-        load.shutdown()
+        for handler in handlers:
+            handler.shutdown()
         disk.close()

@@ -155,7 +155,6 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
 
     n = max(1, total_bytes // block_bytes)
     total = n * block_bytes
-    work = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=root_dir))  # 0700, a fresh name: nothing planted
     if host == "cpu":
         from kvtier.tiers.cpu import CPUBackend
 
@@ -163,7 +162,9 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
     else:
         mem = MemoryBackend("mem", 2 * n, block_bytes)
     runs: dict[str, list[float]] = {k: [] for k in ("fill", "store", "load", "f1", "w1", "r1", "ft", "wt", "rt")}
-    try:
+    work = None
+    try:  # the directory only once the CPU side exists: a region that does not fit leaves nothing behind
+        work = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=root_dir))  # 0700, a fresh name: nothing planted
         noise = os.urandom(block_bytes + 4096)
         for i in range(n):  # distinct content per block
             mem.view(i)[:] = noise[i % 4096:i % 4096 + block_bytes]
@@ -199,7 +200,8 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
                 engine, direct = handler_round()
     finally:
         mem.close()
-        shutil.rmtree(work, ignore_errors=True)
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
     gb = total / 1e9
     rate = {k: gb / median(v) for k, v in runs.items()}
     figures: dict[str, Any] = {

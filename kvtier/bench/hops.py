@@ -129,6 +129,7 @@ def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int, or
     reference = engine.clone()
     kv = CanonicalKVCaches([CanonicalKVCacheTensor(engine, block_bytes)], [[CanonicalKVCacheRef(0, block_bytes)]])
     tier = CPUBackend("bench", n, block_bytes)
+    store = load = None
     try:
         region = tier.tensor()
         engine_ids = torch.randperm(n, generator=torch.Generator().manual_seed(step)).tolist()
@@ -187,9 +188,10 @@ def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int, or
             _verify(f"{hop} ({order} slots)", block_bytes, ours, clear, check)
             row["verified"] = True
             rows.append(row)
-        store.shutdown()
-        load.shutdown()
-    finally:
+    finally:  # a failed check too: the handlers' threads and streams end before the region goes
+        for handler in (store, load):
+            if handler is not None:
+                handler.shutdown()
         tier.close()
     return rows
 

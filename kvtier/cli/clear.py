@@ -12,7 +12,8 @@ tier while its files go); a `ROOT_DIR` replaced by another directory meanwhile. 
 opened once (`O_NOFOLLOW`) and every name is looked up and unlinked relative to it, so a swap of
 `ROOT_DIR` or of a path component after the checks cannot redirect a removal. A name that is a
 symlink is removed itself, never followed. Without `--yes` nothing is removed: what would be is
-listed (exit 2).
+listed (exit 2). A removal the OS refuses (a read-only directory, an I/O error) stops there: exit 2,
+naming what was removed before it and what is left (the lock last, so it is always among those).
 """
 
 from __future__ import annotations
@@ -85,6 +86,18 @@ def _unlink(name: str, dir_fd: int) -> None:
         pass
 
 
+def _remove(root: Path, dir_fd: int, names: list[str]) -> None:
+    """Unlink `names` in order; an OS error (a read-only directory, I/O) becomes a `KVTierError`
+    saying what was removed before it and what is left."""
+    for i, name in enumerate(names):
+        try:
+            _unlink(name, dir_fd)
+        except OSError as exc:
+            done = ", ".join(names[:i]) or "nothing"
+            raise KVTierError(f"cannot remove {root / name}: {exc.strerror or exc}; removed before it: {done}; "
+                              f"left: {', '.join(names[i:])}") from None
+
+
 def run_clear(args) -> int:
     if not args.root_dir:  # Path("") is ".": an unset shell variable must not mean the current directory
         raise KVTierError(f"ROOT_DIR is empty ({args.root_dir!r}); give the tier's directory (an unset variable?); "
@@ -115,10 +128,7 @@ def _clear(root: Path, dir_fd: int, yes: bool) -> int:
             raise KVTierError(f"{root} was replaced by another directory while it was being cleared; nothing "
                               f"removed")
         found = tier_files(root, dir_fd)  # again, under the lock
-        for name in found:
-            if name != LOCK:
-                _unlink(name, dir_fd)
-        _unlink(LOCK, dir_fd)
+        _remove(root, dir_fd, [name for name in found if name != LOCK] + [LOCK])
     finally:
         lock.release()
     total = sum(st.st_size for st in found.values() if stat.S_ISREG(st.st_mode))

@@ -9,6 +9,7 @@ their bytes compared. The directory is removed afterwards, whatever happened.
 
 from __future__ import annotations
 
+import json
 import tempfile
 
 PAGE = 16 << 10  # bytes per engine block and layer
@@ -17,13 +18,14 @@ MODEL = "kvtier-doctor/random-int8"
 
 
 def _config(root: str):
+    """The hierarchy, its file tier in `root` (quoted: a JSON string is a YAML scalar, whatever the path holds)."""
     from kvtier.config import load_config_text
 
     return load_config_text(f"""
 block_tokens: 16
 tiers:
   - {{name: cpu, backend: cpu, capacity: {2 * BLOCKS} blocks, cascade: on_store, pin: false}}
-  - {{name: disk, backend: file, capacity: {4 * BLOCKS} blocks, root_dir: '{root}', sync_interval: 0}}
+  - {{name: disk, backend: file, capacity: {4 * BLOCKS} blocks, root_dir: {json.dumps(root)}, sync_interval: 0}}
 """, "<kvtier doctor>")
 
 

@@ -124,7 +124,8 @@ class BatchSubmitter:
                                               [self.attrs], [0], 1, int(stream))
         err = result[0]
         if err != self.rt.cudaError_t.cudaSuccess:
-            where = f" at descriptor {result[1]}" if len(result) > 1 else ""
+            # failIdx is SIZE_MAX when the error concerns no particular descriptor
+            where = f" at descriptor {result[1]}" if len(result) > 1 and int(result[1]) < n else ""
             raise CopyError(f"cudaMemcpyBatchAsync of {n} descriptors returned {err!r}{where}")
 
 

@@ -156,7 +156,9 @@ def _key(device) -> str:
 
 
 def demote_cuda(device, submitter: Submitter, why: str) -> None:
-    """A job on `device` failed in `submitter`: the device's later jobs take the staged path."""
+    """A job on `device` failed in `submitter`: handlers that decide later get the staged path (a
+    handler keeps its decision: the one whose job failed drops the path itself, another one at its
+    own first failed job, which is then redone on the staged path)."""
     CHOICE.demote(_key(device), submitter, why)
 
 

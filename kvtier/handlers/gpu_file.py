@@ -320,15 +320,23 @@ def _make(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_f
     if layout.device.type not in ("cpu", "cuda"):
         raise ValueError(f"unsupported KV cache device {layout.device}")
     threads = min(4, max(b.num_threads for b in usable.values()))
-    direct = True
-    for name, backend in usable.items():
-        choice, why = file_path(getattr(backend, "io_option", "auto"), cuda=layout.device.type == "cuda")
-        if choice == "direct" and not hasattr(backend, "commit_direct"):
-            choice, why = "staged", f"{type(backend).__name__} has no direct commit"
+    choices = {name: _tier_choice(backend, layout.device.type == "cuda") for name, backend in usable.items()}
+    staged = [name for name, (choice, _) in choices.items() if choice == "staged"]
+    for name, (choice, why) in choices.items():
+        if choice == "direct" and staged:  # one handler serves every file tier: it takes the staged path
+            choice, why = "staged", f"{why}, but file tier {staged[0]} takes the staged path, and one handler " \
+                                    f"serves every file tier"
         log_choice(name, choice, why)
-        direct = direct and choice == "direct"
-    handler = DirectGPUFileHandler if direct else GPUFileHandler
+    handler = GPUFileHandler if staged else DirectGPUFileHandler
     return handler(usable, layout, to_file, num_threads=threads)
+
+
+def _tier_choice(backend: Any, cuda: bool) -> tuple[str, str]:
+    """`file_path`'s choice for one file tier, staged where the backend cannot commit direct writes."""
+    choice, why = file_path(getattr(backend, "io_option", "auto"), cuda=cuda)
+    if choice == "direct" and not hasattr(backend, "commit_direct"):
+        return "staged", f"{type(backend).__name__} has no direct commit"
+    return choice, why
 
 
 def make_gpu_to_file(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None) -> GPUFileHandler | None:

@@ -19,7 +19,8 @@ from typing import Any
 
 
 class SlowProxy:
-    """See the module docstring. `start()` (or `with`) opens it; `stop()` closes every connection."""
+    """See the module docstring. `start()` (or `with`) opens it; `stop()` closes every connection
+    and the proxy's event loop."""
 
     def __init__(self, target_port: int, *, delay_s: float = 0.0, drip_s: float = 0.0):
         if (delay_s > 0) == (drip_s > 0):
@@ -56,6 +57,8 @@ class SlowProxy:
             asyncio.run_coroutine_threadsafe(close(), self._loop).result(10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(10)
+        if not self._thread.is_alive() and not self._loop.is_closed():
+            self._loop.close()  # its selector and wake-up socket pair
 
     def __enter__(self) -> SlowProxy:
         return self.start()

@@ -21,6 +21,7 @@ from kvtier.tiers.owners import pid_alive
 from kvtier.tiers.rootdir import JOURNAL, LOCK, OWN_FILES, SLAB
 from kvtier.tiers.slot_format import FORMAT_VERSION, HEADER_BYTES, slot_bytes_for, verify_slot
 
+PROC_LOCKS = "/proc/locks"  # the kernel's table of held locks (tests point it at a copy)
 _JOURNAL_LIMIT_WITHOUT_GEOMETRY = 1 << 30  # no trusted num_slots to size the bound with
 
 
@@ -66,18 +67,21 @@ def _lock_holder(root: Path) -> tuple[dict, str]:
 
 
 def _flock_holders(path: Path) -> list[int] | None:
-    """The pids holding a flock on `path` (from /proc/locks), or None where that cannot be read."""
+    """The pids holding a flock on `path` (from /proc/locks), or None where that cannot be read.
+
+    A lock is matched by inode number only: /proc/locks names the filesystem by its superblock's
+    device, which is not the `st_dev` that stat reports on btrfs (a device per subvolume)."""
     try:
         st = os.lstat(path)
-        with open("/proc/locks") as handle:
+        with open(PROC_LOCKS) as handle:
             lines = handle.read().splitlines()
     except OSError:
         return None
-    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
     pids = []
     for line in lines:
         fields = line.split()
-        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == where and fields[4].isdigit():
+        if (len(fields) >= 6 and fields[1] == "FLOCK" and fields[5].rsplit(":", 1)[-1] == str(st.st_ino)
+                and fields[4].isdigit()):
             pids.append(int(fields[4]))
     return pids
 

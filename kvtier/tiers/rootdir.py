@@ -355,13 +355,17 @@ class RootLock:
 
     def release(self, clean: bool = True) -> None:
         """Unlock and close. Idempotent. After a `clean` close the pid is erased first, so that
-        `kvtier inspect` tells a tier closed cleanly from one whose process died holding it."""
+        `kvtier inspect` tells a tier closed cleanly from one whose process died holding it. The
+        lock is released and its descriptor closed even when erasing the pid fails (that error
+        is raised afterwards)."""
         if self._fd >= 0:
-            if clean:
-                os.ftruncate(self._fd, 0)
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = -1
+            fd, self._fd = self._fd, -1
+            try:
+                if clean:
+                    os.ftruncate(fd, 0)
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                os.close(fd)
 
 
 def same_file(fd: int, path: Path) -> bool:

@@ -53,3 +53,50 @@ def test_a_load_that_corrupts_bytes_raises(tmp_path, monkeypatch):
 def test_without_cuda_one_line_says_why_direct_is_not_measured():
     paths, why = engine_file_paths("cpu")
     assert paths == ["staged"] and why is not None and "direct (kvikio) not measured" in why and "CUDA" in why
+
+
+def test_a_raw_file_that_cannot_be_allocated_leaves_no_directory_and_no_descriptor(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from kvtier.bench import engine_file_hops
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(engine_file_hops.os, "posix_fallocate", full)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(OSError, match="No space left"):
+        measure_engine_file(str(tmp_path), "cpu", 64 << 10, 1 << 20, repeats=1, paths=["staged"])
+    assert list(tmp_path.iterdir()) == []
+    assert set(os.listdir("/proc/self/fd")) <= before
+
+
+def test_a_handler_that_cannot_be_built_leaves_the_file_tier_closed(tmp_path, monkeypatch):
+    """The load handler failing to build (kvikio cannot open the slab, say) closes the store
+    handler and the file tier: no descriptor of the tier stays open, no lock stays held."""
+    import os
+
+    from kvtier.handlers import gpu_file
+
+    real_init, shut = gpu_file.GPUFileHandler.__init__, []
+
+    def init(self, backends, layout, to_file, **kwargs):
+        if not to_file:
+            raise OSError(5, "Input/output error")
+        real_init(self, backends, layout, to_file, **kwargs)
+
+    real_shutdown = gpu_file.GPUFileHandler.shutdown
+
+    def shutdown(self):
+        shut.append(self.to_file)
+        real_shutdown(self)
+
+    monkeypatch.setattr(gpu_file.GPUFileHandler, "__init__", init)
+    monkeypatch.setattr(gpu_file.GPUFileHandler, "shutdown", shutdown)
+    with pytest.raises(OSError, match="Input/output error"):
+        measure_engine_file(str(tmp_path), "cpu", 64 << 10, 1 << 20, repeats=1, paths=["staged"])
+    assert shut == [True]
+    held = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+            if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert not [path for path in held if path.startswith(str(tmp_path))]

@@ -63,3 +63,32 @@ def test_the_command_exits_1_without_figures(corrupting_store, tmp_path, capsys)
     captured = capsys.readouterr()
     assert "kvtier: error: GPU->CPU (consecutive slots)" in captured.err and "Summary" not in captured.out
     assert out.read_text() == ""  # created empty by the writability check, never filled
+
+
+def test_a_failed_check_still_shuts_both_handlers_down(monkeypatch):
+    """Before, the handlers were shut down only after every check passed: a corrupting transfer
+    left them running (on CUDA: two worker threads and a stream each)."""
+    import kvtier.handlers.gpu_cpu as gpu_cpu
+
+    real, shut = gpu_cpu.make_handler, []
+
+    class Recorded(_Corrupting):
+        def __init__(self, inner, tier, to_cpu):
+            super().__init__(inner, tier)
+            self.to_cpu = to_cpu
+
+        def bind(self, callback):
+            if self.to_cpu:
+                super().bind(callback)
+            else:
+                self.inner.bind(callback)
+
+        def shutdown(self):
+            shut.append("store" if self.to_cpu else "load")
+            super().shutdown()
+
+    monkeypatch.setattr(gpu_cpu, "make_handler",
+                        lambda tiers, kv, to_cpu: Recorded(real(tiers, kv, to_cpu=to_cpu), tiers["bench"], to_cpu))
+    with pytest.raises(TransferCorrupted):
+        measure_gpu_cpu("cpu", [64 << 10], 1 << 20, repeats=1, slot_orders=["consecutive"])
+    assert sorted(shut) == ["load", "store"]

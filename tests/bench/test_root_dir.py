@@ -92,3 +92,18 @@ def test_the_file_hops_never_write_through_a_name_planted_in_a_shared_root_dir(t
     measure_cpu_file(str(tmp_path), 4096, 64 << 10, repeats=1, host="memory")
     assert victim.read_bytes() == b"precious" * 512
     assert sorted(os.listdir(tmp_path)) == sorted(["victim", planted.name])  # its own directory is removed
+
+
+def test_a_cpu_side_that_cannot_be_built_leaves_no_directory(tmp_path, monkeypatch):
+    """A shared-memory region that does not fit (a small /dev/shm) fails the measurement before
+    any directory is made in root_dir (before, an empty kvtier-bench-* directory stayed)."""
+    from kvtier.bench.file_hops import measure_cpu_file
+    from kvtier.tiers import cpu
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cpu, "CPUBackend", no_room)
+    with pytest.raises(OSError, match="No space left"):
+        measure_cpu_file(str(tmp_path), 4096, 64 << 10, repeats=1, host="cpu")
+    assert os.listdir(tmp_path) == []

@@ -170,6 +170,36 @@ def test_a_runtime_older_than_12_8_has_no_batch_path(monkeypatch):
         cuda_copy.make_c_batch_submitter()
 
 
+class FakeBindingsRuntime:
+    """Stands for `cuda.bindings.runtime` (12.8/12.9): cudaMemcpyBatchAsync answers `(err, failIdx)`."""
+
+    class cudaError_t:  # the binding's names
+        cudaSuccess = 0
+
+    class cudaMemcpySrcAccessOrder:
+        cudaMemcpySrcAccessOrderStream = SRC_ACCESS_ORDER_STREAM
+
+    class cudaMemcpyAttributes:
+        srcAccessOrder = 0
+
+    def __init__(self, answer: tuple):
+        self.answer = answer
+
+    def cudaMemcpyBatchAsync(self, *args):
+        return self.answer
+
+
+@pytest.mark.parametrize("fail_index,where", [(2, " at descriptor 2"), ((1 << 64) - 1, "")],
+                         ids=["descriptor", "SIZE_MAX"])
+def test_the_bindings_path_names_a_descriptor_only_where_cuda_gives_one(fail_index, where):
+    """CUDA sets failIdx to SIZE_MAX for an error that concerns no particular descriptor."""
+    from kvtier.handlers.cuda_copy import BatchSubmitter
+
+    plan = CopyPlan(*(np.arange(4, dtype=np.int64),) * 3)
+    with pytest.raises(CopyError, match=rf"^cudaMemcpyBatchAsync of 4 descriptors returned 1{where}$"):
+        BatchSubmitter(FakeBindingsRuntime((1, fail_index))).submit(plan, 7)
+
+
 class Memmove:
     """A fake submitter that executes plans with memmove (what a correct CUDA path does)."""
 

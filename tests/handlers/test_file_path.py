@@ -87,3 +87,29 @@ def test_a_file_tier_records_its_configured_io(tmp_path):
         assert backend.io_option == "posix"
     finally:
         backend.close()
+
+
+def test_a_tier_that_asked_for_direct_is_logged_staged_when_another_tier_makes_the_handler_staged(
+        tmp_path, monkeypatch, caplog):
+    """One handler serves every file tier: when one takes the staged path, the log line of a tier
+    whose `io` asked for the direct one says staged too, and why."""
+    monkeypatch.setattr(gpu_file, "file_path", lambda io_, cuda: choose_file_path(io_, CLOUD_VM))
+    monkeypatch.setattr("kvtier.handlers.file_path._logged", set())
+    fast = FileBackend("fast", 8, 4096, root_dir=str(tmp_path / "fast"), fingerprint="m", io="posix")
+    slow = FileBackend("slow", 8, 4096, root_dir=str(tmp_path / "slow"), fingerprint="m", io="posix")
+    fast.io_option = "kvikio"
+    handler = None
+    try:
+        with caplog.at_level(logging.INFO, logger="kvtier.handlers.file_path"):
+            handler = gpu_file.make_gpu_to_file({"fast": fast, "slow": slow}, kv_caches())
+        assert type(handler) is gpu_file.GPUFileHandler
+        lines = sorted(r.getMessage() for r in caplog.records)
+        assert len(lines) == 2
+        assert lines[0].startswith("file tier fast: engine<->file path staged (io: kvikio chosen explicitly")
+        assert "file tier slow takes the staged path" in lines[0]
+        assert lines[1] == "file tier slow: engine<->file path staged (io: posix)"
+    finally:
+        if handler is not None:
+            handler.shutdown()
+        fast.close()
+        slow.close()

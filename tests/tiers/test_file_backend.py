@@ -670,3 +670,21 @@ def test_auto_engine_is_posix_on_a_gpu_without_gpudirect_storage(root, monkeypat
         assert b.io.name == "posix" and opened == []
     finally:
         b.close()
+
+
+def test_close_whose_pid_erase_fails_still_releases_the_lock_and_its_file(root, monkeypatch):
+    """Erasing the pid from the lock file is the last step of a clean close: when it fails, the
+    error is raised, but the lock is released and its descriptor closed all the same."""
+    from kvtier.tiers import rootdir
+
+    b = open_backend(root)
+
+    def failing(fd, length):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(rootdir.os, "ftruncate", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        b.close()
+    monkeypatch.undo()
+    assert _open_fds_under(root) == []
+    open_backend(root).close()  # the lock was released
