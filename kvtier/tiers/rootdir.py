@@ -332,7 +332,9 @@ class RootLock:
     file holds the owner's pid (for the error others get, and for `kvtier inspect`)."""
 
     def __init__(self, root: Path):
-        """Take the lock (KVTierError naming the holder's pid when another process has it)."""
+        """Take the lock (KVTierError naming the holder's pid when another process has it). When
+        recording the pid fails the lock is released and its descriptor closed before the error
+        propagates."""
         self.path = root / LOCK
         while True:
             fd, created = open_or_create(self.path, os.O_RDWR)
@@ -349,8 +351,13 @@ class RootLock:
                 break
             os.close(fd)  # a failed build removed the file after we opened it: lock the current one
         self.created = created  # the lock file did not exist before
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            fcntl.flock(fd, fcntl.LOCK_UN)  # no object holds it yet: nobody else could release it
+            os.close(fd)
+            raise
         self._fd = fd
 
     def release(self, clean: bool = True) -> None:
