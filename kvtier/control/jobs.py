@@ -51,16 +51,38 @@ def enter_copies(tier: Tier, keys: list[OffloadKey], tail_first: bool = False) -
     their order, and insert them being written (`ref_cnt == -1`, pinned). Through the policy's
     `insert_written` when `tier.batch` (the slot ids), else `insert_many` (the blocks). With
     `tail_first` (a request's new blocks) they are inserted last key first, the last one named
-    as the request's tail (the `CachePolicy.insert_many` contract); copies have no tail."""
+    as the request's tail (the `CachePolicy.insert_many` contract); copies have no tail.
+
+    Atomic under a policy error: when inserting or pinning raises (a third-party policy refusing
+    a key), the keys already inserted are removed, the slots freed, and the error propagates."""
     step, tail = (-1, keys[-1] if keys else None) if tail_first else (1, None)
     if tier.batch:
         ids = tier.backend.allocate_block_ids(keys)
-        tier.policy.insert_written(keys[::step], ids[::step], tail=tail)
+        try:
+            tier.policy.insert_written(keys[::step], ids[::step], tail=tail)
+        except BaseException:
+            _undo_enter(tier, keys)
+            tier.backend.free_block_ids(ids)
+            raise
         return None, ids
     blocks = tier.backend.allocate_blocks(keys)
-    tier.policy.insert_many(keys[::step], blocks[::step], tail=tail)
-    tier.policy.pin(keys)
+    try:
+        tier.policy.insert_many(keys[::step], blocks[::step], tail=tail)
+        tier.policy.pin(keys)
+    except BaseException:
+        _undo_enter(tier, keys)
+        tier.backend.free_many(blocks)
+        raise
     return blocks, None
+
+
+def _undo_enter(tier: Tier, keys: list[OffloadKey]) -> None:
+    """Take out of `tier`'s policy those of `keys` (all absent before `enter_copies`) that a
+    failed insert left resident, unpinned first (as `complete_store` drops a failed write)."""
+    inserted = [key for key in keys if tier.policy.get(key) is not None]
+    tier.policy.unpin(inserted)
+    for key in inserted:
+        tier.policy.remove(key)
 
 
 def side_spec(tier: Tier, keys: list[OffloadKey], side: Side) -> LoadStoreSpec:
