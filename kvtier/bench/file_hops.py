@@ -17,6 +17,7 @@ whole hierarchy (memory tier over that file tier) built from YAML.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -256,7 +257,7 @@ block_bytes: {block_bytes}B
 block_tokens: {BENCH_TOKENS}
 tiers:
   - {{name: mem, backend: memory, capacity: 1024 blocks}}
-  - {{name: disk, backend: file, root_dir: {tier}, capacity: {num_blocks} blocks, io: posix}}
+  - {{name: disk, backend: file, root_dir: {json.dumps(str(tier))}, capacity: {num_blocks} blocks, io: posix}}
 """)
         start = time.perf_counter()
         hierarchy = build_hierarchy(config, model=BENCH_MODEL)
@@ -273,7 +274,6 @@ tiers:
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvtier.bench.file_hops [ROOT_DIR] [--repeats N]`: JSON lines of figures on stdout."""
     import argparse
-    import json
     import sys
 
     parser = argparse.ArgumentParser(prog="python -m kvtier.bench.file_hops", description=__doc__.split("\n\n")[0])
