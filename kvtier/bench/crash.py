@@ -73,9 +73,9 @@ def payload_for(block_id: int, block_bytes: int = BLOCK_BYTES) -> bytes:
     return hashlib.shake_128(block_id.to_bytes(8, "big")).digest(block_bytes)
 
 
-def config_text(root: str, upper: str, upper_blocks: int = UPPER_BLOCKS, file_blocks: int = FILE_BLOCKS,
-                block_bytes: int = BLOCK_BYTES, *, upper_name: str = "upper", reserve: float = 0.25,
-                fingerprint: str = FINGERPRINT) -> str:
+def config_text(root: str | os.PathLike[str], upper: str, upper_blocks: int = UPPER_BLOCKS,
+                file_blocks: int = FILE_BLOCKS, block_bytes: int = BLOCK_BYTES, *, upper_name: str = "upper",
+                reserve: float = 0.25, fingerprint: str = FINGERPRINT) -> str:
     """A `upper` (memory or cpu) tier cascading into a posix file tier in `root` (any path: it
     is written as a JSON string, which YAML reads as is)."""
     pin = "\n    pin: false" if upper == "cpu" else ""
@@ -91,7 +91,7 @@ tiers:
     reserve: {reserve}{pin}
   - name: disk
     backend: file
-    root_dir: {json.dumps(root)}
+    root_dir: {json.dumps(os.fspath(root))}
     capacity: {file_blocks} blocks
     policy: lru
     io: posix

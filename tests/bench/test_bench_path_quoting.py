@@ -29,3 +29,9 @@ def test_measure_restart_runs_under_an_odd_root_dir(tmp_path):
     assert figures["num_blocks"] == 64
     assert figures["journal_records"] >= 128  # each block written twice (1 rewrite)
     assert list(root.iterdir()) == []  # its work directory was removed
+
+
+def test_the_crash_config_takes_a_path_object_as_the_reliability_tests_pass_it(tmp_path):
+    root = tmp_path / "it's, odd: dir #1"
+    config = load_config_text(crash.config_text(root, "memory"))
+    assert config.tiers[1].options["root_dir"] == str(root)
