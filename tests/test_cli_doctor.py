@@ -76,3 +76,15 @@ def test_the_round_trip_works_under_a_temporary_directory_with_quotes_and_commas
     odd.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(odd))
     assert round_trip().endswith("bytes identical")
+
+
+def test_doctor_says_which_engine_file_path_auto_takes(capsys, monkeypatch):
+    from kvtier.tiers import fileio
+
+    monkeypatch.setattr(fileio, "gpu_present", lambda: True)
+    monkeypatch.setattr(fileio, "gds_platform", lambda: False)
+    if not fileio.kvikio_importable():
+        pytest.skip("kvikio is not installed")
+    main(["doctor"])
+    out = capsys.readouterr().out
+    assert "engine<->file under io: auto: staged (no nvidia-fs driver" in out, out
