@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier import ConfigError, registry
-from kvtier.testing.backend import BackendTests, key, keys, payload
+from kvtier.testing.backend import BackendTests
+from kvtier.testing.backend_harness import key, keys, payload
 from kvtier.testing.fake_remote import FakeServer, fake_valkey
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.file import FileBackend
