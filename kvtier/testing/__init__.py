@@ -37,7 +37,7 @@ _EXPORTS = {
     "EngineSide": "kvtier.testing.handler",
     "JobCollector": "kvtier.testing.handler",
     "ManagerTests": "kvtier.testing.manager",
-    "SchedulerDriver": "kvtier.testing.manager",
+    "SchedulerDriver": "kvtier.testing.scheduler_driver",
 }
 
 __all__ = sorted(_EXPORTS)
