@@ -196,9 +196,18 @@ class CudaKVCopyHandler(EngineJobHandler):
 
                 self._fast = None
                 demote_cuda(self.device, fast, str(exc))
-        if not self.layout.owns_whole_slot:
+        if self.layout.owns_whole_slot:
+            self._copy_staged(backend, gpu, slots)
+        else:
             self._copy_part(backend, gpu, slots)
-            return self.layout.bytes_of(gpu)
+        return self.layout.bytes_of(gpu)
+
+    def _copy_staged(self, backend: Any, gpu: GPULoadStoreSpec, slots) -> None:
+        """The job through a device staging buffer (and a pinned bounce buffer when the slots are
+        not consecutive), for a layout whose rows are whole slots."""
+        import torch
+
+        k = len(slots)
         stride = backend.slot_stride
         # Whole slots (row stride = slot_stride): every DMA below is between contiguous tensors.
         region_bytes = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
@@ -237,7 +246,6 @@ class CudaKVCopyHandler(EngineJobHandler):
                 self.layout.scatter(staging, rows, index)
                 done.record(self.stream)
                 done.synchronize()
-        return self.layout.bytes_of(gpu)
 
     def _copy_direct(self, fast: Any, backend: Any, gpu: GPULoadStoreSpec, slots) -> None:
         """The job as one plan of page <-> slot-place DMAs, submitted on the handler's stream."""
