@@ -41,22 +41,24 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from kvtier.config import HierarchyConfig, load_config
-from kvtier.errors import ClosedError, WaitTimeout
+from kvtier.errors import ClosedError
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.hierarchy import Hierarchy, build_hierarchy
 from kvtier.keys import OffloadKey
 from kvtier.specs import BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, LoadStoreSpec
 from kvtier.standalone_args import check_kv_caches, key_limit
 from kvtier.standalone_blocks import KeyBlocks
+from kvtier.standalone_counters import TransferCounters
 from kvtier.standalone_metrics import MetricsEndpoint, check_metrics_port
 from kvtier.types import CanonicalKVCaches, LookupResult, TransferResult
 
+_T = TypeVar("_T")
 _MAX_LOOKUP_ROUNDS = 1000
 _RECHECK_S = 0.1  # how often a call waiting for a job looks whether another thread closed the KVTier
 FLUSH_TIMEOUT_S = 60.0  # `close()`'s default bound on writing the first tier's dirty blocks down
@@ -82,8 +84,7 @@ class KVTier:
         self._worker = hierarchy.worker  # the jobs that touch the KV tensors
         self._blocks = KeyBlocks(layout, key_limit(hierarchy))  # checks and lays out each call's keys and ids
         self._top_capacity = self.manager.tiers[0].capacity
-        self._counters = {"stores": 0, "store_failures": 0, "store_bytes": 0, "store_seconds": 0.0,
-                          "loads": 0, "load_failures": 0, "load_bytes": 0, "load_seconds": 0.0}
+        self._counters = TransferCounters()
         self._lock = threading.RLock()  # held by the running call (see the class docstring)
         self._closing = False  # set by `close()` before it takes the lock: waiting calls give up
         self._closed = False
@@ -106,22 +107,7 @@ class KVTier:
         or an interface's address only to let other hosts scrape it).
         `build_options` go to `build_hierarchy` (e.g. `enable_events=True`).
         """
-        check_kv_caches(kv_caches, blocks_per_chunk)
-        check_metrics_port(metrics_port, metrics_addr)
-        if not isinstance(config, HierarchyConfig):
-            config = load_config(config)
-        chunked = ChunkedKVCaches(list(kv_caches.tensors), list(kv_caches.group_data_refs), blocks_per_chunk)
-        layout = KVLayout(chunked, blocks_per_chunk)
-        hierarchy = build_hierarchy(config, block_bytes=layout.block_bytes, kv_caches=chunked, model=model,
-                                    **build_options)
-        try:
-            tier = cls(hierarchy, layout)
-            if metrics_port is not None:
-                tier._metrics = MetricsEndpoint(tier.stats, metrics_port, metrics_addr)
-            return tier
-        except BaseException:
-            hierarchy.close()
-            raise
+        return _open(cls, config, kv_caches, blocks_per_chunk, model, metrics_port, metrics_addr, build_options)
 
     @property
     def metrics_url(self) -> str | None:
@@ -183,7 +169,7 @@ class KVTier:
         order = self._blocks.group_order(to_store)
         result = self._run(self._blocks.gpu_spec([to_store[i] for i in order], by_key), output.store_spec.subset(order))
         self.manager.complete_store(to_store, success=result.success)
-        self._count("store", result)
+        self._counters.count("store", result)
         if not result.success:
             log.warning("store: %d block(s) not stored: the copy failed (%s)", len(to_store), result.error)
         return result.success
@@ -239,7 +225,7 @@ class KVTier:
                 seconds += result.transfer_time or 0.0
         finally:
             self.manager.complete_load(wanted)
-        self._count("load", TransferResult(0, ok, moved, seconds))
+        self._counters.count("load", TransferResult(0, ok, moved, seconds))
         return ok
 
     def wait(self) -> None:
@@ -260,7 +246,7 @@ class KVTier:
     def stats(self) -> dict[str, Any]:
         """Per-tier counters of the manager plus this API's store/load totals under `"engine"`."""
         with self._lock:
-            return {**self.manager.get_stats(), "engine": dict(self._counters)}
+            return {**self.manager.get_stats(), "engine": self._counters.as_dict()}
 
     def close(self, flush: bool = True, flush_timeout: float | None = FLUSH_TIMEOUT_S) -> None:
         """Write the dirty blocks down (`flush`, unless `flush` is False; at most `flush_timeout`
@@ -304,28 +290,42 @@ class KVTier:
 
     def _wait_idle(self) -> None:
         """`manager.wait_idle`, giving up with `ClosedError` when another thread closes the KVTier."""
-        while True:
-            try:
-                self.manager.wait_idle(_RECHECK_S)
-                return
-            except WaitTimeout:
-                self._check_open()
+        self._patiently(self.manager.wait_idle)
 
     def _run(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> TransferResult:
         """Submit one job to the worker plane and wait for its result (`ClosedError` when another
         thread closes the KVTier meanwhile: the job finishes before the close releases a tier)."""
         job_id = self._worker.submit(src, dst)
+        return self._patiently(lambda timeout: self._worker.result(job_id, timeout=timeout))
+
+    def _patiently(self, wait: Callable[[float], _T]) -> _T:
+        """`wait(_RECHECK_S)` until it returns without `TimeoutError`, checking in between that
+        no other thread closed the KVTier (`ClosedError`)."""
         while True:
             try:
-                return self._worker.result(job_id, timeout=_RECHECK_S)
-            except TimeoutError:
+                return wait(_RECHECK_S)
+            except TimeoutError:  # (WaitTimeout is one)
                 self._check_open()
 
-    def _count(self, kind: str, result: TransferResult) -> None:
-        c = self._counters
-        if result.success:
-            c[f"{kind}s"] += 1
-            c[f"{kind}_bytes"] += result.transfer_size or 0
-            c[f"{kind}_seconds"] += result.transfer_time or 0.0
-        else:
-            c[f"{kind}_failures"] += 1
+
+def _open(cls: type[KVTier], config: str | Path | HierarchyConfig, kv_caches: CanonicalKVCaches,
+          blocks_per_chunk: int, model: str, metrics_port: int | None, metrics_addr: str,
+          build_options: dict[str, Any]) -> KVTier:
+    """`KVTier.open`'s work: check the arguments, build the hierarchy, and close it again if the
+    `KVTier` around it cannot be made."""
+    check_kv_caches(kv_caches, blocks_per_chunk)
+    check_metrics_port(metrics_port, metrics_addr)
+    if not isinstance(config, HierarchyConfig):
+        config = load_config(config)
+    chunked = ChunkedKVCaches(list(kv_caches.tensors), list(kv_caches.group_data_refs), blocks_per_chunk)
+    layout = KVLayout(chunked, blocks_per_chunk)
+    hierarchy = build_hierarchy(config, block_bytes=layout.block_bytes, kv_caches=chunked, model=model,
+                                **build_options)
+    try:
+        tier = cls(hierarchy, layout)
+        if metrics_port is not None:
+            tier._metrics = MetricsEndpoint(tier.stats, metrics_port, metrics_addr)
+        return tier
+    except BaseException:
+        hierarchy.close()
+        raise
