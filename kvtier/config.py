@@ -18,7 +18,8 @@ from types import MappingProxyType
 from typing import Any
 
 from kvtier import registry
-from kvtier.config_input import brief, clip, load_yaml, plain, read_config_file, suggest
+from kvtier.config_input import brief, clip, plain, read_config_file, suggest
+from kvtier.config_yaml import load_yaml
 from kvtier.errors import ConfigError
 from kvtier.limits import MAX_BLOCK_TOKENS, MAX_BLOCKS, MAX_BYTES, tier_blocks_problem
 from kvtier.types import CASCADE_MODES, DEFAULT_CASCADE, DEFAULT_RESERVE

@@ -516,7 +516,7 @@ def test_hostile_cases_through_a_real_process(tmp_path, case_id):
                                      "block_tokens-sexagesimal", "recursive-alias-map", "1MB-list-under-limit",
                                      "two-documents", "control-char"])
 def test_both_yaml_parsers_apply_the_limits(libyaml, case_id):
-    from kvtier.config_input import load_yaml
+    from kvtier.config_yaml import load_yaml
 
     [(content, field, fragment)] = [(c[1], c[4], c[5]) for c in HOSTILE if c[0] == case_id]
     started = time.perf_counter()
