@@ -48,6 +48,13 @@ def test_metrics_endpoint_serves_the_stats_and_stops_on_close():
         scrape(url)
 
 
+def port_of(tier: KVTier) -> int:
+    """The port of a KVTier's metrics endpoint, read from its public `metrics_url`."""
+    match = re.fullmatch(r"http://.+:(\d+)/metrics", tier.metrics_url or "")
+    assert match, tier.metrics_url
+    return int(match.group(1))
+
+
 def test_a_bad_metrics_port_is_refused_before_anything_is_built():
     with pytest.raises(ArgumentError, match=r"metrics_port: 70000 is not a TCP port"):
         KVTier.open(CPU, make_kv(), metrics_port=70000)
@@ -58,8 +65,9 @@ def test_a_bad_metrics_port_is_refused_before_anything_is_built():
 def test_a_port_in_use_is_an_argument_error_and_nothing_stays_open():
     first = KVTier.open(CPU, make_kv(), metrics_port=0)
     try:
-        with pytest.raises(ArgumentError, match=rf"metrics_port: cannot serve on 127\.0\.0\.1:{first._metrics.port}"):
-            KVTier.open(CPU, make_kv(), metrics_port=first._metrics.port)
+        port = port_of(first)
+        with pytest.raises(ArgumentError, match=rf"metrics_port: cannot serve on 127\.0\.0\.1:{port}"):
+            KVTier.open(CPU, make_kv(), metrics_port=port)
     finally:
         first.close()
 
@@ -89,8 +97,8 @@ def test_an_ipv6_metrics_addr_gives_a_bracketed_url():
 
 def test_close_frees_the_port_and_two_tiers_serve_apart():
     first, second = KVTier.open(CPU, make_kv(), metrics_port=0), KVTier.open(CPU, make_kv(), metrics_port=0)
-    port = first._metrics.port
-    assert port != second._metrics.port
+    port = port_of(first)
+    assert port != port_of(second)
     first.close()
     assert value(scrape(second.metrics_url), "kvtier_tier_capacity_blocks", '{tier="cpu"}') == 16
     second.close()
