@@ -263,7 +263,7 @@ def drive(manager: Any, keys_per_request: list[list[bytes]], vllm_api: bool, mak
           HIT: object, MISS: object, progress: Callable[[int, int], None] | None) -> tuple[int, int, int, int]:
     """The timed part of `replay_manager`: every request's scheduler cycle. Returns (block ops,
     hit blocks, stores refused, retry steps). A module attribute, so that an instruction count
-    (`kvtier.bench.cycle --callgrind`) can wrap exactly this."""
+    (`python -m benchmarks.cycle --callgrind`) can wrap exactly this."""
     lookup, prepare_load, complete_load = manager.lookup, manager.prepare_load, manager.complete_load
     prepare_store, complete_store, touch = manager.prepare_store, manager.complete_store, manager.touch
     lookup_run = None if vllm_api else getattr(manager, "lookup_run", None)

@@ -182,10 +182,10 @@ def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dic
 
 
 def _belady_ceilings(trace, config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The offline optimum (Belady's MIN for prefix hits, `policy_study.optimum`) at each swept
+    """The offline optimum (Belady's MIN for prefix hits, `kvtier.bench.optimum`) at each swept
     first-tier capacity, for a cache as large as the whole hierarchy (every tier together holds at
     most that many distinct blocks, so no policy of any tier can do better)."""
-    from kvtier.bench.policy_study import optimum
+    from kvtier.bench.optimum import optimum
 
     below = sum(t.capacity.blocks for t in config.tiers[1:])
     out = []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvtier.bench import cycle
+from benchmarks import cycle
 from kvtier.bench.replay import generate_scan_trace
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvtier.bench import memory
+from benchmarks import memory
 from kvtier.policies.compact import CompactLRUCachePolicy
 from kvtier.policies.compact_prefix import CompactPrefixFreqCachePolicy
 from kvtier.types import BlockStatus

@@ -13,8 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from benchmarks import cycle
 from kvtier import LookupResult, build_hierarchy, load_config_text
-from kvtier.bench import cycle, replay
+from kvtier.bench import replay
 from kvtier.policies.compact import CompactLRUCachePolicy, PurePythonCompactLRU
 from kvtier.policies.lru import LRUCachePolicy
 from kvtier.specs import CPULoadStoreSpec

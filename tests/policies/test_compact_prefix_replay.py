@@ -12,7 +12,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvtier.bench import cycle, replay
+from benchmarks import cycle
+from kvtier.bench import replay
 from kvtier.hierarchy import build_hierarchy
 from kvtier.policies.compact_prefix import CompactPrefixFreqCachePolicy
 from kvtier.policies.prefix import PrefixFreqCachePolicy

@@ -1,6 +1,6 @@
 """Soak test of the hierarchy manager: a million operations with failing handlers and aborted requests.
 
-    python -m kvtier.bench.soak --ops 1000000 [--seed 0] [--json FILE]
+    python -m benchmarks.soak --ops 1000000 [--seed 0] [--json FILE]
 
 Two memory tiers (`hot` cascading `on_evict` into `warm`, real bytes derived from keys) under a
 `ChaosHandler` that completes each copy at once, later (deferred to a random later step, so
@@ -291,7 +291,7 @@ def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvtier.bench.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n")[0])
     p.add_argument("--ops", type=int, default=1_000_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-every", type=int, default=64)

@@ -1,7 +1,7 @@
 """CPU cost of the request cycle per trace block, kvtier against vLLM's LRU manager (issue 19).
 
-    python -m kvtier.bench.cycle [--repeats 5] [--capacity 10000] [--multi] [--json FILE]
-    python -m kvtier.bench.cycle --callgrind [--workloads agentic] [--systems lru,prefix-freq]
+    python -m benchmarks.cycle [--repeats 5] [--capacity 10000] [--multi] [--json FILE]
+    python -m benchmarks.cycle --callgrind [--workloads agentic] [--systems lru,prefix-freq]
 
 Four workloads: the Mooncake conversation and synthetic traces (`--traces`, default
 /work/shared/traces or $KVTIER_TRACES), the generated hit-heavy agentic workload
@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import child_env
 from kvtier.bench import replay
 
 WORKLOADS = ("conversation", "synthetic", "agentic", "scan")
@@ -66,7 +67,7 @@ def config_for(system: str, capacity: int):
     first tier's policy may be a pure-Python one (`memory.PURE`: 'prefix-freq-py', 'lru-py')."""
     from dataclasses import replace
 
-    from kvtier.bench.memory import PURE
+    from benchmarks.memory import PURE
     from kvtier.config import Capacity, load_config
 
     policy, _, below = system.partition("+")
@@ -139,9 +140,9 @@ def measure_callgrind(workloads: list[str], systems: list[str], capacity: int, t
             for system in systems:
                 out, cg = os.path.join(tmp, "row.json"), os.path.join(tmp, "callgrind.out")
                 cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
-                       f"--callgrind-out-file={cg}", sys.executable, "-m", "kvtier.bench.cycle", "--child",
+                       f"--callgrind-out-file={cg}", sys.executable, "-m", "benchmarks.cycle", "--child",
                        f"{workload}:{system}:{out}", "--capacity", str(capacity), "--traces", traces]
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
                 row = json.loads(Path(out).read_text())
                 match = re.search(r"^(?:summary|totals): (\d+)", Path(cg).read_text(), re.M)
                 assert match is not None, "callgrind wrote no totals"

@@ -1,6 +1,6 @@
 """Index memory per resident block, measured as RSS growth (issue 19: <= 100 bytes including the key).
 
-    python -m kvtier.bench.memory [--blocks 1000000,8000000] [--policies lru,lru-py,prefix-freq,prefix-freq-py,vllm-lru]
+    python -m benchmarks.memory [--blocks 1000000,8000000] [--policies lru,lru-py,prefix-freq,prefix-freq-py,vllm-lru]
                                   [--churn X] [--json FILE]
 
 Each (policy, N) runs in a fresh child process: resident set size (/proc/self/statm) before, then
@@ -35,6 +35,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks import child_env
 
 POLICIES = ("lru", "lru-py", "prefix-freq", "prefix-freq-py", "vllm-lru")
 PURE = {"lru-py": "kvtier.policies.lru:LRUCachePolicy",  # bench names that are not registered:
@@ -139,8 +141,8 @@ def measure(name: str, n: int, churn: float = 0.0) -> dict[str, Any]:
 
 
 def run_child(name: str, n: int, churn: float = 0.0) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "kvtier.bench.memory", "--child", f"{name}:{n}:{churn}"],
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--child", f"{name}:{n}:{churn}"],
+                         capture_output=True, text=True, env=child_env())
     if out.returncode != 0:
         raise RuntimeError(f"{name} at {n} blocks failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
