@@ -134,7 +134,7 @@ def test_write_through_copies_every_completed_store_down(ctx):
     h.close()
 
 
-@pytest.mark.parametrize("policy", ["kvtier.policies.lru:LRUCachePolicy", "lru"], ids=["pure", "compiled"])
+@pytest.mark.parametrize("policy", ["kvtier.policies.lru_pure:PureLRUCachePolicy", "lru"], ids=["pure", "compiled"])
 def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx, policy):
     """The `CachePolicy.insert_many` contract: a request's new blocks go in tail first with
     `tail=` its last new block; blocks copied in from another tier carry no tail. A policy with

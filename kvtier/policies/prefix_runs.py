@@ -1,4 +1,4 @@
-"""The eviction runs of `prefix-freq` (kvtier/policies/prefix.py): the k-way merge of its segment
+"""The eviction runs of `prefix-freq` (kvtier/policies/prefix_pure.py): the k-way merge of its segment
 lanes by score, a run of victims taken from one lane while it stays below the other heads, and
 the bookkeeping of the blocks a run evicted. Module functions over the policy's structures, kept
 apart so that the policy module stays one readable size."""

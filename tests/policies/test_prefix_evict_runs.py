@@ -9,7 +9,7 @@ from itertools import islice
 
 import pytest
 
-from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.types import BlockStatus
 
 
@@ -21,7 +21,7 @@ def key(i: int) -> bytes:
 @pytest.mark.parametrize("seed", range(6))
 def test_evict_equals_the_order_walk(seed, tracked):
     rng = random.Random(seed)
-    policy = PrefixFreqCachePolicy(400)
+    policy = PurePrefixFreqCachePolicy(400)
     if tracked:
         policy.track_pins()
     blocks: dict[bytes, BlockStatus] = {}

@@ -1,4 +1,6 @@
-"""Least-recently-used replacement.
+"""Least-recently-used replacement in pure Python: `PureLRUCachePolicy`, the twin of the registered
+`lru` (`kvtier.policies.lru_compiled.LRUCachePolicy`, a compiled index making the same decisions)
+and its fallback where the extension is not built.
 
 With evictable accounting (`CachePolicy.track_pins`, which the manager turns on) pinned blocks
 leave the eviction order: a block found pinned at the head of the order is set *aside* (it keeps
@@ -33,7 +35,7 @@ _second = itemgetter(1)
 _ref_cnt = attrgetter("ref_cnt")
 
 
-class LRUCachePolicy(CachePolicy):
+class PureLRUCachePolicy(CachePolicy):
     """Evicts the least recently inserted or touched unpinned block first."""
 
     def __init__(self, cache_capacity: int) -> None:

@@ -1,7 +1,11 @@
 """Prefix-aware, frequency-credited LRU for prefix caches (kvtier's own design, issue 8).
 
-Registered as `prefix-freq`. A block is only worth keeping while every block before it in its
-request is kept: the lookup stops at the first miss. What the Mooncake traces show (numbers in
+`PurePrefixFreqCachePolicy` is the pure-Python twin of the registered `prefix-freq`
+(`kvtier.policies.prefix_compiled.PrefixFreqCachePolicy`, a compiled index making the same
+decisions) and its fallback where the extension is not built; the design is explained here.
+
+A block is only worth keeping while every block before it in its request is kept: the lookup
+stops at the first miss. What the Mooncake traces show (numbers in
 docs/policies.md):
 
 1. *Most stored blocks are never used again* (76% of the distinct blocks of the conversation
@@ -75,7 +79,7 @@ _second = itemgetter(1)
 _ref_cnt = attrgetter("ref_cnt")
 
 
-class PrefixFreqCachePolicy(CachePolicy):
+class PurePrefixFreqCachePolicy(CachePolicy):
     """Recency plus a per-hit-count credit; request tails first; chains cut from the deep end.
 
     State: `blocks` (key -> block, `get` is its bound `get`), `segs[i]` (key -> stamp, an LRU
@@ -359,7 +363,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         return list(self.blocks)
 
 
-def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
+def _place_many(policy: PurePrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
     """`policy._place(key, key == tail)` for each of `keys` (distinct, just inserted), in order,
     a segment at a time: each segment receives its keys in the order of `keys`, and the
     segments are independent lists."""
