@@ -5,8 +5,8 @@
 
 Four workloads: the Mooncake conversation and synthetic traces (`--traces`, default
 /work/shared/traces or $KVTIER_TRACES), the generated hit-heavy agentic workload
-(`replay.generate_agentic_trace`) and the generated one-shot-scan workload
-(`replay.generate_scan_trace`). Systems: kvtier with `lru` and with `prefix-freq` in one tier of
+(`workloads.generate_agentic_trace`) and the generated one-shot-scan workload
+(`workloads.generate_scan_trace`). Systems: kvtier with `lru` and with `prefix-freq` in one tier of
 `--capacity` blocks, vLLM 0.32's `CPUOffloadingManager` with LRU at the same capacity, and with
 `--multi` kvtier with each policy over a file tier nine times larger (`lru+file`, ...). Named in
 `--systems`, `prefix-freq-py` and `lru-py` are the pure-Python policies the compiled indexes
@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import child_env
-from kvtier.bench import replay
+from kvtier.bench import replay, workloads
 
 WORKLOADS = ("conversation", "synthetic", "agentic", "scan")
 SYSTEMS = ("lru", "prefix-freq", "vllm-lru")
@@ -49,14 +49,14 @@ MULTI = ("lru+file", "prefix-freq+file")
 DEFAULT_TRACES = "/work/shared/traces"
 
 
-def load_workload(name: str, traces: str) -> replay.Trace:
+def load_workload(name: str, traces: str) -> workloads.Trace:
     """The trace of workload `name` (one of `WORKLOADS`)."""
     if name == "agentic":
-        return replay.generate_agentic_trace()
+        return workloads.generate_agentic_trace()
     if name == "scan":
-        return replay.generate_scan_trace()
+        return workloads.generate_scan_trace()
     if name in ("conversation", "synthetic"):
-        return replay.load_trace(Path(traces) / f"mooncake_{name}.jsonl")
+        return workloads.load_trace(Path(traces) / f"mooncake_{name}.jsonl")
     raise ValueError(f"--workloads: unknown workload {name!r} (expected one of {', '.join(WORKLOADS)})")
 
 
@@ -79,7 +79,7 @@ def config_for(system: str, capacity: int):
     return replace(config, tiers=(first, *rest))
 
 
-def run_one(system: str, trace: replay.Trace, capacity: int) -> dict[str, Any]:
+def run_one(system: str, trace: workloads.Trace, capacity: int) -> dict[str, Any]:
     """Replay `trace` once through `system`; the replay's result row."""
     if system == "vllm-lru":
         return replay.replay_vllm(capacity, "lru", trace)

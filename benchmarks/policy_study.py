@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.optimum import optimum
-from kvtier.bench.replay import Trace, load_trace, parse_counts, replay_manager
+from kvtier.bench.replay import parse_counts, replay_manager
+from kvtier.bench.workloads import Trace, load_trace
 
 
 def single_tier_config(policy: str, capacity: int, block_tokens: int = 512):

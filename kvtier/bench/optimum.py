@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 
-from kvtier.bench.replay import Trace
+from kvtier.bench.workloads import Trace
 
 
 def optimum(trace: Trace, capacity: int | None) -> float:

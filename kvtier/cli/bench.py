@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
-from kvtier.bench import hops_report, replay
+from kvtier.bench import hops_report, replay, workloads
 from kvtier.bench.hops import TransferCorrupted
 from kvtier.bench.sample import SAMPLE_TRACE, sample_trace_path
 from kvtier.bench.spread import default_repeats
@@ -150,9 +150,9 @@ def _replay_config(args, config):
 
 def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dict[str, Any]:
     if args.trace:
-        trace = replay.load_trace(sample_trace_path() if args.trace == SAMPLE_TRACE else args.trace, args.limit)
+        trace = workloads.load_trace(sample_trace_path() if args.trace == SAMPLE_TRACE else args.trace, args.limit)
     else:
-        trace = replay.generate_trace(num_conversations=60 if args.quick else 400)
+        trace = workloads.generate_trace(num_conversations=60 if args.quick else 400)
         if args.limit:
             trace.requests = trace.requests[: args.limit]
     capacities = checked["capacities"]

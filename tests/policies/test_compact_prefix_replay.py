@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 
 from benchmarks import cycle
-from kvtier.bench import replay
+from kvtier.bench import replay, workloads
 from kvtier.hierarchy import build_hierarchy
 from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
@@ -120,8 +120,8 @@ def test_replay_equals_the_pure_policy(workload, multi):
     """Generated workloads at a small capacity (many evictions, aside blocks, demotions and
     promotions): every figure of the replay and tier 0's final state equal the pure class's."""
     if workload == "conversations":  # each request ends in a partial block of its own (the Mooncake traces' tails)
-        turns = replay.generate_trace().requests
-        trace = replay.Trace("partial-tails", [r + [(1 << 62) + i] for i, r in enumerate(turns)])
+        turns = workloads.generate_trace().requests
+        trace = workloads.Trace("partial-tails", [r + [(1 << 62) + i] for i, r in enumerate(turns)])
     else:
         trace = cycle.load_workload(workload, "")
     compiled = cycle.config_for("prefix-freq+file" if multi else "prefix-freq", 200)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks.policy_study import format_table, grid, optimum, replay_policy, trace_stats
-from kvtier.bench.replay import Trace, generate_trace
+from kvtier.bench.workloads import Trace, generate_trace
 from kvtier.registry import POLICIES
 
 
