@@ -64,7 +64,7 @@ from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.prefix_aside import AsideBlocks
 from kvtier.policies.prefix_ghosts import GhostList
-from kvtier.policies.prefix_runs import _TAIL, _best_lane, _forget, _merged, _run
+from kvtier.policies.prefix_runs import _TAIL, _forget, _heads, _merged, _probes, _take_tails, _walk_lanes
 from kvtier.policies.prefix_tails import (
     HIT_NEW,
     HIT_TAIL,
@@ -107,12 +107,9 @@ class PurePrefixFreqCachePolicy(CachePolicy):
         # prefix, reversed, is runs of keys with more and more hits (its tail first), so a key not
         # in the segment of the key before it is looked for in the segments above first:
         # _probe[s] = [segment s's pop, the segment its keys move to, the probes after s].
-        top = len(self.segs) - 1
-        self._probe: list[list] = [[seg.pop, self.segs[2 if s == _TAIL else min(s + 1, top)]]
-                                   for s, seg in enumerate(self.segs)]
-        for s, probe in enumerate(self._probe):
-            probe.append(tuple(self._probe[t] for t in (*range(s + 1, top + 1), *range(s - 1, -1, -1))))
+        self._probe = _probes(self.segs)
         # a returning ghost evicted from segment s is stored again into _returns_to[s] (see _place)
+        top = len(self.segs) - 1
         self._returns_to = tuple(min(max(seg, 1) + 1, top) for seg in range(top + 1))
         self.blocks: dict[OffloadKey, BlockStatus] = {}
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
@@ -242,33 +239,6 @@ class PurePrefixFreqCachePolicy(CachePolicy):
         """Whether request tails are evicted before any other block now (`TailEvidence.one_time`)."""
         return self._tails.one_time(self.tail_reuse_max)
 
-    def _heads(self, protected: set[OffloadKey], first: int,
-               met: list[tuple[int, OffloadKey]] | None = None) -> list[list]:
-        """Per non-empty segment from `first` on: [score of its first evictable block, key, block,
-        iterator, offset, segment index, keys taken so far]. Offset = credit * unit (tails: 0).
-        The keys passed over (pinned, protected) are appended to `met` when it is given."""
-        blocks, unit, credits = self.blocks, self.unit, self.credits
-        lanes: list[list] = []
-        segs = self.segs
-        freed = self._aside.freed
-        lane_of, pinned = self._aside.lane, self._pinned
-        for index in range(first, len(segs)):
-            if freed[index]:  # (a segment may hold only aside keys)
-                it = lane_of(index, pinned)
-            elif segs[index]:
-                it = iter(segs[index].items())  # (`lane_of` when no key is aside)
-            else:
-                continue
-            for key, stamp in it:
-                block = blocks[key]
-                if block.ref_cnt == 0 and key not in protected:
-                    offset = credits[index - 1] * unit if index else 0.0
-                    lanes.append([stamp + offset, key, block, it, offset, index, []])
-                    break
-                if met is not None:
-                    met.append((index, key))
-        return lanes
-
     def _order(self, protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         """Evictable blocks in eviction order (no state change); the same walk as `evict`:
         one-time request tails first, then by increasing score, ties to the lower segment."""
@@ -280,7 +250,7 @@ class PurePrefixFreqCachePolicy(CachePolicy):
                 block = blocks[key]
                 if block.ref_cnt == 0 and key not in protected:
                     yield key, block
-        yield from _merged(self._heads(protected, first), blocks, protected)
+        yield from _merged(_heads(self, protected, first), blocks, protected)
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
@@ -290,42 +260,18 @@ class PurePrefixFreqCachePolicy(CachePolicy):
             return None  # fewer than n evictable blocks, known without looking at the pinned ones
         # The walk of _order, without a generator (this is the hot path).
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
-        append = chosen.append
         left = n
         first = 0
         tails: list[OffloadKey] = []
         met: list[tuple[int, OffloadKey]] | None = None if pinned is None else []
         if self._tails.one_time(self.tail_reuse_max):  # (`_tails_one_time`)
             first = 1
-            take = tails.append
             aside = self._aside
-            for key, _ in (aside.lane(_TAIL, pinned) if aside.freed[_TAIL] else self.segs[_TAIL].items()):
-                block = blocks[key]
-                if block.ref_cnt == 0 and key not in protected:
-                    append((key, block))
-                    take(key)
-                    left -= 1
-                    if not left:
-                        break
-                elif met is not None:
-                    met.append((_TAIL, key))
-        lanes = self._heads(protected, first, met) if left else []
+            lane = aside.lane(_TAIL, pinned) if aside.freed[_TAIL] else self.segs[_TAIL].items()
+            left = _take_tails(lane, left, blocks, protected, chosen, tails, met)
+        lanes = _heads(self, protected, first, met) if left else []
         used = lanes[:]
-        while lanes:
-            best, limit = _best_lane(lanes)
-            take = best[6].append
-            append((best[1], best[2]))
-            take(best[1])
-            left -= 1
-            if not left:
-                break
-            left, exhausted = _run(best, limit - best[4], left, blocks, protected, chosen, met)
-            if exhausted:
-                lanes.remove(best)
-                continue
-            if not left:
-                break
-        if left:
+        if _walk_lanes(lanes, left, blocks, protected, chosen, met):
             return None
         self._sync()
         if self.aside:
