@@ -37,15 +37,6 @@ class FallbackPrefixFreqCachePolicy(FallbackPolicy, PurePrefixFreqCachePolicy):
 
     index = INDEX
 
-    @property
-    def tail_counts(self) -> list[int]:
-        """The departures of tails and new blocks (`TailEvidence.counts`, a copy); settable."""
-        return list(self._tails.counts)
-
-    @tail_counts.setter
-    def tail_counts(self, counts: list[int]) -> None:
-        self._tails.counts = [int(v) for v in counts]
-
 
 if COMPILED:
     class PrefixFreqCachePolicy(CompiledPolicy, CompactPrefixPolicy, CachePolicy):

@@ -136,6 +136,16 @@ class PurePrefixFreqCachePolicy(CachePolicy):
     def ghost_limit(self, limit: int) -> None:
         self._ghosts.limit = limit
 
+    @property
+    def tail_counts(self) -> list[int]:
+        """The departures of tails and new blocks (`TailEvidence.counts`, a copy); settable. The
+        compiled class has the same property."""
+        return list(self._tails.counts)
+
+    @tail_counts.setter
+    def tail_counts(self, counts: list[int]) -> None:
+        self._tails.counts = [int(v) for v in counts]
+
     def get(self, key: OffloadKey) -> BlockStatus | None:  # replaced per instance by blocks.get
         return self.blocks.get(key)
 

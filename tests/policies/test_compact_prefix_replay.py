@@ -89,11 +89,10 @@ def test_bad_keys_and_capacities_are_reported():
 
 
 def policy_state(policy) -> tuple:
-    """What the two implementations must agree on after a replay (the pure class's internals,
-    the compiled one's inspection properties)."""
-    counts = policy.tail_counts if hasattr(policy, "tail_counts") else list(policy._tails.counts)
+    """What the two implementations must agree on after a replay (their inspection properties)."""
     return (sorted((k, policy.get(k).block_id, policy.get(k).ref_cnt) for k in policy.keys()),
-            policy.victim_keys(len(policy)), list(policy.ghosts.items()), policy.clock, policy.unit, counts,
+            policy.victim_keys(len(policy)), list(policy.ghosts.items()), policy.clock, policy.unit,
+            policy.tail_counts,
             sorted(policy.pinned_keys() or ()))
 
 
@@ -106,7 +105,7 @@ def replayed(config, trace) -> tuple[dict, tuple, bool]:
         stats = hierarchy.manager.get_stats()
         policy = hierarchy.manager.tiers[0].policy
         evidence = TailEvidence()
-        evidence.counts = list(policy.tail_counts if hasattr(policy, "tail_counts") else policy._tails.counts)
+        evidence.counts = policy.tail_counts
         one_time = evidence.one_time(PurePrefixFreqCachePolicy.tail_reuse_max)
         return ({k: result[k] for k in ("hit_rate", "hit_blocks", "stores_refused", "retry_steps")} | {"tiers": stats},
                 policy_state(policy), one_time)
@@ -156,10 +155,7 @@ def test_the_tail_rule_equals_pythons_exact_comparison_at_any_count(counts):
         p.touch([b"absent"])  # the clock moves on
         p.insert_many([b"tail"], readable([2]), tail=b"tail")
         p.touch([b"absent"])
-        if isinstance(p, PrefixFreqCachePolicy):
-            p.tail_counts = counts
-        else:
-            p._tails.counts = list(counts)
+        p.tail_counts = counts
         orders.append(p.victim_keys(2))
     assert orders[0] == orders[1] == ([b"tail", b"older"] if one_time else [b"older", b"tail"])
 
@@ -202,6 +198,6 @@ def test_the_compiled_ghost_list_keeps_the_pure_ones_order_through_compactions(l
             p.insert_many(keys, readable(range(len(keys))), tail=keys[0] if keys else None)
             p.touch(keys[1:2])
         assert list(compiled.ghosts.items()) == list(pure.ghosts.items()), step
-    assert compiled.tail_counts == pure._tails.counts and compiled.unit == pure.unit
+    assert compiled.tail_counts == pure.tail_counts and compiled.unit == pure.unit
     if limit is None or limit > 1:
-        assert pure._tails.counts[1] + pure._tails.counts[3] > 0, "no ghost ever returned"
+        assert pure.tail_counts[1] + pure.tail_counts[3] > 0, "no ghost ever returned"

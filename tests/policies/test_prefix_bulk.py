@@ -27,7 +27,7 @@ def per_key(policy: PurePrefixFreqCachePolicy, keys: list, blocks: list, tail) -
 
 
 def snapshot(policy: PurePrefixFreqCachePolicy) -> tuple:
-    return ([list(seg.items()) for seg in policy.segs], list(policy.ghosts.items()), list(policy._tails.counts),
+    return ([list(seg.items()) for seg in policy.segs], list(policy.ghosts.items()), policy.tail_counts,
             sorted(policy.blocks), policy.clock)
 
 
