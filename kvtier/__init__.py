@@ -22,8 +22,8 @@ from kvtier.lru_manager import LRUOffloadingManager
 from kvtier.manager import HierarchyManager
 from kvtier.policies.arc import ARCCachePolicy
 from kvtier.policies.base import CachePolicy
-from kvtier.policies.lru import LRUCachePolicy
-from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.lru_compiled import LRUCachePolicy
+from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
 from kvtier.policies.sieve import SIEVECachePolicy
 from kvtier.registry import register_handler
 from kvtier.specs import (
@@ -56,7 +56,8 @@ __all__ = [
     "KVTier", "Hierarchy", "build_hierarchy", "HierarchyManager", "LRUOffloadingManager", "OffloadingManager",
     # configuration
     "HierarchyConfig", "load_config", "load_config_text", "parse_config", "parse_size",
-    # policies (every shipped one) and the base to write another
+    # policies (every shipped one: `lru` and `prefix-freq` are the registry's compiled classes, pure Python
+    # where not built; kvtier.policies also names their pure-Python twins) and the base to write another
     "CachePolicy", "LRUCachePolicy", "ARCCachePolicy", "PrefixFreqCachePolicy", "SIEVECachePolicy",
     # extending: backends, their capabilities, handlers
     "Backend", "HostSlots", "HostRegion", "BlockFile", "TransferHandler", "register_handler",

@@ -32,10 +32,10 @@ BACKENDS: dict[str, str] = {
 }
 
 POLICIES: dict[str, str] = {
-    "lru": "kvtier.policies.compact:CompactLRUCachePolicy",  # pure-Python LRUCachePolicy when not built
+    "lru": "kvtier.policies.lru_compiled:LRUCachePolicy",  # pure-Python PureLRUCachePolicy when not built
     "arc": "kvtier.policies.arc:ARCCachePolicy",
     "sieve": "kvtier.policies.sieve:SIEVECachePolicy",
-    "prefix-freq": "kvtier.policies.compact_prefix:CompactPrefixFreqCachePolicy",  # pure-Python when not built
+    "prefix-freq": "kvtier.policies.prefix_compiled:PrefixFreqCachePolicy",  # pure-Python when not built
 }
 
 # The built-in handlers: (source spec, destination spec, factory), each a "module:attr" path. They

@@ -177,9 +177,9 @@ def test_bench_quick_takes_effect_on_trace_wherever_written(tmp_path, argv):
     out = tmp_path / "r.json"
     assert main([*argv, "--capacities", "50", "--policies", "lru", "--json", str(out), "--no-progress"]) == 0
     doc = json.loads(out.read_text())
-    from kvtier.bench import replay
+    from kvtier.bench import workloads
 
-    assert doc["trace"]["requests"] == len(replay.generate_trace(num_conversations=60).requests)
+    assert doc["trace"]["requests"] == len(workloads.generate_trace(num_conversations=60).requests)
 
 
 @pytest.mark.parametrize("argv", [

@@ -112,9 +112,9 @@ tiers:
     assert [t.policy for t in cfg.tiers] == ["prefix-freq", "lru", "arc", "lru"]
     hierarchy = build_hierarchy(cfg, dry_run=True)
     try:
-        lru = "CompactLRUCachePolicy"  # the compiled indexes (tests/policies/test_compact_*.py: built here)
+        lru = "LRUCachePolicy"  # the compiled indexes (tests/policies/test_compact_*.py: built here)
         assert [type(t.policy).__name__ for t in hierarchy.manager.tiers] == [
-            "CompactPrefixFreqCachePolicy", lru, "ARCCachePolicy", lru]
+            "PrefixFreqCachePolicy", lru, "ARCCachePolicy", lru]
     finally:
         hierarchy.close()
 
@@ -409,7 +409,7 @@ def test_config_check_locates_named_code_without_running_it(tmp_path, capsys, si
     ("policy", "os:_exit", "names a function, not a class"),
     ("backend", "os:getcwd", "names a function, not a class"),
     ("policy", "json:JSONDecoder", "does not derive from kvtier.policies.base:CachePolicy"),
-    ("backend", "kvtier.policies.lru:LRUCachePolicy", "does not derive from kvtier.tiers.base:Backend"),
+    ("backend", "kvtier.policies.lru_pure:PureLRUCachePolicy", "does not derive from kvtier.tiers.base:Backend"),
 ])
 def test_code_of_the_wrong_kind_is_a_config_error_at_load_and_at_build(field, name, fragment):
     with pytest.raises(ConfigError) as info:

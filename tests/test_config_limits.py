@@ -9,9 +9,9 @@ import pytest
 from kvtier import ConfigError, build_hierarchy, limits, load_config_text
 from kvtier.cli.main import main
 from kvtier.config import MAX_BLOCKS, MAX_BYTES
-from kvtier.policies.compact import CompactLRUCachePolicy
-from kvtier.policies.compact_prefix import CompactPrefixFreqCachePolicy
-from kvtier.policies.lru import LRUCachePolicy
+from kvtier.policies.lru_compiled import LRUCachePolicy
+from kvtier.policies.lru_pure import PureLRUCachePolicy
+from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
 from kvtier.tiers.valkey import ValkeyBackend
 from kvtier.types import BlockStatus
 
@@ -46,17 +46,17 @@ def problems(text: str, **build) -> list[tuple[str, str]]:
 
 def test_the_limits_are_stated_once():
     assert (MAX_BLOCKS, MAX_BYTES) == (limits.MAX_BLOCKS, limits.MAX_BYTES)
-    for cls in (CompactLRUCachePolicy, CompactPrefixFreqCachePolicy):
+    for cls in (LRUCachePolicy, PrefixFreqCachePolicy):
         assert cls.max_blocks == LIMIT
         cls(LIMIT)  # what the index itself accepts (test_compact_keys.py: one more is refused)
-    assert LRUCachePolicy.max_blocks is None and ValkeyBackend.max_blocks is None
+    assert PureLRUCachePolicy.max_blocks is None and ValkeyBackend.max_blocks is None
 
 
-@pytest.mark.parametrize("cls", [CompactLRUCachePolicy, CompactPrefixFreqCachePolicy], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", [LRUCachePolicy, PrefixFreqCachePolicy], ids=lambda c: c.__name__)
 def test_a_compiled_index_holds_keys_up_to_the_length_it_states(cls):
     policy = cls(4)
     longest = b"k" * limits.MAX_KEY_BYTES
-    assert cls.max_key_bytes == limits.MAX_KEY_BYTES and LRUCachePolicy.max_key_bytes is None
+    assert cls.max_key_bytes == limits.MAX_KEY_BYTES and PureLRUCachePolicy.max_key_bytes is None
     policy.insert(longest, BlockStatus(1))
     assert policy.get(longest).block_id == 1
     with pytest.raises(ValueError, match=f"at most {limits.MAX_KEY_BYTES} bytes"):
@@ -114,8 +114,8 @@ def test_the_build_checks_a_count_config_check_could_not_know():
 
 
 def test_tier_blocks_problem_names_what_sets_the_limit():
-    assert limits.tier_blocks_problem(LIMIT, ValkeyBackend, CompactLRUCachePolicy) is None
-    message = limits.tier_blocks_problem(LIMIT + 1, ValkeyBackend, CompactLRUCachePolicy, policy_name="lru")
+    assert limits.tier_blocks_problem(LIMIT, ValkeyBackend, LRUCachePolicy) is None
+    message = limits.tier_blocks_problem(LIMIT + 1, ValkeyBackend, LRUCachePolicy, policy_name="lru")
     assert message is not None and "policy 'lru'" in message and "choose a policy" in message
     assert limits.tier_block_limit(None, None) == (MAX_BLOCKS, "any tier")
     assert "at least 1 block" in (limits.tier_blocks_problem(0) or "")

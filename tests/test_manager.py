@@ -134,7 +134,7 @@ def test_write_through_copies_every_completed_store_down(ctx):
     h.close()
 
 
-@pytest.mark.parametrize("policy", ["kvtier.policies.lru:LRUCachePolicy", "lru"], ids=["pure", "compiled"])
+@pytest.mark.parametrize("policy", ["kvtier.policies.lru_pure:PureLRUCachePolicy", "lru"], ids=["pure", "compiled"])
 def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx, policy):
     """The `CachePolicy.insert_many` contract: a request's new blocks go in tail first with
     `tail=` its last new block; blocks copied in from another tier carry no tail. A policy with
@@ -287,7 +287,8 @@ def test_slow_lower_tier_applies_backpressure_without_blocking_stores(ctx):
 def test_cascade_loses_nothing_when_the_lower_tier_keeps_up(policy):
     """With handlers that finish at once, every block evicted from tier 0 (by stores or by
     promotions) was copied down first, whatever order the policy evicts in."""
-    from kvtier.bench.replay import generate_trace, replay_manager
+    from kvtier.bench.replay import replay_manager
+    from kvtier.bench.workloads import generate_trace
 
     h = memory_hierarchy(hot=64, warm=4096, hot_policy=policy, dry_run=True)
     result = replay_manager(h.manager, generate_trace(num_conversations=80, seed=3))

@@ -8,7 +8,7 @@ keys and mix tiers, so both the fast paths and their fall-backs run. The registe
 compiled index here, whose batch calls (`CachePolicy.batch_calls`) the fast paths use; the same
 machines run on its pure-Python fallback (the manager's own loops) and on `BatchDefaultsLRU` (the
 manager through `CachePolicy`'s default batch calls), and on the compiled `prefix-freq` and the
-pure-Python `PrefixFreqCachePolicy` it replaced."""
+pure-Python `PurePrefixFreqCachePolicy` it replaced."""
 
 from __future__ import annotations
 
@@ -22,16 +22,16 @@ from test_manager_state import BLOCK, DeferredCopy
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
 from kvtier.config import load_config_text
 from kvtier.hierarchy import build_hierarchy
-from kvtier.policies.lru import LRUCachePolicy
+from kvtier.policies.lru_pure import PureLRUCachePolicy
 
 
-class BatchDefaultsLRU(LRUCachePolicy):
+class BatchDefaultsLRU(PureLRUCachePolicy):
     """The pure-Python LRU with the manager calling `CachePolicy`'s default batch calls."""
 
     batch_calls = True
 
 
-PURE_LRU = "kvtier.policies.lru:LRUCachePolicy"
+PURE_LRU = "kvtier.policies.lru_pure:PureLRUCachePolicy"
 DEFAULTS_LRU = "test_manager_bulk:BatchDefaultsLRU"
 UNIVERSE = keys(16)
 CTX = ReqContext("bulk")
@@ -153,7 +153,8 @@ class BulkEqualsPerKeyPrefix(BulkEqualsPerKey):
 
 
 class BulkEqualsPerKeyPurePrefix(BulkEqualsPerKey):
-    HIERARCHY = dict(BulkEqualsPerKeyPrefix.HIERARCHY, hot_policy="kvtier.policies.prefix:PrefixFreqCachePolicy")
+    HIERARCHY = dict(BulkEqualsPerKeyPrefix.HIERARCHY,
+                     hot_policy="kvtier.policies.prefix_pure:PurePrefixFreqCachePolicy")
 
 
 class BulkEqualsPerKeyPure(BulkEqualsPerKey):

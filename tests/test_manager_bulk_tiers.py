@@ -30,7 +30,7 @@ from kvtier.control.promotion import _expire
 from kvtier.hierarchy import build_hierarchy
 from kvtier.tiers.memory import MemoryBackend
 
-PURE_PREFIX = "kvtier.policies.prefix:PrefixFreqCachePolicy"
+PURE_PREFIX = "kvtier.policies.prefix_pure:PurePrefixFreqCachePolicy"
 
 
 class FileLikeMemory(MemoryBackend):

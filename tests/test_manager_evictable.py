@@ -29,7 +29,8 @@ class LRUAccounting(AccountingMachine):
 class PureLRUAccounting(AccountingMachine):
     """`lru`'s pure-Python fallback (the registered `lru` is the compiled index here)."""
 
-    HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="kvtier.policies.lru:LRUCachePolicy")
+    HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34,
+                     hot_policy="kvtier.policies.lru_pure:PureLRUCachePolicy")
 
 
 class PrefixAccounting(AccountingMachine):

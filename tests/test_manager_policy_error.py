@@ -9,13 +9,13 @@ from conftest import keys, memory_hierarchy
 
 from kvtier import ReqContext
 from kvtier.policies.base import CachePolicy
-from kvtier.policies.lru import LRUCachePolicy
+from kvtier.policies.lru_pure import PureLRUCachePolicy
 
 BAD = keys(1, start=100)[0]
 CTX = ReqContext("policy-error")
 
 
-class RefusingLRU(LRUCachePolicy):
+class RefusingLRU(PureLRUCachePolicy):
     """The pure-Python LRU raising on `BAD` (manager key by key: no batch calls), inserting a
     request's blocks one by one (`CachePolicy`'s default loop) as a third-party policy may."""
 

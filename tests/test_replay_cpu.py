@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from conftest import memory_hierarchy
 
-from kvtier.bench.replay import generate_trace, replay_manager
+from kvtier.bench.replay import replay_manager
+from kvtier.bench.workloads import generate_trace
 
 
 def test_replay_reports_cpu_time_per_trace_block():

@@ -9,12 +9,12 @@ import textwrap
 
 THIRD_PARTY_TESTS = textwrap.dedent('''
     from kvtier.testing import BackendTests, PolicyTests
-    from kvtier.policies.lru import LRUCachePolicy
+    from kvtier.policies.lru_pure import PureLRUCachePolicy
     from kvtier.tiers.memory import MemoryBackend
 
 
     class TestMyPolicy(PolicyTests):
-        policy_factory = LRUCachePolicy
+        policy_factory = PureLRUCachePolicy
 
 
     class TestMyBackend(BackendTests):
@@ -46,18 +46,18 @@ def test_every_export_resolves():
 
 
 BROKEN_POLICIES = textwrap.dedent('''
-    from kvtier.policies.lru import LRUCachePolicy
+    from kvtier.policies.lru_pure import PureLRUCachePolicy
     from kvtier.testing import PolicyTests
 
 
-    class RaisesOnAbsentRemove(LRUCachePolicy):
+    class RaisesOnAbsentRemove(PureLRUCachePolicy):
         def remove(self, key):
             if self.get(key) is None:
                 raise KeyError(key)
             super().remove(key)
 
 
-    class RefusesNegativeEvict(LRUCachePolicy):
+    class RefusesNegativeEvict(PureLRUCachePolicy):
         def evict(self, n, protected):
             return None if n < 0 else super().evict(n, protected)
 

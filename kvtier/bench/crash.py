@@ -107,19 +107,11 @@ def build(root: str, upper: str):
 
 
 # ------------------------------------------------------------------------------------------ child
-def _child(root: str, upper: str, seed: int) -> None:
-    """Store storm through the manager until killed (never returns normally)."""
-    from kvtier import LookupResult
-
-    out_lock = threading.Lock()
-
-    def say(line: str) -> None:
-        with out_lock:
-            os.write(1, (line + "\n").encode())
-
-    h = build(root, upper)
-    mgr, disk, up = h.manager, h.backends["disk"], h.backends["upper"]
-    write_blocks, free = disk.write_blocks, disk.free
+def _report_disk_ops(disk, say) -> dict[int, bytes]:
+    """Wrap the file backend's `write_blocks`, `free` and `allocate_blocks` so the child reports
+    `W <ids>` after a write returned and `F <id>` before a slot is freed; returns the slot -> key
+    map the wrappers keep (filled here with the blocks the tier recovered)."""
+    write_blocks, free, allocate = disk.write_blocks, disk.free, disk.allocate_blocks
     slot_key: dict[int, bytes] = {}
 
     def reported_write(slots, keys, buffers):
@@ -135,40 +127,55 @@ def _child(root: str, upper: str, seed: int) -> None:
             say(f"F {id_of(key)}")
         free(block)
 
-    def remember(keys, blocks):
-        for k, b in zip(keys, blocks):
-            slot_key[b.block_id] = bytes(k)
-
-    allocate = disk.allocate_blocks
-
     def tracked_allocate(keys):
         blocks = allocate(keys)
-        remember(keys, blocks)
+        for k, b in zip(keys, blocks):
+            slot_key[b.block_id] = bytes(k)
         return blocks
 
     disk.write_blocks, disk.free, disk.allocate_blocks = reported_write, reported_free, tracked_allocate
-    for key in list(mgr.tiers[1].policy.keys()):
-        slot_key[mgr.tiers[1].policy.get(key).block_id] = bytes(key)
+    return slot_key
+
+
+def _read_back(mgr, up, bid: int, say) -> None:
+    """Re-read block `bid` through the manager (a promotion when it is only in the file tier)."""
+    from kvtier import LookupResult
+
+    key = key_for(bid)
+    if mgr.lookup(key) is LookupResult.RETRY:
+        mgr.on_schedule_end()
+    if mgr.lookup(key) is LookupResult.HIT:
+        spec = mgr.prepare_load([key])
+        if spec.block_ids and bytes(up.view(spec.block_ids[0])) != payload_for(bid):
+            say(f"X wrong bytes served for {bid} in the child")
+        mgr.complete_load([key])
+
+
+def _child(root: str, upper: str, seed: int) -> None:
+    """Store storm through the manager until killed (never returns normally)."""
+    out_lock = threading.Lock()
+
+    def say(line: str) -> None:
+        with out_lock:
+            os.write(1, (line + "\n").encode())
+
+    h = build(root, upper)
+    mgr, disk, up = h.manager, h.backends["disk"], h.backends["upper"]
+    slot_key = _report_disk_ops(disk, say)
+    disk_policy = mgr.tiers[1].policy
+    for key in list(disk_policy.keys()):
+        slot_key[disk_policy.get(key).block_id] = bytes(key)
     rng = random.Random(seed)
     next_id = seed << 32
-    known: list[int] = [id_of(k) for k in mgr.tiers[1].policy.keys()]
+    known: list[int] = [id_of(k) for k in disk_policy.keys()]
     say("READY")
     while True:
         if known and rng.random() < 0.25:  # re-read an older block: promotions race with demotions
-            bid = rng.choice(known)
-            key = key_for(bid)
-            if mgr.lookup(key) is LookupResult.RETRY:
-                mgr.on_schedule_end()
-            if mgr.lookup(key) is LookupResult.HIT:
-                spec = mgr.prepare_load([key])
-                if spec.block_ids and bytes(up.view(spec.block_ids[0])) != payload_for(bid):
-                    say(f"X wrong bytes served for {bid} in the child")
-                mgr.complete_load([key])
+            _read_back(mgr, up, rng.choice(known), say)
             continue
         ids = list(range(next_id, next_id + rng.randint(1, 4)))
         next_id += len(ids)
-        batch = [key_for(i) for i in ids]
-        out = mgr.prepare_store(batch)
+        out = mgr.prepare_store([key_for(i) for i in ids])
         if out is None:
             mgr.on_schedule_end()
             continue
@@ -236,6 +243,28 @@ def _durable_set(lines: list[str], durable: set[int]) -> tuple[set[int], int, in
     return freed, writes, frees, complaints
 
 
+def _serve(mgr, up, disk_tier, key: bytes, answer, counts: dict[str, Any]) -> bool:
+    """Finish reading back one recovered block whose first lookup answered `answer` (the
+    promotions have finished): count it into `counts`; True when it was served byte-exactly."""
+    from kvtier import LookupResult
+
+    bid = id_of(key)
+    result = mgr.lookup(key) if answer is LookupResult.RETRY else answer
+    if result is LookupResult.HIT:
+        spec = mgr.prepare_load([key])
+        data = bytes(up.view(spec.block_ids[0]))
+        mgr.complete_load([key])
+        ok = data == payload_for(bid)
+        counts["served_ok" if ok else "served_wrong"] += 1
+        return ok
+    if result is LookupResult.MISS:
+        counts["dropped_by_verification"] += 1
+        if disk_tier.policy.get(key) is not None:
+            raise AssertionError(f"block {bid} answered MISS but is still in the file tier")
+        return False
+    raise AssertionError(f"block {bid}: lookup answered {result} after the promotion finished")
+
+
 def verify_root(root: Path, upper: str, durable: set[int], freed: set[int],
                 promote_batch: int = 1) -> tuple[dict[str, Any], set[int]]:
     """Restart the hierarchy on `root` and read back every recovered block through the manager.
@@ -243,16 +272,13 @@ def verify_root(root: Path, upper: str, durable: set[int], freed: set[int],
     Blocks are promoted `promote_batch` at a time (one FILE -> CPU job per batch). With more than
     one, a block failing verification fails its whole job, and the manager then drops every block
     of that job from the file tier (good ones included): see docs/reliability.md."""
-    from kvtier import LookupResult
-
     h = build(str(root), upper)
     try:
         mgr, up = h.manager, h.backends["upper"]
         disk_tier = mgr.tiers[1]
         recovered = [bytes(k) for k in disk_tier.policy.keys()]
         counts: dict[str, Any] = {"recovered": len(recovered), "served_ok": 0, "dropped_by_verification": 0,
-                                  "served_wrong": 0,
-                  "resurrected": 0}
+                                  "served_wrong": 0, "resurrected": 0}
         served: set[int] = set()
         batch_size = max(1, min(promote_batch, UPPER_BLOCKS // 2))
         for start in range(0, len(recovered), batch_size):
@@ -261,24 +287,9 @@ def verify_root(root: Path, upper: str, durable: set[int], freed: set[int],
             mgr.on_schedule_end()
             mgr.wait_idle()
             for key, answer in zip(batch, first):
-                bid = id_of(key)
-                result = mgr.lookup(key) if answer is LookupResult.RETRY else answer
-                if result is LookupResult.HIT:
-                    spec = mgr.prepare_load([key])
-                    data = bytes(up.view(spec.block_ids[0]))
-                    mgr.complete_load([key])
-                    if data == payload_for(bid):
-                        counts["served_ok"] += 1
-                        served.add(bid)
-                        counts["resurrected"] += bid in freed
-                    else:
-                        counts["served_wrong"] += 1
-                elif result is LookupResult.MISS:
-                    counts["dropped_by_verification"] += 1
-                    if disk_tier.policy.get(key) is not None:
-                        raise AssertionError(f"block {bid} answered MISS but is still in the file tier")
-                else:
-                    raise AssertionError(f"block {bid}: lookup answered {result} after the promotion finished")
+                if _serve(mgr, up, disk_tier, key, answer, counts):
+                    served.add(id_of(key))
+                    counts["resurrected"] += id_of(key) in freed
         lost = durable - served
         counts["lost_durable"] = len(lost)
         counts["lost_ids"] = sorted(lost)[:20]

@@ -140,74 +140,60 @@ def _store_load_once(work: Path, mem, n: int, block_bytes: int, io: str, num_thr
         shutil.rmtree(work / "tier", ignore_errors=True)
 
 
-def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: str = "posix",
-                     num_threads: int = 4, job_blocks: int = 16, repeats: int = 3, host: str = "cpu") -> dict:
-    """Store/load bandwidth of the CPU<->FILE hop vs raw O_DIRECT (see module docstring).
-
-    Handler and raw runs alternate `repeats` times on fresh files; figures are medians (the disk
-    is shared and noisy). `host` is the CPU side: `cpu` (the shared-memory CPU tier) or `memory`
-    (the in-process memory tier); both have page-aligned slots, so file I/O is zero-copy. Uses and removes
-    a fresh `root_dir/kvtier-bench-XXXXXXXX` (mkdtemp: a name planted in a shared `root_dir`
-    such as /tmp is never used). `seconds` holds every round's seconds per measurement (handler:
-    `fill`, `store`, `load`; raw on one thread: `f1`, `w1`, `r1`, on `num_threads`: `ft`, `wt`, `rt`).
-    Raises TransferCorrupted if a job fails or a block reads back wrong.
-    """
-    from statistics import median
-
-    n = max(1, total_bytes // block_bytes)
-    total = n * block_bytes
+def _host_backend(host: str, num_blocks: int, block_bytes: int) -> Any:
+    """The CPU side of the hop: the shared-memory CPU tier (`cpu`) or the in-process memory tier."""
     if host == "cpu":
         from kvtier.tiers.cpu import CPUBackend
 
-        mem: CPUBackend | MemoryBackend = CPUBackend("mem", 2 * n, block_bytes, pin="false")
-    else:
-        mem = MemoryBackend("mem", 2 * n, block_bytes)
-    runs: dict[str, list[float]] = {k: [] for k in ("fill", "store", "load", "f1", "w1", "r1", "ft", "wt", "rt")}
-    work = None
-    try:  # the directory only once the CPU side exists: a region that does not fit leaves nothing behind
-        work = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=root_dir))  # 0700, a fresh name: nothing planted
-        noise = os.urandom(block_bytes + 4096)
-        for i in range(n):  # distinct content per block
-            mem.view(i)[:] = noise[i % 4096:i % 4096 + block_bytes]
-        def handler_round() -> tuple[str, bool]:
-            fill_s, store_s, load_s, engine, direct = _store_load_once(work, mem, n, block_bytes, io, num_threads,
-                                                                        job_blocks)
-            runs["fill"].append(fill_s)
-            runs["store"].append(store_s)
-            runs["load"].append(load_s)
-            return engine, direct
+        return CPUBackend("mem", num_blocks, block_bytes, pin="false")
+    return MemoryBackend("mem", num_blocks, block_bytes)
 
-        sources = [mem.view(i) for i in range(n)]
-        dests = [mem.view(n + i) for i in range(n)]
 
-        def raw_round() -> None:
-            for tag, threads in (("1", 1), ("t", num_threads)):
-                f, w, r = _raw_direct(work / "raw", sources, dests, block_bytes, threads)
-                for view in dests:  # the handler's next load must rewrite them to pass its check
-                    view[:1] = b"\xff" if view[0] != 0xFF else b"\0"
-                os.unlink(work / "raw")
-                runs["f" + tag].append(f)
-                runs["w" + tag].append(w)
-                runs["r" + tag].append(r)
+def _alternating_rounds(work: Path, mem, n: int, block_bytes: int, io: str, num_threads: int, job_blocks: int,
+                        repeats: int, runs: dict[str, list[float]]) -> tuple[str, bool]:
+    """`repeats` handler rounds and raw rounds, alternating which goes first, each round's seconds
+    appended to `runs`; blocks 0..n-1 of `mem` are the sources, n..2n-1 the destinations.
+    Returns (the file tier's I/O engine, whether it used O_DIRECT)."""
+    sources = [mem.view(i) for i in range(n)]
+    dests = [mem.view(n + i) for i in range(n)]
 
-        for i in range(repeats):
-            # Alternate which side goes first: the disk is still busy with the previous side's
-            # writes (and the deleted raw file's extents) when the next one starts.
-            if i % 2 == 0:
-                engine, direct = handler_round()
-                raw_round()
-            else:
-                raw_round()
-                engine, direct = handler_round()
-    finally:
-        mem.close()
-        if work is not None:
-            shutil.rmtree(work, ignore_errors=True)
+    def handler_round() -> tuple[str, bool]:
+        fill_s, store_s, load_s, engine, direct = _store_load_once(work, mem, n, block_bytes, io, num_threads,
+                                                                    job_blocks)
+        runs["fill"].append(fill_s)
+        runs["store"].append(store_s)
+        runs["load"].append(load_s)
+        return engine, direct
+
+    def raw_round() -> None:
+        for tag, threads in (("1", 1), ("t", num_threads)):
+            f, w, r = _raw_direct(work / "raw", sources, dests, block_bytes, threads)
+            for view in dests:  # the handler's next load must rewrite them to pass its check
+                view[:1] = b"\xff" if view[0] != 0xFF else b"\0"
+            os.unlink(work / "raw")
+            runs["f" + tag].append(f)
+            runs["w" + tag].append(w)
+            runs["r" + tag].append(r)
+
+    for i in range(repeats):
+        # Alternate which side goes first: the disk is still busy with the previous side's
+        # writes (and the deleted raw file's extents) when the next one starts.
+        if i % 2 == 0:
+            engine, direct = handler_round()
+            raw_round()
+        else:
+            raw_round()
+            engine, direct = handler_round()
+    return engine, direct
+
+
+def _cpu_file_figures(runs: dict[str, list[float]], total: int, num_threads: int) -> dict[str, Any]:
+    """GB/s (of the median round) per measurement, and the handler's ratios to the better raw run."""
+    from statistics import median
+
     gb = total / 1e9
     rate = {k: gb / median(v) for k, v in runs.items()}
     figures: dict[str, Any] = {
-        "block_bytes": block_bytes, "total_bytes": total, "host": host, "io": engine, "o_direct": direct,
-        "num_threads": num_threads, "job_blocks": job_blocks, "repeats": repeats, "seconds": runs,
         "store_gbps": rate["store"], "store_first_fill_gbps": rate["fill"], "load_gbps": rate["load"],
         "raw_write_gbps_qd1": rate["w1"], "raw_first_fill_gbps_qd1": rate["f1"], "raw_read_gbps_qd1": rate["r1"],
         f"raw_write_gbps_{num_threads}t": rate["wt"], f"raw_first_fill_gbps_{num_threads}t": rate["ft"],
@@ -221,6 +207,38 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
     figures["first_fill_vs_raw"] = figures["store_first_fill_gbps"] / figures["raw_first_fill_gbps"]
     figures["load_vs_raw"] = figures["load_gbps"] / figures["raw_read_gbps"]
     return figures
+
+
+def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: str = "posix",
+                     num_threads: int = 4, job_blocks: int = 16, repeats: int = 3, host: str = "cpu") -> dict:
+    """Store/load bandwidth of the CPU<->FILE hop vs raw O_DIRECT (see module docstring).
+
+    Handler and raw runs alternate `repeats` times on fresh files; figures are medians (the disk
+    is shared and noisy). `host` is the CPU side: `cpu` (the shared-memory CPU tier) or `memory`
+    (the in-process memory tier); both have page-aligned slots, so file I/O is zero-copy. Uses and removes
+    a fresh `root_dir/kvtier-bench-XXXXXXXX` (mkdtemp: a name planted in a shared `root_dir`
+    such as /tmp is never used). `seconds` holds every round's seconds per measurement (handler:
+    `fill`, `store`, `load`; raw on one thread: `f1`, `w1`, `r1`, on `num_threads`: `ft`, `wt`, `rt`).
+    Raises TransferCorrupted if a job fails or a block reads back wrong.
+    """
+    n = max(1, total_bytes // block_bytes)
+    total = n * block_bytes
+    mem = _host_backend(host, 2 * n, block_bytes)
+    runs: dict[str, list[float]] = {k: [] for k in ("fill", "store", "load", "f1", "w1", "r1", "ft", "wt", "rt")}
+    work = None
+    try:  # the directory only once the CPU side exists: a region that does not fit leaves nothing behind
+        work = Path(tempfile.mkdtemp(prefix="kvtier-bench-", dir=root_dir))  # 0700, a fresh name: nothing planted
+        noise = os.urandom(block_bytes + 4096)
+        for i in range(n):  # distinct content per block
+            mem.view(i)[:] = noise[i % 4096:i % 4096 + block_bytes]
+        engine, direct = _alternating_rounds(work, mem, n, block_bytes, io, num_threads, job_blocks, repeats, runs)
+    finally:
+        mem.close()
+        if work is not None:
+            shutil.rmtree(work, ignore_errors=True)
+    return {"block_bytes": block_bytes, "total_bytes": total, "host": host, "io": engine, "o_direct": direct,
+            "num_threads": num_threads, "job_blocks": job_blocks, "repeats": repeats, "seconds": runs,
+            **_cpu_file_figures(runs, total, num_threads)}
 
 
 def measure_restart(root_dir: str, num_blocks: int = 100_000, block_bytes: int = 3584, rewrites: int = 1) -> dict:

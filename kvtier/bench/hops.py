@@ -112,6 +112,60 @@ def _verify(hop: str, block_bytes: int, moved: Callable[[], None], clear, check)
                                 f"handler, not a figure (please report it)")
 
 
+def _copy_cases(device: str, engine, reference, region, engine_ids: list[int], slots: list[int],
+                run_store: Callable[[], None], run_load: Callable[[], None]) -> tuple:
+    """(hop, kvtier's transfer, the contiguous baseline, the naive loop, clear the destination,
+    check every block) for GPU->CPU and then CPU->GPU, over `engine` and the CPU tier's `region`."""
+    import torch
+
+    engine_bytes = engine.view(torch.uint8)
+    nb = device == "cuda"
+    src_idx = torch.tensor(engine_ids, device=device)
+    slot_idx = torch.tensor(slots)
+
+    def contiguous_out() -> None:
+        region.copy_(engine_bytes, non_blocking=nb)
+
+    def contiguous_in() -> None:
+        engine_bytes.copy_(region, non_blocking=nb)
+
+    def naive_out() -> None:
+        for slot, b in zip(slots, engine_ids):
+            region[slot].copy_(engine_bytes[b], non_blocking=nb)
+
+    def naive_in() -> None:
+        for slot, b in zip(slots, engine_ids):
+            engine_bytes[b].copy_(region[slot], non_blocking=nb)
+
+    def stored_right() -> bool:
+        expected = torch.empty_like(engine_bytes)
+        expected[slot_idx.to(device)] = reference.view(torch.uint8)[src_idx]
+        return bool(torch.equal(region.to(device), expected))
+
+    def loaded_right() -> bool:
+        return bool(torch.equal(engine, reference))
+
+    return (("GPU->CPU", run_store, contiguous_out, naive_out, lambda: region.zero_(), stored_right),
+            ("CPU->GPU", run_load, contiguous_in, naive_in, lambda: engine.zero_(), loaded_right))
+
+
+def _timed_row(hop: str, order: str, device: str, block_bytes: int, n: int, pinned: bool, repeats: int,
+               ours: Callable[[], None], base: Callable[[], None], naive: Callable[[], None]) -> dict[str, Any]:
+    """One hop's row: kvtier and the baseline interleaved (`annotate`), the naive loop once."""
+    import torch
+
+    ours_s, base_s = interleaved((ours, base), device, repeats)
+    nbytes = n * block_bytes
+    row: dict[str, Any] = {
+        "hop": hop, "slots": order, "device": device, "block_bytes": block_bytes, "blocks": n,
+        "bytes": nbytes, "baseline": "one contiguous copy", "pinned": pinned,
+        "torch_threads": torch.get_num_threads()}
+    annotate(row, ours_s, base_s, nbytes, host_copy=device == "cpu")
+    if order == "consecutive":  # once, cold: a loop of small copies needs no warm-up to show its cost
+        row["naive_gbps"] = nbytes / _timed(naive, device) / 1e9
+    return row
+
+
 def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int, order: str,
                   repeats: int) -> list[dict[str, Any]]:
     """Both GPU<->CPU rows for one block size and slot order (a function of its own so that the
@@ -140,48 +194,10 @@ def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int, or
         load = make_handler({"bench": tier}, kv, to_cpu=False)
         assert store is not None and load is not None, "a CPU tier always has GPU<->CPU handlers"
         run_store, run_load = _job_runner(store), _job_runner(load)
-        engine_bytes = engine.view(torch.uint8)
-        flat = region if tier.slot_stride == block_bytes else None
-        nb = device == "cuda"
-        src_idx = torch.tensor(engine_ids, device=device)
-        slot_idx = torch.tensor(slots)
-
-        def contiguous_out() -> None:
-            (flat if flat is not None else region).copy_(engine_bytes, non_blocking=nb)
-
-        def contiguous_in() -> None:
-            engine_bytes.copy_(flat if flat is not None else region, non_blocking=nb)
-
-        def naive_out() -> None:
-            for slot, b in zip(slots, engine_ids):
-                region[slot].copy_(engine_bytes[b], non_blocking=nb)
-
-        def naive_in() -> None:
-            for slot, b in zip(slots, engine_ids):
-                engine_bytes[b].copy_(region[slot], non_blocking=nb)
-
-        def stored_right() -> bool:
-            expected = torch.empty_like(engine_bytes)
-            expected[slot_idx.to(device)] = reference.view(torch.uint8)[src_idx]
-            return bool(torch.equal(region.to(device), expected))
-
-        def loaded_right() -> bool:
-            return bool(torch.equal(engine, reference))
-
-        cases = (("GPU->CPU", lambda: run_store(gpu_spec, cpu_spec), contiguous_out, naive_out,
-                  lambda: region.zero_(), stored_right),
-                 ("CPU->GPU", lambda: run_load(cpu_spec, gpu_spec), contiguous_in, naive_in,
-                  lambda: engine.zero_(), loaded_right))
-        nbytes = n * block_bytes
+        cases = _copy_cases(device, engine, reference, region, engine_ids, slots,
+                            lambda: run_store(gpu_spec, cpu_spec), lambda: run_load(cpu_spec, gpu_spec))
         for hop, ours, base, naive, clear, check in cases:
-            ours_s, base_s = interleaved((ours, base), device, repeats)
-            row: dict[str, Any] = {
-                "hop": hop, "slots": order, "device": device, "block_bytes": block_bytes, "blocks": n,
-                "bytes": nbytes, "baseline": "one contiguous copy", "pinned": tier.pinned,
-                "torch_threads": torch.get_num_threads()}
-            annotate(row, ours_s, base_s, nbytes, host_copy=device == "cpu")
-            if order == "consecutive":  # once, cold: a loop of small copies needs no warm-up to show its cost
-                row["naive_gbps"] = nbytes / _timed(naive, device) / 1e9
+            row = _timed_row(hop, order, device, block_bytes, n, tier.pinned, repeats, ours, base, naive)
             if hop == "CPU->GPU":  # the timed copies scrambled both sides: put the reference in its slots
                 engine.copy_(reference)
                 run_store(gpu_spec, cpu_spec)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
-from kvtier.bench import hops_report, replay
+from kvtier.bench import hops_report, replay, workloads
 from kvtier.bench.hops import TransferCorrupted
 from kvtier.bench.sample import SAMPLE_TRACE, sample_trace_path
 from kvtier.bench.spread import default_repeats
@@ -150,9 +150,9 @@ def _replay_config(args, config):
 
 def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dict[str, Any]:
     if args.trace:
-        trace = replay.load_trace(sample_trace_path() if args.trace == SAMPLE_TRACE else args.trace, args.limit)
+        trace = workloads.load_trace(sample_trace_path() if args.trace == SAMPLE_TRACE else args.trace, args.limit)
     else:
-        trace = replay.generate_trace(num_conversations=60 if args.quick else 400)
+        trace = workloads.generate_trace(num_conversations=60 if args.quick else 400)
         if args.limit:
             trace.requests = trace.requests[: args.limit]
     capacities = checked["capacities"]
@@ -182,10 +182,10 @@ def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dic
 
 
 def _belady_ceilings(trace, config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The offline optimum (Belady's MIN for prefix hits, `policy_study.optimum`) at each swept
+    """The offline optimum (Belady's MIN for prefix hits, `kvtier.bench.optimum`) at each swept
     first-tier capacity, for a cache as large as the whole hierarchy (every tier together holds at
     most that many distinct blocks, so no policy of any tier can do better)."""
-    from kvtier.bench.policy_study import optimum
+    from kvtier.bench.optimum import optimum
 
     below = sum(t.capacity.blocks for t in config.tiers[1:])
     out = []

@@ -19,9 +19,9 @@ Result = tuple[str, str]  # (status, what was found)
 
 
 def check_extensions() -> Result:
-    from kvtier.policies import compact, compact_prefix
+    from kvtier.policies import lru_compiled, prefix_compiled
 
-    indexes = [index for index in (compact.INDEX, compact_prefix.INDEX) if index.cls is None]
+    indexes = [index for index in (lru_compiled.INDEX, prefix_compiled.INDEX) if index.cls is None]
     missing = [f"{index.policy} ({index.error})" for index in indexes]
     for index in indexes:
         index.warned = True  # said here: the round trip's policies need not log it again

@@ -101,11 +101,19 @@ each time they are used) are refused."""
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `kvtier` command line: bench, config check, doctor, inspect, clear."""
     parser = argparse.ArgumentParser(prog="kvtier",
                                      description="Multi-tier KV-cache storage hierarchy for LLM inference.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
     sub = parser.add_subparsers(dest="command")
+    _add_bench_parsers(sub)
+    _add_config_parsers(sub)
+    _add_machine_parsers(sub)
+    return parser
 
+
+def _add_bench_parsers(sub) -> None:
+    """`kvtier bench` and its modes (all, hops, trace)."""
     from kvtier.cli.bench_help import BENCH_EPILOG, HOPS_COLUMNS, TRACE_COLUMNS
 
     raw = argparse.RawDescriptionHelpFormatter
@@ -119,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_bench_args(bench_sub.add_parser(name, help=helptext, epilog=epilog, formatter_class=raw),
                         BENCH_MODES[name])
 
+
+def _add_config_parsers(sub) -> None:
+    """`kvtier config check`."""
     config = sub.add_parser("config", help="configuration tools")
     config_sub = config.add_subparsers(dest="config_command")
     check = config_sub.add_parser("check", help="validate a YAML hierarchy and print it resolved",
@@ -138,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="apply the vLLM connector's rules (first tier backend: cpu; tokens and bytes per block, "
                             "the cpu tier's shm_name and the tiers' identity come from the engine: see docs/vllm.md)")
 
+
+def _add_machine_parsers(sub) -> None:
+    """`kvtier doctor`, `kvtier inspect` and `kvtier clear`: this machine and its file tiers."""
     doctor = sub.add_parser("doctor", help="check that kvtier works on this machine (under a minute)",
                             description="One line per check (OK/WARN/FAIL): compiled policy indexes, kvikio, "
                                         "CUDA, /dev/shm, each valkey tier of --config (one PING), and a store -> "
@@ -157,7 +171,6 @@ def build_parser() -> argparse.ArgumentParser:
                                        "Without --yes, lists what would be removed and removes nothing (exit 2).")
     clear.add_argument("root_dir")
     clear.add_argument("--yes", action="store_true", help="remove them (no question is asked)")
-    return parser
 
 
 def main(argv: list[str] | None = None) -> int:

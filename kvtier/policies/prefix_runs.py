@@ -1,14 +1,16 @@
-"""The eviction runs of `prefix-freq` (kvtier/policies/prefix.py): the k-way merge of its segment
-lanes by score, a run of victims taken from one lane while it stays below the other heads, and
-the bookkeeping of the blocks a run evicted. Module functions over the policy's structures, kept
+"""The eviction walk of `prefix-freq` (kvtier/policies/prefix_pure.py): the lanes' heads, the
+tails taken first while they are one-time, the k-way merge of the segment lanes by score, a run
+of victims taken from one lane while it stays below the other heads, and the bookkeeping of the
+blocks a run evicted; also `touch`'s probes. Module functions over the policy's structures, kept
 apart so that the policy module stays one readable size."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from itertools import chain, islice
 from operator import attrgetter, itemgetter
+from typing import Any
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.prefix_tails import EVICTED_NEW, EVICTED_TAIL
@@ -19,6 +21,35 @@ _second = itemgetter(1)
 _ref_cnt = attrgetter("ref_cnt")
 _TAIL = 0  # segment index of request tails; segment 1 + c holds the blocks with c hits
 _INF = float("inf")
+
+
+def _heads(policy: Any, protected: set[OffloadKey], first: int,
+           met: list[tuple[int, OffloadKey]] | None = None) -> list[list]:
+    """The lanes of `policy` (a `PurePrefixFreqCachePolicy`): per non-empty segment from `first` on,
+    [score of its first evictable block, key, block, iterator, offset, segment index, keys taken so
+    far]. Offset = credit * unit (tails: 0). The keys passed over (pinned, protected) are appended
+    to `met` when it is given."""
+    blocks, unit, credits = policy.blocks, policy.unit, policy.credits
+    lanes: list[list] = []
+    segs = policy.segs
+    freed = policy._aside.freed
+    lane_of, pinned = policy._aside.lane, policy._pinned
+    for index in range(first, len(segs)):
+        if freed[index]:  # (a segment may hold only aside keys)
+            it = lane_of(index, pinned)
+        elif segs[index]:
+            it = iter(segs[index].items())  # (`lane_of` when no key is aside)
+        else:
+            continue
+        for key, stamp in it:
+            block = blocks[key]
+            if block.ref_cnt == 0 and key not in protected:
+                offset = credits[index - 1] * unit if index else 0.0
+                lanes.append([stamp + offset, key, block, it, offset, index, []])
+                break
+            if met is not None:
+                met.append((index, key))
+    return lanes
 
 
 def _best_lane(lanes: list[list]) -> tuple[list, float]:
@@ -107,6 +138,57 @@ def _run(best: list, below: float, left: int, blocks: dict[OffloadKey, BlockStat
                     return 0, False  # (the lane is not walked again by this eviction)
             elif met is not None:
                 met.append((best[5], key))
+
+
+def _probes(segs: list[OrderedDict[OffloadKey, float]]) -> list[list]:
+    """`touch`'s probes: per segment s, [s's pop, the segment its touched keys move to (2 from the
+    tails, else s + 1 up to the top), the probes of the other segments in the order to try them
+    (those above s first, then those below, nearest first)]."""
+    top = len(segs) - 1
+    probes: list[list] = [[seg.pop, segs[2 if s == _TAIL else min(s + 1, top)]] for s, seg in enumerate(segs)]
+    for s, probe in enumerate(probes):
+        probe.append(tuple(probes[t] for t in (*range(s + 1, top + 1), *range(s - 1, -1, -1))))
+    return probes
+
+
+def _take_tails(lane: Iterable[tuple[OffloadKey, Any]], left: int, blocks: dict[OffloadKey, BlockStatus],
+                protected: set[OffloadKey], chosen: list[tuple[OffloadKey, BlockStatus]], tails: list[OffloadKey],
+                met: list[tuple[int, OffloadKey]] | None) -> int:
+    """`evict`'s first step while tails are one-time: take the evictable, unprotected keys of the
+    tail segment's `lane` in order, at most `left`, into `chosen` and `tails`; pinned or protected
+    keys passed are appended to `met`. Returns how many are still to be taken."""
+    for key, _ in lane:
+        block = blocks[key]
+        if block.ref_cnt == 0 and key not in protected:
+            chosen.append((key, block))
+            tails.append(key)
+            left -= 1
+            if not left:
+                break
+        elif met is not None:
+            met.append((_TAIL, key))
+    return left
+
+
+def _walk_lanes(lanes: list[list], left: int, blocks: dict[OffloadKey, BlockStatus], protected: set[OffloadKey],
+                chosen: list[tuple[OffloadKey, BlockStatus]], met: list[tuple[int, OffloadKey]] | None) -> int:
+    """`evict`'s merge of `lanes` (from `_heads`; emptied as they run out): the best head, then a
+    run of its lane (`_run`), until `left` blocks are in `chosen`. Returns how many could not be
+    taken (0: all of them)."""
+    while lanes:
+        best, limit = _best_lane(lanes)
+        chosen.append((best[1], best[2]))
+        best[6].append(best[1])
+        left -= 1
+        if not left:
+            break
+        left, exhausted = _run(best, limit - best[4], left, blocks, protected, chosen, met)
+        if exhausted:
+            lanes.remove(best)
+            continue
+        if not left:
+            break
+    return left
 
 
 def _forget(used: list[list], segs: list[OrderedDict[OffloadKey, float]], blocks: dict[OffloadKey, BlockStatus],

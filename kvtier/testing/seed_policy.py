@@ -3,7 +3,7 @@
 It has only `__init__(cache_capacity)`, `get`, `insert`, `remove`, `touch` and `evict`: no
 `keys`, `len`, `clear`, `insert_many` or `victim_candidates`, and no kvtier base class. kvtier must
 accept it by its methods (`with_key_index` supplies the rest). Used by kvtier's own tests and by
-`kvtier.bench.control_plane` as the seed-contract row. Standard library only.
+`benchmarks.control_plane` as the seed-contract row. Standard library only.
 """
 
 from __future__ import annotations

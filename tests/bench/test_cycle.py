@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from kvtier.bench import cycle
-from kvtier.bench.replay import generate_scan_trace
+from benchmarks import cycle
+from kvtier.bench.workloads import generate_scan_trace
 
 
 def test_scan_workload_mixes_hot_prefixes_with_documents_read_once():

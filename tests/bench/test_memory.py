@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import json
 
-from kvtier.bench import memory
-from kvtier.policies.compact import CompactLRUCachePolicy
-from kvtier.policies.compact_prefix import CompactPrefixFreqCachePolicy
+from benchmarks import memory
+from kvtier.policies.lru_compiled import LRUCachePolicy
+from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
 from kvtier.types import BlockStatus
 
 
 def test_compact_index_allocates_under_100_bytes_per_block_at_1m_and_8m():
     """What the arrays allocate for a full tier of 36-byte keys (RSS is the benchmark's figure;
     this is its deterministic part), at both sizes of the issue."""
-    for cls in (CompactLRUCachePolicy, CompactPrefixFreqCachePolicy):
+    for cls in (LRUCachePolicy, PrefixFreqCachePolicy):
         for n in (1_000_000, 8_000_000):
             policy = cls(n)
             policy.insert(b"k" * 36, BlockStatus(0))
@@ -30,7 +30,7 @@ def test_rows_give_rss_growth_per_block_in_fresh_processes(tmp_path):
     for row in (lru, compact):
         assert row["blocks"] == 60000 and row["rss_after"] > row["rss_before"]
         assert row["bytes_per_block"] == round((row["rss_after"] - row["rss_before"]) / 60000, 1)
-    # LRUCachePolicy holds a key object, a block object and a dict entry per block; the index only bytes
+    # PureLRUCachePolicy holds a key object, a block object and a dict entry per block; the index only bytes
     assert compact["bytes_per_block"] < lru["bytes_per_block"] / 2
     assert compact["allocated_bytes_per_block"] <= 100
 

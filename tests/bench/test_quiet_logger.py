@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from kvtier.bench import soak
+from benchmarks import soak
 from kvtier.bench.quiet import logger_at
 
 

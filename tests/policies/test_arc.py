@@ -7,8 +7,8 @@ import pytest
 
 from kvtier import make_offload_key
 from kvtier.policies.arc import ARCCachePolicy
-from kvtier.policies.lru import LRUCachePolicy
-from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.lru_pure import PureLRUCachePolicy
+from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.sieve import SIEVECachePolicy
 from kvtier.types import BlockStatus
 
@@ -195,7 +195,7 @@ def demotes_tails(policy) -> bool:
 
 
 def test_prefix_freq_tail_first_then_chains_from_the_deep_end():
-    policy = with_one_time_tails(PrefixFreqCachePolicy(100))
+    policy = with_one_time_tails(PurePrefixFreqCachePolicy(100))
     request(policy, [], [0, 1, 2, 3, 4], 100)  # chain A, tail 4
     request(policy, [], [10, 11, 12], 100)  # chain B, tail 12 (no other call in between: told, not inferred)
     policy.touch([])
@@ -210,7 +210,7 @@ def test_prefix_freq_tail_first_then_chains_from_the_deep_end():
 def test_prefix_freq_takes_the_tail_it_is_told_and_no_other():
     """Blocks inserted without `tail` (copies from another tier, such as a promoted prefix) hold
     no tail even right after a touch; a tail passed explicitly is one even with no call before."""
-    policy = with_one_time_tails(PrefixFreqCachePolicy(100))
+    policy = with_one_time_tails(PurePrefixFreqCachePolicy(100))
     policy.touch([])
     policy.insert_many([key(30), key(31)], [ready(30), ready(31)])  # a promoted prefix, head first
     request(policy, [], [40, 41], 100)
@@ -224,7 +224,7 @@ def test_prefix_freq_scan_does_not_flush_a_reused_prefix():
     """A prefix hit a few times survives a burst of one-time requests that flushes it from LRU."""
     cap = 40
     results = {}
-    for cls in (PrefixFreqCachePolicy, LRUCachePolicy):
+    for cls in (PurePrefixFreqCachePolicy, PureLRUCachePolicy):
         policy = cls(cap)
         hot = [0, 1, 2, 3, 4]
         request(policy, [], hot + [5], cap)
@@ -235,15 +235,15 @@ def test_prefix_freq_scan_does_not_flush_a_reused_prefix():
             request(policy, [], list(range(nxt, nxt + 6)), cap)
             nxt += 6
         results[cls.__name__] = all(policy.get(key(h)) is not None for h in hot)
-    assert results == {"PrefixFreqCachePolicy": True, "LRUCachePolicy": False}
+    assert results == {"PurePrefixFreqCachePolicy": True, "PureLRUCachePolicy": False}
 
 
 def test_prefix_freq_ghost_memory_is_bounded():
     """Ghosts (evicted keys) stay between 1x and 2x `ghost_limit`: 6 capacities, at most 4M keys."""
-    assert PrefixFreqCachePolicy(1000).ghost_limit == 6000
-    assert PrefixFreqCachePolicy(10_000_000).ghost_limit == 4_000_000
+    assert PurePrefixFreqCachePolicy(1000).ghost_limit == 6000
+    assert PurePrefixFreqCachePolicy(10_000_000).ghost_limit == 4_000_000
     cap = 4
-    policy = PrefixFreqCachePolicy(cap)
+    policy = PurePrefixFreqCachePolicy(cap)
     policy.max_ghost_limit = 10
     policy.ghost_limit = min(policy.ghost_limit, policy.max_ghost_limit)
     sizes = []
@@ -255,7 +255,7 @@ def test_prefix_freq_ghost_memory_is_bounded():
 
 def test_prefix_freq_restored_ghost_counts_as_a_hit():
     cap = 10
-    policy = PrefixFreqCachePolicy(cap)
+    policy = PurePrefixFreqCachePolicy(cap)
     request(policy, [], list(range(10)), cap)
     policy.evict(10, set())  # all become ghosts
     request(policy, [], [3], cap)  # 3 comes back: it was needed, so it is treated as hit once
@@ -268,9 +268,9 @@ def test_prefix_freq_demotes_tails_only_once_departures_show_them_one_time():
     """Tails are ordinary new blocks until measured; traffic that never re-sends a tail turns
     demotion on, traffic that re-sends them (full last blocks) turns it off again."""
     cap = 30
-    policy = PrefixFreqCachePolicy(cap)
+    policy = PurePrefixFreqCachePolicy(cap)
     assert not demotes_tails(policy)  # no evidence yet
-    policy = PrefixFreqCachePolicy(cap)
+    policy = PurePrefixFreqCachePolicy(cap)
     conversations(policy, cap, turns=6, resend_tail=False)
     assert demotes_tails(policy)
     conversations(policy, cap, turns=5, resend_tail=True, first=100)
@@ -286,7 +286,7 @@ def test_prefix_freq_victim_candidates_is_the_evict_order_with_and_without_tail_
     rng = random.Random(7)
     for _trial in range(20):
         cap = 40
-        policy = PrefixFreqCachePolicy(cap)
+        policy = PurePrefixFreqCachePolicy(cap)
         if one_time:  # evidence enough that the random hits below do not outweigh it
             with_one_time_tails(policy, requests=400)
         nxt = 0

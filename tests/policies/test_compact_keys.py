@@ -10,14 +10,14 @@ import hashlib
 
 import pytest
 
-from kvtier.policies.compact import CompactLRUCachePolicy
-from kvtier.policies.compact_prefix import CompactPrefixFreqCachePolicy
-from kvtier.policies.lru import LRUCachePolicy
-from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.lru_compiled import LRUCachePolicy
+from kvtier.policies.lru_pure import PureLRUCachePolicy
+from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
+from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.types import BlockStatus
 
-COMPILED = [CompactLRUCachePolicy, CompactPrefixFreqCachePolicy]
-PURE = {CompactLRUCachePolicy: LRUCachePolicy, CompactPrefixFreqCachePolicy: PrefixFreqCachePolicy}
+COMPILED = [LRUCachePolicy, PrefixFreqCachePolicy]
+PURE = {LRUCachePolicy: PureLRUCachePolicy, PrefixFreqCachePolicy: PurePrefixFreqCachePolicy}
 
 
 def vllm_key(i: int) -> bytes:
@@ -82,7 +82,7 @@ def test_a_large_capacity_allocates_as_blocks_arrive(cls):
         cls((1 << 30) + 1)
 
 
-@pytest.mark.parametrize(("cls", "most"), [(CompactLRUCachePolicy, 84.5), (CompactPrefixFreqCachePolicy, 92.5)],
+@pytest.mark.parametrize(("cls", "most"), [(LRUCachePolicy, 84.5), (PrefixFreqCachePolicy, 92.5)],
                          ids=["lru", "prefix-freq"])
 def test_a_block_of_a_vllm_key_costs_what_it_did(cls, most):
     """1M resident blocks of 36-byte keys: the arrays grown to the capacity, no further (84.4 and

@@ -1,6 +1,6 @@
-"""`prefix-freq`'s compiled index (kvtier/policies/compact_prefix.py) against the pure-Python
-`PrefixFreqCachePolicy`: the same decisions and the same inner state under any operation
-sequence (the compiled class and its fallback `PurePythonCompactPrefixFreq`), the batch calls
+"""`prefix-freq`'s compiled index (kvtier/policies/prefix_compiled.py) against the pure-Python
+`PurePrefixFreqCachePolicy`: the same decisions and the same inner state under any operation
+sequence (the compiled class and its fallback `FallbackPrefixFreqCachePolicy`), the batch calls
 equal to the `CachePolicy` defaults, the one-time-tail rule reached by the generated traffic, and
 views of blocks that left raising instead of touching another block.
 
@@ -18,12 +18,12 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvtier.policies.compact_prefix import CompactPrefixFreqCachePolicy, PurePythonCompactPrefixFreq
-from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.prefix_compiled import FallbackPrefixFreqCachePolicy, PrefixFreqCachePolicy
+from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.prefix_tails import TailEvidence
 from kvtier.types import BlockStatus
 
-CLASSES = (PrefixFreqCachePolicy, CompactPrefixFreqCachePolicy, PurePythonCompactPrefixFreq)
+CLASSES = (PurePrefixFreqCachePolicy, PrefixFreqCachePolicy, FallbackPrefixFreqCachePolicy)
 
 
 def key(i: int) -> bytes:
@@ -39,15 +39,15 @@ def block(block_id: int, ref_cnt: int) -> BlockStatus:
 
 
 def tail_counts(p) -> list[int]:
-    """The tail evidence: the pure class's internals (it has no `tail_counts`), else the property."""
-    return list(p._tails.counts) if type(p) is PrefixFreqCachePolicy else list(p.tail_counts)
+    """The tail evidence (`tail_counts`, a property of every implementation)."""
+    return list(p.tail_counts)
 
 
 def rule_on(p) -> bool:
     """Whether `p` evicts request tails first now, read from its `tail_counts` (the pure rule)."""
     evidence = TailEvidence()
     evidence.counts = tail_counts(p)
-    return evidence.one_time(PrefixFreqCachePolicy.tail_reuse_max)
+    return evidence.one_time(PurePrefixFreqCachePolicy.tail_reuse_max)
 
 
 def rule_reason(p) -> str:
@@ -57,7 +57,7 @@ def rule_reason(p) -> str:
         return "tail rule off: too few departures"
     if rule_on(p):
         return "tail rule on"
-    cap = th + tr >= PrefixFreqCachePolicy.tail_reuse_max * (th + te)
+    cap = th + tr >= PurePrefixFreqCachePolicy.tail_reuse_max * (th + te)
     return "tail rule off by its 10% cap" if cap else "tail rule off by its ratio"
 
 
@@ -273,7 +273,7 @@ def run_op(d: Drive, op: tuple) -> None:
 @given(ops=OPS, capacity=st.integers(6, 12), tracked=st.booleans(), warm=st.sampled_from([0, 70, 110, 150]),
        seed=st.integers(0, 2**16), repeat=st.sampled_from([0.03, 0.1, 0.2]), restart=st.sampled_from([0.1, 0.9]))
 def test_same_decisions_as_prefix_freq(ops, capacity, tracked, warm, seed, repeat, restart):
-    """`PrefixFreqCachePolicy`, the compiled `prefix-freq` and its fallback, driven alike: identical
+    """`PurePrefixFreqCachePolicy`, the compiled `prefix-freq` and its fallback, driven alike: identical
     evictions (keys in order, block ids, refusals) and inner state after every step. `warm`
     requests of one-time tails first (the tail rule switches on in most of those examples; more
     request bursts come among the ops). Tails: first as the manager passes them, not first, and
@@ -456,13 +456,13 @@ def test_the_generated_traffic_switches_the_tail_rule_on_and_all_evict_tails_fir
         if switched is None and rule_on(d.ref):
             switched = r
     assert switched is not None and switched >= 63 and d.rule_evictions > 0
-    assert all(rule_on(p) for p in d.policies) and d.ref._tails_one_time()
+    assert all(rule_on(p) for p in d.policies)  # (what it means for the victim order: checked below)
     for k in list(d.pending):
         if (b := d.ref.get(k)) is not None and b.ref_cnt == -1:
             d.set_ref(k, 0)
     d.pending.clear()
     old, tail1, tail2 = two_requests()
-    aside = [k for k, (segment, *_) in d.ref._aside.entries.items() if segment == 0]  # (met by evictions)
+    aside = [k for k, (segment, *_) in d.ref.aside.items() if segment == 0]  # (met by evictions)
     tails = {k for k in [*d.ref.segs[0], *aside] if d.ref.get(k).ref_cnt == 0}
     order = [k for k, _ in d.ref.victim_candidates()]
     assert set(order[:len(tails)]) == tails and tail1 in tails and tail2 in tails
@@ -473,12 +473,12 @@ def test_the_generated_traffic_switches_the_tail_rule_on_and_all_evict_tails_fir
 
 
 # ---------------------------------------------------------------------- views
-@pytest.mark.skipif(not CompactPrefixFreqCachePolicy.compiled, reason="views exist only in the compiled index")
+@pytest.mark.skipif(not PrefixFreqCachePolicy.compiled, reason="views exist only in the compiled index")
 def test_a_view_of_a_block_that_left_raises_instead_of_touching_another():
     """Views from `get` and `victim_candidates` of blocks that were removed, evicted or cleared
     raise LookupError on reading or writing ref_cnt, also once their key (or another) is stored
     again in the freed place; the blocks resident then are unchanged."""
-    p = CompactPrefixFreqCachePolicy(4)
+    p = PrefixFreqCachePolicy(4)
     assert p.returns_views and p.batch_calls
     p.insert_many([key(1), key(2), key(3)], [block(7, 0), block(8, 0), block(9, 0)], tail=key(1))
     removed, evicted = p.get(key(1)), p.get(key(2))

@@ -1,6 +1,6 @@
-"""`prefix-freq`'s compiled index (kvtier/policies/compact_prefix.py) as a system part: built here,
+"""`prefix-freq`'s compiled index (kvtier/policies/prefix_compiled.py) as a system part: built here,
 the registered name's fallback without it, and whole hierarchies replaying workloads with exactly
-the decisions of the pure-Python `PrefixFreqCachePolicy` (every figure, and the policy's state
+the decisions of the pure-Python `PurePrefixFreqCachePolicy` (every figure, and the policy's state
 at the end: ghosts, clock, hit-age mean, tail evidence). The operation-level differential tests
 are in test_compact_prefix.py; the conformance suites run on both in test_conformance.py."""
 
@@ -12,14 +12,15 @@ from dataclasses import replace
 
 import pytest
 
-from kvtier.bench import cycle, replay
+from benchmarks import cycle
+from kvtier.bench import replay, workloads
 from kvtier.hierarchy import build_hierarchy
-from kvtier.policies.compact_prefix import CompactPrefixFreqCachePolicy
-from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
+from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.prefix_tails import TailEvidence
 from kvtier.types import BlockStatus
 
-PURE = "kvtier.policies.prefix:PrefixFreqCachePolicy"
+PURE = "kvtier.policies.prefix_pure:PurePrefixFreqCachePolicy"
 
 
 def test_the_compiled_index_is_built():
@@ -30,8 +31,8 @@ def test_the_compiled_index_is_built():
         pytest.fail(f"kvtier.policies._compact_prefix is not built ({exc}): run `pip install -e .` (or "
                     "`python setup.py build_ext --inplace` in a checkout) with gcc and the Python headers "
                     "installed; prefix-freq falls back to pure Python without it")
-    assert CompactPrefixFreqCachePolicy.compiled and CompactPrefixFreqCachePolicy.returns_views
-    assert CompactPrefixFreqCachePolicy.batch_calls
+    assert PrefixFreqCachePolicy.compiled and PrefixFreqCachePolicy.returns_views
+    assert PrefixFreqCachePolicy.batch_calls
 
 
 def test_without_the_extension_the_name_resolves_to_the_fallback_and_says_so():
@@ -40,11 +41,11 @@ import logging, sys
 sys.modules["kvtier.policies._compact_prefix"] = None  # as if it were not built
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
 from kvtier import registry
-from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.prefix_tails import TailEvidence
 cls = registry.resolve(registry.POLICIES, "prefix-freq")
 a, b = cls(4), cls(4)
-print("fallback", issubclass(cls, PrefixFreqCachePolicy), cls.compiled, a.returns_views, a.batch_calls)
+print("fallback", issubclass(cls, PurePrefixFreqCachePolicy), cls.compiled, a.returns_views, a.batch_calls)
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "fallback True False False False" in out
@@ -59,7 +60,7 @@ def readable(block_ids) -> list[BlockStatus]:
 
 
 def test_grows_beyond_its_capacity_and_keeps_every_block():
-    p = CompactPrefixFreqCachePolicy(3)
+    p = PrefixFreqCachePolicy(3)
     keys = [i.to_bytes(4, "big") * (1 + i % 4) for i in range(1000)]  # the key array re-laid as keys grow
     p.insert_many(keys, readable(range(1000)))
     assert len(p) == 1000 and all(p.get(k).block_id == i for i, k in enumerate(keys))
@@ -68,7 +69,7 @@ def test_grows_beyond_its_capacity_and_keeps_every_block():
 
 
 def test_iterating_candidates_while_the_policy_changes_raises():
-    p = CompactPrefixFreqCachePolicy(4)
+    p = PrefixFreqCachePolicy(4)
     p.insert_many([b"k1", b"k2"], readable([1, 2]))
     candidates = p.victim_candidates()
     next(candidates)
@@ -78,21 +79,20 @@ def test_iterating_candidates_while_the_policy_changes_raises():
 
 
 def test_bad_keys_and_capacities_are_reported():
-    p = CompactPrefixFreqCachePolicy(4)
+    p = PrefixFreqCachePolicy(4)
     with pytest.raises(TypeError, match="must be bytes"):
         p.insert("abc", BlockStatus(1))
     with pytest.raises(ValueError, match="at most 65535 bytes"):
         p.insert(b"x" * 65536, BlockStatus(1))
     with pytest.raises(ValueError, match="cache_capacity must be > 0"):
-        CompactPrefixFreqCachePolicy(0)
+        PrefixFreqCachePolicy(0)
 
 
 def policy_state(policy) -> tuple:
-    """What the two implementations must agree on after a replay (the pure class's internals,
-    the compiled one's inspection properties)."""
-    counts = policy.tail_counts if hasattr(policy, "tail_counts") else list(policy._tails.counts)
+    """What the two implementations must agree on after a replay (their inspection properties)."""
     return (sorted((k, policy.get(k).block_id, policy.get(k).ref_cnt) for k in policy.keys()),
-            policy.victim_keys(len(policy)), list(policy.ghosts.items()), policy.clock, policy.unit, counts,
+            policy.victim_keys(len(policy)), list(policy.ghosts.items()), policy.clock, policy.unit,
+            policy.tail_counts,
             sorted(policy.pinned_keys() or ()))
 
 
@@ -105,8 +105,8 @@ def replayed(config, trace) -> tuple[dict, tuple, bool]:
         stats = hierarchy.manager.get_stats()
         policy = hierarchy.manager.tiers[0].policy
         evidence = TailEvidence()
-        evidence.counts = list(policy.tail_counts if hasattr(policy, "tail_counts") else policy._tails.counts)
-        one_time = evidence.one_time(PrefixFreqCachePolicy.tail_reuse_max)
+        evidence.counts = policy.tail_counts
+        one_time = evidence.one_time(PurePrefixFreqCachePolicy.tail_reuse_max)
         return ({k: result[k] for k in ("hit_rate", "hit_blocks", "stores_refused", "retry_steps")} | {"tiers": stats},
                 policy_state(policy), one_time)
     finally:
@@ -119,8 +119,8 @@ def test_replay_equals_the_pure_policy(workload, multi):
     """Generated workloads at a small capacity (many evictions, aside blocks, demotions and
     promotions): every figure of the replay and tier 0's final state equal the pure class's."""
     if workload == "conversations":  # each request ends in a partial block of its own (the Mooncake traces' tails)
-        turns = replay.generate_trace().requests
-        trace = replay.Trace("partial-tails", [r + [(1 << 62) + i] for i, r in enumerate(turns)])
+        turns = workloads.generate_trace().requests
+        trace = workloads.Trace("partial-tails", [r + [(1 << 62) + i] for i, r in enumerate(turns)])
     else:
         trace = cycle.load_workload(workload, "")
     compiled = cycle.config_for("prefix-freq+file" if multi else "prefix-freq", 200)
@@ -147,18 +147,15 @@ def test_the_tail_rule_equals_pythons_exact_comparison_at_any_count(counts):
     the eviction order: an older new block goes first unless tails are one-time."""
     expected = TailEvidence()
     expected.counts = list(counts)
-    one_time = expected.one_time(PrefixFreqCachePolicy.tail_reuse_max)
+    one_time = expected.one_time(PurePrefixFreqCachePolicy.tail_reuse_max)
     orders = []
-    for cls in (PrefixFreqCachePolicy, CompactPrefixFreqCachePolicy):
+    for cls in (PurePrefixFreqCachePolicy, PrefixFreqCachePolicy):
         p = cls(8)
         p.insert(b"older", readable([1])[0])
         p.touch([b"absent"])  # the clock moves on
         p.insert_many([b"tail"], readable([2]), tail=b"tail")
         p.touch([b"absent"])
-        if isinstance(p, CompactPrefixFreqCachePolicy):
-            p.tail_counts = counts
-        else:
-            p._tails.counts = list(counts)
+        p.tail_counts = counts
         orders.append(p.victim_keys(2))
     assert orders[0] == orders[1] == ([b"tail", b"older"] if one_time else [b"older", b"tail"])
 
@@ -187,7 +184,7 @@ def test_the_compiled_ghost_list_keeps_the_pure_ones_order_through_compactions(l
     import random
 
     rng = random.Random(limit)
-    pure, compiled = PrefixFreqCachePolicy(40), CompactPrefixFreqCachePolicy(40)
+    pure, compiled = PurePrefixFreqCachePolicy(40), PrefixFreqCachePolicy(40)
     if limit is not None:
         pure.ghost_limit = compiled.ghost_limit = limit
     for step in range(3000):
@@ -201,6 +198,6 @@ def test_the_compiled_ghost_list_keeps_the_pure_ones_order_through_compactions(l
             p.insert_many(keys, readable(range(len(keys))), tail=keys[0] if keys else None)
             p.touch(keys[1:2])
         assert list(compiled.ghosts.items()) == list(pure.ghosts.items()), step
-    assert compiled.tail_counts == pure._tails.counts and compiled.unit == pure.unit
+    assert compiled.tail_counts == pure.tail_counts and compiled.unit == pure.unit
     if limit is None or limit > 1:
-        assert pure._tails.counts[1] + pure._tails.counts[3] > 0, "no ghost ever returned"
+        assert pure.tail_counts[1] + pure.tail_counts[3] > 0, "no ghost ever returned"

@@ -8,10 +8,10 @@ from seed_policy import DuckSeedPolicy, SeedLRUPolicy
 
 from kvtier import registry
 from kvtier.policies.base import CachePolicy, KeyIndex, with_key_index
-from kvtier.policies.compact import PurePythonCompactLRU
-from kvtier.policies.compact_prefix import PurePythonCompactPrefixFreq
-from kvtier.policies.lru import LRUCachePolicy
-from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.lru_compiled import FallbackLRUCachePolicy
+from kvtier.policies.lru_pure import PureLRUCachePolicy
+from kvtier.policies.prefix_compiled import FallbackPrefixFreqCachePolicy
+from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.testing.policy import PolicyTests, fill, key
 
 
@@ -28,11 +28,11 @@ class TestLRU(PolicyTests):
 class TestLRUFallback(PolicyTests):
     """`lru`'s pure-Python fallback, what the name resolves to without the extension."""
 
-    policy_factory = PurePythonCompactLRU
+    policy_factory = FallbackLRUCachePolicy
 
 
 class TestPurePythonLRU(PolicyTests):
-    policy_factory = LRUCachePolicy
+    policy_factory = PureLRUCachePolicy
 
 
 class TestARC(PolicyTests):
@@ -52,11 +52,11 @@ class TestPrefixFreq(PolicyTests):
 class TestPrefixFreqFallback(PolicyTests):
     """`prefix-freq`'s pure-Python fallback, what the name resolves to without the extension."""
 
-    policy_factory = PurePythonCompactPrefixFreq
+    policy_factory = FallbackPrefixFreqCachePolicy
 
 
 class TestPurePythonPrefixFreq(PolicyTests):
-    policy_factory = PrefixFreqCachePolicy
+    policy_factory = PurePrefixFreqCachePolicy
 
 
 class TestSeedContractPolicy(PolicyTests):
@@ -85,7 +85,7 @@ def test_only_the_seed_methods_are_abstract():
 
 
 def test_with_key_index_keeps_full_policies_and_completes_seed_ones():
-    lru = LRUCachePolicy(4)
+    lru = PureLRUCachePolicy(4)
     assert with_key_index(lru) is lru
     for seed in (SeedLRUPolicy(4), DuckSeedPolicy(4)):
         wrapped = with_key_index(seed)
@@ -114,7 +114,7 @@ def test_default_len_and_clear_go_through_keys():
 
 
 # ---------------------------------------------------------------- the suite catches broken policies
-class EvictsPinned(LRUCachePolicy):
+class EvictsPinned(PureLRUCachePolicy):
     """Broken: takes the least recently used blocks whether pinned or not."""
 
     def evict(self, n, protected):
@@ -126,7 +126,7 @@ class EvictsPinned(LRUCachePolicy):
         return chosen
 
 
-class LeaksStateOnRefusedEvict(LRUCachePolicy):
+class LeaksStateOnRefusedEvict(PureLRUCachePolicy):
     """Broken: a refused eviction still reorders the blocks it looked at."""
 
     def evict(self, n, protected):

@@ -4,7 +4,7 @@ the policy without accounting.
 
 Cost is observed by counting reads of `ref_cnt` (not by timing): `CountingBlock` counts them, for
 the policies that keep the inserted objects. `lru` is the compiled index here (its `get` returns
-views: blocks are changed through `get`), `lru-py` the pure-Python `LRUCachePolicy`."""
+views: blocks are changed through `get`), `lru-py` the pure-Python `PureLRUCachePolicy`."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from seed_policy import SeedLRUPolicy
 
 from kvtier import registry
 from kvtier.policies.base import with_key_index
-from kvtier.policies.lru import LRUCachePolicy
-from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.lru_pure import PureLRUCachePolicy
+from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.testing.policy import key
 from kvtier.types import BlockStatus
 
@@ -43,9 +43,9 @@ def make(name: str, capacity: int):
     if name == "seed":
         return with_key_index(SeedLRUPolicy(capacity))
     if name == "lru-py":
-        return LRUCachePolicy(capacity)
+        return PureLRUCachePolicy(capacity)
     if name == "prefix-freq-py":
-        return PrefixFreqCachePolicy(capacity)
+        return PurePrefixFreqCachePolicy(capacity)
     return with_key_index(registry.resolve(registry.POLICIES, name)(capacity))
 
 
@@ -92,7 +92,7 @@ def test_unpinned_blocks_are_evicted_after_a_refusal(name):
 
 def test_lru_scans_pinned_head_once():
     """The oldest 5000 blocks pinned: the first eviction sets them aside, later ones do not read them
-    (counted on `LRUCachePolicy`'s objects; the compiled index makes the same decisions, see
+    (counted on `PureLRUCachePolicy`'s objects; the compiled index makes the same decisions, see
     tests/policies/test_compact_lru.py)."""
     policy = filled("lru-py", 10_000, pinned=5000)
     assert [k for k, _ in policy.evict(2, set())] == [key(5000), key(5001)]

@@ -1,7 +1,7 @@
 """The batch calls of `CachePolicy` (`readable_run`, `absent`, `insert_written`, `pin_loads`,
 `release_loads`, `mark_written`, `evict_ids`): the compiled `lru` index's C loops give exactly
 the answers and side effects of the defaults, which go key by key through `get`, `insert_many`,
-`evict`, the blocks' `ref_cnt` and `pin`/`unpin` (`LRUCachePolicy` runs the defaults). Batches
+`evict`, the blocks' `ref_cnt` and `pin`/`unpin` (`PureLRUCachePolicy` runs the defaults). Batches
 repeat keys and mix resident, absent, pinned and unwritten blocks, with and without evictable
 accounting, so refusals (nothing changed) are reached as often as the common case."""
 
@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.policies.compact import CompactLRUCachePolicy, PurePythonCompactLRU
-from kvtier.policies.lru import LRUCachePolicy
+from kvtier.policies.lru_compiled import FallbackLRUCachePolicy, LRUCachePolicy
+from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.types import BlockStatus
 
 
@@ -42,7 +42,7 @@ OPS = st.lists(st.one_of(
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, tracked=st.booleans())
 def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
-    ref, compiled, fallback = LRUCachePolicy(8), CompactLRUCachePolicy(8), PurePythonCompactLRU(8)
+    ref, compiled, fallback = PureLRUCachePolicy(8), LRUCachePolicy(8), FallbackLRUCachePolicy(8)
     policies = (ref, compiled, fallback)
     assert compiled.batch_calls and not ref.batch_calls
     for p in policies if tracked else ():
@@ -88,7 +88,7 @@ def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
         assert state(compiled) == state(ref) and state(fallback) == state(ref), (kind, arg)
 
 
-@pytest.mark.parametrize("cls", [CompactLRUCachePolicy, LRUCachePolicy])
+@pytest.mark.parametrize("cls", [LRUCachePolicy, PureLRUCachePolicy])
 def test_the_manager_path_of_a_request(cls):
     """The cycle the manager runs through the batch calls: written, found, pinned for loading
     (out of the eviction order), released, evictable again (oldest first: inserted tail first)."""

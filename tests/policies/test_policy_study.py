@@ -1,11 +1,11 @@
-"""kvtier.bench.policy_study on small generated traces: replay, optimum, grid, table."""
+"""benchmarks.policy_study on small generated traces: replay, optimum, grid, table."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvtier.bench.policy_study import format_table, grid, optimum, replay_policy, trace_stats
-from kvtier.bench.replay import Trace, generate_trace
+from benchmarks.policy_study import format_table, grid, optimum, replay_policy, trace_stats
+from kvtier.bench.workloads import Trace, generate_trace
 from kvtier.registry import POLICIES
 
 

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kvtier.policies.prefix import PrefixFreqCachePolicy
+from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.prefix_tails import HIT_NEW, HIT_TAIL
 from kvtier.types import BlockStatus
 
@@ -19,22 +19,22 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "big") + b"\0\0\0\0"
 
 
-def per_key(policy: PrefixFreqCachePolicy, keys: list, blocks: list, tail) -> None:
+def per_key(policy: PurePrefixFreqCachePolicy, keys: list, blocks: list, tail) -> None:
     """The per-key rule that `insert_many` must equal (the `_place` loop)."""
     policy.blocks.update(zip(keys, blocks))
     for k in keys:
         policy._place(k, k == tail)
 
 
-def snapshot(policy: PrefixFreqCachePolicy) -> tuple:
-    return ([list(seg.items()) for seg in policy.segs], list(policy.ghosts.items()), list(policy._tails.counts),
+def snapshot(policy: PurePrefixFreqCachePolicy) -> tuple:
+    return ([list(seg.items()) for seg in policy.segs], list(policy.ghosts.items()), policy.tail_counts,
             sorted(policy.blocks), policy.clock)
 
 
 @pytest.mark.parametrize("seed", range(10))
 def test_insert_many_with_ghosts_equals_place_per_key(seed):
     rng = random.Random(seed)
-    bulk, each = PrefixFreqCachePolicy(60), PrefixFreqCachePolicy(60)
+    bulk, each = PurePrefixFreqCachePolicy(60), PurePrefixFreqCachePolicy(60)
     next_id = 0
     ghost_batches = 0
     for _ in range(400):
@@ -71,15 +71,15 @@ def test_insert_many_with_ghosts_equals_place_per_key(seed):
     assert ghost_batches > 20
 
 
-def int_clock_policy(capacity: int) -> PrefixFreqCachePolicy:
+def int_clock_policy(capacity: int) -> PurePrefixFreqCachePolicy:
     """A policy whose clock and stamps are ints, as they were before `touch` went to float
     arithmetic: the float clock must give the same stamps, running mean and evictions."""
-    policy = PrefixFreqCachePolicy(capacity)
+    policy = PurePrefixFreqCachePolicy(capacity)
     policy.clock = 0
     return policy
 
 
-def touch_reference(policy: PrefixFreqCachePolicy, keys: list) -> None:
+def touch_reference(policy: PurePrefixFreqCachePolicy, keys: list) -> None:
     """`touch` as it was written before the probe order changed (new blocks, then the hit
     classes from the top, then tails, for every key), on a policy made by `int_clock_policy`."""
     clock, unit, rate = policy._sync(), policy.unit, policy.unit_rate
@@ -103,7 +103,7 @@ def touch_reference(policy: PrefixFreqCachePolicy, keys: list) -> None:
 @pytest.mark.parametrize("seed", range(10))
 def test_touch_equals_the_fixed_probe_order(seed):
     rng = random.Random(seed)
-    fast, slow = PrefixFreqCachePolicy(80), int_clock_policy(80)
+    fast, slow = PurePrefixFreqCachePolicy(80), int_clock_policy(80)
     next_id = 0
     for _ in range(500):
         resident = list(fast.blocks)
@@ -138,7 +138,7 @@ def test_touch_with_pins_and_aside_keys_equals_the_fixed_probe_order(seed):
     """Evictable accounting on: evictions set pinned keys aside and `touch` puts them back first,
     so the hit counts that `touch` takes from the tails' and new blocks' sizes include them."""
     rng = random.Random(seed)
-    fast, slow = PrefixFreqCachePolicy(80), int_clock_policy(80)
+    fast, slow = PurePrefixFreqCachePolicy(80), int_clock_policy(80)
     fast.track_pins()
     slow.track_pins()
     next_id = 0

@@ -1,4 +1,4 @@
-"""A shorter run of the manager soak (kvtier.bench.soak) in CI, and regression tests for the
+"""A shorter run of the manager soak (benchmarks.soak) in CI, and regression tests for the
 manager bugs it found (bugs 1 and 2 of docs/reliability.md, fixed).
 
 The long run (>= 1,000,000 operations) is documented in docs/reliability.md.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from conftest import keys, memory_hierarchy
 
+from benchmarks import soak
 from kvtier import LookupResult
-from kvtier.bench import soak
 
 OPS = 30_000
 

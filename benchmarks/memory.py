@@ -1,6 +1,6 @@
 """Index memory per resident block, measured as RSS growth (issue 19: <= 100 bytes including the key).
 
-    python -m kvtier.bench.memory [--blocks 1000000,8000000] [--policies lru,lru-py,prefix-freq,prefix-freq-py,vllm-lru]
+    python -m benchmarks.memory [--blocks 1000000,8000000] [--policies lru,lru-py,prefix-freq,prefix-freq-py,vllm-lru]
                                   [--churn X] [--json FILE]
 
 Each (policy, N) runs in a fresh child process: resident set size (/proc/self/statm) before, then
@@ -10,7 +10,7 @@ N resident blocks inserted the way the manager stores them (evictable accounting
 `gc.collect()` and RSS after. The chunks' key lists are dropped after each chunk: a dict-based
 policy keeps every key object (that is its real cost), the compact index copies the bytes and
 keeps none. `lru` and `prefix-freq` are the registered names (the compiled indexes when they are
-built), `lru-py` and `prefix-freq-py` the pure-Python `LRUCachePolicy` and `PrefixFreqCachePolicy`
+built), `lru-py` and `prefix-freq-py` the pure-Python `PureLRUCachePolicy` and `PurePrefixFreqCachePolicy`
 (their fallbacks). `vllm-lru` is vLLM's `CPUOffloadingManager` with its
 LRU policy, driven through `prepare_store`/`complete_store` with one request context per chunk
 (dropped after it).
@@ -36,9 +36,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks import child_env
+
 POLICIES = ("lru", "lru-py", "prefix-freq", "prefix-freq-py", "vllm-lru")
-PURE = {"lru-py": "kvtier.policies.lru:LRUCachePolicy",  # bench names that are not registered:
-        "prefix-freq-py": "kvtier.policies.prefix:PrefixFreqCachePolicy"}  # the pure-Python policies
+PURE = {"lru-py": "kvtier.policies.lru_pure:PureLRUCachePolicy",  # bench names that are not registered:
+        "prefix-freq-py": "kvtier.policies.prefix_pure:PurePrefixFreqCachePolicy"}  # the pure-Python policies
 CHUNK = 1 << 16
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -104,7 +106,7 @@ def measure(name: str, n: int, churn: float = 0.0) -> dict[str, Any]:
     if name == "vllm-lru":
         import vllm.v1.kv_offload.cpu.manager  # noqa: F401 - imported before the first reading
     else:
-        import kvtier.policies.compact  # noqa: F401
+        import kvtier.policies.lru_compiled  # noqa: F401
         from kvtier import registry
         from kvtier.types import BlockStatus  # noqa: F401
 
@@ -139,8 +141,8 @@ def measure(name: str, n: int, churn: float = 0.0) -> dict[str, Any]:
 
 
 def run_child(name: str, n: int, churn: float = 0.0) -> dict[str, Any]:
-    out = subprocess.run([sys.executable, "-m", "kvtier.bench.memory", "--child", f"{name}:{n}:{churn}"],
-                         capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "benchmarks.memory", "--child", f"{name}:{n}:{churn}"],
+                         capture_output=True, text=True, env=child_env())
     if out.returncode != 0:
         raise RuntimeError(f"{name} at {n} blocks failed:\n{out.stderr[-2000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])

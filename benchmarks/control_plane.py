@@ -1,6 +1,6 @@
 """Cost of a refused or small eviction next to many pinned blocks (issue 19 item 2).
 
-    python -m kvtier.bench.control_plane [--pinned 0,100k,1M] [--json FILE]
+    python -m benchmarks.control_plane [--pinned 0,100k,1M] [--json FILE]
 
 For every policy (and a seed-contract policy completed by `KeyIndex`) and every number P of
 pinned blocks, one policy instance holds P pinned blocks (the oldest, as a long prefill or a

@@ -1,4 +1,6 @@
-"""Least-recently-used replacement.
+"""Least-recently-used replacement in pure Python: `PureLRUCachePolicy`, the twin of the registered
+`lru` (`kvtier.policies.lru_compiled.LRUCachePolicy`, a compiled index making the same decisions)
+and its fallback where the extension is not built.
 
 With evictable accounting (`CachePolicy.track_pins`, which the manager turns on) pinned blocks
 leave the eviction order: a block found pinned at the head of the order is set *aside* (it keeps
@@ -33,7 +35,7 @@ _second = itemgetter(1)
 _ref_cnt = attrgetter("ref_cnt")
 
 
-class LRUCachePolicy(CachePolicy):
+class PureLRUCachePolicy(CachePolicy):
     """Evicts the least recently inserted or touched unpinned block first."""
 
     def __init__(self, cache_capacity: int) -> None:
@@ -121,21 +123,8 @@ class LRUCachePolicy(CachePolicy):
             blocks.update(head)
             _consume(map(blocks.move_to_end, reversed(keys), repeat(False)), 0)
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
-        taken: list[tuple[int, OffloadKey]] = []  # freed heap entries chosen (restored on refusal)
-        kept: list[tuple[int, OffloadKey]] = []  # freed heap entries passed over (protected)
+        taken, kept = self._take_freed(n, protected, chosen)
         freed = self._freed
-        last = None
-        while freed and len(chosen) < n:
-            entry = heappop(freed)
-            seq, key = entry
-            if aside.get(key) != seq or key in pinned or entry == last:
-                continue  # stale (touched, removed, evicted, pinned again) or a duplicate (popped in a row)
-            last = entry
-            if key in protected or blocks[key].ref_cnt != 0:
-                kept.append(entry)
-            else:
-                taken.append(entry)
-                chosen.append((key, blocks[key]))
         need = n - len(chosen)
         if need:
             head = list(islice(blocks.items(), need))
@@ -155,6 +144,29 @@ class LRUCachePolicy(CachePolicy):
         if aside:
             _consume(map(aside.pop, victims, repeat(None)), 0)
         return chosen
+
+    def _take_freed(self, n: int, protected: set[OffloadKey],
+                    chosen: list[tuple[OffloadKey, BlockStatus]]) -> tuple[list, list]:
+        """Pop freed aside blocks, oldest first, into `chosen` until it holds `n`; stale heap
+        entries are dropped. Returns (the heap entries chosen, those passed over: protected or
+        pinned); the caller pushes back the passed-over ones, and the chosen ones on a refusal."""
+        blocks, aside, pinned, freed = self.blocks, self.aside, self._pinned, self._freed
+        assert pinned is not None
+        taken: list[tuple[int, OffloadKey]] = []
+        kept: list[tuple[int, OffloadKey]] = []
+        last = None
+        while freed and len(chosen) < n:
+            entry = heappop(freed)
+            seq, key = entry
+            if aside.get(key) != seq or key in pinned or entry == last:
+                continue  # stale (touched, removed, evicted, pinned again) or a duplicate (popped in a row)
+            last = entry
+            if key in protected or blocks[key].ref_cnt != 0:
+                kept.append(entry)
+            else:
+                taken.append(entry)
+                chosen.append((key, blocks[key]))
+        return taken, kept
 
     def _scan_head(self, need: int, protected: set[OffloadKey],
                    chosen: list[tuple[OffloadKey, BlockStatus]]) -> bool:

@@ -1,6 +1,6 @@
 """Soak test of the hierarchy manager: a million operations with failing handlers and aborted requests.
 
-    python -m kvtier.bench.soak --ops 1000000 [--seed 0] [--json FILE]
+    python -m benchmarks.soak --ops 1000000 [--seed 0] [--json FILE]
 
 Two memory tiers (`hot` cascading `on_evict` into `warm`, real bytes derived from keys) under a
 `ChaosHandler` that completes each copy at once, later (deferred to a random later step, so
@@ -150,123 +150,122 @@ def check_invariants(mgr, open_loads: list, where: str) -> None:
             fail(f"pinned block {bytes(key).hex()} of tier {tier.name} was evicted or unpinned")
 
 
-@logger_at("kvtier.engine", logging.ERROR)  # injected failures are expected
-def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 160, check_every: int = 64,
-        hot_policy: str = "arc", warm_policy: str = "lru", reserve: float = 0.25, progress=None,
-        store_while_promoting: bool = True) -> dict:
-    """`store_while_promoting=False` keeps the driver from storing a block whose promotion is queued
-    (lookup answered RETRY and no schedule end ran since), a path where the manager leaves the
-    stored block at ref_cnt -1 forever (docs/reliability.md, bug 1).
+class SoakDriver:
+    """Calls the manager of a two-tier hierarchy the way an engine does, with aborts, counting
+    every call (`op`) and checking the invariants as it goes. `store_while_promoting`: see `run`."""
 
-    Raises InvariantError naming the operation at which an invariant failed or the manager raised."""
-    from kvtier import CPULoadStoreSpec, ReqContext, make_offload_key
+    def __init__(self, h, rng: random.Random, chaos: ChaosHandler, universe: int, check_every: int,
+                 progress=None, store_while_promoting: bool = True) -> None:
+        from kvtier import ReqContext, make_offload_key
 
+        self.h, self.mgr, self.rng, self.chaos = h, h.manager, rng, chaos
+        self.hot_backend = h.backends["hot"]
+        self.top_policy = self.mgr.tiers[0].policy
+        self.capacities = [(t.policy, t.capacity, t.name) for t in self.mgr.tiers]
+        self.keys = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(universe)]
+        self.weights = [1.0 / (1 + i) ** 0.8 for i in range(universe)]  # skewed popularity
+        self.ctx = ReqContext("soak")
+        self.check_every, self.progress, self.store_while_promoting = check_every, progress, store_while_promoting
+        self.counts: Counter = Counter()
+        self.open_stores: list[list] = []  # keys prepared, not completed yet
+        self.open_loads: list[tuple] = []  # (key, tier index, block) prepared, not completed yet
+        self.n = 0  # operations so far
 
-    rng = random.Random(seed)
-    h = build(hot, warm, hot_policy, warm_policy, reserve)
-    chaos = ChaosHandler(h.backends, rng)
-    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, chaos)
-    mgr = h.manager
-    hot_backend = h.backends["hot"]
-    keys = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(universe)]
-    weights = [1.0 / (1 + i) ** 0.8 for i in range(universe)]  # skewed popularity
-    ctx = ReqContext("soak")
-    counts: Counter = Counter()
-    open_stores: list[list] = []  # keys prepared, not completed yet
-    open_loads: list[tuple] = []  # (key, tier index, block) prepared, not completed yet
-    n = 0
-    HIT, MISS = LookupResult.HIT, LookupResult.MISS
-    top_policy = mgr.tiers[0].policy
-    capacities = [(t.policy, t.capacity, t.name) for t in mgr.tiers]
-
-    def op(name: str) -> None:
-        nonlocal n
-        n += 1
-        counts[name] += 1
-        for pol, cap, tname in capacities:
+    def op(self, name: str) -> None:
+        """Count one call into the manager; check capacities now and the invariants every `check_every`."""
+        self.n += 1
+        n = self.n
+        self.counts[name] += 1
+        for pol, cap, tname in self.capacities:
             if len(pol) > cap:
                 raise InvariantError(f"op {n} ({name}): tier {tname} holds {len(pol)} blocks > {cap}")
-        if n % check_every == 0:
-            check_invariants(mgr, open_loads, f"op {n} ({name})")
-        if progress is not None and n % 100_000 == 0:
-            progress(n)
+        if n % self.check_every == 0:
+            check_invariants(self.mgr, self.open_loads, f"op {n} ({name})")
+        if self.progress is not None and n % 100_000 == 0:
+            self.progress(n)
 
-    def finish_load(index: int) -> None:
-        key, _tier, _block = open_loads.pop(index)
-        mgr.complete_load([key], ctx)
-        op("complete_load")
+    def finish_load(self, index: int) -> None:
+        key, _tier, _block = self.open_loads.pop(index)
+        self.mgr.complete_load([key], self.ctx)
+        self.op("complete_load")
 
-    def finish_store(index: int, success: bool) -> None:
-        batch = open_stores.pop(index)
+    def finish_store(self, index: int, success: bool) -> None:
+        batch = self.open_stores.pop(index)
         if not success:  # an aborted request: garbage in its slots, then success=False
             for key in batch:
-                block = top_policy.get(key)
+                block = self.top_policy.get(key)
                 if block is not None and block.ref_cnt == -1:
-                    hot_backend.view(block.block_id)[:] = b"\x5a" * BLOCK_BYTES
-            counts["stores_aborted"] += len(batch)
-        mgr.complete_store(batch, ctx, success=success)
-        op("complete_store")
+                    self.hot_backend.view(block.block_id)[:] = b"\x5a" * BLOCK_BYTES
+            self.counts["stores_aborted"] += len(batch)
+        self.mgr.complete_store(batch, self.ctx, success=success)
+        self.op("complete_store")
 
-    started = time.perf_counter()
-    try:
-        while n < ops:
-            r = rng.random()
-            if r < 0.40:  # a request: look its blocks up in order, load the hits, store the rest
-                req = rng.choices(keys, weights, k=rng.randint(1, 4))
-                req = list(dict.fromkeys(req))
-                hits = []
-                for key in req:
-                    answer = mgr.lookup(key, ctx)
-                    op("lookup")
-                    counts[f"lookup_{answer.name}"] += 1
-                    if answer is not HIT:
-                        break
-                    hits.append(key)
-                if hits and rng.random() < 0.9:
-                    spec = mgr.prepare_load(hits, ctx)
-                    op("prepare_load")
-                    for key, slot in zip(hits, spec.block_ids):
-                        block = top_policy.get(key)
-                        if bytes(hot_backend.view(slot)) != payload(key):
-                            raise InvariantError(f"op {n}: prepare_load of {bytes(key).hex()} points at wrong bytes")
-                        open_loads.append((key, 0, block))
-                    mgr.touch(hits, ctx)
-                    op("touch")
-                rest = [k for k in req if k not in hits]
-                if not store_while_promoting:
-                    skipped = [k for k in rest if k in mgr._promotions.running and top_policy.get(k) is None]
-                    if skipped:
-                        counts["stores_skipped_promotion_queued"] += len(skipped)
-                        rest = [k for k in rest if k not in skipped]
-                if rest and answer is MISS and len(open_stores) < 4:
-                    out = mgr.prepare_store(rest, ctx)
-                    op("prepare_store")
-                    if out is None:
-                        counts["stores_refused"] += 1
-                    elif out.keys_to_store:
-                        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
-                            hot_backend.view(slot)[:] = payload(key)
-                        open_stores.append(list(out.keys_to_store))
-            elif r < 0.55 and open_stores:
-                finish_store(rng.randrange(len(open_stores)), success=rng.random() > 0.1)
-            elif r < 0.70 and open_loads:  # finished or aborted: both end with complete_load
-                counts["loads_aborted" if rng.random() < 0.2 else "loads_done"] += 1
-                finish_load(rng.randrange(len(open_loads)))
-            elif r < 0.85:
-                chaos.step(rng.random())
-                mgr.on_schedule_end()
-                op("on_schedule_end")
-            else:
-                chaos.step(0.3)
-                mgr.on_schedule_end()
-                op("on_schedule_end")
-        elapsed = time.perf_counter() - started
-        check_invariants(mgr, open_loads, "before teardown")
-        # Teardown: finish every request, run every deferred job, then nothing may stay pinned.
-        while open_loads:
-            finish_load(len(open_loads) - 1)
-        while open_stores:
-            finish_store(len(open_stores) - 1, success=rng.random() < 0.5)
+    def request(self) -> None:
+        """A request: look its blocks up in order, load the hits, store the rest."""
+        mgr, rng, ctx = self.mgr, self.rng, self.ctx
+        req = list(dict.fromkeys(rng.choices(self.keys, self.weights, k=rng.randint(1, 4))))
+        hits = []
+        for key in req:
+            answer = mgr.lookup(key, ctx)
+            self.op("lookup")
+            self.counts[f"lookup_{answer.name}"] += 1
+            if answer is not LookupResult.HIT:
+                break
+            hits.append(key)
+        if hits and rng.random() < 0.9:
+            self.load(hits)
+        rest = [k for k in req if k not in hits]
+        if not self.store_while_promoting:
+            skipped = [k for k in rest if k in mgr._promotions.running and self.top_policy.get(k) is None]
+            if skipped:
+                self.counts["stores_skipped_promotion_queued"] += len(skipped)
+                rest = [k for k in rest if k not in skipped]
+        if rest and answer is LookupResult.MISS and len(self.open_stores) < 4:
+            out = mgr.prepare_store(rest, ctx)
+            self.op("prepare_store")
+            if out is None:
+                self.counts["stores_refused"] += 1
+            elif out.keys_to_store:
+                for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+                    self.hot_backend.view(slot)[:] = payload(key)
+                self.open_stores.append(list(out.keys_to_store))
+
+    def load(self, hits: list) -> None:
+        """Prepare a load of `hits` (checking the bytes it points at) and touch them; the load stays open."""
+        spec = self.mgr.prepare_load(hits, self.ctx)
+        self.op("prepare_load")
+        for key, slot in zip(hits, spec.block_ids):
+            block = self.top_policy.get(key)
+            if bytes(self.hot_backend.view(slot)) != payload(key):
+                raise InvariantError(f"op {self.n}: prepare_load of {bytes(key).hex()} points at wrong bytes")
+            self.open_loads.append((key, 0, block))
+        self.mgr.touch(hits, self.ctx)
+        self.op("touch")
+
+    def step(self) -> None:
+        """One random move: a request, finishing a store or a load, or a schedule end."""
+        rng = self.rng
+        r = rng.random()
+        if r < 0.40:
+            self.request()
+        elif r < 0.55 and self.open_stores:
+            self.finish_store(rng.randrange(len(self.open_stores)), success=rng.random() > 0.1)
+        elif r < 0.70 and self.open_loads:  # finished or aborted: both end with complete_load
+            self.counts["loads_aborted" if rng.random() < 0.2 else "loads_done"] += 1
+            self.finish_load(rng.randrange(len(self.open_loads)))
+        else:
+            self.chaos.step(rng.random() if r < 0.85 else 0.3)
+            self.mgr.on_schedule_end()
+            self.op("on_schedule_end")
+
+    def teardown(self) -> None:
+        """Finish every request, run every deferred job; then nothing may stay pinned or in flight."""
+        mgr = self.mgr
+        check_invariants(mgr, self.open_loads, "before teardown")
+        while self.open_loads:
+            self.finish_load(len(self.open_loads) - 1)
+        while self.open_stores:
+            self.finish_store(len(self.open_stores) - 1, success=self.rng.random() < 0.5)
         mgr.wait_idle()
         mgr.on_schedule_end()
         mgr.wait_idle()
@@ -276,22 +275,46 @@ def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 
         if pins or mgr._loads.pins or mgr._jobs or any(t.demoting for t in mgr.tiers):
             raise InvariantError(f"after teardown: blocks still pinned or in flight: {pins[:10]}, "
                                  f"pins={len(mgr._loads.pins)}, jobs={len(mgr._jobs)}")
+
+
+@logger_at("kvtier.engine", logging.ERROR)  # injected failures are expected
+def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 160, check_every: int = 64,
+        hot_policy: str = "arc", warm_policy: str = "lru", reserve: float = 0.25, progress=None,
+        store_while_promoting: bool = True) -> dict:
+    """`store_while_promoting=False` keeps the driver from storing a block whose promotion is queued
+    (lookup answered RETRY and no schedule end ran since), a path where the manager leaves the
+    stored block at ref_cnt -1 forever (docs/reliability.md, bug 1).
+
+    Raises InvariantError naming the operation at which an invariant failed or the manager raised."""
+    from kvtier import CPULoadStoreSpec
+
+    rng = random.Random(seed)
+    h = build(hot, warm, hot_policy, warm_policy, reserve)
+    chaos = ChaosHandler(h.backends, rng)
+    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, chaos)
+    driver = SoakDriver(h, rng, chaos, universe, check_every, progress, store_while_promoting)
+    started = time.perf_counter()
+    try:
+        while driver.n < ops:
+            driver.step()
+        elapsed = time.perf_counter() - started
+        driver.teardown()
     except InvariantError:
         raise
     except Exception as exc:
-        raise InvariantError(f"op {n}: the manager raised {type(exc).__name__}: {exc}") from exc
-    stats = mgr.get_stats()
+        raise InvariantError(f"op {driver.n}: the manager raised {type(exc).__name__}: {exc}") from exc
+    stats = h.manager.get_stats()
     h.close()
-    return {"schema": "kvtier.soak/1", "ops": n, "seed": seed, "seconds": round(elapsed, 2),
-            "ops_per_s": round(n / elapsed), "tiers": {"hot": hot, "warm": warm, "universe": universe,
-                                                       "hot_policy": hot_policy, "warm_policy": warm_policy},
+    return {"schema": "kvtier.soak/1", "ops": driver.n, "seed": seed, "seconds": round(elapsed, 2),
+            "ops_per_s": round(driver.n / elapsed), "tiers": {"hot": hot, "warm": warm, "universe": universe,
+                                                              "hot_policy": hot_policy, "warm_policy": warm_policy},
             "check_every": check_every, "store_while_promoting": store_while_promoting,
-            "counts": dict(sorted(counts.items())),
+            "counts": dict(sorted(driver.counts.items())),
             "handler": dict(chaos.counts), "stats": stats}
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvtier.bench.soak", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.soak", description=__doc__.split("\n")[0])
     p.add_argument("--ops", type=int, default=1_000_000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check-every", type=int, default=64)

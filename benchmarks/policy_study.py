@@ -2,26 +2,28 @@
 
 - `replay_policy(trace, policy, capacity)`: hit rate and block ops/s of one policy in a single-tier,
   dry-run kvtier hierarchy, driven exactly as vLLM's scheduler drives it (`kvtier.bench.replay`).
-- `optimum(trace, capacity)`: the offline ceiling (Belady's MIN adapted to prefix hits).
+- `optimum(trace, capacity)`: the offline ceiling (Belady's MIN adapted to prefix hits), from
+  `kvtier.bench.optimum` (the CLI's `kvtier bench trace` reports it too).
 - `grid(traces, policies, capacities)`: rows policy x capacity x trace, with the optimum.
 - `plot(rows, path)`: hit rate vs capacity per policy, the optimum drawn as the ceiling.
 - `trace_stats(trace)`: the numbers behind the analysis in docs/policies.md.
 
 The CLI `kvtier bench trace --policies lru,arc,... --capacities 2k,10k,40k` replays the configured
 hierarchy (`replay.sweep`) and adds `optimum` at each capacity; for a single-tier config its rows
-equal `grid`'s, which `python -m kvtier.bench.policy_study TRACE... --policies ... --capacities ...`
+equal `grid`'s, which `python -m benchmarks.policy_study TRACE... --policies ... --capacities ...`
 prints as a table over several traces.
 """
 
 from __future__ import annotations
 
-import heapq
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.replay import Trace, load_trace, parse_counts, replay_manager
+from kvtier.bench.optimum import optimum
+from kvtier.bench.replay import parse_counts, replay_manager
+from kvtier.bench.workloads import Trace, load_trace
 
 
 def single_tier_config(policy: str, capacity: int, block_tokens: int = 512):
@@ -44,53 +46,6 @@ def replay_policy(trace: Trace, policy: str, capacity: int) -> dict[str, Any]:
         hierarchy.close()
     result.update(trace=trace.name, policy=policy, capacity_blocks=capacity)
     return result
-
-
-def optimum(trace: Trace, capacity: int | None) -> float:
-    """Offline hit-rate ceiling at `capacity` blocks (None: unlimited space).
-
-    Belady's MIN for this workload: after each request, every block of the request is a candidate
-    to stay; when the cache exceeds `capacity`, drop the block whose next use is furthest away
-    (never used again first), deeper blocks first on ties. A block's next use is never earlier
-    than its parent's (a request holding a block holds its whole prefix), so the cache stays
-    prefix-closed and block hits equal prefix hits. Storing is optional here (a block whose next
-    use is furthest is simply not kept), so this bounds every demand policy from above.
-    """
-    requests = trace.requests
-    total = trace.total_blocks
-    if capacity is None:
-        return trace.optimum_hit_rate()
-    inf = len(requests) + 1
-    # next_use[i][j]: index of the next request that uses requests[i][j] (inf if none).
-    next_use: list[list[int]] = [None] * len(requests)  # type: ignore[list-item]
-    upcoming: dict[int, int] = {}
-    for i in range(len(requests) - 1, -1, -1):
-        row = requests[i]
-        next_use[i] = [upcoming.get(h, inf) for h in row]
-        for h in row:
-            upcoming[h] = i
-    cached: dict[int, tuple[int, int]] = {}  # hash -> (next use, depth) as currently keyed in the heap
-    heap: list[tuple[int, int, int]] = []  # (-next use, -depth, hash): furthest next use on top
-    hits = 0
-    for i, row in enumerate(requests):
-        alive = True
-        for h in row:
-            if alive and h in cached:
-                hits += 1
-            else:
-                alive = False
-        for depth, (h, nxt) in enumerate(zip(row, next_use[i])):
-            entry = (nxt, depth)
-            cached[h] = entry
-            heapq.heappush(heap, (-nxt, -depth, h))
-        while len(cached) > capacity:
-            neg_nxt, neg_depth, h = heapq.heappop(heap)
-            if cached.get(h) == (-neg_nxt, -neg_depth):
-                del cached[h]
-        if len(heap) > 4 * capacity + 1024:  # drop stale heap entries now and then
-            heap = [(-n, -d, h) for h, (n, d) in cached.items()]
-            heapq.heapify(heap)
-    return hits / max(1, total)
 
 
 def grid(traces: Sequence[Trace], policies: Iterable[str], capacities: Iterable[int],
@@ -194,7 +149,7 @@ def trace_stats(trace: Trace) -> dict[str, Any]:
 def main(argv: Sequence[str] | None = None) -> int:
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m kvtier.bench.policy_study", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.policy_study", description=__doc__.split("\n")[0])
     ap.add_argument("traces", nargs="+")
     ap.add_argument("--policies", default="lru,arc")
     ap.add_argument("--capacities", default="2k,10k,40k")

@@ -1,8 +1,8 @@
 """`lru`: LRU's decisions with its data layout owned by compiled code, when it is built.
 
-`CompactLRUCachePolicy` is the compiled index (kvtier/policies/_compact_lru.pyx, built by
+`LRUCachePolicy` is the compiled index (kvtier/policies/_compact_lru.pyx, built by
 `pip install` with the C compiler there) completed into a `CachePolicy`: about 85 bytes per
-resident block including the key, against some 340 for the pure-Python `LRUCachePolicy` (its dict
+resident block including the key, against some 340 for the pure-Python `PureLRUCachePolicy` (its dict
 entry, block object and key object); see docs/policies.md. Its `get` returns views of state the
 policy keeps (`returns_views`): a view's `ref_cnt` reads and writes the policy's arrays, the
 objects given to `insert` are copied and not kept, and blocks are compared by `block_id`, not
@@ -11,7 +11,7 @@ blocks. It implements the batch calls of the request cycle (`CachePolicy.readabl
 `pin_loads`, `release_loads`, `mark_written`) in C loops.
 
 When the extension is not importable (no compiler at install time) the registered name `lru`
-resolves to `PurePythonCompactLRU`, a plain `LRUCachePolicy` (the same decisions, more memory),
+resolves to `FallbackLRUCachePolicy`, a plain `PureLRUCachePolicy` (the same decisions, more memory),
 and the first policy built says so in the log. The same conformance suites run against both.
 """
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.compiled import CompiledIndex, CompiledPolicy, FallbackPolicy
-from kvtier.policies.lru import LRUCachePolicy
+from kvtier.policies.lru_pure import PureLRUCachePolicy
 
 INDEX = CompiledIndex("lru", "kvtier.policies._compact_lru", "CompactLRUBatch", "about 4x the memory per block")
 COMPILED = INDEX.cls is not None
@@ -29,17 +29,17 @@ if TYPE_CHECKING or COMPILED:
     from kvtier.policies._compact_lru import CompactLRUBatch
 
 
-class PurePythonCompactLRU(FallbackPolicy, LRUCachePolicy):
-    """`lru` without its compiled index: `LRUCachePolicy` itself (the same decisions)."""
+class FallbackLRUCachePolicy(FallbackPolicy, PureLRUCachePolicy):
+    """`lru` without its compiled index: `PureLRUCachePolicy` itself (the same decisions)."""
 
     index = INDEX
 
 
 if COMPILED:
-    class CompactLRUCachePolicy(CompiledPolicy, CompactLRUBatch, CachePolicy):
+    class LRUCachePolicy(CompiledPolicy, CompactLRUBatch, CachePolicy):
         """LRU over C arrays (see the module docstring)."""
 else:
-    class CompactLRUCachePolicy(PurePythonCompactLRU):  # type: ignore[no-redef]
-        """`lru` without its compiled index (see `PurePythonCompactLRU`)."""
+    class LRUCachePolicy(FallbackLRUCachePolicy):  # type: ignore[no-redef]
+        """`lru` without its compiled index (see `FallbackLRUCachePolicy`)."""
 
         announces_fallback = True  # only the registered name logs, not tests that pick the fallback

@@ -1,12 +1,12 @@
 """CPU cost of the request cycle per trace block, kvtier against vLLM's LRU manager (issue 19).
 
-    python -m kvtier.bench.cycle [--repeats 5] [--capacity 10000] [--multi] [--json FILE]
-    python -m kvtier.bench.cycle --callgrind [--workloads agentic] [--systems lru,prefix-freq]
+    python -m benchmarks.cycle [--repeats 5] [--capacity 10000] [--multi] [--json FILE]
+    python -m benchmarks.cycle --callgrind [--workloads agentic] [--systems lru,prefix-freq]
 
 Four workloads: the Mooncake conversation and synthetic traces (`--traces`, default
 /work/shared/traces or $KVTIER_TRACES), the generated hit-heavy agentic workload
-(`replay.generate_agentic_trace`) and the generated one-shot-scan workload
-(`replay.generate_scan_trace`). Systems: kvtier with `lru` and with `prefix-freq` in one tier of
+(`workloads.generate_agentic_trace`) and the generated one-shot-scan workload
+(`workloads.generate_scan_trace`). Systems: kvtier with `lru` and with `prefix-freq` in one tier of
 `--capacity` blocks, vLLM 0.32's `CPUOffloadingManager` with LRU at the same capacity, and with
 `--multi` kvtier with each policy over a file tier nine times larger (`lru+file`, ...). Named in
 `--systems`, `prefix-freq-py` and `lru-py` are the pure-Python policies the compiled indexes
@@ -40,7 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench import replay
+from benchmarks import child_env
+from kvtier.bench import replay, workloads
 
 WORKLOADS = ("conversation", "synthetic", "agentic", "scan")
 SYSTEMS = ("lru", "prefix-freq", "vllm-lru")
@@ -48,14 +49,14 @@ MULTI = ("lru+file", "prefix-freq+file")
 DEFAULT_TRACES = "/work/shared/traces"
 
 
-def load_workload(name: str, traces: str) -> replay.Trace:
+def load_workload(name: str, traces: str) -> workloads.Trace:
     """The trace of workload `name` (one of `WORKLOADS`)."""
     if name == "agentic":
-        return replay.generate_agentic_trace()
+        return workloads.generate_agentic_trace()
     if name == "scan":
-        return replay.generate_scan_trace()
+        return workloads.generate_scan_trace()
     if name in ("conversation", "synthetic"):
-        return replay.load_trace(Path(traces) / f"mooncake_{name}.jsonl")
+        return workloads.load_trace(Path(traces) / f"mooncake_{name}.jsonl")
     raise ValueError(f"--workloads: unknown workload {name!r} (expected one of {', '.join(WORKLOADS)})")
 
 
@@ -66,7 +67,7 @@ def config_for(system: str, capacity: int):
     first tier's policy may be a pure-Python one (`memory.PURE`: 'prefix-freq-py', 'lru-py')."""
     from dataclasses import replace
 
-    from kvtier.bench.memory import PURE
+    from benchmarks.memory import PURE
     from kvtier.config import Capacity, load_config
 
     policy, _, below = system.partition("+")
@@ -78,7 +79,7 @@ def config_for(system: str, capacity: int):
     return replace(config, tiers=(first, *rest))
 
 
-def run_one(system: str, trace: replay.Trace, capacity: int) -> dict[str, Any]:
+def run_one(system: str, trace: workloads.Trace, capacity: int) -> dict[str, Any]:
     """Replay `trace` once through `system`; the replay's result row."""
     if system == "vllm-lru":
         return replay.replay_vllm(capacity, "lru", trace)
@@ -139,9 +140,9 @@ def measure_callgrind(workloads: list[str], systems: list[str], capacity: int, t
             for system in systems:
                 out, cg = os.path.join(tmp, "row.json"), os.path.join(tmp, "callgrind.out")
                 cmd = ["valgrind", "--tool=callgrind", "--collect-atstart=no", "--toggle-collect=functools_reduce",
-                       f"--callgrind-out-file={cg}", sys.executable, "-m", "kvtier.bench.cycle", "--child",
+                       f"--callgrind-out-file={cg}", sys.executable, "-m", "benchmarks.cycle", "--child",
                        f"{workload}:{system}:{out}", "--capacity", str(capacity), "--traces", traces]
-                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=child_env())
                 row = json.loads(Path(out).read_text())
                 match = re.search(r"^(?:summary|totals): (\d+)", Path(cg).read_text(), re.M)
                 assert match is not None, "callgrind wrote no totals"

@@ -1,7 +1,11 @@
 """Prefix-aware, frequency-credited LRU for prefix caches (kvtier's own design, issue 8).
 
-Registered as `prefix-freq`. A block is only worth keeping while every block before it in its
-request is kept: the lookup stops at the first miss. What the Mooncake traces show (numbers in
+`PurePrefixFreqCachePolicy` is the pure-Python twin of the registered `prefix-freq`
+(`kvtier.policies.prefix_compiled.PrefixFreqCachePolicy`, a compiled index making the same
+decisions) and its fallback where the extension is not built; the design is explained here.
+
+A block is only worth keeping while every block before it in its request is kept: the lookup
+stops at the first miss. What the Mooncake traces show (numbers in
 docs/policies.md):
 
 1. *Most stored blocks are never used again* (76% of the distinct blocks of the conversation
@@ -60,7 +64,7 @@ from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.prefix_aside import AsideBlocks
 from kvtier.policies.prefix_ghosts import GhostList
-from kvtier.policies.prefix_runs import _TAIL, _best_lane, _forget, _merged, _run
+from kvtier.policies.prefix_runs import _TAIL, _forget, _heads, _merged, _probes, _take_tails, _walk_lanes
 from kvtier.policies.prefix_tails import (
     HIT_NEW,
     HIT_TAIL,
@@ -75,7 +79,7 @@ _second = itemgetter(1)
 _ref_cnt = attrgetter("ref_cnt")
 
 
-class PrefixFreqCachePolicy(CachePolicy):
+class PurePrefixFreqCachePolicy(CachePolicy):
     """Recency plus a per-hit-count credit; request tails first; chains cut from the deep end.
 
     State: `blocks` (key -> block, `get` is its bound `get`), `segs[i]` (key -> stamp, an LRU
@@ -103,12 +107,9 @@ class PrefixFreqCachePolicy(CachePolicy):
         # prefix, reversed, is runs of keys with more and more hits (its tail first), so a key not
         # in the segment of the key before it is looked for in the segments above first:
         # _probe[s] = [segment s's pop, the segment its keys move to, the probes after s].
-        top = len(self.segs) - 1
-        self._probe: list[list] = [[seg.pop, self.segs[2 if s == _TAIL else min(s + 1, top)]]
-                                   for s, seg in enumerate(self.segs)]
-        for s, probe in enumerate(self._probe):
-            probe.append(tuple(self._probe[t] for t in (*range(s + 1, top + 1), *range(s - 1, -1, -1))))
+        self._probe = _probes(self.segs)
         # a returning ghost evicted from segment s is stored again into _returns_to[s] (see _place)
+        top = len(self.segs) - 1
         self._returns_to = tuple(min(max(seg, 1) + 1, top) for seg in range(top + 1))
         self.blocks: dict[OffloadKey, BlockStatus] = {}
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
@@ -134,6 +135,16 @@ class PrefixFreqCachePolicy(CachePolicy):
     @ghost_limit.setter
     def ghost_limit(self, limit: int) -> None:
         self._ghosts.limit = limit
+
+    @property
+    def tail_counts(self) -> list[int]:
+        """The departures of tails and new blocks (`TailEvidence.counts`, a copy); settable. The
+        compiled class has the same property."""
+        return list(self._tails.counts)
+
+    @tail_counts.setter
+    def tail_counts(self, counts: list[int]) -> None:
+        self._tails.counts = [int(v) for v in counts]
 
     def get(self, key: OffloadKey) -> BlockStatus | None:  # replaced per instance by blocks.get
         return self.blocks.get(key)
@@ -238,33 +249,6 @@ class PrefixFreqCachePolicy(CachePolicy):
         """Whether request tails are evicted before any other block now (`TailEvidence.one_time`)."""
         return self._tails.one_time(self.tail_reuse_max)
 
-    def _heads(self, protected: set[OffloadKey], first: int,
-               met: list[tuple[int, OffloadKey]] | None = None) -> list[list]:
-        """Per non-empty segment from `first` on: [score of its first evictable block, key, block,
-        iterator, offset, segment index, keys taken so far]. Offset = credit * unit (tails: 0).
-        The keys passed over (pinned, protected) are appended to `met` when it is given."""
-        blocks, unit, credits = self.blocks, self.unit, self.credits
-        lanes: list[list] = []
-        segs = self.segs
-        freed = self._aside.freed
-        lane_of, pinned = self._aside.lane, self._pinned
-        for index in range(first, len(segs)):
-            if freed[index]:  # (a segment may hold only aside keys)
-                it = lane_of(index, pinned)
-            elif segs[index]:
-                it = iter(segs[index].items())  # (`lane_of` when no key is aside)
-            else:
-                continue
-            for key, stamp in it:
-                block = blocks[key]
-                if block.ref_cnt == 0 and key not in protected:
-                    offset = credits[index - 1] * unit if index else 0.0
-                    lanes.append([stamp + offset, key, block, it, offset, index, []])
-                    break
-                if met is not None:
-                    met.append((index, key))
-        return lanes
-
     def _order(self, protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
         """Evictable blocks in eviction order (no state change); the same walk as `evict`:
         one-time request tails first, then by increasing score, ties to the lower segment."""
@@ -276,7 +260,7 @@ class PrefixFreqCachePolicy(CachePolicy):
                 block = blocks[key]
                 if block.ref_cnt == 0 and key not in protected:
                     yield key, block
-        yield from _merged(self._heads(protected, first), blocks, protected)
+        yield from _merged(_heads(self, protected, first), blocks, protected)
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
@@ -286,42 +270,18 @@ class PrefixFreqCachePolicy(CachePolicy):
             return None  # fewer than n evictable blocks, known without looking at the pinned ones
         # The walk of _order, without a generator (this is the hot path).
         chosen: list[tuple[OffloadKey, BlockStatus]] = []
-        append = chosen.append
         left = n
         first = 0
         tails: list[OffloadKey] = []
         met: list[tuple[int, OffloadKey]] | None = None if pinned is None else []
         if self._tails.one_time(self.tail_reuse_max):  # (`_tails_one_time`)
             first = 1
-            take = tails.append
             aside = self._aside
-            for key, _ in (aside.lane(_TAIL, pinned) if aside.freed[_TAIL] else self.segs[_TAIL].items()):
-                block = blocks[key]
-                if block.ref_cnt == 0 and key not in protected:
-                    append((key, block))
-                    take(key)
-                    left -= 1
-                    if not left:
-                        break
-                elif met is not None:
-                    met.append((_TAIL, key))
-        lanes = self._heads(protected, first, met) if left else []
+            lane = aside.lane(_TAIL, pinned) if aside.freed[_TAIL] else self.segs[_TAIL].items()
+            left = _take_tails(lane, left, blocks, protected, chosen, tails, met)
+        lanes = _heads(self, protected, first, met) if left else []
         used = lanes[:]
-        while lanes:
-            best, limit = _best_lane(lanes)
-            take = best[6].append
-            append((best[1], best[2]))
-            take(best[1])
-            left -= 1
-            if not left:
-                break
-            left, exhausted = _run(best, limit - best[4], left, blocks, protected, chosen, met)
-            if exhausted:
-                lanes.remove(best)
-                continue
-            if not left:
-                break
-        if left:
+        if _walk_lanes(lanes, left, blocks, protected, chosen, met):
             return None
         self._sync()
         if self.aside:
@@ -359,7 +319,7 @@ class PrefixFreqCachePolicy(CachePolicy):
         return list(self.blocks)
 
 
-def _place_many(policy: PrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
+def _place_many(policy: PurePrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
     """`policy._place(key, key == tail)` for each of `keys` (distinct, just inserted), in order,
     a segment at a time: each segment receives its keys in the order of `keys`, and the
     segments are independent lists."""
