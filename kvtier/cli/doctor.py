@@ -32,7 +32,7 @@ def check_extensions() -> Result:
 
 
 def check_kvikio() -> Result:
-    from kvtier.tiers.fileio import gds_platform, gpu_present, kvikio_importable
+    from kvtier.tiers.file.fileio import gds_platform, gpu_present, kvikio_importable
 
     if not kvikio_importable():
         return (WARN if gpu_present() else OK), "not importable: file tiers use posix I/O (io: auto)"

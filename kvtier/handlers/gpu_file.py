@@ -39,9 +39,9 @@ from kvtier.handlers.gpu_cpu import EngineJobHandler
 from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import BlockFile
-from kvtier.tiers.checksum import tensor_checksum_async
-from kvtier.tiers.fileio import ALIGN as _ALIGN  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
-from kvtier.tiers.slot_format import CHECK_CRC32, CHECK_TORCH, payload_crc32
+from kvtier.tiers.file.checksum import tensor_checksum_async
+from kvtier.tiers.file.fileio import ALIGN as _ALIGN  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
+from kvtier.tiers.file.slot_format import CHECK_CRC32, CHECK_TORCH, payload_crc32
 from kvtier.types import CanonicalKVCaches
 
 
@@ -166,7 +166,7 @@ class _SlabFile:
         import kvikio
         import kvikio.defaults
 
-        from kvtier.tiers import fileio
+        from kvtier.tiers.file import fileio
 
         compat = {} if fileio.gds_platform() else {"compat_mode": kvikio.CompatMode.ON}
         with kvikio.defaults.set(compat) if compat else contextlib.nullcontext():
@@ -179,7 +179,7 @@ class _SlabFile:
         try:
             self.file.close()
         finally:
-            from kvtier.tiers import fileio
+            from kvtier.tiers.file import fileio
 
             fileio._kvikio_threads.release(self._defaults)
 

@@ -4,8 +4,8 @@ import os
 import pytest
 
 from kvtier.errors import KVTierError
-from kvtier.tiers import rootdir
-from kvtier.tiers.rootdir import RootLock
+from kvtier.tiers.file import rootdir
+from kvtier.tiers.file.rootdir import RootLock
 
 
 def test_second_lock_on_held_root_is_refused(tmp_path):

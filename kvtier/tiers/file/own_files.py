@@ -15,10 +15,10 @@ import json
 import os
 import stat
 
-from kvtier.tiers.journal import JOURNAL_MAGIC
-from kvtier.tiers.manifest import MANIFEST_MAX_BYTES
-from kvtier.tiers.rootdir import JOURNAL, MANIFEST, SLAB
-from kvtier.tiers.slot_format import SLOT_MAGIC
+from kvtier.tiers.file.journal import JOURNAL_MAGIC
+from kvtier.tiers.file.manifest import MANIFEST_MAX_BYTES
+from kvtier.tiers.file.rootdir import JOURNAL, MANIFEST, SLAB
+from kvtier.tiers.file.slot_format import SLOT_MAGIC
 
 MANIFEST_KEYS = ("format_version", "slot_bytes", "num_slots", "fingerprint")  # every tier's manifest has them
 

@@ -21,7 +21,7 @@ import struct
 import zlib
 from dataclasses import dataclass
 
-from kvtier.tiers.fileio import ALIGN
+from kvtier.tiers.file.fileio import ALIGN
 
 FORMAT_VERSION = 2  # of the slot header, the journal and the manifest
 HEADER_BYTES = ALIGN  # the header's own page: payloads start 4 KiB-aligned
@@ -103,7 +103,7 @@ def parse_header(view) -> SlotHeader | str:
 def payload_check(kind: int, payload) -> int:
     """The payload checksum of `kind` of a host buffer."""
     if kind == CHECK_TORCH:
-        from kvtier.tiers.checksum import bytes_checksum
+        from kvtier.tiers.file.checksum import bytes_checksum
 
         return bytes_checksum(payload)
     return payload_crc32(payload)

@@ -13,13 +13,13 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from kvtier.tiers.file import FileBackend
-from kvtier.tiers.fileio import file_kind, open_regular_file, read_regular_file
-from kvtier.tiers.journal import journal_capacity, journal_max_bytes, scan_journal
-from kvtier.tiers.manifest import load_manifest, manifest_digest, version_difference
+from kvtier.tiers.file.backend import FileBackend
+from kvtier.tiers.file.fileio import file_kind, open_regular_file, read_regular_file
+from kvtier.tiers.file.journal import journal_capacity, journal_max_bytes, scan_journal
+from kvtier.tiers.file.manifest import load_manifest, manifest_digest, version_difference
+from kvtier.tiers.file.rootdir import JOURNAL, LOCK, OWN_FILES, SLAB
+from kvtier.tiers.file.slot_format import FORMAT_VERSION, HEADER_BYTES, slot_bytes_for, verify_slot
 from kvtier.tiers.owners import pid_alive
-from kvtier.tiers.rootdir import JOURNAL, LOCK, OWN_FILES, SLAB
-from kvtier.tiers.slot_format import FORMAT_VERSION, HEADER_BYTES, slot_bytes_for, verify_slot
 
 PROC_LOCKS = "/proc/locks"  # the kernel's table of held locks (tests point it at a copy)
 _JOURNAL_LIMIT_WITHOUT_GEOMETRY = 1 << 30  # no trusted num_slots to size the bound with

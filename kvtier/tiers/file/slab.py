@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvtier.tiers.fileio import ALIGN, IOEngine, aligned_buffer, buffer_address
-from kvtier.tiers.slot_format import (
+from kvtier.tiers.file.fileio import ALIGN, IOEngine, aligned_buffer, buffer_address
+from kvtier.tiers.file.slot_format import (
     HEADER_BYTES,
     MAX_KEY_BYTES,
     SlotHeader,
@@ -30,7 +30,7 @@ from kvtier.tiers.slot_format import (
     verify_slot,
 )
 
-log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file.py)
+log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file/backend.py)
 
 RUN_BYTES = 8 << 20  # adjacent slots are merged into I/Os of about this size (a whole number of slots)
 

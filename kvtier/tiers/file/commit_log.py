@@ -22,9 +22,9 @@ import os
 import threading
 from collections.abc import Callable
 
-from kvtier.tiers.journal import DEL, PUT, Entry, Journal, record
+from kvtier.tiers.file.journal import DEL, PUT, Entry, Journal, record
 
-log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file.py)
+log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file/backend.py)
 
 
 class CommitLog:

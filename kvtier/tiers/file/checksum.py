@@ -22,7 +22,7 @@ probability about 1 / p^2 ~ 2^-32, like a CRC-32.
 
 Cost: a handful of elementwise int64 ops and reductions over the payload. On a GPU that runs
 near memory bandwidth; on the CPU it is slower than zlib-ng's CRC-32 (measured with
-`python -m kvtier.tiers.checksum`, see docs/gds.md), so host reads keep the CRC and the slot
+`python -m kvtier.tiers.file.checksum`, see docs/gds.md), so host reads keep the CRC and the slot
 header records which checksum a slot carries (`slot_format.CHECK_CRC32` / `CHECK_TORCH`).
 """
 
@@ -98,7 +98,7 @@ def measure(nbytes: int = 64 << 20, repeat: int = 5) -> dict[str, float]:
 
     import torch
 
-    from kvtier.tiers.slot_format import payload_crc32
+    from kvtier.tiers.file.slot_format import payload_crc32
 
     data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
     array = data.numpy()
@@ -116,10 +116,10 @@ def measure(nbytes: int = 64 << 20, repeat: int = 5) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m kvtier.tiers.checksum [--mib N] [--repeat N]`: prints `measure()`'s figures."""
+    """`python -m kvtier.tiers.file.checksum [--mib N] [--repeat N]`: prints `measure()`'s figures."""
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m kvtier.tiers.checksum",
+    parser = argparse.ArgumentParser(prog="python -m kvtier.tiers.file.checksum",
                                      description="GB/s of the device checksum and the host CRC-32 on CPU tensors.")
     parser.add_argument("--mib", type=int, default=64, help="MiB of random bytes to checksum (default: 64)")
     parser.add_argument("--repeat", type=int, default=5, help="runs, keeping the best (default: 5)")

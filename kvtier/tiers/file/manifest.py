@@ -14,9 +14,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from kvtier.tiers.fileio import read_regular_file
-from kvtier.tiers.rootdir import MANIFEST, SLAB, write_file_atomic
-from kvtier.tiers.slot_format import FORMAT_VERSION, HEADER_BYTES
+from kvtier.tiers.file.fileio import read_regular_file
+from kvtier.tiers.file.rootdir import MANIFEST, SLAB, write_file_atomic
+from kvtier.tiers.file.slot_format import FORMAT_VERSION, HEADER_BYTES
 
 MANIFEST_MAX_BYTES = 1 << 20  # a manifest is a few hundred bytes: anything this big is not one
 GEOMETRY = ("format_version", "block_bytes", "slot_bytes", "header_bytes", "num_slots", "fingerprint", "layout")

@@ -18,9 +18,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.tiers.fileio import read_regular_file
-from kvtier.tiers.rootdir import open_existing, write_file_atomic
-from kvtier.tiers.slot_format import FORMAT_VERSION, MAX_KEY_BYTES
+from kvtier.tiers.file.fileio import read_regular_file
+from kvtier.tiers.file.rootdir import open_existing, write_file_atomic
+from kvtier.tiers.file.slot_format import FORMAT_VERSION, MAX_KEY_BYTES
 
 JOURNAL_MAGIC = b"KVTJ"  # the first bytes of every journal (`kvtier clear` looks for them)
 _JHDR = struct.Struct("<4sI16s")  # magic, version, epoch

@@ -27,10 +27,10 @@ On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
                    crash only brings back blocks that still verify).
 
 Paths: `root_dir` and its files must be the user's and not writable by group/others, and nothing
-in it is opened through a symlink (kvtier/tiers/rootdir.py); anything else is refused at build with
+in it is opened through a symlink (kvtier/tiers/file/rootdir.py); anything else is refused at build with
 a `ConfigError` on `root_dir`, and a build that fails removes the files and directories it created.
 
-Trust rules (file_open.py): a manifest of another identity (`fingerprint` or `layout`, which names
+Trust rules (opening.py): a manifest of another identity (`fingerprint` or `layout`, which names
 the block geometry) is refused with a `root_dir` `ConfigError` naming both, so that no model's
 blocks are erased by a reused config; option `on_identity_change: reset` (default `refuse`) erases
 them instead. A manifest that differs otherwise (capacity, format version, none readable) or a
@@ -56,18 +56,18 @@ from kvtier.errors import ConfigError, IntegrityError, KVTierError
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
 from kvtier.tiers.base import Backend
-from kvtier.tiers.commit_log import CommitLog
-from kvtier.tiers.file_open import OpenedRoot, TierShape, open_root
-from kvtier.tiers.fileio import ALIGN, choose_engine
-from kvtier.tiers.journal import Journal, JournalScan, journal_capacity, journal_max_bytes, scan_journal
-from kvtier.tiers.manifest import (
+from kvtier.tiers.file.commit_log import CommitLog
+from kvtier.tiers.file.fileio import ALIGN, choose_engine
+from kvtier.tiers.file.journal import Journal, JournalScan, journal_capacity, journal_max_bytes, scan_journal
+from kvtier.tiers.file.manifest import (
     MANIFEST_MAX_BYTES,
     load_manifest,
     manifest_differences,
     manifest_digest,
     read_manifest,
 )
-from kvtier.tiers.rootdir import (
+from kvtier.tiers.file.opening import OpenedRoot, TierShape, open_root
+from kvtier.tiers.file.rootdir import (
     JOURNAL,
     LOCK,
     MANIFEST,
@@ -79,8 +79,8 @@ from kvtier.tiers.rootdir import (
     inspect_root,
     refuse,
 )
-from kvtier.tiers.slab import RUN_BYTES, SlabIO, block_views, check_slots
-from kvtier.tiers.slot_format import (
+from kvtier.tiers.file.slab import RUN_BYTES, SlabIO, block_views, check_slots
+from kvtier.tiers.file.slot_format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     MAX_KEY_BYTES,

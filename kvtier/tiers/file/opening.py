@@ -29,9 +29,9 @@ from pathlib import Path
 
 from kvtier.config import format_size
 from kvtier.errors import KVTierError
-from kvtier.tiers.fileio import ALIGN, file_kind
-from kvtier.tiers.journal import Journal, JournalScan, read_journal
-from kvtier.tiers.manifest import (
+from kvtier.tiers.file.fileio import ALIGN, file_kind
+from kvtier.tiers.file.journal import Journal, JournalScan, read_journal
+from kvtier.tiers.file.manifest import (
     identity_differences,
     load_manifest,
     manifest_differences,
@@ -40,8 +40,8 @@ from kvtier.tiers.manifest import (
     wanted_manifest,
     write_manifest,
 )
-from kvtier.tiers.own_files import foreign_files
-from kvtier.tiers.rootdir import (
+from kvtier.tiers.file.own_files import foreign_files
+from kvtier.tiers.file.rootdir import (
     JOURNAL,
     MANIFEST,
     OWN_FILES,
@@ -56,7 +56,7 @@ from kvtier.tiers.rootdir import (
     remove_file,
 )
 
-log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file.py)
+log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file/backend.py)
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class TierShape:
     fingerprint: str
     layout: str
     journal_capacity: int  # bytes of a fresh journal file
-    on_identity_change: str = "refuse"  # or "reset": erase the blocks of another identity (see file.py)
+    on_identity_change: str = "refuse"  # or "reset": erase the blocks of another identity (see backend.py)
 
     @property
     def slab_bytes(self) -> int:

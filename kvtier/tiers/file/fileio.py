@@ -26,9 +26,9 @@ import stat
 import threading
 from abc import ABC, abstractmethod
 
-from kvtier.tiers.rootdir import file_kind, open_existing
+from kvtier.tiers.file.rootdir import file_kind, open_existing
 
-log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file.py)
+log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file/backend.py)
 
 ALIGN = 4096
 
