@@ -8,7 +8,7 @@ import os
 from pathlib import Path
 
 from kvtier.config import format_size
-from kvtier.tiers import cpu
+from kvtier.tiers.cpu import backend as cpu
 
 
 def available_memory() -> int | None:

@@ -29,7 +29,7 @@ from kvtier import (
 )
 from kvtier.standalone import KVTier
 from kvtier.tiers.base import Backend
-from kvtier.tiers.file.backend import FileBackend
+from kvtier.tiers.file import FileBackend
 from kvtier.types import BlockStatus
 
 torch = pytest.importorskip("torch")

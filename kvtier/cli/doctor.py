@@ -59,7 +59,7 @@ def check_cuda() -> Result:
 
 def check_shm() -> Result:
     from kvtier.cli.inspect import human_size
-    from kvtier.tiers.cpu import SHM_DIR
+    from kvtier.tiers.cpu.backend import SHM_DIR
 
     try:
         st = os.statvfs(SHM_DIR)

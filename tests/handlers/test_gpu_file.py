@@ -10,7 +10,7 @@ from conftest import Jobs
 from kvtier import CanonicalKVCacheRef, CanonicalKVCacheTensor, FileLoadStoreSpec, GPULoadStoreSpec
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.handlers.gpu_file import aligned_rows, make_file_to_gpu, make_gpu_to_file
-from kvtier.tiers.file.backend import FileBackend
+from kvtier.tiers.file import FileBackend
 
 torch = pytest.importorskip("torch")
 

@@ -164,7 +164,7 @@ def test_manager_calls_do_not_wait_for_the_file_tier(spec, monkeypatch):
     the blocks reach the file tier in the background."""
     from vllm.v1.kv_offload.base import ReqContext
 
-    from kvtier.tiers.file.backend import FileBackend
+    from kvtier.tiers.file import FileBackend
 
     real = FileBackend.write_blocks
 

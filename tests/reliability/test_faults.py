@@ -31,7 +31,7 @@ from reliability_helpers import (
 )
 
 from kvtier import ConfigError, KVTierError, LookupResult
-from kvtier.tiers.file.backend import FileBackend
+from kvtier.tiers.file import FileBackend
 
 UPPERS = ["memory", "cpu"]  # memory: bounce-buffer path (pwrite/preadv); cpu: page-aligned zero-copy (pwritev)
 

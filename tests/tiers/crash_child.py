@@ -11,7 +11,7 @@ import hashlib
 import random
 import sys
 
-from kvtier.tiers.file.backend import FileBackend
+from kvtier.tiers.file import FileBackend
 from kvtier.types import BlockStatus
 
 

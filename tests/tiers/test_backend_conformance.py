@@ -9,7 +9,7 @@ from kvtier import ConfigError, registry
 from kvtier.testing.backend import BackendTests, key, keys, payload
 from kvtier.testing.fake_remote import FakeServer, fake_valkey
 from kvtier.tiers.cpu import CPUBackend
-from kvtier.tiers.file.backend import FileBackend
+from kvtier.tiers.file import FileBackend
 from kvtier.tiers.memory import MemoryBackend
 from kvtier.tiers.valkey import ValkeyBackend
 from kvtier.types import BlockStatus

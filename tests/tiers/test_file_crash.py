@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from kvtier import IntegrityError
-from kvtier.tiers.file.backend import FileBackend
+from kvtier.tiers.file import FileBackend
 
 sys.path.insert(0, str(Path(__file__).parent))
 from crash_child import id_payload, key_id  # noqa: E402

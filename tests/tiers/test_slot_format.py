@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from kvtier import IntegrityError
-from kvtier.tiers.file.backend import FileBackend
+from kvtier.tiers.file import FileBackend
 from kvtier.tiers.file.inspection import inspect_root
 from kvtier.tiers.file.manifest import manifest_digest
 from kvtier.tiers.file.slot_format import (

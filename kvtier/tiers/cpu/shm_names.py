@@ -1,7 +1,7 @@
 """The files of the CPU tier's regions in /dev/shm, apart from the mapping itself: the region
 header, the claim that holds a region's name for its owner's whole life, exclusive publication
 of both, their removal at close, exit and SIGTERM, and the sweep of those whose owner died.
-`kvtier.tiers.cpu` (the backend) is their only user."""
+`kvtier.tiers.cpu.backend` (the backend) is their only user."""
 
 from __future__ import annotations
 

@@ -52,7 +52,7 @@ from typing import Any
 from kvtier.errors import KVTierError
 from kvtier.specs import CPULoadStoreSpec
 from kvtier.tiers.base import Backend
-from kvtier.tiers.shm_names import (
+from kvtier.tiers.cpu.shm_names import (
     _HEADER,
     _MAGIC,
     _PUBLISHED,
@@ -69,10 +69,10 @@ from kvtier.tiers.shm_names import (
     _unlink_if_same,
     _unlink_quietly,
 )
-from kvtier.tiers.shm_names import SHM_DIR as SHM_DIR  # tests point cpu.SHM_DIR at a private directory
-from kvtier.tiers.shm_names import RegionHeader as RegionHeader  # re-exported: part of this module's API
-from kvtier.tiers.shm_names import RegionInUseError as RegionInUseError
-from kvtier.tiers.shm_names import remove_stale_regions as remove_stale_regions
+from kvtier.tiers.cpu.shm_names import SHM_DIR as SHM_DIR  # tests point cpu.SHM_DIR at a private directory
+from kvtier.tiers.cpu.shm_names import RegionHeader as RegionHeader  # re-exported: part of this module's API
+from kvtier.tiers.cpu.shm_names import RegionInUseError as RegionInUseError
+from kvtier.tiers.cpu.shm_names import remove_stale_regions as remove_stale_regions
 
 log = logging.getLogger(__name__)
 
