@@ -12,7 +12,7 @@ from kvtier import build_hierarchy, load_config_text
 from kvtier.cli.main import main
 from kvtier.errors import ConfigError
 from kvtier.testing.fake_remote import FakeServer
-from kvtier.tiers.valkey import ValkeyBackend
+from kvtier.tiers.remote.backend import ValkeyBackend
 
 SECRET = "env-check-s3cret"
 

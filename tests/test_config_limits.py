@@ -12,7 +12,7 @@ from kvtier.config import MAX_BLOCKS, MAX_BYTES
 from kvtier.policies.compact import CompactLRUCachePolicy
 from kvtier.policies.compact_prefix import CompactPrefixFreqCachePolicy
 from kvtier.policies.lru import LRUCachePolicy
-from kvtier.tiers.valkey import ValkeyBackend
+from kvtier.tiers.remote.backend import ValkeyBackend
 from kvtier.types import BlockStatus
 
 LIMIT = limits.MAX_INDEX_BLOCKS

@@ -7,7 +7,7 @@ namespace, so the tenant's ACL user may write there; the bench's own identity, s
 serves these values) through `CPUToRemoteHandler`, in as many jobs as the tier has threads, all
 submitted at once (as the manager publishes), timed until the last job completed; then loaded back
 through `RemoteToCPUHandler` (verified, byte-compared). The baseline, in the same run, rounds
-interleaved: the same client library with the same connection settings (`kvtier.remote.bench`),
+interleaved: the same client library with the same connection settings (`kvtier.tiers.remote.bench`),
 one SET per block of the same bytes (as `bytes` objects: a memoryview is packed much slower by
 redis-py with hiredis) and one GET per block copied into a preallocated buffer, on
 one thread and on as many threads as the tier (the baseline is the better of the two; redis-py
@@ -68,12 +68,12 @@ def _timed_jobs(handler, jobs: list[tuple]) -> float:
 def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_bytes: int,
                        repeats: int = 5) -> dict[str, Any] | None:
     """Figures of one block size (module docstring); None for a cluster URL."""
-    from kvtier.handlers.cpu_remote import CPUToRemoteHandler, RemoteToCPUHandler
-    from kvtier.remote.bench import _raw_client
-    from kvtier.remote.options import ClientOptions
     from kvtier.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
     from kvtier.tiers.memory import MemoryBackend
-    from kvtier.tiers.valkey import ValkeyBackend
+    from kvtier.tiers.remote.backend import ValkeyBackend
+    from kvtier.tiers.remote.bench import _raw_client
+    from kvtier.tiers.remote.handler import CPUToRemoteHandler, RemoteToCPUHandler
+    from kvtier.tiers.remote.options import ClientOptions
 
     if ClientOptions(tier_options["url"]).parsed.cluster:
         return None

@@ -2,7 +2,7 @@
 
 Checks, in under a minute: the compiled policy indexes (built, or the pure-Python fallback),
 kvikio (importable, and whether cuFile/GDS may be used here), CUDA (through torch), /dev/shm
-(size and free space), each valkey tier of the config (one PING, `kvtier.tiers.valkey_env`), and
+(size and free space), each valkey tier of the config (one PING, `kvtier.tiers.remote.env`), and
 one store -> close -> reopen -> load round trip on a temporary cpu + file hierarchy
 (`doctor_roundtrip`). Exit status 1 when a check FAILs, 0 otherwise (WARNs included).
 """
@@ -79,7 +79,7 @@ def valkey_checks(config) -> list[tuple[str, Callable[[], Result]]]:
 
 
 def _reach(options) -> Result:
-    from kvtier.tiers.valkey import ValkeyBackend
+    from kvtier.tiers.remote.backend import ValkeyBackend
 
     notes, problems = ValkeyBackend.check_environment(dict(options))
     if problems:

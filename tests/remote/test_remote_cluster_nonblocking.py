@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvtier.remote.options import ClientOptions
-from kvtier.remote.store import RemoteStore
+from kvtier.tiers.remote.options import ClientOptions
+from kvtier.tiers.remote.store import RemoteStore
 
 
 @pytest.fixture
@@ -81,7 +81,7 @@ def test_building_and_closing_on_hung_seeds_do_no_io_on_the_callers_thread(silen
 
 def test_a_non_cluster_server_warns_once_with_the_reason(valkey_server, caplog):
     url = "cluster://" + valkey_server.name
-    caplog.set_level(logging.WARNING, logger="kvtier.remote.topology")
+    caplog.set_level(logging.WARNING, logger="kvtier.tiers.remote.topology")
     store = RemoteStore(ClientOptions(url, breaker_open_s=0.1), key_prefix="kvt:nc", fingerprint="m",
                         layout="L", block_bytes=4096)
     try:

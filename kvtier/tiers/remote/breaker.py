@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kvtier.remote.errors import RemoteUnavailable, without_echo
+from kvtier.tiers.remote.errors import RemoteUnavailable, without_echo
 
 log = logging.getLogger(__name__)
 

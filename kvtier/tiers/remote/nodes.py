@@ -29,7 +29,8 @@ from redis._parsers.base import BaseParser
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvtier.remote.options import ClientOptions, Endpoint
+from kvtier.tiers.remote.options import ClientOptions
+from kvtier.tiers.remote.url import Endpoint
 
 MAX_LINE = 64 * 1024  # the longest reply line read (an error message): a server sending more is broken
 _DEADLINE = threading.local()  # the deadline of the operation this thread runs (read by `_Bounded`)

@@ -1,7 +1,7 @@
 """The valkey tier's probe thread: batches of keys asked of the server, and the answers it leaves.
 
 `ValkeyBackend.request_probe` hands a batch to `Probes.request` (never blocks; the thread starts
-with the first batch); the thread takes batches from a `valkey_runtime.ProbeQueue` (at most
+with the first batch); the thread takes batches from a `runtime.ProbeQueue` (at most
 `MAX_QUEUED` waiting, those past their deadline dropped unsent), asks the store which keys it
 holds by the batch's deadline, and leaves `(keys, found)` for `results` (`found` None when the
 probe failed). Keys found are remembered with that deadline (`FoundBy`): their read must finish
@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.tiers.valkey_runtime import FailureNotice, FoundBy, ProbeQueue
+from kvtier.tiers.remote.runtime import FailureNotice, FoundBy, ProbeQueue
 
 
 class Probes:

@@ -27,8 +27,8 @@ from __future__ import annotations
 import struct
 import zlib
 
-from kvtier.remote.errors import ValueRejected
-from kvtier.remote.keys import IDENTITY_DIGEST_BYTES, KEY_DIGEST_BYTES
+from kvtier.tiers.remote.errors import ValueRejected
+from kvtier.tiers.remote.keys import IDENTITY_DIGEST_BYTES, KEY_DIGEST_BYTES
 
 try:  # the same CRC-32 values, ~13x faster
     from zlib_ng.zlib_ng import crc32 as payload_crc32

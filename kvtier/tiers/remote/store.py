@@ -38,13 +38,13 @@ import redis
 from redis.exceptions import AskError, NoPermissionError
 
 from kvtier.errors import ArgumentError
-from kvtier.remote.breaker import CircuitBreaker, Reconnector
-from kvtier.remote.errors import BlockMissing, RemoteUnavailable, ValueRejected
-from kvtier.remote.keys import KeyScheme, key_digest
-from kvtier.remote.nodes import NodeClient
-from kvtier.remote.options import ClientOptions
-from kvtier.remote.topology import Topology
-from kvtier.remote.value_format import TRAILER_BYTES, make_trailer, verify_parts
+from kvtier.tiers.remote.breaker import CircuitBreaker, Reconnector
+from kvtier.tiers.remote.errors import BlockMissing, RemoteUnavailable, ValueRejected
+from kvtier.tiers.remote.keys import KeyScheme, key_digest
+from kvtier.tiers.remote.nodes import NodeClient
+from kvtier.tiers.remote.options import ClientOptions
+from kvtier.tiers.remote.topology import Topology
+from kvtier.tiers.remote.value_format import TRAILER_BYTES, make_trailer, verify_parts
 
 T = TypeVar("T")
 _COUNTERS = ("writes", "write_bytes", "reads", "read_bytes", "probes", "probe_keys", "missing", "rejected",

@@ -1,6 +1,6 @@
 """The valkey tier's run-time bookkeeping: the probe queue, write pauses, and the failure notice.
 
-Each is thread-safe and does no socket I/O itself; `kvtier.tiers.valkey.ValkeyBackend` uses them.
+Each is thread-safe and does no socket I/O itself; `kvtier.tiers.remote.backend.ValkeyBackend` uses them.
 
 - `ProbeQueue`: the probe batches waiting for the probe thread, at most `MAX_QUEUED` (a new batch
   pushes the oldest out), each with the deadline by which its answer is of use; a batch whose deadline
@@ -24,9 +24,9 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvtier.remote.errors import without_echo
+from kvtier.tiers.remote.errors import without_echo
 
-log = logging.getLogger("kvtier.tiers.valkey")
+log = logging.getLogger("kvtier.tiers.remote")
 
 MAX_QUEUED = 2  # probe batches waiting for the probe thread (besides the one in flight)
 MAX_FOUND = 4096  # deadlines of blocks found by probes kept (expired ones go first, then the oldest)

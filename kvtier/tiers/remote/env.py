@@ -4,7 +4,7 @@ The build of a valkey tier never fails on a server that is down or refuses it (a
 cannot be reached is a miss, see `ValkeyBackend`), so without this check a wrong password or a dead
 port only shows at run time as `probe_failures`. Here the server(s) of the `url` are asked once,
 with the tier's `timeout_ms` for connecting and for the reply, with the tier's client
-(`kvtier.remote.nodes`, the Redis client library imported only here):
+(`kvtier.tiers.remote.nodes`, the Redis client library imported only here):
 
 - one PING per server named in the url (each seed of a cluster): connect, TLS handshake, AUTH;
 - on a single server, one EXISTS of a key under `key_prefix` (nothing is written): an ACL user that
@@ -25,8 +25,8 @@ import time
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.remote.errors import without_echo
-from kvtier.tiers.valkey_options import resolve_password
+from kvtier.tiers.remote.errors import without_echo
+from kvtier.tiers.remote.password import resolve_password
 
 # Round trips one server's check may take: connect, the handshake (AUTH / HELLO), PING, EXISTS.
 ANSWER_ROUNDS = 4
@@ -46,11 +46,11 @@ def reach(options: dict) -> tuple[list[str], list[tuple[str, str]]]:
     """(notes, problems as `(option name, message)`) of reaching the tier's server(s) once."""
     try:
         password = resolve_password(options.get("password_env"), options.get("password_file"))
-    except ConfigError as exc:  # reported by valkey_options.check_environment
+    except ConfigError as exc:  # reported by options.check_environment
         return [], list(exc.problems)
     try:
-        import kvtier.remote.nodes  # noqa: F401 - the Redis client library, imported here to report its absence
-        from kvtier.remote.options import ClientOptions
+        import kvtier.tiers.remote.nodes  # noqa: F401 - the Redis client library, imported here to report its absence
+        from kvtier.tiers.remote.options import ClientOptions
     except ImportError as exc:
         return [], [("backend", f"the valkey tier needs the Redis client library (pip install 'redis[hiredis]'): "
                                 f"{exc}")]
@@ -91,7 +91,7 @@ class _Unfinished(Exception):
 
 def _ask(client: Any, parsed: Any, endpoint: Any, key: bytes | None, outcomes: dict) -> None:
     """PING (and EXISTS `key` unless None) one server; its outcome (None: answered) into `outcomes`."""
-    from kvtier.remote.nodes import NodeClient
+    from kvtier.tiers.remote.nodes import NodeClient
 
     node = NodeClient(client, endpoint, tls=parsed.tls, db=parsed.db)
     try:
@@ -119,7 +119,7 @@ def _problem(options: dict, where: str, exc: BaseException, timeout_s: float,
         kind = "TimeoutError"
     elif not cause and ("SSL" in text or "certificate" in text or "TLS" in text):
         field, cause = ("tls_ca_file" if options.get("tls_ca_file") else "url"), "TLS handshake failed"
-    elif not cause and ("reply: unexpected" in text or "no end of line" in text):  # kvtier.remote.nodes' reader
+    elif not cause and ("reply: unexpected" in text or "no end of line" in text):  # kvtier.tiers.remote.nodes' reader
         cause = _CAUSES["InvalidResponse"][1]
     elif not cause and "unknown command" in text.lower():
         cause = "the server does not know a command sent (AUTH renamed or disabled there? a valkey server?)"

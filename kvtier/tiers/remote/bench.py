@@ -6,7 +6,7 @@ rounds interleaved so both see the same server and machine state; medians. `prob
 (half present) vs a raw redis-py pipeline of the same EXISTS commands; p50 / p99.
 Each returns a dict (figures in GB/s, microseconds, ratios) for `kvtier bench` rows and JSON.
 
-    python -m kvtier.remote.bench --url redis://127.0.0.1:6379 [--json out.json]
+    python -m kvtier.tiers.remote.bench --url redis://127.0.0.1:6379 [--json out.json]
 
 writes its own keys under the prefix `kvtier-bench` and leaves them to the server's eviction.
 """
@@ -22,9 +22,9 @@ import time
 import redis
 
 from kvtier.keys import make_offload_key
-from kvtier.remote.nodes import connection_kwargs
-from kvtier.remote.options import ClientOptions
-from kvtier.remote.store import RemoteStore
+from kvtier.tiers.remote.nodes import connection_kwargs
+from kvtier.tiers.remote.options import ClientOptions
+from kvtier.tiers.remote.store import RemoteStore
 
 PREFIX = "kvtier-bench"
 

@@ -26,9 +26,10 @@ from collections.abc import Sequence
 from redis.cluster import ClusterNode, NodesManager, cleanup_kwargs
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from kvtier.remote.errors import RemoteUnavailable
-from kvtier.remote.nodes import NodeClient, connection_kwargs
-from kvtier.remote.options import ClientOptions, Endpoint, ParsedUrl
+from kvtier.tiers.remote.errors import RemoteUnavailable
+from kvtier.tiers.remote.nodes import NodeClient, connection_kwargs
+from kvtier.tiers.remote.options import ClientOptions
+from kvtier.tiers.remote.url import Endpoint, ParsedUrl
 
 log = logging.getLogger(__name__)
 

@@ -1,45 +1,30 @@
-"""The YAML options of a `valkey` tier: their validators, the checks between them, and the password.
+"""The options of the shared tier: the YAML options of a `valkey` tier (their validators, the
+checks between them and against the environment) and `ClientOptions`, what the client is built from.
 
 The password never appears in a config: `password_env` names an environment variable that holds
-it, or `password_file` a file (yours, not readable by group or others) whose first line it is.
-A `url` with credentials in it is refused. `Secret` keeps the resolved password out of every
-repr, log line and `kvtier config check` output.
+it, or `password_file` a file (yours, not readable by group or others) whose first line it is
+(password.py resolves it). A `url` with credentials in it is refused (url.py: its forms).
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-import stat
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.config import REQUIRED
 from kvtier.config_input import brief
 from kvtier.errors import ConfigError
-from kvtier.remote.keys import validate_key_prefix
-from kvtier.remote.options import parse_url
+from kvtier.tiers.remote.keys import validate_key_prefix
+from kvtier.tiers.remote.password import resolve_password
+from kvtier.tiers.remote.url import ParsedUrl, parse_url, redact_url
 
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
-_MAX_SECRET_BYTES = 4096
-
-
-class Secret:
-    """A password: `value` is the text; `repr`/`str` never show it."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: str):
-        self.value = value
-
-    def __repr__(self) -> str:
-        return "Secret('***')"
-
-    __str__ = __repr__
 
 
 def _their_check(check: Any, value: Any, field: str) -> Any:
-    """Run a `kvtier.remote` validator (light: no client library), without its field prefix."""
+    """Run a `kvtier.tiers.remote` validator (light: no client library), without its field prefix."""
     try:
         return check(value, field)
     except ValueError as exc:
@@ -222,46 +207,63 @@ def check_environment(options: dict) -> tuple[list[str], list[tuple[str, str]]]:
     return notes, problems
 
 
-def resolve_password(password_env: str | None, password_file: str | None) -> Secret | None:
-    """The password the options point to (None without one); `ConfigError` naming the option when
-    the variable is unset or the file is missing, not yours, or readable by group or others."""
-    if password_env:
-        value = os.environ.get(password_env)
-        if not value:
-            raise ConfigError([("password_env", f"the environment variable {password_env} is not set (or empty); "
-                                                f"export the server password there")])
-        return Secret(value)
-    if password_file:
-        return Secret(_read_secret_file(password_file))
-    return None
+@dataclass(frozen=True)
+class ClientOptions:
+    """How `RemoteStore` reaches its server(s). Validated when built (ValueError naming the field).
 
+    `timeout_s` bounds every socket read and write of the data path and of probes; the client never
+    retries (a retry would double the time a lookup can wait). After `breaker_failures` consecutive
+    failures of one server its circuit breaker opens for `breaker_open_s` (see breaker.py).
+    """
 
-def _read_secret_file(path: str) -> str:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ConfigError([("password_file", f"{path} is a symlink; give the file itself (symlinks are refused "
-                                                 f"so that no one can point it elsewhere)")]) from None
-        raise ConfigError([("password_file", f"cannot open {path}: {exc.strerror or exc} (a regular file, not a "
-                                             f"symlink, holding the password)")]) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ConfigError([("password_file", f"{path} is not a regular file")])
-        if st.st_uid != os.geteuid():
-            raise ConfigError([("password_file", f"{path} is not owned by you; its owner could change the password "
-                                                 f"kvtier sends")])
-        if st.st_mode & 0o077:
-            raise ConfigError([("password_file", f"{path} is readable or writable by group or others (mode "
-                                                 f"{stat.S_IMODE(st.st_mode):o}); run 'chmod 600 {path}'")])
-        data = os.read(fd, _MAX_SECRET_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > _MAX_SECRET_BYTES:
-        raise ConfigError([("password_file", f"{path} is larger than {_MAX_SECRET_BYTES} bytes; it must hold the "
-                                             f"password only")])
-    text = data.decode("utf-8", "replace").splitlines()
-    if not text or not text[0]:
-        raise ConfigError([("password_file", f"{path} is empty; its first line must be the password")])
-    return text[0]
+    url: str
+    username: str | None = None
+    password: str | None = field(default=None, repr=False)  # already resolved; never printed
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    timeout_s: float = 0.25
+    connect_timeout_s: float = 0.25
+    breaker_failures: int = 3
+    breaker_open_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        parsed = parse_url(self.url)
+        for name in ("timeout_s", "connect_timeout_s", "breaker_open_s"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 3600:
+                raise ValueError(f"{name}: expected seconds > 0 and < 3600, got {value!r}")
+        if isinstance(self.breaker_failures, bool) or not isinstance(self.breaker_failures, int) \
+                or self.breaker_failures < 1:
+            raise ValueError(f"breaker_failures: expected an integer >= 1, got {self.breaker_failures!r}")
+        for name in ("username", "password", "tls_ca_file", "tls_cert_file", "tls_key_file"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                shown = "<hidden>" if name == "password" else repr(value)
+                raise ValueError(f"{name}: expected a non-empty string or None, got {shown}")
+        if not parsed.tls:
+            for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"{name}: TLS options need a TLS URL (rediss:// or clusters://), "
+                                     f"url is {self.url!r}")
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file, tls_key_file: a client certificate needs both (or neither)")
+        if self.username is not None and self.password is None:
+            raise ValueError("password: a username needs a password (ACL users authenticate with both)")
+
+    @property
+    def parsed(self) -> ParsedUrl:
+        return parse_url(self.url)
+
+    @property
+    def redacted_url(self) -> str:
+        return redact_url(self.url)
+
+    def redacted(self) -> dict:
+        """The options for logs and `config check`: everything but the password (only whether one is set)."""
+        return {"url": self.url, "username": self.username, "password_set": self.password is not None,
+                "tls_ca_file": self.tls_ca_file, "tls_cert_file": self.tls_cert_file,
+                "tls_key_file": self.tls_key_file, "tls_verify": self.tls_verify, "timeout_s": self.timeout_s,
+                "connect_timeout_s": self.connect_timeout_s, "breaker_failures": self.breaker_failures,
+                "breaker_open_s": self.breaker_open_s}

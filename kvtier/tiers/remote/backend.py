@@ -5,22 +5,22 @@ them). A slot of this backend is a *handle*: a key this process knows to be on t
 published it, or a probe found it). `num_blocks` bounds the handles; `free` forgets a handle
 locally and never deletes anything remotely. Identity: values are stored under keys that name the
 tenant (`key_prefix`), the model (`fingerprint`) and the layout, and carry a verified header, so a
-value of another model, layout or tenant is never served (`kvtier.remote`). With `tp` > 1 a block
+value of another model, layout or tenant is never served (`kvtier.tiers.remote`). With `tp` > 1 a block
 is stored as `tp` values, value r holding bytes [r*P, (r+1)*P) of the block (P = block_bytes / tp:
 under vLLM, rank r's part of the scheduler-side CPU slot); a block is served only when every rank's
 value is there and verifies.
 
 Threads. Socket I/O happens only on the handlers' pool (`put_blocks`, `get_blocks`) and on the
-backend's probe thread (`valkey_probes.Probes`: `request_probe` hands it a batch; `probe_results`
+backend's probe thread (`probes.Probes`: `request_probe` hands it a batch; `probe_results`
 collects the answers).
 Deadlines: a probe batch must be answered within `timeout_ms` of `request_probe` (one in flight,
-at most `valkey_runtime.MAX_QUEUED` waiting, those past their deadline dropped unsent); a block a
+at most `runtime.MAX_QUEUED` waiting, those past their deadline dropped unsent); a block a
 probe found must then be read by that same deadline, and any other read by the deadline its
 handler passes (`timeout_ms` after the job was submitted): a promotion never outlives the time its
-lookup may wait. The first failure logs one WARNING with its cause (`valkey_runtime.FailureNotice`).
+lookup may wait. The first failure logs one WARNING with its cause (`runtime.FailureNotice`).
 The control methods (`available`, `accepts_writes`, `probe_results`, `failed_keys`) only read
 state, so the manager can call them on the scheduler thread. The store itself is
-`kvtier.remote.store.RemoteStore` (imported when the backend is built, so `kvtier config check`
+`kvtier.tiers.remote.store.RemoteStore` (imported when the backend is built, so `kvtier config check`
 works without the Redis client library); `store_factory` replaces it (tests use
 `kvtier.testing.fake_remote`).
 """
@@ -36,16 +36,16 @@ from typing import Any, ClassVar
 
 from kvtier.errors import ClosedError, ConfigError
 from kvtier.keys import OffloadKey
-from kvtier.remote.errors import BlockMissing, RemoteUnavailable, without_echo
-from kvtier.remote.options import redact_url
 from kvtier.specs import RemoteLoadStoreSpec
-from kvtier.tiers import valkey_options
 from kvtier.tiers.base import Backend
-from kvtier.tiers.valkey_probes import Probes
-from kvtier.tiers.valkey_runtime import FailureNotice, FoundBy, WritePause
+from kvtier.tiers.remote import options as option_checks
+from kvtier.tiers.remote.errors import BlockMissing, RemoteUnavailable, without_echo
+from kvtier.tiers.remote.probes import Probes
+from kvtier.tiers.remote.runtime import FailureNotice, FoundBy, WritePause
+from kvtier.tiers.remote.url import redact_url
 from kvtier.types import BlockStatus
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvtier.tiers.remote")  # the shared tier's logger (runtime.py logs there too)
 
 _MIB = 1 << 20
 SLOW_WRITE_FRACTION = 0.5  # a write slower than this fraction of the timeout pauses publishing
@@ -54,8 +54,8 @@ CLOSE_MARGIN_S = 0.1  # close() waits for the probe thread at most its deadline 
 
 
 def _real_store(client: dict[str, Any], **store: Any) -> Any:
-    from kvtier.remote.options import ClientOptions
-    from kvtier.remote.store import RemoteStore
+    from kvtier.tiers.remote.options import ClientOptions
+    from kvtier.tiers.remote.store import RemoteStore
 
     return RemoteStore(ClientOptions(**client), **store)
 
@@ -68,22 +68,22 @@ class ValkeyBackend(Backend):
     max_blocks = None  # handles cost nothing until remembered; the policy indexing them is the limit
     persistent = True  # the builder passes fingerprint and layout: the identity of the values
     shared = True
-    OPTIONS = valkey_options.OPTIONS
+    OPTIONS = option_checks.OPTIONS
     # (client options dict, key_prefix=, fingerprint=, layout=, block_bytes=, tp=) -> a RemoteStore
     store_factory: ClassVar[Callable[..., Any] | None] = None
 
     @classmethod
     def check_options(cls, options: dict) -> list[tuple[str, str]]:
-        return valkey_options.check_options(options)
+        return option_checks.check_options(options)
 
     @classmethod
     def check_environment(cls, options: dict) -> tuple[list[str], list[tuple[str, str]]]:
         """The password and TLS files the options name, then (when they are fine) one PING of the
-        server with them (`valkey_env.reach`: the cause of a failure is the problem)."""
-        notes, problems = valkey_options.check_environment(options)
+        server with them (`env.reach`: the cause of a failure is the problem)."""
+        notes, problems = option_checks.check_environment(options)
         if problems:
             return notes, problems
-        from kvtier.tiers.valkey_env import reach
+        from kvtier.tiers.remote.env import reach
 
         reached, problems = reach(options)
         return notes + reached, problems
@@ -102,7 +102,7 @@ class ValkeyBackend(Backend):
                      max_inflight_mib=max_inflight_mib, breaker_failures=breaker_failures,
                      breaker_open_s=breaker_open_s, negative_ttl_s=negative_ttl_s, threads=threads, tp=tp,
                      fingerprint=fingerprint)
-        valkey_options.check_given(given, self.OPTIONS)
+        option_checks.check_given(given, self.OPTIONS)
         if block_bytes <= 0:
             raise ValueError(f"valkey tier {name!r} needs block_bytes > 0, got {block_bytes}")
         if block_bytes % tp:
@@ -117,8 +117,8 @@ class ValkeyBackend(Backend):
         self.probe_timeout_s = timeout_ms / 1000
         self.negative_ttl_s = float(negative_ttl_s)
         self._breaker_open_s = float(breaker_open_s)
-        password = valkey_options.resolve_password(password_env, password_file)
-        valkey_options.check_tls_files(given)
+        password = option_checks.resolve_password(password_env, password_file)
+        option_checks.check_tls_files(given)
         self._client = dict(url=url, username=username, tls_ca_file=tls_ca_file, tls_cert_file=tls_cert_file,
                             tls_key_file=tls_key_file, tls_verify=tls_verify, timeout_s=self.probe_timeout_s,
                             connect_timeout_s=self.probe_timeout_s, breaker_failures=breaker_failures,

@@ -1,6 +1,6 @@
-"""How to reach the server: `ClientOptions` and the URL forms it accepts.
+"""Where the server is: the URL forms of a shared tier's `url` (`parse_url`, `redact_url`).
 
-URL forms (`ClientOptions.url`):
+URL forms (`ClientOptions.url`, options.py):
 
 - `redis://HOST[:PORT][/DB]`: one server over TCP (port 6379 when left out, database 0 by default);
 - `rediss://HOST[:PORT][/DB]`: the same over TLS (`tls_*` options);
@@ -18,7 +18,7 @@ message never echoes a password.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DEFAULT_PORT = 6379
 SCHEMES = ("redis", "rediss", "unix", "cluster", "clusters")
@@ -127,65 +127,3 @@ def parse_url(url: str, where: str = "url") -> ParsedUrl:
                              f"by default, is the real limit)")
         db = int(path)
     return ParsedUrl(cluster=False, tls=tls, endpoints=(_host_port(hostport, where),), db=db)
-
-
-@dataclass(frozen=True)
-class ClientOptions:
-    """How `RemoteStore` reaches its server(s). Validated when built (ValueError naming the field).
-
-    `timeout_s` bounds every socket read and write of the data path and of probes; the client never
-    retries (a retry would double the time a lookup can wait). After `breaker_failures` consecutive
-    failures of one server its circuit breaker opens for `breaker_open_s` (see breaker.py).
-    """
-
-    url: str
-    username: str | None = None
-    password: str | None = field(default=None, repr=False)  # already resolved; never printed
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    tls_verify: bool = True
-    timeout_s: float = 0.25
-    connect_timeout_s: float = 0.25
-    breaker_failures: int = 3
-    breaker_open_s: float = 5.0
-
-    def __post_init__(self) -> None:
-        parsed = parse_url(self.url)
-        for name in ("timeout_s", "connect_timeout_s", "breaker_open_s"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 3600:
-                raise ValueError(f"{name}: expected seconds > 0 and < 3600, got {value!r}")
-        if isinstance(self.breaker_failures, bool) or not isinstance(self.breaker_failures, int) \
-                or self.breaker_failures < 1:
-            raise ValueError(f"breaker_failures: expected an integer >= 1, got {self.breaker_failures!r}")
-        for name in ("username", "password", "tls_ca_file", "tls_cert_file", "tls_key_file"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, str) or not value):
-                shown = "<hidden>" if name == "password" else repr(value)
-                raise ValueError(f"{name}: expected a non-empty string or None, got {shown}")
-        if not parsed.tls:
-            for name in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"{name}: TLS options need a TLS URL (rediss:// or clusters://), "
-                                     f"url is {self.url!r}")
-        if (self.tls_cert_file is None) != (self.tls_key_file is None):
-            raise ValueError("tls_cert_file, tls_key_file: a client certificate needs both (or neither)")
-        if self.username is not None and self.password is None:
-            raise ValueError("password: a username needs a password (ACL users authenticate with both)")
-
-    @property
-    def parsed(self) -> ParsedUrl:
-        return parse_url(self.url)
-
-    @property
-    def redacted_url(self) -> str:
-        return redact_url(self.url)
-
-    def redacted(self) -> dict:
-        """The options for logs and `config check`: everything but the password (only whether one is set)."""
-        return {"url": self.url, "username": self.username, "password_set": self.password is not None,
-                "tls_ca_file": self.tls_ca_file, "tls_cert_file": self.tls_cert_file,
-                "tls_key_file": self.tls_key_file, "tls_verify": self.tls_verify, "timeout_s": self.timeout_s,
-                "connect_timeout_s": self.connect_timeout_s, "breaker_failures": self.breaker_failures,
-                "breaker_open_s": self.breaker_open_s}
