@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtier.config import format_size
 from kvtier.tiers.cpu import backend as cpu
+from kvtier.units import format_size
 
 
 def available_memory() -> int | None:

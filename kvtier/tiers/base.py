@@ -138,7 +138,7 @@ class Backend(ABC):
         self.block_size = block_size  # tokens per block, reported in events
         self.slots = SlotAllocator(num_blocks) if medium is None or num_blocks else _SeedSlots(type(self).__name__)
 
-    # Backend-specific YAML keys: name -> (default or config.REQUIRED, validator). See kvtier.config.
+    # Backend-specific YAML keys: name -> (default or kvtier.types.REQUIRED, validator). See kvtier.config.
     OPTIONS: ClassVar[dict] = {}
 
     @classmethod

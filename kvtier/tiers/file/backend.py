@@ -51,7 +51,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from kvtier.config import REQUIRED
 from kvtier.errors import ConfigError, IntegrityError, KVTierError
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
@@ -92,7 +91,7 @@ from kvtier.tiers.file.slot_format import (
     verify_parts,
     verify_slot,
 )
-from kvtier.types import BlockStatus
+from kvtier.types import REQUIRED, BlockStatus
 
 __all__ = [  # what other modules and tests import from here
     "ALIGN", "FORMAT_VERSION", "HEADER_BYTES", "JOURNAL", "LOCK", "MANIFEST", "MANIFEST_MAX_BYTES", "MAX_KEY_BYTES",

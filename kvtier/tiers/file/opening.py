@@ -27,7 +27,6 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.config import format_size
 from kvtier.errors import KVTierError
 from kvtier.tiers.file.fileio import ALIGN, file_kind
 from kvtier.tiers.file.journal import Journal, JournalScan, read_journal
@@ -55,6 +54,7 @@ from kvtier.tiers.file.rootdir import (
     remove_dirs,
     remove_file,
 )
+from kvtier.units import format_size
 
 log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file/backend.py)
 

@@ -13,12 +13,12 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.config import REQUIRED
-from kvtier.config_input import brief
 from kvtier.errors import ConfigError
+from kvtier.quoting import brief
 from kvtier.tiers.remote.keys import validate_key_prefix
 from kvtier.tiers.remote.password import resolve_password
 from kvtier.tiers.remote.url import ParsedUrl, parse_url, redact_url
+from kvtier.types import REQUIRED
 
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 
