@@ -47,10 +47,12 @@ import re
 import secrets
 import stat
 import weakref
+from collections.abc import Mapping
 from typing import Any
 
 from kvtier.errors import KVTierError
 from kvtier.specs import CPULoadStoreSpec
+from kvtier.tiers import room
 from kvtier.tiers.base import Backend
 from kvtier.tiers.cpu.shm_names import (
     _HEADER,
@@ -141,12 +143,17 @@ class CPUBackend(Backend):
 
     spec_type = CPULoadStoreSpec
     medium = "CPU"
-    max_blocks = None  # bounded by memory and /dev/shm, checked at build (kvtier.capacity)
+    max_blocks = None  # bounded by memory and /dev/shm (capacity_problem)
 
     OPTIONS = {
         "shm_name": (None, _shm_name),  # file name in /dev/shm; default: generated, unique
         "pin": ("auto", _pin_mode),  # auto: cudaHostRegister when CUDA is available
     }
+
+    @classmethod
+    def capacity_problem(cls, need_bytes: int, options: Mapping[str, Any]) -> str | None:
+        """The region must fit in the available memory and in the free space of `SHM_DIR`."""
+        return room.memory_problem(need_bytes, SHM_DIR)
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0,
                  shm_name: str | None = None, pin: str | bool = "auto", *, _create: bool = True,

@@ -49,11 +49,13 @@ All of the file tier's modules log to the logger `kvtier.tiers.file`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from kvtier.errors import ConfigError, IntegrityError, KVTierError
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
+from kvtier.tiers import room
 from kvtier.tiers.base import Backend
 from kvtier.tiers.file.commit_log import CommitLog
 from kvtier.tiers.file.fileio import ALIGN, choose_engine
@@ -151,7 +153,7 @@ class FileBackend(Backend):
     spec_type = FileLoadStoreSpec
     medium = "FILE"
     max_key_bytes = MAX_KEY_BYTES  # what a slot header leaves for the key
-    max_blocks = None  # slot numbers are 64-bit; bounded by the disk, checked at build (kvtier.capacity)
+    max_blocks = None  # slot numbers are 64-bit; bounded by the disk (capacity_problem)
     persistent = True
     compact_min_records = 4096  # the journal is rewritten past max(this, 2 x capacity) records
     OPTIONS = {
@@ -170,6 +172,11 @@ class FileBackend(Backend):
             return [f"root_dir {inspect_root(options['root_dir'])}"], []
         except ConfigError as exc:
             return [], list(exc.problems)
+
+    @classmethod
+    def capacity_problem(cls, need_bytes: int, options: Mapping[str, Any]) -> str | None:
+        """The slab must fit on the filesystem of `root_dir` (what the directory holds counts as room)."""
+        return room.disk_problem(need_bytes, options.get("root_dir"))
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *,
                  root_dir: str, io: str = "auto", fingerprint: str = "", num_threads: int = 4,
