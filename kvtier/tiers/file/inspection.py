@@ -102,7 +102,6 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     report: dict = {"root_dir": str(root), "is_tier": any(os.path.lexists(root / name) for name in OWN_FILES)}
     manifest, unreadable = load_manifest(root)
     report["manifest"] = manifest
-    geometry = _geometry_problem(manifest) if manifest is not None else None
     report["fingerprint"] = manifest.get("fingerprint") if manifest else None
     for key in ("block_bytes", "slot_bytes", "num_slots"):
         report[key] = manifest.get(key) if manifest else None
@@ -111,11 +110,27 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     health = []
     if manifest is None:
         health.append(f"no readable manifest: {unreadable} (the next start rebuilds the tier empty)")
-    elif geometry is not None:
+    elif (geometry := _geometry_problem(manifest)) is not None:
         health.append(f"{geometry} (the next start rebuilds the tier empty)")
         manifest = None  # nothing below can be located with it
     if slab_problem:
         health.append(slab_problem)
+    scan, entries = _journal_health(root, manifest, report["slot_bytes"] or 0, report["slab_bytes"], health)
+    report["blocks"] = len(entries)
+    report["bytes"] = len(entries) * (report["block_bytes"] or 0)
+    report["journal_records"] = scan.records if scan else 0
+    report["journal_torn_bytes"] = scan.torn_bytes if scan else 0
+    report["index_health"] = "; ".join(health) if health else "ok"
+    report["lock_holder"], report["lock"] = _lock_holder(root)
+    if verify:
+        report.update(_verify(slab, manifest, entries))
+    return report
+
+
+def _journal_health(root: Path, manifest: dict | None, slot_bytes: int, slab_bytes: int | None,
+                    health: list[str]) -> tuple[Any, dict]:
+    """(the journal's scan or None, its committed entries: slot -> (key, check, ...)), appending to
+    `health` what is wrong with the journal as `manifest` (None: unusable) describes the tier."""
     scan, problem = _scan(root, manifest["num_slots"] if manifest is not None else None)
     if problem:
         health.append(problem)
@@ -130,20 +145,11 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     duplicates = len(keys) - len(set(keys))
     if duplicates:
         health.append(f"{duplicates} keys committed in more than one slot (the latest wins)")
-    slot_bytes = report["slot_bytes"] or 0
-    if manifest is not None and report["slab_bytes"] is not None:
-        beyond = [s for s in entries if (s + 1) * slot_bytes > report["slab_bytes"]]
+    if manifest is not None and slab_bytes is not None:
+        beyond = [s for s in entries if (s + 1) * slot_bytes > slab_bytes]
         if beyond:
             health.append(f"slab truncated: {len(beyond)} blocks past its end")
-    report["blocks"] = len(entries)
-    report["bytes"] = len(entries) * (report["block_bytes"] or 0)
-    report["journal_records"] = scan.records if scan else 0
-    report["journal_torn_bytes"] = scan.torn_bytes if scan else 0
-    report["index_health"] = "; ".join(health) if health else "ok"
-    report["lock_holder"], report["lock"] = _lock_holder(root)
-    if verify:
-        report.update(_verify(slab, manifest, entries))
-    return report
+    return scan, entries
 
 
 def _slab_size(slab: Path) -> tuple[int | None, str | None]:

@@ -46,7 +46,6 @@ from kvtier.tiers.file.rootdir import (
     OWN_FILES,
     SLAB,
     TEMPORARIES,
-    RootLock,
     check_entries,
     open_or_create,
     prepare_root,
@@ -54,6 +53,7 @@ from kvtier.tiers.file.rootdir import (
     remove_dirs,
     remove_file,
 )
+from kvtier.tiers.file.rootlock import RootLock
 from kvtier.units import format_size
 
 log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file/backend.py)

@@ -18,19 +18,19 @@ are not. So:
   `O_EXCL`, 0600.
 
 Every refusal is a `ConfigError` on the field `root_dir` (the hierarchy builder prefixes
-`tiers[i].`) that names the path, its owner and mode, and what to do.
+`tiers[i].`) that names the path, its owner and mode, and what to do. The lock that makes a process
+the tier's one user is rootlock.py.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import pwd
 import stat
 from pathlib import Path
 
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.errors import ConfigError
 
 # The tier's files in root_dir. With TEMPORARIES, OWN_FILES is all that the tier writes there.
 MANIFEST = "manifest.json"
@@ -129,7 +129,7 @@ def _walk(absolute: str, created: list[Path] | None) -> str | None:
             raise refuse(f"cannot use {absolute}: {_os_reason(exc, prefix)}") from exc
         if stat.S_ISLNK(st.st_mode):
             if st.st_uid not in (os.geteuid(), 0):
-                raise refuse(f"{prefix} (on the path of {absolute}) is a symlink owned by {_owner(st.st_uid)}, who "
+                raise refuse(f"{prefix} (on the path of {absolute}) is a symlink owned by {owner_name(st.st_uid)}, who "
                              f"could point it anywhere; kvtier follows only symlinks owned by you or root. "
                              f"Remove it, or {ADVICE}")
             if not os.path.isdir(prefix):
@@ -175,11 +175,11 @@ def _check_directory(resolved: Path, root: str) -> None:
         os.close(fd)
     shown = f"{root}" if str(resolved) == root else f"{root} (= {resolved})"
     if st.st_uid != os.geteuid():
-        raise refuse(f"{shown} is owned by {_owner(st.st_uid)} (mode {_mode(st.st_mode)}), not by you "
-                     f"({_owner(os.geteuid())}): its owner could read or replace the tier's files; {ADVICE}")
+        raise refuse(f"{shown} is owned by {owner_name(st.st_uid)} (mode {_mode(st.st_mode)}), not by you "
+                     f"({owner_name(os.geteuid())}): its owner could read or replace the tier's files; {ADVICE}")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise refuse(f"{shown} is writable by group or others (mode {_mode(st.st_mode)}, owner "
-                     f"{_owner(st.st_uid)}): they could plant or swap the tier's files. Run 'chmod 700 "
+                     f"{owner_name(st.st_uid)}): they could plant or swap the tier's files. Run 'chmod 700 "
                      f"{resolved}', or {ADVICE}")
 
 
@@ -193,7 +193,7 @@ def inspect_root(root: str) -> str:
         parent = Path(os.path.realpath(os.path.dirname(missing)))
         _check_length(parent / os.path.relpath(absolute, os.path.dirname(missing)), root)
         if not os.access(parent, os.W_OK | os.X_OK):
-            raise refuse(f"cannot create {root}: {parent} is not writable by you ({_owner(os.geteuid())}); "
+            raise refuse(f"cannot create {root}: {parent} is not writable by you ({owner_name(os.geteuid())}); "
                          f"{ADVICE}")
         _check_parents(Path(absolute), [parent, *parent.parents])
         return f"{root}: would be created in {parent}"
@@ -243,8 +243,8 @@ def _check_file(path: Path, st: os.stat_result) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise refuse(f"{path} is {file_kind(st.st_mode)}, not a regular file; remove it, or {ADVICE}")
     if st.st_uid != os.geteuid():
-        raise refuse(f"{path} is owned by {_owner(st.st_uid)} (mode {_mode(st.st_mode)}), not by you "
-                     f"({_owner(os.geteuid())}); remove it, or {ADVICE}")
+        raise refuse(f"{path} is owned by {owner_name(st.st_uid)} (mode {_mode(st.st_mode)}), not by you "
+                     f"({owner_name(os.geteuid())}); remove it, or {ADVICE}")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise refuse(f"{path} is writable by group or others (mode {_mode(st.st_mode)}); remove it, or {ADVICE}")
 
@@ -327,79 +327,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-class RootLock:
-    """The exclusive flock on `root_dir/lock` that makes a process the tier's only user; the
-    file holds the owner's pid (for the error others get, and for `kvtier inspect`)."""
-
-    def __init__(self, root: Path):
-        """Take the lock (KVTierError naming the holder's pid when another process has it). When
-        recording the pid fails the lock is released and its descriptor closed before the error
-        propagates."""
-        self.path = root / LOCK
-        while True:
-            fd, created = open_or_create(self.path, os.O_RDWR)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                try:
-                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-                finally:
-                    os.close(fd)
-                raise KVTierError(f"file tier root_dir {root} is in use by {_process(holder)}; "
-                                  f"give each process its own root_dir") from None
-            if same_file(fd, self.path):
-                break
-            os.close(fd)  # a failed build removed the file after we opened it: lock the current one
-        self.created = created  # the lock file did not exist before
-        try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except BaseException:
-            fcntl.flock(fd, fcntl.LOCK_UN)  # no object holds it yet: nobody else could release it
-            os.close(fd)
-            raise
-        self._fd = fd
-
-    def release(self, clean: bool = True) -> None:
-        """Unlock and close. Idempotent. After a `clean` close the pid is erased first, so that
-        `kvtier inspect` tells a tier closed cleanly from one whose process died holding it. The
-        lock is released and its descriptor closed even when erasing the pid fails (that error
-        is raised afterwards)."""
-        if self._fd >= 0:
-            fd, self._fd = self._fd, -1
-            try:
-                if clean:
-                    os.ftruncate(fd, 0)
-            finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
-
-
-def same_file(fd: int, path: Path) -> bool:
-    """Whether `path` still names the file open as `fd`."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return False
-    mine = os.fstat(fd)
-    return (st.st_dev, st.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 # ---------------------------------------------------------------------------- wording
-def _process(pid_text: str) -> str:
-    """"another process of yours (pid 123)", "a process of uid 7 (bob) (pid 123)", or what the
-    lock file held."""
-    if not pid_text.isdigit():
-        return f"another process (the lock file holds {pid_text[:32]!r})"
-    try:
-        uid = os.stat(f"/proc/{pid_text}").st_uid
-    except OSError:
-        return f"another process (pid {pid_text})"
-    return (f"another process of yours (pid {pid_text})" if uid == os.getuid()
-            else f"a process of {_owner(uid)} (pid {pid_text})")
-
-
-def _owner(uid: int) -> str:
+def owner_name(uid: int) -> str:
+    """"uid 7 (bob)", or "uid 7" where the user has no name."""
     try:
         return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
     except KeyError:
