@@ -215,10 +215,6 @@ class CPUBackend(Backend):
                    _token=token)
 
     # ------------------------------------------------------------------ creation and attach
-    def _header(self) -> bytes:
-        return _HEADER.pack(_MAGIC, os.getpid(), bytes.fromhex(self.token), self.num_blocks, self.slot_stride,
-                            self.block_bytes)
-
     def _create_region(self) -> int:
         """Take the name's claim, build the region under a temporary name (locked, sized, with its
         header), then publish it under `path` with link(2): a name claimed by a live owner is
@@ -244,7 +240,9 @@ class CPUBackend(Backend):
     def _publish_region(self, directory: str) -> tuple[int, os.stat_result]:
         """Build the region under a temporary name (its shared lock held for its life, its header,
         its size), then publish it under `path`: (descriptor, stat)."""
-        fd, tmp = _new_locked_file(directory, fcntl.LOCK_SH, self._header())
+        header = _HEADER.pack(_MAGIC, os.getpid(), bytes.fromhex(self.token), self.num_blocks, self.slot_stride,
+                              self.block_bytes)
+        fd, tmp = _new_locked_file(directory, fcntl.LOCK_SH, header)
         try:
             os.ftruncate(fd, self.header_bytes + self.size)
             _link_exclusively(tmp, self.path, _free_region_name)

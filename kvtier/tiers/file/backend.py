@@ -52,12 +52,13 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvtier.errors import ConfigError, IntegrityError, KVTierError
+from kvtier.errors import ConfigError, KVTierError
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
 from kvtier.tiers import room
 from kvtier.tiers.base import Backend
 from kvtier.tiers.file.commit_log import CommitLog
+from kvtier.tiers.file.direct import DirectPath
 from kvtier.tiers.file.fileio import ALIGN, choose_engine
 from kvtier.tiers.file.journal import Journal, JournalScan, journal_capacity, journal_max_bytes, scan_journal
 from kvtier.tiers.file.manifest import (
@@ -80,7 +81,7 @@ from kvtier.tiers.file.rootdir import (
     inspect_root,
     refuse,
 )
-from kvtier.tiers.file.slab import RUN_BYTES, SlabIO, block_views, check_slots
+from kvtier.tiers.file.slab import RUN_BYTES, SlabIO, block_views
 from kvtier.tiers.file.slot_format import (
     FORMAT_VERSION,
     HEADER_BYTES,
@@ -211,6 +212,9 @@ class FileBackend(Backend):
         self._closed = False
         self._recovered = False
         self._slab, self._commits = self._start(opened, shape, io)
+        # The direct (device) path: kvtier/handlers/gpu_file.py moves payloads itself (direct.py).
+        self.direct_path = DirectPath(name, num_blocks, self.slot_bytes, self.slab_path, self._slab, self._commits,
+                                      is_closed=lambda: self._closed)
 
     def _start(self, opened: OpenedRoot, shape: TierShape, io: str) -> tuple[SlabIO, CommitLog]:
         """The slab I/O and the commit log over an opened root_dir (abandoned if they fail)."""
@@ -295,43 +299,10 @@ class FileBackend(Backend):
         views = self._views(slots, keys, buffers, writable=True)
         bad, error = self._slab.read(slots, keys, views)
         if bad:
-            self.reject(bad)
+            self.direct_path.reject(bad)
         if error is not None:
             raise error
         return len(slots) * self.block_bytes
-
-    # ------------------------------------------------------------------ direct (device) path
-    # A caller that moves payloads itself (kvtier/handlers/gpu_file.py: kvikio between GPU memory
-    # and the slab) writes/reads them at `payload_offset(slot)`, 4 KiB-aligned, and uses these.
-    def payload_offset(self, slot: int) -> int:
-        """Byte offset of `slot`'s payload in `slab_path` (a multiple of 4 KiB)."""
-        return slot * self.slot_bytes + HEADER_BYTES
-
-    def commit_direct(self, slots: Sequence[int], keys: Sequence[bytes], checks: Sequence[int], kind: int) -> None:
-        """After the caller wrote the payloads of `slots` (and waited for them): write their
-        header pages, carrying the payload checksums `checks` of `kind` (slot_format.CHECK_*),
-        then journal them, exactly as `write_blocks` would have."""
-        if self._closed:
-            raise KVTierError(f"file tier {self.name} is closed")
-        check_slots(slots, keys, self.num_blocks)
-        self._slab.write_headers(slots, keys, checks, kind)
-        self._commits.commit([(slot, bytes(key), check) for slot, key, check in zip(slots, keys, checks)])
-
-    def read_headers(self, slots: Sequence[int], keys: Sequence[bytes]) -> list[SlotHeader | str]:
-        """Before the caller reads the payloads of `slots`: each slot's header if it may describe
-        the block `keys[i]` (its `check_kind` and `payload_crc` say how to verify the payload),
-        else why not (then pass it to `reject`)."""
-        if self._closed:
-            raise KVTierError(f"file tier {self.name} is closed")
-        check_slots(slots, keys, self.num_blocks)
-        return self._slab.read_headers(slots, keys)
-
-    def reject(self, bad: Sequence[tuple[int, str]]) -> None:
-        """Forget the blocks of the (slot, why) that failed verification and raise `IntegrityError`."""
-        self._commits.forget([slot for slot, _why in bad])
-        detail = "; ".join(f"slot {s}: {why}" for s, why in bad[:8])
-        raise IntegrityError(f"file tier {self.name}: {len(bad)} block(s) in {self.slab_path} failed "
-                             f"verification and will not be served ({detail})")
 
     def _views(self, slots, keys, buffers, writable: bool) -> list[memoryview]:
         if self._closed:
