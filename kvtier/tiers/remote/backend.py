@@ -39,6 +39,7 @@ from kvtier.keys import OffloadKey
 from kvtier.specs import RemoteLoadStoreSpec
 from kvtier.tiers.base import Backend
 from kvtier.tiers.remote import options as option_checks
+from kvtier.tiers.remote.control_calls import ControlCalls
 from kvtier.tiers.remote.errors import BlockMissing, RemoteUnavailable, without_echo
 from kvtier.tiers.remote.probes import Probes
 from kvtier.tiers.remote.runtime import FailureNotice, FoundBy, WritePause
@@ -60,8 +61,24 @@ def _real_store(client: dict[str, Any], **store: Any) -> Any:
     return RemoteStore(ClientOptions(**client), **store)
 
 
-class ValkeyBackend(Backend):
-    """Handles of blocks on a Valkey/Redis server (see the module docstring); a `RemoteBlocks`."""
+def _check_arguments(name: str, block_bytes: int, given: dict[str, Any], table: dict[str, Any]) -> None:
+    """The constructor's arguments, each by its option's check in `table`, then together: one
+    `ConfigError` naming every option that is wrong (a `ValueError` for a block size of 0)."""
+    option_checks.check_given(given, table)
+    tp, fingerprint = given["tp"], given["fingerprint"]
+    if block_bytes <= 0:
+        raise ValueError(f"valkey tier {name!r} needs block_bytes > 0, got {block_bytes}")
+    if block_bytes % tp:
+        raise ConfigError([("tp", f"block_bytes {block_bytes} is not a multiple of tp = {tp}: a block is "
+                                  f"stored as one value per tensor-parallel rank, all of one size")])
+    if not fingerprint:
+        raise ConfigError([("fingerprint", f"empty: valkey tier {name!r} shares blocks across processes and "
+                                           f"must know whose KV they are (the builder passes the model)")])
+
+
+class ValkeyBackend(ControlCalls, Backend):
+    """Handles of blocks on a Valkey/Redis server (see the module docstring); a `RemoteBlocks`. The
+    control plane's probe and write-pause calls are `ControlCalls`' (control_calls.py)."""
 
     spec_type = RemoteLoadStoreSpec
     medium = "REMOTE"
@@ -102,16 +119,8 @@ class ValkeyBackend(Backend):
                      max_inflight_mib=max_inflight_mib, breaker_failures=breaker_failures,
                      breaker_open_s=breaker_open_s, negative_ttl_s=negative_ttl_s, threads=threads, tp=tp,
                      fingerprint=fingerprint)
-        option_checks.check_given(given, self.OPTIONS)
-        if block_bytes <= 0:
-            raise ValueError(f"valkey tier {name!r} needs block_bytes > 0, got {block_bytes}")
-        if block_bytes % tp:
-            raise ConfigError([("tp", f"block_bytes {block_bytes} is not a multiple of tp = {tp}: a block is "
-                                      f"stored as one value per tensor-parallel rank, all of one size")])
-        if not fingerprint:
-            raise ConfigError([("fingerprint", f"empty: valkey tier {name!r} shares blocks across processes and "
-                                               f"must know whose KV they are (the builder passes the model)")])
-        self.url, self.key_prefix = url, key_prefix
+        _check_arguments(name, block_bytes, given, self.OPTIONS)
+        self.url, self.key_prefix, self.tp = url, key_prefix, tp
         self.num_threads = threads
         self.max_inflight_bytes = max(block_bytes, int(max_inflight_mib * _MIB))
         self.probe_timeout_s = timeout_ms / 1000
@@ -126,7 +135,6 @@ class ValkeyBackend(Backend):
         self._password = password  # a Secret: never in a repr
         self._store_args = dict(key_prefix=key_prefix, fingerprint=fingerprint, layout=layout,
                                 block_bytes=block_bytes, tp=tp)
-        self.tp = tp
         self._store: Any = None
         self._store_lock = threading.Lock()
         self._down_until = 0.0  # the store could not be built: retried after this time
@@ -196,10 +204,6 @@ class ValkeyBackend(Backend):
             return time.monotonic() >= self._down_until
         return bool(store.available)
 
-    def accepts_writes(self) -> bool:
-        """False for `breaker_open_s` after a slow write (see `SLOW_WRITE_FRACTION`) or a failed one."""
-        return self._writes.accepts(time.monotonic())
-
     def stale(self, block: BlockStatus) -> bool:
         """Whether a handle may no longer match the server: made more than `HANDLE_TTL_S` ago, or
         before a read found a key gone (a restart or FLUSHALL loses every value; an eviction
@@ -207,10 +211,6 @@ class ValkeyBackend(Backend):
         with self._lock:
             born = self._born.get(block.block_id)
         return born is None or born < max(self._lost_at, time.monotonic() - HANDLE_TTL_S)
-
-    def take_unsent(self, keys: Sequence[bytes]) -> list[bytes]:
-        """Which of a finished publish job's `keys` were not written (writes paused or failed)."""
-        return self._writes.take_unsent(keys)
 
     # ------------------------------------------------------------------ slots (handles)
     def allocate_blocks(self, keys: Sequence[OffloadKey]) -> list[BlockStatus]:
@@ -302,21 +302,6 @@ class ValkeyBackend(Backend):
         while self._failed:
             out.append(self._failed.popleft())
         return out
-
-    # ------------------------------------------------------------------ probes
-    def request_probe(self, keys: Sequence[bytes]) -> None:
-        """Hand one batch to the probe thread, to be answered within `timeout_ms` (never blocks;
-        answered by `probe_results`, or dropped unsent when newer batches push it out or its deadline
-        passes first: its lookups were answered MISS at that deadline)."""
-        self._probes.request(list(keys))
-
-    def probe_results(self) -> list[tuple[list[bytes], list[bool] | None]]:
-        """The batches answered since the last call: `(keys, found)`, `found` None when the probe failed."""
-        return self._probes.results()
-
-    @property
-    def has_probe_results(self) -> bool:
-        return self._probes.answered
 
     # ------------------------------------------------------------------ end
     def close(self) -> None:
