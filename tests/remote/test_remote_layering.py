@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[2] / "kvtier" / "tiers" / "remote"
-CLIENT = ("breaker", "errors", "keys", "nodes", "options", "password", "store", "topology", "url", "value_format",
-          "bench")
+CLIENT = ("breaker", "errors", "guard", "keys", "nodes", "options", "password", "store", "topology", "url",
+          "value_format", "bench")
 ABOVE = ("kvtier.tiers.base", "kvtier.tiers.cpu", "kvtier.tiers.file", "kvtier.tiers.memory", "kvtier.handlers",
          "kvtier.control", "kvtier.manager", "kvtier.engine", "kvtier.hierarchy", "kvtier.planes",
          "kvtier.integrations", "kvtier.tiers.remote.backend", "kvtier.tiers.remote.handler",

@@ -181,7 +181,7 @@ def test_the_breaker_opened_by_an_echoed_password_never_logs_or_reports_it(passw
                     tier.get_blocks([b"k" * 20], [bytearray(4096)])
         store = tier._store_for_io()
         reasons = [store.reason]
-        breaker, = store._breakers.values()
+        breaker, = store.servers.breakers()
         end = time.monotonic() + 10
         while breaker.last_error.startswith("ResponseError") and time.monotonic() < end:
             time.sleep(0.02)  # until a reconnect check has failed (its error is the last one)

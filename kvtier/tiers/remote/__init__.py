@@ -4,7 +4,8 @@
   Its parts: options.py (YAML options and `ClientOptions`), password.py, env.py (`config check
   --env`), probes.py (its probe thread), runtime.py (write pause, failure notices, probe queue).
 - The client (below the backend; it imports no tier, handler or control-plane module):
-  `RemoteStore` (store.py) keeps the blocks of one identity on one server or cluster: keys
+  `RemoteStore` (store.py) keeps the blocks of one identity on one server or cluster (its servers
+  under their breakers: guard.py): keys
   (keys.py), values = payload + verified trailer (value_format.py), no client retries, a circuit
   breaker per server (breaker.py), servers (nodes.py) and the cluster slot map (topology.py);
   url.py (URL forms), errors.py; bench.py measures the raw client.
