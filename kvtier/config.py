@@ -22,11 +22,10 @@ from kvtier.config_input import brief, clip, plain, read_config_file, suggest
 from kvtier.config_yaml import load_yaml
 from kvtier.errors import ConfigError
 from kvtier.limits import MAX_BLOCK_TOKENS, MAX_BLOCKS, MAX_BYTES, tier_blocks_problem
-from kvtier.types import CASCADE_MODES, DEFAULT_CASCADE, DEFAULT_RESERVE
+from kvtier.types import CASCADE_MODES, DEFAULT_CASCADE, DEFAULT_RESERVE, REQUIRED
+from kvtier.units import SIZE_UNITS as _UNITS
+from kvtier.units import format_size as format_size  # re-exported: kvtier.config has always offered it
 
-REQUIRED = object()
-
-_UNITS = {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _DECIMAL = {"KB": "KiB", "MB": "MiB", "GB": "GiB", "TB": "TiB", "K": "KiB", "M": "MiB", "G": "GiB", "T": "TiB",
             "kB": "KiB", "kiB": "KiB", "Kb": "KiB", "mb": "MiB", "gb": "GiB", "tb": "TiB", "kb": "KiB",
             "gib": "GiB", "mib": "MiB", "kib": "KiB", "tib": "TiB"}
@@ -64,14 +63,6 @@ def parse_size(text: Any) -> int:
     if value > MAX_BYTES:
         raise ValueError(f"{brief(text)} is too large; the largest size is {_MAX_BYTES_TEXT}")
     return value
-
-
-def format_size(n: int) -> str:
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        if n >= _UNITS[unit] and n % (_UNITS[unit] // 1024 or 1) == 0:
-            value = n / _UNITS[unit]
-            return f"{value:g}{unit}" if value == int(value) else f"{value:.2f}{unit}"
-    return f"{n}B"
 
 
 @dataclass(frozen=True)

@@ -26,42 +26,19 @@ from __future__ import annotations
 import codecs
 import difflib
 import os
-import reprlib
 import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.quoting import BRIEF_CHARS as BRIEF_CHARS  # re-exported, as brief
+from kvtier.quoting import brief as brief
 
 MAX_CONFIG_BYTES = 1 << 20  # 1 MiB: a real config is under 4 KiB
 MAX_DEPTH = 32  # a real config nests 4 deep (mapping, tiers list, tier mapping, an option's list)
 MAX_VALUES = 10_000  # values (scalars, lists, mappings), counting each time an alias is reached
 MAX_INT_DIGITS = 64  # far above any size or count; int() of thousands of digits is slow or refused
-BRIEF_CHARS = 60
-
-_BRIEF = reprlib.Repr()
-_BRIEF.maxstring = BRIEF_CHARS
-_BRIEF.maxother = BRIEF_CHARS
-_BRIEF.maxlevel = 3
-for _attr in ("maxlist", "maxtuple", "maxdict", "maxset", "maxfrozenset", "maxdeque", "maxarray"):
-    setattr(_BRIEF, _attr, 4)
-
-
-def brief(value: Any, limit: int = BRIEF_CHARS) -> str:
-    """`repr(value)` cut to about `limit` characters, in time independent of the value's size.
-
-    Large integers are described by their number of digits (their full text can take long to
-    build, or be refused by Python); nested or shared containers are shown a few items deep.
-    """
-    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 192:
-        return f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
-    try:
-        text = _BRIEF.repr(value)
-    except Exception:  # a broken __repr__ must not hide the real problem
-        text = f"<{type(value).__name__}>"
-    return text if len(text) <= limit else text[: limit - 1] + "…"
-
 
 def clip(text: str, limit: int = 200) -> str:
     """`text` cut to at most `limit` characters (for messages quoting other messages or paths)."""

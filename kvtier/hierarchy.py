@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kvtier import registry
-from kvtier.capacity import capacity_problem
 from kvtier.config import HierarchyConfig, TierConfig
 from kvtier.engine import TransferEngine
 from kvtier.errors import ConfigError
@@ -137,7 +136,7 @@ def _check_capacity(i: int, tier_cfg: TierConfig, n: int, cls: type[Backend], po
     `ConfigError` on `tiers[i].capacity`, before anything is allocated."""
     problem = tier_blocks_problem(n, cls, policy_cls, backend_name=tier_cfg.backend, policy_name=tier_cfg.policy or "")
     if not problem and block_bytes:
-        problem = capacity_problem(tier_cfg.backend, cls.medium, n * block_bytes, dict(tier_cfg.options))
+        problem = cls.capacity_problem(n * block_bytes, dict(tier_cfg.options))
     if problem:
         raise ConfigError([(f"tiers[{i}].capacity", problem)])
 

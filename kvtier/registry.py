@@ -28,7 +28,7 @@ BACKENDS: dict[str, str] = {
     "cpu": "kvtier.tiers.cpu:CPUBackend",
     "file": "kvtier.tiers.file:FileBackend",
     "memory": "kvtier.tiers.memory:MemoryBackend",
-    "valkey": "kvtier.tiers.valkey:ValkeyBackend",
+    "valkey": "kvtier.tiers.remote:ValkeyBackend",
 }
 
 POLICIES: dict[str, str] = {
@@ -51,9 +51,9 @@ BUILTIN_HANDLERS: tuple[tuple[str, str, str], ...] = (
     ("kvtier.specs:GPULoadStoreSpec", "kvtier.specs:FileLoadStoreSpec", "kvtier.handlers.gpu_file:make_gpu_to_file"),
     ("kvtier.specs:FileLoadStoreSpec", "kvtier.specs:GPULoadStoreSpec", "kvtier.handlers.gpu_file:make_file_to_gpu"),
     ("kvtier.specs:CPULoadStoreSpec", "kvtier.specs:RemoteLoadStoreSpec",
-     "kvtier.handlers.cpu_remote:make_cpu_to_remote"),
+     "kvtier.tiers.remote.handler:make_cpu_to_remote"),
     ("kvtier.specs:RemoteLoadStoreSpec", "kvtier.specs:CPULoadStoreSpec",
-     "kvtier.handlers.cpu_remote:make_remote_to_cpu"),
+     "kvtier.tiers.remote.handler:make_remote_to_cpu"),
 )
 
 

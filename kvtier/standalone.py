@@ -25,7 +25,7 @@ not honour later is refused at once with an `ArgumentError` (a `KVTierError` and
 - `keys`: a sequence (not a single bytes object) of non-empty `bytes` keys (`bytearray` and
   `memoryview` are copied to `bytes`), none longer than the smallest `max_key_bytes` of the
   hierarchy's backends and policies (a file tier's slot header holds
-  `kvtier.tiers.file.MAX_KEY_BYTES`, a compiled `lru` or `prefix-freq` index
+  `kvtier.tiers.file.backend.MAX_KEY_BYTES`, a compiled `lru` or `prefix-freq` index
   `kvtier.limits.MAX_KEY_BYTES`); with several KV groups each key names an existing group.
   `store` and `load` refuse duplicate keys.
 - `engine_block_ids`: a sequence of ints (numpy integers too) or a 1-D integer array or tensor,

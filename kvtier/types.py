@@ -22,6 +22,10 @@ CASCADE_MODES = ("on_evict", "on_store", "none")
 DEFAULT_CASCADE = "on_evict"
 DEFAULT_RESERVE = 0.1
 
+# The default of an option that has none (`Backend.OPTIONS`, the config's own tables): the option must
+# be given. Defined here so that backends name it without importing the config layer.
+REQUIRED: Any = object()
+
 
 class BlockStatus(ctypes.Structure):
     """Residence status of one block in one tier.

@@ -8,7 +8,7 @@ import os
 from kvtier import build_hierarchy, load_config_text
 from kvtier.cli import clear as clear_module
 from kvtier.cli.main import main
-from kvtier.tiers.rootdir import OWN_FILES, SLAB
+from kvtier.tiers.file.rootdir import OWN_FILES, SLAB
 
 
 def build(root):

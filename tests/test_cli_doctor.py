@@ -79,7 +79,7 @@ def test_the_round_trip_works_under_a_temporary_directory_with_quotes_and_commas
 
 
 def test_doctor_says_which_engine_file_path_auto_takes(capsys, monkeypatch):
-    from kvtier.tiers import fileio
+    from kvtier.tiers.file import fileio
 
     monkeypatch.setattr(fileio, "gpu_present", lambda: True)
     monkeypatch.setattr(fileio, "gds_platform", lambda: False)

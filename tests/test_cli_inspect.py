@@ -16,7 +16,7 @@ from kvtier import build_hierarchy, load_config_text
 from kvtier.cli.inspect import human_size
 from kvtier.cli.main import main
 from kvtier.errors import KVTierError
-from kvtier.tiers.rootdir import SLAB
+from kvtier.tiers.file.rootdir import SLAB
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -72,8 +72,8 @@ def test_open_clean_close_and_dead_holder_are_told_apart(tmp_path, capsys):
 def test_an_open_tier_is_told_open_where_proc_locks_names_another_device(tmp_path, capsys, monkeypatch):
     """On btrfs /proc/locks names the filesystem by another device number than stat's st_dev (a
     device per subvolume): the lock is still found by its inode, so the open tier is open."""
-    from kvtier.tiers import file_inspect
-    from kvtier.tiers.rootdir import LOCK
+    from kvtier.tiers.file import inspection
+    from kvtier.tiers.file.rootdir import LOCK
 
     root = tmp_path / "tier"
     hierarchy = build(root)
@@ -82,7 +82,7 @@ def test_an_open_tier_is_told_open_where_proc_locks_names_another_device(tmp_pat
         other = f"{os.major(st.st_dev) + 1:02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
         locks = tmp_path / "locks"
         locks.write_text(f"1: FLOCK  ADVISORY  WRITE {os.getpid()} {other} 0 EOF\n")
-        monkeypatch.setattr(file_inspect, "PROC_LOCKS", str(locks))
+        monkeypatch.setattr(inspection, "PROC_LOCKS", str(locks))
         assert inspect(capsys, str(root))[1]["lock"] == f"open by process {os.getpid()}"
     finally:
         hierarchy.close()

@@ -12,7 +12,7 @@ from kvtier import build_hierarchy, load_config_text
 from kvtier.cli.main import main
 from kvtier.errors import ConfigError
 from kvtier.testing.fake_remote import FakeServer
-from kvtier.tiers.valkey import ValkeyBackend
+from kvtier.tiers.remote.backend import ValkeyBackend
 
 SECRET = "env-check-s3cret"
 
@@ -119,7 +119,7 @@ def test_a_root_dir_that_is_a_file_or_under_an_open_directory_is_reported(tmp_pa
 def test_a_root_dir_that_resolves_too_long_is_reported_as_the_build_would(tmp_path, capsys):
     """A short root_dir through a symlink of yours into a directory so deep that the tier's files
     would not fit in PATH_MAX: the build refuses it, so `--env` must too (it said "exists")."""
-    from kvtier.tiers.rootdir import LONGEST_FILE, PATH_MAX
+    from kvtier.tiers.file.rootdir import LONGEST_FILE, PATH_MAX
 
     deep = PATH_MAX - len(LONGEST_FILE) - 1  # then `deep/LONGEST_FILE` is PATH_MAX bytes: too long
     target, fd = str(tmp_path), os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
@@ -141,7 +141,7 @@ def test_a_root_dir_that_resolves_too_long_is_reported_as_the_build_would(tmp_pa
 @pytest.mark.parametrize("gds, expected", [(False, "engine<->file staged (no nvidia-fs driver"),
                                            (True, "engine<->file direct (GPUDirect Storage")])
 def test_env_says_which_engine_file_path_a_file_tier_takes_and_why(tmp_path, capsys, monkeypatch, gds, expected):
-    from kvtier.tiers import fileio
+    from kvtier.tiers.file import fileio
 
     monkeypatch.setattr(fileio, "gpu_present", lambda: True)
     monkeypatch.setattr(fileio, "kvikio_importable", lambda: True)

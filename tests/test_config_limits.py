@@ -12,7 +12,7 @@ from kvtier.config import MAX_BLOCKS, MAX_BYTES
 from kvtier.policies.lru_compiled import LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
-from kvtier.tiers.valkey import ValkeyBackend
+from kvtier.tiers.remote.backend import ValkeyBackend
 from kvtier.types import BlockStatus
 
 LIMIT = limits.MAX_INDEX_BLOCKS

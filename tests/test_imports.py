@@ -14,10 +14,10 @@ HEAVY = ("torch", "numpy", "kvikio", "vllm")
 # out: it is the one place that imports vLLM.
 LAYERS = ["kvtier", "kvtier.keys", "kvtier.types", "kvtier.errors", "kvtier.limits", "kvtier.specs", "kvtier.policies",
           "kvtier.tiers", "kvtier.tiers.base", "kvtier.tiers.memory", "kvtier.tiers.cpu", "kvtier.tiers.file",
-          "kvtier.tiers.file_inspect", "kvtier.handlers", "kvtier.handlers.base", "kvtier.handlers.memory",
+          "kvtier.tiers.file.inspection", "kvtier.handlers", "kvtier.handlers.base", "kvtier.handlers.memory",
           "kvtier.handlers.cpu_file", "kvtier.handlers.gpu_cpu", "kvtier.handlers.gpu_file", "kvtier.registry",
           "kvtier.control", "kvtier.manager", "kvtier.engine", "kvtier.planes", "kvtier.config_input", "kvtier.config",
-          "kvtier.capacity", "kvtier.hierarchy", "kvtier.standalone", "kvtier.testing", "kvtier.integrations",
+          "kvtier.tiers.room", "kvtier.hierarchy", "kvtier.standalone", "kvtier.testing", "kvtier.integrations",
           "kvtier.cli.main", "kvtier.bench.replay"]
 
 
@@ -46,7 +46,7 @@ def test_every_module_imports_light():
     """Each module, imported in turn in one fresh interpreter, brings nothing heavy (the first one
     that does is named: nothing heavy came before it)."""
     modules = _package_modules()
-    assert {"kvtier.control.cascade", "kvtier.tiers.slab", "kvtier.handlers.rows", "kvtier.testing.policy",
+    assert {"kvtier.control.cascade", "kvtier.tiers.file.slab", "kvtier.handlers.rows", "kvtier.testing.policy",
             "kvtier.cli.inspect"} <= set(modules)
     code = ("import importlib, sys\n"
             f"for name in {modules!r}:\n"

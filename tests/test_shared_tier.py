@@ -15,7 +15,7 @@ from kvtier import build_hierarchy, load_config_text, make_offload_key
 from kvtier.errors import ConfigError
 from kvtier.testing.fake_remote import FakeServer
 from kvtier.testing.manager import ManagerTests
-from kvtier.tiers.valkey import ValkeyBackend
+from kvtier.tiers.remote.backend import ValkeyBackend
 from kvtier.types import LookupResult
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY

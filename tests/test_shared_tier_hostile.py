@@ -14,7 +14,7 @@ from test_shared_tier import MISS, RETRY, Engine, keys
 
 from kvtier.testing.fake_remote import FakeServer, fake_valkey
 from kvtier.testing.slow_proxy import SlowProxy
-from kvtier.tiers.valkey_runtime import MAX_QUEUED
+from kvtier.tiers.remote.runtime import MAX_QUEUED
 
 TIMEOUT_S = 0.25
 STEP_S = 0.01

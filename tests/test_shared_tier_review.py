@@ -104,7 +104,7 @@ def test_after_the_server_lost_its_data_stale_handles_do_not_stop_a_publish(serv
 
 
 def test_a_handle_older_than_its_ttl_does_not_stop_a_publish(server, engines, monkeypatch):
-    import kvtier.tiers.valkey as valkey
+    import kvtier.tiers.remote.backend as valkey
 
     a = engines(hot=4)
     ks = keys(4, 700)

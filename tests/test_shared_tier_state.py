@@ -20,10 +20,10 @@ from test_manager_state import BLOCK, CTX, UNIVERSE, DeferredCopy, ManagerMachin
 
 from kvtier import build_hierarchy, load_config_text
 from kvtier.handlers.base import TransferHandler
-from kvtier.handlers.cpu_remote import CPUToRemoteHandler, RemoteToCPUHandler
 from kvtier.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
 from kvtier.testing.fake_remote import FakeServer
-from kvtier.tiers.valkey import ValkeyBackend
+from kvtier.tiers.remote.backend import ValkeyBackend
+from kvtier.tiers.remote.handler import CPUToRemoteHandler, RemoteToCPUHandler
 from kvtier.types import TransferResult
 
 _names = itertools.count()

@@ -20,7 +20,7 @@ from kvtier import (
 )
 from kvtier.errors import ArgumentError
 from kvtier.standalone import KVTier
-from kvtier.tiers.file import MAX_KEY_BYTES
+from kvtier.tiers.file.backend import MAX_KEY_BYTES
 
 torch = pytest.importorskip("torch")
 

@@ -19,7 +19,7 @@ from test_standalone import PAGE, cpu_file, keys, make_kv
 from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, KVTierError, make_offload_key
 from kvtier.errors import ArgumentError, ArgumentTypeError, ClosedError
 from kvtier.standalone import KVTier
-from kvtier.tiers.file import MAX_KEY_BYTES
+from kvtier.tiers.file.backend import MAX_KEY_BYTES
 
 torch = pytest.importorskip("torch")
 np = pytest.importorskip("numpy")

@@ -303,7 +303,7 @@ def verify_root(root: Path, upper: str, durable: set[int], freed: set[int],
 def _remove_leaked_shm(pid: int) -> tuple[int, int]:
     """Remove what the killed child `pid` left in /dev/shm: (regions, claims) removed. Its CPU
     tier's generated name is `kvtier-<pid>-...`; a kill while building it leaves `kvtier-creating-<pid>-...`."""
-    from kvtier.tiers.cpu import CLAIM_SUFFIX
+    from kvtier.tiers.cpu.backend import CLAIM_SUFFIX
 
     paths = glob.glob(f"/dev/shm/kvtier-{pid}-*") + glob.glob(f"/dev/shm/kvtier-creating-{pid}-*")
     for path in paths:

@@ -28,7 +28,7 @@ from kvtier.bench.file_hops import BENCH_MODEL, BENCH_TOKENS, _check_jobs, _key
 from kvtier.bench.hops import TransferCorrupted, interleaved
 from kvtier.bench.hops_runner import run_jobs
 from kvtier.bench.spread import annotate
-from kvtier.tiers.file import RUN_BYTES, FileBackend
+from kvtier.tiers.file.backend import RUN_BYTES, FileBackend
 
 JOB_BLOCKS = 16
 THREADS = 4

@@ -31,8 +31,8 @@ from kvtier.config import DEFAULT_BLOCK_TOKENS
 from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler
 from kvtier.keys import OffloadKey, make_offload_key
 from kvtier.specs import CPULoadStoreSpec, FileLoadStoreSpec
-from kvtier.tiers.file import RUN_BYTES, FileBackend
-from kvtier.tiers.fileio import ALIGN, aligned_buffer, buffer_address
+from kvtier.tiers.file.backend import RUN_BYTES, FileBackend
+from kvtier.tiers.file.fileio import ALIGN, aligned_buffer, buffer_address
 from kvtier.tiers.memory import MemoryBackend
 
 BENCH_MODEL = "kvtier-bench"  # the identity of the bench's file tiers: they hold random bytes, no model's KV

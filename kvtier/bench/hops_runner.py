@@ -47,7 +47,7 @@ def engine_file_paths(device: str) -> tuple[list[str], str | None]:
     if device != "cuda":
         return ["staged"], ("engine<->FILE direct (kvikio) not measured: it serves a KV cache on CUDA, and the "
                             "engine's KV cache is in CPU tensors here")
-    from kvtier.tiers.fileio import kvikio_importable
+    from kvtier.tiers.file.fileio import kvikio_importable
 
     if not kvikio_importable():
         return ["staged"], "engine<->FILE direct not measured: kvikio is not importable"

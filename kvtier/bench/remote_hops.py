@@ -7,7 +7,7 @@ namespace, so the tenant's ACL user may write there; the bench's own identity, s
 serves these values) through `CPUToRemoteHandler`, in as many jobs as the tier has threads, all
 submitted at once (as the manager publishes), timed until the last job completed; then loaded back
 through `RemoteToCPUHandler` (verified, byte-compared). The baseline, in the same run, rounds
-interleaved: the same client library with the same connection settings (`kvtier.remote.bench`),
+interleaved: the same client library with the same connection settings (`kvtier.tiers.remote.bench`),
 one SET per block of the same bytes (as `bytes` objects: a memoryview is packed much slower by
 redis-py with hiredis) and one GET per block copied into a preallocated buffer, on
 one thread and on as many threads as the tier (the baseline is the better of the two; redis-py
@@ -65,88 +65,110 @@ def _timed_jobs(handler, jobs: list[tuple]) -> float:
     return seconds
 
 
+class _RawRounds:
+    """The baseline's rounds: the raw client's SET of each block's bytes, and GET of each into a
+    preallocated buffer, on one thread or one per part of `parts` (on `pool`); seconds per round."""
+
+    def __init__(self, raw, raw_keys: list[bytes], payloads: list[bytes], parts: list[list[int]], pool,
+                 block_bytes: int):
+        self.raw, self.raw_keys, self.payloads, self.parts, self.pool = raw, raw_keys, payloads, parts, pool
+        self.outs = [memoryview(bytearray(block_bytes)) for _ in parts]
+
+    def _set(self, index: int, part: list[int]) -> None:
+        for i in part:
+            self.raw.set(self.raw_keys[i], self.payloads[i])
+
+    def _get(self, index: int, part: list[int]) -> None:
+        for i in part:
+            value = self.raw.get(self.raw_keys[i])
+            assert isinstance(value, bytes)
+            self.outs[index][:] = value
+
+    def run(self, op: str, threaded: bool) -> float:
+        fn = self._set if op == "set" else self._get
+        start = time.perf_counter()
+        if not threaded:
+            fn(0, list(range(len(self.payloads))))
+            return time.perf_counter() - start
+        futures = [self.pool.submit(fn, j, p) for j, p in enumerate(self.parts)]
+        for future in futures:
+            future.result()
+        return time.perf_counter() - start
+
+
+def _figures(times: dict[str, list[float]], n: int, block_bytes: int, threads: int, repeats: int) -> dict[str, Any]:
+    """GB/s of each median round time, the baselines at their best, and the paired ratios."""
+    gbps = {name: n * block_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    # The baseline is the raw client at its best: on one thread or on as many as the tier.
+    gbps["raw_set"] = max(gbps["raw_set_1"], gbps["raw_set_n"])
+    gbps["raw_get"] = max(gbps["raw_get_1"], gbps["raw_get_n"])
+    # Each round's tier time against that round's best raw time: the machine's drift between
+    # rounds (other work on shared cores) cancels out of these.
+    paired = {hop: round(statistics.median(min(t1, tn) / t for t1, tn, t in
+                                           zip(times[f"raw_{op}_1"], times[f"raw_{op}_n"], times[hop])), 3)
+              for hop, op in (("store", "set"), ("load", "get"))}
+    return {"block_bytes": block_bytes, "total_bytes": n * block_bytes, "threads": threads,
+            "repeats": repeats, **{f"{name}_gbps": round(v, 3) for name, v in gbps.items()},
+            "store_vs_raw_paired": paired["store"], "load_vs_raw_paired": paired["load"]}
+
+
+def _jobs(threads: int, keys: list, memory, remote) -> tuple[list[list[int]], list[tuple], list[tuple]]:
+    """The n = len(keys) blocks in `threads` parts of consecutive indices, then (the parts, store jobs:
+    memory slots -> the remote keys, load jobs: those keys -> memory slots n + i), one per part."""
+    from kvtier.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
+
+    n = len(keys)
+    per_job = -(-n // threads)
+    parts = [list(range(i, min(n, i + per_job))) for i in range(0, n, per_job)]
+
+    store_jobs = [(CPULoadStoreSpec(p, tier=memory.name), RemoteLoadStoreSpec(p, [keys[i] for i in p],
+                                                                              tier=remote.name)) for p in parts]
+    load_jobs = [(RemoteLoadStoreSpec(p, [keys[i] for i in p], tier=remote.name),
+                  CPULoadStoreSpec([n + i for i in p], tier=memory.name)) for p in parts]
+    return parts, store_jobs, load_jobs
+
+
 def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_bytes: int,
                        repeats: int = 5) -> dict[str, Any] | None:
     """Figures of one block size (module docstring); None for a cluster URL."""
-    from kvtier.handlers.cpu_remote import CPUToRemoteHandler, RemoteToCPUHandler
-    from kvtier.remote.bench import _raw_client
-    from kvtier.remote.options import ClientOptions
-    from kvtier.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
     from kvtier.tiers.memory import MemoryBackend
-    from kvtier.tiers.valkey import ValkeyBackend
+    from kvtier.tiers.remote.backend import ValkeyBackend
+    from kvtier.tiers.remote.bench import _raw_client
+    from kvtier.tiers.remote.handler import CPUToRemoteHandler, RemoteToCPUHandler
+    from kvtier.tiers.remote.options import ClientOptions
 
     if ClientOptions(tier_options["url"]).parsed.cluster:
         return None
     n = max(8, total_bytes // block_bytes)
-    options = {k: v for k, v in tier_options.items() if k not in ("fingerprint",)}
     prefix = f"{tier_options.get('key_prefix') or 'kvt'}:{BENCH_SUFFIX}"
-    options.update(key_prefix=prefix)
+    options = {k: v for k, v in tier_options.items() if k not in ("fingerprint",)} | {"key_prefix": prefix}
     remote = ValkeyBackend("bench-remote", n, block_bytes, 0, fingerprint="kvtier-bench",
                            layout=f"block_bytes={block_bytes}", **options)
     memory = MemoryBackend("bench-mem", 2 * n, block_bytes)
     threads = remote.num_threads
     raw = _raw_client(remote.client_options())
-    store_h = CPUToRemoteHandler({memory.name: memory}, {remote.name: remote}, threads)
-    load_h = RemoteToCPUHandler({memory.name: memory}, {remote.name: remote}, threads)
+    tiers = ({memory.name: memory}, {remote.name: remote})
+    store_h, load_h = CPUToRemoteHandler(*tiers, threads), RemoteToCPUHandler(*tiers, threads)
     pool = ThreadPoolExecutor(max_workers=threads)
     try:
         for slot in range(n):
             memory.view(slot)[:] = os.urandom(block_bytes)
         keys = [make_offload_key(b"bench%03d" % (block_bytes % 997) + i.to_bytes(8, "big"), 0) for i in range(n)]
-        raw_keys = [f"{prefix}:raw:{block_bytes}:{i}".encode() for i in range(n)]
-        per_job = -(-n // threads)
-        parts = [list(range(i, min(n, i + per_job))) for i in range(0, n, per_job)]
-        store_jobs = [(CPULoadStoreSpec(p, tier=memory.name), RemoteLoadStoreSpec(p, [keys[i] for i in p],
-                                                                                  tier=remote.name)) for p in parts]
-        load_jobs = [(RemoteLoadStoreSpec(p, [keys[i] for i in p], tier=remote.name),
-                      CPULoadStoreSpec([n + i for i in p], tier=memory.name)) for p in parts]
-        outs = [memoryview(bytearray(block_bytes)) for _ in range(threads)]
-
-        payloads = [bytes(memory.view(i)) for i in range(n)]  # raw SET of bytes: its fastest input
-
-        def raw_set(part: list[int]) -> None:
-            for i in part:
-                raw.set(raw_keys[i], payloads[i])
-
-        def raw_get(index: int, part: list[int]) -> None:
-            for i in part:
-                value = raw.get(raw_keys[i])
-                assert isinstance(value, bytes)
-                outs[index][:] = value
-
-        def raw_round(fn, with_index: bool = False, threaded: bool = True) -> float:
-            start = time.perf_counter()
-            if not threaded:
-                fn(*((0, list(range(n))) if with_index else (list(range(n)),)))
-                return time.perf_counter() - start
-            futures = [pool.submit(fn, *((j, p) if with_index else (p,))) for j, p in enumerate(parts)]
-            for future in futures:
-                future.result()
-            return time.perf_counter() - start
-
-        names = ("raw_set_1", "raw_set_n", "store", "raw_get_1", "raw_get_n", "load")
-        times: dict[str, list[float]] = {name: [] for name in names}
+        parts, store_jobs, load_jobs = _jobs(threads, keys, memory, remote)
+        rounds = _RawRounds(raw, [f"{prefix}:raw:{block_bytes}:{i}".encode() for i in range(n)],
+                            [bytes(memory.view(i)) for i in range(n)], parts, pool, block_bytes)  # bytes: SET's fastest
+        times: dict[str, list[float]] = {name: [] for name in
+                                         ("raw_set_1", "raw_set_n", "store", "raw_get_1", "raw_get_n", "load")}
         for _ in range(repeats):
-            times["raw_set_1"].append(raw_round(raw_set, threaded=False))
-            times["raw_set_n"].append(raw_round(raw_set))
+            times["raw_set_1"].append(rounds.run("set", threaded=False))
+            times["raw_set_n"].append(rounds.run("set", threaded=True))
             times["store"].append(_timed_jobs(store_h, store_jobs))
-            times["raw_get_1"].append(raw_round(raw_get, with_index=True, threaded=False))
-            times["raw_get_n"].append(raw_round(raw_get, with_index=True))
+            times["raw_get_1"].append(rounds.run("get", threaded=False))
+            times["raw_get_n"].append(rounds.run("get", threaded=True))
             times["load"].append(_timed_jobs(load_h, load_jobs))
         if any(bytes(memory.view(n + i)) != bytes(memory.view(i)) for i in range(n)):
             raise RuntimeError("a block loaded back from the remote tier differs from the one stored")
-        gbps = {name: n * block_bytes / statistics.median(t) / 1e9 for name, t in times.items()}
-        # The baseline is the raw client at its best: on one thread or on as many as the tier.
-        gbps["raw_set"] = max(gbps["raw_set_1"], gbps["raw_set_n"])
-        gbps["raw_get"] = max(gbps["raw_get_1"], gbps["raw_get_n"])
-        # Each round's tier time against that round's best raw time: the machine's drift between
-        # rounds (other work on shared cores) cancels out of these.
-        paired = {hop: round(statistics.median(min(t1, tn) / t for t1, tn, t in
-                                               zip(times[f"raw_{op}_1"], times[f"raw_{op}_n"], times[hop])), 3)
-                  for hop, op in (("store", "set"), ("load", "get"))}
-        figures = {"block_bytes": block_bytes, "total_bytes": n * block_bytes, "threads": threads,
-                   "repeats": repeats, **{f"{name}_gbps": round(v, 3) for name, v in gbps.items()},
-                   "store_vs_raw_paired": paired["store"], "load_vs_raw_paired": paired["load"]}
+        figures = _figures(times, n, block_bytes, threads, repeats)
     finally:
         pool.shutdown()
         store_h.shutdown()

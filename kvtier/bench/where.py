@@ -13,7 +13,7 @@ import tempfile
 from typing import Any
 
 from kvtier.errors import KVTierError
-from kvtier.tiers.rootdir import expand_root_dir
+from kvtier.tiers.file.rootdir import expand_root_dir
 
 # Kernel and pseudo filesystems: no file tier can live there, and a figure measured there means nothing.
 SPECIAL_FILESYSTEMS = frozenset({

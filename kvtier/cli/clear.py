@@ -24,8 +24,9 @@ from pathlib import Path
 
 from kvtier.cli.inspect import human_size
 from kvtier.errors import KVTierError
-from kvtier.tiers.own_files import holds_tier
-from kvtier.tiers.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, TEMPORARIES, RootLock, file_kind, same_file
+from kvtier.tiers.file.own_files import holds_tier
+from kvtier.tiers.file.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, TEMPORARIES, file_kind
+from kvtier.tiers.file.rootlock import RootLock, same_file
 
 
 def _open_root(root: Path) -> int:

@@ -6,7 +6,7 @@ in `backend:` or `policy:` is only located (`registry.check_name`), since import
 `--env` also checks this machine, changing nothing: what each tier's backend reads when it is built
 (`Backend.check_environment`: the valkey tier's password variable or file and TLS files and one PING
 of its server, the file tier's `root_dir`) and whether each local tier's capacity fits the room the
-build checks (`kvtier.capacity.capacity_problem`), so that a config checked on the serving host is
+build checks (`Backend.capacity_problem`), so that a config checked on the serving host is
 one that starts and works there.
 """
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 import sys
 
 from kvtier import registry
-from kvtier.capacity import capacity_problem
 from kvtier.config import count_problems, format_size, is_external, load_config, parse_size
 from kvtier.config_input import brief
 from kvtier.errors import ConfigError
@@ -139,5 +138,5 @@ def _capacity_fits(tier, cls, block_bytes: int | None) -> tuple[str, str | None]
     if tier.capacity.blocks is not None and not block_bytes:
         return f"capacity {tier.capacity} not compared with free space (give --block-bytes)", None
     need = tier.capacity.to_blocks(block_bytes) * block_bytes if block_bytes else tier.capacity.bytes
-    problem = capacity_problem(tier.backend, cls.medium, need, dict(tier.options))
+    problem = cls.capacity_problem(need, dict(tier.options))
     return ("", problem) if problem else (f"capacity {format_size(need)} fits", None)

@@ -2,7 +2,7 @@
 
 Checks, in under a minute: the compiled policy indexes (built, or the pure-Python fallback),
 kvikio (importable, and whether cuFile/GDS may be used here), CUDA (through torch), /dev/shm
-(size and free space), each valkey tier of the config (one PING, `kvtier.tiers.valkey_env`), and
+(size and free space), each valkey tier of the config (one PING, `kvtier.tiers.remote.env`), and
 one store -> close -> reopen -> load round trip on a temporary cpu + file hierarchy
 (`doctor_roundtrip`). Exit status 1 when a check FAILs, 0 otherwise (WARNs included).
 """
@@ -32,7 +32,7 @@ def check_extensions() -> Result:
 
 
 def check_kvikio() -> Result:
-    from kvtier.tiers.fileio import gds_platform, gpu_present, kvikio_importable
+    from kvtier.tiers.file.fileio import gds_platform, gpu_present, kvikio_importable
 
     if not kvikio_importable():
         return (WARN if gpu_present() else OK), "not importable: file tiers use posix I/O (io: auto)"
@@ -59,7 +59,7 @@ def check_cuda() -> Result:
 
 def check_shm() -> Result:
     from kvtier.cli.inspect import human_size
-    from kvtier.tiers.cpu import SHM_DIR
+    from kvtier.tiers.cpu.backend import SHM_DIR
 
     try:
         st = os.statvfs(SHM_DIR)
@@ -79,7 +79,7 @@ def valkey_checks(config) -> list[tuple[str, Callable[[], Result]]]:
 
 
 def _reach(options) -> Result:
-    from kvtier.tiers.valkey import ValkeyBackend
+    from kvtier.tiers.remote.backend import ValkeyBackend
 
     notes, problems = ValkeyBackend.check_environment(dict(options))
     if problems:

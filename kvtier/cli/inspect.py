@@ -44,7 +44,7 @@ def _lines(report: dict) -> list[tuple[str, str]]:
 
 
 def run_inspect(args) -> int:
-    from kvtier.tiers.file_inspect import inspect_root
+    from kvtier.tiers.file.inspection import inspect_root
 
     root = Path(args.root_dir)
     if not root.is_dir():

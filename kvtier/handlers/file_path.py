@@ -29,7 +29,7 @@ COMPAT_COST = "0.4-0.8x of staged on an H100 (docs/benchmarks.md)"
 class PlatformFacts:
     """What the choice depends on: the KV cache is on CUDA, kvikio imports, and the GPUDirect
     Storage driver is loaded (`/proc/driver/nvidia-fs` present and `/proc/modules` readable:
-    `kvtier.tiers.fileio.gds_platform`)."""
+    `kvtier.tiers.file.fileio.gds_platform`)."""
 
     cuda: bool
     kvikio: bool
@@ -39,7 +39,7 @@ class PlatformFacts:
 def platform_facts(cuda: bool | None = None) -> PlatformFacts:
     """This machine's facts; `cuda` None means "an NVIDIA GPU is visible" (device nodes). Without
     CUDA nothing else matters and nothing else is probed (kvikio is not imported): all False."""
-    from kvtier.tiers import fileio
+    from kvtier.tiers.file import fileio
 
     if not (fileio.gpu_present() if cuda is None else cuda):
         return PlatformFacts(False, False, False)

@@ -19,7 +19,7 @@ payloads move between device memory and the slab with kvikio `CuFile` reads/writ
 slots' 4 KiB-aligned payload offsets (one future per block, all submitted, then waited), through
 GPUDirect Storage where the platform has nvidia-fs and kvikio's compatibility mode otherwise.
 Stores checksum each block on the device (`tensor_checksum`) and hand the checksums to
-`FileBackend.commit_direct` (header pages, then the journal); loads read
+`FileBackend.direct_path.commit_direct` (header pages, then the journal); loads read
 the headers first, read the payloads into a device buffer, verify them there, and scatter into
 the KV cache only when every block verified (else `IntegrityError`: the job fails, the engine's
 blocks are untouched, the bad blocks are forgotten). On CPU tensors the same code runs through
@@ -39,9 +39,9 @@ from kvtier.handlers.gpu_cpu import EngineJobHandler
 from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import BlockFile
-from kvtier.tiers.checksum import tensor_checksum_async
-from kvtier.tiers.fileio import ALIGN as _ALIGN  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
-from kvtier.tiers.slot_format import CHECK_CRC32, CHECK_TORCH, payload_crc32
+from kvtier.tiers.file.checksum import tensor_checksum_async
+from kvtier.tiers.file.fileio import ALIGN as _ALIGN  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
+from kvtier.tiers.file.slot_format import CHECK_CRC32, CHECK_TORCH, payload_crc32
 from kvtier.types import CanonicalKVCaches
 
 
@@ -166,7 +166,7 @@ class _SlabFile:
         import kvikio
         import kvikio.defaults
 
-        from kvtier.tiers import fileio
+        from kvtier.tiers.file import fileio
 
         compat = {} if fileio.gds_platform() else {"compat_mode": kvikio.CompatMode.ON}
         with kvikio.defaults.set(compat) if compat else contextlib.nullcontext():
@@ -179,7 +179,7 @@ class _SlabFile:
         try:
             self.file.close()
         finally:
-            from kvtier.tiers import fileio
+            from kvtier.tiers.file import fileio
 
             fileio._kvikio_threads.release(self._defaults)
 
@@ -230,7 +230,8 @@ class DirectGPUFileHandler(GPUFileHandler):
         cufile = self._slab_file(backend).file
         n = self.layout.block_bytes
         call = cufile.pwrite if write else cufile.pread
-        futures = [call(_io_array(rows[i, :n]), n, backend.payload_offset(slot)) for i, slot in enumerate(slots)]
+        offset = backend.direct_path.payload_offset
+        futures = [call(_io_array(rows[i, :n]), n, offset(slot)) for i, slot in enumerate(slots)]
         moved, error = [], None
         for future in futures:  # wait for all: none may still be in flight when we fail
             try:
@@ -258,21 +259,21 @@ class DirectGPUFileHandler(GPUFileHandler):
             self.layout.gather(rows, torch.arange(len(slots)), self.layout.index(gpu, len(slots)))
             checks = self._checksums(rows)  # synchronises: the rows are complete before kvikio reads them
         self._transfer(backend, slots, rows, write=True)
-        backend.commit_direct(slots, keys, checks, CHECK_TORCH)
+        backend.direct_path.commit_direct(slots, keys, checks, CHECK_TORCH)
 
     def _load(self, backend, gpu: GPULoadStoreSpec, slots, keys) -> None:
         import torch
 
-        headers = backend.read_headers(slots, keys)
+        headers = backend.direct_path.read_headers(slots, keys)
         bad = [(slot, why) for slot, why in zip(slots, headers) if isinstance(why, str)]
         if bad:
-            backend.reject(bad)
+            backend.direct_path.reject(bad)
         rows = self._device_rows(len(slots), zeroed=False)  # no kernel: kvikio fills it
         self._transfer(backend, slots, rows, write=False)
         with self._engine_stream():
             bad = self._verify(rows, slots, headers)
             if bad:
-                backend.reject(bad)
+                backend.direct_path.reject(bad)
             self.layout.scatter(rows, torch.arange(len(slots)), self.layout.index(gpu, len(slots)))
             if self.cuda:
                 torch.cuda.current_stream(self.layout.device).synchronize()
@@ -334,7 +335,7 @@ def _make(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_f
 def _tier_choice(backend: Any, cuda: bool) -> tuple[str, str]:
     """`file_path`'s choice for one file tier, staged where the backend cannot commit direct writes."""
     choice, why = file_path(getattr(backend, "io_option", "auto"), cuda=cuda)
-    if choice == "direct" and not hasattr(backend, "commit_direct"):
+    if choice == "direct" and not hasattr(backend, "direct_path"):
         return "staged", f"{type(backend).__name__} has no direct commit"
     return choice, why
 

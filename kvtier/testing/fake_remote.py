@@ -1,4 +1,4 @@
-"""A fake `RemoteStore` (the `kvtier.remote.store` contract) over a dict, with failure injection.
+"""A fake `RemoteStore` (the `kvtier.tiers.remote.store` contract) over a dict, with failure injection.
 
 `FakeServer` plays one Valkey/Redis server that several stores (several "engines") share;
 `server.store` is a `ValkeyBackend.store_factory`::
@@ -28,7 +28,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.remote.errors import BlockMissing, RemoteUnavailable, ValueRejected
+from kvtier.tiers.remote.errors import BlockMissing, RemoteUnavailable, ValueRejected
 
 __all__ = ["BlockMissing", "FakeServer", "FakeStore", "RemoteUnavailable", "ValueRejected"]
 
@@ -181,7 +181,7 @@ def fake_valkey(server: FakeServer, name: str = "remote", num_blocks: int = 16, 
                 **options: Any) -> Any:
     """A `ValkeyBackend` whose store is a `FakeStore` on `server` (options as in YAML; `url` and
     `fingerprint` have test defaults)."""
-    from kvtier.tiers.valkey import ValkeyBackend
+    from kvtier.tiers.remote.backend import ValkeyBackend
 
     cls = type("FakeValkeyBackend", (ValkeyBackend,), {"store_factory": staticmethod(server.store)})
     options.setdefault("url", "redis://fake:6379")

@@ -6,7 +6,7 @@ A backend never calls another backend and never decides what to evict; the manag
 from __future__ import annotations
 
 from abc import ABC
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
@@ -138,7 +138,7 @@ class Backend(ABC):
         self.block_size = block_size  # tokens per block, reported in events
         self.slots = SlotAllocator(num_blocks) if medium is None or num_blocks else _SeedSlots(type(self).__name__)
 
-    # Backend-specific YAML keys: name -> (default or config.REQUIRED, validator). See kvtier.config.
+    # Backend-specific YAML keys: name -> (default or kvtier.types.REQUIRED, validator). See kvtier.config.
     OPTIONS: ClassVar[dict] = {}
 
     @classmethod
@@ -153,6 +153,14 @@ class Backend(ABC):
         environment variables it reads), changing nothing: (notes, problems as `(option name,
         message)` pairs), for `kvtier config check --env`. Default: nothing to check."""
         return [], []
+
+    @classmethod
+    def capacity_problem(cls, need_bytes: int, options: Mapping[str, Any]) -> str | None:
+        """Why `need_bytes` of this tier (its capacity in bytes) cannot fit on this machine, with the
+        tier's `options`: checked by the build and `kvtier config check` before anything is
+        allocated (kvtier/tiers/room.py measures the room). None if they fit, if nobody knows, or
+        if the backend has no rule. Default: no rule."""
+        return None
 
     @classmethod
     def from_config(cls, name: str, num_blocks: int, block_bytes: int, block_size: int, options: dict) -> Backend:

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import mmap
-from typing import ClassVar
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 from kvtier.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec
+from kvtier.tiers import room
 from kvtier.tiers.base import Backend
 
 
@@ -38,7 +40,12 @@ class MemoryBackend(Backend):
 
     spec_type = CPULoadStoreSpec
     medium = "CPU"
-    max_blocks = None  # bounded by memory, checked at build (kvtier.capacity)
+    max_blocks = None  # bounded by memory (capacity_problem)
+
+    @classmethod
+    def capacity_problem(cls, need_bytes: int, options: Mapping[str, Any]) -> str | None:
+        """The arena must fit in the available memory."""
+        return room.memory_problem(need_bytes)
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0):
         super().__init__(name, num_blocks, block_bytes, block_size)

@@ -24,7 +24,7 @@ def test_staged_rows_are_measured_against_raw_io_plus_a_copy_and_verified(tmp_pa
 
 
 def test_the_direct_path_runs_through_the_same_measurement(tmp_path):
-    from kvtier.tiers import fileio
+    from kvtier.tiers.file import fileio
 
     if not fileio.kvikio_importable():
         pytest.skip("kvikio not installed")

@@ -20,7 +20,7 @@ from kvtier import (
 )
 from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler, make_cpu_to_file, make_file_to_cpu
 from kvtier.tiers.base import BlockFile, HostSlots
-from kvtier.tiers.file import HEADER_BYTES, FileBackend
+from kvtier.tiers.file.backend import HEADER_BYTES, FileBackend
 from kvtier.tiers.memory import MemoryBackend
 
 BLOCK = 64 * 1024
@@ -93,7 +93,7 @@ def load(h, key) -> bytes:
 def test_cascade_promotion_round_trip(tmp_path, io, upper):
     """`cpu` = the shared-memory CPU tier (page-aligned slots: the zero-copy path)."""
     if io == "kvikio":
-        from kvtier.tiers.fileio import kvikio_importable
+        from kvtier.tiers.file.fileio import kvikio_importable
 
         if not kvikio_importable():
             pytest.skip("kvikio not installed")

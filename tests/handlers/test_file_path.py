@@ -10,8 +10,7 @@ import pytest
 from kvtier import CanonicalKVCaches, CanonicalKVCacheTensor
 from kvtier.handlers import gpu_file
 from kvtier.handlers.file_path import PlatformFacts, choose_file_path, file_path, platform_facts
-from kvtier.tiers import fileio
-from kvtier.tiers.file import FileBackend
+from kvtier.tiers.file import FileBackend, fileio
 
 torch = pytest.importorskip("torch")
 

@@ -142,7 +142,7 @@ def test_cuda_roundtrip_through_the_file_tier(setup):
 @pytest.fixture
 def direct(tmp_path):
     """Direct handlers over a real file tier, kvikio on its host path (stand-in libcuda)."""
-    from kvtier.tiers import fileio
+    from kvtier.tiers.file import fileio
 
     if not fileio.kvikio_importable():
         pytest.skip("kvikio not installed (CI installs it: see docs/gds.md)")
@@ -168,8 +168,8 @@ def direct(tmp_path):
 
 
 def test_direct_roundtrip_writes_aligned_payloads_with_torch_checksums(direct):
-    from kvtier.tiers.checksum import bytes_checksum
-    from kvtier.tiers.slot_format import CHECK_TORCH, HEADER_BYTES, parse_header
+    from kvtier.tiers.file.checksum import bytes_checksum
+    from kvtier.tiers.file.slot_format import CHECK_TORCH, HEADER_BYTES, parse_header
 
     kv = make_kv(bpc=2)
     backend, store, load, jobs = direct(kv)
@@ -210,7 +210,7 @@ def test_direct_load_of_host_written_blocks_checks_their_crc(direct):
 
 @pytest.mark.parametrize("where", ["payload", "header"])
 def test_direct_load_of_a_corrupt_block_fails_and_leaves_the_engine_untouched(direct, where):
-    from kvtier.tiers.slot_format import HEADER_BYTES
+    from kvtier.tiers.file.slot_format import HEADER_BYTES
 
     kv = make_kv()
     backend, store, load, jobs = direct(kv)
@@ -252,7 +252,7 @@ def test_direct_path_chosen_only_for_cuda_with_kvikio():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_direct_roundtrip(tmp_path):
     from kvtier.handlers.gpu_file import DirectGPUFileHandler
-    from kvtier.tiers.fileio import kvikio_importable
+    from kvtier.tiers.file.fileio import kvikio_importable
 
     if not kvikio_importable():
         pytest.skip("needs kvikio")

@@ -8,9 +8,8 @@ from kvtier import registry
 from kvtier.handlers.memory import MemoryCopyHandler
 from kvtier.testing.fake_remote import FakeServer, fake_valkey
 from kvtier.testing.handler import EngineSide, FileSlotSide, HandlerTests, HostSlotSide, RemoteSlotSide
-from kvtier.tiers import fileio
 from kvtier.tiers.cpu import CPUBackend
-from kvtier.tiers.file import FileBackend
+from kvtier.tiers.file import FileBackend, fileio
 from kvtier.tiers.memory import MemoryBackend
 
 torch = pytest.importorskip("torch")

@@ -52,7 +52,7 @@ def _counters(llm) -> dict[str, float]:
 
 def corrupt_file_tier(root_dir: str) -> int:
     """Flip one payload byte in every slot of the slab under `root_dir`; returns slots touched."""
-    from kvtier.tiers.file import HEADER_BYTES, MANIFEST, SLAB
+    from kvtier.tiers.file.backend import HEADER_BYTES, MANIFEST, SLAB
 
     manifest = json.load(open(os.path.join(root_dir, MANIFEST)))
     slot_bytes, num_slots = manifest["slot_bytes"], manifest["num_slots"]

@@ -28,7 +28,7 @@ from conftest import flip
 from reliability_helpers import BLOCK, assert_settled, build, fill_file_tier, keys, payload, read, store
 
 from kvtier import ConfigError, LookupResult
-from kvtier.tiers.file import (
+from kvtier.tiers.file.backend import (
     HEADER_BYTES,
     JOURNAL,
     MANIFEST,
@@ -39,7 +39,7 @@ from kvtier.tiers.file import (
     scan_journal,
     slot_bytes_for,
 )
-from kvtier.tiers.file_inspect import inspect_root
+from kvtier.tiers.file.inspection import inspect_root
 
 SLOT = slot_bytes_for(BLOCK)
 CHILD_MEMORY = 1 << 30  # address-space limit of the subprocesses below: a runaway read fails fast, harmlessly

@@ -184,7 +184,7 @@ def test_lock_of_a_killed_owner_is_released(tmp_path):
 
 SHM_OWNER = textwrap.dedent("""
     import sys
-    from kvtier.tiers import cpu
+    from kvtier.tiers.cpu import backend as cpu
     cpu.SHM_DIR = sys.argv[1]  # a private directory: the sweep below must not touch other users' /dev/shm
     backend = cpu.CPUBackend("cpu", 4, 4096, pin=False)
     print(backend.shm_name, flush=True)
@@ -203,7 +203,7 @@ def _shm_owner(shm_dir):
 def test_region_of_a_killed_owner_is_swept_the_live_one_kept(tmp_path):
     """A SIGKILLed owner cannot unlink its shared-memory region; the next CPU tier created removes
     regions whose owner is gone (no flock held, pid gone) and keeps those of live owners."""
-    from kvtier.tiers import cpu
+    from kvtier.tiers.cpu import backend as cpu
 
     shm_dir = str(tmp_path / "shm")
     os.mkdir(shm_dir)
@@ -229,7 +229,7 @@ def test_region_of_a_killed_owner_is_swept_the_live_one_kept(tmp_path):
 
 def test_fresh_regions_are_not_swept(tmp_path):
     """A region younger than min_age_s is never removed (its creator may not have locked it yet)."""
-    from kvtier.tiers import cpu
+    from kvtier.tiers.cpu import backend as cpu
 
     shm_dir = str(tmp_path / "shm")
     os.mkdir(shm_dir)

@@ -23,7 +23,7 @@ import time
 import pytest
 
 from kvtier import ConfigError, load_config_text
-from kvtier.tiers import cpu
+from kvtier.tiers.cpu import backend as cpu
 
 PATTERN = bytes(range(256)) * 16  # one 4096-byte block
 CLAIM = ".kvtier-claim"
@@ -33,7 +33,7 @@ CLAIM = ".kvtier-claim"
 # it), prints "<name> <pid> <token>", then on each stdin line prints whether slot 0 is intact.
 OWNER = textwrap.dedent("""
     import os, sys
-    from kvtier.tiers import cpu
+    from kvtier.tiers.cpu import backend as cpu
     cpu.SHM_DIR = sys.argv[1]
     name = None if sys.argv[2] == "-" else sys.argv[2]
     pattern = bytes(range(256)) * 16
@@ -115,7 +115,7 @@ def test_second_creator_is_refused_after_the_owner_removed_its_regions_name(shm_
 
 CONTENDER = textwrap.dedent("""
     import sys
-    from kvtier.tiers import cpu
+    from kvtier.tiers.cpu import backend as cpu
     cpu.SHM_DIR = sys.argv[1]
     print("ready", flush=True)
     sys.stdin.readline()
@@ -299,7 +299,7 @@ CHAINED = textwrap.dedent("""
         print("previous handler ran", flush=True)
         sys.exit(7)
     signal.signal(signal.SIGTERM, handler)
-    from kvtier.tiers import cpu
+    from kvtier.tiers.cpu import backend as cpu
     cpu.SHM_DIR = sys.argv[1]
     backend = cpu.CPUBackend("cpu", 2, 4096, pin=False)
     print(backend.shm_name, flush=True)
@@ -331,7 +331,7 @@ def test_attach_with_another_regions_token_is_refused(shm_dir):
     os.unlink(shm_dir / ("kvtier-x-cpu" + CLAIM))
     other = Owner(shm_dir, "kvtier-x-cpu")  # another process takes the free name
     try:
-        code = ("import sys; from kvtier.tiers import cpu; cpu.SHM_DIR = sys.argv[1]\n"
+        code = ("import sys; from kvtier.tiers.cpu import backend as cpu; cpu.SHM_DIR = sys.argv[1]\n"
                 "try:\n"
                 "    cpu.CPUBackend.attach('kvtier-x-cpu', 4, 4096, pin=False, token=sys.argv[2])\n"
                 "except cpu.RegionError as exc:\n"

@@ -20,8 +20,8 @@ from reliability_helpers import BLOCK, build, config_text, fill_file_tier, keys,
 
 from kvtier import ConfigError, load_config, load_config_text
 from kvtier.config import default_config_path
-from kvtier.tiers import fileio
-from kvtier.tiers.file import FileBackend, Journal
+from kvtier.tiers.file import fileio
+from kvtier.tiers.file.backend import FileBackend, Journal
 
 NOBODY = 65534
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="files of another user need root to create")

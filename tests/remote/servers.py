@@ -25,8 +25,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvtier.remote.options import ClientOptions
-from kvtier.remote.store import RemoteStore
+from kvtier.tiers.remote.options import ClientOptions
+from kvtier.tiers.remote.store import RemoteStore
 
 SERVER_ARGS = ["--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--maxmemory", "64mb",
                "--maxmemory-policy", "allkeys-lru", "--daemonize", "no", "--protected-mode", "no"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from kvtier.remote import bench
+from kvtier.tiers.remote import bench
 
 
 def test_data_path_and_probe_report_their_figures(valkey_server, tmp_path):

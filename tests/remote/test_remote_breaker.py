@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from kvtier.remote.breaker import CircuitBreaker, Reconnector
-from kvtier.remote.errors import RemoteUnavailable
+from kvtier.tiers.remote.breaker import CircuitBreaker, Reconnector
+from kvtier.tiers.remote.errors import RemoteUnavailable
 
 
 class Clock:

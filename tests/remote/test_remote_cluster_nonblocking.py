@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from kvtier.remote.options import ClientOptions
-from kvtier.remote.store import RemoteStore
+from kvtier.tiers.remote.options import ClientOptions
+from kvtier.tiers.remote.store import RemoteStore
 
 
 @pytest.fixture
@@ -43,7 +43,7 @@ def test_a_hung_reload_does_not_block_available(valkey_cluster, make_store, monk
     from redis.cluster import NodesManager
 
     store = make_store(valkey_cluster.url, block_bytes=4096)
-    topology = store._topology
+    topology = store.servers.topology
     assert store.available
     release = threading.Event()
     monkeypatch.setattr(NodesManager, "initialize", lambda self: release.wait(5))  # seeds that do not answer
@@ -81,12 +81,12 @@ def test_building_and_closing_on_hung_seeds_do_no_io_on_the_callers_thread(silen
 
 def test_a_non_cluster_server_warns_once_with_the_reason(valkey_server, caplog):
     url = "cluster://" + valkey_server.name
-    caplog.set_level(logging.WARNING, logger="kvtier.remote.topology")
+    caplog.set_level(logging.WARNING, logger="kvtier.tiers.remote.topology")
     store = RemoteStore(ClientOptions(url, breaker_open_s=0.1), key_prefix="kvt:nc", fingerprint="m",
                         layout="L", block_bytes=4096)
     try:
         deadline = time.monotonic() + 10
-        while not store._topology.reason:
+        while not store.servers.topology.reason:
             assert time.monotonic() < deadline
             time.sleep(0.02)
         time.sleep(0.5)  # several more failed reloads (one every breaker_open_s)
@@ -94,7 +94,7 @@ def test_a_non_cluster_server_warns_once_with_the_reason(valkey_server, caplog):
         assert "cluster" in store.reason.lower() and store.reason != "cluster slot map not loaded yet"
         warnings = [r for r in caplog.records if "cluster slot map" in r.getMessage()]
         assert len(warnings) == 1, [r.getMessage() for r in caplog.records]
-        assert store._topology.reason in warnings[0].getMessage()
+        assert store.servers.topology.reason in warnings[0].getMessage()
     finally:
         store.close()
 
@@ -112,7 +112,7 @@ def test_the_map_loads_while_the_first_seed_hangs(private_cluster, make_store):
                            connect_timeout_s=0.3, breaker_open_s=0.2)
         assert store.wait_ready(10), store.reason
         key = next(k for k in (bytes([i]) * 16 for i in range(256))
-                   if store._topology.node_for(store.keys.part_keys(k)[0]).name != hung.name)
+                   if store.servers.topology.node_for(store.keys.part_keys(k)[0]).name != hung.name)
         store.write_block(key, memoryview(bytes(4096)))
         assert store.probe([key]) == [True]
     finally:

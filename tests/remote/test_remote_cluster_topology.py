@@ -11,7 +11,7 @@ import redis
 from remote.servers import Cluster, start_cluster
 
 from kvtier.keys import make_offload_key
-from kvtier.remote.errors import RemoteUnavailable
+from kvtier.tiers.remote.errors import RemoteUnavailable
 
 
 def okey(i: int) -> bytes:

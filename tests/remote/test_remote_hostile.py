@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from kvtier.remote.errors import RemoteUnavailable
 from kvtier.testing.slow_proxy import SlowProxy
+from kvtier.tiers.remote.errors import RemoteUnavailable
 
 TIMEOUT_S = 0.25
 BLOCK = 256

@@ -6,8 +6,9 @@ import pytest
 
 from kvtier.errors import ArgumentError
 from kvtier.keys import make_offload_key
-from kvtier.remote.keys import KeyScheme, identity_digest, validate_key_prefix
-from kvtier.remote.options import ClientOptions, Endpoint, parse_url
+from kvtier.tiers.remote.keys import KeyScheme, identity_digest, validate_key_prefix
+from kvtier.tiers.remote.options import ClientOptions
+from kvtier.tiers.remote.url import Endpoint, parse_url
 
 
 def test_url_forms():

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from kvtier.keys import make_offload_key
-from kvtier.remote.errors import BlockMissing, ValueRejected
+from kvtier.tiers.remote.errors import BlockMissing, ValueRejected
 
 
 def okey(i: int, group: int = 0) -> bytes:

@@ -9,7 +9,7 @@ import pytest
 from remote.servers import start_server, start_tls_server
 
 from kvtier.keys import make_offload_key
-from kvtier.remote.errors import BlockMissing, RemoteUnavailable
+from kvtier.tiers.remote.errors import BlockMissing, RemoteUnavailable
 
 
 def okey(i: int) -> bytes:

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from kvtier.remote.errors import ValueRejected
-from kvtier.remote.keys import identity_digest, key_digest
-from kvtier.remote.value_format import _TRAILER, TRAILER_BYTES, encode_value, verify_value
+from kvtier.tiers.remote.errors import ValueRejected
+from kvtier.tiers.remote.keys import identity_digest, key_digest
+from kvtier.tiers.remote.value_format import _TRAILER, TRAILER_BYTES, encode_value, verify_value
 
 IDENT = identity_digest("model", "layout")
 KDIG = key_digest(b"kvt:t:0of1:ab:0")

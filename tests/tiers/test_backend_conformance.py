@@ -12,7 +12,7 @@ from kvtier.testing.fake_remote import FakeServer, fake_valkey
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.file import FileBackend
 from kvtier.tiers.memory import MemoryBackend
-from kvtier.tiers.valkey import ValkeyBackend
+from kvtier.tiers.remote.backend import ValkeyBackend
 from kvtier.types import BlockStatus
 
 

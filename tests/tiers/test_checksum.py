@@ -1,4 +1,4 @@
-"""The torch payload checksum (kvtier/tiers/checksum.py): definition, flips, devices."""
+"""The torch payload checksum (kvtier/tiers/file/checksum.py): definition, flips, devices."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 
-from kvtier.tiers.checksum import PRIME, bytes_checksum, measure, tensor_checksum
+from kvtier.tiers.file.checksum import PRIME, bytes_checksum, measure, tensor_checksum
 
 torch = pytest.importorskip("torch")
 

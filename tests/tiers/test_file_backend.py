@@ -12,10 +12,10 @@ import pytest
 from conftest import flip
 
 from kvtier import ConfigError, IntegrityError, KVTierError, load_config_text
-from kvtier.tiers import file as file_module
-from kvtier.tiers import fileio
-from kvtier.tiers.file import HEADER_BYTES, JOURNAL, MANIFEST, SLAB, FileBackend
-from kvtier.tiers.file_inspect import inspect_root
+from kvtier.tiers.file import backend as file_module
+from kvtier.tiers.file import fileio
+from kvtier.tiers.file.backend import HEADER_BYTES, JOURNAL, MANIFEST, SLAB, FileBackend
+from kvtier.tiers.file.inspection import inspect_root
 from kvtier.types import BlockStatus
 
 BLOCK = 16 * 1024
@@ -536,7 +536,7 @@ def test_background_syncer_runs_and_retries_a_failed_sync(root, monkeypatch, cap
 def test_payload_checksum_is_zlib_crc32_whichever_library_computes_it():
     import zlib
 
-    from kvtier.tiers.file import payload_crc32
+    from kvtier.tiers.file.backend import payload_crc32
 
     data = payload(1, 3 * BLOCK)
     assert payload_crc32(data) == zlib.crc32(data)
@@ -675,7 +675,7 @@ def test_auto_engine_is_posix_on_a_gpu_without_gpudirect_storage(root, monkeypat
 def test_close_whose_pid_erase_fails_still_releases_the_lock_and_its_file(root, monkeypatch):
     """Erasing the pid from the lock file is the last step of a clean close: when it fails, the
     error is raised, but the lock is released and its descriptor closed all the same."""
-    from kvtier.tiers import rootdir
+    from kvtier.tiers.file import rootdir
 
     b = open_backend(root)
 

@@ -4,8 +4,8 @@ import os
 import pytest
 
 from kvtier.errors import KVTierError
-from kvtier.tiers import rootdir
-from kvtier.tiers.rootdir import RootLock
+from kvtier.tiers.file import rootdir, rootlock
+from kvtier.tiers.file.rootlock import RootLock
 
 
 def test_second_lock_on_held_root_is_refused(tmp_path):
@@ -19,7 +19,7 @@ def test_second_lock_on_held_root_is_refused(tmp_path):
 
 def test_failed_pid_write_releases_the_lock(tmp_path, monkeypatch):
     opened: list[int] = []
-    real_open = rootdir.open_or_create
+    real_open = rootlock.open_or_create
 
     def recording_open(path, flags):
         fd, created = real_open(path, flags)
@@ -29,7 +29,7 @@ def test_failed_pid_write_releases_the_lock(tmp_path, monkeypatch):
     def failing_pwrite(fd, data, offset):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rootdir, "open_or_create", recording_open)
+    monkeypatch.setattr(rootlock, "open_or_create", recording_open)
     monkeypatch.setattr(os, "pwrite", failing_pwrite)
     with pytest.raises(OSError, match="No space left"):
         RootLock(tmp_path)

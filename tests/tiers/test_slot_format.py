@@ -18,9 +18,9 @@ import pytest
 
 from kvtier import IntegrityError
 from kvtier.tiers.file import FileBackend
-from kvtier.tiers.file_inspect import inspect_root
-from kvtier.tiers.manifest import manifest_digest
-from kvtier.tiers.slot_format import (
+from kvtier.tiers.file.inspection import inspect_root
+from kvtier.tiers.file.manifest import manifest_digest
+from kvtier.tiers.file.slot_format import (
     CHECK_CRC32,
     CHECK_TORCH,
     FORMAT_VERSION,
@@ -73,7 +73,7 @@ def test_slab_payload_is_at_the_aligned_offset(tmp_path):
 
 
 def test_torch_checksum_kind_verifies_on_the_host():
-    from kvtier.tiers.checksum import bytes_checksum
+    from kvtier.tiers.file.checksum import bytes_checksum
 
     image = bytearray(slot_bytes_for(4096))
     image[HEADER_BYTES:] = os.urandom(4096)

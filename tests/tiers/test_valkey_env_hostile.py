@@ -1,4 +1,4 @@
-"""`config check --env` (`valkey_env.reach`) against hostile servers on 127.0.0.1: one that
+"""`config check --env` (`kvtier.tiers.remote.env.reach`) against hostile servers on 127.0.0.1: one that
 answers byte by byte forever, one that answers another protocol, and a cluster url of many seeds
 that each answer only once all of them are connected (so they must be asked at once, within the
 one bound of the whole check), and one that echoes AUTH's arguments in its error (in the check and
@@ -15,7 +15,7 @@ import pytest
 
 pytest.importorskip("redis")
 
-from kvtier.tiers.valkey_env import reach  # noqa: E402
+from kvtier.tiers.remote.env import reach  # noqa: E402
 
 
 class FakeServer:
@@ -136,7 +136,7 @@ def test_at_run_time_the_echoed_password_is_neither_raised_nor_logged(password, 
     """The same server under a built valkey tier: before, the error of a read and the tier's
     WARNING quoted the password."""
     from kvtier import build_hierarchy, load_config_text, make_offload_key
-    from kvtier.remote.errors import RemoteUnavailable
+    from kvtier.tiers.remote.errors import RemoteUnavailable
 
     def echo_each_connection(conn, stopped):
         while not stopped.is_set():
@@ -149,7 +149,7 @@ def test_at_run_time_the_echoed_password_is_neither_raised_nor_logged(password, 
         "KVT_HOSTILE_PW, timeout_ms: 500}\n"), model="hostile/echo")
     key = bytes(make_offload_key(b"k" * 16, 0))
     try:
-        with caplog.at_level("WARNING", logger="kvtier.tiers.valkey"):
+        with caplog.at_level("WARNING", logger="kvtier.tiers.remote"):
             with pytest.raises(RemoteUnavailable) as info:
                 h.manager.tiers[1].backend.get_blocks([key], [bytearray(4096)])
     finally:
@@ -163,8 +163,8 @@ def test_the_breaker_opened_by_an_echoed_password_never_logs_or_reports_it(passw
     """Failures enough to open the circuit breaker, then its failed reconnect checks: its INFO line
     and the store's `reason` name the last error without the password (before, both quoted it as
     the server sent it)."""
-    from kvtier.remote.errors import RemoteUnavailable
-    from kvtier.tiers.valkey import ValkeyBackend
+    from kvtier.tiers.remote.backend import ValkeyBackend
+    from kvtier.tiers.remote.errors import RemoteUnavailable
 
     def echo_each_connection(conn, stopped):
         while not stopped.is_set():
@@ -181,7 +181,7 @@ def test_the_breaker_opened_by_an_echoed_password_never_logs_or_reports_it(passw
                     tier.get_blocks([b"k" * 20], [bytearray(4096)])
         store = tier._store_for_io()
         reasons = [store.reason]
-        breaker, = store._breakers.values()
+        breaker, = store.servers.breakers()
         end = time.monotonic() + 10
         while breaker.last_error.startswith("ResponseError") and time.monotonic() < end:
             time.sleep(0.02)  # until a reconnect check has failed (its error is the last one)

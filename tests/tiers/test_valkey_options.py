@@ -14,7 +14,7 @@ from kvtier import build_hierarchy, load_config_text
 from kvtier.cli.main import main
 from kvtier.errors import ConfigError
 from kvtier.testing.fake_remote import FakeServer
-from kvtier.tiers.valkey import ValkeyBackend
+from kvtier.tiers.remote.backend import ValkeyBackend
 
 SECRET = "s3cr3t-Pa55word-do-not-print"
 
@@ -117,7 +117,7 @@ def test_config_check_shows_the_tier_and_never_the_password(tmp_path, capsys, mo
 
 
 def test_config_check_needs_no_client_library(tmp_path):
-    """No Redis/Valkey client library is imported by a config check (kvtier.remote.store is not)."""
+    """No Redis/Valkey client library is imported by a config check (kvtier.tiers.remote.store is not)."""
     path = tmp_path / "shared.yaml"
     path.write_text(yaml(", password_env: KVT_TEST_PASSWORD"))
     code = ("import sys\n"
@@ -189,7 +189,7 @@ def test_docs_shared_tier_lists_every_option():
     import re
     from pathlib import Path
 
-    from kvtier.tiers.valkey_options import OPTIONS
+    from kvtier.tiers.remote.options import OPTIONS
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "shared-tier.md").read_text()
     table = doc[doc.index("| option | meaning |"):]
@@ -227,7 +227,7 @@ def test_errors_name_the_field_without_a_value_that_may_be_a_secret(extra, field
 
 
 def test_redact_url_hides_userinfo_query_and_fragment():
-    from kvtier.remote.options import redact_url
+    from kvtier.tiers.remote.url import redact_url
 
     assert redact_url(f"redis://u:{SECRET}@h:1/0?password={SECRET}#{SECRET}") == "redis://<redacted>@h:1/0?<redacted>"
     assert redact_url("cluster://h:1,h:2") == "cluster://h:1,h:2"
@@ -245,7 +245,7 @@ def test_a_symlinked_password_file_is_named_a_symlink(server, tmp_path):
 
 
 def test_the_unknown_key_error_lists_every_valid_key_and_limits_read_as_integers():
-    from kvtier.tiers.valkey_options import OPTIONS
+    from kvtier.tiers.remote.options import OPTIONS
 
     found = problems(yaml(", tiemout_ms: 250, max_inflight_mib: 0"))
     unknown = found["tiers[1].tiemout_ms"]

@@ -1,0 +1,31 @@
+"""How a message quotes a value it refuses: `brief(value)`, at most about `BRIEF_CHARS` characters
+whatever the value's size (kvtier.config_input reads configs with it; backends' validators too)."""
+
+from __future__ import annotations
+
+import reprlib
+from typing import Any
+
+BRIEF_CHARS = 60
+
+_BRIEF = reprlib.Repr()
+_BRIEF.maxstring = BRIEF_CHARS
+_BRIEF.maxother = BRIEF_CHARS
+_BRIEF.maxlevel = 3
+for _attr in ("maxlist", "maxtuple", "maxdict", "maxset", "maxfrozenset", "maxdeque", "maxarray"):
+    setattr(_BRIEF, _attr, 4)
+
+
+def brief(value: Any, limit: int = BRIEF_CHARS) -> str:
+    """`repr(value)` cut to about `limit` characters, in time independent of the value's size.
+
+    Large integers are described by their number of digits (their full text can take long to
+    build, or be refused by Python); nested or shared containers are shown a few items deep.
+    """
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 192:
+        return f"<an integer of about {int(value.bit_length() * 0.30103) + 1} digits>"
+    try:
+        text = _BRIEF.repr(value)
+    except Exception:  # a broken __repr__ must not hide the real problem
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 1] + "…"

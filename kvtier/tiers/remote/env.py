@@ -1,0 +1,149 @@
+"""`kvtier config check --env` for a valkey tier: reach its server, authenticate, try its namespace.
+
+The build of a valkey tier never fails on a server that is down or refuses it (a shared tier that
+cannot be reached is a miss, see `ValkeyBackend`), so without this check a wrong password or a dead
+port only shows at run time as `probe_failures`. Here the server(s) of the `url` are asked once,
+with the tier's `timeout_ms` for connecting and for the reply, with the tier's client
+(`kvtier.tiers.remote.nodes`, the Redis client library imported only here):
+
+- one PING per server named in the url (each seed of a cluster): connect, TLS handshake, AUTH;
+- on a single server, one EXISTS of a key under `key_prefix` (nothing is written): an ACL user that
+  may PING but not use the tier's keys is refused here (NOPERM) as its GETs and SETs would be.
+
+The servers are asked at once (one thread each) and the whole check ends within
+`ANSWER_ROUNDS` x `timeout_ms` (+ `SLACK_S`), however many seeds the url names: a server that sends
+a reply byte by byte, so that no single read times out, is reported as a timeout too.
+
+A failure is a problem on the field to fix, naming the cause: connection refused, timeout,
+authentication failed, NOPERM, TLS. The password is never part of a message.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.remote.errors import without_echo
+from kvtier.tiers.remote.password import resolve_password
+
+# Round trips one server's check may take: connect, the handshake (AUTH / HELLO), PING, EXISTS.
+ANSWER_ROUNDS = 4
+SLACK_S = 0.5
+
+# redis-py exception class name -> (field to fix, what it means)
+_CAUSES = {
+    "AuthenticationError": ("password", "authentication failed (wrong username or password)"),
+    "AuthenticationWrongNumberOfArgsError": ("password", "authentication failed (the server has no ACL users)"),
+    "NoPermissionError": ("username", "NOPERM: the ACL user may not run this command or use these keys"),
+    "TimeoutError": ("url", "timeout"),
+    "InvalidResponse": ("url", "the answer is not the Redis protocol (is a valkey server listening there?)"),
+}
+
+
+def reach(options: dict) -> tuple[list[str], list[tuple[str, str]]]:
+    """(notes, problems as `(option name, message)`) of reaching the tier's server(s) once."""
+    try:
+        password = resolve_password(options.get("password_env"), options.get("password_file"))
+    except ConfigError as exc:  # reported by options.check_environment
+        return [], list(exc.problems)
+    try:
+        import kvtier.tiers.remote.nodes  # noqa: F401 - the Redis client library, imported here to report its absence
+        from kvtier.tiers.remote.options import ClientOptions
+    except ImportError as exc:
+        return [], [("backend", f"the valkey tier needs the Redis client library (pip install 'redis[hiredis]'): "
+                                f"{exc}")]
+    timeout_s = options.get("timeout_ms", 250) / 1000
+    client = ClientOptions(url=options["url"], username=options.get("username"),
+                           password=password.value if password else None, tls_ca_file=options.get("tls_ca_file"),
+                           tls_cert_file=options.get("tls_cert_file"), tls_key_file=options.get("tls_key_file"),
+                           tls_verify=options.get("tls_verify", True), timeout_s=timeout_s,
+                           connect_timeout_s=timeout_s)
+    parsed = client.parsed
+    key = None if parsed.cluster else f"{options.get('key_prefix', 'kvt')}:kvtier-config-check".encode()
+    outcomes: dict[str, BaseException | None] = {}
+    threads = [threading.Thread(target=_ask, args=(client, parsed, endpoint, key, outcomes), daemon=True,
+                                name=f"kvtier-check-{endpoint.name}") for endpoint in parsed.endpoints]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + ANSWER_ROUNDS * timeout_s + SLACK_S
+    for thread in threads:  # a thread still reading at the deadline is left behind (daemon)
+        thread.join(max(0.0, deadline - time.monotonic()))
+    answered, problems = [], []
+    for endpoint in parsed.endpoints:
+        outcome = outcomes.get(endpoint.name, _Unfinished("the reply was still incomplete"))
+        if outcome is None:
+            answered.append(endpoint.name)
+        else:
+            problems.append(_problem(options, endpoint.name, outcome, timeout_s, client.password))
+    if parsed.cluster and answered:  # a cluster is reached through any of its seeds
+        notes = [f"no answer from {message}" for _field, message in problems]
+        return [f"cluster seed(s) {', '.join(answered)} answered PING"] + notes, []
+    if problems:
+        return [], problems
+    return [f"{', '.join(answered)} answered PING and EXISTS as {options.get('username') or 'the default user'}"], []
+
+
+class _Unfinished(Exception):
+    """A server whose answers did not end in time (e.g. sent byte by byte): reported as a timeout."""
+
+
+def _ask(client: Any, parsed: Any, endpoint: Any, key: bytes | None, outcomes: dict) -> None:
+    """PING (and EXISTS `key` unless None) one server; its outcome (None: answered) into `outcomes`."""
+    from kvtier.tiers.remote.nodes import NodeClient
+
+    node = NodeClient(client, endpoint, tls=parsed.tls, db=parsed.db)
+    try:
+        node.ping()
+        if key is not None:
+            node.exists([key])
+        outcomes[endpoint.name] = None
+    except Exception as exc:  # noqa: BLE001 - every failure is reported with its cause
+        outcomes[endpoint.name] = exc
+    finally:
+        node.close()
+
+
+def _problem(options: dict, where: str, exc: BaseException, timeout_s: float,
+             password: str | None) -> tuple[str, str]:
+    """The field to fix and the message for one failed server (never holding `password`)."""
+    kind = type(exc).__name__
+    field, cause = _CAUSES.get(kind, ("url", ""))
+    text = _redact(str(exc), password)
+    if kind == "TimeoutError":
+        cause = f"timeout: no answer within timeout_ms ({timeout_s * 1000:g} ms)"
+    elif kind == "_Unfinished":
+        cause = (f"timeout: no complete answer within {ANSWER_ROUNDS} x timeout_ms "
+                 f"({ANSWER_ROUNDS * timeout_s * 1000:g} ms)")
+        kind = "TimeoutError"
+    elif not cause and ("SSL" in text or "certificate" in text or "TLS" in text):
+        field, cause = ("tls_ca_file" if options.get("tls_ca_file") else "url"), "TLS handshake failed"
+    elif not cause and ("reply: unexpected" in text or "no end of line" in text):  # kvtier.tiers.remote.nodes' reader
+        cause = _CAUSES["InvalidResponse"][1]
+    elif not cause and "unknown command" in text.lower():
+        cause = "the server does not know a command sent (AUTH renamed or disabled there? a valkey server?)"
+    elif not cause and "refused" in text.lower():
+        cause = "connection refused (no server listening there)"
+    elif not cause:
+        cause = "cannot connect"
+    if field == "password":
+        given = [name for name in ("password_file", "password_env") if options.get(name)]
+        field = given[0] if given else "password_env"
+        if not given:
+            cause = "the server requires a password: give password_env or password_file"
+    if field == "username" and not options.get("username"):
+        field = "key_prefix"  # the default user may not use these keys
+    return field, f"server {where}: {cause} ({kind}: {_short(text)})"
+
+
+def _redact(text: str, password: str | None) -> str:
+    """`text` of a server's error without the password (`without_echo`: the arguments a server
+    quotes of a command it does not know, AUTH's among them)."""
+    text = without_echo(text)
+    return text.replace(password, "<hidden>") if password else text
+
+
+def _short(text: Any) -> str:
+    text = str(text)
+    return text if len(text) <= 300 else text[:297] + "..."
