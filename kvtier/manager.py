@@ -37,7 +37,7 @@ from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from kvtier.control.cascade import Cascade, split_below
-from kvtier.control.jobs import EventLog, JobTable, enter_copies, side_spec
+from kvtier.control.jobs import EventLog, JobTable, enter_copies
 from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
 from kvtier.control.quiesce import Quiescer
@@ -49,7 +49,6 @@ from kvtier.keys import OffloadKey
 from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import (
     CASCADE_MODES,
-    BlockStatus,
     LookupResult,
     OffloadingEvent,
     PrepareStoreOutput,
@@ -69,25 +68,7 @@ def _enter_new(top: Tier, keys: list[OffloadKey]) -> LoadStoreSpec:
     """Allocate a request's new blocks in tier 0 and insert them being written (pinned); where
     they are. Tail first, so that the head of a prefix ends up the most recently used; the last
     new block is the request's tail (`enter_copies` with `tail_first`)."""
-    return side_spec(top, keys, enter_copies(top, keys, tail_first=True))
-
-
-def _complete_each(top: Tier, keys: list[OffloadKey], blocks: list[BlockStatus | None],
-                   promoting: Collection[OffloadKey], success: bool) -> list[OffloadKey]:
-    """`complete_store` key by key: the keys whose block (`blocks[i]`) was still being written
-    and not promoted, made readable (`success`) or dropped; the others are left as they are."""
-    changed: list[OffloadKey] = []
-    for key, block in zip(keys, blocks):
-        if block is None or block.ref_cnt != -1 or key in promoting:
-            continue
-        if success:
-            block.ref_cnt = 0
-        else:
-            top.policy.unpin([key])
-            top.policy.remove(key)
-            top.backend.free(block)
-        changed.append(key)
-    return changed
+    return top.backend.spec_for_ids(keys, enter_copies(top, keys, tail_first=True))
 
 
 class HierarchyManager(OffloadingManager):
@@ -247,14 +228,16 @@ class HierarchyManager(OffloadingManager):
         top = self._top
         promoting = self._promotions.running
         keys = keys if isinstance(keys, list) else list(keys)
-        if success and not promoting and top.policy.mark_written(keys):
-            changed = keys  # the common case (each key prepared once), made readable and unpinned in one pass
-        else:
-            changed = _complete_each(top, keys, list(map(top.policy.get, keys)), promoting, success)
+        if not (success and not promoting and top.policy.mark_written(keys)):
+            # (not the common case, each key prepared once, made readable and unpinned in one pass)
+            changed = [k for k in top.being_written(keys) if k not in promoting]
             if not success:
+                top.discard_written(changed)
                 top.stats.failures += 1 if changed else 0
                 return
-            top.policy.unpin(changed)
+            top.policy.mark_written(changed)
+        else:
+            changed = keys
         top.stats.stores += len(changed)
         if self._log.events is not None:
             self._log.record(top, changed, removed=False)

@@ -137,8 +137,8 @@ def test_write_through_copies_every_completed_store_down(ctx):
 @pytest.mark.parametrize("policy", ["kvtier.policies.lru:LRUCachePolicy", "lru"], ids=["pure", "compiled"])
 def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx, policy):
     """The `CachePolicy.insert_many` contract: a request's new blocks go in tail first with
-    `tail=` its last new block; blocks copied in from another tier carry no tail. A policy with
-    batch calls (the compiled `lru`) gets the engine's stores through `insert_written`, alike."""
+    `tail=` its last new block; blocks copied in from another tier carry no tail. Every policy gets
+    them through `insert_written` (the pure-Python one through `CachePolicy`'s default)."""
     h = memory_hierarchy(hot=4, warm=16, hot_policy=policy)
     top = h.manager.tiers[0].policy
     calls = []
@@ -149,7 +149,7 @@ def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx, polic
             return real(ks, blocks, tail=tail)
         return call
 
-    top.insert_many, top.insert_written = spy(top.insert_many), spy(top.insert_written)
+    top.insert_written = spy(top.insert_written)
     ks = keys(8)
     store(h, ks[:4], ctx)
     store(h, ks[4:], ctx)  # ks[:4] go down

@@ -19,7 +19,6 @@ from kvtier.control.cascade import Cascade
 from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
-from kvtier.types import BlockStatus
 
 # How long a promotion's outcome is held for the engine, which acts on it within a step or two: a
 # refusal answers the key's next lookup with MISS only within it, and a block promoted and not
@@ -35,9 +34,8 @@ class Promotion(Job):
     kind = "promotion"
 
     def __init__(self, promotions: Promotions, src: Tier, dst: Tier, keys: list[OffloadKey],
-                 src_blocks: list[BlockStatus] | None, dst_blocks: list[BlockStatus] | None, events: EventLog, *,
-                 src_ids: list[int] | None = None, dst_ids: list[int] | None = None):
-        super().__init__(src, dst, keys, src_blocks, dst_blocks, events, src_ids=src_ids, dst_ids=dst_ids)
+                 src_ids: list[int], dst_ids: list[int], events: EventLog):
+        super().__init__(src, dst, keys, src_ids, dst_ids, events)
         self.promotions = promotions
 
     def landed(self) -> None:
@@ -125,78 +123,56 @@ class Promotions:
 
     def flush(self) -> None:
         """Start the queued promotions, one job per source tier. Source blocks are pinned first:
-        making room in tier 0 may demote into (and so evict from) their tier. When tier 0 has no
-        room for all of them, the longest prefix of the queue (in request order) that fits is
-        started and only the rest is refused: a run longer than tier 0's room still comes up
-        from its first block (`_room`)."""
+        making room in tier 0 may demote into (and so evict from) their tier. A key no longer
+        readable in its source, or already in tier 0, is refused. When tier 0 has no room for
+        all of them, the longest prefix of the queue (in request order) that fits is started and
+        only the rest is refused: a run longer than tier 0's room still comes up from its first
+        block (`_room`)."""
         queue, self.queue = self.queue, {}
         keys = list(queue)
-        if keys and not self._flush_batch(keys):
-            self._flush_each(keys)
+        if not keys:
+            return
+        wanted, ids = self._pin(keys)
+        fit = self._room(self._top, wanted)
+        if fit < len(wanted):
+            for index, positions in _by_source(self.running, wanted[fit:]).items():
+                self._tiers[index].policy.release_loads([wanted[fit + p] for p in positions])
+            for key in wanted[fit:]:
+                self._refuse(key)
+        for index, positions in _by_source(self.running, wanted[:fit]).items():
+            self._start(self._tiers[index], [wanted[p] for p in positions], [ids[p] for p in positions])
 
-    def _flush_batch(self, keys: list[OffloadKey]) -> bool:
-        """`flush` for the common case, through the source policy's batch calls (`Tier.batch`):
-        every key from one source tier, readable there and absent from tier 0. False (nothing
-        changed) otherwise."""
+    def _pin(self, keys: list[OffloadKey]) -> tuple[list[OffloadKey], list[int]]:
+        """Pin the source blocks of the queued `keys` (held until their job ends: `Job.finish`
+        releases them, `pin_loads` per source tier); those to promote, in order, and their
+        source slot ids. The others (not readable in their source, or in tier 0) are refused."""
         running, top = self.running, self._top
-        index = running[keys[0]]
-        src = self._tiers[index]
-        if not src.batch or list(map(running.__getitem__, keys)).count(index) != len(keys):
-            return False
-        if len(top.policy.absent(keys)) != len(keys):
-            return False
-        src_ids = src.policy.pin_loads(keys)  # held until the job ends (`Job.finish` releases them)
-        if src_ids is None:  # (one not readable)
-            return False
-        fit = self._room(top, keys)
-        if fit < len(keys):
-            src.policy.release_loads(keys[fit:])
-            for key in keys[fit:]:
-                self._refuse(key)
-            keys, src_ids = keys[:fit], src_ids[:fit]
-        if keys:
-            self._start(src, keys, None, src_ids)
-        return True
-
-    def _flush_each(self, keys: list[OffloadKey]) -> None:
-        """`flush` key by key (several source tiers, keys to refuse, policies without batch calls)."""
-        top = self._top
-        wanted: list[tuple[OffloadKey, Tier, BlockStatus]] = []
+        absent = top.policy.absent(keys)
+        sources = _by_source(running, keys)
+        if len(absent) == len(keys) and len(sources) == 1:  # the common case: one C pass
+            ids = self._tiers[running[keys[0]]].policy.pin_loads(keys)
+            if ids is not None:
+                return keys, ids
+        free = set(absent)
+        wanted: list[OffloadKey] = []
         for key in keys:
-            src = self._tiers[self.running[key]]
-            block = src.policy.get(key)
-            if block is None or block.ref_cnt < 0 or top.policy.get(key) is not None:
+            if key in free and self._tiers[running[key]].readable(key) is not None:
+                wanted.append(key)
+            else:
                 self._refuse(key)
-                continue
-            block.ref_cnt += 1  # held until the job ends (`Job.finish` releases it)
-            wanted.append((key, src, block))
-        by_tier: dict[int, list[OffloadKey]] = {}
-        for key, src, _ in wanted:
-            by_tier.setdefault(src.index, []).append(key)
-        for index, pinned in by_tier.items():
-            self._tiers[index].policy.pin(pinned)
-        fit = self._room(top, [key for key, _, _ in wanted])
-        for key, src, block in wanted[fit:]:
-            block.ref_cnt -= 1
-            self._refuse(key)
-            if not block.ref_cnt:
-                src.policy.unpin([key])
-        jobs: dict[int, tuple[list[OffloadKey], list[BlockStatus]]] = {}
-        for key, src, block in wanted[:fit]:
-            entry = jobs.setdefault(src.index, ([], []))
-            entry[0].append(key)
-            entry[1].append(block)
-        for index, (started, src_blocks) in jobs.items():
-            self._start(self._tiers[index], started, src_blocks, None)
+        ids = [0] * len(wanted)
+        for index, positions in _by_source(running, wanted).items():
+            pinned = self._tiers[index].policy.pin_loads([wanted[p] for p in positions])
+            for p, block_id in zip(positions, pinned or ()):  # (readable: checked above)
+                ids[p] = block_id
+        return wanted, ids
 
-    def _start(self, src: Tier, keys: list[OffloadKey], src_blocks: list[BlockStatus] | None,
-               src_ids: list[int] | None) -> None:
+    def _start(self, src: Tier, keys: list[OffloadKey], src_ids: list[int]) -> None:
         """Insert copies of `keys` (pinned in `src`, room made) into tier 0 and start their job."""
         top = self._top
-        dst_blocks, dst_ids = enter_copies(top, keys)  # being written: pinned
+        dst_ids = enter_copies(top, keys)  # being written: pinned
         top.allocated_since_walk += len(keys)
-        self._jobs.submit(Promotion(self, src, top, keys, src_blocks, dst_blocks, self._events,
-                                    src_ids=src_ids, dst_ids=dst_ids))
+        self._jobs.submit(Promotion(self, src, top, keys, src_ids, dst_ids, self._events))
 
     def _room(self, top: Tier, keys: list[OffloadKey]) -> int:
         """Make room in tier 0 for the longest prefix of `keys` that can get it; its length.
@@ -219,6 +195,14 @@ class Promotions:
     def _refuse(self, key: OffloadKey) -> None:
         del self.running[key]
         self.refuse([key])
+
+
+def _by_source(running: dict[OffloadKey, int], keys: list[OffloadKey]) -> dict[int, list[int]]:
+    """Source tier index -> the positions of `keys` promoted from it (`running`), in order."""
+    sources: dict[int, list[int]] = {}
+    for pos, key in enumerate(keys):
+        sources.setdefault(running[key], []).append(pos)
+    return sources
 
 
 def longest_fit(n: int, make_room: Callable[[int], bool]) -> int:

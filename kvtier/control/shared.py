@@ -35,7 +35,7 @@ from time import monotonic, sleep
 from typing import Any, cast
 
 from kvtier.control.cascade import Cascade
-from kvtier.control.jobs import EventLog, Job, JobTable
+from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies, pin_sources
 from kvtier.control.promotion import Promotions, longest_fit
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
@@ -66,8 +66,8 @@ class Publish(Job):
     kind = "publish"
 
     def __init__(self, shared: SharedTier, src: Tier, dst: Tier, keys: list[OffloadKey],
-                 src_blocks: list[BlockStatus], dst_blocks: list[BlockStatus], events: EventLog):
-        super().__init__(src, dst, keys, src_blocks, dst_blocks, events)
+                 src_ids: list[int], dst_ids: list[int], events: EventLog):
+        super().__init__(src, dst, keys, src_ids, dst_ids, events)
         self.shared = shared
         self.nbytes = len(keys) * dst.backend.block_bytes
 
@@ -307,16 +307,10 @@ class SharedTier:
             tier.stats.publish_dropped += len(new)
             return
         tier.stats.publish_dropped += len(new) - len(send)
-        src_blocks = cast("list[BlockStatus]", [top.policy.get(k) for k in send])
-        for block in src_blocks:
-            block.ref_cnt += 1
-        top.policy.pin(send)
-        dst_blocks = backend.allocate_blocks(send)
-        tier.policy.insert_many(send, dst_blocks)
-        tier.policy.pin(send)  # being written
+        src_ids = pin_sources(top, send)  # (newly readable in the first tier)
+        dst_ids = enter_copies(tier, send)  # handles being written: pinned
         self.inflight_bytes += len(send) * backend.block_bytes
         per_job = -(-len(send) // max(1, backend.num_threads))
         for i in range(0, len(send), per_job):
             part = slice(i, i + per_job)
-            self._jobs.submit(Publish(self, top, tier, send[part], src_blocks[part], dst_blocks[part],
-                                      self._events))
+            self._jobs.submit(Publish(self, top, tier, send[part], src_ids[part], dst_ids[part], self._events))
