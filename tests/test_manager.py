@@ -115,11 +115,11 @@ def test_a_dropped_clean_block_no_longer_counts_as_room(ctx):
     ks = keys(4)
     store(h, ks, ctx)
     assert m.flush(timeout=30) == 0
-    assert m.tiers[0].clean == set(ks) and m.store_room() == 8  # 4 free + 4 clean
+    assert m.tiers[0].clean == set(ks) and m.stores.room() == 8  # 4 free + 4 clean
     m.prepare_load(ks[:1], ctx)
     assert m.finish_reset((), ks[:1]) == ks[:1]
     assert m.tiers[0].clean == set(ks[1:])
-    assert m.store_room() == 8  # 5 free + 3 clean: never more than the tier holds
+    assert m.stores.room() == 8  # 5 free + 3 clean: never more than the tier holds
     h.close()
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections import deque as _consume
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from itertools import filterfalse, islice
 
-from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies, pin_sources
+from kvtier.control.context import ControlContext
+from kvtier.control.jobs import Job, enter_copies, pin_sources
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
 
@@ -60,10 +61,11 @@ class Demotion(Job):
 class Cascade:
     """The demotion controller of a chain of tiers: starts `Demotion` jobs and evicts for room."""
 
-    def __init__(self, tiers: Sequence[Tier], jobs: JobTable, events: EventLog):
-        self._jobs = jobs
-        self._events = events
-        self._write_through = [t for t in tiers[:-1] if t.cascade == "on_store"]
+    def __init__(self, ctx: ControlContext):
+        self._ctx = ctx
+        self._jobs = ctx.jobs
+        self._events = ctx.events
+        self._write_through = [t for t in ctx.tiers[:-1] if t.cascade == "on_store"]
 
     # ------------------------------------------------------------------ eviction
     def evict_for(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
@@ -169,7 +171,7 @@ class Cascade:
         src_ids = pin_sources(tier, keys)  # readable: checked by callers
         tier.demoting += len(keys)
         dst_ids = enter_copies(lower, keys)  # being written: pinned
-        self._jobs.submit(Demotion(tier, lower, keys, src_ids, dst_ids, self._events))
+        self._jobs.submit(Demotion(self._ctx, tier, lower, keys, src_ids, dst_ids))
         return True
 
     # ------------------------------------------------------------------ on demand (standalone API)

@@ -14,11 +14,15 @@ from __future__ import annotations
 import time
 from collections import deque as _consume
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from kvtier.control.tier import Tier
 from kvtier.engine import TransferEngine
 from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus, OffloadingEvent, TransferResult
+
+if TYPE_CHECKING:
+    from kvtier.control.context import ControlContext
 
 
 def pin_sources(tier: Tier, keys: list[OffloadKey]) -> list[int]:
@@ -79,15 +83,15 @@ class EventLog:
 
 class Job:
     """A copy of `keys` (distinct) from `src` (slots `src_ids`, pinned meanwhile) into new blocks
-    of `dst` (slots `dst_ids`, being written)."""
+    of `dst` (slots `dst_ids`, being written); its events go to the context's log."""
 
     kind = "copy"
 
-    def __init__(self, src: Tier, dst: Tier, keys: list[OffloadKey], src_ids: list[int], dst_ids: list[int],
-                 events: EventLog):
+    def __init__(self, ctx: ControlContext, src: Tier, dst: Tier, keys: list[OffloadKey], src_ids: list[int],
+                 dst_ids: list[int]):
         self.src, self.dst, self.keys = src, dst, keys
         self.src_ids, self.dst_ids = src_ids, dst_ids
-        self.events = events
+        self.events = ctx.events
 
     def source_blocks(self) -> list[BlockStatus]:
         """`BlockStatus`es of the source slot ids (their `block_id` is all they tell: for

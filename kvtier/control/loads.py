@@ -15,7 +15,7 @@ from collections import deque as _consume
 from itertools import compress, repeat
 from typing import cast
 
-from kvtier.control.tier import Tier
+from kvtier.control.context import ControlContext
 from kvtier.keys import OffloadKey
 from kvtier.specs import CompositeLoadStoreSpec, LoadStoreSpec
 
@@ -25,9 +25,9 @@ _TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
 class LoadPins:
     """The load path over a hierarchy's tiers and the pins it holds (see the module docstring)."""
 
-    def __init__(self, tiers: list[Tier]):
-        self.tiers = tiers
-        self.top = tiers[0]
+    def __init__(self, ctx: ControlContext):
+        self.tiers = ctx.tiers
+        self.top = ctx.top
         # key -> tiers pinned by prepare_load, in order (tuples: `_TOP_ONLY` is shared by the common case)
         self.pins: dict[OffloadKey, tuple[int, ...]] = {}
 

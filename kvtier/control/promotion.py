@@ -10,13 +10,13 @@ room for promotes the prefix that fits and refuses the rest.
 
 from __future__ import annotations
 
-import time
 from collections import deque as _consume
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable
 from itertools import islice, repeat, takewhile
+from time import monotonic
 
-from kvtier.control.cascade import Cascade
-from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies
+from kvtier.control.context import ControlContext
+from kvtier.control.jobs import Job, enter_copies
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
 
@@ -33,9 +33,9 @@ class Promotion(Job):
 
     kind = "promotion"
 
-    def __init__(self, promotions: Promotions, src: Tier, dst: Tier, keys: list[OffloadKey],
-                 src_ids: list[int], dst_ids: list[int], events: EventLog):
-        super().__init__(src, dst, keys, src_ids, dst_ids, events)
+    def __init__(self, promotions: Promotions, src: Tier, keys: list[OffloadKey], src_ids: list[int],
+                 dst_ids: list[int]):
+        super().__init__(promotions.ctx, src, promotions.ctx.top, keys, src_ids, dst_ids)
         self.promotions = promotions
 
     def landed(self) -> None:
@@ -66,17 +66,20 @@ class Promotion(Job):
         self.promotions.refuse([key for key, _ in bad] if bad else self.keys)
 
 
-class Promotions:
-    """The promotion controller: which keys are being promoted, queued, or were refused."""
+EvictFor = Callable[[Tier, int, Collection[OffloadKey]], "list[OffloadKey] | None"]
 
-    def __init__(self, tiers: Sequence[Tier], jobs: JobTable, cascade: Cascade, events: EventLog,
-                 clock: Callable[[], float] = time.monotonic):
-        self._tiers = tiers
-        self._clock = clock
-        self._top = tiers[0]
-        self._jobs = jobs
-        self._cascade = cascade
-        self._events = events
+
+class Promotions:
+    """The promotion controller: which keys are being promoted, queued, or were refused. Room in
+    tier 0 is made by `evict_for` (`Cascade.evict_for`: eviction that respects the cascade). The
+    clock is this module's `monotonic` (tests replace it)."""
+
+    def __init__(self, ctx: ControlContext, evict_for: EvictFor):
+        self.ctx = ctx
+        self._tiers = ctx.tiers
+        self._top = ctx.top
+        self._jobs = ctx.jobs
+        self._evict_for = evict_for
         self.running: dict[OffloadKey, int] = {}  # key -> source tier index (queued or running)
         self.queue: dict[OffloadKey, None] = {}  # promotions to start at the end of the step
         self.refused: dict[OffloadKey, float] = {}  # key -> when refused: its next lookup within HOLD_S answers MISS
@@ -90,11 +93,11 @@ class Promotions:
     def take_refusal(self, key: OffloadKey) -> bool:
         """Whether the last promotion of `key` was refused less than `HOLD_S` ago (answered once)."""
         when = self.refused.pop(key, None)
-        return when is not None and when >= self._clock() - HOLD_S
+        return when is not None and when >= monotonic() - HOLD_S
 
     def refuse(self, keys: Iterable[OffloadKey]) -> None:
         """Answer the next lookup of each of `keys` with MISS (within `HOLD_S`)."""
-        now = self._clock()
+        now = monotonic()
         refused = self.refused
         for key in keys:
             refused.pop(key, None)  # re-inserted last: the dict stays in time order
@@ -103,7 +106,7 @@ class Promotions:
 
     def hold(self, keys: Iterable[OffloadKey]) -> None:
         """Keep `keys`, just promoted into tier 0, from other promotions' evictions for `HOLD_S`."""
-        now = self._clock()
+        now = monotonic()
         held = self.held
         keys = list(keys)  # (distinct) moved to the end, in order: the dict stays in time order
         _consume(map(held.pop, keys, repeat(None)), 0)
@@ -172,7 +175,7 @@ class Promotions:
         top = self._top
         dst_ids = enter_copies(top, keys)  # being written: pinned
         top.allocated_since_walk += len(keys)
-        self._jobs.submit(Promotion(self, src, top, keys, src_ids, dst_ids, self._events))
+        self._jobs.submit(Promotion(self, src, keys, src_ids, dst_ids))
 
     def _room(self, top: Tier, keys: list[OffloadKey]) -> int:
         """Make room in tier 0 for the longest prefix of `keys` that can get it; its length.
@@ -185,11 +188,11 @@ class Promotions:
         if not keys:
             return 0
         held = self.held
-        _expire(held, self._clock() - HOLD_S, top.capacity)
+        _expire(held, monotonic() - HOLD_S, top.capacity)
         promoted = top.promoted_from
         small, large = (held, promoted) if len(held) <= len(promoted) else (promoted, held)
         kept = {key for key in small if key in large}  # (iterating the smaller: held can reach the capacity)
-        evict_for = self._cascade.evict_for
+        evict_for = self._evict_for
         return longest_fit(len(keys), lambda n: evict_for(top, n, kept.union(keys[:n])) is not None)
 
     def _refuse(self, key: OffloadKey) -> None:

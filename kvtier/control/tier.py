@@ -29,7 +29,7 @@ class TierStats:
     cascade_dropped_full: int = 0  # of those (write-through): the next tier had no room or dropped its copy
     cascade_deferred: int = 0  # demotions not started at once because too many were in flight (backpressure)
     failures: int = 0  # failed jobs that wrote into this tier or read from it
-    # A shared tier (kvtier.control.shared); zero elsewhere:
+    # A shared tier (kvtier.control.shared_probes); zero elsewhere:
     publish_dropped: int = 0  # blocks not published: in-flight bound, slow writes, server down, no handle room
     probes: int = 0  # probe batches sent (at most one per scheduler step)
     probe_keys: int = 0  # keys in those batches
