@@ -272,9 +272,9 @@ class SoakDriver:
         check_invariants(mgr, [], "after teardown")
         pins = [(t.name, bytes(k).hex(), t.policy.get(k).ref_cnt) for t in mgr.tiers for k in t.policy.keys()
                 if t.policy.get(k).ref_cnt != 0]
-        if pins or mgr._loads.pins or mgr._jobs or any(t.demoting for t in mgr.tiers):
+        if pins or mgr.has_pending_work() or any(t.demoting for t in mgr.tiers):
             raise InvariantError(f"after teardown: blocks still pinned or in flight: {pins[:10]}, "
-                                 f"pins={len(mgr._loads.pins)}, jobs={len(mgr._jobs)}")
+                                 f"pending work={mgr.has_pending_work()}")
 
 
 @logger_at("kvtier.engine", logging.ERROR)  # injected failures are expected

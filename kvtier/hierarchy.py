@@ -38,6 +38,16 @@ class Hierarchy:
     backends: dict[str, Backend] = field(default_factory=dict)
     dry_run: bool = False
 
+    @property
+    def first_tier(self) -> Tier:
+        """The first tier (every engine store lands there): its name, capacity, counters."""
+        return self.manager.tiers[0]
+
+    @property
+    def first_backend(self) -> Backend:
+        """The backend of the first tier (under vLLM, the shared CPU region)."""
+        return self.manager.tiers[0].backend
+
     def close(self) -> None:
         """Stop the worker plane's handlers, then the manager (its jobs finish, every tier closes)."""
         try:
@@ -91,25 +101,7 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
     worker: WorkerPlane | None = None
     try:
         for i, (tier_cfg, n) in enumerate(zip(config.tiers, tier_blocks(config, block_bytes))):
-            # load_class checked that it derives from the kind's base (Backend)
-            cls = cast("type[Backend]", registry.load_class(registry.BACKEND, tier_cfg.backend, f"tiers[{i}].backend"))
-            assert tier_cfg.policy is not None, "HierarchyConfig fills in every tier's policy"
-            policy_cls = registry.load_class(registry.POLICY, tier_cfg.policy, f"tiers[{i}].policy")
-            _check_capacity(i, tier_cfg, n, cls, policy_cls, 0 if dry_run else block_bytes or 0)
-            if dry_run:
-                backend: Backend = SlotBackend(tier_cfg.name, n, block_bytes or 0, config.block_tokens, cls.spec_type)
-            else:
-                options = dict(tier_cfg.options)
-                if cls.persistent:
-                    options.update(fingerprint=_persistent_identity(i, tier_cfg, model), layout=layout)
-                backend = _build_backend(cls, i, tier_cfg.name, n, block_bytes or 0, config.block_tokens, options)
-            backends[tier_cfg.name] = backend
-            policy = with_key_index(policy_cls(n))
-            if tier_cfg.cascade == "on_evict" and i + 1 < len(config.tiers) and not predicts_victims(policy):
-                raise ConfigError([(f"tiers[{i}].cascade", f"'on_evict' copies blocks down before they are evicted, "
-                                    f"which needs a policy that predicts its victims (victim_candidates); "
-                                    f"{tier_cfg.policy!r} does not, so every eviction would be lost: use "
-                                    f"cascade: on_store, or implement victim_candidates")])
+            backends[tier_cfg.name], policy = _build_tier(i, config, n, block_bytes or 0, dry_run, model, layout)
             policies.append(policy)
         engine = build_engine(backends, kv_side=False, dry_run=dry_run)
         worker = build_worker_plane(backends, kv_caches, dry_run=dry_run)
@@ -127,6 +119,30 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
             backend.close()
         raise
     return Hierarchy(config, manager, engine, worker, backends, dry_run)
+
+
+def _build_tier(i: int, config: HierarchyConfig, n: int, block_bytes: int, dry_run: bool, model: str,
+                layout: str) -> tuple[Backend, CachePolicy]:
+    """The backend (`n` blocks) and policy of `config.tiers[i]`; `ConfigError` on a capacity it
+    cannot hold or an `on_evict` cascade over a policy that does not predict its victims."""
+    tier_cfg = config.tiers[i]
+    # load_class checked that it derives from the kind's base (Backend)
+    cls = cast("type[Backend]", registry.load_class(registry.BACKEND, tier_cfg.backend, f"tiers[{i}].backend"))
+    assert tier_cfg.policy is not None, "HierarchyConfig fills in every tier's policy"
+    policy_cls = registry.load_class(registry.POLICY, tier_cfg.policy, f"tiers[{i}].policy")
+    _check_capacity(i, tier_cfg, n, cls, policy_cls, 0 if dry_run else block_bytes)
+    policy = with_key_index(policy_cls(n))
+    if tier_cfg.cascade == "on_evict" and i + 1 < len(config.tiers) and not predicts_victims(policy):
+        raise ConfigError([(f"tiers[{i}].cascade", f"'on_evict' copies blocks down before they are evicted, "
+                            f"which needs a policy that predicts its victims (victim_candidates); "
+                            f"{tier_cfg.policy!r} does not, so every eviction would be lost: use "
+                            f"cascade: on_store, or implement victim_candidates")])
+    if dry_run:
+        return SlotBackend(tier_cfg.name, n, block_bytes, config.block_tokens, cls.spec_type), policy
+    options = dict(tier_cfg.options)
+    if cls.persistent:
+        options.update(fingerprint=_persistent_identity(i, tier_cfg, model), layout=layout)
+    return _build_backend(cls, i, tier_cfg.name, n, block_bytes, config.block_tokens, options), policy
 
 
 def _check_capacity(i: int, tier_cfg: TierConfig, n: int, cls: type[Backend], policy_cls: type,

@@ -23,11 +23,12 @@ Residence rules (checked by the Hypothesis state machine in tests/test_manager_s
 
 - A shared tier (`Backend.shared`, e.g. valkey) is last and outside the chain: tier 0 publishes
   its stores there, lookups of keys no tier holds are probed in one batch per step (RETRY
-  meanwhile), and a block found there is promoted into tier 0 (`kvtier.control.shared`).
+  meanwhile), and a block found there is promoted into tier 0 (`kvtier.control.shared_probes`).
 
 The parts live in `kvtier.control`: per-tier state (`Tier`), jobs that do their own bookkeeping
-(`Demotion`, `Promotion`), the two controllers that start them (`Cascade`, `Promotions`), and
-the waits for them at `wait_idle`, `flush` and `shutdown` (`Quiescer`).
+(`Demotion`, `Promotion`, `Publish`), the controllers, peers over one `ControlContext` (tiers,
+job table, events): `LoadPins`, `StorePath`, `Cascade`, `Promotions`, `SharedTierProbes`; and
+the waits for their jobs at `wait_idle`, `flush` and `shutdown` (`Quiescer`).
 """
 
 from __future__ import annotations
@@ -36,12 +37,14 @@ import logging
 from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any
 
-from kvtier.control.cascade import Cascade, split_below
-from kvtier.control.jobs import EventLog, JobTable, enter_copies, side_spec
+from kvtier.control.cascade import Cascade
+from kvtier.control.context import ControlContext
+from kvtier.control.jobs import EventLog, JobTable
 from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
 from kvtier.control.quiesce import Quiescer
-from kvtier.control.shared import SharedTier, local_tiers
+from kvtier.control.shared_probes import SharedTierProbes, local_tiers
+from kvtier.control.stores import StorePath
 from kvtier.control.tier import Tier, TierStats
 from kvtier.engine import TransferEngine
 from kvtier.interfaces import OffloadingManager
@@ -49,7 +52,6 @@ from kvtier.keys import OffloadKey
 from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import (
     CASCADE_MODES,
-    BlockStatus,
     LookupResult,
     OffloadingEvent,
     PrepareStoreOutput,
@@ -64,64 +66,63 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
 
+def _link(tiers: list[Tier], engine: TransferEngine) -> None:
+    """Set each tier's position in the chain (`index`, `above`, `below`, `direct_load`); a shared
+    tier is last and outside the cascade chain. ValueError for an unknown cascade mode."""
+    n_local = local_tiers(tiers)
+    for i, tier in enumerate(tiers):
+        if tier.cascade not in CASCADE_MODES:
+            raise ValueError(f"tier {tier.name!r}: cascade must be one of {CASCADE_MODES}, got {tier.cascade!r}")
+        tier.index = i
+        tier.above = tiers[i - 1] if 0 < i < n_local else None
+        tier.below = tiers[i + 1] if i + 1 < n_local else None
+        # Declared by the builder (its worker plane loads the tier), or routed by `engine` itself.
+        tier.direct_load = i > 0 and (tier.direct_load or
+                                      engine.handler_for(tier.backend.spec_type, GPULoadStoreSpec) is not None)
 
-def _enter_new(top: Tier, keys: list[OffloadKey]) -> LoadStoreSpec:
-    """Allocate a request's new blocks in tier 0 and insert them being written (pinned); where
-    they are. Tail first, so that the head of a prefix ends up the most recently used; the last
-    new block is the request's tail (`enter_copies` with `tail_first`)."""
-    return side_spec(top, keys, enter_copies(top, keys, tail_first=True))
 
-
-def _complete_each(top: Tier, keys: list[OffloadKey], blocks: list[BlockStatus | None],
-                   promoting: Collection[OffloadKey], success: bool) -> list[OffloadKey]:
-    """`complete_store` key by key: the keys whose block (`blocks[i]`) was still being written
-    and not promoted, made readable (`success`) or dropped; the others are left as they are."""
-    changed: list[OffloadKey] = []
-    for key, block in zip(keys, blocks):
-        if block is None or block.ref_cnt != -1 or key in promoting:
-            continue
-        if success:
-            block.ref_cnt = 0
-        else:
-            top.policy.unpin([key])
-            top.policy.remove(key)
-            top.backend.free(block)
-        changed.append(key)
-    return changed
+def _recover(ctx: ControlContext) -> None:
+    """Adopt blocks that persistent backends found from an earlier process."""
+    for tier in ctx.tiers:
+        found = tier.backend.recover()
+        for key, block in found:
+            tier.policy.insert(key, block)
+        if found:
+            log.info("tier %s: recovered %d blocks", tier.name, len(found))
+            ctx.events.record(tier, [k for k, _ in found], removed=False)
+            above = tier.above
+            if above is not None:
+                above.clean.update(k for k, _ in found if above.policy.get(k) is not None)
 
 
 class HierarchyManager(OffloadingManager):
-    """`OffloadingManager` across a chain of tiers; byte movement goes through a `TransferEngine`."""
+    """`OffloadingManager` across a chain of tiers; byte movement goes through a `TransferEngine`.
+
+    It composes the controllers, peers over one `ControlContext`: `LoadPins` (loads), `stores`
+    (a `StorePath`: stores into the first tier, and the room questions of the standalone API),
+    `Cascade` (demotions), `Promotions` and, with a shared tier, `SharedTierProbes`."""
 
     def __init__(self, tiers: Sequence[Tier], engine: TransferEngine, enable_events: bool = False):
         if not tiers:
             raise ValueError("a hierarchy needs at least one tier")
         self.tiers: list[Tier] = list(tiers)
         self.engine = engine
-        n_local = local_tiers(self.tiers)  # a shared tier is last and outside the cascade chain
-        for i, tier in enumerate(self.tiers):
-            if tier.cascade not in CASCADE_MODES:
-                raise ValueError(f"tier {tier.name!r}: cascade must be one of {CASCADE_MODES}, got {tier.cascade!r}")
-            tier.index = i
-            tier.above = self.tiers[i - 1] if 0 < i < n_local else None
-            tier.below = self.tiers[i + 1] if i + 1 < n_local else None
-            # Declared by the builder (its worker plane loads the tier), or routed by `engine` itself.
-            tier.direct_load = i > 0 and (tier.direct_load or
-                                          engine.handler_for(tier.backend.spec_type, GPULoadStoreSpec) is not None)
+        _link(self.tiers, engine)
         self._top = self.tiers[0]
-        self._log = EventLog(enable_events)
-        self._jobs = JobTable(engine)
+        ctx = self._ctx = ControlContext(self.tiers, JobTable(engine), EventLog(enable_events))
+        self._jobs = ctx.jobs
         self._results_waiting = engine.has_finished  # bound once: `lookup` asks on every call
-        self._cascade = Cascade(self.tiers, self._jobs, self._log)
-        self._promotions = Promotions(self.tiers, self._jobs, self._cascade, self._log)
-        self._loads = LoadPins(self.tiers)
-        self._shared = (SharedTier(self.tiers, self._jobs, self._cascade, self._promotions, self._log)
-                        if n_local < len(self.tiers) else None)
+        self._cascade = Cascade(ctx)
+        self._promotions = Promotions(ctx, self._cascade.evict_for)
+        self._loads = LoadPins(ctx)
+        self._shared = (SharedTierProbes(ctx, self._promotions, self._cascade.make_room)
+                        if local_tiers(self.tiers) < len(self.tiers) else None)
+        self.stores = StorePath(ctx, self._cascade, self._promotions, self._shared)
         self._writes_through = any(t.cascade == "on_store" for t in self.tiers[:-1])  # as `Cascade` finds them
         self._refilled = [t for t in self.tiers[:-1] if t.cascades_on_evict]  # `refill_reserve` has work
         self._alone = len(self.tiers) == 1  # no lower or shared tier: no promotion, probe or copy
-        self._quiescer = Quiescer(self.tiers, engine, self._jobs, self._cascade, self._promotions, self._shared)
-        self._recover()
+        self._quiescer = Quiescer(ctx, engine, self._cascade, self._promotions, self._shared)
+        _recover(ctx)
         for tier in self.tiers:
             # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
             tier.policy.track_pins()
@@ -129,29 +130,19 @@ class HierarchyManager(OffloadingManager):
     @property
     def events(self) -> list[OffloadingEvent] | None:
         """Events not taken yet (None when events are off)."""
-        return self._log.events
+        return self._ctx.events.events
 
-    # ------------------------------------------------------------------ setup
-    def _recover(self) -> None:
-        """Adopt blocks that persistent backends found from an earlier process."""
-        for tier in self.tiers:
-            found = tier.backend.recover()
-            for key, block in found:
-                tier.policy.insert(key, block)
-            if found:
-                log.info("tier %s: recovered %d blocks", tier.name, len(found))
-                self._log.record(tier, [k for k, _ in found], removed=False)
-                above = tier.above
-                if above is not None:
-                    above.clean.update(k for k, _ in found if above.policy.get(k) is not None)
+    def _drain(self) -> None:
+        """Account for the jobs the engine reported (cheap when none did)."""
+        if self._results_waiting():
+            self._jobs.drain()
 
     # ------------------------------------------------------------------ protocol
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
-        if self._results_waiting():
-            self._jobs.drain()
+        self._drain()
         block = self._top.policy.get(key)
         if block is not None and block.ref_cnt >= 0:
             return LookupResult.HIT
@@ -181,8 +172,7 @@ class HierarchyManager(OffloadingManager):
         The same answers and side effects as calling `lookup` on each key and stopping there
         (with a shared tier, a RETRY also starts probes or promotions of the keys after it, as
         vLLM's scan past a RETRY would); the leading run of readable tier-0 blocks is found in C loops."""
-        if self._results_waiting():
-            self._jobs.drain()
+        self._drain()
         keys = keys if isinstance(keys, list) else list(keys)
         n = self._loads.top_run(keys)
         if n == len(keys):
@@ -224,53 +214,20 @@ class HierarchyManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
-        if self._results_waiting():
-            self._jobs.drain()
+        self._drain()
         if self._writes_through:
             self._cascade.advance_writes()
-        top = self._top
-        to_store = top.policy.absent(keys)
-        if self._promotions.queue:
-            self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
-        # Only resident keys can be victims: when none of `keys` is, none needs protecting.
-        evicted = self._cascade.evict_for(top, len(to_store), keys if len(to_store) != len(keys) else ())
-        if evicted is None:
-            return None
-        spec = _enter_new(top, to_store)
-        top.allocated_since_walk += len(to_store)
-        if self._refilled:
-            self._cascade.refill_reserve(top)
-        return PrepareStoreOutput(to_store, spec, evicted)
+        return self.stores.prepare(keys)
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
                        success: bool = True) -> None:
-        top = self._top
-        promoting = self._promotions.running
-        keys = keys if isinstance(keys, list) else list(keys)
-        if success and not promoting and top.policy.mark_written(keys):
-            changed = keys  # the common case (each key prepared once), made readable and unpinned in one pass
-        else:
-            changed = _complete_each(top, keys, list(map(top.policy.get, keys)), promoting, success)
-            if not success:
-                top.stats.failures += 1 if changed else 0
-                return
-            top.policy.unpin(changed)
-        top.stats.stores += len(changed)
-        if self._log.events is not None:
-            self._log.record(top, changed, removed=False)
-        if top.below is not None:
-            split_below(top, changed)  # (those readable below are clean)
-            if top.cascade == "on_store":
-                self._cascade.queue_writes(top, [k for k in changed if k not in top.clean])
-        if self._shared is not None:
-            self._shared.publish(changed)
+        self.stores.complete(keys if isinstance(keys, list) else list(keys), success)
 
     def on_request_finished(self, req_context: ReqContext | None = None) -> None:
         return
 
     def on_schedule_end(self, context: Any = None) -> None:
-        if self._results_waiting():
-            self._jobs.drain()
+        self._drain()
         if self._writes_through:
             self._cascade.advance_writes()
         if self._shared is not None:
@@ -287,25 +244,6 @@ class HierarchyManager(OffloadingManager):
         return (bool(self._jobs) or bool(self._promotions.queue) or self._cascade.writes_waiting()
                 or (self._shared is not None and self._shared.has_pending_work()))
 
-    def new_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """The keys `prepare_store` would allocate in the first tier: those it does not hold."""
-        return self._top.policy.absent(keys)
-
-    def store_room(self) -> int | None:
-        """How many new blocks the first tier can take now without evicting a block whose copy to
-        the next tier has not been made (its free slots plus its clean blocks), when it cascades
-        (`on_evict` or `on_store`); None when it does not (one tier, or cascade
-        `none`: it evicts freely)."""
-        top = self._top
-        if top.below is None or top.cascade == "none":
-            return None
-        return top.backend.get_num_free_blocks() + len(top.clean)
-
-    def clean_ahead(self, count: int) -> None:
-        """Start copying the dirty blocks among the first tier's next `count` victims to the next
-        tier now (`on_evict`; a caller about to wait for room, see `store_room`)."""
-        self._cascade.clean_ahead(self._top, count)
-
     def flush(self, timeout: float | None = None, check: Callable[[], None] | None = None) -> int:
         """Copy every readable block of each cascading tier (cascade not `none`) that the next
         tier lacks down to it, tier after tier, and wait for the copies. Returns how many blocks
@@ -317,13 +255,13 @@ class HierarchyManager(OffloadingManager):
         return self._quiescer.flush(timeout, check)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        yield from self._log.take()
+        yield from self._ctx.events.take()
 
     def reset_cache(self) -> None:
         """Evict every unpinned, readable block from every tier."""
         self._jobs.drain()
         for tier in self.tiers:
-            self._log.record(tier, tier.reset(), removed=True)
+            self._ctx.events.record(tier, tier.reset(), removed=True)
 
     def finish_reset(self, storing: Collection[OffloadKey], loading: Collection[OffloadKey]) -> list[OffloadKey]:
         """Finish a `reset_cache` that found engine jobs in flight, once the engine has flushed
@@ -332,23 +270,7 @@ class HierarchyManager(OffloadingManager):
         their slots freed. `loading`: keys of its flushed loads, once per `prepare_load` pin:
         unpinned, then dropped unless pinned again since (the reset evicts them now). Returns the
         keys dropped (reported as removed events)."""
-        top = self._top
-        for key in loading:
-            block = top.policy.get(key)
-            if block is not None and block.ref_cnt > 0:
-                block.ref_cnt -= 1
-        promoting = self._promotions.running
-        storing = set(storing)
-        dropped: list[OffloadKey] = []
-        for key in storing.union(loading):
-            block = top.policy.get(key)
-            if block is None or key in promoting:
-                continue
-            if block.ref_cnt == 0 or (block.ref_cnt == -1 and key in storing):
-                top.drop(key, block)
-                dropped.append(key)
-        self._log.record(top, dropped, removed=True)
-        return dropped
+        return self.stores.finish_reset(storing, loading)
 
     def get_stats(self) -> dict[str, Any]:
         """Per-tier counters and occupancy."""

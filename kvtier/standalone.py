@@ -83,7 +83,7 @@ class KVTier:
         self.blocks_per_chunk = layout.blocks_per_chunk
         self._worker = hierarchy.worker  # the jobs that touch the KV tensors
         self._blocks = KeyBlocks(layout, key_limit(hierarchy))  # checks and lays out each call's keys and ids
-        self._top_capacity = self.manager.tiers[0].capacity
+        self._top_capacity = hierarchy.first_tier.capacity
         self._counters = TransferCounters()
         self._lock = threading.RLock()  # held by the running call (see the class docstring)
         self._closing = False  # set by `close()` before it takes the lock: waiting calls give up
@@ -128,7 +128,7 @@ class KVTier:
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=False)
-            pending = self.manager.new_keys(keys)
+            pending = self.manager.stores.new_keys(keys)
             ok = True
             while pending:
                 n = self._room(len(pending))
@@ -142,14 +142,14 @@ class KVTier:
         (started now for the next victims) when that is less than `n`; its capacity when it
         evicts freely."""
         manager = self.manager
-        room = manager.store_room()
+        room = manager.stores.room()
         if room is None:
             return max(1, min(n, self._top_capacity))
         if room < n:
-            manager.clean_ahead(min(n, self._top_capacity) - room)
+            manager.stores.clean_ahead(min(n, self._top_capacity) - room)
             manager.on_schedule_end()
             self._wait_idle()
-            room = manager.store_room() or 0
+            room = manager.stores.room() or 0
         return max(1, min(n, room))
 
     def _store_batch(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
@@ -161,7 +161,7 @@ class KVTier:
         if output is None:
             log.warning("store: %d block(s) not stored: tier %r has no room for them (every block is pinned by "
                         "a load or copy, or its copy to the next tier cannot be made: is that tier full?)",
-                        len(keys), self.manager.tiers[0].name)
+                        len(keys), self.hierarchy.first_tier.name)
             return False
         to_store = list(output.keys_to_store)
         if not to_store:

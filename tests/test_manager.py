@@ -115,11 +115,11 @@ def test_a_dropped_clean_block_no_longer_counts_as_room(ctx):
     ks = keys(4)
     store(h, ks, ctx)
     assert m.flush(timeout=30) == 0
-    assert m.tiers[0].clean == set(ks) and m.store_room() == 8  # 4 free + 4 clean
+    assert m.tiers[0].clean == set(ks) and m.stores.room() == 8  # 4 free + 4 clean
     m.prepare_load(ks[:1], ctx)
     assert m.finish_reset((), ks[:1]) == ks[:1]
     assert m.tiers[0].clean == set(ks[1:])
-    assert m.store_room() == 8  # 5 free + 3 clean: never more than the tier holds
+    assert m.stores.room() == 8  # 5 free + 3 clean: never more than the tier holds
     h.close()
 
 
@@ -137,8 +137,8 @@ def test_write_through_copies_every_completed_store_down(ctx):
 @pytest.mark.parametrize("policy", ["kvtier.policies.lru_pure:PureLRUCachePolicy", "lru"], ids=["pure", "compiled"])
 def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx, policy):
     """The `CachePolicy.insert_many` contract: a request's new blocks go in tail first with
-    `tail=` its last new block; blocks copied in from another tier carry no tail. A policy with
-    batch calls (the compiled `lru`) gets the engine's stores through `insert_written`, alike."""
+    `tail=` its last new block; blocks copied in from another tier carry no tail. Every policy gets
+    them through `insert_written` (the pure-Python one through `CachePolicy`'s default)."""
     h = memory_hierarchy(hot=4, warm=16, hot_policy=policy)
     top = h.manager.tiers[0].policy
     calls = []
@@ -149,7 +149,7 @@ def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx, polic
             return real(ks, blocks, tail=tail)
         return call
 
-    top.insert_many, top.insert_written = spy(top.insert_many), spy(top.insert_written)
+    top.insert_written = spy(top.insert_written)
     ks = keys(8)
     store(h, ks[:4], ctx)
     store(h, ks[4:], ctx)  # ks[:4] go down

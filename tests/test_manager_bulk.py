@@ -1,14 +1,13 @@
-"""The manager's bulk paths (issue 19 item 1) answer and change exactly what the per-key paths do.
+"""A compiled policy and its pure-Python twin give the manager the same answers and state.
 
-Two identical hierarchies take the same random requests: one through `lookup_run` and the batch
-fast paths of `prepare_load` / `complete_load` / `touch`, the other key by key (`lookup` per key,
-`LoadPins.prepare_each`, `LoadPins.complete_each`). After every step both must hold the same blocks in
-the same eviction order with the same `ref_cnt`s, pins, promotions and counters. Batches repeat
-keys and mix tiers, so both the fast paths and their fall-backs run. The registered `lru` is the
-compiled index here, whose batch calls (`CachePolicy.batch_calls`) the fast paths use; the same
-machines run on its pure-Python fallback (the manager's own loops) and on `BatchDefaultsLRU` (the
-manager through `CachePolicy`'s default batch calls), and on the compiled `prefix-freq` and the
-pure-Python `PurePrefixFreqCachePolicy` it replaced."""
+Two hierarchies take the same random requests through public calls only: the first with a
+compiled policy in its first tier (the registered `lru`, or `prefix-freq`), whose batch calls run
+in C, the second with its pure-Python twin (`LRUCachePolicy`, `PrefixFreqCachePolicy`), whose
+batch calls are `CachePolicy`'s defaults over `get`. The first looks a request up with
+`lookup_run` and touches a batch at once, the second key by key (`lookup` per key, `touch` per
+key). After every step both must hold the same blocks in the same eviction order with the same
+`ref_cnt`s, pins, promotions and counters. Batches repeat keys and mix tiers, so every case of
+the load path runs."""
 
 from __future__ import annotations
 
@@ -22,17 +21,10 @@ from test_manager_state import BLOCK, DeferredCopy
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
 from kvtier.config import load_config_text
 from kvtier.hierarchy import build_hierarchy
-from kvtier.policies.lru_pure import PureLRUCachePolicy
-
-
-class BatchDefaultsLRU(PureLRUCachePolicy):
-    """The pure-Python LRU with the manager calling `CachePolicy`'s default batch calls."""
-
-    batch_calls = True
-
 
 PURE_LRU = "kvtier.policies.lru_pure:PureLRUCachePolicy"
-DEFAULTS_LRU = "test_manager_bulk:BatchDefaultsLRU"
+PURE_PREFIX = "kvtier.policies.prefix_pure:PurePrefixFreqCachePolicy"
+TWINS = {"lru": PURE_LRU, "prefix-freq": PURE_PREFIX}  # a compiled policy -> its pure-Python twin
 UNIVERSE = keys(16)
 CTX = ReqContext("bulk")
 
@@ -63,27 +55,31 @@ def state(manager) -> list:
         blocks = sorted((k, policy.get(k).ref_cnt, policy.get(k).block_id) for k in policy.keys())
         rows.append((tier.name, order, blocks, sorted(policy.pinned_keys() or ()), sorted(tier.clean),
                      dict(tier.promoted_from), tier.stats.as_dict()))
-    return [rows, {k: list(v) for k, v in manager._loads.pins.items()}, sorted(manager._promotions.running)]
+    return [rows, [manager.load_source(k) for k in UNIVERSE]]
 
 
 class BulkEqualsPerKey(RuleBasedStateMachine):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
     ONE_TIER = False  # True: the first tier alone (`lookup_run` answers without `lookup`)
 
-    def build(self):
+    def build(self, twin: bool):
+        """The first hierarchy (`twin` False) or the second, with the pure-Python twins."""
+        hierarchy = dict(self.HIERARCHY)
+        if twin:
+            hierarchy["hot_policy"] = TWINS.get(hierarchy["hot_policy"], hierarchy["hot_policy"])
         if not self.ONE_TIER:
-            return memory_hierarchy(**self.HIERARCHY)
+            return memory_hierarchy(**hierarchy)
         return build_hierarchy(load_config_text(f"""
 block_bytes: {BLOCK}B
 tiers:
-  - {{name: hot, backend: memory, capacity: {self.HIERARCHY['hot']} blocks, policy: {self.HIERARCHY['hot_policy']}}}
+  - {{name: hot, backend: memory, capacity: {hierarchy['hot']} blocks, policy: '{hierarchy['hot_policy']}'}}
 """))
 
     def __init__(self):
         super().__init__()
         self.pairs = []
-        for _ in range(2):
-            h = self.build()
+        for twin in (False, True):
+            h = self.build(twin)
             copier = DeferredCopy(h.backends)
             h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
             self.pairs.append((h, copier))
@@ -103,7 +99,7 @@ tiers:
         hits = request[:got[0]]
         if hits:
             a = self.bulk.prepare_load(hits, CTX)
-            b = self.each._loads.prepare_each(list(hits))
+            b = self.each.prepare_load(list(hits), CTX)
             assert spec_ids(a) == spec_ids(b)
             self.loads.append(hits)
 
@@ -112,7 +108,7 @@ tiers:
     def complete_load(self, data, touch):
         hits = self.loads.pop(data.draw(st.integers(0, len(self.loads) - 1)))
         self.bulk.complete_load(hits, CTX)
-        self.each._loads.complete_each(list(hits))
+        self.each.complete_load(list(hits), CTX)
         if touch:
             self.bulk.touch(hits, CTX)
             for key in reversed(hits):  # the per-key touch: the first key ends up the most recent
@@ -152,24 +148,13 @@ class BulkEqualsPerKeyPrefix(BulkEqualsPerKey):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="prefix-freq")
 
 
-class BulkEqualsPerKeyPurePrefix(BulkEqualsPerKey):
-    HIERARCHY = dict(BulkEqualsPerKeyPrefix.HIERARCHY,
-                     hot_policy="kvtier.policies.prefix_pure:PurePrefixFreqCachePolicy")
-
-
 class BulkEqualsPerKeyPure(BulkEqualsPerKey):
+    """Both hierarchies pure-Python: `lookup_run` and batches against `lookup` and single keys."""
+
     HIERARCHY = dict(BulkEqualsPerKey.HIERARCHY, hot_policy=PURE_LRU)
 
 
-class BulkEqualsPerKeyDefaults(BulkEqualsPerKey):
-    HIERARCHY = dict(BulkEqualsPerKey.HIERARCHY, hot_policy=DEFAULTS_LRU)
-
-
 class OneTierBulkEqualsPerKey(BulkEqualsPerKey):
-    ONE_TIER = True
-
-
-class OneTierBulkEqualsPerKeyPure(BulkEqualsPerKeyPure):
     ONE_TIER = True
 
 
@@ -183,21 +168,15 @@ TestBulkLRU = BulkEqualsPerKey.TestCase
 TestBulkLRU.settings = FAST
 TestBulkPrefix = BulkEqualsPerKeyPrefix.TestCase
 TestBulkPrefix.settings = FAST
-TestBulkPurePrefix = BulkEqualsPerKeyPurePrefix.TestCase
-TestBulkPurePrefix.settings = FAST
 TestBulkPureLRU = BulkEqualsPerKeyPure.TestCase
 TestBulkPureLRU.settings = FAST
-TestBulkDefaultsLRU = BulkEqualsPerKeyDefaults.TestCase
-TestBulkDefaultsLRU.settings = FAST
-TestOneTierBulkPureLRU = OneTierBulkEqualsPerKeyPure.TestCase
-TestOneTierBulkPureLRU.settings = FAST
 TestOneTierBulkLRU = OneTierBulkEqualsPerKey.TestCase
 TestOneTierBulkLRU.settings = FAST
 TestOneTierBulkPrefix = OneTierBulkEqualsPerKeyPrefix.TestCase
 TestOneTierBulkPrefix.settings = FAST
 
 
-LRUS = pytest.mark.parametrize("lru", ["lru", PURE_LRU, DEFAULTS_LRU], ids=["compiled", "pure", "defaults"])
+LRUS = pytest.mark.parametrize("lru", ["lru", PURE_LRU], ids=["compiled", "pure"])
 
 
 @LRUS
@@ -215,7 +194,7 @@ def test_lookup_run_stops_at_the_first_miss_and_loads_in_one_batch(lru):
     assert list(spec.block_ids) == [m.tiers[0].policy.get(k).block_id for k in (a, b)]
     m.complete_load([a, b], CTX)
     assert [m.tiers[0].policy.get(k).ref_cnt for k in (a, b)] == [0, 0]
-    assert m.tiers[0].stats.hits == 2 and not m._loads.pins
+    assert m.tiers[0].stats.hits == 2
     with pytest.raises(KeyError):
         m.complete_load([a], CTX)
     with pytest.raises(KeyError):
@@ -226,8 +205,8 @@ def test_lookup_run_stops_at_the_first_miss_and_loads_in_one_batch(lru):
 @pytest.mark.parametrize("miss_at", [0, 1, 2, 15, 16, 17, 48, 49, 100, 150])
 @pytest.mark.parametrize("pending_at", [None, 20, 60])
 def test_lookup_run_over_several_chunks_equals_per_key(miss_at, pending_at, lru):
-    """`top_run` checks tier 0 in chunks that double from `_FIRST_CHUNK`; a long request that
-    stops anywhere (a miss, a block still being written) gets the per-key answer."""
+    """A long request that stops anywhere (a miss, a block still being written) gets from
+    `lookup_run` the per-key answer."""
     h = memory_hierarchy(hot=200, warm=400, block_bytes=BLOCK, hot_policy=lru)
     try:
         stored = keys(150)
@@ -293,10 +272,11 @@ def test_complete_load_of_blocks_also_pinned_by_a_copy(shared_at, lru):
             top.policy.get(batch[shared_at]).ref_cnt += 1  # what a demotion's pin does
             top.policy.pin([batch[shared_at]])
             if per_key:
-                m._loads.complete_each(list(batch))
+                for key in batch:
+                    m.complete_load([key], CTX)
             else:
                 m.complete_load(batch, CTX)
-            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.policy.pinned_keys()), m._loads.pins))
+            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.policy.pinned_keys())))
         finally:
             h.close()
     assert states[0] == states[1] and states[0][0] == [int(i == shared_at) for i in range(3)]
@@ -305,26 +285,21 @@ def test_complete_load_of_blocks_also_pinned_by_a_copy(shared_at, lru):
 @pytest.mark.parametrize("writing_at", [0, 1, 2])
 @pytest.mark.parametrize("loaded_at", [None, 0, 2])
 @LRUS
-def test_prepare_load_of_a_block_being_written_equals_key_by_key(writing_at, loaded_at, lru):
+def test_prepare_load_of_a_block_being_written_changes_nothing(writing_at, loaded_at, lru):
     """A batch with a block still being written (and maybe one pinned by an earlier load):
-    the one-pass path undoes what it did and the key-by-key path answers (KeyError at that
-    block, the blocks before it pinned), exactly as `prepare_each` alone."""
-    states = []
-    for per_key in (False, True):
-        h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy=lru)
-        try:
-            m = h.manager
-            batch = list(UNIVERSE[:3])
-            ready = [k for i, k in enumerate(batch) if i != writing_at]
-            m.complete_store(m.prepare_store(ready, CTX).keys_to_store, CTX)
-            m.prepare_store([batch[writing_at]], CTX)
-            if loaded_at is not None and loaded_at != writing_at:
-                m.prepare_load([batch[loaded_at]], CTX)
-            with pytest.raises(KeyError):
-                (m._loads.prepare_each if per_key else m.prepare_load)(batch)
-            top = m.tiers[0]
-            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.policy.pinned_keys()),
-                           dict(m._loads.pins), top.stats.hits))
-        finally:
-            h.close()
-    assert states[0] == states[1]
+    `prepare_load` raises KeyError and leaves every block, pin and counter as it was."""
+    h = memory_hierarchy(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy=lru)
+    try:
+        m = h.manager
+        batch = list(UNIVERSE[:3])
+        ready = [k for i, k in enumerate(batch) if i != writing_at]
+        m.complete_store(m.prepare_store(ready, CTX).keys_to_store, CTX)
+        m.prepare_store([batch[writing_at]], CTX)
+        if loaded_at is not None and loaded_at != writing_at:
+            m.prepare_load([batch[loaded_at]], CTX)
+        before = state(m)
+        with pytest.raises(KeyError):
+            m.prepare_load(batch, CTX)
+        assert state(m) == before
+    finally:
+        h.close()

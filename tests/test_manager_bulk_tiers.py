@@ -1,18 +1,17 @@
-"""The multi-tier paths through the policies' batch calls answer and change exactly what the
-key-by-key paths do (`Tier.batch`: demotions, promotions and the ends of their jobs).
+"""Compiled policies and their pure-Python twins make the multi-tier paths (demotions,
+promotions and the ends of their jobs) answer and change the same, through public calls only.
 
-The machines of tests/test_manager_bulk.py drive two identical hierarchies with the same random
-requests; here the second hierarchy's tiers have `batch` cleared, so its demotions, promotions
-and job ends pin, insert and settle blocks key by key (views and `BlockStatus`es) while the first
-one's go through `pin_loads`, `insert_written`, `release_loads`, `mark_written` and slot ids.
-After every step both must hold the same blocks in the same eviction order with the same
-`ref_cnt`s, pins, clean sets, promotions and counters, and the copies waiting in the engine must
-read and write the same slots. Copies finish when the machine says so, or fail (demotions and
-promotions that fail, blocks dropped or kept by `still_valid`). Hierarchies: two or three memory
-tiers cascading on eviction or writing through; first tiers with the compiled `lru` and
-`prefix-freq`, `CachePolicy`'s default batch calls and a pure-Python policy; a last tier whose
-backend extends `free`, `get_load_store_spec` and `still_valid` as the file tier does (its slot
-ids come back as `BlockStatus`es)."""
+The machines of tests/test_manager_bulk.py drive two hierarchies with the same random requests;
+here every tier of the second one has the pure-Python twin of the first one's policy, so its
+demotions, promotions and job ends go through `CachePolicy`'s default batch calls (over `get`)
+where the first one's run in C. After every step both must hold the same blocks in the same
+eviction order with the same `ref_cnt`s, pins, clean sets, promotions and counters, and the
+copies waiting in the engine must read and write the same slots. Copies finish when the machine
+says so, or fail (demotions and promotions that fail, blocks dropped or kept by `still_valid`).
+Hierarchies: two or three memory tiers cascading on eviction or writing through; first tiers with
+the compiled `lru` and `prefix-freq` and a pure-Python policy; a last tier whose backend extends
+`free`, `get_load_store_spec` and `still_valid` as the file tier does (its slot ids come back as
+`BlockStatus`es)."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ from conftest import keys
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import invariant, rule
-from test_manager_bulk import CTX, DEFAULTS_LRU, UNIVERSE, BulkEqualsPerKey, spec_ids
+from test_manager_bulk import CTX, PURE_LRU, PURE_PREFIX, TWINS, UNIVERSE, BulkEqualsPerKey, spec_ids
 from test_manager_state import BLOCK, DeferredCopy
 
 from kvtier import CPULoadStoreSpec
@@ -29,8 +28,6 @@ from kvtier.config import load_config_text
 from kvtier.control.promotion import _expire
 from kvtier.hierarchy import build_hierarchy
 from kvtier.tiers.memory import MemoryBackend
-
-PURE_PREFIX = "kvtier.policies.prefix_pure:PurePrefixFreqCachePolicy"
 
 
 class FileLikeMemory(MemoryBackend):
@@ -55,26 +52,22 @@ class FileLikeMemory(MemoryBackend):
 
 
 class TiersBatchEqualsEach(BulkEqualsPerKey):
-    """`BulkEqualsPerKey` with the multi-tier paths key by key in the second hierarchy."""
+    """`BulkEqualsPerKey` over several tiers, every policy of the second hierarchy a twin."""
 
     TIERS = (("hot", 6, "lru"), ("warm", 10, "lru"))  # (name, blocks, policy), first to last
     CASCADE = "on_evict"
     LAST_BACKEND = "memory"
     DIRECT = False  # the engine loads the last tier directly (`Tier.direct_load`): loads split over two tiers
 
-    def build(self):
+    def build(self, twin: bool):
+        tiers = [(name, n, TWINS.get(policy, policy) if twin else policy) for name, n, policy in self.TIERS]
         lines = [f"  - {{name: {name}, backend: memory, capacity: {n} blocks, policy: '{policy}', "
-                 f"cascade: {self.CASCADE}, reserve: 0.34}}" for name, n, policy in self.TIERS[:-1]]
-        name, n, policy = self.TIERS[-1]
+                 f"cascade: {self.CASCADE}, reserve: 0.34}}" for name, n, policy in tiers[:-1]]
+        name, n, policy = tiers[-1]
         lines.append(f"  - {{name: {name}, backend: '{self.LAST_BACKEND}', capacity: {n} blocks, policy: '{policy}'}}")
         h = build_hierarchy(load_config_text(f"block_bytes: {BLOCK}B\ntiers:\n" + "\n".join(lines) + "\n"))
         h.manager.tiers[-1].direct_load = self.DIRECT
         return h
-
-    def __init__(self):
-        super().__init__()
-        for tier in self.each.tiers:
-            tier.batch = False
 
     @rule(data=st.data())
     def load_resident(self, data):
@@ -103,7 +96,6 @@ def machine(name, **attrs):
 FILE_LIKE = "test_manager_bulk_tiers:FileLikeMemory"
 _, TestTiersLRU = machine("TiersLRU")
 _, TestTiersPrefix = machine("TiersPrefix", TIERS=(("hot", 6, "prefix-freq"), ("warm", 10, "lru")))
-_, TestTiersDefaults = machine("TiersDefaults", TIERS=(("hot", 6, DEFAULTS_LRU), ("warm", 10, DEFAULTS_LRU)))
 _, TestTiersPureFirst = machine("TiersPureFirst", TIERS=(("hot", 6, PURE_PREFIX), ("warm", 10, "lru")))
 _, TestTiersPureLast = machine("TiersPureLast", TIERS=(("hot", 6, "prefix-freq"), ("warm", 10, PURE_PREFIX)))
 _, TestTiersFileLike = machine("TiersFileLike", TIERS=(("hot", 6, "prefix-freq"), ("warm", 10, "lru")),
@@ -121,17 +113,15 @@ _, TestTiersThreeWriteThrough = machine("TiersThreeWriteThrough", CASCADE="on_st
                                         TIERS=(("hot", 5, "prefix-freq"), ("mid", 6, "lru"), ("warm", 9, "lru")))
 
 
-def _hierarchy(batch: bool, backend: str = "memory"):
+def _hierarchy(policy: str, backend: str = "memory"):
     h = build_hierarchy(load_config_text(f"""
 block_bytes: {BLOCK}B
 tiers:
-  - {{name: hot, backend: memory, capacity: 4 blocks, policy: lru, reserve: 0.25}}
-  - {{name: warm, backend: '{backend}', capacity: 8 blocks, policy: lru}}
+  - {{name: hot, backend: memory, capacity: 4 blocks, policy: '{policy}', reserve: 0.25}}
+  - {{name: warm, backend: '{backend}', capacity: 8 blocks, policy: '{policy}'}}
 """))
     copier = DeferredCopy(h.backends)
     h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
-    for tier in h.manager.tiers:
-        tier.batch = batch
     return h, copier
 
 
@@ -140,10 +130,11 @@ tiers:
 def test_a_demotion_and_a_promotion_through_the_batch_calls(fail, backend):
     """A full first tier demotes its victims to the next one in one job, pinned by slot id; the
     job's end releases the source pins and makes the copies readable (or removes them); a key
-    found below is promoted back the same way. Both paths end in the same state."""
+    found below is promoted back the same way. The compiled `lru` and its pure-Python twin end in
+    the same state."""
     states = []
-    for batch in (True, False):
-        h, copier = _hierarchy(batch, backend)
+    for policy in ("lru", PURE_LRU):
+        h, copier = _hierarchy(policy, backend)
         try:
             m = h.manager
             hot, warm = m.tiers
@@ -155,7 +146,7 @@ def test_a_demotion_and_a_promotion_through_the_batch_calls(fail, backend):
             assert sorted(warm.policy.pinned_keys()) == sorted(first[2:])
             m.complete_store(out.keys_to_store, CTX)
             copier.run(fail)
-            m._jobs.drain()
+            m.wait_idle(timeout=5)
             assert [hot.policy.get(k).ref_cnt for k in first[2:]] == [0, 0]
             assert all((warm.policy.get(k) is None) == fail for k in first[2:]) and not warm.policy.pinned_keys()
             m.on_schedule_end()
@@ -180,16 +171,16 @@ def test_a_demotion_and_a_promotion_through_the_batch_calls(fail, backend):
 def _state(m) -> list:
     return [(t.name, sorted((k, t.policy.get(k).ref_cnt, t.policy.get(k).block_id) for k in t.policy.keys()),
              sorted(t.policy.pinned_keys()), sorted(t.clean), t.stats.as_dict()) for t in m.tiers] + [
-        sorted(m._promotions.refused), sorted(m._promotions.running)]
+        [m.load_source(k) for k in UNIVERSE]]
 
 
 def test_a_promotion_longer_than_the_room_left_through_the_batch_calls():
     """A run of six keys below, with room for one in the first tier (two blocks pinned by a load,
     one by its copy down): the first is promoted, the other five are released in their tier and
-    refused, as key by key."""
+    refused; the compiled `lru` and its pure-Python twin alike."""
     states = []
-    for batch in (True, False):
-        h, copier = _hierarchy(batch)
+    for policy in ("lru", PURE_LRU):
+        h, copier = _hierarchy(policy)
         try:
             m = h.manager
             hot, warm = m.tiers
@@ -199,7 +190,7 @@ def test_a_promotion_longer_than_the_room_left_through_the_batch_calls():
                 copier.run(False)
                 m.on_schedule_end()
                 copier.run(False)
-                m._jobs.drain()
+                m.wait_idle(timeout=5)
             m.prepare_load(loaded, CTX)
             assert all(warm.policy.get(k) is not None and hot.policy.get(k) is None for k in run)
             assert [m.lookup(k, CTX).name for k in run] == ["RETRY"] * 6
@@ -217,10 +208,10 @@ def test_a_promotion_longer_than_the_room_left_through_the_batch_calls():
 
 def test_victims_already_below_become_clean_without_a_copy():
     """Victims whose copy below is readable but not recorded as clean (the record lost) are
-    recorded clean by `_dirty_victims` and not copied again, through `absent` as key by key."""
+    recorded clean and not copied again; the compiled `lru` and its pure-Python twin alike."""
     states = []
-    for batch in (True, False):
-        h, copier = _hierarchy(batch)
+    for policy in ("lru", PURE_LRU):
+        h, copier = _hierarchy(policy)
         try:
             m = h.manager
             hot, warm = m.tiers
@@ -228,7 +219,7 @@ def test_victims_already_below_become_clean_without_a_copy():
             m.complete_store(m.prepare_store(first, CTX).keys_to_store, CTX)
             m.complete_store(m.prepare_store(keys(2, start=100), CTX).keys_to_store, CTX)
             copier.run(False)
-            m._jobs.drain()
+            m.wait_idle(timeout=5)
             assert sorted(hot.clean) == sorted(first[2:])
             hot.clean.clear()
             demotions = warm.stats.stores
@@ -269,12 +260,11 @@ def test_expire_counts_in_c_what_one_by_one_drops(gaps, before, most):
 @pytest.mark.parametrize("order", ["below_first", "top_first", "mixed", "below_only"])
 @pytest.mark.parametrize("promoted", [False, True])
 def test_a_load_from_tier_0_and_a_tier_loaded_directly(order, promoted):
-    """A load of blocks of tier 0 and of a tier the engine loads directly, in any order: through
-    both tiers' batch calls (`prepare_split` / `complete_split`) it pins, credits, answers and
-    releases exactly what `prepare_each` / `complete_each` do."""
+    """A load of blocks of tier 0 and of a tier the engine loads directly, in any order, pins,
+    credits, answers and releases the same with the compiled `lru` and its pure-Python twin."""
     states = []
-    for batch in (True, False):
-        h, copier = _hierarchy(batch)
+    for policy in ("lru", PURE_LRU):
+        h, copier = _hierarchy(policy)
         try:
             m = h.manager
             hot, warm = m.tiers
@@ -285,7 +275,7 @@ def test_a_load_from_tier_0_and_a_tier_loaded_directly(order, promoted):
                 copier.run(False)
                 m.on_schedule_end()
                 copier.run(False)
-                m._jobs.drain()
+                m.wait_idle(timeout=5)
             if promoted:
                 hot.promoted_from[stored[5]] = 1  # (as if promoted from below and not loaded yet)
             below, top = stored[:4], stored[4:]
@@ -293,13 +283,11 @@ def test_a_load_from_tier_0_and_a_tier_loaded_directly(order, promoted):
             load = {"below_first": below[:2] + top[:2], "top_first": top[:3] + below[:3],
                     "mixed": [top[0], below[0], top[1], below[1], below[2]], "below_only": below[:3]}[order]
             assert m.lookup_run(load, CTX) == (len(load), None)
-            spec = m.prepare_load(load, CTX) if batch else m._loads.prepare_each(load)
-            taken = _state(m) + [dict(m._loads.pins)]
-            if batch:
-                m.complete_load(load, CTX)
-            else:
-                m._loads.complete_each(load)
-            states.append((spec_ids(spec), taken, _state(m), dict(m._loads.pins)))
+            spec = m.prepare_load(load, CTX)
+            taken = _state(m)
+            m.complete_load(load, CTX)
+            assert not any(t.policy.pinned_keys() for t in m.tiers)  # every load pin released
+            states.append((spec_ids(spec), taken, _state(m)))
         finally:
             copier.run(fail=True)
             h.close()

@@ -218,12 +218,19 @@ class EvictsPinnedCopy(ManagerMachine):
 
 
 class LeaksSlots(ManagerMachine):
-    """The hot tier's backend never gets its slots back."""
+    """The hot tier's backend loses a free slot at each allocation (handed out, never returned)."""
 
     def __init__(self):
         super().__init__()
         hot = self.h.backends["hot"]
-        hot.free = hot.free_many = lambda *a: None
+        allocate = hot.allocate_block_ids
+
+        def leaky(keys):
+            ids = allocate(keys)
+            if hot.get_num_free_blocks():
+                allocate(keys[:1])
+            return ids
+        hot.allocate_block_ids = leaky
 
 
 class CorruptsCopies(ManagerMachine):

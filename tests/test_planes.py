@@ -64,7 +64,12 @@ class Instant(SyncHandler):
 
 
 class Silent(TransferHandler):
-    """Accepts jobs and never reports them (a hung device)."""
+    """Accepts jobs and never reports them (a hung device); `report` hands a result to the engine
+    as a device would (the callback the engine bound)."""
+
+    def bind(self, on_done):
+        super().bind(on_done)
+        self.report = on_done
 
     def submit(self, job_id, src, dst):
         return
@@ -124,10 +129,9 @@ def test_two_threads_waiting_in_result_each_get_their_own_job():
     for waiter in waiters:
         waiter.start()
     threading.Event().wait(0.2)  # both are asleep in `result` by now
-    condition = getattr(engine, "reported", None) or engine._reported
-    with condition:  # both reports land before either waiter runs again
-        engine._report(TransferResult(first, True, 1, 0.0))
-        engine._report(TransferResult(second, True, 1, 0.0))
+    with engine.reported:  # both reports land before either waiter runs again
+        silent.report(TransferResult(first, True, 1, 0.0))
+        silent.report(TransferResult(second, True, 1, 0.0))
     for waiter in waiters:
         waiter.join(15)
     assert got == {first: first, second: second}

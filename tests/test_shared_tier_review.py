@@ -9,6 +9,10 @@ import test_shared_tier as base
 from test_shared_tier import BLOCK, MISS, RETRY, Engine, content, keys
 
 from kvtier import build_hierarchy, load_config_text
+from kvtier.control import promotion
+from kvtier.control.context import ControlContext
+from kvtier.control.jobs import EventLog, JobTable
+from kvtier.control.promotion import Promotions
 
 server, engines = base.server, base.engines  # the fixtures
 
@@ -49,8 +53,8 @@ def test_a_run_longer_than_tier0_room_promotes_the_prefix_that_fits(server, engi
     assert b.load(ks[:n]) == [content(k) for k in ks[:n]]
 
 
-def test_a_file_run_longer_than_tier0_room_promotes_the_prefix_that_fits(tmp_path):
-    hierarchy, ks, _ = _file_hierarchy(tmp_path, 24)
+def test_a_file_run_longer_than_tier0_room_promotes_the_prefix_that_fits(tmp_path, monkeypatch):
+    hierarchy, ks, _ = _file_hierarchy(tmp_path, 24, monkeypatch)
     try:
         n, result = _run(hierarchy.manager, ks)
         assert n >= 1 and result is not RETRY, f"{n} leading hits, then {result}"
@@ -153,9 +157,9 @@ class Clock:
         return self.now
 
 
-def _file_hierarchy(tmp_path, stored: int):
+def _file_hierarchy(tmp_path, stored: int, monkeypatch):
     """[memory 8 blocks, file 64 blocks] with `stored` blocks written through to the file tier,
-    its promotions on a test clock."""
+    its promotions on a test clock (the clock `kvtier.control.promotion` reads)."""
     text = (f"block_bytes: {BLOCK}B\ntiers:\n  - {{name: hot, backend: memory, capacity: 8 blocks, policy: lru, "
             f"cascade: on_store}}\n"
             f"  - {{name: nvme, backend: file, root_dir: '{tmp_path}', capacity: 64 blocks, policy: lru}}\n")
@@ -170,7 +174,7 @@ def _file_hierarchy(tmp_path, stored: int):
         m.on_schedule_end()
         m.wait_idle(5)
     clock = Clock()
-    m._promotions._clock = clock
+    monkeypatch.setattr(promotion, "monotonic", clock)
     return hierarchy, ks, clock
 
 
@@ -188,14 +192,14 @@ def _run(m, ks: list[bytes]) -> tuple[int, object]:
     return n, result
 
 
-def test_an_abandoned_promotion_does_not_starve_later_ones(tmp_path):
+def test_an_abandoned_promotion_does_not_starve_later_ones(tmp_path, monkeypatch):
     """P's blocks are promoted and never loaded (the request went away): within HOLD_S they stay
     (P's own lookup is still to load them), after it they are ordinary blocks and another prefix
     Q is promoted in their place. Before, Q got only the slots P had left, until an engine store
     evicted P's blocks."""
     from kvtier.control.promotion import HOLD_S
 
-    hierarchy, ks, clock = _file_hierarchy(tmp_path, 40)
+    hierarchy, ks, clock = _file_hierarchy(tmp_path, 40, monkeypatch)
     try:
         m = hierarchy.manager
         p, q = ks[:16], ks[16:32]
@@ -214,32 +218,29 @@ def test_an_abandoned_promotion_does_not_starve_later_ones(tmp_path):
         hierarchy.close()
 
 
-def test_refusals_expire_and_are_bounded(tmp_path):
+def test_refusals_expire_and_are_bounded(tmp_path, monkeypatch):
     """The tail of a run longer than tier 0 is refused once; a refusal answers MISS only within
     HOLD_S (an old one made a prefix come back one block per request) and the set is bounded.
     Before, `refused` grew by the tail of every long run and never expired."""
-    from kvtier.control import promotion
     from kvtier.control.promotion import HOLD_S
 
-    hierarchy, ks, clock = _file_hierarchy(tmp_path, 40)
+    hierarchy, ks, clock = _file_hierarchy(tmp_path, 40, monkeypatch)
     try:
         m = hierarchy.manager
         run = ks[:24]  # in the file tier only (tier 0 holds the last 8 stored)
         n, result = _run(m, run)
         assert n >= 1 and result is MISS, (n, result)
         tail = run[n + 1:]  # refused with the first miss, not asked yet
-        assert set(tail) <= set(m._promotions.refused)
+        assert len(tail) > 4 and all(m.lookup(k) is MISS for k in tail[4:])  # (answered once: tail[:4] kept)
         m.prepare_load(ks[:n])
         m.complete_load(ks[:n])
         clock.now += HOLD_S + 0.1  # the head is loaded: tier 0 may evict it for the tail now
         got, result = _run(m, tail[:4])
         assert got == 4, f"old refusals still answered MISS: {got} of 4 blocks came back, then {result}"
-        promotion_cap = promotion.MAX_REFUSED
-        promotion.MAX_REFUSED = 4
-        try:
-            m._promotions.refuse(ks[:10])
-            assert list(m._promotions.refused) == ks[6:10]
-        finally:
-            promotion.MAX_REFUSED = promotion_cap
+        monkeypatch.setattr(promotion, "MAX_REFUSED", 4)
+        promotions = Promotions(ControlContext(m.tiers, JobTable(hierarchy.engine), EventLog(False)),
+                                evict_for=lambda *_: None)
+        promotions.refuse(ks[:10])
+        assert list(promotions.refused) == ks[6:10]
     finally:
         hierarchy.close()

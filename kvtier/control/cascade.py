@@ -15,11 +15,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections import deque as _consume
-from collections.abc import Collection, Sequence
-from itertools import compress, filterfalse, islice, repeat
-from operator import is_
+from collections.abc import Collection
+from itertools import filterfalse, islice
 
-from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies, pin_sources
+from kvtier.control.context import ControlContext
+from kvtier.control.jobs import Job, enter_copies, pin_sources
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
 
@@ -27,22 +27,15 @@ log = logging.getLogger(__name__)
 
 
 def split_below(tier: Tier, keys: list[OffloadKey]) -> list[OffloadKey]:
-    """The `keys` of `tier` not resident in the next tier, in order; those readable there are
-    recorded as clean (those being written there are neither). One C pass (`absent`) when the
-    next tier's policy has batch calls (`Tier.batch`), else a `get` per key."""
+    """The `keys` of `tier` not resident in the next tier, in order (`absent`); those readable
+    there are recorded as clean (those being written there are neither)."""
     below = tier.below
     assert below is not None
-    if below.batch:
-        absent = below.policy.absent(keys)
-        if len(absent) != len(keys):
-            get = below.policy.get
-            tier.clean.update(k for k in set(keys).difference(absent) if (b := get(k)) is not None and b.ref_cnt >= 0)
-        return absent
-    lower = list(map(below.policy.get, keys))
-    if lower.count(None) == len(lower):  # (new blocks are rarely below already)
-        return keys
-    tier.clean.update(k for k, b in zip(keys, lower) if b is not None and b.ref_cnt >= 0)
-    return list(compress(keys, map(is_, lower, repeat(None))))
+    absent = below.policy.absent(keys)
+    if len(absent) != len(keys):
+        readable = below.readable
+        tier.clean.update(k for k in set(keys).difference(absent) if readable(k) is not None)
+    return absent
 
 
 class Demotion(Job):
@@ -62,16 +55,17 @@ class Demotion(Job):
         src = self.src
         src.demoting -= len(self.keys)
         if src.cascade == "on_store":
-            src.write_failed.update(k for k in self.keys if src.policy.get(k) is not None)
+            src.write_failed.update(set(self.keys).difference(src.policy.absent(self.keys)))
 
 
 class Cascade:
     """The demotion controller of a chain of tiers: starts `Demotion` jobs and evicts for room."""
 
-    def __init__(self, tiers: Sequence[Tier], jobs: JobTable, events: EventLog):
-        self._jobs = jobs
-        self._events = events
-        self._write_through = [t for t in tiers[:-1] if t.cascade == "on_store"]
+    def __init__(self, ctx: ControlContext):
+        self._ctx = ctx
+        self._jobs = ctx.jobs
+        self._events = ctx.events
+        self._write_through = [t for t in ctx.tiers[:-1] if t.cascade == "on_store"]
 
     # ------------------------------------------------------------------ eviction
     def evict_for(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
@@ -174,11 +168,10 @@ class Cascade:
             evicted = None
         if evicted is None and self.make_room(lower, len(keys), protected) is None:
             return False
-        src_blocks, src_ids = pin_sources(tier, keys)  # readable: checked by callers
+        src_ids = pin_sources(tier, keys)  # readable: checked by callers
         tier.demoting += len(keys)
-        dst_blocks, dst_ids = enter_copies(lower, keys)  # being written: pinned
-        self._jobs.submit(Demotion(tier, lower, keys, src_blocks, dst_blocks, self._events,
-                                   src_ids=src_ids, dst_ids=dst_ids))
+        dst_ids = enter_copies(lower, keys)  # being written: pinned
+        self._jobs.submit(Demotion(self._ctx, tier, lower, keys, src_ids, dst_ids))
         return True
 
     # ------------------------------------------------------------------ on demand (standalone API)
@@ -194,9 +187,8 @@ class Cascade:
     def dirty_keys(self, tier: Tier) -> list[OffloadKey]:
         """`tier`'s readable blocks without a readable copy in the next tier (those found readable
         there are recorded as clean), in the policy's order."""
-        get, clean = tier.policy.get, tier.clean
-        keys = [k for k in list(tier.policy.keys())
-                if k not in clean and (b := get(k)) is not None and b.ref_cnt >= 0]
+        clean, readable = tier.clean, tier.readable
+        keys = [k for k in list(tier.policy.keys()) if k not in clean and readable(k) is not None]
         return split_below(tier, keys) if keys else []
 
     def flush_step(self, tier: Tier, limit: int, tried: set[OffloadKey]) -> int:
@@ -245,13 +237,12 @@ class Cascade:
         When the next tier has no room they stay at the head and `lower_full` is set."""
         assert tier.below is not None
         queue = tier.unwritten
-        batch = tier.batch and tier.below.batch
         started = False
         while queue:
             room = tier.demotion_room(burst)
             if room <= 0:
                 break
-            keys = (_ready_head(tier, queue, room) if batch else []) or _take_each(tier, queue, room)
+            keys = _take_head(tier, queue, room)
             if not keys:
                 continue
             if not self._start_demotion(tier, keys):
@@ -283,33 +274,16 @@ class Cascade:
         self.advance_writes()
 
 
-def _ready_head(tier: Tier, queue: OrderedDict[OffloadKey, None], room: int) -> list[OffloadKey]:
-    """The first `room` keys of `tier`'s write-through `queue`, taken from it, when every one is
-    readable in `tier` and absent from the next tier (the common case, checked in C loops by the
-    batch calls `readable_run` and `absent`); else [] and the queue unchanged (`_take_each`)."""
-    assert tier.below is not None
-    head = list(islice(queue, room))
-    if tier.policy.readable_run(head) != len(head) or len(tier.below.policy.absent(head)) != len(head):
-        return []
-    _consume(map(queue.pop, head), 0)
-    return head
-
-
-def _take_each(tier: Tier, queue: OrderedDict[OffloadKey, None], room: int) -> list[OffloadKey]:
+def _take_head(tier: Tier, queue: OrderedDict[OffloadKey, None], room: int) -> list[OffloadKey]:
     """Take keys from the head of `tier`'s write-through `queue` until `room` of them are readable
-    in `tier` and absent from the next tier (returned); the others leave the queue, those
-    readable below recorded as clean."""
-    assert tier.below is not None
-    get, lower_get = tier.policy.get, tier.below.policy.get
+    in `tier` and absent from the next tier (returned, in order); the others leave the queue,
+    those readable below recorded as clean (`split_below`). The common case (the first `room`
+    keys all qualify) is one `readable_run` and one `absent`."""
     keys: list[OffloadKey] = []
     while queue and len(keys) < room:
-        key = queue.popitem(last=False)[0]
-        block, below = get(key), lower_get(key)
-        if block is None or block.ref_cnt < 0:
-            continue
-        if below is not None:
-            if below.ref_cnt >= 0:
-                tier.clean.add(key)
-            continue
-        keys.append(key)
+        head = list(islice(queue, room - len(keys)))
+        _consume(map(queue.pop, head), 0)
+        if tier.policy.readable_run(head) != len(head):
+            head = [k for k in head if tier.readable(k) is not None]
+        keys += split_below(tier, head) if head else head
     return keys

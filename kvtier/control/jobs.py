@@ -1,14 +1,12 @@
 """Jobs the manager starts (copies between two tiers), the table of running ones, the event log.
 
-A `Job` knows its tiers and blocks; when the engine reports it, `finish(result)` releases the
-source pins, settles the destination blocks (readable, or removed on failure) and the byte
-counters, then lets the job type do its own bookkeeping (`landed` / `failed`).
-
-Each side of a job is held either as block objects (`src_blocks`, `dst_blocks`: what the
-policy's `get` returned, or what was inserted) or, for a tier whose policy has batch calls
-(`Tier.batch`), as slot ids only (`src_ids`, `dst_ids`): `pin_sources` and `enter_copies` take
-the pins and make the copies' blocks, `finish` settles them through `release_loads` and
-`mark_written`, with no block object or view per key.
+A `Job` knows its tiers, its keys and the slot ids of both sides: `pin_sources` pins the source
+blocks (`CachePolicy.pin_loads`) and `enter_copies` allocates and inserts the copies being written
+(`CachePolicy.insert_written`). When the engine reports the job, `finish(result)` releases the
+source pins (`release_loads`), settles the destination blocks (`mark_written`, or removed and
+freed on failure) and the byte counters, then lets the job type do its own bookkeeping (`landed`
+/ `failed`). No block object is kept: every policy answers these batch calls (`CachePolicy` has
+defaults for the pure-Python ones).
 """
 
 from __future__ import annotations
@@ -16,90 +14,54 @@ from __future__ import annotations
 import time
 from collections import deque as _consume
 from collections.abc import Iterator
-from itertools import compress, repeat
-from operator import add, attrgetter, not_
-from typing import cast
+from typing import TYPE_CHECKING
 
 from kvtier.control.tier import Tier
 from kvtier.engine import TransferEngine
 from kvtier.keys import OffloadKey
-from kvtier.specs import LoadStoreSpec
 from kvtier.types import BlockStatus, OffloadingEvent, TransferResult
 
-_ref_cnt = attrgetter("ref_cnt")
-# One side of a job: its blocks (key by key), or their slot ids (`Tier.batch`); the other is None.
-Side = tuple["list[BlockStatus] | None", "list[int] | None"]
+if TYPE_CHECKING:
+    from kvtier.control.context import ControlContext
 
 
-def pin_sources(tier: Tier, keys: list[OffloadKey]) -> Side:
-    """Pin readable blocks `keys` (distinct) of `tier` for a copy: `ref_cnt += 1` and `pin`.
-    Through the policy's `pin_loads` when `tier.batch` (the slot ids, no block object), else
-    key by key (the blocks); the caller checked that every key is readable."""
-    if tier.batch:
-        ids = tier.policy.pin_loads(keys)
-        if ids is not None:
-            return None, ids
-    blocks = cast("list[BlockStatus]", list(map(tier.policy.get, keys)))
-    # keys are distinct: one read and one write per block
-    _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, map(_ref_cnt, blocks), repeat(1))), 0)
-    tier.policy.pin(keys)
-    return blocks, None
+def pin_sources(tier: Tier, keys: list[OffloadKey]) -> list[int]:
+    """Pin readable blocks `keys` of `tier` for a copy (`CachePolicy.pin_loads`: `ref_cnt += 1`
+    and `pin`); their slot ids. The caller checked that every key is readable."""
+    ids = tier.policy.pin_loads(keys)
+    if ids is None:
+        raise KeyError(f"tier {tier.name}: a block to copy is not readable")
+    return ids
 
 
-def enter_copies(tier: Tier, keys: list[OffloadKey], tail_first: bool = False) -> Side:
+def enter_copies(tier: Tier, keys: list[OffloadKey], tail_first: bool = False) -> list[int]:
     """Allocate slots of `tier` for `keys` (distinct, absent there; the caller made room), in
-    their order, and insert them being written (`ref_cnt == -1`, pinned). Through the policy's
-    `insert_written` when `tier.batch` (the slot ids), else `insert_many` (the blocks). With
-    `tail_first` (a request's new blocks) they are inserted last key first, the last one named
-    as the request's tail (the `CachePolicy.insert_many` contract); copies have no tail.
+    their order, and insert them being written (`ref_cnt == -1`, pinned) through the policy's
+    `insert_written`; their slot ids. With `tail_first` (a request's new blocks) they are
+    inserted last key first, the last one named as the request's tail (the
+    `CachePolicy.insert_many` contract); copies have no tail.
 
     Atomic under a policy error: when inserting or pinning raises (a third-party policy refusing
     a key), the keys already inserted are removed, the slots freed, and the error propagates."""
     step, tail = (-1, keys[-1] if keys else None) if tail_first else (1, None)
-    if tier.batch:
-        ids = tier.backend.allocate_block_ids(keys)
-        try:
-            tier.policy.insert_written(keys[::step], ids[::step], tail=tail)
-        except BaseException:
-            _undo_enter(tier, keys)
-            tier.backend.free_block_ids(ids)
-            raise
-        return None, ids
-    blocks = tier.backend.allocate_blocks(keys)
+    ids = tier.backend.allocate_block_ids(keys)
     try:
-        tier.policy.insert_many(keys[::step], blocks[::step], tail=tail)
-        tier.policy.pin(keys)
+        tier.policy.insert_written(keys[::step], ids[::step], tail=tail)
     except BaseException:
         _undo_enter(tier, keys)
-        tier.backend.free_many(blocks)
+        tier.backend.free_block_ids(ids)
         raise
-    return blocks, None
+    return ids
 
 
 def _undo_enter(tier: Tier, keys: list[OffloadKey]) -> None:
     """Take out of `tier`'s policy those of `keys` (all absent before `enter_copies`) that a
     failed insert left resident, unpinned first (as `complete_store` drops a failed write)."""
-    inserted = [key for key in keys if tier.policy.get(key) is not None]
+    absent = set(tier.policy.absent(keys))
+    inserted = [key for key in keys if key not in absent]
     tier.policy.unpin(inserted)
     for key in inserted:
         tier.policy.remove(key)
-
-
-def side_spec(tier: Tier, keys: list[OffloadKey], side: Side) -> LoadStoreSpec:
-    """Where one side of a copy is in `tier`: from its blocks, or from its slot ids."""
-    blocks, ids = side
-    if blocks is not None:
-        return tier.backend.get_load_store_spec(keys, blocks)
-    return tier.backend.spec_for_ids(keys, cast("list[int]", ids))
-
-
-def _held(tier: Tier, keys: list[OffloadKey], blocks: list[BlockStatus]) -> list[BlockStatus]:
-    """The blocks `tier`'s policy holds for `keys`, inserted as `blocks`: `blocks` themselves,
-    or, from a policy that copied them (`CachePolicy.returns_views`), its views of the same slots."""
-    if not tier.policy.returns_views:
-        return blocks
-    get = tier.policy.get
-    return [v for v, b in zip(map(get, keys), blocks) if v is not None and v.block_id == b.block_id]
 
 
 class EventLog:
@@ -120,42 +82,30 @@ class EventLog:
 
 
 class Job:
-    """A copy of `keys` (distinct) from `src` (blocks pinned meanwhile) into new blocks of `dst`.
-    Each side is given as its blocks or, with `src_ids` / `dst_ids`, as slot ids (blocks None)."""
+    """A copy of `keys` (distinct) from `src` (slots `src_ids`, pinned meanwhile) into new blocks
+    of `dst` (slots `dst_ids`, being written); its events go to the context's log."""
 
     kind = "copy"
 
-    def __init__(self, src: Tier, dst: Tier, keys: list[OffloadKey], src_blocks: list[BlockStatus] | None,
-                 dst_blocks: list[BlockStatus] | None, events: EventLog, *,
-                 src_ids: list[int] | None = None, dst_ids: list[int] | None = None):
+    def __init__(self, ctx: ControlContext, src: Tier, dst: Tier, keys: list[OffloadKey], src_ids: list[int],
+                 dst_ids: list[int]):
         self.src, self.dst, self.keys = src, dst, keys
-        self.src_blocks, self.dst_blocks = src_blocks, dst_blocks
         self.src_ids, self.dst_ids = src_ids, dst_ids
-        self.events = events
+        self.events = ctx.events
 
     def source_blocks(self) -> list[BlockStatus]:
-        """The source blocks: those kept, or `BlockStatus`es of the slot ids kept (their
-        `block_id` is all they tell: for `Backend.still_valid` and comparisons)."""
-        return self.src_blocks if self.src_blocks is not None else BlockStatus.many(cast("list[int]", self.src_ids))
+        """`BlockStatus`es of the source slot ids (their `block_id` is all they tell: for
+        `Backend.still_valid` and comparisons)."""
+        return BlockStatus.many(self.src_ids)
 
     def finish(self, result: TransferResult) -> None:
         """Account for the engine's report of this job (called once)."""
         src, dst = self.src, self.dst
-        if self.src_blocks is None:
-            src.policy.release_loads(self.keys)  # (pinned by this job: resident)
-        else:
-            # C loops: `keys` are distinct, so each source block is in `src_blocks` once.
-            ref_cnts = list(map(add, map(_ref_cnt, self.src_blocks), repeat(-1)))
-            _consume(map(setattr, self.src_blocks, repeat("ref_cnt"), ref_cnts), 0)
-            src.policy.unpin(list(compress(self.keys, map(not_, ref_cnts))))
+        src.policy.release_loads(self.keys)  # (pinned by this job: resident)
         if result.success:
-            if self.dst_blocks is not None:
-                for block in _held(dst, self.keys, self.dst_blocks):  # (a loop writes a ctypes field faster)
-                    block.ref_cnt = 0
-                dst.policy.unpin(self.keys)
-            elif not dst.policy.mark_written(self.keys):  # (some block not being written any more)
+            if not dst.policy.mark_written(self.keys):  # (some block not being written any more)
                 get = dst.policy.get
-                for key, block_id in zip(self.keys, cast("list[int]", self.dst_ids)):
+                for key, block_id in zip(self.keys, self.dst_ids):
                     view = get(key)
                     if view is not None and view.block_id == block_id:
                         view.ref_cnt = 0
@@ -171,14 +121,8 @@ class Job:
             src.stats.failures += 1
             dst.stats.failures += 1
             dst.policy.unpin(self.keys)
-            remove = dst.policy.remove
-            if self.dst_blocks is None:
-                _consume(map(remove, self.keys), 0)
-                dst.backend.free_block_ids(cast("list[int]", self.dst_ids))
-            else:
-                for key, block in zip(self.keys, self.dst_blocks):
-                    remove(key)
-                    dst.backend.free(block)
+            _consume(map(dst.policy.remove, self.keys), 0)
+            dst.backend.free_block_ids(self.dst_ids)
             self.failed()
 
     def landed(self) -> None:
@@ -199,8 +143,8 @@ class JobTable:
         self._jobs: dict[int, Job] = {}
 
     def submit(self, job: Job) -> None:
-        src_spec = side_spec(job.src, job.keys, (job.src_blocks, job.src_ids))
-        dst_spec = side_spec(job.dst, job.keys, (job.dst_blocks, job.dst_ids))
+        src_spec = job.src.backend.spec_for_ids(job.keys, job.src_ids)
+        dst_spec = job.dst.backend.spec_for_ids(job.keys, job.dst_ids)
         job_id = self._engine.new_job_id()
         self._jobs[job_id] = job
         self._engine.submit(src_spec, dst_spec, job_id)

@@ -10,16 +10,15 @@ room for promotes the prefix that fits and refuses the rest.
 
 from __future__ import annotations
 
-import time
 from collections import deque as _consume
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable
 from itertools import islice, repeat, takewhile
+from time import monotonic
 
-from kvtier.control.cascade import Cascade
-from kvtier.control.jobs import EventLog, Job, JobTable, enter_copies
+from kvtier.control.context import ControlContext
+from kvtier.control.jobs import Job, enter_copies
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
-from kvtier.types import BlockStatus
 
 # How long a promotion's outcome is held for the engine, which acts on it within a step or two: a
 # refusal answers the key's next lookup with MISS only within it, and a block promoted and not
@@ -34,10 +33,9 @@ class Promotion(Job):
 
     kind = "promotion"
 
-    def __init__(self, promotions: Promotions, src: Tier, dst: Tier, keys: list[OffloadKey],
-                 src_blocks: list[BlockStatus] | None, dst_blocks: list[BlockStatus] | None, events: EventLog, *,
-                 src_ids: list[int] | None = None, dst_ids: list[int] | None = None):
-        super().__init__(src, dst, keys, src_blocks, dst_blocks, events, src_ids=src_ids, dst_ids=dst_ids)
+    def __init__(self, promotions: Promotions, src: Tier, keys: list[OffloadKey], src_ids: list[int],
+                 dst_ids: list[int]):
+        super().__init__(promotions.ctx, src, promotions.ctx.top, keys, src_ids, dst_ids)
         self.promotions = promotions
 
     def landed(self) -> None:
@@ -68,17 +66,20 @@ class Promotion(Job):
         self.promotions.refuse([key for key, _ in bad] if bad else self.keys)
 
 
-class Promotions:
-    """The promotion controller: which keys are being promoted, queued, or were refused."""
+EvictFor = Callable[[Tier, int, Collection[OffloadKey]], "list[OffloadKey] | None"]
 
-    def __init__(self, tiers: Sequence[Tier], jobs: JobTable, cascade: Cascade, events: EventLog,
-                 clock: Callable[[], float] = time.monotonic):
-        self._tiers = tiers
-        self._clock = clock
-        self._top = tiers[0]
-        self._jobs = jobs
-        self._cascade = cascade
-        self._events = events
+
+class Promotions:
+    """The promotion controller: which keys are being promoted, queued, or were refused. Room in
+    tier 0 is made by `evict_for` (`Cascade.evict_for`: eviction that respects the cascade). The
+    clock is this module's `monotonic` (tests replace it)."""
+
+    def __init__(self, ctx: ControlContext, evict_for: EvictFor):
+        self.ctx = ctx
+        self._tiers = ctx.tiers
+        self._top = ctx.top
+        self._jobs = ctx.jobs
+        self._evict_for = evict_for
         self.running: dict[OffloadKey, int] = {}  # key -> source tier index (queued or running)
         self.queue: dict[OffloadKey, None] = {}  # promotions to start at the end of the step
         self.refused: dict[OffloadKey, float] = {}  # key -> when refused: its next lookup within HOLD_S answers MISS
@@ -92,11 +93,11 @@ class Promotions:
     def take_refusal(self, key: OffloadKey) -> bool:
         """Whether the last promotion of `key` was refused less than `HOLD_S` ago (answered once)."""
         when = self.refused.pop(key, None)
-        return when is not None and when >= self._clock() - HOLD_S
+        return when is not None and when >= monotonic() - HOLD_S
 
     def refuse(self, keys: Iterable[OffloadKey]) -> None:
         """Answer the next lookup of each of `keys` with MISS (within `HOLD_S`)."""
-        now = self._clock()
+        now = monotonic()
         refused = self.refused
         for key in keys:
             refused.pop(key, None)  # re-inserted last: the dict stays in time order
@@ -105,7 +106,7 @@ class Promotions:
 
     def hold(self, keys: Iterable[OffloadKey]) -> None:
         """Keep `keys`, just promoted into tier 0, from other promotions' evictions for `HOLD_S`."""
-        now = self._clock()
+        now = monotonic()
         held = self.held
         keys = list(keys)  # (distinct) moved to the end, in order: the dict stays in time order
         _consume(map(held.pop, keys, repeat(None)), 0)
@@ -125,78 +126,56 @@ class Promotions:
 
     def flush(self) -> None:
         """Start the queued promotions, one job per source tier. Source blocks are pinned first:
-        making room in tier 0 may demote into (and so evict from) their tier. When tier 0 has no
-        room for all of them, the longest prefix of the queue (in request order) that fits is
-        started and only the rest is refused: a run longer than tier 0's room still comes up
-        from its first block (`_room`)."""
+        making room in tier 0 may demote into (and so evict from) their tier. A key no longer
+        readable in its source, or already in tier 0, is refused. When tier 0 has no room for
+        all of them, the longest prefix of the queue (in request order) that fits is started and
+        only the rest is refused: a run longer than tier 0's room still comes up from its first
+        block (`_room`)."""
         queue, self.queue = self.queue, {}
         keys = list(queue)
-        if keys and not self._flush_batch(keys):
-            self._flush_each(keys)
+        if not keys:
+            return
+        wanted, ids = self._pin(keys)
+        fit = self._room(self._top, wanted)
+        if fit < len(wanted):
+            for index, positions in _by_source(self.running, wanted[fit:]).items():
+                self._tiers[index].policy.release_loads([wanted[fit + p] for p in positions])
+            for key in wanted[fit:]:
+                self._refuse(key)
+        for index, positions in _by_source(self.running, wanted[:fit]).items():
+            self._start(self._tiers[index], [wanted[p] for p in positions], [ids[p] for p in positions])
 
-    def _flush_batch(self, keys: list[OffloadKey]) -> bool:
-        """`flush` for the common case, through the source policy's batch calls (`Tier.batch`):
-        every key from one source tier, readable there and absent from tier 0. False (nothing
-        changed) otherwise."""
+    def _pin(self, keys: list[OffloadKey]) -> tuple[list[OffloadKey], list[int]]:
+        """Pin the source blocks of the queued `keys` (held until their job ends: `Job.finish`
+        releases them, `pin_loads` per source tier); those to promote, in order, and their
+        source slot ids. The others (not readable in their source, or in tier 0) are refused."""
         running, top = self.running, self._top
-        index = running[keys[0]]
-        src = self._tiers[index]
-        if not src.batch or list(map(running.__getitem__, keys)).count(index) != len(keys):
-            return False
-        if len(top.policy.absent(keys)) != len(keys):
-            return False
-        src_ids = src.policy.pin_loads(keys)  # held until the job ends (`Job.finish` releases them)
-        if src_ids is None:  # (one not readable)
-            return False
-        fit = self._room(top, keys)
-        if fit < len(keys):
-            src.policy.release_loads(keys[fit:])
-            for key in keys[fit:]:
-                self._refuse(key)
-            keys, src_ids = keys[:fit], src_ids[:fit]
-        if keys:
-            self._start(src, keys, None, src_ids)
-        return True
-
-    def _flush_each(self, keys: list[OffloadKey]) -> None:
-        """`flush` key by key (several source tiers, keys to refuse, policies without batch calls)."""
-        top = self._top
-        wanted: list[tuple[OffloadKey, Tier, BlockStatus]] = []
+        absent = top.policy.absent(keys)
+        sources = _by_source(running, keys)
+        if len(absent) == len(keys) and len(sources) == 1:  # the common case: one C pass
+            ids = self._tiers[running[keys[0]]].policy.pin_loads(keys)
+            if ids is not None:
+                return keys, ids
+        free = set(absent)
+        wanted: list[OffloadKey] = []
         for key in keys:
-            src = self._tiers[self.running[key]]
-            block = src.policy.get(key)
-            if block is None or block.ref_cnt < 0 or top.policy.get(key) is not None:
+            if key in free and self._tiers[running[key]].readable(key) is not None:
+                wanted.append(key)
+            else:
                 self._refuse(key)
-                continue
-            block.ref_cnt += 1  # held until the job ends (`Job.finish` releases it)
-            wanted.append((key, src, block))
-        by_tier: dict[int, list[OffloadKey]] = {}
-        for key, src, _ in wanted:
-            by_tier.setdefault(src.index, []).append(key)
-        for index, pinned in by_tier.items():
-            self._tiers[index].policy.pin(pinned)
-        fit = self._room(top, [key for key, _, _ in wanted])
-        for key, src, block in wanted[fit:]:
-            block.ref_cnt -= 1
-            self._refuse(key)
-            if not block.ref_cnt:
-                src.policy.unpin([key])
-        jobs: dict[int, tuple[list[OffloadKey], list[BlockStatus]]] = {}
-        for key, src, block in wanted[:fit]:
-            entry = jobs.setdefault(src.index, ([], []))
-            entry[0].append(key)
-            entry[1].append(block)
-        for index, (started, src_blocks) in jobs.items():
-            self._start(self._tiers[index], started, src_blocks, None)
+        ids = [0] * len(wanted)
+        for index, positions in _by_source(running, wanted).items():
+            pinned = self._tiers[index].policy.pin_loads([wanted[p] for p in positions])
+            for p, block_id in zip(positions, pinned or ()):  # (readable: checked above)
+                ids[p] = block_id
+        return wanted, ids
 
-    def _start(self, src: Tier, keys: list[OffloadKey], src_blocks: list[BlockStatus] | None,
-               src_ids: list[int] | None) -> None:
+    def _start(self, src: Tier, keys: list[OffloadKey], src_ids: list[int]) -> None:
         """Insert copies of `keys` (pinned in `src`, room made) into tier 0 and start their job."""
         top = self._top
-        dst_blocks, dst_ids = enter_copies(top, keys)  # being written: pinned
+        dst_ids = enter_copies(top, keys)  # being written: pinned
         top.allocated_since_walk += len(keys)
-        self._jobs.submit(Promotion(self, src, top, keys, src_blocks, dst_blocks, self._events,
-                                    src_ids=src_ids, dst_ids=dst_ids))
+        self._jobs.submit(Promotion(self, src, keys, src_ids, dst_ids))
 
     def _room(self, top: Tier, keys: list[OffloadKey]) -> int:
         """Make room in tier 0 for the longest prefix of `keys` that can get it; its length.
@@ -209,16 +188,24 @@ class Promotions:
         if not keys:
             return 0
         held = self.held
-        _expire(held, self._clock() - HOLD_S, top.capacity)
+        _expire(held, monotonic() - HOLD_S, top.capacity)
         promoted = top.promoted_from
         small, large = (held, promoted) if len(held) <= len(promoted) else (promoted, held)
         kept = {key for key in small if key in large}  # (iterating the smaller: held can reach the capacity)
-        evict_for = self._cascade.evict_for
+        evict_for = self._evict_for
         return longest_fit(len(keys), lambda n: evict_for(top, n, kept.union(keys[:n])) is not None)
 
     def _refuse(self, key: OffloadKey) -> None:
         del self.running[key]
         self.refuse([key])
+
+
+def _by_source(running: dict[OffloadKey, int], keys: list[OffloadKey]) -> dict[int, list[int]]:
+    """Source tier index -> the positions of `keys` promoted from it (`running`), in order."""
+    sources: dict[int, list[int]] = {}
+    for pos, key in enumerate(keys):
+        sources.setdefault(running[key], []).append(pos)
+    return sources
 
 
 def longest_fit(n: int, make_room: Callable[[int], bool]) -> int:

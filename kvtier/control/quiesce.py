@@ -1,7 +1,7 @@
 """Bringing a hierarchy's control plane to rest: waiting for its jobs, flushing, shutting down.
 
 `Quiescer` holds no state of its own; it drives the manager's parts (`JobTable`, `Cascade`,
-`Promotions`, `SharedTier`) until the work they started has ended, and is what
+`Promotions`, `SharedTierProbes`) until the work they started has ended, and is what
 `HierarchyManager.wait_idle`, `flush` and `shutdown` do (their docstrings are the contracts).
 """
 
@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 from kvtier.control.cascade import Cascade
-from kvtier.control.jobs import JobTable
+from kvtier.control.context import ControlContext
 from kvtier.control.promotion import Promotions
-from kvtier.control.shared import SharedTier
-from kvtier.control.tier import Tier
+from kvtier.control.shared_probes import SharedTierProbes
 from kvtier.engine import TransferEngine
 from kvtier.errors import WaitTimeout
 from kvtier.keys import OffloadKey
@@ -36,11 +35,11 @@ def _left(deadline: float | None) -> float | None:
 class Quiescer:
     """Waits for the jobs a manager's controllers started, and runs its flush and shutdown."""
 
-    def __init__(self, tiers: Sequence[Tier], engine: TransferEngine, jobs: JobTable, cascade: Cascade,
-                 promotions: Promotions, shared: SharedTier | None):
-        self._tiers = tiers
+    def __init__(self, ctx: ControlContext, engine: TransferEngine, cascade: Cascade, promotions: Promotions,
+                 shared: SharedTierProbes | None):
+        self._tiers = ctx.tiers
         self._engine = engine
-        self._jobs = jobs
+        self._jobs = ctx.jobs
         self._cascade = cascade
         self._promotions = promotions
         self._shared = shared

@@ -4,19 +4,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections import deque as _consume
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
-from operator import itemgetter
-from typing import Any
+from typing import Any, cast
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.tiers.base import Backend
 from kvtier.types import DEFAULT_CASCADE, DEFAULT_RESERVE, BlockStatus
-
-_first = itemgetter(0)
-_second = itemgetter(1)
 
 
 @dataclass
@@ -33,7 +29,7 @@ class TierStats:
     cascade_dropped_full: int = 0  # of those (write-through): the next tier had no room or dropped its copy
     cascade_deferred: int = 0  # demotions not started at once because too many were in flight (backpressure)
     failures: int = 0  # failed jobs that wrote into this tier or read from it
-    # A shared tier (kvtier.control.shared); zero elsewhere:
+    # A shared tier (kvtier.control.shared_probes); zero elsewhere:
     publish_dropped: int = 0  # blocks not published: in-flight bound, slow writes, server down, no handle room
     probes: int = 0  # probe batches sent (at most one per scheduler step)
     probe_keys: int = 0  # keys in those batches
@@ -84,12 +80,6 @@ class Tier:
     lower_full: bool = field(default=False, init=False)  # the last copy tried found no room below
     promoted_from: dict[OffloadKey, int] = field(default_factory=dict, init=False, repr=False)
     stats: TierStats = field(default_factory=TierStats, init=False)
-    # Its policy's batch calls (`CachePolicy.batch_calls`) serve this tier's requests, copies and
-    # evictions: slot ids, no block object per key. Tests clear it to run the key-by-key paths.
-    batch: bool = field(default=False, init=False)
-
-    def __post_init__(self) -> None:
-        self.batch = bool(getattr(self.policy, "batch_calls", False))
 
     @property
     def capacity(self) -> int:
@@ -117,6 +107,19 @@ class Tier:
         block = self.policy.get(key)
         return block if block is not None and block.ref_cnt >= 0 else None
 
+    def being_written(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
+        """The `keys` whose block here is being written (`ref_cnt == -1`), in order, each once."""
+        get = self.policy.get
+        return [k for k in dict.fromkeys(keys) if (b := get(k)) is not None and b.ref_cnt == -1]
+
+    def discard_written(self, keys: list[OffloadKey]) -> None:
+        """Remove blocks `keys` (distinct, being written: a failed store) and free their slots."""
+        get = self.policy.get
+        ids = [cast(BlockStatus, get(k)).block_id for k in keys]
+        self.policy.unpin(keys)
+        _consume(map(self.policy.remove, keys), 0)
+        self.backend.free_block_ids(ids)
+
     def demotion_room(self, burst: int = 0) -> int:
         """How many more blocks may start a demotion now. A slow lower tier gets at most two
         reserves' worth in flight; a burst of `burst` blocks may start when none is."""
@@ -135,22 +138,13 @@ class Tier:
         """Evict `need` (> 0) blocks that are not pinned or `protected`; the evicted keys, or None
         (nothing changed) when the policy cannot find that many (`make_room` without the count
         of free slots)."""
-        if self.batch:  # (keys and slot ids: no block objects)
-            got = self.policy.evict_ids(need, protected)
-            if got is None:
-                return None
-            evicted, ids = got
-            if not evicted:
-                return []
-            self.backend.free_block_ids(ids)
-        else:
-            victims = self.policy.evict(need, protected)
-            if victims is None:
-                return None
-            if not victims:
-                return []
-            evicted = list(map(_first, victims))
-            self.backend.free_many(map(_second, victims))
+        got = self.policy.evict_ids(need, protected)  # (keys and slot ids: no block objects)
+        if got is None:
+            return None
+        evicted, ids = got
+        if not evicted:
+            return []
+        self.backend.free_block_ids(ids)
         if self.below is not None and self.cascade != "none":
             self._count_dropped(evicted)
         if self.clean:

@@ -49,20 +49,17 @@ class CachePolicy(ABC):
       and not updated later, and blocks are compared by `block_id`, not identity. A view is
       valid while its block stays resident; callers keep views only of pinned blocks, and settle
       blocks they inserted through `get` (see `kvtier.control.jobs.Job.finish`).
-    - Batch calls (optional): `readable_run`, `absent`, `insert_written`, `pin_loads`,
-      `release_loads`, `mark_written` and `evict_ids` do for a whole request what the manager
-      otherwise does key by key through `get`, `insert_many`, `evict`, the blocks' `ref_cnt` and
-      `pin`/`unpin`. The defaults here do exactly that; a policy that owns its data layout
-      overrides them with loops that make no block object or view and sets `batch_calls = True`.
-      The manager calls `absent` and `mark_written` for every policy (the defaults are its own
-      loops); the others only when `batch_calls` is set (its own loops over the blocks `get`
-      returns are faster for the other policies). An override must give the defaults' answers and side
-      effects, pin accounting included (tests/policies/test_lru_batch.py,
-      tests/test_manager_bulk.py).
+    - Batch calls: `readable_run`, `absent`, `insert_written`, `pin_loads`, `release_loads`,
+      `mark_written` and `evict_ids` do for a whole request what would otherwise take a `get`,
+      `insert_many`, `evict`, a `ref_cnt` change and `pin`/`unpin` per key; the manager drives
+      every policy through them only (one path). The defaults here are those loops; a policy
+      that owns its data layout overrides them with loops that make no block object or view and
+      sets `batch_calls = True`. An override must give the defaults' answers and side effects,
+      pin accounting included (tests/policies/test_lru_batch.py, tests/test_manager_bulk.py).
     """
 
     returns_views: bool = False  # get() returns views of the policy's own state (see above)
-    batch_calls: bool = False  # the manager uses the batch calls (see above)
+    batch_calls: bool = False  # the batch calls are overridden in C (see above)
     # The most blocks an instance can hold (None: no limit of its own); a tier's capacity is
     # checked against it by `config check` and the build (kvtier.limits).
     max_blocks: int | None = None

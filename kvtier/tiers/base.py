@@ -113,7 +113,7 @@ class Backend(ABC):
     persistent: ClassVar[bool] = False
     # True for a tier shared with other processes through a server (Valkey/Redis): it comes after
     # every local tier, is fed by publishing the first tier's stores and read by promotion into
-    # the first tier, never by the cascade (see `kvtier.control.shared`).
+    # the first tier, never by the cascade (see `kvtier.control.shared_probes`).
     shared: ClassVar[bool] = False
 
     def __init__(self, name: str | int = "", num_blocks: int | str = 0, block_bytes: int = 0,

@@ -93,7 +93,7 @@ class KVTierOffloadingManager(OffloadingManager):
         self.enable_events = enable_events
         self._last_counters: dict[str, dict[str, float]] = {}
         # token of the shared CPU region, sent with every spec: the worker maps only this region
-        self.region_token = getattr(self.manager.tiers[0].backend, "token", None)
+        self.region_token = getattr(hierarchy.first_backend, "token", None)
         self._lock = threading.RLock()
         # The engine's transfers not yet completed: keys being stored, keys pinned by loads (one
         # entry per pin). A cache reset moves them to the flushed ones, which the engine never
@@ -187,7 +187,7 @@ class KVTierOffloadingManager(OffloadingManager):
         return self.manager.has_pending_work()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        top = self.manager.tiers[0].name
+        top = self.hierarchy.first_tier.name
         for event in self.manager.take_events():
             yield _make_event(list(event.keys), to_vllm_medium(event.medium), event.removed,
                               None if event.tier == top else event.tier)
@@ -241,7 +241,7 @@ class KVTierOffloadingManager(OffloadingManager):
             stats.set_gauge(METRIC_PREFIX + "capacity_blocks", capacity, (tier,))
             stats.set_gauge(METRIC_PREFIX + "usage_perc", resident / capacity if capacity else 0.0, (tier,))
         sizes, self._allocation_sizes = self._allocation_sizes, []
-        record_first_tier(stats, self.manager.tiers[0], len(self._storing), sizes)
+        record_first_tier(stats, self.hierarchy.first_tier, len(self._storing), sizes)
         return stats
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:

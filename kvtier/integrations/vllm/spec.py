@@ -117,7 +117,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             # owner's pid) if another engine holds its claim, even once that engine's region name is gone.
             hierarchy = build_hierarchy(self.hierarchy_config, block_bytes=self.block_bytes, kv_caches=None,
                                         enable_events=enable_events)
-            region = hierarchy.manager.tiers[0].backend
+            region = hierarchy.first_backend
             assert isinstance(region, CPUBackend)  # vllm_hierarchy_config puts a cpu tier first
             if region.shm_name in _LOCAL_WORKER_REGIONS:
                 region.unpublish()  # the engine's worker runs in this process: it maps the region without a name

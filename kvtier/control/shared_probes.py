@@ -1,4 +1,4 @@
-"""The shared tier controller: publish on store, find before compute, failure is a miss.
+"""`SharedTierProbes`, the shared tier's controller: publish on store, find before compute, failure is a miss.
 
 A shared tier (`Backend.shared`: a `RemoteBlocks` backend such as `ValkeyBackend`) comes after
 every local tier and is not in the cascade chain. Its policy holds *handles*: keys this process
@@ -30,12 +30,12 @@ knows are on the server (published, or found by a probe); evicting one forgets i
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from time import monotonic, sleep
 from typing import Any, cast
 
-from kvtier.control.cascade import Cascade
-from kvtier.control.jobs import EventLog, Job, JobTable
+from kvtier.control.context import ControlContext
+from kvtier.control.jobs import Job, enter_copies, pin_sources
 from kvtier.control.promotion import Promotions, longest_fit
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
@@ -65,11 +65,10 @@ class Publish(Job):
 
     kind = "publish"
 
-    def __init__(self, shared: SharedTier, src: Tier, dst: Tier, keys: list[OffloadKey],
-                 src_blocks: list[BlockStatus], dst_blocks: list[BlockStatus], events: EventLog):
-        super().__init__(src, dst, keys, src_blocks, dst_blocks, events)
+    def __init__(self, shared: SharedTierProbes, keys: list[OffloadKey], src_ids: list[int], dst_ids: list[int]):
+        super().__init__(shared.ctx, shared.top, shared.tier, keys, src_ids, dst_ids)
         self.shared = shared
-        self.nbytes = len(keys) * dst.backend.block_bytes
+        self.nbytes = len(keys) * shared.backend.block_bytes
 
     def landed(self) -> None:
         shared, dst = self.shared, self.dst
@@ -92,16 +91,22 @@ class Publish(Job):
         self.shared.inflight_bytes -= self.nbytes
 
 
-class SharedTier:
-    """The controller of the hierarchy's shared tier (the module docstring says what it does)."""
+MakeRoom = Callable[[Tier, int, Collection[OffloadKey]], "list[OffloadKey] | None"]
 
-    def __init__(self, tiers: Sequence[Tier], jobs: JobTable, cascade: Cascade, promotions: Promotions,
-                 events: EventLog):
-        self.tier = tiers[-1]
-        self.top = tiers[0]
+
+class SharedTierProbes:
+    """The controller of the hierarchy's shared tier (the module docstring says what it does):
+    the last of `ctx.tiers`. Keys it finds are promoted through `promotions`; room for handles is
+    made by `make_room` (`Cascade.make_room`: evictions recorded as events)."""
+
+    def __init__(self, ctx: ControlContext, promotions: Promotions, make_room: MakeRoom):
+        self.ctx = ctx
+        self.tier = ctx.tiers[-1]
+        self.top = ctx.top
         self.backend: Any = self.tier.backend  # a RemoteBlocks
-        self.local = tiers[:-1]
-        self._jobs, self._cascade, self._promotions, self._events = jobs, cascade, promotions, events
+        self.local = ctx.tiers[:-1]
+        self._jobs, self._events = ctx.jobs, ctx.events
+        self._promotions, self._make_room = promotions, make_room
         self.pending: dict[OffloadKey, None] = {}  # keys to probe at the end of this step
         self.probing: dict[OffloadKey, float] = {}  # key -> deadline of its probe in flight
         self._batches: deque[tuple[float, list[OffloadKey]]] = deque()  # (deadline, keys) in send order
@@ -245,7 +250,7 @@ class SharedTier:
 
     def _room(self, keys: list[OffloadKey]) -> int:
         """Make room for handles of the longest prefix of `keys` that can get it; its length."""
-        make_room, tier = self._cascade.make_room, self.tier
+        make_room, tier = self._make_room, self.tier
         return longest_fit(len(keys), lambda n: make_room(tier, n, set(keys[:n])) is not None)
 
     def _negative(self, keys: list[OffloadKey], now: float) -> None:
@@ -303,20 +308,14 @@ class SharedTier:
             tier.stats.publish_dropped += len(new)
             return
         send = new[:room]
-        if self._cascade.make_room(tier, len(send), set(send)) is None:
+        if self._make_room(tier, len(send), set(send)) is None:
             tier.stats.publish_dropped += len(new)
             return
         tier.stats.publish_dropped += len(new) - len(send)
-        src_blocks = cast("list[BlockStatus]", [top.policy.get(k) for k in send])
-        for block in src_blocks:
-            block.ref_cnt += 1
-        top.policy.pin(send)
-        dst_blocks = backend.allocate_blocks(send)
-        tier.policy.insert_many(send, dst_blocks)
-        tier.policy.pin(send)  # being written
+        src_ids = pin_sources(top, send)  # (newly readable in the first tier)
+        dst_ids = enter_copies(tier, send)  # handles being written: pinned
         self.inflight_bytes += len(send) * backend.block_bytes
         per_job = -(-len(send) // max(1, backend.num_threads))
         for i in range(0, len(send), per_job):
             part = slice(i, i + per_job)
-            self._jobs.submit(Publish(self, top, tier, send[part], src_blocks[part], dst_blocks[part],
-                                      self._events))
+            self._jobs.submit(Publish(self, send[part], src_ids[part], dst_ids[part]))
