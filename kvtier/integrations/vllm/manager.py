@@ -22,6 +22,8 @@ from vllm.v1.kv_offload.base import (
 from kvtier.control.tier import TierStats
 from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, _to_vllm_spec, to_vllm_medium
 from kvtier.integrations.vllm.vllm_metrics import record_first_tier, record_lower_tier
+from kvtier.keys import GROUP_BYTES
+from kvtier.request_access import RequestAccesses, request_order
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -68,6 +70,24 @@ _GAUGES: dict[str, str] = {
 }
 
 
+# Policies for which a touch is recency only: a request's end touches every key it observed, the
+# ones it only stored too, as vLLM's LRU does. The others count a touch as a reuse (`arc` moves the
+# block to its frequent list, `sieve` sets its visited bit, `prefix-freq` counts it), so only the
+# keys the request reused are touched; its new blocks keep the place their insertion gave them.
+RECENCY_ONLY_POLICIES = frozenset({"lru"})
+
+
+def touches_insertions(policy: str | None) -> bool:
+    """Whether a request's end touches the keys it only stored (see `RECENCY_ONLY_POLICIES`)."""
+    return policy in RECENCY_ONLY_POLICIES
+
+
+def _several_groups(keys: list[OffloadKey]) -> bool:
+    """Whether `keys` name more than one KV-cache group (the group index ends every key)."""
+    group = keys[0][-GROUP_BYTES:]
+    return any(key[-GROUP_BYTES:] != group for key in keys)
+
+
 class KVTierOffloadingManager(OffloadingManager):
     """vLLM `OffloadingManager` over a kvtier `Hierarchy` (runs on the scheduler thread).
 
@@ -104,6 +124,9 @@ class KVTierOffloadingManager(OffloadingManager):
         self._flushed_loading: list[OffloadKey] = []
         # blocks allocated by each prepare_store since the last get_stats (vLLM's allocation histogram)
         self._allocation_sizes: list[int] = []
+        # Each open request's accesses, applied in one touch when it finishes (vLLM 0.32's recency).
+        self._accesses: RequestAccesses[OffloadKey] = RequestAccesses()
+        self._touch_insertions = touches_insertions(hierarchy.config.tiers[0].policy)
 
     @property
     def lock(self) -> threading.RLock:
@@ -127,9 +150,9 @@ class KVTierOffloadingManager(OffloadingManager):
         loading = self._loading
         for key in keys:
             loading[key] = loading.get(key, 0) + 1
-        # vLLM 0.32's connector never calls touch(): recency is the manager's business. A load is
-        # a reuse, so the loaded prefix becomes the most recently used (head first), as in replays.
-        self.manager.touch(keys, req_context)
+        # A load is a reuse, applied when the request finishes (vLLM 0.32's connector never
+        # calls touch(): recency is the manager's business, recorded per request).
+        self._accesses.record(keys, req_context, reused=keys)
         return _to_vllm_spec(spec, self.region_token)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -157,9 +180,23 @@ class KVTierOffloadingManager(OffloadingManager):
 
     # --- store
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        out = self.manager.prepare_store(list(keys), req_context)
+        """vLLM's `prepare_store`: the offer's readable keys count as the request's reuses, its
+        absent keys are the store candidates (recorded as the request's once stored). A call
+        naming several KV-cache groups is put in the request's order first (`request_order`:
+        by key position, then group), so that its tail-first insertion leaves each group's head
+        the most recent and the call's tails the least, as vLLM's order does."""
+        keys = list(keys)
+        if len(keys) > 1 and _several_groups(keys):
+            keys = request_order(keys, req_context)
+        top = self.manager.tiers[0].policy
+        ready = [key for key in keys if (block := top.get(key)) is not None and block.ref_cnt >= 0]
+        observed = set(self.manager.new_keys(keys)).union(ready)  # (not: blocks still being written)
+        accesses = self._accesses
+        accesses.record([key for key in keys if key in observed], req_context, reused=ready)
+        out = self.manager.prepare_store(keys, req_context)
         if out is None:
             return None
+        accesses.inserted(out.keys_to_store, req_context)
         self._storing.update(out.keys_to_store)
         if out.keys_to_store:
             self._allocation_sizes.append(len(out.keys_to_store))
@@ -178,6 +215,11 @@ class KVTierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        """The request's accesses, in its head-to-tail order, become the most recent (one
+        `touch`; see `kvtier.request_access` and `touches_insertions`)."""
+        keys = self._accesses.finish(req_context, insertions=self._touch_insertions)
+        if keys:
+            self.manager.touch(keys, req_context)
         self.manager.on_request_finished(req_context)
 
     def on_schedule_end(self, context: Any = None) -> None:
@@ -199,6 +241,7 @@ class KVTierOffloadingManager(OffloadingManager):
         self._flushed_storing |= self._storing
         self._flushed_loading.extend(k for k, n in self._loading.items() for _ in range(n))
         self._storing, self._loading = set(), {}
+        self._accesses.clear()
         self.manager.reset_cache()
 
     def on_reset_flushed(self) -> None:
