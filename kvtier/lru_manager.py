@@ -10,6 +10,7 @@ from kvtier.interfaces import OffloadingManager
 from kvtier.keys import OffloadKey
 from kvtier.request_access import RequestAccesses
 from kvtier.specs import LoadStoreSpec
+from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE, StoreThreshold
 from kvtier.tiers.base import Backend
 from kvtier.types import (
     BlockStatus,
@@ -30,11 +31,14 @@ class LRUOffloadingManager(OffloadingManager):
     blocks the request stored, in the request's head-to-tail order (`kvtier.request_access`), so
     that its head ends up the most recently used. `touch` still applies at once."""
 
-    def __init__(self, backend: Backend, enable_events: bool = False):
+    def __init__(self, backend: Backend, enable_events: bool = False, store_threshold: int = 0,
+                 max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE):
+        """`store_threshold`: offers before a block is stored (`kvtier.store_threshold`; 0: off)."""
         self.backend = backend
         self.blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self.events: list[OffloadingEvent] | None = [] if enable_events else None
         self.accesses: RequestAccesses[OffloadKey] = RequestAccesses()
+        self.store_threshold: StoreThreshold[OffloadKey] = StoreThreshold(store_threshold, max_tracker_size)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -70,6 +74,9 @@ class LRUOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         to_store = [key for key in keys if key not in self.blocks]
+        if self.store_threshold.enabled:
+            keys = self.store_threshold.admit(keys, set(to_store))
+            to_store = [key for key in keys if key not in self.blocks]
         ready = [key for key in keys if key in self.blocks and self.blocks[key].is_ready]
         self.accesses.record([key for key in keys if key not in self.blocks or self.blocks[key].is_ready],
                              req_context, reused=ready)
@@ -119,6 +126,10 @@ class LRUOffloadingManager(OffloadingManager):
         if self.events:
             yield from self.events
             self.events.clear()
+
+    def get_stats(self) -> dict | None:
+        """`stores_skipped` (cumulative) when the store threshold is on, else None."""
+        return {"stores_skipped": self.store_threshold.skipped} if self.store_threshold.enabled else None
 
     def reset_cache(self) -> None:
         self.accesses.clear()

@@ -111,3 +111,16 @@ def test_a_finished_request_is_applied_once():
     m.on_request_finished(second)
     m.on_request_finished(first)  # already applied: k[0] stays older than k[1]
     assert m.prepare_store([k[2]], CTX).evicted_keys == [k[0]]
+
+
+def test_store_threshold_keeps_one_time_blocks_out():
+    """vLLM's `store_threshold`: a new block is stored at its second offer; held blocks pass."""
+    m = LRUOffloadingManager(SlotBackend("cpu", 4, 0, block_size=16), store_threshold=2)
+    k = keys(3)
+    assert m.prepare_store(k[:2], CTX).keys_to_store == []
+    out = m.prepare_store(k[:3], CTX)
+    assert out.keys_to_store == k[:2]
+    m.complete_store(out.keys_to_store, CTX)
+    assert m.prepare_store(k[:3], CTX).keys_to_store == [k[2]]
+    assert m.get_stats() == {"stores_skipped": 3}
+    assert LRUOffloadingManager(SlotBackend("cpu", 4, 0, block_size=16)).get_stats() is None

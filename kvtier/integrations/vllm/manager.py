@@ -21,9 +21,10 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.control.tier import TierStats
 from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, _to_vllm_spec, to_vllm_medium
-from kvtier.integrations.vllm.vllm_metrics import record_first_tier, record_lower_tier
+from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED, record_first_tier, record_lower_tier
 from kvtier.keys import GROUP_BYTES
 from kvtier.request_access import RequestAccesses, request_order
+from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE, StoreThreshold
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -107,7 +108,10 @@ class KVTierOffloadingManager(OffloadingManager):
     re-enters it on the same thread does not deadlock.
     """
 
-    def __init__(self, hierarchy: Any, enable_events: bool = False):
+    def __init__(self, hierarchy: Any, enable_events: bool = False, store_threshold: int | None = None,
+                 max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE):
+        """`store_threshold`: offers before a block is stored (`kvtier.store_threshold`; None:
+        the hierarchy config's `store_threshold`); `max_tracker_size`: keys its table counts."""
         self.hierarchy = hierarchy
         self.manager = hierarchy.manager
         self.enable_events = enable_events
@@ -127,6 +131,9 @@ class KVTierOffloadingManager(OffloadingManager):
         # Each open request's accesses, applied in one touch when it finishes (vLLM 0.32's recency).
         self._accesses: RequestAccesses[OffloadKey] = RequestAccesses()
         self._touch_insertions = touches_insertions(hierarchy.config.tiers[0].policy)
+        threshold = hierarchy.config.store_threshold if store_threshold is None else store_threshold
+        self.store_threshold: StoreThreshold[OffloadKey] = StoreThreshold(threshold, max_tracker_size)
+        self._last_skipped = 0
 
     @property
     def lock(self) -> threading.RLock:
@@ -181,7 +188,8 @@ class KVTierOffloadingManager(OffloadingManager):
     # --- store
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """vLLM's `prepare_store`: the offer's readable keys count as the request's reuses, its
-        absent keys are the store candidates (recorded as the request's once stored). A call
+        absent keys are the store candidates (recorded as the request's once stored), less those
+        the store threshold skips (`kvtier.store_threshold`: never recorded, never stored). A call
         naming several KV-cache groups is put in the request's order first (`request_order`:
         by key position, then group), so that its tail-first insertion leaves each group's head
         the most recent and the call's tails the least, as vLLM's order does."""
@@ -189,8 +197,11 @@ class KVTierOffloadingManager(OffloadingManager):
         if len(keys) > 1 and _several_groups(keys):
             keys = request_order(keys, req_context)
         top = self.manager.tiers[0].policy
+        absent = set(self.manager.new_keys(keys))
+        if self.store_threshold.enabled:
+            keys = self.store_threshold.admit(keys, absent)
         ready = [key for key in keys if (block := top.get(key)) is not None and block.ref_cnt >= 0]
-        observed = set(self.manager.new_keys(keys)).union(ready)  # (not: blocks still being written)
+        observed = absent.union(ready)  # (not: blocks still being written)
         accesses = self._accesses
         accesses.record([key for key in keys if key in observed], req_context, reused=ready)
         out = self.manager.prepare_store(keys, req_context)
@@ -285,6 +296,10 @@ class KVTierOffloadingManager(OffloadingManager):
             stats.set_gauge(METRIC_PREFIX + "usage_perc", resident / capacity if capacity else 0.0, (tier,))
         sizes, self._allocation_sizes = self._allocation_sizes, []
         record_first_tier(stats, self.manager.tiers[0], len(self._storing), sizes)
+        if self.store_threshold.enabled:  # as vLLM: reported (0 included) only with a threshold
+            skipped = self.store_threshold.skipped
+            stats.increase_counter(STORES_SKIPPED, skipped - self._last_skipped)
+            self._last_skipped = skipped
         return stats
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
