@@ -199,3 +199,24 @@ def test_a_reset_forgets_open_requests():
     for policy in ("lru", "arc"):
         assert _replay(_adapter(policy, 2), script) == _replay(_vllm(policy, 2), script)
     assert _replay(_lru_manager("lru", 2), script) == _replay(_vllm("lru", 2), script)
+
+
+def test_a_hybrid_store_answers_in_the_offers_order():
+    """vLLM's scheduler lists a store job's engine blocks group after group and pairs them with the
+    answer's slots in order: the keys to store (and their slots) keep the offer's order, though
+    they are inserted one prefix per group. Each key's slot is the one a later load of it reads."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    manager = _adapter("lru", 8)
+    offer = [_parse(n) for n in ("a", "b", "c", "a/1", "b/1", "c/1")]
+    ctx = ReqContext("r")
+    for group in (0, 1):
+        for i, name in enumerate("abc"):
+            ctx.set_offload_key_position(_key(name, group), (i + 1) * TOKENS)
+    out = manager.prepare_store(offer, ctx)
+    assert out.keys_to_store == offer
+    manager.complete_store(offer, ctx)
+    slots = dict(zip(offer, out.store_spec.block_ids))
+    assert len(set(slots.values())) == len(offer)
+    for key in offer:
+        assert list(manager.prepare_load([key], ctx).block_ids) == [slots[key]]

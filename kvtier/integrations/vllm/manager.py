@@ -89,6 +89,15 @@ def _several_groups(keys: list[OffloadKey]) -> bool:
     return any(key[-GROUP_BYTES:] != group for key in keys)
 
 
+def _in_offer_order(out: Any, offer: list[OffloadKey]) -> Any:
+    """kvtier's `prepare_store` answer `out` with its keys to store, and their slots in its CPU
+    spec, put in the order of `offer` (the same keys and slots)."""
+    slots = dict(zip(out.keys_to_store, out.store_spec.block_ids))
+    keys = [key for key in offer if key in slots]
+    spec = type(out.store_spec)([slots[key] for key in keys], out.store_spec.tier)
+    return dataclasses.replace(out, keys_to_store=keys, store_spec=spec)
+
+
 class KVTierOffloadingManager(OffloadingManager):
     """vLLM `OffloadingManager` over a kvtier `Hierarchy` (runs on the scheduler thread).
 
@@ -192,10 +201,11 @@ class KVTierOffloadingManager(OffloadingManager):
         the store threshold skips (`kvtier.store_threshold`: never recorded, never stored). A call
         naming several KV-cache groups is put in the request's order first (`request_order`:
         by key position, then group), so that its tail-first insertion leaves each group's head
-        the most recent and the call's tails the least, as vLLM's order does."""
-        keys = list(keys)
-        if len(keys) > 1 and _several_groups(keys):
-            keys = request_order(keys, req_context)
+        the most recent and the call's tails the least, as vLLM's order does; the answer still
+        lists the keys to store (and their slots) in the offer's order, group after group, the
+        order in which vLLM's scheduler lists the engine blocks of the store job."""
+        offer = list(keys)
+        keys = request_order(offer, req_context) if len(offer) > 1 and _several_groups(offer) else offer
         top = self.manager.tiers[0].policy
         absent = set(self.manager.new_keys(keys))
         if self.store_threshold.enabled:
@@ -211,6 +221,8 @@ class KVTierOffloadingManager(OffloadingManager):
         self._storing.update(out.keys_to_store)
         if out.keys_to_store:
             self._allocation_sizes.append(len(out.keys_to_store))
+        if keys is not offer:
+            out = _in_offer_order(out, offer)
         return PrepareStoreOutput(keys_to_store=list(out.keys_to_store),
                                   store_spec=_to_vllm_spec(out.store_spec, self.region_token),
                                   evicted_keys=list(out.evicted_keys))
