@@ -21,21 +21,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import Any, Generic, TypeVar
 
-from kvtier.keys import OffloadKey, get_offload_group_idx
+from kvtier.keys import GROUP_BYTES
 
+# The group index's bytes of a key (C-level `map` over a request's keys).
+group_bytes = itemgetter(slice(-GROUP_BYTES, None))
 # kvtier's `OffloadKey` or vLLM's (the same bytes: a block hash, then the 4-byte group index)
 K = TypeVar("K", bound=bytes)
 
 
 @dataclass(slots=True)
 class RequestAccess(Generic[K]):
-    """The keys one request observed: per KV-cache group in the order first seen, and which of
-    them it stored and which it reused."""
+    """The keys one request observed, in the order first seen, and which of them it stored and
+    which it reused."""
 
-    key_groups: dict[int, list[K]] = field(default_factory=dict)
-    seen: set[K] = field(default_factory=set)
+    observed: dict[K, None] = field(default_factory=dict)  # (an ordered set)
     inserted: set[K] = field(default_factory=set)
     reused: set[K] = field(default_factory=set)
 
@@ -46,17 +48,35 @@ def request_order(keys: Iterable[K], req_context: Any) -> list[K]:
     by the end-token position the scheduler recorded for each key (a stable sort, so keys of
     several groups at one position stay in group order). Without a position for every key, the
     grouped order."""
-    groups: dict[int, list[K]] = {}
+    return _by_position(_grouped(keys), req_context)
+
+
+def _grouped(keys: Iterable[K]) -> list[K]:
+    """`keys` one KV-cache group after another, lowest index first, each group in the given order
+    (the index is big-endian and of fixed width, so its bytes sort as the number does)."""
+    keys = list(keys)
+    if not keys:
+        return keys
+    if len(set(map(group_bytes, keys))) == 1:  # one group (always, but hybrid models)
+        return keys
+    groups: dict[bytes, list[K]] = {}
     for key in keys:
-        groups.setdefault(get_offload_group_idx(OffloadKey(key)), []).append(key)
-    ordered = [key for index in sorted(groups) for key in groups[index]]
+        groups.setdefault(key[-GROUP_BYTES:], []).append(key)
+    return [key for suffix in sorted(groups) for key in groups[suffix]]
+
+
+def _by_position(keys: list[K], req_context: Any) -> list[K]:
+    """`keys` stably sorted by their recorded positions, when every key has one."""
     position = getattr(req_context, "get_offload_key_position", None)
-    if position is None or not ordered:
-        return ordered
-    positions = {key: pos for key in ordered if (pos := position(key)) is not None}
-    if len(positions) == len(ordered):
-        ordered.sort(key=positions.__getitem__)
-    return ordered
+    if position is None or len(keys) < 2:
+        return keys
+    positions = list(map(position, keys))
+    if None in positions:
+        return keys
+    in_order = sorted(positions)
+    if positions == in_order:  # (usually: a request's keys arrive head first)
+        return keys
+    return [keys[i] for i in sorted(range(len(keys)), key=positions.__getitem__)]
 
 
 class RequestAccesses(Generic[K]):
@@ -84,12 +104,11 @@ class RequestAccesses(Generic[K]):
         """Note that the request observed `keys`; `reused` of them were readable and read or
         offered again (those the request stored itself do not count)."""
         access = self.get(req_context)
-        seen, groups = access.seen, access.key_groups
-        for key in keys:
-            if key not in seen:
-                seen.add(key)
-                groups.setdefault(get_offload_group_idx(OffloadKey(key)), []).append(key)
-        access.reused.update(key for key in reused if key not in access.inserted)
+        access.observed.update(dict.fromkeys(keys))
+        if access.inserted:
+            access.reused.update(set(reused).difference(access.inserted))
+        else:
+            access.reused.update(reused)
 
     def inserted(self, keys: Iterable[K], req_context: Any) -> None:
         """Note that `keys` were stored for the request (allocated by its `prepare_store`)."""
@@ -103,10 +122,10 @@ class RequestAccesses(Generic[K]):
         access = self._requests.pop(req_context.req_id, None)
         if access is None:
             return []
-        keys = [key for index in sorted(access.key_groups) for key in access.key_groups[index]]
+        keys = _grouped(access.observed)
         if not insertions:
             keys = [key for key in keys if key in access.reused]
-        return request_order(keys, req_context)
+        return _by_position(keys, req_context)
 
     def clear(self) -> None:
         """Forget every open request (`reset_cache`)."""

@@ -22,8 +22,7 @@ from vllm.v1.kv_offload.base import (
 from kvtier.control.tier import TierStats
 from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, _to_vllm_spec, to_vllm_medium
 from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED, record_first_tier, record_lower_tier
-from kvtier.keys import GROUP_BYTES
-from kvtier.request_access import RequestAccesses, request_order
+from kvtier.request_access import RequestAccesses, group_bytes, request_order
 from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE, StoreThreshold
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
@@ -85,8 +84,7 @@ def touches_insertions(policy: str | None) -> bool:
 
 def _several_groups(keys: list[OffloadKey]) -> bool:
     """Whether `keys` name more than one KV-cache group (the group index ends every key)."""
-    group = keys[0][-GROUP_BYTES:]
-    return any(key[-GROUP_BYTES:] != group for key in keys)
+    return len(set(map(group_bytes, keys))) > 1
 
 
 def _in_offer_order(out: Any, offer: list[OffloadKey]) -> Any:
@@ -210,10 +208,14 @@ class KVTierOffloadingManager(OffloadingManager):
         absent = set(self.manager.new_keys(keys))
         if self.store_threshold.enabled:
             keys = self.store_threshold.admit(keys, absent)
-        ready = [key for key in keys if (block := top.get(key)) is not None and block.ref_cnt >= 0]
-        observed = absent.union(ready)  # (not: blocks still being written)
         accesses = self._accesses
-        accesses.record([key for key in keys if key in observed], req_context, reused=ready)
+        if len(absent) == len(keys):  # (the common case: nothing held yet)
+            accesses.record(keys, req_context)
+        else:
+            ready = [key for key in keys
+                     if key not in absent and (block := top.get(key)) is not None and block.ref_cnt >= 0]
+            observed = absent.union(ready)  # (not: blocks still being written)
+            accesses.record([key for key in keys if key in observed], req_context, reused=ready)
         out = self.manager.prepare_store(keys, req_context)
         if out is None:
             return None
