@@ -124,6 +124,7 @@ class HierarchyConfig:
     block_tokens: int = DEFAULT_BLOCK_TOKENS
     block_bytes: int | None = None
     source: str = "<dict>"
+    store_threshold: int = 0  # offers before a block is stored (kvtier.store_threshold); <2: off
 
     def __post_init__(self) -> None:
         tiers = tuple(t if t.policy is not None else replace(t, policy=default_policy(i))
@@ -133,7 +134,7 @@ class HierarchyConfig:
     def with_capacities(self, first_tier_blocks: int) -> HierarchyConfig:
         """A copy whose first tier holds `first_tier_blocks` blocks (capacity sweeps)."""
         first = TierConfig(**{**self.tiers[0].__dict__, "capacity": Capacity(blocks=first_tier_blocks)})
-        return HierarchyConfig((first, *self.tiers[1:]), self.block_tokens, self.block_bytes, self.source)
+        return replace(self, tiers=(first, *self.tiers[1:]))
 
 
 # name -> (default or REQUIRED, validator(value) -> normalised value, raising ValueError)
@@ -143,6 +144,12 @@ def _positive_int(most: int):
             raise ValueError(f"expected a positive integer up to {most}, got {brief(v)}")
         return v
     return check
+
+
+def _store_threshold(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= 1 << 20:
+        raise ValueError(f"expected 0 (off) or a number of offers up to {1 << 20}, got {brief(v)}")
+    return v
 
 
 def _fraction(v: Any) -> float:
@@ -176,6 +183,7 @@ TOP_FIELDS: dict[str, tuple[Any, Any]] = {
     "block_tokens": (DEFAULT_BLOCK_TOKENS, _positive_int(MAX_BLOCK_TOKENS)),
     "block_bytes": (None, parse_size),
     "tiers": (REQUIRED, None),
+    "store_threshold": (0, _store_threshold),
 }
 
 TIER_FIELDS: dict[str, tuple[Any, Any]] = {
@@ -368,7 +376,7 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
         _check_handlers(tiers, backend_classes, problems)
     if problems.items:
         raise problems.error()
-    return HierarchyConfig(tuple(tiers), top["block_tokens"], block_bytes, source)
+    return HierarchyConfig(tuple(tiers), top["block_tokens"], block_bytes, source, top["store_threshold"])
 
 
 def _check_blocks(i: int, tier: TierConfig, backend_cls, policy_cls, block_bytes: int | None,

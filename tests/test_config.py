@@ -52,6 +52,7 @@ BROKEN = [
     ("block_tokens: -4\n" + tiers(GOOD_TIER, head=""), "block_tokens", "positive integer"),
     ("block_tokens: many\n" + tiers(GOOD_TIER, head=""), "block_tokens", "positive integer"),
     ("block_bytes: 2MB\n" + tiers(GOOD_TIER, head=""), "block_bytes", "did you mean '2MiB'"),
+    ("store_threshold: -1\n" + tiers(GOOD_TIER, head=""), "store_threshold", "0 (off) or a number of offers"),
     ("blocks_tokens: 4\n" + tiers(GOOD_TIER, head=""), "blocks_tokens", "did you mean 'block_tokens'"),
     (tiers(GOOD_TIER, "{name: far, backend: tests.test_config:NoHandlerBackend, capacity: 8 blocks}"),
      "tiers[0].cascade", "no handler moves blocks"),

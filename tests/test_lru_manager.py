@@ -82,3 +82,45 @@ def test_prepare_store_answers_none_when_only_the_calls_own_keys_could_go():
     m.complete_store(m.prepare_store(k[:1], CTX).keys_to_store, CTX)
     assert m.prepare_store([k[0], k[1]], CTX) is None
     assert m.lookup(k[0], CTX) is LookupResult.HIT
+
+
+def test_a_requests_loads_become_recent_when_it_finishes():
+    """vLLM 0.32's recency: a load is applied at `on_request_finished`, not when it happens."""
+    m = make(capacity=3)
+    k = keys(5)
+    writer, reader = ReqContext("w"), ReqContext("r")
+    m.complete_store(m.prepare_store(k[:3], writer).keys_to_store, writer)
+    m.on_request_finished(writer)  # head first: k[2] is the least recently used, k[0] the most
+    m.prepare_load([k[2]], reader)
+    m.complete_load([k[2]], reader)
+    assert m.prepare_store([k[3]], ReqContext("x")).evicted_keys == [k[2]]  # reader still running
+    m.prepare_load([k[1]], reader)
+    m.complete_load([k[1]], reader)
+    m.on_request_finished(reader)
+    assert m.prepare_store([k[4]], ReqContext("y")).evicted_keys == [k[0]]
+
+
+def test_a_finished_request_is_applied_once():
+    """A request's end touches its blocks once; a second call for it changes nothing."""
+    m = make(capacity=2)
+    k = keys(3)
+    first, second = ReqContext("a"), ReqContext("b")
+    m.complete_store(m.prepare_store(k[:1], first).keys_to_store, first)
+    m.complete_store(m.prepare_store(k[1:2], second).keys_to_store, second)
+    m.on_request_finished(first)
+    m.on_request_finished(second)
+    m.on_request_finished(first)  # already applied: k[0] stays older than k[1]
+    assert m.prepare_store([k[2]], CTX).evicted_keys == [k[0]]
+
+
+def test_store_threshold_keeps_one_time_blocks_out():
+    """vLLM's `store_threshold`: a new block is stored at its second offer; held blocks pass."""
+    m = LRUOffloadingManager(SlotBackend("cpu", 4, 0, block_size=16), store_threshold=2)
+    k = keys(3)
+    assert m.prepare_store(k[:2], CTX).keys_to_store == []
+    out = m.prepare_store(k[:3], CTX)
+    assert out.keys_to_store == k[:2]
+    m.complete_store(out.keys_to_store, CTX)
+    assert m.prepare_store(k[:3], CTX).keys_to_store == [k[2]]
+    assert m.get_stats() == {"stores_skipped": 3}
+    assert LRUOffloadingManager(SlotBackend("cpu", 4, 0, block_size=16)).get_stats() is None

@@ -188,20 +188,23 @@ def test_manager_calls_do_not_wait_for_the_file_tier(spec, monkeypatch):
     assert m.tier_stats()["disk"]["stores"] > 0
 
 
-def test_a_load_makes_its_blocks_most_recently_used(spec):
-    """vLLM's connector never calls touch(); the adapter applies a load's recency itself, so a
-    reused block outlives blocks stored after it."""
+def test_a_load_makes_its_blocks_most_recently_used_when_its_request_ends(spec):
+    """vLLM's connector never calls touch(); the adapter applies a request's loads when the
+    request ends (as vLLM 0.32 does), so a reused block then outlives blocks stored after it."""
     from vllm.v1.kv_offload.base import ReqContext
 
     m = spec.get_manager()
-    ctx = ReqContext("r-lru")
     first, later = _keys(2), _keys(2, start=10)
-    for group in (first, later):  # the CPU tier (4 blocks) is now full: first is the oldest
+    for i, group in enumerate((first, later)):  # the CPU tier (4 blocks) is now full: first is the oldest
+        ctx = ReqContext(f"r-store-{i}")
         m.complete_store(m.prepare_store(group, ctx).keys_to_store, ctx)
+        m.on_request_finished(ctx)
         _settle(m)  # written through to the file tier: nothing pinned
+    ctx = ReqContext("r-lru")
     m.prepare_load(first, ctx)
     m.complete_load(first, ctx)
-    out = m.prepare_store(_keys(2, start=20), ctx)
+    m.on_request_finished(ctx)
+    out = m.prepare_store(_keys(2, start=20), ReqContext("r-new"))
     assert out is not None and sorted(out.evicted_keys) == sorted(later)
     _settle(m)
 

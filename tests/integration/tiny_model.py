@@ -26,14 +26,17 @@ def _corpus(n_words: int = 4000, seed: int = 0) -> list[str]:
 
 def build_tiny_model(out_dir: str | Path, *, hidden_size: int = 256, num_layers: int = 2, num_heads: int = 4,
                      num_kv_heads: int = 2, intermediate_size: int | None = None, max_positions: int = 4096,
-                     seed: int = 0) -> Path:
+                     seed: int = 0, extra_config: dict | None = None) -> Path:
     """Write a random `LlamaForCausalLM` (float32) and its tokenizer to `out_dir`; returns the path.
 
+    `extra_config`: more fields of the model's config.json (e.g. `layer_types` and
+    `sliding_window`, which vLLM's Llama reads: a hybrid model with two KV-cache groups).
     Reuses the folder when it already holds a model built with the same arguments."""
     out = Path(out_dir)
     stamp = {"hidden_size": hidden_size, "num_layers": num_layers, "num_heads": num_heads,
              "num_kv_heads": num_kv_heads, "intermediate_size": intermediate_size,
-             "max_positions": max_positions, "seed": seed, "vocab": VOCAB_SIZE}
+             "max_positions": max_positions, "seed": seed, "vocab": VOCAB_SIZE, **({"extra": extra_config}
+                                                                                      if extra_config else {})}
     stamp_file = out / "kvtier_tiny_model.json"
     if stamp_file.exists() and json.loads(stamp_file.read_text()) == stamp:
         return out
@@ -56,7 +59,7 @@ def build_tiny_model(out_dir: str | Path, *, hidden_size: int = 256, num_layers:
         vocab_size=VOCAB_SIZE, hidden_size=hidden_size, intermediate_size=intermediate_size or 2 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=max_positions, bos_token_id=fast.bos_token_id, eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32",
+        pad_token_id=fast.pad_token_id, tie_word_embeddings=False, torch_dtype="float32", **(extra_config or {}),
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

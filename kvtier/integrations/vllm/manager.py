@@ -21,7 +21,9 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.control.tier import TierStats
 from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, _to_vllm_spec, to_vllm_medium
-from kvtier.integrations.vllm.vllm_metrics import record_first_tier, record_lower_tier
+from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED, record_first_tier, record_lower_tier
+from kvtier.request_access import RequestAccesses, group_bytes, request_order
+from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE, StoreThreshold
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -68,6 +70,32 @@ _GAUGES: dict[str, str] = {
 }
 
 
+# Policies for which a touch is recency only: a request's end touches every key it observed, the
+# ones it only stored too, as vLLM's LRU does. The others count a touch as a reuse (`arc` moves the
+# block to its frequent list, `sieve` sets its visited bit, `prefix-freq` counts it), so only the
+# keys the request reused are touched; its new blocks keep the place their insertion gave them.
+RECENCY_ONLY_POLICIES = frozenset({"lru"})
+
+
+def touches_insertions(policy: str | None) -> bool:
+    """Whether a request's end touches the keys it only stored (see `RECENCY_ONLY_POLICIES`)."""
+    return policy in RECENCY_ONLY_POLICIES
+
+
+def _several_groups(keys: list[OffloadKey]) -> bool:
+    """Whether `keys` name more than one KV-cache group (the group index ends every key)."""
+    return len(set(map(group_bytes, keys))) > 1
+
+
+def _in_offer_order(out: Any, offer: list[OffloadKey]) -> Any:
+    """kvtier's `prepare_store` answer `out` with its keys to store, and their slots in its CPU
+    spec, put in the order of `offer` (the same keys and slots)."""
+    slots = dict(zip(out.keys_to_store, out.store_spec.block_ids))
+    keys = [key for key in offer if key in slots]
+    spec = type(out.store_spec)([slots[key] for key in keys], out.store_spec.tier)
+    return dataclasses.replace(out, keys_to_store=keys, store_spec=spec)
+
+
 class KVTierOffloadingManager(OffloadingManager):
     """vLLM `OffloadingManager` over a kvtier `Hierarchy` (runs on the scheduler thread).
 
@@ -87,7 +115,10 @@ class KVTierOffloadingManager(OffloadingManager):
     re-enters it on the same thread does not deadlock.
     """
 
-    def __init__(self, hierarchy: Any, enable_events: bool = False):
+    def __init__(self, hierarchy: Any, enable_events: bool = False, store_threshold: int | None = None,
+                 max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE):
+        """`store_threshold`: offers before a block is stored (`kvtier.store_threshold`; None:
+        the hierarchy config's `store_threshold`); `max_tracker_size`: keys its table counts."""
         self.hierarchy = hierarchy
         self.manager = hierarchy.manager
         self.enable_events = enable_events
@@ -104,6 +135,12 @@ class KVTierOffloadingManager(OffloadingManager):
         self._flushed_loading: list[OffloadKey] = []
         # blocks allocated by each prepare_store since the last get_stats (vLLM's allocation histogram)
         self._allocation_sizes: list[int] = []
+        # Each open request's accesses, applied in one touch when it finishes (vLLM 0.32's recency).
+        self._accesses: RequestAccesses[OffloadKey] = RequestAccesses()
+        self._touch_insertions = touches_insertions(hierarchy.config.tiers[0].policy)
+        threshold = hierarchy.config.store_threshold if store_threshold is None else store_threshold
+        self.store_threshold: StoreThreshold[OffloadKey] = StoreThreshold(threshold, max_tracker_size)
+        self._last_skipped = 0
 
     @property
     def lock(self) -> threading.RLock:
@@ -127,9 +164,9 @@ class KVTierOffloadingManager(OffloadingManager):
         loading = self._loading
         for key in keys:
             loading[key] = loading.get(key, 0) + 1
-        # vLLM 0.32's connector never calls touch(): recency is the manager's business. A load is
-        # a reuse, so the loaded prefix becomes the most recently used (head first), as in replays.
-        self.manager.touch(keys, req_context)
+        # A load is a reuse, applied when the request finishes (vLLM 0.32's connector never
+        # calls touch(): recency is the manager's business, recorded per request).
+        self._accesses.record(keys, req_context, reused=keys)
         return _to_vllm_spec(spec, self.region_token)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -157,12 +194,37 @@ class KVTierOffloadingManager(OffloadingManager):
 
     # --- store
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        out = self.manager.prepare_store(list(keys), req_context)
+        """vLLM's `prepare_store`: the offer's readable keys count as the request's reuses, its
+        absent keys are the store candidates (recorded as the request's once stored), less those
+        the store threshold skips (`kvtier.store_threshold`: never recorded, never stored). A call
+        naming several KV-cache groups is put in the request's order first (`request_order`:
+        by key position, then group), so that its tail-first insertion leaves each group's head
+        the most recent and the call's tails the least, as vLLM's order does; the answer still
+        lists the keys to store (and their slots) in the offer's order, group after group, the
+        order in which vLLM's scheduler lists the engine blocks of the store job."""
+        offer = list(keys)
+        keys = request_order(offer, req_context) if len(offer) > 1 and _several_groups(offer) else offer
+        top = self.manager.tiers[0].policy
+        absent = set(self.manager.new_keys(keys))
+        if self.store_threshold.enabled:
+            keys = self.store_threshold.admit(keys, absent)
+        accesses = self._accesses
+        if len(absent) == len(keys):  # (the common case: nothing held yet)
+            accesses.record(keys, req_context)
+        else:
+            ready = [key for key in keys
+                     if key not in absent and (block := top.get(key)) is not None and block.ref_cnt >= 0]
+            observed = absent.union(ready)  # (not: blocks still being written)
+            accesses.record([key for key in keys if key in observed], req_context, reused=ready)
+        out = self.manager.prepare_store(keys, req_context)
         if out is None:
             return None
+        accesses.inserted(out.keys_to_store, req_context)
         self._storing.update(out.keys_to_store)
         if out.keys_to_store:
             self._allocation_sizes.append(len(out.keys_to_store))
+        if keys is not offer:
+            out = _in_offer_order(out, offer)
         return PrepareStoreOutput(keys_to_store=list(out.keys_to_store),
                                   store_spec=_to_vllm_spec(out.store_spec, self.region_token),
                                   evicted_keys=list(out.evicted_keys))
@@ -178,6 +240,11 @@ class KVTierOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        """The request's accesses, in its head-to-tail order, become the most recent (one
+        `touch`; see `kvtier.request_access` and `touches_insertions`)."""
+        keys = self._accesses.finish(req_context, insertions=self._touch_insertions)
+        if keys:
+            self.manager.touch(keys, req_context)
         self.manager.on_request_finished(req_context)
 
     def on_schedule_end(self, context: Any = None) -> None:
@@ -199,6 +266,7 @@ class KVTierOffloadingManager(OffloadingManager):
         self._flushed_storing |= self._storing
         self._flushed_loading.extend(k for k, n in self._loading.items() for _ in range(n))
         self._storing, self._loading = set(), {}
+        self._accesses.clear()
         self.manager.reset_cache()
 
     def on_reset_flushed(self) -> None:
@@ -242,6 +310,10 @@ class KVTierOffloadingManager(OffloadingManager):
             stats.set_gauge(METRIC_PREFIX + "usage_perc", resident / capacity if capacity else 0.0, (tier,))
         sizes, self._allocation_sizes = self._allocation_sizes, []
         record_first_tier(stats, self.hierarchy.first_tier, len(self._storing), sizes)
+        if self.store_threshold.enabled:  # as vLLM: reported (0 included) only with a threshold
+            skipped = self.store_threshold.skipped
+            stats.increase_counter(STORES_SKIPPED, skipped - self._last_skipped)
+            self._last_skipped = skipped
         return stats
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
@@ -27,6 +28,7 @@ from kvtier.integrations.vllm.manager import (
 )
 from kvtier.integrations.vllm.vllm_metrics import vllm_metric_definitions
 from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
+from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.tiers.cpu import CPUBackend
 
 log = logging.getLogger(__name__)
@@ -47,11 +49,24 @@ def _ranks(parallel: Any) -> tuple[int, int]:
     return world, rank
 
 
+def _store_threshold(extra_config: Mapping[str, Any], config: Any = None) -> int:
+    """The store threshold: `extra_config`'s `store_threshold` (vLLM's name) when given, else the
+    kvtier config's (`config`, or the YAML `kvtier_config` names)."""
+    if extra_config.get("store_threshold") is not None:
+        return int(extra_config["store_threshold"])
+    if config is not None:
+        return int(config.store_threshold)
+    raw, _ = load_raw_config(extra_config.get("kvtier_config"))
+    value = raw.get("store_threshold", 0) if isinstance(raw, dict) else 0
+    return value if isinstance(value, int) else 0
+
+
 class KVTierOffloadingSpec(OffloadingSpec):
     """vLLM `OffloadingSpec` whose manager and worker are kvtier's (see the module docstring).
 
     `kv_connector_extra_config` keys: `kvtier_config` (YAML path or mapping; default: kvtier's
-    `configs/cpu-file.yaml`) plus vLLM's own (`block_size` / `blocks_per_chunk`, ...).
+    `configs/cpu-file.yaml`) plus vLLM's own (`block_size` / `blocks_per_chunk`, ...; and, as for
+    vLLM's CPU spec, `store_threshold` and `max_tracker_size`: `kvtier.store_threshold`).
     """
 
     @classmethod
@@ -63,7 +78,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         for name, doc in _GAUGES.items():
             defs[METRIC_PREFIX + name] = OffloadingGaugeMetadata(documentation=f"kvtier: {doc}",
                                                                  labelnames=("tier",))
-        return {**defs, **vllm_metric_definitions()}
+        return {**defs, **vllm_metric_definitions(stores_skipped=_store_threshold(extra_config) >= 2)}
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
@@ -121,7 +136,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
             assert isinstance(region, CPUBackend)  # vllm_hierarchy_config puts a cpu tier first
             if region.shm_name in _LOCAL_WORKER_REGIONS:
                 region.unpublish()  # the engine's worker runs in this process: it maps the region without a name
-            self._manager = KVTierOffloadingManager(hierarchy, enable_events)
+            self._manager = KVTierOffloadingManager(
+                hierarchy, enable_events, store_threshold=_store_threshold(self.extra_config, self.hierarchy_config),
+                max_tracker_size=int(self.extra_config.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)))
             log.info("%s", tier_summary(hierarchy, self.block_tokens, self.block_bytes))
         return self._manager
 

@@ -11,14 +11,16 @@ names; kvtier fills them with the same meaning, from its own state:
   vLLM computes it;
 * `vllm:kv_offload_cpu_allocation_size`: histogram of the blocks allocated by each
   `prepare_store` that allocated any;
+* `vllm:kv_offload_stores_skipped`: store candidates skipped by the store threshold
+  (`kvtier.store_threshold`; reported only when it is on, as vLLM does);
 * `vllm:kv_offload_tiering_read_bytes` / `_read_time` `{tier}`: bytes / seconds read from each
   lower tier (promotions into the CPU tier);
 * `vllm:kv_offload_tiering_write_bytes` / `_write_time` `{tier}`: bytes / seconds written into
   each lower tier (cascade copies).
 
 vLLM's connector-level names (`vllm:kv_offload_load_bytes`, `_store_bytes`, `_lookup_*`, ...) are
-the connector's own and are exported whatever the spec. Not exported: `vllm:kv_offload_stores_skipped`
-(kvtier has no store threshold) and the tiering lookup, failure and job gauges (kvtier counts those
+the connector's own and are exported whatever the spec. Not exported: the tiering lookup, failure
+and job gauges (kvtier counts those
 per tier under its own names: `vllm:kvtier_failures`, `_probe_*`, ...). In a chain of more than two
 tiers, a middle tier's read bytes also count its copies further down, and the last tier's write
 bytes come from the tier above it rather than from the CPU tier (vLLM's secondary tiers all hang off
@@ -40,6 +42,7 @@ CPU_USAGE = "vllm:kv_offload_cpu_cache_usage_perc"
 CPU_WRITE_USAGE = "vllm:kv_offload_cpu_cache_write_usage_perc"
 CPU_READ_USAGE = "vllm:kv_offload_cpu_cache_read_usage_perc"
 CPU_ALLOCATION_SIZE = "vllm:kv_offload_cpu_allocation_size"
+STORES_SKIPPED = "vllm:kv_offload_stores_skipped"
 TIER_READ_BYTES = "vllm:kv_offload_tiering_read_bytes"
 TIER_READ_TIME = "vllm:kv_offload_tiering_read_time"
 TIER_WRITE_BYTES = "vllm:kv_offload_tiering_write_bytes"
@@ -51,8 +54,9 @@ TIER_COUNTERS = {TIER_READ_BYTES: "bytes_out", TIER_READ_TIME: "seconds_out",
                  TIER_WRITE_BYTES: "bytes_in", TIER_WRITE_TIME: "seconds_in"}
 
 
-def vllm_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
-    """The Prometheus definitions of vLLM's names that kvtier fills (see the module docstring)."""
+def vllm_metric_definitions(stores_skipped: bool = False) -> dict[str, OffloadingMetricMetadata]:
+    """The Prometheus definitions of vLLM's names that kvtier fills (see the module docstring);
+    `vllm:kv_offload_stores_skipped` only with `stores_skipped` (a store threshold is on)."""
     defs: dict[str, OffloadingMetricMetadata] = {
         CPU_USAGE: OffloadingGaugeMetadata(documentation=(
             "kvtier: fraction of the CPU tier's blocks that cannot be evicted now (being written, or "
@@ -65,6 +69,9 @@ def vllm_metric_definitions() -> dict[str, OffloadingMetricMetadata]:
             documentation="kvtier: CPU-tier blocks allocated by each prepare_store call that allocated any.",
             buckets=ALLOCATION_BUCKETS),
     }
+    if stores_skipped:
+        defs[STORES_SKIPPED] = OffloadingCounterMetadata(documentation=(
+            "kvtier: blocks not stored because they were offered fewer than store_threshold times."))
     docs = {TIER_READ_BYTES: "Bytes read from this lower tier by promotions into the CPU tier.",
             TIER_READ_TIME: "Seconds spent reading from this lower tier.",
             TIER_WRITE_BYTES: "Bytes written into this lower tier by cascade copies.",
