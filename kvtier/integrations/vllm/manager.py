@@ -204,8 +204,8 @@ class KVTierOffloadingManager(OffloadingManager):
         order in which vLLM's scheduler lists the engine blocks of the store job."""
         offer = list(keys)
         keys = request_order(offer, req_context) if len(offer) > 1 and _several_groups(offer) else offer
-        top = self.manager.tiers[0].policy
-        absent = set(self.manager.new_keys(keys))
+        top = self.hierarchy.first_tier.policy
+        absent = set(self.manager.stores.new_keys(keys))
         if self.store_threshold.enabled:
             keys = self.store_threshold.admit(keys, absent)
         accesses = self._accesses
