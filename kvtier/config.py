@@ -18,10 +18,12 @@ from types import MappingProxyType
 from typing import Any
 
 from kvtier import registry
-from kvtier.config_input import brief, clip, plain, read_config_file, suggest
+from kvtier.config_checks import check_blocks, check_handlers
+from kvtier.config_input import brief, plain, read_config_file, suggest
+from kvtier.config_problems import Problems, read_fields
 from kvtier.config_yaml import load_yaml
 from kvtier.errors import ConfigError
-from kvtier.limits import MAX_BLOCK_TOKENS, MAX_BLOCKS, MAX_BYTES, tier_blocks_problem
+from kvtier.limits import MAX_BLOCK_TOKENS, MAX_BLOCKS, MAX_BYTES
 from kvtier.types import CASCADE_MODES, DEFAULT_CASCADE, DEFAULT_RESERVE, REQUIRED
 from kvtier.units import SIZE_UNITS as _UNITS
 from kvtier.units import format_size as format_size  # re-exported: kvtier.config has always offered it
@@ -209,79 +211,7 @@ def default_policy(tier_index: int) -> str:
     return DEFAULT_POLICY_FIRST_TIER if tier_index == 0 else DEFAULT_POLICY_LOWER_TIERS
 
 
-def _key(key: Any) -> str:
-    """A mapping key as it appears in a field path: plain names as they are, anything else quoted briefly."""
-    return key if isinstance(key, str) and key.isprintable() and len(key) <= 40 else brief(key, 40)
-
-
-NOT_SHOWN = " more problem(s) not shown"
-
-
-class _Problems:
-    """Problems found so far; only the first MAX of them are kept (the rest are counted)."""
-
-    MAX = 20
-
-    def __init__(self) -> None:
-        self.items: list[tuple[str, str]] = []
-        self.dropped = 0
-
-    @property
-    def full(self) -> bool:
-        return len(self.items) >= self.MAX
-
-    def add(self, path: str, message: str, tail: str = "") -> None:
-        """`tail` (text from the code, e.g. a list of valid keys) is kept whole; `message` is clipped."""
-        if self.full:
-            self.dropped += 1
-        else:
-            self.items.append((path, clip(message, 300) + tail))
-
-    def extend(self, problems: list[tuple[str, str]]) -> None:
-        for path, message in problems:
-            self.add(path, message)
-
-    def error(self) -> ConfigError:
-        more = [("", f"{self.dropped}{NOT_SHOWN}")] if self.dropped else []
-        return ConfigError(self.items + more)
-
-
-def count_problems(error: ConfigError) -> int:
-    """How many problems `error` stands for, counting those not listed."""
-    *listed, (_, last) = error.problems or [("", "")]
-    if last.endswith(NOT_SHOWN) and last[: -len(NOT_SHOWN)].isdigit():
-        return len(listed) + int(last[: -len(NOT_SHOWN)])
-    return len(error.problems)
-
-
-def _read_fields(raw: Mapping[str, Any], fields: Mapping[str, tuple[Any, Any]], path: str, problems: _Problems,
-                 what: str, also_valid: Mapping[str, Any] = MappingProxyType({})) -> dict[str, Any]:
-    """Check and normalise `fields` of `raw`; keys in neither `fields` nor `also_valid` are reported."""
-    valid = [*fields, *also_valid]
-    out: dict[str, Any] = {}
-    for key in raw:
-        if key in valid:
-            continue
-        if problems.full:  # no suggestion computed for problems that are not shown
-            problems.dropped += 1
-            continue
-        problems.add(f"{path}{_key(key)}", f"unknown key for {what}{suggest(key, valid)}",
-                     f"; valid keys: {', '.join(valid)}")
-    for key, (default, check) in fields.items():
-        if key not in raw or (raw[key] is None and default is not REQUIRED):
-            if default is REQUIRED:
-                problems.add(f"{path}{key}", f"missing (required for {what})")
-            else:
-                out[key] = default
-            continue
-        try:
-            out[key] = check(raw[key]) if check else raw[key]
-        except (ValueError, TypeError, OverflowError) as exc:
-            problems.add(f"{path}{key}", str(exc))
-    return out
-
-
-def _code_class(kind: registry.Kind, name: str, field: str, problems: _Problems, import_code: bool):
+def _code_class(kind: registry.Kind, name: str, field: str, problems: Problems, import_code: bool):
     """The class a tier's `backend` or `policy` names, or None.
 
     kvtier's own registered names are always imported (their classes know the tier's options).
@@ -312,14 +242,14 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
     `backend:` or `policy:` is imported and checked to be a class of the right kind; without it
     the module is only located, nothing of it runs, and such a tier's options are not checked.
     """
-    problems = _Problems()
+    problems = Problems()
     raw = plain(raw, source)
     if raw is None:
         raise ConfigError([("", f"{source}: the config is empty; it must be a mapping with a 'tiers' list")])
     if not isinstance(raw, Mapping):
         raise ConfigError([("", f"{source}: the config must be a mapping with a 'tiers' list, "
                                 f"got {type(raw).__name__}")])
-    top = _read_fields(raw, TOP_FIELDS, "", problems, "the hierarchy")
+    top = read_fields(raw, TOP_FIELDS, "", problems, "the hierarchy")
     raw_tiers = raw.get("tiers")
     tiers: list[TierConfig] = []
     if raw_tiers is not None and (not isinstance(raw_tiers, list) or not raw_tiers):
@@ -328,44 +258,14 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
     seen_names: dict[str, int] = {}
     backend_classes = []
     for i, raw_tier in enumerate(raw_tiers or []):
-        path = f"tiers[{i}]."
-        if not isinstance(raw_tier, Mapping):
-            problems.add(f"tiers[{i}]", f"expected a mapping with name, backend, capacity; got {brief(raw_tier)}")
+        parsed = _parse_tier(i, raw_tier, seen_names, problems, import_code)
+        if parsed is None:
             continue
-        backend_cls = None
-        backend_name = raw_tier.get("backend")
-        unchecked = False  # an external backend, not imported: its options are unknown
-        if isinstance(backend_name, str):
-            backend_cls = _code_class(registry.BACKEND, backend_name, f"{path}backend", problems, import_code)
-            unchecked = backend_cls is None and not import_code and is_external(registry.BACKEND, backend_name)
-        if unchecked:
-            options_spec = {k: (None, None) for k in raw_tier if k not in TIER_FIELDS}
-        else:
-            options_spec = dict(getattr(backend_cls, "OPTIONS", {}))
-        what = f"a {brief(backend_name)} tier" if backend_cls else "a tier"
-        fields = _read_fields({k: v for k, v in raw_tier.items() if k not in options_spec}, TIER_FIELDS, path,
-                              problems, what, also_valid=options_spec)
-        options = _read_fields({k: v for k, v in raw_tier.items() if k in options_spec}, options_spec, path,
-                               problems, what)
-        check_options = getattr(backend_cls, "check_options", None)
-        if check_options is not None:
-            problems.extend([(f"{path}{option}", message) for option, message in check_options(options)])
-        name = fields.get("name")
-        if name in seen_names:
-            problems.add(f"{path}name",
-                         f"duplicate tier name {name!r} (also tiers[{seen_names[name]}]); names must be unique")
-        elif isinstance(name, str):
-            seen_names[name] = i
-        policy = fields.get("policy")  # None: the default of the tier's position (HierarchyConfig)
-        policy_cls = None
-        if isinstance(policy, str):
-            policy_cls = _code_class(registry.POLICY, policy, f"{path}policy", problems, import_code)
-        elif policy is None:
-            policy_cls = registry.load_class(registry.POLICY, default_policy(i), f"{path}policy")
+        tier, backend_cls, policy_cls = parsed
         backend_classes.append(backend_cls)
-        if all(k in fields for k in ("name", "backend", "capacity")):
-            tiers.append(TierConfig(options=MappingProxyType(options), **fields))
-            _check_blocks(i, tiers[-1], backend_cls, policy_cls, top.get("block_bytes"), problems)
+        if tier is not None:
+            tiers.append(tier)
+            check_blocks(i, tier, backend_cls, policy_cls, default_policy(i), top.get("block_bytes"), problems)
     block_bytes = top.get("block_bytes")
     if block_bytes:
         for i, tier in enumerate(tiers):
@@ -373,65 +273,55 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
                 problems.add(f"tiers[{i}].capacity", f"{tier.capacity} is smaller than one block "
                              f"({format_size(block_bytes)}); give at least {format_size(block_bytes)}")
     if tiers and len(tiers) == len(raw_tiers or []):
-        _check_handlers(tiers, backend_classes, problems)
+        check_handlers(tiers, backend_classes, problems)
     if problems.items:
         raise problems.error()
     return HierarchyConfig(tuple(tiers), top["block_tokens"], block_bytes, source, top["store_threshold"])
 
 
-def _check_blocks(i: int, tier: TierConfig, backend_cls, policy_cls, block_bytes: int | None,
-                  problems: _Problems) -> None:
-    """tiers[i]'s block count against what its backend and policy can hold (`kvtier.limits`, as
-    the build checks it); a capacity in bytes is counted only when the config gives block_bytes."""
-    blocks = tier.capacity.blocks
-    if blocks is None and block_bytes and tier.capacity.bytes is not None:
-        blocks = tier.capacity.bytes // block_bytes
-    if not blocks:  # unknown, or a size smaller than a block (reported below)
-        return
-    policy = tier.policy or default_policy(i)
-    problem = tier_blocks_problem(blocks, backend_cls, policy_cls, backend_name=tier.backend, policy_name=policy)
-    if problem:
-        problems.add(f"tiers[{i}].capacity", problem)
-
-
-def _check_handlers(tiers: list[TierConfig], classes: list, problems: _Problems) -> None:
-    """Every hop the hierarchy will use must have a registered handler."""
-    if any(c is None for c in classes):
-        return
-    specs = [c.spec_type.__name__ for c in classes]
-    _check_shared(tiers, classes, problems)
-    for i in range(len(tiers) - 1):
-        upper, lower = specs[i], specs[i + 1]
-        shared_below = getattr(classes[i + 1], "shared", False)  # fed by publishing, not by the cascade
-        if tiers[i].cascade != "none" and not shared_below and not registry.has_handler(upper, lower):
-            problems.add(f"tiers[{i}].cascade", f"no handler moves blocks from {tiers[i].backend!r} ({upper}) to "
-                         f"{tiers[i + 1].backend!r} ({lower}); set cascade: none or change the backends")
-        if not (registry.has_handler(lower, specs[0]) or registry.has_handler(lower, "GPULoadStoreSpec")):
-            problems.add(f"tiers[{i + 1}].backend", f"blocks in {tiers[i + 1].backend!r} could never be loaded: no "
-                         f"handler from {lower} to {specs[0]} or to the engine's KV cache")
-
-
-def _check_shared(tiers: list[TierConfig], classes: list, problems: _Problems) -> None:
-    """A shared tier (`Backend.shared`, e.g. valkey) comes after every local tier, at most one of
-    them, and the first tier is then a host-memory (CPU) tier: it publishes from there and
-    promotes into there."""
-    shared = [i for i, c in enumerate(classes) if getattr(c, "shared", False)]
-    if not shared:
-        return
-    for i in shared[1:]:
-        problems.add(f"tiers[{i}].backend", f"a second shared tier ({tiers[shared[0]].name!r} is one); a "
-                     f"hierarchy has at most one")
-    local = [i for i, c in enumerate(classes) if not getattr(c, "shared", False)]
-    if not local:
-        problems.add(f"tiers[{shared[0]}].backend", f"{tiers[shared[0]].backend!r} is a shared tier; it needs a "
-                     f"host-memory first tier (backend: cpu or memory) before it")
-        return
-    if local[-1] > shared[0]:
-        problems.add(f"tiers[{shared[0]}].backend", f"shared tier {tiers[shared[0]].name!r} must come after every "
-                     f"local tier (tiers[{local[-1]}] {tiers[local[-1]].name!r} is after it); move it last")
-    if classes[0].medium != "CPU":
-        problems.add("tiers[0].backend", f"with a shared tier ({tiers[shared[0]].name!r}) the first tier must be a "
-                     f"host-memory tier (backend: cpu or memory), got {tiers[0].backend!r}")
+def _parse_tier(i: int, raw_tier: Any, seen_names: dict[str, int], problems: Problems,
+                import_code: bool) -> tuple[TierConfig | None, Any, Any] | None:
+    """`tiers[i]` read into a `TierConfig` (None when a required field is missing), with the
+    classes its backend and policy name (None where unknown); None when it is not a mapping.
+    Records each problem found, and the tier's name in `seen_names`."""
+    path = f"tiers[{i}]."
+    if not isinstance(raw_tier, Mapping):
+        problems.add(f"tiers[{i}]", f"expected a mapping with name, backend, capacity; got {brief(raw_tier)}")
+        return None
+    backend_cls = None
+    backend_name = raw_tier.get("backend")
+    unchecked = False  # an external backend, not imported: its options are unknown
+    if isinstance(backend_name, str):
+        backend_cls = _code_class(registry.BACKEND, backend_name, f"{path}backend", problems, import_code)
+        unchecked = backend_cls is None and not import_code and is_external(registry.BACKEND, backend_name)
+    if unchecked:
+        options_spec = {k: (None, None) for k in raw_tier if k not in TIER_FIELDS}
+    else:
+        options_spec = dict(getattr(backend_cls, "OPTIONS", {}))
+    what = f"a {brief(backend_name)} tier" if backend_cls else "a tier"
+    fields = read_fields({k: v for k, v in raw_tier.items() if k not in options_spec}, TIER_FIELDS, path,
+                         problems, what, also_valid=options_spec)
+    options = read_fields({k: v for k, v in raw_tier.items() if k in options_spec}, options_spec, path,
+                          problems, what)
+    check_options = getattr(backend_cls, "check_options", None)
+    if check_options is not None:
+        problems.extend([(f"{path}{option}", message) for option, message in check_options(options)])
+    name = fields.get("name")
+    if name in seen_names:
+        problems.add(f"{path}name",
+                     f"duplicate tier name {name!r} (also tiers[{seen_names[name]}]); names must be unique")
+    elif isinstance(name, str):
+        seen_names[name] = i
+    policy = fields.get("policy")  # None: the default of the tier's position (HierarchyConfig)
+    policy_cls = None
+    if isinstance(policy, str):
+        policy_cls = _code_class(registry.POLICY, policy, f"{path}policy", problems, import_code)
+    elif policy is None:
+        policy_cls = registry.load_class(registry.POLICY, default_policy(i), f"{path}policy")
+    tier = None
+    if all(k in fields for k in ("name", "backend", "capacity")):
+        tier = TierConfig(options=MappingProxyType(options), **fields)
+    return tier, backend_cls, policy_cls
 
 
 def load_config(path: str | Path, *, import_code: bool = True) -> HierarchyConfig:

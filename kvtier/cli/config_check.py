@@ -15,8 +15,9 @@ from __future__ import annotations
 import sys
 
 from kvtier import registry
-from kvtier.config import count_problems, format_size, is_external, load_config, parse_size
+from kvtier.config import format_size, is_external, load_config, parse_size
 from kvtier.config_input import brief
+from kvtier.config_problems import count_problems
 from kvtier.errors import ConfigError
 
 
