@@ -138,9 +138,10 @@ def test_write_through_copies_every_completed_store_down(ctx):
 def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx, policy):
     """The `CachePolicy.insert_many` contract: a request's new blocks go in tail first with
     `tail=` its last new block; blocks copied in from another tier carry no tail. Every policy gets
-    them through `insert_written` (the pure-Python one through `CachePolicy`'s default)."""
+    them through the tier's block table's `insert_written` (`PolicyTable` over the pure-Python
+    one; the compiled index is its own table)."""
     h = memory_hierarchy(hot=4, warm=16, hot_policy=policy)
-    top = h.manager.tiers[0].policy
+    top = h.first_tier.table
     calls = []
 
     def spy(real):

@@ -17,7 +17,7 @@ CTX = ReqContext("policy-error")
 
 class RefusingLRU(PureLRUCachePolicy):
     """The pure-Python LRU raising on `BAD`, inserting a request's blocks one by one
-    (`CachePolicy`'s default loop, reached through the default `insert_written`) as a
+    (`CachePolicy`'s default loop, reached through `PolicyTable.insert_written`) as a
     third-party policy may."""
 
     insert_many = CachePolicy.insert_many

@@ -31,7 +31,7 @@ def split_below(tier: Tier, keys: list[OffloadKey]) -> list[OffloadKey]:
     there are recorded as clean (those being written there are neither)."""
     below = tier.below
     assert below is not None
-    absent = below.policy.absent(keys)
+    absent = below.table.absent(keys)
     if len(absent) != len(keys):
         readable = below.readable
         tier.clean.update(k for k in set(keys).difference(absent) if readable(k) is not None)
@@ -55,7 +55,7 @@ class Demotion(Job):
         src = self.src
         src.demoting -= len(self.keys)
         if src.cascade == "on_store":
-            src.write_failed.update(set(self.keys).difference(src.policy.absent(self.keys)))
+            src.write_failed.update(set(self.keys).difference(src.table.absent(self.keys)))
 
 
 class Cascade:
@@ -283,7 +283,7 @@ def _take_head(tier: Tier, queue: OrderedDict[OffloadKey, None], room: int) -> l
     while queue and len(keys) < room:
         head = list(islice(queue, room - len(keys)))
         _consume(map(queue.pop, head), 0)
-        if tier.policy.readable_run(head) != len(head):
+        if tier.table.readable_run(head) != len(head):
             head = [k for k in head if tier.readable(k) is not None]
         keys += split_below(tier, head) if head else head
     return keys

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 def pin_sources(tier: Tier, keys: list[OffloadKey]) -> list[int]:
     """Pin readable blocks `keys` of `tier` for a copy (`CachePolicy.pin_loads`: `ref_cnt += 1`
     and `pin`); their slot ids. The caller checked that every key is readable."""
-    ids = tier.policy.pin_loads(keys)
+    ids = tier.table.pin_loads(keys)
     if ids is None:
         raise KeyError(f"tier {tier.name}: a block to copy is not readable")
     return ids
@@ -46,7 +46,7 @@ def enter_copies(tier: Tier, keys: list[OffloadKey], tail_first: bool = False) -
     step, tail = (-1, keys[-1] if keys else None) if tail_first else (1, None)
     ids = tier.backend.allocate_block_ids(keys)
     try:
-        tier.policy.insert_written(keys[::step], ids[::step], tail=tail)
+        tier.table.insert_written(keys[::step], ids[::step], tail=tail)
     except BaseException:
         _undo_enter(tier, keys)
         tier.backend.free_block_ids(ids)
@@ -57,7 +57,7 @@ def enter_copies(tier: Tier, keys: list[OffloadKey], tail_first: bool = False) -
 def _undo_enter(tier: Tier, keys: list[OffloadKey]) -> None:
     """Take out of `tier`'s policy those of `keys` (all absent before `enter_copies`) that a
     failed insert left resident, unpinned first (as `complete_store` drops a failed write)."""
-    absent = set(tier.policy.absent(keys))
+    absent = set(tier.table.absent(keys))
     inserted = [key for key in keys if key not in absent]
     tier.policy.unpin(inserted)
     for key in inserted:
@@ -101,9 +101,9 @@ class Job:
     def finish(self, result: TransferResult) -> None:
         """Account for the engine's report of this job (called once)."""
         src, dst = self.src, self.dst
-        src.policy.release_loads(self.keys)  # (pinned by this job: resident)
+        src.table.release_loads(self.keys)  # (pinned by this job: resident)
         if result.success:
-            if not dst.policy.mark_written(self.keys):  # (some block not being written any more)
+            if not dst.table.mark_written(self.keys):  # (some block not being written any more)
                 get = dst.policy.get
                 for key, block_id in zip(self.keys, self.dst_ids):
                     view = get(key)

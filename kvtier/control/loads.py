@@ -33,14 +33,14 @@ class LoadPins:
 
     def top_run(self, keys: list[OffloadKey]) -> int:
         """How many leading `keys` are readable in tier 0."""
-        return self.top.policy.readable_run(keys)
+        return self.top.table.readable_run(keys)
 
     def prepare(self, keys: list[OffloadKey]) -> LoadStoreSpec:
         """Pin `keys` (each answered HIT by `lookup`) and return where to load them from: for each
         key, the first of tier 0 and the tiers loaded directly that holds it readable. KeyError
         (nothing changed) for a key that none holds readable."""
         top = self.top
-        ids = top.policy.pin_loads(keys)  # (None, nothing changed: some key is not readable there)
+        ids = top.table.pin_loads(keys)  # (None, nothing changed: some key is not readable there)
         if ids is not None:
             self._record(keys, 0)
             self._credit(keys, 0)
@@ -49,7 +49,7 @@ class LoadPins:
         for index, positions in self._sources(keys).items():
             group = [keys[p] for p in positions]
             tier = self.tiers[index]
-            ids = cast("list[int]", tier.policy.pin_loads(group))  # (readable: checked by `_sources`)
+            ids = cast("list[int]", tier.table.pin_loads(group))  # (readable: checked by `_sources`)
             self._record(group, index)
             self._credit(group, index)
             parts.append((tier.backend.spec_for_ids(group, ids), positions))
@@ -59,7 +59,7 @@ class LoadPins:
         """Release the pins `prepare` took for `keys` (the last pin of a key pinned twice);
         KeyError (nothing changed) for a key that holds no pin."""
         if self._release_top_pins(keys):
-            self.top.policy.release_loads(keys)
+            self.top.table.release_loads(keys)
             return
         pins = self.pins
         left: dict[OffloadKey, tuple[int, ...]] = {}  # key -> its pins once these are released
@@ -76,7 +76,7 @@ class LoadPins:
             else:
                 del pins[key]
         for index, released in by_tier.items():
-            self.tiers[index].policy.release_loads(released)
+            self.tiers[index].table.release_loads(released)
 
     def _sources(self, keys: list[OffloadKey]) -> dict[int, list[int]]:
         """Tier index -> the positions of the `keys` loaded from it, lowest index first (see
@@ -86,9 +86,9 @@ class LoadPins:
         for tier in self.tiers:
             if tier.index and not tier.direct_load:
                 continue
-            absent = set(tier.policy.absent([keys[p] for p in left]))
+            absent = set(tier.table.absent([keys[p] for p in left]))
             held = [p for p in left if keys[p] not in absent]
-            if tier.policy.readable_run([keys[p] for p in held]) != len(held):  # (some being written)
+            if tier.table.readable_run([keys[p] for p in held]) != len(held):  # (some being written)
                 held = [p for p in held if tier.readable(keys[p]) is not None]
             if held:
                 placed[tier.index] = held

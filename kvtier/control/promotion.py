@@ -139,7 +139,7 @@ class Promotions:
         fit = self._room(self._top, wanted)
         if fit < len(wanted):
             for index, positions in _by_source(self.running, wanted[fit:]).items():
-                self._tiers[index].policy.release_loads([wanted[fit + p] for p in positions])
+                self._tiers[index].table.release_loads([wanted[fit + p] for p in positions])
             for key in wanted[fit:]:
                 self._refuse(key)
         for index, positions in _by_source(self.running, wanted[:fit]).items():
@@ -150,10 +150,10 @@ class Promotions:
         releases them, `pin_loads` per source tier); those to promote, in order, and their
         source slot ids. The others (not readable in their source, or in tier 0) are refused."""
         running, top = self.running, self._top
-        absent = top.policy.absent(keys)
+        absent = top.table.absent(keys)
         sources = _by_source(running, keys)
         if len(absent) == len(keys) and len(sources) == 1:  # the common case: one C pass
-            ids = self._tiers[running[keys[0]]].policy.pin_loads(keys)
+            ids = self._tiers[running[keys[0]]].table.pin_loads(keys)
             if ids is not None:
                 return keys, ids
         free = set(absent)
@@ -165,7 +165,7 @@ class Promotions:
                 self._refuse(key)
         ids = [0] * len(wanted)
         for index, positions in _by_source(running, wanted).items():
-            pinned = self._tiers[index].policy.pin_loads([wanted[p] for p in positions])
+            pinned = self._tiers[index].table.pin_loads([wanted[p] for p in positions])
             for p, block_id in zip(positions, pinned or ()):  # (readable: checked above)
                 ids[p] = block_id
         return wanted, ids

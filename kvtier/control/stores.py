@@ -36,7 +36,7 @@ class StorePath:
     def prepare(self, keys: Collection[OffloadKey]) -> PrepareStoreOutput | None:
         """`OffloadingManager.prepare_store` (jobs already drained): None when there is no room."""
         top = self._top
-        to_store = top.policy.absent(keys)
+        to_store = top.table.absent(keys)
         if self._promotions.queue:
             self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
         # Only resident keys can be victims: when none of `keys` is, none needs protecting.
@@ -53,7 +53,7 @@ class StorePath:
         """`OffloadingManager.complete_store`: the keys still being written and not promoted are
         made readable (`success`) or removed; the others are left as they are."""
         top, promoting, events = self._top, self._promotions.running, self._ctx.events
-        if success and not promoting and top.policy.mark_written(keys):
+        if success and not promoting and top.table.mark_written(keys):
             changed = keys  # the common case (each key prepared once), made readable and unpinned in one pass
         else:
             changed = [k for k in top.being_written(keys) if k not in promoting]
@@ -61,7 +61,7 @@ class StorePath:
                 top.discard_written(changed)
                 top.stats.failures += 1 if changed else 0
                 return
-            top.policy.mark_written(changed)
+            top.table.mark_written(changed)
         top.stats.stores += len(changed)
         if events.events is not None:
             events.record(top, changed, removed=False)
@@ -74,7 +74,7 @@ class StorePath:
 
     def new_keys(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """The keys `prepare` would allocate in the first tier: those it does not hold."""
-        return self._top.policy.absent(keys)
+        return self._top.table.absent(keys)
 
     def room(self) -> int | None:
         """How many new blocks the first tier can take now without evicting a block whose copy to

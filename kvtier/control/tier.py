@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any, cast
 
+from kvtier.index import BlockTable, table_of
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.tiers.base import Backend
@@ -80,6 +81,11 @@ class Tier:
     lower_full: bool = field(default=False, init=False)  # the last copy tried found no room below
     promoted_from: dict[OffloadKey, int] = field(default_factory=dict, init=False, repr=False)
     stats: TierStats = field(default_factory=TierStats, init=False)
+    # key -> slot, block state and load pins, behind one batch API over slot ids (kvtier.index)
+    table: BlockTable = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.table = table_of(self.policy)
 
     @property
     def capacity(self) -> int:
@@ -138,7 +144,7 @@ class Tier:
         """Evict `need` (> 0) blocks that are not pinned or `protected`; the evicted keys, or None
         (nothing changed) when the policy cannot find that many (`make_room` without the count
         of free slots)."""
-        got = self.policy.evict_ids(need, protected)  # (keys and slot ids: no block objects)
+        got = self.table.evict_ids(need, protected)  # (keys and slot ids: no block objects)
         if got is None:
             return None
         evicted, ids = got

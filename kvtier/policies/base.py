@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from itertools import filterfalse, islice
+from itertools import islice
 from operator import itemgetter
-from typing import Any, cast
+from typing import Any
 
 from kvtier.keys import OffloadKey
 from kvtier.types import BlockStatus
@@ -49,17 +49,16 @@ class CachePolicy(ABC):
       and not updated later, and blocks are compared by `block_id`, not identity. A view is
       valid while its block stays resident; callers keep views only of pinned blocks, and settle
       blocks they inserted through `get` (see `kvtier.control.jobs.Job.finish`).
-    - Batch calls: `readable_run`, `absent`, `insert_written`, `pin_loads`, `release_loads`,
-      `mark_written` and `evict_ids` do for a whole request what would otherwise take a `get`,
-      `insert_many`, `evict`, a `ref_cnt` change and `pin`/`unpin` per key; the manager drives
-      every policy through them only (one path). The defaults here are those loops; a policy
-      that owns its data layout overrides them with loops that make no block object or view and
-      sets `batch_calls = True`. An override must give the defaults' answers and side effects,
-      pin accounting included (tests/policies/test_lru_batch.py, tests/test_manager_bulk.py).
+    - The block table: the slot-level calls the manager makes for a whole request (`readable_run`,
+      `absent`, `insert_written`, `pin_loads`, `release_loads`, `mark_written`, `evict_ids`) are
+      not a policy's: they are the tier's `kvtier.index.BlockTable`, which works through `get`,
+      `insert_many`, `evict`, the blocks' `ref_cnt` and `pin`/`unpin` (`PolicyTable`), or, for
+      a policy whose compiled index holds the blocks (`batch_calls = True`), is that index itself,
+      answering the same calls in C with the same results (tests/policies/test_lru_batch.py).
     """
 
     returns_views: bool = False  # get() returns views of the policy's own state (see above)
-    batch_calls: bool = False  # the batch calls are overridden in C (see above)
+    batch_calls: bool = False  # the compiled index is its own block table (see above)
     # The most blocks an instance can hold (None: no limit of its own); a tier's capacity is
     # checked against it by `config check` and the build (kvtier.limits).
     max_blocks: int | None = None
@@ -116,75 +115,6 @@ class CachePolicy(ABC):
         """The keys of the first `n` blocks `victim_candidates` yields (all of them when there
         are fewer), as a list. Policies override it with C loops where that is faster."""
         return list(islice(map(_first, self.victim_candidates()), max(n, 0)))
-
-    # ------------------------------------------------------------------ batch calls
-    def readable_run(self, keys: Sequence[OffloadKey]) -> int:
-        """How many leading `keys` are resident and readable (`ref_cnt >= 0`)."""
-        get = self.get
-        for n, key in enumerate(keys):
-            block = get(key)
-            if block is None or block.ref_cnt < 0:
-                return n
-        return len(keys)
-
-    def absent(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """The `keys` not resident, in order."""
-        return list(filterfalse(self.get, keys))  # (a block, object or view, is truthy)
-
-    def insert_written(self, keys: Sequence[OffloadKey], block_ids: Sequence[int],
-                       tail: OffloadKey | None = None) -> None:
-        """Insert new blocks being written (`ref_cnt == -1`) with these `block_ids` and `pin` them:
-        `insert_many(keys, BlockStatus.many(block_ids), tail)`, then `pin(keys)`."""
-        if len(block_ids) != len(keys):
-            raise ValueError(f"insert_written: {len(keys)} keys but {len(block_ids)} block ids")
-        self.insert_many(keys, BlockStatus.many(block_ids), tail=tail)
-        self.pin(keys)
-
-    def pin_loads(self, keys: Sequence[OffloadKey]) -> list[int] | None:
-        """Pin blocks for reading: when every key is resident and readable, add 1 to each
-        block's `ref_cnt` (a key given twice: 2), `pin(keys)`, and return their `block_id`s in
-        order; otherwise change nothing and return None."""
-        blocks = list(map(self.get, keys))
-        if not all(block is not None and block.ref_cnt >= 0 for block in blocks):
-            return None
-        for block in cast("list[BlockStatus]", blocks):
-            block.ref_cnt += 1
-        self.pin(keys)
-        return [cast("BlockStatus", block).block_id for block in blocks]
-
-    def release_loads(self, keys: Sequence[OffloadKey]) -> None:
-        """Undo `pin_loads(keys)`: subtract 1 from each block's `ref_cnt` and `unpin` those that
-        reach 0. Raises KeyError (nothing changed) if a key is not resident."""
-        blocks = list(map(self.get, keys))
-        if None in blocks:
-            raise KeyError(keys[blocks.index(None)])
-        released = []
-        for key, block in zip(keys, cast("list[BlockStatus]", blocks)):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                released.append(key)
-        self.unpin(released)
-
-    def mark_written(self, keys: Sequence[OffloadKey]) -> bool:
-        """Make blocks written readable: when every key is resident, being written
-        (`ref_cnt == -1`) and given once, set each `ref_cnt` to 0, `unpin(keys)` and return True;
-        otherwise change nothing and return False."""
-        blocks = list(map(self.get, keys))
-        for i, block in enumerate(blocks):
-            if block is None or block.ref_cnt != -1:  # (a key given twice: 0 at its second place)
-                for earlier in cast("list[BlockStatus]", blocks[:i]):
-                    earlier.ref_cnt = -1
-                return False
-            block.ref_cnt = 0
-        self.unpin(keys)
-        return True
-
-    def evict_ids(self, n: int, protected: set[OffloadKey]) -> tuple[list[OffloadKey], list[int]] | None:
-        """`evict(n, protected)` answered as the victims' keys and `block_id`s, or None."""
-        victims = self.evict(n, protected)
-        if victims is None:
-            return None
-        return [key for key, _ in victims], [block.block_id for _, block in victims]
 
     # ------------------------------------------------------------------ evictable accounting
     def track_pins(self) -> None:

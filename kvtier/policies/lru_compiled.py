@@ -7,7 +7,7 @@ entry, block object and key object); see docs/policies.md. Its `get` returns vie
 policy keeps (`returns_views`): a view's `ref_cnt` reads and writes the policy's arrays, the
 objects given to `insert` are copied and not kept, and blocks are compared by `block_id`, not
 identity. A view is valid while its block stays resident; the manager holds views only of pinned
-blocks. It implements the batch calls of the request cycle (`CachePolicy.readable_run`,
+blocks. It is its own block table (`kvtier.index.BlockTable`: `readable_run`,
 `pin_loads`, `release_loads`, `mark_written`) in C loops.
 
 When the extension is not importable (no compiler at install time) the registered name `lru`

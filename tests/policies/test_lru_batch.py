@@ -1,7 +1,7 @@
-"""The batch calls of `CachePolicy` (`readable_run`, `absent`, `insert_written`, `pin_loads`,
-`release_loads`, `mark_written`, `evict_ids`): the compiled `lru` index's C loops give exactly
-the answers and side effects of the defaults, which go key by key through `get`, `insert_many`,
-`evict`, the blocks' `ref_cnt` and `pin`/`unpin` (`PureLRUCachePolicy` runs the defaults). Batches
+"""The block table's calls (`kvtier.index.BlockTable`: `readable_run`, `absent`, `insert_written`,
+`pin_loads`, `release_loads`, `mark_written`, `evict_ids`): the compiled `lru` index, its own
+table, gives exactly the answers and side effects of `PolicyTable`, which goes key by key through
+`get`, `insert_many`, `evict`, the blocks' `ref_cnt` and `pin`/`unpin` (over `PureLRUCachePolicy`). Batches
 repeat keys and mix resident, absent, pinned and unwritten blocks, with and without evictable
 accounting, so refusals (nothing changed) are reached as often as the common case."""
 
@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.index import table_of
 from kvtier.policies.lru_compiled import FallbackLRUCachePolicy, LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.types import BlockStatus
@@ -65,13 +66,13 @@ def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
             keys = list(dict.fromkeys(key(i) for i in arg if ref.get(key(i)) is None))
             ids = list(range(next_id, next_id + len(keys)))
             for p in policies:
-                p.insert_written(keys[::-1], ids[::-1], tail=keys[-1] if keys else None)
+                table_of(p).insert_written(keys[::-1], ids[::-1], tail=keys[-1] if keys else None)
             next_id += len(keys)
         elif kind == "evict":
             answers = [[(k, b.block_id) for k, b in p.evict(arg, set()) or ()] for p in policies]
         elif kind == "evict_ids":
             protected = {key(i) for i in op[2]}
-            answers = [p.evict_ids(arg, protected) for p in policies]
+            answers = [table_of(p).evict_ids(arg, protected) for p in policies]
         elif kind == "remove":
             for p in policies:
                 p.remove(key(arg))
@@ -81,9 +82,9 @@ def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
                 if any(ref.get(k) is None for k in keys):
                     for p in policies:
                         with pytest.raises(KeyError):
-                            p.release_loads(keys)
+                            table_of(p).release_loads(keys)
                     continue
-            answers = [getattr(p, kind)(keys) for p in policies]
+            answers = [getattr(p if kind == "touch" else table_of(p), kind)(keys) for p in policies]
         assert answers[1] == answers[0] and answers[2] == answers[0], (kind, arg)
         assert state(compiled) == state(ref) and state(fallback) == state(ref), (kind, arg)
 
@@ -93,16 +94,17 @@ def test_the_manager_path_of_a_request(cls):
     """The cycle the manager runs through the batch calls: written, found, pinned for loading
     (out of the eviction order), released, evictable again (oldest first: inserted tail first)."""
     p = cls(4)
+    table = table_of(p)
     p.track_pins()
     keys = [key(i) for i in range(3)]
-    p.insert_written(keys[::-1], [12, 11, 10], tail=keys[-1])
+    table.insert_written(keys[::-1], [12, 11, 10], tail=keys[-1])
     with pytest.raises(ValueError, match="3 keys but 2 block ids"):
-        p.insert_written([key(5), key(6), key(7)], [1, 2])
-    assert p.readable_run(keys) == 0 and p.absent(keys + [key(9)]) == [key(9)]
-    assert p.mark_written(keys) and not p.mark_written(keys[:1])  # (only blocks being written)
-    assert p.readable_run(keys + [key(9)]) == 3 and p.evictable_count() == 3
-    assert p.pin_loads(keys[:2] + [key(9)]) is None and p.evictable_count() == 3  # refused: unchanged
-    assert p.pin_loads(keys[:2]) == [10, 11] and p.pinned_keys() == set(keys[:2])
+        table.insert_written([key(5), key(6), key(7)], [1, 2])
+    assert table.readable_run(keys) == 0 and table.absent(keys + [key(9)]) == [key(9)]
+    assert table.mark_written(keys) and not table.mark_written(keys[:1])  # (only blocks being written)
+    assert table.readable_run(keys + [key(9)]) == 3 and p.evictable_count() == 3
+    assert table.pin_loads(keys[:2] + [key(9)]) is None and p.evictable_count() == 3  # refused: unchanged
+    assert table.pin_loads(keys[:2]) == [10, 11] and p.pinned_keys() == set(keys[:2])
     assert [k for k, _ in p.evict(1, set())] == [keys[2]] and p.evict(1, set()) is None
-    p.release_loads(keys[:2])
+    table.release_loads(keys[:2])
     assert p.pinned_keys() == set() and [k for k, _ in p.evict(2, set())] == [keys[1], keys[0]]
