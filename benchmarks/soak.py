@@ -146,7 +146,8 @@ def check_invariants(mgr, open_loads: list, where: str) -> None:
                     fail(f"tier {tier.name}: clean key {bytes(key).hex()} is not readable in {tiers[i + 1].name}")
     for key, tier_index, block in open_loads:
         tier = tiers[tier_index]
-        if tier.policy.get(key) is not block or block.ref_cnt < 1:
+        held = tier.policy.get(key)  # (compiled policies answer with views: compared by slot)
+        if held is None or held.block_id != block.block_id or held.ref_cnt < 1:
             fail(f"pinned block {bytes(key).hex()} of tier {tier.name} was evicted or unpinned")
 
 
