@@ -122,7 +122,7 @@ def test_a_slow_server_gets_bounded_probe_work_and_opens_the_breaker(hostile):
         time.sleep(STEP_S)
     elapsed = time.monotonic() - start
     sent = backend.counters["probes"]
-    store = backend._store.stats()
+    store = backend.store.stats()
     print(f"slow: {steps} steps in {elapsed:.1f} s, {slow.stats()['probes']} batches requested, {sent} sent, "
           f"{backend.counters.get('probes_shed', 0)} shed, at most {most_queued} queued; store {store}")
     assert most_queued <= MAX_QUEUED

@@ -22,7 +22,7 @@ def engines():
 
     def make(url: str, options: str = "", **kwargs) -> Engine:
         made.append(Engine(f", timeout_ms: 2000{options}", url=url, **kwargs))
-        store = made[-1].shared._store
+        store = made[-1].shared.store
         assert store.wait_ready(10), store.reason  # a cluster's slot map loads in the background
         return made[-1]
 
@@ -51,7 +51,7 @@ def test_two_engines_share_blocks_byte_identical(where, engines, request):
     assert b.load(ks) == [content(k) for k in ks]
     stats = b.stats()
     assert stats["probes"] == 1 and stats["probe_keys"] == 12 and stats["probe_hits"] == 12
-    assert b.shared._store.stats()["probes"] == 1, "one probe call for the whole run"
+    assert b.shared.store.stats()["probes"] == 1, "one probe call for the whole run"
     assert b.manager.lookup(keys(1, 500)[0]) == RETRY
     b.settle()
     assert b.manager.lookup(keys(1, 500)[0]) == MISS
@@ -197,7 +197,7 @@ def test_a_dead_cluster_shard_leaves_partial_hits(tmp_path, engines):
         a.store(ks)
         a.manager.wait_idle(10)
         assert a.stats()["stores"] == 12
-        shard_of = {k: cluster.server_for(b.shared._store.keys.part_keys(k)[0]).port for k in ks}
+        shard_of = {k: cluster.server_for(b.shared.store.keys.part_keys(k)[0]).port for k in ks}
         dead = next(s for s in cluster.servers if s.port in set(shard_of.values()))
         dead.kill()
         cluster.wait_failed(dead)
@@ -273,7 +273,7 @@ def test_tp2_a_rank_value_gone_after_the_probe_is_a_miss(valkey_server, engines)
     while not b.shared.has_probe_results:
         assert time.monotonic() < deadline
         time.sleep(0.001)
-    client.delete(b"%s:%s:1of2:%s:0" % (engines.prefix.encode(), b.shared._store.keys.tag.encode(),
+    client.delete(b"%s:%s:1of2:%s:0" % (engines.prefix.encode(), b.shared.store.keys.tag.encode(),
                                        ks[0][:-4].hex().encode()))
     b.settle()
     assert b.manager.lookup_run(ks) == (0, MISS)

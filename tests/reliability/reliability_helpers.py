@@ -95,7 +95,7 @@ def pinned(mgr) -> list:
 def assert_settled(mgr):
     mgr.wait_idle()
     assert pinned(mgr) == [], "blocks left pinned after every job ended"
-    assert not mgr._jobs and all(t.demoting == 0 for t in mgr.tiers)
+    assert not mgr.has_pending_work() and all(t.demoting == 0 for t in mgr.tiers)
     for t in mgr.tiers:
         assert len(t.policy) + t.backend.get_num_free_blocks() == t.capacity, f"slot leak in tier {t.name}"
 

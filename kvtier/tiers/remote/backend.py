@@ -197,6 +197,12 @@ class ValkeyBackend(ControlCalls, Backend):
         return self._store_for_io().options
 
     @property
+    def store(self) -> Any:
+        """The client store (`kvtier.tiers.remote.store.RemoteStore`: servers, breakers, key
+        layout, counters), or None while it is not built: for inspection, tests and benchmarks."""
+        return self._store
+
+    @property
     def available(self) -> bool:
         """False while the circuit breaker is open (or the store could not be built lately)."""
         store = self._store
