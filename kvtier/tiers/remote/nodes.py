@@ -20,7 +20,7 @@ from __future__ import annotations
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -237,7 +237,14 @@ class NodeClient:
         from now). `read` returns `(result, clean)`; a connection not read cleanly is closed. A
         result that is an error reply is raised."""
         deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
-        conn = self._send(pool, packed, deadline)
+        result = self._receive(pool, self._send(pool, packed, deadline), deadline, read)
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _receive(self, pool: Any, conn: Any, deadline: float, read: Callable[[_Reply], tuple[Any, bool]]) -> Any:
+        """`read(reply)`'s result from `conn` (of `pool`) by `deadline`, as redis-py's errors; the
+        connection goes back to `pool`, closed first unless `read` says it was read cleanly."""
         clean = False
         try:
             result, clean = read(_Reply(conn._sock, deadline))
@@ -249,8 +256,6 @@ class NodeClient:
             if not clean:
                 conn.disconnect()
             pool.release(conn)
-        if isinstance(result, Exception):
-            raise result
         return result
 
     def set_value(self, key: bytes, payload: memoryview, trailer: bytes, deadline: float | None = None) -> None:
@@ -284,21 +289,10 @@ class NodeClient:
 
     def exists_finish(self, pending: PendingExists) -> list[bool]:
         """Second half of `exists`: read the replies of `exists_send` (by its deadline)."""
-        conn, replies = pending.conn, []
-        reply = _Reply(conn._sock, pending.deadline)
-        clean = False
-        try:
-            for _ in range(pending.count):  # an error reply does not stop the others from being read
-                replies.append(reply.simple())
-            clean = not reply.buf
-        except TimeoutError:  # socket.timeout
-            raise redis.TimeoutError(f"Timeout reading from {self.name}") from None
-        except OSError as exc:
-            raise redis.ConnectionError(f"Error reading from {self.name}: {exc}") from None
-        finally:
-            if not clean:
-                conn.disconnect()
-            self._probe.release(conn)
+        def read_all(reply: _Reply) -> tuple[list[Any], bool]:  # an error reply does not stop the others
+            return [reply.simple() for _ in range(pending.count)], not reply.buf
+
+        replies = self._receive(self._probe, pending.conn, pending.deadline, read_all)
         for one in replies:
             if isinstance(one, Exception):
                 raise one
