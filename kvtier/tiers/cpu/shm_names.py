@@ -223,13 +223,9 @@ def _free_region_name(path: str) -> None:
     """Make `path` free for a new region, or raise `RegionInUseError`: a name held by a live
     owner, or by a file that is not a kvtier region of this user, is never taken over."""
     name = os.path.basename(path)
-    try:
-        fd = _open_no_follow(path)
-    except FileNotFoundError:
+    fd = _open_existing(path, "a region")
+    if fd is None:
         return
-    except OSError as exc:
-        raise RegionInUseError(f"{path} exists and cannot be opened as a region ({exc.strerror}); "
-                               f"remove it or choose another shm_name") from None
     try:
         st = os.fstat(fd)
         header = _read_header(fd)
@@ -246,17 +242,25 @@ def _free_region_name(path: str) -> None:
         os.close(fd)
 
 
+def _open_existing(path: str, what: str) -> int | None:
+    """`path` opened without following a link, or None when nothing is there; `RegionInUseError`
+    (saying it cannot be opened as `what`) when something is there that cannot be opened."""
+    try:
+        return _open_no_follow(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise RegionInUseError(f"{path} exists and cannot be opened as {what} ({exc.strerror}); "
+                               f"remove it or choose another shm_name") from None
+
+
 def _free_claim(path: str) -> None:
     """Make the claim `path` free, or raise `RegionInUseError`: a claim whose owner is alive (its
     lock is held), or a file there that is not a kvtier claim of this user, is never taken over."""
     region = os.path.basename(path)[:-len(CLAIM_SUFFIX)]
-    try:
-        fd = _open_no_follow(path)
-    except FileNotFoundError:
+    fd = _open_existing(path, f"the claim of region {region}")
+    if fd is None:
         return
-    except OSError as exc:
-        raise RegionInUseError(f"{path} exists and cannot be opened as the claim of region {region} "
-                               f"({exc.strerror}); remove it or choose another shm_name") from None
     try:
         st = os.fstat(fd)
         pid = _read_claim(fd) if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() else None
