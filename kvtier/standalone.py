@@ -56,6 +56,7 @@ from kvtier.standalone_args import check_kv_caches, key_limit
 from kvtier.standalone_blocks import KeyBlocks
 from kvtier.standalone_counters import TransferCounters
 from kvtier.standalone_metrics import MetricsEndpoint, check_metrics_port
+from kvtier.store_threshold import StoreThreshold
 from kvtier.types import CanonicalKVCaches, LookupResult, TransferResult
 
 _T = TypeVar("_T")
@@ -85,6 +86,7 @@ class KVTier:
         self._blocks = KeyBlocks(layout, key_limit(hierarchy))  # checks and lays out each call's keys and ids
         self._top_capacity = hierarchy.first_tier.capacity
         self._counters = TransferCounters()
+        self._threshold: StoreThreshold[OffloadKey] = StoreThreshold(hierarchy.config.store_threshold)
         self._lock = threading.RLock()  # held by the running call (see the class docstring)
         self._closing = False  # set by `close()` before it takes the lock: waiting calls give up
         self._closed = False
@@ -124,11 +126,18 @@ class KVTier:
         `none` (or one tier), its capacity (older blocks are evicted, as that mode means).
         Returns False when some blocks could not be stored (the hierarchy had no room: every
         block pinned or the next tier full; or a copy failed), logging a warning that says how
-        many and why; the other rounds are stored all the same."""
+        many and why; the other rounds are stored all the same. With the config's
+        `store_threshold` N (2 or more), each call counts as one offer of its keys, and a key
+        not held is stored only from its Nth offer on (the others are counted in `stats()`'s
+        `engine.stores_skipped`, and are not failures)."""
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=False)
             pending = self.manager.stores.new_keys(keys)
+            if self._threshold.enabled:  # each call is an offer of its keys (kvtier.store_threshold)
+                admitted = set(self._threshold.admit(keys, set(pending)))
+                self._counters.skip(len(pending) - len(admitted))
+                pending = [key for key in pending if key in admitted]
             ok = True
             while pending:
                 n = self._room(len(pending))

@@ -16,6 +16,7 @@ class TransferCounters:
         self._totals: dict[str, Any] = {}
         for kind in self.KINDS:
             self._totals.update({f"{kind}s": 0, f"{kind}_failures": 0, f"{kind}_bytes": 0, f"{kind}_seconds": 0.0})
+        self._totals["stores_skipped"] = 0  # blocks not stored: offered fewer than store_threshold times
 
     def count(self, kind: str, result: TransferResult) -> None:
         """Add one finished job of `kind` ("store" or "load"): its bytes and seconds when it
@@ -28,7 +29,11 @@ class TransferCounters:
         else:
             totals[f"{kind}_failures"] += 1
 
+    def skip(self, blocks: int) -> None:
+        """Add `blocks` blocks the store threshold kept out (`kvtier.store_threshold`)."""
+        self._totals["stores_skipped"] += blocks
+
     def as_dict(self) -> dict[str, Any]:
-        """A copy of the totals (`stores`, `store_failures`, `store_bytes`, `store_seconds`, and
-        the same for loads)."""
+        """A copy of the totals (`stores`, `store_failures`, `store_bytes`, `store_seconds`, the
+        same for loads, and `stores_skipped`)."""
         return dict(self._totals)

@@ -117,3 +117,22 @@ tiers:
         assert tier.stats()["cpu"]["resident_blocks"] == 16
         assert_loads_all(tier, kv, snapshot(kv), ks)
         assert tier.stats()["shared"]["promotions"] >= N - 16
+
+
+def test_store_threshold_keeps_one_time_blocks_out(tmp_path):
+    """The config's `store_threshold` holds under the standalone API too (before, only the vLLM
+    front-ends applied it: a standalone store ignored it). Each `store` call is one offer."""
+    config = load_config_text("""
+store_threshold: 2
+tiers:
+  - {name: cpu, backend: cpu, capacity: 16 blocks, pin: false}
+""")
+    kv = make_kv(num_blocks=8)
+    ks = keys(4)
+    with KVTier.open(config, kv) as tier:
+        assert tier.store(ks[:2], [0, 1])  # the first offer of ks[0:2]: skipped, not a failure
+        assert tier.lookup(ks) == 0 and tier.stats()["engine"]["stores_skipped"] == 2
+        assert tier.store(ks, [0, 1, 2, 3])  # the second offer of ks[0:2]: stored; ks[2:4] skipped
+        assert tier.lookup(ks) == 2
+        engine = tier.stats()["engine"]
+        assert engine["stores_skipped"] == 4 and engine["stores"] >= 1
