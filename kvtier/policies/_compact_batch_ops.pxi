@@ -1,4 +1,4 @@
-# The batch calls of the request cycle (`CachePolicy.batch_calls`) as C loops over a `Core`, shared
+# The block-table calls of the request cycle (`kvtier.index.BlockTable`) as C loops over a `Core`, shared
 # by the compiled indexes (included by _compact_lru.pyx and _compact_prefix.pyx after
 # _compact_pins.pxi): the answers and side effects of `CachePolicy`'s key-by-key defaults.
 

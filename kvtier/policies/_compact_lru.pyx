@@ -13,7 +13,7 @@ The decisions are exactly `LRUCachePolicy`'s, including its evictable accounting
 `track_pins()` a pinned block met at the head of the order is set *aside* (moved to an aside
 list, in the order of its sequence number) instead of being scanned again, and an unpinned aside
 block goes into a heap of freed entries (sequence number, entry) that evictions take first. See
-kvtier/policies/lru.py for the argument that this is plain LRU order.
+kvtier/policies/lru_pure.py for the argument that this is plain LRU order.
 
 `get` returns a `BlockView` of an entry: reads and writes of its `ref_cnt` go to the arrays, so
 every later `get` sees them. A view is valid while its block stays resident; using one after its

@@ -1,4 +1,4 @@
-# The batch calls of the request cycle (`CachePolicy.batch_calls`), included by _compact_lru.pyx:
+# The block-table calls of the request cycle (`kvtier.index.BlockTable`), included by _compact_lru.pyx:
 # one C loop per batch over the index (_compact_batch_ops.pxi), no view per block.
 
 

@@ -1,7 +1,7 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 """The compiled core of `prefix-freq` (kvtier.policies.compact_prefix): its decisions over C arrays.
 
-The design and every rule are `PrefixFreqCachePolicy`'s (kvtier/policies/prefix.py); this module
+The design and every rule are `PrefixFreqCachePolicy`'s (kvtier/policies/prefix_pure.py); this module
 keeps the same state in another layout and makes exactly the same decisions (checked against it
 by tests/policies/test_compact_prefix.py):
 

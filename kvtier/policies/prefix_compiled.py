@@ -6,7 +6,7 @@ by `pip install` with the C compiler there) completed into a `CachePolicy`. It m
 decisions of the pure-Python `PurePrefixFreqCachePolicy` (kvtier/policies/prefix_pure.py, where the design
 is explained) — the same victims, ghosts, clock and hit-age mean, to the last bit — with about 95
 bytes per resident block including the key instead of some 370, and its request-cycle calls
-(`CachePolicy.batch_calls`) in C loops. Like the compiled `lru`, `get` returns views of state the
+(its block table, `kvtier.index.BlockTable`) in C loops. Like the compiled `lru`, `get` returns views of state the
 policy keeps (`returns_views`): a view's `ref_cnt` reads and writes the policy's arrays, the
 objects given to `insert` are copied and not kept, and blocks are compared by `block_id`. Its
 ghost list (evicted keys) is in C arrays too, about 75 bytes per ghost against ~145 for the pure

@@ -1,4 +1,4 @@
-"""`ControlCalls`: what the control plane (kvtier/control/shared.py) asks of the shared tier besides
+"""`ControlCalls`: what the control plane (kvtier/control/shared_probes.py) asks of the shared tier besides
 the Backend API and the handle bookkeeping: probes (answered on the backend's probe thread) and
 whether writes are paused. A mixin of `ValkeyBackend`, which holds the `Probes` and `WritePause`
 it reads (`_probes`, `_writes`); every call here reads state or hands off work, never touches a
