@@ -101,3 +101,12 @@ def test_only_the_vllm_integration_package_imports_vllm():
             outside.append(str(path.relative_to(package)))
     assert outside == [], f"outside kvtier/integrations/vllm/: {outside} import vllm or the integration"
     assert any(inside)
+
+
+def test_the_block_table_sits_below_policies_and_tiers():
+    """`kvtier.index` (the block table) imports only the bottom layer (keys, types), as
+    ARCHITECTURE.md's import direction puts it beside the policies, under the tiers."""
+    package = Path(__file__).resolve().parents[1] / "kvtier" / "index"
+    imported = set().union(*(_imported_modules(path, at_import=False) for path in package.glob("*.py")))
+    kvtier_modules = {name for name in imported if name.split(".")[0] == "kvtier"}
+    assert kvtier_modules <= {"kvtier.keys", "kvtier.types", "kvtier.index.table"}, kvtier_modules
