@@ -278,7 +278,7 @@ class SoakDriver:
                                  f"pending work={mgr.has_pending_work()}")
 
 
-@logger_at("kvtier.engine", logging.ERROR)  # injected failures are expected
+@logger_at("kvtier.router", logging.ERROR)  # injected failures are expected
 def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 160, check_every: int = 64,
         hot_policy: str = "arc", warm_policy: str = "lru", reserve: float = 0.25, progress=None,
         store_while_promoting: bool = True) -> dict:
@@ -292,7 +292,7 @@ def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 
     rng = random.Random(seed)
     h = build(hot, warm, hot_policy, warm_policy, reserve)
     chaos = ChaosHandler(h.backends, rng)
-    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, chaos)
+    h.router.register(CPULoadStoreSpec, CPULoadStoreSpec, chaos)
     driver = SoakDriver(h, rng, chaos, universe, check_every, progress, store_while_promoting)
     started = time.perf_counter()
     try:

@@ -1,7 +1,7 @@
 """Build a running hierarchy from a `HierarchyConfig`: its control plane and its worker plane.
 
 The control plane is the `HierarchyManager` over the tiers (backends and policies) with the
-engine of its tier-to-tier jobs; the worker plane (`kvtier.planes.WorkerPlane`) runs the jobs that
+router of its tier-to-tier jobs; the worker plane (`kvtier.planes.WorkerPlane`) runs the jobs that
 touch the engine's KV caches. Both front-ends use the two as built here: the standalone `KVTier`
 drives both in one process; under vLLM the scheduler builds the hierarchy without KV caches (an
 empty worker plane) and each worker builds its own plane over the CPU region it attached
@@ -15,25 +15,25 @@ from typing import Any, cast
 
 from kvtier import registry
 from kvtier.config import HierarchyConfig, TierConfig
-from kvtier.engine import TransferEngine
 from kvtier.errors import ConfigError
 from kvtier.limits import tier_blocks_problem
 from kvtier.manager import HierarchyManager, Tier
-from kvtier.planes import WorkerPlane, build_engine, build_worker_plane
+from kvtier.planes import WorkerPlane, build_router, build_worker_plane
 from kvtier.policies.base import CachePolicy, predicts_victims, with_key_index
+from kvtier.router import TransferRouter
 from kvtier.tiers.base import Backend
 from kvtier.tiers.memory import SlotBackend
 
 
 @dataclass
 class Hierarchy:
-    """A built hierarchy. Control plane: `manager`, and `engine`, the router of its tier-to-tier
+    """A built hierarchy. Control plane: `manager`, and `router`, the router of its tier-to-tier
     jobs. Worker plane: `worker`, the jobs between the KV caches and the tiers (empty when the
     hierarchy was built without KV caches)."""
 
     config: HierarchyConfig
     manager: HierarchyManager
-    engine: TransferEngine
+    router: TransferRouter
     worker: WorkerPlane
     backends: dict[str, Backend] = field(default_factory=dict)
     dry_run: bool = False
@@ -97,28 +97,28 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
     layout = describe_layout(block_bytes or 0, config.block_tokens, kv_caches)
     backends: dict[str, Backend] = {}
     policies: list[CachePolicy] = []
-    engine: TransferEngine | None = None
+    router: TransferRouter | None = None
     worker: WorkerPlane | None = None
     try:
         for i, (tier_cfg, n) in enumerate(zip(config.tiers, tier_blocks(config, block_bytes))):
             backends[tier_cfg.name], policy = _build_tier(i, config, n, block_bytes or 0, dry_run, model, layout)
             policies.append(policy)
-        engine = build_engine(backends, kv_side=False, dry_run=dry_run)
+        router = build_router(backends, kv_side=False, dry_run=dry_run)
         worker = build_worker_plane(backends, kv_caches, dry_run=dry_run)
         # A tier whose blocks the worker plane loads straight into the KV caches is served
         # directly, without a promotion into the first tier (see `HierarchyManager.lookup`).
         tiers = [Tier(tier_cfg.name, backend, policy, tier_cfg.cascade, tier_cfg.reserve,
                       direct_load=worker.loads_from(backend.spec_type))
                  for tier_cfg, backend, policy in zip(config.tiers, backends.values(), policies)]
-        manager = HierarchyManager(tiers, engine, enable_events=enable_events)
+        manager = HierarchyManager(tiers, router, enable_events=enable_events)
     except BaseException:
-        for plane in (worker, engine):
+        for plane in (worker, router):
             if plane is not None:
                 plane.shutdown()
         for backend in backends.values():
             backend.close()
         raise
-    return Hierarchy(config, manager, engine, worker, backends, dry_run)
+    return Hierarchy(config, manager, router, worker, backends, dry_run)
 
 
 def _build_tier(i: int, config: HierarchyConfig, n: int, block_bytes: int, dry_run: bool, model: str,

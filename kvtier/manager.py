@@ -46,9 +46,9 @@ from kvtier.control.quiesce import Quiescer
 from kvtier.control.shared_probes import SharedTierProbes, local_tiers
 from kvtier.control.stores import StorePath
 from kvtier.control.tier import Tier, TierStats
-from kvtier.engine import TransferEngine
 from kvtier.interfaces import OffloadingManager
 from kvtier.keys import OffloadKey
+from kvtier.router import TransferRouter
 from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
 from kvtier.types import (
     CASCADE_MODES,
@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 60.0  # how long `shutdown` waits for running copies before abandoning them
 
 
-def _link(tiers: list[Tier], engine: TransferEngine) -> None:
+def _link(tiers: list[Tier], router: TransferRouter) -> None:
     """Set each tier's position in the chain (`index`, `above`, `below`, `direct_load`); a shared
     tier is last and outside the cascade chain. ValueError for an unknown cascade mode."""
     n_local = local_tiers(tiers)
@@ -76,9 +76,9 @@ def _link(tiers: list[Tier], engine: TransferEngine) -> None:
         tier.index = i
         tier.above = tiers[i - 1] if 0 < i < n_local else None
         tier.below = tiers[i + 1] if i + 1 < n_local else None
-        # Declared by the builder (its worker plane loads the tier), or routed by `engine` itself.
+        # Declared by the builder (its worker plane loads the tier), or routed by `router` itself.
         tier.direct_load = i > 0 and (tier.direct_load or
-                                      engine.handler_for(tier.backend.spec_type, GPULoadStoreSpec) is not None)
+                                      router.handler_for(tier.backend.spec_type, GPULoadStoreSpec) is not None)
 
 
 def _recover(ctx: ControlContext) -> None:
@@ -96,22 +96,22 @@ def _recover(ctx: ControlContext) -> None:
 
 
 class HierarchyManager(OffloadingManager):
-    """`OffloadingManager` across a chain of tiers; byte movement goes through a `TransferEngine`.
+    """`OffloadingManager` across a chain of tiers; byte movement goes through a `TransferRouter`.
 
     It composes the controllers, peers over one `ControlContext`: `LoadPins` (loads), `stores`
     (a `StorePath`: stores into the first tier, and the room questions of the standalone API),
     `Cascade` (demotions), `Promotions` and, with a shared tier, `SharedTierProbes`."""
 
-    def __init__(self, tiers: Sequence[Tier], engine: TransferEngine, enable_events: bool = False):
+    def __init__(self, tiers: Sequence[Tier], router: TransferRouter, enable_events: bool = False):
         if not tiers:
             raise ValueError("a hierarchy needs at least one tier")
         self.tiers: list[Tier] = list(tiers)
-        self.engine = engine
-        _link(self.tiers, engine)
+        self.router = router
+        _link(self.tiers, router)
         self._top = self.tiers[0]
-        ctx = self._ctx = ControlContext(self.tiers, JobTable(engine), EventLog(enable_events))
+        ctx = self._ctx = ControlContext(self.tiers, JobTable(router), EventLog(enable_events))
         self._jobs = ctx.jobs
-        self._results_waiting = engine.has_finished  # bound once: `lookup` asks on every call
+        self._results_waiting = router.has_finished  # bound once: `lookup` asks on every call
         self._cascade = Cascade(ctx)
         self._promotions = Promotions(ctx, self._cascade.evict_for)
         self._loads = LoadPins(ctx)
@@ -121,7 +121,7 @@ class HierarchyManager(OffloadingManager):
         self._writes_through = any(t.cascade == "on_store" for t in self.tiers[:-1])  # as `Cascade` finds them
         self._refilled = [t for t in self.tiers[:-1] if t.cascades_on_evict]  # `refill_reserve` has work
         self._alone = len(self.tiers) == 1  # no lower or shared tier: no promotion, probe or copy
-        self._quiescer = Quiescer(ctx, engine, self._cascade, self._promotions, self._shared)
+        self._quiescer = Quiescer(ctx, router, self._cascade, self._promotions, self._shared)
         _recover(ctx)
         for tier in self.tiers:
             # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
@@ -133,7 +133,7 @@ class HierarchyManager(OffloadingManager):
         return self._ctx.events.events
 
     def _drain(self) -> None:
-        """Account for the jobs the engine reported (cheap when none did)."""
+        """Account for the jobs the router reported (cheap when none did)."""
         if self._results_waiting():
             self._jobs.drain()
 
@@ -285,8 +285,8 @@ class HierarchyManager(OffloadingManager):
         self._quiescer.wait_idle(timeout)
 
     def shutdown(self, timeout: float | None = SHUTDOWN_TIMEOUT_S) -> None:
-        """Wait up to `timeout` seconds for running copies, then shut the engine down and close the
-        backends. Copies still running then are abandoned and logged: the engine (whose
+        """Wait up to `timeout` seconds for running copies, then shut the router down and close the
+        backends. Copies still running then are abandoned and logged: the router (whose
         shutdown would wait for them) and the backends they use are left open, since a copy
         may still be writing into them; the other backends are closed."""
         self._quiescer.shutdown(timeout)

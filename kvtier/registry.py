@@ -91,7 +91,7 @@ def resolve(kind: dict[str, str], name: str) -> Any:
 
 # ---------------------------------------------------------------------- handlers
 # One table, (source spec type, destination spec type) -> factory (a callable or a "module:attr"
-# path to one), and one matching rule (`spec_pairs`), the router's too (`TransferEngine.handler_for`):
+# path to one), and one matching rule (`spec_pairs`), the router's too (`TransferRouter.handler_for`):
 # a job from spec type `S` to `D` is served by the entry of the first pair `(s, d)` registered, with
 # `s` walking `S.__mro__` and, for each `s`, `d` walking `D.__mro__` (the most specific first). So a
 # backend whose `spec_type` subclasses a built-in spec gets that spec's handler, and a registered

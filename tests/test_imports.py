@@ -16,7 +16,7 @@ LAYERS = ["kvtier", "kvtier.keys", "kvtier.types", "kvtier.errors", "kvtier.limi
           "kvtier.tiers", "kvtier.tiers.base", "kvtier.tiers.memory", "kvtier.tiers.cpu", "kvtier.tiers.file",
           "kvtier.tiers.file.inspection", "kvtier.handlers", "kvtier.handlers.base", "kvtier.handlers.memory",
           "kvtier.handlers.cpu_file", "kvtier.handlers.gpu_cpu", "kvtier.handlers.gpu_file", "kvtier.registry",
-          "kvtier.control", "kvtier.manager", "kvtier.engine", "kvtier.planes", "kvtier.config_input", "kvtier.config",
+          "kvtier.control", "kvtier.manager", "kvtier.router", "kvtier.planes", "kvtier.config_input", "kvtier.config",
           "kvtier.tiers.room", "kvtier.hierarchy", "kvtier.standalone", "kvtier.testing", "kvtier.integrations",
           "kvtier.cli.main", "kvtier.bench.replay"]
 

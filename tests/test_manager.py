@@ -188,10 +188,10 @@ class _WarmToEngine(SyncHandler):
 
 
 def test_direct_path_serves_lower_tier_without_promotion(ctx):
-    from kvtier.engine import TransferEngine
     from kvtier.handlers.memory import MemoryCopyHandler
     from kvtier.manager import HierarchyManager, Tier
     from kvtier.policies import LRUCachePolicy
+    from kvtier.router import TransferRouter
     from kvtier.specs import FileLoadStoreSpec
     from kvtier.tiers.memory import MemoryBackend
 
@@ -202,15 +202,15 @@ def test_direct_path_serves_lower_tier_without_promotion(ctx):
             return FileLoadStoreSpec([b.block_id for b in blocks], list(ks), tier=self.name)
 
     hot, warm = MemoryBackend("hot", 2, 8), WarmBackend("warm", 8, 8)
-    engine = TransferEngine()
+    router = TransferRouter()
     copier = MemoryCopyHandler({"hot": hot, "warm": warm})
-    engine.register(CPULoadStoreSpec, FileLoadStoreSpec, copier)
-    engine.register(FileLoadStoreSpec, CPULoadStoreSpec, copier)
+    router.register(CPULoadStoreSpec, FileLoadStoreSpec, copier)
+    router.register(FileLoadStoreSpec, CPULoadStoreSpec, copier)
     direct = _WarmToEngine()
-    engine.register(FileLoadStoreSpec, GPULoadStoreSpec, direct)
-    engine.register(CPULoadStoreSpec, GPULoadStoreSpec, direct)
+    router.register(FileLoadStoreSpec, GPULoadStoreSpec, direct)
+    router.register(CPULoadStoreSpec, GPULoadStoreSpec, direct)
     m = HierarchyManager([Tier("hot", hot, LRUCachePolicy(2), reserve_fraction=0.5),
-                          Tier("warm", warm, LRUCachePolicy(8))], engine)
+                          Tier("warm", warm, LRUCachePolicy(8))], router)
     ks = keys(4)
     for pair in (ks[:2], ks[2:]):
         m.complete_store(m.prepare_store(pair, ctx).keys_to_store, ctx)
@@ -220,10 +220,10 @@ def test_direct_path_serves_lower_tier_without_promotion(ctx):
     assert sorted(tuple(p) for _, p in spec.parts) == [(0, 1), (2, 3)]
     # A multi-tier load is submitted part by part (GPU specs cannot be split by key position).
     engine_blocks = [10, 11, 12, 13]
-    whole = engine.submit(spec, GPULoadStoreSpec(engine_blocks))
-    assert [r.success for r in engine.poll() if r.job_id == whole] == [False]
-    jobs = [engine.submit(part, GPULoadStoreSpec([engine_blocks[p] for p in pos])) for part, pos in spec.parts]
-    assert sorted(r.job_id for r in engine.poll() if r.success) == sorted(jobs)
+    whole = router.submit(spec, GPULoadStoreSpec(engine_blocks))
+    assert [r.success for r in router.poll() if r.job_id == whole] == [False]
+    jobs = [router.submit(part, GPULoadStoreSpec([engine_blocks[p] for p in pos])) for part, pos in spec.parts]
+    assert sorted(r.job_id for r in router.poll() if r.success) == sorted(jobs)
     warm_slots = [warm_block(m, k).block_id for k in ks[:2]]
     assert sorted(direct.loaded) == sorted([("warm", warm_slots, [10, 11]),
                                             ("hot", [m.tiers[0].policy.get(k).block_id for k in ks[2:]], [12, 13])])
@@ -240,7 +240,7 @@ def test_failed_promotion_drops_the_lower_copy_and_answers_miss(ctx):
     ks = keys(4)
     store(h, ks[:2], ctx)
     store(h, ks[2:], ctx)
-    handler = h.engine.handler_for(CPULoadStoreSpec, CPULoadStoreSpec)
+    handler = h.router.handler_for(CPULoadStoreSpec, CPULoadStoreSpec)
     original = handler.copy
     handler.copy = lambda src, dst: (_ for _ in ()).throw(OSError(5, "injected EIO"))
     assert h.manager.lookup(ks[0], ctx) is LookupResult.RETRY
@@ -267,7 +267,7 @@ def test_slow_lower_tier_applies_backpressure_without_blocking_stores(ctx):
             self.jobs.append(job_id)
 
     h = memory_hierarchy(hot=20, warm=100, reserve=0.1)
-    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, Stuck())
+    h.router.register(CPULoadStoreSpec, CPULoadStoreSpec, Stuck())
     ks = keys(200)
     answered = 0
     for i in range(0, 200, 2):
@@ -344,7 +344,7 @@ def hung_hierarchy(ctx):
     """Write-through memory tiers whose copy below never ends: one demotion of 2 blocks hangs."""
     h = memory_hierarchy(hot=8, warm=8, cascade="on_store")
     hung = HungHandler()
-    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, hung)
+    h.router.register(CPULoadStoreSpec, CPULoadStoreSpec, hung)
     store(h, keys(2), ctx)
     assert h.manager.has_pending_work() and hung.jobs
     return h, hung
@@ -371,7 +371,7 @@ def test_shutdown_abandons_jobs_of_a_hung_handler_after_its_timeout(ctx, caplog)
         tier.backend.close = lambda name=tier.name: closed.append(name)
     began = time.monotonic()
     with caplog.at_level(logging.ERROR, logger="kvtier.manager"):
-        h.manager.shutdown(timeout=0.2)  # the engine's shutdown would block in the hung handler
+        h.manager.shutdown(timeout=0.2)  # the router's shutdown would block in the hung handler
     assert time.monotonic() - began < 10
     assert closed == []  # both tiers are used by the abandoned copy: left open
     assert "shutdown abandoned 1 transfer job still running" in caplog.text

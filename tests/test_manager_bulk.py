@@ -81,7 +81,7 @@ tiers:
         for twin in (False, True):
             h = self.build(twin)
             copier = DeferredCopy(h.backends)
-            h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
+            h.router.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
             self.pairs.append((h, copier))
         self.bulk, self.each = (h.manager for h, _ in self.pairs)
         self.pending: list[list[bytes]] = []
@@ -90,7 +90,7 @@ tiers:
     def teardown(self):
         for h, copier in self.pairs:
             copier.run(fail=True)
-            h.engine.poll()
+            h.router.poll()
 
     @rule(request=st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=6))
     def lookup_and_load(self, request):

@@ -6,7 +6,7 @@ here every tier of the second one has the pure-Python twin of the first one's po
 demotions, promotions and job ends go through `CachePolicy`'s default batch calls (over `get`)
 where the first one's run in C. After every step both must hold the same blocks in the same
 eviction order with the same `ref_cnt`s, pins, clean sets, promotions and counters, and the
-copies waiting in the engine must read and write the same slots. Copies finish when the machine
+copies waiting in the router must read and write the same slots. Copies finish when the machine
 says so, or fail (demotions and promotions that fail, blocks dropped or kept by `still_valid`).
 Hierarchies: two or three memory tiers cascading on eviction or writing through; first tiers with
 the compiled `lru` and `prefix-freq` and a pure-Python policy; a last tier whose backend extends
@@ -121,7 +121,7 @@ tiers:
   - {{name: warm, backend: '{backend}', capacity: 8 blocks, policy: '{policy}'}}
 """))
     copier = DeferredCopy(h.backends)
-    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
+    h.router.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
     return h, copier
 
 

@@ -58,14 +58,14 @@ class ManagerMachine(RuleBasedStateMachine):
         super().__init__()
         self.h = memory_hierarchy(**self.HIERARCHY)
         self.copier = DeferredCopy(self.h.backends)
-        self.h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, self.copier)
+        self.h.router.register(CPULoadStoreSpec, CPULoadStoreSpec, self.copier)
         self.m = self.h.manager
         self.pending_stores: list[list[bytes]] = []
         self.loads: list[tuple[bytes, str, object]] = []  # (key, tier loaded from, its BlockStatus)
 
     def teardown(self):
         self.copier.run(fail=True)
-        self.h.engine.poll()
+        self.h.router.poll()
 
     @rule(picks=st.lists(st.sampled_from(UNIVERSE), min_size=1, max_size=4, unique=True))
     def prepare_store(self, picks):

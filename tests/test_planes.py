@@ -1,4 +1,4 @@
-"""One builder, two planes: the manager's engine runs tier-to-tier jobs, the worker plane the jobs
+"""One builder, two planes: the manager's router runs tier-to-tier jobs, the worker plane the jobs
 that touch the KV caches; neither collects the other's results, and the worker plane hands out a
 job's result as soon as its handler reports it."""
 
@@ -19,9 +19,9 @@ from kvtier import (
     load_config_text,
     registry,
 )
-from kvtier.engine import TransferEngine
 from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler
 from kvtier.planes import WorkerPlane
+from kvtier.router import TransferRouter
 from kvtier.types import TransferResult
 
 PAGE = 256
@@ -64,8 +64,8 @@ class Instant(SyncHandler):
 
 
 class Silent(TransferHandler):
-    """Accepts jobs and never reports them (a hung device); `report` hands a result to the engine
-    as a device would (the callback the engine bound)."""
+    """Accepts jobs and never reports them (a hung device); `report` hands a result to the router
+    as a device would (the callback the router bound)."""
 
     def bind(self, on_done):
         super().bind(on_done)
@@ -75,7 +75,7 @@ class Silent(TransferHandler):
         return
 
 
-class CountingEngine(TransferEngine):
+class CountingRouter(TransferRouter):
     def __init__(self):
         super().__init__()
         self.polls = 0
@@ -86,9 +86,9 @@ class CountingEngine(TransferEngine):
 
 
 def plane_with(handler):
-    engine = CountingEngine()
-    engine.register(GPULoadStoreSpec, CPULoadStoreSpec, handler)
-    return WorkerPlane(engine), engine
+    router = CountingRouter()
+    router.register(GPULoadStoreSpec, CPULoadStoreSpec, handler)
+    return WorkerPlane(router), router
 
 
 def gpu_to_cpu(plane):
@@ -96,15 +96,15 @@ def gpu_to_cpu(plane):
 
 
 def test_result_sleeps_until_the_handler_reports():
-    """`result` blocks on the engine's condition, not in a poll loop: a job finishing 0.3 s later on
+    """`result` blocks on the router's condition, not in a poll loop: a job finishing 0.3 s later on
     another thread is returned after a handful of polls, however long it ran."""
     handler = Gated()
-    plane, engine = plane_with(handler)
+    plane, router = plane_with(handler)
     job = gpu_to_cpu(plane)
     threading.Timer(0.3, handler.gate.set).start()
     result = plane.result(job, timeout=30)
     assert result.job_id == job and result.success and result.transfer_size == 7
-    assert engine.polls <= 3
+    assert router.polls <= 3
     plane.shutdown()
 
 
@@ -121,7 +121,7 @@ def test_two_threads_waiting_in_result_each_get_their_own_job():
     first thread to wake collects both reports. The other must be woken and get its own (on main it
     slept on "some report waiting" for ever: the report it wanted was already collected)."""
     silent = Silent()
-    plane, engine = plane_with(silent)
+    plane, router = plane_with(silent)
     first, second = gpu_to_cpu(plane), gpu_to_cpu(plane)
     got: dict[int, int] = {}
     waiters = [threading.Thread(target=lambda j=j: got.update({j: plane.result(j, timeout=10).job_id}), daemon=True)
@@ -129,7 +129,7 @@ def test_two_threads_waiting_in_result_each_get_their_own_job():
     for waiter in waiters:
         waiter.start()
     threading.Event().wait(0.2)  # both are asleep in `result` by now
-    with engine.reported:  # both reports land before either waiter runs again
+    with router.reported:  # both reports land before either waiter runs again
         silent.report(TransferResult(first, True, 1, 0.0))
         silent.report(TransferResult(second, True, 1, 0.0))
     for waiter in waiters:
@@ -145,25 +145,25 @@ def test_result_of_a_hung_job_times_out():
 
 
 def test_wait_finished_wakes_on_a_report_from_another_thread():
-    engine = TransferEngine()
-    assert not engine.has_finished() and engine.wait_finished(timeout=0.05) is False
+    router = TransferRouter()
+    assert not router.has_finished() and router.wait_finished(timeout=0.05) is False
     handler = Gated()
-    engine.register(GPULoadStoreSpec, CPULoadStoreSpec, handler)
-    engine.submit(GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))
+    router.register(GPULoadStoreSpec, CPULoadStoreSpec, handler)
+    router.submit(GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))
     threading.Timer(0.1, handler.gate.set).start()
-    assert engine.wait_finished(timeout=30) and engine.has_finished()
-    (result,) = engine.poll()
-    assert result.success and not engine.has_finished()
-    engine.shutdown()
+    assert router.wait_finished(timeout=30) and router.has_finished()
+    (result,) = router.poll()
+    assert result.success and not router.has_finished()
+    router.shutdown()
 
 
 def test_hierarchy_routes_kv_jobs_on_the_worker_plane_only():
-    """The manager's engine never sees a KV-cache job, so its polling (lookup, step, wait_idle)
+    """The manager's router never sees a KV-cache job, so its polling (lookup, step, wait_idle)
     cannot take the worker's results; the worker plane runs no tier-to-tier job."""
     kv = make_kv()
     with build_hierarchy(load_config_text(TWO_MEMORY_TIERS), kv_caches=kv) as h:
-        assert h.engine.handler_for(GPULoadStoreSpec, CPULoadStoreSpec) is None
-        assert h.engine.handler_for(CPULoadStoreSpec, CPULoadStoreSpec) is not None
+        assert h.router.handler_for(GPULoadStoreSpec, CPULoadStoreSpec) is None
+        assert h.router.handler_for(CPULoadStoreSpec, CPULoadStoreSpec) is not None
         assert h.worker.handler_for(CPULoadStoreSpec, CPULoadStoreSpec) is None
         (key,) = keys(1)
         out = h.manager.prepare_store([key])

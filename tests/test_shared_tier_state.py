@@ -78,13 +78,13 @@ tiers:
 """
         self.h = build_hierarchy(load_config_text(text), model="state-machine")
         self.copier = DeferredCopy(self.h.backends)
-        self.h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, self.copier)
+        self.h.router.register(CPULoadStoreSpec, CPULoadStoreSpec, self.copier)
         backends = self.h.backends
         self.to_remote = DeferredRemote(CPUToRemoteHandler({"hot": backends["hot"]}, {"shared": backends["shared"]}, 1))
         self.from_remote = DeferredRemote(RemoteToCPUHandler({"hot": backends["hot"]}, {"shared": backends["shared"]},
                                                              1))
-        self.h.engine.register(CPULoadStoreSpec, RemoteLoadStoreSpec, self.to_remote)
-        self.h.engine.register(RemoteLoadStoreSpec, CPULoadStoreSpec, self.from_remote)
+        self.h.router.register(CPULoadStoreSpec, RemoteLoadStoreSpec, self.to_remote)
+        self.h.router.register(RemoteLoadStoreSpec, CPULoadStoreSpec, self.from_remote)
         self.other = self.server.store({"timeout_s": 1.0}, key_prefix="kvt", fingerprint="state-machine",
                                        layout=self.h.backends["shared"]._store_args["layout"], block_bytes=BLOCK)
         self.m = self.h.manager
@@ -94,7 +94,7 @@ tiers:
     def teardown(self):
         for handler in (self.copier, self.to_remote, self.from_remote):
             handler.run(fail=True)
-        self.h.engine.poll()
+        self.h.router.poll()
         self.h.backends["shared"].close()
 
     @rule(fail=st.booleans())

@@ -123,7 +123,7 @@ def test_close_ends_a_flush_waiting_for_copies_in_another_thread():
                                         "cascade: on_store}\n  - {name: warm, backend: memory, capacity: 8 blocks}\n"),
                        make_kv())
     hung = HungHandler()
-    tier.hierarchy.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, hung)
+    tier.hierarchy.router.register(CPULoadStoreSpec, CPULoadStoreSpec, hung)
     assert tier.store(std_keys(2), [0, 1])
     outcome: dict[str, BaseException | int] = {}
     flusher = threading.Thread(target=lambda: outcome.update(flush=_call(tier.flush)), daemon=True)

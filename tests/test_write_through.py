@@ -165,7 +165,7 @@ class Gate(TransferHandler):
 def gated(hot=8, warm=64, reserve=0.125):
     h = memory_hierarchy(hot=hot, warm=warm, cascade="on_store", reserve=reserve)
     gate = Gate(h.backends)
-    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, gate)
+    h.router.register(CPULoadStoreSpec, CPULoadStoreSpec, gate)
     return h, gate
 
 
@@ -251,7 +251,7 @@ def test_failed_lower_tier_drops_are_counted_not_silent(ctx):
     are written again."""
     h = memory_hierarchy(hot=8, warm=64, cascade="on_store", reserve=0.125)
     m = h.manager
-    copier = h.engine.handler_for(CPULoadStoreSpec, CPULoadStoreSpec)
+    copier = h.router.handler_for(CPULoadStoreSpec, CPULoadStoreSpec)
     real_copy = copier.copy
     copier.copy = lambda src, dst: (_ for _ in ()).throw(OSError(5, "injected EIO"))
     failing = keys(24)
@@ -343,7 +343,7 @@ tiers:
   - {name: cold, backend: memory, capacity: 1024 blocks, policy: lru}
 """))
     gate = Gate(h.backends)
-    h.engine.register(CPULoadStoreSpec, CPULoadStoreSpec, gate)
+    h.router.register(CPULoadStoreSpec, CPULoadStoreSpec, gate)
     m = h.manager
     stored, cursors = [], [0] * 4
     for _ in range(500):  # copies land at the end of each step; stores refused are asked again

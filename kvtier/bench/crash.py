@@ -312,7 +312,7 @@ def _remove_leaked_shm(pid: int) -> tuple[int, int]:
     return len(paths) - claims, claims
 
 
-@logger_at("kvtier.engine", logging.ERROR)  # failed verifications are counted, not logged
+@logger_at("kvtier.router", logging.ERROR)  # failed verifications are counted, not logged
 def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_kill_delay: float = 0.6,
         log=print, promote_batch: int = 1) -> dict:
     root = Path(root)

@@ -109,7 +109,7 @@ def _check_jobs(hop: str, results: list) -> None:
 def _store_load_once(work: Path, mem, n: int, block_bytes: int, io: str, num_threads: int,
                      job_blocks: int) -> tuple[float, float, float, str, bool]:
     """Store into a fresh file tier (first fill), store again (overwrite: slots reused, the steady
-    state of a cache), load back, through the handlers; returns (fill s, store s, load s, engine, direct)."""
+    state of a cache), load back, through the handlers; returns (fill s, store s, load s, io_name, direct)."""
     disk = FileBackend("disk", n, block_bytes, BENCH_TOKENS, root_dir=str(work / "tier"), io=io,
                        num_threads=num_threads, fingerprint=BENCH_MODEL)
     handlers = [CPUToFileHandler({"mem": mem}, {"disk": disk}, num_threads),
@@ -153,17 +153,17 @@ def _alternating_rounds(work: Path, mem, n: int, block_bytes: int, io: str, num_
                         repeats: int, runs: dict[str, list[float]]) -> tuple[str, bool]:
     """`repeats` handler rounds and raw rounds, alternating which goes first, each round's seconds
     appended to `runs`; blocks 0..n-1 of `mem` are the sources, n..2n-1 the destinations.
-    Returns (the file tier's I/O engine, whether it used O_DIRECT)."""
+    Returns (the name of the file tier's `BlockIO`, whether it used O_DIRECT)."""
     sources = [mem.view(i) for i in range(n)]
     dests = [mem.view(n + i) for i in range(n)]
 
     def handler_round() -> tuple[str, bool]:
-        fill_s, store_s, load_s, engine, direct = _store_load_once(work, mem, n, block_bytes, io, num_threads,
-                                                                    job_blocks)
+        fill_s, store_s, load_s, io_name, direct = _store_load_once(work, mem, n, block_bytes, io, num_threads,
+                                                                     job_blocks)
         runs["fill"].append(fill_s)
         runs["store"].append(store_s)
         runs["load"].append(load_s)
-        return engine, direct
+        return io_name, direct
 
     def raw_round() -> None:
         for tag, threads in (("1", 1), ("t", num_threads)):
@@ -179,12 +179,12 @@ def _alternating_rounds(work: Path, mem, n: int, block_bytes: int, io: str, num_
         # Alternate which side goes first: the disk is still busy with the previous side's
         # writes (and the deleted raw file's extents) when the next one starts.
         if i % 2 == 0:
-            engine, direct = handler_round()
+            io_name, direct = handler_round()
             raw_round()
         else:
             raw_round()
-            engine, direct = handler_round()
-    return engine, direct
+            io_name, direct = handler_round()
+    return io_name, direct
 
 
 def _cpu_file_figures(runs: dict[str, list[float]], total: int, num_threads: int) -> dict[str, Any]:
@@ -231,12 +231,12 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
         noise = os.urandom(block_bytes + 4096)
         for i in range(n):  # distinct content per block
             mem.view(i)[:] = noise[i % 4096:i % 4096 + block_bytes]
-        engine, direct = _alternating_rounds(work, mem, n, block_bytes, io, num_threads, job_blocks, repeats, runs)
+        io_name, direct = _alternating_rounds(work, mem, n, block_bytes, io, num_threads, job_blocks, repeats, runs)
     finally:
         mem.close()
         if work is not None:
             shutil.rmtree(work, ignore_errors=True)
-    return {"block_bytes": block_bytes, "total_bytes": total, "host": host, "io": engine, "o_direct": direct,
+    return {"block_bytes": block_bytes, "total_bytes": total, "host": host, "io": io_name, "o_direct": direct,
             "num_threads": num_threads, "job_blocks": job_blocks, "repeats": repeats, "seconds": runs,
             **_cpu_file_figures(runs, total, num_threads)}
 

@@ -2,7 +2,7 @@
 
 A `Job` knows its tiers, its keys and the slot ids of both sides: `pin_sources` pins the source
 blocks (`CachePolicy.pin_loads`) and `enter_copies` allocates and inserts the copies being written
-(`CachePolicy.insert_written`). When the engine reports the job, `finish(result)` releases the
+(`CachePolicy.insert_written`). When the router reports the job, `finish(result)` releases the
 source pins (`release_loads`), settles the destination blocks (`mark_written`, or removed and
 freed on failure) and the byte counters, then lets the job type do its own bookkeeping (`landed`
 / `failed`). No block object is kept: every policy answers these batch calls (`CachePolicy` has
@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvtier.control.tier import Tier
-from kvtier.engine import TransferEngine
 from kvtier.keys import OffloadKey
+from kvtier.router import TransferRouter
 from kvtier.types import BlockStatus, OffloadingEvent, TransferResult
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class Job:
         return BlockStatus.many(self.src_ids)
 
     def finish(self, result: TransferResult) -> None:
-        """Account for the engine's report of this job (called once)."""
+        """Account for the router's report of this job (called once)."""
         src, dst = self.src, self.dst
         src.table.release_loads(self.keys)  # (pinned by this job: resident)
         if result.success:
@@ -136,39 +136,39 @@ class Job:
 
 
 class JobTable:
-    """The jobs the manager submitted to the engine and has not yet accounted for, by job id."""
+    """The jobs the manager submitted to the router and has not yet accounted for, by job id."""
 
-    def __init__(self, engine: TransferEngine):
-        self._engine = engine
+    def __init__(self, router: TransferRouter):
+        self._router = router
         self._jobs: dict[int, Job] = {}
 
     def submit(self, job: Job) -> None:
         src_spec = job.src.backend.spec_for_ids(job.keys, job.src_ids)
         dst_spec = job.dst.backend.spec_for_ids(job.keys, job.dst_ids)
-        job_id = self._engine.new_job_id()
+        job_id = self._router.new_job_id()
         self._jobs[job_id] = job
-        self._engine.submit(src_spec, dst_spec, job_id)
+        self._router.submit(src_spec, dst_spec, job_id)
 
     def drain(self) -> None:
-        """Account for every job the engine reported since the last call."""
-        for result in self._engine.poll():
+        """Account for every job the router reported since the last call."""
+        for result in self._router.poll():
             job = self._jobs.pop(result.job_id, None)
             if job is not None:
                 job.finish(result)
 
     def results_waiting(self) -> bool:
-        """Whether the engine holds reports not drained yet (cheap)."""
-        return self._engine.has_finished()
+        """Whether the router holds reports not drained yet (cheap)."""
+        return self._router.has_finished()
 
     def wait(self, deadline: float | None) -> bool:
         """Block until a running job reports (all of them when `deadline` is None); False when
-        `deadline` (a `time.monotonic()` value) passed first. A bounded wait polls the engine
+        `deadline` (a `time.monotonic()` value) passed first. A bounded wait polls the router
         instead of blocking in a handler, so a hung handler cannot hold it."""
         if deadline is None:
-            self._engine.wait(list(self._jobs))
+            self._router.wait(list(self._jobs))
             return True
         pause = 0.0005
-        while not self._engine.has_finished():
+        while not self._router.has_finished():
             left = deadline - time.monotonic()
             if left <= 0:
                 return False

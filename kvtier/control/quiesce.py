@@ -15,9 +15,9 @@ from kvtier.control.cascade import Cascade
 from kvtier.control.context import ControlContext
 from kvtier.control.promotion import Promotions
 from kvtier.control.shared_probes import SharedTierProbes
-from kvtier.engine import TransferEngine
 from kvtier.errors import WaitTimeout
 from kvtier.keys import OffloadKey
+from kvtier.router import TransferRouter
 
 log = logging.getLogger("kvtier.manager")  # (its messages are the manager's)
 FLUSH_RECHECK_S = 0.1  # how often a `flush` given a `check` calls it while waiting
@@ -35,10 +35,10 @@ def _left(deadline: float | None) -> float | None:
 class Quiescer:
     """Waits for the jobs a manager's controllers started, and runs its flush and shutdown."""
 
-    def __init__(self, ctx: ControlContext, engine: TransferEngine, cascade: Cascade, promotions: Promotions,
+    def __init__(self, ctx: ControlContext, router: TransferRouter, cascade: Cascade, promotions: Promotions,
                  shared: SharedTierProbes | None):
         self._tiers = ctx.tiers
-        self._engine = engine
+        self._router = router
         self._jobs = ctx.jobs
         self._cascade = cascade
         self._promotions = promotions
@@ -86,19 +86,19 @@ class Quiescer:
                 check()
 
     def shutdown(self, timeout: float | None) -> None:
-        """`HierarchyManager.shutdown`: the engine and backends closed, but those of copies still
+        """`HierarchyManager.shutdown`: the router and backends closed, but those of copies still
         running after `timeout` s (abandoned, logged) left open."""
         try:
             self.wait_idle(timeout)
         except WaitTimeout as exc:
             busy = self._jobs.tiers()
-            log.error("shutdown abandoned %s still running after %g s: %s. The transfer engine "
+            log.error("shutdown abandoned %s still running after %g s: %s. The transfer router "
                       "and the backends of tiers %s are left open; their blocks may be incomplete.",
                       _jobs(len(exc.jobs)), timeout, "; ".join(exc.jobs), ", ".join(sorted(busy)))
             for tier in self._tiers:
                 if tier.name not in busy:
                     tier.backend.close()
             return
-        self._engine.shutdown()
+        self._router.shutdown()
         for tier in self._tiers:
             tier.backend.close()

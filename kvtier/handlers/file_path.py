@@ -49,7 +49,7 @@ def platform_facts(cuda: bool | None = None) -> PlatformFacts:
 def choose_file_path(io: str, facts: PlatformFacts) -> tuple[str, str]:
     """`("direct" | "staged", why)` for a file tier with `io` (auto | posix | kvikio)."""
     if io not in ("auto", "posix", "kvikio"):
-        raise ValueError(f"io {io!r} is not an I/O engine; use auto, posix or kvikio")
+        raise ValueError(f"io {io!r} is not an I/O kind; use auto, posix or kvikio")
     if not facts.cuda:
         return "staged", "the KV cache is not on a CUDA device"
     if io == "posix":

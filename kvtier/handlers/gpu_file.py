@@ -172,7 +172,7 @@ class _SlabFile:
         with kvikio.defaults.set(compat) if compat else contextlib.nullcontext():
             self.file = kvikio.CuFile(path, "r+")
         self._defaults = kvikio.defaults
-        # kvikio's thread pool is process-wide: hold a lease of `num_threads` like the tier's engine
+        # kvikio's thread pool is process-wide: hold a lease of `num_threads` like the tier's `KvikioIO`
         fileio._kvikio_threads.lease(kvikio.defaults, num_threads)
 
     def close(self) -> None:

@@ -10,14 +10,14 @@ from benchmarks import soak
 from kvtier.bench.quiet import logger_at
 
 
-def test_soak_leaves_the_engine_logger_as_it_found_it():
-    engine_log = logging.getLogger("kvtier.engine")
-    engine_log.setLevel(logging.INFO)
+def test_soak_leaves_the_router_logger_as_it_found_it():
+    router_log = logging.getLogger("kvtier.router")
+    router_log.setLevel(logging.INFO)
     try:
         soak.run(300, seed=1)
-        assert engine_log.level == logging.INFO
+        assert router_log.level == logging.INFO
     finally:
-        engine_log.setLevel(logging.NOTSET)
+        router_log.setLevel(logging.NOTSET)
 
 
 def test_the_level_comes_back_after_an_error():

@@ -32,7 +32,7 @@ def test_an_explicit_io_is_honoured():
     assert choose_file_path("kvikio", GDS)[0] == "direct"
     assert choose_file_path("posix", GDS) == ("staged", "io: posix")
     assert choose_file_path("kvikio", PlatformFacts(False, True, True))[0] == "staged"  # no CUDA: cannot
-    with pytest.raises(ValueError, match="io 'gds' is not an I/O engine; use auto, posix or kvikio"):
+    with pytest.raises(ValueError, match="io 'gds' is not an I/O kind; use auto, posix or kvikio"):
         choose_file_path("gds", GDS)
 
 
@@ -63,7 +63,7 @@ def test_the_factory_follows_the_choice_and_logs_it_once(tmp_path, monkeypatch, 
     monkeypatch.setattr(gpu_file, "file_path", lambda io_, cuda: choose_file_path(io_, CLOUD_VM))
     monkeypatch.setattr("kvtier.handlers.file_path._logged", set())
     backend = FileBackend("nvme", 8, 4096, root_dir=str(tmp_path / "nvme"), fingerprint="m",
-                          io="posix" if io == "kvikio" else io)  # the tier's own engine: no kvikio here
+                          io="posix" if io == "kvikio" else io)  # the tier's own I/O: no kvikio here
     backend.io_option = io
     try:
         with caplog.at_level(logging.INFO, logger="kvtier.handlers.file_path"):

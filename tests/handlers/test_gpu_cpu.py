@@ -238,7 +238,7 @@ def test_built_hierarchy_routes_engine_hops(tmp_path):
     with build_hierarchy(cfg, block_bytes=layout.block_bytes, kv_caches=kv) as h:
         assert h.worker.handler_for(GPULoadStoreSpec, CPULoadStoreSpec) is not None
         assert h.worker.handler_for(CPULoadStoreSpec, GPULoadStoreSpec) is not None
-        assert h.engine.handler_for(GPULoadStoreSpec, CPULoadStoreSpec) is None  # not the manager's jobs
+        assert h.router.handler_for(GPULoadStoreSpec, CPULoadStoreSpec) is None  # not the manager's jobs
         job = h.worker.submit(GPULoadStoreSpec([3], group_sizes=[1, 0]), CPULoadStoreSpec([5], tier="cpu"))
         (result,) = h.worker.poll()
         assert result.job_id == job and result.success

@@ -126,7 +126,7 @@ def test_a_module_class_backend_with_its_own_spec_subclass_gets_the_handler_of_i
     in the config check and in the router."""
     assert registry.has_handler(HotSpec, CPULoadStoreSpec) and registry.has_handler("HotSpec", "CPULoadStoreSpec")
     with _hierarchy(f"{__name__}:HotBackend", "memory") as h:
-        assert isinstance(h.engine.handler_for(HotSpec, CPULoadStoreSpec), MemoryCopyHandler)
+        assert isinstance(h.router.handler_for(HotSpec, CPULoadStoreSpec), MemoryCopyHandler)
         _cascade_and_read_back(h, ctx)
         assert h.manager.get_stats()["warm"]["promotions"] >= 8
 

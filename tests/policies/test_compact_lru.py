@@ -294,7 +294,7 @@ def test_a_failed_promotion_drops_the_lower_copy_held_as_a_view():
         assert out is not None
         m.complete_store(out.keys_to_store, ctx)
     assert m.tiers[0].policy.get(ks[0]) is None and m.tiers[1].policy.get(ks[0]) is not None
-    handler = h.engine.handler_for(CPULoadStoreSpec, CPULoadStoreSpec)
+    handler = h.router.handler_for(CPULoadStoreSpec, CPULoadStoreSpec)
     handler.copy = lambda src, dst: (_ for _ in ()).throw(OSError(5, "injected EIO"))
     assert m.lookup(ks[0], ctx) is LookupResult.RETRY
     m.on_schedule_end()

@@ -1,6 +1,6 @@
 """Faults under a running CPU(memory) -> FILE hierarchy: each fails only the jobs it touches.
 
-Faults are injected at the system-call layer the file tier's posix engine uses (os.pwrite,
+Faults are injected at the system-call layer the file tier's posix I/O (`PosixIO`) uses (os.pwrite,
 os.pwritev, os.preadv on the slab's descriptor), or by real means: a tiny tmpfs that fills up,
 a root_dir removed under the running tier, a read-only remount. Every test ends with the manager
 settled: no block pinned, no slot leaked, every block it serves byte-exact.

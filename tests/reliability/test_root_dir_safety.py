@@ -119,7 +119,7 @@ def test_a_symlinked_temporary_file_is_replaced_not_followed(tmp_path, name, dan
         assert not (root / tier_file).is_symlink() and mode(root / tier_file) == 0o600
 
 
-def test_the_io_engines_and_the_journal_never_open_through_a_symlink(tmp_path):
+def test_the_block_ios_and_the_journal_never_open_through_a_symlink(tmp_path):
     """Every open of the tier's files is O_NOFOLLOW, not only the checks at build."""
     victim = tmp_path / "victim"
     victim.write_bytes(bytes(8192))

@@ -280,16 +280,16 @@ def _open_fds_under(directory) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("step", ["engine", "commit_log"])
+@pytest.mark.parametrize("step", ["io", "commit_log"])
 def test_build_failing_after_the_root_is_opened_leaves_nothing_behind(tmp_path, monkeypatch, step):
-    """A step that fails once root_dir is locked and its files exist (the I/O engine, the commit
+    """A step that fails once root_dir is locked and its files exist (the `BlockIO`, the commit
     log) removes what the build created, closes every file and releases the lock."""
     root = tmp_path / "new" / "kv"
 
     def failing(*args, **kw):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(file_module, "choose_engine" if step == "engine" else "CommitLog", failing)
+    monkeypatch.setattr(file_module, "choose_io" if step == "io" else "CommitLog", failing)
     with pytest.raises(ConfigError, match=rf"root_dir: file tier 'disk' cannot use {root}: .*Input/output error"):
         open_backend(root)
     assert not (tmp_path / "new").exists()
@@ -310,7 +310,7 @@ tiers:
 """
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.root_dir: missing"):
         load_config_text(base % "")
-    with pytest.raises(ConfigError, match=r"tiers\[1\]\.io: 'gds' is not an I/O engine"):
+    with pytest.raises(ConfigError, match=r"tiers\[1\]\.io: 'gds' is not an I/O kind"):
         load_config_text(base % ", root_dir: /tmp/x, io: gds")
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.num_threads"):
         load_config_text(base % ", root_dir: /tmp/x, num_threads: 0")
@@ -326,7 +326,7 @@ tiers:
 
 
 def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):
-    """Each engine choice warns once, naming the tier and why; the probe itself keeps no state."""
+    """Each I/O choice warns once, naming the tier and why; the probe itself keeps no state."""
     path = tmp_path / "f"
     path.write_bytes(b"\0" * 8192)
     real_open = os.open
@@ -341,17 +341,17 @@ def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, capl
         assert fileio.probe_direct(str(path)) is False
         assert fileio.probe_direct(str(path)) is False
         assert not caplog.records
-        engines = [fileio.choose_engine("posix", str(path), 2, tier=name) for name in ("disk", "disk2")]
+        opened = [fileio.choose_io("posix", str(path), 2, tier=name) for name in ("disk", "disk2")]
     warnings = [r.getMessage() for r in caplog.records if "O_DIRECT" in r.getMessage()]
     assert warnings == [f"file tier {name}: O_DIRECT refused (EINVAL) on the filesystem of {path}; using buffered "
                         f"I/O (page cache)" for name in ("disk", "disk2")]
-    for engine in engines:
-        assert engine.name == "posix" and engine.direct is False
-        engine.close()
+    for block_io in opened:
+        assert block_io.name == "posix" and block_io.direct is False
+        block_io.close()
 
 
-# ------------------------------------------------------------------ kvikio engine on host memory
-def test_kvikio_engine_round_trip_and_restart(root):
+# ------------------------------------------------------------------ kvikio I/O on host memory
+def test_kvikio_io_round_trip_and_restart(root):
     if not fileio.kvikio_importable():
         pytest.skip("kvikio not installed (CI installs it: see tests/tiers/test_file_backend.py docstring)")
     from kvtier.testing.fake_cuda import load_fake_libcuda
@@ -371,10 +371,10 @@ def test_kvikio_engine_round_trip_and_restart(root):
     b.close()
 
 
-def test_kvikio_engine_leaves_kvikio_settings_as_it_found_them(root):
-    """Compat mode is set only while the engine opens its file (I/O after that still runs in compat
+def test_kvikio_io_leaves_kvikio_settings_as_it_found_them(root):
+    """Compat mode is set only while a `KvikioIO` opens its file (I/O after that still runs in compat
     mode: without nvidia-fs, cuFile would hang here), and the process-wide thread pool is back to
-    its size once the last engine is closed."""
+    its size once the last `KvikioIO` is closed."""
     if not fileio.kvikio_importable():
         pytest.skip("kvikio not installed (CI installs it: see tests/tiers/test_file_backend.py docstring)")
     import kvikio
@@ -543,13 +543,13 @@ def test_payload_checksum_is_zlib_crc32_whichever_library_computes_it():
     assert payload_crc32(memoryview(data)[BLOCK:]) == zlib.crc32(data[BLOCK:])
 
 
-def test_auto_engine_is_posix_without_gpu_and_kvikio_failure_falls_back(root, monkeypatch, caplog):
+def test_auto_io_is_posix_without_gpu_and_kvikio_failure_falls_back(root, monkeypatch, caplog):
     b = open_backend(root, io="auto")
     real_gds = fileio.gpu_present() and fileio.gds_platform() and fileio.kvikio_importable()
     assert b.io.name == ("kvikio" if real_gds else "posix")
     b.close()
 
-    class Broken(fileio.IOEngine):
+    class Broken(fileio.BlockIO):
         def __init__(self, path, num_threads):
             self.closed = False
 
@@ -632,25 +632,25 @@ def test_zero_copy_refused_falls_back_to_bounce(root, monkeypatch, caplog):
 def test_vector_io_finishes_partial_transfers(tmp_path, monkeypatch):
     path = tmp_path / "f"
     path.write_bytes(bytes(64))
-    engine = fileio.PosixIO(str(path), direct=False)
+    posix = fileio.PosixIO(str(path), direct=False)
     real = os.pwritev
     monkeypatch.setattr(fileio.os, "pwritev", lambda fd, iovs, off: real(fd, [bytes(iovs[0])[:3]], off))
-    engine.pwritev(10, [b"abcd", b"efghij"])
+    posix.pwritev(10, [b"abcd", b"efghij"])
     monkeypatch.setattr(fileio.os, "pwritev", real)
     out = [bytearray(5), bytearray(5)]
-    engine.preadv(10, out)
+    posix.preadv(10, out)
     assert bytes(out[0] + out[1]) == b"abcdefghij"
     with pytest.raises(OSError, match="short read"):
-        engine.preadv(60, [bytearray(8)])
-    engine.close()
+        posix.preadv(60, [bytearray(8)])
+    posix.close()
 
 
-def test_auto_engine_is_posix_on_a_gpu_without_gpudirect_storage(root, monkeypatch):
+def test_auto_io_is_posix_on_a_gpu_without_gpudirect_storage(root, monkeypatch):
     """kvikio without nvidia-fs runs in compatibility mode, bouncing through its own buffers: no
     faster than O_DIRECT from host memory, so `auto` does not take it (issue 25, item 3)."""
     opened = []
 
-    class Recording(fileio.IOEngine):
+    class Recording(fileio.BlockIO):
         name = "kvikio stand-in"
 
         def __init__(self, path, num_threads):

@@ -10,7 +10,7 @@ On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
                    version 2) is a 4 KiB header page (magic, version, key, payload length, payload
                    checksum and its kind, digest of the manifest incl. epoch, CRC-32 of the header)
                    then the payload, which so starts 4 KiB-aligned (slot_format.py), moved by
-                   slab.py over an I/O engine (fileio.py).
+                   slab.py through a `BlockIO` (fileio.py).
 - `journal`        append-only records `PUT(slot, key, crc)` / `DEL(slot)`, each with its own CRC,
                    after a header naming the epoch, written in place into a zero-filled
                    preallocated file (journal.py). A PUT is appended once the slot's bytes are
@@ -59,7 +59,7 @@ from kvtier.tiers import room
 from kvtier.tiers.base import Backend
 from kvtier.tiers.file.commit_log import CommitLog
 from kvtier.tiers.file.direct import DirectPath
-from kvtier.tiers.file.fileio import ALIGN, choose_engine
+from kvtier.tiers.file.fileio import ALIGN, choose_io
 from kvtier.tiers.file.journal import Journal, JournalScan, journal_capacity, journal_max_bytes, scan_journal
 from kvtier.tiers.file.manifest import (
     MANIFEST_MAX_BYTES,
@@ -108,7 +108,7 @@ __all__ = [  # what other modules and tests import from here
 # ---------------------------------------------------------------------------- options
 def _io(v) -> str:
     if v not in ("auto", "posix", "kvikio"):
-        raise ValueError(f"{v!r} is not an I/O engine; use auto, posix or kvikio")
+        raise ValueError(f"{v!r} is not an I/O kind; use auto, posix or kvikio")
     return v
 
 
@@ -219,12 +219,12 @@ class FileBackend(Backend):
     def _start(self, opened: OpenedRoot, shape: TierShape, io: str) -> tuple[SlabIO, CommitLog]:
         """The slab I/O and the commit log over an opened root_dir (abandoned if they fail)."""
         try:
-            engine = choose_engine(io, str(opened.slab_path), self.num_threads, tier=self.name)
+            block_io = choose_io(io, str(opened.slab_path), self.num_threads, tier=self.name)
             try:
-                slab = SlabIO(self.name, engine, opened.slab_path, self.block_bytes, self.slot_bytes, opened.digest,
+                slab = SlabIO(self.name, block_io, opened.slab_path, self.block_bytes, self.slot_bytes, opened.digest,
                               self.num_threads)
             except BaseException:
-                engine.close()
+                block_io.close()
                 raise
             try:
                 commits = CommitLog(self.name, opened.journal, opened.entries, opened.seq, num_slots=self.num_blocks,
@@ -242,7 +242,7 @@ class FileBackend(Backend):
 
     @property
     def io(self):
-        """The I/O engine on the slab (fileio.py): `name` is "posix" or "kvikio", `direct` O_DIRECT."""
+        """The `BlockIO` on the slab (fileio.py): `name` is "posix" or "kvikio", `direct` O_DIRECT."""
         return self._slab.io
 
     @property

@@ -1,6 +1,7 @@
-"""I/O engines of the file tier: positioned reads and writes of whole byte ranges of one file.
+"""The file tier's I/O (`BlockIO` and its kinds): positioned reads and writes of whole byte ranges
+of one file.
 
-An engine is synchronous per call (`pwrite(offset, buf)` / `pread(offset, buf)` move all of `buf`
+A `BlockIO` is synchronous per call (`pwrite(offset, buf)` / `pread(offset, buf)` move all of `buf`
 or raise `OSError`); the file backend runs several calls at once on its own thread pool.
 
 - `PosixIO`: os.pwrite / os.preadv on one descriptor, O_DIRECT when the filesystem allows it
@@ -8,7 +9,7 @@ or raise `OSError`); the file backend runs several calls at once on its own thre
 - `KvikioIO`: kvikio.CuFile futures (its own thread pool and, with real GDS, device paths).
   kvikio is optional and imported lazily.
 
-`choose_engine` resolves the `io` option (`auto` | `posix` | `kvikio`).
+`choose_io` resolves the `io` option (`auto` | `posix` | `kvikio`).
 
 No process-wide state is left changed: kvikio's compatibility mode is set only while a `KvikioIO`
 opens its file (the file keeps it), and kvikio's process-wide thread pool is raised while
@@ -105,7 +106,7 @@ def buffer_address(view: memoryview) -> int:
 
 def direct_refusal(path: str) -> str | None:
     """Why `path` (an existing file of at least 4 KiB) cannot be read and written with O_DIRECT,
-    or None when it can. Like every open of the engines, it never follows a symlink
+    or None when it can. Like every open of a `BlockIO`, it never follows a symlink
     (`rootdir.open_existing`)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
@@ -130,7 +131,7 @@ def probe_direct(path: str) -> bool:
     return direct_refusal(path) is None
 
 
-class IOEngine(ABC):
+class BlockIO(ABC):
     """Positioned I/O on one file. `pwrite`/`pread` move the whole buffer or raise OSError."""
 
     name: str = "?"
@@ -159,7 +160,7 @@ class IOEngine(ABC):
     def close(self) -> None: ...
 
 
-class PosixIO(IOEngine):
+class PosixIO(BlockIO):
     """pwrite/preadv on one descriptor; O_DIRECT when `direct`."""
 
     name = "posix"
@@ -286,12 +287,12 @@ class _KvikioThreads:
 _kvikio_threads = _KvikioThreads()  # kvikio's pool is one per process, so are its leases
 
 
-class KvikioIO(IOEngine):
+class KvikioIO(BlockIO):
     """kvikio.CuFile on the slab: pwrite/pread futures, waited on by the calling thread.
 
     Compat mode (POSIX inside kvikio) is forced for this file unless the platform has nvidia-fs
     (set while the file is opened, then restored: the file keeps the mode it was opened with);
-    kvikio's thread pool holds at least `num_threads` while this engine is open.
+    kvikio's thread pool holds at least `num_threads` while this file is open.
     """
 
     name = "kvikio"
@@ -352,27 +353,27 @@ class KvikioIO(IOEngine):
                 _kvikio_threads.release(self._defaults)
 
 
-def choose_engine(io: str, path: str, num_threads: int, *, tier: str) -> IOEngine:
-    """Open `path` with the engine `io` asks for, for the file tier named `tier` (in warnings).
+def choose_io(io: str, path: str, num_threads: int, *, tier: str) -> BlockIO:
+    """Open `path` with the `BlockIO` that `io` asks for, for the file tier named `tier` (in warnings).
     `auto` = kvikio where GPUDirect Storage is real (a GPU, the nvidia-fs driver: `gds_platform`)
     and kvikio imports, else posix: without nvidia-fs kvikio only bounces through its own buffers,
     no faster than O_DIRECT from host memory (docs/benchmarks.md); an `auto` kvikio that fails its
     first I/O falls back to posix with a warning. `kvikio` failing raises OSError/RuntimeError
-    naming the cause. A posix engine uses O_DIRECT when the filesystem takes it, else buffered I/O
+    naming the cause. A `PosixIO` uses O_DIRECT when the filesystem takes it, else buffered I/O
     (one warning saying why)."""
     if io == "auto":
         if gpu_present() and gds_platform() and kvikio_importable():
-            engine = None
+            kvikio_io = None
             try:
-                engine = KvikioIO(path, num_threads)
+                kvikio_io = KvikioIO(path, num_threads)
                 probe = aligned_buffer(ALIGN)
-                engine.pread(0, probe)
+                kvikio_io.pread(0, probe)
                 probe.close()
-                return engine
+                return kvikio_io
             except Exception as exc:  # noqa: BLE001 - any kvikio failure: use posix instead
                 log.warning("file tier %s: kvikio unusable (%s: %s); using posix I/O", tier, type(exc).__name__, exc)
-                if engine is not None:
-                    engine.close()
+                if kvikio_io is not None:
+                    kvikio_io.close()
         io = "posix"
     if io == "kvikio":
         return KvikioIO(path, num_threads)
@@ -382,4 +383,4 @@ def choose_engine(io: str, path: str, num_threads: int, *, tier: str) -> IOEngin
             log.warning("file tier %s: %s on the filesystem of %s; using buffered I/O (page cache)", tier, refused,
                         path)
         return PosixIO(path, refused is None)
-    raise ValueError(f"unknown io engine {io!r} (auto | posix | kvikio)")
+    raise ValueError(f"unknown io {io!r} (auto | posix | kvikio)")

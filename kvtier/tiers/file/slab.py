@@ -1,10 +1,10 @@
 """Slab I/O of the file tier: slot images moved between callers' buffers and `root_dir/slab.0`.
 
-`SlabIO` owns the `IOEngine` (fileio.py) on the slab, a thread pool and a set of page-aligned
+`SlabIO` owns the `BlockIO` (fileio.py) on the slab, a thread pool and a set of page-aligned
 bounce buffers. The slots of one call are grouped into runs of adjacent slots of about
 `RUN_BYTES`, one I/O each, run in parallel on the pool. A run goes zero-copy when it can (one
 preadv/pwritev of header, payload, padding per slot, straight from the caller's buffers: posix
-engine, writable buffers, and with O_DIRECT page-aligned ones of whole 4 KiB pages), else through
+I/O, writable buffers, and with O_DIRECT page-aligned ones of whole 4 KiB pages), else through
 a bounce buffer. Every slot read is verified (slot_format.py); a bad one is reported, never served.
 """
 
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvtier.tiers.file.fileio import ALIGN, IOEngine, aligned_buffer, buffer_address
+from kvtier.tiers.file.fileio import ALIGN, BlockIO, aligned_buffer, buffer_address
 from kvtier.tiers.file.slot_format import (
     HEADER_BYTES,
     MAX_KEY_BYTES,
@@ -69,14 +69,14 @@ def block_views(slots, keys, buffers, num_slots: int, block_bytes: int, writable
 
 
 class SlabIO:
-    """Reads and writes of whole slots of one slab through an `IOEngine`. Safe to call from
+    """Reads and writes of whole slots of one slab through a `BlockIO`. Safe to call from
     several threads at once for distinct slots."""
 
-    def __init__(self, name: str, engine: IOEngine, path: Path, block_bytes: int, slot_bytes: int, digest: bytes,
+    def __init__(self, name: str, io: BlockIO, path: Path, block_bytes: int, slot_bytes: int, digest: bytes,
                  num_threads: int):
-        """Take over `engine` (open on `path`); slot headers are stamped with `digest`."""
+        """Take over `io` (open on `path`); slot headers are stamped with `digest`."""
         self.name = name
-        self.io = engine
+        self.io = io
         self.path = path
         self.block_bytes = block_bytes
         self.slot_bytes = slot_bytes
@@ -86,7 +86,7 @@ class SlabIO:
         pad = slot_bytes - HEADER_BYTES - block_bytes
         self._pad = memoryview(aligned_buffer(pad))[:pad] if pad else None  # written as is: contents unused
         self._pad_in = memoryview(aligned_buffer(pad))[:pad] if pad else None  # read into and ignored
-        self._zero_copy_ok = engine.vectored and (not engine.direct or block_bytes % ALIGN == 0)
+        self._zero_copy_ok = io.vectored and (not io.direct or block_bytes % ALIGN == 0)
         self._pool = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix=f"kvtier-file-{name}")
 
     def write(self, slots: Sequence[int], keys: Sequence[bytes], views: list[memoryview]) -> dict[int, int]:
@@ -163,7 +163,7 @@ class SlabIO:
         self._pool.shutdown(wait=True)
 
     def close(self) -> None:
-        """`drain`, then close the engine and free the bounce buffers. Idempotent."""
+        """`drain`, then close the `BlockIO` and free the bounce buffers. Idempotent."""
         self.drain()
         self.io.close()
         while not self._buffers.empty():
@@ -193,7 +193,7 @@ class SlabIO:
 
     def _zero_copy(self, run: list[int], views) -> bool:
         """Whether this run can go straight between the caller's buffers and the file (one
-        preadv/pwritev of header, payload, padding per slot): posix engine, writable buffers, and
+        preadv/pwritev of header, payload, padding per slot): posix I/O, writable buffers, and
         with O_DIRECT page-aligned ones of whole 4 KiB pages (the shared-memory CPU tier's slots)."""
         if not self._zero_copy_ok:
             return False
@@ -230,7 +230,7 @@ class SlabIO:
             self._buffers.put(buf)
 
     def _write_run_direct(self, run: list[int], slots, keys, views, image) -> dict[int, int] | None:
-        """The zero-copy write of a run (headers built in `image`); None when the engine refused
+        """The zero-copy write of a run (headers built in `image`); None when the `BlockIO` refused
         the scatter-gather I/O (EINVAL: e.g. a 4 KiB-sector device refuses 512-byte iovecs)."""
         crcs = {}
         iovs = []
@@ -279,7 +279,7 @@ class SlabIO:
             self._buffers.put(buf)
 
     def _read_run_direct(self, run: list[int], slots, keys, views, image) -> list[tuple[int, str]] | None:
-        """The zero-copy read of a run (headers into `image`); None when the engine refused the
+        """The zero-copy read of a run (headers into `image`); None when the `BlockIO` refused the
         scatter-gather I/O (EINVAL)."""
         offset, length = slots[run[0]] * self.slot_bytes, len(run) * self.slot_bytes
         headers = [image[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] for i in range(len(run))]

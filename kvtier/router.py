@@ -29,7 +29,7 @@ class _Composite:
         self.job_id, self.remaining, self.success, self.size, self.seconds = job_id, parts, True, 0, 0.0
 
 
-class TransferEngine:
+class TransferRouter:
     """Routes jobs to handlers; thread-safe completion, single-threaded submission and polling
     (`WorkerPlane` serialises them under `reported`)."""
 
