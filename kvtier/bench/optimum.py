@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import heapq
 
-from kvtier.bench.workloads import Trace
+from kvtier.bench.workloads import Trace, leading_hits
 
 
 def optimum(trace: Trace, capacity: int | None) -> float:
@@ -38,12 +38,7 @@ def optimum(trace: Trace, capacity: int | None) -> float:
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, hash): furthest next use on top
     hits = 0
     for i, row in enumerate(requests):
-        alive = True
-        for h in row:
-            if alive and h in cached:
-                hits += 1
-            else:
-                alive = False
+        hits += leading_hits(row, cached)
         for depth, (h, nxt) in enumerate(zip(row, next_use[i])):
             entry = (nxt, depth)
             cached[h] = entry

@@ -7,6 +7,7 @@ and chat mixed with one-shot document scans (`generate_scan_trace`).
 from __future__ import annotations
 
 import json
+from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,14 +37,18 @@ class Trace:
         seen: set[int] = set()
         hits = 0
         for hashes in self.requests:
-            prefix_alive = True
-            for h in hashes:
-                if prefix_alive and h in seen:
-                    hits += 1
-                else:
-                    prefix_alive = False
-                seen.add(h)
+            hits += leading_hits(hashes, seen)
+            seen.update(hashes)
         return hits / max(1, self.total_blocks)
+
+
+def leading_hits(hashes: list[int], held: Container[int]) -> int:
+    """How many of `hashes`, from the first, are in `held` (a request's prefix hit: the blocks
+    after the first miss are recomputed, whether held or not)."""
+    for n, h in enumerate(hashes):
+        if h not in held:
+            return n
+    return len(hashes)
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> Trace:
