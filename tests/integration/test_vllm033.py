@@ -310,3 +310,64 @@ def test_a_kvtier_logging_setup_of_the_users_is_left_alone(tmp_path, monkeypatch
     monkeypatch.setattr(kvtier_log, "handlers", [ours])
     _spec(tmp_path, CPU_ONLY)
     assert kvtier_log.handlers == [ours]
+
+
+# --- submit_load(..., expedited=)
+
+def test_a_sync_load_reaches_kvtiers_worker_as_expedited_and_lands_within_the_step(tmp_path, monkeypatch):
+    """vLLM 0.33's connector worker submits a load whose request already runs (`TransferJob.sync`)
+    with `expedited=True` and waits for it in `start_kv_transfers`; kvtier's worker takes the
+    keyword through 0.33's signature and the bytes are in when that call returns. A regular load
+    of the same step is passed without it and still finishes receiving. (vLLM 0.32: skipped, it
+    has no sync loads.)"""
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading import common
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import OffloadingConnectorWorker
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+        ReqContext,
+    )
+
+    from kvtier.integrations.vllm import KVTierCPULoadStoreSpec, KVTierOffloadingWorker
+
+    if "sync" not in {f.name for f in dataclasses.fields(common.TransferJob)}:
+        pytest.skip("this vLLM has no sync (expedited) loads: 0.33 added them")
+    spec = _spec(tmp_path, CPU_ONLY)
+    m = spec.get_manager()
+    engine = torch.randint(-128, 127, (8, PAGE), dtype=torch.int8)
+    original = engine.clone()
+    caches = CanonicalKVCaches([CanonicalKVCacheTensor(engine, PAGE)], [[CanonicalKVCacheRef(0, PAGE)]])
+    worker = spec.get_worker(caches)
+    cpu = m.prepare_store(_keys(2), ReqContext("r")).store_spec  # 2 slots of BPC engine blocks each
+    passed: dict[int, bool] = {}
+    real = KVTierOffloadingWorker.submit_load
+
+    def recording(self, job_id, src_spec, dst_spec, expedited=False):
+        passed[job_id] = expedited
+        return real(self, job_id, src_spec, dst_spec, expedited)
+
+    monkeypatch.setattr(KVTierOffloadingWorker, "submit_load", recording)
+    try:
+        assert worker.submit_store(1, GPULoadStoreSpec([0, 1, 2, 3], group_sizes=[4], block_indices=[0]), cpu)
+        worker.wait({1})
+        assert [r.success for r in worker.get_finished()] == [True]
+        engine.zero_()
+        connector_worker = OffloadingConnectorWorker(spec, None, None)  # (configs read by register_kv_caches only)
+        connector_worker.worker = worker  # what register_kv_caches sets
+        slots = list(cpu.block_ids)
+        jobs = {7: common.TransferJob("r-running", KVTierCPULoadStoreSpec(slots[:1], cpu.tier, cpu.region),
+                                      GPULoadStoreSpec([4, 5], group_sizes=[2], block_indices=[0]), sync=True),
+                8: common.TransferJob("r-waiting", KVTierCPULoadStoreSpec(slots[1:], cpu.tier, cpu.region),
+                                      GPULoadStoreSpec([6, 7], group_sizes=[2], block_indices=[0]))}
+        connector_worker.start_kv_transfers(common.OffloadingConnectorMetadata(load_jobs=jobs, store_jobs={}))
+        assert passed == {7: True, 8: False}
+        assert torch.equal(engine[4:6], original[0:2])  # the sync load, waited for within the step
+        worker.wait({8})
+        assert connector_worker.get_finished(set()) == (set(), {"r-waiting"})
+        assert torch.equal(engine[6:8], original[2:4])
+    finally:
+        worker.shutdown()
+        m.shutdown()

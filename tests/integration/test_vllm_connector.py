@@ -33,15 +33,19 @@ class _Results:
     def submit_load(self, job_id, src_spec, dst_spec, expedited=False):
         return True
 
+    def wait(self, job_ids):
+        return None
+
     def get_finished(self):
         from vllm.v1.kv_offload.base import TransferResult
 
         return [TransferResult(j, ok, 100 * j, 0.5) for j, ok in self.outcomes.items()]
 
 
-def _worker_side(outcomes: dict[int, bool], block_level: bool = True):
+def _worker_side(outcomes: dict[int, bool], block_level: bool = True, sync: bool = False):
     """The connector's worker side past its constructor (which needs a whole engine): one load job
-    (request r1, engine blocks 3 and 4) submitted, then `outcomes` reported by the worker."""
+    (request r1, engine blocks 3 and 4; with `sync`, vLLM 0.33's load of a running request)
+    submitted, then `outcomes` reported by the worker."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
         OffloadingConnectorMetadata,
         OffloadingWorkerMetadata,
@@ -56,7 +60,8 @@ def _worker_side(outcomes: dict[int, bool], block_level: bool = True):
     side._load_jobs, side._unsubmitted_store_jobs = {}, []
     side._connector_worker_meta = OffloadingWorkerMetadata()
     side._adopt(block_level)
-    load = TransferJob("r1", object(), GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0]))
+    extra = {"sync": True} if sync else {}
+    load = TransferJob("r1", object(), GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[0]), **extra)
     side.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={LOAD: load}, store_jobs={}))
     return side
 
@@ -79,6 +84,40 @@ def test_with_several_kv_cache_groups_a_failed_load_is_reported_by_request():
     side.get_finished(set())
     assert side.take_failed_requests() == {"r1"}
     assert side.take_failed_blocks() == set()  # vLLM 0.32 refuses block ids of several groups
+
+
+def _needs_sync_loads():
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
+
+    if "sync" not in {f.name for f in dataclasses.fields(TransferJob)}:
+        pytest.skip("this vLLM has no sync (expedited) loads: 0.33 added them")
+
+
+def test_a_failed_sync_load_is_a_load_failure_reported_by_its_blocks():
+    """vLLM 0.33 keeps a sync load (passed as `expedited`) with no request id: it is still a
+    load. Failed, its blocks are load errors (vLLM recomputes them for the running request);
+    succeeded, its bytes count as loaded, not stored."""
+    _needs_sync_loads()
+    side = _worker_side({LOAD: False}, sync=True)
+    assert side.get_finished(set()) == (set(), set())  # no request waits for a sync load
+    assert side.take_failed_blocks() == {3, 4}
+    assert side.build_connector_worker_meta().failed_jobs == {LOAD: 1}
+    side = _worker_side({LOAD: True}, sync=True)
+    side.get_finished(set())
+    stats = side.build_connector_worker_meta().transfer_stats
+    assert stats.load.bytes == 100 * LOAD and stats.store.bytes == 0
+
+
+def test_with_several_kv_cache_groups_a_failed_sync_load_stops_the_engine():
+    """vLLM 0.33 takes failed requests only while they wait for KV: a running request's failed
+    sync load cannot be reported by request, so the worker side raises instead of letting the
+    step compute on blocks that were never loaded."""
+    _needs_sync_loads()
+    side = _worker_side({LOAD: False}, block_level=False, sync=True)
+    with pytest.raises(RuntimeError, match="sync load job 7 failed"):
+        side.get_finished(set())
 
 
 def test_a_job_that_failed_on_one_rank_is_failed_after_aggregation():

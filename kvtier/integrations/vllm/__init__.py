@@ -48,7 +48,8 @@ work at import or in `__init__`.
   engine with the same `engine_id` or `shm_name` is refused at start.
 
 Compatible with vLLM 0.32 and 0.33; implements 0.33's additions (`lock`, `on_reset_flushed`, `config_info`,
-`config_info_keys`; `submit_load(..., expedited=)` accepted) without requiring them: see `manager`.
+`config_info_keys`; `submit_load(..., expedited=)`, run on the worker's expedited lane: see `worker`)
+without requiring them: see `manager`.
 
 Modules: `spec` (`KVTierOffloadingSpec`, what vLLM loads), `config` (the YAML under vLLM),
 `manager` (scheduler side, with the metrics), `worker` (worker side: the worker plane over the

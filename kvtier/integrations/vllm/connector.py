@@ -152,30 +152,40 @@ class _Worker(OffloadingConnectorWorker):
         meta = self._connector_worker_meta
         for result in self.worker.get_finished():
             job_id = result.job_id
+            is_load = job_id in self._load_jobs  # (a sync load of vLLM 0.33 is there with no request)
             req_id = self._load_jobs.pop(job_id, None)
             blocks = self._load_blocks.pop(job_id, [])
             if result.success:
                 if result.transfer_time is not None and result.transfer_size is not None:
-                    stats = meta.transfer_stats.load if req_id is not None else meta.transfer_stats.store
+                    stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
                     stats.record(result.transfer_size, result.transfer_time)
             else:
-                self._record_failure(job_id, req_id, blocks)
+                self._record_failure(job_id, is_load, req_id, blocks)
             meta.mark_completed(job_id)
             if req_id is not None:
                 finished_recving.add(req_id)
         return set(), finished_recving
 
-    def _record_failure(self, job_id: int, req_id: str | None, blocks: list[int]) -> None:
+    def _record_failure(self, job_id: int, is_load: bool, req_id: str | None, blocks: list[int]) -> None:
+        """Record a failed job for the metadata and, for a load, for vLLM's load-error calls. A
+        failed sync load (vLLM 0.33: its request runs this step, `req_id` None) is reported by its
+        blocks, which vLLM handles for running requests too; with several KV-cache groups vLLM
+        takes only failed requests that wait for KV, so there it raises: the step must not run
+        on blocks that were never loaded."""
         self._failed_jobs.add(job_id)
-        if req_id is None:
+        if not is_load:
             log.warning("kvtier: store job %d failed; its blocks are not made readable", job_id)
             return
         log.warning("kvtier: load job %d of request %s failed (%d engine blocks); vLLM's "
-                    "kv_load_failure_policy decides what follows", job_id, req_id, len(blocks))
+                    "kv_load_failure_policy decides what follows", job_id, req_id or "(sync)", len(blocks))
         if self._block_level:
             self._failed_blocks.update(blocks)
-        else:
+        elif req_id is not None:
             self._failed_requests.add(req_id)
+        else:
+            raise RuntimeError(f"kvtier: sync load job {job_id} failed with several KV-cache groups; vLLM "
+                               f"cannot be told which running request's blocks are invalid, so the engine "
+                               f"stops rather than compute on blocks that were never loaded")
 
     def take_failed_blocks(self) -> set[int]:
         failed, self._failed_blocks = self._failed_blocks, set()

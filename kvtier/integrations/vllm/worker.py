@@ -45,26 +45,37 @@ class KVTierOffloadingWorker(OffloadingWorker):
     side sums the reports of all ranks (`OffloadingWorkerMetadata.aggregate`, `pending_count` =
     world size) and calls the manager's `complete_store` only when every rank has reported, so a
     block with a missing rank's part is never made readable.
+
+    Expedited loads (vLLM 0.33's `submit_load(..., expedited=True)`: a load the engine waits for
+    within the step, because its request already runs) go to a second worker plane over the same
+    region and KV caches, the expedited lane, as 0.33's own CPU worker gives them a handler of
+    their own: their own copy threads and (on CUDA) their own stream, so an expedited load never
+    queues behind regular loads, nor behind stores (those run on the first plane's GPU->CPU
+    handler). Submitting never waits for another job's copy. `get_finished` and `wait` cover both
+    planes; job ids are vLLM's, unique across them. vLLM 0.32 never passes the keyword: there
+    every load runs on the first plane, as before.
     """
 
     def __init__(self, spec: KVTierOffloadingSpec, kv_caches: CanonicalKVCaches):
         self.spec = spec
         self.kv_caches = kv_caches
-        self._backend: CPUBackend | None = None  # the attached region, set together with _engine
-        self._engine: WorkerPlane | None = None  # the worker plane, built at the first transfer
+        self._backend: CPUBackend | None = None  # the attached region, set together with _planes
+        # (regular, expedited lane): the worker planes, built at the first transfer
+        self._planes: tuple[WorkerPlane, WorkerPlane] | None = None
         self._tier = spec.hierarchy_config.tiers[0].name
         if spec.num_copies == 1:  # vLLM's in-process executor ("uni") serves one worker only
             _LOCAL_WORKER_REGIONS.add(spec.hierarchy_config.tiers[0].options["shm_name"])
 
-    def _ready(self, cpu_spec: Any):
+    def _ready(self, cpu_spec: Any) -> tuple[WorkerPlane, WorkerPlane]:
+        """The (regular, expedited lane) planes over the region `cpu_spec` names, attached at the first call."""
         token = getattr(cpu_spec, "region", None)
-        if self._engine is not None:
+        if self._planes is not None:
             attached = self._backend
-            assert attached is not None  # set together with _engine
+            assert attached is not None  # set together with _planes
             if token != attached.token:
                 raise RegionError(f"kvtier worker: a transfer names CPU region token {token!r}, this worker "
                                   f"serves region {attached.shm_name} of its own scheduler (token mismatch)")
-            return self._engine
+            return self._planes
         if token is None:
             raise RegionError(f"kvtier worker: the CPU spec {cpu_spec!r} carries no region token; this worker "
                               f"serves only the specs of its own kvtier scheduler")
@@ -76,14 +87,24 @@ class KVTierOffloadingWorker(OffloadingWorker):
         backend = CPUBackend.attach(tier.options["shm_name"], n, spec.block_bytes, spec.block_tokens,
                                     name=tier.name, pin=tier.options.get("pin", "auto"), token=token)
         try:
-            plane = self._build_plane(backend)
+            planes = self._build_planes(backend)
         except BaseException:
             backend.close()
             raise
         if spec.num_copies == 1:
             backend.unpublish()  # every process that maps the region (scheduler, this worker) has it now
-        self._backend, self._engine = backend, plane
-        return plane
+        self._backend, self._planes = backend, planes
+        return planes
+
+    def _build_planes(self, region: Any) -> tuple[WorkerPlane, WorkerPlane]:
+        """The regular plane and the expedited lane over `region`; a failure stops the ones built."""
+        regular = self._build_plane(region)
+        try:
+            # (The lane's GPU->CPU handler stays idle: its threads are made only at a first job.)
+            return regular, self._build_plane(region)
+        except BaseException:
+            regular.shutdown()
+            raise
 
     def _build_plane(self, region: Any) -> WorkerPlane:
         """The worker plane between the KV caches and the attached CPU `region` (both directions);
@@ -111,26 +132,30 @@ class KVTierOffloadingWorker(OffloadingWorker):
         return kspecs.CPULoadStoreSpec(spec.block_ids, getattr(spec, "tier", None) or self._tier)
 
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: Any) -> bool:
-        self._ready(dst_spec).submit(self._gpu(src_spec), self._cpu(dst_spec), job_id)
+        regular, _ = self._ready(dst_spec)
+        regular.submit(self._gpu(src_spec), self._cpu(dst_spec), job_id)
         return True
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
-        self._ready(src_spec).submit(self._cpu(src_spec), self._gpu(dst_spec), job_id)
+        """Start a CPU->GPU load; `expedited` (vLLM 0.33) runs it on the expedited lane (class docstring)."""
+        regular, lane = self._ready(src_spec)
+        (lane if expedited else regular).submit(self._cpu(src_spec), self._gpu(dst_spec), job_id)
         return True
 
     def get_finished(self) -> list[TransferResult]:
-        if self._engine is None:
+        if self._planes is None:
             return []
-        return [TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time) for r in self._engine.poll()]
+        return [TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time)
+                for plane in self._planes for r in plane.poll()]
 
     def wait(self, job_ids: set[int]) -> None:
-        if self._engine is not None:
-            self._engine.wait(job_ids)
+        for plane in self._planes or ():
+            plane.wait(job_ids)
 
     def shutdown(self) -> None:
-        if self._engine is not None:
-            self._engine.shutdown()
-            self._engine = None
+        for plane in self._planes or ():
+            plane.shutdown()
+        self._planes = None
         if self._backend is not None:
             self._backend.close()
             self._backend = None
