@@ -107,7 +107,7 @@ class KVTierOffloadingManager(OffloadingManager):
 
     Threads. The manager's state (policies, pins, job tables) is only ever touched by calls into
     this object: kvtier's CPU<->FILE handlers run on their own threads but only move bytes and
-    report each finished job through the transfer engine's thread-safe queue, which the manager
+    report each finished job through the router's thread-safe queue, which the manager
     drains on the caller's thread. vLLM calls it from the scheduler thread only, so vLLM's no-op
     lock would do today; `lock` is a real re-entrant lock all the same (uncontended, it costs
     ~0.1 us a step): a caller on another thread (kvtier's `tier_stats`, a bench, a future vLLM
