@@ -51,13 +51,18 @@ def request_order(keys: Iterable[K], req_context: Any) -> list[K]:
     return _by_position(_grouped(keys), req_context)
 
 
+def several_groups(keys: Iterable[bytes]) -> bool:
+    """Whether `keys` name more than one KV-cache group (only a hybrid model's do)."""
+    return len(set(map(group_bytes, keys))) > 1
+
+
 def _grouped(keys: Iterable[K]) -> list[K]:
     """`keys` one KV-cache group after another, lowest index first, each group in the given order
     (the index is big-endian and of fixed width, so its bytes sort as the number does)."""
     keys = list(keys)
     if not keys:
         return keys
-    if len(set(map(group_bytes, keys))) == 1:  # one group (always, but hybrid models)
+    if not several_groups(keys):
         return keys
     groups: dict[bytes, list[K]] = {}
     for key in keys:

@@ -22,7 +22,7 @@ from vllm.v1.kv_offload.base import (
 from kvtier.control.tier import TierStats
 from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, _to_vllm_spec, to_vllm_medium
 from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED, record_first_tier, record_lower_tier
-from kvtier.request_access import RequestAccesses, group_bytes, request_order
+from kvtier.request_access import RequestAccesses, request_order, several_groups
 from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE, StoreThreshold
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
@@ -80,11 +80,6 @@ RECENCY_ONLY_POLICIES = frozenset({"lru"})
 def touches_insertions(policy: str | None) -> bool:
     """Whether a request's end touches the keys it only stored (see `RECENCY_ONLY_POLICIES`)."""
     return policy in RECENCY_ONLY_POLICIES
-
-
-def _several_groups(keys: list[OffloadKey]) -> bool:
-    """Whether `keys` name more than one KV-cache group (the group index ends every key)."""
-    return len(set(map(group_bytes, keys))) > 1
 
 
 def _in_offer_order(out: Any, offer: list[OffloadKey]) -> Any:
@@ -203,8 +198,8 @@ class KVTierOffloadingManager(OffloadingManager):
         lists the keys to store (and their slots) in the offer's order, group after group, the
         order in which vLLM's scheduler lists the engine blocks of the store job."""
         offer = list(keys)
-        keys = request_order(offer, req_context) if len(offer) > 1 and _several_groups(offer) else offer
-        top = self.hierarchy.first_tier.policy
+        keys = request_order(offer, req_context) if len(offer) > 1 and several_groups(offer) else offer
+        top = self.hierarchy.first_tier
         absent = set(self.manager.stores.new_keys(keys))
         if self.store_threshold.enabled:
             keys = self.store_threshold.admit(keys, absent)
@@ -212,8 +207,7 @@ class KVTierOffloadingManager(OffloadingManager):
         if len(absent) == len(keys):  # (the common case: nothing held yet)
             accesses.record(keys, req_context)
         else:
-            ready = [key for key in keys
-                     if key not in absent and (block := top.get(key)) is not None and block.ref_cnt >= 0]
+            ready = [key for key in keys if key not in absent and top.readable(key) is not None]
             observed = absent.union(ready)  # (not: blocks still being written)
             accesses.record([key for key in keys if key in observed], req_context, reused=ready)
         out = self.manager.prepare_store(keys, req_context)
