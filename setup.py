@@ -1,6 +1,7 @@
-"""Builds kvtier's compiled modules, the indexes of `lru` (kvtier/policies/_compact_lru.pyx) and
-`prefix-freq` (kvtier/policies/_compact_prefix.pyx), and the `cudaMemcpyAsync` loop of the engine <-> CPU
-handlers (kvtier/handlers/_memcpy_loop.pyx; no CUDA headers needed: it calls a function address).
+"""Builds kvtier's compiled modules: the block table (kvtier/index/_table.pyx and _table_api.pyx, with
+their .pxd declarations), the indexes of `lru` (kvtier/policies/_compact_lru.pyx) and `prefix-freq`
+(kvtier/policies/_compact_prefix*.pyx), which `cimport` it, and the `cudaMemcpyAsync` loop of the engine <->
+CPU handlers (kvtier/handlers/_memcpy_loop.pyx; no CUDA headers needed: it calls a function address).
 
 Everything else is in pyproject.toml. The extensions are optional: without a C compiler (or
 Cython, outside pip's build isolation) the install succeeds and both policies run their
@@ -12,6 +13,10 @@ policy's floats do, so no multiply-add may be fused."""
 
 from setuptools import Extension, setup
 
+# The block table first (the policies cimport it), then the policies' eviction orders.
+COMPILED_INDEXES = ("index._table", "index._table_api", "policies._compact_lru", "policies._compact_prefix_order",
+                    "policies._compact_prefix_ghosts", "policies._compact_prefix")
+
 try:
     from Cython.Build import cythonize
 except ImportError:  # pip installs Cython first (pyproject.toml [build-system] requires)
@@ -19,11 +24,12 @@ except ImportError:  # pip installs Cython first (pyproject.toml [build-system] 
     ext_modules = []
 else:
     ext_modules = cythonize(
-        [Extension(f"kvtier.policies.{name}", [f"kvtier/policies/{name}.pyx"], optional=True,
+        [Extension(f"kvtier.{name}", [f"kvtier/{name.replace('.', '/')}.pyx"], optional=True,
                    extra_compile_args=["-ffp-contract=off"])
-         for name in ("_compact_lru", "_compact_prefix")]
+         for name in COMPILED_INDEXES]
         + [Extension("kvtier.handlers._memcpy_loop", ["kvtier/handlers/_memcpy_loop.pyx"], optional=True)],
         compiler_directives={"language_level": "3"},
+        include_path=["."],  # where `cimport kvtier.index._table` finds kvtier/index/_table.pxd
     )
 
 setup(ext_modules=ext_modules)

@@ -1,6 +1,7 @@
-"""Issue 28's size rules for everything under kvtier/: no module over 400 lines, no class over
-250, no function over 50, no class with more than 15 public methods (20 for a class implementing
-vLLM's `OffloadingManager` contract, whose own interface has that many).
+"""Issue 28's size rules for everything under kvtier/: no module over 400 lines (Cython's .pyx,
+.pxd and .pxi files too), no class over 250, no function over 50, no class with more than 15
+public methods (20 for a class implementing vLLM's `OffloadingManager` contract, whose own
+interface has that many).
 
 Read with `ast` (no imports), so a module that fails to import still gets measured. The failure
 message names every offender with its size, so one run lists all the work left."""
@@ -49,7 +50,8 @@ def oversized(root: Path = PACKAGE) -> list[str]:
     """One line per offender: 'path: N lines' for a module, 'path:line class C: ...' for a class
     (nested ones included) and 'path:line function f: N lines' for a function or method."""
     found = []
-    for path in sorted([*root.rglob("*.pyx"), *root.rglob("*.pxi")]):  # Cython: module lines only (no ast)
+    cython = [*root.rglob("*.pyx"), *root.rglob("*.pxd"), *root.rglob("*.pxi")]
+    for path in sorted(cython):  # Cython sources and declarations: module lines only (no ast)
         lines = len(path.read_text(encoding="utf-8").splitlines())
         if lines > MAX_MODULE_LINES:
             found.append(f"{path.relative_to(root.parent).as_posix()}: {lines} lines (module limit {MAX_MODULE_LINES})")
@@ -83,6 +85,7 @@ def test_the_size_check_names_offenders(tmp_path):
     body = "".join(f"    a{i} = {i}\n" for i in range(MAX_CLASS_LINES))
     (pkg / "wide.py").write_text("@decorator\nclass Wide:\n" + body)
     (pkg / "long.pyx").write_text("x = 1\n" * (MAX_MODULE_LINES + 1))
+    (pkg / "long.pxd").write_text("cdef int x\n" * (MAX_MODULE_LINES + 1))
     lines = "".join("    x = 1\n" for _ in range(MAX_FUNCTION_LINES))
     (pkg / "func.py").write_text("def f():\n" + lines)
     methods = "".join(f"    def m{i}(self):\n        pass\n" for i in range(MAX_PUBLIC_METHODS + 1))
@@ -90,6 +93,7 @@ def test_the_size_check_names_offenders(tmp_path):
     manager = "".join(f"    def m{i}(self):\n        pass\n" for i in range(MAX_PUBLIC_METHODS_MANAGER))
     (pkg / "mgr.py").write_text("class M(OffloadingManager):\n" + manager)
     assert oversized(pkg) == [
+        f"kvtier/long.pxd: {MAX_MODULE_LINES + 1} lines (module limit {MAX_MODULE_LINES})",
         f"kvtier/long.pyx: {MAX_MODULE_LINES + 1} lines (module limit {MAX_MODULE_LINES})",
         f"kvtier/func.py:1 function f: {MAX_FUNCTION_LINES + 1} lines (function limit {MAX_FUNCTION_LINES})",
         f"kvtier/long.py: {MAX_MODULE_LINES + 1} lines (module limit {MAX_MODULE_LINES})",

@@ -1,13 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The compiled core of `lru` (kvtier.policies.compact): LRU decisions over C arrays.
+"""The compiled core of `lru` (kvtier.policies.lru_compiled): LRU's eviction order over the
+compiled block table (kvtier/index/_table.pxd).
 
-No Python object per resident block. Per entry: a 40-byte record (block id, ref_cnt, the key's
-hash and length, links, flags, sequence number) in one array, the key bytes inline in a second
-array of fixed width (the longest key seen up to 64 bytes; a longer key re-lays it, and a key
-past 64 bytes has an allocation of its own: _compact_keys.pxi), and two int32 slots of an
-open-addressing hash table (linear probing, backward-shift deletion, no tombstones). Arrays grow
-as blocks are inserted, doubling, up to `cache_capacity` (at most 2^30) and past it if more
-blocks are ever inserted.
+No Python object per resident block. The table holds each block's 24-byte entry (block id, key
+hash, ref_cnt, key length, flags), its key and its hash-table buckets, and grows them with the
+16-byte record this module keeps per entry in the table's parallel array: the links of the order
+(oldest first) or of the aside list, and the sequence number an aside entry was set aside with.
+So 40 bytes of records per block, plus the key (inline up to 64 bytes) and 8 or more bytes of
+buckets: about 84 bytes with vLLM's 36-byte keys. The arrays grow as blocks are inserted,
+doubling, up to `cache_capacity` (at most 2^30).
 
 The decisions are exactly `LRUCachePolicy`'s, including its evictable accounting: with
 `track_pins()` a pinned block met at the head of the order is set *aside* (moved to an aside
@@ -15,95 +16,63 @@ list, in the order of its sequence number) instead of being scanned again, and a
 block goes into a heap of freed entries (sequence number, entry) that evictions take first. See
 kvtier/policies/lru_pure.py for the argument that this is plain LRU order.
 
-`get` returns a `BlockView` of an entry: reads and writes of its `ref_cnt` go to the arrays, so
-every later `get` sees them. A view is valid while its block stays resident; using one after its
-block left raises LookupError (checked by key and block id), never touches another block.
+`get` returns a `BlockView` of an entry (kvtier/index/_table_api.pyx): reads and writes of its
+`ref_cnt` go to the table, so every later `get` sees them. A view is valid while its block stays
+resident; using one after its block left raises LookupError, never touches another block.
 """
 
-cimport cython
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
-from cpython.object cimport PyObject_Hash
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
-from libc.string cimport memcmp, memcpy, memset
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport int32_t, int64_t, uint8_t
+
+from kvtier.index._table cimport (
+    MARK, PINNED, Chain, Entry, Links, Table, chain_append, chain_remove, claim, forget_all, key_in,
+    locate_in, mark_keys, refuses_in, release, reserve, table_bytes, table_free, table_init, unmark_keys,
+)
+from kvtier.index._table_api cimport CompactTable, detached, view_of
+
+from kvtier.index._table_api import BlockView  # noqa: F401  (the class `get` returns, named here as before)
 
 
 cdef enum:
-    USED = 1
-    PINNED = 2  # reported by `pin` (evictable accounting)
-    ASIDE = 4  # in the aside list, not the order
-    MARK = 8  # in `protected` during one `evict`
-    MAX_KEY = 65535
-    MAX_ENTRIES = 1 << 30
+    ASIDE = 4  # in the aside list, not the order (a flag bit the table leaves to the policy)
 
-ctypedef struct Entry:
-    int64_t block_id
-    Py_hash_t hash
+ctypedef struct Rec:  # entry i's place in the order: the table's record i
+    Links l  # the order (oldest first) or the aside list
     int64_t seq  # place in the eviction order while aside
-    int32_t prev  # the order (oldest first) or the aside list
-    int32_t next  # ...and the free list
-    int32_t ref_cnt
-    uint16_t klen
-    uint8_t flags
 
 ctypedef struct Item:  # an entry of the freed heap
     int64_t seq
     int32_t idx
 
-ctypedef struct Chain:
-    int32_t head
-    int32_t tail
-
 ctypedef struct Core:
-    Entry* e
-    char* keys
-    Py_ssize_t width
-    int32_t cap  # entries allocated
-    int32_t want  # cache_capacity: the arrays grow to it, doubling, as blocks are inserted
-    Py_ssize_t long_bytes  # bytes of the keys longer than INLINE_KEY (allocated one by one)
-    int32_t hw  # entries ever used (the rest of the array is untouched)
-    int32_t free  # free list head
-    int32_t* table
-    size_t mask
+    Table t
     Chain order
     Chain aside
     Item* heap
     Py_ssize_t hlen
     Py_ssize_t hcap
-    Py_ssize_t count
-    Py_ssize_t npinned
     int64_t seq
 
 
-POLICY_NAME = "lru"
-
-include "_compact_table.pxi"
+cdef inline Rec* rec(Core* c, int32_t i) noexcept nogil:
+    return (<Rec*>c.t.rec) + i
 
 
 cdef inline void unlink(Core* c, int32_t i) noexcept nogil:
-    cdef Chain* l = &c.aside if c.e[i].flags & ASIDE else &c.order
-    cdef int32_t p = c.e[i].prev, n = c.e[i].next
-    if p >= 0:
-        c.e[p].next = n
-    else:
-        l.head = n
-    if n >= 0:
-        c.e[n].prev = p
-    else:
-        l.tail = p
+    chain_remove(&c.t, &c.aside if c.t.e[i].flags & ASIDE else &c.order, i)
 
 
 cdef inline void set_aside(Core* c, int32_t i, int64_t seq) noexcept nogil:
     unlink(c, i)
-    c.e[i].flags |= ASIDE
-    c.e[i].seq = seq
-    link_tail(c, &c.aside, i)
+    c.t.e[i].flags |= ASIDE
+    rec(c, i).seq = seq
+    chain_append(&c.t, &c.aside, i)
 
 
 cdef void drop(Core* c, int32_t i) noexcept nogil:
     """Forget entry i (remove, evict)."""
     unlink(c, i)
-    release(c, i)
+    release(&c.t, i)
 
 
 cdef inline bint before(Item a, Item b) noexcept nogil:
@@ -144,15 +113,6 @@ cdef Item heap_pop(Core* c) noexcept nogil:
     return top
 
 
-cdef int unpin_entry(Core* c, int32_t i) except -1:
-    """Entry i became evictable (`unpin`): no longer counted as pinned; an aside entry is queued
-    in the freed heap (duplicates are skipped when popped)."""
-    forget_pin(c, i)
-    if c.e[i].flags & ASIDE:
-        heap_push(c, Item(c.e[i].seq, i))
-    return 0
-
-
 cdef int scan_head(Core* c, Py_ssize_t need, int32_t* chosen) except -1:
     """Put the `need` oldest evictable, unmarked entries of the order in `chosen`, setting aside
     the pinned and marked (protected) ones met before them; 0 (nothing chosen, the found ones
@@ -161,9 +121,9 @@ cdef int scan_head(Core* c, Py_ssize_t need, int32_t* chosen) except -1:
     cdef Py_ssize_t found = 0, j
     cdef uint8_t f
     while i >= 0:
-        nxt = c.e[i].next
-        f = c.e[i].flags
-        if f & PINNED or c.e[i].ref_cnt != 0:
+        nxt = rec(c, i).l.next
+        f = c.t.e[i].flags
+        if f & PINNED or c.t.e[i].ref_cnt != 0:
             set_aside(c, i, c.seq)
             c.seq += 1
         elif f & MARK:
@@ -188,10 +148,10 @@ cdef Py_ssize_t choose(Core* c, Py_ssize_t n, int32_t* chosen) except -1:
     cdef int32_t i = c.order.head
     cdef Py_ssize_t got = 0
     while i >= 0 and got < n:
-        if c.e[i].ref_cnt == 0 and not c.e[i].flags & MARK:
+        if c.t.e[i].ref_cnt == 0 and not c.t.e[i].flags & MARK:
             chosen[got] = i
             got += 1
-        i = c.e[i].next
+        i = rec(c, i).l.next
     return got if got == n else 0
 
 
@@ -204,8 +164,8 @@ cdef Py_ssize_t choose_tracked(Core* c, Py_ssize_t n, int32_t* chosen) except -1
     taken, kept = [], []
     while c.hlen and got < n:
         it = heap_pop(c)
-        e = &c.e[it.idx]
-        if (not e.flags & ASIDE or e.seq != it.seq or e.flags & PINNED
+        e = &c.t.e[it.idx]
+        if (not e.flags & ASIDE or rec(c, it.idx).seq != it.seq or e.flags & PINNED
                 or (it.seq == last.seq and it.idx == last.idx)):
             continue  # stale (touched, removed, evicted, pinned again) or a duplicate
         last = it
@@ -227,7 +187,149 @@ cdef Py_ssize_t choose_tracked(Core* c, Py_ssize_t n, int32_t* chosen) except -1
     return got
 
 
-include "_compact_pins.pxi"
-include "_compact_batch_ops.pxi"
-include "_compact_lru_index.pxi"
-include "_compact_lru_batch.pxi"
+cdef class Index(CompactTable):
+    """LRU over the compiled block table (see the module docstring); `kvtier.policies.lru_compiled`
+    completes it into a `CachePolicy`. Keys are bytes of at most 65535 bytes."""
+
+    cdef Core c
+
+    def __cinit__(self, cache_capacity, *args, **kwargs):
+        table_init(&self.c.t, cache_capacity, sizeof(Rec), "lru")
+        self.tp = &self.c.t
+        self.c.order = Chain(-1, -1)
+        self.c.aside = Chain(-1, -1)
+
+    def __dealloc__(self):
+        table_free(&self.c.t)
+        PyMem_Free(self.c.heap)
+
+    cdef int32_t put(self, object key, int64_t block_id, int32_t ref_cnt, bint tail) except -1:
+        """Enter a block (or overwrite a resident one's values, in the same place, as LRU); its entry."""
+        cdef bint fresh
+        cdef int32_t i = claim(&self.c.t, key, block_id, ref_cnt, &fresh)
+        if fresh:
+            rec(&self.c, i).seq = 0
+            chain_append(&self.c.t, &self.c.order, i)
+            self.version += 1
+        return i
+
+    cdef int unpinned(self, int32_t i) except -1:
+        """An aside entry that became evictable is queued in the freed heap (duplicates are
+        skipped when popped)."""
+        if self.c.t.e[i].flags & ASIDE:
+            heap_push(&self.c, Item(rec(&self.c, i).seq, i))
+        return 0
+
+    def remove(self, key):
+        cdef int32_t i = locate_in(&self.c.t, key)
+        if i >= 0:
+            drop(&self.c, i)
+            self.version += 1
+
+    def touch(self, keys):
+        cdef int32_t i
+        cdef Core* c = &self.c
+        keys = keys if isinstance(keys, list) else list(keys)
+        for key in reversed(keys):
+            i = locate_in(&c.t, key)
+            if i >= 0:
+                unlink(c, i)
+                c.t.e[i].flags &= ~ASIDE
+                chain_append(&c.t, &c.order, i)
+        self.version += 1
+
+    def keys(self):
+        cdef int32_t i
+        out = []
+        for chain in (self.c.order.head, self.c.aside.head):
+            i = chain
+            while i >= 0:
+                out.append(key_in(&self.c.t, i))
+                i = rec(&self.c, i).l.next
+        return out
+
+    def clear(self):
+        cdef Core* c = &self.c
+        forget_all(&c.t)
+        c.hlen = 0
+        c.order = Chain(-1, -1)
+        c.aside = Chain(-1, -1)
+        self.version += 1
+
+    # ------------------------------------------------------------------ decisions
+    cdef Py_ssize_t pick(self, Py_ssize_t n, object protected, int32_t* chosen) except -1:
+        """Choose `evict(n, protected)`'s victims (0 < n <= count) into `chosen`; 0 when it
+        refuses (nothing changed). Protected entries are marked while choosing."""
+        cdef Core* c = &self.c
+        cdef Py_ssize_t got = 0
+        marked = mark_keys(&c.t, protected)
+        try:
+            got = choose_tracked(c, n, chosen) if self.tracking else choose(c, n, chosen)
+        finally:
+            unmark_keys(&c.t, marked)
+            self.version += 1
+        return got
+
+    cdef object take(self, Py_ssize_t n, object protected, bint ids):
+        cdef Core* c = &self.c
+        cdef int32_t* chosen
+        cdef Py_ssize_t got, j
+        if n > c.t.count or (self.tracking and refuses_in(&c.t, n, protected)):
+            return None
+        chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
+        if chosen == NULL:
+            raise MemoryError()
+        try:
+            got = self.pick(n, protected, chosen)
+            if got == 0:
+                return None
+            keys = [key_in(&c.t, chosen[j]) for j in range(got)]
+            out = (keys, [c.t.e[chosen[j]].block_id for j in range(got)]) if ids else [
+                (keys[j], detached(&c.t.e[chosen[j]])) for j in range(got)]
+            for j in range(got):
+                drop(c, chosen[j])
+            return out
+        finally:
+            PyMem_Free(chosen)
+
+    def victim_candidates(self):
+        """Evictable blocks in `evict`'s order (freed aside blocks, then the order); raises
+        RuntimeError if the policy changes while the iterator is in use."""
+        cdef int32_t i
+        cdef Py_ssize_t version = self.version
+        heads = [self.c.aside.head, self.c.order.head] if self.tracking else [self.c.order.head]
+        for chain in heads:
+            i = chain
+            while i >= 0:
+                if self.c.t.e[i].ref_cnt == 0 and not self.c.t.e[i].flags & PINNED:
+                    key = key_in(&self.c.t, i)
+                    yield key, view_of(self, i, key)
+                    if self.version != version:
+                        raise RuntimeError("lru changed during victim_candidates iteration")
+                i = rec(&self.c, i).l.next
+
+    def victim_keys(self, Py_ssize_t n):
+        """The keys of the first `n` blocks `victim_candidates` yields, in one C loop."""
+        cdef int32_t i
+        cdef Entry* e = self.c.t.e
+        out = []
+        heads = [self.c.aside.head, self.c.order.head] if self.tracking else [self.c.order.head]
+        for chain in heads:
+            i = chain
+            while i >= 0 and len(out) < n:
+                if e[i].ref_cnt == 0 and not e[i].flags & PINNED:
+                    out.append(key_in(&self.c.t, i))
+                i = rec(&self.c, i).l.next
+        return out
+
+    def memory_bytes(self):
+        """Bytes allocated for the arrays now (the table's, the freed heap)."""
+        return table_bytes(&self.c.t) + self.c.hcap * sizeof(Item)
+
+
+cdef class CompactLRUBatch(Index):
+    """`Index` with the batch calls `CachePolicy` documents (`readable_run`, `absent`,
+    `insert_written`, `pin_loads`, `release_loads`, `mark_written`, `evict_ids`): the same
+    answers and side effects as its defaults there, which go key by key through `get`, `pin` and
+    `unpin`. They are the table's (`CompactTable`, kvtier/index/_table_api.pyx), one C loop per
+    batch, no view per block; this class is the name `kvtier.policies.lru_compiled` builds on."""

@@ -1,46 +1,44 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The compiled core of `prefix-freq` (kvtier.policies.compact_prefix): its decisions over C arrays.
+"""The compiled core of `prefix-freq` (kvtier.policies.prefix_compiled): its decisions over the
+compiled block table (kvtier/index/_table.pxd).
 
-The design and every rule are `PrefixFreqCachePolicy`'s (kvtier/policies/prefix_pure.py); this module
-keeps the same state in another layout and makes exactly the same decisions (checked against it
-by tests/policies/test_compact_prefix.py):
+The design and every rule are `PrefixFreqCachePolicy`'s (kvtier/policies/prefix_pure.py); these
+modules keep the same state in another layout and make exactly the same decisions (checked against
+it by tests/policies/test_compact_prefix.py):
 
-- an entry per resident block, a 48-byte record (block id, key hash, stamp, aside sequence number,
-  segment links, ref_cnt, key length, flags, segment) in one array, the key inline in a second
-  (up to 64 bytes; a longer one has an allocation of its own) and the arrays growing as blocks
-  arrive (_compact_table.pxi, shared with `lru`), two int32 slots of an open-addressing hash table;
-- a segment is a doubly-linked list of entries (stamps increase along it);
-- an *aside* entry (pinned or protected when an eviction's walk met it) is out of its list; the
-  unpinned ones are queued per segment as (stamp, sequence number, entry) and read, sorted, before
-  the list (`AsideBlocks`' rule, kvtier/policies/prefix_aside.py);
+- the table holds each resident block's 24-byte entry (block id, key hash, ref_cnt, key length,
+  flags, and the block's segment in the byte the table leaves to the policy), its key (inline up
+  to 64 bytes) and its hash-table buckets, and grows them with the policy's 24-byte record per
+  entry (segment links, stamp, aside sequence number): 48 bytes of records per block, about 92
+  bytes with vLLM's 36-byte keys;
+- the segments, aside queues and the eviction walk are kvtier/policies/_compact_prefix_order.pyx;
 - the ghost list (`GhostList`: evicted keys, oldest first) is in C arrays too, with a hash table of
-  its own (_compact_ghosts.pxi).
+  its own (kvtier/policies/_compact_prefix_ghosts.pyx);
+- this module: the index class (clock, credits, tail evidence, inserts, touches, evictions).
 
 Floats: the clock, stamps, the running mean `unit` and the scores are C doubles computed with the
 same operations in the same order as the Python floats of the pure class (setup.py builds without
 floating-point contraction), so the two agree to the last bit.
 """
 
-cimport cython
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_Check, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.mem cimport PyMem_Free, PyMem_Malloc, PyMem_Realloc
-from cpython.object cimport PyObject_Hash
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t
-from libc.stdlib cimport qsort
-from libc.string cimport memcmp, memcpy, memmove, memset
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.stdint cimport int32_t, int64_t
 
+from kvtier.index._table cimport (
+    USED, Chain, claim, forget_all, key_at, key_in, locate_in, mark_keys, refuses_in, table_bytes, table_free,
+    table_init, unmark_keys,
+)
+from kvtier.index._table_api cimport CompactTable, detached, view_of
+from kvtier.policies._compact_prefix_ghosts cimport (
+    Ghosts, ghost_add, ghost_clear, ghost_dict, ghost_free, ghost_pop, ghost_trim,
+)
+from kvtier.policies._compact_prefix_order cimport (
+    ASIDE, MAX_SEGS, TAIL, Core, IdxVec, Rec, drop, order_bytes, order_clear, order_free, place, push_freed, rec,
+    set_aside, unlink, walk,
+)
+
+from kvtier.index._table_api import BlockView  # noqa: F401  (the class `get` returns, named here as before)
 from kvtier.policies.prefix_tails import TailEvidence
-
-
-cdef enum:
-    USED = 1
-    PINNED = 2  # reported by `pin` (evictable accounting)
-    ASIDE = 4  # out of its segment's list (see the module docstring)
-    MARK = 8  # in `protected` during one walk
-    MAX_KEY = 65535
-    MAX_ENTRIES = 1 << 30
-    MAX_SEGS = 16
-    TAIL = 0  # segment of request tails; segment 1 + c holds the blocks with c hits
 
 # Indexes of `tail_counts` (kvtier/policies/prefix_tails.py).
 cdef enum:
@@ -51,268 +49,297 @@ cdef enum:
     HIT_TAIL = 4
     HIT_NEW = 5
 
-POLICY_NAME = "prefix-freq"
-cdef double INF = float("inf")
 
-ctypedef struct Entry:
-    int64_t block_id
-    Py_hash_t hash
-    double stamp  # the clock at its last use
-    int64_t seq  # while aside: when it was set aside
-    int32_t prev  # its segment's list
-    int32_t next  # ...and the free list
-    int32_t ref_cnt
-    uint16_t klen
-    uint8_t flags
-    uint8_t seg
+cdef class Index(CompactTable):
+    """`PrefixFreqCachePolicy`'s decisions over the compiled block table (see the module docstring);
+    `kvtier.policies.prefix_compiled` completes it into a `CachePolicy`. The tuning is read from
+    the class attributes `credits`, `tail_reuse_max`, `ghost_fraction`, `max_ghost_limit`,
+    `unit_rate` and `demote_tail` when an instance is made. Keys are bytes of at most 65535 bytes."""
 
-ctypedef struct Chain:
-    int32_t head
-    int32_t tail
+    cdef Core c
+    cdef double now  # the logical clock (an integer held in a double)
+    cdef double mean_age  # `unit`: clock ticks per credit
+    cdef Py_ssize_t mark  # the count when the clock was last synced
+    cdef double rate, reuse_max
+    cdef double credit[MAX_SEGS]
+    cdef bint demote
+    cdef int64_t counts[6]
+    cdef Ghosts gh  # the ghost list: evicted keys and their segment then, oldest first
+    cdef Py_ssize_t glimit
+    cdef Py_ssize_t capacity  # as given (the arrays may grow past it)
 
-ctypedef struct Freed:  # an aside entry queued when it became evictable
-    double stamp
-    int64_t seq
-    int32_t idx
+    def __cinit__(self, cache_capacity, *args, **kwargs):
+        cdef int s
+        cls = type(self)
+        table_init(&self.c.t, cache_capacity, sizeof(Rec), "prefix-freq")
+        self.tp = &self.c.t
+        cap = self.capacity = self.c.t.want
+        order_clear(&self.c)
+        credits = tuple(cls.credits)
+        if not 1 <= len(credits) < MAX_SEGS:
+            raise ValueError(f"prefix-freq: credits must hold 1 to {MAX_SEGS - 1} values, got {len(credits)}")
+        self.c.nsegs = len(credits) + 1
+        for s in range(len(credits)):
+            self.credit[s] = credits[s]
+        self.rate, self.reuse_max, self.demote = cls.unit_rate, cls.tail_reuse_max, cls.demote_tail
+        self.tails = self.demote
+        self.glimit = min(int(cap * cls.ghost_fraction), cls.max_ghost_limit)
+        self.mean_age = float(cap)
 
-ctypedef struct FreedList:
-    Freed* items
-    Py_ssize_t n
-    Py_ssize_t cap
-    bint pushed  # items were appended since the list was last sorted
+    def __dealloc__(self):
+        table_free(&self.c.t)
+        order_free(&self.c)
+        ghost_free(&self.gh)
 
-ctypedef struct Core:
-    Entry* e
-    char* keys
-    Py_ssize_t width
-    int32_t cap  # entries allocated
-    int32_t want  # cache_capacity: the arrays grow to it, doubling, as blocks are inserted
-    Py_ssize_t long_bytes  # bytes of the keys longer than INLINE_KEY (allocated one by one)
-    int32_t hw  # entries ever used (the rest of the array is untouched)
-    int32_t free  # free list head
-    int32_t* table
-    size_t mask
-    Py_ssize_t count
-    Py_ssize_t npinned
-    int nsegs
-    int64_t seq
-    Chain seg[MAX_SEGS]
-    FreedList freed[MAX_SEGS]
+    cdef double sync(self):
+        """Advance the clock by the blocks inserted since it was last synced; returns it."""
+        self.now += self.c.t.count - self.mark
+        self.mark = self.c.t.count
+        return self.now
 
-ctypedef struct Lane:  # one segment during a walk (`PrefixFreqCachePolicy._heads`)
-    double score  # its head's stamp + offset
-    double offset  # credit * unit (tails: 0)
-    int32_t head  # its first evictable, unmarked entry
-    int32_t cur  # the next list entry to read (-1: none)
-    Py_ssize_t fpos  # the next freed item to read
-    int seg
+    # ------------------------------------------------------------------ inspection
+    @property
+    def ghosts(self):
+        """Evicted key -> its segment then, oldest first (a new dict: inspection, O(ghosts))."""
+        return ghost_dict(&self.gh)
 
-ctypedef struct IdxVec:  # a growable array of entries
-    int32_t* v
-    Py_ssize_t n
-    Py_ssize_t cap
+    @property
+    def ghost_limit(self):
+        """Ghosts kept: between 1x and 2x this many keys."""
+        return self.glimit
 
+    @ghost_limit.setter
+    def ghost_limit(self, Py_ssize_t limit):
+        self.glimit = limit
 
-include "_compact_table.pxi"
+    @property
+    def clock(self):
+        return self.now
 
+    @property
+    def unit(self):
+        return self.mean_age
 
-# ---------------------------------------------------------------------- segments, aside, freed
-cdef inline void unlink(Core* c, int32_t i) noexcept nogil:
-    cdef Chain* l = &c.seg[c.e[i].seg]
-    cdef int32_t p = c.e[i].prev, n = c.e[i].next
-    if p >= 0:
-        c.e[p].next = n
-    else:
-        l.head = n
-    if n >= 0:
-        c.e[n].prev = p
-    else:
-        l.tail = p
+    @property
+    def tail_counts(self):
+        """The departures of tails and new blocks (`TailEvidence.counts`, a copy); settable, as
+        evidence carried over from another instance."""
+        return [self.counts[k] for k in range(6)]
 
+    @tail_counts.setter
+    def tail_counts(self, counts):
+        cdef int k
+        values = [int(v) for v in counts]
+        if len(values) != 6 or min(values) < 0:
+            raise ValueError(f"prefix-freq: tail_counts must be 6 counts >= 0, got {counts!r}")
+        for k in range(6):
+            self.counts[k] = values[k]
 
-cdef inline void place(Core* c, int32_t i, int seg, double stamp) noexcept nogil:
-    """Entry i at the end of segment `seg`'s list with this stamp."""
-    c.e[i].seg = <uint8_t>seg
-    c.e[i].stamp = stamp
-    link_tail(c, &c.seg[seg], i)
+    @property
+    def aside(self):
+        """The keys set aside now (pinned or protected when an eviction met them): inspection, O(n)."""
+        cdef int32_t i
+        return [key_in(&self.c.t, i) for i in range(self.c.t.hw)
+                if self.c.t.e[i].flags & USED and self.c.t.e[i].flags & ASIDE]
 
+    def memory_bytes(self):
+        """Bytes allocated for the arrays now (the table's, the queues); not the ghosts."""
+        return table_bytes(&self.c.t) + order_bytes(&self.c)
 
-cdef int push_freed(Core* c, int32_t i) except -1:
-    cdef FreedList* f = &c.freed[c.e[i].seg]
-    reserve(<void**>&f.items, f.n, &f.cap, sizeof(Freed))
-    f.items[f.n] = Freed(c.e[i].stamp, c.e[i].seq, i)
-    f.n += 1
-    f.pushed = True
-    return 0
+    # ------------------------------------------------------------------ the seed contract
+    cdef int destination(self, int32_t i, bint tail) except -1:
+        """The segment of entry i, just inserted (`PrefixFreqCachePolicy._place`): a returning
+        ghost by its history (the re-store counts as a hit), else the tails or the new blocks."""
+        cdef int ghost = ghost_pop(&self.gh, key_at(&self.c.t, i), self.c.t.e[i].klen, self.c.t.e[i].hash)
+        if ghost < 0:
+            return TAIL if tail and self.demote else 1
+        if ghost <= 1:
+            self.counts[RETURNED_TAIL if ghost == TAIL else RETURNED_NEW] += 1
+        return min(max(ghost, 1) + 1, self.c.nsegs - 1)
 
+    cdef int32_t put(self, object key, int64_t block_id, int32_t ref_cnt, bint tail) except -1:
+        """Enter a block (a resident one: its values overwritten, its place kept); its entry.
+        The clock is not advanced: `sync` counts the inserts at the next call that reads it."""
+        cdef bint fresh
+        cdef int32_t i = claim(&self.c.t, key, block_id, ref_cnt, &fresh)
+        if fresh:
+            place(&self.c, i, self.destination(i, tail), self.now)
+            self.version += 1
+        return i
 
-cdef int set_aside(Core* c, int32_t i) except -1:
-    """Take entry i (met pinned or protected by an eviction) out of its list; queued at once
-    when it is evictable (protected this time)."""
-    unlink(c, i)
-    c.e[i].flags |= ASIDE
-    c.e[i].seq = c.seq
-    c.seq += 1
-    if not c.e[i].flags & PINNED:
-        push_freed(c, i)
-    return 0
-
-
-cdef int unpin_entry(Core* c, int32_t i) except -1:
-    """Entry i became evictable (`unpin`): no longer counted as pinned; an aside entry is queued
-    (duplicates are dropped when the queue is read)."""
-    forget_pin(c, i)
-    if c.e[i].flags & ASIDE:
-        push_freed(c, i)
-    return 0
-
-
-cdef void drop(Core* c, int32_t i) noexcept nogil:
-    """Forget entry i (remove, evict); its queued items go stale."""
-    if not c.e[i].flags & ASIDE:
-        unlink(c, i)
-    release(c, i)
-
-
-cdef int freed_order(const void* a, const void* b) noexcept nogil:
-    cdef const Freed* x = <const Freed*>a
-    cdef const Freed* y = <const Freed*>b
-    if x.stamp != y.stamp:
-        return -1 if x.stamp < y.stamp else 1
-    if x.seq != y.seq:
-        return -1 if x.seq < y.seq else 1
-    return 0
-
-
-cdef void settle_freed(Core* c, int s) noexcept nogil:
-    """Segment s's queue sorted by (stamp, seq), without stale items (the entry left, came back
-    into its list, or was set aside again) or duplicates. Pinned ones stay (read past). Only
-    pushes unsort it or add duplicates: without any since the last call, filtering is all."""
-    cdef FreedList* f = &c.freed[s]
-    cdef Py_ssize_t j, k = 0
-    cdef Freed it
-    cdef Entry* e
-    for j in range(f.n):
-        it = f.items[j]
-        e = &c.e[it.idx]
-        if e.flags & USED and e.flags & ASIDE and e.seg == s and e.seq == it.seq:
-            f.items[k] = it
-            k += 1
-    f.n = k
-    if k > 1 and f.pushed:
-        qsort(f.items, k, sizeof(Freed), freed_order)
-        k = 1
-        for j in range(1, f.n):
-            if f.items[j].seq != f.items[k - 1].seq:
-                f.items[k] = f.items[j]
-                k += 1
-        f.n = k
-    f.pushed = False
-
-
-cdef inline int32_t lane_next(Core* c, Lane* l) noexcept nogil:
-    """The next entry of a lane: its segment's unpinned queued entries, then its list; -1 at the end."""
-    cdef FreedList* f = &c.freed[l.seg]
-    cdef int32_t i
-    while l.fpos < f.n:
-        i = f.items[l.fpos].idx
-        l.fpos += 1
-        if not c.e[i].flags & PINNED:
-            return i
-    i = l.cur
-    if i >= 0:
-        l.cur = c.e[i].next
-    return i
-
-
-cdef int vec_push(IdxVec* v, int32_t i) except -1:
-    reserve(<void**>&v.v, v.n, &v.cap, sizeof(int32_t))
-    v.v[v.n] = i
-    v.n += 1
-    return 0
-
-
-cdef inline bint takeable(Core* c, int32_t i) noexcept nogil:
-    return c.e[i].ref_cnt == 0 and not c.e[i].flags & MARK
-
-
-cdef enum:  # how a run ended
-    DONE = 0  # n entries taken
-    HEAD = 1  # stopped at an entry at or above its bound: the lane's new head
-    EMPTY = 2  # the lane ran out
-
-
-cdef int run(Core* c, Lane* l, double below, int32_t* out, Py_ssize_t* got, Py_ssize_t n,
-             IdxVec* met) except -1:
-    """Take lane l's evictable, unmarked entries into `out` while their stamps stay below
-    `below`, until `n` are there; the entries passed over go to `met` (when not NULL)."""
-    cdef int32_t i = lane_next(c, l)
-    while i >= 0:
-        if takeable(c, i):
-            if c.e[i].stamp >= below:
-                l.head, l.score = i, c.e[i].stamp + l.offset
-                return HEAD
-            out[got[0]] = i
-            got[0] += 1
-            if got[0] == n:
-                return DONE
-        elif met != NULL:
-            vec_push(met, i)
-        i = lane_next(c, l)
-    return EMPTY
-
-
-cdef inline void open_lane(Core* c, Lane* l, int s, double offset) noexcept nogil:
-    settle_freed(c, s)
-    l.seg, l.fpos, l.cur, l.offset = s, 0, c.seg[s].head, offset
-
-
-cdef Py_ssize_t walk(Core* c, Py_ssize_t n, int32_t* out, bint tails_first, const double* offsets,
-                     IdxVec* met) except -1:
-    """Up to `n` evictable, unmarked entries in eviction order into `out` (no state change but
-    the queues' settling): one-time tails first (`tails_first`), then the k-way merge of the
-    segments by score (stamp + offsets[s]), ties to the lower segment, a run taken from one lane
-    while it stays below the other heads (`prefix_runs._merged`). Entries passed over (ref_cnt
-    not 0, or marked) are appended to `met` when it is not NULL. Returns how many were found."""
-    cdef Py_ssize_t got = 0
-    cdef int s, k, b, nl = 0, first = 0
-    cdef Lane lanes[MAX_SEGS]
-    cdef double limit
-    if n <= 0:
+    cdef int unpinned(self, int32_t i) except -1:
+        """An aside entry that became evictable is queued (duplicates are dropped when the queue
+        is read)."""
+        if self.c.t.e[i].flags & ASIDE:
+            push_freed(&self.c, i)
         return 0
-    if tails_first:
-        first = 1
-        open_lane(c, &lanes[0], TAIL, 0.0)
-        if run(c, &lanes[0], INF, out, &got, n, met) == DONE:
-            return got
-    for s in range(first, c.nsegs):  # each lane's first evictable entry is its head
-        open_lane(c, &lanes[nl], s, offsets[s])
-        if run(c, &lanes[nl], -INF, out, &got, n, met) == HEAD:
-            nl += 1
-    while nl:
-        b = 0
-        limit = INF
-        for k in range(1, nl):
-            if lanes[k].score < lanes[b].score:
-                limit = lanes[b].score
-                b = k
-            elif lanes[k].score < limit:
-                limit = lanes[k].score
-        out[got] = lanes[b].head
-        got += 1
-        if got == n:
-            return got
-        k = run(c, &lanes[b], limit - lanes[b].offset, out, &got, n, met)
-        if k == DONE:
-            return got
-        if k == EMPTY:
-            nl -= 1
-            memmove(&lanes[b], &lanes[b + 1], (nl - b) * sizeof(Lane))
-    return got
+
+    def remove(self, key):
+        cdef int32_t i
+        self.sync()
+        i = locate_in(&self.c.t, key)
+        if i >= 0:
+            drop(&self.c, i)
+            self.version += 1
+        self.mark = self.c.t.count
+
+    def touch(self, keys):
+        cdef Core* c = &self.c
+        cdef double now = self.sync(), unit = self.mean_age, rate = self.rate, stamp
+        cdef int32_t i
+        cdef int s, top = c.nsegs - 1
+        keys = keys if isinstance(keys, list) else list(keys)
+        for key in reversed(keys):
+            i = locate_in(&c.t, key)
+            if i < 0:
+                continue
+            s = c.t.e[i].spare
+            if c.t.e[i].flags & ASIDE:
+                c.t.e[i].flags &= ~ASIDE  # touched: back in the order, in the segment it moves to
+            else:
+                unlink(c, i)
+            stamp = rec(c, i).stamp
+            now += 1.0
+            unit += (now - stamp - unit) * rate
+            if s <= 1:
+                self.counts[HIT_TAIL if s == TAIL else HIT_NEW] += 1
+            place(c, i, 2 if s == TAIL else min(s + 1, top), now)
+        self.now, self.mean_age = now, unit
+        self.version += 1
+
+    def keys(self):
+        cdef int32_t i
+        return [key_in(&self.c.t, i) for i in range(self.c.t.hw) if self.c.t.e[i].flags & USED]
+
+    def clear(self):
+        cdef int s
+        forget_all(&self.c.t)
+        order_clear(&self.c)
+        ghost_clear(&self.gh)
+        for s in range(6):
+            self.counts[s] = 0
+        self.now, self.mark, self.mean_age = 0.0, 0, float(self.capacity)
+        self.version += 1
 
 
-include "_compact_pins.pxi"
-include "_compact_batch_ops.pxi"
-include "_compact_ghosts.pxi"
-include "_compact_prefix_index.pxi"
-include "_compact_prefix_evict.pxi"
+cdef class CompactPrefixPolicy(Index):
+    """`Index` with `evict` (`PrefixFreqCachePolicy.evict`'s walk, `walk` in
+    _compact_prefix_order.pyx) and the eviction order's inspection; the evictable accounting and
+    the batch calls `CachePolicy` documents are the table's (`CompactTable`)."""
+
+    cdef bint tails_one_time(self) except -1:
+        """`TailEvidence.one_time(tail_reuse_max)`. Python compares its integer products with
+        floats exactly: here they are int64 (exact while every count is below 2**30) compared in
+        long double (which holds both without rounding); beyond that, the Python rule itself."""
+        cdef int64_t te = self.counts[EVICTED_TAIL], tr = self.counts[RETURNED_TAIL]
+        cdef int64_t ne = self.counts[EVICTED_NEW], nr = self.counts[RETURNED_NEW]
+        cdef int64_t th = self.counts[HIT_TAIL], nh = self.counts[HIT_NEW]
+        cdef int64_t reused = th + tr, left = th + te
+        if te + th < 64 or ne + nh < 64:
+            return False
+        if max(te, tr, ne, nr, th, nh) >= (<int64_t>1 << 30):
+            evidence = TailEvidence()
+            evidence.counts = self.tail_counts
+            return evidence.one_time(self.reuse_max)
+        return (<long double>(reused * (nh + ne)) < <long double>(0.5 * <double>(nh + nr) * <double>left)
+                and <long double>reused < <long double>(self.reuse_max * <double>left))
+
+    cdef void offsets(self, double* out) noexcept:
+        cdef int s
+        out[TAIL] = 0.0
+        for s in range(1, self.c.nsegs):
+            out[s] = self.credit[s - 1] * self.mean_age
+
+    cdef Py_ssize_t find_victims(self, Py_ssize_t n, object protected, int32_t* out, bint exact,
+                                 IdxVec* met) except -1:
+        """`walk` with `protected` marked: up to n victims in order (with `exact`, n or 0)."""
+        cdef double offs[MAX_SEGS]
+        cdef Py_ssize_t got
+        self.offsets(offs)
+        marked = mark_keys(&self.c.t, protected)
+        try:
+            got = walk(&self.c, n, out, self.tails_one_time(), offs, met)
+        finally:
+            unmark_keys(&self.c.t, marked)
+        return got if got == n or not exact else 0
+
+    cdef int forget(self, int32_t* chosen, Py_ssize_t n) except -1:
+        """The victims' ghosts in `_forget`'s order (by segment, the one-time tails last) and
+        their departures counted."""
+        cdef Core* c = &self.c
+        cdef Py_ssize_t j
+        cdef int32_t i
+        cdef int s, k, first = 1 if self.tails_one_time() else 0
+        for k in range(first, c.nsegs + first):
+            s = k % c.nsegs
+            for j in range(n):
+                i = chosen[j]
+                if c.t.e[i].spare == s:
+                    ghost_add(&self.gh, key_at(&c.t, i), c.t.e[i].klen, c.t.e[i].hash, s)
+                    if s <= 1:
+                        self.counts[EVICTED_TAIL if s == TAIL else EVICTED_NEW] += 1
+        return 0
+
+    cdef object take(self, Py_ssize_t n, object protected, bint ids):
+        cdef Core* c = &self.c
+        cdef int32_t* chosen
+        cdef IdxVec met = IdxVec(NULL, 0, 0)
+        cdef Py_ssize_t got, j
+        cdef int32_t i
+        if n > c.t.count or (self.tracking and refuses_in(&c.t, n, protected)):
+            return None
+        chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
+        if chosen == NULL:
+            raise MemoryError()
+        try:
+            got = self.find_victims(n, protected, chosen, True, &met if self.tracking else NULL)
+            if got == 0:
+                return None
+            keys = [key_in(&c.t, chosen[j]) for j in range(n)]
+            out = (keys, [c.t.e[chosen[j]].block_id for j in range(n)]) if ids else [
+                (keys[j], detached(&c.t.e[chosen[j]])) for j in range(n)]
+            self.sync()
+            self.forget(chosen, n)
+            for j in range(n):
+                drop(c, chosen[j])
+            self.mark = c.t.count
+            for j in range(met.n):
+                i = met.v[j]
+                if c.t.e[i].flags & USED and not c.t.e[i].flags & ASIDE:
+                    set_aside(c, i)
+            ghost_trim(&self.gh, self.glimit)
+            self.version += 1
+            return out
+        finally:
+            PyMem_Free(chosen)
+            PyMem_Free(met.v)
+
+    def victim_keys(self, Py_ssize_t n):
+        """The keys of the first `n` blocks `victim_candidates` yields, in one C walk."""
+        cdef int32_t* out
+        cdef Py_ssize_t got, j
+        n = min(n, self.c.t.count)
+        if n <= 0:
+            return []
+        out = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
+        if out == NULL:
+            raise MemoryError()
+        try:
+            got = self.find_victims(n, (), out, False, NULL)
+            return [key_in(&self.c.t, out[j]) for j in range(got)]
+        finally:
+            PyMem_Free(out)
+
+    def victim_candidates(self):
+        """Evictable blocks in `evict`'s order; raises RuntimeError if the policy changes while
+        the iterator is in use. Walks again for twice as many each time it runs out."""
+        cdef Py_ssize_t version = self.version, done = 0, want = 64
+        while True:
+            keys = self.victim_keys(want)
+            for key in keys[done:]:
+                if self.version != version:
+                    raise RuntimeError("prefix-freq changed during victim_candidates iteration")
+                yield key, view_of(self, locate_in(&self.c.t, key), key)
+            if len(keys) < want:
+                return
+            done, want = len(keys), 2 * want

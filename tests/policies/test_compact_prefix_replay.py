@@ -161,8 +161,9 @@ def test_the_tail_rule_equals_pythons_exact_comparison_at_any_count(counts):
 
 
 def test_the_package_ships_what_builds_the_compiled_indexes():
-    """An sdist must carry every Cython source the extensions include (setuptools adds only the
-    `.pyx` it is given), or a build from it silently falls back to pure Python."""
+    """An sdist must carry every Cython source the extensions read (setuptools adds only the
+    `.pyx` it is given): the `.pxd` declarations they `cimport` (the block table in kvtier/index,
+    prefix-freq's order and ghosts) as well, or a build from it silently falls back to pure Python."""
     import fnmatch
     from pathlib import Path
 
@@ -170,9 +171,10 @@ def test_the_package_ships_what_builds_the_compiled_indexes():
 
     root = Path(__file__).resolve().parents[2]
     patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["kvtier"]
-    sources = [p.relative_to(root / "kvtier").as_posix() for ext in ("pyx", "pxi", "pyi")
-               for p in (root / "kvtier" / "policies").glob(f"*.{ext}")]
-    assert len(sources) >= 10
+    sources = [p.relative_to(root / "kvtier").as_posix() for ext in ("pyx", "pxd", "pxi", "pyi")
+               for package in ("index", "policies") for p in (root / "kvtier" / package).glob(f"*.{ext}")]
+    assert {"index/_table.pxd", "index/_table_api.pxd", "policies/_compact_prefix_order.pxd"} <= set(sources)
+    assert len(sources) >= 12
     assert [s for s in sources if not any(fnmatch.fnmatch(s, pattern) for pattern in patterns)] == []
 
 

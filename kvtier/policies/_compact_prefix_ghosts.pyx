@@ -1,28 +1,22 @@
-# The ghost list of the compiled prefix-freq (included by _compact_prefix.pyx): evicted keys and
-# the segment each was evicted from, oldest first, in C arrays (`GhostList`'s rules, exactly).
-#
-# Entries are appended in eviction order; a key stored again leaves a dead entry behind, dropped
-# when the array is compacted (when it is full, and at each trim). A key's bytes sit in a slot of
-# fixed width (the longest key seen, up to INLINE_KEY; a longer key has an allocation of its own,
-# owned by its ghost while it is alive: _compact_keys.pxi), and an open-addressing table of int32
-# entry indexes finds them. About 50 bytes per ghost for 36-byte keys, against ~145 for a bytes
-# object in a dict.
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The ghost list of the compiled prefix-freq: evicted keys and the segment each was evicted from,
+oldest first, in C arrays (`GhostList`'s rules, exactly; kvtier/policies/prefix_ghosts.py).
 
-ctypedef struct Ghost:
-    Py_hash_t hash
-    uint16_t klen
-    uint8_t seg
-    uint8_t alive
+Entries are appended in eviction order; a key stored again leaves a dead entry behind, dropped
+when the array is compacted (when it is full, and at each trim). A key's bytes sit in a slot of
+fixed width (the longest key seen, up to 64 bytes; a longer key has an allocation of its own,
+owned by its ghost while it is alive), and an open-addressing table of int32 entry numbers finds
+them: the key slots and hash-table code of the compiled block table (kvtier/index/_table.pxd).
+About 50 bytes per ghost for 36-byte keys, against ~145 for a bytes object in a dict.
+"""
 
-ctypedef struct Ghosts:
-    Ghost* g  # appended in eviction order, dead ones among them
-    char* keys  # `width` bytes per entry
-    Py_ssize_t width
-    Py_ssize_t n  # entries used
-    Py_ssize_t cap  # entries allocated
-    Py_ssize_t live
-    int32_t* table  # -1: empty
-    size_t mask
+from cpython.bytes cimport PyBytes_FromStringAndSize
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from libc.string cimport memcmp, memset
+
+from kvtier.index._table cimport (
+    INLINE_KEY, long_copy, slot_del, slot_fill, slot_free, slot_key, slot_move, slot_put, slot_width, table_slots,
+)
 
 
 cdef inline char* ghost_key(Ghosts* gs, Py_ssize_t i) noexcept nogil:
