@@ -135,6 +135,25 @@ cdef inline void slot_put(int32_t* buckets, size_t mask, Py_hash_t h, int32_t i)
     buckets[s] = i
 
 
+cdef inline int32_t slot_find(const int32_t* buckets, size_t mask, const char* hashes, const char* klens,
+                              size_t stride, char* keys, Py_ssize_t width, const char* kp, Py_ssize_t klen,
+                              Py_hash_t h) noexcept nogil:
+    """The entry holding this key (its bytes, length and hash), or -1. Entry i's uint16 key length
+    is read at `klens + i * stride`, its key in slot i of `keys`."""
+    cdef size_t s = (<size_t>h) & mask
+    cdef int32_t i
+    cdef Py_ssize_t n
+    while True:
+        i = buckets[s]
+        if i < 0:
+            return -1
+        if hash_of(hashes, stride, i) == h:
+            n = (<const uint16_t*>(klens + <size_t>i * stride))[0]
+            if n == klen and memcmp(slot_key(keys, width, i, n), kp, klen) == 0:
+                return i
+        s = (s + 1) & mask
+
+
 cdef void slot_del(int32_t* buckets, size_t mask, const char* hashes, size_t stride, int32_t i) noexcept nogil
 
 
@@ -152,15 +171,8 @@ cdef inline char* key_at(Table* t, int32_t i) noexcept nogil:
 
 
 cdef inline int32_t find(Table* t, const char* kp, Py_ssize_t klen, Py_hash_t h) noexcept nogil:
-    cdef size_t s = (<size_t>h) & t.mask
-    cdef int32_t i
-    while True:
-        i = t.buckets[s]
-        if i < 0:
-            return -1
-        if t.e[i].hash == h and t.e[i].klen == klen and memcmp(key_at(t, i), kp, klen) == 0:
-            return i
-        s = (s + 1) & t.mask
+    return slot_find(t.buckets, t.mask, <const char*>&t.e[0].hash, <const char*>&t.e[0].klen, sizeof(Entry),
+                     t.keys, t.width, kp, klen, h)
 
 
 cdef inline int32_t locate_in(Table* t, object key) except -2:

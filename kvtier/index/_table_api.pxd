@@ -15,6 +15,8 @@ cdef class CompactTable:
     cdef int32_t put(self, object key, int64_t block_id, int32_t ref_cnt, bint tail) except -1
     cdef int unpinned(self, int32_t i) except -1
     cdef int unpin_entry(self, int32_t i) except -1
+    cdef Py_ssize_t pick(self, Py_ssize_t n, object protected, int32_t* chosen) except -1
+    cdef int drop_victims(self, int32_t* chosen, Py_ssize_t n) except -1
     cdef object take(self, Py_ssize_t n, object protected, bint ids)
 
 

@@ -8,13 +8,13 @@ calls and the request cycle's batch calls (`kvtier.index.BlockTable`: `readable_
 `insert_written`, `pin_loads`, `release_loads`, `mark_written`, `evict_ids`), each one C loop
 over the table with the answers and side effects of `CachePolicy`'s key-by-key defaults. A
 policy's index class derives from it, points `tp` at the `Table` inside its own state and says
-how it takes an entry in (`put`), picks and removes victims (`take`) and requeues an entry that
-became evictable (`unpinned`).
+how it takes an entry in (`put`), picks victims (`pick`) and removes them (`drop_victims`), and
+requeues an entry that became evictable (`unpinned`).
 """
 
 cimport cython
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
-from cpython.mem cimport PyMem_Free
+from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcmp
 
 from kvtier.index._table cimport (
@@ -28,7 +28,7 @@ cdef class CompactTable:
     own): `get` and `len`, the evictable accounting (`track_pins`, `pin`, `unpin`, ...), the
     insert calls and the request cycle's batch calls (`kvtier.index.BlockTable`), each one C
     loop with the answers and side effects of `CachePolicy`'s key-by-key defaults. The policy
-    sets `tp` in its `__cinit__` and implements `put`, `take` and `unpinned`."""
+    sets `tp` in its `__cinit__` and implements `put`, `pick`, `drop_victims` and `unpinned`."""
 
     def __cinit__(self, *args, **kwargs):
         if type(self) is CompactTable:
@@ -39,10 +39,36 @@ cdef class CompactTable:
         `tail`: it is the request's last new block (only when `tails` is set)."""
         raise NotImplementedError
 
+    cdef Py_ssize_t pick(self, Py_ssize_t n, object protected, int32_t* chosen) except -1:
+        """Choose `evict(n, protected)`'s victims (0 < n <= count) into `chosen`, in order: n, or
+        0 when it refuses (the order may be rearranged, no entry leaves)."""
+        raise NotImplementedError
+
+    cdef int drop_victims(self, int32_t* chosen, Py_ssize_t n) except -1:
+        """Remove the n entries `pick` chose (their keys and values were read)."""
+        raise NotImplementedError
+
     cdef object take(self, Py_ssize_t n, object protected, bint ids):
         """`evict(n, protected)` (n > 0): the victims in order as (key, detached view) pairs, or
-        with `ids` as (keys, block ids); None (nothing changed) when there are not n."""
-        raise NotImplementedError
+        with `ids` as (keys, block ids); None (nothing left) when there are not n."""
+        cdef Table* t = self.tp
+        cdef int32_t* chosen
+        cdef Py_ssize_t j
+        if n > t.count or (self.tracking and refuses_in(t, n, protected)):
+            return None
+        chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
+        if chosen == NULL:
+            raise MemoryError()
+        try:
+            if self.pick(n, protected, chosen) == 0:
+                return None
+            keys = [key_in(t, chosen[j]) for j in range(n)]
+            out = (keys, [t.e[chosen[j]].block_id for j in range(n)]) if ids else [
+                (keys[j], detached(&t.e[chosen[j]])) for j in range(n)]
+            self.drop_victims(chosen, n)
+            return out
+        finally:
+            PyMem_Free(chosen)
 
     cdef int unpinned(self, int32_t i) except -1:
         """Entry i became evictable and is no longer counted as pinned (the policy may requeue it)."""

@@ -21,14 +21,14 @@ kvtier/policies/lru_pure.py for the argument that this is plain LRU order.
 resident; using one after its block left raises LookupError, never touches another block.
 """
 
-from cpython.mem cimport PyMem_Free, PyMem_Malloc
+from cpython.mem cimport PyMem_Free
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
 from kvtier.index._table cimport (
     MARK, PINNED, Chain, Entry, Links, Table, chain_append, chain_remove, claim, forget_all, key_in,
-    locate_in, mark_keys, refuses_in, release, reserve, table_bytes, table_free, table_init, unmark_keys,
+    locate_in, mark_keys, release, reserve, table_bytes, table_free, table_init, unmark_keys,
 )
-from kvtier.index._table_api cimport CompactTable, detached, view_of
+from kvtier.index._table_api cimport CompactTable, view_of
 
 from kvtier.index._table_api import BlockView  # noqa: F401  (the class `get` returns, named here as before)
 
@@ -258,8 +258,8 @@ cdef class Index(CompactTable):
 
     # ------------------------------------------------------------------ decisions
     cdef Py_ssize_t pick(self, Py_ssize_t n, object protected, int32_t* chosen) except -1:
-        """Choose `evict(n, protected)`'s victims (0 < n <= count) into `chosen`; 0 when it
-        refuses (nothing changed). Protected entries are marked while choosing."""
+        """`evict`'s victims (`CompactTable.pick`): the freed aside ones, then the order's head;
+        protected entries are marked while choosing."""
         cdef Core* c = &self.c
         cdef Py_ssize_t got = 0
         marked = mark_keys(&c.t, protected)
@@ -270,27 +270,11 @@ cdef class Index(CompactTable):
             self.version += 1
         return got
 
-    cdef object take(self, Py_ssize_t n, object protected, bint ids):
-        cdef Core* c = &self.c
-        cdef int32_t* chosen
-        cdef Py_ssize_t got, j
-        if n > c.t.count or (self.tracking and refuses_in(&c.t, n, protected)):
-            return None
-        chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
-        if chosen == NULL:
-            raise MemoryError()
-        try:
-            got = self.pick(n, protected, chosen)
-            if got == 0:
-                return None
-            keys = [key_in(&c.t, chosen[j]) for j in range(got)]
-            out = (keys, [c.t.e[chosen[j]].block_id for j in range(got)]) if ids else [
-                (keys[j], detached(&c.t.e[chosen[j]])) for j in range(got)]
-            for j in range(got):
-                drop(c, chosen[j])
-            return out
-        finally:
-            PyMem_Free(chosen)
+    cdef int drop_victims(self, int32_t* chosen, Py_ssize_t n) except -1:
+        cdef Py_ssize_t j
+        for j in range(n):
+            drop(&self.c, chosen[j])
+        return 0
 
     def victim_candidates(self):
         """Evictable blocks in `evict`'s order (freed aside blocks, then the order); raises

@@ -25,10 +25,10 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.stdint cimport int32_t, int64_t
 
 from kvtier.index._table cimport (
-    USED, Chain, claim, forget_all, key_at, key_in, locate_in, mark_keys, refuses_in, table_bytes, table_free,
+    USED, claim, forget_all, key_at, key_in, locate_in, mark_keys, table_bytes, table_free,
     table_init, unmark_keys,
 )
-from kvtier.index._table_api cimport CompactTable, detached, view_of
+from kvtier.index._table_api cimport CompactTable, view_of
 from kvtier.policies._compact_prefix_ghosts cimport (
     Ghosts, ghost_add, ghost_clear, ghost_dict, ghost_free, ghost_pop, ghost_trim,
 )
@@ -67,6 +67,7 @@ cdef class Index(CompactTable):
     cdef Ghosts gh  # the ghost list: evicted keys and their segment then, oldest first
     cdef Py_ssize_t glimit
     cdef Py_ssize_t capacity  # as given (the arrays may grow past it)
+    cdef IdxVec met  # the entries an eviction's walk passed over (its scratch, kept between evictions)
 
     def __cinit__(self, cache_capacity, *args, **kwargs):
         cdef int s
@@ -90,6 +91,7 @@ cdef class Index(CompactTable):
         table_free(&self.c.t)
         order_free(&self.c)
         ghost_free(&self.gh)
+        PyMem_Free(self.met.v)
 
     cdef double sync(self):
         """Advance the clock by the blocks inserted since it was last synced; returns it."""
@@ -223,9 +225,9 @@ cdef class Index(CompactTable):
 
 
 cdef class CompactPrefixPolicy(Index):
-    """`Index` with `evict` (`PrefixFreqCachePolicy.evict`'s walk, `walk` in
-    _compact_prefix_order.pyx) and the eviction order's inspection; the evictable accounting and
-    the batch calls `CachePolicy` documents are the table's (`CompactTable`)."""
+    """`Index` with the choice of victims (`PrefixFreqCachePolicy.evict`'s walk, `walk` in
+    _compact_prefix_order.pyx) and the eviction order's inspection; `evict`, the evictable
+    accounting and the batch calls `CachePolicy` documents are the table's (`CompactTable`)."""
 
     cdef bint tails_one_time(self) except -1:
         """`TailEvidence.one_time(tail_reuse_max)`. Python compares its integer products with
@@ -263,6 +265,12 @@ cdef class CompactPrefixPolicy(Index):
             unmark_keys(&self.c.t, marked)
         return got if got == n or not exact else 0
 
+    cdef Py_ssize_t pick(self, Py_ssize_t n, object protected, int32_t* chosen) except -1:
+        """`evict`'s victims (`CompactTable.pick`, `walk`); with pins tracked, the entries it
+        passed over are kept in `met`, set aside when the victims leave."""
+        self.met.n = 0
+        return self.find_victims(n, protected, chosen, True, &self.met if self.tracking else NULL)
+
     cdef int forget(self, int32_t* chosen, Py_ssize_t n) except -1:
         """The victims' ghosts in `_forget`'s order (by segment, the one-time tails last) and
         their departures counted."""
@@ -280,39 +288,24 @@ cdef class CompactPrefixPolicy(Index):
                         self.counts[EVICTED_TAIL if s == TAIL else EVICTED_NEW] += 1
         return 0
 
-    cdef object take(self, Py_ssize_t n, object protected, bint ids):
+    cdef int drop_victims(self, int32_t* chosen, Py_ssize_t n) except -1:
+        """The victims leave (ghosts first), then the entries `pick` passed over are set aside."""
         cdef Core* c = &self.c
-        cdef int32_t* chosen
-        cdef IdxVec met = IdxVec(NULL, 0, 0)
-        cdef Py_ssize_t got, j
+        cdef Py_ssize_t j
         cdef int32_t i
-        if n > c.t.count or (self.tracking and refuses_in(&c.t, n, protected)):
-            return None
-        chosen = <int32_t*>PyMem_Malloc(n * sizeof(int32_t))
-        if chosen == NULL:
-            raise MemoryError()
-        try:
-            got = self.find_victims(n, protected, chosen, True, &met if self.tracking else NULL)
-            if got == 0:
-                return None
-            keys = [key_in(&c.t, chosen[j]) for j in range(n)]
-            out = (keys, [c.t.e[chosen[j]].block_id for j in range(n)]) if ids else [
-                (keys[j], detached(&c.t.e[chosen[j]])) for j in range(n)]
-            self.sync()
-            self.forget(chosen, n)
-            for j in range(n):
-                drop(c, chosen[j])
-            self.mark = c.t.count
-            for j in range(met.n):
-                i = met.v[j]
-                if c.t.e[i].flags & USED and not c.t.e[i].flags & ASIDE:
-                    set_aside(c, i)
-            ghost_trim(&self.gh, self.glimit)
-            self.version += 1
-            return out
-        finally:
-            PyMem_Free(chosen)
-            PyMem_Free(met.v)
+        self.sync()
+        self.forget(chosen, n)
+        for j in range(n):
+            drop(c, chosen[j])
+        self.mark = c.t.count
+        for j in range(self.met.n):
+            i = self.met.v[j]
+            if c.t.e[i].flags & USED and not c.t.e[i].flags & ASIDE:
+                set_aside(c, i)
+        self.met.n = 0
+        ghost_trim(&self.gh, self.glimit)
+        self.version += 1
+        return 0
 
     def victim_keys(self, Py_ssize_t n):
         """The keys of the first `n` blocks `victim_candidates` yields, in one C walk."""

@@ -12,10 +12,11 @@ About 50 bytes per ghost for 36-byte keys, against ~145 for a bytes object in a 
 
 from cpython.bytes cimport PyBytes_FromStringAndSize
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
-from libc.string cimport memcmp, memset
+from libc.string cimport memset
 
 from kvtier.index._table cimport (
-    INLINE_KEY, long_copy, slot_del, slot_fill, slot_free, slot_key, slot_move, slot_put, slot_width, table_slots,
+    INLINE_KEY, long_copy, slot_del, slot_fill, slot_find, slot_free, slot_key, slot_move, slot_put, slot_width,
+    table_slots,
 )
 
 
@@ -24,18 +25,10 @@ cdef inline char* ghost_key(Ghosts* gs, Py_ssize_t i) noexcept nogil:
 
 
 cdef Py_ssize_t ghost_find(Ghosts* gs, const char* kp, Py_ssize_t klen, Py_hash_t h) noexcept nogil:
-    cdef size_t s
-    cdef int32_t i
     if gs.table == NULL:
         return -1
-    s = (<size_t>h) & gs.mask
-    while True:
-        i = gs.table[s]
-        if i < 0:
-            return -1
-        if gs.g[i].hash == h and gs.g[i].klen == klen and memcmp(ghost_key(gs, i), kp, klen) == 0:
-            return i
-        s = (s + 1) & gs.mask
+    return slot_find(gs.table, gs.mask, <const char*>&gs.g[0].hash, <const char*>&gs.g[0].klen, sizeof(Ghost),
+                     gs.keys, gs.width, kp, klen, h)
 
 
 cdef inline void ghost_table_put(Ghosts* gs, int32_t i) noexcept nogil:
