@@ -50,6 +50,38 @@ print("fallback", issubclass(cls, PureLRUCachePolicy), cls.compiled, a.returns_v
     assert out.count("pure-Python fallback") == 1, out  # once, not per policy built
 
 
+def test_without_the_compiled_block_table_both_compiled_policies_fall_back():
+    """The policies cimport the block table (kvtier/index/_table*.pyx): where it is missing they
+    do not import, and both registered names resolve to their pure-Python fallbacks, which work."""
+    code = """
+import sys
+sys.modules["kvtier.index._table"] = sys.modules["kvtier.index._table_api"] = None  # as if not built
+from kvtier import registry
+from kvtier.types import BlockStatus
+for name in ("lru", "prefix-freq"):
+    p = registry.resolve(registry.POLICIES, name)(4)
+    p.insert(b"k", BlockStatus(3))
+    print(name, type(p).compiled, p.get(b"k").block_id, len(p))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n")[:2] == ["lru False 3 1", "prefix-freq False 3 1"], out
+
+
+def test_both_compiled_policies_build_on_the_one_compiled_table():
+    """One table class and one view class under `lru` and `prefix-freq`; the base is not made alone."""
+    from kvtier.index._table_api import BlockView, CompactTable
+    from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
+
+    lru, pf = LRUCachePolicy(8), PrefixFreqCachePolicy(8)
+    for policy in (lru, pf):
+        assert isinstance(policy, CompactTable)
+        policy.insert_written([b"a", b"b"], [5, 6])
+        assert type(policy.get(b"a")) is BlockView and policy.get(b"b").ref_cnt == -1
+        assert policy.mark_written([b"a", b"b"]) and policy.pin_loads([b"b", b"a"]) == [6, 5]
+    with pytest.raises(TypeError, match="not made on its own"):
+        CompactTable()
+
+
 # ---------------------------------------------------------------------- same decisions as lru
 def key(i: int) -> bytes:
     """Keys of four lengths (the index re-lays its key array for a longer one; 68 bytes is past
