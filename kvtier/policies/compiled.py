@@ -59,8 +59,8 @@ class CompiledPolicy:
     returns_views = True
     batch_calls = True
     compiled: ClassVar[bool] = True
-    max_blocks: int | None = MAX_INDEX_BLOCKS  # int32 entry numbers (the .pyx's MAX_ENTRIES)
-    max_key_bytes: int | None = MAX_KEY_BYTES  # a uint16 key length (the .pyx's MAX_KEY)
+    max_blocks: int | None = MAX_INDEX_BLOCKS  # int32 entry numbers (MAX_ENTRIES, kvtier/index/_table.pxd)
+    max_key_bytes: int | None = MAX_KEY_BYTES  # a uint16 key length (MAX_KEY, kvtier/index/_table.pxd)
 
     def __init__(self, cache_capacity: int) -> None:
         from kvtier.policies.base import CachePolicy
