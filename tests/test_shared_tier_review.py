@@ -132,7 +132,7 @@ def test_a_full_server_pauses_publishing_with_one_warning(server, engines, monke
     from kvtier.testing.fake_remote import FakeStore, RemoteUnavailable
 
     def full(self, key, block):
-        self.server._enter("write_block")
+        self.server.record_call("write_block")
         raise RemoteUnavailable("server full (maxmemory without eviction): OOM command not allowed")
 
     monkeypatch.setattr(FakeStore, "write_block", full)
