@@ -49,7 +49,7 @@ class DeferredRemote(TransferHandler):
                     self.real.copy(src, dst)
                 except Exception:  # noqa: BLE001 - a read that fails verification fails the job
                     ok = False
-            self._on_done(TransferResult(job_id, ok, 0, 0.0))
+            self.report(TransferResult(job_id, ok, 0, 0.0))
 
 
 class InlineProbes(ValkeyBackend):
