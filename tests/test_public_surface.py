@@ -3,15 +3,18 @@
 Read with `ast` (nothing is imported), every test file is searched for what reaches a private
 name (one leading underscore, not a dunder):
 
-- an attribute `x._name`, unless `x` is `self` or `cls` (a test's own fake reading its own state);
+- an attribute `x._name`, unless `x` is `self` or `cls` reading what the test's own class (or a
+  class of the same file it derives from) defines: `self._name` inherited from a kvtier class is
+  a reach too;
 - `setattr`/`getattr`/`delattr`/`hasattr` (`monkeypatch.setattr` too) naming `"_name"`, or a
   dotted target such as `"kvtier.handlers.file_path._logged"`;
 - `from kvtier... import _name`, or `import kvtier...._name`.
 
 `ALLOWED` lists the exceptions, each with its reason: other projects' private names the tests
-pin on purpose (vLLM's fields our connector relies on, torch, ctypes) and kvtier's compiled
-extension modules, imported by name to check they are built. The failure message lists every
-new offender as `path:line: expression`.
+pin on purpose (vLLM's fields our connector relies on, torch, ctypes), kvtier's compiled
+extension modules, imported by name to check they are built, and the few private kvtier names
+still waiting for a public seam in code this change did not own (`PENDING`). The failure message
+lists every new offender as `path:line: expression`.
 """
 
 from __future__ import annotations
@@ -36,6 +39,14 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("policies/test_compact_prefix_replay.py", "import kvtier.policies._compact_prefix"): "the compiled extension, "
                                                                                            "by name",
 }
+# Private kvtier names that tests still reach, each waiting for its owner to make it public (then
+# drop the entry: `test_every_allowed_exception_is_still_used` says when).
+PENDING = "kvtier private name still to be made public by its module's owner"
+ALLOWED.update({
+    ("integration/test_vllm033.py", "from kvtier.integrations.vllm.manager import _COUNTERS"): PENDING,
+    ("remote/test_remote_bench.py", "from kvtier.bench.hops_runner import _remote_rows"): PENDING,
+    ("test_shared_tier_real.py", "from kvtier.bench.hops_runner import _remote_rows"): PENDING,
+})
 # Any expression of these forms is another project's (the standard library's) public API.
 ALWAYS = {"os._exit", "sys._getframe"}
 # Whole files exempt: the connector tests pin many of vLLM's private fields that our connector,
@@ -63,8 +74,51 @@ def _accessor_target(node: ast.Call) -> str | None:
     return None
 
 
+def _defined_in(cls: ast.ClassDef) -> set[str]:
+    """The names a class body defines: methods, class attributes and `self.x`/`cls.x` stores."""
+    names = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and isinstance(node.value, ast.Name)
+              and node.value.id in ("self", "cls")):
+            names.add(node.attr)
+    return names
+
+
+def _own_names(tree: ast.AST) -> dict[ast.ClassDef, set[str]]:
+    """For each class of a file: what it and its bases of the same file define (the file's own
+    state); a class with a base from elsewhere inherits nothing private from it."""
+    classes = {node.name: node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    own: dict[ast.ClassDef, set[str]] = {}
+
+    def names(cls: ast.ClassDef, seen: frozenset[str]) -> set[str]:
+        found = _defined_in(cls)
+        for base in cls.bases:
+            if isinstance(base, ast.Name) and base.id in classes and base.id not in seen:
+                found |= names(classes[base.id], seen | {base.id})
+        return found
+
+    for cls in classes.values():
+        own[cls] = names(cls, frozenset({cls.name}))
+    return own
+
+
+def _self_reaches(tree: ast.AST) -> list[tuple[int, str]]:
+    """`self._name` in a class that does not define `_name` itself: inherited private state."""
+    found = []
+    for cls, own in _own_names(tree).items():
+        for node in ast.walk(cls):
+            if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                    and node.value.id in ("self", "cls") and node.attr not in own):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
 def _offences(tree: ast.AST) -> list[tuple[int, str]]:
-    found: list[tuple[int, str]] = []
+    found = _self_reaches(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and _private(node.attr):
             owner = node.value
@@ -124,12 +178,19 @@ def test_the_scan_finds_each_kind_of_reach(tmp_path):
         "    handler._ready[1] = None\n"
         "    monkeypatch.setattr('kvtier.handlers.file_path._logged', set())\n"
         "    monkeypatch.setattr(handler, '_probes', None)\n"
-        "    self._own = os._exit\n"
-        "    handler.__class__\n")
+        "    handler.__class__, os._exit\n"
+        "class Fake:\n"
+        "    def __init__(self):\n"
+        "        self._calls = []\n"
+        "class Sub(Fake, TransferHandler):\n"
+        "    def submit(self, job_id, src, dst):\n"
+        "        self._calls.append(job_id)\n"
+        "        self._on_done(job_id)\n")
     assert private_reaches(tmp_path) == [
         "test_x.py:1: import kvtier.tiers._hidden",
         "test_x.py:2: from kvtier.control.promotion import _expire",
         "test_x.py:4: handler._ready",
         "test_x.py:5: setattr(..., 'kvtier.handlers.file_path._logged')",
         "test_x.py:6: setattr(..., '_probes')",
+        "test_x.py:14: self._on_done",
     ]
