@@ -1,8 +1,8 @@
 """`TransferHandler`: moves bytes for one (source spec type, destination spec type) pair.
 
 Handlers are asynchronous: `submit` starts a job and returns; completion is reported with
-`report(result)` (the `on_done` callback the router binds), from any thread. Exceptions raised by `submit` (or inside a
-worker thread) become a failed `TransferResult` for that job only.
+`report(result)` (the `on_done` callback the router binds), from any thread. Exceptions raised by
+`submit` (or inside a worker thread) become a failed `TransferResult` for that job only.
 """
 
 from __future__ import annotations
