@@ -161,7 +161,10 @@ def __getattr__(name: str):  # the engine looks BenchTieringSpec up by name
 
 
 # ------------------------------------------------------------------ driver
-def _steps(prompts: dict[str, str], rounds: int, recompute: bool) -> list[dict]:
+def request_steps(prompts: dict[str, str], rounds: int, recompute: bool) -> list[dict]:
+    """One engine's steps (`generate` and `reset` dicts): the cold requests of `prompts` (keys A,
+    B, C); then C `rounds + 1` times (named `cpu:`) and A, B, C `rounds` times (named `file:`),
+    each after a reset; with `recompute`, A `3 * rounds` times instead, each after a reset."""
     a, b, c = prompts["A"], prompts["B"], prompts["C"]
     steps = [{"op": "generate", "name": f"cold:{k}", "prompt": p} for k, p in prompts.items()]
     if recompute:
@@ -176,7 +179,7 @@ def _steps(prompts: dict[str, str], rounds: int, recompute: bool) -> list[dict]:
     return steps
 
 
-def _in_step(steps: list[dict], folder: str, parties: int) -> list[dict]:
+def in_step(steps: list[dict], folder: str, parties: int) -> list[dict]:
     """`steps` with a barrier before each reset + warm request and after the cold requests, so
     that engines run side by side take each request together (same machine load for both)."""
     out: list[dict] = []
@@ -187,7 +190,7 @@ def _in_step(steps: list[dict], folder: str, parties: int) -> list[dict]:
     return out
 
 
-def _in_turns(steps: list[dict], folder: str, position: int) -> list[dict]:
+def in_turns(steps: list[dict], folder: str, position: int) -> list[dict]:
     """`steps` of one of two engines taking turns: for each request (a generate step, with the
     reset before it) both engines meet at a barrier, then one serves the request while the other
     waits for it at a second barrier, then the other serves it. Who goes first alternates from one
@@ -247,7 +250,7 @@ def main() -> None:
     only = set(args.only.split(","))
     jobs = {}
     if "kvtier" in only:
-        jobs["kvtier"] = dict(base, steps=_steps(prompts, args.rounds, False), kvtier_config={"tiers": [
+        jobs["kvtier"] = dict(base, steps=request_steps(prompts, args.rounds, False), kvtier_config={"tiers": [
             {"name": "cpu", "backend": "cpu", "capacity": f"{CPU_BLOCKS} blocks", "policy": "lru",
              "cascade": "on_store"},
             {"name": "disk", "backend": "file", "root_dir": str(work / "kvtier-disk"), "capacity": "512 blocks",
@@ -255,16 +258,16 @@ def main() -> None:
     if "vllm_fs" in only:
         # cpu_bytes_to_use for CPU_BLOCKS chunks (K and V of every layer's KV heads, float32)
         chunk = 2 * MODEL["num_layers"] * MODEL["num_kv_heads"] * 64 * 4 * OFFLOAD_BLOCK
-        jobs["vllm_fs"] = dict(base, steps=_steps(prompts, args.rounds, False), spec={
+        jobs["vllm_fs"] = dict(base, steps=request_steps(prompts, args.rounds, False), spec={
             "name": "BenchTieringSpec", "module": "bench_vllm",
             "extra": {"cpu_bytes_to_use": CPU_BLOCKS * (chunk + 4096),
                       "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}})
     if not args.sequential and len(jobs) > 1:
         for position, job in enumerate(jobs.values()):
             if args.turns:  # request by request, one engine after the other
-                job["steps"] = _in_turns(job["steps"], str(work / "barriers"), position)
+                job["steps"] = in_turns(job["steps"], str(work / "barriers"), position)
             else:  # every warm request of the engines starts at the same time
-                job["steps"] = _in_step(job["steps"], str(work / "barriers"), len(jobs))
+                job["steps"] = in_step(job["steps"], str(work / "barriers"), len(jobs))
     if args.sequential:
         for name, job in jobs.items():
             reports[name] = run_engine(job, work, name, timeout=900)
@@ -275,7 +278,7 @@ def main() -> None:
             running = {name: pool.submit(run_engine, job, work, name, timeout=1800) for name, job in jobs.items()}
             reports.update({name: future.result() for name, future in running.items()})
     if "recompute" in only:
-        job = dict(base, steps=_steps(prompts, args.rounds, True), spec={"name": "none"})
+        job = dict(base, steps=request_steps(prompts, args.rounds, True), spec={"name": "none"})
         reports["recompute"] = run_engine(job, work, "recompute", timeout=900)
 
     for backend in ("kvtier", "vllm_fs", "recompute"):  # --only: reuse earlier reports in --workdir

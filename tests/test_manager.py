@@ -337,7 +337,7 @@ class HungHandler(TransferHandler):
     def finish_all(self):
         self.released.set()
         for job_id in self.jobs:
-            self._on_done(TransferResult(job_id, False, 0, 0.0, error="released"))
+            self.report(TransferResult(job_id, False, 0, 0.0, error="released"))
 
 
 def hung_hierarchy(ctx):

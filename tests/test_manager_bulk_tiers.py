@@ -25,7 +25,7 @@ from test_manager_state import BLOCK, DeferredCopy
 
 from kvtier import CPULoadStoreSpec
 from kvtier.config import load_config_text
-from kvtier.control.promotion import _expire
+from kvtier.control.promotion import expire_stamps
 from kvtier.hierarchy import build_hierarchy
 from kvtier.tiers.memory import MemoryBackend
 
@@ -234,7 +234,7 @@ def test_victims_already_below_become_clean_without_a_copy():
 
 
 def _expire_one_by_one(stamps, before, most):
-    """`promotion._expire` as it was: the oldest entry, one at a time."""
+    """`promotion.expire_stamps` as it was: the oldest entry, one at a time."""
     while stamps:
         key, when = next(iter(stamps.items()))
         if when >= before and len(stamps) <= most:
@@ -245,7 +245,7 @@ def _expire_one_by_one(stamps, before, most):
 @given(gaps=st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.5]), max_size=12), before=st.floats(-1, 20),
        most=st.integers(0, 14))
 def test_expire_counts_in_c_what_one_by_one_drops(gaps, before, most):
-    """`_expire` (the leading stale run counted by `takewhile`) leaves what dropping the oldest
+    """`expire_stamps` (the leading stale run counted by `takewhile`) leaves what dropping the oldest
     entry one at a time leaves, on time-ordered stamps (ties included)."""
     now, stamps = 0.0, {}
     for i, gap in enumerate(gaps):
@@ -253,7 +253,7 @@ def test_expire_counts_in_c_what_one_by_one_drops(gaps, before, most):
         stamps[bytes([i])] = now
     want = dict(stamps)
     _expire_one_by_one(want, before, most)
-    _expire(stamps, before, most)
+    expire_stamps(stamps, before, most)
     assert list(stamps.items()) == list(want.items())
 
 

@@ -7,7 +7,7 @@ import pytest
 from kvtier import LookupResult, LRUOffloadingManager, build_hierarchy, load_config_text
 from kvtier.testing.manager import ManagerTests
 from kvtier.tiers.memory import MemoryBackend, SlotBackend
-from kvtier.types import PrepareStoreOutput
+from kvtier.types import OffloadingEvent, PrepareStoreOutput
 
 
 class TestLRUManager(ManagerTests):
@@ -86,7 +86,8 @@ class EvictsPinned(LRUOffloadingManager):
                 self.blocks[key].ref_cnt = 0  # forget the pin, as a buggy policy would
             for key in victims:
                 self.backend.free(self.blocks.pop(key))
-            self._event(victims, removed=True)
+            if self.events is not None:  # (the events the manager's own evictions would make)
+                self.events.append(OffloadingEvent(victims, self.backend.block_size, self.backend.medium, True))
             blocks = self.backend.allocate_blocks(to_store)
             self.blocks.update(zip(to_store, blocks))
             return PrepareStoreOutput(to_store, self.backend.get_load_store_spec(to_store, blocks), victims)

@@ -48,7 +48,7 @@ class DeferredCopy(TransferHandler):
                 s, d = self.backends[src.tier], self.backends[dst.tier]
                 for a, b in zip(src.block_ids, dst.block_ids):
                     d.view(b)[:] = s.view(a)
-            self._on_done(TransferResult(job_id, not fail, 0, 0.0))
+            self.report(TransferResult(job_id, not fail, 0, 0.0))
 
 
 class ManagerMachine(RuleBasedStateMachine):

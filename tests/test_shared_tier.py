@@ -390,7 +390,7 @@ tiers:
 """
         self.hierarchy = build_hierarchy(load_config_text(text), enable_events=True, model="conformance")
         other = self.server.store({}, key_prefix="kvt", fingerprint="conformance",
-                                  layout=self.hierarchy.backends["shared"]._store_args["layout"], block_bytes=BLOCK)
+                                  layout=self.hierarchy.backends["shared"].layout, block_bytes=BLOCK)
         for i in range(1000, 4000, 2):  # half of the trace's keys (`kvtier.testing.manager.make_keys`)
             other.write_block(make_offload_key((0x6D67 << 40 | i).to_bytes(8, "big"), 0), memoryview(bytes(BLOCK)))
         return self.hierarchy.manager

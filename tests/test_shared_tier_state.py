@@ -49,18 +49,30 @@ class DeferredRemote(TransferHandler):
                     self.real.copy(src, dst)
                 except Exception:  # noqa: BLE001 - a read that fails verification fails the job
                     ok = False
-            self._on_done(TransferResult(job_id, ok, 0, 0.0))
+            self.report(TransferResult(job_id, ok, 0, 0.0))
 
 
 class InlineProbes(ValkeyBackend):
-    """Probes answered at once (deterministic); the store is a fake."""
+    """Probes answered at once (deterministic), by the fake store built with the tier."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.inline_answers: list = []
 
     def request_probe(self, keys):
         try:
-            found = [bool(f) for f in self._store_for_io().probe(list(keys))]
+            found = [bool(f) for f in self.store.probe(list(keys))]
         except Exception:  # noqa: BLE001 - a failed probe answers None, as the probe thread does
             found = None
-        self._answers.append((list(keys), found))
+        self.inline_answers.append((list(keys), found))
+
+    def probe_results(self):
+        answers, self.inline_answers = self.inline_answers, []
+        return answers
+
+    @property
+    def has_probe_results(self) -> bool:
+        return bool(self.inline_answers)
 
 
 class SharedMachine(ManagerMachine):
@@ -86,7 +98,7 @@ tiers:
         self.h.router.register(CPULoadStoreSpec, RemoteLoadStoreSpec, self.to_remote)
         self.h.router.register(RemoteLoadStoreSpec, CPULoadStoreSpec, self.from_remote)
         self.other = self.server.store({"timeout_s": 1.0}, key_prefix="kvt", fingerprint="state-machine",
-                                       layout=self.h.backends["shared"]._store_args["layout"], block_bytes=BLOCK)
+                                       layout=self.h.backends["shared"].layout, block_bytes=BLOCK)
         self.m = self.h.manager
         self.pending_stores = []
         self.loads = []

@@ -159,7 +159,7 @@ class Gate(TransferHandler):
                 s, d = self.backends[src.tier], self.backends[dst.tier]
                 for a, b in zip(src.block_ids, dst.block_ids):
                     d.view(b)[:] = s.view(a)
-            self._on_done(TransferResult(job_id, not self.fail, 0, 0.0))
+            self.report(TransferResult(job_id, not self.fail, 0, 0.0))
 
 
 def gated(hot=8, warm=64, reserve=0.125):

@@ -300,7 +300,7 @@ def verify_root(root: Path, upper: str, durable: set[int], freed: set[int],
         h.close()
 
 
-def _remove_leaked_shm(pid: int) -> tuple[int, int]:
+def remove_leaked_shm(pid: int) -> tuple[int, int]:
     """Remove what the killed child `pid` left in /dev/shm: (regions, claims) removed. Its CPU
     tier's generated name is `kvtier-<pid>-...`; a kill while building it leaves `kvtier-creating-<pid>-...`."""
     from kvtier.tiers.cpu.backend import CLAIM_SUFFIX
@@ -324,7 +324,7 @@ def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_k
         kill_after = rng.uniform(0.02, max_kill_delay)
         lines, pid, died = _run_child(root, upper, seed * 1000 + it + 1, kill_after)
         freed, writes, frees, complaints = _durable_set(lines, durable)
-        leaked, claims = _remove_leaked_shm(pid)
+        leaked, claims = remove_leaked_shm(pid)
         counts, served = verify_root(root, upper, durable, freed, promote_batch)
         row = {"iteration": it, "kill_after_s": round(kill_after, 4), "blocks_written": writes, "frees": frees,
                **counts, "child_complaints": complaints, "leaked_shm": leaked,

@@ -102,7 +102,7 @@ class Promotions:
         for key in keys:
             refused.pop(key, None)  # re-inserted last: the dict stays in time order
             refused[key] = now
-        _expire(refused, now - HOLD_S, MAX_REFUSED)
+        expire_stamps(refused, now - HOLD_S, MAX_REFUSED)
 
     def hold(self, keys: Iterable[OffloadKey]) -> None:
         """Keep `keys`, just promoted into tier 0, from other promotions' evictions for `HOLD_S`."""
@@ -111,7 +111,7 @@ class Promotions:
         keys = list(keys)  # (distinct) moved to the end, in order: the dict stays in time order
         _consume(map(held.pop, keys, repeat(None)), 0)
         held.update(zip(keys, repeat(now)))
-        _expire(held, now - HOLD_S, self._top.capacity)
+        expire_stamps(held, now - HOLD_S, self._top.capacity)
 
     def supersede(self, keys: Iterable[OffloadKey]) -> None:
         """Cancel the queued (not started) promotions of `keys`: the engine stores them itself."""
@@ -188,7 +188,7 @@ class Promotions:
         if not keys:
             return 0
         held = self.held
-        _expire(held, monotonic() - HOLD_S, top.capacity)
+        expire_stamps(held, monotonic() - HOLD_S, top.capacity)
         promoted = top.promoted_from
         small, large = (held, promoted) if len(held) <= len(promoted) else (promoted, held)
         kept = {key for key in small if key in large}  # (iterating the smaller: held can reach the capacity)
@@ -224,7 +224,7 @@ def longest_fit(n: int, make_room: Callable[[int], bool]) -> int:
     return lo
 
 
-def _expire(stamps: dict[OffloadKey, float], before: float, most: int) -> None:
+def expire_stamps(stamps: dict[OffloadKey, float], before: float, most: int) -> None:
     """Drop the entries of a time-ordered `stamps` made before `before`, and the oldest beyond
     `most`. (The leading run made before `before` is counted in C: `takewhile` over the values.)"""
     drop = max(len(list(takewhile(before.__gt__, stamps.values()))), len(stamps) - most)

@@ -1,8 +1,8 @@
 """`TransferHandler`: moves bytes for one (source spec type, destination spec type) pair.
 
-Handlers are asynchronous: `submit` starts a job and returns; completion is reported through the
-`on_done` callback the router binds, from any thread. Exceptions raised by `submit` (or inside a
-worker thread) become a failed `TransferResult` for that job only.
+Handlers are asynchronous: `submit` starts a job and returns; completion is reported with
+`report(result)` (the `on_done` callback the router binds), from any thread. Exceptions raised by
+`submit` (or inside a worker thread) become a failed `TransferResult` for that job only.
 """
 
 from __future__ import annotations
@@ -79,6 +79,11 @@ class TransferHandler(ABC):
         """Called once by the router: `on_done(result)` must be called once per submitted job."""
         self._on_done = on_done
 
+    def report(self, result: TransferResult) -> None:
+        """Report one finished job to the router (the `on_done` given to `bind`): exactly once per
+        submitted job, from any thread. A handler calls it; the router reads it."""
+        self._on_done(result)
+
     @abstractmethod
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
         """Start copying the blocks of `src` into `dst` (same length, same order)."""
@@ -99,7 +104,7 @@ class SyncHandler(TransferHandler, ABC):
         """Copy all blocks; return the number of bytes moved. Raise on failure."""
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        self._on_done(run_copy(job_id, self.copy, src, dst))
+        self.report(run_copy(job_id, self.copy, src, dst))
 
 
 class ThreadedHandler(TransferHandler, ABC):
@@ -121,7 +126,7 @@ class ThreadedHandler(TransferHandler, ABC):
 
     def _run(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
         result = run_copy(job_id, self.copy, src, dst)
-        self._on_done(result)  # report before forgetting the future, so wait() implies reported
+        self.report(result)  # before forgetting the future, so wait() implies reported
         with self._lock:
             self._futures.pop(job_id, None)
 
@@ -139,4 +144,4 @@ class ImmediateHandler(TransferHandler):
     """Completes every job at once without moving bytes (trace replay: only the control plane)."""
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        self._on_done(TransferResult(job_id, True, 0, 0.0))
+        self.report(TransferResult(job_id, True, 0, 0.0))

@@ -81,9 +81,10 @@ class HostKVCopyHandler(SyncHandler):
 class EngineJobHandler(ThreadedHandler):
     """A `ThreadedHandler` for jobs that touch the engine's KV cache.
 
-    - On CUDA, `submit` records an event on the caller's current (compute) stream; the job's
-      thread makes its own stream wait for it (`ready_event()`), so a store reads the KV only after
-      the model wrote it and a load writes only after earlier work on those blocks.
+    - On CUDA, `submit` records an event on the caller's current (compute) stream
+      (`record_ready`); the job's thread makes its own stream wait for it (`ready_event()`), so a
+      store reads the KV only after the model wrote it and a load writes only after earlier work
+      on those blocks.
     - `wait(job_ids)` returns only after each job's result was reported (`on_done` called).
     - It owns `layout`: `shutdown` waits for the running jobs, then closes the layout.
     """
@@ -98,13 +99,20 @@ class EngineJobHandler(ThreadedHandler):
         self._job_lock = threading.Lock()
         self._job_local = threading.local()
 
-    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
-        ready = None
-        if self.cuda:
-            import torch
+    def record_ready(self) -> Any:
+        """The event a job submitted now must wait for, recorded on the caller's current (compute)
+        stream; None off CUDA (nothing to wait for). `submit` calls it on the submitting thread; the
+        job's thread sees the event as `ready_event()`, and the handler drops it when the job ends."""
+        if not self.cuda:
+            return None
+        import torch
 
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(self.device))
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return ready
+
+    def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        ready = self.record_ready()
         with self._job_lock:
             if ready is not None:
                 self._ready[job_id] = ready

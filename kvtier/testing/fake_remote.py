@@ -60,7 +60,10 @@ class FakeServer:
     def forbid_thread(self, ident: int) -> None:
         self._forbidden.add(ident)
 
-    def _enter(self, method: str) -> None:
+    def record_call(self, method: str) -> None:
+        """Count a call of `method` in `calls`; one made on a forbidden thread (`forbid_thread`) is
+        also listed in `violations`. Every `FakeStore` call records itself; a test's replacement of
+        a store method should too."""
         if threading.get_ident() in self._forbidden:
             self.violations.append(f"{method} on {threading.current_thread().name}")
         self.calls[method] += 1
@@ -86,7 +89,7 @@ class FakeStore:
 
     def __init__(self, server: FakeServer, client: dict[str, Any], *, key_prefix: str, fingerprint: str,
                  layout: str, block_bytes: int, tp: int = 1):
-        server._enter("__init__")
+        server.record_call("__init__")
         self.server = server
         self.client = client
         self.prefix = key_prefix
@@ -107,7 +110,7 @@ class FakeStore:
 
     def _call(self, method: str, deadline: float | None = None) -> None:
         """Breaker and injected failures before a call's work (which must end by `deadline`)."""
-        self.server._enter(method)
+        self.server.record_call(method)
         if self.closed:
             raise RemoteUnavailable("store closed")
         if not self.available:

@@ -36,8 +36,8 @@ def _play(steps: list[dict], who: str, log_path: str) -> None:
 
 
 def test_engines_take_turns_and_alternate(tmp_path):
-    steps = bench_vllm._steps(PROMPTS, rounds=2, recompute=False)
-    plans = {who: bench_vllm._in_turns(steps, str(tmp_path / "barriers"), position)
+    steps = bench_vllm.request_steps(PROMPTS, rounds=2, recompute=False)
+    plans = {who: bench_vllm.in_turns(steps, str(tmp_path / "barriers"), position)
              for position, who in enumerate("kv")}
     ctx = multiprocessing.get_context("fork")
     procs = [ctx.Process(target=_play, args=(plan, who, str(tmp_path / who))) for who, plan in plans.items()]

@@ -37,15 +37,16 @@ def test_the_direct_path_runs_through_the_same_measurement(tmp_path):
 
 
 def test_a_load_that_corrupts_bytes_raises(tmp_path, monkeypatch):
-    from kvtier.handlers import gpu_file
+    from kvtier.tiers.file import FileBackend
 
-    real = gpu_file.GPUFileHandler._host_to_engine
+    real = FileBackend.read_blocks
 
-    def corrupt(self, gpu, staging, k):
-        staging[0, 0] ^= 0xFF
-        real(self, gpu, staging, k)
+    def corrupt(self, slots, keys, buffers):
+        done = real(self, slots, keys, buffers)  # read and verified: the bytes go wrong on the way to the engine
+        buffers[0][0] ^= 0xFF
+        return done
 
-    monkeypatch.setattr(gpu_file.GPUFileHandler, "_host_to_engine", corrupt)
+    monkeypatch.setattr(FileBackend, "read_blocks", corrupt)
     with pytest.raises(TransferCorrupted, match="engine<->FILE \\(staged\\) with 65536-byte blocks moved wrong"):
         measure_engine_file(str(tmp_path), "cpu", 64 << 10, 1 << 20, repeats=1, paths=["staged"])
 

@@ -4,6 +4,7 @@ Storage; an explicit `io` is honoured; the handler factory follows the choice an
 from __future__ import annotations
 
 import logging
+import uuid
 
 import pytest
 
@@ -52,6 +53,11 @@ def test_without_cuda_kvikio_is_not_even_imported(monkeypatch):
     assert file_path("kvikio", cuda=False) == ("staged", "the KV cache is not on a CUDA device")
 
 
+def unseen(name: str) -> str:
+    """A tier name no earlier test of this process logged: the log is once per (tier, choice, why)."""
+    return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
 def kv_caches():
     return CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros((8, 4096), dtype=torch.uint8), 4096)], None)
 
@@ -61,18 +67,18 @@ def test_the_factory_follows_the_choice_and_logs_it_once(tmp_path, monkeypatch, 
     """With the facts of a GPU machine without nvidia-fs injected, `auto` builds the staged
     handler (it built the direct one before) and `kvikio` the direct one."""
     monkeypatch.setattr(gpu_file, "file_path", lambda io_, cuda: choose_file_path(io_, CLOUD_VM))
-    monkeypatch.setattr("kvtier.handlers.file_path._logged", set())
-    backend = FileBackend("nvme", 8, 4096, root_dir=str(tmp_path / "nvme"), fingerprint="m",
+    name = unseen("nvme")
+    backend = FileBackend(name, 8, 4096, root_dir=str(tmp_path / "nvme"), fingerprint="m",
                           io="posix" if io == "kvikio" else io)  # the tier's own I/O: no kvikio here
     backend.io_option = io
     try:
         with caplog.at_level(logging.INFO, logger="kvtier.handlers.file_path"):
-            handlers = [gpu_file.make_gpu_to_file({"nvme": backend}, kv_caches()),
-                        gpu_file.make_file_to_gpu({"nvme": backend}, kv_caches())]
+            handlers = [gpu_file.make_gpu_to_file({name: backend}, kv_caches()),
+                        gpu_file.make_file_to_gpu({name: backend}, kv_caches())]
         direct = io == "kvikio"
         assert all(isinstance(h, gpu_file.DirectGPUFileHandler) == direct for h in handlers)
         lines = [r.getMessage() for r in caplog.records]
-        assert len(lines) == 1 and lines[0].startswith(f"file tier nvme: engine<->file path "
+        assert len(lines) == 1 and lines[0].startswith(f"file tier {name}: engine<->file path "
                                                        f"{'direct' if direct else 'staged'} (")
         for h in handlers:
             h.shutdown()
@@ -93,20 +99,21 @@ def test_a_tier_that_asked_for_direct_is_logged_staged_when_another_tier_makes_t
     """One handler serves every file tier: when one takes the staged path, the log line of a tier
     whose `io` asked for the direct one says staged too, and why."""
     monkeypatch.setattr(gpu_file, "file_path", lambda io_, cuda: choose_file_path(io_, CLOUD_VM))
-    monkeypatch.setattr("kvtier.handlers.file_path._logged", set())
-    fast = FileBackend("fast", 8, 4096, root_dir=str(tmp_path / "fast"), fingerprint="m", io="posix")
-    slow = FileBackend("slow", 8, 4096, root_dir=str(tmp_path / "slow"), fingerprint="m", io="posix")
+    names = {"fast": unseen("fast"), "slow": unseen("slow")}
+    fast = FileBackend(names["fast"], 8, 4096, root_dir=str(tmp_path / "fast"), fingerprint="m", io="posix")
+    slow = FileBackend(names["slow"], 8, 4096, root_dir=str(tmp_path / "slow"), fingerprint="m", io="posix")
     fast.io_option = "kvikio"
     handler = None
     try:
         with caplog.at_level(logging.INFO, logger="kvtier.handlers.file_path"):
-            handler = gpu_file.make_gpu_to_file({"fast": fast, "slow": slow}, kv_caches())
+            handler = gpu_file.make_gpu_to_file({names["fast"]: fast, names["slow"]: slow}, kv_caches())
         assert type(handler) is gpu_file.GPUFileHandler
         lines = sorted(r.getMessage() for r in caplog.records)
         assert len(lines) == 2
-        assert lines[0].startswith("file tier fast: engine<->file path staged (io: kvikio chosen explicitly")
-        assert "file tier slow takes the staged path" in lines[0]
-        assert lines[1] == "file tier slow: engine<->file path staged (io: posix)"
+        fast_name, slow_name = names["fast"], names["slow"]
+        assert lines[0].startswith(f"file tier {fast_name}: engine<->file path staged (io: kvikio chosen explicitly")
+        assert f"file tier {slow_name} takes the staged path" in lines[0]
+        assert lines[1] == f"file tier {slow_name}: engine<->file path staged (io: posix)"
     finally:
         if handler is not None:
             handler.shutdown()

@@ -31,12 +31,19 @@ class FakeEvent:
 
 
 class Recording(EngineJobHandler):
-    """An engine job handler whose jobs only look at their ready event."""
+    """An engine job handler whose jobs only look at their ready event, a `FakeEvent` per job
+    (made where `submit` records the CUDA event); `events` holds weak references to them."""
 
     def __init__(self):
         kv = CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros((4, 64), dtype=torch.uint8), 64)], None)
         super().__init__(KVLayout(kv), 2, "kvtier-test")
         self.saw_event = False
+        self.events: list[weakref.ref] = []
+
+    def record_ready(self) -> FakeEvent:
+        event = FakeEvent()
+        self.events.append(weakref.ref(event))
+        return event
 
     def copy(self, src, dst) -> int:
         self.saw_event = isinstance(self.ready_event(), FakeEvent)
@@ -44,16 +51,11 @@ class Recording(EngineJobHandler):
 
 
 def run_job_with_event(handler: Recording, job_id: int) -> weakref.ref:
-    """Run one job whose compute-stream event is a `FakeEvent` (as `submit` records on CUDA)."""
-    event = FakeEvent()
-    ref = weakref.ref(event)
-    with handler._job_lock:
-        handler._ready[job_id] = event
-    del event
+    """Run one job; its compute-stream event is a `FakeEvent` (as `submit` records on CUDA)."""
     spec = GPULoadStoreSpec([0])
     handler.submit(job_id, spec, spec)
     handler.wait([job_id])
-    return ref
+    return handler.events[-1]
 
 
 def test_the_ready_event_is_released_when_its_job_ends():

@@ -44,8 +44,18 @@ class _FailingLoadWorker(KVTierOffloadingWorker):
 class FailingLoadSpec(KVTierOffloadingSpec):
     """`KVTierOffloadingSpec` whose worker fails its first `fail_loads` loads (see the module docstring)."""
 
+    def __init__(self, config: Any):
+        super().__init__(config)
+        self.failing_worker: _FailingLoadWorker | None = None
+
     def get_worker(self, kv_caches: Any) -> Any:
-        if self._worker is None:
+        if self.failing_worker is None:
             fail_loads = int(self.extra_config.get("fail_loads", 1))
-            self._worker = _FailingLoadWorker(self, kv_caches, fail_loads)
-        return self._worker
+            self.failing_worker = _FailingLoadWorker(self, kv_caches, fail_loads)
+        return self.failing_worker
+
+    def shutdown(self) -> None:
+        worker, self.failing_worker = self.failing_worker, None
+        if worker is not None:
+            worker.shutdown()
+        super().shutdown()

@@ -59,7 +59,7 @@ def test_each_adapter_runs_inside_vllms_manager(name):
 
     m = _manager(name, blocks=4)
     assert isinstance(m._policy, getattr(policies, name))  # vLLM's factory found kvtier's class
-    assert m._policy._policy is not None and type(m._policy).kvtier_policy == ADAPTERS[name]
+    assert m._policy.policy is not None and type(m._policy).kvtier_policy == ADAPTERS[name]
     keys, ctx = _keys(6), ReqContext("r")
     assert _store(m, keys[:4], ctx) == []
     assert [m.lookup(k, ctx) for k in keys[:4]] == [LookupResult.HIT] * 4
@@ -76,10 +76,13 @@ def test_each_adapter_runs_inside_vllms_manager(name):
     m.complete_store(out.keys_to_store, ctx, success=False)
     assert m.lookup(_keys(1, start=60)[0], ctx) is LookupResult.MISS
     # the chunk ids vLLM allocated are the ones it gets back: evicted slots are reused, none lost
-    ids = sorted(m._policy.get(k).chunk_id for k in m._policy._chunks)
+    stored = keys + _keys(1, start=50) + _keys(1, start=60)  # every key a store offered
+    ids = sorted(m._policy.get(k).chunk_id for k in stored if m._policy.get(k) is not None)
     assert len(ids) == len(set(ids)) == 3 and set(ids) <= set(range(4))  # (the failed store evicted one)
+    assert sorted(m._policy.policy.keys()) == sorted(k for k in stored if m._policy.get(k) is not None)
     m.reset_cache()
-    assert m.lookup(keys[0], ctx) is LookupResult.MISS and not m._policy._chunks
+    assert m.lookup(keys[0], ctx) is LookupResult.MISS
+    assert all(m._policy.get(k) is None for k in stored) and not list(m._policy.policy.keys())
 
 
 def test_lru_adapter_evicts_what_vllms_own_lru_evicts():
@@ -120,8 +123,8 @@ def test_a_block_a_request_only_inserted_is_not_counted_as_reused():
 
     m = _manager("LRUPolicy", blocks=4)
     touched: list[list] = []
-    real_touch = m._policy._policy.touch
-    m._policy._policy.touch = lambda keys: (touched.append(list(keys)), real_touch(keys))
+    real_touch = m._policy.policy.touch
+    m._policy.policy.touch = lambda keys: (touched.append(list(keys)), real_touch(keys))
     old, new = _keys(1, start=1), _keys(1, start=2)
     _request(m, "a", store=old)
     touched.clear()

@@ -62,10 +62,7 @@ def spec(tmp_path):
 
     s = KVTierOffloadingSpec(_config(tmp_path))
     yield s
-    if s._worker is not None:
-        s._worker.shutdown()
-    if s._manager is not None:
-        s._manager.shutdown()
+    s.shutdown()
 
 
 def test_geometry_and_injected_options(spec, caplog):

@@ -43,7 +43,7 @@ def test_leak_count_covers_temporaries_and_claims_of_the_killed_pid_only():
     for name in mine + [other]:
         open(os.path.join("/dev/shm", name), "xb").close()
     try:
-        assert crash._remove_leaked_shm(pid) == (2, 1)  # two regions (one half-built), one claim
+        assert crash.remove_leaked_shm(pid) == (2, 1)  # two regions (one half-built), one claim
         assert not any(os.path.exists(os.path.join("/dev/shm", name)) for name in mine)
         assert os.path.exists(os.path.join("/dev/shm", other))
     finally:

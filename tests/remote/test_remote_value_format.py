@@ -8,7 +8,7 @@ import pytest
 
 from kvtier.tiers.remote.errors import ValueRejected
 from kvtier.tiers.remote.keys import identity_digest, key_digest
-from kvtier.tiers.remote.value_format import _TRAILER, TRAILER_BYTES, encode_value, verify_value
+from kvtier.tiers.remote.value_format import TRAILER, TRAILER_BYTES, encode_value, verify_value
 
 IDENT = identity_digest("model", "layout")
 KDIG = key_digest(b"kvt:t:0of1:ab:0")
@@ -49,8 +49,8 @@ def test_rejections(case, words):
     elif case == "version":
         value = _flip(value, len(value) - 8)
     elif case == "length field":  # a trailer that claims another length (its other fields right)
-        ident_, kdig_, _, crc, version, kind, magic = _TRAILER.unpack_from(value, n)
-        value = PAYLOAD + _TRAILER.pack(ident_, kdig_, n - 1, crc, version, kind, magic)
+        ident_, kdig_, _, crc, version, kind, magic = TRAILER.unpack_from(value, n)
+        value = PAYLOAD + TRAILER.pack(ident_, kdig_, n - 1, crc, version, kind, magic)
     elif case == "longer":
         value = value + b"x"
     with pytest.raises(ValueRejected, match=words):

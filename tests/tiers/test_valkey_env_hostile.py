@@ -179,7 +179,7 @@ def test_the_breaker_opened_by_an_echoed_password_never_logs_or_reports_it(passw
             for _ in range(2):
                 with pytest.raises(RemoteUnavailable):
                     tier.get_blocks([b"k" * 20], [bytearray(4096)])
-        store = tier._store_for_io()
+        store = tier.store  # built by the reads above
         reasons = [store.reason]
         breaker, = store.servers.breakers()
         end = time.monotonic() + 10

@@ -65,6 +65,12 @@ class KVTierCachePolicy(CachePolicy):
         self._pending: list[OffloadKey] = []  # inserted, not yet handed to the kvtier policy
         self._policy = self._new_policy()
 
+    @property
+    def policy(self) -> Any:
+        """The kvtier policy this adapter drives (a new one after `clear`), e.g. to read its state;
+        inserts reach it at the adapter's next call that needs them (see the module docstring)."""
+        return self._policy
+
     def _new_policy(self) -> Any:
         from kvtier import registry
         from kvtier.policies.base import with_key_index

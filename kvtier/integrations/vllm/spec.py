@@ -146,3 +146,13 @@ class KVTierOffloadingSpec(OffloadingSpec):
         if self._worker is None:
             self._worker = KVTierOffloadingWorker(self, kv_caches)
         return self._worker
+
+    def shutdown(self) -> None:
+        """Shut down the worker and then the manager that `get_worker` and `get_manager` built (vLLM
+        shuts down what it got itself; this is for code that drives a spec directly). Idempotent: a
+        later `get_*` call builds a new one."""
+        worker, manager, self._worker, self._manager = self._worker, self._manager, None, None
+        if worker is not None:
+            worker.shutdown()
+        if manager is not None:
+            manager.shutdown()

@@ -121,6 +121,7 @@ class ValkeyBackend(ControlCalls, Backend):
                      fingerprint=fingerprint)
         _check_arguments(name, block_bytes, given, self.OPTIONS)
         self.url, self.key_prefix, self.tp = url, key_prefix, tp
+        self.fingerprint, self.layout = fingerprint, layout  # the values' identity (as a file tier's)
         self.num_threads = threads
         self.max_inflight_bytes = max(block_bytes, int(max_inflight_mib * _MIB))
         self.probe_timeout_s = timeout_ms / 1000
@@ -152,7 +153,6 @@ class ValkeyBackend(ControlCalls, Backend):
                          "read_failures": 0, "probes_shed": 0, "late_writes": 0}
         self._probes = Probes(name, self._store_for_io, self.probe_timeout_s, self.notice, self._found_by,
                               self.counters)
-        self._answers = self._probes.answers  # (the same deque: a subclass may answer probes itself)
         self._build_store(at_start=True)
         log.info("valkey tier %s: %s", name, self)
 

@@ -31,6 +31,12 @@ class ControlCalls:
     def has_probe_results(self) -> bool:
         return self._probes.answered
 
+    @property
+    def queued_probes(self) -> int:
+        """Batches waiting for the probe thread, not counting the one in flight: at most
+        `kvtier.tiers.remote.runtime.MAX_QUEUED`, however slow the server."""
+        return len(self._probes)
+
     def accepts_writes(self) -> bool:
         """False for `breaker_open_s` after a slow write (see `SLOW_WRITE_FRACTION`) or a failed one."""
         return self._writes.accepts(time.monotonic())

@@ -38,13 +38,13 @@ except ImportError:  # pragma: no cover - zlib-ng is a dependency
 MAGIC = b"KVRV"
 FORMAT_VERSION = 1
 CHECK_CRC32 = 1
-_TRAILER = struct.Struct(f"<{IDENTITY_DIGEST_BYTES}s{KEY_DIGEST_BYTES}sQIHH4s")
-TRAILER_BYTES = _TRAILER.size  # 44
+TRAILER = struct.Struct(f"<{IDENTITY_DIGEST_BYTES}s{KEY_DIGEST_BYTES}sQIHH4s")  # the trailer above, packed
+TRAILER_BYTES = TRAILER.size  # 44
 
 
 def make_trailer(payload: memoryview, identity: bytes, key_digest: bytes) -> bytes:
     """The trailer that follows `payload` in its value."""
-    return _TRAILER.pack(identity, key_digest, payload.nbytes, payload_crc32(payload), FORMAT_VERSION,
+    return TRAILER.pack(identity, key_digest, payload.nbytes, payload_crc32(payload), FORMAT_VERSION,
                          CHECK_CRC32, MAGIC)
 
 
@@ -72,7 +72,7 @@ def verify_parts(payload: memoryview, length: int, trailer: bytes, identity: byt
     if length != payload_bytes + TRAILER_BYTES or len(trailer) != TRAILER_BYTES:
         raise ValueRejected(f"value has {length} bytes, expected {payload_bytes + TRAILER_BYTES} "
                             f"(payload {payload_bytes} + trailer {TRAILER_BYTES}): truncated or foreign")
-    ident, kdig, size, crc, version, kind, magic = _TRAILER.unpack(trailer)
+    ident, kdig, size, crc, version, kind, magic = TRAILER.unpack(trailer)
     if magic != MAGIC:
         raise ValueRejected(f"trailer magic {magic!r}, expected {MAGIC!r}: not a kvtier value")
     if version != FORMAT_VERSION or kind != CHECK_CRC32:

@@ -1,7 +1,7 @@
-"""Issue 17's review of the shared tier, on the fake server: a key gets an answer (never RETRY
+"""The shared tier keeps making progress (on the fake server): a key gets an answer (never RETRY
 forever) with `negative_ttl_s: 0` or without room for handles; a run longer than tier 0's room
 still comes up from its first block; blocks whose values the server lost are published again; a
-full server pauses publishing."""
+full server pauses publishing; promotions nobody loaded and refusals expire."""
 
 from __future__ import annotations
 
@@ -132,7 +132,7 @@ def test_a_full_server_pauses_publishing_with_one_warning(server, engines, monke
     from kvtier.testing.fake_remote import FakeStore, RemoteUnavailable
 
     def full(self, key, block):
-        self.server._enter("write_block")
+        self.server.record_call("write_block")
         raise RemoteUnavailable("server full (maxmemory without eviction): OOM command not allowed")
 
     monkeypatch.setattr(FakeStore, "write_block", full)
