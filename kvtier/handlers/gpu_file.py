@@ -8,7 +8,8 @@ per block to the file backend's byte API:
     FileBackend.read_blocks(slots, keys, buffers) -> bytes       (verifies; IntegrityError)
 
 Loads read into the staging buffer first and scatter into the engine only after every block
-verified, so a failed or corrupt read never leaves foreign bytes in the KV cache. With the engine
+verified, so a failed or corrupt read never leaves foreign bytes in the KV cache. A
+`StagedLoadSpec` (blocks from a CPU region and file tiers, e.g. vLLM's worker) is one such job. With the engine
 on CUDA the staging buffer is pinned and moves with one DMA per job on a dedicated stream that
 waits for the compute stream. Jobs run on a `ThreadedHandler` pool; an exception fails its job only.
 
@@ -76,8 +77,30 @@ def _gpu_file_job(src: LoadStoreSpec, dst: LoadStoreSpec, to_file: bool, backend
                          f"needs {block_bytes} B")
     return gpu, file_spec, backend
 
+
+class StagedLoadSpec(LoadStoreSpec):
+    """A load into the KV cache from several host-readable tiers: `parts[i] = (spec, positions)`
+    (a `FileLoadStoreSpec`, or slots of a `HostRegion` tier), `positions` the indices, in the job's
+    block order, of the blocks `spec` addresses. One job for `GPUFileHandler`: not a
+    `CompositeLoadStoreSpec`, which the router splits (the engine's spec cannot be split by block)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts):
+        self.parts = [(spec, [int(p) for p in positions]) for spec, positions in parts]
+
+    def __len__(self) -> int:
+        return sum(len(positions) for _, positions in self.parts)
+
+    @staticmethod
+    def medium() -> str:
+        return "MIXED"
+
+
 class GPUFileHandler(EngineJobHandler):
-    """Engine KV cache <-> file tier through per-job staging buffers (`to_file` selects the direction)."""
+    """Engine KV cache <-> file tier through per-job staging buffers (`to_file` selects the
+    direction). A loading handler also takes `StagedLoadSpec` jobs, when `backends` holds the
+    host regions their parts name besides the file tiers."""
 
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_file: bool, num_threads: int = 2):
         super().__init__(layout, num_threads, "kvtier-gpu-file")
@@ -85,6 +108,8 @@ class GPUFileHandler(EngineJobHandler):
         self._streams: dict[int, Any] = {}
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
+        if isinstance(src, StagedLoadSpec) and isinstance(dst, GPULoadStoreSpec) and not self.to_file:
+            return self._load_staged(src, dst)
         gpu, file_spec, backend = _gpu_file_job(src, dst, self.to_file, self.backends, self.layout.block_bytes)
         k = len(file_spec.block_ids)
         keys = [bytes(key) for key in file_spec.keys]
@@ -97,6 +122,29 @@ class GPUFileHandler(EngineJobHandler):
         else:
             backend.read_blocks(file_spec.block_ids, keys, _buffers(blocks))
             self._host_to_engine(gpu, staging, k)
+        return self.layout.bytes_of(gpu)
+
+    def _load_staged(self, src: StagedLoadSpec, gpu: GPULoadStoreSpec) -> int:
+        """Every part's blocks into their rows of one staging buffer (file blocks verified
+        first: `IntegrityError` fails the job before anything reaches the engine), then one scatter."""
+        import torch
+
+        n, k = self.layout.block_bytes, len(src)
+        staging = aligned_rows(k, n, pin=self.cuda)
+        rows = _buffers(staging[:, :n])
+        hosts = []
+        for spec, positions in src.parts:
+            if isinstance(spec, FileLoadStoreSpec):
+                _, _, backend = _gpu_file_job(spec, gpu, False, self.backends, n)
+                backend.read_blocks(spec.block_ids, [bytes(key) for key in spec.keys], [rows[p] for p in positions])
+            else:
+                hosts.append((pick_backend(self.backends, spec, "host"), spec, positions))
+        for region, spec, positions in hosts:
+            if region.block_bytes < n:
+                raise ValueError(f"tier {region.name!r} has {region.block_bytes} B blocks, the KV layout needs {n} B")
+            slots = torch.tensor(spec.block_ids, dtype=torch.int64)
+            staging[torch.tensor(positions, dtype=torch.int64), :n] = region.tensor()[slots, :n]
+        self._host_to_engine(gpu, staging, k)
         return self.layout.bytes_of(gpu)
 
     # ------------------------------------------------------------------ engine side
