@@ -1,4 +1,5 @@
-"""Worker side: vLLM's `OffloadingWorker`, copying between the KV caches and the shared CPU region."""
+"""Worker side: vLLM's `OffloadingWorker`, copying between the KV caches and the shared CPU region,
+and loading file-tier blocks itself where the scheduler side lets it (`DirectFileLoads`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 
 from kvtier import specs as kspecs
+from kvtier.integrations.vllm.translate import to_kvtier_load_spec
 from kvtier.tiers.cpu import RegionError
 
 if TYPE_CHECKING:
@@ -17,6 +19,9 @@ if TYPE_CHECKING:
 # shm_names of the CPU regions whose (only) worker lives in this process: vLLM's default executor
 # for one worker ("uni") runs it in the scheduler's process, where it maps the region without a name.
 _LOCAL_WORKER_REGIONS: set[str] = set()
+# shm_name of a CPU region -> the scheduler's file tiers (name -> FileBackend) that its worker, in
+# this process, reads itself (filled by `DirectFileLoads.enable`; reads are thread-safe).
+_LOCAL_FILE_TIERS: dict[str, dict[str, Any]] = {}
 
 
 class KVTierOffloadingWorker(OffloadingWorker):
@@ -54,6 +59,17 @@ class KVTierOffloadingWorker(OffloadingWorker):
     handler). Submitting never waits for another job's copy. `get_finished` and `wait` cover both
     planes; job ids are vLLM's, unique across them. vLLM 0.32 never passes the keyword: there
     every load runs on the first plane, as before.
+
+    Direct file loads (`kvtier.integrations.vllm.spec.DirectFileLoads`: one worker, in the
+    scheduler's process, under `KVTierOffloadingConnector`): a load whose source names file-tier
+    slots (`KVTierFileLoadStoreSpec`, or a `KVTierCompositeLoadStoreSpec` of CPU and file slots)
+    runs on a third plane, the file plane, over the scheduler's own `FileBackend`s: a
+    `GPUFileHandler` (`kvtier.handlers.gpu_file`) reads every file block into a staging buffer,
+    verifies its header (key) and checksum, copies a composite's CPU slots into the same buffer,
+    and scatters into the KV cache only when every block verified; otherwise the job reports
+    `success=False` and the KV cache is untouched (the connector reports it, vLLM recomputes).
+    Expedited file loads run there too. Without the scheduler's file tiers in this process such
+    a load fails (there is no handler for it), never loads wrong bytes.
     """
 
     def __init__(self, spec: KVTierOffloadingSpec, kv_caches: CanonicalKVCaches):
@@ -62,6 +78,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
         self._backend: CPUBackend | None = None  # the attached region, set together with _planes
         # (regular, expedited lane): the worker planes, built at the first transfer
         self._planes: tuple[WorkerPlane, WorkerPlane] | None = None
+        self._file_plane: WorkerPlane | None = None  # direct file loads, built at the first one
         self._tier = spec.hierarchy_config.tiers[0].name
         if spec.num_copies == 1:  # vLLM's in-process executor ("uni") serves one worker only
             _LOCAL_WORKER_REGIONS.add(spec.hierarchy_config.tiers[0].options["shm_name"])
@@ -137,27 +154,59 @@ class KVTierOffloadingWorker(OffloadingWorker):
         return True
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
-        """Start a CPU->GPU load; `expedited` (vLLM 0.33) runs it on the expedited lane (class docstring)."""
+        """Start a load into the KV cache: from CPU slots on the regular plane or, `expedited`
+        (vLLM 0.33), on the expedited lane; one that names file slots on the file plane (class docstring)."""
         regular, lane = self._ready(src_spec)
-        (lane if expedited else regular).submit(self._cpu(src_spec), self._gpu(dst_spec), job_id)
+        source = to_kvtier_load_spec(src_spec, self._tier)
+        plane = lane if expedited else regular
+        if not isinstance(source, kspecs.CPULoadStoreSpec):
+            plane = self._files(plane)
+        plane.submit(source, self._gpu(dst_spec), job_id)
         return True
 
+    def _files(self, fallback: WorkerPlane) -> WorkerPlane:
+        """The file plane (built at the first call), or `fallback` when the scheduler's file tiers
+        are not in this process (it has no handler for file slots: the job fails)."""
+        if self._file_plane is None:
+            files = _LOCAL_FILE_TIERS.get(self.spec.hierarchy_config.tiers[0].options["shm_name"])
+            if not files:
+                return fallback
+            from kvtier.handlers.gpu_cpu import ChunkedKVCaches
+            from kvtier.handlers.gpu_file import GPUFileHandler, StagedLoadSpec
+            from kvtier.handlers.kv_layout import KVLayout
+            from kvtier.planes import WorkerPlane
+            from kvtier.router import TransferRouter
+
+            vllm_kv: Any = self.kv_caches
+            layout = KVLayout(ChunkedKVCaches(list(vllm_kv.tensors), list(vllm_kv.group_data_refs),
+                                              self.spec.blocks_per_chunk), self.spec.blocks_per_chunk)
+            assert self._backend is not None  # (`_ready` attached it)
+            handler = GPUFileHandler({self._backend.name: self._backend, **files}, layout, to_file=False,
+                                     num_threads=min(4, max(b.num_threads for b in files.values())))
+            router = TransferRouter()
+            for source in (kspecs.FileLoadStoreSpec, StagedLoadSpec):
+                router.register(source, kspecs.GPULoadStoreSpec, handler)
+            self._file_plane = WorkerPlane(router)
+        return self._file_plane
+
+    def _all_planes(self) -> list[WorkerPlane]:
+        return [*(self._planes or ()), *([self._file_plane] if self._file_plane is not None else [])]
+
     def get_finished(self) -> list[TransferResult]:
-        if self._planes is None:
-            return []
         return [TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time)
-                for plane in self._planes for r in plane.poll()]
+                for plane in self._all_planes() for r in plane.poll()]
 
     def wait(self, job_ids: set[int]) -> None:
-        for plane in self._planes or ():
+        for plane in self._all_planes():
             plane.wait(job_ids)
 
     def shutdown(self) -> None:
-        for plane in self._planes or ():
+        for plane in self._all_planes():
             plane.shutdown()
-        self._planes = None
+        self._planes = self._file_plane = None
         if self._backend is not None:
             self._backend.close()
             self._backend = None
         _LOCAL_WORKER_REGIONS.discard(self.spec.hierarchy_config.tiers[0].options["shm_name"])
+        _LOCAL_FILE_TIERS.pop(self.spec.hierarchy_config.tiers[0].options["shm_name"], None)
 
