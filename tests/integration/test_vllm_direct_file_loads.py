@@ -318,3 +318,27 @@ def test_a_worker_without_the_file_tiers_in_its_process_fails_such_a_load(make):
     (result,) = engine.worker.get_finished()
     assert not result.success and not engine.kv.any()
     engine.manager.complete_failed_load(keys, ctx)
+
+
+@pytest.mark.parametrize("option", [None, True])
+def test_on_a_vllm_with_sync_loads_direct_file_loads_must_be_asked_for(make, monkeypatch, option, caplog):
+    """vLLM 0.33's synchronous loads: a failed one may be recomputed wrongly (vLLM bug #49250),
+    so there file tiers are promoted unless `direct_file_loads: true` says otherwise (with a warning)."""
+    from kvtier.integrations.vllm import spec as spec_module
+
+    monkeypatch.setattr(spec_module, "vllm_has_sync_loads", lambda: True)
+    caplog.set_level("INFO", logger="kvtier")
+    engine = make(direct=option)
+    assert engine.manager.direct_file_loads.enabled is bool(option)
+    if option:
+        assert "vLLM bug #49250" in caplog.text and engine.file_tier().direct_load
+    else:
+        assert "#49250" in engine.manager.direct_file_loads.reason and not engine.file_tier().direct_load
+
+
+def test_this_vllm_032_has_no_sync_loads_so_direct_file_loads_are_on_by_default(make):
+    from kvtier.integrations.vllm.spec import vllm_has_sync_loads
+
+    if vllm_has_sync_loads():
+        pytest.skip("this vLLM has synchronous loads (0.33+)")
+    assert make().manager.direct_file_loads.enabled

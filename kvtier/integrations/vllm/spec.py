@@ -61,17 +61,28 @@ def _store_threshold(extra_config: Mapping[str, Any], config: Any = None) -> int
     return value if isinstance(value, int) else 0
 
 
-def _direct_option(extra_config: Mapping[str, Any]) -> bool:
-    """`kv_connector_extra_config.direct_file_loads` (default true); `ConfigError` unless a bool
-    (or the strings "true" / "false")."""
-    value = extra_config.get("direct_file_loads", True)
+def _direct_option(extra_config: Mapping[str, Any]) -> bool | None:
+    """`kv_connector_extra_config.direct_file_loads`: True, False, or None when not given (the
+    default: direct where safe, see `_direct_reason`); `ConfigError` unless a bool (or the
+    strings "true" / "false")."""
+    value = extra_config.get("direct_file_loads")
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
-    if not isinstance(value, bool):
+    if value is not None and not isinstance(value, bool):
         from kvtier.errors import ConfigError
 
         raise ConfigError([("kv_connector_extra_config.direct_file_loads", f"must be true or false, got {value!r}")])
     return value
+
+
+def vllm_has_sync_loads() -> bool:
+    """Whether this vLLM issues synchronous loads (0.33's `TransferJob.sync`: the request runs in
+    the step that loads it), whose failure vLLM may recompute wrongly (vLLM bug #49250)."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
+
+    return "sync" in {f.name for f in dataclasses.fields(TransferJob)}
 
 
 class DirectFileLoads:
@@ -85,8 +96,9 @@ class DirectFileLoads:
     never does (it stops the engine on a failed job), so its file blocks stay promoted into the
     CPU tier and verified on the scheduler side. Also promoted: with `direct_file_loads: false`,
     under tensor parallelism (a rank reads only its part of a block, the checksum covers the whole
-    block), and when the worker runs in another process (it reaches the file tier through the
-    scheduler's own `FileBackend`, in this process: vLLM's "uni" executor)."""
+    block), when the worker runs in another process (it reaches the file tier through the
+    scheduler's own `FileBackend`, in this process: vLLM's "uni" executor), and, unless
+    `direct_file_loads: true`, on a vLLM with synchronous loads (0.33; vLLM bug #49250)."""
 
     def __init__(self, hierarchy: Any, shm_name: str, reason: str | None):
         self.manager = hierarchy.manager
@@ -110,19 +122,27 @@ class DirectFileLoads:
             if tier.name in self.files:
                 tier.direct_load = True
         self.enabled = True
+        if vllm_has_sync_loads():
+            log.warning("kvtier: direct_file_loads: true on a vLLM with synchronous loads: a failed one may be "
+                        "recomputed wrongly (vLLM bug #49250)")
         log.info("kvtier: file tier(s) %s: loaded by the worker directly and verified there (a block that "
                  "fails verification fails its load, which vLLM recomputes)", ", ".join(self.files))
         return True
 
 
 def _direct_reason(spec: Any, local: bool) -> str | None:
-    """Why file tiers cannot be loaded directly by this engine's worker (None: they can)."""
-    if not _direct_option(spec.extra_config):
+    """Why file tiers cannot be loaded directly by this engine's worker (None: they can). Not
+    given, `direct_file_loads` is off where vLLM has synchronous loads (`vllm_has_sync_loads`)."""
+    option = _direct_option(spec.extra_config)
+    if option is False:
         return "direct_file_loads: false"
     if spec.num_copies > 1:
         return f"tensor parallelism ({spec.num_copies} ranks): a rank reads only its part of a block"
     if not local:
         return "the worker runs in another process"
+    if option is None and vllm_has_sync_loads():
+        return ("this vLLM has synchronous loads, whose failure it may recompute wrongly (vLLM bug #49250); "
+                "direct_file_loads: true loads directly all the same")
     return None
 
 
