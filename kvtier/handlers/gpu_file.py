@@ -7,11 +7,11 @@ per block to the file backend's byte API:
     FileBackend.write_blocks(slots, keys, buffers) -> bytes      (journalled on return; see sync_interval)
     FileBackend.read_blocks(slots, keys, buffers) -> bytes       (verifies; IntegrityError)
 
-Loads read into the staging buffer first and scatter into the engine only after every block
-verified, so a failed or corrupt read never leaves foreign bytes in the KV cache. A
-`StagedLoadSpec` (blocks from a CPU region and file tiers, e.g. vLLM's worker) is one such job. With the engine
-on CUDA the staging buffer is pinned and moves with one DMA per job on a dedicated stream that
-waits for the compute stream. Jobs run on a `ThreadedHandler` pool; an exception fails its job only.
+Loads read into the staging buffer (each pool thread reuses its own) first and scatter into the
+engine only after every block verified, so a failed or corrupt read never leaves foreign bytes in
+the KV cache; a `StagedLoadSpec` (CPU-region and file slots: vLLM's worker) is one such job. On
+CUDA the buffer is pinned and moves with one DMA per job on a stream that waits for the compute
+stream. Jobs run on a `ThreadedHandler` pool; an exception fails its job only.
 
 `DirectGPUFileHandler` is the direct variant (docs/gds.md), taken when the KV cache is on CUDA,
 kvikio imports and the tier's `io` asks for it (`kvikio`) or `auto` finds GPUDirect Storage
@@ -45,6 +45,8 @@ from kvtier.tiers.file.fileio import ALIGN as _ALIGN  # staging rows start on 4 
 from kvtier.tiers.file.slot_format import CHECK_CRC32, CHECK_TORCH, payload_crc32
 from kvtier.types import CanonicalKVCaches
 
+STAGING_CACHE_BYTES = 256 << 20  # largest staging buffer a handler thread keeps for its next jobs
+
 
 def aligned_rows(n: int, row_bytes: int, pin: bool = False):
     """A contiguous `(n, stride)` uint8 tensor, `stride` = `row_bytes` rounded up to `_ALIGN`,
@@ -63,7 +65,6 @@ def _buffers(staging) -> list:
     return [array[i] for i in range(array.shape[0])]
 
 
-
 def _gpu_file_job(src: LoadStoreSpec, dst: LoadStoreSpec, to_file: bool, backends: dict[str, Any],
                   block_bytes: int) -> tuple[GPULoadStoreSpec, FileLoadStoreSpec, Any]:
     """A GPU<->FILE job's engine spec, file spec and file tier; `TypeError` for other specs and
@@ -79,12 +80,9 @@ def _gpu_file_job(src: LoadStoreSpec, dst: LoadStoreSpec, to_file: bool, backend
 
 
 class StagedLoadSpec(LoadStoreSpec):
-    """A load into the KV cache from several host-readable tiers: `parts[i] = (spec, positions)`
-    (a `FileLoadStoreSpec`, or slots of a `HostRegion` tier), `positions` the indices, in the job's
-    block order, of the blocks `spec` addresses. One job for `GPUFileHandler`: not a
-    `CompositeLoadStoreSpec`, which the router splits (the engine's spec cannot be split by block)."""
-
-    __slots__ = ("parts",)
+    """A load from host-readable tiers: `parts[i] = (spec, positions)` (a `FileLoadStoreSpec`, or
+    `HostRegion` slots) as in `CompositeLoadStoreSpec`, which the router would split into one job
+    per part (the engine's spec cannot be split by block): one `GPUFileHandler` job instead."""
 
     def __init__(self, parts):
         self.parts = [(spec, [int(p) for p in positions]) for spec, positions in parts]
@@ -98,14 +96,24 @@ class StagedLoadSpec(LoadStoreSpec):
 
 
 class GPUFileHandler(EngineJobHandler):
-    """Engine KV cache <-> file tier through per-job staging buffers (`to_file` selects the
-    direction). A loading handler also takes `StagedLoadSpec` jobs, when `backends` holds the
-    host regions their parts name besides the file tiers."""
+    """Engine KV cache <-> file tier through staging buffers (`to_file` selects the direction);
+    loading, also `StagedLoadSpec` jobs whose host regions are in `backends` too."""
 
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_file: bool, num_threads: int = 2):
         super().__init__(layout, num_threads, "kvtier-gpu-file")
         self.backends, self.to_file = dict(backends), to_file
         self._streams: dict[int, Any] = {}
+        self._local = threading.local()  # `staging`: this thread's staging buffer, reused by its next jobs
+
+    def _staging(self, k: int):
+        """`aligned_rows(k, block_bytes)`, kept by this thread up to STAGING_CACHE_BYTES (a fresh
+        one faults its pages in during the read: ~25 ms per 40 MiB here)."""
+        held = getattr(self._local, "staging", None)
+        if held is None or held.shape[0] < k:
+            held = aligned_rows(k, self.layout.block_bytes, pin=self.cuda)
+            if held.numel() <= STAGING_CACHE_BYTES:
+                self._local.staging = held
+        return held[:k]
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
         if isinstance(src, StagedLoadSpec) and isinstance(dst, GPULoadStoreSpec) and not self.to_file:
@@ -113,7 +121,7 @@ class GPUFileHandler(EngineJobHandler):
         gpu, file_spec, backend = _gpu_file_job(src, dst, self.to_file, self.backends, self.layout.block_bytes)
         k = len(file_spec.block_ids)
         keys = [bytes(key) for key in file_spec.keys]
-        staging = aligned_rows(k, self.layout.block_bytes, pin=self.cuda)
+        staging = self._staging(k)
         blocks = staging[:, :self.layout.block_bytes]
         if self.to_file:
             staging.zero_()  # bytes no sub-block covers (partial first block) are written as zeros
@@ -130,20 +138,17 @@ class GPUFileHandler(EngineJobHandler):
         import torch
 
         n, k = self.layout.block_bytes, len(src)
-        staging = aligned_rows(k, n, pin=self.cuda)
+        staging = self._staging(k)
         rows = _buffers(staging[:, :n])
-        hosts = []
-        for spec, positions in src.parts:
-            if isinstance(spec, FileLoadStoreSpec):
+        for spec, positions in sorted(src.parts, key=lambda part: not isinstance(part[0], FileLoadStoreSpec)):
+            if isinstance(spec, FileLoadStoreSpec):  # (first: a failed verification copies nothing)
                 _, _, backend = _gpu_file_job(spec, gpu, False, self.backends, n)
                 backend.read_blocks(spec.block_ids, [bytes(key) for key in spec.keys], [rows[p] for p in positions])
-            else:
-                hosts.append((pick_backend(self.backends, spec, "host"), spec, positions))
-        for region, spec, positions in hosts:
+                continue
+            region, at = pick_backend(self.backends, spec, "host"), torch.tensor(positions, dtype=torch.int64)
             if region.block_bytes < n:
                 raise ValueError(f"tier {region.name!r} has {region.block_bytes} B blocks, the KV layout needs {n} B")
-            slots = torch.tensor(spec.block_ids, dtype=torch.int64)
-            staging[torch.tensor(positions, dtype=torch.int64), :n] = region.tensor()[slots, :n]
+            staging[at, :n] = region.tensor()[torch.tensor(spec.block_ids, dtype=torch.int64), :n]
         self._host_to_engine(gpu, staging, k)
         return self.layout.bytes_of(gpu)
 
@@ -178,8 +183,6 @@ class GPUFileHandler(EngineJobHandler):
 
     def _on_stream(self):
         """Context: this thread's side stream, made to wait for the job's compute-stream event."""
-        import contextlib
-
         import torch
 
         tid = threading.get_ident()
@@ -354,8 +357,6 @@ class DirectGPUFileHandler(GPUFileHandler):
 def direct_path_available(device, io: str = "auto") -> bool:
     """Whether the direct handler is used for a KV cache on `device` and a file tier with `io`
     (`kvtier.handlers.file_path.choose_file_path`: with `auto`, only under GPUDirect Storage)."""
-    from kvtier.handlers.file_path import file_path
-
     return file_path(io, cuda=getattr(device, "type", None) == "cuda")[0] == "direct"
 
 
