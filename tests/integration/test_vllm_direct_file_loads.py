@@ -342,3 +342,28 @@ def test_this_vllm_032_has_no_sync_loads_so_direct_file_loads_are_on_by_default(
     if vllm_has_sync_loads():
         pytest.skip("this vLLM has synchronous loads (0.33+)")
     assert make().manager.direct_file_loads.enabled
+
+
+def test_a_direct_file_load_is_scattered_on_the_thread_that_collects_it(make, monkeypatch):
+    """The read and verification run on the file loads' threads; the scatter into the KV cache
+    runs where the engine collects the job (`get_finished` / `wait`), not on a pool thread."""
+    import threading
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.handlers.gpu_file import GPUFileHandler
+
+    engine, ctx = make(), ReqContext("r")
+    keys = _pushed_out(engine, ctx)
+    threads = {}
+    for name in ("stage_load", "finish_load"):
+        real = getattr(GPUFileHandler, name)
+
+        def record(self, *args, _real=real, _name=name):
+            threads[_name] = threading.get_ident()
+            return _real(self, *args)
+
+        monkeypatch.setattr(GPUFileHandler, name, record)
+    _, result = engine.load(keys, 8, ctx)
+    assert result.success and engine.loaded_equal(keys, 8)
+    assert threads["finish_load"] == threading.get_ident() != threads["stage_load"]

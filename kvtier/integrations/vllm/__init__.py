@@ -73,8 +73,8 @@ from kvtier.integrations.vllm.translate import (
     KVTierFileLoadStoreSpec,
     to_vllm_medium,
 )
-from kvtier.integrations.vllm.worker import KVTierOffloadingWorker
+from kvtier.integrations.vllm.worker import FileLoads, KVTierOffloadingWorker
 
-__all__ = ["DirectFileLoads", "KVTierCPULoadStoreSpec", "KVTierCompositeLoadStoreSpec", "KVTierFileLoadStoreSpec",
-           "KVTierOffloadingManager", "KVTierOffloadingSpec", "KVTierOffloadingWorker", "METRIC_PREFIX",
-           "load_raw_config", "to_vllm_medium", "vllm_hierarchy_config"]
+__all__ = ["DirectFileLoads", "FileLoads", "KVTierCPULoadStoreSpec", "KVTierCompositeLoadStoreSpec",
+           "KVTierFileLoadStoreSpec", "KVTierOffloadingManager", "KVTierOffloadingSpec", "KVTierOffloadingWorker",
+           "METRIC_PREFIX", "load_raw_config", "to_vllm_medium", "vllm_hierarchy_config"]
