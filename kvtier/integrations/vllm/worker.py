@@ -32,10 +32,10 @@ class FileLoads:
     into a staging buffer and verifies its header (key) and checksum, and copies a composite's CPU
     slots into the same buffer, on this object's threads; the scatter into the KV cache
     (`finish_load`) runs when the job is collected (`poll`, `wait`), on the engine's thread, as
-    the CPU tier's loads do theirs (in `submit`): on a pool thread, a scatter's many short torch
-    calls wait for the GIL behind the engine's busy steps (a direct load took ~2x as long so). A
-    job whose read or verification failed is reported `success=False`, the KV cache untouched
-    (the connector reports it, vLLM recomputes)."""
+    the CPU tier's loads do theirs (in `submit`), rather than on a pool thread where each of its
+    short torch calls waits for the GIL behind the engine's busy steps (docs/vllm.md, "Measured",
+    has the reload phases both ways). A job whose read or verification failed is reported
+    `success=False`, the KV cache untouched (the connector reports it, vLLM recomputes)."""
 
     def __init__(self, handler: Any, threads: int):
         from concurrent.futures import ThreadPoolExecutor
@@ -203,7 +203,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
         """Start a load into the KV cache: from CPU slots on the regular plane or, `expedited`
-        (vLLM 0.33), on the expedited lane; one that names file slots on the file plane (class docstring)."""
+        (vLLM 0.33), on the expedited lane; one that names file slots on `FileLoads` (class docstring)."""
         regular, lane = self._ready(src_spec)
         source = to_kvtier_load_spec(src_spec, self._tier)
         plane = lane if expedited else regular
