@@ -268,9 +268,10 @@ class HierarchyManager(OffloadingManager):
         them (no transfer writes or reads their slots any more) and will never complete them.
         `storing`: keys of the engine's flushed stores (first tier, still being written): dropped,
         their slots freed. `loading`: keys of its flushed loads, once per `prepare_load` pin:
-        unpinned, then dropped unless pinned again since (the reset evicts them now). Returns the
-        keys dropped (reported as removed events)."""
-        return self.stores.finish_reset(storing, loading)
+        unpinned, then dropped unless pinned again since from the tier each was read from (the
+        reset evicts them now; `LoadPins.drop`, which also serves a load that failed in the
+        engine). Returns the keys dropped (reported as removed events)."""
+        return self._loads.drop(list(loading)) + self.stores.finish_reset(storing, ())
 
     def get_stats(self) -> dict[str, Any]:
         """Per-tier counters and occupancy."""

@@ -3,6 +3,7 @@
 offloading calls while it reloads a prompt from the CPU tier and from the file tier.
 
     python scripts/trace_vllm_reload.py [--backend kvtier|vllm_fs] [--rounds 3] [--out trace.json]
+        [--connector vllm|kvtier] [--direct-file-loads on|off]
 
 Same model, prompts and tier sizes as `scripts/bench_vllm.py` (one engine, not side by side).
 The offloading spec is wrapped (`TracedKVTierSpec` / `TracedTieringSpec`, defined here and looked
@@ -14,6 +15,12 @@ into: until the first lookup, the reload wait (first lookup -> the lookup answer
 whole prefix, i.e. RETRY round trips), the load (prepare_load -> complete_load), and the rest
 (the engine's own steps: forward over the unserved tail and the decoded tokens), and counts the
 scheduler steps of each part. Nothing is changed in the engine or in kvtier.
+
+`--connector kvtier` runs kvtier's `KVTierOffloadingConnector` (with `kv_load_failure_policy:
+recompute`) and the engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so that the
+one worker runs in the scheduler's process, as vLLM's "uni" executor does on a GPU): there file
+tiers are loaded by the worker directly unless `--direct-file-loads off` (then promoted through
+the CPU tier, as under vLLM's own connector).
 """
 
 from __future__ import annotations
@@ -137,7 +144,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--words", type=int, default=540)
     parser.add_argument("--out", default="trace_vllm_reload.json")
+    parser.add_argument("--connector", choices=("vllm", "kvtier"), default="vllm",
+                        help="vLLM's OffloadingConnector, or kvtier's KVTierOffloadingConnector (engine in-process)")
+    parser.add_argument("--direct-file-loads", choices=("on", "off"), default="on",
+                        help="kvtier backend: the direct_file_loads extra_config key (under --connector kvtier)")
     args = parser.parse_args()
+    connector: dict = {"kv_connector": "OffloadingConnector"}
+    if args.connector == "kvtier":
+        connector = {"kv_connector": "KVTierOffloadingConnector", "kv_load_failure_policy": "recompute",
+                     "kv_connector_module_path": "kvtier.integrations.vllm.connector"}
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in the scheduler's process
 
     import bench_vllm
     from tiny_model import build_tiny_model, random_prompt
@@ -155,7 +171,8 @@ def main() -> None:
             "tiers": [{"name": "cpu", "backend": "cpu", "capacity": f"{bench_vllm.CPU_BLOCKS} blocks",
                        "policy": "lru", "cascade": "on_store"},
                       {"name": "disk", "backend": "file", "root_dir": str(work / "disk"), "capacity": "512 blocks",
-                       "io": "posix"}]}}
+                       "io": "posix"}]},
+                 "direct_file_loads": args.direct_file_loads == "on"}
     else:
         m = bench_vllm.MODEL
         chunk = 2 * m["num_layers"] * m["num_kv_heads"] * 64 * 4 * bench_vllm.OFFLOAD_BLOCK
@@ -165,8 +182,7 @@ def main() -> None:
     extra["block_size"] = bench_vllm.OFFLOAD_BLOCK
     llm = LLM(model=str(model), enforce_eager=True, enable_prefix_caching=True, block_size=bench_vllm.ENGINE_BLOCK,
               num_gpu_blocks_override=80, max_model_len=2048, max_num_batched_tokens=2048,
-              kv_transfer_config=KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
-                                                  kv_connector_extra_config=extra),
+              kv_transfer_config=KVTransferConfig(kv_role="kv_both", kv_connector_extra_config=extra, **connector),
               dtype="float32", seed=0, gpu_memory_utilization=0.5, max_num_seqs=4)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
     cold: dict[str, list[int]] = {}
@@ -207,7 +223,9 @@ def main() -> None:
             summary[mode] = {k: statistics.median(r[k] for r in mine)
                              for k in ("total_s", "to_first_lookup_s", "reload_wait_s", "load_s", "rest_s")}
             print(f"median {mode}: " + ", ".join(f"{k}={v:.3f}" for k, v in summary[mode].items()))
-    Path(args.out).write_text(json.dumps({"backend": args.backend, "rows": rows, "median": summary}, indent=1))
+    Path(args.out).write_text(json.dumps({"backend": args.backend, "connector": args.connector,
+                                          "direct_file_loads": args.direct_file_loads, "rows": rows,
+                                          "median": summary}, indent=1))
     print(f"wrote {args.out} (raw trace: {trace})")
 
 

@@ -6,7 +6,8 @@ order, so `complete_load` releases the last pin first. One path for every case, 
 policies' batch calls over slot ids (`readable_run`, `absent`, `pin_loads`, `release_loads`):
 the keys are grouped by the tier they are read from and each group is pinned or released in one
 call (a key given twice is pinned twice). The common case (every key readable in tier 0) is one
-`pin_loads` on tier 0.
+`pin_loads` on tier 0. A load that failed in the engine (or was flushed by a cache reset) is
+released by `drop`, which also drops the blocks it read from the tiers it read them from.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class LoadPins:
     def __init__(self, ctx: ControlContext):
         self.tiers = ctx.tiers
         self.top = ctx.top
+        self.events = ctx.events
         # key -> tiers pinned by prepare_load, in order (tuples: `_TOP_ONLY` is shared by the common case)
         self.pins: dict[OffloadKey, tuple[int, ...]] = {}
 
@@ -58,9 +60,38 @@ class LoadPins:
     def complete(self, keys: list[OffloadKey]) -> None:
         """Release the pins `prepare` took for `keys` (the last pin of a key pinned twice);
         KeyError (nothing changed) for a key that holds no pin."""
+        self._release(keys)
+
+    def drop(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """A load that failed in the engine, or that a cache reset flushed: release one pin of each
+        of `keys` (as `complete`; a key that holds no pin is ignored), then drop each block left
+        unpinned from the tier the load read it from (its bytes are not to be loaded again; a copy
+        in another tier stays). Returns the keys dropped; their removal events are recorded."""
+        pins = self.pins
+        counted: dict[OffloadKey, int] = {}
+        held = []
+        for key in keys:
+            n = counted.get(key, 0)
+            if n < len(pins.get(key, ())):
+                held.append(key)
+                counted[key] = n + 1
+        dropped: list[OffloadKey] = []
+        for index, released in self._release(held).items():
+            tier, gone = self.tiers[index], []
+            for key in dict.fromkeys(released):
+                block = tier.policy.get(key)
+                if block is not None and block.ref_cnt == 0:
+                    tier.drop(key, block)
+                    gone.append(key)
+            self.events.record(tier, gone, removed=True)
+            dropped += gone
+        return dropped
+
+    def _release(self, keys: list[OffloadKey]) -> dict[int, list[OffloadKey]]:
+        """`complete`: the keys released, by the index of the tier each pin was in."""
         if self._release_top_pins(keys):
             self.top.table.release_loads(keys)
-            return
+            return {0: keys}
         pins = self.pins
         left: dict[OffloadKey, tuple[int, ...]] = {}  # key -> its pins once these are released
         by_tier: dict[int, list[OffloadKey]] = {}
@@ -77,6 +108,7 @@ class LoadPins:
                 del pins[key]
         for index, released in by_tier.items():
             self.tiers[index].table.release_loads(released)
+        return by_tier
 
     def _sources(self, keys: list[OffloadKey]) -> dict[int, list[int]]:
         """Tier index -> the positions of the `keys` loaded from it, lowest index first (see

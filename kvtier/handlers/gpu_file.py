@@ -7,22 +7,20 @@ per block to the file backend's byte API:
     FileBackend.write_blocks(slots, keys, buffers) -> bytes      (journalled on return; see sync_interval)
     FileBackend.read_blocks(slots, keys, buffers) -> bytes       (verifies; IntegrityError)
 
-Loads read into the staging buffer first and scatter into the engine only after every block
-verified, so a failed or corrupt read never leaves foreign bytes in the KV cache. With the engine
-on CUDA the staging buffer is pinned and moves with one DMA per job on a dedicated stream that
-waits for the compute stream. Jobs run on a `ThreadedHandler` pool; an exception fails its job only.
+Loads read into the staging buffer (buffers are reused) first and scatter into the engine only
+after every block verified (`stage_load`, then `finish_load`, which a caller may run on another
+thread), so a failed or corrupt read never leaves foreign bytes in the KV cache; a
+`StagedLoadSpec` (CPU-region and file slots: vLLM's worker) is one such job. On
+CUDA the buffer is pinned and moves with one DMA per job on a stream that waits for the compute
+stream. Jobs run on a `ThreadedHandler` pool; an exception fails its job only.
 
-`DirectGPUFileHandler` is the direct variant (docs/gds.md), taken when the KV cache is on CUDA,
-kvikio imports and the tier's `io` asks for it (`kvikio`) or `auto` finds GPUDirect Storage
-(`kvtier.handlers.file_path`: without it the direct path is slower than the staged one):
-payloads move between device memory and the slab with kvikio `CuFile` reads/writes at the
-slots' 4 KiB-aligned payload offsets (one future per block, all submitted, then waited), through
-GPUDirect Storage where the platform has nvidia-fs and kvikio's compatibility mode otherwise.
-Stores checksum each block on the device (`tensor_checksum`) and hand the checksums to
-`FileBackend.direct_path.commit_direct` (header pages, then the journal); loads read
-the headers first, read the payloads into a device buffer, verify them there, and scatter into
-the KV cache only when every block verified (else `IntegrityError`: the job fails, the engine's
-blocks are untouched, the bad blocks are forgotten). On CPU tensors the same code runs through
+`DirectGPUFileHandler` (docs/gds.md), taken with the KV cache on CUDA, kvikio importable and the
+tier's `io` `kvikio` (or `auto` finding GPUDirect Storage, `kvtier.handlers.file_path`), moves
+payloads between device memory and the slab with kvikio `CuFile` futures at the slots' 4 KiB-
+aligned payload offsets (GDS with nvidia-fs, else kvikio's compatibility mode). Stores checksum
+each block on the device and `FileBackend.direct_path.commit_direct` them; loads read the headers,
+the payloads into a device buffer, verify there, and scatter only when every block verified (else
+`IntegrityError`, the engine untouched, the bad blocks forgotten). On CPU tensors it runs through
 kvikio's host path (tests, with `kvtier.testing.fake_cuda`).
 """
 
@@ -39,15 +37,18 @@ from kvtier.handlers.gpu_cpu import EngineJobHandler
 from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import BlockFile
+from kvtier.tiers.file import fileio
 from kvtier.tiers.file.checksum import tensor_checksum_async
 from kvtier.tiers.file.fileio import ALIGN as _ALIGN  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
 from kvtier.tiers.file.slot_format import CHECK_CRC32, CHECK_TORCH, payload_crc32
 from kvtier.types import CanonicalKVCaches
 
+STAGING_CACHE_BYTES = 256 << 20  # largest staging buffer a handler keeps for its next jobs
+
 
 def aligned_rows(n: int, row_bytes: int, pin: bool = False):
     """A contiguous `(n, stride)` uint8 tensor, `stride` = `row_bytes` rounded up to `_ALIGN`,
-    starting on an `_ALIGN`-byte boundary (so every row does); rows hold `row_bytes` bytes each."""
+    every row starting on an `_ALIGN`-byte boundary."""
     import torch
 
     stride = -(-row_bytes // _ALIGN) * _ALIGN
@@ -60,7 +61,6 @@ def _buffers(staging) -> list:
     """One C-contiguous numpy row per block (buffer protocol, no copy)."""
     array = staging.numpy()
     return [array[i] for i in range(array.shape[0])]
-
 
 
 def _gpu_file_job(src: LoadStoreSpec, dst: LoadStoreSpec, to_file: bool, backends: dict[str, Any],
@@ -76,39 +76,103 @@ def _gpu_file_job(src: LoadStoreSpec, dst: LoadStoreSpec, to_file: bool, backend
                          f"needs {block_bytes} B")
     return gpu, file_spec, backend
 
+
+class StagedLoadSpec(LoadStoreSpec):
+    """A load from host-readable tiers: `parts[i] = (spec, positions)` (a `FileLoadStoreSpec`, or
+    `HostRegion` slots) as in `CompositeLoadStoreSpec`, which the router would split into one job
+    per part (the engine's spec cannot be split by block): one `GPUFileHandler` job instead."""
+
+    def __init__(self, parts):
+        self.parts = [(spec, [int(p) for p in positions]) for spec, positions in parts]
+
+    def __len__(self) -> int:
+        return sum(len(positions) for _, positions in self.parts)
+
+    @staticmethod
+    def medium() -> str:
+        return "MIXED"
+
+
 class GPUFileHandler(EngineJobHandler):
-    """Engine KV cache <-> file tier through per-job staging buffers (`to_file` selects the direction)."""
+    """Engine KV cache <-> file tier through staging buffers (`to_file` selects the direction);
+    loading, also `StagedLoadSpec` jobs whose host regions are in `backends` too."""
 
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_file: bool, num_threads: int = 2):
         super().__init__(layout, num_threads, "kvtier-gpu-file")
         self.backends, self.to_file = dict(backends), to_file
         self._streams: dict[int, Any] = {}
+        self._spare: list[Any] = []  # staging buffers given back, for the next jobs (<= num_threads)
+        self._spare_lock, self._max_spare = threading.Lock(), num_threads
+
+    def take_staging(self, k: int):
+        """A staging buffer of >= `k` rows, spare if one fits (a fresh one faults in its pages
+        during the read: ~25 ms per 40 MiB here); `give_back` it after."""
+        with self._spare_lock:
+            for i, held in enumerate(self._spare):
+                if held.shape[0] >= k:
+                    return self._spare.pop(i)
+        return aligned_rows(k, self.layout.block_bytes, pin=self.cuda)
+
+    def give_back(self, staging) -> None:
+        with self._spare_lock:  # (kept up to STAGING_CACHE_BYTES, one per thread)
+            if staging.numel() <= STAGING_CACHE_BYTES and len(self._spare) < self._max_spare:
+                self._spare.append(staging)
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
-        gpu, file_spec, backend = _gpu_file_job(src, dst, self.to_file, self.backends, self.layout.block_bytes)
-        k = len(file_spec.block_ids)
-        keys = [bytes(key) for key in file_spec.keys]
-        staging = aligned_rows(k, self.layout.block_bytes, pin=self.cuda)
-        blocks = staging[:, :self.layout.block_bytes]
-        if self.to_file:
+        if not self.to_file:
+            return self.finish_load(*self.stage_load(src, dst))
+        n = self.layout.block_bytes
+        gpu, file_spec, backend = _gpu_file_job(src, dst, True, self.backends, n)
+        staging = self.take_staging(k := len(file_spec.block_ids))
+        try:
             staging.zero_()  # bytes no sub-block covers (partial first block) are written as zeros
-            self._engine_to_host(gpu, staging, k)
-            backend.write_blocks(file_spec.block_ids, keys, _buffers(blocks))
-        else:
-            backend.read_blocks(file_spec.block_ids, keys, _buffers(blocks))
-            self._host_to_engine(gpu, staging, k)
+            self._engine_to_host(gpu, staging[:k], k)
+            backend.write_blocks(file_spec.block_ids, list(map(bytes, file_spec.keys)), _buffers(staging[:k, :n]))
+        finally:
+            self.give_back(staging)
         return self.layout.bytes_of(gpu)
 
-    # ------------------------------------------------------------------ engine side
+    def stage_load(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[GPULoadStoreSpec, Any, int]:
+        """A load's first half: each block of `src` (file or staged spec) into its staging row,
+        file blocks verified first (else `IntegrityError`: nothing reaches the engine). Returns
+        `finish_load`'s arguments: the engine spec, the buffer, the number of blocks."""
+        import torch
+
+        if isinstance(src, FileLoadStoreSpec):
+            src = StagedLoadSpec([(src, range(len(src.block_ids)))])
+        if not isinstance(src, StagedLoadSpec) or not isinstance(dst, GPULoadStoreSpec):
+            raise TypeError(f"expected a file or staged spec -> GPU spec, got {src!r} -> {dst!r}")
+        n, k = self.layout.block_bytes, len(src)
+        staging = self.take_staging(k)
+        try:
+            rows = _buffers(staging[:k, :n])
+            for spec, positions in sorted(src.parts, key=lambda part: not isinstance(part[0], FileLoadStoreSpec)):
+                if isinstance(spec, FileLoadStoreSpec):  # (first: a failed verification copies nothing)
+                    _, _, backend = _gpu_file_job(spec, dst, False, self.backends, n)
+                    backend.read_blocks(spec.block_ids, [bytes(key) for key in spec.keys], [rows[p] for p in positions])
+                    continue
+                region = pick_backend(self.backends, spec, "host")  # (a region of other blocks: shape error)
+                staging[torch.tensor(positions), :n] = region.tensor()[torch.tensor(spec.block_ids), :n]
+        except BaseException:
+            self.give_back(staging)
+            raise
+        return dst, staging, k
+
+    def finish_load(self, gpu: GPULoadStoreSpec, staging, k: int) -> int:
+        """A load's second half (any thread): staged blocks into the KV cache; the bytes moved."""
+        try:
+            self._host_to_engine(gpu, staging[:k], k)
+        finally:
+            self.give_back(staging)
+        return self.layout.bytes_of(gpu)
+
     def _engine_to_host(self, gpu: GPULoadStoreSpec, staging, k: int) -> None:
         import torch
 
+        index = self.layout.index(gpu, k)
         if not self.cuda:
-            index = self.layout.index(gpu, k)
-            self.layout.gather(staging, torch.arange(k), index)
-            return
+            return self.layout.gather(staging, torch.arange(k), index)
         with self._on_stream() as stream:
-            index = self.layout.index(gpu, k)
             device_rows = torch.zeros(staging.shape, dtype=torch.uint8, device=self.layout.device)
             self.layout.gather(device_rows, torch.arange(k), index)
             staging.copy_(device_rows, non_blocking=True)
@@ -117,12 +181,10 @@ class GPUFileHandler(EngineJobHandler):
     def _host_to_engine(self, gpu: GPULoadStoreSpec, staging, k: int) -> None:
         import torch
 
+        index = self.layout.index(gpu, k)
         if not self.cuda:
-            index = self.layout.index(gpu, k)
-            self.layout.scatter(staging, torch.arange(k), index)
-            return
+            return self.layout.scatter(staging, torch.arange(k), index)
         with self._on_stream() as stream:
-            index = self.layout.index(gpu, k)
             device_rows = torch.empty(staging.shape, dtype=torch.uint8, device=self.layout.device)
             device_rows.copy_(staging, non_blocking=True)
             self.layout.scatter(device_rows, torch.arange(k), index)
@@ -130,8 +192,6 @@ class GPUFileHandler(EngineJobHandler):
 
     def _on_stream(self):
         """Context: this thread's side stream, made to wait for the job's compute-stream event."""
-        import contextlib
-
         import torch
 
         tid = threading.get_ident()
@@ -166,8 +226,6 @@ class _SlabFile:
         import kvikio
         import kvikio.defaults
 
-        from kvtier.tiers.file import fileio
-
         compat = {} if fileio.gds_platform() else {"compat_mode": kvikio.CompatMode.ON}
         with kvikio.defaults.set(compat) if compat else contextlib.nullcontext():
             self.file = kvikio.CuFile(path, "r+")
@@ -179,20 +237,16 @@ class _SlabFile:
         try:
             self.file.close()
         finally:
-            from kvtier.tiers.file import fileio
-
             fileio._kvikio_threads.release(self._defaults)
 
 
 def _io_array(row):
-    """What kvikio accepts for a tensor row: the tensor itself on CUDA (it exposes
-    `__cuda_array_interface__`), a numpy view of it on the host."""
+    """What kvikio accepts for a tensor row: the tensor on CUDA, a numpy view of it on the host."""
     return row if row.is_cuda else row.numpy()
 
 
 class DirectGPUFileHandler(GPUFileHandler):
-    """Engine KV cache <-> file tier with kvikio moving payloads straight to and from the device
-    buffer of a job (module docstring). `copy` is the whole job; a failure raises (job failed)."""
+    """Engine KV cache <-> file tier, kvikio moving payloads to/from device buffers (module docstring)."""
 
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_file: bool, num_threads: int = 2):
         super().__init__(backends, layout, to_file, num_threads)
@@ -216,8 +270,7 @@ class DirectGPUFileHandler(GPUFileHandler):
         return self.layout.bytes_of(gpu)
 
     def _device_rows(self, k: int, zeroed: bool):
-        """A `(k, stride)` uint8 buffer on the KV cache's device, one 4 KiB-aligned row per block
-        (zeroed for stores: bytes no sub-block covers are written as zeros)."""
+        """A `(k, stride)` uint8 device buffer, 4 KiB-aligned rows (zeroed for stores: gaps write zeros)."""
         import torch
 
         stride = -(-self.layout.block_bytes // _ALIGN) * _ALIGN
@@ -225,8 +278,7 @@ class DirectGPUFileHandler(GPUFileHandler):
         return make((k, stride), dtype=torch.uint8, device=self.layout.device)
 
     def _transfer(self, backend, slots, rows, write: bool) -> None:
-        """Move each block's payload between `rows[i]` and slot `slots[i]`: one future per block,
-        all submitted before any is waited on; raises OSError if any moved a short count."""
+        """`rows[i]` <-> slot `slots[i]`'s payload, one future each, all submitted, then all waited (OSError)."""
         cufile = self._slab_file(backend).file
         n = self.layout.block_bytes
         call = cufile.pwrite if write else cufile.pread
@@ -279,8 +331,7 @@ class DirectGPUFileHandler(GPUFileHandler):
                 torch.cuda.current_stream(self.layout.device).synchronize()
 
     def _verify(self, rows, slots, headers) -> list[tuple[int, str]]:
-        """(slot, why) of each row whose payload does not match its header's checksum: torch
-        checksums on the device; a CRC-32 (a block stored by the host path) on a host copy."""
+        """(slot, why) of each row not matching its header's checksum (torch on the device; CRC-32 on the host)."""
         n = self.layout.block_bytes
         on_device = [i for i, h in enumerate(headers) if h.check_kind == CHECK_TORCH]
         found = dict(zip(on_device, self._checksums(rows[on_device]) if on_device else []))
@@ -306,8 +357,6 @@ class DirectGPUFileHandler(GPUFileHandler):
 def direct_path_available(device, io: str = "auto") -> bool:
     """Whether the direct handler is used for a KV cache on `device` and a file tier with `io`
     (`kvtier.handlers.file_path.choose_file_path`: with `auto`, only under GPUDirect Storage)."""
-    from kvtier.handlers.file_path import file_path
-
     return file_path(io, cuda=getattr(device, "type", None) == "cuda")[0] == "direct"
 
 

@@ -34,10 +34,13 @@ work at import or in `__init__`.
 * Scheduler side (`get_manager`): the whole kvtier hierarchy is built here (`build_hierarchy`
   without KV caches). The CPU tier is a `/dev/shm` region (`kvtier.tiers.cpu.CPUBackend`) named
   after vLLM's `engine_id`; CPU<->FILE cascade and promotion jobs run on the kvtier handlers'
-  thread pools, so no manager call ever waits for I/O. Because the scheduler-side engine has no
-  GPU handlers, a hit in a lower tier is always *staged*: it is promoted into the CPU tier while
-  `lookup` answers RETRY, then loaded from CPU. A block that fails verification during promotion
-  is dropped and reported as a MISS (vLLM recomputes it) - the GPU never sees it.
+  thread pools, so no manager call ever waits for I/O. A hit in a lower tier is *staged*: it is
+  promoted into the CPU tier while `lookup` answers RETRY, then loaded from CPU; a block that
+  fails verification during promotion is dropped and reported as a MISS (vLLM recomputes it) -
+  the GPU never sees it. Except for file tiers under `KVTierOffloadingConnector`, with one
+  worker in the scheduler's process (`spec.DirectFileLoads`, docs/vllm.md): there a file block
+  is a HIT that the worker reads and verifies itself; a block that fails verification fails the
+  load, which vLLM recomputes, and the failed load drops it.
 * Worker side (`get_worker`): attaches the same CPU region (lazily, at the first transfer: vLLM
   registers the KV caches before the scheduler exists) and copies GPU<->CPU. It maps only the
   region whose token the scheduler sends with each CPU spec, then removes the region's name from
@@ -52,8 +55,9 @@ Compatible with vLLM 0.32 and 0.33; implements 0.33's additions (`lock`, `on_res
 without requiring them: see `manager`.
 
 Modules: `spec` (`KVTierOffloadingSpec`, what vLLM loads), `config` (the YAML under vLLM),
-`manager` (scheduler side, with the metrics), `worker` (worker side: the worker plane over the
-attached CPU region), `translate` (the CPU spec both sides exchange, media names). Every public
+`manager` (scheduler side, with the metrics), `worker` (worker side: the worker planes over the
+attached CPU region and, for direct file loads, the scheduler's file tiers), `translate` (the
+specs both sides exchange, media names). Every public
 name of those is re-exported here: import them from `kvtier.integrations.vllm`. One module is not
 imported here, because it loads vLLM's whole connector: `connector` (`KVTierOffloadingConnector`,
 vLLM's offloading connector with failed loads and stores reported instead of asserted; selected
@@ -62,9 +66,15 @@ with `kv_connector_module_path`, see docs/vllm.md).
 
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
 from kvtier.integrations.vllm.manager import _COUNTERS, _GAUGES, METRIC_PREFIX, KVTierOffloadingManager  # noqa: F401
-from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
-from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, to_vllm_medium
-from kvtier.integrations.vllm.worker import KVTierOffloadingWorker
+from kvtier.integrations.vllm.spec import DirectFileLoads, KVTierOffloadingSpec
+from kvtier.integrations.vllm.translate import (
+    KVTierCompositeLoadStoreSpec,
+    KVTierCPULoadStoreSpec,
+    KVTierFileLoadStoreSpec,
+    to_vllm_medium,
+)
+from kvtier.integrations.vllm.worker import FileLoads, KVTierOffloadingWorker
 
-__all__ = ["KVTierCPULoadStoreSpec", "KVTierOffloadingManager", "KVTierOffloadingSpec", "KVTierOffloadingWorker",
+__all__ = ["DirectFileLoads", "FileLoads", "KVTierCPULoadStoreSpec", "KVTierCompositeLoadStoreSpec",
+           "KVTierFileLoadStoreSpec", "KVTierOffloadingManager", "KVTierOffloadingSpec", "KVTierOffloadingWorker",
            "METRIC_PREFIX", "load_raw_config", "to_vllm_medium", "vllm_hierarchy_config"]

@@ -19,8 +19,12 @@ metrics) and changes what a failed job does:
   `kv_load_failure_policy: "recompute"` vLLM recomputes those tokens; with vLLM's default
   (`"fail"`) vLLM ends the request with an error. On the scheduler side
   the failed load's blocks are unpinned and dropped from kvtier's first tier
-  (`KVTierOffloadingManager.complete_failed_load`), so the recompute's own lookup does not load
-  them again.
+  (`KVTierOffloadingManager.complete_failed_load`; from a file tier, for a file block the
+  worker loaded directly), so the recompute's own lookup does not load them again.
+* Direct file loads: with kvtier's spec, this connector lets the worker load file-tier blocks
+  itself and verify them there (`kvtier.integrations.vllm.spec.DirectFileLoads`, where allowed):
+  a block that fails verification fails its load job, which is reported as above (and the
+  file-tier blocks it read are dropped). Under vLLM's own connector they are promoted instead.
 * A failed STORE never becomes readable: the job is still completed (so the engine's store
   fences and the request's bookkeeping are released), but kvtier's manager is told
   `complete_store(..., success=False)`, which frees the slots.
@@ -110,6 +114,9 @@ class _Scheduler(OffloadingConnectorScheduler):
 
     def _adopt(self) -> None:
         _require(self, self._REQUIRED)
+        direct = getattr(self.manager, "direct_file_loads", None)
+        if direct is not None:  # kvtier's manager: failed loads are recomputed, so file tiers may be loaded directly
+            direct.enable()
         self.manager = cast(Any, _FailureAwareManager(self.manager))
 
     def update_connector_output(self, connector_output: Any) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Collection, Iterable
 from typing import Any
 
 from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -20,7 +21,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.control.tier import TierStats
-from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec, _to_vllm_spec, to_vllm_medium
+from kvtier.integrations.vllm.translate import _to_vllm_spec, to_vllm_medium
 from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED, record_first_tier, record_lower_tier
 from kvtier.request_access import RequestAccesses, request_order, several_groups
 from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE, StoreThreshold
@@ -95,7 +96,8 @@ class KVTierOffloadingManager(OffloadingManager):
     """vLLM `OffloadingManager` over a kvtier `Hierarchy` (runs on the scheduler thread).
 
     Converts vLLM's calls and types to kvtier's and back: lookup results by name, kvtier CPU specs
-    to `KVTierCPULoadStoreSpec`, kvtier events to vLLM `OffloadingEvent`s (medium CPU / STORAGE,
+    to `KVTierCPULoadStoreSpec` (file-tier and composite specs where file tiers are loaded
+    directly: `translate`), kvtier events to vLLM `OffloadingEvent`s (medium CPU / STORAGE,
     `ownership` = tier name for tiers below the first), per-tier stats to
     `OffloadingConnectorStats` (counter deltas and gauges labelled by tier). Never blocks on I/O:
     kvtier's manager only submits jobs, and their completions are collected on later calls.
@@ -136,6 +138,7 @@ class KVTierOffloadingManager(OffloadingManager):
         threshold = hierarchy.config.store_threshold if store_threshold is None else store_threshold
         self.store_threshold: StoreThreshold[OffloadKey] = StoreThreshold(threshold, max_tracker_size)
         self._last_skipped = 0
+        self.direct_file_loads: Any = None  # the spec's `DirectFileLoads`, enabled by KVTierOffloadingConnector
 
     @property
     def lock(self) -> threading.RLock:
@@ -153,7 +156,7 @@ class KVTierOffloadingManager(OffloadingManager):
         medium = self.manager.load_source(key) or "CPU"
         return CacheHitSource.HOST if medium == "CPU" else CacheHitSource.DISK
 
-    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> KVTierCPULoadStoreSpec:
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         keys = list(keys)
         spec = self.manager.prepare_load(keys, req_context)
         loading = self._loading
@@ -170,6 +173,9 @@ class KVTierOffloadingManager(OffloadingManager):
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         keys = list(keys)
         self.manager.complete_load(keys, req_context)
+        self._unpinned(keys)
+
+    def _unpinned(self, keys: list[OffloadKey]) -> None:
         loading = self._loading
         for key in keys:
             left = loading.pop(key, 0) - 1
@@ -179,13 +185,12 @@ class KVTierOffloadingManager(OffloadingManager):
     def complete_failed_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         """`complete_load` of a load that failed in a worker (`KVTierOffloadingConnector`): the
         pins are released, then every one of `keys` that no other load pins is dropped from the
-        first tier, so vLLM's recompute of those tokens does not load the same blocks again (a
-        copy in a lower tier stays, and is verified again if promoted)."""
+        tier the load read it from (the first tier, or a file tier loaded directly, whose block
+        may have failed verification in the worker), so vLLM's recompute of those tokens does not
+        load the same blocks again (a copy in a lower tier stays, and is verified again if read)."""
         keys = list(keys)
-        self.complete_load(keys, req_context)
-        # finish_reset drops the first tier's unpinned blocks among its `storing` keys; these keys
-        # are readable (ref_cnt >= 0), so only those no other load pins are dropped.
-        self.manager.finish_reset(keys, ())
+        self.manager.finish_reset((), keys)  # (its `loading`: each pin released, the block dropped if unpinned)
+        self._unpinned(keys)
 
     # --- store
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:

@@ -27,7 +27,7 @@ from kvtier.integrations.vllm.manager import (
     KVTierOffloadingManager,
 )
 from kvtier.integrations.vllm.vllm_metrics import vllm_metric_definitions
-from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
+from kvtier.integrations.vllm.worker import _LOCAL_FILE_TIERS, _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
 from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.tiers.cpu import CPUBackend
 
@@ -59,6 +59,91 @@ def _store_threshold(extra_config: Mapping[str, Any], config: Any = None) -> int
     raw, _ = load_raw_config(extra_config.get("kvtier_config"))
     value = raw.get("store_threshold", 0) if isinstance(raw, dict) else 0
     return value if isinstance(value, int) else 0
+
+
+def _direct_option(extra_config: Mapping[str, Any]) -> bool | None:
+    """`kv_connector_extra_config.direct_file_loads`: True, False, or None when not given (the
+    default: direct where safe, see `_direct_reason`); `ConfigError` unless a bool (or the
+    strings "true" / "false")."""
+    value = extra_config.get("direct_file_loads")
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if value is not None and not isinstance(value, bool):
+        from kvtier.errors import ConfigError
+
+        raise ConfigError([("kv_connector_extra_config.direct_file_loads", f"must be true or false, got {value!r}")])
+    return value
+
+
+def vllm_has_sync_loads() -> bool:
+    """Whether this vLLM issues synchronous loads (0.33's `TransferJob.sync`: the request runs in
+    the step that loads it), whose failure vLLM may recompute wrongly (vLLM bug #49250)."""
+    import dataclasses
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import TransferJob
+
+    return "sync" in {f.name for f in dataclasses.fields(TransferJob)}
+
+
+class DirectFileLoads:
+    """Whether the engine's worker loads this hierarchy's file tiers itself (scheduler side).
+
+    Direct: `lookup` answers HIT for a readable file-tier block (no promotion, no RETRY),
+    `prepare_load` pins it in the file tier and hands the worker its slots, and the worker reads
+    and verifies them (`KVTierOffloadingWorker`). A block that fails verification there fails
+    the load job, which only a connector that reports failed loads turns into a recompute:
+    `KVTierOffloadingConnector` calls `enable` when it adopts the manager; vLLM's own connector
+    never does (it stops the engine on a failed job), so its file blocks stay promoted into the
+    CPU tier and verified on the scheduler side. Also promoted: with `direct_file_loads: false`,
+    under tensor parallelism (a rank reads only its part of a block, the checksum covers the whole
+    block), when the worker runs in another process (it reaches the file tier through the
+    scheduler's own `FileBackend`, in this process: vLLM's "uni" executor), and, unless
+    `direct_file_loads: true`, on a vLLM with synchronous loads (0.33; vLLM bug #49250)."""
+
+    def __init__(self, hierarchy: Any, shm_name: str, reason: str | None):
+        self.manager = hierarchy.manager
+        self.shm_name = shm_name
+        self.reason = reason  # why the loads are promoted whatever the connector; None: direct once enabled
+        self.files = {t.name: t.backend for t in self.manager.tiers[1:] if t.medium == "FILE"}
+        self.enabled = False
+        if self.files:
+            log.info("kvtier: file tier(s) %s: %s", ", ".join(self.files),
+                     f"promoted into the CPU tier and verified there ({reason})" if reason else
+                     "promoted into the CPU tier and verified there, unless the connector reports failed loads "
+                     "(KVTierOffloadingConnector: then the worker loads and verifies them directly)")
+
+    def enable(self) -> bool:
+        """The connector reports failed loads to vLLM: load the file tiers directly where allowed
+        (the class docstring). Returns whether they are; logs which path is in use."""
+        if self.enabled or not self.files or self.reason is not None:
+            return self.enabled
+        _LOCAL_FILE_TIERS[self.shm_name] = dict(self.files)
+        for tier in self.manager.tiers[1:]:
+            if tier.name in self.files:
+                tier.direct_load = True
+        self.enabled = True
+        if vllm_has_sync_loads():
+            log.warning("kvtier: direct_file_loads: true on a vLLM with synchronous loads: a failed one may be "
+                        "recomputed wrongly (vLLM bug #49250)")
+        log.info("kvtier: file tier(s) %s: loaded by the worker directly and verified there (a block that "
+                 "fails verification fails its load, which vLLM recomputes)", ", ".join(self.files))
+        return True
+
+
+def _direct_reason(spec: Any, local: bool) -> str | None:
+    """Why file tiers cannot be loaded directly by this engine's worker (None: they can). Not
+    given, `direct_file_loads` is off where vLLM has synchronous loads (`vllm_has_sync_loads`)."""
+    option = _direct_option(spec.extra_config)
+    if option is False:
+        return "direct_file_loads: false"
+    if spec.num_copies > 1:
+        return f"tensor parallelism ({spec.num_copies} ranks): a rank reads only its part of a block"
+    if not local:
+        return "the worker runs in another process"
+    if option is None and vllm_has_sync_loads():
+        return ("this vLLM has synchronous loads, whose failure it may recompute wrongly (vLLM bug #49250); "
+                "direct_file_loads: true loads directly all the same")
+    return None
 
 
 class KVTierOffloadingSpec(OffloadingSpec):
@@ -103,6 +188,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
                                                       fingerprint=self.fingerprint(), source=source,
                                                       ranks=self.num_copies)
         require_cpu_first(self.hierarchy_config)
+        _direct_option(self.extra_config)  # a bad value is refused at start, in every process
         self._manager: KVTierOffloadingManager | None = None
         self._worker: KVTierOffloadingWorker | None = None
 
@@ -134,11 +220,14 @@ class KVTierOffloadingSpec(OffloadingSpec):
                                         enable_events=enable_events)
             region = hierarchy.first_backend
             assert isinstance(region, CPUBackend)  # vllm_hierarchy_config puts a cpu tier first
-            if region.shm_name in _LOCAL_WORKER_REGIONS:
+            local = region.shm_name in _LOCAL_WORKER_REGIONS
+            if local:
                 region.unpublish()  # the engine's worker runs in this process: it maps the region without a name
             self._manager = KVTierOffloadingManager(
                 hierarchy, enable_events, store_threshold=_store_threshold(self.extra_config, self.hierarchy_config),
                 max_tracker_size=int(self.extra_config.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)))
+            self._manager.direct_file_loads = DirectFileLoads(hierarchy, region.shm_name,
+                                                              _direct_reason(self, local))
             log.info("%s", tier_summary(hierarchy, self.block_tokens, self.block_bytes))
         return self._manager
 

@@ -1,11 +1,20 @@
-"""kvtier <-> vLLM types: the CPU spec the scheduler side hands out and the worker side reads, media."""
+"""kvtier <-> vLLM types: the specs the scheduler side hands out and the worker side reads, media.
+
+A load's source is a `KVTierCPULoadStoreSpec` (slots of the CPU tier), or, where file tiers are
+loaded directly by the worker (`KVTierOffloadingSpec`, docs/vllm.md), a `KVTierFileLoadStoreSpec`
+(slots of a file tier, with the keys their headers must carry) or a `KVTierCompositeLoadStoreSpec`
+(a request whose blocks are split between tiers: each part with the positions, in the load's key
+order, of the blocks it addresses). All are plain data (picklable) and carry the token of the
+scheduler's CPU region, which the worker checks before it maps the region.
+"""
 
 from __future__ import annotations
 
-from vllm.v1.kv_offload.base import Medium
+from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, LoadStoreSpec, Medium
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSpec
 
 from kvtier import specs as kspecs
+from kvtier.keys import OffloadKey
 
 _MEDIA = {"CPU": "CPU", "FILE": "STORAGE"}
 
@@ -13,7 +22,6 @@ _MEDIA = {"CPU": "CPU", "FILE": "STORAGE"}
 def to_vllm_medium(medium: str) -> Medium:
     """kvtier medium name -> vLLM `Medium` ("CPU" -> CPU, "FILE" and anything else -> STORAGE)."""
     return Medium[_MEDIA.get(medium, "STORAGE")]
-
 
 
 class KVTierCPULoadStoreSpec(VllmCPULoadStoreSpec):
@@ -30,8 +38,63 @@ class KVTierCPULoadStoreSpec(VllmCPULoadStoreSpec):
         return f"KVTierCPULoadStoreSpec({list(map(int, self.block_ids))}, tier={self.tier!r})"
 
 
-def _to_vllm_spec(spec: kspecs.LoadStoreSpec, region: str | None) -> KVTierCPULoadStoreSpec:
+class KVTierFileLoadStoreSpec(LoadStoreSpec):
+    """Slots of a kvtier file tier that the worker reads itself (`block_ids[i]` holds the block
+    `keys[i]`); `region` as for `KVTierCPULoadStoreSpec`. Plain data, picklable."""
+
+    def __init__(self, block_ids, keys, tier: str | None = None, region: str | None = None):
+        self.block_ids = [int(i) for i in block_ids]
+        self.keys = [bytes(k) for k in keys]
+        self.tier = tier
+        self.region = region
+
+    def __len__(self) -> int:
+        return len(self.block_ids)
+
+    def __repr__(self) -> str:
+        return f"KVTierFileLoadStoreSpec({self.block_ids}, tier={self.tier!r})"
+
+
+class KVTierCompositeLoadStoreSpec(LoadStoreSpec):
+    """A load from several tiers: `parts[i] = (spec, positions)`, `positions` being the indices,
+    in the load's key order (the order of its engine blocks), of the blocks `spec` addresses.
+    The worker succeeds only if every part does. Plain data, picklable."""
+
+    def __init__(self, parts, region: str | None = None):
+        self.parts = [(spec, [int(p) for p in positions]) for spec, positions in parts]
+        self.region = region
+
+    def __len__(self) -> int:
+        return sum(len(positions) for _, positions in self.parts)
+
+    def __repr__(self) -> str:
+        return f"KVTierCompositeLoadStoreSpec({self.parts})"
+
+
+def _to_vllm_spec(spec: kspecs.LoadStoreSpec, region: str | None) -> LoadStoreSpec:
+    """The vLLM-side spec of a kvtier spec the manager handed out (`TypeError` for other kinds)."""
     if isinstance(spec, kspecs.CPULoadStoreSpec):
         return KVTierCPULoadStoreSpec(spec.block_ids, spec.tier, region)
-    raise TypeError(f"kvtier returned a {type(spec).__name__} for the engine; only CPU-tier specs are served "
-                    f"to vLLM workers (lower tiers are promoted into the CPU tier first)")
+    if isinstance(spec, kspecs.FileLoadStoreSpec):
+        return KVTierFileLoadStoreSpec(spec.block_ids, spec.keys, spec.tier, region)
+    if isinstance(spec, kspecs.CompositeLoadStoreSpec):
+        return KVTierCompositeLoadStoreSpec([(_to_vllm_spec(part, region), positions)
+                                             for part, positions in spec.parts], region)
+    raise TypeError(f"kvtier returned a {type(spec).__name__} for the engine; only CPU-tier and file-tier specs "
+                    f"are served to vLLM workers (other tiers are promoted into the CPU tier first)")
+
+
+def to_kvtier_load_spec(spec: LoadStoreSpec, default_tier: str) -> kspecs.LoadStoreSpec:
+    """Worker side: the kvtier spec of a load's source as `_to_vllm_spec` made it (a plain vLLM
+    CPU spec names no tier: `default_tier`, the CPU tier). A composite becomes the staged load
+    of `kvtier.handlers.gpu_file` (one staging buffer, one scatter; never split by the router)."""
+    from kvtier.handlers.gpu_file import StagedLoadSpec
+
+    if isinstance(spec, KVTierFileLoadStoreSpec):
+        return kspecs.FileLoadStoreSpec(spec.block_ids, [OffloadKey(k) for k in spec.keys], spec.tier)
+    if isinstance(spec, KVTierCompositeLoadStoreSpec):
+        return StagedLoadSpec([(to_kvtier_load_spec(part, default_tier), positions)
+                               for part, positions in spec.parts])
+    if not isinstance(spec, BlockIDsLoadStoreSpec):
+        raise TypeError(f"a load from a {type(spec).__name__}: this worker loads CPU-tier and file-tier slots only")
+    return kspecs.CPULoadStoreSpec(spec.block_ids, getattr(spec, "tier", None) or default_tier)

@@ -1,12 +1,16 @@
-"""Worker side: vLLM's `OffloadingWorker`, copying between the KV caches and the shared CPU region."""
+"""Worker side: vLLM's `OffloadingWorker`, copying between the KV caches and the shared CPU region,
+and loading file-tier blocks itself where the scheduler side lets it (`DirectFileLoads`)."""
 
 from __future__ import annotations
 
+import logging
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 
 from kvtier import specs as kspecs
+from kvtier.integrations.vllm.translate import to_kvtier_load_spec
 from kvtier.tiers.cpu import RegionError
 
 if TYPE_CHECKING:
@@ -14,9 +18,62 @@ if TYPE_CHECKING:
     from kvtier.planes import WorkerPlane
     from kvtier.tiers.cpu import CPUBackend
 
+log = logging.getLogger(__name__)
 # shm_names of the CPU regions whose (only) worker lives in this process: vLLM's default executor
 # for one worker ("uni") runs it in the scheduler's process, where it maps the region without a name.
 _LOCAL_WORKER_REGIONS: set[str] = set()
+# shm_name of a CPU region -> the scheduler's file tiers (name -> FileBackend) that its worker, in
+# this process, reads itself (filled by `DirectFileLoads.enable`; reads are thread-safe).
+_LOCAL_FILE_TIERS: dict[str, dict[str, Any]] = {}
+
+
+class FileLoads:
+    """The worker's direct file loads. `GPUFileHandler.stage_load` reads every file block of a job
+    into a staging buffer and verifies its header (key) and checksum, and copies a composite's CPU
+    slots into the same buffer, on this object's threads; the scatter into the KV cache
+    (`finish_load`) runs when the job is collected (`poll`, `wait`), on the engine's thread, as
+    the CPU tier's loads do theirs (in `submit`), rather than on a pool thread where each of its
+    short torch calls waits for the GIL behind the engine's busy steps (docs/vllm.md, "Measured",
+    has the reload phases both ways). A job whose read or verification failed is reported
+    `success=False`, the KV cache untouched (the connector reports it, vLLM recomputes)."""
+
+    def __init__(self, handler: Any, threads: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.handler = handler
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-file-load")
+        self._jobs: dict[int, tuple[Any, float]] = {}  # job id -> (its stage_load future, start)
+        self._done: list[Any] = []  # results collected by `wait`, for the next `poll`
+
+    def submit(self, source: Any, gpu: Any, job_id: int) -> int:
+        self._jobs[job_id] = (self._pool.submit(self.handler.stage_load, source, gpu), time.perf_counter())
+        return job_id
+
+    def poll(self) -> list[Any]:
+        for job_id in [j for j, (future, _) in self._jobs.items() if future.done()]:
+            self._finish(job_id)
+        done, self._done = self._done, []
+        return done
+
+    def wait(self, job_ids) -> None:
+        for job_id in [j for j in job_ids if j in self._jobs]:
+            self._finish(job_id)
+
+    def _finish(self, job_id: int) -> None:
+        from kvtier.types import TransferResult as KVTierResult
+
+        future, start = self._jobs.pop(job_id)
+        try:
+            size = self.handler.finish_load(*future.result())
+        except Exception as exc:  # noqa: BLE001 - fails this job only
+            log.warning("kvtier: direct file load job %d failed: %s: %s", job_id, type(exc).__name__, exc)
+            self._done.append(KVTierResult(job_id, False, 0, time.perf_counter() - start, error=str(exc)))
+        else:
+            self._done.append(KVTierResult(job_id, True, size, time.perf_counter() - start))
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.handler.shutdown()
 
 
 class KVTierOffloadingWorker(OffloadingWorker):
@@ -54,6 +111,13 @@ class KVTierOffloadingWorker(OffloadingWorker):
     handler). Submitting never waits for another job's copy. `get_finished` and `wait` cover both
     planes; job ids are vLLM's, unique across them. vLLM 0.32 never passes the keyword: there
     every load runs on the first plane, as before.
+
+    Direct file loads (`kvtier.integrations.vllm.spec.DirectFileLoads`: one worker, in the
+    scheduler's process, under `KVTierOffloadingConnector`): a load whose source names file-tier
+    slots (`KVTierFileLoadStoreSpec`, or a `KVTierCompositeLoadStoreSpec` of CPU and file slots)
+    goes to `FileLoads`, over the scheduler's own `FileBackend`s (expedited ones too). Without the
+    scheduler's file tiers in this process such a load fails (no handler for it), never loads
+    wrong bytes.
     """
 
     def __init__(self, spec: KVTierOffloadingSpec, kv_caches: CanonicalKVCaches):
@@ -62,6 +126,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
         self._backend: CPUBackend | None = None  # the attached region, set together with _planes
         # (regular, expedited lane): the worker planes, built at the first transfer
         self._planes: tuple[WorkerPlane, WorkerPlane] | None = None
+        self._file_loads: FileLoads | None = None  # direct file loads, built at the first one
         self._tier = spec.hierarchy_config.tiers[0].name
         if spec.num_copies == 1:  # vLLM's in-process executor ("uni") serves one worker only
             _LOCAL_WORKER_REGIONS.add(spec.hierarchy_config.tiers[0].options["shm_name"])
@@ -137,27 +202,54 @@ class KVTierOffloadingWorker(OffloadingWorker):
         return True
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
-        """Start a CPU->GPU load; `expedited` (vLLM 0.33) runs it on the expedited lane (class docstring)."""
+        """Start a load into the KV cache: from CPU slots on the regular plane or, `expedited`
+        (vLLM 0.33), on the expedited lane; one that names file slots on `FileLoads` (class docstring)."""
         regular, lane = self._ready(src_spec)
-        (lane if expedited else regular).submit(self._cpu(src_spec), self._gpu(dst_spec), job_id)
+        source = to_kvtier_load_spec(src_spec, self._tier)
+        plane = lane if expedited else regular
+        if not isinstance(source, kspecs.CPULoadStoreSpec):
+            plane = self._files(plane)
+        plane.submit(source, self._gpu(dst_spec), job_id)
         return True
 
+    def _files(self, fallback: WorkerPlane) -> Any:
+        """The file loads (built at the first call), or `fallback` when the scheduler's file tiers
+        are not in this process (it has no handler for file slots: the job fails)."""
+        if self._file_loads is None:
+            files = _LOCAL_FILE_TIERS.get(self.spec.hierarchy_config.tiers[0].options["shm_name"])
+            if not files:
+                return fallback
+            from kvtier.handlers.gpu_cpu import ChunkedKVCaches
+            from kvtier.handlers.gpu_file import GPUFileHandler
+            from kvtier.handlers.kv_layout import KVLayout
+
+            vllm_kv: Any = self.kv_caches
+            bpc = self.spec.blocks_per_chunk
+            layout = KVLayout(ChunkedKVCaches(list(vllm_kv.tensors), list(vllm_kv.group_data_refs), bpc), bpc)
+            assert self._backend is not None  # (`_ready` attached it)
+            threads = min(4, max(b.num_threads for b in files.values()))
+            self._file_loads = FileLoads(GPUFileHandler({self._backend.name: self._backend, **files}, layout,
+                                                        to_file=False, num_threads=threads), threads)
+        return self._file_loads
+
+    def _all_planes(self) -> list[Any]:
+        return [*(self._planes or ()), *([self._file_loads] if self._file_loads is not None else [])]
+
     def get_finished(self) -> list[TransferResult]:
-        if self._planes is None:
-            return []
         return [TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time)
-                for plane in self._planes for r in plane.poll()]
+                for plane in self._all_planes() for r in plane.poll()]
 
     def wait(self, job_ids: set[int]) -> None:
-        for plane in self._planes or ():
+        for plane in self._all_planes():
             plane.wait(job_ids)
 
     def shutdown(self) -> None:
-        for plane in self._planes or ():
+        for plane in self._all_planes():
             plane.shutdown()
-        self._planes = None
+        self._planes, self._file_loads = None, None
         if self._backend is not None:
             self._backend.close()
             self._backend = None
         _LOCAL_WORKER_REGIONS.discard(self.spec.hierarchy_config.tiers[0].options["shm_name"])
+        _LOCAL_FILE_TIERS.pop(self.spec.hierarchy_config.tiers[0].options["shm_name"], None)
 
