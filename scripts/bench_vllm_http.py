@@ -314,10 +314,10 @@ def serve_rounds(args: argparse.Namespace, work: Path, t0: float) -> dict:
                 rec = {k: rnd[k] for k in ("round", "prompt", "cold", "first")}
                 rec.update(run_round(servers[name], texts[rnd["prompt"]], rnd["users"], prefix_tokens))
                 records[name].append(rec)
-                print(f"[{time.monotonic() - t0:6.1f}s] round {rnd['round']} ({'cold' if rnd['cold'] else 'warm'},"
-                      f" prompt {rnd['prompt']}) {name:<8} ttft median "
-                      f"{statistics.median(c['ttft_s'] for c in rec['chats']):.3f} s, from file tier: "
-                      f"{rec['from_file']}, offloaded hits {rec['ext_hit_tokens']:.0f} tokens", flush=True)
+                ttft = statistics.median(c["ttft_s"] for c in rec["chats"])
+                print(f"[{time.monotonic() - t0:6.1f}s] round {rnd['round']} ({'cold' if rnd['cold'] else 'warm'}, "
+                      f"prompt {rnd['prompt']}) {name:<8} ttft median {ttft:.3f} s, from file: {rec['from_file']}, "
+                      f"ext. hits {rec['ext_hit_tokens']:.0f}, reload {rec['reload_s']:.3f} s", flush=True)
     except Exception:
         for s in servers.values():
             print(f"--- {s.name} server log tail ---\n{s.tail()}", file=sys.stderr)
