@@ -12,9 +12,8 @@ name (one leading underscore, not a dunder):
 
 `ALLOWED` lists the exceptions, each with its reason: other projects' private names the tests
 pin on purpose (vLLM's fields our connector relies on, torch, ctypes), kvtier's compiled
-extension modules, imported by name to check they are built, and the few private kvtier names
-still waiting for a public seam in code this change did not own (`PENDING`). The failure message
-lists every new offender as `path:line: expression`.
+extension modules, imported by name to check they are built. The failure message lists every
+new offender as `path:line: expression`.
 """
 
 from __future__ import annotations
@@ -36,17 +35,13 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("integration/test_vllm_load_failure.py", "side._load_jobs"): _VLLM_CONNECTOR,
     ("integration/test_vllm_load_failure.py", "side._connector_worker_meta"): _VLLM_CONNECTOR,
     ("policies/test_compact_lru.py", "import kvtier.policies._compact_lru"): "the compiled extension, by name",
+    ("policies/test_compact_lru.py", "from kvtier.index._table_api import BlockView"): "the compiled extension, "
+                                                                                       "by name",
+    ("policies/test_compact_lru.py", "from kvtier.index._table_api import CompactTable"): "the compiled extension, "
+                                                                                          "by name",
     ("policies/test_compact_prefix_replay.py", "import kvtier.policies._compact_prefix"): "the compiled extension, "
                                                                                            "by name",
 }
-# Private kvtier names that tests still reach, each waiting for its owner to make it public (then
-# drop the entry: `test_every_allowed_exception_is_still_used` says when).
-PENDING = "kvtier private name still to be made public by its module's owner"
-ALLOWED.update({
-    ("integration/test_vllm033.py", "from kvtier.integrations.vllm.manager import _COUNTERS"): PENDING,
-    ("remote/test_remote_bench.py", "from kvtier.bench.hops_runner import _remote_rows"): PENDING,
-    ("test_shared_tier_real.py", "from kvtier.bench.hops_runner import _remote_rows"): PENDING,
-})
 # Any expression of these forms is another project's (the standard library's) public API.
 ALWAYS = {"os._exit", "sys._getframe"}
 # Whole files exempt: the connector tests pin many of vLLM's private fields that our connector,

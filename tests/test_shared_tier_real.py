@@ -168,7 +168,7 @@ def test_an_acl_user_publishes_under_its_prefix_only(valkey_server, engines, mon
 def test_bench_hops_measures_cpu_remote_against_the_raw_client(valkey_server):
     """`kvtier bench hops` rows for a valkey tier: both hops and their same-run raw baselines,
     the blocks loaded back byte-identical (checked inside the measurement)."""
-    from kvtier.bench.hops_runner import _remote_rows
+    from kvtier.bench.hops_runner import remote_rows
     from kvtier.config import load_config_text
 
     config = load_config_text(f"""
@@ -177,7 +177,7 @@ tiers:
   - {{name: shared, backend: valkey, capacity: 64 blocks, url: '{valkey_server.url}', timeout_ms: 2000,
       threads: 2}}
 """)
-    rows = _remote_rows(config, [64 << 10], 1 << 20, None)
+    rows = remote_rows(config, [64 << 10], 1 << 20, None)
     assert [r["hop"] for r in rows] == ["CPU->REMOTE", "REMOTE->CPU"]
     for row in rows:
         assert row["gbps"] > 0 and row["baseline_gbps"] > 0 and row["block_bytes"] == 64 << 10

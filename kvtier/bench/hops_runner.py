@@ -92,11 +92,11 @@ def run_hops(config: Any, block_sizes: list[int], place: dict[str, Any], quick: 
                     update(i + 1, len(block_sizes))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    rows += _remote_rows(config, block_sizes, total, progress)
+    rows += remote_rows(config, block_sizes, total, progress)
     return rows
 
 
-def _remote_rows(config: Any, block_sizes: list[int], total: int, progress: Callable | None) -> list[dict[str, Any]]:
+def remote_rows(config: Any, block_sizes: list[int], total: int, progress: Callable | None) -> list[dict[str, Any]]:
     """CPU<->REMOTE rows for each `valkey` tier of the config (on its server, under a bench prefix)."""
     rows: list[dict[str, Any]] = []
     for tier in config.tiers:

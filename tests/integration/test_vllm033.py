@@ -249,10 +249,10 @@ def test_every_tier_stats_counter_is_a_prometheus_metric(manager):
     definition, and a change of any of them reaches vLLM's stats as a delta."""
     from kvtier.control.tier import TierStats
     from kvtier.integrations.vllm import KVTierOffloadingSpec
-    from kvtier.integrations.vllm.manager import _COUNTERS, METRIC_PREFIX
+    from kvtier.integrations.vllm.manager import KVTIER_COUNTERS, METRIC_PREFIX
 
     fields = [f.name for f in dataclasses.fields(TierStats)]
-    assert list(_COUNTERS) == fields
+    assert list(KVTIER_COUNTERS) == fields
     assert {"cascade_deferred", "cascade_dropped_failed", "cascade_dropped_full"} <= set(fields)
     defs = KVTierOffloadingSpec.build_metric_definitions({})
     assert {METRIC_PREFIX + name for name in fields} <= set(defs)

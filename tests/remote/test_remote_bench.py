@@ -31,7 +31,7 @@ def test_bench_hops_writes_under_the_tiers_prefix_as_its_acl_user_and_removes_it
     nothing of it is left on the server, and no key outside the tenant's prefix was written."""
     import time
 
-    from kvtier.bench.hops_runner import _remote_rows
+    from kvtier.bench.hops_runner import remote_rows
     from kvtier.config import load_config_text
 
     prefix = f"kvt:benchtenant{time.monotonic_ns()}"
@@ -46,7 +46,7 @@ tiers:
   - {{name: shared, backend: valkey, capacity: 64 blocks, url: '{valkey_server.url}', timeout_ms: 2000,
       threads: 2, key_prefix: '{prefix}', username: {user}, password_env: KVT_BENCH_TENANT_PW}}
 """)
-    rows = _remote_rows(config, [64 << 10], 1 << 20, None)
+    rows = remote_rows(config, [64 << 10], 1 << 20, None)
     assert [r["hop"] for r in rows] == ["CPU->REMOTE", "REMOTE->CPU"]
     assert rows[0]["cleanup_error"] == "" and rows[0]["removed_keys"] == 2 * (1 << 20) // (64 << 10)
     assert list(admin.scan_iter(match=f"{prefix}:*")) == [] and admin.dbsize() == before

@@ -65,7 +65,7 @@ with `kv_connector_module_path`, see docs/vllm.md).
 """
 
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
-from kvtier.integrations.vllm.manager import _COUNTERS, _GAUGES, METRIC_PREFIX, KVTierOffloadingManager  # noqa: F401
+from kvtier.integrations.vllm.manager import KVTIER_COUNTERS, KVTIER_GAUGES, METRIC_PREFIX, KVTierOffloadingManager  # noqa: F401
 from kvtier.integrations.vllm.spec import DirectFileLoads, KVTierOffloadingSpec
 from kvtier.integrations.vllm.translate import (
     KVTierCompositeLoadStoreSpec,

@@ -62,9 +62,9 @@ _COUNTER_DOCS: dict[str, str] = {
 }
 # Every `TierStats` counter, exported as deltas labelled by tier. Derived from the dataclass's
 # fields, so a counter added there is exported without a change here.
-_COUNTERS: dict[str, str] = {f.name: _COUNTER_DOCS.get(f.name, f"kvtier TierStats.{f.name}.")
-                             for f in dataclasses.fields(TierStats)}
-_GAUGES: dict[str, str] = {
+KVTIER_COUNTERS: dict[str, str] = {f.name: _COUNTER_DOCS.get(f.name, f"kvtier TierStats.{f.name}.")
+                                   for f in dataclasses.fields(TierStats)}
+KVTIER_GAUGES: dict[str, str] = {
     "resident_blocks": "Blocks currently held by this tier.",
     "usage_perc": "Fraction of this tier's capacity currently used (0.0 - 1.0).",
     "capacity_blocks": "Capacity of this tier in blocks.",
@@ -294,7 +294,7 @@ class KVTierOffloadingManager(OffloadingManager):
         for index, (tier, values) in enumerate(self.manager.get_stats().items()):
             last = self._last_counters.setdefault(tier, {})
             deltas: dict[str, float] = {}
-            for name in _COUNTERS:
+            for name in KVTIER_COUNTERS:
                 now = values.get(name, 0)
                 deltas[name] = delta = now - last.get(name, 0)
                 last[name] = now

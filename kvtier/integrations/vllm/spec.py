@@ -20,9 +20,9 @@ from kvtier.config_vllm import require_cpu_first
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
 from kvtier.integrations.vllm.logs import log_through_vllm, tier_summary
 from kvtier.integrations.vllm.manager import (
-    _COUNTERS,
-    _GAUGES,
     CONFIG_INFO_KEYS,
+    KVTIER_COUNTERS,
+    KVTIER_GAUGES,
     METRIC_PREFIX,
     KVTierOffloadingManager,
 )
@@ -157,10 +157,10 @@ class KVTierOffloadingSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         defs: dict[str, OffloadingMetricMetadata] = {}
-        for name, doc in _COUNTERS.items():
+        for name, doc in KVTIER_COUNTERS.items():
             defs[METRIC_PREFIX + name] = OffloadingCounterMetadata(documentation=f"kvtier: {doc}",
                                                                    labelnames=("tier",))
-        for name, doc in _GAUGES.items():
+        for name, doc in KVTIER_GAUGES.items():
             defs[METRIC_PREFIX + name] = OffloadingGaugeMetadata(documentation=f"kvtier: {doc}",
                                                                  labelnames=("tier",))
         return {**defs, **vllm_metric_definitions(stores_skipped=_store_threshold(extra_config) >= 2)}
