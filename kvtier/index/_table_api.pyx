@@ -18,7 +18,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcmp
 
 from kvtier.index._table cimport (
-    MARK, PINNED, USED, Entry, Table, evictable_in, entries_of, forget_pin, key_at, key_in, locate_in,
+    PINNED, USED, Entry, Table, evictable_in, entries_of, forget_pin, key_at, key_in, locate_in,
     pin_by_ref_cnt, pin_entry, refuses_in,
 )
 
