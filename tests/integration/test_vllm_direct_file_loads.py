@@ -53,14 +53,10 @@ def _caches():
 
 
 def _adopt(manager):
-    """The connector's scheduler side (past its constructor) adopting `manager`, as vLLM builds it."""
-    from kvtier.integrations.vllm.connector import _Scheduler
-
-    side = object.__new__(_Scheduler)
-    side.manager = manager
-    side._jobs, side._stale_job_threshold = {}, 0
-    side._adopt()
-    return side
+    """What `KVTierOffloadingConnector` does when it takes over `manager`: kvtier's manager may then
+    load file tiers directly (failed loads are recomputed)."""
+    if manager.direct_file_loads is not None:
+        manager.direct_file_loads.enable()
 
 
 def _gpu(first: int, n_keys: int):
@@ -296,7 +292,8 @@ def test_a_direct_file_load_flushed_by_a_reset_releases_its_file_tier_pin(make):
     engine.manager.on_reset_flushed()
     assert [engine.manager.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 2
     assert engine.file_tier().backend.get_num_free_blocks() == engine.file_tier().capacity
-    assert not engine.manager.hierarchy.manager._loads.pins
+    with pytest.raises(KeyError):  # no pin is left to release
+        engine.manager.hierarchy.manager.complete_load(keys)
 
 
 def test_a_worker_without_the_file_tiers_in_its_process_fails_such_a_load(make):
@@ -305,11 +302,11 @@ def test_a_worker_without_the_file_tiers_in_its_process_fails_such_a_load(make):
     from vllm.v1.kv_offload.base import ReqContext
 
     from kvtier.integrations.vllm.translate import KVTierFileLoadStoreSpec
-    from kvtier.integrations.vllm.worker import _LOCAL_FILE_TIERS
+    from kvtier.integrations.vllm.worker import LOCAL_FILE_TIERS
 
     engine, ctx = make(), ReqContext("r")
     keys = _pushed_out(engine, ctx)
-    _LOCAL_FILE_TIERS.clear()
+    LOCAL_FILE_TIERS.clear()
     spec = engine.manager.prepare_load(keys, ctx)
     assert isinstance(spec, KVTierFileLoadStoreSpec)
     engine.kv.zero_()

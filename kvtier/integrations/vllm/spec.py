@@ -27,7 +27,7 @@ from kvtier.integrations.vllm.manager import (
     KVTierOffloadingManager,
 )
 from kvtier.integrations.vllm.vllm_metrics import vllm_metric_definitions
-from kvtier.integrations.vllm.worker import _LOCAL_FILE_TIERS, _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
+from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, LOCAL_FILE_TIERS, KVTierOffloadingWorker
 from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.tiers.cpu import CPUBackend
 
@@ -117,7 +117,7 @@ class DirectFileLoads:
         (the class docstring). Returns whether they are; logs which path is in use."""
         if self.enabled or not self.files or self.reason is not None:
             return self.enabled
-        _LOCAL_FILE_TIERS[self.shm_name] = dict(self.files)
+        LOCAL_FILE_TIERS[self.shm_name] = dict(self.files)
         for tier in self.manager.tiers[1:]:
             if tier.name in self.files:
                 tier.direct_load = True

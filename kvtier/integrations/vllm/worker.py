@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 _LOCAL_WORKER_REGIONS: set[str] = set()
 # shm_name of a CPU region -> the scheduler's file tiers (name -> FileBackend) that its worker, in
 # this process, reads itself (filled by `DirectFileLoads.enable`; reads are thread-safe).
-_LOCAL_FILE_TIERS: dict[str, dict[str, Any]] = {}
+LOCAL_FILE_TIERS: dict[str, dict[str, Any]] = {}
 
 
 class FileLoads:
@@ -216,7 +216,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
         """The file loads (built at the first call), or `fallback` when the scheduler's file tiers
         are not in this process (it has no handler for file slots: the job fails)."""
         if self._file_loads is None:
-            files = _LOCAL_FILE_TIERS.get(self.spec.hierarchy_config.tiers[0].options["shm_name"])
+            files = LOCAL_FILE_TIERS.get(self.spec.hierarchy_config.tiers[0].options["shm_name"])
             if not files:
                 return fallback
             from kvtier.handlers.gpu_cpu import ChunkedKVCaches
@@ -251,5 +251,5 @@ class KVTierOffloadingWorker(OffloadingWorker):
             self._backend.close()
             self._backend = None
         _LOCAL_WORKER_REGIONS.discard(self.spec.hierarchy_config.tiers[0].options["shm_name"])
-        _LOCAL_FILE_TIERS.pop(self.spec.hierarchy_config.tiers[0].options["shm_name"], None)
+        LOCAL_FILE_TIERS.pop(self.spec.hierarchy_config.tiers[0].options["shm_name"], None)
 
