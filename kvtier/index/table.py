@@ -6,9 +6,11 @@ yet), *readable* (`ref_cnt == 0`) or *pinned* by `n` running loads or copies (`r
 Every call takes or returns keys and slot ids (`block_id`s) in the order given.
 
 Two implementations:
-- the compiled indexes of `lru` and `prefix-freq` (`kvtier.policies.lru_compiled`,
-  `prefix_compiled`) are their own table: one C structure holds the keys, slots, states and the
-  eviction order, and answers these calls in C loops (`CachePolicy.batch_calls`);
+- the compiled table (`kvtier/index/_table.pxd`/`_table.pyx`: keys, slots, states, pins, with
+  a parallel array for the eviction order's per-block record; `_table_api.pyx`: `CompactTable`,
+  these calls in C loops). The compiled `lru` and `prefix-freq` (`kvtier.policies.lru_compiled`,
+  `prefix_compiled`) cimport it and keep only their eviction order, so such a policy is its own
+  table (`CachePolicy.batch_calls`);
 - `PolicyTable` is the pure-Python table over any `CachePolicy` (ARC, SIEVE, the pure twins, a
   policy written to vLLM's seed contract): the blocks are the policy's `BlockStatus` objects,
   found with `get`, and it tells the policy which blocks stop or start being evictable
