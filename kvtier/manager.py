@@ -271,7 +271,7 @@ class HierarchyManager(OffloadingManager):
         unpinned, then dropped unless pinned again since from the tier each was read from (the
         reset evicts them now; `LoadPins.drop`, which also serves a load that failed in the
         engine). Returns the keys dropped (reported as removed events)."""
-        return self._loads.drop(list(loading)) + self.stores.finish_reset(storing, ())
+        return self._loads.drop(list(loading)) + self.stores.finish_reset(storing)
 
     def get_stats(self) -> dict[str, Any]:
         """Per-tier counters and occupancy."""

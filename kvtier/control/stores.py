@@ -91,21 +91,17 @@ class StorePath:
         tier now (`on_evict`; a caller about to wait for room, see `room`)."""
         self._cascade.clean_ahead(self._top, count)
 
-    def finish_reset(self, storing: Collection[OffloadKey], loading: Collection[OffloadKey]) -> list[OffloadKey]:
-        """`HierarchyManager.finish_reset` (its docstring is the contract): the keys dropped."""
+    def finish_reset(self, storing: Collection[OffloadKey]) -> list[OffloadKey]:
+        """`HierarchyManager.finish_reset`'s flushed stores (its docstring is the contract; its
+        flushed loads are `LoadPins.drop`'s): the keys dropped."""
         top = self._top
-        for key in loading:
-            block = top.policy.get(key)
-            if block is not None and block.ref_cnt > 0:
-                block.ref_cnt -= 1
         promoting = self._promotions.running
-        storing = set(storing)
         dropped: list[OffloadKey] = []
-        for key in storing.union(loading):
+        for key in set(storing):
             block = top.policy.get(key)
             if block is None or key in promoting:
                 continue
-            if block.ref_cnt == 0 or (block.ref_cnt == -1 and key in storing):
+            if block.ref_cnt in (0, -1):
                 top.drop(key, block)
                 dropped.append(key)
         self._ctx.events.record(top, dropped, removed=True)
