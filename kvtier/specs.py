@@ -174,9 +174,10 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
         return "GPU"
 
 
-class CompositeLoadStoreSpec(LoadStoreSpec):
-    """A load whose blocks come from several tiers: `parts[i] = (spec, positions)` where
-    `positions` are the indices, in the original key order, of the blocks `spec` addresses."""
+class PartsLoadStoreSpec(LoadStoreSpec):
+    """Blocks from several sources: `parts[i] = (spec, positions)` where `positions` are the
+    indices, in the original key order, of the blocks `spec` addresses (the shape of
+    `CompositeLoadStoreSpec`, and of a handler's own multi-source job)."""
 
     __slots__ = ("parts",)
 
@@ -191,4 +192,11 @@ class CompositeLoadStoreSpec(LoadStoreSpec):
         return "MIXED"
 
     def __repr__(self) -> str:
-        return f"CompositeLoadStoreSpec({self.parts})"
+        return f"{type(self).__name__}({self.parts})"
+
+
+class CompositeLoadStoreSpec(PartsLoadStoreSpec):
+    """A load whose blocks come from several tiers (`PartsLoadStoreSpec`): the router splits it
+    into one job per part."""
+
+    __slots__ = ()

@@ -29,13 +29,13 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from kvtier.handlers.base import pick_backend, serving
 from kvtier.handlers.file_path import file_path, log_choice
 from kvtier.handlers.gpu_cpu import EngineJobHandler
 from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
-from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec, PartsLoadStoreSpec
 from kvtier.tiers.base import BlockFile
 from kvtier.tiers.file import fileio
 from kvtier.tiers.file.checksum import tensor_checksum_async
@@ -77,20 +77,12 @@ def _gpu_file_job(src: LoadStoreSpec, dst: LoadStoreSpec, to_file: bool, backend
     return gpu, file_spec, backend
 
 
-class StagedLoadSpec(LoadStoreSpec):
-    """A load from host-readable tiers: `parts[i] = (spec, positions)` (a `FileLoadStoreSpec`, or
-    `HostRegion` slots) as in `CompositeLoadStoreSpec`, which the router would split into one job
-    per part (the engine's spec cannot be split by block): one `GPUFileHandler` job instead."""
+class StagedLoadSpec(PartsLoadStoreSpec):
+    """A load from host-readable tiers (a `FileLoadStoreSpec`, or `HostRegion` slots, per part)
+    that the router would split if it were a `CompositeLoadStoreSpec` (the engine's spec cannot
+    be split by block): one `GPUFileHandler` job instead."""
 
-    def __init__(self, parts):
-        self.parts = [(spec, [int(p) for p in positions]) for spec, positions in parts]
-
-    def __len__(self) -> int:
-        return sum(len(positions) for _, positions in self.parts)
-
-    @staticmethod
-    def medium() -> str:
-        return "MIXED"
+    __slots__ = ()
 
 
 class GPUFileHandler(EngineJobHandler):
@@ -152,7 +144,7 @@ class GPUFileHandler(EngineJobHandler):
                     backend.read_blocks(spec.block_ids, [bytes(key) for key in spec.keys], [rows[p] for p in positions])
                     continue
                 region = pick_backend(self.backends, spec, "host")  # (a region of other blocks: shape error)
-                staging[torch.tensor(positions), :n] = region.tensor()[torch.tensor(spec.block_ids), :n]
+                staging[torch.tensor(positions), :n] = region.tensor()[torch.tensor(cast(Any, spec).block_ids), :n]
         except BaseException:
             self.give_back(staging)
             raise
