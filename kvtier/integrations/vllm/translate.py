@@ -10,6 +10,8 @@ scheduler's CPU region, which the worker checks before it maps the region.
 
 from __future__ import annotations
 
+from typing import Any
+
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, LoadStoreSpec, Medium
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSpec
 
@@ -97,4 +99,10 @@ def to_kvtier_load_spec(spec: LoadStoreSpec, default_tier: str) -> kspecs.LoadSt
                                for part, positions in spec.parts])
     if not isinstance(spec, BlockIDsLoadStoreSpec):
         raise TypeError(f"a load from a {type(spec).__name__}: this worker loads CPU-tier and file-tier slots only")
+    return to_kvtier_cpu_spec(spec, default_tier)
+
+
+def to_kvtier_cpu_spec(spec: Any, default_tier: str) -> kspecs.CPULoadStoreSpec:
+    """Worker side: the kvtier CPU-tier spec of vLLM CPU slots (a store's destination, a load's
+    source); a plain vLLM CPU spec names no tier: `default_tier`, the CPU tier."""
     return kspecs.CPULoadStoreSpec(spec.block_ids, getattr(spec, "tier", None) or default_tier)

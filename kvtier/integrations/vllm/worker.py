@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 
 from kvtier import specs as kspecs
-from kvtier.integrations.vllm.translate import to_kvtier_load_spec
+from kvtier.integrations.vllm.translate import to_kvtier_cpu_spec, to_kvtier_load_spec
 from kvtier.tiers.cpu import RegionError
 
 if TYPE_CHECKING:
@@ -174,31 +174,32 @@ class KVTierOffloadingWorker(OffloadingWorker):
     def _build_plane(self, region: Any) -> WorkerPlane:
         """The worker plane between the KV caches and the attached CPU `region` (both directions);
         RuntimeError when the handlers cannot serve these KV caches."""
-        from kvtier.handlers.gpu_cpu import ChunkedKVCaches
         from kvtier.planes import build_worker_plane
 
-        spec = self.spec
-        part = (spec.rank * spec.rank_bytes, spec.rank_bytes) if spec.num_copies > 1 else (0, None)
-        vllm_kv: Any = self.kv_caches  # vLLM's CanonicalKVCaches: the fields of kvtier's, duck-typed
-        kv_caches = ChunkedKVCaches(list(vllm_kv.tensors), list(vllm_kv.group_data_refs),
-                                    spec.blocks_per_chunk, *part)
-        plane = build_worker_plane({region.name: region}, kv_caches)
+        plane = build_worker_plane({region.name: region}, self._rank_kv_caches())
         gpu, cpu = kspecs.GPULoadStoreSpec, kspecs.CPULoadStoreSpec
         if plane.handler_for(gpu, cpu) is None or plane.handler_for(cpu, gpu) is None:
             plane.shutdown()
             raise RuntimeError("kvtier: no GPU<->CPU handler for these KV caches")
         return plane
 
+    def _rank_kv_caches(self) -> Any:
+        """The KV caches as kvtier's handlers see them: vLLM's blocks in chunks of
+        `blocks_per_chunk`, and, under tensor parallelism, this rank's part of each slot."""
+        from kvtier.handlers.gpu_cpu import ChunkedKVCaches
+
+        spec = self.spec
+        part = (spec.rank * spec.rank_bytes, spec.rank_bytes) if spec.num_copies > 1 else (0, None)
+        vllm_kv: Any = self.kv_caches  # vLLM's CanonicalKVCaches: the fields of kvtier's, duck-typed
+        return ChunkedKVCaches(list(vllm_kv.tensors), list(vllm_kv.group_data_refs), spec.blocks_per_chunk, *part)
+
     @staticmethod
     def _gpu(spec: GPULoadStoreSpec) -> kspecs.GPULoadStoreSpec:
         return kspecs.GPULoadStoreSpec(spec.block_ids, spec.group_sizes, spec.block_indices)
 
-    def _cpu(self, spec: Any) -> kspecs.CPULoadStoreSpec:
-        return kspecs.CPULoadStoreSpec(spec.block_ids, getattr(spec, "tier", None) or self._tier)
-
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: Any) -> bool:
         regular, _ = self._ready(dst_spec)
-        regular.submit(self._gpu(src_spec), self._cpu(dst_spec), job_id)
+        regular.submit(self._gpu(src_spec), to_kvtier_cpu_spec(dst_spec, self._tier), job_id)
         return True
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
@@ -219,13 +220,10 @@ class KVTierOffloadingWorker(OffloadingWorker):
             files = LOCAL_FILE_TIERS.get(self.spec.hierarchy_config.tiers[0].options["shm_name"])
             if not files:
                 return fallback
-            from kvtier.handlers.gpu_cpu import ChunkedKVCaches
             from kvtier.handlers.gpu_file import GPUFileHandler
             from kvtier.handlers.kv_layout import KVLayout
 
-            vllm_kv: Any = self.kv_caches
-            bpc = self.spec.blocks_per_chunk
-            layout = KVLayout(ChunkedKVCaches(list(vllm_kv.tensors), list(vllm_kv.group_data_refs), bpc), bpc)
+            layout = KVLayout(self._rank_kv_caches(), self.spec.blocks_per_chunk)
             assert self._backend is not None  # (`_ready` attached it)
             threads = min(4, max(b.num_threads for b in files.values()))
             self._file_loads = FileLoads(GPUFileHandler({self._backend.name: self._backend, **files}, layout,
