@@ -69,7 +69,7 @@ class SlowProxy:
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
+        except (OSError, asyncio.CancelledError):  # (refused, or stop() while connecting)
             writer.close()
             return
         self._writers.update((writer, up_writer))
