@@ -2,14 +2,16 @@
 pinned copy of the same bytes: GB/s and ratio per page size, direction and copy path.
 
     python scripts/bench_gpu_copy.py --json OUT.json [--total-mib 512] [--pages 64KiB,256KiB,2MiB]
-                                     [--slots scattered,consecutive]
+                                     [--slots scattered,consecutive] [--job-mib 16] [--repeats 3]
+                                     [--modes staged,auto,...] [--threads 2[,4,...]]
 
 Each measurement moves `--total-mib` through the real handlers (`make_handler` over a pinned
 `CPUBackend`), in jobs of 16 MiB (256 blocks of 64 KiB, 16 of 2 MiB, as vLLM submits them),
 slots a random permutation (and, for comparison, consecutive); best of `--repeats`. Paths:
 `staged` (the bounce path), `auto` (the fast path the self-check chose, named in the JSON), and
-`batch`, `bindings` and `loop` each alone (`KVTIER_GPU_COPY`). Every load is checked byte for
-byte against the engine's bytes before the store.
+`batch`, `bindings` and `loop` each alone (`KVTIER_GPU_COPY`; `--modes` picks some);
+`--job-mib` sets the job size, `--threads` the handlers' job threads. Every load is checked byte
+for byte against the engine's bytes before the store.
 Exits 2 with "skipped: no CUDA" where torch sees no GPU.
 """
 
@@ -57,7 +59,8 @@ def run_jobs(handler, jobs, results) -> float:
     return elapsed
 
 
-def measure(torch, page: int, total: int, mode: str, repeats: int, order: str) -> dict:
+def measure(torch, page: int, total: int, mode: str, repeats: int, order: str,
+            job_bytes: int = JOB_BYTES, threads: int = 2) -> dict:
     from kvtier import CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec, GPULoadStoreSpec
     from kvtier.handlers import fast_path
     from kvtier.handlers.gpu_cpu import make_handler
@@ -70,13 +73,14 @@ def measure(torch, page: int, total: int, mode: str, repeats: int, order: str) -
     original = engine.clone()
     kv = CanonicalKVCaches([CanonicalKVCacheTensor(engine, page)], None)
     backend = CPUBackend("bench", n, page, pin="true")
-    store, load = make_handler({"bench": backend}, kv, True), make_handler({"bench": backend}, kv, False)
+    store = make_handler({"bench": backend}, kv, True, cuda_threads=threads)
+    load = make_handler({"bench": backend}, kv, False, cuda_threads=threads)
     results: list = []
     store.bind(results.append)
     load.bind(results.append)
     try:
         slots = random.Random(page).sample(range(n), n) if order == "scattered" else list(range(n))
-        per_job = max(1, JOB_BYTES // page)
+        per_job = max(1, job_bytes // page)
         cuts = range(0, n, per_job)
         stores = [(GPULoadStoreSpec(range(a, min(n, a + per_job))), CPULoadStoreSpec(slots[a:a + per_job]))
                   for a in cuts]
@@ -92,7 +96,8 @@ def measure(torch, page: int, total: int, mode: str, repeats: int, order: str) -
                 raise RuntimeError(f"{mode} {page} B pages: the loaded bytes differ from the stored ones")
         chosen = store.fast_path()
         return {"page": page, "slots": order, "mode": mode, "path": chosen.name if chosen is not None else "staged",
-                "jobs": len(stores), "d2h_gbps": total / best_store / 1e9, "h2d_gbps": total / best_load / 1e9}
+                "jobs": len(stores), "threads": threads, "d2h_gbps": total / best_store / 1e9,
+                "h2d_gbps": total / best_load / 1e9}
     finally:
         store.shutdown()
         load.shutdown()
@@ -105,8 +110,13 @@ def main(argv=None) -> int:
     parser.add_argument("--total-mib", type=int, default=512)
     parser.add_argument("--pages", default="64KiB,256KiB,2MiB")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--job-mib", type=int, default=JOB_BYTES >> 20, help="bytes per job, MiB")
+    parser.add_argument("--modes", default=",".join(MODES), help="copy paths to measure (comma-separated)")
+    parser.add_argument("--threads", default="2", help="job threads per handler, one or several (comma-separated)")
     parser.add_argument("--slots", default="scattered,consecutive", help="slot orders to measure")
     args = parser.parse_args(argv)
+    if set(args.modes.split(",")) - set(MODES):
+        parser.error(f"--modes {args.modes!r}: use any of {', '.join(MODES)} (comma-separated)")
     if set(args.slots.split(",")) - {"scattered", "consecutive"}:
         parser.error(f"--slots {args.slots!r}: use scattered, consecutive or both (comma-separated)")
     from kvtier.config import parse_size
@@ -124,11 +134,13 @@ def main(argv=None) -> int:
     d2h, h2d = contiguous_gbps(torch, total, args.repeats)
     rows = []
     for page in pages:
-        for order, mode in [(o, m) for o in args.slots.split(",") for m in MODES]:
+        for order, mode, threads in [(o, m, int(t)) for o in args.slots.split(",") for m in args.modes.split(",")
+                                     for t in args.threads.split(",")]:
             try:
-                row = measure(torch, page, total, mode, args.repeats, order)
+                row = measure(torch, page, total, mode, args.repeats, order, args.job_mib << 20, threads)
             except Exception as exc:  # noqa: BLE001 - one failing row must not hide the others
-                row = {"page": page, "slots": order, "mode": mode, "error": f"{type(exc).__name__}: {exc}"}
+                row = {"page": page, "slots": order, "mode": mode, "threads": threads,
+                       "error": f"{type(exc).__name__}: {exc}"}
             if "error" not in row:
                 row["d2h_ratio"], row["h2d_ratio"] = row["d2h_gbps"] / d2h, row["h2d_gbps"] / h2d
             rows.append(row)

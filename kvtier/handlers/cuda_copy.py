@@ -32,6 +32,7 @@ CUDA_MEMCPY_DEFAULT = 4  # cudaMemcpyKind: direction inferred from the pointers 
 BATCH_MIN_RUNTIME = 12080  # cudaMemcpyBatchAsync appeared in CUDA 12.8
 NO_FAIL_INDEX_RUNTIME = 13000  # CUDA 13 dropped its failIdx parameter
 SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream
+SRC_ACCESS_ORDER_ANY = 3  # cudaMemcpySrcAccessOrderAny: the sources stay unchanged until the copy ends
 ATTRIBUTES_WORDS = 16  # a zeroed cudaMemcpyAttributes (24 B: order, two cudaMemLocation, flags), padded
 
 
@@ -70,14 +71,15 @@ class LoopSubmitter:
 class CBatchSubmitter:
     """All descriptors of a plan in one call of `function`, a ctypes function with the C
     prototype of `cudaMemcpyBatchAsync` (`with_fail_index`: the CUDA 12.8/12.9 one, which takes a
-    `size_t *failIdx` before the stream)."""
+    `size_t *failIdx` before the stream). `src_access_order` is every descriptor's
+    `cudaMemcpySrcAccessOrder` (stream order: the sources are read in stream order)."""
 
     name = "cudaMemcpyBatchAsync"
 
-    def __init__(self, function: Any, with_fail_index: bool):
+    def __init__(self, function: Any, with_fail_index: bool, src_access_order: int = SRC_ACCESS_ORDER_STREAM):
         self.function, self.with_fail_index = function, with_fail_index
         self._attrs = (ctypes.c_uint32 * ATTRIBUTES_WORDS)()
-        self._attrs[0] = SRC_ACCESS_ORDER_STREAM
+        self._attrs[0] = src_access_order
         self._attr_index = (ctypes.c_size_t * 1)(0)
 
     def submit(self, plan: CopyPlan, stream: int) -> None:
@@ -160,7 +162,7 @@ def runtime_version(cudart: Any) -> int:
     return version.value
 
 
-def make_c_batch_submitter() -> CBatchSubmitter:
+def make_c_batch_submitter(src_access_order: int = SRC_ACCESS_ORDER_STREAM) -> CBatchSubmitter:
     """A `CBatchSubmitter` over this process's libcudart, with the prototype of its version."""
     cudart = loaded_cudart()
     version = runtime_version(cudart)
@@ -169,7 +171,7 @@ def make_c_batch_submitter() -> CBatchSubmitter:
                         f"(needs 12.8)")
     with_fail_index = version < NO_FAIL_INDEX_RUNTIME
     address = ctypes.cast(cudart.cudaMemcpyBatchAsync, ctypes.c_void_p).value
-    return CBatchSubmitter(batch_prototype(with_fail_index)(address), with_fail_index)
+    return CBatchSubmitter(batch_prototype(with_fail_index)(address), with_fail_index, src_access_order)
 
 
 def make_loop_submitter() -> LoopSubmitter:
