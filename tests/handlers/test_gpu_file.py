@@ -288,3 +288,42 @@ def test_direct_handlers_give_kvikio_threads_back(direct):
     assert int(kvikio.defaults.get("num_threads")) >= backend.num_threads
     jobs.close()
     assert int(kvikio.defaults.get("num_threads")) == size
+
+
+def _flip_payload_byte(backend, slot: int) -> None:
+    from kvtier.tiers.file.slot_format import HEADER_BYTES
+
+    with open(backend.slab_path, "r+b") as f:
+        f.seek(slot * backend.slot_bytes + HEADER_BYTES + 5)
+        byte = f.read(1)
+        f.seek(slot * backend.slot_bytes + HEADER_BYTES + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])])
+def test_a_split_load_reads_on_one_thread_and_scatters_on_another(setup, device):
+    """vLLM's worker-side direct file load (`FileLoads`): `stage_load` on a pool thread reads and
+    verifies, `finish_load` on the engine's thread scatters; a block whose payload changed on disk
+    fails the read half, and the KV cache stays untouched."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    kv = make_kv(device=device, bpc=2)
+    layout, backend, store, load, jobs = setup(kv)
+    spec = FileLoadStoreSpec([5, 6, 9], keys(3), tier="nvme")
+    assert jobs.run(store, 1, GPULoadStoreSpec([1, 2, 3, 4, 5, 6], group_sizes=[6, 0], block_indices=[0, 0]),
+                    spec).success
+    before = [t.tensor.clone() for t in kv.tensors]
+    dst = GPULoadStoreSpec([9, 10, 11, 12, 13, 14], group_sizes=[6, 0], block_indices=[0, 0])
+    with ThreadPoolExecutor(1) as pool:
+        staged = pool.submit(load.stage_load, spec, dst).result()
+        assert load.finish_load(*staged) == 6 * (4096 + 2048)
+        for t_idx, page in enumerate((4096, 2048)):
+            assert torch.equal(kv.tensors[t_idx].tensor[9:15, :page], before[t_idx][1:7, :page])
+
+        _flip_payload_byte(backend, 6)
+        snapshot = [t.tensor.clone() for t in kv.tensors]
+        with pytest.raises(Exception, match="checksum|IntegrityError|corrupt"):
+            pool.submit(load.stage_load, spec, GPULoadStoreSpec([1, 2, 3, 4, 5, 6], group_sizes=[6, 0],
+                                                                 block_indices=[0, 0])).result()
+        assert all(torch.equal(a.tensor, b) for a, b in zip(kv.tensors, snapshot))
