@@ -263,15 +263,17 @@ class HierarchyManager(OffloadingManager):
         for tier in self.tiers:
             self._ctx.events.record(tier, tier.reset(), removed=True)
 
-    def finish_reset(self, storing: Collection[OffloadKey], loading: Collection[OffloadKey]) -> list[OffloadKey]:
+    def finish_reset(self, storing: Collection[OffloadKey], loading: Collection[OffloadKey],
+                     failed: bool = False) -> list[OffloadKey]:
         """Finish a `reset_cache` that found engine jobs in flight, once the engine has flushed
         them (no transfer writes or reads their slots any more) and will never complete them.
         `storing`: keys of the engine's flushed stores (first tier, still being written): dropped,
         their slots freed. `loading`: keys of its flushed loads, once per `prepare_load` pin:
         unpinned, then dropped unless pinned again since from the tier each was read from (the
         reset evicts them now; `LoadPins.drop`, which also serves a load that failed in the
-        engine). Returns the keys dropped (reported as removed events)."""
-        return self._loads.drop(list(loading)) + self.stores.finish_reset(storing)
+        engine: then `failed`, which counts one failure in each tier the loads read). Returns the
+        keys dropped (reported as removed events)."""
+        return self._loads.drop(list(loading), failed) + self.stores.finish_reset(storing)
 
     def get_stats(self) -> dict[str, Any]:
         """Per-tier counters and occupancy."""

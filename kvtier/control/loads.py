@@ -62,11 +62,13 @@ class LoadPins:
         KeyError (nothing changed) for a key that holds no pin."""
         self._release(keys)
 
-    def drop(self, keys: list[OffloadKey]) -> list[OffloadKey]:
-        """A load that failed in the engine, or that a cache reset flushed: release one pin of each
-        of `keys` (as `complete`; a key that holds no pin is ignored), then drop each block left
-        unpinned from the tier the load read it from (its bytes are not to be loaded again; a copy
-        in another tier stays). Returns the keys dropped; their removal events are recorded."""
+    def drop(self, keys: list[OffloadKey], failed: bool = False) -> list[OffloadKey]:
+        """A load that failed in the engine (`failed`), or that a cache reset flushed: release one
+        pin of each of `keys` (as `complete`; a key that holds no pin is ignored), then drop each
+        block left unpinned from the tier the load read it from (its bytes are not to be loaded
+        again; a copy in another tier stays). A failed load counts one failure in each tier it
+        read (`stats.failures`, as a failed transfer job does). Returns the keys dropped; their
+        removal events are recorded."""
         pins = self.pins
         counted: dict[OffloadKey, int] = {}
         held = []
@@ -78,6 +80,7 @@ class LoadPins:
         dropped: list[OffloadKey] = []
         for index, released in self._release(held).items():
             tier, gone = self.tiers[index], []
+            tier.stats.failures += 1 if failed else 0
             for key in dict.fromkeys(released):
                 block = tier.policy.get(key)
                 if block is not None and block.ref_cnt == 0:

@@ -210,11 +210,15 @@ def test_a_corrupted_file_block_fails_the_load_untouched_and_the_failed_load_dro
     keys = [_keys(1, start=12)[0], *old] if composite else old
     _corrupt(engine, old[1])
     free = engine.file_tier().backend.get_num_free_blocks()
+    failures = {name: row["failures"] for name, row in engine.manager.hierarchy.manager.get_stats().items()}
     engine.kv.zero_()
     _, result = engine.load(keys, 8, ctx)
     assert not result.success
     assert not engine.kv.any()  # nothing reached the KV cache, not even the blocks that verified
     engine.manager.complete_failed_load(keys, ctx)  # what KVTierOffloadingConnector does with it
+    # the failed job counts once in each tier it read (vllm:kvtier_failures)
+    after = {name: row["failures"] for name, row in engine.manager.hierarchy.manager.get_stats().items()}
+    assert after == {"cpu": failures["cpu"] + (1 if composite else 0), "disk": failures["disk"] + 1}
     # the file-tier blocks the failed load read are dropped: the recompute's lookup misses them
     assert [engine.manager.lookup(k, ctx) for k in old] == [LookupResult.MISS] * 2
     assert engine.file_tier().backend.get_num_free_blocks() == free + 2
@@ -291,6 +295,8 @@ def test_a_direct_file_load_flushed_by_a_reset_releases_its_file_tier_pin(make):
     assert engine.manager.lookup(keys[0], ctx) is LookupResult.HIT  # still pinned: a worker may read it
     engine.manager.on_reset_flushed()
     assert [engine.manager.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 2
+    # a flushed load did not fail: no tier counts a failure
+    assert {row["failures"] for row in engine.manager.hierarchy.manager.get_stats().values()} == {0}
     assert engine.file_tier().backend.get_num_free_blocks() == engine.file_tier().capacity
     with pytest.raises(KeyError):  # no pin is left to release
         engine.manager.hierarchy.manager.complete_load(keys)
@@ -364,3 +370,4 @@ def test_a_direct_file_load_is_scattered_on_the_thread_that_collects_it(make, mo
     _, result = engine.load(keys, 8, ctx)
     assert result.success and engine.loaded_equal(keys, 8)
     assert threads["finish_load"] == threading.get_ident() != threads["stage_load"]
+

@@ -187,9 +187,10 @@ class KVTierOffloadingManager(OffloadingManager):
         pins are released, then every one of `keys` that no other load pins is dropped from the
         tier the load read it from (the first tier, or a file tier loaded directly, whose block
         may have failed verification in the worker), so vLLM's recompute of those tokens does not
-        load the same blocks again (a copy in a lower tier stays, and is verified again if read)."""
+        load the same blocks again (a copy in a lower tier stays, and is verified again if read).
+        Each tier the load read counts one failure (`vllm:kvtier_failures`)."""
         keys = list(keys)
-        self.manager.finish_reset((), keys)  # (its `loading`: each pin released, the block dropped if unpinned)
+        self.manager.finish_reset((), keys, failed=True)  # (each pin released, the block dropped if unpinned)
         self._unpinned(keys)
 
     # --- store
