@@ -222,3 +222,58 @@ def test_a_vllm_without_the_fields_the_connector_relies_on_is_refused_at_start()
     worker = object.__new__(_Worker)
     with pytest.raises(RuntimeError, match="has no worker, _load_jobs, _connector_worker_meta"):
         worker._adopt(True)
+
+
+class _Waiting(_Results):
+    """`_Results` that also records kvtier's idle-step wait (`wait_for_file_loads`)."""
+
+    def __init__(self, outcomes):
+        super().__init__(outcomes)
+        self.waits: list[float] = []
+
+    def wait_for_file_loads(self, timeout):
+        self.waits.append(timeout)
+
+
+def _connector(worker_side=None, scheduler_side=None):
+    from kvtier.integrations.vllm.connector import KVTierOffloadingConnector
+
+    connector = object.__new__(KVTierOffloadingConnector)
+    connector.connector_worker, connector.connector_scheduler = worker_side, scheduler_side
+    return connector
+
+
+@pytest.mark.parametrize("scheduled", [0, 1, 512])
+def test_a_step_is_marked_idle_only_when_nothing_is_scheduled(scheduled):
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    assert "total_num_scheduled_tokens" in SchedulerOutput.__dataclass_fields__  # the field the mark reads
+    built = OffloadingConnectorMetadata(load_jobs={}, store_jobs={})
+    scheduler = SimpleNamespace(build_connector_meta=lambda output: built)
+    meta = _connector(scheduler_side=scheduler).build_connector_meta(
+        SimpleNamespace(total_num_scheduled_tokens=scheduled))
+    assert meta is built and meta.engine_idle is (scheduled == 0)
+
+
+@pytest.mark.parametrize("idle", [True, False, None])
+def test_an_idle_step_waits_for_the_direct_file_loads_before_collecting(idle):
+    """Only on a step with nothing scheduled does the worker side wait (bounded) for a direct file
+    load in flight; the jobs are collected after the wait, in the same call."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingConnectorMetadata
+
+    from kvtier.integrations.vllm.connector import IDLE_WAIT_S
+
+    side = _worker_side({LOAD: True})
+    side.worker = worker = _Waiting({LOAD: True})
+    connector = _connector(worker_side=side)
+    meta = OffloadingConnectorMetadata(load_jobs={}, store_jobs={})
+    if idle is not None:  # (None: a metadata without the mark, e.g. built by another scheduler side)
+        meta.engine_idle = idle
+    connector.bind_connector_metadata(meta)
+    results = connector.get_transfer_results(set())
+    assert worker.waits == ([IDLE_WAIT_S] if idle else [])
+    assert results.finished_recving == {"r1"}
+    assert 0 < IDLE_WAIT_S <= 0.05  # a request arriving meanwhile waits at most this long

@@ -371,3 +371,23 @@ def test_a_direct_file_load_is_scattered_on_the_thread_that_collects_it(make, mo
     assert result.success and engine.loaded_equal(keys, 8)
     assert threads["finish_load"] == threading.get_ident() != threads["stage_load"]
 
+
+def test_waiting_for_the_file_loads_returns_once_one_was_read(make):
+    """`wait_for_file_loads` (an idle engine step): it returns once the direct load in flight has
+    been read, so the same step's `get_finished` reports it, the bytes in the KV cache; with none
+    in flight it returns at once."""
+    import time
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    engine, ctx = make(), ReqContext("r")
+    keys = _pushed_out(engine, ctx)
+    started = time.perf_counter()
+    engine.worker.wait_for_file_loads(30.0)  # (no file load yet: nothing to wait for)
+    assert time.perf_counter() - started < 1.0
+    engine.kv.zero_()
+    assert engine.worker.submit_load(2, engine.manager.prepare_load(keys, ctx), _gpu(8, 2))
+    engine.worker.wait_for_file_loads(30.0)
+    (result,) = engine.worker.get_finished()
+    assert result.success and engine.loaded_equal(keys, 8)
+    engine.manager.complete_load(keys, ctx)

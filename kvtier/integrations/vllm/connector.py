@@ -29,6 +29,14 @@ metrics) and changes what a failed job does:
   fences and the request's bookkeeping are released), but kvtier's manager is told
   `complete_store(..., success=False)`, which frees the slots.
 
+Idle steps: while every request waits for its KV (a reload in flight, or a lookup deferred until
+it lands), vLLM's engine still steps, with nothing to compute, as fast as it can. In one process
+those steps hold the GIL that a direct file load's threads need between their system calls. The
+scheduler side marks such a step (`engine_idle` in its metadata: no token scheduled), and there
+the worker side waits for a direct file load in flight to be read, at most `IDLE_WAIT_S`, before
+it collects finished jobs: the load runs unhindered and is reported in the same step. A step that
+computes never waits; a request arriving meanwhile waits at most `IDLE_WAIT_S` to be scheduled.
+
 How the failure travels: the worker side marks the job completed as usual and lists it in
 `KVTierWorkerMetadata.failed_jobs` (summed over workers like `completed_jobs`); the scheduler side
 marks the job's keys as `FailedKeys` before vLLM's own completion code runs, and the manager
@@ -49,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.worker import Offlo
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 
 log = logging.getLogger(__name__)
+IDLE_WAIT_S = 0.02  # at most this long an idle step waits for a direct file load (module docstring)
 
 __all__ = ["FailedKeys", "KVTierOffloadingConnector", "KVTierWorkerMetadata"]
 
@@ -226,7 +235,17 @@ class KVTierOffloadingConnector(OffloadingConnector):
             self.connector_worker.__class__ = _Worker
             cast(_Worker, self.connector_worker)._adopt(len(kv_cache_config.kv_cache_groups) <= 1)
 
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        meta: Any = super().build_connector_meta(scheduler_output)
+        meta.engine_idle = scheduler_output.total_num_scheduled_tokens == 0  # (module docstring, "Idle steps")
+        return meta
+
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        idle = getattr(getattr(self, "_connector_metadata", None), "engine_idle", False)  # (this step's)
+        if idle and isinstance(self.connector_worker, _Worker):
+            wait = getattr(self.connector_worker.worker, "wait_for_file_loads", None)  # (kvtier's worker)
+            if wait is not None:
+                wait(IDLE_WAIT_S)
         results = super().get_transfer_results(finished_req_ids)
         if isinstance(self.connector_worker, _Worker):
             results.failed_recving |= self.connector_worker.take_failed_requests()

@@ -59,6 +59,15 @@ class FileLoads:
         for job_id in [j for j in job_ids if j in self._jobs]:
             self._finish(job_id)
 
+    def wait_any(self, timeout: float) -> None:
+        """Block (GIL released) until a job in flight has been read and verified, at most
+        `timeout` seconds; its scatter is left to the next `poll`. Returns at once with none in flight."""
+        from concurrent.futures import FIRST_COMPLETED
+        from concurrent.futures import wait as wait_futures
+
+        if self._jobs:
+            wait_futures([future for future, _ in self._jobs.values()], timeout, FIRST_COMPLETED)
+
     def _finish(self, job_id: int) -> None:
         from kvtier.types import TransferResult as KVTierResult
 
@@ -240,6 +249,13 @@ class KVTierOffloadingWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         for plane in self._all_planes():
             plane.wait(job_ids)
+
+    def wait_for_file_loads(self, timeout: float) -> None:
+        """The engine has nothing to compute this step: wait, at most `timeout` seconds, until a
+        direct file load in flight has been read (`FileLoads.wait_any`) rather than let the engine
+        spin through idle steps that hold the GIL the load's threads need (docs/vllm.md)."""
+        if self._file_loads is not None:
+            self._file_loads.wait_any(timeout)
 
     def shutdown(self) -> None:
         for plane in self._all_planes():
