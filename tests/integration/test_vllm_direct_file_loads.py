@@ -69,9 +69,15 @@ def _gpu(first: int, n_keys: int):
 class Engine:
     """A scheduler-side manager and a worker over CPU tensors, as vLLM's "uni" executor builds
     them: two specs of one engine in one process, the worker's first (it registers the KV caches
-    before the scheduler exists)."""
+    before the scheduler exists). `direct` is the `direct_file_loads` option (None: unset); left
+    out, it is unset where that turns direct loads on (vLLM 0.32), `true` where they must be asked
+    for (0.33: `test_on_a_vllm_with_sync_loads_direct_file_loads_must_be_asked_for`)."""
 
-    def __init__(self, tmp_path, direct=None, connector=True, local=True, world_size=1):
+    def __init__(self, tmp_path, direct="where needed", connector=True, local=True, world_size=1):
+        from kvtier.integrations.vllm.spec import vllm_has_sync_loads
+
+        if direct == "where needed":
+            direct = True if vllm_has_sync_loads() else None
         engine_id = f"direct-{time.time_ns()}"
         self.kv, caches = _caches()
         self.worker_spec = _spec(tmp_path, engine_id, direct, world_size)
