@@ -12,7 +12,8 @@
 #      same process (tests/reliability/test_regions.py);
 #   3. measures engine<->CPU with scattered (and consecutive) slots, 64 KiB / 256 KiB / 2 MiB pages,
 #      staged and fast paths, against one contiguous pinned copy (scripts/bench_gpu_copy.py ->
-#      gpu_copy.json);
+#      gpu_copy.json), and the copy mechanisms alone on the same layout, without the handlers
+#      (scripts/bench_gpu_copy_ceiling.py -> ceiling.json: what the handlers could reach);
 #   4. runs `kvtier bench hops` (-> hops.json) and records which fast path the self-check chose
 #      and which engine<->file path `io: auto` takes here (-> paths.txt).
 # Everything goes under ${OUT:-./gpu-check-out} (relative to the checkout): one log per step,
@@ -65,6 +66,7 @@ step gpu-tests 90 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/handlers t
 step handler-and-fork-tests 120 "$PY" -m pytest -q -p no:cacheprovider tests/handlers \
   tests/reliability/test_regions.py
 step gpu-copy-bench 150 "$PY" scripts/bench_gpu_copy.py --json "$OUT/gpu_copy.json"
+step gpu-copy-ceiling 120 "$PY" scripts/bench_gpu_copy_ceiling.py --json "$OUT/ceiling.json"
 step bench-hops 90 "$PY" -m kvtier.cli.main bench hops --no-progress --block-sizes 64KiB,256KiB,2MiB \
   --json "$OUT/hops.json"
 step paths 30 "$PY" - <<'EOF'
