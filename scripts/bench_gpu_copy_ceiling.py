@@ -51,7 +51,7 @@ def contiguous_s(torch, nbytes: int, repeats: int) -> tuple[float, float]:
     return best[0], best[1]
 
 
-def triton_copier(torch):
+def triton_copier():
     """A function copy(src, dst, size, programs, stream) running the Triton kernel, or None."""
     try:
         import triton
@@ -167,7 +167,7 @@ def main(argv=None) -> int:
         return 2
     total = args.total_mib << 20
     d2h, h2d = contiguous_s(torch, total, args.repeats)
-    triton_copy = triton_copier(torch)
+    triton_copy = triton_copier()
     rows = [row for page in pages
             for row in measure(torch, page, total, args.repeats, args.job_mib << 20, triton_copy)]
     for row in rows:

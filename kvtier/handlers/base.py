@@ -58,6 +58,11 @@ def host_pair(hosts: Mapping[str, Any], others: Mapping[str, Any], host_spec: An
     return host, other
 
 
+def failed_result(job_id: int, start: float, exc: BaseException) -> TransferResult:
+    """The failed result of job `job_id`, started at `start` (`time.perf_counter()`), naming `exc`."""
+    return TransferResult(job_id, False, 0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
+
+
 def run_copy(job_id: int, copy: Callable[[LoadStoreSpec, LoadStoreSpec], int], src: LoadStoreSpec,
              dst: LoadStoreSpec) -> TransferResult:
     """Run one job's copy and time it; an exception becomes a failed result for this job only."""
@@ -65,7 +70,7 @@ def run_copy(job_id: int, copy: Callable[[LoadStoreSpec, LoadStoreSpec], int], s
     try:
         moved = copy(src, dst)
     except Exception as exc:  # noqa: BLE001 - any failure fails this job only
-        return TransferResult(job_id, False, 0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
+        return failed_result(job_id, start, exc)
     return TransferResult(job_id, True, moved, time.perf_counter() - start)
 
 

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.handlers.base import failed_result
 from kvtier.types import TransferResult
 
 _STOP = None
@@ -51,8 +52,7 @@ class Completions:
             try:
                 done.synchronize()
             except Exception as exc:  # noqa: BLE001 - an asynchronous copy error fails this job only
-                result = TransferResult(job_id, False, 0, time.perf_counter() - start,
-                                        error=f"{type(exc).__name__}: {exc}")
+                result = failed_result(job_id, start, exc)
             else:
                 result = TransferResult(job_id, True, nbytes, time.perf_counter() - start)
             done = None

@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler, pick_backend, serving
+from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler, failed_result, pick_backend, serving
 from kvtier.handlers.completions import Completions
 from kvtier.handlers.copy_plan import plan_copies
 from kvtier.handlers.cuda_copy import CopyError
@@ -203,8 +203,7 @@ class CudaKVCopyHandler(EngineJobHandler):
             gpu, backend, slots = self._job(src, dst)
             fast = self.fast_path() if getattr(backend, "pinned", False) else None
         except Exception as exc:  # noqa: BLE001 - a bad job fails this job only
-            return self.report(TransferResult(job_id, False, 0, time.perf_counter() - start,
-                                              error=f"{type(exc).__name__}: {exc}"))
+            return self.report(failed_result(job_id, start, exc))
         if fast is None:
             return super().submit(job_id, src, dst)
         with self._job_lock:
@@ -220,8 +219,7 @@ class CudaKVCopyHandler(EngineJobHandler):
                 self._reported.pop(job_id, None)
             return super().submit(job_id, src, dst)
         except Exception as exc:  # noqa: BLE001 - fails this job only
-            return self._complete(TransferResult(job_id, False, 0, time.perf_counter() - start,
-                                                 error=f"{type(exc).__name__}: {exc}"))
+            return self._complete(failed_result(job_id, start, exc))
         self._completions.add(job_id, done, self.layout.bytes_of(gpu), start)
 
     def _complete(self, result: TransferResult) -> None:

@@ -69,6 +69,7 @@ class FileLoads:
             wait_futures([future for future, _ in self._jobs.values()], timeout, FIRST_COMPLETED)
 
     def _finish(self, job_id: int) -> None:
+        from kvtier.handlers.base import failed_result
         from kvtier.types import TransferResult as KVTierResult
 
         future, start = self._jobs.pop(job_id)
@@ -76,7 +77,7 @@ class FileLoads:
             size = self.handler.finish_load(*future.result())
         except Exception as exc:  # noqa: BLE001 - fails this job only
             log.warning("kvtier: direct file load job %d failed: %s: %s", job_id, type(exc).__name__, exc)
-            self._done.append(KVTierResult(job_id, False, 0, time.perf_counter() - start, error=str(exc)))
+            self._done.append(failed_result(job_id, start, exc))
         else:
             self._done.append(KVTierResult(job_id, True, size, time.perf_counter() - start))
 
