@@ -3,18 +3,18 @@
 Residence rules (checked by the Hypothesis state machine in tests/test_manager_state.py):
 - Tier 0 receives every store. A block may be resident in several tiers at once; a tier-k copy is
   *clean* when the same block is also readable in tier k+1 (evicting it then loses nothing).
+- A tier that cascades never evicts a *dirty* block (no readable copy below) to make room, under
+  either mode: the copies of the dirty blocks among its next victims start first, only clean
+  blocks are evicted, and when too few are, `prepare_store` answers None (no room yet; the engine
+  asks again, the standalone `store` waits for the copies) and a promotion waits for the room.
+  The one exception is a block whose copy failed (`cascade_dropped_failed`): a failing lower
+  tier must not stop the first one. `prepare_store` never waits for a slower tier.
 - Cascade `on_evict`: when free + clean + being-demoted slots of tier k fall below its low
   watermark, the manager asks the policy for its next victims and copies them to tier k+1 in the
-  background (the tier-k copies stay pinned meanwhile). `prepare_store` therefore never waits for a
-  slower tier; a dirty block evicted anyway (the lower tier could not keep up) is counted as
-  `cascade_dropped`. Cascade `on_store` (write-through): every completed store is queued for a copy
-  to tier k+1; copies start at once up to the in-flight limit, the rest wait in the queue and are
-  started every step (`on_schedule_end`, `has_pending_work` says they wait) and as jobs finish.
-  While the next tier takes copies, eviction takes only written blocks: when too few remain, the
-  queued copies of the next victims start first and `prepare_store` answers None (no room yet;
-  the engine asks again). A dirty block is evicted only when its copy failed
-  (`cascade_dropped_failed`) or the next tier had no room for it or dropped its copy
-  (`cascade_dropped_full`).
+  background (the tier-k copies stay pinned meanwhile), so that the next victims are clean by the
+  time they are needed. Cascade `on_store` (write-through): every completed store is queued for a
+  copy to tier k+1; copies start at once up to the in-flight limit, the rest wait in the queue and
+  are started every step (`on_schedule_end`, `has_pending_work` says they wait) and as jobs finish.
 - Lookup: tier 0 first. A readable block further down is a HIT when a handler can load it straight
   into the engine's KV cache (direct path); otherwise it is promoted into tier 0 (staged path) and
   the lookup answers RETRY until it lands. A block being written is HIT_PENDING.

@@ -61,6 +61,7 @@ from kvtier.types import CanonicalKVCaches, LookupResult, TransferResult
 
 _T = TypeVar("_T")
 _MAX_LOOKUP_ROUNDS = 1000
+_MAX_ROOM_ROUNDS = 1000  # waits for copies that make room, per store round (each one makes some)
 _RECHECK_S = 0.1  # how often a call waiting for a job looks whether another thread closed the KVTier
 FLUSH_TIMEOUT_S = 60.0  # `close()`'s default bound on writing the first tier's dirty blocks down
 
@@ -163,8 +164,10 @@ class KVTier:
 
     def _store_batch(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
         output = self.manager.prepare_store(keys)
-        if output is None and self.manager.has_pending_work():
-            # Room is being made by background copies (pinned while in flight): wait for them.
+        for _ in range(_MAX_ROOM_ROUNDS):
+            if output is not None or not self.manager.has_pending_work():
+                break
+            # (room is being made by copies down, each call starting its next victims': wait)
             self._wait_idle()
             output = self.manager.prepare_store(keys)
         if output is None:

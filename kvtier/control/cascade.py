@@ -1,12 +1,14 @@
 """How blocks reach the next tier, and eviction that respects it.
 
+- Either way a dirty block (no readable copy below) is never evicted to make room (`evict_for`):
+  the copies of the next victims start first and only clean blocks go; too few is "no room yet".
+  Only a block whose copy failed may go without one (`cascade_dropped_failed`).
 - `on_evict`: when free + clean + being-demoted slots of a tier fall below its low watermark, the
   dirty blocks among its policy's next victims are copied to the next tier in the background
-  (`refill_reserve`); whatever is still dirty when it must go is dropped and counted.
+  (`refill_reserve`), so that the victims are clean when they are needed.
 - `on_store` (write-through): every completed store is queued for a copy to the next tier
   (`queue_writes`); copies start up to the in-flight limit, the rest wait in the queue and are
-  started every step and as jobs finish (`advance_writes`). Eviction then takes only written
-  blocks while the next tier takes copies (`evict_for`).
+  started every step and as jobs finish (`advance_writes`).
 A copy is a `Demotion` job: its source blocks stay pinned until it ends.
 """
 
@@ -22,6 +24,7 @@ from kvtier.control.context import ControlContext
 from kvtier.control.jobs import Job, enter_copies, pin_sources
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
+from kvtier.policies.base import predicts_victims
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +57,8 @@ class Demotion(Job):
     def failed(self) -> None:
         src = self.src
         src.demoting -= len(self.keys)
-        if src.cascade == "on_store":
-            src.write_failed.update(set(self.keys).difference(src.table.absent(self.keys)))
+        # (may be evicted now, counted as `cascade_dropped_failed`: a copy that failed may fail again)
+        src.write_failed.update(set(self.keys).difference(src.table.absent(self.keys)))
 
 
 class Cascade:
@@ -70,28 +73,28 @@ class Cascade:
     # ------------------------------------------------------------------ eviction
     def evict_for(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         """Free enough slots of `tier` for `n` new blocks, keeping `protected`; the evicted keys,
-        or None (no room yet). An `on_evict` tier first demotes the dirty blocks among the
-        victims it is about to take: handlers that finish at once (memory copies, replay) land
-        before the eviction; slower ones were meant to be cleaned ahead of time by
-        `refill_reserve`, and what is still dirty is dropped and counted. A write-through tier
-        with copies waiting evicts written blocks only (`_evict_written`)."""
+        or None (nothing changed: no room yet). On a tier that cascades (`on_evict` or
+        `on_store`), a block whose copy below is not readable is never evicted to make room: the
+        copies of the dirty blocks among the next victims are started first (they land at once
+        with handlers that finish at once: memory copies, replay), then only blocks safe to evict
+        (`Tier.safe_to_evict`) are taken, in the policy's order; when too few are, the answer is
+        None and the engine asks again once the copies landed."""
         need = n - tier.backend.get_num_free_blocks()
         if need <= 0:
             return []
         if not isinstance(protected, set):
             protected = set(protected)
-        if tier.cascades_on_evict:
+        if tier.below is not None and tier.cascade != "none":
             dirty = self._dirty_victims(tier, need, protected)
             if dirty:
-                self._demote(tier, dirty)
+                self._copy_down(tier, dirty)
                 self._jobs.drain()  # (jobs that ended may have freed slots: counted again)
-            return self.make_room(tier, n, protected)
-        if tier.unwritten and not tier.lower_full:
-            return self._evict_written(tier, n, need, protected)
-        evicted = tier.evict(need, protected)
-        if evicted and self._events.events is not None:
-            self._events.record(tier, evicted, removed=True)
-        return evicted
+            kept = unsafe_ahead(tier, n - tier.backend.get_num_free_blocks(), protected)
+            if kept is None:
+                return None
+            if kept:
+                protected = protected | kept
+        return self.make_room(tier, n, protected)
 
     def make_room(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         """`Tier.make_room`, recording the evictions as events."""
@@ -100,16 +103,18 @@ class Cascade:
             self._events.record(tier, evicted, removed=True)
         return evicted
 
-    def _evict_written(self, tier: Tier, n: int, need: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
-        """`make_room` for a write-through tier whose next tier takes copies: blocks still queued
-        for their copy are not victims. When the other blocks are too few, the queued copies of
-        the next victims are started first and the answer is None (no room yet), unless they
-        finish at once (memory tiers) or the next tier turns out to be full (then they may go)."""
-        evicted = self.make_room(tier, n, protected.union(tier.unwritten))
-        if evicted is not None:
-            return evicted
-        self._hurry_writes(tier, need, protected)
-        return self.make_room(tier, n, protected if tier.lower_full else protected.union(tier.unwritten))
+    def _copy_down(self, tier: Tier, keys: list[OffloadKey]) -> None:
+        """Start the copies of `tier`'s dirty victims `keys` to the next tier, within the in-flight
+        limits: an `on_evict` tier demotes them (`_demote`), a write-through tier moves them to
+        the head of its queue and starts what it may (`advance_writes`)."""
+        if tier.cascade != "on_store":
+            self._demote(tier, keys)
+            return
+        queue = tier.unwritten
+        for key in reversed(keys):
+            queue[key] = None
+            queue.move_to_end(key, last=False)
+        self.advance_writes()
 
     # ------------------------------------------------------------------ on_evict
     def refill_reserve(self, tier: Tier) -> None:
@@ -140,8 +145,12 @@ class Cascade:
                 break
             want = count + len(found) - len(keys)
         del keys[count:]
-        clean = tier.clean
-        return split_below(tier, list(filterfalse(clean.__contains__, keys)) if clean else keys)
+        clean, failed = tier.clean, tier.write_failed
+        if clean:
+            keys = list(filterfalse(clean.__contains__, keys))
+        if failed:
+            keys = list(filterfalse(failed.__contains__, keys))  # (may go: their copy failed)
+        return split_below(tier, keys) if keys else keys
 
     def _demote(self, tier: Tier, keys: list[OffloadKey]) -> None:
         """Copy readable blocks `keys` of `tier`, absent from the next tier (`_dirty_victims`),
@@ -157,16 +166,11 @@ class Cascade:
 
     def _start_demotion(self, tier: Tier, keys: list[OffloadKey]) -> bool:
         """Pin readable blocks `keys` (distinct) of `tier` and start one `Demotion` to the next
-        tier; False (nothing started) when the next tier has no room for them. A next tier that
-        writes through itself gives up its written blocks first."""
+        tier; False (nothing started) when the next tier has no room for them (`evict_for`: a
+        next tier that cascades itself evicts only what it copied down)."""
         lower = tier.below
         assert lower is not None
-        protected = set(keys)
-        if lower.unwritten and not lower.lower_full:
-            evicted = self.make_room(lower, len(keys), protected.union(lower.unwritten))
-        else:
-            evicted = None
-        if evicted is None and self.make_room(lower, len(keys), protected) is None:
+        if self.evict_for(lower, len(keys), set(keys)) is None:  # (a cascading lower tier copies down first)
             return False
         src_ids = pin_sources(tier, keys)  # readable: checked by callers
         tier.demoting += len(keys)
@@ -255,23 +259,41 @@ class Cascade:
             started = True
         return started
 
-    def _hurry_writes(self, tier: Tier, need: int, protected: Collection[OffloadKey]) -> None:
-        """Move the queued keys among `tier`'s next `need` victims to the head of its write-through
-        queue and start what the in-flight limit allows (the rest goes first when room frees)."""
-        queue = tier.unwritten
-        hurried: list[OffloadKey] = []
-        seen = 0
-        for key, _ in tier.policy.victim_candidates():
-            if key in protected:
-                continue
-            if key in queue:
-                hurried.append(key)
-            seen += 1
-            if seen >= need:
-                break
-        for key in reversed(hurried):
-            queue.move_to_end(key, last=False)
-        self.advance_writes()
+
+def unsafe_ahead(tier: Tier, need: int, protected: set[OffloadKey]) -> set[OffloadKey] | None:
+    """The blocks of `tier` not safe to evict (`Tier.safe_to_evict`) that its policy would take
+    before `need` safe ones: with them protected too, `evict(need, ...)` takes safe blocks only.
+    None when fewer than `need` safe blocks are found before as many unsafe ones as two
+    reserves and the write-through queue hold (no room yet: the copies started for the next
+    victims make some; a walk past them would cost the whole tier when every block is dirty).
+    A policy that does not predict its victims has every block not safe to evict protected
+    (a walk of the tier)."""
+    if need <= 0:
+        return set()
+    safe = tier.safe_to_evict
+    if not predicts_victims(tier.policy):
+        return {k for k in tier.policy.keys() if not safe(k)}
+    skip: set[OffloadKey] = set()
+    limit = need + 2 * tier.reserve + len(tier.unwritten)
+    want = need
+    while True:
+        found = tier.policy.victim_keys(want, protected.union(skip) if skip else protected)
+        ahead: list[OffloadKey] = []
+        taken = 0
+        for key in found:
+            if safe(key):
+                taken += 1
+                if taken == need:
+                    break
+            else:
+                ahead.append(key)
+        if not ahead:
+            return skip if taken == need else None
+        before = len(skip)
+        skip.update(ahead)
+        if len(skip) >= limit or len(skip) == before:  # (the second: a policy naming protected keys)
+            return None
+        want = max(need, len(skip))
 
 
 def _take_head(tier: Tier, queue: OrderedDict[OffloadKey, None], room: int) -> list[OffloadKey]:

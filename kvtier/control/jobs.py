@@ -12,11 +12,10 @@ defaults for the pure-Python ones).
 from __future__ import annotations
 
 import time
-from collections import deque as _consume
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvtier.control.tier import Tier
+from kvtier.control.tier import WRITING, Tier
 from kvtier.keys import OffloadKey
 from kvtier.router import TransferRouter
 from kvtier.types import BlockStatus, OffloadingEvent, TransferResult
@@ -48,20 +47,11 @@ def enter_copies(tier: Tier, keys: list[OffloadKey], tail_first: bool = False) -
     try:
         tier.table.insert_written(keys[::step], ids[::step], tail=tail)
     except BaseException:
-        _undo_enter(tier, keys)
-        tier.backend.free_block_ids(ids)
+        # (the keys a failed insert left resident leave as a failed write does, slots freed)
+        removed = set(tier.remove(keys, WRITING, ids))
+        tier.backend.free_block_ids([i for k, i in zip(keys, ids) if k not in removed])
         raise
     return ids
-
-
-def _undo_enter(tier: Tier, keys: list[OffloadKey]) -> None:
-    """Take out of `tier`'s policy those of `keys` (all absent before `enter_copies`) that a
-    failed insert left resident, unpinned first (as `complete_store` drops a failed write)."""
-    absent = set(tier.table.absent(keys))
-    inserted = [key for key in keys if key not in absent]
-    tier.policy.unpin(inserted)
-    for key in inserted:
-        tier.policy.remove(key)
 
 
 class EventLog:
@@ -120,9 +110,7 @@ class Job:
         else:
             src.stats.failures += 1
             dst.stats.failures += 1
-            dst.policy.unpin(self.keys)
-            _consume(map(dst.policy.remove, self.keys), 0)
-            dst.backend.free_block_ids(self.dst_ids)
+            dst.remove(self.keys, WRITING, self.dst_ids)
             self.failed()
 
     def landed(self) -> None:

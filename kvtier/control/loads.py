@@ -79,13 +79,9 @@ class LoadPins:
                 counted[key] = n + 1
         dropped: list[OffloadKey] = []
         for index, released in self._release(held).items():
-            tier, gone = self.tiers[index], []
+            tier = self.tiers[index]
             tier.stats.failures += 1 if failed else 0
-            for key in dict.fromkeys(released):
-                block = tier.policy.get(key)
-                if block is not None and block.ref_cnt == 0:
-                    tier.drop(key, block)
-                    gone.append(key)
+            gone = tier.remove(released)
             self.events.record(tier, gone, removed=True)
             dropped += gone
         return dropped

@@ -58,11 +58,9 @@ class Promotion(Job):
         self.promotions.ended(self.keys)
         valid = src.backend.still_valid
         bad = [(key, block) for key, block in zip(self.keys, self.source_blocks()) if not valid(block)]
-        for key, block in bad:
-            held = src.policy.get(key)  # the same block (slot), unless it left: compared by block_id
-            if held is not None and held.block_id == block.block_id and held.ref_cnt == 0:
-                src.drop(key, held)
-                self.events.record(src, [key], removed=True)
+        if bad:  # (the same blocks, unless they left: compared by slot)
+            gone = src.remove([key for key, _ in bad], slots=[block.block_id for _, block in bad])
+            self.events.record(src, gone, removed=True)
         self.promotions.refuse([key for key, _ in bad] if bad else self.keys)
 
 
@@ -130,7 +128,8 @@ class Promotions:
         readable in its source, or already in tier 0, is refused. When tier 0 has no room for
         all of them, the longest prefix of the queue (in request order) that fits is started and
         only the rest is refused: a run longer than tier 0's room still comes up from its first
-        block (`_room`)."""
+        block (`_room`); while copies down from tier 0 are in flight (they make room: a block not
+        copied down is never evicted for a promotion), the rest stays queued instead."""
         queue, self.queue = self.queue, {}
         keys = list(queue)
         if not keys:
@@ -140,8 +139,11 @@ class Promotions:
         if fit < len(wanted):
             for index, positions in _by_source(self.running, wanted[fit:]).items():
                 self._tiers[index].table.release_loads([wanted[fit + p] for p in positions])
-            for key in wanted[fit:]:
-                self._refuse(key)
+            if self._top.demoting:  # room is being made (copies down in flight): tried again next step
+                self.queue.update(dict.fromkeys(wanted[fit:]))
+            else:
+                for key in wanted[fit:]:
+                    self._refuse(key)
         for index, positions in _by_source(self.running, wanted[:fit]).items():
             self._start(self._tiers[index], [wanted[p] for p in positions], [ids[p] for p in positions])
 

@@ -39,7 +39,7 @@ from kvtier.control.jobs import Job, enter_copies, pin_sources
 from kvtier.control.promotion import Promotions, longest_fit
 from kvtier.control.tier import Tier
 from kvtier.keys import OffloadKey
-from kvtier.types import BlockStatus, LookupResult
+from kvtier.types import LookupResult
 
 MAX_PENDING = 4096  # keys waiting for a probe; past this, lookups of new keys answer MISS
 MAX_NEGATIVE = 1 << 16  # negative answers kept (the oldest are forgotten first)
@@ -75,10 +75,7 @@ class Publish(Job):
         shared.inflight_bytes -= self.nbytes
         unsent = shared.backend.take_unsent(self.keys)
         if unsent:  # writes paused or failed (server full, down): those handles go
-            for key in cast("list[OffloadKey]", unsent):
-                block = dst.policy.get(key)
-                if block is not None and block.ref_cnt == 0:
-                    dst.drop(key, block)
+            dst.remove(cast("list[OffloadKey]", unsent))
             self.events.record(dst, unsent, removed=True)
             dst.stats.stores -= len(unsent)
             dst.stats.publish_dropped += len(unsent)
@@ -297,8 +294,7 @@ class SharedTierProbes:
             elif self._stale(key):
                 stale.append(key)
         if stale and backend.available and backend.accepts_writes():
-            for key in stale:
-                tier.drop(key, cast(BlockStatus, get(key)))
+            tier.remove(stale)
             self._events.record(tier, stale, removed=True)
             new += stale
         if not new:

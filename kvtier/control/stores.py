@@ -17,6 +17,7 @@ from kvtier.control.context import ControlContext
 from kvtier.control.jobs import enter_copies
 from kvtier.control.promotion import Promotions
 from kvtier.control.shared_probes import SharedTierProbes
+from kvtier.control.tier import UNPINNED, WRITING
 from kvtier.keys import OffloadKey
 from kvtier.types import PrepareStoreOutput
 
@@ -58,7 +59,7 @@ class StorePath:
         else:
             changed = [k for k in top.being_written(keys) if k not in promoting]
             if not success:
-                top.discard_written(changed)
+                top.remove(changed, WRITING)
                 top.stats.failures += 1 if changed else 0
                 return
             top.table.mark_written(changed)
@@ -96,13 +97,6 @@ class StorePath:
         flushed loads are `LoadPins.drop`'s): the keys dropped."""
         top = self._top
         promoting = self._promotions.running
-        dropped: list[OffloadKey] = []
-        for key in set(storing):
-            block = top.policy.get(key)
-            if block is None or key in promoting:
-                continue
-            if block.ref_cnt in (0, -1):
-                top.drop(key, block)
-                dropped.append(key)
+        dropped = top.remove([key for key in storing if key not in promoting], UNPINNED)
         self._ctx.events.record(top, dropped, removed=True)
         return dropped

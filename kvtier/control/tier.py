@@ -7,13 +7,18 @@ from collections import deque as _consume
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from itertools import repeat
-from typing import Any, cast
+from typing import Any
 
 from kvtier.index import BlockTable, table_of
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.tiers.base import Backend
 from kvtier.types import DEFAULT_CASCADE, DEFAULT_RESERVE, BlockStatus
+
+# The `ref_cnt`s of blocks `Tier.remove` may take (a pinned block, > 0, never leaves).
+IDLE = frozenset({0})  # readable, unpinned
+WRITING = frozenset({-1})  # being written
+UNPINNED = IDLE | WRITING
 
 
 @dataclass
@@ -26,8 +31,8 @@ class TierStats:
     demotions: int = 0  # blocks copied from this tier to the next one
     promotions: int = 0  # blocks copied from this tier up to tier 0
     cascade_dropped: int = 0  # dirty blocks evicted without a copy below
-    cascade_dropped_failed: int = 0  # of those (write-through): their copy below failed
-    cascade_dropped_full: int = 0  # of those (write-through): the next tier had no room or dropped its copy
+    cascade_dropped_failed: int = 0  # of those: their copy below failed (the only ones `Cascade.evict_for` lets go)
+    cascade_dropped_full: int = 0  # of those: any other (a policy evicting past its own victim_keys); 0 otherwise
     cascade_deferred: int = 0  # demotions not started at once because too many were in flight (backpressure)
     failures: int = 0  # failed jobs that wrote into this tier or read from it
     # A shared tier (kvtier.control.shared_probes); zero elsewhere:
@@ -58,8 +63,9 @@ class Tier:
     - residency: the policy (`policy.get(key)`, the block's `ref_cnt`: -1 while being written,
       > 0 while pinned by loads or copies);
     - `clean`: keys whose copy here is also readable in the next tier (evicting it loses nothing);
+    - `write_failed`: keys whose copy below failed (they may be evicted without one, counted);
     - write-through (`on_store`): `unwritten`, readable keys whose copy below has not started
-      (oldest first), `write_failed`, keys whose copy below failed, and `lower_full`;
+      (oldest first), and `lower_full`;
     - `promoted_from` (tier 0): keys promoted into this tier -> index of the tier that supplied
       them, until they are loaded or evicted (so the supplier is credited with the hit).
     """
@@ -118,19 +124,17 @@ class Tier:
         get = self.policy.get
         return [k for k in dict.fromkeys(keys) if (b := get(k)) is not None and b.ref_cnt == -1]
 
-    def discard_written(self, keys: list[OffloadKey]) -> None:
-        """Remove blocks `keys` (distinct, being written: a failed store) and free their slots."""
-        get = self.policy.get
-        ids = [cast(BlockStatus, get(k)).block_id for k in keys]
-        self.policy.unpin(keys)
-        _consume(map(self.policy.remove, keys), 0)
-        self.backend.free_block_ids(ids)
-
     def demotion_room(self, burst: int = 0) -> int:
         """How many more blocks may start a demotion now. A slow lower tier gets at most two
         reserves' worth in flight; a burst of `burst` blocks may start when none is."""
         room = 2 * self.reserve - self.demoting
         return max(room, burst) if self.demoting == 0 else room
+
+    def safe_to_evict(self, key: OffloadKey) -> bool:
+        """Whether evicting `key` loses nothing the hierarchy promised to keep: always on a tier
+        that does not cascade; on one that does, when its copy below is readable (`clean`) or
+        could not be made (`write_failed`: counted as `cascade_dropped_failed` when it goes)."""
+        return self.below is None or self.cascade == "none" or key in self.clean or key in self.write_failed
 
     def make_room(self, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         """Free enough slots for `n` new blocks; returns the evicted keys, or None (nothing
@@ -143,49 +147,68 @@ class Tier:
     def evict(self, need: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
         """Evict `need` (> 0) blocks that are not pinned or `protected`; the evicted keys, or None
         (nothing changed) when the policy cannot find that many (`make_room` without the count
-        of free slots)."""
+        of free slots). The policy chooses; `Cascade.evict_for` protects what must not go."""
         got = self.table.evict_ids(need, protected)  # (keys and slot ids: no block objects)
         if got is None:
             return None
         evicted, ids = got
         if not evicted:
             return []
-        self.backend.free_block_ids(ids)
         if self.below is not None and self.cascade != "none":
             self._count_dropped(evicted)
-        if self.clean:
-            self.clean.difference_update(evicted)
-        if self.unwritten or self.write_failed:
-            self.forget(evicted)
-        if self.above is not None:
-            self.above.clean.difference_update(evicted)
-        elif self.promoted_from:
-            _consume(map(self.promoted_from.pop, evicted, repeat(None)), 0)
+        self._left(evicted, ids)
         self.stats.evictions += len(evicted)
         return evicted
 
     def _count_dropped(self, evicted: list[OffloadKey]) -> None:
-        """Count the evicted blocks that had no copy below (lost to the hierarchy); a tier that
-        cascades (`below` set, cascade not `none`)."""
+        """Count the evicted blocks that had no copy below (lost to the hierarchy): those whose
+        copy failed (`cascade_dropped_failed`), and any other (`cascade_dropped_full`, which
+        `Cascade.evict_for` keeps at 0); a tier that cascades (`below` set, cascade not `none`)."""
         dropped = len(evicted) - len(self.clean.intersection(evicted))
-        self.stats.cascade_dropped += dropped
-        if dropped and self.cascade == "on_store":
+        if dropped:
             failed = len(self.write_failed.intersection(evicted))
+            self.stats.cascade_dropped += dropped
             self.stats.cascade_dropped_failed += failed
             self.stats.cascade_dropped_full += dropped - failed
 
-    def drop(self, key: OffloadKey, block: BlockStatus) -> None:
-        """Remove a resident block that must not be served again and free its slot."""
-        self.policy.unpin([key])
-        self.policy.remove(key)
-        self.backend.free(block)
-        self.clean.discard(key)
+    def remove(self, keys: Iterable[OffloadKey], states: frozenset[int] = IDLE,
+               slots: Iterable[int] | None = None) -> list[OffloadKey]:
+        """The one way a block leaves this tier other than by eviction (`evict`): a failed write,
+        a block that failed verification, a cache reset, a flushed store. Removes each of `keys`
+        that is resident, whose `ref_cnt` is one of `states` (`IDLE`: readable and unpinned;
+        `WRITING`: being written; `UNPINNED`: either) and, when `slots` is given (one per key),
+        that still sits in that slot; frees its slot and forgets every piece of state kept for it
+        (here and in the tier above). Pinned blocks never leave. Returns the keys removed."""
+        get = self.policy.get
+        gone: list[OffloadKey] = []
+        ids: list[int] = []
+        wanted = zip(keys, slots) if slots is not None else zip(keys, repeat(None))
+        for key, slot in dict(wanted).items():
+            block = get(key)
+            if block is None or block.ref_cnt not in states or (slot is not None and block.block_id != slot):
+                continue
+            gone.append(key)
+            ids.append(block.block_id)
+        if gone:
+            self.policy.unpin(gone)  # (a block being written was counted as not evictable)
+            _consume(map(self.policy.remove, gone), 0)
+            self._left(gone, ids)
+        return gone
+
+    def _left(self, keys: list[OffloadKey], ids: list[int]) -> None:
+        """Blocks `keys` (in slots `ids`) left the table: free the slots and forget their state."""
+        self.backend.free_block_ids(ids)
+        if self.clean:
+            self.clean.difference_update(keys)
+        if self.unwritten or self.write_failed:
+            self.forget(keys)
         if self.above is not None:
-            self.above.clean.discard(key)
-        self.forget([key])
+            self.above.clean.difference_update(keys)
+        elif self.promoted_from:
+            _consume(map(self.promoted_from.pop, keys, repeat(None)), 0)
 
     def forget(self, keys: Collection[OffloadKey]) -> None:
-        """Drop the write-through state of keys that left this tier."""
+        """Drop the write-through state of keys that left this tier (or were copied below)."""
         if self.unwritten:
             pop = self.unwritten.pop
             for key in keys:
@@ -194,17 +217,8 @@ class Tier:
             self.write_failed.difference_update(keys)
 
     def reset(self) -> list[OffloadKey]:
-        """Evict every unpinned, readable block (`reset_cache`); returns their keys."""
-        get = self.policy.get
-        victims = [(k, b) for k in list(self.policy.keys()) if (b := get(k)) is not None and b.ref_cnt == 0]
-        for key, block in victims:
-            self.policy.remove(key)
-            self.backend.free(block)
-            self.clean.discard(key)
-            if self.above is not None:
-                self.above.clean.discard(key)
-        self.forget([k for k, _ in victims])
-        return [k for k, _ in victims]
+        """Remove every unpinned, readable block (`reset_cache`); returns their keys."""
+        return self.remove(list(self.policy.keys()))
 
     def stats_row(self) -> dict[str, Any]:
         """This tier's counters and occupancy (one entry of `get_stats`)."""

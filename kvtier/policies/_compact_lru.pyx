@@ -292,10 +292,13 @@ cdef class Index(CompactTable):
                         raise RuntimeError("lru changed during victim_candidates iteration")
                 i = rec(&self.c, i).l.next
 
-    def victim_keys(self, Py_ssize_t n):
-        """The keys of the first `n` blocks `victim_candidates` yields, in one C loop."""
+    def victim_keys(self, Py_ssize_t n, protected=()):
+        """The keys of the first `n` blocks `victim_candidates` yields, in one C loop.
+        Not counting `protected` keys (the order does not depend on them)."""
         cdef int32_t i
         cdef Entry* e = self.c.t.e
+        if protected:
+            return [k for k in self.victim_keys(n + len(protected)) if k not in protected][:n]
         out = []
         heads = [self.c.aside.head, self.c.order.head] if self.tracking else [self.c.order.head]
         for chain in heads:

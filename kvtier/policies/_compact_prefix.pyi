@@ -1,7 +1,7 @@
 """Type stub of the compiled core of `prefix-freq` (kvtier/policies/_compact_prefix.pyx); the block
 table's calls are `CompactTable`'s (kvtier/index/_table_api.pyi)."""
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
 from kvtier.index._table_api import BlockView as BlockView
@@ -28,4 +28,4 @@ class Index(CompactTable):
 
 class CompactPrefixPolicy(Index):
     def victim_candidates(self) -> Iterator[Any]: ...
-    def victim_keys(self, n: int) -> list[OffloadKey]: ...
+    def victim_keys(self, n: int, protected: Collection[OffloadKey] = ()) -> list[OffloadKey]: ...

@@ -307,10 +307,13 @@ cdef class CompactPrefixPolicy(Index):
         self.version += 1
         return 0
 
-    def victim_keys(self, Py_ssize_t n):
-        """The keys of the first `n` blocks `victim_candidates` yields, in one C walk."""
+    def victim_keys(self, Py_ssize_t n, protected=()):
+        """The keys of the first `n` blocks `victim_candidates` yields, in one C walk.
+        Not counting `protected` keys (the order does not depend on them)."""
         cdef int32_t* out
         cdef Py_ssize_t got, j
+        if protected:
+            return [k for k in self.victim_keys(n + len(protected)) if k not in protected][:n]
         n = min(n, self.c.t.count)
         if n <= 0:
             return []

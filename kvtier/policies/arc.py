@@ -8,7 +8,8 @@ T1 towards the list that would have kept the block, and the block enters T2.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
+from itertools import islice
 
 from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy, evictable
@@ -56,10 +57,14 @@ class ARCCachePolicy(CachePolicy):
             elif key in t2:
                 t2.move_to_end(key)
 
-    def _choose(self) -> Iterator[tuple[int, OffloadKey, BlockStatus]]:
-        """Victims in ARC's REPLACE order given the current target (no state change)."""
-        it1 = evictable(self.t1.items(), set())
-        it2 = evictable(self.t2.items(), set())
+    def _choose(self, protected: Collection[OffloadKey]) -> Iterator[tuple[int, OffloadKey, BlockStatus]]:
+        """Victims in ARC's REPLACE order given the current target (no state change). Blocks
+        that may not go (pinned, `protected`) are passed over without counting: T1 shrinks only
+        by the blocks taken from it (as vLLM's ARC counts). The paper's rule decides ties: T1
+        gives a block while it holds more than the target (vLLM's: at least the target;
+        docs/policies.md)."""
+        it1 = evictable(self.t1.items(), protected)
+        it2 = evictable(self.t2.items(), protected)
         next1, next2 = next(it1, None), next(it2, None)
         t1_len = len(self.t1)
         while next1 is not None or next2 is not None:
@@ -78,9 +83,7 @@ class ARCCachePolicy(CachePolicy):
         if self._refuses(n, protected):
             return None  # fewer than n evictable blocks, known without looking at the pinned ones
         chosen: list[tuple[int, OffloadKey, BlockStatus]] = []
-        for entry in self._choose():
-            if entry[1] in protected:
-                continue
+        for entry in self._choose(protected):
             chosen.append(entry)
             if len(chosen) == n:
                 break
@@ -104,7 +107,10 @@ class ARCCachePolicy(CachePolicy):
             (self.b2 if self.b2 else self.b1).popitem(last=False)
 
     def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        return ((key, block) for _, key, block in self._choose())
+        return ((key, block) for _, key, block in self._choose(()))
+
+    def victim_keys(self, n: int, protected: Collection[OffloadKey] = ()) -> list[OffloadKey]:
+        return [key for _, key, _ in islice(self._choose(protected), max(n, 0))]
 
     def clear(self) -> None:
         for d in (self.t1, self.t2, self.b1, self.b2):

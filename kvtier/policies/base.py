@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Iterable, Iterator, Sequence
-from itertools import islice
+from itertools import filterfalse, islice
 from operator import itemgetter
 from typing import Any
 
@@ -111,10 +111,13 @@ class CachePolicy(ABC):
         Default: nothing (the policy does not predict its choices)."""
         return iter(())
 
-    def victim_keys(self, n: int) -> list[OffloadKey]:
-        """The keys of the first `n` blocks `victim_candidates` yields (all of them when there
-        are fewer), as a list. Policies override it with C loops where that is faster."""
-        return list(islice(map(_first, self.victim_candidates()), max(n, 0)))
+    def victim_keys(self, n: int, protected: Collection[OffloadKey] = ()) -> list[OffloadKey]:
+        """The keys of the first `n` blocks `evict(n, protected)` would take now, in its order
+        (all of them when there are fewer), as a list: those `victim_candidates` yields that are
+        not `protected`. Policies override it with C loops where that is faster, and where
+        `protected` changes their order (ARC)."""
+        keys = map(_first, self.victim_candidates())
+        return list(islice(filterfalse(protected.__contains__, keys) if protected else keys, max(n, 0)))
 
     # ------------------------------------------------------------------ evictable accounting
     def track_pins(self) -> None:
@@ -272,7 +275,7 @@ def with_key_index(policy: Any) -> CachePolicy:
     return KeyIndex(policy)
 
 
-def evictable(entries: Iterable[tuple[OffloadKey, BlockStatus]], protected: set[OffloadKey]):
+def evictable(entries: Iterable[tuple[OffloadKey, BlockStatus]], protected: Collection[OffloadKey]):
     """Filter `(key, block)` pairs to those that may be evicted now."""
     for key, block in entries:
         if block.ref_cnt == 0 and key not in protected:

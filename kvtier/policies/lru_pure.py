@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections import deque as _consume
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from heapq import heappop, heappush
 from itertools import islice, repeat
 from operator import attrgetter, itemgetter
@@ -224,9 +224,11 @@ class PureLRUCachePolicy(CachePolicy):
             if block.ref_cnt == 0 and key not in aside and key not in pinned:
                 yield key, block
 
-    def victim_keys(self, n: int) -> list[OffloadKey]:
+    def victim_keys(self, n: int, protected: Collection[OffloadKey] = ()) -> list[OffloadKey]:
         if self._pinned is None or n <= 0:
-            return super().victim_keys(n)
+            return super().victim_keys(n, protected)
+        if protected:  # (LRU's order does not depend on what is protected)
+            return [k for k in self._head_keys(n + len(protected)) if k not in protected][:n]
         return self._head_keys(n)
 
     def _head_keys(self, n: int) -> list[OffloadKey]:
