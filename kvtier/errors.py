@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class KVTierError(Exception):
     """Root of every error kvtier raises on purpose."""
@@ -34,7 +36,23 @@ class TransferError(KVTierError, OSError):
 
 
 class IntegrityError(TransferError):
-    """Stored bytes failed verification (header, checksum, fingerprint); they are never served."""
+    """Stored bytes failed verification (header, checksum, fingerprint); they are never served.
+    `slots`: the slots that failed, when the tier knows them (its other blocks read fine)."""
+
+    def __init__(self, message: str, slots: Sequence[int] = ()):
+        super().__init__(message)
+        self.slots = tuple(slots)
+
+
+class BlocksFailed(TransferError):
+    """Some blocks of a transfer job failed: `positions`, in the job's block order. Every other
+    block of the job was delivered, byte-exact, `moved` bytes (a handler raises it after
+    delivering them)."""
+
+    def __init__(self, message: str, positions: Sequence[int], moved: int = 0):
+        super().__init__(message)
+        self.positions = tuple(positions)
+        self.moved = moved
 
 
 class WaitTimeout(KVTierError, TimeoutError):

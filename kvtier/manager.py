@@ -143,7 +143,10 @@ class HierarchyManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
         self._drain()
-        block = self._top.policy.get(key)
+        top = self._top
+        block = top.policy.get(key)
+        if block is not None and top.condemned and key in top.condemned:
+            block = None  # (failed a read, still pinned by another load: never served again)
         if block is not None and block.ref_cnt >= 0:
             return LookupResult.HIT
         promotions = self._promotions
@@ -155,7 +158,7 @@ class HierarchyManager(OffloadingManager):
             return LookupResult.MISS
         for tier in self.tiers[1:]:
             block = tier.policy.get(key)
-            if block is None:
+            if block is None or (tier.condemned and key in tier.condemned):
                 continue
             if not block.is_ready:
                 return LookupResult.HIT_PENDING
@@ -209,8 +212,13 @@ class HierarchyManager(OffloadingManager):
         for tier in self.tiers:
             tier.policy.touch(keys)
 
-    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
-        self._loads.complete(keys if isinstance(keys, list) else list(keys))
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
+                      failed: Collection[OffloadKey] = ()) -> None:
+        """Release the pins `prepare_load` took. `failed`: the keys whose load failed in the
+        engine (a block that did not verify, a failed copy): each is dropped from the tier it was
+        read from, counted once in its `failures`, and never answered HIT again; the other
+        blocks of the load stay (`LoadPins.complete`)."""
+        self._loads.complete(keys if isinstance(keys, list) else list(keys), failed)
 
     def prepare_store(self, keys: Collection[OffloadKey],
                       req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
@@ -263,17 +271,15 @@ class HierarchyManager(OffloadingManager):
         for tier in self.tiers:
             self._ctx.events.record(tier, tier.reset(), removed=True)
 
-    def finish_reset(self, storing: Collection[OffloadKey], loading: Collection[OffloadKey],
-                     failed: bool = False) -> list[OffloadKey]:
+    def finish_reset(self, storing: Collection[OffloadKey], loading: Collection[OffloadKey]) -> list[OffloadKey]:
         """Finish a `reset_cache` that found engine jobs in flight, once the engine has flushed
         them (no transfer writes or reads their slots any more) and will never complete them.
         `storing`: keys of the engine's flushed stores (first tier, still being written): dropped,
         their slots freed. `loading`: keys of its flushed loads, once per `prepare_load` pin:
         unpinned, then dropped unless pinned again since from the tier each was read from (the
-        reset evicts them now; `LoadPins.drop`, which also serves a load that failed in the
-        engine: then `failed`, which counts one failure in each tier the loads read). Returns the
-        keys dropped (reported as removed events)."""
-        return self._loads.drop(list(loading), failed) + self.stores.finish_reset(storing)
+        reset evicts them now; `LoadPins.drop`). Returns the keys dropped (reported as removed
+        events)."""
+        return self._loads.drop(list(loading)) + self.stores.finish_reset(storing)
 
     def get_stats(self) -> dict[str, Any]:
         """Per-tier counters and occupancy."""

@@ -2,7 +2,8 @@
 
 `submit` never blocks on I/O; finished jobs are collected with `poll` (or waited for with
 `wait_finished`, which sleeps until a handler reports). A `CompositeLoadStoreSpec` source is split
-into one sub-job per part, and its job reports success only if every part did.
+into one sub-job per part, and its job reports success only if every part did (a failed one
+names the blocks of the failed parts, or those the parts named).
 """
 
 from __future__ import annotations
@@ -23,10 +24,28 @@ SpecPair = tuple[type[LoadStoreSpec], type[LoadStoreSpec]]
 
 
 class _Composite:
-    __slots__ = ("job_id", "remaining", "success", "size", "seconds")
+    """A composite job being run as one sub-job per part; `failed`: its positions that failed."""
+
+    __slots__ = ("job_id", "remaining", "success", "size", "seconds", "failed")
 
     def __init__(self, job_id: int, parts: int):
         self.job_id, self.remaining, self.success, self.size, self.seconds = job_id, parts, True, 0, 0.0
+        self.failed: list[int] = []
+
+    def add(self, result: TransferResult, positions: list[int]) -> TransferResult | None:
+        """Account for one part's `result` (the part addressed the job's `positions`); the job's
+        result once every part reported (failed when a part did, naming the blocks that failed)."""
+        self.remaining -= 1
+        self.success &= result.success
+        self.size += result.transfer_size or 0
+        self.seconds = max(self.seconds, result.transfer_time or 0.0)
+        self.failed += [positions[p] for p in result.failed_positions(len(positions))]
+        if self.remaining:
+            return None
+        if self.success:
+            return TransferResult(self.job_id, True, self.size, self.seconds)
+        return TransferResult(self.job_id, False, self.size, self.seconds, error="a part of the job failed",
+                              failed_blocks=tuple(sorted(self.failed)))
 
 
 class TransferRouter:
@@ -40,7 +59,7 @@ class TransferRouter:
         # inside `submit` reports on the submitting thread, which may hold it (`WorkerPlane`).
         self.reported = threading.Condition(threading.RLock())
         self._ids = itertools.count(1 << 40)  # far from ids chosen by callers (vLLM job ids)
-        self._parents: dict[int, _Composite] = {}
+        self._parents: dict[int, tuple[_Composite, list[int]]] = {}  # sub-job -> (its job, the positions it addresses)
         self._pending: dict[int, TransferHandler] = {}
         self.failed_jobs: dict[str, int] = {}  # kind of error (its exception type) -> jobs failed with it
 
@@ -73,9 +92,9 @@ class TransferRouter:
                 self._fail(job_id, f"cannot split the destination of a multi-tier job: {exc}")
                 return job_id
             parent = _Composite(job_id, len(parts))
-            for spec, sub_dst in parts:
+            for (spec, sub_dst), (_, positions) in zip(parts, src.parts):
                 sub_id = self.new_job_id()
-                self._parents[sub_id] = parent
+                self._parents[sub_id] = (parent, positions)
                 self._submit_one(sub_id, spec, sub_dst)
         else:
             self._submit_one(job_id, src, dst)
@@ -131,24 +150,20 @@ class TransferRouter:
             self._pending.pop(result.job_id, None)
             if not result.success:
                 self._note_failure(result)
-            parent = self._parents.pop(result.job_id, None)
-            if parent is None:
+            part = self._parents.pop(result.job_id, None)
+            if part is None:
                 results.append(result)
                 continue
-            parent.remaining -= 1
-            parent.success &= result.success
-            parent.size += result.transfer_size or 0
-            parent.seconds = max(parent.seconds, result.transfer_time or 0.0)
-            if parent.remaining == 0:
-                results.append(TransferResult(parent.job_id, parent.success, parent.size, parent.seconds,
-                                              error=None if parent.success else "a part of the job failed"))
+            whole = part[0].add(result, part[1])
+            if whole is not None:
+                results.append(whole)
         return results
 
     def wait(self, job_ids: Iterable[int] | None = None) -> None:
         """Block until the given jobs (default: all submitted) have finished; results stay for `poll`."""
         pending, parents = dict(self._pending), dict(self._parents)  # (copies: `poll` may run meanwhile)
         wanted = set(pending) if job_ids is None else set(job_ids)
-        wanted |= {sub for sub, parent in parents.items() if parent.job_id in wanted}
+        wanted |= {sub for sub, (parent, _) in parents.items() if parent.job_id in wanted}
         by_handler: dict[int, tuple[TransferHandler, list[int]]] = {}
         for job_id in wanted:
             handler = pending.get(job_id)

@@ -216,29 +216,34 @@ class KVTier:
             while loaded < len(keys):
                 window = keys[loaded:loaded + self._room(len(keys) - loaded)]
                 n = self._lookup(window)
-                if n == 0 or not self._load_run(window[:n], by_key):
+                good = self._load_run(window[:n], by_key) if n else 0
+                loaded += good
+                if good < n or n == 0:
                     break
-                loaded += n
             return loaded
 
-    def _load_run(self, wanted: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
-        """Copy `wanted` (each answered HIT) into their engine blocks; whether every copy succeeded."""
+    def _load_run(self, wanted: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> int:
+        """Copy `wanted` (each answered HIT) into their engine blocks; how many leading ones were
+        loaded. The blocks that failed (a read that did not verify, a failed copy) are dropped
+        from their tier by `complete_load(failed=)`: a MISS from now on, the others kept."""
         source = self.manager.prepare_load(wanted)
+        failed: list[OffloadKey] = []
         try:
             parts = source.parts if isinstance(source, CompositeLoadStoreSpec) else [(source, range(len(wanted)))]
-            ok, moved, seconds = True, 0, 0.0
+            moved, seconds = 0, 0.0
             for spec, positions in parts:  # one job per source tier
                 part_keys = [wanted[p] for p in positions]
                 order = self._blocks.group_order(part_keys)
                 assert isinstance(spec, BlockIDsLoadStoreSpec)
                 result = self._run(spec.subset(order), self._blocks.gpu_spec([part_keys[i] for i in order], by_key))
-                ok &= result.success
+                failed += [part_keys[order[j]] for j in result.failed_positions(len(order))]
                 moved += result.transfer_size or 0
                 seconds += result.transfer_time or 0.0
         finally:
-            self.manager.complete_load(wanted)
-        self._counters.count("load", TransferResult(0, ok, moved, seconds))
-        return ok
+            self.manager.complete_load(wanted, failed=failed)
+        self._counters.count("load", TransferResult(0, not failed, moved, seconds))
+        bad = set(failed)
+        return next((i for i, key in enumerate(wanted) if key in bad), len(wanted))
 
     def wait(self) -> None:
         """Block until every background job (cascades, promotions) has finished."""

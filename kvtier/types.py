@@ -108,13 +108,25 @@ class OffloadingEvent:
 
 @dataclass
 class TransferResult:
-    """Outcome of one transfer job."""
+    """Outcome of one transfer job.
+
+    A failed job (`success` False) may name the blocks that failed: `failed_blocks`, positions in
+    the job's block order (its specs' order). Then every other block of the job was delivered,
+    byte-exact; when it names none (empty), no block of the job may be trusted (`failed_positions`)."""
 
     job_id: int
     success: bool
     transfer_size: int | None = None
     transfer_time: float | None = None
     error: str | None = None
+    failed_blocks: tuple[int, ...] = ()
+
+    def failed_positions(self, n: int) -> list[int]:
+        """The positions of the blocks of this `n`-block job that were not delivered: none on
+        success, `failed_blocks` when the job named them, else every one."""
+        if self.success:
+            return []
+        return sorted(set(self.failed_blocks)) if self.failed_blocks else list(range(n))
 
 
 @dataclass

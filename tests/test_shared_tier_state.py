@@ -180,7 +180,7 @@ class ServesRejected(InlineProbes):
         try:
             return super().get_blocks(keys, buffers, deadline)
         except Exception as exc:  # noqa: BLE001
-            if type(exc).__name__ != "ValueRejected":
+            if type(exc.__cause__).__name__ != "ValueRejected":
                 raise
             return len(keys) * self.block_bytes
 

@@ -129,6 +129,9 @@ def test_groups_and_chunks(tmp_path):
 
 
 def test_failed_load_reports_zero(monkeypatch):
+    """A load job that fails without naming a block (an I/O or copy error): none of its blocks is
+    trusted: they are dropped from the tier they were read from, counted once each, and a MISS
+    from then on; storing them again works."""
     kv = make_kv()
     cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 8 blocks, pin: false}\n")
     with KVTier.open(cfg, kv) as tier:
@@ -138,8 +141,10 @@ def test_failed_load_reports_zero(monkeypatch):
         with monkeypatch.context() as patch:
             patch.setattr(handler, "copy", Mock(side_effect=OSError("injected copy failure")))
             assert tier.load(ks, [1, 3]) == 0  # the job failed
-        assert tier.stats()["engine"]["load_failures"] == 1
-        assert tier.load(ks, [5, 6]) == 2  # blocks were unpinned and stay loadable
+        stats = tier.stats()
+        assert stats["engine"]["load_failures"] == 1 and stats["cpu"]["failures"] == 2
+        assert tier.lookup(ks) == 0 and tier.load(ks, [5, 6]) == 0  # a MISS, not loaded again
+        assert tier.store(ks, [1, 2]) and tier.load(ks, [5, 6]) == 2
 
 
 def test_accepted_argument_forms():

@@ -46,19 +46,20 @@ class Demotion(Job):
 
     kind = "demotion"
 
-    def landed(self) -> None:
+    def landed(self, keys: list[OffloadKey]) -> None:
         src, dst = self.src, self.dst
-        src.demoting -= len(self.keys)
-        src.stats.demotions += len(self.keys)
-        src.clean.update(self.keys)
+        src.stats.demotions += len(keys)
+        src.clean.update(keys)
         if dst.writes_through:
-            dst.unwritten.update(dict.fromkeys(self.keys))  # started by `Cascade.advance_writes`
+            dst.unwritten.update(dict.fromkeys(keys))  # started by `Cascade.advance_writes`
 
-    def failed(self) -> None:
+    def failed(self, keys: list[OffloadKey]) -> None:
         src = self.src
-        src.demoting -= len(self.keys)
         # (may be evicted now, counted as `cascade_dropped_failed`: a copy that failed may fail again)
-        src.write_failed.update(set(self.keys).difference(src.table.absent(self.keys)))
+        src.write_failed.update(set(keys).difference(src.table.absent(keys)))
+
+    def ended(self) -> None:
+        self.src.demoting -= len(self.keys)
 
 
 class Cascade:

@@ -1,12 +1,13 @@
 """Jobs the manager starts (copies between two tiers), the table of running ones, the event log.
 
 A `Job` knows its tiers, its keys and the slot ids of both sides: `pin_sources` pins the source
-blocks (`CachePolicy.pin_loads`) and `enter_copies` allocates and inserts the copies being written
-(`CachePolicy.insert_written`). When the router reports the job, `finish(result)` releases the
-source pins (`release_loads`), settles the destination blocks (`mark_written`, or removed and
-freed on failure) and the byte counters, then lets the job type do its own bookkeeping (`landed`
-/ `failed`). No block object is kept: every policy answers these batch calls (`CachePolicy` has
-defaults for the pure-Python ones).
+blocks (`BlockTable.pin_loads`) and `enter_copies` allocates and inserts the copies being written
+(`BlockTable.insert_written`). When the router reports the job, `finish(result)` releases the
+source pins (`Tier.release_loads`), makes the blocks the job delivered readable (`mark_written`)
+and removes those that failed (one outcome: `TransferResult.failed_positions`, counted once, a
+block that failed its read condemned in the tier it came from), then lets the job type do its
+own bookkeeping (`landed`, `failed`, `ended`). No block object is kept: jobs work on keys and
+slot ids through the tier's `BlockTable`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING
 from kvtier.control.tier import WRITING, Tier
 from kvtier.keys import OffloadKey
 from kvtier.router import TransferRouter
-from kvtier.types import BlockStatus, OffloadingEvent, TransferResult
+from kvtier.types import OffloadingEvent, TransferResult
 
 if TYPE_CHECKING:
     from kvtier.control.context import ControlContext
@@ -83,41 +84,58 @@ class Job:
         self.src_ids, self.dst_ids = src_ids, dst_ids
         self.events = ctx.events
 
-    def source_blocks(self) -> list[BlockStatus]:
-        """`BlockStatus`es of the source slot ids (their `block_id` is all they tell: for
-        `Backend.still_valid` and comparisons)."""
-        return BlockStatus.many(self.src_ids)
+    reads_fail = False  # a failed block is the source's (a read that did not verify), else the destination's
 
     def finish(self, result: TransferResult) -> None:
-        """Account for the router's report of this job (called once)."""
-        src, dst = self.src, self.dst
-        src.table.release_loads(self.keys)  # (pinned by this job: resident)
-        if result.success:
-            if not dst.table.mark_written(self.keys):  # (some block not being written any more)
-                get = dst.policy.get
-                for key, block_id in zip(self.keys, self.dst_ids):
-                    view = get(key)
-                    if view is not None and view.block_id == block_id:
-                        view.ref_cnt = 0
-                dst.policy.unpin(self.keys)
-            src.stats.bytes_out += result.transfer_size or 0
-            src.stats.seconds_out += result.transfer_time or 0.0
-            dst.stats.bytes_in += result.transfer_size or 0
-            dst.stats.seconds_in += result.transfer_time or 0.0
-            dst.stats.stores += len(self.keys)
-            self.events.record(dst, self.keys, removed=False)
-            self.landed()
+        """Account for the router's report of this job (called once). The blocks it delivered
+        become readable in `dst`; those that failed (`TransferResult.failed_positions`) are
+        removed there and counted once, in `src` when the job read them (`reads_fail`: they are
+        condemned there, never served again) or else in `dst`."""
+        src, dst, keys = self.src, self.dst, self.keys
+        failed_at = result.failed_positions(len(keys))
+        bad = [keys[p] for p in failed_at]
+        if bad and self.reads_fail:
+            src.condemn(bad)  # (before the pins go: the blocks this job read)
+        elif bad:
+            dst.stats.failures += len(bad)
+        self.events.record(src, src.release_loads(keys), removed=True)
+        if bad:
+            dst.remove(bad, WRITING, [self.dst_ids[p] for p in failed_at])
+            good = [p for p in range(len(keys)) if p not in set(failed_at)]
+            self._settle([keys[p] for p in good], [self.dst_ids[p] for p in good], result)
+            self.failed(bad)
         else:
-            src.stats.failures += 1
-            dst.stats.failures += 1
-            dst.remove(self.keys, WRITING, self.dst_ids)
-            self.failed()
+            self._settle(keys, self.dst_ids, result)
+        self.ended()
 
-    def landed(self) -> None:
-        """Bookkeeping of the job type after its blocks became readable in `dst`."""
+    def _settle(self, keys: list[OffloadKey], dst_ids: list[int], result: TransferResult) -> None:
+        """The copies `keys` (in `dst` slots `dst_ids`) were delivered: make them readable, count them."""
+        if not keys:
+            return
+        src, dst = self.src, self.dst
+        if not dst.table.mark_written(keys):  # (some block not being written any more)
+            get = dst.policy.get
+            for key, block_id in zip(keys, dst_ids):
+                view = get(key)
+                if view is not None and view.block_id == block_id:
+                    view.ref_cnt = 0
+            dst.policy.unpin(keys)
+        src.stats.bytes_out += result.transfer_size or 0
+        src.stats.seconds_out += result.transfer_time or 0.0
+        dst.stats.bytes_in += result.transfer_size or 0
+        dst.stats.seconds_in += result.transfer_time or 0.0
+        dst.stats.stores += len(keys)
+        self.events.record(dst, keys, removed=False)
+        self.landed(keys)
 
-    def failed(self) -> None:
-        """Bookkeeping of the job type after the copy failed and its `dst` blocks were removed."""
+    def landed(self, keys: list[OffloadKey]) -> None:
+        """Bookkeeping of the job type after its blocks `keys` became readable in `dst`."""
+
+    def failed(self, keys: list[OffloadKey]) -> None:
+        """Bookkeeping of the job type after the copies of `keys` failed and were removed from `dst`."""
+
+    def ended(self) -> None:
+        """Bookkeeping of the job type once it is accounted for (after `landed` and `failed`)."""
 
     def __str__(self) -> str:
         return f"{self.kind} of {len(self.keys)} blocks {self.src.name} -> {self.dst.name}"

@@ -6,13 +6,15 @@ order, so `complete_load` releases the last pin first. One path for every case, 
 policies' batch calls over slot ids (`readable_run`, `absent`, `pin_loads`, `release_loads`):
 the keys are grouped by the tier they are read from and each group is pinned or released in one
 call (a key given twice is pinned twice). The common case (every key readable in tier 0) is one
-`pin_loads` on tier 0. A load that failed in the engine (or was flushed by a cache reset) is
-released by `drop`, which also drops the blocks it read from the tiers it read them from.
+`pin_loads` on tier 0. A load that failed in the engine is completed naming the blocks that
+failed, which are condemned in the tier it read them from (`complete`); one flushed by a cache
+reset is released by `drop`, which also drops the blocks it read from the tiers it read them from.
 """
 
 from __future__ import annotations
 
 from collections import deque as _consume
+from collections.abc import Collection
 from itertools import compress, repeat
 from typing import cast
 
@@ -34,8 +36,12 @@ class LoadPins:
         self.pins: dict[OffloadKey, tuple[int, ...]] = {}
 
     def top_run(self, keys: list[OffloadKey]) -> int:
-        """How many leading `keys` are readable in tier 0."""
-        return self.top.table.readable_run(keys)
+        """How many leading `keys` are readable in tier 0 (and not condemned: `Tier.condemn`)."""
+        n = self.top.table.readable_run(keys)
+        condemned = self.top.condemned
+        if condemned and not condemned.isdisjoint(keys[:n]):
+            n = next(i for i, key in enumerate(keys) if key in condemned)
+        return n
 
     def prepare(self, keys: list[OffloadKey]) -> LoadStoreSpec:
         """Pin `keys` (each answered HIT by `lookup`) and return where to load them from: for each
@@ -57,18 +63,31 @@ class LoadPins:
             parts.append((tier.backend.spec_for_ids(group, ids), positions))
         return parts[0][0] if len(parts) == 1 else CompositeLoadStoreSpec(parts)
 
-    def complete(self, keys: list[OffloadKey]) -> None:
+    def complete(self, keys: list[OffloadKey], failed: Collection[OffloadKey] = ()) -> None:
         """Release the pins `prepare` took for `keys` (the last pin of a key pinned twice);
-        KeyError (nothing changed) for a key that holds no pin."""
+        KeyError (nothing changed) for a key that holds no pin. `failed`: those of `keys` the
+        engine could not load (their read failed, e.g. verification): each is condemned in the
+        tier this load read it from (`Tier.condemn`: counted once there, never served again,
+        removed once unpinned); a copy in another tier stays."""
+        if failed:
+            self._condemn(keys, set(failed))
         self._release(keys)
 
-    def drop(self, keys: list[OffloadKey], failed: bool = False) -> list[OffloadKey]:
-        """A load that failed in the engine (`failed`), or that a cache reset flushed: release one
-        pin of each of `keys` (as `complete`; a key that holds no pin is ignored), then drop each
-        block left unpinned from the tier the load read it from (its bytes are not to be loaded
-        again; a copy in another tier stays). A failed load counts one failure in each tier it
-        read (`stats.failures`, as a failed transfer job does). Returns the keys dropped; their
-        removal events are recorded."""
+    def _condemn(self, keys: list[OffloadKey], failed: set[OffloadKey]) -> None:
+        """Condemn the `failed` ones of `keys` in the tier of their last pin (the load's)."""
+        by_tier: dict[int, list[OffloadKey]] = {}
+        for key in dict.fromkeys(keys):
+            pinned = self.pins.get(key)
+            if key in failed and pinned:
+                by_tier.setdefault(pinned[-1], []).append(key)
+        for index, bad in by_tier.items():
+            self.tiers[index].condemn(bad)
+
+    def drop(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """A load that a cache reset flushed (the engine never completes it): release one pin of
+        each of `keys` (as `complete`; a key that holds no pin is ignored), then drop each block
+        left unpinned from the tier the load read it from (the reset evicts it now; a copy in
+        another tier stays). Returns the keys dropped; their removal events are recorded."""
         pins = self.pins
         counted: dict[OffloadKey, int] = {}
         held = []
@@ -80,16 +99,16 @@ class LoadPins:
         dropped: list[OffloadKey] = []
         for index, released in self._release(held).items():
             tier = self.tiers[index]
-            tier.stats.failures += 1 if failed else 0
             gone = tier.remove(released)
             self.events.record(tier, gone, removed=True)
             dropped += gone
         return dropped
 
     def _release(self, keys: list[OffloadKey]) -> dict[int, list[OffloadKey]]:
-        """`complete`: the keys released, by the index of the tier each pin was in."""
+        """`complete`: the keys released, by the index of the tier each pin was in (condemned
+        blocks left unpinned are removed: `Tier.release_loads`, their events recorded)."""
         if self._release_top_pins(keys):
-            self.top.table.release_loads(keys)
+            self.events.record(self.top, self.top.release_loads(keys), removed=True)
             return {0: keys}
         pins = self.pins
         left: dict[OffloadKey, tuple[int, ...]] = {}  # key -> its pins once these are released
@@ -106,7 +125,8 @@ class LoadPins:
             else:
                 del pins[key]
         for index, released in by_tier.items():
-            self.tiers[index].table.release_loads(released)
+            tier = self.tiers[index]
+            self.events.record(tier, tier.release_loads(released), removed=True)
         return by_tier
 
     def _sources(self, keys: list[OffloadKey]) -> dict[int, list[int]]:

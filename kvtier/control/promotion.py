@@ -32,36 +32,30 @@ class Promotion(Job):
     """A copy of readable blocks of a lower tier `src` up into tier 0 (`dst`)."""
 
     kind = "promotion"
+    reads_fail = True  # a block that failed is the lower tier's: condemned there (`Job.finish`)
 
     def __init__(self, promotions: Promotions, src: Tier, keys: list[OffloadKey], src_ids: list[int],
                  dst_ids: list[int]):
         super().__init__(promotions.ctx, src, promotions.ctx.top, keys, src_ids, dst_ids)
         self.promotions = promotions
 
-    def landed(self) -> None:
+    def landed(self, keys: list[OffloadKey]) -> None:
         src, dst = self.src, self.dst
-        self.promotions.ended(self.keys)
-        src.stats.promotions += len(self.keys)
+        src.stats.promotions += len(keys)
         if src.above is dst:
-            dst.clean.update(self.keys)
-        dst.promoted_from.update(zip(self.keys, repeat(src.index)))
-        self.promotions.hold(self.keys)
+            dst.clean.update(keys)
+        dst.promoted_from.update(zip(keys, repeat(src.index)))
+        self.promotions.hold(keys)
 
-    def failed(self) -> None:
-        """A block that could not be read back is not trusted again, unless its backend
-        verified it (a job fails as a whole when one of its blocks is bad). The next lookup of
-        each bad block answers MISS; when the backend named bad blocks, the others (read fine)
-        are not refused and may be promoted again at once; when it named none (an I/O error),
-        every block of the job is refused once, so that a failing tier cannot make a key
-        answer RETRY forever."""
-        src = self.src
+    def failed(self, keys: list[OffloadKey]) -> None:
+        """The blocks `keys` could not be read back (gone, failing verification, unreachable):
+        condemned in their tier by `Job.finish`; the next lookup of each answers MISS. The
+        others of the job were promoted."""
+        self.src.stats.rejected += len(keys)
+        self.promotions.refuse(keys)
+
+    def ended(self) -> None:
         self.promotions.ended(self.keys)
-        valid = src.backend.still_valid
-        bad = [(key, block) for key, block in zip(self.keys, self.source_blocks()) if not valid(block)]
-        if bad:  # (the same blocks, unless they left: compared by slot)
-            gone = src.remove([key for key, _ in bad], slots=[block.block_id for _, block in bad])
-            self.events.record(src, gone, removed=True)
-        self.promotions.refuse([key for key, _ in bad] if bad else self.keys)
 
 
 EvictFor = Callable[[Tier, int, Collection[OffloadKey]], "list[OffloadKey] | None"]

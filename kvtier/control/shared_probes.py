@@ -24,7 +24,7 @@ knows are on the server (published, or found by a probe); evicting one forgets i
   waiting on the probe), and not cached beyond it. Keys found when the tier has no room for
   their handles: the longest prefix that fits is adopted, the rest answer MISS once.
 - **Reads that fail** (value gone, failing verification, server unreachable) fail the promotion:
-  `Promotion.failed` drops the handle (`still_valid` is False), the next lookup answers MISS.
+  the handles the read named are dropped (`Job.finish`: condemned), the next lookup answers MISS.
 """
 
 from __future__ import annotations
@@ -70,10 +70,9 @@ class Publish(Job):
         self.shared = shared
         self.nbytes = len(keys) * shared.backend.block_bytes
 
-    def landed(self) -> None:
+    def landed(self, keys: list[OffloadKey]) -> None:
         shared, dst = self.shared, self.dst
-        shared.inflight_bytes -= self.nbytes
-        unsent = shared.backend.take_unsent(self.keys)
+        unsent = shared.backend.take_unsent(keys)
         if unsent:  # writes paused or failed (server full, down): those handles go
             dst.remove(cast("list[OffloadKey]", unsent))
             self.events.record(dst, unsent, removed=True)
@@ -81,10 +80,10 @@ class Publish(Job):
             dst.stats.publish_dropped += len(unsent)
         absent = shared.absent
         if absent:
-            for key in self.keys:
+            for key in keys:
                 absent.pop(key, None)
 
-    def failed(self) -> None:
+    def ended(self) -> None:
         self.shared.inflight_bytes -= self.nbytes
 
 
@@ -205,8 +204,7 @@ class SharedTierProbes:
             for keys, found in backend.probe_results():
                 self._answer(keys, found, now)
         failed = backend.failed_keys()
-        if failed:
-            self.tier.stats.rejected += len(failed)
+        if failed:  # (counted as `rejected` by `Promotion.failed`)
             self._negative([cast(OffloadKey, k) for k in failed], monotonic())
 
     def _answer(self, keys: list[OffloadKey], found: list[bool] | None, now: float) -> None:

@@ -60,7 +60,7 @@ class StorePath:
             changed = [k for k in top.being_written(keys) if k not in promoting]
             if not success:
                 top.remove(changed, WRITING)
-                top.stats.failures += 1 if changed else 0
+                top.stats.failures += len(changed)
                 return
             top.table.mark_written(changed)
         top.stats.stores += len(changed)

@@ -34,7 +34,7 @@ class TierStats:
     cascade_dropped_failed: int = 0  # of those: their copy below failed (the only ones `Cascade.evict_for` lets go)
     cascade_dropped_full: int = 0  # of those: any other (a policy evicting past its own victim_keys); 0 otherwise
     cascade_deferred: int = 0  # demotions not started at once because too many were in flight (backpressure)
-    failures: int = 0  # failed jobs that wrote into this tier or read from it
+    failures: int = 0  # blocks that failed a transfer: read from this tier (once each) or written into it
     # A shared tier (kvtier.control.shared_probes); zero elsewhere:
     publish_dropped: int = 0  # blocks not published: in-flight bound, slow writes, server down, no handle room
     probes: int = 0  # probe batches sent (at most one per scheduler step)
@@ -43,7 +43,7 @@ class TierStats:
     probe_failures: int = 0  # batches that failed (their keys answered MISS)
     probe_timeouts: int = 0  # keys whose probe did not answer in time (answered MISS)
     breaker_misses: int = 0  # lookups answered MISS at once because the server was considered down
-    rejected: int = 0  # blocks a promotion could not read (gone, failed verification, unreachable): recomputed
+    rejected: int = 0  # blocks a promotion from this tier could not read (gone, failed verification, unreachable)
     bytes_in: int = 0
     bytes_out: int = 0
     seconds_in: float = 0.0
@@ -86,6 +86,7 @@ class Tier:
     write_failed: set[OffloadKey] = field(default_factory=set, init=False)
     lower_full: bool = field(default=False, init=False)  # the last copy tried found no room below
     promoted_from: dict[OffloadKey, int] = field(default_factory=dict, init=False, repr=False)
+    condemned: set[OffloadKey] = field(default_factory=set, init=False)  # failed a read, still pinned: see `condemn`
     stats: TierStats = field(default_factory=TierStats, init=False)
     # key -> slot, block state and load pins, behind one batch API over slot ids (kvtier.index)
     table: BlockTable = field(init=False, repr=False, compare=False)
@@ -115,9 +116,29 @@ class Tier:
         return self.cascade == "on_store" and self.below is not None
 
     def readable(self, key: OffloadKey) -> BlockStatus | None:
-        """The block of `key` if it is resident and written (not being written), else None."""
+        """The block of `key` if it is resident, written (not being written) and not condemned, else None."""
         block = self.policy.get(key)
-        return block if block is not None and block.ref_cnt >= 0 else None
+        if block is None or block.ref_cnt < 0 or (self.condemned and key in self.condemned):
+            return None
+        return block
+
+    def condemn(self, keys: Iterable[OffloadKey]) -> None:
+        """The blocks `keys` of this tier failed a read (a job or an engine load read them and
+        still pins each: they are the blocks that failed). Each is counted once in `failures`,
+        answered as absent from now on (`readable`, the manager's lookups) and removed when its
+        last pin is released (`release_loads`)."""
+        get, condemned = self.policy.get, self.condemned
+        new = [k for k in dict.fromkeys(keys) if k not in condemned and get(k) is not None]
+        condemned.update(new)
+        self.stats.failures += len(new)
+
+    def release_loads(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """Release one read pin of each of `keys` (`BlockTable.release_loads`); the condemned ones
+        left unpinned are removed: returns those (for the caller's removal events)."""
+        self.table.release_loads(keys)
+        if not self.condemned:
+            return []
+        return self.remove([k for k in keys if k in self.condemned])
 
     def being_written(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
         """The `keys` whose block here is being written (`ref_cnt == -1`), in order, each once."""
@@ -200,6 +221,8 @@ class Tier:
         self.backend.free_block_ids(ids)
         if self.clean:
             self.clean.difference_update(keys)
+        if self.condemned:
+            self.condemned.difference_update(keys)
         if self.unwritten or self.write_failed:
             self.forget(keys)
         if self.above is not None:

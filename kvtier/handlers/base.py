@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from kvtier.errors import BlocksFailed
 from kvtier.specs import LoadStoreSpec
 from kvtier.types import TransferResult
 
@@ -59,13 +60,20 @@ def host_pair(hosts: Mapping[str, Any], others: Mapping[str, Any], host_spec: An
 
 
 def failed_result(job_id: int, start: float, exc: BaseException) -> TransferResult:
-    """The failed result of job `job_id`, started at `start` (`time.perf_counter()`), naming `exc`."""
-    return TransferResult(job_id, False, 0, time.perf_counter() - start, error=f"{type(exc).__name__}: {exc}")
+    """The failed result of job `job_id`, started at `start` (`time.perf_counter()`), naming `exc`;
+    a `BlocksFailed` names its blocks (the others were delivered: its `moved` bytes)."""
+    if isinstance(exc, BlocksFailed):
+        failed, moved = exc.positions, exc.moved
+    else:
+        failed, moved = (), 0
+    return TransferResult(job_id, False, moved, time.perf_counter() - start,
+                          error=f"{type(exc).__name__}: {exc}", failed_blocks=failed)
 
 
 def run_copy(job_id: int, copy: Callable[[LoadStoreSpec, LoadStoreSpec], int], src: LoadStoreSpec,
              dst: LoadStoreSpec) -> TransferResult:
-    """Run one job's copy and time it; an exception becomes a failed result for this job only."""
+    """Run one job's copy and time it; an exception becomes a failed result for this job only
+    (`BlocksFailed`: for the blocks it names only)."""
     start = time.perf_counter()
     try:
         moved = copy(src, dst)

@@ -8,8 +8,9 @@ an exception inside a job (disk full, EIO, a block failing verification) fails t
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
+from kvtier.errors import BlocksFailed, IntegrityError
 from kvtier.handlers.base import ThreadedHandler, host_pair, serving
 from kvtier.specs import BlockIDsLoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import BlockFile, HostSlots
@@ -36,12 +37,24 @@ class CPUToFileHandler(_CPUFileHandler):
 
 
 class FileToCPUHandler(_CPUFileHandler):
-    """Reads and verifies file blocks into host-memory slots (promotion)."""
+    """Reads and verifies file blocks into host-memory slots (promotion); blocks that fail
+    verification fail alone (`BlocksFailed`: the others were read and verified)."""
 
     def copy(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> int:
         assert isinstance(src, FileLoadStoreSpec) and isinstance(dst, BlockIDsLoadStoreSpec), "the registered pair"
         host, disk = self._sides(dst, src)
-        return disk.read_blocks(src.block_ids, src.keys, [host.view(s) for s in dst.block_ids])
+        try:
+            return disk.read_blocks(src.block_ids, src.keys, [host.view(s) for s in dst.block_ids])
+        except IntegrityError as exc:
+            raise failed_slots(exc, src.block_ids, disk.block_bytes) from exc
+
+
+def failed_slots(exc: IntegrityError, slots: Sequence[int], block_bytes: int) -> BlocksFailed:
+    """The `BlocksFailed` of a job over `slots` whose read raised `exc`: the positions of the slots
+    it names (all of them when it names none), the bytes of the others."""
+    bad = set(exc.slots)
+    positions = [i for i, slot in enumerate(slots) if slot in bad] if bad else list(range(len(slots)))
+    return BlocksFailed(str(exc), positions, (len(slots) - len(positions)) * block_bytes)
 
 
 def _make(cls, backends: Mapping, kv_caches=None):

@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
+from kvtier.errors import BlocksFailed, IntegrityError
 from kvtier.handlers.base import pick_backend, serving
+from kvtier.handlers.cpu_file import failed_slots
 from kvtier.handlers.file_path import file_path, log_choice
 from kvtier.handlers.gpu_cpu import EngineJobHandler
-from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
+from kvtier.handlers.kv_layout import GroupIndex, KVLayout, blocks_per_chunk_of
 from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec, PartsLoadStoreSpec
 from kvtier.tiers.base import BlockFile
 from kvtier.tiers.file import fileio
@@ -55,6 +57,18 @@ def aligned_rows(n: int, row_bytes: int, pin: bool = False):
     raw = torch.empty(n * stride + _ALIGN, dtype=torch.uint8, pin_memory=pin)
     shift = (-raw.data_ptr()) % _ALIGN
     return raw[shift:shift + n * stride].view(n, stride)
+
+
+def without_slots(index: list[GroupIndex], bad: Sequence[int]) -> list[GroupIndex]:
+    """`index` (a job's, `KVLayout.index`) without the engine pages of the job slots `bad`."""
+    import torch
+
+    drop = torch.tensor(list(bad), dtype=torch.int64)
+    kept = []
+    for gi in index:
+        keep = ~torch.isin(gi.pos, drop)
+        kept.append(GroupIndex(gi.group, gi.ids[keep], gi.pos[keep], gi.sub[keep]))
+    return kept
 
 
 def _buffers(staging) -> list:
@@ -124,10 +138,12 @@ class GPUFileHandler(EngineJobHandler):
             self.give_back(staging)
         return self.layout.bytes_of(gpu)
 
-    def stage_load(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[GPULoadStoreSpec, Any, int]:
+    def stage_load(self, src: LoadStoreSpec, dst: LoadStoreSpec) -> tuple[GPULoadStoreSpec, Any, int,
+                                                                           BlocksFailed | None]:
         """A load's first half: each block of `src` (file or staged spec) into its staging row,
-        file blocks verified first (else `IntegrityError`: nothing reaches the engine). Returns
-        `finish_load`'s arguments: the engine spec, the buffer, the number of blocks."""
+        file blocks verified. Returns `finish_load`'s arguments: the engine spec, the buffer, the
+        number of blocks and, when some failed verification, the `BlocksFailed` that names them
+        (an I/O error raises: nothing reaches the engine)."""
         import torch
 
         if isinstance(src, FileLoadStoreSpec):
@@ -136,26 +152,41 @@ class GPUFileHandler(EngineJobHandler):
             raise TypeError(f"expected a file or staged spec -> GPU spec, got {src!r} -> {dst!r}")
         n, k = self.layout.block_bytes, len(src)
         staging = self.take_staging(k)
+        bad: list[int] = []
+        why: list[str] = []
         try:
             rows = _buffers(staging[:k, :n])
-            for spec, positions in sorted(src.parts, key=lambda part: not isinstance(part[0], FileLoadStoreSpec)):
-                if isinstance(spec, FileLoadStoreSpec):  # (first: a failed verification copies nothing)
+            for spec, positions in src.parts:
+                if isinstance(spec, FileLoadStoreSpec):
                     _, _, backend = _gpu_file_job(spec, dst, False, self.backends, n)
-                    backend.read_blocks(spec.block_ids, [bytes(key) for key in spec.keys], [rows[p] for p in positions])
+                    try:
+                        backend.read_blocks(spec.block_ids, [bytes(key) for key in spec.keys],
+                                            [rows[p] for p in positions])
+                    except IntegrityError as exc:
+                        bad += [positions[p] for p in failed_slots(exc, spec.block_ids, n).positions]
+                        why.append(str(exc))
                     continue
                 region = pick_backend(self.backends, spec, "host")  # (a region of other blocks: shape error)
                 staging[torch.tensor(positions), :n] = region.tensor()[torch.tensor(cast(Any, spec).block_ids), :n]
         except BaseException:
             self.give_back(staging)
             raise
-        return dst, staging, k
+        if not bad:
+            return dst, staging, k, None
+        moved = self.layout.bytes_of(dst) * (k - len(bad)) // k
+        return dst, staging, k, BlocksFailed("; ".join(why), sorted(bad), moved)
 
-    def finish_load(self, gpu: GPULoadStoreSpec, staging, k: int) -> int:
-        """A load's second half (any thread): staged blocks into the KV cache; the bytes moved."""
+    def finish_load(self, gpu: GPULoadStoreSpec, staging, k: int, failure: BlocksFailed | None = None) -> int:
+        """A load's second half (any thread): the staged blocks into the KV cache, but those that
+        `failure` names (failed verification: it is raised then, once the others are loaded);
+        the bytes moved."""
         try:
-            self._host_to_engine(gpu, staging[:k], k)
+            index = self.layout.index(gpu, k)
+            self._host_to_engine(staging[:k], without_slots(index, failure.positions) if failure else index)
         finally:
             self.give_back(staging)
+        if failure is not None:
+            raise failure
         return self.layout.bytes_of(gpu)
 
     def _engine_to_host(self, gpu: GPULoadStoreSpec, staging, k: int) -> None:
@@ -170,10 +201,10 @@ class GPUFileHandler(EngineJobHandler):
             staging.copy_(device_rows, non_blocking=True)
             _finish(stream)
 
-    def _host_to_engine(self, gpu: GPULoadStoreSpec, staging, k: int) -> None:
+    def _host_to_engine(self, staging, index: list[GroupIndex]) -> None:
         import torch
 
-        index = self.layout.index(gpu, k)
+        k = staging.shape[0]
         if not self.cuda:
             return self.layout.scatter(staging, torch.arange(k), index)
         with self._on_stream() as stream:
@@ -269,13 +300,15 @@ class DirectGPUFileHandler(GPUFileHandler):
         make = torch.zeros if zeroed else torch.empty
         return make((k, stride), dtype=torch.uint8, device=self.layout.device)
 
-    def _transfer(self, backend, slots, rows, write: bool) -> None:
-        """`rows[i]` <-> slot `slots[i]`'s payload, one future each, all submitted, then all waited (OSError)."""
+    def _transfer(self, backend, slots, rows, write: bool, rows_at: Sequence[int] | None = None) -> None:
+        """`rows[rows_at[i]]` (default `rows[i]`) <-> slot `slots[i]`'s payload, one future each, all
+        submitted, then all waited (OSError)."""
         cufile = self._slab_file(backend).file
         n = self.layout.block_bytes
         call = cufile.pwrite if write else cufile.pread
         offset = backend.direct_path.payload_offset
-        futures = [call(_io_array(rows[i, :n]), n, offset(slot)) for i, slot in enumerate(slots)]
+        at = range(len(slots)) if rows_at is None else rows_at
+        futures = [call(_io_array(rows[i, :n]), n, offset(slot)) for i, slot in zip(at, slots)]
         moved, error = [], None
         for future in futures:  # wait for all: none may still be in flight when we fail
             try:
@@ -306,31 +339,37 @@ class DirectGPUFileHandler(GPUFileHandler):
         backend.direct_path.commit_direct(slots, keys, checks, CHECK_TORCH)
 
     def _load(self, backend, gpu: GPULoadStoreSpec, slots, keys) -> None:
+        """Read, verify and scatter the blocks of `slots`; those whose header or payload fails
+        are forgotten and not scattered (`BlocksFailed` names them: the others were loaded)."""
         import torch
 
         headers = backend.direct_path.read_headers(slots, keys)
-        bad = [(slot, why) for slot, why in zip(slots, headers) if isinstance(why, str)]
-        if bad:
-            backend.direct_path.reject(bad)
         rows = self._device_rows(len(slots), zeroed=False)  # no kernel: kvikio fills it
-        self._transfer(backend, slots, rows, write=False)
+        ok = [i for i, header in enumerate(headers) if not isinstance(header, str)]  # (the others are not read)
+        self._transfer(backend, [slots[i] for i in ok], rows, write=False, rows_at=ok)
         with self._engine_stream():
-            bad = self._verify(rows, slots, headers)
-            if bad:
-                backend.direct_path.reject(bad)
-            self.layout.scatter(rows, torch.arange(len(slots)), self.layout.index(gpu, len(slots)))
+            bad = {i: why for i, why in enumerate(headers) if isinstance(why, str)}
+            bad.update(self._verify(rows, headers))
+            index = self.layout.index(gpu, len(slots))
+            self.layout.scatter(rows, torch.arange(len(slots)), without_slots(index, sorted(bad)) if bad else index)
             if self.cuda:
                 torch.cuda.current_stream(self.layout.device).synchronize()
+        if bad:
+            error = backend.direct_path.reject([(slots[i], why) for i, why in sorted(bad.items())])
+            moved = self.layout.bytes_of(gpu) * (len(slots) - len(bad)) // len(slots)
+            raise BlocksFailed(str(error), sorted(bad), moved)
 
-    def _verify(self, rows, slots, headers) -> list[tuple[int, str]]:
-        """(slot, why) of each row not matching its header's checksum (torch on the device; CRC-32 on the host)."""
+    def _verify(self, rows, headers) -> dict[int, str]:
+        """Position -> why, for each row not matching its header's checksum (torch on the device;
+        CRC-32 on the host); rows whose header already failed (a string) are not looked at."""
         n = self.layout.block_bytes
-        on_device = [i for i, h in enumerate(headers) if h.check_kind == CHECK_TORCH]
+        on_device = [i for i, h in enumerate(headers) if not isinstance(h, str) and h.check_kind == CHECK_TORCH]
         found = dict(zip(on_device, self._checksums(rows[on_device]) if on_device else []))
         for i, header in enumerate(headers):
-            if header.check_kind == CHECK_CRC32:
+            if not isinstance(header, str) and header.check_kind == CHECK_CRC32:
                 found[i] = payload_crc32(rows[i, :n].cpu().numpy())
-        return [(slots[i], "payload checksum mismatch") for i, h in enumerate(headers) if found[i] != h.payload_crc]
+        return {i: "payload checksum mismatch" for i, h in enumerate(headers)
+                if not isinstance(h, str) and found[i] != h.payload_crc}
 
     def _engine_stream(self):
         """This thread's side stream on CUDA (waiting for the job's compute-stream event), else nothing."""

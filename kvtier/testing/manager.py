@@ -99,8 +99,10 @@ class ManagerTests:
         d = self._driver(tmp_path)
         try:
             rng = random.Random(self.seed)
-            for requests in self._trace(rng):
+            for i, requests in enumerate(self._trace(rng)):
                 d.step(requests)
+                if i % 8 == 7:
+                    d.idle()  # a pause between bursts of requests: copies in the background land
             d.idle()
             assert d.removed_events > 0, "the trace never filled the manager; give it more steps or less capacity"
             assert d.loaded_blocks > 0, "the trace never loaded a block"

@@ -8,6 +8,7 @@ import pytest
 from conftest import Jobs
 
 from kvtier import CanonicalKVCacheRef, CanonicalKVCacheTensor, FileLoadStoreSpec, GPULoadStoreSpec
+from kvtier.errors import BlocksFailed
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.handlers.gpu_file import aligned_rows, make_file_to_gpu, make_gpu_to_file
 from kvtier.tiers.file import FileBackend
@@ -66,7 +67,7 @@ def test_roundtrip_through_the_file_tier(setup):
         assert int(kv.tensors[t_idx].tensor[:10].abs().sum()) == 0
 
 
-def test_wrong_key_fails_the_job_and_leaves_the_engine_untouched(setup):
+def test_wrong_keys_fail_their_blocks_and_leave_the_engine_untouched(setup):
     kv = make_kv()
     layout, backend, store, load, jobs = setup(kv)
     assert jobs.run(store, 1, GPULoadStoreSpec([1, 2], group_sizes=[2, 0]),
@@ -74,8 +75,27 @@ def test_wrong_key_fails_the_job_and_leaves_the_engine_untouched(setup):
     snapshot = [t.tensor.clone() for t in kv.tensors]
     bad = jobs.run(load, 2, FileLoadStoreSpec([0, 1], keys(2, start=5), tier="nvme"),
                    GPULoadStoreSpec([8, 9], group_sizes=[2, 0]))
-    assert not bad.success and "IntegrityError" in bad.error
+    assert not bad.success and bad.failed_blocks == (0, 1) and "failed verification" in bad.error
     assert all(torch.equal(a.tensor, b) for a, b in zip(kv.tensors, snapshot))
+
+
+def test_a_corrupt_block_fails_alone_and_the_others_are_loaded(setup):
+    """One payload byte changed on disk: that block fails (named by position, forgotten by the
+    tier, its engine pages untouched); the job's other blocks are loaded, byte-exact."""
+    kv = make_kv()
+    layout, backend, store, load, jobs = setup(kv)
+    spec = FileLoadStoreSpec([3, 4, 5], keys(3), tier="nvme")
+    assert jobs.run(store, 1, GPULoadStoreSpec([1, 2, 3], group_sizes=[3, 0]), spec).success
+    _flip_payload_byte(backend, 4)
+    before = [t.tensor.clone() for t in kv.tensors]
+    result = jobs.run(load, 2, spec, GPULoadStoreSpec([8, 9, 10], group_sizes=[3, 0]))
+    assert not result.success and result.failed_blocks == (1,) and "slot 4" in result.error
+    assert result.transfer_size == 2 * (4096 + 2048)
+    for t_idx, page in enumerate((4096, 2048)):
+        t = kv.tensors[t_idx].tensor
+        assert torch.equal(t[8, :page], before[t_idx][1, :page]) and torch.equal(t[10, :page], before[t_idx][3, :page])
+        assert torch.equal(t[9], before[t_idx][9])  # the bad block's page: untouched
+    assert sorted(backend.committed()) == [3, 5]
 
 
 class FlakyBackend:
@@ -209,7 +229,7 @@ def test_direct_load_of_host_written_blocks_checks_their_crc(direct):
 
 
 @pytest.mark.parametrize("where", ["payload", "header"])
-def test_direct_load_of_a_corrupt_block_fails_and_leaves_the_engine_untouched(direct, where):
+def test_direct_load_of_a_corrupt_block_fails_alone(direct, where):
     from kvtier.tiers.file.slot_format import HEADER_BYTES
 
     kv = make_kv()
@@ -224,8 +244,10 @@ def test_direct_load_of_a_corrupt_block_fails_and_leaves_the_engine_untouched(di
         f.write(bytes([byte ^ 0x10]))
     snapshot = [t.tensor.clone() for t in kv.tensors]
     bad = jobs.run(load, 2, spec, GPULoadStoreSpec([8, 9], group_sizes=[2, 0]))
-    assert not bad.success and "IntegrityError" in bad.error and "slot 1" in bad.error
-    assert all(torch.equal(a.tensor, b) for a, b in zip(kv.tensors, snapshot))
+    assert not bad.success and bad.failed_blocks == (1,) and "slot 1" in bad.error
+    for t_idx, page in enumerate((4096, 2048)):  # the good block loaded, the bad one's page untouched
+        assert torch.equal(kv.tensors[t_idx].tensor[8, :page], snapshot[t_idx][1, :page])
+        assert torch.equal(kv.tensors[t_idx].tensor[9], snapshot[t_idx][9])
     assert sorted(backend.committed()) == [0]  # the bad block is forgotten, the good one kept
 
 
@@ -305,7 +327,7 @@ def _flip_payload_byte(backend, slot: int) -> None:
 def test_a_split_load_reads_on_one_thread_and_scatters_on_another(setup, device):
     """vLLM's worker-side direct file load (`FileLoads`): `stage_load` on a pool thread reads and
     verifies, `finish_load` on the engine's thread scatters; a block whose payload changed on disk
-    fails the read half, and the KV cache stays untouched."""
+    is named by the read half and not scattered (its engine blocks untouched), the others are."""
     from concurrent.futures import ThreadPoolExecutor
 
     kv = make_kv(device=device, bpc=2)
@@ -322,8 +344,14 @@ def test_a_split_load_reads_on_one_thread_and_scatters_on_another(setup, device)
             assert torch.equal(kv.tensors[t_idx].tensor[9:15, :page], before[t_idx][1:7, :page])
 
         _flip_payload_byte(backend, 6)
-        snapshot = [t.tensor.clone() for t in kv.tensors]
-        with pytest.raises(Exception, match="checksum|IntegrityError|corrupt"):
-            pool.submit(load.stage_load, spec, GPULoadStoreSpec([1, 2, 3, 4, 5, 6], group_sizes=[6, 0],
-                                                                 block_indices=[0, 0])).result()
-        assert all(torch.equal(a.tensor, b) for a, b in zip(kv.tensors, snapshot))
+        for t in kv.tensors:
+            t.tensor[9:15] = 0
+        staged = pool.submit(load.stage_load, spec, dst).result()
+        assert staged[3].positions == (1,)  # the second block failed verification
+        with pytest.raises(BlocksFailed) as failed:
+            load.finish_load(*staged)
+        assert failed.value.positions == (1,)
+        for t_idx, page in enumerate((4096, 2048)):  # blocks 0 and 2 (engine 9-10, 13-14) loaded, 1 untouched
+            t = kv.tensors[t_idx].tensor
+            assert torch.equal(t[[9, 10, 13, 14], :page], before[t_idx][[1, 2, 5, 6], :page])
+            assert int(t[11:13].abs().sum()) == 0

@@ -74,7 +74,7 @@ def test_the_worker_side_reports_failed_jobs_instead_of_asserting():
     assert side.take_failed_requests() == set()  # one KV-cache group: block ids say it
     meta = side.build_connector_worker_meta()
     assert meta.completed_jobs == {LOAD: 1, FAILED_STORE: 1, STORE: 1}
-    assert meta.failed_jobs == {LOAD: 1, FAILED_STORE: 1}
+    assert meta.failed_jobs == {LOAD: None, FAILED_STORE: None}  # (a worker naming no block: every block)
     # only the job that succeeded moved bytes
     assert meta.transfer_stats.store.bytes == 100 * STORE and meta.transfer_stats.load.bytes == 0
 
@@ -103,7 +103,7 @@ def test_a_failed_sync_load_is_a_load_failure_reported_by_its_blocks():
     side = _worker_side({LOAD: False}, sync=True)
     assert side.get_finished(set()) == (set(), set())  # no request waits for a sync load
     assert side.take_failed_blocks() == {3, 4}
-    assert side.build_connector_worker_meta().failed_jobs == {LOAD: 1}
+    assert side.build_connector_worker_meta().failed_jobs == {LOAD: None}
     side = _worker_side({LOAD: True}, sync=True)
     side.get_finished(set())
     stats = side.build_connector_worker_meta().transfer_stats
@@ -123,11 +123,16 @@ def test_with_several_kv_cache_groups_a_failed_sync_load_stops_the_engine():
 def test_a_job_that_failed_on_one_rank_is_failed_after_aggregation():
     from kvtier.integrations.vllm.connector import KVTierWorkerMetadata
 
-    rank0 = KVTierWorkerMetadata(completed_jobs={LOAD: 1, STORE: 1}, failed_jobs={LOAD: 1})
+    rank0 = KVTierWorkerMetadata(completed_jobs={LOAD: 1, STORE: 1}, failed_jobs={LOAD: [b"k2"]})
     rank1 = KVTierWorkerMetadata(completed_jobs={LOAD: 1, STORE: 1})
     merged = rank0.aggregate(rank1)
     assert isinstance(merged, KVTierWorkerMetadata)
-    assert merged.completed_jobs == {LOAD: 2, STORE: 2} and merged.failed_jobs == {LOAD: 1}
+    assert merged.completed_jobs == {LOAD: 2, STORE: 2} and merged.failed_jobs == {LOAD: [b"k2"]}
+    # each rank names the keys that failed in its part: the job's are the union; "every" wins
+    rank1 = KVTierWorkerMetadata(completed_jobs={LOAD: 1}, failed_jobs={LOAD: [b"k1"], STORE: None})
+    assert rank0.aggregate(rank1).failed_jobs == {LOAD: [b"k1", b"k2"], STORE: None}
+    rank1 = KVTierWorkerMetadata(completed_jobs={LOAD: 1}, failed_jobs={LOAD: None})
+    assert rank0.aggregate(rank1).failed_jobs == {LOAD: None}
 
 
 class _Req:
@@ -164,12 +169,13 @@ def _job(side, job_id, keys, is_store, ctx):
     status.transfer_jobs.add(job_id)
 
 
-def _finish(side, completed, failed):
+def _finish(side, completed, failed, bad=None):
+    """The workers report the jobs `completed`, `failed` among them (their keys `bad` failed; None: all)."""
     from vllm.v1.outputs import KVConnectorOutput
 
     from kvtier.integrations.vllm.connector import KVTierWorkerMetadata
 
-    meta = KVTierWorkerMetadata(completed_jobs=dict.fromkeys(completed, 1), failed_jobs=dict.fromkeys(failed, 1))
+    meta = KVTierWorkerMetadata(completed_jobs=dict.fromkeys(completed, 1), failed_jobs=dict.fromkeys(failed, bad))
     side.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=meta))
 
 
@@ -212,11 +218,79 @@ def test_a_failed_load_drops_its_blocks_and_a_completed_one_keeps_them(tmp_path,
         side.manager.shutdown()
 
 
+class _NamesFailures(_Results):
+    """`_Results` whose failed load names its bad blocks, as kvtier's worker does (`take_failure`)."""
+
+    def __init__(self, outcomes, bad, first):
+        super().__init__(outcomes)
+        self.failure = (bad, first)
+
+    def take_failure(self, job_id):
+        return self.failure
+
+
+@pytest.mark.parametrize("per_chunk, skip, first, reported", [(1, 0, 1, {4}), (2, 1, 1, {4}),
+                                                               (1, 0, 0, {3, 4})])
+def test_a_load_that_names_its_bad_block_reports_the_engine_blocks_from_it_on(per_chunk, skip, first, reported):
+    """vLLM recomputes from the first invalid engine block: the blocks before the first bad key's
+    were loaded and are kept. A key covers `blocks_per_chunk` engine blocks, the first one maybe
+    only partly (`block_indices[0] % blocks_per_chunk` skipped)."""
+    from types import SimpleNamespace
+
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingConnectorMetadata,
+        OffloadingWorkerMetadata,
+        TransferJob,
+    )
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from kvtier.integrations.vllm.connector import _Worker
+
+    side = object.__new__(_Worker)
+    side.worker = _NamesFailures({LOAD: False}, [b"bad"], first)
+    side.spec = SimpleNamespace(blocks_per_chunk=per_chunk)
+    side._load_jobs, side._unsubmitted_store_jobs = {}, []
+    side._connector_worker_meta = OffloadingWorkerMetadata()
+    side._adopt(True)
+    load = TransferJob("r1", object(), GPULoadStoreSpec([3, 4], group_sizes=[2], block_indices=[skip]))
+    side.start_kv_transfers(OffloadingConnectorMetadata(load_jobs={LOAD: load}, store_jobs={}))
+    side.get_finished(set())
+    assert side.take_failed_blocks() == reported
+    assert side.build_connector_worker_meta().failed_jobs == {LOAD: [b"bad"]}
+
+
+def test_a_failed_load_drops_only_its_bad_block_and_lets_the_request_store_it_again(tmp_path):
+    """Issue 42, item 3: one bad block in a load of three: only it is dropped (counted once) and
+    answers MISS; the others stay HITs; the request's next block to store goes back to it, so
+    vLLM's recompute of it is offloaded again (on 7e6c7c1 all three were dropped, none stored)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    side = _scheduler_side(tmp_path)
+    try:
+        ctx, keys = ReqContext("r1"), _keys(3)
+        side.manager.prepare_store(keys, ctx)
+        side.manager.complete_store(keys, ctx)
+        side.manager.prepare_load(keys, ctx)
+        _job(side, LOAD, keys, False, ctx)
+        group = SimpleNamespace(offload_keys=list(keys), next_stored_chunk_idx=3)
+        side._req_status["r1"].group_states = (group,)
+        _finish(side, [LOAD], [LOAD], bad=[bytes(keys[1])])
+        assert [side.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT]
+        stats = side.manager.tier_stats()["cpu"]
+        assert stats["resident_blocks"] == 2 and stats["failures"] == 1
+        assert group.next_stored_chunk_idx == 1
+        assert side.manager.prepare_store(keys, ctx).keys_to_store == [keys[1]]  # stored again
+    finally:
+        side.manager.shutdown()
+
+
 def test_a_vllm_without_the_fields_the_connector_relies_on_is_refused_at_start():
     from kvtier.integrations.vllm.connector import _Scheduler, _Worker
 
     scheduler = object.__new__(_Scheduler)
-    scheduler.manager, scheduler._jobs = object(), {}  # no _stale_job_threshold: a renamed field
+    scheduler.manager, scheduler._jobs, scheduler._req_status = object(), {}, {}  # no _stale_job_threshold: renamed
     with pytest.raises(RuntimeError, match="has no _stale_job_threshold; it supports vLLM 0.32 and 0.33"):
         scheduler._adopt()
     worker = object.__new__(_Worker)

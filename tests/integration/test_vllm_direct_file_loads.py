@@ -207,7 +207,10 @@ def _corrupt(engine, key) -> None:
 
 
 @pytest.mark.parametrize("composite", [False, True])
-def test_a_corrupted_file_block_fails_the_load_untouched_and_the_failed_load_drops_it(make, composite):
+def test_a_corrupted_file_block_fails_alone_and_only_it_is_dropped(make, composite):
+    """Issue 42, item 3: the load fails naming the bad block (the worker's `take_failure`); the
+    blocks before it are loaded, its engine pages untouched; the scheduler side drops it alone
+    from the file tier, counted once; the load's other blocks stay HITs."""
     import torch
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
@@ -220,16 +223,17 @@ def test_a_corrupted_file_block_fails_the_load_untouched_and_the_failed_load_dro
     engine.kv.zero_()
     _, result = engine.load(keys, 8, ctx)
     assert not result.success
-    assert not engine.kv.any()  # nothing reached the KV cache, not even the blocks that verified
-    engine.manager.complete_failed_load(keys, ctx)  # what KVTierOffloadingConnector does with it
-    # the failed job counts once in each tier it read (vllm:kvtier_failures)
+    bad_at = keys.index(old[1])
+    assert engine.worker.take_failure(2) == ([bytes(old[1])], bad_at)
+    assert engine.loaded_equal(keys[:bad_at], 8)  # the blocks before the bad one were loaded
+    assert not engine.kv[8 + bad_at * BPC:8 + (bad_at + 1) * BPC].any()  # the bad one's pages untouched
+    engine.manager.complete_failed_load(keys, ctx, [old[1]])  # what KVTierOffloadingConnector does with it
     after = {name: row["failures"] for name, row in engine.manager.hierarchy.manager.get_stats().items()}
-    assert after == {"cpu": failures["cpu"] + (1 if composite else 0), "disk": failures["disk"] + 1}
-    # the file-tier blocks the failed load read are dropped: the recompute's lookup misses them
-    assert [engine.manager.lookup(k, ctx) for k in old] == [LookupResult.MISS] * 2
-    assert engine.file_tier().backend.get_num_free_blocks() == free + 2
+    assert after == {"cpu": failures["cpu"], "disk": failures["disk"] + 1}  # the bad block, once
+    assert [engine.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * bad_at + [LookupResult.MISS]
+    assert engine.file_tier().backend.get_num_free_blocks() == free + 1
     removed = {(e.medium.name, k) for e in engine.manager.take_events() if e.removed for k in e.keys}
-    assert {("STORAGE", k) for k in old} <= removed
+    assert ("STORAGE", old[1]) in removed and ("STORAGE", old[0]) not in removed
     # the engine goes on: a block stored now loads fine
     later = _keys(1, start=30)
     engine.store(later, 0, ctx)

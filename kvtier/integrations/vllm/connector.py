@@ -64,22 +64,32 @@ __all__ = ["FailedKeys", "KVTierOffloadingConnector", "KVTierWorkerMetadata"]
 
 class FailedKeys(set):
     """The keys of a transfer job that failed on at least one worker (a marker type: the job's
-    key set is replaced by one of these before vLLM completes the job)."""
+    key set is replaced by one of these before vLLM completes the job); `bad`: those that failed
+    (None: every one)."""
+
+    bad: set[bytes] | None = None
+
+
+def merge_failures(a: list[bytes] | None, b: list[bytes] | None) -> list[bytes] | None:
+    """The keys that failed in one job on either of two workers (None: every key, on either)."""
+    return None if a is None or b is None else sorted(set(a) | set(b))
 
 
 @dataclass
 class KVTierWorkerMetadata(OffloadingWorkerMetadata):
-    """`OffloadingWorkerMetadata` plus `failed_jobs` ({job_id: workers that reported it failed}).
+    """`OffloadingWorkerMetadata` plus `failed_jobs` ({job_id: the keys of its blocks that failed,
+    or None for every block}), merged over workers: under tensor parallelism a block that failed
+    on any rank failed.
 
     A failed job is in `completed_jobs` too: vLLM counts it done once every worker reported it."""
 
-    failed_jobs: dict[int, int] = field(default_factory=dict)
+    failed_jobs: dict[int, list[bytes] | None] = field(default_factory=dict)
 
     def aggregate(self, other: Any) -> KVTierWorkerMetadata:
         merged = cast(OffloadingWorkerMetadata, super().aggregate(other))
         failed = dict(self.failed_jobs)
-        for job_id, n in (getattr(other, "failed_jobs", None) or {}).items():
-            failed[job_id] = failed.get(job_id, 0) + n
+        for job_id, bad in (getattr(other, "failed_jobs", None) or {}).items():
+            failed[job_id] = merge_failures(failed[job_id], bad) if job_id in failed else bad
         return KVTierWorkerMetadata(merged.completed_jobs, merged.transfer_stats, failed)
 
 
@@ -101,7 +111,7 @@ class _FailureAwareManager:
     def complete_load(self, keys: Any, req_context: Any) -> None:
         failed_load = getattr(self._inner, "complete_failed_load", None)
         if isinstance(keys, FailedKeys) and failed_load is not None:
-            failed_load(keys, req_context)
+            failed_load(keys, req_context, keys.bad)
         else:
             self._inner.complete_load(keys, req_context)
 
@@ -119,7 +129,7 @@ def _require(side: Any, names: tuple[str, ...]) -> None:
 class _Scheduler(OffloadingConnectorScheduler):
     """vLLM's scheduler side; failed jobs reach the manager as failures (see the module docstring)."""
 
-    _REQUIRED = ("manager", "_jobs", "_stale_job_threshold")
+    _REQUIRED = ("manager", "_jobs", "_stale_job_threshold", "_req_status")
 
     def _adopt(self) -> None:
         _require(self, self._REQUIRED)
@@ -130,16 +140,30 @@ class _Scheduler(OffloadingConnectorScheduler):
 
     def update_connector_output(self, connector_output: Any) -> None:
         meta = connector_output.kv_connector_worker_meta
-        for job_id in getattr(meta, "failed_jobs", None) or ():
+        for job_id, bad in (getattr(meta, "failed_jobs", None) or {}).items():
             job = self._jobs.get(job_id)
             if job is None or job_id < self._stale_job_threshold:
                 continue  # a job of before a cache reset: vLLM skips its completion too
             if not isinstance(job.keys, FailedKeys):
                 kind = "store" if job.is_store else "load"
-                log.warning("kvtier: %s job %d of request %s failed on a worker (%d blocks)", kind, job_id,
-                            job.req_id, len(job.keys))
+                log.warning("kvtier: %s job %d of request %s failed on a worker (%s of %d blocks)", kind, job_id,
+                            job.req_id, "all" if bad is None else len(bad), len(job.keys))
                 job.keys = FailedKeys(job.keys)
+                job.keys.bad = None if bad is None else set(bad)
+            else:  # (another worker's report of the same job, in a later step)
+                job.keys.bad = None if bad is None or job.keys.bad is None else job.keys.bad | set(bad)
+            if not job.is_store:
+                self._store_again(job.req_id, job.keys.bad if job.keys.bad is not None else job.keys)
         super().update_connector_output(connector_output)
+
+    def _store_again(self, req_id: str, recomputed: set) -> None:
+        """The blocks of a failed load are recomputed by vLLM from the first failed one on: let the
+        request store them again (vLLM's scheduler moved its next block to store past the load)."""
+        status = self._req_status.get(req_id)
+        for group in getattr(status, "group_states", ()):
+            at = [i for i, key in enumerate(group.offload_keys) if key in recomputed]
+            if at and hasattr(group, "next_stored_chunk_idx"):
+                group.next_stored_chunk_idx = min(group.next_stored_chunk_idx, at[0])
 
 
 class _Worker(OffloadingConnectorWorker):
@@ -150,14 +174,14 @@ class _Worker(OffloadingConnectorWorker):
     def _adopt(self, block_level: bool) -> None:
         _require(self, self._REQUIRED)
         self._block_level = block_level  # one KV-cache group: report engine block ids
-        self._load_blocks: dict[int, list[int]] = {}  # load job id -> the engine blocks it fills
-        self._failed_jobs: set[int] = set()  # since the last worker metadata
+        self._load_blocks: dict[int, Any] = {}  # load job id -> its engine (GPU) spec: the blocks it fills
+        self._failed_jobs: dict[int, list[bytes] | None] = {}  # since the last worker metadata: job -> keys failed
         self._failed_blocks: set[int] = set()  # since the last get_block_ids_with_load_errors
         self._failed_requests: set[str] = set()  # since the last get_transfer_results
 
     def start_kv_transfers(self, metadata: Any) -> None:
         for job_id, entry in metadata.load_jobs.items():
-            self._load_blocks[job_id] = list(entry.dst_spec.block_ids)
+            self._load_blocks[job_id] = entry.dst_spec
         super().start_kv_transfers(metadata)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -170,7 +194,7 @@ class _Worker(OffloadingConnectorWorker):
             job_id = result.job_id
             is_load = job_id in self._load_jobs  # (a sync load of vLLM 0.33 is there with no request)
             req_id = self._load_jobs.pop(job_id, None)
-            blocks = self._load_blocks.pop(job_id, [])
+            blocks = self._load_blocks.pop(job_id, None)
             if result.success:
                 if result.transfer_time is not None and result.transfer_size is not None:
                     stats = meta.transfer_stats.load if is_load else meta.transfer_stats.store
@@ -182,18 +206,26 @@ class _Worker(OffloadingConnectorWorker):
                 finished_recving.add(req_id)
         return set(), finished_recving
 
-    def _record_failure(self, job_id: int, is_load: bool, req_id: str | None, blocks: list[int]) -> None:
-        """Record a failed job for the metadata and, for a load, for vLLM's load-error calls. A
-        failed sync load (vLLM 0.33: its request runs this step, `req_id` None) is reported by its
-        blocks, which vLLM handles for running requests too; with several KV-cache groups vLLM
-        takes only failed requests that wait for KV, so there it raises: the step must not run
-        on blocks that were never loaded."""
-        self._failed_jobs.add(job_id)
+    def _record_failure(self, job_id: int, is_load: bool, req_id: str | None, gpu: Any) -> None:
+        """Record a failed job for the metadata (with the keys that failed, for a load whose worker
+        names them: kvtier's `take_failure`) and, for a load, for vLLM's load-error calls: with
+        one KV-cache group the engine blocks from the first failed key's on (the blocks before it
+        were loaded: vLLM keeps that prefix). A failed sync load (vLLM 0.33: its request runs this
+        step, `req_id` None) is reported by its blocks, which vLLM handles for running requests
+        too; with several KV-cache groups vLLM takes only failed requests that wait for KV, so
+        there it raises: the step must not run on blocks that were never loaded."""
+        take = getattr(self.worker, "take_failure", None)
+        bad, first = take(job_id) if is_load and take is not None else (None, 0)
+        self._failed_jobs[job_id] = bad
         if not is_load:
             log.warning("kvtier: store job %d failed; its blocks are not made readable", job_id)
             return
-        log.warning("kvtier: load job %d of request %s failed (%d engine blocks); vLLM's "
-                    "kv_load_failure_policy decides what follows", job_id, req_id or "(sync)", len(blocks))
+        per_chunk = getattr(getattr(self, "spec", None), "blocks_per_chunk", None)
+        start = engine_offset(gpu, first, per_chunk) if gpu is not None and per_chunk else 0  # (else: all)
+        blocks = [] if gpu is None else list(gpu.block_ids)[start:]
+        log.warning("kvtier: load job %d of request %s failed (%s blocks failed, %d engine blocks reported); "
+                    "vLLM's kv_load_failure_policy decides what follows", job_id, req_id or "(sync)",
+                    "all" if bad is None else len(bad), len(blocks))
         if self._block_level:
             self._failed_blocks.update(blocks)
         elif req_id is not None:
@@ -215,8 +247,17 @@ class _Worker(OffloadingConnectorWorker):
         meta = super().build_connector_worker_meta()
         if meta is None:  # (a failed job is a completed one: nothing failed either)
             return None
-        failed, self._failed_jobs = self._failed_jobs, set()
-        return KVTierWorkerMetadata(meta.completed_jobs, meta.transfer_stats, dict.fromkeys(failed, 1))
+        failed, self._failed_jobs = self._failed_jobs, {}
+        return KVTierWorkerMetadata(meta.completed_jobs, meta.transfer_stats, failed)
+
+
+def engine_offset(gpu: Any, position: int, blocks_per_chunk: int) -> int:
+    """The index, among the engine blocks of a one-group load `gpu` (a `GPULoadStoreSpec`), of the
+    first block of the load's key at `position`: its first key may cover only the last sub-blocks
+    of its chunk (`block_indices[0] % blocks_per_chunk` are skipped)."""
+    indices = getattr(gpu, "block_indices", None)
+    skip = int(indices[0]) % blocks_per_chunk if indices is not None and len(indices) else 0
+    return max(0, position * blocks_per_chunk - skip)
 
 
 class KVTierOffloadingConnector(OffloadingConnector):

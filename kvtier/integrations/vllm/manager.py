@@ -54,7 +54,7 @@ _COUNTER_DOCS: dict[str, str] = {
     "probe_failures": "Shared tier: probe batches that failed (their keys answered MISS).",
     "probe_timeouts": "Shared tier: probed keys not answered within the timeout (answered MISS).",
     "breaker_misses": "Shared tier: lookups answered MISS at once because the server was considered down.",
-    "rejected": "Shared tier: blocks a promotion could not read (gone, failed verification, unreachable).",
+    "rejected": "Blocks a promotion from this tier could not read (gone, failed verification, unreachable).",
     "bytes_in": "Bytes written into this tier by cascade and promotion jobs.",
     "bytes_out": "Bytes read from this tier by cascade and promotion jobs.",
     "seconds_in": "Seconds spent by jobs writing into this tier.",
@@ -182,15 +182,17 @@ class KVTierOffloadingManager(OffloadingManager):
             if left > 0:
                 loading[key] = left
 
-    def complete_failed_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        """`complete_load` of a load that failed in a worker (`KVTierOffloadingConnector`): the
-        pins are released, then every one of `keys` that no other load pins is dropped from the
-        tier the load read it from (the first tier, or a file tier loaded directly, whose block
-        may have failed verification in the worker), so vLLM's recompute of those tokens does not
-        load the same blocks again (a copy in a lower tier stays, and is verified again if read).
-        Each tier the load read counts one failure (`vllm:kvtier_failures`)."""
+    def complete_failed_load(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                             bad: Collection[OffloadKey] | None = None) -> None:
+        """`complete_load` of a load that failed in a worker (`KVTierOffloadingConnector`): `bad`
+        names the keys whose blocks failed (None: every one of `keys`). Those are dropped from the
+        tier the load read them from (the first tier, or a file tier loaded directly, whose block
+        failed verification in the worker), each counted once in its `failures`
+        (`vllm:kvtier_failures`) and never answered HIT again, so vLLM's recompute does not load
+        them again; the load's other blocks stay (`HierarchyManager.complete_load`)."""
         keys = list(keys)
-        self.manager.finish_reset((), keys, failed=True)  # (each pin released, the block dropped if unpinned)
+        failed = keys if bad is None else [key for key in keys if key in bad]
+        self.manager.complete_load(keys, req_context, failed=failed)
         self._unpinned(keys)
 
     # --- store

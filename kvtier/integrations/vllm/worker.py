@@ -86,6 +86,25 @@ class FileLoads:
         self.handler.shutdown()
 
 
+def file_keys_by_position(source: Any) -> dict[int, bytes]:
+    """The keys of a load's file blocks by their position in the load (a `FileLoadStoreSpec`, or
+    the file parts of a `StagedLoadSpec`)."""
+    if isinstance(source, kspecs.FileLoadStoreSpec):
+        return dict(enumerate(map(bytes, source.keys)))
+    if isinstance(source, kspecs.CPULoadStoreSpec):
+        return {}
+    return {p: bytes(key) for spec, positions in getattr(source, "parts", ())
+            if isinstance(spec, kspecs.FileLoadStoreSpec) for p, key in zip(positions, spec.keys)}
+
+
+def _failure(result: Any, keys: dict[int, bytes]) -> tuple[list[bytes] | None, int]:
+    """`take_failure`'s answer for the failed kvtier `result` of a load whose file blocks are `keys`."""
+    failed = list(result.failed_blocks)
+    if not failed or any(p not in keys for p in failed):
+        return None, 0
+    return [keys[p] for p in failed], min(failed)
+
+
 class KVTierOffloadingWorker(OffloadingWorker):
     """vLLM `OffloadingWorker` for kvtier: GPU <-> the kvtier CPU tier, in the worker process.
 
@@ -137,6 +156,9 @@ class KVTierOffloadingWorker(OffloadingWorker):
         # (regular, expedited lane): the worker planes, built at the first transfer
         self._planes: tuple[WorkerPlane, WorkerPlane] | None = None
         self._file_loads: FileLoads | None = None  # direct file loads, built at the first one
+        # load job id -> the keys of its file blocks by position (a CPU block fails only with its job)
+        self._loads: dict[int, dict[int, bytes]] = {}
+        self._failures: dict[int, tuple[list[bytes] | None, int]] = {}  # job id -> `take_failure`'s answer
         self._tier = spec.hierarchy_config.tiers[0].name
         if spec.num_copies == 1:  # vLLM's in-process executor ("uni") serves one worker only
             _LOCAL_WORKER_REGIONS.add(spec.hierarchy_config.tiers[0].options["shm_name"])
@@ -220,6 +242,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
         plane = lane if expedited else regular
         if not isinstance(source, kspecs.CPULoadStoreSpec):
             plane = self._files(plane)
+        self._loads[job_id] = file_keys_by_position(source)
         plane.submit(source, self._gpu(dst_spec), job_id)
         return True
 
@@ -244,8 +267,22 @@ class KVTierOffloadingWorker(OffloadingWorker):
         return [*(self._planes or ()), *([self._file_loads] if self._file_loads is not None else [])]
 
     def get_finished(self) -> list[TransferResult]:
-        return [TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time)
-                for plane in self._all_planes() for r in plane.poll()]
+        finished = []
+        for plane in self._all_planes():
+            for r in plane.poll():
+                keys = self._loads.pop(r.job_id, None)
+                if not r.success and keys is not None:
+                    self._failures[r.job_id] = _failure(r, keys)
+                finished.append(TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time))
+        return finished
+
+    def take_failure(self, job_id: int) -> tuple[list[bytes] | None, int]:
+        """What failed in the load job `job_id` that `get_finished` reported failed: the keys of its
+        blocks that failed (None: the job names none, e.g. an I/O error or a CPU copy: every
+        block), and the position (in the load's key order) of the first failed block (0 then).
+        The blocks before that position were loaded; the failed ones were not (nor are any
+        after them to be trusted by the engine, which recomputes from the first failed one on)."""
+        return self._failures.pop(job_id, (None, 0))
 
     def wait(self, job_ids: set[int]) -> None:
         for plane in self._all_planes():

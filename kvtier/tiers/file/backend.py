@@ -295,13 +295,17 @@ class FileBackend(Backend):
         return len(slots) * self.block_bytes
 
     def read_blocks(self, slots: Sequence[int], keys: Sequence[bytes], buffers: Sequence) -> int:
-        """Read and verify the blocks `keys[i]` in `slots[i]` into the writable `buffers[i]`."""
+        """Read and verify the blocks `keys[i]` in `slots[i]` into the writable `buffers[i]`. Blocks
+        that fail verification are forgotten (never served again) and raise `IntegrityError`
+        naming their `slots`: every other buffer then holds its block, verified. An I/O error
+        raises itself (no buffer is to be trusted)."""
         views = self._views(slots, keys, buffers, writable=True)
         bad, error = self._slab.read(slots, keys, views)
-        if bad:
-            self.direct_path.reject(bad)
+        rejected = self.direct_path.reject(bad) if bad else None
         if error is not None:
             raise error
+        if rejected is not None:
+            raise rejected
         return len(slots) * self.block_bytes
 
     def _views(self, slots, keys, buffers, writable: bool) -> list[memoryview]:

@@ -52,12 +52,13 @@ class DirectPath:
         check_slots(slots, keys, self.num_blocks)
         return self._slab.read_headers(slots, keys)
 
-    def reject(self, bad: Sequence[tuple[int, str]]) -> None:
-        """Forget the blocks of the (slot, why) that failed verification and raise `IntegrityError`."""
+    def reject(self, bad: Sequence[tuple[int, str]]) -> IntegrityError:
+        """Forget the blocks of the (slot, why) that failed verification (never served again, not
+        found by a restart); the `IntegrityError` that names them, for the caller to raise."""
         self._commits.forget([slot for slot, _why in bad])
         detail = "; ".join(f"slot {s}: {why}" for s, why in bad[:8])
-        raise IntegrityError(f"file tier {self.tier}: {len(bad)} block(s) in {self.slab_path} failed "
-                             f"verification and will not be served ({detail})")
+        return IntegrityError(f"file tier {self.tier}: {len(bad)} block(s) in {self.slab_path} failed "
+                              f"verification and will not be served ({detail})", [slot for slot, _why in bad])
 
     def _check_open(self) -> None:
         if self._is_closed():

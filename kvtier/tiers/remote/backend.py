@@ -34,7 +34,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from kvtier.errors import ClosedError, ConfigError
+from kvtier.errors import BlocksFailed, ClosedError, ConfigError
 from kvtier.keys import OffloadKey
 from kvtier.specs import RemoteLoadStoreSpec
 from kvtier.tiers.base import Backend
@@ -274,10 +274,13 @@ class ValkeyBackend(ControlCalls, Backend):
         """Read and verify `keys[i]` into `buffers[i]`, all by `deadline` (a `time.monotonic()` value;
         default `timeout_ms` from now), or by the deadline of the probe that found them when that is
         earlier. Every key is tried (until the server is unreachable or the deadline passed); the
-        keys that failed are remembered (`still_valid`, `failed_keys`) and the first error is raised."""
+        keys that failed are remembered (`still_valid`, `failed_keys`) and raise `BlocksFailed`
+        naming their positions, with the first error's text (every other buffer holds its value,
+        verified)."""
         self._check_buffers(keys, buffers)
         deadline = self._found_by.deadline(keys, deadline, self.probe_timeout_s)
         first: BaseException | None = None
+        failed: list[int] = []
         got = 0
         for i, (key, buf) in enumerate(zip(keys, buffers)):
             try:
@@ -290,10 +293,11 @@ class ValkeyBackend(ControlCalls, Backend):
                 if isinstance(exc, RemoteUnavailable):
                     self.notice.failed(exc)
                 self._note_failed(keys[i:] if down else [key])
+                failed += range(i, len(keys)) if down else [i]
                 if down:
                     break
         if first is not None:
-            raise first
+            raise BlocksFailed(f"{type(first).__name__}: {first}", failed, got) from first
         return got
 
     def _note_failed(self, keys: Sequence[bytes]) -> None:
