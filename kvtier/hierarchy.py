@@ -10,6 +10,8 @@ empty worker plane) and each worker builds its own plane over the CPU region it 
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -17,13 +19,14 @@ from kvtier import registry
 from kvtier.config import HierarchyConfig, TierConfig
 from kvtier.errors import ConfigError
 from kvtier.limits import tier_blocks_problem
-from kvtier.manager import HierarchyManager, Tier
+from kvtier.manager import SHUTDOWN_TIMEOUT_S, HierarchyManager, Tier
 from kvtier.planes import WorkerPlane, build_router, build_worker_plane
 from kvtier.policies.base import CachePolicy, predicts_victims, with_key_index
-from kvtier.router import TransferRouter
+from kvtier.router import Abandoned, TransferRouter
 from kvtier.tiers.base import Backend
 from kvtier.tiers.memory import SlotBackend
 
+log = logging.getLogger(__name__)
 
 @dataclass
 class Hierarchy:
@@ -48,12 +51,22 @@ class Hierarchy:
         """The backend of the first tier (under vLLM, the shared CPU region)."""
         return self.manager.tiers[0].backend
 
-    def close(self) -> None:
-        """Stop the worker plane's handlers, then the manager (its jobs finish, every tier closes)."""
+    def close(self, timeout: float | None = SHUTDOWN_TIMEOUT_S) -> None:
+        """Stop the worker plane's handlers, then the manager (its jobs finish, every tier closes),
+        within `timeout` seconds all together (None: no limit). Copies still running then (a
+        read or write hung in the kernel) are abandoned and logged by name: their handlers keep
+        their threads and the backends those copies use stay open; everything else closes."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        left = Abandoned()
         try:
-            self.worker.shutdown()
+            left = self.worker.shutdown(timeout)
+            if left.jobs:
+                log.error("close abandoned %d engine transfer job(s) still running after %g s: %s. The backends "
+                          "of tiers %s are left open.", len(left.jobs), timeout, "; ".join(left.jobs),
+                          ", ".join(sorted(left.tiers)) or "(none)")
         finally:
-            self.manager.shutdown()
+            rest = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self.manager.shutdown(rest, keep_open=left.tiers)
 
     def __enter__(self) -> Hierarchy:
         return self

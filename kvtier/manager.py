@@ -293,9 +293,10 @@ class HierarchyManager(OffloadingManager):
         then (a hung handler); None waits as long as it takes."""
         self._quiescer.wait_idle(timeout)
 
-    def shutdown(self, timeout: float | None = SHUTDOWN_TIMEOUT_S) -> None:
+    def shutdown(self, timeout: float | None = SHUTDOWN_TIMEOUT_S, keep_open: Collection[str] = ()) -> None:
         """Wait up to `timeout` seconds for running copies, then shut the router down and close the
-        backends. Copies still running then are abandoned and logged: the router (whose
-        shutdown would wait for them) and the backends they use are left open, since a copy
-        may still be writing into them; the other backends are closed."""
-        self._quiescer.shutdown(timeout)
+        backends but those of the tiers named in `keep_open` (used by engine copies abandoned
+        still running: `Hierarchy.close`). Copies still running then are abandoned and logged:
+        the router (whose shutdown would wait for them) and the backends they use are left open,
+        since a copy may still be writing into them; the other backends are closed."""
+        self._quiescer.shutdown(timeout, set(keep_open))

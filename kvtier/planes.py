@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier import registry
 from kvtier.handlers.base import ImmediateHandler, TransferHandler
-from kvtier.router import TransferRouter
+from kvtier.router import Abandoned, TransferRouter
 from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import Backend
 from kvtier.types import TransferResult
@@ -117,9 +117,11 @@ class WorkerPlane:
         (Not under the condition: the handlers' reports need it.)"""
         self._router.wait(job_ids)
 
-    def shutdown(self) -> None:
-        """Stop the handlers (their running copies finish first). The backends stay open."""
-        self._router.shutdown()
+    def shutdown(self, timeout: float | None = None) -> Abandoned:
+        """Stop the handlers once their running copies finish, at most `timeout` seconds (None: no
+        limit); the copies still running then are abandoned and returned
+        (`TransferRouter.shutdown`). The backends stay open."""
+        return self._router.shutdown(timeout)
 
 
 def build_worker_plane(backends: Mapping[str, Backend], kv_caches: Any, *, dry_run: bool = False) -> WorkerPlane:

@@ -11,16 +11,35 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from kvtier.handlers.base import TransferHandler
-from kvtier.specs import CompositeLoadStoreSpec, LoadStoreSpec
+from kvtier.specs import CompositeLoadStoreSpec, LoadStoreSpec, PartsLoadStoreSpec
 from kvtier.types import TransferResult
 
 log = logging.getLogger(__name__)
 
 SpecPair = tuple[type[LoadStoreSpec], type[LoadStoreSpec]]
+
+
+def spec_tiers(spec: LoadStoreSpec) -> set[str]:
+    """The names of the tiers a spec addresses (the parts' of a multi-part spec; none for the KV caches)."""
+    if isinstance(spec, PartsLoadStoreSpec):
+        return set().union(*(spec_tiers(part) for part, _ in spec.parts))
+    tier = getattr(spec, "tier", None)
+    return {tier} if tier else set()
+
+
+@dataclass
+class Abandoned:
+    """The jobs a bounded `shutdown` left running (one line each) and the tiers they use: their
+    handlers were not stopped and those tiers' backends must stay open (a copy may still touch them)."""
+
+    jobs: list[str] = field(default_factory=list)
+    tiers: set[str] = field(default_factory=set)
 
 
 class _Composite:
@@ -61,6 +80,8 @@ class TransferRouter:
         self._ids = itertools.count(1 << 40)  # far from ids chosen by callers (vLLM job ids)
         self._parents: dict[int, tuple[_Composite, list[int]]] = {}  # sub-job -> (its job, the positions it addresses)
         self._pending: dict[int, TransferHandler] = {}
+        # job -> what it copies, until its handler reports it (a bounded `shutdown` names the rest)
+        self._running: dict[int, tuple[TransferHandler, LoadStoreSpec, LoadStoreSpec]] = {}
         self.failed_jobs: dict[str, int] = {}  # kind of error (its exception type) -> jobs failed with it
 
     def register(self, src_type: type[LoadStoreSpec], dst_type: type[LoadStoreSpec], handler: TransferHandler) -> None:
@@ -106,6 +127,8 @@ class TransferRouter:
             self._fail(job_id, f"no handler registered for {type(src).__name__} -> {type(dst).__name__}")
             return
         self._pending[job_id] = handler
+        with self.reported:
+            self._running[job_id] = (handler, src, dst)
         try:
             handler.submit(job_id, src, dst)
         except Exception as exc:  # noqa: BLE001 - a handler failure fails this job only
@@ -117,6 +140,7 @@ class TransferRouter:
     def _report(self, result: TransferResult) -> None:
         """A handler's completion callback (any thread): queue `result` for `poll` and wake waiters."""
         with self.reported:
+            self._running.pop(result.job_id, None)
             self.finished.append(result)
             self.reported.notify_all()
 
@@ -176,6 +200,26 @@ class TransferRouter:
         """Jobs submitted and not yet collected by `poll`."""
         return bool(self._pending) or bool(self.finished)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float | None = None) -> Abandoned:
+        """Stop the handlers once their running jobs have reported, waiting at most `timeout`
+        seconds (None: as long as it takes). The jobs still running then are abandoned (returned,
+        and logged by the caller): their handlers are left running, so a hung read or write
+        cannot hold the shutdown; the other handlers are stopped."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.reported:
+            while self._running:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self.reported.wait(left)
+            running = dict(self._running)
+        busy = {id(handler) for handler, _, _ in running.values()}
         for handler in {id(h): h for h in self._handlers.values()}.values():
-            handler.shutdown()
+            if id(handler) not in busy:
+                handler.shutdown()
+        left_running = Abandoned()
+        for job_id, (handler, src, dst) in running.items():
+            left_running.jobs.append(f"job {job_id}: {type(src).__name__} -> {type(dst).__name__} "
+                                     f"on {type(handler).__name__}")
+            left_running.tiers |= spec_tiers(src) | spec_tiers(dst)
+        return left_running

@@ -51,6 +51,7 @@ from kvtier.errors import ClosedError
 from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.hierarchy import Hierarchy, build_hierarchy
 from kvtier.keys import OffloadKey
+from kvtier.manager import SHUTDOWN_TIMEOUT_S
 from kvtier.specs import BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, LoadStoreSpec
 from kvtier.standalone_args import check_kv_caches, key_limit
 from kvtier.standalone_blocks import KeyBlocks
@@ -77,6 +78,8 @@ class KVTier:
     only for its own jobs. `close()` may be called from any thread: calls waiting to run, and a
     call waiting for a copy, raise `ClosedError` (the copy itself finishes first).
     """
+
+    shutdown_timeout: float = SHUTDOWN_TIMEOUT_S  # `close`'s bound on finishing the jobs after its flush
 
     def __init__(self, hierarchy: Hierarchy, layout: KVLayout):
         self.hierarchy = hierarchy
@@ -268,7 +271,9 @@ class KVTier:
     def close(self, flush: bool = True, flush_timeout: float | None = FLUSH_TIMEOUT_S) -> None:
         """Write the dirty blocks down (`flush`, unless `flush` is False; at most `flush_timeout`
         seconds, logging how many were not written), finish background jobs and release every
-        tier. Idempotent; from any thread: the other threads' calls end with `ClosedError`."""
+        tier, at most `shutdown_timeout` seconds more (copies still running then, a read or
+        write hung in the kernel, are abandoned and logged: `Hierarchy.close`). Idempotent; from
+        any thread: the other threads' calls end with `ClosedError`."""
         self._closing = True
         if self._metrics is not None:  # (first: a scrape waits for the lock held below)
             self._metrics.stop()
@@ -284,7 +289,7 @@ class KVTier:
                                     "lost with this process (call flush() first, or raise flush_timeout)",
                                     left, flush_timeout)
             finally:
-                self.hierarchy.close()
+                self.hierarchy.close(self.shutdown_timeout)
 
     def __enter__(self) -> KVTier:
         return self

@@ -85,9 +85,9 @@ class Quiescer:
             except WaitTimeout:
                 check()
 
-    def shutdown(self, timeout: float | None) -> None:
+    def shutdown(self, timeout: float | None, keep_open: set[str]) -> None:
         """`HierarchyManager.shutdown`: the router and backends closed, but those of copies still
-        running after `timeout` s (abandoned, logged) left open."""
+        running after `timeout` s (abandoned, logged) and those of `keep_open` left open."""
         try:
             self.wait_idle(timeout)
         except WaitTimeout as exc:
@@ -95,10 +95,9 @@ class Quiescer:
             log.error("shutdown abandoned %s still running after %g s: %s. The transfer router "
                       "and the backends of tiers %s are left open; their blocks may be incomplete.",
                       _jobs(len(exc.jobs)), timeout, "; ".join(exc.jobs), ", ".join(sorted(busy)))
-            for tier in self._tiers:
-                if tier.name not in busy:
-                    tier.backend.close()
-            return
-        self._router.shutdown()
+            keep_open = keep_open | busy
+        else:
+            self._router.shutdown()
         for tier in self._tiers:
-            tier.backend.close()
+            if tier.name not in keep_open:
+                tier.backend.close()

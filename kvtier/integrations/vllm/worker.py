@@ -11,6 +11,7 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, Offload
 
 from kvtier import specs as kspecs
 from kvtier.integrations.vllm.translate import to_kvtier_cpu_spec, to_kvtier_load_spec
+from kvtier.router import Abandoned
 from kvtier.tiers.cpu import RegionError
 
 if TYPE_CHECKING:
@@ -81,9 +82,17 @@ class FileLoads:
         else:
             self._done.append(KVTierResult(job_id, True, size, time.perf_counter() - start))
 
-    def shutdown(self) -> None:
-        self._pool.shutdown(wait=True)
-        self.handler.shutdown()
+    def shutdown(self, timeout: float | None = None) -> Abandoned:
+        """Stop once the reads in flight end, at most `timeout` seconds (None: no limit); the jobs
+        still reading then are abandoned (returned; their thread finishes the read later)."""
+        from concurrent.futures import wait as wait_futures
+
+        futures = {future: job_id for job_id, (future, _) in self._jobs.items()}
+        _, running = wait_futures(list(futures), timeout)
+        self._pool.shutdown(wait=not running, cancel_futures=True)
+        if not running:
+            self.handler.shutdown()
+        return Abandoned([f"direct file load job {futures[f]}" for f in running])
 
 
 def file_keys_by_position(source: Any) -> dict[int, bytes]:
@@ -296,9 +305,19 @@ class KVTierOffloadingWorker(OffloadingWorker):
             self._file_loads.wait_any(timeout)
 
     def shutdown(self) -> None:
+        """Stop the planes within `SHUTDOWN_TIMEOUT_S` (copies hung in the kernel are abandoned and
+        logged, the region then left mapped), then release the CPU region."""
+        from kvtier.manager import SHUTDOWN_TIMEOUT_S
+
+        deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
+        abandoned: list[str] = []
         for plane in self._all_planes():
-            plane.shutdown()
+            abandoned += plane.shutdown(max(0.0, deadline - time.monotonic())).jobs
         self._planes, self._file_loads = None, None
+        if abandoned:
+            log.error("kvtier worker: shutdown abandoned %d transfer job(s) still running after %g s: %s",
+                      len(abandoned), SHUTDOWN_TIMEOUT_S, "; ".join(abandoned))
+            self._backend = None  # (left mapped: a copy may still use it)
         if self._backend is not None:
             self._backend.close()
             self._backend = None
