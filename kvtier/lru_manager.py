@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Collection, Iterable
 
-from kvtier.interfaces import OffloadingManager
+from kvtier.interfaces import OffloadingManager, store_outcome
 from kvtier.keys import OffloadKey
 from kvtier.request_access import RequestAccesses
 from kvtier.specs import LoadStoreSpec
@@ -40,16 +40,16 @@ class LRUOffloadingManager(OffloadingManager):
         self.accesses: RequestAccesses[OffloadKey] = RequestAccesses()
         self.store_threshold: StoreThreshold[OffloadKey] = StoreThreshold(store_threshold, max_tracker_size)
 
-    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+    def on_new_request(self, req_context: ReqContext | None = None) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
-    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
         block = self.blocks.get(key)
         if block is None:
             return LookupResult.MISS
         return LookupResult.HIT if block.is_ready else LookupResult.HIT_PENDING
 
-    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
         blocks = []
         for key in keys:
             block = self.blocks[key]
@@ -60,18 +60,19 @@ class LRUOffloadingManager(OffloadingManager):
         self.accesses.record(keys, req_context, reused=keys)
         return self.backend.get_load_store_spec(keys, blocks)
 
-    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         for key in reversed(list(keys)):
             if key in self.blocks:
                 self.blocks.move_to_end(key)
 
-    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         for key in keys:
             block = self.blocks[key]
             assert block.ref_cnt > 0, f"complete_load without prepare_load for {key.hex()}"
             block.ref_cnt -= 1
 
-    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Collection[OffloadKey],
+                      req_context: ReqContext | None = None) -> PrepareStoreOutput | None:
         keys = list(keys)
         to_store = [key for key in keys if key not in self.blocks]
         if self.store_threshold.enabled:
@@ -101,7 +102,9 @@ class LRUOffloadingManager(OffloadingManager):
         self.accesses.inserted(to_store, req_context)
         return PrepareStoreOutput(to_store, self.backend.get_load_store_spec(to_store, blocks), evicted)
 
-    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | bool | None = None,
+                       success: bool = True) -> None:
+        req_context, success = store_outcome(req_context, success)
         stored = []
         for key in keys:
             block = self.blocks.get(key)
@@ -118,7 +121,7 @@ class LRUOffloadingManager(OffloadingManager):
         if keys and self.events is not None:
             self.events.append(OffloadingEvent(keys, self.backend.block_size, self.backend.medium, removed))
 
-    def on_request_finished(self, req_context: ReqContext) -> None:
+    def on_request_finished(self, req_context: ReqContext | None = None) -> None:
         """Apply the request's accesses (see the class docstring)."""
         self.touch(self.accesses.finish(req_context, insertions=True), req_context)
 

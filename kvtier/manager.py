@@ -46,7 +46,7 @@ from kvtier.control.quiesce import Quiescer
 from kvtier.control.shared_probes import SharedTierProbes, local_tiers
 from kvtier.control.stores import StorePath
 from kvtier.control.tier import Tier, TierStats
-from kvtier.interfaces import OffloadingManager
+from kvtier.interfaces import OffloadingManager, store_outcome
 from kvtier.keys import OffloadKey
 from kvtier.router import TransferRouter
 from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
@@ -227,8 +227,9 @@ class HierarchyManager(OffloadingManager):
             self._cascade.advance_writes()
         return self.stores.prepare(keys)
 
-    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | bool | None = None,
                        success: bool = True) -> None:
+        _, success = store_outcome(req_context, success)  # (the seed's form passes the outcome second)
         self.stores.complete(keys if isinstance(keys, list) else list(keys), success)
 
     def on_request_finished(self, req_context: ReqContext | None = None) -> None:

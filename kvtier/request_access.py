@@ -107,7 +107,10 @@ class RequestAccesses(Generic[K]):
 
     def record(self, keys: Iterable[K], req_context: Any, reused: Iterable[K] = ()) -> None:
         """Note that the request observed `keys`; `reused` of them were readable and read or
-        offered again (those the request stored itself do not count)."""
+        offered again (those the request stored itself do not count). A call of no request
+        (`req_context` None: the seed's call forms) is recorded nowhere."""
+        if req_context is None:
+            return
         access = self.get(req_context)
         access.observed.update(dict.fromkeys(keys))
         if access.inserted:
@@ -116,15 +119,17 @@ class RequestAccesses(Generic[K]):
             access.reused.update(reused)
 
     def inserted(self, keys: Iterable[K], req_context: Any) -> None:
-        """Note that `keys` were stored for the request (allocated by its `prepare_store`)."""
-        self.get(req_context).inserted.update(keys)
+        """Note that `keys` were stored for the request (allocated by its `prepare_store`); none
+        for a call of no request."""
+        if req_context is not None:
+            self.get(req_context).inserted.update(keys)
 
     def finish(self, req_context: Any, *, insertions: bool) -> list[K]:
         """Forget the request and return, in its head-to-tail order (`request_order`), the keys
         its end touches: those it reused and, with `insertions` (a policy for which a touch is
         recency only, such as LRU), every key it observed, as vLLM's LRU applies them. Empty for
         a request with no record (finished already, or recorded before a reset)."""
-        access = self._requests.pop(req_context.req_id, None)
+        access = None if req_context is None else self._requests.pop(req_context.req_id, None)
         if access is None:
             return []
         keys = _grouped(access.observed)
