@@ -280,34 +280,13 @@ def test_cuda_store_waits_for_the_compute_stream(tier):
 
 @pytest.fixture
 def fake_cuda_api(monkeypatch):
-    """Streams, events and pinned allocation as no-ops on the host, so that the CUDA handler's
-    own logic (staging, bounce buffer, consecutive-slot DMA, word views) runs without a GPU.
-    It says nothing about real stream ordering: that is what the `gpu` tests are for."""
-    import contextlib
+    """Streams, events and pinned allocation as no-ops on the host (`kvtier.testing.fake_cuda`), so
+    that the CUDA handler's own logic (staging, bounce buffer, consecutive-slot DMA, word views)
+    runs without a GPU. It says nothing about real stream ordering: that is what the `gpu` tests are for."""
+    from kvtier.testing.fake_cuda import host_cuda_patches
 
-    class Event:
-        def record(self, stream=None):
-            pass
-
-        def synchronize(self):
-            pass
-
-    class Stream:
-        cuda_stream = 0
-
-        def __init__(self, device=None):
-            pass
-
-        def wait_event(self, event):
-            pass
-
-    empty = torch.empty
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    for patch in host_cuda_patches(torch):
+        monkeypatch.setattr(*patch)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["staged", "fast-path"])
