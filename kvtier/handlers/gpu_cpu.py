@@ -193,7 +193,8 @@ class CudaKVCopyHandler(EngineJobHandler):
         if not self._fast_known:
             from kvtier.handlers.fast_path import cuda_fast_path
 
-            self._fast, self._fast_known = cuda_fast_path(self.device), True
+            largest = max(self.layout.groups, key=lambda segments: sum(seg.page for seg in segments))
+            self._fast, self._fast_known = cuda_fast_path(self.device, tuple(seg.page for seg in largest)), True
         return self._fast
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
@@ -298,7 +299,10 @@ def make_handler(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | Non
         from kvtier.handlers.fast_path import candidates_for
 
         candidates_for(os.environ.get("KVTIER_GPU_COPY", "auto"))  # a bad value fails here, not each job
-        return CudaKVCopyHandler(usable, layout, to_cpu, cuda_threads)
+        handler = CudaKVCopyHandler(usable, layout, to_cpu, cuda_threads)
+        if any(getattr(b, "pinned", False) for b in usable.values()):
+            handler.fast_path()  # chosen (self-checked, timed, logged) now, at start-up, not at the first job
+        return handler
     if layout.device.type != "cpu":
         raise ValueError(f"unsupported KV cache device {layout.device}")
     return HostKVCopyHandler(usable, layout, to_cpu)

@@ -301,7 +301,7 @@ def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, monkeypatch, tier, sl
     layout, backend = tier(kv, 2)
     dma = HostDMA()
     if fast:
-        monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: dma)
+        monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device, pages=None: dma)
         backend.pinned = True
     store_h = CudaKVCopyHandler({"cpu": backend}, layout, True)
     load_h = CudaKVCopyHandler({"cpu": backend}, layout, False)
@@ -346,7 +346,7 @@ def host_dma(monkeypatch):
     from kvtier.handlers import fast_path
 
     dma = HostDMA()
-    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: dma)
+    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device, pages=None: dma)
     return dma
 
 
@@ -363,7 +363,7 @@ def test_a_job_that_fails_in_the_fast_path_is_redone_on_the_staged_path(fake_cud
             raise CopyError("cudaMemcpyBatchAsync of 3 descriptors returned error 700")
 
     failing, demoted = Failing(), []
-    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: failing)
+    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device, pages=None: failing)
     monkeypatch.setattr(fast_path, "demote_cuda", lambda device, submitter, why: demoted.append((submitter, why)))
     kv = make_kv()
     layout, backend = tier(kv, 1)
@@ -398,7 +398,7 @@ def test_the_fast_path_plans_and_submits_on_the_callers_thread(fake_cuda_api, mo
 
     threads: list[int] = []
     dma = Recording()
-    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: dma)
+    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device, pages=None: dma)
     kv = make_kv()
     layout, backend = tier(kv, 1)
     backend.pinned = True
