@@ -10,7 +10,7 @@ Each measurement moves `--total-mib` through the real handlers (`make_handler` o
 `CPUBackend`), in jobs of 16 MiB (256 blocks of 64 KiB, 16 of 2 MiB, as vLLM submits them),
 slots a random permutation (and, for comparison, consecutive); best of `--repeats`. Paths:
 `staged` (the bounce path), `auto` (the fast path the self-check chose, named in the JSON), and
-`batch`, `bindings` and `loop` each alone (`KVTIER_GPU_COPY`; `--modes` picks some);
+`batch`, `bindings`, `loop` and `kernel` each alone (`KVTIER_GPU_COPY`; `--modes` picks some);
 `--job-mib` sets the job size, `--threads` the handlers' job threads. Every load is checked byte
 for byte against the engine's bytes before the store.
 
@@ -36,7 +36,7 @@ import sys
 import time
 
 JOB_BYTES = 16 << 20
-MODES = ("staged", "auto", "batch", "bindings", "loop")
+MODES = ("staged", "auto", "batch", "bindings", "loop", "kernel")
 
 
 def contiguous_gbps(torch, nbytes: int, repeats: int) -> tuple[float, float, float]:

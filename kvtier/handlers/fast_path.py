@@ -4,7 +4,8 @@ A fast path (a `kvtier.handlers.cuda_copy.Submitter`: one DMA per page straight 
 engine and its CPU slot) is used only after it proved itself on that device: at first use it
 copies a known pattern from a device buffer to scattered pages of pinned host memory and back,
 and every byte must match (`check_round_trip`). Every candidate (`cudaMemcpyBatchAsync` through
-ctypes, the same through cuda-bindings, the compiled `cudaMemcpyAsync` loop) is self-checked,
+ctypes, the same through cuda-bindings, the compiled `cudaMemcpyAsync` loop, a Triton copy kernel
+over the region's device mapping: `kvtier.handlers.copy_kernel`) is self-checked,
 then each that passed is timed on a probe of the layout's pages (`kvtier.handlers.copy_timing`:
 about one job each way, a few milliseconds), and the fastest is taken (the earlier one when two
 are within 3 %): no mechanism wins everywhere, and which one wins depends on the device, the
@@ -17,8 +18,9 @@ path that fails a job later (`demote_cuda`) is dropped the same way, with one wa
 job is redone on the staged path.
 
 `KVTIER_GPU_COPY` (read when a handler is built and at the first decision) narrows the choice:
-`auto` (default), `batch`, `bindings`, `loop`, or `staged` (no fast path: for comparisons and as
-an escape hatch).
+`auto` (default), `batch`, `bindings`, `loop`, `kernel`, or `staged` (no fast path: for
+comparisons and as an escape hatch). A candidate that does not exist here (`Unavailable`: a
+runtime older than 12.8, no cuda-bindings, no Triton) is named in the INFO line, not warned about.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from kvtier.handlers.copy_timing import Timing, pick, probe_sizes, time_mechanis
 from kvtier.handlers.cuda_copy import (
     CopyError,
     Submitter,
+    Unavailable,
     make_batch_submitter,
     make_c_batch_submitter,
     make_loop_submitter,
@@ -46,12 +49,22 @@ PROBE_PAGE = 8192  # bytes per page of the self-check
 PROBE_PAGES = 16
 STAGED = "the staged path (device staging buffer, pinned bounce buffer, host row copies)"
 Candidate = tuple[str, Callable[[], Submitter]]
+
+
+def make_kernel_submitter() -> Submitter:
+    """The Triton copy kernel (`kvtier.handlers.copy_kernel`; `Unavailable` without Triton)."""
+    from kvtier.handlers.copy_kernel import make_kernel_submitter as make
+
+    return make()
+
+
 CANDIDATES: dict[str, Candidate] = {
     "batch": ("cudaMemcpyBatchAsync", make_c_batch_submitter),
     "bindings": ("cudaMemcpyBatchAsync (cuda.bindings)", make_batch_submitter),
     "loop": ("cudaMemcpyAsync loop", make_loop_submitter),
+    "kernel": ("Triton copy kernel", make_kernel_submitter),
 }
-MODES = ("auto", "batch", "bindings", "loop", "staged")
+MODES = ("auto", "batch", "bindings", "loop", "kernel", "staged")
 
 
 def candidates_for(mode: str) -> list[Candidate]:
@@ -59,7 +72,7 @@ def candidates_for(mode: str) -> list[Candidate]:
     if mode not in MODES:
         raise ValueError(f"KVTIER_GPU_COPY={mode!r} is not a copy path; use one of {', '.join(MODES)}")
     if mode == "auto":
-        return [CANDIDATES["batch"], CANDIDATES["bindings"], CANDIDATES["loop"]]
+        return [CANDIDATES["batch"], CANDIDATES["bindings"], CANDIDATES["loop"], CANDIDATES["kernel"]]
     return [] if mode == "staged" else [CANDIDATES[mode]]
 
 
@@ -71,11 +84,14 @@ class Decision:
     chosen: Submitter | None
     timings: list[tuple[str, Timing]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    unavailable: list[str] = field(default_factory=list)  # mechanisms that do not exist here (no failure)
 
     def describe(self) -> str:
         using = self.chosen.name if self.chosen is not None else STAGED
         figures = "; ".join(f"{name}: {t.brief()}" for name, t in self.timings)
-        return using + (f" (measured here: {figures})" if figures else "")
+        notes = [f"measured here: {figures}"] if figures else []
+        notes += ["not available here: " + "; ".join(self.unavailable)] if self.unavailable else []
+        return using + (f" ({'; '.join(notes)})" if notes else "")
 
 
 class FastPathChoice:
@@ -97,6 +113,13 @@ class FastPathChoice:
             for name, make in candidates:
                 try:
                     submitter = make()
+                except (Unavailable, ImportError) as exc:  # nothing to try here: not a failure
+                    decision.unavailable.append(f"{name}: {exc}")
+                    continue
+                except Exception as exc:  # noqa: BLE001 - any failure: not this path
+                    decision.failures.append(f"{name}: {type(exc).__name__}: {exc}")
+                    continue
+                try:
                     check(submitter)
                 except Exception as exc:  # noqa: BLE001 - any failure: not this path
                     decision.failures.append(f"{name}: {type(exc).__name__}: {exc}")
