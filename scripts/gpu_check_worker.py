@@ -133,17 +133,23 @@ def keys_from(start: int, n: int):
     return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + n)]
 
 
+def load_checked(engine: Engine, keys, ctx, source: type) -> Any:
+    """Wipe engine blocks 8.., load `keys` there from a spec of type `source`, check every byte."""
+    engine.kv[8:8 + len(keys) * BPC].zero_()
+    spec, result = engine.load(keys, 8, ctx)
+    assert isinstance(spec, source), f"loaded from {type(spec).__name__}, not {source.__name__}"
+    assert result.success, "the load failed"
+    assert engine.loaded_equal(keys, 8), "the loaded bytes differ from the stored ones"
+    engine.manager.complete_load(keys, ctx)
+    return result
+
+
 def through_the_cpu_tier(engine: Engine, ctx) -> str:
     from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec
 
     keys = keys_from(100, 2)
     engine.store(keys, 0, ctx)
-    engine.kv[8:8 + 2 * BPC].zero_()
-    spec, result = engine.load(keys, 8, ctx)
-    assert isinstance(spec, KVTierCPULoadStoreSpec), f"loaded from {type(spec).__name__}, not the CPU tier"
-    assert result.success, "the load failed"
-    assert engine.loaded_equal(keys, 8), "the loaded bytes differ from the stored ones"
-    engine.manager.complete_load(keys, ctx)
+    result = load_checked(engine, keys, ctx, KVTierCPULoadStoreSpec)
     return f"{len(keys)} blocks ({result.transfer_size} B) stored and loaded back byte for byte"
 
 
@@ -156,30 +162,29 @@ def direct_file_load(engine: Engine, ctx) -> str:
     engine.store(keys, 0, ctx)
     engine.store(keys_from(210, 4), 4, ctx, job_id=3)  # pushes `keys` out of the 4-block CPU tier
     assert [engine.manager.lookup(k, ctx) for k in keys] == [LookupResult.HIT] * 2, "not a HIT from the file tier"
-    engine.kv[8:8 + 2 * BPC].zero_()
-    spec, result = engine.load(keys, 8, ctx)
-    assert isinstance(spec, KVTierFileLoadStoreSpec), f"loaded from {type(spec).__name__}, not the file tier"
-    assert result.success, "the load failed"
-    assert engine.loaded_equal(keys, 8), "the loaded bytes differ from the stored ones"
-    engine.manager.complete_load(keys, ctx)
+    load_checked(engine, keys, ctx, KVTierFileLoadStoreSpec)
     return f"{len(keys)} file-only blocks loaded by the worker straight from the file tier, byte for byte"
 
 
-def corrupted_block(engine: Engine, ctx) -> str:
-    from vllm.v1.kv_offload.base import LookupResult
-
+def flip_payload_byte(tier, key) -> None:
+    """Flip one payload byte of `key`'s slot in the file tier `tier`, on disk."""
     from kvtier.tiers.file.slot_format import HEADER_BYTES
 
-    keys = keys_from(300, 2)
-    engine.store(keys, 0, ctx)
-    engine.store(keys_from(310, 4), 4, ctx, job_id=3)
-    tier = engine.manager.hierarchy.manager.tiers[1]
-    offset = tier.policy.get(keys[1]).block_id * tier.backend.slot_bytes + HEADER_BYTES + 5
+    offset = tier.policy.get(key).block_id * tier.backend.slot_bytes + HEADER_BYTES + 5
     with open(tier.backend.slab_path, "r+b") as f:
         f.seek(offset)
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def corrupted_block(engine: Engine, ctx) -> str:
+    from vllm.v1.kv_offload.base import LookupResult
+
+    keys = keys_from(300, 2)
+    engine.store(keys, 0, ctx)
+    engine.store(keys_from(310, 4), 4, ctx, job_id=3)
+    flip_payload_byte(engine.manager.hierarchy.manager.tiers[1], keys[1])
     engine.kv.zero_()
     _, result = engine.load(keys, 8, ctx)
     assert not result.success, "the load of a corrupted block succeeded"
@@ -265,18 +270,10 @@ def standalone_file_load(engine: Standalone) -> str:
 
 
 def standalone_corrupted(engine: Standalone) -> str:
-    from kvtier.tiers.file.slot_format import HEADER_BYTES
-
     keys = standalone_keys(300, 2)
     engine.store(keys, 0)
     engine.store(standalone_keys(310, 4), 4)
-    tier = engine.file_tier()
-    offset = tier.policy.get(keys[1]).block_id * tier.backend.slot_bytes + HEADER_BYTES + 5
-    with open(tier.backend.slab_path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_payload_byte(engine.file_tier(), keys[1])
     engine.kv.zero_()
     loaded = engine.tier.load(keys, engine.blocks(8, 2))
     assert loaded < 2, "the corrupted block was loaded"

@@ -64,13 +64,20 @@ def any_order_job(rng: random.Random, layout: KVLayout):
     return GPULoadStoreSpec(ids, sizes, starts), slots
 
 
-@pytest.mark.parametrize("seed", range(60))
-def test_the_fast_plan_is_the_reference_plan_merged_in_job_order(seed):
-    rng = random.Random(1000 + seed)
+def random_layouts(rng: random.Random, count: int) -> list[KVLayout]:
+    """`count` layouts of one random geometry (`test_copy_plan.random_layout`), each over its own
+    copy of the engine tensors."""
     tensors, refs, bpc, offset, extra = random_layout(rng)
     probe = KVLayout(caches(tensors, refs), bpc)
     length = None if extra is None else probe.block_bytes + extra
-    layout = KVLayout(caches([t.clone() for t in tensors], refs), bpc, offset, length)
+    probe.close()
+    return [KVLayout(caches([t.clone() for t in tensors], refs), bpc, offset, length) for _ in range(count)]
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_the_fast_plan_is_the_reference_plan_merged_in_job_order(seed):
+    rng = random.Random(1000 + seed)
+    (layout,) = random_layouts(rng, 1)
     stride = layout.slot_end + rng.choice([0, 8, 100])
     region = torch.randint(0, 256, (SLOTS, stride), dtype=torch.uint8)
     ref_region = RegionRef.of(region) if seed % 2 else region  # either form
@@ -86,18 +93,13 @@ def test_the_fast_plan_is_the_reference_plan_merged_in_job_order(seed):
                     assert len(fast) == len(reference)  # ascending runs: every merge the reference makes
     finally:
         layout.close()
-        probe.close()
 
 
 @pytest.mark.parametrize("seed", range(20))
 def test_the_fast_plan_moves_the_bytes_the_reference_moves(seed):
     rng = random.Random(2000 + seed)
-    tensors, refs, bpc, offset, extra = random_layout(rng)
-    probe = KVLayout(caches(tensors, refs), bpc)
-    length = None if extra is None else probe.block_bytes + extra
-    mine, theirs = [t.clone() for t in tensors], [t.clone() for t in tensors]
-    fast_layout = KVLayout(caches(mine, refs), bpc, offset, length)
-    ref_layout = KVLayout(caches(theirs, refs), bpc, offset, length)
+    fast_layout, ref_layout = random_layouts(rng, 2)
+    mine, theirs = fast_layout.tensors, ref_layout.tensors
     try:
         spec, slots = any_order_job(rng, fast_layout)
         region = torch.randint(0, 256, (SLOTS, fast_layout.slot_end + 16), dtype=torch.uint8)
@@ -114,7 +116,6 @@ def test_the_fast_plan_moves_the_bytes_the_reference_moves(seed):
     finally:
         fast_layout.close()
         ref_layout.close()
-        probe.close()
 
 
 def test_runs_merge_in_job_order_as_the_reference_merges_them():
