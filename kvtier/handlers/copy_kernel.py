@@ -22,6 +22,7 @@ interpreter runs the kernel on host memory.
 from __future__ import annotations
 
 import ctypes
+import functools
 from typing import Any
 
 from kvtier.handlers.copy_plan import CopyPlan
@@ -32,8 +33,10 @@ WORDS = 1024  # lanes per step: 8 KiB per program per step with 8-byte words
 CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDeviceAttr
 
 
+@functools.cache
 def copy_kernel() -> Any:
-    """The jitted kernel (Triton imported here: ImportError without it)."""
+    """The jitted kernel, made once per process (Triton imported here: ImportError without it;
+    one function object, so that every handler shares its compiled code)."""
     import triton
     import triton.language as tl
 
