@@ -110,6 +110,7 @@ def check_environment(config, args, block_bytes: int | None = None) -> int:
         note, problem = _capacity_fits(tier, cls, block_bytes)
         notes += [note] if note else []
         notes += [_engine_file_path(tier.options)] if cls.medium == "FILE" else []
+        notes += [_engine_cpu_path(tier.options)] if cls.medium == "CPU" else []
         found += [(f"tiers[{i}].capacity", problem)] if problem else []
         problems += found
         print(f"  tiers[{i}] {tier.name}: " + ("; ".join(notes) if notes else "nothing to check" if not found
@@ -128,6 +129,13 @@ def _engine_file_path(options) -> str:
 
     choice, why = file_path(str(options.get("io", "auto")))
     return f"engine<->file {choice} ({why})"
+
+
+def _engine_cpu_path(options) -> str:
+    """Which copy mechanism the engine's KV cache takes to and from this CPU tier here (measured)."""
+    from kvtier.handlers.fast_path import engine_cpu_note
+
+    return engine_cpu_note(options)
 
 
 def _capacity_fits(tier, cls, block_bytes: int | None) -> tuple[str, str | None]:

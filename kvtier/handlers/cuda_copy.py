@@ -1,7 +1,7 @@
 """The thin CUDA layer: submit a whole `CopyPlan` on a stream in one call.
 
-Three submitters, tried in this order by `kvtier.handlers.fast_path` (each must pass its
-self-check before a job uses it):
+Three submitters here (and a Triton copy kernel, `kvtier.handlers.copy_kernel`), each
+self-checked and timed by `kvtier.handlers.fast_path`, which takes the fastest:
 
 - `CBatchSubmitter`: one `cudaMemcpyBatchAsync` (CUDA >= 12.8) called through ctypes in the
   libcudart the process already loaded (torch's), on the plan's int64 arrays as they are (no
@@ -38,6 +38,11 @@ ATTRIBUTES_WORDS = 16  # a zeroed cudaMemcpyAttributes (24 B: order, two cudaMem
 
 class CopyError(RuntimeError):
     """A CUDA copy call failed (the message names the call, the error and the descriptor)."""
+
+
+class Unavailable(CopyError):
+    """A copy mechanism that does not exist here (a runtime too old, a module not installed):
+    nothing failed, there is nothing to try."""
 
 
 class Submitter(Protocol):
@@ -167,8 +172,8 @@ def make_c_batch_submitter(src_access_order: int = SRC_ACCESS_ORDER_STREAM) -> C
     cudart = loaded_cudart()
     version = runtime_version(cudart)
     if version < BATCH_MIN_RUNTIME:
-        raise CopyError(f"CUDA runtime {version // 1000}.{version % 1000 // 10} has no cudaMemcpyBatchAsync "
-                        f"(needs 12.8)")
+        raise Unavailable(f"CUDA runtime {version // 1000}.{version % 1000 // 10} has no cudaMemcpyBatchAsync "
+                          f"(needs 12.8)")
     with_fail_index = version < NO_FAIL_INDEX_RUNTIME
     address = ctypes.cast(cudart.cudaMemcpyBatchAsync, ctypes.c_void_p).value
     return CBatchSubmitter(batch_prototype(with_fail_index)(address), with_fail_index, src_access_order)
@@ -183,15 +188,18 @@ def make_loop_submitter() -> LoopSubmitter:
 def make_batch_submitter() -> BatchSubmitter:
     """A `BatchSubmitter`, or an exception saying why there is none here (no cuda-bindings, a
     runtime binding or a driver older than 12.8)."""
-    from cuda.bindings import runtime  # ImportError without cuda-bindings
+    try:
+        from cuda.bindings import runtime
+    except ImportError as exc:
+        raise Unavailable(f"cuda-bindings does not import ({exc})") from None
 
     for what, call in (("runtime", runtime.cudaRuntimeGetVersion), ("driver", runtime.cudaDriverGetVersion)):
         err, version = call()
         if err != runtime.cudaError_t.cudaSuccess:
             raise CopyError(f"cuda{what.title()}GetVersion returned {err!r}")
         if version < BATCH_MIN_RUNTIME:
-            raise CopyError(f"CUDA {what} {version // 1000}.{version % 1000 // 10} has no cudaMemcpyBatchAsync "
-                            f"(needs 12.8)")
+            raise Unavailable(f"CUDA {what} {version // 1000}.{version % 1000 // 10} has no cudaMemcpyBatchAsync "
+                              f"(needs 12.8)")
     if not hasattr(runtime, "cudaMemcpyBatchAsync"):
-        raise CopyError("cuda.bindings.runtime has no cudaMemcpyBatchAsync (needs cuda-bindings >= 12.8)")
+        raise Unavailable("cuda.bindings.runtime has no cudaMemcpyBatchAsync (needs cuda-bindings >= 12.8)")
     return BatchSubmitter(runtime)

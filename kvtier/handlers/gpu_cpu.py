@@ -28,10 +28,10 @@ from typing import Any
 
 from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler, failed_result, pick_backend, serving
 from kvtier.handlers.completions import Completions
-from kvtier.handlers.copy_plan import plan_copies
 from kvtier.handlers.cuda_copy import CopyError
+from kvtier.handlers.job_plan import RegionRef, plan_job
 from kvtier.handlers.kv_layout import ChunkedKVCaches, KVLayout, Segment, blocks_per_chunk_of, byte_rows, slot_range_of
-from kvtier.handlers.rows import common_words, run_start, words
+from kvtier.handlers.staged_copy import copy_part_of_slots, copy_whole_slots
 from kvtier.specs import BlockIDsLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import HostRegion
 from kvtier.types import CanonicalKVCaches, TransferResult
@@ -156,7 +156,7 @@ class CudaKVCopyHandler(EngineJobHandler):
 
     With a pinned region and a fast path that passed its self-check on the device
     (`fast_path.cuda_fast_path`), every page moves straight between the engine and its slot: one
-    plan of descriptors per job (`plan_copies`), whatever the slot order and for a byte range of
+    plan of descriptors per job (`job_plan.plan_job`), whatever the slot order and for a byte range of
     each slot too, planned and submitted in one call in `submit`, on the caller's thread; the
     job's end event goes to `Completions`, whose thread reports the job once it fired (jobs end
     in submission order). Host work on one thread keeps the stream fed: two job threads that
@@ -184,6 +184,7 @@ class CudaKVCopyHandler(EngineJobHandler):
         self.stream = torch.cuda.Stream(device=self.device)
         self._fast: Any = None
         self._fast_known = False  # the fast path is decided (self-checked) on the first job
+        self._regions: dict[str, tuple[Any, RegionRef]] = {}  # tier name -> (backend, its slots for the planner)
         self._completions = Completions(f"{name}-done", self._complete)
 
     def fast_path(self) -> Any:
@@ -192,7 +193,8 @@ class CudaKVCopyHandler(EngineJobHandler):
         if not self._fast_known:
             from kvtier.handlers.fast_path import cuda_fast_path
 
-            self._fast, self._fast_known = cuda_fast_path(self.device), True
+            largest = max(self.layout.groups, key=lambda segments: sum(seg.page for seg in segments))
+            self._fast, self._fast_known = cuda_fast_path(self.device, tuple(seg.page for seg in largest)), True
         return self._fast
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
@@ -200,16 +202,18 @@ class CudaKVCopyHandler(EngineJobHandler):
         on a job thread (class docstring). A job that cannot start is reported failed at once."""
         start = time.perf_counter()
         try:
-            gpu, backend, slots = self._job(src, dst)
+            gpu, cpu = _split(self.to_cpu, src, dst)
+            backend = pick_backend(self.backends, cpu, "CPU")
             fast = self.fast_path() if getattr(backend, "pinned", False) else None
+            region = self._region(backend) if fast is not None else None
         except Exception as exc:  # noqa: BLE001 - a bad job fails this job only
             return self.report(failed_result(job_id, start, exc))
-        if fast is None:
+        if fast is None or region is None:
             return super().submit(job_id, src, dst)
         with self._job_lock:
             self._reported[job_id] = threading.Event()
         try:
-            done = self._submit_direct(fast, backend, gpu, slots)
+            done = self._submit_direct(fast, region, gpu, cpu.block_ids)
         except CopyError as exc:  # the staged path redoes the whole job, on the same stream
             from kvtier.handlers.fast_path import demote_cuda
 
@@ -221,6 +225,16 @@ class CudaKVCopyHandler(EngineJobHandler):
         except Exception as exc:  # noqa: BLE001 - fails this job only
             return self._complete(failed_result(job_id, start, exc))
         self._completions.add(job_id, done, self.layout.bytes_of(gpu), start)
+
+    def _region(self, backend: Any) -> RegionRef:
+        """The slots of `backend` as numbers for the planner (checked to fit the layout once)."""
+        cached = self._regions.get(backend.name)
+        if cached is None or cached[0] is not backend:
+            _check_fits(backend, self.layout)
+            stride = backend.slot_stride
+            region = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
+            cached = self._regions[backend.name] = (backend, RegionRef.of(region))
+        return cached[1]
 
     def _complete(self, result: TransferResult) -> None:
         self.report(result)
@@ -245,110 +259,28 @@ class CudaKVCopyHandler(EngineJobHandler):
         """A staged-path job, on a job thread."""
         gpu, backend, slots = self._job(src, dst)
         if self.layout.owns_whole_slot:
-            self._copy_staged(backend, gpu, slots)
+            copy_whole_slots(self, backend, gpu, slots)
         else:
-            self._copy_part(backend, gpu, slots)
+            copy_part_of_slots(self, backend, gpu, slots)
         return self.layout.bytes_of(gpu)
 
     def shutdown(self) -> None:
         self._completions.close()
         super().shutdown()
 
-    def _copy_staged(self, backend: Any, gpu: GPULoadStoreSpec, slots) -> None:
-        """The job through a device staging buffer (and a pinned bounce buffer when the slots are
-        not consecutive), for a layout whose rows are whole slots."""
+    def _submit_direct(self, fast: Any, region: RegionRef, gpu: GPULoadStoreSpec, slots: list[int]) -> Any:
+        """The job as one plan of page <-> slot-place DMAs (`plan_job`), submitted on the handler's
+        stream after the caller's current stream's work so far; returns the event recorded after them."""
         import torch
 
-        k = len(slots)
-        stride = backend.slot_stride
-        # Whole slots (row stride = slot_stride): every DMA below is between contiguous tensors.
-        region_bytes = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
-        region = words(region_bytes)
-        run = run_start(slots)
-        consecutive = run is not None
-        first = run or 0  # the run's first slot when consecutive
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            ready = self.ready_event()
-            if ready is not None:
-                self.stream.wait_event(ready)
-            index = self.layout.index(gpu, k)
-            rows = torch.arange(k, dtype=torch.int64)
-            staging = torch.empty((k, stride), dtype=torch.uint8, device=self.device)
-            done = torch.cuda.Event()
-            if self.to_cpu:
-                self.layout.gather(staging, rows, index)
-                if consecutive:
-                    region_bytes[first:first + k].copy_(staging, non_blocking=True)
-                else:
-                    bounce = torch.empty((k, stride), dtype=torch.uint8, pin_memory=True)
-                    bounce.copy_(staging, non_blocking=True)
-                done.record(self.stream)
-                done.synchronize()
-                if not consecutive:
-                    dst, src_rows = common_words(region, words(bounce))
-                    self.layout.copier.index_copy(dst, slots, src_rows)
-            else:
-                if consecutive:
-                    staging.copy_(region_bytes[first:first + k], non_blocking=True)
-                else:
-                    bounce = torch.empty((k, stride), dtype=torch.uint8, pin_memory=True)
-                    src_rows, out = common_words(region, words(bounce))
-                    self.layout.copier.index_select(src_rows, slots, out)
-                    staging.copy_(bounce, non_blocking=True)
-                self.layout.scatter(staging, rows, index)
-                done.record(self.stream)
-                done.synchronize()
-
-    def _submit_direct(self, fast: Any, backend: Any, gpu: GPULoadStoreSpec, slots) -> Any:
-        """The job as one plan of page <-> slot-place DMAs, submitted on the handler's stream after
-        the caller's current stream's work so far; returns the event recorded after them."""
-        import torch
-
-        stride = backend.slot_stride
-        region = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
-        plan = plan_copies(self.layout, gpu, slots.numpy(), region, self.to_cpu)
-        ready = self.record_ready()  # (on the caller's current stream, before switching)
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        plan = plan_job(self.layout, gpu, slots, region, self.to_cpu)
+        ready = self.record_ready()  # (on the caller's current stream)
+        with torch.cuda.device(self.device):
             self.stream.wait_event(ready)
             fast.submit(plan, self.stream.cuda_stream)
             done = torch.cuda.Event()
             done.record(self.stream)
         return done
-
-    def _copy_part(self, backend: Any, gpu: GPULoadStoreSpec, slots) -> None:
-        """A job over the layout's byte range of each slot only (the slot is shared with other
-        ranks): device staging of the part's width, a pinned bounce buffer, and one batched host
-        row copy between it and the part's columns of the region."""
-        import torch
-
-        k, layout = len(slots), self.layout
-        width = layout.slot_end - layout.slot_offset
-        stride = backend.slot_stride
-        whole = backend.tensor().as_strided((backend.num_blocks, stride), (stride, 1))
-        part = words(whole[:, layout.slot_offset:layout.slot_offset + width])
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            ready = self.ready_event()
-            if ready is not None:
-                self.stream.wait_event(ready)
-            index = layout.index(gpu, k)
-            rows = torch.arange(k, dtype=torch.int64)
-            staging = torch.empty((k, width), dtype=torch.uint8, device=self.device)
-            bounce = torch.empty((k, width), dtype=torch.uint8, pin_memory=True)
-            done = torch.cuda.Event()
-            if self.to_cpu:
-                layout.gather(staging, rows, index, base=0)
-                bounce.copy_(staging, non_blocking=True)
-                done.record(self.stream)
-                done.synchronize()
-                dst, src_rows = common_words(part, words(bounce))
-                layout.copier.index_copy(dst, slots, src_rows)
-            else:
-                src_rows, out = common_words(part, words(bounce))
-                layout.copier.index_select(src_rows, slots, out)
-                staging.copy_(bounce, non_blocking=True)
-                layout.scatter(staging, rows, index, base=0)
-                done.record(self.stream)
-                done.synchronize()
 
 
 def make_handler(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | None, to_cpu: bool,
@@ -367,7 +299,10 @@ def make_handler(backends: Mapping[str, Any], kv_caches: CanonicalKVCaches | Non
         from kvtier.handlers.fast_path import candidates_for
 
         candidates_for(os.environ.get("KVTIER_GPU_COPY", "auto"))  # a bad value fails here, not each job
-        return CudaKVCopyHandler(usable, layout, to_cpu, cuda_threads)
+        handler = CudaKVCopyHandler(usable, layout, to_cpu, cuda_threads)
+        if any(getattr(b, "pinned", False) for b in usable.values()):
+            handler.fast_path()  # chosen (self-checked, timed, logged) now, at start-up, not at the first job
+        return handler
     if layout.device.type != "cpu":
         raise ValueError(f"unsupported KV cache device {layout.device}")
     return HostKVCopyHandler(usable, layout, to_cpu)

@@ -107,6 +107,7 @@ class KVLayout:
         self.block_bytes = max(self.group_bytes)
         self.slot_offset, self.slot_length = _check_range(slot_offset, slot_length, self.block_bytes)
         self._rows: dict[tuple[int, int], Any] = {}
+        self.plan_geometry: Any = None  # `job_plan.PlanGeometry` of this layout, made at its first planned job
         self._local = threading.local()
         self.copier = RowCopier()
 

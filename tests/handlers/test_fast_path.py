@@ -290,7 +290,7 @@ def test_a_path_that_fails_a_job_is_dropped_with_one_warning(caplog):
 
 def test_copy_modes():
     assert [name for name, _ in fast_path.candidates_for("auto")] == [
-        "cudaMemcpyBatchAsync", "cudaMemcpyBatchAsync (cuda.bindings)", "cudaMemcpyAsync loop"]
+        "cudaMemcpyBatchAsync", "cudaMemcpyBatchAsync (cuda.bindings)", "cudaMemcpyAsync loop", "Triton copy kernel"]
     assert fast_path.candidates_for("staged") == []
     with pytest.raises(ValueError, match="KVTIER_GPU_COPY='fast' is not a copy path; use one of auto, batch"):
         fast_path.candidates_for("fast")
@@ -298,7 +298,7 @@ def test_copy_modes():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("mode", ["batch", "bindings", "loop"])
+@pytest.mark.parametrize("mode", ["batch", "bindings", "loop", "kernel"])
 def test_each_cuda_submitter_passes_the_self_check(mode):
     name, make = fast_path.candidates_for(mode)[0]
     submitter = make()

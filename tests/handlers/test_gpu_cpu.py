@@ -280,34 +280,13 @@ def test_cuda_store_waits_for_the_compute_stream(tier):
 
 @pytest.fixture
 def fake_cuda_api(monkeypatch):
-    """Streams, events and pinned allocation as no-ops on the host, so that the CUDA handler's
-    own logic (staging, bounce buffer, consecutive-slot DMA, word views) runs without a GPU.
-    It says nothing about real stream ordering: that is what the `gpu` tests are for."""
-    import contextlib
+    """Streams, events and pinned allocation as no-ops on the host (`kvtier.testing.fake_cuda`), so
+    that the CUDA handler's own logic (staging, bounce buffer, consecutive-slot DMA, word views)
+    runs without a GPU. It says nothing about real stream ordering: that is what the `gpu` tests are for."""
+    from kvtier.testing.fake_cuda import host_cuda_patches
 
-    class Event:
-        def record(self, stream=None):
-            pass
-
-        def synchronize(self):
-            pass
-
-    class Stream:
-        cuda_stream = 0
-
-        def __init__(self, device=None):
-            pass
-
-        def wait_event(self, event):
-            pass
-
-    empty = torch.empty
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))
+    for patch in host_cuda_patches(torch):
+        monkeypatch.setattr(*patch)
 
 
 @pytest.mark.parametrize("fast", [False, True], ids=["staged", "fast-path"])
@@ -322,7 +301,7 @@ def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, monkeypatch, tier, sl
     layout, backend = tier(kv, 2)
     dma = HostDMA()
     if fast:
-        monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: dma)
+        monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device, pages=None: dma)
         backend.pinned = True
     store_h = CudaKVCopyHandler({"cpu": backend}, layout, True)
     load_h = CudaKVCopyHandler({"cpu": backend}, layout, False)
@@ -367,7 +346,7 @@ def host_dma(monkeypatch):
     from kvtier.handlers import fast_path
 
     dma = HostDMA()
-    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: dma)
+    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device, pages=None: dma)
     return dma
 
 
@@ -384,7 +363,7 @@ def test_a_job_that_fails_in_the_fast_path_is_redone_on_the_staged_path(fake_cud
             raise CopyError("cudaMemcpyBatchAsync of 3 descriptors returned error 700")
 
     failing, demoted = Failing(), []
-    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: failing)
+    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device, pages=None: failing)
     monkeypatch.setattr(fast_path, "demote_cuda", lambda device, submitter, why: demoted.append((submitter, why)))
     kv = make_kv()
     layout, backend = tier(kv, 1)
@@ -419,7 +398,7 @@ def test_the_fast_path_plans_and_submits_on_the_callers_thread(fake_cuda_api, mo
 
     threads: list[int] = []
     dma = Recording()
-    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device: dma)
+    monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device, pages=None: dma)
     kv = make_kv()
     layout, backend = tier(kv, 1)
     backend.pinned = True
@@ -480,6 +459,86 @@ def test_an_error_at_a_jobs_end_event_fails_that_job_only(fake_cuda_api, monkeyp
         assert len(created) == 3
     finally:
         jobs.close()
+
+
+def test_a_load_never_waits_for_a_store_on_the_other_stream(fake_cuda_api, monkeypatch, tier, host_dma):
+    """Stores and loads have their own streams and completion threads: while a store's copies are
+    still running on its stream (its end event not fired), a load submitted after it is planned,
+    submitted on the load stream and reported; the store is reported once its stream gets there."""
+    import torch as real_torch
+
+    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+
+    kv = make_kv()
+    layout, backend = tier(kv, 1)
+    backend.pinned = True
+    store_h = CudaKVCopyHandler({"cpu": backend}, layout, True)
+    load_h = CudaKVCopyHandler({"cpu": backend}, KVLayout(kv, 1), False)
+    assert store_h.stream is not load_h.stream
+    store_stream_done, recorded = threading.Event(), []
+
+    class Event:
+        def record(self, stream=None):
+            self.stream = stream
+            recorded.append(stream)
+
+        def synchronize(self):
+            if self.stream is store_h.stream:  # the store stream's copies end when the test says so
+                assert store_stream_done.wait(10)
+
+    monkeypatch.setattr(real_torch.cuda, "Event", Event)
+    reported: list[tuple[str, bool]] = []
+    store_h.bind(lambda r: reported.append(("store", r.success)))
+    load_h.bind(lambda r: reported.append(("load", r.success)))
+    try:
+        store_h.submit(1, GPULoadStoreSpec([1, 2], group_sizes=[2, 0]), CPULoadStoreSpec([3, 4], tier="cpu"))
+        load_h.submit(2, CPULoadStoreSpec([5], tier="cpu"), GPULoadStoreSpec([7], group_sizes=[1, 0]))
+        load_h.wait([2])
+        assert reported == [("load", True)]  # the store is still running on its own stream
+        assert recorded == [store_h.stream, load_h.stream]  # each job's end on its own stream
+        store_stream_done.set()
+        store_h.wait([1])
+        assert reported == [("load", True), ("store", True)] and len(host_dma.plans) == 2
+    finally:
+        store_stream_done.set()
+        store_h.shutdown()
+        load_h.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_stores_and_loads_at_once_are_byte_exact():
+    """Blocks 0-7 stored while blocks 8-15 are loaded from the slots they were stored in, jobs of
+    both handlers submitted alternately: each direction on its own stream, every byte right."""
+    kv = make_kv(device="cuda", pages=(65536,), pads=(0,), groups=((0,),))
+    layout = KVLayout(kv, 1)
+    backend = CPUBackend("cpu", 16, layout.block_bytes, pin="true")
+    store, load = make_gpu_to_cpu({"cpu": backend}, kv), make_cpu_to_gpu({"cpu": backend}, kv)
+    jobs = Jobs(store, load)
+    try:
+        engine = kv.tensors[0].tensor
+        original = engine.clone()
+        slots = [9, 2, 13, 0, 7, 4, 15, 11, 1, 8, 3, 14, 6, 12, 5, 10]
+        assert jobs.run(store, 0, GPULoadStoreSpec(range(16)), CPULoadStoreSpec(slots, tier="cpu")).success
+        engine[8:].zero_()
+        results: list = []
+        store.bind(results.append)
+        load.bind(results.append)
+        for j in range(4):
+            store.submit(10 + j, GPULoadStoreSpec([2 * j, 2 * j + 1]), CPULoadStoreSpec(slots[2 * j:2 * j + 2],
+                                                                                           tier="cpu"))
+            load.submit(20 + j, CPULoadStoreSpec(slots[8 + 2 * j:10 + 2 * j], tier="cpu"),
+                        GPULoadStoreSpec([8 + 2 * j, 9 + 2 * j]))
+        store.wait(range(10, 14))
+        load.wait(range(20, 24))
+        assert sorted(r.job_id for r in results if r.success) == [10, 11, 12, 13, 20, 21, 22, 23]
+        torch.cuda.synchronize()
+        assert torch.equal(engine, original)
+        for i, slot in enumerate(slots[:8]):
+            assert bytes(backend.view(slot)[:65536]) == engine_page(kv, 0, i, 65536)
+    finally:
+        jobs.close()
+        backend.close()
 
 
 @pytest.mark.gpu
