@@ -270,7 +270,7 @@ class HierarchyManager(OffloadingManager):
         """Evict every unpinned, readable block from every tier."""
         self._jobs.drain()
         for tier in self.tiers:
-            self._ctx.events.record(tier, tier.reset(), removed=True)
+            self._ctx.events.record(tier, tier.remove(list(tier.policy.keys())), removed=True)
 
     def finish_reset(self, storing: Collection[OffloadKey], loading: Collection[OffloadKey]) -> list[OffloadKey]:
         """Finish a `reset_cache` that found engine jobs in flight, once the engine has flushed

@@ -52,17 +52,16 @@ from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
 from kvtier.hierarchy import Hierarchy, build_hierarchy
 from kvtier.keys import OffloadKey
 from kvtier.manager import SHUTDOWN_TIMEOUT_S
-from kvtier.specs import BlockIDsLoadStoreSpec, CompositeLoadStoreSpec, LoadStoreSpec
+from kvtier.specs import LoadStoreSpec
 from kvtier.standalone_args import check_kv_caches, key_limit
 from kvtier.standalone_blocks import KeyBlocks
 from kvtier.standalone_counters import TransferCounters
 from kvtier.standalone_metrics import MetricsEndpoint, check_metrics_port
+from kvtier.standalone_rounds import Rounds
 from kvtier.store_threshold import StoreThreshold
-from kvtier.types import CanonicalKVCaches, LookupResult, TransferResult
+from kvtier.types import CanonicalKVCaches, TransferResult
 
 _T = TypeVar("_T")
-_MAX_LOOKUP_ROUNDS = 1000
-_MAX_ROOM_ROUNDS = 1000  # waits for copies that make room, per store round (each one makes some)
 _RECHECK_S = 0.1  # how often a call waiting for a job looks whether another thread closed the KVTier
 FLUSH_TIMEOUT_S = 60.0  # `close()`'s default bound on writing the first tier's dirty blocks down
 
@@ -88,13 +87,13 @@ class KVTier:
         self.blocks_per_chunk = layout.blocks_per_chunk
         self._worker = hierarchy.worker  # the jobs that touch the KV tensors
         self._blocks = KeyBlocks(layout, key_limit(hierarchy))  # checks and lays out each call's keys and ids
-        self._top_capacity = hierarchy.first_tier.capacity
         self._counters = TransferCounters()
         self._threshold: StoreThreshold[OffloadKey] = StoreThreshold(hierarchy.config.store_threshold)
         self._lock = threading.RLock()  # held by the running call (see the class docstring)
         self._closing = False  # set by `close()` before it takes the lock: waiting calls give up
         self._closed = False
         self._metrics: Any = None  # the metrics endpoint (`open(metrics_port=)`), stopped by `close`
+        self._rounds = Rounds(self.manager, self._blocks, self._counters, self._wait_idle, self._run)
 
     @classmethod
     def open(cls, config: str | Path | HierarchyConfig, kv_caches: CanonicalKVCaches,
@@ -142,111 +141,25 @@ class KVTier:
                 admitted = set(self._threshold.admit(keys, set(pending)))
                 self._counters.skip(len(pending) - len(admitted))
                 pending = [key for key in pending if key in admitted]
-            ok = True
-            while pending:
-                n = self._room(len(pending))
-                batch, pending = pending[:n], pending[n:]
-                ok &= self._store_batch(batch, by_key)
-            return ok
-
-    def _room(self, n: int) -> int:
-        """How many of `n` new blocks the next store round takes (at least one): what the first
-        tier can take without dropping a block not yet below, after waiting for the copies down
-        (started now for the next victims) when that is less than `n`; its capacity when it
-        evicts freely."""
-        manager = self.manager
-        room = manager.stores.room()
-        if room is None:
-            return max(1, min(n, self._top_capacity))
-        if room < n:
-            manager.stores.clean_ahead(min(n, self._top_capacity) - room)
-            manager.on_schedule_end()
-            self._wait_idle()
-            room = manager.stores.room() or 0
-        return max(1, min(n, room))
-
-    def _store_batch(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
-        output = self.manager.prepare_store(keys)
-        for _ in range(_MAX_ROOM_ROUNDS):
-            if output is not None or not self.manager.has_pending_work():
-                break
-            # (room is being made by copies down, each call starting its next victims': wait)
-            self._wait_idle()
-            output = self.manager.prepare_store(keys)
-        if output is None:
-            log.warning("store: %d block(s) not stored: tier %r has no room for them (every block is pinned by "
-                        "a load or copy, or its copy to the next tier cannot be made: is that tier full?)",
-                        len(keys), self.hierarchy.first_tier.name)
-            return False
-        to_store = list(output.keys_to_store)
-        if not to_store:
-            return True
-        order = self._blocks.group_order(to_store)
-        result = self._run(self._blocks.gpu_spec([to_store[i] for i in order], by_key), output.store_spec.subset(order))
-        self.manager.complete_store(to_store, success=result.success)
-        self._counters.count("store", result)
-        if not result.success:
-            log.warning("store: %d block(s) not stored: the copy failed (%s)", len(to_store), result.error)
-        return result.success
+            return self._rounds.store(pending, by_key)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` can be loaded now. Blocks found in a lower tier are brought up
         first when no handler loads them directly (this call waits for that); a run longer than
         the first tier holds answers what fits there (`load` goes on in rounds)."""
         with self._call():
-            return self._lookup(self._blocks.keys(keys, distinct=False))
-
-    def _lookup(self, keys: list[OffloadKey]) -> int:
-        hits = 0
-        for _ in range(_MAX_LOOKUP_ROUNDS):
-            hits, answer = self.manager.lookup_run(keys)  # leading HITs, then the first other answer
-            if answer not in (LookupResult.RETRY, LookupResult.HIT_PENDING):
-                return hits
-            self.manager.on_schedule_end()
-            self._wait_idle()
-        return hits
+            return self._rounds.lookup(self._blocks.keys(keys, distinct=False))
 
     def load(self, keys: Sequence[bytes], engine_block_ids: Sequence[int]) -> int:
         """Load the longest loadable prefix of `keys` into its engine blocks; returns how many keys
         were loaded (the first n). Blocks a lower tier supplies through the first tier come up
         in rounds of what the first tier has room for, so the whole prefix is loaded however
-        long. A failed copy stops there: the keys from its round on are not loaded (the caller
-        recomputes them)."""
+        long. A block whose copy fails (a read that does not verify, an I/O error) ends the
+        prefix: it is dropped from its tier (a MISS from then on, counted in its `failures`), the
+        others stay; the caller recomputes from it."""
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
-            by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True)
-            loaded = 0
-            while loaded < len(keys):
-                window = keys[loaded:loaded + self._room(len(keys) - loaded)]
-                n = self._lookup(window)
-                good = self._load_run(window[:n], by_key) if n else 0
-                loaded += good
-                if good < n or n == 0:
-                    break
-            return loaded
-
-    def _load_run(self, wanted: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> int:
-        """Copy `wanted` (each answered HIT) into their engine blocks; how many leading ones were
-        loaded. The blocks that failed (a read that did not verify, a failed copy) are dropped
-        from their tier by `complete_load(failed=)`: a MISS from now on, the others kept."""
-        source = self.manager.prepare_load(wanted)
-        failed: list[OffloadKey] = []
-        try:
-            parts = source.parts if isinstance(source, CompositeLoadStoreSpec) else [(source, range(len(wanted)))]
-            moved, seconds = 0, 0.0
-            for spec, positions in parts:  # one job per source tier
-                part_keys = [wanted[p] for p in positions]
-                order = self._blocks.group_order(part_keys)
-                assert isinstance(spec, BlockIDsLoadStoreSpec)
-                result = self._run(spec.subset(order), self._blocks.gpu_spec([part_keys[i] for i in order], by_key))
-                failed += [part_keys[order[j]] for j in result.failed_positions(len(order))]
-                moved += result.transfer_size or 0
-                seconds += result.transfer_time or 0.0
-        finally:
-            self.manager.complete_load(wanted, failed=failed)
-        self._counters.count("load", TransferResult(0, not failed, moved, seconds))
-        bad = set(failed)
-        return next((i for i, key in enumerate(wanted) if key in bad), len(wanted))
+            return self._rounds.load(keys, self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True))
 
     def wait(self) -> None:
         """Block until every background job (cascades, promotions) has finished."""

@@ -142,7 +142,7 @@ def test_failed_load_reports_zero(monkeypatch):
             patch.setattr(handler, "copy", Mock(side_effect=OSError("injected copy failure")))
             assert tier.load(ks, [1, 3]) == 0  # the job failed
         stats = tier.stats()
-        assert stats["engine"]["load_failures"] == 1 and stats["cpu"]["failures"] == 2
+        assert stats["engine"]["load_failures"] == 2 and stats["cpu"]["failures"] == 2
         assert tier.lookup(ks) == 0 and tier.load(ks, [5, 6]) == 0  # a MISS, not loaded again
         assert tier.store(ks, [1, 2]) and tier.load(ks, [5, 6]) == 2
 

@@ -115,7 +115,8 @@ def _path_rows(path: str, work: Path, layout, engine, reference, engine_ids: lis
     """The store and load rows of one handler path, on a fresh file tier."""
     import torch
 
-    from kvtier.handlers.gpu_file import DirectGPUFileHandler, GPUFileHandler
+    from kvtier.handlers.gpu_file import GPUFileHandler
+    from kvtier.handlers.gpu_file_direct import DirectGPUFileHandler
     from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec
 
     n, block_bytes = len(engine_ids), layout.block_bytes

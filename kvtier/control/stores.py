@@ -57,7 +57,9 @@ class StorePath:
         if success and not promoting and top.table.mark_written(keys):
             changed = keys  # the common case (each key prepared once), made readable and unpinned in one pass
         else:
-            changed = [k for k in top.being_written(keys) if k not in promoting]
+            get = top.policy.get  # (the keys still being written, each once)
+            changed = [k for k in dict.fromkeys(keys)
+                       if k not in promoting and (b := get(k)) is not None and b.ref_cnt == -1]
             if not success:
                 top.remove(changed, WRITING)
                 top.stats.failures += len(changed)

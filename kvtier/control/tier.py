@@ -140,11 +140,6 @@ class Tier:
             return []
         return self.remove([k for k in keys if k in self.condemned])
 
-    def being_written(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        """The `keys` whose block here is being written (`ref_cnt == -1`), in order, each once."""
-        get = self.policy.get
-        return [k for k in dict.fromkeys(keys) if (b := get(k)) is not None and b.ref_cnt == -1]
-
     def demotion_room(self, burst: int = 0) -> int:
         """How many more blocks may start a demotion now. A slow lower tier gets at most two
         reserves' worth in flight; a burst of `burst` blocks may start when none is."""
@@ -238,10 +233,6 @@ class Tier:
                 pop(key, None)
         if self.write_failed:
             self.write_failed.difference_update(keys)
-
-    def reset(self) -> list[OffloadKey]:
-        """Remove every unpinned, readable block (`reset_cache`); returns their keys."""
-        return self.remove(list(self.policy.keys()))
 
     def stats_row(self) -> dict[str, Any]:
         """This tier's counters and occupancy (one entry of `get_stats`)."""

@@ -1,6 +1,6 @@
 """Which path moves a file tier's blocks to and from the engine's KV cache: direct or staged.
 
-- *direct* (`gpu_file.DirectGPUFileHandler`): kvikio between device memory and the slab.
+- *direct* (`gpu_file_direct.DirectGPUFileHandler`): kvikio between device memory and the slab.
   Fast only with GPUDirect Storage, that is with the `nvidia-fs` driver loaded. Without it kvikio
   runs in compatibility mode and bounces through its own buffers: measured on an H100 at
   0.4-0.8x of the staged path (docs/benchmarks.md).

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from kvtier import CanonicalKVCaches, CanonicalKVCacheTensor
-from kvtier.handlers import gpu_file
+from kvtier.handlers import gpu_file, gpu_file_direct
 from kvtier.handlers.file_path import PlatformFacts, choose_file_path, file_path, platform_facts
 from kvtier.tiers.file import FileBackend, fileio
 
@@ -76,7 +76,7 @@ def test_the_factory_follows_the_choice_and_logs_it_once(tmp_path, monkeypatch, 
             handlers = [gpu_file.make_gpu_to_file({name: backend}, kv_caches()),
                         gpu_file.make_file_to_gpu({name: backend}, kv_caches())]
         direct = io == "kvikio"
-        assert all(isinstance(h, gpu_file.DirectGPUFileHandler) == direct for h in handlers)
+        assert all(isinstance(h, gpu_file_direct.DirectGPUFileHandler) == direct for h in handlers)
         lines = [r.getMessage() for r in caplog.records]
         assert len(lines) == 1 and lines[0].startswith(f"file tier {name}: engine<->file path "
                                                        f"{'direct' if direct else 'staged'} (")

@@ -166,7 +166,7 @@ def direct(tmp_path):
 
     if not fileio.kvikio_importable():
         pytest.skip("kvikio not installed (CI installs it: see docs/gds.md)")
-    from kvtier.handlers.gpu_file import DirectGPUFileHandler
+    from kvtier.handlers.gpu_file_direct import DirectGPUFileHandler
     from kvtier.testing.fake_cuda import load_fake_libcuda
 
     load_fake_libcuda()
@@ -262,7 +262,8 @@ def test_direct_load_with_a_wrong_key_fails(direct):
 
 
 def test_direct_path_chosen_only_for_cuda_with_kvikio():
-    from kvtier.handlers.gpu_file import DirectGPUFileHandler, direct_path_available
+    from kvtier.handlers.gpu_file import direct_path_available
+    from kvtier.handlers.gpu_file_direct import DirectGPUFileHandler
 
     assert not direct_path_available(torch.device("cpu"))
     kv = make_kv()
@@ -273,7 +274,7 @@ def test_direct_path_chosen_only_for_cuda_with_kvikio():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_direct_roundtrip(tmp_path):
-    from kvtier.handlers.gpu_file import DirectGPUFileHandler
+    from kvtier.handlers.gpu_file_direct import DirectGPUFileHandler
     from kvtier.tiers.file.fileio import kvikio_importable
 
     if not kvikio_importable():

@@ -146,7 +146,7 @@ class DirectFileHandlers:
     """The direct (kvikio) engine <-> file handler, forced on CPU tensors: kvikio's host path."""
 
     def make_handler(self, src, dst):
-        from kvtier.handlers.gpu_file import DirectGPUFileHandler
+        from kvtier.handlers.gpu_file_direct import DirectGPUFileHandler
         from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 
         engine = src if src.kv_caches is not None else dst

@@ -273,10 +273,8 @@ class ValkeyBackend(ControlCalls, Backend):
     def get_blocks(self, keys: Sequence[bytes], buffers: Sequence, deadline: float | None = None) -> int:
         """Read and verify `keys[i]` into `buffers[i]`, all by `deadline` (a `time.monotonic()` value;
         default `timeout_ms` from now), or by the deadline of the probe that found them when that is
-        earlier. Every key is tried (until the server is unreachable or the deadline passed); the
-        keys that failed are remembered (`still_valid`, `failed_keys`) and raise `BlocksFailed`
-        naming their positions, with the first error's text (every other buffer holds its value,
-        verified)."""
+        earlier. Every key is tried (until the server is unreachable or the deadline passed); those
+        that failed are remembered (`failed_keys`) and raise `BlocksFailed` (the others were read)."""
         self._check_buffers(keys, buffers)
         deadline = self._found_by.deadline(keys, deadline, self.probe_timeout_s)
         first: BaseException | None = None
