@@ -131,8 +131,10 @@ class Rounds:
                 seconds += result.transfer_time or 0.0
         finally:
             self.manager.complete_load(wanted, failed=failed)
-        self.counters.count("load", TransferResult(0, True, moved, seconds), len(wanted) - len(failed))
+        bad = set(failed)
+        loaded = next((i for i, key in enumerate(wanted) if key in bad), len(wanted))
+        # (the caller gets the prefix before the first failed block: blocks delivered after it are not counted)
+        self.counters.count("load", TransferResult(0, True, moved * loaded // len(wanted), seconds), loaded)
         if failed:
             self.counters.count("load", TransferResult(0, False), len(failed))
-        bad = set(failed)
-        return next((i for i, key in enumerate(wanted) if key in bad), len(wanted))
+        return loaded

@@ -168,19 +168,13 @@ class JobTable:
 
     def wait(self, deadline: float | None) -> bool:
         """Block until a running job reports (all of them when `deadline` is None); False when
-        `deadline` (a `time.monotonic()` value) passed first. A bounded wait polls the router
-        instead of blocking in a handler, so a hung handler cannot hold it."""
+        `deadline` (a `time.monotonic()` value) passed first. A bounded wait sleeps on the
+        router's report condition instead of blocking in a handler, so a hung handler cannot
+        hold it, and wakes as soon as a job reports."""
         if deadline is None:
             self._router.wait(list(self._jobs))
             return True
-        pause = 0.0005
-        while not self._router.has_finished():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            time.sleep(min(pause, left))
-            pause = min(pause * 2, 0.01)
-        return True
+        return self._router.wait_finished(max(0.0, deadline - time.monotonic()))
 
     def describe(self) -> list[str]:
         """One line per running job (for errors and logs)."""
