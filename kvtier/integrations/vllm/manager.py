@@ -130,7 +130,7 @@ class KVTierOffloadingManager(OffloadingManager):
         self._loading: dict[OffloadKey, int] = {}
         self._flushed_storing: set[OffloadKey] = set()
         self._flushed_loading: list[OffloadKey] = []
-        # blocks allocated by each prepare_store since the last get_stats (vLLM's allocation histogram)
+        # blocks each prepare_store asked for since the last get_stats, refused or not (vLLM's allocation histogram)
         self._allocation_sizes: list[int] = []
         # Each open request's accesses, applied in one touch when it finishes (vLLM 0.32's recency).
         self._accesses: RequestAccesses[OffloadKey] = RequestAccesses()
@@ -218,13 +218,14 @@ class KVTierOffloadingManager(OffloadingManager):
             ready = [key for key in keys if key not in absent and top.readable(key) is not None]
             observed = absent.union(ready)  # (not: blocks still being written)
             accesses.record([key for key in keys if key in observed], req_context, reused=ready)
+        new = len(absent.intersection(keys))
+        if new:  # (as vLLM: every allocation asked for, refused ones too)
+            self._allocation_sizes.append(new)
         out = self.manager.prepare_store(keys, req_context)
         if out is None:
             return None
         accesses.inserted(out.keys_to_store, req_context)
         self._storing.update(out.keys_to_store)
-        if out.keys_to_store:
-            self._allocation_sizes.append(len(out.keys_to_store))
         if keys is not offer:
             out = _in_offer_order(out, offer)
         return PrepareStoreOutput(keys_to_store=list(out.keys_to_store),
