@@ -331,10 +331,10 @@ def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, capl
     path.write_bytes(b"\0" * 8192)
     real_open = os.open
 
-    def no_direct(p, flags, *args):
+    def no_direct(p, flags, *args, **kwargs):
         if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *args)
+        return real_open(p, flags, *args, **kwargs)
 
     monkeypatch.setattr(fileio.os, "open", no_direct)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
