@@ -61,6 +61,9 @@ def expand_root_dir(value) -> str:
         value = os.fspath(value)
     if not isinstance(value, str) or not value:
         raise ValueError(f"expected a directory path for the slab files, got {value!r}")
+    if len(value) >= PATH_MAX:  # before anything reads it: a path is shorter, whatever it expands to
+        raise ValueError(f"{value[:80]!r}...: {len(value)} characters, longer than any path (at most "
+                         f"{PATH_MAX - 1} bytes)")
     if "\0" in value:
         raise ValueError(f"{value[:80]!r} contains a NUL character; give a directory path")
     path = os.path.expanduser(os.path.expandvars(value))
