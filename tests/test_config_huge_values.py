@@ -46,7 +46,15 @@ def test_a_50_mb_value_in_any_field_is_answered_within_a_second(shape):
 def test_a_long_capacity_says_why_and_what_would_be_right():
     raw = copy.deepcopy(BASE)
     raw["tiers"][0]["capacity"] = "1" * N
-    with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity: '1+\.\.\.1+' \(50000000 characters\) is too long "
-                                          r"to be a size; at most 64 characters: a number and a unit, e.g. '64GiB' "
-                                          r"or '10000 blocks'"):
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity: '1+\.\.\.1+' is too large; the largest size is "
+                                          r"1048576TiB \(1 EiB\)"):
+        parse_config(raw)
+    raw["tiers"][0]["capacity"] = "1" * N + " blocks"
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity: '1+\.\.\.1+ blocks' is too many; at most "
+                                          r"1000000000000 blocks"):
+        parse_config(raw)
+    raw["tiers"][0]["capacity"] = " " * N + "x"
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.capacity: ' +\.\.\. +x' \(50000001 characters\) is too "
+                                          r"long to be a size; at most 64 characters: a number and a unit, e.g. "
+                                          r"'64GiB' or '10000 blocks'"):
         parse_config(raw)

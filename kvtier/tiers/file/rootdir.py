@@ -61,8 +61,8 @@ def expand_root_dir(value) -> str:
         value = os.fspath(value)
     if not isinstance(value, str) or not value:
         raise ValueError(f"expected a directory path for the slab files, got {value!r}")
-    if len(value) >= PATH_MAX:  # before anything reads it: a path is shorter, whatever it expands to
-        raise ValueError(f"{value[:80]!r}...: {len(value)} characters, longer than any path (at most "
+    if len(value) > 16 * PATH_MAX:  # before anything reads it (the checks below are linear, but not cheap)
+        raise ValueError(f"{value[:80]!r}...: {len(value)} characters, far longer than any path (at most "
                          f"{PATH_MAX - 1} bytes)")
     if "\0" in value:
         raise ValueError(f"{value[:80]!r} contains a NUL character; give a directory path")
