@@ -9,12 +9,14 @@ waits for it: `stats()` runs between calls). `prometheus_client`
 
 from __future__ import annotations
 
+import errno
 import re
 import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvtier.errors import ArgumentError, ArgumentTypeError, ConfigError
+from kvtier.metrics_http import MetricsServer
 
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
@@ -66,26 +68,21 @@ class _StatsCollector:
 
 class MetricsEndpoint:
     """An HTTP server on `addr:port` (0: a free port; see `url`) serving `stats()` at /metrics
-    on its own thread, until `stop()` (idempotent). `addr` is loopback by default: the endpoint
-    has no authentication, so listening on other interfaces is the caller's explicit choice."""
+    on its own thread, until `stop()` (idempotent), which also ends every connection a client
+    still holds (`kvtier.metrics_http`). `addr` is loopback by default: the endpoint has no
+    authentication, so listening on other interfaces is the caller's explicit choice."""
 
     def __init__(self, stats: Callable[[], dict[str, Any]], port: int, addr: str = "127.0.0.1"):
         try:
-            from prometheus_client import CollectorRegistry, start_http_server
+            from prometheus_client import CollectorRegistry, make_wsgi_app
         except ImportError:
             raise ConfigError([("metrics_port", "needs the prometheus_client package "
                                 "(pip install 'kvtier[metrics]')")]) from None
         registry = CollectorRegistry(auto_describe=False)
         registry.register(_StatsCollector(stats))
-        try:
-            server, self._thread = start_http_server(port, addr, registry=registry)
-        except socket.gaierror as exc:
-            raise ArgumentError(f"metrics_addr: {addr!r} is no address of this host ({exc.strerror or exc}); "
-                                "use '127.0.0.1' (the default) or an address of one of its interfaces") from None
-        except OSError as exc:
-            raise ArgumentError(f"metrics_port: cannot serve on {addr}:{port} ({exc}); "
-                                "pick a free port, or 0 for any") from None
-        self._server: Any = server  # (None once stopped)
+        server = _bind(addr, port, make_wsgi_app(registry))
+        server.start()
+        self._server: MetricsServer | None = server  # (None once stopped)
         self.port: int = server.server_port
         host = f"[{addr}]" if ":" in addr else addr  # an IPv6 address is bracketed in a URL
         self.url = f"http://{host}:{self.port}/metrics"
@@ -93,6 +90,23 @@ class MetricsEndpoint:
     def stop(self) -> None:
         server, self._server = self._server, None
         if server is not None:
-            server.shutdown()
-            server.server_close()
-            self._thread.join(5)
+            server.stop()
+
+
+def _bind(addr: str, port: int, app: Any) -> MetricsServer:
+    """A `MetricsServer` listening on `addr:port`; an `ArgumentError` naming `metrics_addr` for an
+    address that is none of this host's, `metrics_port` for a port that cannot be had."""
+    try:
+        family, _type, _proto, _name, sockaddr = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM,
+                                                                    flags=socket.AI_PASSIVE)[0]
+        return MetricsServer(str(sockaddr[0]), port, family, app)
+    except socket.gaierror as exc:
+        raise ArgumentError(f"metrics_addr: {addr!r} is no address of this host ({exc.strerror or exc}); "
+                            "use '127.0.0.1' (the default) or an address of one of its interfaces") from None
+    except OSError as exc:
+        if exc.errno == errno.EADDRNOTAVAIL:
+            raise ArgumentError(f"metrics_addr: {addr!r} is not an address of any interface of this host "
+                                f"({exc.strerror}); use '127.0.0.1' (the default), '0.0.0.0' (every interface) "
+                                "or an address this host has") from None
+        raise ArgumentError(f"metrics_port: cannot serve on {addr}:{port} ({exc}); "
+                            "pick a free port, or 0 for any") from None
