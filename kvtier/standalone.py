@@ -178,7 +178,7 @@ class KVTier:
         order = self._blocks.group_order(to_store)
         result = self._run(self._blocks.gpu_spec([to_store[i] for i in order], by_key), output.store_spec.subset(order))
         self.manager.complete_store(to_store, success=result.success)
-        self._counters.count("store", result)
+        self._counters.count("store", result, len(to_store))
         if not result.success:
             log.warning("store: %d block(s) not stored: the copy failed (%s)", len(to_store), result.error)
         return result.success
@@ -234,7 +234,7 @@ class KVTier:
                 seconds += result.transfer_time or 0.0
         finally:
             self.manager.complete_load(wanted)
-        self._counters.count("load", TransferResult(0, ok, moved, seconds))
+        self._counters.count("load", TransferResult(0, ok, moved, seconds), len(wanted))
         return ok
 
     def wait(self) -> None:

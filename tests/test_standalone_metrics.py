@@ -43,9 +43,9 @@ def test_metrics_endpoint_serves_the_stats_and_stops_on_close():
         text = scrape(url)
         assert value(text, "kvtier_tier_resident_blocks", '{tier="cpu"}') == 3
         assert value(text, "kvtier_tier_capacity_blocks", '{tier="cpu"}') == 16
-        assert value(text, "kvtier_engine_stores") == 1
+        assert value(text, "kvtier_engine_stores") == 3  # blocks
         assert tier.load(keys(3), [4, 5, 6]) == 3
-        assert value(scrape(url), "kvtier_engine_loads") == 1  # read at each scrape
+        assert value(scrape(url), "kvtier_engine_loads") == 3  # read at each scrape
     finally:
         tier.close()
     with pytest.raises(urllib.error.URLError):
