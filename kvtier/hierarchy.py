@@ -130,8 +130,7 @@ def _check_model(model: Any) -> None:
         raise TypeError(f"model must be a string naming the model whose KV this is, got {type(model).__name__}")
     problem = identity_problem(model)
     if problem:
-        raise ArgumentError(f"model: {problem}; give a short identity such as 'org/model@revision' (a long "
-                            f"description can be replaced by a digest of it)")
+        raise ArgumentError(f"model: {problem}")
 
 
 def _build_tier(i: int, config: HierarchyConfig, n: int, block_bytes: int, dry_run: bool, model: str,
@@ -193,8 +192,7 @@ def _persistent_identity(i: int, tier_cfg: Any, model: str) -> str:
     if problem:
         raise ConfigError([(f"tiers[{i}].fingerprint",
                             f"the identity tier {tier_cfg.name!r} records, this fingerprint ({len(configured)} "
-                            f"characters) and the model ({len(model)} characters) joined by ' | ', is {problem}; "
-                            f"shorten the fingerprint or the model")])
+                            f"characters) and the model ({len(model)} characters) joined by ' | ', is {problem}")])
     if not identity:
         raise ConfigError([(f"tiers[{i}].fingerprint",
                             f"empty, and no model was given: tier {tier_cfg.name!r} keeps blocks across restarts "

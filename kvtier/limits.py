@@ -36,19 +36,25 @@ MAX_KEY_BYTES = 65535  # bytes of a key in a compiled policy index (a uint16 len
 MAX_IDENTITY_BYTES = 16 << 10  # UTF-8 bytes of a tier's identity (fingerprint + model) and of its KV layout
 
 
+IDENTITY_ADVICE = ("give a short identity of the model whose KV this is, e.g. 'org/model@revision' (a long "
+                   "description can be replaced by a digest of it)")
+
+
 def identity_problem(value: str) -> str | None:
-    """Why `value` cannot be a tier's identity (or its layout), or None if it can: more than
-    `MAX_IDENTITY_BYTES` bytes of UTF-8, or text that has no UTF-8 form (a lone surrogate). Never
-    encodes more than `MAX_IDENTITY_BYTES` characters."""
+    """Why `value` cannot be a tier's identity (or its layout), and what would do, or None if it
+    can: more than `MAX_IDENTITY_BYTES` bytes of UTF-8, or text that has no UTF-8 form (a lone
+    surrogate). Never encodes more than `MAX_IDENTITY_BYTES` characters."""
     if len(value) > MAX_IDENTITY_BYTES:
-        return f"{len(value)} characters, more than the {MAX_IDENTITY_BYTES} bytes (UTF-8) an identity may hold"
-    try:
-        size = len(value.encode())
-    except UnicodeEncodeError as exc:
-        return f"not UTF-8 text ({exc.reason} at character {exc.start})"
-    if size > MAX_IDENTITY_BYTES:
-        return f"{size} bytes (UTF-8), more than the {MAX_IDENTITY_BYTES} an identity may hold"
-    return None
+        why = f"{len(value)} characters, more than the {MAX_IDENTITY_BYTES} bytes (UTF-8) an identity may hold"
+    else:
+        try:
+            size = len(value.encode())
+        except UnicodeEncodeError as exc:
+            return f"not UTF-8 text ({exc.reason} at character {exc.start}); {IDENTITY_ADVICE}"
+        if size <= MAX_IDENTITY_BYTES:
+            return None
+        why = f"{size} bytes (UTF-8), more than the {MAX_IDENTITY_BYTES} an identity may hold"
+    return f"{why}; {IDENTITY_ADVICE}"
 
 
 def max_blocks_of(cls: Any) -> int | None:

@@ -94,31 +94,21 @@ def test_a_parent_symlink_flipping_all_the_time_never_touches_the_other_director
     assert (tmp_path / "b" / "tier" / LOCK).read_bytes() == PRECIOUS
 
 
-def test_a_hard_linked_lock_is_refused_and_its_other_name_keeps_its_bytes(tmp_path, capsys):
-    """`lock` replaced by a hard link to another file of the same user: refused (on 7e6c7c1: exit
-    0 and the other file emptied, 220 B -> 0)."""
+@pytest.mark.parametrize("link", ["hard", "symbolic"])
+def test_a_linked_lock_is_refused_and_the_other_file_keeps_its_bytes(tmp_path, capsys, link):
+    """`lock` replaced by a hard link to another file of the same user (on 7e6c7c1: exit 0 and
+    the other file emptied, 220 B -> 0), or by a symlink to it (removed, then a lock created)."""
     root = tmp_path / "tier"
     build(root).close()
     victim = tmp_path / "precious"
     victim.write_bytes(PRECIOUS)
     os.unlink(root / LOCK)
-    os.link(victim, root / LOCK)
+    (os.link if link == "hard" else os.symlink)(victim, root / LOCK)
     code, _, err = clear(capsys, str(root), "--yes")
-    assert code == 2 and f"{root / LOCK} has 2 names (hard links)" in err and "nothing removed" in err
-    assert victim.read_bytes() == PRECIOUS
-    assert all((root / name).exists() for name in OWN_FILES)
-
-
-def test_a_symlinked_lock_is_refused(tmp_path, capsys):
-    root = tmp_path / "tier"
-    build(root).close()
-    victim = tmp_path / "precious"
-    victim.write_bytes(PRECIOUS)
-    os.unlink(root / LOCK)
-    os.symlink(victim, root / LOCK)
-    code, _, err = clear(capsys, str(root), "--yes")
-    assert code == 2 and f"{root / LOCK} is a symlink (to {victim})" in err and "nothing removed" in err
-    assert victim.read_bytes() == PRECIOUS and os.path.islink(root / LOCK)
+    why = f"{root / LOCK} has 2 names (hard links)" if link == "hard" else f"{root / LOCK} is a symlink (to {victim})"
+    assert code == 2 and why in err and "nothing removed" in err
+    assert victim.read_bytes() == PRECIOUS and os.path.lexists(root / LOCK)
+    assert all((root / name).exists() for name in OWN_FILES if name != LOCK)
 
 
 def _tier_of_nobody(root):

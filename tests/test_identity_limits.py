@@ -77,7 +77,7 @@ def test_fingerprint_and_model_together_past_the_limit_are_refused_naming_the_fi
     with pytest.raises(ConfigError) as info:
         KVTier.open(cfg, make_kv(), model="org/model")
     [(field, message)] = info.value.problems
-    assert field == "tiers[1].fingerprint" and "joined by ' | '" in message and "shorten" in message
+    assert field == "tiers[1].fingerprint" and "joined by ' | '" in message and "a short identity" in message
     assert not (tmp_path / "kv").exists()
 
 

@@ -347,6 +347,5 @@ def fingerprint_option(v: Any) -> str:
         raise ValueError(f"expected a string identifying the model and KV layout, got {type(v).__name__} {brief(v)}")
     problem = identity_problem(v)
     if problem:
-        raise ValueError(f"{brief(v)}: {problem}; give a short identity of the model whose KV this is, e.g. "
-                         f"'org/model@revision' (a long description can be replaced by a digest of it)")
+        raise ValueError(f"{brief(v)}: {problem}")
     return v
