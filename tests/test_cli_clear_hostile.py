@@ -127,6 +127,7 @@ def test_other_users_files_in_a_shared_directory_are_refused(tmp_path, capsys):
     os.chmod(shared, 0o1777)
     code, _, err = clear(capsys, str(shared), "--yes")
     assert code == 2 and f"{shared} is writable by group or others (mode 1777" in err, err
+    assert "if it is shared by its users (sticky, like /tmp), leave it as it is" in err
     assert "nothing removed" in err
     assert sorted(os.listdir(shared)) == sorted([JOURNAL, MANIFEST, SLAB])
 

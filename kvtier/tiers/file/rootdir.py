@@ -189,9 +189,11 @@ def check_directory(st: os.stat_result, root: str, resolved: Path) -> None:
         raise refuse(f"{shown} is owned by {owner_name(st.st_uid)} (mode {_mode(st.st_mode)}), not by you "
                      f"({owner_name(os.geteuid())}): its owner could read or replace the tier's files; {ADVICE}")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        shared = st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH  # perhaps /tmp itself
+        fix = (f"If it is the tier's own, run 'chmod 700 {resolved}'; if it is shared by its users (sticky, like "
+               f"/tmp), leave it as it is and {ADVICE}" if shared else f"Run 'chmod 700 {resolved}', or {ADVICE}")
         raise refuse(f"{shown} is writable by group or others (mode {_mode(st.st_mode)}, owner "
-                     f"{owner_name(st.st_uid)}): they could plant or swap the tier's files. Run 'chmod 700 "
-                     f"{resolved}', or {ADVICE}")
+                     f"{owner_name(st.st_uid)}): they could plant or swap the tier's files. {fix}")
 
 
 def inspect_root(root: str) -> str:
