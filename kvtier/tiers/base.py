@@ -11,8 +11,6 @@ from operator import attrgetter
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from kvtier.keys import OffloadKey
-from kvtier.limits import identity_problem
-from kvtier.quoting import brief
 from kvtier.specs import BlockIDsLoadStoreSpec
 from kvtier.types import BlockStatus
 
@@ -338,14 +336,3 @@ class RemoteBlocks(Protocol):
     def failed_keys(self) -> list[bytes]: ...
 
     def accepts_writes(self) -> bool: ...
-
-
-def fingerprint_option(v: Any) -> str:
-    """The `fingerprint` option of a persistent backend (`Backend.persistent`): a string of at
-    most `kvtier.limits.MAX_IDENTITY_BYTES` bytes; `ValueError` saying what is wrong otherwise."""
-    if not isinstance(v, str):
-        raise ValueError(f"expected a string identifying the model and KV layout, got {type(v).__name__} {brief(v)}")
-    problem = identity_problem(v)
-    if problem:
-        raise ValueError(f"{brief(v)}: {problem}")
-    return v

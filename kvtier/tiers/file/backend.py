@@ -53,10 +53,11 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.identity import fingerprint_option
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
 from kvtier.tiers import room
-from kvtier.tiers.base import Backend, fingerprint_option
+from kvtier.tiers.base import Backend
 from kvtier.tiers.file.commit_log import CommitLog
 from kvtier.tiers.file.direct import DirectPath
 from kvtier.tiers.file.fileio import ALIGN, choose_io

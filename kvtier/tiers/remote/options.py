@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.identity import fingerprint_option
 from kvtier.quoting import brief
-from kvtier.tiers.base import fingerprint_option
 from kvtier.tiers.remote.keys import validate_key_prefix
 from kvtier.tiers.remote.password import resolve_password
 from kvtier.tiers.remote.url import ParsedUrl, parse_url, redact_url
