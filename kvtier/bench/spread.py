@@ -65,10 +65,11 @@ def last_level_cache_bytes() -> int | None:
     Linux sysfs says (under a hypervisor, the topology it shows: 32 MiB of L3 on this project's VM)
     and what the CPU itself says through glibc's sysconf (CPUID: 320 MiB there, the L3 the VM's
     copies actually share)."""
-    return max(filter(None, (_sysfs_cache_bytes(), _sysconf_cache_bytes())), default=None)
+    return max(filter(None, (sysfs_cache_bytes(), sysconf_cache_bytes())), default=None)
 
 
-def _sysfs_cache_bytes() -> int | None:
+def sysfs_cache_bytes() -> int | None:
+    """The largest CPU cache Linux sysfs lists for cpu0, in bytes (None: no sysfs)."""
     base = "/sys/devices/system/cpu/cpu0/cache"
     best = None
     try:
@@ -88,7 +89,8 @@ def _sysfs_cache_bytes() -> int | None:
     return best
 
 
-def _sysconf_cache_bytes() -> int | None:
+def sysconf_cache_bytes() -> int | None:
+    """The largest of the CPU's L2, L3 and L4 cache sizes glibc's sysconf reports (None: not glibc)."""
     try:
         if not os.confstr("CS_GNU_LIBC_VERSION"):
             return None

@@ -91,13 +91,13 @@ def test_a_baseline_that_jumps_between_rows_of_one_run_is_flagged_not_reported()
 def test_the_cpu_cache_is_the_larger_of_what_sysfs_and_the_cpu_say(monkeypatch):
     """On this project's VM sysfs shows a 32 MiB L3 and the CPU (glibc's sysconf) 320 MiB: a 40 MiB
     host copy ran from cache unflagged on 7e6c7c1, which read sysfs only."""
-    monkeypatch.setattr(spread_module, "_sysfs_cache_bytes", lambda: 32 << 20)
-    monkeypatch.setattr(spread_module, "_sysconf_cache_bytes", lambda: 320 << 20)
+    monkeypatch.setattr(spread_module, "sysfs_cache_bytes", lambda: 32 << 20)
+    monkeypatch.setattr(spread_module, "sysconf_cache_bytes", lambda: 320 << 20)
     assert spread_module.last_level_cache_bytes() == 320 << 20
     assert _row([0.1] * 3, [0.1] * 3, nbytes=40 << 20, host_copy=True)["flags"] == ["cache-resident"]
-    monkeypatch.setattr(spread_module, "_sysconf_cache_bytes", lambda: None)
+    monkeypatch.setattr(spread_module, "sysconf_cache_bytes", lambda: None)
     assert spread_module.last_level_cache_bytes() == 32 << 20
-    monkeypatch.setattr(spread_module, "_sysfs_cache_bytes", lambda: None)
+    monkeypatch.setattr(spread_module, "sysfs_cache_bytes", lambda: None)
     assert spread_module.last_level_cache_bytes() is None
 
 
