@@ -414,7 +414,7 @@ def test_inspect_is_read_only_and_counts_bad_blocks(root):
     assert report["fingerprint"] == "m1" and report["num_slots"] == 32
     assert report["index_health"] == "ok"
     assert report["verified_ok"] == 3 and report["verify_failed"] == 1
-    assert report["failures"] == [{"slot": 2, "reason": "payload checksum mismatch"}]
+    assert report["failures"] == [{"key": key(2).hex(), "slot": 2, "reason": "payload checksum mismatch"}]
     assert report["lock_holder"] == {"pid": os.getpid(), "alive": True}
     assert "verified_ok" not in inspect_root(str(root))
     b.close()
