@@ -1,11 +1,13 @@
 """The README's standalone snippet, then a restart: every block is found again.
 
 Run: python examples/restart.py [ROOT_DIR]
-Uses the shipped default hierarchy (configs/cpu-file.yaml: a 1 GiB CPU tier, cascade on_evict, over
-a 4 GiB file tier) with its file tier in ROOT_DIR (default: a temporary directory, removed at the
-end). A first process stores 40 blocks in one call (they all fit in the CPU tier, so none has been
-written below yet) and closes: `close()` flushes them to the file tier. A second process opens the
-same root_dir and loads the 40 into other engine blocks, checking every byte.
+Uses the shipped default hierarchy (configs/cpu-file.yaml: a CPU tier, cascade on_evict, over a
+file tier) sized to this example: 64 blocks of 128 KiB in each tier instead of the shipped 1 GiB and
+4 GiB (a file tier preallocates its whole slab: 4 GiB on disk for 5 MiB of blocks otherwise), with
+its file tier in ROOT_DIR (default: a temporary directory, removed at the end). A first process
+stores 40 blocks in one call (they all fit in the CPU tier, so none has been written below yet) and
+closes: `close()` flushes them to the file tier. A second process opens the same root_dir and loads
+the 40 into other engine blocks, checking every byte.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import tempfile
 from pathlib import Path
 
 import torch
+import yaml
 
-from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, load_config_text, make_offload_key
+from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, make_offload_key, parse_config
 from kvtier.standalone import KVTier
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "cpu-file.yaml"
 PAGE, NUM_LAYERS, NUM_KEYS = 64 << 10, 2, 40
+TIER_BLOCKS = 64  # each tier's capacity: room for the 40 blocks, a slab of ~8 MiB
 MODEL = "kvtier-example/random-int8@1"
 
 
@@ -36,9 +40,12 @@ def kv_caches() -> tuple[CanonicalKVCaches, list[torch.Tensor]]:
 
 
 def config(root: str):
-    """configs/cpu-file.yaml with its file tier's root_dir moved to `root`."""
-    text = CONFIG.read_text().replace("~/.cache/kvtier/nvme", root)
-    return load_config_text(text, str(CONFIG))
+    """configs/cpu-file.yaml with its tiers sized to this example and its file tier in `root`."""
+    raw = yaml.safe_load(CONFIG.read_text())
+    cpu, nvme = raw["tiers"]
+    cpu["capacity"] = nvme["capacity"] = f"{TIER_BLOCKS} blocks"
+    nvme["root_dir"] = root
+    return parse_config(raw, str(CONFIG))
 
 
 def phase(name: str, root: str) -> None:

@@ -38,6 +38,22 @@ _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _MAX_BYTES_TEXT = "1048576TiB (1 EiB)"  # MAX_BYTES (the limits: kvtier.limits)
 DEFAULT_BLOCK_TOKENS = 256  # tokens per offloaded block when the config does not say
 _MAX_NUMBER_CHARS = 24  # longer numbers are beyond every limit above; never converted
+_MAX_SIZE_CHARS = 64  # a size or capacity string longer than this is refused before any regex reads it
+
+
+def _check_length(text: str, blocks: bool) -> None:
+    """Refuse a size (or, with `blocks`, a capacity) string too long to be one before any regex
+    reads it (they would backtrack through it): a number past every limit, or no size at all."""
+    if len(text) <= _MAX_SIZE_CHARS:
+        return
+    stripped = text.strip()
+    if stripped[:1].isdigit() and blocks and stripped[-6:].lower().rstrip("s").endswith("block"):
+        raise ValueError(f"{brief(text)} is too many; at most {MAX_BLOCKS} blocks")
+    if stripped[:1].isdigit():
+        raise ValueError(f"{brief(text)} is too large; the largest size is {_MAX_BYTES_TEXT}")
+    example = "'64GiB' or '10000 blocks'" if blocks else "'64GiB'"
+    raise ValueError(f"{brief(text)} ({len(text)} characters) is too long to be a size; at most "
+                     f"{_MAX_SIZE_CHARS} characters: a number and a unit, e.g. {example}")
 
 
 def parse_size(text: Any) -> int:
@@ -46,6 +62,7 @@ def parse_size(text: Any) -> int:
         raise ValueError(f"expected a size such as '4GiB', got {type(text).__name__} {brief(text)}")
     if isinstance(text, int):
         raise ValueError(f"{brief(text)} has no unit; write e.g. '{brief(text)}MiB' (units: {', '.join(_UNITS)})")
+    _check_length(text, blocks=False)
     match = _SIZE_RE.match(text)
     if not match:
         raise ValueError(f"{brief(text)} is not a size; write a number and a unit, e.g. '64GiB' "
@@ -77,6 +94,7 @@ class Capacity:
     @classmethod
     def parse(cls, value: Any) -> Capacity:
         if isinstance(value, str):
+            _check_length(value, blocks=True)
             match = _BLOCKS_RE.match(value)
             if match:
                 digits, scale = match.group(1), _BLOCK_SCALE[match.group(2).lower()]

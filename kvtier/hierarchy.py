@@ -10,6 +10,7 @@ empty worker plane) and each worker builds its own plane over the CPU region it 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,8 +18,8 @@ from typing import Any, cast
 
 from kvtier import registry
 from kvtier.config import HierarchyConfig, TierConfig
-from kvtier.errors import ConfigError
-from kvtier.limits import tier_blocks_problem
+from kvtier.errors import ArgumentError, ConfigError
+from kvtier.limits import MAX_IDENTITY_BYTES, identity_problem, tier_blocks_problem
 from kvtier.manager import SHUTDOWN_TIMEOUT_S, HierarchyManager, Tier
 from kvtier.planes import WorkerPlane, build_router, build_worker_plane
 from kvtier.policies.base import CachePolicy, predicts_victims, with_key_index
@@ -102,10 +103,12 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
     A persistent tier (`Backend.persistent`, e.g. `file`) is built with `fingerprint` = its
     configured `fingerprint` and `model` (see `tier_identity`; at least one must be given, else
     `ConfigError` naming `tiers[i].fingerprint`) and `layout` = the block geometry and, with
-    `kv_caches`, each tensor's dtype and shape (see `describe_layout`).
+    `kv_caches`, each tensor's dtype and shape (see `describe_layout`). `model` longer than
+    `kvtier.limits.MAX_IDENTITY_BYTES` is an `ArgumentError` naming `model`, before anything is
+    built; so is a persistent tier's identity (fingerprint and model) past it, naming
+    `tiers[i].fingerprint`.
     """
-    if not isinstance(model, str):
-        raise TypeError(f"model must be a string naming the model whose KV this is, got {type(model).__name__}")
+    _check_model(model)  # before anything is allocated
     block_bytes = block_bytes or config.block_bytes
     layout = describe_layout(block_bytes or 0, config.block_tokens, kv_caches)
     backends: dict[str, Backend] = {}
@@ -132,6 +135,15 @@ def build_hierarchy(config: HierarchyConfig, *, block_bytes: int | None = None, 
             backend.close()
         raise
     return Hierarchy(config, manager, router, worker, backends, dry_run)
+
+
+def _check_model(model: Any) -> None:
+    """`TypeError` unless `model` is a string, `ArgumentError` naming it past `MAX_IDENTITY_BYTES`."""
+    if not isinstance(model, str):
+        raise TypeError(f"model must be a string naming the model whose KV this is, got {type(model).__name__}")
+    problem = identity_problem(model)
+    if problem:
+        raise ArgumentError(f"model: {problem}")
 
 
 def _build_tier(i: int, config: HierarchyConfig, n: int, block_bytes: int, dry_run: bool, model: str,
@@ -187,7 +199,13 @@ def tier_identity(configured: str, model: str) -> str:
 
 def _persistent_identity(i: int, tier_cfg: Any, model: str) -> str:
     """The identity of persistent tier `i`; `ConfigError` naming `tiers[i].fingerprint` if empty."""
-    identity = tier_identity(str(tier_cfg.options.get("fingerprint") or ""), model)
+    configured = str(tier_cfg.options.get("fingerprint") or "")
+    identity = tier_identity(configured, model)
+    problem = identity_problem(identity)
+    if problem:
+        raise ConfigError([(f"tiers[{i}].fingerprint",
+                            f"the identity tier {tier_cfg.name!r} records, this fingerprint ({len(configured)} "
+                            f"characters) and the model ({len(model)} characters) joined by ' | ', is {problem}")])
     if not identity:
         raise ConfigError([(f"tiers[{i}].fingerprint",
                             f"empty, and no model was given: tier {tier_cfg.name!r} keeps blocks across restarts "
@@ -201,15 +219,21 @@ def describe_layout(block_bytes: int, block_tokens: int, kv_caches: Any = None) 
     """What decides the bytes of a block besides the model: the block geometry and, when the KV
     caches are known, each tensor's dtype, shape past the block dimension and page size, and how
     each KV group's references pack them into a block. Deterministic and human-readable (runs of
-    identical tensors are counted, consecutive references merged), so a mismatch can be logged."""
+    identical tensors are counted, consecutive references merged), so a mismatch can be logged;
+    past `MAX_IDENTITY_BYTES` it is cut there, ending with the length and a digest of the whole."""
     text = f"block_bytes={block_bytes} block_tokens={block_tokens}"
     if kv_caches is None:
         return text
     tensors = [f"{getattr(t.tensor, 'dtype', '?')}{list(t.tensor.shape)[1:]}/{t.page_size_bytes}"
                for t in kv_caches.tensors]
     groups = ["+".join(_ref_runs(refs)) for refs in kv_caches.group_data_refs]
-    return (f"{text} blocks_per_chunk={getattr(kv_caches, 'blocks_per_chunk', 1)} "
+    text = (f"{text} blocks_per_chunk={getattr(kv_caches, 'blocks_per_chunk', 1)} "
             f"tensors={','.join(_counted(tensors))} groups={';'.join(groups) or '-'}")
+    if len(text) <= MAX_IDENTITY_BYTES:  # (ASCII: dtypes, numbers and punctuation)
+        return text
+    digest = hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    tail = f"... ({len(text)} characters, blake2b {digest})"
+    return text[:MAX_IDENTITY_BYTES - len(tail)] + tail
 
 
 def _counted(items: list[str]) -> list[str]:

@@ -10,6 +10,7 @@ from typing import NewType
 OffloadKey = NewType("OffloadKey", bytes)
 
 GROUP_BYTES = 4  # the group index ends every key
+MIN_KEY_BYTES = GROUP_BYTES + 1  # a block hash of one byte or more, then the group index
 
 
 def make_offload_key(block_hash: bytes, group_idx: int) -> OffloadKey:

@@ -15,6 +15,12 @@ Keys: the compiled indexes hold keys of up to `MAX_KEY_BYTES` bytes (their `max_
 each costing its own length; a backend may hold less (`Backend.max_key_bytes`: the file tier's
 slot header holds 480 bytes).
 
+Identities: a persistent tier records whose KV it holds (its `fingerprint` and the `model` given
+to `KVTier.open`/`build_hierarchy`, or under vLLM the served model's identity) and the KV layout,
+each at most `MAX_IDENTITY_BYTES` of UTF-8 (`identity_problem`): the file tier's manifest holds
+both and must stay within the bound it is read back with (`MANIFEST_MAX_BYTES`, 1 MiB), even with
+every character escaped in JSON (6 bytes each at worst).
+
 Only the standard library is imported here: every layer may use these names.
 """
 
@@ -27,6 +33,28 @@ MAX_BLOCKS = 10**12  # blocks of any tier
 MAX_BLOCK_TOKENS = 1 << 20  # tokens per block
 MAX_INDEX_BLOCKS = 1 << 30  # blocks of a compiled policy index (int32 entry numbers)
 MAX_KEY_BYTES = 65535  # bytes of a key in a compiled policy index (a uint16 length)
+MAX_IDENTITY_BYTES = 16 << 10  # UTF-8 bytes of a tier's identity (fingerprint + model) and of its KV layout
+
+
+IDENTITY_ADVICE = ("give a short identity of the model whose KV this is, e.g. 'org/model@revision' (a long "
+                   "description can be replaced by a digest of it)")
+
+
+def identity_problem(value: str) -> str | None:
+    """Why `value` cannot be a tier's identity (or its layout), and what would do, or None if it
+    can: more than `MAX_IDENTITY_BYTES` bytes of UTF-8, or text that has no UTF-8 form (a lone
+    surrogate). Never encodes more than `MAX_IDENTITY_BYTES` characters."""
+    if len(value) > MAX_IDENTITY_BYTES:
+        why = f"{len(value)} characters, more than the {MAX_IDENTITY_BYTES} bytes (UTF-8) an identity may hold"
+    else:
+        try:
+            size = len(value.encode())
+        except UnicodeEncodeError as exc:
+            return f"not UTF-8 text ({exc.reason} at character {exc.start}); {IDENTITY_ADVICE}"
+        if size <= MAX_IDENTITY_BYTES:
+            return None
+        why = f"{size} bytes (UTF-8), more than the {MAX_IDENTITY_BYTES} an identity may hold"
+    return f"{why}; {IDENTITY_ADVICE}"
 
 
 def max_blocks_of(cls: Any) -> int | None:

@@ -12,7 +12,7 @@ from typing import cast
 
 from kvtier.errors import ArgumentError
 from kvtier.handlers.gpu_cpu import KVLayout
-from kvtier.keys import GROUP_BYTES, OffloadKey, get_offload_group_idx
+from kvtier.keys import GROUP_BYTES, MIN_KEY_BYTES, OffloadKey, get_offload_group_idx
 from kvtier.specs import GPULoadStoreSpec
 from kvtier.standalone_args import as_ids, as_key, as_list, raise_duplicate
 
@@ -34,10 +34,11 @@ class KeyBlocks:
         if keys:
             limit, holder = self._key_limit
             lengths = set(map(len, keys))
-            if not min(lengths) or max(lengths) > limit:
-                i, key = next((i, k) for i, k in enumerate(keys) if not k or len(k) > limit)
-                raise ArgumentError(f"keys[{i}]: empty key; a key is a block hash plus a {GROUP_BYTES}-byte "
-                                    "group index (kvtier.make_offload_key)" if not key else
+            if min(lengths) < MIN_KEY_BYTES or max(lengths) > limit:
+                i, key = next((i, k) for i, k in enumerate(keys) if not MIN_KEY_BYTES <= len(k) <= limit)
+                raise ArgumentError(f"keys[{i}]: key of {len(key)} bytes is shorter than {MIN_KEY_BYTES}: a key is a "
+                                    f"block hash (1 byte or more) plus a {GROUP_BYTES}-byte group index "
+                                    "(kvtier.make_offload_key)" if len(key) < MIN_KEY_BYTES else
                                     f"keys[{i}]: key of {len(key)} bytes is longer than the {limit} bytes "
                                     f"{holder} can hold (its max_key_bytes); use a shorter block hash")
         if len(self.layout.groups) > 1:

@@ -14,16 +14,24 @@ that one-time prompts stay out of the tier:
 * A threshold below 2 turns the filter off (no table, nothing skipped), as in vLLM, where 0 is
   the default and 1 equals no filter.
 
+The table holds a 16-byte BLAKE2b digest of each key, never the key (vLLM's holds the keys): its
+memory is bounded in bytes whatever the keys' length, about `ENTRY_BYTES` per entry, so ~9 MiB
+at the default `max_tracker_size` of 64,000 (the keys themselves could be 64 KiB each: 4 GiB).
+Two keys share a count only if their digests collide (odds of 2^-128 per pair).
+
 Pure logic, no vLLM import: used by kvtier's vLLM adapter and by `LRUOffloadingManager`.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
 from typing import Generic, TypeVar
 
 DEFAULT_MAX_TRACKER_SIZE = 64_000  # vLLM's default `max_tracker_size`
+DIGEST_BYTES = 16  # what the table keeps of a key
+ENTRY_BYTES = 140  # about what one table entry costs in CPython 3.11 (tests/test_store_threshold_memory.py)
 
 K = TypeVar("K", bound=bytes)
 
@@ -39,7 +47,8 @@ class StoreThreshold(Generic[K]):
             raise ValueError(f"max_tracker_size must be 1 or more, got {max_tracker_size}")
         self.threshold = threshold
         self.max_tracker_size = max_tracker_size
-        self.counts: OrderedDict[K, int] | None = OrderedDict() if threshold >= 2 else None
+        # offers per key digest (`digest`), least recently offered first; None when off
+        self.counts: OrderedDict[bytes, int] | None = OrderedDict() if threshold >= 2 else None
         self.skipped = 0
 
     @property
@@ -49,24 +58,25 @@ class StoreThreshold(Generic[K]):
 
     def count(self, key: K) -> int:
         """How many offers of `key` the table holds (0 when it holds none)."""
-        return 0 if self.counts is None else self.counts.get(key, 0)
+        return 0 if self.counts is None else self.counts.get(digest(key), 0)
 
     def admit(self, keys: Sequence[K], absent: Collection[K]) -> list[K]:
         """Count the offer `keys`, then return them without the skipped ones: those in `absent`
         (the store candidates) offered fewer than `threshold` times. All of `keys` when off."""
         if self.counts is None:
             return list(keys)
-        self._record(keys)
+        digests = [digest(key) for key in keys]
+        self._record(digests)
         counts, threshold = self.counts, self.threshold
-        admitted = [key for key in keys if key not in absent or counts.get(key, 0) >= threshold]
+        admitted = [key for key, d in zip(keys, digests) if key not in absent or counts.get(d, 0) >= threshold]
         self.skipped += len(keys) - len(admitted)
         return admitted
 
-    def _record(self, keys: Sequence[K]) -> None:
-        """Count one offer of each of `keys` (vLLM's `_record_accesses`, step for step)."""
+    def _record(self, keys: Sequence[bytes]) -> None:
+        """Count one offer of each of `keys` (digests; vLLM's `_record_accesses`, step for step)."""
         counts = self.counts
         assert counts is not None
-        counted_again: set[K] = set()
+        counted_again: set[bytes] = set()
         for key in keys:
             if key in counts:
                 counts.move_to_end(key)
@@ -82,3 +92,8 @@ class StoreThreshold(Generic[K]):
                 counts.popitem(last=False)
                 replaceable -= 1
             counts[key] = 1
+
+
+def digest(key: bytes) -> bytes:
+    """What the table keeps of `key`: `DIGEST_BYTES` of BLAKE2b."""
+    return hashlib.blake2b(key, digest_size=DIGEST_BYTES).digest()

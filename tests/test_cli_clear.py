@@ -109,10 +109,10 @@ def test_a_root_swapped_for_a_symlink_after_the_checks_loses_nothing_elsewhere(t
     build(victim).close()
     taken = clear_module.RootLock
 
-    def swap_then_lock(path):
+    def swap_then_lock(*args):
         os.rename(root, tmp_path / "moved")
         os.symlink(victim, root)
-        return taken(path)
+        return taken(*args)
 
     monkeypatch.setattr(clear_module, "RootLock", swap_then_lock)
     code, _, err = clear(capsys, str(root), "--yes")
@@ -126,7 +126,8 @@ def test_another_users_directory_is_refused(tmp_path, capsys):
     build(root).close()
     os.chown(root, 65534, 65534)  # nobody (the tests run as root)
     code, _, err = clear(capsys, str(root), "--yes")
-    assert code == 2 and "is not yours (owner uid 65534)" in err
+    assert code == 2 and f"{root} is owned by uid 65534 (nobody) (mode 0700), not by you" in err
+    assert "nothing removed" in err
     assert all((root / name).exists() for name in OWN_FILES)
 
 

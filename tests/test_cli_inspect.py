@@ -109,9 +109,12 @@ def test_verify_exits_1_when_a_block_fails(tmp_path, capsys):
         byte = slab.read(1)
         slab.seek(-1, 1)
         slab.write(bytes([byte[0] ^ 0xFF]))
-    code, rows, err = inspect(capsys, str(root), "--verify")
+    code, rows, err = inspect(capsys, str(root), "--verify", "--json", str(tmp_path / "r.json"))
     assert code == 1 and rows["verified_ok"] == "1" and rows["verify_failed"] == "1"
-    assert "1 block(s) failed verification" in err
+    # issue 36.12: the failed block is named by its key (a user has keys, not slots), and its slot
+    assert f"1 block(s) failed verification: key {'01' * 16} group 0 (slot 1): payload checksum mismatch" in err
+    [failure] = json.loads((tmp_path / "r.json").read_text())["failures"]
+    assert failure == {"key": keys[1].hex(), "slot": 1, "reason": "payload checksum mismatch"}
 
 
 def test_a_second_opener_of_the_same_user_is_told_the_pid_not_another_user(tmp_path):

@@ -28,6 +28,8 @@ def test_what_vllm_decides_is_shown(tmp_path, capsys):
     assert "the YAML's block_tokens (16) is replaced" in out and "the YAML's block_bytes is ignored" in out
     assert "get the served model and KV layout as their identity" in out
     assert "1MiB per block" not in out  # block_bytes is vLLM's, not the YAML's
+    # issue 36.10: it said "capacities in blocks are safest", where docs/vllm.md says byte sizes
+    assert "capacities are best written as byte sizes" in out and "in blocks are safest" not in out
 
 
 def test_a_valkey_tp_in_the_yaml_is_flagged(tmp_path, capsys):

@@ -104,3 +104,15 @@ def test_policies_hit_rate_table_matches_its_results():
             assert cell == f"{got:.4f}", (cells[0], cells[1], cap)
             checked += 1
     assert checked == 2 * 7 * 3
+
+
+def test_the_readme_says_what_setup_sh_installs_outside_the_checkout():
+    """Issue 36.10: scripts/setup.sh adds an apt source and installs valkey-server as root; the
+    README said nothing of it. Each system-wide change the script can make is named there."""
+    script = (README.parent / "scripts" / "setup.sh").read_text()
+    section = " ".join(README.read_text().split("## The two commands", 1)[1].split("\n## ", 1)[0].split())
+    for thing in ("apt-get", "valkey-server", "valkey-tools", "redis-server", "bookworm-backports",
+                  "/etc/apt/sources.list.d/bookworm-backports.list"):
+        assert thing in script, f"setup.sh no longer mentions {thing}: update this test and the README"
+        assert thing in section, f"README's 'The two commands' does not say setup.sh may touch {thing}"
+    assert '"$(id -u)" = 0' in script and "as root" in section

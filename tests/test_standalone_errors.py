@@ -16,7 +16,14 @@ from typing import Any
 import pytest
 from test_standalone import PAGE, cpu_file, keys, make_kv
 
-from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, KVTierError, make_offload_key
+from kvtier import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    KVTierError,
+    load_config_text,
+    make_offload_key,
+)
 from kvtier.errors import ArgumentError, ArgumentTypeError, ClosedError
 from kvtier.standalone import KVTier
 from kvtier.tiers.file.backend import MAX_KEY_BYTES
@@ -79,6 +86,10 @@ CASES = [
     Case("one str as keys", lambda c: c.tier.lookup("abc"), ArgumentTypeError, "keys"),
     Case("keys not iterable", lambda c: c.tier.store(None, []), ArgumentTypeError, "keys"),
     Case("empty key", lambda c: c.tier.store([K[0], K[1], b""], [1, 2, 3]), ArgumentError, "keys[2]"),
+    Case("3-byte key (issue 36.11: a hash plus a 4-byte group index is 5 bytes or more)",
+         lambda c: c.tier.store([K[0], b"abc"], [1, 2]), ArgumentError, "keys[1]"),
+    Case("4-byte key in lookup (a group index, no hash)", lambda c: c.tier.lookup([K[0], bytes(4)]),
+         ArgumentError, "keys[1]"),
     Case("key longer than the file tier's slot header holds",
          lambda c: c.tier.store([K[0], LONG], [1, 2]), ArgumentError, "keys[1]"),
     Case("long key in lookup", lambda c: c.tier.lookup([LONG]), ArgumentError, "keys[0]"),
@@ -185,3 +196,11 @@ def test_every_error_is_a_kvtier_error_and_a_builtin_one():
     assert issubclass(ArgumentError, KVTierError) and issubclass(ArgumentError, ValueError)
     assert issubclass(ArgumentTypeError, ArgumentError) and issubclass(ArgumentTypeError, TypeError)
     assert issubclass(ClosedError, KVTierError) and issubclass(ClosedError, RuntimeError)
+
+
+def test_a_key_shorter_than_a_hash_and_a_group_index_says_so(tmp_path):
+    with KVTier.open(load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 8 blocks, pin: false}\n"),
+                     make_kv()) as tier:
+        with pytest.raises(ArgumentError, match=r"^keys\[1\]: key of 3 bytes is shorter than 5: a key is a block hash "
+                                                r"\(1 byte or more\) plus a 4-byte group index"):
+            tier.store([K[0], b"abc"], [1, 2])

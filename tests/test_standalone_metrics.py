@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -39,9 +43,9 @@ def test_metrics_endpoint_serves_the_stats_and_stops_on_close():
         text = scrape(url)
         assert value(text, "kvtier_tier_resident_blocks", '{tier="cpu"}') == 3
         assert value(text, "kvtier_tier_capacity_blocks", '{tier="cpu"}') == 16
-        assert value(text, "kvtier_engine_stores") == 1
+        assert value(text, "kvtier_engine_stores") == 3  # blocks
         assert tier.load(keys(3), [4, 5, 6]) == 3
-        assert value(scrape(url), "kvtier_engine_loads") == 1  # read at each scrape
+        assert value(scrape(url), "kvtier_engine_loads") == 3  # read at each scrape
     finally:
         tier.close()
     with pytest.raises(urllib.error.URLError):
@@ -104,3 +108,46 @@ def test_close_frees_the_port_and_two_tiers_serve_apart():
     second.close()
     again = KVTier.open(CPU, make_kv(), metrics_port=port)  # the port was released by close()
     again.close()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_close_ends_the_connections_slow_clients_still_hold():
+    """Issue 36.8: 20 clients connect and send half a request line; after `close()` no thread or
+    descriptor of the endpoint is left (on 7e6c7c1: one thread and one descriptor per client,
+    for as long as the client held on) and each client sees its connection end."""
+    threads, fds = threading.active_count(), _open_fds()
+    tier = KVTier.open(CPU, make_kv(), metrics_port=0)
+    clients = []
+    try:
+        for _ in range(20):
+            client = socket.create_connection(("127.0.0.1", port_of(tier)), timeout=10)
+            client.sendall(b"GET /met")
+            clients.append(client)
+        deadline = time.monotonic() + 10
+        while threading.active_count() < threads + 21 and time.monotonic() < deadline:
+            time.sleep(0.01)  # every connection is being served
+    finally:
+        started = time.monotonic()
+        tier.close()
+    assert time.monotonic() - started < 5
+    deadline = time.monotonic() + 5
+    while threading.active_count() > threads and time.monotonic() < deadline:
+        time.sleep(0.01)
+    try:
+        assert threading.active_count() == threads, f"{threading.active_count() - threads} threads left"
+        assert _open_fds() == fds + len(clients), f"{_open_fds() - fds - len(clients)} descriptors left"
+        for client in clients:
+            assert client.recv(1) == b""  # the server ended it
+    finally:
+        for client in clients:
+            client.close()
+
+
+def test_an_address_of_no_interface_here_is_blamed_on_metrics_addr():
+    """Issue 36.12: 10.9.9.9 (no interface of this host) was reported as a port problem."""
+    with pytest.raises(ArgumentError, match=r"^metrics_addr: '10\.9\.9\.9' is not an address of any interface of "
+                                            r"this host \(Cannot assign requested address\)"):
+        KVTier.open(CPU, make_kv(), metrics_port=0, metrics_addr="10.9.9.9")

@@ -159,7 +159,9 @@ def _timed_row(hop: str, order: str, device: str, block_bytes: int, n: int, pinn
     row: dict[str, Any] = {
         "hop": hop, "slots": order, "device": device, "block_bytes": block_bytes, "blocks": n,
         "bytes": nbytes, "baseline": "one contiguous copy", "pinned": pinned,
-        "torch_threads": torch.get_num_threads()}
+        "torch_threads": torch.get_num_threads(),
+        # the same copy whatever the block size and slot order: its rows of one run should agree
+        "baseline_key": f"{hop} one contiguous copy of {nbytes} bytes on {device}"}
     annotate(row, ours_s, base_s, nbytes, host_copy=device == "cpu")
     if order == "consecutive":  # once, cold: a loop of small copies needs no warm-up to show its cost
         row["naive_gbps"] = nbytes / _timed(naive, device) / 1e9

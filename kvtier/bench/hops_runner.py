@@ -11,6 +11,7 @@ config, its server (single-node URLs).
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import threading
@@ -18,13 +19,15 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier.bench.spread import annotate
+from kvtier.bench.spread import annotate, flag_baseline_jumps, last_level_cache_bytes
 
 QUICK_SIZES = [64 << 10, 1 << 20]
 FULL_SIZES = [64 << 10, 256 << 10, 1 << 20, 2 << 20, 8 << 20]
-QUICK_ENGINE_BYTES = 40 << 20  # above this machine's 32 MiB L3: a host copy of less runs from cache
+QUICK_ENGINE_BYTES = 40 << 20  # engine<->CPU bytes per copy, at least (more where the CPU cache is larger)
 QUICK_FILE_BYTES = 16 << 20
 FULL_BYTES = 128 << 20
+CACHE_MARGIN = 8 << 20  # host copies move this much more than the last-level cache holds
+MEMORY_SHARE = 8  # ... but at most this fraction of the available memory (four tensors of that size are held)
 
 
 def default_block_sizes(quick: bool) -> list[int]:
@@ -66,8 +69,8 @@ def run_hops(config: Any, block_sizes: list[int], place: dict[str, Any], quick: 
         from kvtier.bench.hops import measure_gpu_cpu
 
         update = progress(f"engine({device})<->CPU") if progress else None
-        rows += measure_gpu_cpu(device, block_sizes, QUICK_ENGINE_BYTES if quick else FULL_BYTES,
-                                progress=update, repeats=repeats)
+        rows += measure_gpu_cpu(device, block_sizes, engine_hop_bytes(device, quick), progress=update,
+                                repeats=repeats)
     from kvtier.bench.file_hops import measure_cpu_file
 
     total = QUICK_FILE_BYTES if quick else FULL_BYTES
@@ -93,7 +96,24 @@ def run_hops(config: Any, block_sizes: list[int], place: dict[str, Any], quick: 
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows += remote_rows(config, block_sizes, total, progress)
+    flag_baseline_jumps(rows)
     return rows
+
+
+def engine_hop_bytes(device: str, quick: bool) -> int:
+    """Bytes each engine<->CPU copy moves: the default (`QUICK_ENGINE_BYTES`, `FULL_BYTES`) or, for
+    host copies (the engine's KV cache in CPU tensors), `CACHE_MARGIN` more than the last-level
+    cache where that is more, so that the baseline cannot run from cache; at most 1/`MEMORY_SHARE`
+    of the available memory (past it the row is flagged `cache-resident` instead)."""
+    size = QUICK_ENGINE_BYTES if quick else FULL_BYTES
+    cache = last_level_cache_bytes() if device == "cpu" else None
+    if not cache or cache < size:
+        return size
+    try:
+        room = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // MEMORY_SHARE
+    except (ValueError, OSError):
+        room = size
+    return max(size, min(cache + CACHE_MARGIN, room))
 
 
 def remote_rows(config: Any, block_sizes: list[int], total: int, progress: Callable | None) -> list[dict[str, Any]]:

@@ -93,7 +93,7 @@ def run_bench(args) -> int:
     try:
         if mode in ("all", "hops"):
             doc["file_hops_dir"], doc["hops"] = _run_hops(args, config, progress, checked)
-            summary += [describe(doc["file_hops_dir"])] + hops_report.summary(doc["hops"])
+            summary += hops_report.summary(doc["hops"])
         if mode in ("all", "trace"):
             doc["trace"] = _run_trace(args, config, progress, checked)
             summary += _summarise_trace(doc["trace"])
@@ -125,7 +125,6 @@ def _run_hops(args, config, progress: Progress, checked: dict[str, Any]) -> tupl
     place = file_hops_place(config, checked["root_dir"])
     repeats = args.repeats or default_repeats(args.quick)
     progress.note(f"Hops: block sizes {', '.join(format_size(s) for s in sizes)}, {repeats} rounds each")
-    progress.note(describe(place))
     notes: list[str] = []
     rows = run_hops(config, sizes, place, quick=args.quick, progress=progress, repeats=repeats, notes=notes)
     print()

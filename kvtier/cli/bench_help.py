@@ -17,7 +17,8 @@ HOPS_COLUMNS = """hop table (kvtier bench / bench hops), one row per hop and blo
   GB/s, spread the baseline's median and spread
   ratio        kvtier's median / the baseline's median; '?' marks a flagged ratio, not a finding
   flags        why: kvtier-unstable / baseline-unstable (spread over 25%), cache-resident (the bytes
-               fit in the CPU cache), ratio-high (over 130%: the baseline is no ceiling), ratio-low
+               fit in the CPU cache), baseline-jump (the baseline over 1.5x off the same copy in the
+               run's other rows), ratio-high (over 130%: the baseline is no ceiling), ratio-low
                (under 5%: a stall)
 A line before the table names the directory and filesystem the file hops measured, and why that one."""
 

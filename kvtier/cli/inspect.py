@@ -2,7 +2,8 @@
 
 Sizes are printed in binary units (the `--json` report keeps bytes). Exit status: 0; 2 when
 ROOT_DIR is not a directory or holds none of a file tier's files; 1 with `--verify` when a block
-failed verification or the slab could not be read (the report is printed first).
+failed verification or the slab could not be read (the report is printed first; the failed blocks
+are named by key, and slot, on stderr and in the report's `failures`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 from kvtier.errors import KVTierError
+from kvtier.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx
 
 EXIT_VERIFY_FAILED = 1
 SIZES = ("block_bytes", "slot_bytes", "slab_bytes", "bytes")
@@ -64,7 +66,16 @@ def run_inspect(args) -> int:
             raise KVTierError(f"cannot write {args.json}: {exc.strerror or exc}") from None
     failed = report.get("verify_failed", 0)
     if args.verify and (failed or report.get("verify_error")):
-        print(f"kvtier inspect: {failed} block(s) failed verification"
+        named = "; ".join(f"{key_text(f['key'])} (slot {f['slot']}): {f['reason']}" for f in report["failures"][:3])
+        print(f"kvtier inspect: {failed} block(s) failed verification" + (f": {named}" if named else "")
+              + ("; ..." if failed > 3 else "")
               + (f"; {report['verify_error']}" if report.get("verify_error") else ""), file=sys.stderr)
         return EXIT_VERIFY_FAILED
     return 0
+
+
+def key_text(key_hex: str) -> str:
+    """A block's key (hex) in words: 'key 0a1b... group 0' (block hash cut to 16 bytes)."""
+    key = OffloadKey(bytes.fromhex(key_hex))
+    block = get_offload_block_hash(key)
+    return f"key {block[:16].hex()}{'...' if len(block) > 16 else ''} group {get_offload_group_idx(key)}"

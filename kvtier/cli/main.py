@@ -167,7 +167,9 @@ def _add_machine_parsers(sub) -> None:
     clear = sub.add_parser("clear", help="remove a file tier's files (only those; refused while the tier is open)",
                            description="Remove the files a file tier keeps in ROOT_DIR (lock, manifest.json, "
                                        "slab.0, journal) and nothing else; the directory is left. Refused for a "
-                                       "directory that is no tier, a symlink, or a tier open in a live process. "
+                                       "directory that is no tier, a symlink, a tier open in a live process, "
+                                       "and what opening a tier there would refuse (files or a directory not "
+                                       "yours or writable by group/others, a symlinked or hard-linked lock). "
                                        "Without --yes, lists what would be removed and removes nothing (exit 2).")
     clear.add_argument("root_dir")
     clear.add_argument("--yes", action="store_true", help="remove them (no question is asked)")

@@ -41,8 +41,10 @@ def _notes(raw: dict, tiers: list[dict], valkey_tp: list[int]) -> list[str]:
     notes = ["vllm: tokens per block = the engine's block size x blocks_per_chunk (set 'block_size' in "
              "kv_connector_extra_config)" + (f"; the YAML's block_tokens ({raw['block_tokens']}) is replaced"
                                             if "block_tokens" in raw else "")]
-    notes.append("vllm: bytes per block = vLLM's KV bytes per block x blocks_per_chunk x workers; capacities in "
-                 "blocks are safest" + ("; the YAML's block_bytes is ignored" if "block_bytes" in raw else ""))
+    notes.append("vllm: bytes per block = vLLM's KV bytes per block x blocks_per_chunk x workers, which the YAML "
+                 "cannot know: capacities are best written as byte sizes (they bound the memory and disk a tier "
+                 "takes whatever the model), 'N blocks' takes N times that size"
+                 + ("; the YAML's block_bytes is ignored" if "block_bytes" in raw else ""))
     if any(t.get("backend") == "cpu" and not t.get("shm_name") for t in tiers):
         notes.append(f"vllm: a cpu tier's shm_name is derived from the engine ({ENGINE_ID} above)")
     if any(t.get("backend") in PERSISTENT_BACKENDS for t in tiers):

@@ -17,8 +17,10 @@ def test_hops_repeat_verify_and_name_what_they_measured(tmp_path, capsys):
     argv = ["bench", "hops", "--config", MEMORY, "--quick", "--block-sizes", "64KiB", "--repeats", "2",
             "--root-dir", str(tmp_path), "--json", str(out), "--no-progress"]
     assert main(argv) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
     doc = json.loads(out.read_text())
+    assert (captured.out + captured.err).count("file hops measured in") == 1  # issue 36.12: it was thrice
     assert doc["schema"] == "kvtier.bench/2"
     place = doc["file_hops_dir"]
     assert place["parent"] == os.path.realpath(tmp_path) and place["reason"].startswith("given by --root-dir")
@@ -36,6 +38,9 @@ def test_hops_repeat_verify_and_name_what_they_measured(tmp_path, capsys):
         assert abs(row["ratio"] - row["gbps"] / row["baseline_gbps"]) < 1e-9
         assert row["spread"] >= 0 and row["baseline_spread"] >= 0 and isinstance(row["flags"], list)
     assert "engine->CPU scattered" in text
+    engine_rows = [r for r in doc["hops"] if r["hop"] in ("GPU->CPU", "CPU->GPU")]
+    for hop in ("GPU->CPU", "CPU->GPU"):  # every row of a direction measured the same baseline copy
+        assert len({r["baseline_key"] for r in engine_rows if r["hop"] == hop}) == 1
     assert any(line.split() == ["hop", "block", "kvtier", "GB/s", "spread", "baseline", "GB/s", "spread", "ratio",
                                 "flags"] for line in text.splitlines())
     assert not [p for p in tmp_path.iterdir() if p.name != "bench.json"]  # the work directory is removed

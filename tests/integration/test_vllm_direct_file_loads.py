@@ -252,6 +252,7 @@ def test_otherwise_a_file_only_block_is_promoted_through_the_cpu_tier(make, case
               "worker_elsewhere": {"local": False}, "tensor_parallel": {"world_size": 2}}[case]
     caplog.set_level("INFO", logger="kvtier")
     engine, ctx = make(**kwargs), ReqContext("r")
+    engine.manager.on_new_request(ctx)  # (as vLLM's scheduler does before it looks a request up)
     assert not engine.manager.direct_file_loads.enabled
     if case == "tensor_parallel":  # (the two ranks' halves: here rank 0's only, enough for the lookup)
         keys = _keys(2)
@@ -272,11 +273,26 @@ def test_otherwise_a_file_only_block_is_promoted_through_the_cpu_tier(make, case
     assert "promoted into the CPU tier" in logged and "loaded by the worker directly" not in logged
 
 
-def test_the_log_says_which_path_the_file_tiers_take(make, caplog):
+@pytest.mark.parametrize("case", ["kvtier_connector", "vllm_connector", "option_off"])
+def test_one_log_line_says_which_path_the_file_tiers_take(make, caplog, case):
+    """Issue 36.10: under KVTierOffloadingConnector the engine logged 'promoted into the CPU tier
+    ..., unless the connector reports failed loads' and then 'loaded by the worker directly': two
+    lines that read as contradictory where docs/vllm.md promises one. Now the one line comes once
+    the path is known: at start-up where the connector or an option decides it, at the engine's
+    first request under vLLM's own connector (it never says anything)."""
+    from vllm.v1.kv_offload.base import ReqContext
+
     caplog.set_level("INFO", logger="kvtier")
-    engine = make()
-    assert engine.manager.direct_file_loads.enabled
-    assert "disk: loaded by the worker directly and verified there" in caplog.text
+    kwargs = {"kvtier_connector": {}, "vllm_connector": {"connector": False}, "option_off": {"direct": False}}[case]
+    engine = make(**kwargs)
+    for request in ("r1", "r2"):
+        engine.manager.on_new_request(ReqContext(request))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("kvtier: file tier(s) disk: ")]
+    expected = {"kvtier_connector": "disk: loaded by the worker directly and verified there",
+                "vllm_connector": "disk: promoted into the CPU tier and verified there (the connector does not "
+                                  "report failed loads",
+                "option_off": "disk: promoted into the CPU tier and verified there (direct_file_loads: false)"}[case]
+    assert len(lines) == 1 and expected in lines[0], lines
 
 
 @pytest.mark.parametrize("value", ["yes", 1, "", [True]])

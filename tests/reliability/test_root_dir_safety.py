@@ -92,6 +92,27 @@ def test_a_symlinked_tier_file_is_refused_and_its_target_untouched(tmp_path, nam
         h.close()
 
 
+@pytest.mark.parametrize("name", ["slab.0", "lock"])
+def test_a_hard_linked_tier_file_is_refused_and_its_other_name_untouched(tmp_path, name):
+    """A tier file with a second name (a hard link to a file outside the tier) would be written
+    through: on 7e6c7c1 the open emptied a hard-linked `lock` and re-extended a hard-linked slab."""
+    root = tmp_path / "kv"
+    used_tier(root)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * 220)
+    (root / name).unlink()
+    os.link(victim, root / name)
+    before = snapshot(victim)
+    try:
+        build(root).close()
+    except ConfigError as exc:
+        error = str(exc)
+    else:
+        error = ""
+    assert snapshot(victim) == before, f"{name}: the file of its other name was written"
+    assert f"{root / name} has 2 names (hard links)" in error and "remove it" in error, error
+
+
 @pytest.mark.parametrize("name", ["journal.tmp", "manifest.json.tmp"])
 @pytest.mark.parametrize("dangling", [False, True])
 def test_a_symlinked_temporary_file_is_replaced_not_followed(tmp_path, name, dangling):

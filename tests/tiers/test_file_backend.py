@@ -331,10 +331,10 @@ def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, capl
     path.write_bytes(b"\0" * 8192)
     real_open = os.open
 
-    def no_direct(p, flags, *args):
+    def no_direct(p, flags, *args, **kwargs):
         if flags & getattr(os, "O_DIRECT", 0):
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real_open(p, flags, *args)
+        return real_open(p, flags, *args, **kwargs)
 
     monkeypatch.setattr(fileio.os, "open", no_direct)
     with caplog.at_level(logging.WARNING, logger="kvtier.tiers.file"):
@@ -414,7 +414,7 @@ def test_inspect_is_read_only_and_counts_bad_blocks(root):
     assert report["fingerprint"] == "m1" and report["num_slots"] == 32
     assert report["index_health"] == "ok"
     assert report["verified_ok"] == 3 and report["verify_failed"] == 1
-    assert report["failures"] == [{"slot": 2, "reason": "payload checksum mismatch"}]
+    assert report["failures"] == [{"key": key(2).hex(), "slot": 2, "reason": "payload checksum mismatch"}]
     assert report["lock_holder"] == {"pid": os.getpid(), "alive": True}
     assert "verified_ok" not in inspect_root(str(root))
     b.close()

@@ -21,8 +21,8 @@ def test_failed_pid_write_releases_the_lock(tmp_path, monkeypatch):
     opened: list[int] = []
     real_open = rootlock.open_or_create
 
-    def recording_open(path, flags):
-        fd, created = real_open(path, flags)
+    def recording_open(path, flags, dir_fd=None):
+        fd, created = real_open(path, flags, dir_fd)
         opened.append(fd)
         return fd, created
 

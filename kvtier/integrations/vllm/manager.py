@@ -239,6 +239,8 @@ class KVTierOffloadingManager(OffloadingManager):
 
     # --- requests and steps
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        if self.direct_file_loads is not None:  # the file tiers' load path is settled by now: logged once
+            self.direct_file_loads.settle()
         self.manager.on_new_request(req_context)
         return RequestOffloadingContext()
 

@@ -106,11 +106,23 @@ class DirectFileLoads:
         self.reason = reason  # why the loads are promoted whatever the connector; None: direct once enabled
         self.files = {t.name: t.backend for t in self.manager.tiers[1:] if t.medium == "FILE"}
         self.enabled = False
-        if self.files:
-            log.info("kvtier: file tier(s) %s: %s", ", ".join(self.files),
-                     f"promoted into the CPU tier and verified there ({reason})" if reason else
-                     "promoted into the CPU tier and verified there, unless the connector reports failed loads "
-                     "(KVTierOffloadingConnector: then the worker loads and verifies them directly)")
+        self._told = False  # the one log line saying which path the file tiers take (`_tell`)
+        if reason is not None:  # decided now, whatever the connector
+            self._tell(f"promoted into the CPU tier and verified there ({reason})")
+
+    def _tell(self, path: str) -> None:
+        """Log, once per engine, which path the file tiers take."""
+        if self.files and not self._told:
+            self._told = True
+            log.info("kvtier: file tier(s) %s: %s", ", ".join(self.files), path)
+
+    def settle(self) -> None:
+        """The engine's first request (`KVTierOffloadingManager.on_new_request`): the connector has
+        had its say by then (`enable` is called while it is built), so an engine whose file tiers
+        were neither enabled nor promoted for a reason runs vLLM's own connector: say so, once."""
+        self._tell("promoted into the CPU tier and verified there (the connector does not report failed loads: "
+                   "vLLM's OffloadingConnector stops the engine on one; KVTierOffloadingConnector loads them "
+                   "directly)")
 
     def enable(self) -> bool:
         """The connector reports failed loads to vLLM: load the file tiers directly where allowed
@@ -125,8 +137,8 @@ class DirectFileLoads:
         if vllm_has_sync_loads():
             log.warning("kvtier: direct_file_loads: true on a vLLM with synchronous loads: a failed one may be "
                         "recomputed wrongly (vLLM bug #49250)")
-        log.info("kvtier: file tier(s) %s: loaded by the worker directly and verified there (a block that "
-                 "fails verification fails its load, which vLLM recomputes)", ", ".join(self.files))
+        self._tell("loaded by the worker directly and verified there (a block that fails verification fails its "
+                   "load, which vLLM recomputes)")
         return True
 
 

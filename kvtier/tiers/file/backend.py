@@ -53,6 +53,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.identity import fingerprint_option
 from kvtier.keys import OffloadKey
 from kvtier.specs import FileLoadStoreSpec
 from kvtier.tiers import room
@@ -112,12 +113,6 @@ def _io(v) -> str:
     return v
 
 
-def _fingerprint(v) -> str:
-    if not isinstance(v, str):
-        raise ValueError(f"expected a string identifying the model and KV layout, got {type(v).__name__} {v!r}")
-    return v
-
-
 def _identity_change(v) -> str:
     if v not in ("refuse", "reset"):
         raise ValueError(f"{v!r} is not an answer to another identity's blocks in root_dir; use refuse (keep them: "
@@ -160,7 +155,7 @@ class FileBackend(Backend):
     OPTIONS = {
         "root_dir": (REQUIRED, expand_root_dir),  # `~` and `$VAR`s expanded; what cannot be one is refused
         "io": ("auto", _io),
-        "fingerprint": ("", _fingerprint),
+        "fingerprint": ("", fingerprint_option),
         "num_threads": (4, _threads),
         "sync_interval": (1.0, _sync_interval),
         "on_identity_change": ("refuse", _identity_change),
@@ -185,7 +180,7 @@ class FileBackend(Backend):
         super().__init__(name, num_blocks, block_bytes, block_size)
         if block_bytes <= 0:
             raise ValueError(f"file tier {name!r} needs block_bytes > 0, got {block_bytes}")
-        _io(io), _fingerprint(fingerprint), _threads(num_threads), _identity_change(on_identity_change)
+        _io(io), fingerprint_option(fingerprint), _threads(num_threads), _identity_change(on_identity_change)
         if not fingerprint:
             raise ConfigError([("fingerprint", f"empty: file tier {name!r} keeps blocks across restarts and must "
                                                f"not serve them to another model; give the identity of the model "

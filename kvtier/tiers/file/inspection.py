@@ -95,8 +95,8 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     the pid in the lock file, None after a clean close), lock (open, closed cleanly, or a stale lock
     of a process that died, in words), is_tier (whether any of the tier's own files is there);
     with `verify`, also verified_ok and verify_failed (blocks whose header/checksum fail) and
-    failures (up to 20 `{slot, reason}`), plus verify_error when the slab could not be read at all
-    (missing, or not a regular file). Never modifies anything.
+    failures (up to 20 `{key, slot, reason}`: the key in hex, as stored), plus verify_error when the
+    slab could not be read at all (missing, or not a regular file). Never modifies anything.
     """
     root = Path(root_dir)
     report: dict = {"root_dir": str(root), "is_tier": any(os.path.lexists(root / name) for name in OWN_FILES)}
@@ -205,7 +205,7 @@ def _verify(slab: Path, manifest: dict | None, entries: dict) -> dict:
             if why is None:
                 ok += 1
             else:
-                failures.append({"slot": slot, "reason": why})
+                failures.append({"key": key.hex(), "slot": slot, "reason": why})
     finally:
         os.close(fd)
     return {"verified_ok": ok, "verify_failed": len(failures), "failures": failures[:20]}

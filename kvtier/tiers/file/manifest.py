@@ -67,8 +67,15 @@ def read_manifest(root: Path) -> dict | None:
 
 
 def write_manifest(root: Path, manifest: dict) -> None:
-    """Replace the manifest of `root` atomically and durably."""
-    write_file_atomic(root / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode())
+    """Replace the manifest of `root` atomically and durably; `ValueError` (nothing written) for
+    a manifest larger than `load_manifest` reads back (identities within
+    `kvtier.limits.MAX_IDENTITY_BYTES` never make one)."""
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    if len(data) > MANIFEST_MAX_BYTES:
+        raise ValueError(f"{root / MANIFEST}: a manifest of {len(data)} bytes would not be read back (at most "
+                         f"{MANIFEST_MAX_BYTES}); its fingerprint ({len(str(manifest.get('fingerprint')))} "
+                         f"characters) or layout ({len(str(manifest.get('layout')))}) is too long")
+    write_file_atomic(root / MANIFEST, data)
 
 
 def manifest_differences(found: dict | None, wanted: dict) -> list[str]:

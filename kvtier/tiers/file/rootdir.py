@@ -12,10 +12,11 @@ are not. So:
   not); a world-writable ancestor without the sticky bit (anyone could swap `root_dir` for another
   directory); a `root_dir` not owned by you or writable by group/others.
 - `check_entries`: the tier's own names in `root_dir` are absent, or regular files (never symlinks,
-  FIFOs, devices) owned by you and not writable by group/others.
-- `open_existing` / `create_new` / `open_or_create`: every open is `O_NOFOLLOW`, checked again with
-  `fstat` (a file of yours that group/others may read is made 0600); new files are created
-  `O_EXCL`, 0600.
+  FIFOs, devices, nor a file with a second name: a hard link) owned by you and not writable by
+  group/others (`check_owner`; `kvtier clear` asks the same of what it removes).
+- `open_existing` / `create_new` / `open_or_create`: every open is `O_NOFOLLOW` (relative to a
+  directory descriptor where one is given), checked again with `fstat` (a file of yours that
+  group/others may read is made 0600); new files are created `O_EXCL`, 0600.
 
 Every refusal is a `ConfigError` on the field `root_dir` (the hierarchy builder prefixes
 `tiers[i].`) that names the path, its owner and mode, and what to do. The lock that makes a process
@@ -46,6 +47,7 @@ NAME_MAX = 255
 PATH_MAX = 4096  # including the terminating NUL
 LONGEST_FILE = max(OWN_FILES + TEMPORARIES, key=len)  # the longest name the tier creates in root_dir
 ADVICE = "choose a directory of your own, e.g. ~/.cache/kvtier/<tier>"
+OPEN_TRIES = 16  # open_or_create: a file removed and created by others this often in a row is an attack
 
 
 def refuse(message: str) -> ConfigError:
@@ -59,6 +61,9 @@ def expand_root_dir(value) -> str:
         value = os.fspath(value)
     if not isinstance(value, str) or not value:
         raise ValueError(f"expected a directory path for the slab files, got {value!r}")
+    if len(value) > 16 * PATH_MAX:  # before anything reads it (the checks below are linear, but not cheap)
+        raise ValueError(f"{value[:80]!r}...: {len(value)} characters, far longer than any path (at most "
+                         f"{PATH_MAX - 1} bytes)")
     if "\0" in value:
         raise ValueError(f"{value[:80]!r} contains a NUL character; give a directory path")
     path = os.path.expanduser(os.path.expandvars(value))
@@ -173,14 +178,22 @@ def _check_directory(resolved: Path, root: str) -> None:
         st = os.fstat(fd)
     finally:
         os.close(fd)
+    check_directory(st, root, resolved)
+
+
+def check_directory(st: os.stat_result, root: str, resolved: Path) -> None:
+    """Refuse (`ConfigError` on `root_dir`) a tier directory (`st`: its stat, taken through the
+    descriptor that is then used) that is not yours or that group/others may write to."""
     shown = f"{root}" if str(resolved) == root else f"{root} (= {resolved})"
     if st.st_uid != os.geteuid():
         raise refuse(f"{shown} is owned by {owner_name(st.st_uid)} (mode {_mode(st.st_mode)}), not by you "
                      f"({owner_name(os.geteuid())}): its owner could read or replace the tier's files; {ADVICE}")
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        shared = st.st_mode & stat.S_ISVTX and st.st_mode & stat.S_IWOTH  # perhaps /tmp itself
+        fix = (f"If it is the tier's own, run 'chmod 700 {resolved}'; if it is shared by its users (sticky, like "
+               f"/tmp), leave it as it is and {ADVICE}" if shared else f"Run 'chmod 700 {resolved}', or {ADVICE}")
         raise refuse(f"{shown} is writable by group or others (mode {_mode(st.st_mode)}, owner "
-                     f"{owner_name(st.st_uid)}): they could plant or swap the tier's files. Run 'chmod 700 "
-                     f"{resolved}', or {ADVICE}")
+                     f"{owner_name(st.st_uid)}): they could plant or swap the tier's files. {fix}")
 
 
 def inspect_root(root: str) -> str:
@@ -229,38 +242,52 @@ def check_entries(root: Path, names, private: bool = True) -> set[str]:
             st = os.lstat(path)
         except FileNotFoundError:
             continue
-        _check_file(path, st)
+        check_file(path, st)
         if private and st.st_mode & 0o077:
             os.chmod(path, 0o600)
         present.add(name)
     return present
 
 
-def _check_file(path: Path, st: os.stat_result) -> None:
+def check_file(path: Path, st: os.stat_result, dir_fd: int | None = None) -> None:
+    """Refuse a tier file kvtier would open: a symlink, not a regular file, a file with more than
+    one name (a hard link: writing it would change the other name's file), or `check_owner`'s."""
     if stat.S_ISLNK(st.st_mode):
-        raise refuse(f"{path} is a symlink (to {os.readlink(path)}); kvtier never opens a file in root_dir "
+        target = os.readlink(path if dir_fd is None else path.name, dir_fd=dir_fd)
+        raise refuse(f"{path} is a symlink (to {target}); kvtier never opens a file in root_dir "
                      f"through a symlink. Remove it ('rm {path}'), or {ADVICE}")
     if not stat.S_ISREG(st.st_mode):
         raise refuse(f"{path} is {file_kind(st.st_mode)}, not a regular file; remove it, or {ADVICE}")
+    if st.st_nlink > 1:
+        raise refuse(f"{path} has {st.st_nlink} names (hard links), where a file of the tier has one: writing "
+                     f"it would change the file of its other name(s); remove it ('rm {path}'), or {ADVICE}")
+    check_owner(path, st)
+
+
+def check_owner(path: Path, st: os.stat_result) -> None:
+    """Refuse (`ConfigError` on `root_dir`) a file under a tier's name (`st`: its lstat) that is
+    not yours, or (not a symlink) that group/others may write to."""
     if st.st_uid != os.geteuid():
         raise refuse(f"{path} is owned by {owner_name(st.st_uid)} (mode {_mode(st.st_mode)}), not by you "
                      f"({owner_name(os.geteuid())}); remove it, or {ADVICE}")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if not stat.S_ISLNK(st.st_mode) and st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         raise refuse(f"{path} is writable by group or others (mode {_mode(st.st_mode)}); remove it, or {ADVICE}")
 
 
-def open_existing(path, flags: int) -> int:
+def open_existing(path, flags: int, dir_fd: int | None = None) -> int:
     """Open an existing file of the tier, never through a symlink; checked like `check_entries`
-    and made 0600 if group/others could read it."""
+    and made 0600 if group/others could read it. With `dir_fd`, `path`'s last name is opened in
+    that directory (the whole `path` is what messages show)."""
+    name = path if dir_fd is None else Path(path).name
     try:
-        fd = os.open(path, flags | os.O_NOFOLLOW)
+        fd = os.open(name, flags | os.O_NOFOLLOW, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
-            _check_file(Path(path), os.lstat(path))
+            check_file(Path(path), os.stat(name, dir_fd=dir_fd, follow_symlinks=False), dir_fd)
         raise
     try:
         st = os.fstat(fd)
-        _check_file(Path(path), st)
+        check_file(Path(path), st)
         if st.st_mode & 0o077:
             os.fchmod(fd, 0o600)
     except BaseException:
@@ -269,9 +296,11 @@ def open_existing(path, flags: int) -> int:
     return fd
 
 
-def create_new(path, flags: int) -> int:
-    """Create `path` (0600); FileExistsError if anything, a dangling symlink included, is there."""
-    fd = os.open(path, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def create_new(path, flags: int, dir_fd: int | None = None) -> int:
+    """Create `path` (0600; with `dir_fd`, its last name in that directory); FileExistsError if
+    anything, a dangling symlink included, is there."""
+    name = path if dir_fd is None else Path(path).name
+    fd = os.open(name, flags | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dir_fd)
     try:
         os.fchmod(fd, 0o600)  # whatever the umask
     except BaseException:
@@ -280,13 +309,20 @@ def create_new(path, flags: int) -> int:
     return fd
 
 
-def open_or_create(path, flags: int) -> tuple[int, bool]:
-    """`create_new`, or `open_existing` where the file is there; returns the descriptor and
-    whether the file was created here."""
-    try:
-        return create_new(path, flags), True
-    except FileExistsError:
-        return open_existing(path, flags), False
+def open_or_create(path, flags: int, dir_fd: int | None = None) -> tuple[int, bool]:
+    """`create_new`, or `open_existing` where the file is there (again `create_new` where it was
+    removed in between: another process, `kvtier clear`, may unlink it at any time); returns the
+    descriptor and whether the file was created here."""
+    for _ in range(OPEN_TRIES - 1):
+        try:
+            return create_new(path, flags, dir_fd), True
+        except FileExistsError:
+            pass
+        try:
+            return open_existing(path, flags, dir_fd), False
+        except FileNotFoundError:
+            continue
+    return create_new(path, flags, dir_fd), True  # its error, if it fails yet again
 
 
 def remove_file(path) -> None:

@@ -16,13 +16,14 @@ class RootLock:
     """The exclusive flock on `root_dir/lock` that makes a process the tier's only user; the
     file holds the owner's pid (for the error others get, and for `kvtier inspect`)."""
 
-    def __init__(self, root: Path):
-        """Take the lock (KVTierError naming the holder's pid when another process has it). When
-        recording the pid fails the lock is released and its descriptor closed before the error
-        propagates."""
+    def __init__(self, root: Path, dir_fd: int | None = None):
+        """Take the lock (KVTierError naming the holder's pid when another process has it). With
+        `dir_fd` (a descriptor of the directory `root`), the lock file is opened, checked and
+        created in that directory, whatever `root` names by then. When recording the pid fails
+        the lock is released and its descriptor closed before the error propagates."""
         self.path = root / LOCK
         while True:
-            fd, created = open_or_create(self.path, os.O_RDWR)
+            fd, created = open_or_create(self.path, os.O_RDWR, dir_fd)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
@@ -32,7 +33,7 @@ class RootLock:
                     os.close(fd)
                 raise KVTierError(f"file tier root_dir {root} is in use by {_process(holder)}; "
                                   f"give each process its own root_dir") from None
-            if same_file(fd, self.path):
+            if same_file(fd, self.path if dir_fd is None else Path(LOCK), dir_fd):
                 break
             os.close(fd)  # a failed build removed the file after we opened it: lock the current one
         self.created = created  # the lock file did not exist before
@@ -60,10 +61,11 @@ class RootLock:
                 os.close(fd)
 
 
-def same_file(fd: int, path: Path) -> bool:
-    """Whether `path` still names the file open as `fd`."""
+def same_file(fd: int, path: Path, dir_fd: int | None = None) -> bool:
+    """Whether `path` (relative to the directory `dir_fd`, where given) still names the file open
+    as `fd`."""
     try:
-        st = os.lstat(path)
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
     except FileNotFoundError:
         return False
     mine = os.fstat(fd)

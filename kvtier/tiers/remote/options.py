@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.identity import fingerprint_option
 from kvtier.quoting import brief
 from kvtier.tiers.remote.keys import validate_key_prefix
 from kvtier.tiers.remote.password import resolve_password
@@ -104,12 +105,6 @@ def _bool(v: Any) -> bool:
     return v
 
 
-def _fingerprint(v: Any) -> str:
-    if not isinstance(v, str):
-        raise ValueError(f"expected a string identifying the model and KV layout, got {brief(v)}")
-    return v
-
-
 OPTIONS: dict[str, tuple[Any, Any]] = {
     "url": (REQUIRED, _url),
     "username": (None, _text("an ACL user name")),
@@ -127,7 +122,7 @@ OPTIONS: dict[str, tuple[Any, Any]] = {
     "negative_ttl_s": (2.0, _number(0, 3600, "seconds")),
     "threads": (4, _number(1, 256, "I/O threads", integer=True)),
     "tp": (1, _number(1, 1024, "tensor-parallel ranks (one value per rank and block)", integer=True)),
-    "fingerprint": ("", _fingerprint),
+    "fingerprint": ("", fingerprint_option),
 }
 
 
