@@ -144,11 +144,12 @@ class KVTier:
             return self._rounds.store(pending, by_key)
 
     def lookup(self, keys: Sequence[bytes]) -> int:
-        """How many leading `keys` can be loaded now. Blocks found in a lower tier are brought up
-        first when no handler loads them directly (this call waits for that); a run longer than
-        the first tier holds answers what fits there (`load` goes on in rounds)."""
+        """How many leading `keys` can be loaded now: what `load` would find. Blocks found in a
+        lower tier are brought up first when no handler loads them directly, as far as the first
+        tier has room (this call waits for that); the rest of a longer run is counted where it is
+        (`load` brings it up in rounds)."""
         with self._call():
-            return self._rounds.lookup(self._blocks.keys(keys, distinct=False))
+            return self._rounds.loadable(self._blocks.keys(keys, distinct=False))
 
     def load(self, keys: Sequence[bytes], engine_block_ids: Sequence[int]) -> int:
         """Load the longest loadable prefix of `keys` into its engine blocks; returns how many keys

@@ -88,6 +88,17 @@ class Rounds:
         return result.success
 
     # ------------------------------------------------------------------ lookup and load
+    def loadable(self, keys: list[OffloadKey]) -> int:
+        """How many leading `keys` a `load` would find: the HITs (`lookup`: blocks of lower tiers
+        promoted as far as the first tier has room), then the run of the others that a tier
+        holds (a lower tier's block, or a shared tier's key its probes found), which `load`
+        brings up in rounds."""
+        n = self.lookup(keys)
+        source = self.manager.load_source
+        while n < len(keys) and source(keys[n]) is not None:
+            n += 1
+        return n
+
     def lookup(self, keys: list[OffloadKey]) -> int:
         """How many leading `keys` are HITs, waiting while blocks are promoted (RETRY, HIT_PENDING)."""
         hits = 0
