@@ -4,8 +4,8 @@ real CPU tier and a real file tier, with real bytes and no engine:
 - `StandaloneFront`: `kvtier.standalone.KVTier` over CPU tensors as the KV cache;
 - `VllmFront`: the vLLM adapter's scheduler side (`KVTierOffloadingManager`, adopted as
   `KVTierOffloadingConnector` does: file tiers loaded directly) with its worker side
-  (`KVTierOffloadingWorker`) over CPU tensors, failed loads completed through the connector's own
-  `_FailureAwareManager` and `FailedKeys`, as vLLM's scheduler side would.
+  (`KVTierOffloadingWorker`) over CPU tensors, failed loads completed as the connector completes
+  them: the keys the worker names (`take_failure`) to `complete_failed_load`.
 
 Both offer one small API: `store`, `load` (the bytes of every block it loads are checked against
 `content(key)` there), `lookup`, `flush`, `reopen` (close, then a new process on the same
@@ -113,7 +113,7 @@ class VllmFront:
     """vLLM's scheduler side and worker side in one process (vLLM's "uni" executor), driven the way
     vLLM's offloading connector drives them: stores offered a few blocks per step (a None answer
     is asked again next step), lookups scanning keys in order until a non-HIT (RETRY waits a step),
-    a load job per request, failures completed through the connector's `FailedKeys`."""
+    a load job per request, a failure completed with the keys the worker names."""
 
     name = "vllm"
     PER_STEP = 2  # blocks a step offers at most (a request's new blocks per step)
@@ -128,14 +128,11 @@ class VllmFront:
         from vllm.v1.kv_offload.base import CanonicalKVCaches as Caches
         from vllm.v1.kv_offload.base import CanonicalKVCacheTensor as Tensor
 
-        from kvtier.integrations.vllm.connector import _FailureAwareManager
-
         engine_id = f"model-{time.time_ns()}"
         caches = Caches([Tensor(self.engine.kv, PAGE)], [[Ref(0, PAGE)]])
         self.worker = _spec(self.root, engine_id).get_worker(caches)  # (registers the KV caches first, as vLLM does)
         self.manager = _spec(self.root, engine_id).get_manager()
         self.manager.direct_file_loads.enable()  # (what KVTierOffloadingConnector does)
-        self.completions = _FailureAwareManager(self.manager)
         self.loaded = 0
 
     @property
@@ -227,8 +224,6 @@ class VllmFront:
         """One load job of `keys` (each a HIT); how many leading ones were loaded."""
         from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
-        from kvtier.integrations.vllm.connector import FailedKeys
-
         job = self._job()
         src = self.manager.prepare_load(keys, ctx)
         dst = GPULoadStoreSpec(list(range(SCRATCH, SCRATCH + len(keys))), group_sizes=[len(keys)], block_indices=[0])
@@ -236,12 +231,10 @@ class VllmFront:
         self.worker.wait({job})
         (result,) = self.worker.get_finished()
         if result.success:
-            self.completions.complete_load(set(keys), ctx)
+            self.manager.complete_load(set(keys), ctx)
             return len(keys)
-        bad, first = self.worker.take_failure(job)
-        failed = FailedKeys(keys)
-        failed.bad = None if bad is None else set(bad)
-        self.completions.complete_load(failed, ctx)
+        bad, first = self.worker.take_failure(job)  # (what the connector reports and completes)
+        self.manager.complete_failed_load(set(keys), ctx, None if bad is None else set(bad))
         return first
 
     def flush(self) -> int:

@@ -198,17 +198,25 @@ def test_a_failed_store_never_becomes_readable(tmp_path):
         side.manager.shutdown()
 
 
+def _loading(side, n: int):
+    """`n` blocks stored, then a load job of them (LOAD) waiting for the workers' report."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    ctx, keys = ReqContext("r1"), _keys(n)
+    side.manager.prepare_store(keys, ctx)
+    side.manager.complete_store(keys, ctx)
+    side.manager.prepare_load(keys, ctx)
+    _job(side, LOAD, keys, False, ctx)
+    return ctx, keys
+
+
 @pytest.mark.parametrize("failed", [True, False])
 def test_a_failed_load_drops_its_blocks_and_a_completed_one_keeps_them(tmp_path, failed):
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.base import LookupResult
 
     side = _scheduler_side(tmp_path)
     try:
-        ctx, keys = ReqContext("r1"), _keys(3)
-        side.manager.prepare_store(keys, ctx)
-        side.manager.complete_store(keys, ctx)
-        side.manager.prepare_load(keys, ctx)
-        _job(side, LOAD, keys, False, ctx)
+        ctx, keys = _loading(side, 3)
         _finish(side, [LOAD], [LOAD] if failed else [])
         # after a failure the recompute's lookup misses instead of loading the same blocks again
         expected = LookupResult.MISS if failed else LookupResult.HIT
@@ -265,15 +273,11 @@ def test_a_failed_load_drops_only_its_bad_block_and_lets_the_request_store_it_ag
     vLLM's recompute of it is offloaded again (on 7e6c7c1 all three were dropped, none stored)."""
     from types import SimpleNamespace
 
-    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.base import LookupResult
 
     side = _scheduler_side(tmp_path)
     try:
-        ctx, keys = ReqContext("r1"), _keys(3)
-        side.manager.prepare_store(keys, ctx)
-        side.manager.complete_store(keys, ctx)
-        side.manager.prepare_load(keys, ctx)
-        _job(side, LOAD, keys, False, ctx)
+        ctx, keys = _loading(side, 3)
         group = SimpleNamespace(offload_keys=list(keys), next_stored_chunk_idx=3)
         side._req_status["r1"].group_states = (group,)
         _finish(side, [LOAD], [LOAD], bad=[bytes(keys[1])])

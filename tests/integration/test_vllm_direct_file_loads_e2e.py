@@ -16,7 +16,6 @@ the engine core, and its one worker, in the runner's process.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_model import build_tiny_model, random_prompt  # noqa: E402
-from vllm_e2e_helpers import metric, run_engine, step  # noqa: E402
+from vllm_e2e_helpers import ONE_PROCESS, metric, recompute_job, run_engine, step  # noqa: E402
 
 OFFLOAD_BLOCK = 64
 PROMPTS = {name: random_prompt(200, seed=seed) for name, seed in (("A", 1), ("B", 2), ("C", 3), ("D", 4))}
@@ -41,30 +40,13 @@ def engine(tmp_path_factory) -> tuple[dict, str]:
     def gen(name: str, prompt: str) -> dict:
         return {"op": "generate", "name": name, "prompt": PROMPTS[prompt]}
 
-    job = {
-        "model": str(build_tiny_model(workdir / "model")), "block_size": 32, "offload_block_size": OFFLOAD_BLOCK,
-        "num_gpu_blocks": 64, "max_model_len": 1536, "max_tokens": 8,
-        "connector": {"name": "KVTierOffloadingConnector", "module": "kvtier.integrations.vllm.connector"},
-        "kv_load_failure_policy": "recompute",
-        "kvtier_config": {"tiers": [
-            {"name": "cpu", "backend": "cpu", "capacity": "12 blocks", "policy": "lru", "cascade": "on_store"},
-            {"name": "disk", "backend": "file", "root_dir": str(disk), "capacity": "256 blocks", "policy": "lru"},
-        ]},
-        "steps": [
-            gen("A_cold", "A"), gen("B_cold", "B"), {"op": "reset"}, gen("A_file", "A"),
-            {"op": "corrupt_file_tier", "root_dir": str(disk)}, {"op": "reset"}, gen("A_corrupt", "A"),
-            gen("C_cold", "C"), gen("D_cold", "D"), {"op": "reset"}, gen("C_file", "C"),
-        ],
-    }
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (run_engine passes the environment on)
-    try:
-        report = run_engine(job, workdir, "direct")
-    finally:
-        if before is None:
-            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    tiers = [{"name": "cpu", "backend": "cpu", "capacity": "12 blocks", "policy": "lru", "cascade": "on_store"},
+             {"name": "disk", "backend": "file", "root_dir": str(disk), "capacity": "256 blocks", "policy": "lru"}]
+    steps = [gen("A_cold", "A"), gen("B_cold", "B"), {"op": "reset"}, gen("A_file", "A"),
+             {"op": "corrupt_file_tier", "root_dir": str(disk)}, {"op": "reset"}, gen("A_corrupt", "A"),
+             gen("C_cold", "C"), gen("D_cold", "D"), {"op": "reset"}, gen("C_file", "C")]
+    report = run_engine(recompute_job(build_tiny_model(workdir / "model"), tiers, steps), workdir, "direct",
+                        env=ONE_PROCESS)  # (the worker in the scheduler's process: module docstring)
     return report, (workdir / "direct.log").read_text()
 
 

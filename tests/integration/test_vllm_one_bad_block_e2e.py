@@ -14,7 +14,6 @@ the last run missed them.
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
 
@@ -25,7 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_model import build_tiny_model, random_prompt  # noqa: E402
-from vllm_e2e_helpers import metric, run_engine, step  # noqa: E402
+from vllm_e2e_helpers import ONE_PROCESS, metric, recompute_job, run_engine, step  # noqa: E402
 from vllm_runner import corrupt_file_tier  # noqa: E402
 
 OFFLOAD_BLOCK = 64
@@ -36,30 +35,15 @@ E = random_prompt(200, seed=21)
 def reports(tmp_path_factory) -> tuple[dict, dict]:
     workdir = tmp_path_factory.mktemp("vllm_one_bad_block")
     disk = workdir / "disk"
-    job = {
-        "model": str(build_tiny_model(workdir / "model")), "block_size": 32, "offload_block_size": OFFLOAD_BLOCK,
-        "num_gpu_blocks": 64, "max_model_len": 1536, "max_tokens": 8,
-        "connector": {"name": "KVTierOffloadingConnector", "module": "kvtier.integrations.vllm.connector"},
-        "kv_load_failure_policy": "recompute",
-        "kvtier_config": {"tiers": [
-            {"name": "cpu", "backend": "cpu", "capacity": "12 blocks", "policy": "lru", "cascade": "on_store"},
-            {"name": "disk", "backend": "file", "root_dir": str(disk), "capacity": "64 blocks", "policy": "lru"},
-        ]},
-    }
-    before = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # (one process: the worker loads file blocks itself)
-    try:
-        first = run_engine({**job, "steps": [{"op": "generate", "name": "E_cold", "prompt": E}]}, workdir, "first")
-        assert corrupt_file_tier(str(disk), 4) == 1
-        second = run_engine({**job, "steps": [{"op": "generate", "name": "E_bad_block", "prompt": E},
-                                              {"op": "reset"}, {"op": "generate", "name": "E_again", "prompt": E}]},
-                            workdir, "second")
-        return first, second
-    finally:
-        if before is None:
-            del os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"]
-        else:
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = before
+    model = build_tiny_model(workdir / "model")
+    tiers = [{"name": "cpu", "backend": "cpu", "capacity": "12 blocks", "policy": "lru", "cascade": "on_store"},
+             {"name": "disk", "backend": "file", "root_dir": str(disk), "capacity": "64 blocks", "policy": "lru"}]
+    first = run_engine(recompute_job(model, tiers, [{"op": "generate", "name": "E_cold", "prompt": E}]), workdir,
+                       "first", env=ONE_PROCESS)  # (one process: the worker loads file blocks itself)
+    assert corrupt_file_tier(str(disk), 4) == 1
+    steps = [{"op": "generate", "name": "E_bad_block", "prompt": E}, {"op": "reset"},
+             {"op": "generate", "name": "E_again", "prompt": E}]
+    return first, run_engine(recompute_job(model, tiers, steps), workdir, "second", env=ONE_PROCESS)
 
 
 def test_one_bad_block_is_recomputed_alone_and_stored_again(reports):

