@@ -86,16 +86,25 @@ class Cascade:
         if not isinstance(protected, set):
             protected = set(protected)
         if tier.below is not None and tier.cascade != "none":
-            dirty = self._dirty_victims(tier, need, protected)
-            if dirty:
-                self._copy_down(tier, dirty)
-                self._jobs.drain()  # (jobs that ended may have freed slots: counted again)
-            kept = unsafe_ahead(tier, n - tier.backend.get_num_free_blocks(), protected)
+            kept = self._keep_unsafe(tier, n, need, protected)
             if kept is None:
                 return None
             if kept:
                 protected = protected | kept
         return self.make_room(tier, n, protected)
+
+    def _keep_unsafe(self, tier: Tier, n: int, need: int, protected: set[OffloadKey]) -> set[OffloadKey] | None:
+        """`evict_for`'s care for a cascading tier: the blocks to protect too so that evicting
+        `need` takes only blocks safe to evict (`unsafe_ahead`), after starting the copies of the
+        dirty ones among the next `need` victims; None when there is no such room yet."""
+        victims = tier.policy.victim_keys(need, protected)
+        if len(victims) == need and tier.clean.issuperset(victims):
+            return set()  # (the common case: the reserve kept the next victims clean)
+        dirty = self._dirty_among(tier, victims)
+        if dirty:
+            self._copy_down(tier, dirty)
+            self._jobs.drain()  # (jobs that ended may have freed slots: counted again)
+        return unsafe_ahead(tier, n - tier.backend.get_num_free_blocks(), protected)
 
     def make_room(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         """`Tier.make_room`, recording the evictions as events."""
@@ -135,17 +144,14 @@ class Cascade:
 
     def _dirty_victims(self, tier: Tier, count: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
         """Among the next `count` unprotected victims of `tier`'s policy, those the next tier does
-        not hold, in eviction order; the ones found readable there become clean (`split_below`).
-        C loops over the policy's `victim_keys`."""
+        not hold, in eviction order (`_dirty_among`)."""
+        return self._dirty_among(tier, tier.policy.victim_keys(count, protected))
+
+    @staticmethod
+    def _dirty_among(tier: Tier, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The `keys` of `tier` neither clean nor failed to copy that the next tier does not hold,
+        in order; those found readable there become clean (`split_below`). C loops."""
         assert tier.below is not None
-        want = count
-        while True:  # more victims when some were protected (skipped, not counted)
-            found = tier.policy.victim_keys(want)
-            keys = list(filterfalse(protected.__contains__, found)) if protected else found
-            if len(keys) >= count or len(found) < want:
-                break
-            want = count + len(found) - len(keys)
-        del keys[count:]
         clean, failed = tier.clean, tier.write_failed
         if clean:
             keys = list(filterfalse(clean.__contains__, keys))
