@@ -257,23 +257,12 @@ class VllmFront:
 
 
 def _spec(root: Path, engine_id: str) -> Any:
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "integration"))
+    from test_vllm_spec import _config
 
     from kvtier.integrations.vllm import KVTierOffloadingSpec
 
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=False,
-        extra_config={"kvtier_config": tiers_config(root)}, engine_id=engine_id,
-        model=OffloadingModelConfig(name="model-frontends", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1,
-                                          data_parallel_rank_local=None, is_parallelism_agnostic=True))
-    return KVTierOffloadingSpec(config)
+    return KVTierOffloadingSpec(_config(root, events=False, kvtier_config=tiers_config(root), engine_id=engine_id,
+                                        page=PAGE, blocks_per_chunk=1))

@@ -11,12 +11,17 @@ kvtier's worker directly.
 from __future__ import annotations
 
 import importlib.util
+import sys
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_vllm_spec import _config  # noqa: E402
 
 pytestmark = [pytest.mark.vllm,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
@@ -26,26 +31,11 @@ WAIT = 10.0  # generous bound for a background thread's step on a loaded machine
 
 
 def _spec(tmp_path):
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-
     from kvtier.integrations.vllm import KVTierOffloadingSpec
 
-    config = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=False,
-        extra_config={"kvtier_config": {"tiers": [{"name": "cpu", "backend": "cpu", "capacity": "8 blocks"}]}},
-        engine_id=f"expedite-{time.time_ns()}", model=OffloadingModelConfig(name="tiny", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                                          data_parallel_index=0, data_parallel_size=1,
-                                          data_parallel_rank_local=None, is_parallelism_agnostic=True))
-    return KVTierOffloadingSpec(config)
+    tiers = {"tiers": [{"name": "cpu", "backend": "cpu", "capacity": "8 blocks"}]}
+    return KVTierOffloadingSpec(_config(tmp_path, events=False, kvtier_config=tiers,
+                                        engine_id=f"expedite-{time.time_ns()}", page=PAGE, blocks_per_chunk=1))
 
 
 @dataclass

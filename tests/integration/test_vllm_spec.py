@@ -19,7 +19,8 @@ PAGE = 1024  # bytes per engine block of the one KV tensor
 BPC = 2  # engine blocks per offloaded block
 
 
-def _config(tmp_path, events=True, kvtier_config=None, rank=0, world_size=1, engine_id=None):
+def _config(tmp_path, events=True, kvtier_config=None, rank=0, world_size=1, engine_id=None, page=PAGE,
+            blocks_per_chunk=BPC):
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -33,10 +34,10 @@ def _config(tmp_path, events=True, kvtier_config=None, rank=0, world_size=1, eng
         {"name": "disk", "backend": "file", "root_dir": str(tmp_path / "disk"), "capacity": "16 blocks"}]}
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
-        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=events,
+        worker_kv_bytes_per_block=page, enable_kv_cache_events=events,
         extra_config={"kvtier_config": kvtier_config}, engine_id=engine_id or f"unit-{time.time_ns()}",
         model=OffloadingModelConfig(name="tiny", dtype="float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(rank=rank, world_size=world_size, tp_size=world_size, pp_size=1,
                                           pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
