@@ -262,10 +262,8 @@ class SlabIO:
                     return bad
             try:
                 self.io.pread(offset, image[:length])
-            except OSError:
-                if os.stat(self.path).st_size < offset + length:
-                    return [(slots[p], "slab truncated") for p in run]
-                raise
+            except OSError as exc:
+                return self._read_cut_run(run, slots, keys, views, exc)
             bad = []
             for i, pos in enumerate(run):
                 slot_view = image[i * self.slot_bytes:(i + 1) * self.slot_bytes]
@@ -278,10 +276,21 @@ class SlabIO:
         finally:
             self._buffers.put(buf)
 
+    def _read_cut_run(self, run: list[int], slots, keys, views, error: OSError) -> list[tuple[int, str]]:
+        """A run whose read failed with `error`: when the slab ends inside it (cut), its slots past
+        the end are bad ("slab truncated", each alone) and the others are read again; otherwise
+        `error` stands."""
+        size = os.stat(self.path).st_size
+        inside = [p for p in run if (slots[p] + 1) * self.slot_bytes <= size]  # (a prefix: the run is ascending)
+        if len(inside) == len(run):
+            raise error
+        cut = [(slots[p], "slab truncated") for p in run[len(inside):]]
+        return cut + (self._read_run(inside, slots, keys, views) if inside else [])
+
     def _read_run_direct(self, run: list[int], slots, keys, views, image) -> list[tuple[int, str]] | None:
         """The zero-copy read of a run (headers into `image`); None when the `BlockIO` refused the
         scatter-gather I/O (EINVAL)."""
-        offset, length = slots[run[0]] * self.slot_bytes, len(run) * self.slot_bytes
+        offset = slots[run[0]] * self.slot_bytes
         headers = [image[i * HEADER_BYTES:(i + 1) * HEADER_BYTES] for i in range(len(run))]
         iovs = []
         for header, pos in zip(headers, run):
@@ -292,9 +301,7 @@ class SlabIO:
             if exc.errno == errno.EINVAL:
                 self._no_zero_copy(exc)
                 return None
-            if os.stat(self.path).st_size < offset + length:
-                return [(slots[p], "slab truncated") for p in run]
-            raise
+            return self._read_cut_run(run, slots, keys, views, exc)
         return [(slots[pos], why) for header, pos in zip(headers, run)
                 if (why := verify_parts(header, views[pos], bytes(keys[pos]), self.block_bytes,
                                         self.digest)) is not None]
