@@ -13,7 +13,6 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.tiers.file import FileBackend
 from kvtier.tiers.file.slot_format import (
-    _HDR,
     CHECK_CRC32,
     CHECK_TORCH,
     HEADER_BYTES,
@@ -28,6 +27,9 @@ from kvtier.tiers.file.slot_format import (
 )
 
 DIGEST = b"d" * 8
+# The slot header as kvtier wrote and read it before part tables (commit 7a13f8a): magic, version,
+# key length, check kind, reserved, payload length, payload check, manifest digest, header CRC.
+_HDR = struct.Struct("<4sHHHHQI8sI")
 
 
 def _slab_image(backend, slot: int) -> bytearray:

@@ -69,6 +69,7 @@ from kvtier.tiers.file.manifest import (
     manifest_differences,
     manifest_digest,
     read_manifest,
+    wanted_manifest,
 )
 from kvtier.tiers.file.opening import OpenedRoot, TierShape, open_root
 from kvtier.tiers.file.rootdir import (
@@ -142,6 +143,12 @@ def _threads(v) -> int:
     return v
 
 
+def _layout(layout: str, block_bytes: int, block_size: int) -> str:
+    """What decides the bytes of a block besides the model: the builder's description, or the
+    geometry this tier knows (the same text `describe_layout` gives without KV caches)."""
+    return layout or f"block_bytes={block_bytes} block_tokens={block_size}"
+
+
 # ---------------------------------------------------------------------------- backend
 class FileBackend(Backend):
     """Fixed-size blocks in one preallocated slab file; see the module docstring for the format.
@@ -182,6 +189,13 @@ class FileBackend(Backend):
             return [], list(exc.problems)
 
     @classmethod
+    def expected_manifest(cls, num_blocks: int, block_bytes: int, block_size: int, options: Mapping[str, Any]) -> dict:
+        """The manifest (without its epoch) that a tier built with these arguments writes: what a
+        process reading it without owning it checks it against (`kvtier.tiers.file.reader`)."""
+        return wanted_manifest(block_bytes, slot_bytes_for(block_bytes), num_blocks, str(options["fingerprint"]),
+                               _layout(str(options.get("layout") or ""), block_bytes, block_size))
+
+    @classmethod
     def capacity_problem(cls, need_bytes: int, options: Mapping[str, Any]) -> str | None:
         """The slab must fit on the filesystem of `root_dir` (what the directory holds counts as room)."""
         return room.disk_problem(need_bytes, options.get("root_dir"))
@@ -202,9 +216,7 @@ class FileBackend(Backend):
             raise ConfigError([("fingerprint", f"empty: file tier {name!r} keeps blocks across restarts and must "
                                                f"not serve them to another model; give the identity of the model "
                                                f"whose KV it holds, e.g. 'meta-llama/Llama-3.1-8B@<revision>'")])
-        # What decides the bytes of a block besides the model (the builder's description, or the
-        # geometry this tier knows: the same text `describe_layout` gives without KV caches).
-        self.layout = layout or f"block_bytes={block_bytes} block_tokens={block_size}"
+        self.layout = _layout(layout, block_bytes, block_size)
         self.sync_interval = _sync_interval(sync_interval)
         try:
             root_dir = expand_root_dir(root_dir)
