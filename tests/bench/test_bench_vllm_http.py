@@ -233,7 +233,7 @@ class _FakeServer:
     stopped: list[str] = []
     fail_health = False
 
-    def __init__(self, name, port, model, kv, work):
+    def __init__(self, name, port, model, kv, work, tp=1):
         self.name = name
         (work / ("kvtier-disk" if name == "kvtier" else "vllm-fs")).mkdir()
 
@@ -282,3 +282,22 @@ def test_servers_stopped_and_dirs_removed_on_failure(tmp_path, monkeypatch, fail
     with pytest.raises(expected):
         bench.main(["--out", str(out)])  # a temp workdir: removed whole
     assert sorted(_FakeServer.stopped) == ["kvtier", "vllm_fs"] and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_tp_runs_both_servers_tensor_parallel_one_core_per_rank(tmp_path, monkeypatch):
+    """`--tp 2` (issue 38): each server gets vLLM's "mp" executor with two ranks, bound to cores 0 and 1."""
+    started = []
+
+    class Popen:
+        def __init__(self, cmd, env, **kwargs):
+            started.append((cmd, env))
+
+    monkeypatch.setattr(bench.subprocess, "Popen", Popen)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    bench.Server("kvtier", 18999, tmp_path / "model", {}, tmp_path, tp=2)
+    bench.Server("vllm_fs", 18998, tmp_path / "model", {}, tmp_path)
+    (tp2, env2), (tp1, env1) = started
+    assert tp2[tp2.index("--tensor-parallel-size") + 1] == "2" and "--distributed-executor-backend" in tp2
+    assert env2["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert "--tensor-parallel-size" not in tp1 and "VLLM_CPU_OMP_THREADS_BIND" not in env1
