@@ -19,9 +19,14 @@ def test_a_first_tier_that_is_not_cpu_is_refused_under_vllm(tmp_path, capsys):
     assert "tiers[0].backend: under vLLM the first tier must use backend 'cpu'" in err and "got 'memory'" in err
 
 
+def _cpu_file(tmp_path, head: str = "", file_options: str = "") -> str:
+    """A YAML of a 1 MiB cpu tier over a 4 MiB file tier `nvme` in tmp_path/tier."""
+    return (f"{head}tiers:\n  - {{name: cpu, backend: cpu, capacity: 1MiB}}\n"
+            f"  - {{name: nvme, backend: file, capacity: 4MiB, root_dir: '{tmp_path / 'tier'}'{file_options}}}\n")
+
+
 def test_what_vllm_decides_is_shown(tmp_path, capsys):
-    text = ("block_tokens: 16\nblock_bytes: 4KiB\ntiers:\n  - {name: cpu, backend: cpu, capacity: 1MiB}\n"
-            f"  - {{name: nvme, backend: file, capacity: 4MiB, root_dir: '{tmp_path / 'tier'}'}}\n")
+    text = _cpu_file(tmp_path, head="block_tokens: 16\nblock_bytes: 4KiB\n")
     code, out, err = check(tmp_path, text, capsys, "--vllm")
     assert code == 0, err
     assert "shm_name=kvtier-ENGINE_ID-cpu" in out
@@ -42,9 +47,7 @@ def test_a_valkey_tp_in_the_yaml_is_flagged(tmp_path, capsys):
 
 def test_the_path_of_file_tier_loads_is_said(tmp_path, capsys):
     """Issue 38: which path the loads of file-tier blocks take, by connector and option."""
-    text = ("tiers:\n  - {name: cpu, backend: cpu, capacity: 1MiB}\n"
-            f"  - {{name: nvme, backend: file, capacity: 4MiB, root_dir: '{tmp_path / 'tier'}', part_checks: 2}}\n")
-    code, out, err = check(tmp_path, text, capsys, "--vllm")
+    code, out, err = check(tmp_path, _cpu_file(tmp_path, file_options=", part_checks: 2"), capsys, "--vllm")
     assert code == 0, err
     assert "file tier(s) nvme: under KVTierOffloadingConnector, loaded by each worker process directly" in out
     assert "promoted into the CPU tier and verified there under vLLM's OffloadingConnector" in out

@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_model import build_tiny_model, random_prompt  # noqa: E402
-from vllm_e2e_helpers import ONE_PROCESS, metric, recompute_job, run_engine, step  # noqa: E402
+from vllm_e2e_helpers import ONE_PROCESS, cpu_over_file, metric, recompute_job, run_engine, step  # noqa: E402
 
 OFFLOAD_BLOCK = 64
 PROMPTS = {name: random_prompt(200, seed=seed) for name, seed in (("A", 1), ("B", 2), ("C", 3), ("D", 4))}
@@ -39,13 +39,12 @@ def engine(tmp_path_factory, request) -> tuple[dict, str, str]:
     def gen(name: str, prompt: str) -> dict:
         return {"op": "generate", "name": name, "prompt": PROMPTS[prompt]}
 
-    tiers = [{"name": "cpu", "backend": "cpu", "capacity": "12 blocks", "policy": "lru", "cascade": "on_store"},
-             {"name": "disk", "backend": "file", "root_dir": str(disk), "capacity": "256 blocks", "policy": "lru"}]
     steps = [gen("A_cold", "A"), gen("B_cold", "B"), {"op": "reset"}, gen("A_file", "A"),
              {"op": "corrupt_file_tier", "root_dir": str(disk)}, {"op": "reset"}, gen("A_corrupt", "A"),
              gen("C_cold", "C"), gen("D_cold", "D"), {"op": "reset"}, gen("C_file", "C")]
     env = ONE_PROCESS if request.param == "uni" else {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # ("mp": the default)
-    report = run_engine(recompute_job(build_tiny_model(workdir / "model"), tiers, steps), workdir, "direct", env=env)
+    job = recompute_job(build_tiny_model(workdir / "model"), cpu_over_file(disk, 256), steps)
+    report = run_engine(job, workdir, "direct", env=env)
     return report, (workdir / "direct.log").read_text(), request.param
 
 

@@ -114,7 +114,7 @@ def test_vllm_cpu_tp2_loads_file_blocks_in_each_rank_and_recomputes_one_ranks_ba
     cold run's again; a later prompt is served from the file tier. Each rank holds one of the tiny
     model's two KV heads: a rank served the other's bytes, or none, would change the tokens."""
     from tiny_model import build_tiny_model, random_prompt
-    from vllm_e2e_helpers import metric, run_engine, step
+    from vllm_e2e_helpers import cpu_over_file, metric, recompute_job, run_engine, step
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -125,18 +125,11 @@ def test_vllm_cpu_tp2_loads_file_blocks_in_each_rank_and_recomputes_one_ranks_ba
     def gen(name: str) -> dict:
         return {"op": "generate", "name": name, "prompt": prompts[name.split("_")[0]]}
 
-    job = {
-        "model": str(build_tiny_model(tmp_path / "model")), "tensor_parallel_size": 2, "block_size": 32,
-        "offload_block_size": block, "num_gpu_blocks": 64, "max_model_len": 1536, "max_tokens": 8,
-        "connector": {"name": "KVTierOffloadingConnector", "module": "kvtier.integrations.vllm.connector"},
-        "kv_load_failure_policy": "recompute",
-        "kvtier_config": {"tiers": [
-            {"name": "cpu", "backend": "cpu", "capacity": "12 blocks", "policy": "lru", "cascade": "on_store"},
-            {"name": "disk", "backend": "file", "root_dir": str(disk), "capacity": "64 blocks", "policy": "lru"}]},
-        "steps": [gen("A_cold"), gen("B_cold"), {"op": "reset"}, gen("A_file"),
-                  {"op": "corrupt_file_tier", "root_dir": str(disk), "part": [1, 2]}, {"op": "reset"},
-                  gen("A_corrupt"), gen("C_cold"), gen("D_cold"), {"op": "reset"}, gen("C_file")],
-    }
+    steps = [gen("A_cold"), gen("B_cold"), {"op": "reset"}, gen("A_file"),
+             {"op": "corrupt_file_tier", "root_dir": str(disk), "part": [1, 2]}, {"op": "reset"},
+             gen("A_corrupt"), gen("C_cold"), gen("D_cold"), {"op": "reset"}, gen("C_file")]
+    job = {**recompute_job(build_tiny_model(tmp_path / "model"), cpu_over_file(disk, 64), steps),
+           "tensor_parallel_size": 2}
     report = run_engine(job, tmp_path, "tp2_direct", timeout=600)
     log = (tmp_path / "tp2_direct.log").read_text()
     cold, warm, bad = step(report, "A_cold"), step(report, "A_file"), step(report, "A_corrupt")

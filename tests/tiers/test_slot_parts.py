@@ -133,3 +133,26 @@ def test_part_tables_are_written_into_crc32_slots_only():
 def test_part_checks_must_divide_the_block(tmp_path):
     with pytest.raises(ConfigError, match="part_checks: 3 does not divide the blocks of 8192 bytes"):
         FileBackend("nvme", 4, 8192, root_dir=str(tmp_path / "r"), fingerprint="m", io="posix", part_checks=3)
+
+
+def test_inspect_verify_checks_whole_slots_and_their_part_tables(tmp_path):
+    """The tier's own whole-slot checks (`kvtier inspect --verify`, like promotion) are unchanged
+    by part tables, and count a slot whose table was damaged as bad."""
+    from kvtier.tiers.file.inspection import inspect_root
+
+    b = FileBackend("nvme", 4, 8192, root_dir=str(tmp_path / "r"), fingerprint="m", io="posix", part_checks=2)
+    try:
+        b.write_blocks([0, 1], [b"a", b"b"], [os.urandom(8192), os.urandom(8192)])
+        root, slot_bytes = b.root, b.slot_bytes
+    finally:
+        b.close()
+    report = inspect_root(str(root), verify=True)
+    assert (report["verified_ok"], report["verify_failed"]) == (2, 0)
+    with open(root / "slab.0", "r+b") as f:  # one bit of slot 1's table
+        f.seek(slot_bytes + PART_TABLE_AT + 2)
+        byte = f.read(1)
+        f.seek(slot_bytes + PART_TABLE_AT + 2)
+        f.write(bytes([byte[0] ^ 1]))
+    report = inspect_root(str(root), verify=True)
+    assert (report["verified_ok"], report["verify_failed"]) == (1, 1)
+    assert [f["reason"] for f in report["failures"]] == ["part table checksum mismatch"]
