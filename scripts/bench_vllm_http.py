@@ -45,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_vllm  # noqa: E402  (also puts tests/integration on sys.path)
 
-SYSTEMS, KINDS = ("kvtier", "vllm_fs"), ("warm", "cold", "reload")
+SYSTEMS, KINDS = ("kvtier", "vllm_fs"), ("warm", "cold", "reload", "reload_rank")
 SYSTEM_TOKENS = 1560  # 12 full offloaded blocks (1,536 tokens) + a few; the chat's tail stays under 13
 MAX_TOKENS = 4
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -105,11 +105,13 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def verdict(delta: dict[str, float], cached: list[int | None], prefix_tokens: int) -> dict:
+def verdict(delta: dict[str, float], cached: list[int | None], prefix_tokens: int, tp: int = 1) -> dict:
     """What served a round, from its counters' change and its chats' `cached_tokens`: offloaded-tier and
     local prefix-cache hit tokens, file-tier read bytes (vLLM's tiering counter), kvtier's hits below
     its CPU tier, `reload_s` (vLLM's connector counters, the same for both: seconds waiting on deferred
-    lookups, i.e. promotions from the file tier, plus load time into the engine); `from_file`: the file
+    lookups, i.e. promotions from the file tier, plus load time into the engine; `reload_rank_s`: the
+    same with the load time divided by `tp`, since vLLM's counter sums the load jobs of all ranks,
+    which run at once); `from_file`: the file
     tier was read, the offloaded tiers hit, and every chat had `prefix_tokens` cached (without per-chat
     figures: the hit counters cover every chat)."""
     def total(prefix: str, skip: str = "\0") -> float:
@@ -117,11 +119,12 @@ def verdict(delta: dict[str, float], cached: list[int | None], prefix_tokens: in
 
     ext, local = total("vllm:external_prefix_cache_hits"), total("vllm:prefix_cache_hits")
     read, file_hits = total("vllm:kv_offload_tiering_read_bytes"), total("vllm:kvtier_hits", "[cpu]")
-    reload_s = total("vllm:kv_offload_lookup_async_delay_seconds_sum") + total("vllm:kv_offload_load_time")
+    wait, load = total("vllm:kv_offload_lookup_async_delay_seconds_sum"), total("vllm:kv_offload_load_time")
     known = [c for c in cached if c is not None]
     covered = min(known) >= prefix_tokens if len(known) == len(cached) else ext + local >= len(cached) * prefix_tokens
     return {"ext_hit_tokens": ext, "local_hit_tokens": local, "file_read_bytes": read, "kvtier_file_hits": file_hits,
-            "reload_s": reload_s, "from_file": (read > 0 or file_hits > 0) and ext > 0 and covered}
+            "reload_s": wait + load, "reload_rank_s": wait + load / tp,
+            "from_file": (read > 0 or file_hits > 0) and ext > 0 and covered}
 
 
 def transfer_config(system: str, work: Path, connector: str, direct: str) -> dict:
@@ -259,7 +262,7 @@ def chat(server: Server, system: str, user: str, gate: threading.Barrier) -> dic
             "text": text}
 
 
-def run_round(server: Server, system: str, users: list[str], prefix_tokens: int) -> dict:
+def run_round(server: Server, system: str, users: list[str], prefix_tokens: int, tp: int = 1) -> dict:
     """Reset the engine cache, send the chats together, and record their samples and the counters' change."""
     reset = server.reset_prefix_cache()
     before = parse_metrics(server.request("GET", "/metrics")[1].decode())
@@ -273,7 +276,7 @@ def run_round(server: Server, system: str, users: list[str], prefix_tokens: int)
     after = parse_metrics(server.request("GET", "/metrics")[1].decode())
     delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
     return {"reset_ok": reset, "chats": results, "metrics": delta,
-            **verdict(delta, [r["cached_tokens"] for r in results], prefix_tokens)}
+            **verdict(delta, [r["cached_tokens"] for r in results], prefix_tokens, tp)}
 
 
 # ------------------------------------------------------------------ driver
@@ -316,7 +319,7 @@ def serve_rounds(args: argparse.Namespace, work: Path, t0: float) -> dict:
         for rnd in plan:
             for name in (SYSTEMS if rnd["first"] == SYSTEMS[0] else SYSTEMS[::-1]):
                 rec = {k: rnd[k] for k in ("round", "prompt", "cold", "first")}
-                rec.update(run_round(servers[name], texts[rnd["prompt"]], rnd["users"], prefix_tokens))
+                rec.update(run_round(servers[name], texts[rnd["prompt"]], rnd["users"], prefix_tokens, args.tp))
                 records[name].append(rec)
                 ttft = statistics.median(c["ttft_s"] for c in rec["chats"])
                 print(f"[{time.monotonic() - t0:6.1f}s] round {rnd['round']} ({'cold' if rnd['cold'] else 'warm'}, "
@@ -340,8 +343,11 @@ def summarize(records: dict[str, list[dict]]) -> dict:
     series = {kind: {name: {(r["round"], i): c["ttft_s"] for r in recs if r["cold"] == (kind == "cold")
                             for i, c in enumerate(r["chats"])} for name, recs in records.items()}
               for kind in ("warm", "cold")}
-    series["reload"] = {name: {(r["round"], 0): r["reload_s"] for r in recs if not r["cold"]}
-                        for name, recs in records.items()}
+    for kind in ("reload", "reload_rank"):  # (reload_rank: with --tp > 1 only)
+        if all(f"{kind}_s" in r for recs in records.values() for r in recs) and (kind == "reload" or any(
+                r["reload_rank_s"] != r["reload_s"] for recs in records.values() for r in recs)):
+            series[kind] = {name: {(r["round"], 0): r[f"{kind}_s"] for r in recs if not r["cold"]}
+                            for name, recs in records.items()}
     out: dict = {name: {**{kind: spread(list(series[kind][name].values())) for kind in series},
                         "warm_rounds_from_file": sum(r["from_file"] for r in recs if not r["cold"]),
                         "warm_rounds": sum(not r["cold"] for r in recs)} for name, recs in records.items()}
@@ -354,14 +360,15 @@ def summarize(records: dict[str, list[dict]]) -> dict:
 
 def print_table(summary: dict) -> None:
     print(f"\n{'server':<9}{'rounds':<7}{'median s':>9}{'p90 s':>8}{'min s':>8}{'n':>5}  warm rounds from file")
-    for name, kind in ((name, kind) for name in SYSTEMS for kind in KINDS if summary[name][kind]["n"]):
+    for name, kind in ((name, kind) for name in SYSTEMS for kind in KINDS if summary[name].get(kind, {}).get("n")):
         s, of = summary[name][kind], f"{summary[name]['warm_rounds_from_file']} of {summary[name]['warm_rounds']}"
         print(f"{name:<9}{kind:<7}{s['median']:>9.3f}{s['p90']:>8.3f}{s['min']:>8.3f}{s['n']:>5}  "
               f"{of if kind == 'warm' else ''}")
-    print("(warm, cold: TTFT per request; reload: per warm round, connector's deferred-lookup wait + load time)")
+    print("(warm, cold: TTFT per request; reload: per warm round, connector's deferred-lookup wait + load time;"
+          " reload_rank: the load time divided by the TP size)")
     for kind in KINDS:
-        r = summary[f"ratio_{kind}"]
-        if r["of_medians"] is not None:
+        r = summary.get(f"ratio_{kind}", {})
+        if r.get("of_medians") is not None:
             print(f"kvtier/vllm_fs {kind}: ratio of medians {r['of_medians']:.2f}; pair by pair median "
                   f"{r['median_ratio']:.2f}, kvtier faster in {r['kvtier_won']} of {r['pairs']}")
 

@@ -128,6 +128,8 @@ vllm:kv_offload_load_time_total{engine="0",model_name="bench"} 0.125
 vllm:kv_offload_tiering_read_time_total{engine="0",model_name="bench",tier="disk"} 0.5
 # TYPE vllm:num_requests_running gauge"""))
     assert bench.verdict(delta, [1536], 1536)["reload_s"] == 0.375  # the read time is inside the wait
+    # vLLM's load time sums the load jobs of all ranks, which run at once: per rank, it is divided
+    assert bench.verdict(delta, [1536], 1536, tp=2)["reload_rank_s"] == 0.25 + 0.125 / 2
 
 
 def test_transfer_configs(tmp_path):
@@ -301,3 +303,13 @@ def test_tp_runs_both_servers_tensor_parallel_one_core_per_rank(tmp_path, monkey
     assert tp2[tp2.index("--tensor-parallel-size") + 1] == "2" and "--distributed-executor-backend" in tp2
     assert env2["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
     assert "--tensor-parallel-size" not in tp1 and "VLLM_CPU_OMP_THREADS_BIND" not in env1
+
+
+def test_summarize_adds_the_per_rank_reload_of_a_tensor_parallel_run():
+    def rnd(n, reload_s, rank_s):
+        return {**_round(n, False, [0.3]), "reload_s": reload_s, "reload_rank_s": rank_s}
+
+    s = bench.summarize({"kvtier": [rnd(1, 0.2, 0.12)], "vllm_fs": [rnd(1, 0.2, 0.16)]})
+    assert s["ratio_reload"]["of_medians"] == 1.0 and s["ratio_reload_rank"]["of_medians"] == pytest.approx(0.75)
+    one_rank = bench.summarize({"kvtier": [rnd(1, 0.2, 0.2)], "vllm_fs": [rnd(1, 0.3, 0.3)]})
+    assert "ratio_reload_rank" not in one_rank  # (the same figure at TP = 1: not repeated)
