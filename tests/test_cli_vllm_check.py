@@ -19,9 +19,14 @@ def test_a_first_tier_that_is_not_cpu_is_refused_under_vllm(tmp_path, capsys):
     assert "tiers[0].backend: under vLLM the first tier must use backend 'cpu'" in err and "got 'memory'" in err
 
 
+def _cpu_file(tmp_path, head: str = "", file_options: str = "") -> str:
+    """A YAML of a 1 MiB cpu tier over a 4 MiB file tier `nvme` in tmp_path/tier."""
+    return (f"{head}tiers:\n  - {{name: cpu, backend: cpu, capacity: 1MiB}}\n"
+            f"  - {{name: nvme, backend: file, capacity: 4MiB, root_dir: '{tmp_path / 'tier'}'{file_options}}}\n")
+
+
 def test_what_vllm_decides_is_shown(tmp_path, capsys):
-    text = ("block_tokens: 16\nblock_bytes: 4KiB\ntiers:\n  - {name: cpu, backend: cpu, capacity: 1MiB}\n"
-            f"  - {{name: nvme, backend: file, capacity: 4MiB, root_dir: '{tmp_path / 'tier'}'}}\n")
+    text = _cpu_file(tmp_path, head="block_tokens: 16\nblock_bytes: 4KiB\n")
     code, out, err = check(tmp_path, text, capsys, "--vllm")
     assert code == 0, err
     assert "shm_name=kvtier-ENGINE_ID-cpu" in out
@@ -40,8 +45,34 @@ def test_a_valkey_tp_in_the_yaml_is_flagged(tmp_path, capsys):
     assert "the YAML's 2 is refused at start unless it matches" in out
 
 
+def test_the_path_of_file_tier_loads_is_said(tmp_path, capsys):
+    """Issue 38: which path the loads of file-tier blocks take, by connector and option."""
+    code, out, err = check(tmp_path, _cpu_file(tmp_path, file_options=", part_checks: 2"), capsys, "--vllm")
+    assert code == 0, err
+    assert "file tier(s) nvme: under KVTierOffloadingConnector, loaded by each worker process directly" in out
+    assert "promoted into the CPU tier and verified there under vLLM's OffloadingConnector" in out
+    assert "the file tier's part_checks is the engine's tensor-parallel size; the YAML's 2 is refused" in out
+
+
 def test_the_connector_refuses_the_same_config_with_the_field_named():
     with pytest.raises(ConfigError) as info:
         require_cpu_first(vllm_hierarchy_config({"tiers": [{"name": "hot", "backend": "memory",
                                                             "capacity": "8 blocks"}]}, block_tokens=16, engine_id="e"))
     assert [p for p, _ in info.value.problems] == ["tiers[0].backend"]
+
+
+def test_file_tiers_checksum_each_ranks_part_and_a_differing_yaml_value_is_refused(tmp_path):
+    """Issue 38: under vLLM a file tier's `part_checks` is the engine's tensor-parallel size, so
+    each rank reading the tier directly verifies exactly the bytes it reads."""
+    def tiers(**file_options):
+        return {"tiers": [{"name": "cpu", "backend": "cpu", "capacity": "8 blocks"},
+                          {"name": "disk", "backend": "file", "capacity": "8 blocks",
+                           "root_dir": str(tmp_path / "disk"), **file_options}]}
+
+    for ranks in (1, 2, 4):
+        config = vllm_hierarchy_config(tiers(), block_tokens=16, engine_id="e", ranks=ranks)
+        assert config.tiers[1].options["part_checks"] == ranks
+    with pytest.raises(ConfigError) as info:
+        vllm_hierarchy_config(tiers(part_checks=1), block_tokens=16, engine_id="e", ranks=2, source="x.yaml")
+    assert info.value.problems == [("tiers[1].part_checks", "1 in x.yaml, but this engine has 2 tensor-parallel "
+                                                            "ranks; leave part_checks out (vLLM's value is used)")]

@@ -11,7 +11,10 @@ Loads read into the staging buffer (buffers are reused) first and scatter into t
 the blocks that verified (`stage_load`, then `finish_load`, which a caller may run on another
 thread): a block that failed is named by `BlocksFailed` and its engine pages are left untouched,
 an I/O error leaves the KV cache untouched; a `StagedLoadSpec` (CPU-region and file slots:
-vLLM's worker) is one such job. On
+vLLM's worker) is one such job. A loading layout that owns only
+a range of each slot (`KVLayout(slot_offset=, slot_length=)`: a tensor-parallel rank's part) stages
+only that range: its file backend reads that part of each slot (`kvtier.tiers.file.reader`), its
+host regions give that range of theirs. On
 CUDA the buffer is pinned and moves with one DMA per job on a stream that waits for the compute
 stream. Jobs run on a `ThreadedHandler` pool; an exception fails its job only.
 
@@ -98,6 +101,10 @@ class GPUFileHandler(EngineJobHandler):
     def __init__(self, backends: Mapping[str, Any], layout: KVLayout, to_file: bool, num_threads: int = 2):
         super().__init__(layout, num_threads, "kvtier-gpu-file")
         self.backends, self.to_file = dict(backends), to_file
+        # A staged row: the layout's range of a slot (its whole block when it owns the whole slot).
+        self.row_bytes = layout.block_bytes if layout.slot_length is None else layout.slot_length
+        if to_file and not layout.owns_whole_slot:
+            raise ValueError("an engine -> file handler writes whole slots: its layout must own them")
         self._streams: dict[int, Any] = {}
         self._spare: list[Any] = []  # staging buffers given back, for the next jobs (<= num_threads)
         self._spare_lock, self._max_spare = threading.Lock(), num_threads
@@ -109,7 +116,7 @@ class GPUFileHandler(EngineJobHandler):
             for i, held in enumerate(self._spare):
                 if held.shape[0] >= k:
                     return self._spare.pop(i)
-        return aligned_rows(k, self.layout.block_bytes, pin=self.cuda)
+        return aligned_rows(k, self.row_bytes, pin=self.cuda)
 
     def give_back(self, staging) -> None:
         with self._spare_lock:  # (kept up to STAGING_CACHE_BYTES, one per thread)
@@ -142,7 +149,7 @@ class GPUFileHandler(EngineJobHandler):
             src = StagedLoadSpec([(src, range(len(src.block_ids)))])
         if not isinstance(src, StagedLoadSpec) or not isinstance(dst, GPULoadStoreSpec):
             raise TypeError(f"expected a file or staged spec -> GPU spec, got {src!r} -> {dst!r}")
-        n, k = self.layout.block_bytes, len(src)
+        n, k, at = self.row_bytes, len(src), self.layout.slot_offset
         staging = self.take_staging(k)
         bad: list[int] = []
         why: list[str] = []
@@ -159,7 +166,8 @@ class GPUFileHandler(EngineJobHandler):
                         why.append(str(exc))
                     continue
                 region = pick_backend(self.backends, spec, "host")  # (a region of other blocks: shape error)
-                staging[torch.tensor(positions), :n] = region.tensor()[torch.tensor(cast(Any, spec).block_ids), :n]
+                part = region.tensor()[torch.tensor(cast(Any, spec).block_ids), at:at + n]
+                staging[torch.tensor(positions), :n] = part
         except BaseException:
             self.give_back(staging)
             raise
@@ -196,13 +204,13 @@ class GPUFileHandler(EngineJobHandler):
     def _host_to_engine(self, staging, index: list[GroupIndex]) -> None:
         import torch
 
-        k = staging.shape[0]
+        k = staging.shape[0]  # (each row holds the layout's range of a slot from byte 0: base 0)
         if not self.cuda:
-            return self.layout.scatter(staging, torch.arange(k), index)
+            return self.layout.scatter(staging, torch.arange(k), index, base=0)
         with self._on_stream() as stream:
             device_rows = torch.empty(staging.shape, dtype=torch.uint8, device=self.layout.device)
             device_rows.copy_(staging, non_blocking=True)
-            self.layout.scatter(device_rows, torch.arange(k), index)
+            self.layout.scatter(device_rows, torch.arange(k), index, base=0)
             _finish(stream)
 
     def _on_stream(self):

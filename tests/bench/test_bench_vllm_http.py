@@ -128,6 +128,8 @@ vllm:kv_offload_load_time_total{engine="0",model_name="bench"} 0.125
 vllm:kv_offload_tiering_read_time_total{engine="0",model_name="bench",tier="disk"} 0.5
 # TYPE vllm:num_requests_running gauge"""))
     assert bench.verdict(delta, [1536], 1536)["reload_s"] == 0.375  # the read time is inside the wait
+    # vLLM's load time sums the load jobs of all ranks, which run at once: per rank, it is divided
+    assert bench.verdict(delta, [1536], 1536, tp=2)["reload_rank_s"] == 0.25 + 0.125 / 2
 
 
 def test_transfer_configs(tmp_path):
@@ -233,7 +235,7 @@ class _FakeServer:
     stopped: list[str] = []
     fail_health = False
 
-    def __init__(self, name, port, model, kv, work):
+    def __init__(self, name, port, model, kv, work, tp=1):
         self.name = name
         (work / ("kvtier-disk" if name == "kvtier" else "vllm-fs")).mkdir()
 
@@ -282,3 +284,32 @@ def test_servers_stopped_and_dirs_removed_on_failure(tmp_path, monkeypatch, fail
     with pytest.raises(expected):
         bench.main(["--out", str(out)])  # a temp workdir: removed whole
     assert sorted(_FakeServer.stopped) == ["kvtier", "vllm_fs"] and list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_tp_runs_both_servers_tensor_parallel_one_core_per_rank(tmp_path, monkeypatch):
+    """`--tp 2` (issue 38): each server gets vLLM's "mp" executor with two ranks, bound to cores 0 and 1."""
+    started = []
+
+    class Popen:
+        def __init__(self, cmd, env, **kwargs):
+            started.append((cmd, env))
+
+    monkeypatch.setattr(bench.subprocess, "Popen", Popen)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    bench.Server("kvtier", 18999, tmp_path / "model", {}, tmp_path, tp=2)
+    bench.Server("vllm_fs", 18998, tmp_path / "model", {}, tmp_path)
+    (tp2, env2), (tp1, env1) = started
+    assert tp2[tp2.index("--tensor-parallel-size") + 1] == "2" and "--distributed-executor-backend" in tp2
+    assert env2["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert "--tensor-parallel-size" not in tp1 and "VLLM_CPU_OMP_THREADS_BIND" not in env1
+
+
+def test_summarize_adds_the_per_rank_reload_of_a_tensor_parallel_run():
+    def rnd(n, reload_s, rank_s):
+        return {**_round(n, False, [0.3]), "reload_s": reload_s, "reload_rank_s": rank_s}
+
+    s = bench.summarize({"kvtier": [rnd(1, 0.2, 0.12)], "vllm_fs": [rnd(1, 0.2, 0.16)]})
+    assert s["ratio_reload"]["of_medians"] == 1.0 and s["ratio_reload_rank"]["of_medians"] == pytest.approx(0.75)
+    one_rank = bench.summarize({"kvtier": [rnd(1, 0.2, 0.2)], "vllm_fs": [rnd(1, 0.3, 0.3)]})
+    assert "ratio_reload_rank" not in one_rank  # (the same figure at TP = 1: not repeated)

@@ -1,12 +1,13 @@
 """Direct file loads under vLLM, without an engine: vLLM's real spec/config types, kvtier's real
 tiers, the connector's real scheduler side, and the worker over CPU tensors as KV cache.
 
-With `KVTierOffloadingConnector` (failed loads are recomputed), one worker in the scheduler's
-process and no tensor parallelism, a block found only in the file tier is a HIT (no promotion, no
-RETRY), loaded by the worker straight from the file tier and verified there; a block that fails
-verification fails the job with the KV cache untouched, and the failed load drops it from the
-file tier. Otherwise (vLLM's own connector, `direct_file_loads: false`, TP > 1, the worker in
-another process) it is promoted through the CPU tier as before.
+With `KVTierOffloadingConnector` (failed loads are recomputed), a block found only in the file
+tier is a HIT (no promotion, no RETRY), loaded by the worker straight from the file tier, which it
+opens read-only itself, and verified there; a block that fails verification fails the job with the
+KV cache untouched, and the failed load drops it from the file tier. That holds whatever process
+the worker runs in and however many ranks (the worker in another process and TP = 2 are in
+test_vllm_tp.py, with real rank processes). Otherwise (vLLM's own connector, `direct_file_loads:
+false`) it is promoted through the CPU tier as before.
 """
 
 from __future__ import annotations
@@ -242,28 +243,45 @@ def test_a_corrupted_file_block_fails_alone_and_only_it_is_dropped(make, composi
     assert result.success and torch.equal(engine.kv[8:8 + BPC], engine.stored[later[0]])
 
 
-@pytest.mark.parametrize("case", ["vllm_connector", "option_off", "worker_elsewhere", "tensor_parallel"])
+@pytest.mark.parametrize("case", ["worker_elsewhere", "tensor_parallel"])
+def test_a_worker_in_another_process_or_tp_loads_file_blocks_directly_too(make, case, caplog):
+    """Issue 38: the two cases that used to fall back to promotion. The spec handed out names the
+    file tier's slots, keys and manifest digest (no path); the worker finds the tier in its own
+    config (test_vllm_tp.py runs real rank processes)."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvtier.integrations.vllm.translate import KVTierFileLoadStoreSpec
+
+    caplog.set_level("INFO", logger="kvtier")
+    engine = make(**{"worker_elsewhere": {"local": False}, "tensor_parallel": {"world_size": 2}}[case])
+    ctx = ReqContext("r")
+    assert engine.manager.direct_file_loads.enabled
+    keys = _keys(2)
+    engine.manager.complete_store(engine.manager.prepare_store(keys, ctx).keys_to_store, ctx)
+    _settle(engine.manager)
+    engine.manager.complete_store(engine.manager.prepare_store(_keys(4, start=10), ctx).keys_to_store, ctx)
+    _settle(engine.manager)
+    assert engine.manager.lookup(keys[0], ctx) is LookupResult.HIT
+    spec = engine.manager.prepare_load(keys, ctx)
+    assert isinstance(spec, KVTierFileLoadStoreSpec) and spec.identity == engine.file_tier().backend.digest
+    assert not hasattr(spec, "root_dir") and "disk" not in repr(vars(spec).get("keys"))
+    engine.manager.complete_load(keys, ctx)
+    each = "each of the 2 tensor-parallel ranks" if case == "tensor_parallel" else "the worker"
+    assert f"loaded by the worker directly and verified there ({each} opens them read-only" in caplog.text
+
+
+@pytest.mark.parametrize("case", ["vllm_connector", "option_off"])
 def test_otherwise_a_file_only_block_is_promoted_through_the_cpu_tier(make, case, caplog):
     from vllm.v1.kv_offload.base import LookupResult, ReqContext
 
     from kvtier.integrations.vllm.translate import KVTierCPULoadStoreSpec
 
-    kwargs = {"vllm_connector": {"connector": False}, "option_off": {"direct": False},
-              "worker_elsewhere": {"local": False}, "tensor_parallel": {"world_size": 2}}[case]
+    kwargs = {"vllm_connector": {"connector": False}, "option_off": {"direct": False}}[case]
     caplog.set_level("INFO", logger="kvtier")
     engine, ctx = make(**kwargs), ReqContext("r")
     engine.manager.on_new_request(ctx)  # (as vLLM's scheduler does before it looks a request up)
     assert not engine.manager.direct_file_loads.enabled
-    if case == "tensor_parallel":  # (the two ranks' halves: here rank 0's only, enough for the lookup)
-        keys = _keys(2)
-        out = engine.manager.prepare_store(keys, ctx)
-        engine.manager.complete_store(out.keys_to_store, ctx)
-        _settle(engine.manager)
-        more = _keys(4, start=10)
-        engine.manager.complete_store(engine.manager.prepare_store(more, ctx).keys_to_store, ctx)
-        _settle(engine.manager)
-    else:
-        keys = _pushed_out(engine, ctx)
+    keys = _pushed_out(engine, ctx)
     assert engine.manager.lookup(keys[0], ctx) is LookupResult.RETRY  # promoted, verified on the scheduler side
     _settle(engine.manager)
     assert engine.manager.lookup(keys[0], ctx) is LookupResult.HIT
@@ -328,25 +346,55 @@ def test_a_direct_file_load_flushed_by_a_reset_releases_its_file_tier_pin(make):
         engine.manager.hierarchy.manager.complete_load(keys)
 
 
-def test_a_worker_without_the_file_tiers_in_its_process_fails_such_a_load(make):
-    """A file-slot spec reaching a worker that has no file plane (never handed out by the
-    scheduler then, but a mistake must fail the job, not load wrong bytes or raise)."""
-    from vllm.v1.kv_offload.base import ReqContext
+def test_a_worker_that_cannot_open_the_file_tier_fails_such_a_load_and_says_why(make, caplog):
+    """The worker opens the file tier itself at its first file load, with the tier's own checks: a
+    root_dir that became group-writable is refused (the scheduler, which opened it before, serves
+    on). The load fails (the KV cache untouched: vLLM recomputes), the reason is logged once, and
+    the next file load opens the tier again once it is safe."""
+    import os
 
-    from kvtier.integrations.vllm.translate import KVTierFileLoadStoreSpec
-    from kvtier.integrations.vllm.worker import LOCAL_FILE_TIERS
+    from vllm.v1.kv_offload.base import ReqContext
 
     engine, ctx = make(), ReqContext("r")
     keys = _pushed_out(engine, ctx)
-    LOCAL_FILE_TIERS.clear()
-    spec = engine.manager.prepare_load(keys, ctx)
-    assert isinstance(spec, KVTierFileLoadStoreSpec)
+    root = engine.file_tier().backend.root
+    os.chmod(root, 0o770)
+    caplog.set_level("ERROR", logger="kvtier")
     engine.kv.zero_()
-    assert engine.worker.submit_load(2, spec, _gpu(8, 2))
-    engine.worker.wait({2})
+    for job_id in (2, 3):
+        spec = engine.manager.prepare_load(keys, ctx)
+        assert engine.worker.submit_load(job_id, spec, _gpu(8, 2))
+        engine.worker.wait({job_id})
+        (result,) = engine.worker.get_finished()
+        assert not result.success and not engine.kv.any()
+        engine.manager.complete_failed_load(keys, ctx, [])  # (nothing named bad: the blocks stay)
+    refusals = [r.getMessage() for r in caplog.records if "cannot read the file tier(s) directly" in r.getMessage()]
+    assert len(refusals) == 1 and "writable by group or others" in refusals[0], refusals
+    os.chmod(root, 0o700)
+    _, result = engine.load(keys, 8, ctx, job_id=4)
+    assert result.success and engine.loaded_equal(keys, 8)
+    engine.manager.complete_load(keys, ctx)
+
+
+def test_a_load_naming_another_tier_identity_fails_untouched(make, caplog):
+    """The spec carries the scheduler's manifest digest (epoch included): a worker whose reader
+    opened another tier (a rebuilt one, another root_dir) fails the load instead of reading it."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    engine, ctx = make(), ReqContext("r")
+    keys = _pushed_out(engine, ctx)
+    _, result = engine.load(keys, 8, ctx)  # (opens the readers)
+    assert result.success
+    engine.manager.complete_load(keys, ctx)
+    spec = engine.manager.prepare_load(keys, ctx)
+    spec.identity = bytes(8)
+    engine.kv.zero_()
+    assert engine.worker.submit_load(3, spec, _gpu(8, 2))
+    engine.worker.wait({3})
     (result,) = engine.worker.get_finished()
     assert not result.success and not engine.kv.any()
-    engine.manager.complete_failed_load(keys, ctx)
+    assert "direct file load job 3 failed: KVTierError: file tier disk: a load names tier identity 0000" in caplog.text
+    engine.manager.complete_load(keys, ctx)
 
 
 @pytest.mark.parametrize("option", [None, True])
@@ -417,3 +465,30 @@ def test_waiting_for_the_file_loads_returns_once_one_was_read(make):
     (result,) = engine.worker.get_finished()
     assert result.success and engine.loaded_equal(keys, 8)
     engine.manager.complete_load(keys, ctx)
+
+
+def test_a_slot_pinned_by_a_load_is_not_reused_while_the_worker_reads_it(make):
+    """The scheduler keeps each file block of a load pinned until `complete_load`: stores that
+    churn the whole file tier meanwhile evict other blocks, never reallocate or rewrite the
+    pinned slots, so the worker's read (after the churn) still gets the load's bytes."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    engine, ctx = make(), ReqContext("r")
+    keys = _pushed_out(engine, ctx)
+    tier = engine.file_tier()
+    slots = [tier.policy.get(k).block_id for k in keys]
+    spec = engine.manager.prepare_load(keys, ctx)
+    evicted_before = tier.stats.evictions
+    for start in range(100, 100 + 5 * 4, 4):  # 20 new blocks written through a 16-block file tier
+        engine.store(_keys(4, start=start), 4, ctx)
+    assert tier.stats.evictions - evicted_before >= 20 - (tier.capacity - len(keys) - 4)
+    assert [tier.policy.get(k).block_id for k in keys] == slots and all(tier.policy.get(k).ref_cnt == 1 for k in keys)
+    engine.kv.zero_()
+    assert engine.worker.submit_load(2, spec, _gpu(8, 2))
+    engine.worker.wait({2})
+    (result,) = engine.worker.get_finished()
+    assert result.success and engine.loaded_equal(keys, 8)
+    engine.manager.complete_load(keys, ctx)
+    for start in range(200, 200 + 5 * 4, 4):  # unpinned, they go like any other
+        engine.store(_keys(4, start=start), 4, ctx)
+    assert [engine.manager.lookup(k, ctx) for k in keys] == [LookupResult.MISS] * 2

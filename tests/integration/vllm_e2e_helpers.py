@@ -45,6 +45,14 @@ def run_engine(job: dict, workdir: Path, name: str, timeout: float = 300, env: d
     return json.loads(report_path.read_text())
 
 
+def cpu_over_file(disk: Path, disk_blocks: int) -> list[dict]:
+    """kvtier tiers for `recompute_job`: a 12-block CPU tier (LRU) written through to a file tier
+    of `disk_blocks` blocks (LRU) in `disk`."""
+    return [{"name": "cpu", "backend": "cpu", "capacity": "12 blocks", "policy": "lru", "cascade": "on_store"},
+            {"name": "disk", "backend": "file", "root_dir": str(disk), "capacity": f"{disk_blocks} blocks",
+             "policy": "lru"}]
+
+
 def step(report: dict, name: str) -> dict:
     """The generate record called `name`."""
     for s in report["steps"]:

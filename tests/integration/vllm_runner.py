@@ -16,7 +16,8 @@ offloading spec, e.g. vLLM's own; {"name": "none"} runs without a connector), `c
                                                   prompt_token_ids) and the step's metric deltas
   {"op": "reset"}                                 llm.reset_prefix_cache(): empties the engine cache
   {"op": "corrupt_file_tier", "root_dir": DIR}    flips one payload byte of every slot on disk
-                                       (with "slot": S, of slot S only)
+                                       (with "slot": S, of slot S only; with "part": [I, N], a
+                                       byte of part I of N of each payload: one TP rank's bytes)
   {"op": "sleep", "seconds": S}
   {"op": "barrier", "dir": DIR, "name": N, "parties": K}
                                                   waits until K engines reached barrier N (files in DIR)
@@ -51,17 +52,18 @@ def _counters(llm) -> dict[str, float]:
     return out
 
 
-def corrupt_file_tier(root_dir: str, only: int | None = None) -> int:
-    """Flip one payload byte in every slot (or slot `only`) of the slab under `root_dir`; returns
-    slots touched."""
+def corrupt_file_tier(root_dir: str, only: int | None = None, part: tuple[int, int] = (0, 1)) -> int:
+    """Flip one payload byte in every slot (or slot `only`) of the slab under `root_dir`, in part
+    `part[0]` of `part[1]` equal parts of the payload; returns slots touched."""
     from kvtier.tiers.file.backend import HEADER_BYTES, MANIFEST, SLAB
 
     manifest = json.load(open(os.path.join(root_dir, MANIFEST)))
     slot_bytes, num_slots = manifest["slot_bytes"], manifest["num_slots"]
+    at = HEADER_BYTES + part[0] * (manifest["block_bytes"] // part[1]) + 7
     n = 0
     with open(os.path.join(root_dir, SLAB), "r+b") as f:
         for slot in range(num_slots) if only is None else [only]:
-            pos = slot * slot_bytes + HEADER_BYTES + 7
+            pos = slot * slot_bytes + at
             f.seek(pos)
             b = f.read(1)
             if not b:
@@ -134,7 +136,8 @@ def main(job_path: str, report_path: str) -> None:
             ok = llm.reset_prefix_cache()
             report["steps"].append({"op": op, "ok": bool(ok)})
         elif op == "corrupt_file_tier":
-            report["steps"].append({"op": op, "slots": corrupt_file_tier(step["root_dir"], step.get("slot"))})
+            slots = corrupt_file_tier(step["root_dir"], step.get("slot"), tuple(step.get("part", (0, 1))))
+            report["steps"].append({"op": op, "slots": slots})
         elif op == "sleep":
             time.sleep(step["seconds"])
         elif op == "barrier":

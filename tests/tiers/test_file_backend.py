@@ -322,7 +322,10 @@ tiers:
     assert load_config_text(base % ", root_dir: /tmp/x, sync_interval: 0").tiers[1].options["sync_interval"] == 0
     cfg = load_config_text(base % ", root_dir: /tmp/x")
     assert dict(cfg.tiers[1].options) == {"root_dir": "/tmp/x", "io": "auto", "fingerprint": "", "num_threads": 4,
-                                          "sync_interval": 1.0, "on_identity_change": "refuse"}
+                                          "sync_interval": 1.0, "on_identity_change": "refuse", "part_checks": 1}
+    for bad in ("0", "true", "257", "2.0"):
+        with pytest.raises(ConfigError, match=r"tiers\[1\]\.part_checks: expected the number of equal parts"):
+            load_config_text(base % f", root_dir: /tmp/x, part_checks: {bad}")
 
 
 def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, caplog):

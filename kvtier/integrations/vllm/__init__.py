@@ -37,10 +37,11 @@ work at import or in `__init__`.
   thread pools, so no manager call ever waits for I/O. A hit in a lower tier is *staged*: it is
   promoted into the CPU tier while `lookup` answers RETRY, then loaded from CPU; a block that
   fails verification during promotion is dropped and reported as a MISS (vLLM recomputes it) -
-  the GPU never sees it. Except for file tiers under `KVTierOffloadingConnector`, with one
-  worker in the scheduler's process (`spec.DirectFileLoads`, docs/vllm.md): there a file block
-  is a HIT that the worker reads and verifies itself; a block that fails verification fails the
-  load, which vLLM recomputes, and the failed load drops it.
+  the GPU never sees it. Except for file tiers under `KVTierOffloadingConnector`
+  (`spec.DirectFileLoads`, docs/vllm.md): there a file block is a HIT that each worker process
+  reads itself, read-only, and verifies (its own part of the block under tensor parallelism:
+  `file_loads`); a block that fails verification fails the load, which vLLM recomputes, and the
+  failed load drops it (the scheduler side alone changes the tier).
 * Worker side (`get_worker`): attaches the same CPU region (lazily, at the first transfer: vLLM
   registers the KV caches before the scheduler exists) and copies GPU<->CPU. It maps only the
   region whose token the scheduler sends with each CPU spec, then removes the region's name from
@@ -56,8 +57,8 @@ without requiring them: see `manager`.
 
 Modules: `spec` (`KVTierOffloadingSpec`, what vLLM loads), `config` (the YAML under vLLM),
 `manager` (scheduler side, with the metrics), `worker` (worker side: the worker planes over the
-attached CPU region and, for direct file loads, the scheduler's file tiers), `translate` (the
-specs both sides exchange, media names). Every public
+attached CPU region), `file_loads` (the worker's direct file loads over read-only readers of the
+file tiers), `translate` (the specs both sides exchange, media names). Every public
 name of those is re-exported here: import them from `kvtier.integrations.vllm`. One module is not
 imported here, because it loads vLLM's whole connector: `connector` (`KVTierOffloadingConnector`,
 vLLM's offloading connector with failed loads and stores reported instead of asserted; selected
@@ -65,6 +66,7 @@ with `kv_connector_module_path`, see docs/vllm.md).
 """
 
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
+from kvtier.integrations.vllm.file_loads import FileLoads
 from kvtier.integrations.vllm.manager import KVTIER_COUNTERS, KVTIER_GAUGES, METRIC_PREFIX, KVTierOffloadingManager  # noqa: F401
 from kvtier.integrations.vllm.spec import DirectFileLoads, KVTierOffloadingSpec
 from kvtier.integrations.vllm.translate import (
@@ -73,7 +75,7 @@ from kvtier.integrations.vllm.translate import (
     KVTierFileLoadStoreSpec,
     to_vllm_medium,
 )
-from kvtier.integrations.vllm.worker import FileLoads, KVTierOffloadingWorker
+from kvtier.integrations.vllm.worker import KVTierOffloadingWorker
 
 __all__ = ["DirectFileLoads", "FileLoads", "KVTierCPULoadStoreSpec", "KVTierCompositeLoadStoreSpec",
            "KVTierFileLoadStoreSpec", "KVTierOffloadingManager", "KVTierOffloadingSpec", "KVTierOffloadingWorker",

@@ -122,6 +122,9 @@ class KVTierOffloadingManager(OffloadingManager):
         self._last_counters: dict[str, dict[str, float]] = {}
         # token of the shared CPU region, sent with every spec: the worker maps only this region
         self.region_token = getattr(hierarchy.first_backend, "token", None)
+        # each file tier's manifest digest, sent with its slots: the worker checks it read that tier
+        self._identities = {t.name: t.backend.digest for t in self.manager.tiers
+                            if isinstance(getattr(t.backend, "digest", None), bytes)}
         self._lock = threading.RLock()
         # The engine's transfers not yet completed: keys being stored, keys pinned by loads (one
         # entry per pin). A cache reset moves them to the flushed ones, which the engine never
@@ -165,7 +168,7 @@ class KVTierOffloadingManager(OffloadingManager):
         # A load is a reuse, applied when the request finishes (vLLM 0.32's connector never
         # calls touch(): recency is the manager's business, recorded per request).
         self._accesses.record(keys, req_context, reused=keys)
-        return _to_vllm_spec(spec, self.region_token)
+        return _to_vllm_spec(spec, self.region_token, self._identities)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.manager.touch(list(keys), req_context)

@@ -18,6 +18,7 @@ from vllm.v1.kv_offload.base import (
 
 from kvtier.config_vllm import require_cpu_first
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
+from kvtier.integrations.vllm.file_loads import direct_file_tiers
 from kvtier.integrations.vllm.logs import log_through_vllm, tier_summary
 from kvtier.integrations.vllm.manager import (
     CONFIG_INFO_KEYS,
@@ -27,7 +28,7 @@ from kvtier.integrations.vllm.manager import (
     KVTierOffloadingManager,
 )
 from kvtier.integrations.vllm.vllm_metrics import vllm_metric_definitions
-from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, LOCAL_FILE_TIERS, KVTierOffloadingWorker
+from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
 from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.tiers.cpu import CPUBackend
 
@@ -86,25 +87,26 @@ def vllm_has_sync_loads() -> bool:
 
 
 class DirectFileLoads:
-    """Whether the engine's worker loads this hierarchy's file tiers itself (scheduler side).
+    """Whether the engine's workers load this hierarchy's file tiers themselves (scheduler side).
 
     Direct: `lookup` answers HIT for a readable file-tier block (no promotion, no RETRY),
-    `prepare_load` pins it in the file tier and hands the worker its slots, and the worker reads
-    and verifies them (`KVTierOffloadingWorker`). A block that fails verification there fails
-    the load job, which only a connector that reports failed loads turns into a recompute:
+    `prepare_load` pins it in the file tier and hands the workers its slots (with the keys their
+    headers must carry and the tier's manifest digest), and each worker process reads this rank's
+    part of each slot read-only and verifies it (`kvtier.integrations.vllm.file_loads`), whatever
+    the executor ("uni", "mp") and the number of ranks. The pin holds until `complete_load`, so the
+    slot is not reused while a worker reads it. A block that fails verification fails the load
+    job, which only a connector that reports failed loads turns into a recompute:
     `KVTierOffloadingConnector` calls `enable` when it adopts the manager; vLLM's own connector
     never does (it stops the engine on a failed job), so its file blocks stay promoted into the
     CPU tier and verified on the scheduler side. Also promoted: with `direct_file_loads: false`,
-    under tensor parallelism (a rank reads only its part of a block, the checksum covers the whole
-    block), when the worker runs in another process (it reaches the file tier through the
-    scheduler's own `FileBackend`, in this process: vLLM's "uni" executor), and, unless
-    `direct_file_loads: true`, on a vLLM with synchronous loads (0.33; vLLM bug #49250)."""
+    and, unless `direct_file_loads: true`, on a vLLM with synchronous loads (0.33; vLLM bug #49250)."""
 
-    def __init__(self, hierarchy: Any, shm_name: str, reason: str | None):
+    def __init__(self, hierarchy: Any, ranks: int, reason: str | None):
         self.manager = hierarchy.manager
-        self.shm_name = shm_name
+        self.ranks = ranks
         self.reason = reason  # why the loads are promoted whatever the connector; None: direct once enabled
-        self.files = {t.name: t.backend for t in self.manager.tiers[1:] if t.medium == "FILE"}
+        tiers = self.manager.tiers
+        self.files = {tiers[i].name: tiers[i].backend for i in direct_file_tiers(hierarchy.config)}
         self.enabled = False
         self._told = False  # the one log line saying which path the file tiers take (`_tell`)
         if reason is not None:  # decided now, whatever the connector
@@ -129,7 +131,6 @@ class DirectFileLoads:
         (the class docstring). Returns whether they are; logs which path is in use."""
         if self.enabled or not self.files or self.reason is not None:
             return self.enabled
-        LOCAL_FILE_TIERS[self.shm_name] = dict(self.files)
         for tier in self.manager.tiers[1:]:
             if tier.name in self.files:
                 tier.direct_load = True
@@ -137,21 +138,19 @@ class DirectFileLoads:
         if vllm_has_sync_loads():
             log.warning("kvtier: direct_file_loads: true on a vLLM with synchronous loads: a failed one may be "
                         "recomputed wrongly (vLLM bug #49250)")
-        self._tell("loaded by the worker directly and verified there (a block that fails verification fails its "
-                   "load, which vLLM recomputes)")
+        each = "the worker" if self.ranks == 1 else f"each of the {self.ranks} tensor-parallel ranks"
+        self._tell(f"loaded by the worker directly and verified there ({each} opens them read-only in its own "
+                   f"process and verifies the bytes it reads; a block that fails verification fails its load, "
+                   f"which vLLM recomputes)")
         return True
 
 
-def _direct_reason(spec: Any, local: bool) -> str | None:
-    """Why file tiers cannot be loaded directly by this engine's worker (None: they can). Not
+def _direct_reason(spec: Any) -> str | None:
+    """Why file tiers cannot be loaded directly by this engine's workers (None: they can). Not
     given, `direct_file_loads` is off where vLLM has synchronous loads (`vllm_has_sync_loads`)."""
     option = _direct_option(spec.extra_config)
     if option is False:
         return "direct_file_loads: false"
-    if spec.num_copies > 1:
-        return f"tensor parallelism ({spec.num_copies} ranks): a rank reads only its part of a block"
-    if not local:
-        return "the worker runs in another process"
     if option is None and vllm_has_sync_loads():
         return ("this vLLM has synchronous loads, whose failure it may recompute wrongly (vLLM bug #49250); "
                 "direct_file_loads: true loads directly all the same")
@@ -238,8 +237,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             self._manager = KVTierOffloadingManager(
                 hierarchy, enable_events, store_threshold=_store_threshold(self.extra_config, self.hierarchy_config),
                 max_tracker_size=int(self.extra_config.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)))
-            self._manager.direct_file_loads = DirectFileLoads(hierarchy, region.shm_name,
-                                                              _direct_reason(self, local))
+            self._manager.direct_file_loads = DirectFileLoads(hierarchy, self.num_copies, _direct_reason(self))
             log.info("%s", tier_summary(hierarchy, self.block_tokens, self.block_bytes))
         return self._manager
 

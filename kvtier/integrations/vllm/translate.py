@@ -2,7 +2,8 @@
 
 A load's source is a `KVTierCPULoadStoreSpec` (slots of the CPU tier), or, where file tiers are
 loaded directly by the worker (`KVTierOffloadingSpec`, docs/vllm.md), a `KVTierFileLoadStoreSpec`
-(slots of a file tier, with the keys their headers must carry) or a `KVTierCompositeLoadStoreSpec`
+(slots of a file tier, with the keys their headers must carry and the identity of the tier's
+manifest: the worker reads the tier itself, read-only, `file_loads`) or a `KVTierCompositeLoadStoreSpec`
 (a request whose blocks are split between tiers: each part with the positions, in the load's key
 order, of the blocks it addresses). All are plain data (picklable) and carry the token of the
 scheduler's CPU region, which the worker checks before it maps the region.
@@ -10,6 +11,7 @@ scheduler's CPU region, which the worker checks before it maps the region.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, LoadStoreSpec, Medium
@@ -42,13 +44,17 @@ class KVTierCPULoadStoreSpec(VllmCPULoadStoreSpec):
 
 class KVTierFileLoadStoreSpec(LoadStoreSpec):
     """Slots of a kvtier file tier that the worker reads itself (`block_ids[i]` holds the block
-    `keys[i]`); `region` as for `KVTierCPULoadStoreSpec`. Plain data, picklable."""
+    `keys[i]`); `identity`: the digest of the tier's manifest (epoch included) that the worker's
+    reader must have opened; `region` as for `KVTierCPULoadStoreSpec`. No path: the worker finds
+    the tier in its own config. Plain data, picklable."""
 
-    def __init__(self, block_ids, keys, tier: str | None = None, region: str | None = None):
+    def __init__(self, block_ids, keys, tier: str | None = None, region: str | None = None,
+                 identity: bytes | None = None):
         self.block_ids = [int(i) for i in block_ids]
         self.keys = [bytes(k) for k in keys]
         self.tier = tier
         self.region = region
+        self.identity = None if identity is None else bytes(identity)
 
     def __len__(self) -> int:
         return len(self.block_ids)
@@ -73,17 +79,27 @@ class KVTierCompositeLoadStoreSpec(LoadStoreSpec):
         return f"KVTierCompositeLoadStoreSpec({self.parts})"
 
 
-def _to_vllm_spec(spec: kspecs.LoadStoreSpec, region: str | None) -> LoadStoreSpec:
-    """The vLLM-side spec of a kvtier spec the manager handed out (`TypeError` for other kinds)."""
+def _to_vllm_spec(spec: kspecs.LoadStoreSpec, region: str | None,
+                  identities: Mapping[str, bytes] | None = None) -> LoadStoreSpec:
+    """The vLLM-side spec of a kvtier spec the manager handed out (`TypeError` for other kinds);
+    `identities`: the manifest digest of each file tier, by name."""
     if isinstance(spec, kspecs.CPULoadStoreSpec):
         return KVTierCPULoadStoreSpec(spec.block_ids, spec.tier, region)
     if isinstance(spec, kspecs.FileLoadStoreSpec):
-        return KVTierFileLoadStoreSpec(spec.block_ids, spec.keys, spec.tier, region)
+        identity = (identities or {}).get(spec.tier or "")
+        return KVTierFileLoadStoreSpec(spec.block_ids, spec.keys, spec.tier, region, identity)
     if isinstance(spec, kspecs.CompositeLoadStoreSpec):
-        return KVTierCompositeLoadStoreSpec([(_to_vllm_spec(part, region), positions)
+        return KVTierCompositeLoadStoreSpec([(_to_vllm_spec(part, region, identities), positions)
                                              for part, positions in spec.parts], region)
     raise TypeError(f"kvtier returned a {type(spec).__name__} for the engine; only CPU-tier and file-tier specs "
                     f"are served to vLLM workers (other tiers are promoted into the CPU tier first)")
+
+
+def file_identities(spec: LoadStoreSpec) -> dict[str, bytes]:
+    """Worker side: the tier identity each file part of a load's source names, by tier."""
+    parts = spec.parts if isinstance(spec, KVTierCompositeLoadStoreSpec) else [(spec, ())]
+    return {str(part.tier): part.identity for part, _ in parts
+            if isinstance(part, KVTierFileLoadStoreSpec) and part.identity is not None}
 
 
 def to_kvtier_load_spec(spec: LoadStoreSpec, default_tier: str) -> kspecs.LoadStoreSpec:

@@ -1,5 +1,6 @@
 """Worker side: vLLM's `OffloadingWorker`, copying between the KV caches and the shared CPU region,
-and loading file-tier blocks itself where the scheduler side lets it (`DirectFileLoads`)."""
+and loading file-tier blocks itself, read-only, where the scheduler side lets it (`DirectFileLoads`;
+`file_loads`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 
 from kvtier import specs as kspecs
-from kvtier.integrations.vllm.translate import to_kvtier_cpu_spec, to_kvtier_load_spec
-from kvtier.router import Abandoned
+from kvtier.integrations.vllm.file_loads import FileLoads
+from kvtier.integrations.vllm.translate import file_identities, to_kvtier_cpu_spec, to_kvtier_load_spec
 from kvtier.tiers.cpu import RegionError
 
 if TYPE_CHECKING:
@@ -23,76 +24,6 @@ log = logging.getLogger(__name__)
 # shm_names of the CPU regions whose (only) worker lives in this process: vLLM's default executor
 # for one worker ("uni") runs it in the scheduler's process, where it maps the region without a name.
 _LOCAL_WORKER_REGIONS: set[str] = set()
-# shm_name of a CPU region -> the scheduler's file tiers (name -> FileBackend) that its worker, in
-# this process, reads itself (filled by `DirectFileLoads.enable`; reads are thread-safe).
-LOCAL_FILE_TIERS: dict[str, dict[str, Any]] = {}
-
-
-class FileLoads:
-    """The worker's direct file loads. `GPUFileHandler.stage_load` reads every file block of a job
-    into a staging buffer and verifies its header (key) and checksum, and copies a composite's CPU
-    slots into the same buffer, on this object's threads; the scatter into the KV cache
-    (`finish_load`) runs when the job is collected (`poll`, `wait`), on the engine's thread, as
-    the CPU tier's loads do theirs (in `submit`), rather than on a pool thread where each of its
-    short torch calls waits for the GIL behind the engine's busy steps (docs/vllm.md, "Measured",
-    has the reload phases both ways). A job whose read or verification failed is reported
-    `success=False`, the KV cache untouched (the connector reports it, vLLM recomputes)."""
-
-    def __init__(self, handler: Any, threads: int):
-        from concurrent.futures import ThreadPoolExecutor
-
-        self.handler = handler
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kvtier-file-load")
-        self._jobs: dict[int, tuple[Any, float]] = {}  # job id -> (its stage_load future, start)
-        self._done: list[Any] = []  # results collected by `wait`, for the next `poll`
-
-    def submit(self, source: Any, gpu: Any, job_id: int) -> int:
-        self._jobs[job_id] = (self._pool.submit(self.handler.stage_load, source, gpu), time.perf_counter())
-        return job_id
-
-    def poll(self) -> list[Any]:
-        for job_id in [j for j, (future, _) in self._jobs.items() if future.done()]:
-            self._finish(job_id)
-        done, self._done = self._done, []
-        return done
-
-    def wait(self, job_ids) -> None:
-        for job_id in [j for j in job_ids if j in self._jobs]:
-            self._finish(job_id)
-
-    def wait_any(self, timeout: float) -> None:
-        """Block (GIL released) until a job in flight has been read and verified, at most
-        `timeout` seconds; its scatter is left to the next `poll`. Returns at once with none in flight."""
-        from concurrent.futures import FIRST_COMPLETED
-        from concurrent.futures import wait as wait_futures
-
-        if self._jobs:
-            wait_futures([future for future, _ in self._jobs.values()], timeout, FIRST_COMPLETED)
-
-    def _finish(self, job_id: int) -> None:
-        from kvtier.handlers.base import failed_result
-        from kvtier.types import TransferResult as KVTierResult
-
-        future, start = self._jobs.pop(job_id)
-        try:
-            size = self.handler.finish_load(*future.result())
-        except Exception as exc:  # noqa: BLE001 - fails this job only
-            log.warning("kvtier: direct file load job %d failed: %s: %s", job_id, type(exc).__name__, exc)
-            self._done.append(failed_result(job_id, start, exc))
-        else:
-            self._done.append(KVTierResult(job_id, True, size, time.perf_counter() - start))
-
-    def shutdown(self, timeout: float | None = None) -> Abandoned:
-        """Stop once the reads in flight end, at most `timeout` seconds (None: no limit); the jobs
-        still reading then are abandoned (returned; their thread finishes the read later)."""
-        from concurrent.futures import wait as wait_futures
-
-        futures = {future: job_id for job_id, (future, _) in self._jobs.items()}
-        _, running = wait_futures(list(futures), timeout)
-        self._pool.shutdown(wait=not running, cancel_futures=True)
-        if not running:
-            self.handler.shutdown()
-        return Abandoned([f"direct file load job {futures[f]}" for f in running])
 
 
 def file_keys_by_position(source: Any) -> dict[int, bytes]:
@@ -150,12 +81,13 @@ class KVTierOffloadingWorker(OffloadingWorker):
     planes; job ids are vLLM's, unique across them. vLLM 0.32 never passes the keyword: there
     every load runs on the first plane, as before.
 
-    Direct file loads (`kvtier.integrations.vllm.spec.DirectFileLoads`: one worker, in the
-    scheduler's process, under `KVTierOffloadingConnector`): a load whose source names file-tier
-    slots (`KVTierFileLoadStoreSpec`, or a `KVTierCompositeLoadStoreSpec` of CPU and file slots)
-    goes to `FileLoads`, over the scheduler's own `FileBackend`s (expedited ones too). Without the
-    scheduler's file tiers in this process such a load fails (no handler for it), never loads
-    wrong bytes.
+    Direct file loads (`kvtier.integrations.vllm.spec.DirectFileLoads`: under
+    `KVTierOffloadingConnector`, whatever the executor and the number of ranks): a load whose source
+    names file-tier slots (`KVTierFileLoadStoreSpec`, or a `KVTierCompositeLoadStoreSpec` of CPU and
+    file slots) goes to `FileLoads` (expedited ones too), which reads this rank's part of each slot
+    through read-only `SlabReader`s opened at the first such load from this worker's own config
+    (`kvtier.integrations.vllm.file_loads`). Where they cannot be opened (the error is logged) such
+    a load fails (no handler for it), never loads wrong bytes.
     """
 
     def __init__(self, spec: KVTierOffloadingSpec, kv_caches: CanonicalKVCaches):
@@ -165,6 +97,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
         # (regular, expedited lane): the worker planes, built at the first transfer
         self._planes: tuple[WorkerPlane, WorkerPlane] | None = None
         self._file_loads: FileLoads | None = None  # direct file loads, built at the first one
+        self._file_error: str | None = None  # why they could not be opened (logged once per reason)
         # load job id -> the keys of its file blocks by position (a CPU block fails only with its job)
         self._loads: dict[int, dict[int, bytes]] = {}
         self._failures: dict[int, tuple[list[bytes] | None, int]] = {}  # job id -> `take_failure`'s answer
@@ -248,28 +181,38 @@ class KVTierOffloadingWorker(OffloadingWorker):
         (vLLM 0.33), on the expedited lane; one that names file slots on `FileLoads` (class docstring)."""
         regular, lane = self._ready(src_spec)
         source = to_kvtier_load_spec(src_spec, self._tier)
-        plane = lane if expedited else regular
-        if not isinstance(source, kspecs.CPULoadStoreSpec):
-            plane = self._files(plane)
         self._loads[job_id] = file_keys_by_position(source)
-        plane.submit(source, self._gpu(dst_spec), job_id)
+        if isinstance(source, kspecs.CPULoadStoreSpec):
+            (lane if expedited else regular).submit(source, self._gpu(dst_spec), job_id)
+            return True
+        files = self._files()
+        if files is None:  # (no handler for file slots there: the job fails)
+            (lane if expedited else regular).submit(source, self._gpu(dst_spec), job_id)
+        else:
+            files.submit(source, self._gpu(dst_spec), job_id, file_identities(src_spec))
         return True
 
-    def _files(self, fallback: WorkerPlane) -> Any:
-        """The file loads (built at the first call), or `fallback` when the scheduler's file tiers
-        are not in this process (it has no handler for file slots: the job fails)."""
+    def _files(self) -> FileLoads | None:
+        """The direct file loads, built at the first call (`FileLoads.open`: read-only readers of
+        this rank's part of each file tier); None, with the reason logged (once per reason), when
+        they cannot be opened now (tried again at the next file load)."""
         if self._file_loads is None:
-            files = LOCAL_FILE_TIERS.get(self.spec.hierarchy_config.tiers[0].options["shm_name"])
-            if not files:
-                return fallback
-            from kvtier.handlers.gpu_file import GPUFileHandler
             from kvtier.handlers.kv_layout import KVLayout
 
-            layout = KVLayout(self._rank_kv_caches(), self.spec.blocks_per_chunk)
             assert self._backend is not None  # (`_ready` attached it)
-            threads = min(4, max(b.num_threads for b in files.values()))
-            self._file_loads = FileLoads(GPUFileHandler({self._backend.name: self._backend, **files}, layout,
-                                                        to_file=False, num_threads=threads), threads)
+            spec = self.spec
+            try:
+                # (a staged row is this rank's `rank_bytes` of a slot, also with one rank)
+                layout = KVLayout(self._rank_kv_caches(), spec.blocks_per_chunk, spec.rank * spec.rank_bytes,
+                                  spec.rank_bytes)
+                self._file_loads = FileLoads.open(spec, self._backend, layout)
+            except Exception as exc:  # noqa: BLE001 - the file loads fail, the worker serves on
+                why = f"{type(exc).__name__}: {exc}"
+                if why != self._file_error:
+                    self._file_error = why
+                    log.error("kvtier worker rank %d: cannot read the file tier(s) directly (%s); their loads fail "
+                              "and vLLM recomputes them", spec.rank, why)
+                return None
         return self._file_loads
 
     def _all_planes(self) -> list[Any]:
@@ -322,5 +265,4 @@ class KVTierOffloadingWorker(OffloadingWorker):
             self._backend.close()
             self._backend = None
         _LOCAL_WORKER_REGIONS.discard(self.spec.hierarchy_config.tiers[0].options["shm_name"])
-        LOCAL_FILE_TIERS.pop(self.spec.hierarchy_config.tiers[0].options["shm_name"], None)
 

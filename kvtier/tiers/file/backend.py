@@ -8,7 +8,8 @@ On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
                    chosen at each (re)build (manifest.py).
 - `slab.0`         `num_slots` fixed slots of `slot_bytes` (a multiple of 4 KiB). A slot (format
                    version 2) is a 4 KiB header page (magic, version, key, payload length, payload
-                   checksum and its kind, digest of the manifest incl. epoch, CRC-32 of the header)
+                   checksum and its kind, digest of the manifest incl. epoch, CRC-32 of the header;
+                   with `part_checks` N > 1 a table of N running CRC-32s, one per equal part)
                    then the payload, which so starts 4 KiB-aligned (slot_format.py), moved by
                    slab.py through a `BlockIO` (fileio.py).
 - `journal`        append-only records `PUT(slot, key, crc)` / `DEL(slot)`, each with its own CRC,
@@ -68,6 +69,7 @@ from kvtier.tiers.file.manifest import (
     manifest_differences,
     manifest_digest,
     read_manifest,
+    wanted_manifest,
 )
 from kvtier.tiers.file.opening import OpenedRoot, TierShape, open_root
 from kvtier.tiers.file.rootdir import (
@@ -87,6 +89,7 @@ from kvtier.tiers.file.slot_format import (
     FORMAT_VERSION,
     HEADER_BYTES,
     MAX_KEY_BYTES,
+    MAX_PARTS,
     SlotHeader,
     pack_header,
     parse_header,
@@ -127,10 +130,23 @@ def _sync_interval(v) -> float:
     return float(v)
 
 
+def _part_checks(v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_PARTS:
+        raise ValueError(f"expected the number of equal parts a block is checksummed in, from 1 (the whole "
+                         f"block) to {MAX_PARTS}, got {v!r}")
+    return v
+
+
 def _threads(v) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 256:
         raise ValueError(f"expected a number of I/O threads between 1 and 256, got {v!r}")
     return v
+
+
+def _layout(layout: str, block_bytes: int, block_size: int) -> str:
+    """What decides the bytes of a block besides the model: the builder's description, or the
+    geometry this tier knows (the same text `describe_layout` gives without KV caches)."""
+    return layout or f"block_bytes={block_bytes} block_tokens={block_size}"
 
 
 # ---------------------------------------------------------------------------- backend
@@ -159,6 +175,9 @@ class FileBackend(Backend):
         "num_threads": (4, _threads),
         "sync_interval": (1.0, _sync_interval),
         "on_identity_change": ("refuse", _identity_change),
+        # Slots also carry a checksum of each of N equal parts (one per tensor-parallel rank under
+        # vLLM, which sets it), so that a reader of one part verifies exactly its bytes.
+        "part_checks": (1, _part_checks),
     }
 
     @classmethod
@@ -170,24 +189,34 @@ class FileBackend(Backend):
             return [], list(exc.problems)
 
     @classmethod
+    def expected_manifest(cls, num_blocks: int, block_bytes: int, block_size: int, options: Mapping[str, Any]) -> dict:
+        """The manifest (without its epoch) that a tier built with these arguments writes: what a
+        process reading it without owning it checks it against (`kvtier.tiers.file.reader`)."""
+        return wanted_manifest(block_bytes, slot_bytes_for(block_bytes), num_blocks, str(options["fingerprint"]),
+                               _layout(str(options.get("layout") or ""), block_bytes, block_size))
+
+    @classmethod
     def capacity_problem(cls, need_bytes: int, options: Mapping[str, Any]) -> str | None:
         """The slab must fit on the filesystem of `root_dir` (what the directory holds counts as room)."""
         return room.disk_problem(need_bytes, options.get("root_dir"))
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *,
                  root_dir: str, io: str = "auto", fingerprint: str = "", num_threads: int = 4,
-                 sync_interval: float = 1.0, layout: str = "", on_identity_change: str = "refuse"):
+                 sync_interval: float = 1.0, layout: str = "", on_identity_change: str = "refuse",
+                 part_checks: int = 1):
         super().__init__(name, num_blocks, block_bytes, block_size)
         if block_bytes <= 0:
             raise ValueError(f"file tier {name!r} needs block_bytes > 0, got {block_bytes}")
+        if block_bytes % _part_checks(part_checks):
+            raise ConfigError([("part_checks", f"{part_checks} does not divide the blocks of {block_bytes} bytes of "
+                                               f"file tier {name!r} into equal parts")])
+        self.part_checks = part_checks
         _io(io), fingerprint_option(fingerprint), _threads(num_threads), _identity_change(on_identity_change)
         if not fingerprint:
             raise ConfigError([("fingerprint", f"empty: file tier {name!r} keeps blocks across restarts and must "
                                                f"not serve them to another model; give the identity of the model "
                                                f"whose KV it holds, e.g. 'meta-llama/Llama-3.1-8B@<revision>'")])
-        # What decides the bytes of a block besides the model (the builder's description, or the
-        # geometry this tier knows: the same text `describe_layout` gives without KV caches).
-        self.layout = layout or f"block_bytes={block_bytes} block_tokens={block_size}"
+        self.layout = _layout(layout, block_bytes, block_size)
         self.sync_interval = _sync_interval(sync_interval)
         try:
             root_dir = expand_root_dir(root_dir)
@@ -217,7 +246,7 @@ class FileBackend(Backend):
             block_io = choose_io(io, str(opened.slab_path), self.num_threads, tier=self.name)
             try:
                 slab = SlabIO(self.name, block_io, opened.slab_path, self.block_bytes, self.slot_bytes, opened.digest,
-                              self.num_threads)
+                              self.num_threads, self.part_checks)
             except BaseException:
                 block_io.close()
                 raise

@@ -46,19 +46,21 @@ def _not_regular(path, mode: int) -> NotRegularFileError:
     return NotRegularFileError(errno.EINVAL, f"not a regular file ({file_kind(mode)})", str(path))
 
 
-def open_regular_file(path) -> int:
-    """A read-only descriptor on `path`, which must be a regular file, not reached through a
-    symlink in its last component. A device, FIFO or socket is refused before it is opened
-    (lstat: opening some devices has side effects); the open itself never follows a symlink
+def open_regular_file(path, dir_fd: int | None = None) -> int:
+    """A read-only descriptor on `path` (with `dir_fd`: its last name, in that directory), which
+    must be a regular file, not reached through a symlink in its last component. A device, FIFO
+    or socket is refused before it is opened (lstat: opening some devices has side effects); the
+    open itself never follows a symlink
     (O_NOFOLLOW) nor blocks (O_NONBLOCK, cleared after), and the check is repeated on the
     descriptor (fstat), so a file swapped in between is refused too.
     Raises `NotRegularFileError` ("not a regular file (a FIFO)"), or the OSError of lstat/open
     (FileNotFoundError, PermissionError, ...)."""
-    mode = os.lstat(path).st_mode
+    name = path if dir_fd is None else os.path.basename(path)
+    mode = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode
     if not stat.S_ISREG(mode):
         raise _not_regular(path, mode)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # replaced by a symlink since the lstat
             raise _not_regular(path, stat.S_IFLNK) from None
@@ -74,10 +76,10 @@ def open_regular_file(path) -> int:
     return fd
 
 
-def read_regular_file(path, limit: int) -> bytes:
+def read_regular_file(path, limit: int, dir_fd: int | None = None) -> bytes:
     """The whole contents of the regular file `path` (see `open_regular_file`), at most `limit`
     bytes: a larger file raises `FileTooLargeError` without being read past `limit` + 1 bytes."""
-    fd = open_regular_file(path)
+    fd = open_regular_file(path, dir_fd)
     try:
         chunks: list[bytes] = []
         total = 0

@@ -45,11 +45,12 @@ def manifest_epoch(manifest: dict) -> bytes | None:
         return None
 
 
-def load_manifest(root: Path) -> tuple[dict | None, str | None]:
+def load_manifest(root: Path, dir_fd: int | None = None) -> tuple[dict | None, str | None]:
     """(the manifest of `root`, None), or (None, why it is missing or unreadable). Only a regular
-    file is read, and at most `MANIFEST_MAX_BYTES` of it (a symlink to /dev/zero is refused)."""
+    file is read, and at most `MANIFEST_MAX_BYTES` of it (a symlink to /dev/zero is refused).
+    With `dir_fd` (a descriptor of `root`), the file is opened in that directory."""
     try:
-        data = json.loads(read_regular_file(root / MANIFEST, MANIFEST_MAX_BYTES))
+        data = json.loads(read_regular_file(root / MANIFEST, MANIFEST_MAX_BYTES, dir_fd))
     except FileNotFoundError:
         return None, f"{MANIFEST} missing"
     except OSError as exc:

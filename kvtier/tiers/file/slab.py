@@ -6,6 +6,8 @@ bounce buffers. The slots of one call are grouped into runs of adjacent slots of
 preadv/pwritev of header, payload, padding per slot, straight from the caller's buffers: posix
 I/O, writable buffers, and with O_DIRECT page-aligned ones of whole 4 KiB pages), else through
 a bounce buffer. Every slot read is verified (slot_format.py); a bad one is reported, never served.
+A slab of blocks made of `parts` equal parts (`FileBackend(part_checks=)`) writes each slot's part
+table with its header (the same one pass over the payload as its checksum).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from kvtier.tiers.file.slot_format import (
     SlotHeader,
     check_header,
     pack_header,
+    part_crcs,
     payload_crc32,
     verify_parts,
     verify_slot,
@@ -73,9 +76,11 @@ class SlabIO:
     several threads at once for distinct slots."""
 
     def __init__(self, name: str, io: BlockIO, path: Path, block_bytes: int, slot_bytes: int, digest: bytes,
-                 num_threads: int):
-        """Take over `io` (open on `path`); slot headers are stamped with `digest`."""
+                 num_threads: int, parts: int = 1):
+        """Take over `io` (open on `path`); slot headers are stamped with `digest` and, with `parts`
+        > 1, carry the part table of that many parts."""
         self.name = name
+        self.parts = parts
         self.io = io
         self.path = path
         self.block_bytes = block_bytes
@@ -221,13 +226,21 @@ class SlabIO:
                 base = i * self.slot_bytes
                 payload = image[base + HEADER_BYTES:base + HEADER_BYTES + self.block_bytes]
                 payload[:] = views[pos]
-                crc = payload_crc32(payload)
-                pack_header(image[base:base + HEADER_BYTES], keys[pos], self.block_bytes, crc, self.digest)
-                crcs[slots[pos]] = crc
+                crcs[slots[pos]] = self._pack(image[base:base + HEADER_BYTES], keys[pos], payload)
             self.io.pwrite(slots[run[0]] * self.slot_bytes, image[:len(run) * self.slot_bytes])
             return crcs
         finally:
             self._buffers.put(buf)
+
+    def _pack(self, header, key: bytes, payload) -> int:
+        """Write the header page of the block `key` whose payload is `payload`; its CRC-32."""
+        if self.parts > 1:
+            parts = part_crcs(payload, self.parts)
+            pack_header(header, key, self.block_bytes, parts[-1], self.digest, parts=parts)
+            return parts[-1]
+        crc = payload_crc32(payload)
+        pack_header(header, key, self.block_bytes, crc, self.digest)
+        return crc
 
     def _write_run_direct(self, run: list[int], slots, keys, views, image) -> dict[int, int] | None:
         """The zero-copy write of a run (headers built in `image`); None when the `BlockIO` refused
@@ -235,10 +248,8 @@ class SlabIO:
         crcs = {}
         iovs = []
         for i, pos in enumerate(run):
-            crc = payload_crc32(views[pos])
             header = image[i * HEADER_BYTES:(i + 1) * HEADER_BYTES]
-            pack_header(header, keys[pos], self.block_bytes, crc, self.digest)
-            crcs[slots[pos]] = crc
+            crcs[slots[pos]] = self._pack(header, keys[pos], views[pos])
             iovs += [header, views[pos], self._pad] if self._pad else [header, views[pos]]
         try:
             self.io.pwritev(slots[run[0]] * self.slot_bytes, iovs)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtier.tiers.file.fileio import ALIGN
@@ -31,10 +32,12 @@ CHECK_TORCH = 2  # payload checksum: checksum.tensor_checksum (any torch device)
 CHECK_NAMES = {CHECK_CRC32: "crc32", CHECK_TORCH: "torch-sum"}
 
 SLOT_MAGIC = b"KVTB"
-# magic, version, key_len, check kind, reserved, payload_len, payload check, manifest digest, header_crc;
-# the key follows.
+# magic, version, key_len, check kind, parts (0 before part checksums: "reserved"), payload_len, payload
+# check, manifest digest, header_crc; the key follows.
 _HDR = struct.Struct("<4sHHHHQI8sI")
 MAX_KEY_BYTES = 480  # unchanged from version 1: the journal's size bound depends on it
+PART_TABLE_AT = 1024  # the part table's offset in the header page: past the longest header and key (516 B)
+MAX_PARTS = 256  # part checksums a slot may carry (the table and its CRC take 4 B each)
 
 
 def _payload_crc32():
@@ -60,15 +63,34 @@ def slot_bytes_for(block_bytes: int) -> int:
 
 
 def pack_header(view: memoryview, key: bytes, payload_len: int, payload_check: int, digest: bytes,
-                check_kind: int = CHECK_CRC32) -> None:
-    """Write a slot header into `view` (at least `_HDR.size` + len(key) bytes; the rest of the
-    header page is left as it is and never read)."""
-    fields = (SLOT_MAGIC, FORMAT_VERSION, len(key), check_kind, 0, payload_len, payload_check, digest)
+                check_kind: int = CHECK_CRC32, parts: Sequence[int] = ()) -> None:
+    """Write a slot header into `view` (a whole header page; without `parts`, at least
+    `_HDR.size` + len(key) bytes), with the part table `parts` (`part_crcs`; CRC-32 slots only)."""
+    if parts and (check_kind != CHECK_CRC32 or len(parts) > MAX_PARTS or parts[-1] != payload_check):
+        raise ValueError(f"a part table of {len(parts)} running CRC-32s ending with the payload's is written "
+                         f"into CRC-32 slots only, at most {MAX_PARTS} parts")
+    fields = (SLOT_MAGIC, FORMAT_VERSION, len(key), check_kind, len(parts), payload_len, payload_check, digest)
     hcrc = zlib.crc32(key, zlib.crc32(_HDR.pack(*fields, 0)))
     _HDR.pack_into(view, 0, *fields, hcrc)
     end = _HDR.size + len(key)
     view[_HDR.size:end] = key
     view[end:] = bytes(len(view) - end)  # no stale bytes of a reused buffer in the header page
+    if parts:
+        table = struct.pack(f"<{len(parts)}I", *parts)
+        view[PART_TABLE_AT:PART_TABLE_AT + len(table) + 4] = table + struct.pack("<I", zlib.crc32(table, hcrc))
+
+
+def part_crcs(payload, parts: int) -> list[int]:
+    """The part table of `payload` cut into `parts` equal parts (module docstring): running CRC-32s,
+    the last one the payload's CRC-32. One pass over the payload, as its CRC-32 alone."""
+    view = memoryview(payload).cast("B")
+    size, crcs, crc = len(view) // parts, [], 0
+    if size * parts != len(view):
+        raise ValueError(f"a payload of {len(view)} bytes is not {parts} equal parts")
+    for i in range(parts):
+        crc = payload_crc32(view[i * size:(i + 1) * size], crc)
+        crcs.append(crc)
+    return crcs
 
 
 @dataclass
@@ -78,13 +100,14 @@ class SlotHeader:
     payload_crc: int  # the payload checksum, of the kind `check_kind` (named crc for version 1's sake)
     digest: bytes
     check_kind: int = CHECK_CRC32
+    parts: tuple[int, ...] = ()  # the part table (running CRC-32s), empty when the slot has none
 
 
 def parse_header(view) -> SlotHeader | str:
     """The header at the start of `view`, or a string saying why it is not a valid header."""
     if len(view) < _HDR.size:
         return "header truncated"
-    magic, version, key_len, kind, reserved, payload_len, check, digest, hcrc = _HDR.unpack_from(view, 0)
+    magic, version, key_len, kind, parts, payload_len, check, digest, hcrc = _HDR.unpack_from(view, 0)
     if magic != SLOT_MAGIC:
         return "no slot header (bad magic)"
     if version != FORMAT_VERSION:
@@ -92,12 +115,31 @@ def parse_header(view) -> SlotHeader | str:
     if key_len > MAX_KEY_BYTES or key_len > len(view) - _HDR.size:
         return f"key length {key_len} out of range"
     key = bytes(view[_HDR.size:_HDR.size + key_len])
-    if zlib.crc32(key, zlib.crc32(_HDR.pack(magic, version, key_len, kind, reserved, payload_len, check,
+    if zlib.crc32(key, zlib.crc32(_HDR.pack(magic, version, key_len, kind, parts, payload_len, check,
                                              digest, 0))) != hcrc:
         return "header checksum mismatch"
     if kind not in CHECK_NAMES:
         return f"unknown payload checksum kind {kind}"
-    return SlotHeader(key, payload_len, check, digest, kind)
+    table = _part_table(view, parts, kind, check, hcrc)
+    if isinstance(table, str):
+        return table
+    return SlotHeader(key, payload_len, check, digest, kind, table)
+
+
+def _part_table(view, parts: int, kind: int, check: int, hcrc: int) -> tuple[int, ...] | str:
+    """The part table of a header whose fields verified, or why it cannot be one."""
+    if not parts:
+        return ()
+    end = PART_TABLE_AT + 4 * parts
+    if kind != CHECK_CRC32 or parts > MAX_PARTS or end + 4 > len(view):
+        return f"a part table of {parts} entries in a {CHECK_NAMES[kind]} slot header of {len(view)} bytes"
+    table = bytes(view[PART_TABLE_AT:end])
+    if zlib.crc32(table, hcrc) != struct.unpack_from("<I", view, end)[0]:
+        return "part table checksum mismatch"
+    entries = struct.unpack(f"<{parts}I", table)
+    if entries[-1] != check:
+        return "part table does not end with the payload checksum"
+    return entries
 
 
 def payload_check(kind: int, payload) -> int:
@@ -137,4 +179,16 @@ def verify_parts(header_view, payload, key: bytes | None, block_bytes: int, dige
         return header
     if payload_check(header.check_kind, payload) != header.payload_crc:
         return "payload checksum mismatch"
+    return None
+
+
+def verify_part(header: SlotHeader, part, index: int) -> str | None:
+    """Check part `index` of a slot (`part`: exactly its bytes) against the header's part table
+    (module docstring); None if it may be served, else why not. The header must carry a table
+    of its reader's part count (the caller reads the whole payload otherwise: `verify_parts`)."""
+    table = header.parts
+    if not 0 <= index < len(table):
+        return f"no part checksum {index} (the slot carries {len(table)})"
+    if payload_crc32(part, table[index - 1] if index else 0) != table[index]:
+        return f"part {index} checksum mismatch"
     return None
