@@ -70,6 +70,18 @@ class FrontMachine(RuleBasedStateMachine):
         self.bad: dict[bytes, int] = {}
         self.dropped = 0
         self.loaded = 0
+        self.history: list[str] = []  # the steps so far (a failure that depends on a copy's timing is not replayed)
+
+    def _story(self, keys: list[bytes]) -> str:
+        """The steps so far and where `keys` are now: what a failure message needs."""
+        where = []
+        for key in keys:
+            index = UNIVERSE.index(key) if key in UNIVERSE else key.hex()
+            spots = [f"{t.name}(slot {b.block_id}, ref {b.ref_cnt}{', clean' if key in t.clean else ''}"
+                     f"{', condemned' if key in t.condemned else ''})"
+                     for t in self.front.tiers if (b := t.policy.get(key)) is not None]
+            where.append(f"key {index}: {', '.join(spots) or 'nowhere'}")
+        return f"steps: {'; '.join(self.history)} | {' | '.join(where)}"
 
     def teardown(self) -> None:
         try:
@@ -81,12 +93,14 @@ class FrontMachine(RuleBasedStateMachine):
     @rule(span=spans)
     def store(self, span: tuple[int, int]) -> None:
         keys = UNIVERSE[span[0]:span[0] + span[1]]
+        self.history.append(f"store {span}")
         assert self.front.store(keys), "store() returned False with room below for every key"
         self._stored(keys)
 
     @rule(span=spans)
     def load(self, span: tuple[int, int]) -> None:
         keys = UNIVERSE[span[0]:span[0] + span[1]]
+        self.history.append(f"load {span}")
         n = self.front.load(keys)  # (the bytes of every block loaded are checked there)
         self._found(keys, n)
         self.loaded += n
@@ -94,10 +108,12 @@ class FrontMachine(RuleBasedStateMachine):
     @rule(span=spans)
     def lookup(self, span: tuple[int, int]) -> None:
         keys = UNIVERSE[span[0]:span[0] + span[1]]
+        self.history.append(f"lookup {span}")
         self._found(keys, self.front.lookup(keys))
 
     @rule()
     def flush(self) -> None:
+        self.history.append("flush")
         assert self.front.flush() == 0, "flush() left blocks without a copy below, with room there"
 
     @rule(pick=st.integers(0, len(UNIVERSE) - 1), cut=st.booleans())
@@ -112,7 +128,8 @@ class FrontMachine(RuleBasedStateMachine):
         disk = self.front.tiers[1]
         slot = disk.policy.get(key).block_id
         backend = disk.backend
-        if cut and slot == max(disk.policy.get(k).block_id for k in disk.policy.keys()):
+        cut_here = cut and slot == max(disk.policy.get(k).block_id for k in disk.policy.keys())
+        if cut_here:
             os.truncate(backend.slab_path, slot * backend.slot_bytes + HEADER_BYTES + 100)
         else:
             with open(backend.slab_path, "r+b") as f:
@@ -121,11 +138,13 @@ class FrontMachine(RuleBasedStateMachine):
                 byte = f.read(1)[0]
                 f.seek(at)
                 f.write(bytes([byte ^ 0x5A]))
+        self.history.append(f"corrupt key {UNIVERSE.index(key)} (slot {slot}, {'cut' if cut_here else 'flipped'})")
         self.stored.discard(key)
         self.bad[key] = slot
 
     @rule()
     def reopen(self) -> None:
+        self.history.append("reopen")
         took = self.front.reopen()
         assert took < CLOSE_BOUND_S, f"close() took {took:.1f} s"
         disk = self.front.tiers[1]
@@ -135,6 +154,7 @@ class FrontMachine(RuleBasedStateMachine):
 
     @rule(a=spans, b=spans)
     def two_threads(self, a: tuple[int, int], b: tuple[int, int]) -> None:
+        self.history.append(f"two threads store {a} and {b}")
         spans_ = [UNIVERSE[s:s + n] for s, n in (a, b)]
         answers: list[object] = []
         threads = [threading.Thread(target=lambda ks=ks, first=first: answers.append(self._store_catching(ks, first)))
@@ -160,7 +180,7 @@ class FrontMachine(RuleBasedStateMachine):
 
     def _found(self, keys: list[bytes], n: int) -> None:
         must = next((i for i, k in enumerate(keys) if k not in self.stored), len(keys))
-        assert n >= must, f"{must - n} stored block(s) not found: {[k.hex() for k in keys[n:must]]}"
+        assert n >= must, f"{must - n} stored block(s) not found ({self._story(keys[n:must])})"
         assert all(k in self.ever for k in keys[:n]), "a block never stored was found"
 
     def _file_only(self) -> set[bytes]:
@@ -172,8 +192,8 @@ class FrontMachine(RuleBasedStateMachine):
     @invariant()
     def nothing_stored_is_lost(self) -> None:
         tiers = self.front.tiers
-        lost = [k.hex() for k in self.stored if not any(t.policy.get(k) is not None for t in tiers)]
-        assert not lost, f"stored blocks gone from every tier: {lost}"
+        lost = [k for k in self.stored if not any(t.policy.get(k) is not None for t in tiers)]
+        assert not lost, f"stored blocks gone from every tier ({self._story(lost)})"
 
     @invariant()
     def a_corrupted_block_is_dropped_alone_and_counted_once(self) -> None:

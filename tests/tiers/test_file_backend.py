@@ -713,3 +713,19 @@ def test_a_slab_cut_inside_a_slot_fails_that_slot_alone(root, buffers):
         assert [bytes(o) for o in out[:2]] == [payload(0), payload(1)]
     finally:
         b.close()
+
+
+def test_blocks_dropped_past_the_end_of_a_cut_slab_stay_dropped(root):
+    """A slab cut inside a slot loses the blocks past its end at the next open; the journal is
+    rewritten without them, so the open after that does not find them again over the zeros the
+    re-extended slab holds there (on 7e6c7c1 they came back and failed their reads)."""
+    b = open_backend(root)
+    b.write_blocks([0, 1], [key(0), key(1)], [payload(0), payload(1)])
+    b.close()
+    os.truncate(b.slab_path, b.slot_bytes + HEADER_BYTES + 100)
+    for _ in range(2):  # the open that drops them, and the one after it
+        b = open_backend(root)
+        try:
+            assert sorted(b.committed()) == [0]
+        finally:
+            b.close()

@@ -43,6 +43,7 @@ class JournalScan:
     problem: str | None = None  # why the journal is unusable as a whole, if it is
     beyond: int = 0  # well-formed records naming a slot >= num_slots: ignored
     bad_keys: int = 0  # well-formed PUTs of a key longer than a slot header holds: ignored
+    past_end: int = 0  # live entries whose slot the slab file no longer holds (a cut slab): dropped
 
     def ignored(self) -> str | None:
         """What was ignored, for a warning or a report (None when nothing was)."""
@@ -51,6 +52,8 @@ class JournalScan:
             parts.append(f"{self.beyond} journal records name slots beyond the slab")
         if self.bad_keys:
             parts.append(f"{self.bad_keys} journal records hold keys longer than {MAX_KEY_BYTES} bytes")
+        if self.past_end:
+            parts.append(f"{self.past_end} blocks lie past the end of a cut slab")
         return "; ".join(parts) + " (ignored)" if parts else None
 
 

@@ -298,6 +298,7 @@ def _check_slab_size(path: Path, shape: TierShape, scan: JournalScan) -> None:
     lost = [s for s in scan.entries if (s + 1) * shape.slot_bytes > size]
     for slot in lost:
         del scan.entries[slot]
+    scan.past_end = len(lost)  # (the journal is rewritten without them: they must not come back)
     log.warning("file tier %s: slab %s is %d bytes, expected %d; %d blocks past its end dropped",
                 shape.name, path, size, shape.slab_bytes, len(lost))
     _allocate_slab(path, shape, truncate=False)
