@@ -100,3 +100,34 @@ def test_two_threads_storing_overlapping_keys_lose_no_block(tmp_path):
             assert tier.store(ks[i:i + 16], list(range(i, min(200, i + 16))))
         assert tier.flush() == 0
         assert lost(tier, ks) == [] and tier.stats()["cpu"]["cascade_dropped"] == 0
+
+
+def test_a_corrupted_file_block_is_a_miss_for_that_block_alone(tmp_path):
+    """Issue 42, item 2: 200 blocks stored, closed, one payload byte of one slot flipped, reopened.
+    Every load spanning the bad block returns the prefix before it; the block is dropped from the
+    file tier, counted once in its `failures`, and a MISS from then on; the others load. On
+    7e6c7c1 the first load returned 0 and every later one 0 as well, `lookup` still counted the
+    block and the file tier's `failures` stayed 0."""
+    from kvtier.tiers.file.slot_format import HEADER_BYTES
+
+    kv = make_kv(400)
+    ks = keys(200)
+    config = cpu_over_file(tmp_path / "nvme", file_blocks=256)
+    with KVTier.open(config, kv, model="test/poison") as tier:
+        assert tier.store(ks, list(range(200)))
+        disk = tier.hierarchy.manager.tiers[1].backend
+        slot = next(s for s, k in disk.committed().items() if k == ks[57])
+        path, slot_bytes = disk.slab_path, disk.slot_bytes
+    with open(path, "r+b") as f:
+        f.seek(slot * slot_bytes + HEADER_BYTES + 100)
+        byte = f.read(1)[0]
+        f.seek(slot * slot_bytes + HEADER_BYTES + 100)
+        f.write(bytes([byte ^ 0xFF]))
+    with KVTier.open(config, kv, model="test/poison") as tier:
+        for _ in range(2):
+            assert tier.load(ks, list(range(200, 400))) == 57
+        assert tier.lookup(ks) == 57 and tier.lookup(ks[58:]) == 142
+        assert tier.stats()["nvme"]["failures"] == 1
+        assert tier.load(ks[58:], list(range(200, 342))) == 142
+        for t in kv.tensors:
+            assert torch.equal(t.tensor[200:342], t.tensor[58:200])
