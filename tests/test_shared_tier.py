@@ -56,8 +56,15 @@ class Engine:
         self.shared = self.hierarchy.backends["shared"]
 
     def store(self, ks: list[bytes], salt: bytes = b"") -> list[bytes]:
+        """Store `ks` as an engine would; "no room yet" (the next victims' copies below are still
+        running: a cascading tier never evicts a block without one) is asked again after a step."""
         out = self.manager.prepare_store(ks)
-        assert out is not None
+        for _ in range(100):
+            if out is not None:
+                break
+            self.settle()
+            out = self.manager.prepare_store(ks)
+        assert out is not None, "no room in the first tier after its copies below landed"
         for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
             self.hot.view(slot)[:] = content(key, salt)
         self.manager.complete_store(out.keys_to_store)
