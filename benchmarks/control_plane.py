@@ -28,11 +28,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier import registry
-from kvtier.keys import make_offload_key
+from benchmarks.seed_lru import SeedLRU
+from kvtier.core.keys import make_offload_key
+from kvtier.core.types import BlockStatus
 from kvtier.policies.base import CachePolicy, with_key_index
-from kvtier.testing.seed_policy import SeedLRU
-from kvtier.types import BlockStatus
+from kvtier.transfer import registry
 
 POLICIES = ("lru", "arc", "sieve", "prefix-freq", "seed-lru")
 BUDGET_S = 0.3  # CPU seconds spent measuring one (policy, P, case, mode); at least 3 calls

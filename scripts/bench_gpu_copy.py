@@ -103,9 +103,9 @@ def both_at_once(torch, store, load, stores, loads, results, engine, original, r
 def measure(torch, page: int, total: int, mode: str, repeats: int, order: str,
             job_bytes: int = JOB_BYTES, threads: int = 2, both: bool = True) -> dict:
     from kvtier import CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec, GPULoadStoreSpec
-    from kvtier.handlers import fast_path
-    from kvtier.handlers.gpu_cpu import make_handler
     from kvtier.tiers.cpu import CPUBackend
+    from kvtier.transfer.handlers import fast_path
+    from kvtier.transfer.handlers.gpu_cpu import make_handler
 
     os.environ["KVTIER_GPU_COPY"] = mode
     fast_path.CHOICE.forget()
@@ -153,7 +153,7 @@ def measure(torch, page: int, total: int, mode: str, repeats: int, order: str,
 
 def copy_choice() -> dict:
     """Every copy-mechanism decision this process made: chosen path and each candidate's figures."""
-    from kvtier.handlers import fast_path
+    from kvtier.transfer.handlers import fast_path
 
     return {f"{key[0]} pages {list(key[1])}" if isinstance(key, tuple) else str(key): {
         "chosen": d.chosen.name if d.chosen is not None else "staged",

@@ -241,7 +241,7 @@ class Standalone:
 
 
 def standalone_keys(start: int, n: int):
-    from kvtier.keys import make_offload_key
+    from kvtier.core.keys import make_offload_key
 
     return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + n)]
 

@@ -60,7 +60,7 @@ FINGERPRINT = "kvtier-crash-harness/v1"
 
 
 def key_for(block_id: int) -> bytes:
-    from kvtier.keys import make_offload_key
+    from kvtier.core.keys import make_offload_key
 
     return make_offload_key(block_id.to_bytes(8, "big") * 2, 0)
 
@@ -312,7 +312,7 @@ def remove_leaked_shm(pid: int) -> tuple[int, int]:
     return len(paths) - claims, claims
 
 
-@logger_at("kvtier.router", logging.ERROR)  # failed verifications are counted, not logged
+@logger_at("kvtier.transfer.router", logging.ERROR)  # failed verifications are counted, not logged
 def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_kill_delay: float = 0.6,
         log=print, promote_batch: int = 1) -> dict:
     root = Path(root)

@@ -27,7 +27,7 @@ from kvtier.bench.where import describe, file_hops_place
 from kvtier.cli.bench_options import check_options
 from kvtier.cli.progress import Progress
 from kvtier.config import default_config_path, format_size, load_config
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 
 SCHEMA = "kvtier.bench/2"
 DEFAULT_REPLAY_BLOCK_BYTES = 2 << 20  # turns byte capacities into block counts for replays
@@ -162,7 +162,7 @@ def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dic
         capacities = sorted({max(1, full // 4), max(1, full // 2), full})
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     if policies:
-        from kvtier import registry
+        from kvtier.transfer import registry
 
         for p in policies:
             registry.load_class(registry.POLICY, p, "--policies")  # ConfigError unless a CachePolicy class

@@ -17,9 +17,9 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvtier.control.tier import WRITING, Tier
-from kvtier.keys import OffloadKey
-from kvtier.router import TransferRouter
-from kvtier.types import OffloadingEvent, TransferResult
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import OffloadingEvent, TransferResult
+from kvtier.transfer.router import TransferRouter
 
 if TYPE_CHECKING:
     from kvtier.control.context import ControlContext

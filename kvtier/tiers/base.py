@@ -10,9 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from kvtier.keys import OffloadKey
-from kvtier.specs import BlockIDsLoadStoreSpec
-from kvtier.types import BlockStatus
+from kvtier.core.keys import OffloadKey
+from kvtier.core.specs import BlockIDsLoadStoreSpec
+from kvtier.core.types import BlockStatus
 
 _block_id = attrgetter("block_id")
 _PLAIN_INIT = BlockIDsLoadStoreSpec.__init__
@@ -104,11 +104,11 @@ class Backend(ABC):
     max_key_bytes: ClassVar[int | None] = None
     # The most blocks (slots, handles) a tier of this backend can have, whatever its policy holds
     # (None: no limit of its own). `config check` and the build check a tier's capacity against
-    # it and its policy's `max_blocks` alike (`kvtier.limits.tier_blocks_problem`).
+    # it and its policy's `max_blocks` alike (`kvtier.core.limits.tier_blocks_problem`).
     max_blocks: ClassVar[int | None] = None
     # True when blocks outlive the process (a restart finds them). `build_hierarchy` then passes
     # the constructor `fingerprint` (whose KV this is, never empty) and `layout` (block geometry,
-    # dtypes and shapes; see `kvtier.hierarchy.describe_layout`), and the backend must never serve
+    # dtypes and shapes; see `kvtier.control.hierarchy.describe_layout`), and the backend must never serve
     # a block written under another pair.
     persistent: ClassVar[bool] = False
     # True for a tier shared with other processes through a server (Valkey/Redis): it comes after
@@ -138,7 +138,7 @@ class Backend(ABC):
         self.block_size = block_size  # tokens per block, reported in events
         self.slots = SlotAllocator(num_blocks) if medium is None or num_blocks else _SeedSlots(type(self).__name__)
 
-    # Backend-specific YAML keys: name -> (default or kvtier.types.REQUIRED, validator). See kvtier.config.
+    # Backend-specific YAML keys: name -> (default or kvtier.core.types.REQUIRED, validator). See kvtier.config.
     OPTIONS: ClassVar[dict] = {}
 
     @classmethod

@@ -7,7 +7,7 @@ import mmap
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from kvtier.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec
+from kvtier.core.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec
 from kvtier.tiers import room
 from kvtier.tiers.base import Backend
 

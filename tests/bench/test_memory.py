@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from benchmarks import memory
+from kvtier.core.types import BlockStatus
 from kvtier.policies.lru_compiled import LRUCachePolicy
 from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
-from kvtier.types import BlockStatus
 
 
 def test_compact_index_allocates_under_100_bytes_per_block_at_1m_and_8m():

@@ -6,12 +6,12 @@ import pytest
 from conftest import keys
 
 from kvtier import build_hierarchy, load_config_text, registry
-from kvtier.errors import KVTierError
-from kvtier.handlers.base import SyncHandler, serving
-from kvtier.handlers.memory import MemoryCopyHandler
-from kvtier.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, FileLoadStoreSpec, GPULoadStoreSpec
+from kvtier.core.errors import KVTierError
+from kvtier.core.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, FileLoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.base import Backend, HostSlots
 from kvtier.tiers.memory import MemoryBackend
+from kvtier.transfer.handlers.base import SyncHandler, serving
+from kvtier.transfer.handlers.memory import MemoryCopyHandler
 
 BLOCK = 64
 

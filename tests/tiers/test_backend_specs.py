@@ -5,10 +5,10 @@ through their own `for_blocks`."""
 
 from __future__ import annotations
 
-from kvtier.keys import make_offload_key
-from kvtier.specs import CPULoadStoreSpec, FileLoadStoreSpec
+from kvtier.core.keys import make_offload_key
+from kvtier.core.specs import CPULoadStoreSpec, FileLoadStoreSpec
+from kvtier.core.types import BlockStatus
 from kvtier.tiers.base import Backend
-from kvtier.types import BlockStatus
 
 KEYS = [make_offload_key(bytes([i]) * 8, 0) for i in range(3)]
 

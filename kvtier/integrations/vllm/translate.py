@@ -17,8 +17,8 @@ from typing import Any
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, LoadStoreSpec, Medium
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSpec
 
-from kvtier import specs as kspecs
-from kvtier.keys import OffloadKey
+from kvtier.core import specs as kspecs
+from kvtier.core.keys import OffloadKey
 
 _MEDIA = {"CPU": "CPU", "FILE": "STORAGE"}
 
@@ -105,8 +105,8 @@ def file_identities(spec: LoadStoreSpec) -> dict[str, bytes]:
 def to_kvtier_load_spec(spec: LoadStoreSpec, default_tier: str) -> kspecs.LoadStoreSpec:
     """Worker side: the kvtier spec of a load's source as `_to_vllm_spec` made it (a plain vLLM
     CPU spec names no tier: `default_tier`, the CPU tier). A composite becomes the staged load
-    of `kvtier.handlers.gpu_file` (one staging buffer, one scatter; never split by the router)."""
-    from kvtier.handlers.gpu_file import StagedLoadSpec
+    of `kvtier.transfer.handlers.gpu_file` (one staging buffer, one scatter; never split by the router)."""
+    from kvtier.transfer.handlers.gpu_file import StagedLoadSpec
 
     if isinstance(spec, KVTierFileLoadStoreSpec):
         return kspecs.FileLoadStoreSpec(spec.block_ids, [OffloadKey(k) for k in spec.keys], spec.tier)

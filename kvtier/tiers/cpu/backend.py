@@ -50,8 +50,8 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.errors import KVTierError
-from kvtier.specs import CPULoadStoreSpec
+from kvtier.core.errors import KVTierError
+from kvtier.core.specs import CPULoadStoreSpec
 from kvtier.tiers import room
 from kvtier.tiers.base import Backend
 from kvtier.tiers.cpu.shm_names import (

@@ -34,9 +34,10 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
-from kvtier.errors import BlocksFailed, ClosedError, ConfigError
-from kvtier.keys import OffloadKey
-from kvtier.specs import RemoteLoadStoreSpec
+from kvtier.core.errors import BlocksFailed, ClosedError, ConfigError
+from kvtier.core.keys import OffloadKey
+from kvtier.core.specs import RemoteLoadStoreSpec
+from kvtier.core.types import BlockStatus
 from kvtier.tiers.base import Backend
 from kvtier.tiers.remote import options as option_checks
 from kvtier.tiers.remote.control_calls import ControlCalls
@@ -44,7 +45,6 @@ from kvtier.tiers.remote.errors import BlockMissing, RemoteUnavailable, without_
 from kvtier.tiers.remote.probes import Probes
 from kvtier.tiers.remote.runtime import FailureNotice, FoundBy, WritePause
 from kvtier.tiers.remote.url import redact_url
-from kvtier.types import BlockStatus
 
 log = logging.getLogger("kvtier.tiers.remote")  # the shared tier's logger (runtime.py logs there too)
 
