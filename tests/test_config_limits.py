@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import ConfigError, build_hierarchy, limits, load_config_text
+from kvtier import ConfigError, build_hierarchy, load_config_text
 from kvtier.cli.main import main
 from kvtier.config import MAX_BLOCKS, MAX_BYTES
+from kvtier.core import limits
 from kvtier.core.types import BlockStatus
 from kvtier.policies.lru_compiled import LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy

@@ -17,9 +17,9 @@ from kvtier import (
     GPULoadStoreSpec,
     build_hierarchy,
     load_config_text,
-    registry,
 )
 from kvtier.core.types import TransferResult
+from kvtier.transfer import registry
 from kvtier.transfer.handlers.base import SyncHandler, ThreadedHandler, TransferHandler
 from kvtier.transfer.planes import WorkerPlane
 from kvtier.transfer.router import TransferRouter

@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 from conftest import keys
 
-from kvtier import build_hierarchy, load_config_text, registry
+from kvtier import build_hierarchy, load_config_text
 from kvtier.core.errors import KVTierError
 from kvtier.core.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, FileLoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.base import Backend, HostSlots
 from kvtier.tiers.memory import MemoryBackend
+from kvtier.transfer import registry
 from kvtier.transfer.handlers.base import SyncHandler, serving
 from kvtier.transfer.handlers.memory import MemoryCopyHandler
 
