@@ -23,7 +23,6 @@ from kvtier.core.specs import (
     BlockIDsLoadStoreSpec,
     CompositeLoadStoreSpec,
     CPULoadStoreSpec,
-    FileLoadStoreSpec,
     GPULoadStoreSpec,
     LoadStoreSpec,
 )
@@ -46,6 +45,7 @@ from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
 from kvtier.policies.sieve import SIEVECachePolicy
 from kvtier.standalone import KVTier
 from kvtier.tiers.base import Backend, BlockFile, HostRegion, HostSlots
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 from kvtier.transfer.handlers.base import TransferHandler
 from kvtier.transfer.registry import register_handler
 

@@ -189,8 +189,8 @@ class _WarmToEngine(SyncHandler):
 
 def test_direct_path_serves_lower_tier_without_promotion(ctx):
     from kvtier.control.manager import HierarchyManager, Tier
-    from kvtier.core.specs import FileLoadStoreSpec
     from kvtier.policies import LRUCachePolicy
+    from kvtier.tiers.file.spec import FileLoadStoreSpec
     from kvtier.tiers.memory import MemoryBackend
     from kvtier.transfer.handlers.memory import MemoryCopyHandler
     from kvtier.transfer.router import TransferRouter

@@ -115,7 +115,8 @@ def _path_rows(path: str, work: Path, layout, engine, reference, engine_ids: lis
     """The store and load rows of one handler path, on a fresh file tier."""
     import torch
 
-    from kvtier.core.specs import FileLoadStoreSpec, GPULoadStoreSpec
+    from kvtier.core.specs import GPULoadStoreSpec
+    from kvtier.tiers.file.spec import FileLoadStoreSpec
     from kvtier.transfer.handlers.gpu_file import GPUFileHandler
     from kvtier.transfer.handlers.gpu_file_direct import DirectGPUFileHandler
 

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.config.problems import Problems
 from kvtier.core.limits import tier_blocks_problem
+from kvtier.core.specs import GPULoadStoreSpec
 from kvtier.transfer import registry
 
 if TYPE_CHECKING:
@@ -33,17 +34,18 @@ def check_handlers(tiers: list[TierConfig], classes: list, problems: Problems) -
     """Every hop the hierarchy will use must have a registered handler."""
     if any(c is None for c in classes):
         return
-    specs = [c.spec_type.__name__ for c in classes]
+    specs = [c.spec_type for c in classes]  # (types, not names: two kinds may name their specs alike)
     check_shared(tiers, classes, problems)
     for i in range(len(tiers) - 1):
         upper, lower = specs[i], specs[i + 1]
         shared_below = getattr(classes[i + 1], "shared", False)  # fed by publishing, not by the cascade
         if tiers[i].cascade != "none" and not shared_below and not registry.has_handler(upper, lower):
-            problems.add(f"tiers[{i}].cascade", f"no handler moves blocks from {tiers[i].backend!r} ({upper}) to "
-                         f"{tiers[i + 1].backend!r} ({lower}); set cascade: none or change the backends")
-        if not (registry.has_handler(lower, specs[0]) or registry.has_handler(lower, "GPULoadStoreSpec")):
+            problems.add(f"tiers[{i}].cascade", f"no handler moves blocks from {tiers[i].backend!r} "
+                         f"({upper.__name__}) to {tiers[i + 1].backend!r} ({lower.__name__}); set cascade: none "
+                         "or change the backends")
+        if not (registry.has_handler(lower, specs[0]) or registry.has_handler(lower, GPULoadStoreSpec)):
             problems.add(f"tiers[{i + 1}].backend", f"blocks in {tiers[i + 1].backend!r} could never be loaded: no "
-                         f"handler from {lower} to {specs[0]} or to the engine's KV cache")
+                         f"handler from {lower.__name__} to {specs[0].__name__} or to the engine's KV cache")
 
 
 def check_shared(tiers: list[TierConfig], classes: list, problems: Problems) -> None:

@@ -73,55 +73,26 @@ class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
         return "CPU"
 
 
-class FileLoadStoreSpec(BlockIDsLoadStoreSpec):
-    """Slots of a file tier. `keys[i]` is the key stored in slot `block_ids[i]` (written in its header)."""
+class KeyedLoadStoreSpec(BlockIDsLoadStoreSpec, ABC):
+    """Slots of a tier that records each block's key with its bytes (a file slot's header, a
+    server's key): `keys[i]` is the key of the block in slot `block_ids[i]`."""
 
     __slots__ = ("keys",)
 
     def __init__(self, block_ids: Sequence[int], keys: Sequence[OffloadKey], tier: str | None = None):
         super().__init__(block_ids, tier)
         if len(keys) != len(self.block_ids):
-            raise ValueError(f"FileLoadStoreSpec: {len(keys)} keys for {len(self.block_ids)} block_ids")
+            raise ValueError(f"{type(self).__name__}: {len(keys)} keys for {len(self.block_ids)} block_ids")
         self.keys: list[OffloadKey] = list(keys)
 
     @classmethod
     def for_blocks(cls, block_ids: Sequence[int], keys: Sequence[OffloadKey], tier: str | None = None):
         return cls(block_ids, keys, tier=tier)
 
-    def subset(self, positions: Sequence[int]) -> FileLoadStoreSpec:
+    def subset(self, positions: Sequence[int]) -> KeyedLoadStoreSpec:
         clone = super().subset(positions)
         clone.keys = [self.keys[p] for p in positions]
         return clone
-
-    @staticmethod
-    def medium() -> str:
-        return "FILE"
-
-
-class RemoteLoadStoreSpec(BlockIDsLoadStoreSpec):
-    """Handles of a shared remote tier (Valkey/Redis). `block_ids[i]` is the tier's local handle
-    of the value stored under `keys[i]` on the server; the bytes are addressed by the key."""
-
-    __slots__ = ("keys",)
-
-    def __init__(self, block_ids: Sequence[int], keys: Sequence[OffloadKey], tier: str | None = None):
-        super().__init__(block_ids, tier)
-        if len(keys) != len(self.block_ids):
-            raise ValueError(f"RemoteLoadStoreSpec: {len(keys)} keys for {len(self.block_ids)} block_ids")
-        self.keys: list[OffloadKey] = list(keys)
-
-    @classmethod
-    def for_blocks(cls, block_ids: Sequence[int], keys: Sequence[OffloadKey], tier: str | None = None):
-        return cls(block_ids, keys, tier=tier)
-
-    def subset(self, positions: Sequence[int]) -> RemoteLoadStoreSpec:
-        clone = super().subset(positions)
-        clone.keys = [self.keys[p] for p in positions]
-        return clone
-
-    @staticmethod
-    def medium() -> str:
-        return "REMOTE"
 
 
 class GPULoadStoreSpec(BlockIDsLoadStoreSpec):

@@ -11,7 +11,7 @@ from operator import attrgetter
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from kvtier.core.keys import OffloadKey
-from kvtier.core.specs import BlockIDsLoadStoreSpec
+from kvtier.core.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
 from kvtier.core.types import BlockStatus
 
 _block_id = attrgetter("block_id")
@@ -115,6 +115,11 @@ class Backend(ABC):
     # every local tier, is fed by publishing the first tier's stores and read by promotion into
     # the first tier, never by the cascade (see `kvtier.control.shared_probes`).
     shared: ClassVar[bool] = False
+    # The hops this kind of tier brings: (source spec type, destination spec type, factory), the
+    # factory a callable or its "module:attr" path (`kvtier.transfer.registry.register_handler`).
+    # The registry enters them when it loads the class, so a tier kind is one package (backend,
+    # spec, handlers) and, for a short YAML name, one line in `registry.BACKENDS`.
+    handlers: ClassVar[tuple[tuple[type[LoadStoreSpec], type[LoadStoreSpec], Any], ...]] = ()
 
     def __init__(self, name: str | int = "", num_blocks: int | str = 0, block_bytes: int = 0,
                  block_size: int = 0, medium: str | None = None):
@@ -242,6 +247,15 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - an optional hook, not abstract: most backends need it, some do not
         """Release memory, files and handles. Idempotent. Default: nothing to release."""
+
+
+# The hops of a tier in host memory (`CPULoadStoreSpec`): copies between two host tiers and
+# between a host tier and the engine's KV caches (`Backend.handlers`).
+HOST_HANDLERS: tuple[tuple[type[LoadStoreSpec], type[LoadStoreSpec], str], ...] = (
+    (CPULoadStoreSpec, CPULoadStoreSpec, "kvtier.transfer.handlers.memory:MemoryCopyHandler.for_backends"),
+    (GPULoadStoreSpec, CPULoadStoreSpec, "kvtier.transfer.handlers.gpu_cpu:make_gpu_to_cpu"),
+    (CPULoadStoreSpec, GPULoadStoreSpec, "kvtier.transfer.handlers.gpu_cpu:make_cpu_to_gpu"),
+)
 
 
 # ---------------------------------------------------------------------- capabilities

@@ -38,6 +38,8 @@ def build_router(backends: Mapping[str, Backend], kv_caches: Any = None, *, kv_s
     given) and that the factory can serve. `kv_side` selects the pairs with a KV-cache side (the
     worker plane), else the pairs without (the control plane). With `dry_run` every handler
     completes at once without bytes. A factory that raises stops the handlers made before it."""
+    for backend_cls in dict.fromkeys(type(b) for b in backends.values()):
+        registry.enter_kind(backend_cls)  # (a backend built without the registry brings its hops here)
     present = [b.spec_type for b in backends.values()]
     if kv_caches is not None:
         present.append(GPULoadStoreSpec)

@@ -6,6 +6,8 @@ listing what exists never imports torch or kvikio. Anything not listed can be na
 like code. `check_name` locates such a module without importing anything (`kvtier config check`);
 `load_class` imports it and checks the class (building a hierarchy).
 
+The handler table is filled from the backend classes: each declares the hops it brings
+(`Backend.handlers`), entered when the class is loaded; `register_handler` adds others.
 Handler factories have the signature
     factory(backends: Mapping[str, Backend], kv_caches: CanonicalKVCaches | None) -> TransferHandler | None
 and return None when they cannot serve in this process (e.g. a GPU handler without KV caches).
@@ -21,9 +23,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.core.errors import ConfigError
+from kvtier.core.errors import ConfigError, KVTierError
 from kvtier.core.quoting import brief, clip, suggest
 
+# One line per tier kind: its YAML name and its backend class. A kind's package holds its backend,
+# its spec type and the hops it brings (`Backend.handlers`), entered into the handler table below
+# when the class is loaded; a class named "package.module:Class" in YAML brings its hops the same way.
 BACKENDS: dict[str, str] = {
     "cpu": "kvtier.tiers.cpu:CPUBackend",
     "file": "kvtier.tiers.file:FileBackend",
@@ -37,30 +42,6 @@ POLICIES: dict[str, str] = {
     "sieve": "kvtier.policies.sieve:SIEVECachePolicy",
     "prefix-freq": "kvtier.policies.prefix_compiled:PrefixFreqCachePolicy",  # pure-Python when not built
 }
-
-# The built-in handlers: (source spec, destination spec, factory), each a "module:attr" path. They
-# are entered into the handler table on its first use (`_table`), so importing this module imports
-# no spec, handler, torch or kvikio.
-BUILTIN_HANDLERS: tuple[tuple[str, str, str], ...] = (
-    ("kvtier.core.specs:CPULoadStoreSpec", "kvtier.core.specs:CPULoadStoreSpec",
-     "kvtier.transfer.handlers.memory:MemoryCopyHandler.for_backends"),
-    ("kvtier.core.specs:CPULoadStoreSpec", "kvtier.core.specs:FileLoadStoreSpec",
-     "kvtier.transfer.handlers.cpu_file:make_cpu_to_file"),
-    ("kvtier.core.specs:FileLoadStoreSpec", "kvtier.core.specs:CPULoadStoreSpec",
-     "kvtier.transfer.handlers.cpu_file:make_file_to_cpu"),
-    ("kvtier.core.specs:GPULoadStoreSpec", "kvtier.core.specs:CPULoadStoreSpec",
-     "kvtier.transfer.handlers.gpu_cpu:make_gpu_to_cpu"),
-    ("kvtier.core.specs:CPULoadStoreSpec", "kvtier.core.specs:GPULoadStoreSpec",
-     "kvtier.transfer.handlers.gpu_cpu:make_cpu_to_gpu"),
-    ("kvtier.core.specs:GPULoadStoreSpec", "kvtier.core.specs:FileLoadStoreSpec",
-     "kvtier.transfer.handlers.gpu_file:make_gpu_to_file"),
-    ("kvtier.core.specs:FileLoadStoreSpec", "kvtier.core.specs:GPULoadStoreSpec",
-     "kvtier.transfer.handlers.gpu_file:make_file_to_gpu"),
-    ("kvtier.core.specs:CPULoadStoreSpec", "kvtier.core.specs:RemoteLoadStoreSpec",
-     "kvtier.tiers.remote.handler:make_cpu_to_remote"),
-    ("kvtier.core.specs:RemoteLoadStoreSpec", "kvtier.core.specs:CPULoadStoreSpec",
-     "kvtier.tiers.remote.handler:make_remote_to_cpu"),
-)
 
 
 @dataclass(frozen=True)
@@ -108,13 +89,39 @@ _builtins_entered = False
 
 
 def _table() -> dict[tuple[type, type], Any]:
-    """The handler table, with the built-ins entered (first) on first use."""
+    """The handler table, with the hops of every backend in `BACKENDS` entered (first) on first use."""
     global _builtins_entered
     if not _builtins_entered:
-        builtins = {(load_object(src), load_object(dst)): factory for src, dst, factory in BUILTIN_HANDLERS}
-        _handlers.update(builtins)  # two threads racing here enter the same entries
+        for path in BACKENDS.values():
+            _enter_hops(load_object(path))  # two threads racing here enter the same entries
         _builtins_entered = True
     return _handlers
+
+
+def enter_kind(backend_cls: type) -> None:
+    """Enter the hops `backend_cls` declares (`Backend.handlers`: (source spec type, destination
+    spec type, factory) triples) into the handler table, as `register_handler` would; a pair
+    already served by the same factory is left as it is. Raises `KVTierError` for a malformed
+    declaration or a pair another factory serves."""
+    _table()
+    _enter_hops(backend_cls)
+
+
+def _enter_hops(backend_cls: type) -> None:
+    from kvtier.core.specs import LoadStoreSpec
+
+    for n, hop in enumerate(getattr(backend_cls, "handlers", ())):
+        where = f"{backend_cls.__qualname__}.handlers[{n}]"
+        if not (isinstance(hop, tuple) and len(hop) == 3 and all(
+                isinstance(t, type) and issubclass(t, LoadStoreSpec) for t in hop[:2])
+                and (callable(hop[2]) or isinstance(hop[2], str))):
+            raise KVTierError(f"{where} is {brief(hop, 120)}; write (source spec type, destination spec type, "
+                              "factory or 'module:attr'), the spec types LoadStoreSpec subclasses")
+        src, dst, factory = hop
+        held = _handlers.setdefault((src, dst), factory)
+        if held is not factory and _factory_name(held) != _factory_name(factory):
+            raise KVTierError(f"{where}: {_spec_name(src)} -> {_spec_name(dst)} is already served by "
+                              f"{_factory_name(held)}; one factory serves a pair")
 
 
 def _check_spec_type(what: str, spec_type: Any) -> None:
@@ -136,7 +143,7 @@ def register_handler(src_spec: type, dst_spec: type, factory: Any) -> None:
     in this process. It may be given as a "module:attr" path, imported only when first needed.
     Raises `KVTierError` if the pair already has a handler (`unregister_handler` it first).
     """
-    from kvtier.core.errors import ArgumentTypeError, KVTierError
+    from kvtier.core.errors import ArgumentTypeError
 
     _check_spec_type("src_spec", src_spec)
     _check_spec_type("dst_spec", dst_spec)
@@ -153,7 +160,6 @@ def register_handler(src_spec: type, dst_spec: type, factory: Any) -> None:
 
 def unregister_handler(src_spec: type, dst_spec: type) -> None:
     """Remove the handler registered for exactly this pair. Raises `KVTierError` if there is none."""
-    from kvtier.core.errors import KVTierError
 
     if _table().pop((src_spec, dst_spec), None) is None:
         raise KVTierError(f"no handler is registered for {_spec_name(src_spec)} -> {_spec_name(dst_spec)}")
@@ -302,6 +308,11 @@ def load_class(kind: Kind, name: str, field: str) -> type:
         alternative = f" nor has the methods {', '.join(kind.seed_methods)}" if kind.seed_methods else ""
         raise ConfigError([(field, f"{kind.word} {brief(name)} names class {obj.__qualname__}, which does not derive "
                                    f"from {kind.base}{alternative}")])
+    if kind is BACKEND:
+        try:
+            enter_kind(obj)
+        except KVTierError as exc:
+            raise ConfigError([(field, f"backend {brief(name)}: {exc}")]) from None
     return obj
 
 

@@ -7,8 +7,9 @@ from conftest import keys
 
 from kvtier import build_hierarchy, load_config_text
 from kvtier.core.errors import KVTierError
-from kvtier.core.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, FileLoadStoreSpec, GPULoadStoreSpec
+from kvtier.core.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.base import Backend, HostSlots
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 from kvtier.tiers.memory import MemoryBackend
 from kvtier.transfer import registry
 from kvtier.transfer.handlers.base import SyncHandler, serving

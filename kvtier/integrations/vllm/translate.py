@@ -19,6 +19,7 @@ from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSp
 
 from kvtier.core import specs as kspecs
 from kvtier.core.keys import OffloadKey
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 
 _MEDIA = {"CPU": "CPU", "FILE": "STORAGE"}
 
@@ -85,7 +86,7 @@ def _to_vllm_spec(spec: kspecs.LoadStoreSpec, region: str | None,
     `identities`: the manifest digest of each file tier, by name."""
     if isinstance(spec, kspecs.CPULoadStoreSpec):
         return KVTierCPULoadStoreSpec(spec.block_ids, spec.tier, region)
-    if isinstance(spec, kspecs.FileLoadStoreSpec):
+    if isinstance(spec, FileLoadStoreSpec):
         identity = (identities or {}).get(spec.tier or "")
         return KVTierFileLoadStoreSpec(spec.block_ids, spec.keys, spec.tier, region, identity)
     if isinstance(spec, kspecs.CompositeLoadStoreSpec):
@@ -109,7 +110,7 @@ def to_kvtier_load_spec(spec: LoadStoreSpec, default_tier: str) -> kspecs.LoadSt
     from kvtier.transfer.handlers.gpu_file import StagedLoadSpec
 
     if isinstance(spec, KVTierFileLoadStoreSpec):
-        return kspecs.FileLoadStoreSpec(spec.block_ids, [OffloadKey(k) for k in spec.keys], spec.tier)
+        return FileLoadStoreSpec(spec.block_ids, [OffloadKey(k) for k in spec.keys], spec.tier)
     if isinstance(spec, KVTierCompositeLoadStoreSpec):
         return StagedLoadSpec([(to_kvtier_load_spec(part, default_tier), positions)
                                for part, positions in spec.parts])

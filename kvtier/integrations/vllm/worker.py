@@ -14,6 +14,7 @@ from kvtier.core import specs as kspecs
 from kvtier.integrations.vllm.file_loads import FileLoads
 from kvtier.integrations.vllm.translate import file_identities, to_kvtier_cpu_spec, to_kvtier_load_spec
 from kvtier.tiers.cpu import RegionError
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
@@ -29,12 +30,12 @@ _LOCAL_WORKER_REGIONS: set[str] = set()
 def file_keys_by_position(source: Any) -> dict[int, bytes]:
     """The keys of a load's file blocks by their position in the load (a `FileLoadStoreSpec`, or
     the file parts of a `StagedLoadSpec`)."""
-    if isinstance(source, kspecs.FileLoadStoreSpec):
+    if isinstance(source, FileLoadStoreSpec):
         return dict(enumerate(map(bytes, source.keys)))
     if isinstance(source, kspecs.CPULoadStoreSpec):
         return {}
     return {p: bytes(key) for spec, positions in getattr(source, "parts", ())
-            if isinstance(spec, kspecs.FileLoadStoreSpec) for p, key in zip(positions, spec.keys)}
+            if isinstance(spec, FileLoadStoreSpec) for p, key in zip(positions, spec.keys)}
 
 
 def _failure(result: Any, keys: dict[int, bytes]) -> tuple[list[bytes] | None, int]:

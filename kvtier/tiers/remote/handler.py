@@ -16,8 +16,9 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from kvtier.core.specs import BlockIDsLoadStoreSpec, LoadStoreSpec, RemoteLoadStoreSpec
+from kvtier.core.specs import BlockIDsLoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import HostSlots, RemoteBlocks
+from kvtier.tiers.remote.spec import RemoteLoadStoreSpec
 from kvtier.transfer.handlers.base import ThreadedHandler, host_pair, serving
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kvtier.core.errors import BlocksFailed, IntegrityError
-from kvtier.core.specs import BlockIDsLoadStoreSpec, FileLoadStoreSpec, LoadStoreSpec
+from kvtier.core.specs import BlockIDsLoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import BlockFile, HostSlots
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 from kvtier.transfer.handlers.base import ThreadedHandler, host_pair, serving
 
 

@@ -30,10 +30,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 from kvtier.core.errors import BlocksFailed, IntegrityError
-from kvtier.core.specs import FileLoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec, PartsLoadStoreSpec
+from kvtier.core.specs import GPULoadStoreSpec, LoadStoreSpec, PartsLoadStoreSpec
 from kvtier.core.types import CanonicalKVCaches
 from kvtier.tiers.base import BlockFile
 from kvtier.tiers.file.fileio import ALIGN as _ALIGN  # staging rows start on 4 KiB boundaries (O_DIRECT-friendly)
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 from kvtier.transfer.handlers.base import pick_backend, serving
 from kvtier.transfer.handlers.cpu_file import failed_slots
 from kvtier.transfer.handlers.file_path import file_path, log_choice
