@@ -29,7 +29,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -181,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'' if allocated is None else f'{allocated:.1f}':>11}{row['fill_seconds']:>8.1f}{churned}",
                   flush=True)
     if args.json:
-        doc = {"schema": "kvtier.bench.memory/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
+        from kvtier.bench.provenance import provenance  # (not at the top: a child measures its own imports)
+
+        doc = {"schema": "kvtier.bench.memory/1", **provenance(),
                "key_bytes": 36, "churn": args.churn, "rows": rows}
         Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"JSON written to {args.json}")

@@ -35,6 +35,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from kvtier.bench.provenance import provenance
 from kvtier.bench.quiet import logger_at
 from kvtier.core.types import LookupResult, TransferResult
 from kvtier.transfer.handlers.base import TransferHandler
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                          "cascade_deferred", "failures")))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump({**provenance(), **report}, f, indent=1)
         print(f"JSON written to {args.json}")
     return 0
 

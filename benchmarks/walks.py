@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 from kvtier import ReqContext, build_hierarchy, load_config_text, make_offload_key
+from kvtier.bench.provenance import provenance
 
 CONFIG = """
 block_bytes: 64B
@@ -87,7 +88,8 @@ def main(argv: list[str] | None = None) -> int:
         print("  cycle: " + " -> ".join(cycle))
     if args.json:
         with open(args.json, "w") as out_file:
-            json.dump({"walk": "prepare_store", "modules": modules, "cycles": cycles}, out_file, indent=1)
+            json.dump({**provenance(), "walk": "prepare_store", "modules": modules, "cycles": cycles}, out_file,
+                      indent=1)
     return 0
 
 

@@ -196,7 +196,9 @@ def plan_only(args) -> int:
     from bench_gpu_copy_plan import plan_rows
 
     rows = plan_rows(args.page_sizes, [int(n) for n in args.layers.split(",")], args.blocks, args.slots.split(","))
-    doc = {"mode": "plan-only", "machine": platform.processor() or platform.machine(),
+    from kvtier.bench.provenance import provenance
+
+    doc = {**provenance(), "mode": "plan-only", "cpu": platform.processor() or platform.machine(),
            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
            "rows": rows}
     with open(args.json, "w") as f:
@@ -232,7 +234,10 @@ def main(argv=None) -> int:
                     row["both_ratio"] = row["both_gbps"] / max(d2h, h2d)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+    from kvtier.bench.provenance import provenance
+
+    doc = {**provenance(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "cuda": torch.version.cuda,
            "total_bytes": total, "contiguous_d2h_gbps": d2h, "contiguous_h2d_gbps": h2d,
            "contiguous_both_gbps": both, "copy_choice": copy_choice(), "rows": rows}
     with open(args.json, "w") as f:

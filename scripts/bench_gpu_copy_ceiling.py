@@ -175,7 +175,9 @@ def main(argv=None) -> int:
             if f"{direction}_s" in row:
                 row[f"{direction}_gbps"] = total / row[f"{direction}_s"] / 1e9
                 row[f"{direction}_ratio"] = base / row[f"{direction}_s"]
-    doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "total_bytes": total,
+    from kvtier.bench.provenance import provenance
+
+    doc = {**provenance(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "total_bytes": total,
            "contiguous_d2h_gbps": total / d2h / 1e9, "contiguous_h2d_gbps": total / h2d / 1e9,
            "triton": triton_copy is not None, "rows": rows}
     with open(args.json, "w") as f:

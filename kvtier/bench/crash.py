@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.provenance import provenance
 from kvtier.bench.quiet import logger_at
 
 BLOCK_BYTES = 16 * 1024
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     t = report["totals"]
     print(f"totals: {json.dumps(t)}  ({report['seconds']} s)")
     path = Path(args.json) if args.json else Path(args.root) / "crash-report.json"
-    path.write_text(json.dumps(report, indent=1))
+    path.write_text(json.dumps({**provenance(), **report}, indent=1))
     print(f"JSON written to {path}")
     return 1 if t["served_wrong"] or t["lost_durable"] or t["child_complaints"] or t["pins_left"] \
         or t["child_died"] else 0

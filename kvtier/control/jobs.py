@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 
 def pin_sources(tier: Tier, keys: list[OffloadKey]) -> list[int]:
-    """Pin readable blocks `keys` of `tier` for a copy (`CachePolicy.pin_loads`: `ref_cnt += 1`
+    """Pin readable blocks `keys` of `tier` for a copy (`BlockTable.pin_loads`: `ref_cnt += 1`
     and `pin`); their slot ids. The caller checked that every key is readable."""
     ids = tier.table.pin_loads(keys)
     if ids is None:
