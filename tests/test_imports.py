@@ -68,14 +68,17 @@ def test_policies_import_only_the_standard_library():
     assert "yaml" not in out.stdout and "torch" not in out.stdout, out.stdout
 
 
-def _imported_modules(path: Path, at_import: bool) -> set[str]:
+def _imported_modules(path: Path, at_import: bool, type_checking: bool = True) -> set[str]:
     """Absolute module names `path` imports: when the module is imported (`at_import`: not in a
-    function body), or anywhere."""
+    function body), or anywhere; under `if TYPE_CHECKING:` too unless `type_checking` is False."""
     names: set[str] = set()
     nodes = list(ast.parse(path.read_text()).body)
     while nodes:
         node = nodes.pop()
         if at_import and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            nodes.extend(node.orelse)
             continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
@@ -123,26 +126,6 @@ PACKAGE_ORDER = ["core", "index", "policies", "tiers", "transfer", "config", "co
 UPWARD_ALLOWED = {("kvtier.tiers.remote.handler", "kvtier.transfer.handlers.base")}
 
 
-def _imports_run_at_import(path: Path) -> set[str]:
-    """Absolute module names `path` imports when it is imported: neither in a function body nor
-    under `if TYPE_CHECKING:`."""
-    names: set[str] = set()
-    nodes = list(ast.parse(path.read_text()).body)
-    while nodes:
-        node = nodes.pop()
-        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            continue
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            nodes.extend(node.orelse)
-            continue
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
-        nodes.extend(ast.iter_child_nodes(node))
-    return names
-
-
 def test_packages_import_only_packages_below_them():
     package = Path(__file__).resolve().parents[1] / "kvtier"
     assert sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file()) == sorted(PACKAGE_ORDER)
@@ -154,7 +137,7 @@ def test_packages_import_only_packages_below_them():
             continue  # kvtier/__init__.py: the public API, above everything
         own = PACKAGE_ORDER.index(rel.parts[1])
         module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
-        for name in _imports_run_at_import(path):
+        for name in _imported_modules(path, at_import=True, type_checking=False):
             parts = name.split(".")
             if parts[0] != "kvtier" or len(parts) < 2 or parts[1] not in PACKAGE_ORDER:
                 continue
