@@ -1,9 +1,9 @@
 """Builds kvtier's compiled modules: the block table (kvtier/index/_table.pyx and _table_api.pyx, with
 their .pxd declarations), the indexes of `lru` (kvtier/policies/_compact_lru.pyx) and `prefix-freq`
 (kvtier/policies/_compact_prefix*.pyx), which `cimport` it, the `cudaMemcpyAsync` loop of the engine <->
-CPU handlers (kvtier/handlers/_memcpy_loop.pyx; no CUDA headers needed: it calls a function address)
-and their job planner (kvtier/handlers/_job_plan.pyx; its pure-Python twin is
-kvtier/handlers/job_plan.py's `plan_job_py`, same plans, slower).
+CPU handlers (kvtier/transfer/handlers/_memcpy_loop.pyx; no CUDA headers needed: it calls a function address)
+and their job planner (kvtier/transfer/handlers/_job_plan.pyx; its pure-Python twin is
+kvtier/transfer/handlers/job_plan.py's `plan_job_py`, same plans, slower).
 
 Everything else is in pyproject.toml. The extensions are optional: without a C compiler (or
 Cython, outside pip's build isolation) the install succeeds and both policies run their
@@ -29,7 +29,7 @@ else:
         [Extension(f"kvtier.{name}", [f"kvtier/{name.replace('.', '/')}.pyx"], optional=True,
                    extra_compile_args=["-ffp-contract=off"])
          for name in COMPILED_INDEXES]
-        + [Extension(f"kvtier.handlers.{name}", [f"kvtier/handlers/{name}.pyx"], optional=True)
+        + [Extension(f"kvtier.transfer.handlers.{name}", [f"kvtier/transfer/handlers/{name}.pyx"], optional=True)
            for name in ("_memcpy_loop", "_job_plan")],
         compiler_directives={"language_level": "3"},
         include_path=["."],  # where `cimport kvtier.index._table` finds kvtier/index/_table.pxd

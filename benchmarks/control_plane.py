@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 import time
 from collections.abc import Callable
 from typing import Any
 
-from kvtier import registry
-from kvtier.keys import make_offload_key
+from benchmarks.seed_lru import SeedLRU
+from kvtier.bench.provenance import provenance
+from kvtier.core.keys import make_offload_key
+from kvtier.core.types import BlockStatus
 from kvtier.policies.base import CachePolicy, with_key_index
-from kvtier.testing.seed_policy import SeedLRU
-from kvtier.types import BlockStatus
+from kvtier.transfer import registry
 
 POLICIES = ("lru", "arc", "sieve", "prefix-freq", "seed-lru")
 BUDGET_S = 0.3  # CPU seconds spent measuring one (policy, P, case, mode); at least 3 calls
@@ -127,8 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{policy:<12}{case:<9}{pinned:>9,}{row['before_us']:>12,.1f}{row['after_us']:>11,.1f}"
                       f"{row['first_call_us']:>15,.1f}", flush=True)
     if args.json:
-        doc = {"schema": "kvtier.bench.control_plane/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
+        doc = {"schema": "kvtier.bench.control_plane/1", **provenance(),
                "unit": "CPU microseconds per evict call (time.process_time, mean over all calls)", "rows": rows}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)

@@ -31,17 +31,16 @@ import argparse
 import functools
 import json
 import os
-import platform
 import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks import child_env
 from kvtier.bench import replay, workloads
+from kvtier.bench.provenance import provenance
 
 WORKLOADS = ("conversation", "synthetic", "agentic", "scan")
 SYSTEMS = ("lru", "prefix-freq", "vllm-lru")
@@ -184,9 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = measure_cpu(workloads, systems, args.capacity, args.repeats, args.traces)
     if args.json:
-        doc = {"schema": "kvtier.bench.cycle/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                           "load": os.getloadavg()},
+        doc = {"schema": "kvtier.bench.cycle/1", **provenance(), "load": os.getloadavg(),
                "capacity": args.capacity, "repeats": 1 if args.callgrind else args.repeats,
                "unit": unit, "rows": rows}
         Path(args.json).write_text(json.dumps(doc, indent=1))

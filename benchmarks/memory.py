@@ -29,7 +29,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -59,9 +58,9 @@ def _keys(start: int, stop: int) -> list[Any]:
 def _fill_kvtier(name: str, n: int, start: int = 0, stop: int | None = None, policy: Any = None) -> Any:
     """Insert blocks `start..stop-1` (default `0..n-1`) into `policy` (default a new tracking
     policy `name` of capacity `n`), chunk by chunk, evicting first what the chunk needs."""
-    from kvtier import registry
+    from kvtier.core.types import BlockStatus
     from kvtier.policies.base import with_key_index
-    from kvtier.types import BlockStatus
+    from kvtier.transfer import registry
 
     if policy is None:
         policy = with_key_index(registry.resolve(registry.POLICIES, PURE.get(name, name))(n))
@@ -107,8 +106,8 @@ def measure(name: str, n: int, churn: float = 0.0) -> dict[str, Any]:
         import vllm.v1.kv_offload.cpu.manager  # noqa: F401 - imported before the first reading
     else:
         import kvtier.policies.lru_compiled  # noqa: F401
-        from kvtier import registry
-        from kvtier.types import BlockStatus  # noqa: F401
+        from kvtier.core.types import BlockStatus  # noqa: F401
+        from kvtier.transfer import registry
 
         registry.resolve(registry.POLICIES, PURE.get(name, name))
     _keys(0, 8)
@@ -181,8 +180,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"{'' if allocated is None else f'{allocated:.1f}':>11}{row['fill_seconds']:>8.1f}{churned}",
                   flush=True)
     if args.json:
-        doc = {"schema": "kvtier.bench.memory/1", "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-               "machine": {"python": sys.version.split()[0], "platform": platform.platform()},
+        from kvtier.bench.provenance import provenance  # (not at the top: a child measures its own imports)
+
+        doc = {"schema": "kvtier.bench.memory/1", **provenance(),
                "key_bytes": 36, "churn": args.churn, "rows": rows}
         Path(args.json).write_text(json.dumps(doc, indent=1))
         print(f"JSON written to {args.json}")

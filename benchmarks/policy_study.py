@@ -37,7 +37,7 @@ def single_tier_config(policy: str, capacity: int, block_tokens: int = 512):
 
 def replay_policy(trace: Trace, policy: str, capacity: int) -> dict[str, Any]:
     """Replay `trace` through a single-tier dry-run hierarchy; returns hit_rate, block_ops_per_s, ..."""
-    from kvtier.hierarchy import build_hierarchy
+    from kvtier.control.hierarchy import build_hierarchy
 
     hierarchy = build_hierarchy(single_tier_config(policy, capacity, trace.block_tokens), dry_run=True)
     try:

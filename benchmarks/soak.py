@@ -35,9 +35,10 @@ import time
 from collections import Counter
 from typing import Any
 
+from kvtier.bench.provenance import provenance
 from kvtier.bench.quiet import logger_at
-from kvtier.handlers.base import TransferHandler
-from kvtier.types import LookupResult, TransferResult
+from kvtier.core.types import LookupResult, TransferResult
+from kvtier.transfer.handlers.base import TransferHandler
 
 BLOCK_BYTES = 64
 
@@ -278,7 +279,7 @@ class SoakDriver:
                                  f"pending work={mgr.has_pending_work()}")
 
 
-@logger_at("kvtier.router", logging.ERROR)  # injected failures are expected
+@logger_at("kvtier.transfer.router", logging.ERROR)  # injected failures are expected
 def run(ops: int, seed: int = 0, hot: int = 16, warm: int = 48, universe: int = 160, check_every: int = 64,
         hot_policy: str = "arc", warm_policy: str = "lru", reserve: float = 0.25, progress=None,
         store_while_promoting: bool = True) -> dict:
@@ -342,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                          "cascade_deferred", "failures")))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+            json.dump({**provenance(), **report}, f, indent=1)
         print(f"JSON written to {args.json}")
     return 0
 

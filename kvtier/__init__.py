@@ -5,7 +5,10 @@ move or hold bytes, when they are used.
 """
 
 from kvtier.config import HierarchyConfig, load_config, load_config_text, parse_config, parse_size
-from kvtier.errors import (
+from kvtier.control.hierarchy import Hierarchy, build_hierarchy
+from kvtier.control.lru_manager import LRUOffloadingManager
+from kvtier.control.manager import HierarchyManager
+from kvtier.core.errors import (
     ArgumentError,
     ArgumentTypeError,
     ClosedError,
@@ -14,29 +17,16 @@ from kvtier.errors import (
     KVTierError,
     TransferError,
 )
-from kvtier.handlers.base import TransferHandler
-from kvtier.hierarchy import Hierarchy, build_hierarchy
-from kvtier.interfaces import OffloadingManager
-from kvtier.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key
-from kvtier.lru_manager import LRUOffloadingManager
-from kvtier.manager import HierarchyManager
-from kvtier.policies.arc import ARCCachePolicy
-from kvtier.policies.base import CachePolicy
-from kvtier.policies.lru_compiled import LRUCachePolicy
-from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
-from kvtier.policies.sieve import SIEVECachePolicy
-from kvtier.registry import register_handler
-from kvtier.specs import (
+from kvtier.core.interfaces import OffloadingManager
+from kvtier.core.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx, make_offload_key
+from kvtier.core.specs import (
     BlockIDsLoadStoreSpec,
     CompositeLoadStoreSpec,
     CPULoadStoreSpec,
-    FileLoadStoreSpec,
     GPULoadStoreSpec,
     LoadStoreSpec,
 )
-from kvtier.standalone import KVTier
-from kvtier.tiers.base import Backend, BlockFile, HostRegion, HostSlots
-from kvtier.types import (
+from kvtier.core.types import (
     BlockStatus,
     CanonicalKVCacheRef,
     CanonicalKVCaches,
@@ -48,6 +38,16 @@ from kvtier.types import (
     RequestOffloadingContext,
     TransferResult,
 )
+from kvtier.policies.arc import ARCCachePolicy
+from kvtier.policies.base import CachePolicy
+from kvtier.policies.lru_compiled import LRUCachePolicy
+from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
+from kvtier.policies.sieve import SIEVECachePolicy
+from kvtier.standalone import KVTier
+from kvtier.tiers.base import Backend, BlockFile, HostRegion, HostSlots
+from kvtier.tiers.file.spec import FileLoadStoreSpec
+from kvtier.transfer.handlers.base import TransferHandler
+from kvtier.transfer.registry import register_handler
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (dynamic version)
 

@@ -76,7 +76,9 @@ def main() -> None:
     print(f"reading {args.mib} MiB under {args.dir or tempfile.gettempdir()}")
     for row in rows:
         print(f"{row['mode']:<16} I/O {row['io_mib']:>3} MiB x {row['threads']:>2} threads: {row['median_ms']:7.1f} ms")
-    Path(args.out).write_text(json.dumps({"mib": args.mib, "rows": rows}, indent=1))
+    from kvtier.bench.provenance import provenance
+
+    Path(args.out).write_text(json.dumps({**provenance(), "mib": args.mib, "rows": rows}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -103,9 +103,9 @@ def both_at_once(torch, store, load, stores, loads, results, engine, original, r
 def measure(torch, page: int, total: int, mode: str, repeats: int, order: str,
             job_bytes: int = JOB_BYTES, threads: int = 2, both: bool = True) -> dict:
     from kvtier import CanonicalKVCaches, CanonicalKVCacheTensor, CPULoadStoreSpec, GPULoadStoreSpec
-    from kvtier.handlers import fast_path
-    from kvtier.handlers.gpu_cpu import make_handler
     from kvtier.tiers.cpu import CPUBackend
+    from kvtier.transfer.handlers import fast_path
+    from kvtier.transfer.handlers.gpu_cpu import make_handler
 
     os.environ["KVTIER_GPU_COPY"] = mode
     fast_path.CHOICE.forget()
@@ -153,7 +153,7 @@ def measure(torch, page: int, total: int, mode: str, repeats: int, order: str,
 
 def copy_choice() -> dict:
     """Every copy-mechanism decision this process made: chosen path and each candidate's figures."""
-    from kvtier.handlers import fast_path
+    from kvtier.transfer.handlers import fast_path
 
     return {f"{key[0]} pages {list(key[1])}" if isinstance(key, tuple) else str(key): {
         "chosen": d.chosen.name if d.chosen is not None else "staged",
@@ -196,7 +196,9 @@ def plan_only(args) -> int:
     from bench_gpu_copy_plan import plan_rows
 
     rows = plan_rows(args.page_sizes, [int(n) for n in args.layers.split(",")], args.blocks, args.slots.split(","))
-    doc = {"mode": "plan-only", "machine": platform.processor() or platform.machine(),
+    from kvtier.bench.provenance import provenance
+
+    doc = {**provenance(), "mode": "plan-only", "cpu": platform.processor() or platform.machine(),
            "python": platform.python_version(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
            "rows": rows}
     with open(args.json, "w") as f:
@@ -232,7 +234,10 @@ def main(argv=None) -> int:
                     row["both_ratio"] = row["both_gbps"] / max(d2h, h2d)
             rows.append(row)
             print(json.dumps(row), flush=True)
-    doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
+    from kvtier.bench.provenance import provenance
+
+    doc = {**provenance(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+           "cuda": torch.version.cuda,
            "total_bytes": total, "contiguous_d2h_gbps": d2h, "contiguous_h2d_gbps": h2d,
            "contiguous_both_gbps": both, "copy_choice": copy_choice(), "rows": rows}
     with open(args.json, "w") as f:

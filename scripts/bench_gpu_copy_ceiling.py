@@ -10,7 +10,7 @@ the CPU tier has, so no two descriptors merge). Mechanisms, each both directions
 `--repeats`, every load checked byte for byte:
 
 - `batch-stream-all`: one `cudaMemcpyBatchAsync` of every descriptor, srcAccessOrder Stream
-  (kvtier's submitter, `kvtier.handlers.cuda_copy`);
+  (kvtier's submitter, `kvtier.transfer.handlers.cuda_copy`);
 - `batch-any-all`: the same with srcAccessOrder Any;
 - `batch-stream-jobs`, `batch-any-jobs`: one call per 16 MiB job (`--job-mib`), back to back on
   one stream, one synchronisation at the end (what the handlers do, without their threads);
@@ -83,8 +83,8 @@ def triton_copier():
 def measure(torch, page: int, total: int, repeats: int, job_bytes: int, triton_copy) -> list[dict]:
     import numpy as np
 
-    from kvtier.handlers import cuda_copy
-    from kvtier.handlers.copy_plan import CopyPlan
+    from kvtier.transfer.handlers import cuda_copy
+    from kvtier.transfer.handlers.copy_plan import CopyPlan
 
     n = total // page
     engine = torch.randint(0, 256, (n, page), dtype=torch.uint8, device="cuda")
@@ -175,7 +175,9 @@ def main(argv=None) -> int:
             if f"{direction}_s" in row:
                 row[f"{direction}_gbps"] = total / row[f"{direction}_s"] / 1e9
                 row[f"{direction}_ratio"] = base / row[f"{direction}_s"]
-    doc = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "total_bytes": total,
+    from kvtier.bench.provenance import provenance
+
+    doc = {**provenance(), "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "total_bytes": total,
            "contiguous_d2h_gbps": total / d2h / 1e9, "contiguous_h2d_gbps": total / h2d / 1e9,
            "triton": triton_copy is not None, "rows": rows}
     with open(args.json, "w") as f:

@@ -3,7 +3,7 @@ planning with the reference planner (`copy_plan.plan_copies`, what the handlers 
 issue 37), the compiled planner (`job_plan.plan_job`) and its pure-Python twin, side by side
 in one run, and the whole `CudaKVCopyHandler.submit` of a job (validation, planning, stream and
 event calls, hand-off to the completion thread) with CUDA's streams and events as no-ops
-(`kvtier.testing.fake_cuda`) and a submitter that does nothing.
+(`tests.support.fake_cuda`) and a submitter that does nothing.
 
     python scripts/bench_gpu_copy.py --plan-only --json OUT.json [--pages 64KiB,256KiB,2MiB]
                                      [--layers 1,32] [--blocks 256] [--slots scattered,consecutive]
@@ -29,7 +29,7 @@ def layout_and_region(torch, page: int, layers: int, blocks: int):
     """A layout of `layers` tensors of `page // layers` bytes per block, and a CPU region of
     `2 * blocks` slots of `page` bytes, back to back (as the CPU tier lays out page-sized blocks)."""
     from kvtier import CanonicalKVCaches, CanonicalKVCacheTensor
-    from kvtier.handlers.kv_layout import KVLayout
+    from kvtier.transfer.handlers.kv_layout import KVLayout
 
     part = page // layers
     tensors = [CanonicalKVCacheTensor(torch.empty((blocks, part), dtype=torch.uint8), part) for _ in range(layers)]
@@ -63,10 +63,14 @@ class NoSubmit:
 
 def handler_submit_us(torch, layout, page: int, spec, slots, rounds: int, jobs: int) -> float:
     """Median us per `CudaKVCopyHandler.submit` of the job on host tensors (stand-in CUDA)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout: tests.support
     from kvtier import CPULoadStoreSpec
-    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
-    from kvtier.testing.fake_cuda import patched
     from kvtier.tiers.memory import MemoryBackend
+    from kvtier.transfer.handlers.gpu_cpu import CudaKVCopyHandler
+    from tests.support.fake_cuda import patched
 
     backend = MemoryBackend("bench", 2 * len(slots), layout.block_bytes)
     backend.pinned = True
@@ -92,9 +96,9 @@ def plan_row(torch, layout, region, page: int, layers: int, blocks: int, order: 
              jobs: int) -> dict:
     """us per job of each planner and of the handler's submit, for one layout and slot order."""
     from kvtier import GPULoadStoreSpec
-    from kvtier.handlers import job_plan
-    from kvtier.handlers.copy_plan import plan_copies
-    from kvtier.handlers.job_plan import RegionRef, plan_job, plan_job_py
+    from kvtier.transfer.handlers import job_plan
+    from kvtier.transfer.handlers.copy_plan import plan_copies
+    from kvtier.transfer.handlers.job_plan import RegionRef, plan_job, plan_job_py
 
     ref = RegionRef.of(region)
     spec = GPULoadStoreSpec(list(range(blocks)))

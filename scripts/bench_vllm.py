@@ -322,7 +322,9 @@ def main() -> None:
               "together": schedule == "together", "model": MODEL, "engine_block": ENGINE_BLOCK,
               "offload_block": OFFLOAD_BLOCK, "cpu_blocks": CPU_BLOCKS, "words": args.words, "rounds": args.rounds,
               "workdir": str(work)}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    from kvtier.bench.provenance import provenance
+
+    Path(args.out).write_text(json.dumps({**provenance(), **result}, indent=1))
     print(f"\nwrote {args.out}")
 
 

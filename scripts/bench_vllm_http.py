@@ -404,8 +404,10 @@ def main(argv: list[str] | None = None) -> None:
                 "offload_block": bench_vllm.OFFLOAD_BLOCK, "cpu_tier_blocks": bench_vllm.CPU_BLOCKS,
                 "max_tokens": MAX_TOKENS, "system_tokens_max": SYSTEM_TOKENS, "wall_s": round(time.monotonic() - t0, 1),
                 **{k: raw[k] for k in ("prefix_tokens", "system_prompt_words", "startup_s")}}
-    Path(args.out).write_text(json.dumps({"settings": settings, "summary": summary, "rounds": raw["records"]},
-                                         indent=1))
+    from kvtier.bench.provenance import provenance
+
+    doc = {**provenance(), "settings": settings, "summary": summary, "rounds": raw["records"]}
+    Path(args.out).write_text(json.dumps(doc, indent=1))
     print(f"\nwrote {args.out} ({settings['wall_s']} s)")
 
 

@@ -89,8 +89,8 @@ step worker 120 "$PY" scripts/gpu_check_worker.py --device cuda --json "$OUT/wor
 step bench-hops 90 "$PY" -m kvtier.cli.main bench hops --no-progress --block-sizes 64KiB,256KiB,2MiB \
   --json "$OUT/hops.json"
 step paths 60 "$PY" - <<'EOF'
-from kvtier.handlers import fast_path
-from kvtier.handlers.file_path import file_path
+from kvtier.transfer.handlers import fast_path
+from kvtier.transfer.handlers.file_path import file_path
 
 print(fast_path.engine_cpu_note({}))
 print("engine<->file, io: auto:", *file_path("auto", cuda=True))

@@ -241,7 +241,7 @@ class Standalone:
 
 
 def standalone_keys(start: int, n: int):
-    from kvtier.keys import make_offload_key
+    from kvtier.core.keys import make_offload_key
 
     return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + n)]
 
@@ -343,7 +343,9 @@ def main(argv=None) -> int:
         rows = run_checks(api, root, args.device, parse_size(args.page))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": args.device, "api": api, "no_vllm": why, "rows": rows}, f, indent=2)
+            from kvtier.bench.provenance import provenance
+
+            json.dump({**provenance(), "device": args.device, "api": api, "no_vllm": why, "rows": rows}, f, indent=2)
     return 0 if all(row["ok"] for row in rows) else 1
 
 

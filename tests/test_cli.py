@@ -1,11 +1,13 @@
 """The `kvtier` command: exit codes, JSON schema, clear errors without tracebacks."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
 
+from kvtier.bench import provenance
 from kvtier.cli.main import BENCH_MODES, BENCH_OPTIONS, main
 
 MEMORY = "configs/memory.yaml"
@@ -34,7 +36,8 @@ def test_bench_trace_writes_the_documented_json(tmp_path):
                  "--json", str(out), "--no-progress"]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == "kvtier.bench/2"
-    assert {"machine", "versions", "config", "trace", "summary", "created"} <= set(doc)
+    assert {"machine", "versions", "config", "trace", "summary", "created", "commit"} <= set(doc)
+    assert doc["commit"] == provenance.commit() and doc["machine"]["cpus"] == os.cpu_count()
     runs = doc["trace"]["runs"]
     assert [(r["policy"], r["capacity_blocks"]) for r in runs] == [
         ("lru", 100), ("arc", 100), ("lru", 400), ("arc", 400)]

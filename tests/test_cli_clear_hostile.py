@@ -13,7 +13,7 @@ import pytest
 from test_cli_clear import build, clear
 
 from kvtier.cli import clear as clear_module
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 from kvtier.tiers.file import rootdir
 from kvtier.tiers.file.rootdir import JOURNAL, LOCK, MANIFEST, OWN_FILES, SLAB
 

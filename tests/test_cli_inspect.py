@@ -15,7 +15,7 @@ import pytest
 from kvtier import build_hierarchy, load_config_text
 from kvtier.cli.inspect import human_size
 from kvtier.cli.main import main
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 from kvtier.tiers.file.rootdir import SLAB
 
 REPO = Path(__file__).resolve().parents[1]
@@ -98,7 +98,7 @@ def test_verify_exits_1_when_a_block_fails(tmp_path, capsys):
     root = tmp_path / "tier"
     hierarchy = build(root)
     disk = hierarchy.backends["disk"]
-    from kvtier.keys import make_offload_key
+    from kvtier.core.keys import make_offload_key
 
     keys = [make_offload_key(bytes([i]) * 16, 0) for i in range(2)]
     disk.write_blocks([0, 1], keys, [bytearray(b"%d" % i * 4096) for i in range(2)])

@@ -1,4 +1,4 @@
-"""`kvtier config check --vllm`: the vLLM connector's own rules (kvtier.config_vllm), without vLLM.
+"""`kvtier config check --vllm`: the vLLM connector's own rules (kvtier.config.vllm), without vLLM.
 Before, a config whose first tier is `backend: memory` passed, though vLLM refuses it at start."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from test_config_env import check  # config check FILE FLAGS -> (exit status, stdout, stderr)
 
-from kvtier.config_vllm import require_cpu_first, vllm_hierarchy_config
-from kvtier.errors import ConfigError
+from kvtier.config.vllm import require_cpu_first, vllm_hierarchy_config
+from kvtier.core.errors import ConfigError
 
 MEMORY_FIRST = "block_tokens: 16\ntiers:\n  - {name: hot, backend: memory, capacity: 8 blocks}\n"
 

@@ -9,7 +9,7 @@ import pytest
 from kvtier import ConfigError, build_hierarchy, load_config, load_config_text, parse_config, parse_size
 from kvtier.cli.main import main
 from kvtier.config import Capacity, HierarchyConfig, TierConfig, default_config_path
-from kvtier.config_input import MAX_CONFIG_BYTES
+from kvtier.config.input import MAX_CONFIG_BYTES
 from kvtier.tiers.base import Backend
 
 GOOD_TIER = "{name: cpu, backend: memory, capacity: 8 blocks}"
@@ -64,7 +64,7 @@ class _OddSpec:  # a spec type no handler knows
 
 
 class NoHandlerBackend(Backend):  # referenced from YAML above as tests.test_config:NoHandlerBackend
-    from kvtier.specs import BlockIDsLoadStoreSpec as _Base
+    from kvtier.core.specs import BlockIDsLoadStoreSpec as _Base
 
     spec_type = type("OddLoadStoreSpec", (_Base,), {"medium": staticmethod(lambda: "ODD")})
     OPTIONS: dict = {}
@@ -487,7 +487,7 @@ def test_shared_and_cyclic_mappings_from_code_are_bounded():
 
 
 def test_brief_quotes_any_value_shortly_and_fast():
-    from kvtier.config_input import brief
+    from kvtier.config.input import brief
 
     bomb: list = ["x"]
     for _ in range(40):
@@ -517,7 +517,7 @@ def test_hostile_cases_through_a_real_process(tmp_path, case_id):
                                      "block_tokens-sexagesimal", "recursive-alias-map", "1MB-list-under-limit",
                                      "two-documents", "control-char"])
 def test_both_yaml_parsers_apply_the_limits(libyaml, case_id):
-    from kvtier.config_yaml import load_yaml
+    from kvtier.config.bounded_yaml import load_yaml
 
     [(content, field, fragment)] = [(c[1], c[4], c[5]) for c in HOSTILE if c[0] == case_id]
     started = time.perf_counter()

@@ -1,4 +1,4 @@
-"""One set of limits (issue 27.3, kvtier/limits.py): `config check` and the build refuse the same
+"""One set of limits (issue 27.3, kvtier/core/limits.py): `config check` and the build refuse the same
 capacities, each as a `ConfigError` on the tier's `capacity`, and a capacity a tier can hold
 builds without allocating for it up front."""
 
@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import ConfigError, build_hierarchy, limits, load_config_text
+from kvtier import ConfigError, build_hierarchy, load_config_text
 from kvtier.cli.main import main
 from kvtier.config import MAX_BLOCKS, MAX_BYTES
+from kvtier.core import limits
+from kvtier.core.types import BlockStatus
 from kvtier.policies.lru_compiled import LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
 from kvtier.tiers.remote.backend import ValkeyBackend
-from kvtier.types import BlockStatus
 
 LIMIT = limits.MAX_INDEX_BLOCKS
 

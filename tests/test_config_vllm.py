@@ -23,7 +23,7 @@ def shared_bomb(levels: int = 9) -> list:
 
 
 def test_inline_mapping_with_a_shared_bomb_under_an_unknown_key_is_refused_at_once():
-    from kvtier.errors import ConfigError
+    from kvtier.core.errors import ConfigError
     from kvtier.integrations.vllm import load_raw_config, vllm_hierarchy_config
 
     started = time.perf_counter()
@@ -36,7 +36,7 @@ def test_inline_mapping_with_a_shared_bomb_under_an_unknown_key_is_refused_at_on
 
 
 def test_yaml_file_with_an_alias_bomb_or_over_the_size_limit_is_refused(tmp_path):
-    from kvtier.errors import ConfigError
+    from kvtier.core.errors import ConfigError
     from kvtier.integrations.vllm import load_raw_config
 
     bomb = tmp_path / "bomb.yaml"

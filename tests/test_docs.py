@@ -1,11 +1,13 @@
 """The README's configuration example is a valid hierarchy (docs match the code)."""
 
+import fnmatch
 import re
 from pathlib import Path
 
 from kvtier import load_config_text
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
 
 
 def test_readme_config_example_loads():
@@ -116,3 +118,25 @@ def test_the_readme_says_what_setup_sh_installs_outside_the_checkout():
         assert thing in script, f"setup.sh no longer mentions {thing}: update this test and the README"
         assert thing in section, f"README's 'The two commands' does not say setup.sh may touch {thing}"
     assert '"$(id -u)" = 0' in script and "as root" in section
+
+
+def _names_cited(text: str) -> set[str]:
+    """JSON file names `text` cites, with `{a,b}` alternatives expanded (`*` patterns kept, the
+    bare `*.json` left out: it names no file in particular)."""
+    def expand(name: str) -> list[str]:
+        m = re.search(r"\{([^{}]*)\}", name)
+        if not m:
+            return [name]
+        return [x for alt in m.group(1).split(",") for x in expand(name[:m.start()] + alt + name[m.end():])]
+    return {x for m in re.finditer(r"[A-Za-z0-9_.{},*\-]+\.json", text) if m.group(0) != "*.json"
+            for x in expand(m.group(0))}
+
+
+def test_every_results_file_is_cited_by_a_doc():
+    """`docs/results/` keeps only measurements a doc cites (by name, `{a,b}` alternatives or a
+    pattern such as `*-h200-2026-11-28.json`): an uncited file is a figure nobody can find."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    cited = set().union(*(_names_cited(p.read_text()) for p in docs))
+    results = sorted(p.name for p in (ROOT / "docs" / "results").iterdir())
+    uncited = [name for name in results if not any(fnmatch.fnmatch(name, pattern) for pattern in cited)]
+    assert results and uncited == []

@@ -128,7 +128,7 @@ def _class(module: str, name: str) -> type:
 def test_a_kv_transfer_config_names_what_exists(block: Block):
     pytest.importorskip("vllm")
     from kvtier.config import load_raw_config_file
-    from kvtier.config_vllm import require_cpu_first, vllm_hierarchy_config
+    from kvtier.config.vllm import require_cpu_first, vllm_hierarchy_config
 
     match = re.search(r"--kv-transfer-config '(\{.*?\})'", block.text, re.S)
     assert match, f"{block.name}: no --kv-transfer-config '{{...}}'"

@@ -27,10 +27,10 @@ from kvtier import (
     load_config_text,
     make_offload_key,
 )
+from kvtier.core.types import BlockStatus
 from kvtier.standalone import KVTier
 from kvtier.tiers.base import Backend
 from kvtier.tiers.file import FileBackend
-from kvtier.types import BlockStatus
 
 torch = pytest.importorskip("torch")
 
@@ -221,7 +221,7 @@ def test_file_backend_refuses_an_empty_fingerprint(tmp_path):
 
 
 def test_layout_covers_dtype_shape_pages_groups_and_chunks():
-    from kvtier.hierarchy import describe_layout
+    from kvtier.control.hierarchy import describe_layout
 
     base = describe_layout(2048, 16, make_kv())
     assert base == ("block_bytes=2048 block_tokens=16 blocks_per_chunk=1 "
@@ -232,7 +232,7 @@ def test_layout_covers_dtype_shape_pages_groups_and_chunks():
     swapped = make_kv()
     swapped.group_data_refs = [list(reversed(swapped.group_data_refs[0]))]
     assert describe_layout(2048, 16, swapped).endswith("groups=1/1024+0/1024")
-    from kvtier.handlers.gpu_cpu import ChunkedKVCaches
+    from kvtier.transfer.handlers.gpu_cpu import ChunkedKVCaches
 
     kv = make_kv()
     chunked = ChunkedKVCaches(kv.tensors, kv.group_data_refs, 2)

@@ -1,4 +1,4 @@
-"""One limit for identities (issue 36.5): `kvtier.limits.MAX_IDENTITY_BYTES`.
+"""One limit for identities (issue 36.5): `kvtier.core.limits.MAX_IDENTITY_BYTES`.
 
 On 7e6c7c1 `KVTier.open(..., model="org/m@" + "r" * 1_100_000)` was accepted and lost every block
 on a clean close (its manifest was past the 1 MiB the file tier reads back), and an inline
@@ -18,9 +18,9 @@ import pytest
 from test_identity import KEYS, NUM_KEYS, config, make_kv
 
 from kvtier import ArgumentError, ConfigError, KVTierError, make_offload_key, parse_config
-from kvtier.config_vllm import vllm_hierarchy_config
-from kvtier.hierarchy import describe_layout
-from kvtier.limits import MAX_IDENTITY_BYTES
+from kvtier.config.vllm import vllm_hierarchy_config
+from kvtier.control.hierarchy import describe_layout
+from kvtier.core.limits import MAX_IDENTITY_BYTES
 from kvtier.standalone import KVTier
 from kvtier.tiers.file import FileBackend
 from kvtier.tiers.file.inspection import inspect_root

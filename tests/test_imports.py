@@ -12,13 +12,14 @@ HEAVY = ("torch", "numpy", "kvikio", "vllm")
 # One entry per layer, lowest first (ARCHITECTURE.md, "Which way imports go"); every module of the
 # package is checked too, by test_every_module_imports_light. `kvtier.integrations.vllm` is left
 # out: it is the one place that imports vLLM.
-LAYERS = ["kvtier", "kvtier.keys", "kvtier.types", "kvtier.errors", "kvtier.limits", "kvtier.specs", "kvtier.policies",
-          "kvtier.tiers", "kvtier.tiers.base", "kvtier.tiers.memory", "kvtier.tiers.cpu", "kvtier.tiers.file",
-          "kvtier.tiers.file.inspection", "kvtier.handlers", "kvtier.handlers.base", "kvtier.handlers.memory",
-          "kvtier.handlers.cpu_file", "kvtier.handlers.gpu_cpu", "kvtier.handlers.gpu_file", "kvtier.registry",
-          "kvtier.control", "kvtier.manager", "kvtier.router", "kvtier.planes", "kvtier.config_input", "kvtier.config",
-          "kvtier.tiers.room", "kvtier.hierarchy", "kvtier.standalone", "kvtier.testing", "kvtier.integrations",
-          "kvtier.cli.main", "kvtier.bench.replay"]
+LAYERS = ["kvtier", "kvtier.core.keys", "kvtier.core.types", "kvtier.core.errors", "kvtier.core.limits",
+          "kvtier.core.specs", "kvtier.policies", "kvtier.tiers", "kvtier.tiers.base", "kvtier.tiers.memory",
+          "kvtier.tiers.cpu", "kvtier.tiers.file", "kvtier.tiers.file.inspection", "kvtier.transfer.handlers",
+          "kvtier.transfer.handlers.base", "kvtier.transfer.handlers.memory", "kvtier.transfer.handlers.cpu_file",
+          "kvtier.transfer.handlers.gpu_cpu", "kvtier.transfer.handlers.gpu_file", "kvtier.transfer.registry",
+          "kvtier.control", "kvtier.control.manager", "kvtier.transfer.router", "kvtier.transfer.planes",
+          "kvtier.config.input", "kvtier.config", "kvtier.tiers.room", "kvtier.control.hierarchy",
+          "kvtier.standalone", "kvtier.testing", "kvtier.integrations", "kvtier.cli.main", "kvtier.bench.replay"]
 
 
 @pytest.mark.parametrize("module", LAYERS)
@@ -46,8 +47,8 @@ def test_every_module_imports_light():
     """Each module, imported in turn in one fresh interpreter, brings nothing heavy (the first one
     that does is named: nothing heavy came before it)."""
     modules = _package_modules()
-    assert {"kvtier.control.cascade", "kvtier.tiers.file.slab", "kvtier.handlers.rows", "kvtier.testing.policy",
-            "kvtier.cli.inspect"} <= set(modules)
+    assert {"kvtier.control.cascade", "kvtier.tiers.file.slab", "kvtier.transfer.handlers.rows",
+            "kvtier.testing.policy", "kvtier.cli.inspect"} <= set(modules)
     code = ("import importlib, sys\n"
             f"for name in {modules!r}:\n"
             "    importlib.import_module(name)\n"
@@ -67,14 +68,17 @@ def test_policies_import_only_the_standard_library():
     assert "yaml" not in out.stdout and "torch" not in out.stdout, out.stdout
 
 
-def _imported_modules(path: Path, at_import: bool) -> set[str]:
+def _imported_modules(path: Path, at_import: bool, type_checking: bool = True) -> set[str]:
     """Absolute module names `path` imports: when the module is imported (`at_import`: not in a
-    function body), or anywhere."""
+    function body), or anywhere; under `if TYPE_CHECKING:` too unless `type_checking` is False."""
     names: set[str] = set()
     nodes = list(ast.parse(path.read_text()).body)
     while nodes:
         node = nodes.pop()
         if at_import and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if not type_checking and isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            nodes.extend(node.orelse)
             continue
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
@@ -109,4 +113,34 @@ def test_the_block_table_sits_below_policies_and_tiers():
     package = Path(__file__).resolve().parents[1] / "kvtier" / "index"
     imported = set().union(*(_imported_modules(path, at_import=False) for path in package.glob("*.py")))
     kvtier_modules = {name for name in imported if name.split(".")[0] == "kvtier"}
-    assert kvtier_modules <= {"kvtier.keys", "kvtier.types", "kvtier.index.table"}, kvtier_modules
+    assert kvtier_modules <= {"kvtier.core.keys", "kvtier.core.types", "kvtier.index.table"}, kvtier_modules
+
+
+# The packages of kvtier, lowest first (README, "Layout"): when a module is imported, it imports
+# only modules of its own package or of packages before its own. Imports inside functions (lazy)
+# and under `if TYPE_CHECKING:` are not counted: neither runs when the module is imported.
+PACKAGE_ORDER = ["core", "index", "policies", "tiers", "transfer", "config", "control", "standalone",
+                 "testing", "bench", "cli", "integrations"]
+# A tier kind that brings its own handler builds it on the handler contract (the step towards each
+# tier package registering its backend, spec and handlers; ARCHITECTURE.md, "A layout that is a map").
+UPWARD_ALLOWED = {("kvtier.tiers.remote.handler", "kvtier.transfer.handlers.base")}
+
+
+def test_packages_import_only_packages_below_them():
+    package = Path(__file__).resolve().parents[1] / "kvtier"
+    assert sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file()) == sorted(PACKAGE_ORDER)
+    assert sorted(p.name for p in package.glob("*.py")) == ["__init__.py"], "a module outside the packages"
+    upward = []
+    for path in sorted(package.rglob("*.py")):
+        rel = path.relative_to(package.parent).with_suffix("")
+        if len(rel.parts) < 3:
+            continue  # kvtier/__init__.py: the public API, above everything
+        own = PACKAGE_ORDER.index(rel.parts[1])
+        module = ".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)
+        for name in _imported_modules(path, at_import=True, type_checking=False):
+            parts = name.split(".")
+            if parts[0] != "kvtier" or len(parts) < 2 or parts[1] not in PACKAGE_ORDER:
+                continue
+            if PACKAGE_ORDER.index(parts[1]) > own and (module, name) not in UPWARD_ALLOWED:
+                upward.append(f"{module} imports {name}")
+    assert upward == [], upward

@@ -8,8 +8,8 @@ import pytest
 from conftest import keys, memory_hierarchy
 
 from kvtier import CompositeLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec, LookupResult, TransferResult
-from kvtier.errors import KVTierError, WaitTimeout
-from kvtier.handlers.base import SyncHandler, TransferHandler
+from kvtier.core.errors import KVTierError, WaitTimeout
+from kvtier.transfer.handlers.base import SyncHandler, TransferHandler
 
 
 def store(h, ks, ctx, fill=True):
@@ -188,12 +188,12 @@ class _WarmToEngine(SyncHandler):
 
 
 def test_direct_path_serves_lower_tier_without_promotion(ctx):
-    from kvtier.handlers.memory import MemoryCopyHandler
-    from kvtier.manager import HierarchyManager, Tier
+    from kvtier.control.manager import HierarchyManager, Tier
     from kvtier.policies import LRUCachePolicy
-    from kvtier.router import TransferRouter
-    from kvtier.specs import FileLoadStoreSpec
+    from kvtier.tiers.file.spec import FileLoadStoreSpec
     from kvtier.tiers.memory import MemoryBackend
+    from kvtier.transfer.handlers.memory import MemoryCopyHandler
+    from kvtier.transfer.router import TransferRouter
 
     class WarmBackend(MemoryBackend):  # addressed by its own spec type, as a file tier would be
         spec_type = FileLoadStoreSpec
@@ -257,7 +257,7 @@ def test_slow_lower_tier_applies_backpressure_without_dropping_blocks(ctx):
     """Demotions that never finish cap the blocks in flight; stores into tier 0 are answered at
     once: with room while free slots last, then None (no room yet) rather than dropping a block
     not copied down; nothing pinned is evicted, nothing is lost."""
-    from kvtier.handlers.base import TransferHandler
+    from kvtier.transfer.handlers.base import TransferHandler
 
     class Stuck(TransferHandler):
         def __init__(self):
@@ -371,7 +371,7 @@ def test_shutdown_abandons_jobs_of_a_hung_handler_after_its_timeout(ctx, caplog)
     for tier in h.manager.tiers:
         tier.backend.close = lambda name=tier.name: closed.append(name)
     began = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="kvtier.manager"):
+    with caplog.at_level(logging.ERROR, logger="kvtier.control.manager"):
         h.manager.shutdown(timeout=0.2)  # the router's shutdown would block in the hung handler
     assert time.monotonic() - began < 10
     assert closed == []  # both tiers are used by the abandoned copy: left open

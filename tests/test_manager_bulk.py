@@ -20,7 +20,7 @@ from test_manager_state import BLOCK, DeferredCopy
 
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
 from kvtier.config import load_config_text
-from kvtier.hierarchy import build_hierarchy
+from kvtier.control.hierarchy import build_hierarchy
 
 PURE_LRU = "kvtier.policies.lru_pure:PureLRUCachePolicy"
 PURE_PREFIX = "kvtier.policies.prefix_pure:PurePrefixFreqCachePolicy"

@@ -25,8 +25,8 @@ from test_manager_state import BLOCK, DeferredCopy
 
 from kvtier import CPULoadStoreSpec
 from kvtier.config import load_config_text
+from kvtier.control.hierarchy import build_hierarchy
 from kvtier.control.promotion import expire_stamps
-from kvtier.hierarchy import build_hierarchy
 from kvtier.tiers.memory import MemoryBackend
 
 

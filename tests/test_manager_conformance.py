@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvtier import LookupResult, LRUOffloadingManager, build_hierarchy, load_config_text
+from kvtier.core.types import OffloadingEvent, PrepareStoreOutput
 from kvtier.testing.manager import ManagerTests
 from kvtier.tiers.memory import MemoryBackend, SlotBackend
-from kvtier.types import OffloadingEvent, PrepareStoreOutput
 
 
 class TestLRUManager(ManagerTests):

@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
-from kvtier.handlers.base import TransferHandler
-from kvtier.types import TransferResult
+from kvtier.core.types import TransferResult
+from kvtier.transfer.handlers.base import TransferHandler
 
 UNIVERSE = keys(24)
 CTX = ReqContext("sm")

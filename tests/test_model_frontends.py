@@ -295,7 +295,7 @@ def test_the_machine_catches_a_corrupt_block_served(monkeypatch):
 
 def test_the_machine_catches_a_failed_job_dropping_its_good_blocks(monkeypatch):
     """7e6c7c1's outcome under vLLM: every block of a failed load dropped, not the bad one alone."""
-    from kvtier.types import TransferResult
+    from kvtier.core.types import TransferResult
 
     monkeypatch.setattr(TransferResult, "failed_positions", lambda self, n: [] if self.success else list(range(n)))
     _catches(FrontMachine, "not found|gone from every tier|file tier failures")
@@ -303,7 +303,7 @@ def test_the_machine_catches_a_failed_job_dropping_its_good_blocks(monkeypatch):
 
 def test_the_machine_catches_counters_that_do_not_add_up(monkeypatch):
     """7e6c7c1's engine totals: one per call, not per block."""
-    from kvtier.standalone_counters import TransferCounters
+    from kvtier.standalone.counters import TransferCounters
 
     original = TransferCounters.count
     monkeypatch.setattr(TransferCounters, "count", lambda self, kind, result, blocks: original(
@@ -314,7 +314,7 @@ def test_the_machine_catches_counters_that_do_not_add_up(monkeypatch):
 def test_the_machine_catches_a_slow_close(monkeypatch):
     import time as time_
 
-    from kvtier.hierarchy import Hierarchy
+    from kvtier.control.hierarchy import Hierarchy
 
     original = Hierarchy.close
     monkeypatch.setattr("model_fronts.CLOSE_BOUND_S", 0.05)

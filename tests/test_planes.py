@@ -17,12 +17,12 @@ from kvtier import (
     GPULoadStoreSpec,
     build_hierarchy,
     load_config_text,
-    registry,
 )
-from kvtier.handlers.base import SyncHandler, ThreadedHandler, TransferHandler
-from kvtier.planes import WorkerPlane
-from kvtier.router import TransferRouter
-from kvtier.types import TransferResult
+from kvtier.core.types import TransferResult
+from kvtier.transfer import registry
+from kvtier.transfer.handlers.base import SyncHandler, ThreadedHandler, TransferHandler
+from kvtier.transfer.planes import WorkerPlane
+from kvtier.transfer.router import TransferRouter
 
 PAGE = 256
 TWO_MEMORY_TIERS = """
@@ -198,7 +198,7 @@ def test_a_failed_build_stops_the_handlers_it_made(monkeypatch):
     def bad(backends, kv_caches):
         raise RuntimeError("injected factory failure")
 
-    from kvtier.specs import CPULoadStoreSpec, GPULoadStoreSpec
+    from kvtier.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
 
     injected = {(CPULoadStoreSpec, CPULoadStoreSpec): good, (GPULoadStoreSpec, CPULoadStoreSpec): bad}
     handler_factory = registry.handler_factory

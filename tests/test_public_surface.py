@@ -7,7 +7,7 @@ name (one leading underscore, not a dunder):
   class of the same file it derives from) defines: `self._name` inherited from a kvtier class is
   a reach too;
 - `setattr`/`getattr`/`delattr`/`hasattr` (`monkeypatch.setattr` too) naming `"_name"`, or a
-  dotted target such as `"kvtier.handlers.file_path._logged"`;
+  dotted target such as `"kvtier.transfer.handlers.file_path._logged"`;
 - `from kvtier... import _name`, or `import kvtier...._name`.
 
 `ALLOWED` lists the exceptions, each with its reason: other projects' private names the tests
@@ -171,7 +171,7 @@ def test_the_scan_finds_each_kind_of_reach(tmp_path):
         "from kvtier.control.promotion import _expire\n"
         "def test(monkeypatch, handler):\n"
         "    handler._ready[1] = None\n"
-        "    monkeypatch.setattr('kvtier.handlers.file_path._logged', set())\n"
+        "    monkeypatch.setattr('kvtier.transfer.handlers.file_path._logged', set())\n"
         "    monkeypatch.setattr(handler, '_probes', None)\n"
         "    handler.__class__, os._exit\n"
         "class Fake:\n"
@@ -185,7 +185,7 @@ def test_the_scan_finds_each_kind_of_reach(tmp_path):
         "test_x.py:1: import kvtier.tiers._hidden",
         "test_x.py:2: from kvtier.control.promotion import _expire",
         "test_x.py:4: handler._ready",
-        "test_x.py:5: setattr(..., 'kvtier.handlers.file_path._logged')",
+        "test_x.py:5: setattr(..., 'kvtier.transfer.handlers.file_path._logged')",
         "test_x.py:6: setattr(..., '_probes')",
         "test_x.py:14: self._on_done",
     ]

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.router import TransferRouter
-from kvtier.types import TransferResult
+from kvtier.core.types import TransferResult
+from kvtier.transfer.router import TransferRouter
 
 
 def test_failed_jobs_log_one_warning_per_kind_of_error(caplog):
-    caplog.set_level(logging.DEBUG, logger="kvtier.router")
+    caplog.set_level(logging.DEBUG, logger="kvtier.transfer.router")
     router = TransferRouter()
     for job_id in range(5):
         router.finished.append(TransferResult(job_id, False, error="RemoteUnavailable: 127.0.0.1:1: TimeoutError"))

@@ -12,11 +12,11 @@ import time
 import pytest
 
 from kvtier import build_hierarchy, load_config_text, make_offload_key
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
+from kvtier.core.types import LookupResult
 from kvtier.testing.fake_remote import FakeServer
 from kvtier.testing.manager import ManagerTests
 from kvtier.tiers.remote.backend import ValkeyBackend
-from kvtier.types import LookupResult
 
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 BLOCK = 4096

@@ -1,5 +1,5 @@
 """The shared tier against hostile servers (issue 27 items 1, 2; issue 26 item 8), on a real server
-behind a loopback proxy (`kvtier.testing.slow_proxy`): every lookup is answered within one step plus
+behind a loopback proxy (`tests.support.slow_proxy`): every lookup is answered within one step plus
 `timeout_ms` whatever the server does, `close()` is bounded, probe work stays bounded against a slow
 server (which opens the breaker), and the first failure logs one WARNING with its cause. Loops are
 bounded in count and time; measured figures are printed, bounds are generous (3x)."""
@@ -13,8 +13,8 @@ import pytest
 from test_shared_tier import MISS, RETRY, Engine, keys
 
 from kvtier.testing.fake_remote import FakeServer, fake_valkey
-from kvtier.testing.slow_proxy import SlowProxy
 from kvtier.tiers.remote.runtime import MAX_QUEUED
+from tests.support.slow_proxy import SlowProxy
 
 TIMEOUT_S = 0.25
 STEP_S = 0.01

@@ -19,12 +19,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from test_manager_state import BLOCK, CTX, UNIVERSE, DeferredCopy, ManagerMachine, content
 
 from kvtier import build_hierarchy, load_config_text
-from kvtier.handlers.base import TransferHandler
-from kvtier.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
+from kvtier.core.specs import CPULoadStoreSpec
+from kvtier.core.types import TransferResult
 from kvtier.testing.fake_remote import FakeServer
 from kvtier.tiers.remote.backend import ValkeyBackend
 from kvtier.tiers.remote.handler import CPUToRemoteHandler, RemoteToCPUHandler
-from kvtier.types import TransferResult
+from kvtier.tiers.remote.spec import RemoteLoadStoreSpec
+from kvtier.transfer.handlers.base import TransferHandler
 
 _names = itertools.count()
 

@@ -18,7 +18,7 @@ from kvtier import (
     load_config_text,
     make_offload_key,
 )
-from kvtier.errors import ArgumentError
+from kvtier.core.errors import ArgumentError
 from kvtier.standalone import KVTier
 from kvtier.tiers.file.backend import MAX_KEY_BYTES
 
@@ -192,10 +192,10 @@ def test_key_limit_is_the_smallest_of_the_tiers(tmp_path):
 
 
 def test_a_key_longer_than_the_policy_holds_is_refused_before_a_slot_is_taken():
-    """The compiled `lru` holds keys of up to `kvtier.limits.MAX_KEY_BYTES`: a longer one is an
+    """The compiled `lru` holds keys of up to `kvtier.core.limits.MAX_KEY_BYTES`: a longer one is an
     ArgumentError naming the policy's tier, and no slot is taken (before: the policy's ValueError
     from inside the store, one slot of the CPU tier lost)."""
-    from kvtier.limits import MAX_KEY_BYTES as POLICY_KEY_BYTES
+    from kvtier.core.limits import MAX_KEY_BYTES as POLICY_KEY_BYTES
 
     kv = make_kv(num_blocks=4)
     cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 4 blocks, pin: false, policy: lru}\n")
@@ -223,7 +223,7 @@ def test_packaged_memory_config(tmp_path):
     import kvtier.config
 
     kv = make_kv(num_blocks=40)
-    memory_yaml = Path(kvtier.config.__file__).with_name("configs") / "memory.yaml"
+    memory_yaml = Path(kvtier.__file__).with_name("configs") / "memory.yaml"
     with KVTier.open(memory_yaml, kv) as tier:
         ks = keys(10)
         assert tier.store(ks, list(range(10)))

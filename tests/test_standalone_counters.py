@@ -16,8 +16,8 @@ from test_standalone_rounds import cpu_file
 from kvtier import load_config_text
 from kvtier.control.tier import TierStats
 from kvtier.standalone import KVTier
-from kvtier.standalone_counters import HELP, TransferCounters
-from kvtier.standalone_metrics import TIER_HELP
+from kvtier.standalone.counters import HELP, TransferCounters
+from kvtier.standalone.metrics import TIER_HELP
 
 pytest.importorskip("torch")
 

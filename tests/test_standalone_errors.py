@@ -24,7 +24,7 @@ from kvtier import (
     load_config_text,
     make_offload_key,
 )
-from kvtier.errors import ArgumentError, ArgumentTypeError, ClosedError
+from kvtier.core.errors import ArgumentError, ArgumentTypeError, ClosedError
 from kvtier.standalone import KVTier
 from kvtier.tiers.file.backend import MAX_KEY_BYTES
 

@@ -14,7 +14,7 @@ import pytest
 from test_standalone import keys, make_kv
 
 from kvtier import load_config_text
-from kvtier.errors import ArgumentError, ArgumentTypeError
+from kvtier.core.errors import ArgumentError, ArgumentTypeError
 from kvtier.standalone import KVTier
 
 pytest.importorskip("torch")

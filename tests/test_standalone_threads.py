@@ -19,7 +19,7 @@ from kvtier import (
     load_config_text,
     make_offload_key,
 )
-from kvtier.errors import ClosedError
+from kvtier.core.errors import ClosedError
 from kvtier.standalone import KVTier
 
 torch = pytest.importorskip("torch")

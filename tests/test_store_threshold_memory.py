@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from kvtier.store_threshold import ENTRY_BYTES, StoreThreshold
+from kvtier.control.store_threshold import ENTRY_BYTES, StoreThreshold
 
 LONG = 65_532
 

@@ -5,7 +5,7 @@ digits in that unit)."""
 from __future__ import annotations
 
 from kvtier.config import parse_size
-from kvtier.units import format_size
+from kvtier.core.units import format_size
 
 
 def test_whole_sizes_are_written_as_a_config_would_write_them_and_read_back():

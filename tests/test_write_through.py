@@ -16,8 +16,8 @@ from hypothesis.stateful import invariant, rule
 from test_manager_state import ManagerMachine
 
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext, build_hierarchy, load_config_text
-from kvtier.handlers.base import TransferHandler
-from kvtier.types import TransferResult
+from kvtier.core.types import TransferResult
+from kvtier.transfer.handlers.base import TransferHandler
 
 BLOCK = 4096
 

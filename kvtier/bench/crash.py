@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.provenance import provenance
 from kvtier.bench.quiet import logger_at
 
 BLOCK_BYTES = 16 * 1024
@@ -60,7 +61,7 @@ FINGERPRINT = "kvtier-crash-harness/v1"
 
 
 def key_for(block_id: int) -> bytes:
-    from kvtier.keys import make_offload_key
+    from kvtier.core.keys import make_offload_key
 
     return make_offload_key(block_id.to_bytes(8, "big") * 2, 0)
 
@@ -312,7 +313,7 @@ def remove_leaked_shm(pid: int) -> tuple[int, int]:
     return len(paths) - claims, claims
 
 
-@logger_at("kvtier.router", logging.ERROR)  # failed verifications are counted, not logged
+@logger_at("kvtier.transfer.router", logging.ERROR)  # failed verifications are counted, not logged
 def run(iterations: int, root: Path, upper: str = "memory", seed: int = 0, max_kill_delay: float = 0.6,
         log=print, promote_batch: int = 1) -> dict:
     root = Path(root)
@@ -371,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     t = report["totals"]
     print(f"totals: {json.dumps(t)}  ({report['seconds']} s)")
     path = Path(args.json) if args.json else Path(args.root) / "crash-report.json"
-    path.write_text(json.dumps(report, indent=1))
+    path.write_text(json.dumps({**provenance(), **report}, indent=1))
     print(f"JSON written to {path}")
     return 1 if t["served_wrong"] or t["lost_durable"] or t["child_complaints"] or t["pins_left"] \
         or t["child_died"] else 0

@@ -69,9 +69,9 @@ def measure_engine_file(root_dir: str, device: str, block_bytes: int, total_byte
     """GPU->FILE and FILE->GPU rows for each handler path (see the module docstring)."""
     import torch
 
-    from kvtier.handlers.gpu_file import aligned_rows
-    from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
-    from kvtier.types import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+    from kvtier.core.types import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+    from kvtier.transfer.handlers.gpu_file import aligned_rows
+    from kvtier.transfer.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 
     n = max(2, total_bytes // block_bytes)
     engine = torch.randint(-128, 128, (n, block_bytes), dtype=torch.int8, device=device)
@@ -115,9 +115,10 @@ def _path_rows(path: str, work: Path, layout, engine, reference, engine_ids: lis
     """The store and load rows of one handler path, on a fresh file tier."""
     import torch
 
-    from kvtier.handlers.gpu_file import GPUFileHandler
-    from kvtier.handlers.gpu_file_direct import DirectGPUFileHandler
-    from kvtier.specs import FileLoadStoreSpec, GPULoadStoreSpec
+    from kvtier.core.specs import GPULoadStoreSpec
+    from kvtier.tiers.file.spec import FileLoadStoreSpec
+    from kvtier.transfer.handlers.gpu_file import GPUFileHandler
+    from kvtier.transfer.handlers.gpu_file_direct import DirectGPUFileHandler
 
     n, block_bytes = len(engine_ids), layout.block_bytes
     cls = DirectGPUFileHandler if path == "direct" else GPUFileHandler

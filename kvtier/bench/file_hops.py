@@ -28,12 +28,13 @@ from typing import Any
 from kvtier.bench.hops import TransferCorrupted
 from kvtier.bench.hops_runner import run_jobs
 from kvtier.config import DEFAULT_BLOCK_TOKENS
-from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler
-from kvtier.keys import OffloadKey, make_offload_key
-from kvtier.specs import CPULoadStoreSpec, FileLoadStoreSpec
+from kvtier.core.keys import OffloadKey, make_offload_key
+from kvtier.core.specs import CPULoadStoreSpec
 from kvtier.tiers.file.backend import RUN_BYTES, FileBackend
 from kvtier.tiers.file.fileio import ALIGN, aligned_buffer, buffer_address
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 from kvtier.tiers.memory import MemoryBackend
+from kvtier.transfer.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler
 
 BENCH_MODEL = "kvtier-bench"  # the identity of the bench's file tiers: they hold random bytes, no model's KV
 BENCH_TOKENS = DEFAULT_BLOCK_TOKENS  # tokens per block recorded in the bench's file tiers

@@ -6,7 +6,7 @@ For each block size: the engine's KV cache is one tensor of `total_bytes / block
 consecutive slots (what a fresh tier hands out) and once into scattered slots (a random permutation:
 the steady state of a cache after churn). Measured in the same run, kvtier and its baseline
 alternating in each of `repeats` rounds after one warm-up:
-  - kvtier: the GPU->CPU / CPU->GPU handler (`kvtier.handlers.gpu_cpu`), submit to completion;
+  - kvtier: the GPU->CPU / CPU->GPU handler (`kvtier.transfer.handlers.gpu_cpu`), submit to completion;
   - baseline: one contiguous copy of the same bytes (the ceiling);
   - naive (consecutive rows): one `copy_` per block in a Python loop (what the batched path replaces).
 After measuring, each direction is run once more into cleared memory and every block compared with
@@ -174,10 +174,10 @@ def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int, or
     timed closures bind this call's tensors, which are released when it returns)."""
     import torch
 
-    from kvtier.handlers.gpu_cpu import make_handler
-    from kvtier.specs import CPULoadStoreSpec, GPULoadStoreSpec
+    from kvtier.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
+    from kvtier.core.types import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
     from kvtier.tiers.cpu import CPUBackend
-    from kvtier.types import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+    from kvtier.transfer.handlers.gpu_cpu import make_handler
 
     rows: list[dict[str, Any]] = []
     n = max(2, total_bytes // block_bytes)

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import format_size
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 
 
 def plot_bench(doc: dict[str, Any], path: str | Path) -> None:

@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvtier.bench.hops_runner import run_jobs
-from kvtier.keys import make_offload_key
+from kvtier.core.keys import make_offload_key
 
 BENCH_SUFFIX = "bench-hops"
 CLEANUP_BATCH = 500
@@ -115,7 +115,8 @@ def _figures(times: dict[str, list[float]], n: int, block_bytes: int, threads: i
 def _jobs(threads: int, keys: list, memory, remote) -> tuple[list[list[int]], list[tuple], list[tuple]]:
     """The n = len(keys) blocks in `threads` parts of consecutive indices, then (the parts, store jobs:
     memory slots -> the remote keys, load jobs: those keys -> memory slots n + i), one per part."""
-    from kvtier.specs import CPULoadStoreSpec, RemoteLoadStoreSpec
+    from kvtier.core.specs import CPULoadStoreSpec
+    from kvtier.tiers.remote.spec import RemoteLoadStoreSpec
 
     n = len(keys)
     per_job = -(-n // threads)

@@ -19,9 +19,9 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from kvtier.bench.workloads import Trace
-from kvtier.errors import KVTierError
-from kvtier.keys import make_offload_key
-from kvtier.types import LookupResult, ReqContext
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import make_offload_key
+from kvtier.core.types import LookupResult, ReqContext
 
 MAX_RETRY_STEPS = 64  # a lookup still answering RETRY after this many steps counts as a miss
 
@@ -154,7 +154,7 @@ def drive(manager: Any, keys_per_request: list[list[bytes]], vllm_api: bool, mak
 
 def replay_kvtier(config: Any, trace: Trace, progress: Callable | None = None) -> dict[str, Any]:
     """Replay through a dry-run kvtier hierarchy built from `config`; adds per-tier figures."""
-    from kvtier.hierarchy import build_hierarchy
+    from kvtier.control.hierarchy import build_hierarchy
 
     try:
         hierarchy = build_hierarchy(config, dry_run=True)

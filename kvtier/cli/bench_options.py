@@ -12,7 +12,7 @@ from kvtier.bench import replay
 from kvtier.bench.hops_runner import default_block_sizes
 from kvtier.bench.where import RootDirError, check_root_dir
 from kvtier.config import format_size, parse_size
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
 
 MAX_REPEATS = 1000  # rounds per measurement; more would run for hours on the default sizes
 MAX_HOP_BLOCK_BYTES = 1 << 30  # a hop moves at least 8 blocks, twice over in memory: 16 GiB at this size

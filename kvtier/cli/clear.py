@@ -31,7 +31,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from kvtier.cli.inspect import human_size
-from kvtier.errors import ConfigError, KVTierError
+from kvtier.core.errors import ConfigError, KVTierError
 from kvtier.tiers.file.own_files import holds_tier
 from kvtier.tiers.file.rootdir import (
     JOURNAL,

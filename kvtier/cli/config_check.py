@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import sys
 
-from kvtier import registry
 from kvtier.config import format_size, is_external, load_config, parse_size
-from kvtier.config_input import brief
-from kvtier.config_problems import count_problems
-from kvtier.errors import ConfigError
+from kvtier.config.input import brief
+from kvtier.config.problems import count_problems
+from kvtier.core.errors import ConfigError
+from kvtier.transfer import registry
 
 
 def describe(config, block_bytes: int | None = None) -> str:
@@ -125,7 +125,7 @@ def check_environment(config, args, block_bytes: int | None = None) -> int:
 
 def _engine_file_path(options) -> str:
     """Which path the engine's KV cache takes to and from this file tier here, and why."""
-    from kvtier.handlers.file_path import file_path
+    from kvtier.transfer.handlers.file_path import file_path
 
     choice, why = file_path(str(options.get("io", "auto")))
     return f"engine<->file {choice} ({why})"
@@ -133,7 +133,7 @@ def _engine_file_path(options) -> str:
 
 def _engine_cpu_path(options) -> str:
     """Which copy mechanism the engine's KV cache takes to and from this CPU tier here (measured)."""
-    from kvtier.handlers.fast_path import engine_cpu_note
+    from kvtier.transfer.handlers.fast_path import engine_cpu_note
 
     return engine_cpu_note(options)
 

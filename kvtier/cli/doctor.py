@@ -38,7 +38,7 @@ def check_kvikio() -> Result:
         return (WARN if gpu_present() else OK), "not importable: file tiers use posix I/O (io: auto)"
     import kvikio
 
-    from kvtier.handlers.file_path import file_path
+    from kvtier.transfer.handlers.file_path import file_path
 
     mode = ("cuFile may be used (nvidia-fs and /proc/modules present)" if gds_platform()
             else "compat mode (no nvidia-fs here: kvikio's own POSIX I/O, no GPUDirect Storage)")

@@ -12,8 +12,8 @@ import json
 import sys
 from pathlib import Path
 
-from kvtier.errors import KVTierError
-from kvtier.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx
+from kvtier.core.errors import KVTierError
+from kvtier.core.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx
 
 EXIT_VERIFY_FAILED = 1
 SIZES = ("block_bytes", "slot_bytes", "slab_bytes", "bytes")

@@ -10,7 +10,7 @@ import argparse
 import sys
 
 from kvtier import __version__
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 
 EXIT_USAGE = 2
 

@@ -1,6 +1,6 @@
 """`kvtier config check --vllm`: a config resolved as the vLLM connector resolves it at start.
 
-The rules are the connector's own (`kvtier.config_vllm`: `require_cpu_first`, and
+The rules are the connector's own (`kvtier.config.vllm`: `require_cpu_first`, and
 `vllm_hierarchy_config`: a `valkey` tier's `tp` and a `file` tier's `part_checks` are the engine's
 tensor-parallel size); what vLLM decides instead of the YAML is said in notes: tokens and bytes per
 block come from the engine, the `cpu` tier's `shm_name` from its `engine_id`, a persistent tier's
@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.config import DEFAULT_BLOCK_TOKENS, HierarchyConfig, load_raw_config_file
-from kvtier.config_vllm import PERSISTENT_BACKENDS, require_cpu_first, vllm_hierarchy_config
+from kvtier.config.vllm import PERSISTENT_BACKENDS, require_cpu_first, vllm_hierarchy_config
 
 ENGINE_ID = "ENGINE_ID"  # stands for vLLM's engine_id in the shm_name shown
 PER_RANK = {"valkey": "tp", "file": "part_checks"}  # tier options that vLLM sets to its tensor-parallel size

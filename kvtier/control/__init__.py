@@ -21,5 +21,5 @@
 - `quiesce`: waiting until the jobs the controllers started have ended (`wait_idle`), and the
   manager's `flush` and `shutdown` built on it.
 
-`kvtier.manager.HierarchyManager` puts them together behind the `OffloadingManager` protocol.
+`kvtier.control.manager.HierarchyManager` puts them together behind the `OffloadingManager` protocol.
 """

@@ -23,7 +23,7 @@ from itertools import filterfalse, islice
 from kvtier.control.context import ControlContext
 from kvtier.control.jobs import Job, enter_copies, pin_sources
 from kvtier.control.tier import Tier
-from kvtier.keys import OffloadKey
+from kvtier.core.keys import OffloadKey
 from kvtier.policies.base import predicts_victims
 
 log = logging.getLogger(__name__)

@@ -3,7 +3,7 @@
 The controllers (`LoadPins`, `StorePath`, `Cascade`, `Promotions`, `SharedTierProbes`) are peers:
 each gets this context (the tiers in chain order, the table of running jobs, the event log) and,
 where it needs another's help, that controller or one of its methods, from
-`kvtier.manager.HierarchyManager`, which composes them. None constructs another.
+`kvtier.control.manager.HierarchyManager`, which composes them. None constructs another.
 """
 
 from __future__ import annotations

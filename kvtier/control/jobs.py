@@ -17,16 +17,16 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from kvtier.control.tier import WRITING, Tier
-from kvtier.keys import OffloadKey
-from kvtier.router import TransferRouter
-from kvtier.types import OffloadingEvent, TransferResult
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import OffloadingEvent, TransferResult
+from kvtier.transfer.router import TransferRouter
 
 if TYPE_CHECKING:
     from kvtier.control.context import ControlContext
 
 
 def pin_sources(tier: Tier, keys: list[OffloadKey]) -> list[int]:
-    """Pin readable blocks `keys` of `tier` for a copy (`CachePolicy.pin_loads`: `ref_cnt += 1`
+    """Pin readable blocks `keys` of `tier` for a copy (`BlockTable.pin_loads`: `ref_cnt += 1`
     and `pin`); their slot ids. The caller checked that every key is readable."""
     ids = tier.table.pin_loads(keys)
     if ids is None:

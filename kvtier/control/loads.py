@@ -19,8 +19,8 @@ from itertools import compress, repeat
 from typing import cast
 
 from kvtier.control.context import ControlContext
-from kvtier.keys import OffloadKey
-from kvtier.specs import CompositeLoadStoreSpec, LoadStoreSpec
+from kvtier.core.keys import OffloadKey
+from kvtier.core.specs import CompositeLoadStoreSpec, LoadStoreSpec
 
 _TOP_ONLY = (0,)  # the pins of a block that prepare_load pinned once, in tier 0
 

@@ -18,7 +18,7 @@ from time import monotonic
 from kvtier.control.context import ControlContext
 from kvtier.control.jobs import Job, enter_copies
 from kvtier.control.tier import Tier
-from kvtier.keys import OffloadKey
+from kvtier.core.keys import OffloadKey
 
 # How long a promotion's outcome is held for the engine, which acts on it within a step or two: a
 # refusal answers the key's next lookup with MISS only within it, and a block promoted and not

@@ -15,11 +15,11 @@ from kvtier.control.cascade import Cascade
 from kvtier.control.context import ControlContext
 from kvtier.control.promotion import Promotions
 from kvtier.control.shared_probes import SharedTierProbes
-from kvtier.errors import WaitTimeout
-from kvtier.keys import OffloadKey
-from kvtier.router import TransferRouter
+from kvtier.core.errors import WaitTimeout
+from kvtier.core.keys import OffloadKey
+from kvtier.transfer.router import TransferRouter
 
-log = logging.getLogger("kvtier.manager")  # (its messages are the manager's)
+log = logging.getLogger("kvtier.control.manager")  # (its messages are the manager's)
 FLUSH_RECHECK_S = 0.1  # how often a `flush` given a `check` calls it while waiting
 
 

@@ -38,8 +38,8 @@ from kvtier.control.context import ControlContext
 from kvtier.control.jobs import Job, enter_copies, pin_sources
 from kvtier.control.promotion import Promotions, longest_fit
 from kvtier.control.tier import Tier
-from kvtier.keys import OffloadKey
-from kvtier.types import LookupResult
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import LookupResult
 
 MAX_PENDING = 4096  # keys waiting for a probe; past this, lookups of new keys answer MISS
 MAX_NEGATIVE = 1 << 16  # negative answers kept (the oldest are forgotten first)

@@ -18,8 +18,8 @@ from kvtier.control.jobs import enter_copies
 from kvtier.control.promotion import Promotions
 from kvtier.control.shared_probes import SharedTierProbes
 from kvtier.control.tier import UNPINNED, WRITING
-from kvtier.keys import OffloadKey
-from kvtier.types import PrepareStoreOutput
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import PrepareStoreOutput
 
 
 class StorePath:

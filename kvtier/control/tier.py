@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import DEFAULT_CASCADE, DEFAULT_RESERVE, BlockStatus
 from kvtier.index import BlockTable, table_of
-from kvtier.keys import OffloadKey
 from kvtier.policies.base import CachePolicy
 from kvtier.tiers.base import Backend
-from kvtier.types import DEFAULT_CASCADE, DEFAULT_RESERVE, BlockStatus
 
 # The `ref_cnt`s of blocks `Tier.remove` may take (a pinned block, > 0, never leaves).
 IDLE = frozenset({0})  # readable, unpinned

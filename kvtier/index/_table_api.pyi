@@ -4,7 +4,7 @@ base class of the compiled policy indexes and their block views."""
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
-from kvtier.keys import OffloadKey
+from kvtier.core.keys import OffloadKey
 
 class BlockView:
     """A block of a compiled index: `ref_cnt` reads and writes the index's entry."""

@@ -26,8 +26,8 @@ from collections.abc import Iterable, Sequence
 from itertools import filterfalse
 from typing import Any, Protocol, cast
 
-from kvtier.keys import OffloadKey
-from kvtier.types import BlockStatus
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import BlockStatus
 
 
 class BlockTable(Protocol):

@@ -4,9 +4,9 @@ calls are `CompactTable`'s (kvtier/index/_table_api.pyi)."""
 from collections.abc import Collection, Iterable, Iterator
 from typing import Any
 
+from kvtier.core.keys import OffloadKey
 from kvtier.index._table_api import BlockView as BlockView
 from kvtier.index._table_api import CompactTable
-from kvtier.keys import OffloadKey
 
 class Index(CompactTable):
     def __init__(self, cache_capacity: int, *args: Any, **kwargs: Any) -> None: ...

@@ -11,9 +11,9 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable, Iterator
 from itertools import islice
 
-from kvtier.keys import OffloadKey
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import BlockStatus
 from kvtier.policies.base import CachePolicy, evictable
-from kvtier.types import BlockStatus
 
 
 class ARCCachePolicy(CachePolicy):

@@ -8,8 +8,8 @@ from itertools import filterfalse, islice
 from operator import itemgetter
 from typing import Any
 
-from kvtier.keys import OffloadKey
-from kvtier.types import BlockStatus
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import BlockStatus
 
 _first = itemgetter(0)
 
@@ -60,7 +60,7 @@ class CachePolicy(ABC):
     returns_views: bool = False  # get() returns views of the policy's own state (see above)
     batch_calls: bool = False  # the compiled index is its own block table (see above)
     # The most blocks an instance can hold (None: no limit of its own); a tier's capacity is
-    # checked against it by `config check` and the build (kvtier.limits).
+    # checked against it by `config check` and the build (kvtier.core.limits).
     max_blocks: int | None = None
     # The longest key an instance holds, in bytes (None: no limit of its own); `insert` of a
     # longer one raises ValueError. Front-ends may refuse longer keys up front (as for backends).

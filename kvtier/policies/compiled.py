@@ -7,7 +7,7 @@ import importlib
 import logging
 from typing import Any, ClassVar
 
-from kvtier.limits import MAX_INDEX_BLOCKS, MAX_KEY_BYTES
+from kvtier.core.limits import MAX_INDEX_BLOCKS, MAX_KEY_BYTES
 
 log = logging.getLogger("kvtier.policies")
 

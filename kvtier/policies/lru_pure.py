@@ -26,9 +26,9 @@ from heapq import heappop, heappush
 from itertools import islice, repeat
 from operator import attrgetter, itemgetter
 
-from kvtier.keys import OffloadKey
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import BlockStatus
 from kvtier.policies.base import CachePolicy, evictable
-from kvtier.types import BlockStatus
 
 _first = itemgetter(0)
 _second = itemgetter(1)

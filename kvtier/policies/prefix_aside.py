@@ -6,8 +6,8 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from heapq import heappush
 
-from kvtier.keys import OffloadKey
-from kvtier.types import BlockStatus
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import BlockStatus
 
 
 class AsideBlocks:

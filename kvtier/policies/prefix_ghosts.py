@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from itertools import islice
 
-from kvtier.keys import OffloadKey
+from kvtier.core.keys import OffloadKey
 
 
 class GhostList:

@@ -60,7 +60,8 @@ from itertools import compress, repeat
 from operator import attrgetter, is_, is_not, itemgetter
 from typing import cast
 
-from kvtier.keys import OffloadKey
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import BlockStatus
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.prefix_aside import AsideBlocks
 from kvtier.policies.prefix_ghosts import GhostList
@@ -72,7 +73,6 @@ from kvtier.policies.prefix_tails import (
     RETURNED_TAIL,
     TailEvidence,
 )
-from kvtier.types import BlockStatus
 
 _first = itemgetter(0)
 _second = itemgetter(1)

@@ -12,9 +12,9 @@ from itertools import chain, islice
 from operator import attrgetter, itemgetter
 from typing import Any
 
-from kvtier.keys import OffloadKey
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import BlockStatus
 from kvtier.policies.prefix_tails import EVICTED_NEW, EVICTED_TAIL
-from kvtier.types import BlockStatus
 
 _first = itemgetter(0)
 _second = itemgetter(1)

@@ -21,9 +21,9 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 
-from kvtier.keys import OffloadKey
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import BlockStatus
 from kvtier.policies.base import CachePolicy
-from kvtier.types import BlockStatus
 
 
 class SIEVECachePolicy(CachePolicy):

@@ -1,4 +1,4 @@
-"""Conformance suites for third-party implementations, and test helpers.
+"""Conformance suites for third-party implementations (kvtier's own test fixtures live in tests/support).
 
 Subclass a suite in your own pytest file; pytest collects and runs its tests::
 

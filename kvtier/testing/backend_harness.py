@@ -6,11 +6,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from kvtier.keys import OffloadKey, make_offload_key
+from kvtier.core.keys import OffloadKey, make_offload_key
+from kvtier.core.types import BlockStatus
 from kvtier.testing import backend_contract as contract
 from kvtier.testing.clauses import call
 from kvtier.tiers.base import Backend
-from kvtier.types import BlockStatus
 
 
 def key(i: int) -> OffloadKey:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.specs import BlockIDsLoadStoreSpec
+from kvtier.core.specs import BlockIDsLoadStoreSpec
 from kvtier.testing import backend_contract as contract
 from kvtier.testing.backend_harness import BackendHarness, key, keys, payload
 from kvtier.testing.clauses import call

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from kvtier.core.types import BlockStatus
 from kvtier.testing import backend_contract as contract
 from kvtier.testing.backend_harness import BackendHarness, keys
 from kvtier.testing.clauses import call
-from kvtier.types import BlockStatus
 
 
 class SlotTests(BackendHarness):

@@ -2,7 +2,7 @@
 
 A test class subclasses `HandlerTests` for one (source spec type, destination spec type) pair and
 says how to build both sides (`make_sides`); by default the handlers come from the registry
-(`kvtier.registry.handler_factory`), so the suite checks what a hierarchy would really use:
+(`kvtier.transfer.registry.handler_factory`), so the suite checks what a hierarchy would really use:
 
     class TestMyPair(HandlerTests):
         def make_sides(self, tmp_path):
@@ -32,11 +32,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier import registry
-from kvtier.handlers.base import TransferHandler
-from kvtier.keys import make_offload_key
-from kvtier.specs import GPULoadStoreSpec, LoadStoreSpec
-from kvtier.types import TransferResult
+from kvtier.core.keys import make_offload_key
+from kvtier.core.specs import GPULoadStoreSpec, LoadStoreSpec
+from kvtier.core.types import TransferResult
+from kvtier.transfer import registry
+from kvtier.transfer.handlers.base import TransferHandler
 
 __all__ = ["EngineSide", "FileSlotSide", "HandlerTests", "HostSlotSide", "JobCollector", "RemoteSlotSide", "Side"]
 

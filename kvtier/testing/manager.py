@@ -34,10 +34,10 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from kvtier.interfaces import OffloadingManager
-from kvtier.keys import OffloadKey
+from kvtier.core.interfaces import OffloadingManager
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import LookupResult
 from kvtier.testing.scheduler_driver import SchedulerDriver, make_keys
-from kvtier.types import LookupResult
 
 __all__ = ["ManagerTests", "SchedulerDriver", "make_keys"]
 

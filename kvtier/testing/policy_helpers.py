@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from kvtier.keys import OffloadKey, make_offload_key
+from kvtier.core.keys import OffloadKey, make_offload_key
+from kvtier.core.types import BlockStatus
 from kvtier.policies.base import CachePolicy
 from kvtier.testing import policy_contract as contract
-from kvtier.types import BlockStatus
 
 
 def key(i: int) -> OffloadKey:

@@ -9,12 +9,12 @@ from typing import ClassVar
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvtier.keys import OffloadKey
+from kvtier.core.keys import OffloadKey
+from kvtier.core.types import BlockStatus
 from kvtier.policies.base import CachePolicy
 from kvtier.testing import policy_contract as contract
 from kvtier.testing.clauses import call
 from kvtier.testing.policy_helpers import key, observe, ready, same_block, set_ref_cnt, values_of
-from kvtier.types import BlockStatus
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.differing_executors]
 

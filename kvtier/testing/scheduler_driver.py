@@ -8,10 +8,10 @@ import time
 from collections import Counter
 from collections.abc import Collection, Iterable
 
-from kvtier.interfaces import OffloadingManager
-from kvtier.keys import OffloadKey, make_offload_key
-from kvtier.specs import CompositeLoadStoreSpec, LoadStoreSpec
-from kvtier.types import LookupResult, ReqContext
+from kvtier.core.interfaces import OffloadingManager
+from kvtier.core.keys import OffloadKey, make_offload_key
+from kvtier.core.specs import CompositeLoadStoreSpec, LoadStoreSpec
+from kvtier.core.types import LookupResult, ReqContext
 
 __all__ = ["SchedulerDriver", "make_keys"]
 

@@ -10,9 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from operator import attrgetter
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
-from kvtier.keys import OffloadKey
-from kvtier.specs import BlockIDsLoadStoreSpec
-from kvtier.types import BlockStatus
+from kvtier.core.keys import OffloadKey
+from kvtier.core.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec, LoadStoreSpec
+from kvtier.core.types import BlockStatus
 
 _block_id = attrgetter("block_id")
 _PLAIN_INIT = BlockIDsLoadStoreSpec.__init__
@@ -104,17 +104,22 @@ class Backend(ABC):
     max_key_bytes: ClassVar[int | None] = None
     # The most blocks (slots, handles) a tier of this backend can have, whatever its policy holds
     # (None: no limit of its own). `config check` and the build check a tier's capacity against
-    # it and its policy's `max_blocks` alike (`kvtier.limits.tier_blocks_problem`).
+    # it and its policy's `max_blocks` alike (`kvtier.core.limits.tier_blocks_problem`).
     max_blocks: ClassVar[int | None] = None
     # True when blocks outlive the process (a restart finds them). `build_hierarchy` then passes
     # the constructor `fingerprint` (whose KV this is, never empty) and `layout` (block geometry,
-    # dtypes and shapes; see `kvtier.hierarchy.describe_layout`), and the backend must never serve
+    # dtypes and shapes; see `kvtier.control.hierarchy.describe_layout`), and the backend must never serve
     # a block written under another pair.
     persistent: ClassVar[bool] = False
     # True for a tier shared with other processes through a server (Valkey/Redis): it comes after
     # every local tier, is fed by publishing the first tier's stores and read by promotion into
     # the first tier, never by the cascade (see `kvtier.control.shared_probes`).
     shared: ClassVar[bool] = False
+    # The hops this kind of tier brings: (source spec type, destination spec type, factory), the
+    # factory a callable or its "module:attr" path (`kvtier.transfer.registry.register_handler`).
+    # The registry enters them when it loads the class, so a tier kind is one package (backend,
+    # spec, handlers) and, for a short YAML name, one line in `registry.BACKENDS`.
+    handlers: ClassVar[tuple[tuple[type[LoadStoreSpec], type[LoadStoreSpec], Any], ...]] = ()
 
     def __init__(self, name: str | int = "", num_blocks: int | str = 0, block_bytes: int = 0,
                  block_size: int = 0, medium: str | None = None):
@@ -138,7 +143,7 @@ class Backend(ABC):
         self.block_size = block_size  # tokens per block, reported in events
         self.slots = SlotAllocator(num_blocks) if medium is None or num_blocks else _SeedSlots(type(self).__name__)
 
-    # Backend-specific YAML keys: name -> (default or kvtier.types.REQUIRED, validator). See kvtier.config.
+    # Backend-specific YAML keys: name -> (default or kvtier.core.types.REQUIRED, validator). See kvtier.config.
     OPTIONS: ClassVar[dict] = {}
 
     @classmethod
@@ -242,6 +247,15 @@ class Backend(ABC):
 
     def close(self) -> None:  # noqa: B027 - an optional hook, not abstract: most backends need it, some do not
         """Release memory, files and handles. Idempotent. Default: nothing to release."""
+
+
+# The hops of a tier in host memory (`CPULoadStoreSpec`): copies between two host tiers and
+# between a host tier and the engine's KV caches (`Backend.handlers`).
+HOST_HANDLERS: tuple[tuple[type[LoadStoreSpec], type[LoadStoreSpec], str], ...] = (
+    (CPULoadStoreSpec, CPULoadStoreSpec, "kvtier.transfer.handlers.memory:MemoryCopyHandler.for_backends"),
+    (GPULoadStoreSpec, CPULoadStoreSpec, "kvtier.transfer.handlers.gpu_cpu:make_gpu_to_cpu"),
+    (CPULoadStoreSpec, GPULoadStoreSpec, "kvtier.transfer.handlers.gpu_cpu:make_cpu_to_gpu"),
+)
 
 
 # ---------------------------------------------------------------------- capabilities

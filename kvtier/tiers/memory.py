@@ -7,9 +7,9 @@ import mmap
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from kvtier.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec
+from kvtier.core.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec
 from kvtier.tiers import room
-from kvtier.tiers.base import Backend
+from kvtier.tiers.base import HOST_HANDLERS, Backend
 
 
 class SlotBackend(Backend):
@@ -40,6 +40,7 @@ class MemoryBackend(Backend):
 
     spec_type = CPULoadStoreSpec
     medium = "CPU"
+    handlers = HOST_HANDLERS
     max_blocks = None  # bounded by memory (capacity_problem)
 
     @classmethod

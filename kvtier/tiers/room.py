@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvtier.units import format_size
+from kvtier.core.units import format_size
 
 
 def available_memory() -> int | None:

@@ -34,7 +34,7 @@ def test_a_capacity_past_a_policy_limit_is_a_clear_error(capsys, monkeypatch):
     def refuse(config, **kwargs):
         raise ValueError(f"cache_capacity must be <= 1073741824 blocks for lru, got {config.tiers[0].capacity.blocks}")
 
-    monkeypatch.setattr("kvtier.hierarchy.build_hierarchy", refuse)
+    monkeypatch.setattr("kvtier.control.hierarchy.build_hierarchy", refuse)
     assert main(["bench", "trace", "--capacities", "2000000000", "--config", "configs/memory.yaml",
                  "--no-progress"]) == 2
     err = capsys.readouterr().err

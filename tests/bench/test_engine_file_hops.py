@@ -28,7 +28,7 @@ def test_the_direct_path_runs_through_the_same_measurement(tmp_path):
 
     if not fileio.kvikio_importable():
         pytest.skip("kvikio not installed")
-    from kvtier.testing.fake_cuda import load_fake_libcuda
+    from tests.support.fake_cuda import load_fake_libcuda
 
     load_fake_libcuda()
     rows = measure_engine_file(str(tmp_path), "cpu", 64 << 10, 1 << 20, repeats=1, paths=["direct"])
@@ -78,7 +78,7 @@ def test_a_handler_that_cannot_be_built_leaves_the_file_tier_closed(tmp_path, mo
     handler and the file tier: no descriptor of the tier stays open, no lock stays held."""
     import os
 
-    from kvtier.handlers import gpu_file
+    from kvtier.transfer.handlers import gpu_file
 
     real_init, shut = gpu_file.GPUFileHandler.__init__, []
 

@@ -31,7 +31,7 @@ class _Corrupting:
 
 @pytest.fixture
 def corrupting_store(monkeypatch):
-    import kvtier.handlers.gpu_cpu as gpu_cpu
+    import kvtier.transfer.handlers.gpu_cpu as gpu_cpu
 
     real = gpu_cpu.make_handler
 
@@ -68,7 +68,7 @@ def test_the_command_exits_1_without_figures(corrupting_store, tmp_path, capsys)
 def test_a_failed_check_still_shuts_both_handlers_down(monkeypatch):
     """Before, the handlers were shut down only after every check passed: a corrupting transfer
     left them running (on CUDA: two worker threads and a stream each)."""
-    import kvtier.handlers.gpu_cpu as gpu_cpu
+    import kvtier.transfer.handlers.gpu_cpu as gpu_cpu
 
     real, shut = gpu_cpu.make_handler, []
 

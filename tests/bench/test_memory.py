@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 from benchmarks import memory
+from kvtier.core.types import BlockStatus
 from kvtier.policies.lru_compiled import LRUCachePolicy
 from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
-from kvtier.types import BlockStatus
 
 
 def test_compact_index_allocates_under_100_bytes_per_block_at_1m_and_8m():
@@ -25,6 +25,7 @@ def test_rows_give_rss_growth_per_block_in_fresh_processes(tmp_path):
     assert memory.main(["--blocks", "60000", "--policies", "lru-py,lru", "--json", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["schema"] == "kvtier.bench.memory/1" and doc["key_bytes"] == 36
+    assert {"created", "commit", "machine", "versions"} <= set(doc)
     lru, compact = doc["rows"]
     assert (lru["policy"], compact["policy"]) == ("lru-py", "lru")  # pure Python, compiled
     for row in (lru, compact):

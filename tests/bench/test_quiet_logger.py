@@ -11,7 +11,7 @@ from kvtier.bench.quiet import logger_at
 
 
 def test_soak_leaves_the_router_logger_as_it_found_it():
-    router_log = logging.getLogger("kvtier.router")
+    router_log = logging.getLogger("kvtier.transfer.router")
     router_log.setLevel(logging.INFO)
     try:
         soak.run(300, seed=1)

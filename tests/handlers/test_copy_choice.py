@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from test_fast_path import Corrupting, Memmove, Raising, host_check
 
-from kvtier.handlers import copy_timing, fast_path
-from kvtier.handlers.copy_plan import coalesce
-from kvtier.handlers.copy_timing import Timing, pick, probe_blocks, probe_plans, probe_sizes, time_mechanism
+from kvtier.transfer.handlers import copy_timing, fast_path
+from kvtier.transfer.handlers.copy_plan import coalesce
+from kvtier.transfer.handlers.copy_timing import Timing, pick, probe_blocks, probe_plans, probe_sizes, time_mechanism
 
 torch = pytest.importorskip("torch")
 
@@ -44,7 +44,7 @@ def test_the_fastest_mechanism_that_passed_the_self_check_is_chosen(caplog):
     slow, fast, corrupt = named("batch"), named("loop"), named("kernel", Corrupting)
     candidates = [("batch", slow), ("kernel", corrupt), ("loop", fast)]
     timer = fake_timer({"batch": 0.010, "loop": 0.004, "kernel": 0.001})
-    with caplog.at_level(logging.INFO, logger="kvtier.handlers.fast_path"):
+    with caplog.at_level(logging.INFO, logger="kvtier.transfer.handlers.fast_path"):
         chosen = choice.get(("cuda:0", (65536,)), candidates, host_check, timer)
         assert choice.get(("cuda:0", (65536,)), candidates, host_check, timer) is chosen  # decided once
     assert type(chosen) is fast and timer.timed == ["batch", "loop"]
@@ -60,7 +60,7 @@ def test_the_fastest_mechanism_that_passed_the_self_check_is_chosen(caplog):
 def test_without_failures_the_choice_and_its_figures_are_logged_at_info(caplog):
     choice = fast_path.FastPathChoice()
     timer = fake_timer({"batch": 0.002, "loop": 0.004})
-    with caplog.at_level(logging.INFO, logger="kvtier.handlers.fast_path"):
+    with caplog.at_level(logging.INFO, logger="kvtier.transfer.handlers.fast_path"):
         chosen = choice.get("cuda:3", [("batch", named("batch")), ("loop", named("loop"))], host_check, timer)
     assert chosen.name == "batch"
     (record,) = caplog.records
@@ -72,13 +72,13 @@ def test_without_failures_the_choice_and_its_figures_are_logged_at_info(caplog):
 def test_a_mechanism_raising_while_timed_is_left_out_with_one_warning(caplog):
     choice = fast_path.FastPathChoice()
     timer = fake_timer({"batch": RuntimeError("CUDA error: invalid argument"), "loop": 0.004})
-    with caplog.at_level(logging.WARNING, logger="kvtier.handlers.fast_path"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.transfer.handlers.fast_path"):
         chosen = choice.get("cuda:0", [("batch", named("batch")), ("loop", named("loop"))], host_check, timer)
     assert chosen.name == "loop"
     (record,) = caplog.records
     assert "batch: RuntimeError while timed: CUDA error: invalid argument" in record.getMessage()
     everything_fails = fake_timer({"batch": RuntimeError("700"), "loop": RuntimeError("701")})
-    with caplog.at_level(logging.WARNING, logger="kvtier.handlers.fast_path"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.transfer.handlers.fast_path"):
         assert choice.get("cuda:1", [("batch", named("batch")), ("loop", named("loop"))], host_check,
                           everything_fails) is None
     assert len(caplog.records) == 2 and "staged path" in caplog.records[1].getMessage()
@@ -87,7 +87,7 @@ def test_a_mechanism_raising_while_timed_is_left_out_with_one_warning(caplog):
 def test_no_mechanism_left_means_the_staged_path_and_none_is_timed(caplog):
     choice = fast_path.FastPathChoice()
     timer = fake_timer({})
-    with caplog.at_level(logging.WARNING, logger="kvtier.handlers.fast_path"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.transfer.handlers.fast_path"):
         assert choice.get("cuda:0", [("batch", Raising), ("kernel", Corrupting)], host_check, timer) is None
     assert timer.timed == [] and len(caplog.records) == 1
 
@@ -138,7 +138,7 @@ def test_a_failed_job_demotes_the_decisions_of_that_device_only(caplog):
     try:
         good = choice.get(("cuda:0", (4096,)), [("memmove", Memmove)], host_check)
         other = choice.get(("cuda:1", (4096,)), [("memmove", Memmove)], host_check)
-        with caplog.at_level(logging.WARNING, logger="kvtier.handlers.fast_path"):
+        with caplog.at_level(logging.WARNING, logger="kvtier.transfer.handlers.fast_path"):
             fast_path.demote_cuda("cuda:0", good, "error 700")
         decisions = choice.decisions()
         assert decisions[("cuda:0", (4096,))].chosen is None

@@ -1,4 +1,4 @@
-"""The Triton copy kernel (`kvtier.handlers.copy_kernel`) on CPU: Triton's interpreter runs it on
+"""The Triton copy kernel (`kvtier.transfer.handlers.copy_kernel`) on CPU: Triton's interpreter runs it on
 host memory (in a child process: `TRITON_INTERPRET` is read when a kernel is defined), through
 the same self-check a GPU runs; and when it is offered at all."""
 
@@ -16,16 +16,16 @@ import pytest
 from test_copy_choice import fake_timer, named
 from test_fast_path import host_check
 
-from kvtier.handlers import copy_kernel, fast_path
-from kvtier.handlers.cuda_copy import Unavailable
+from kvtier.transfer.handlers import copy_kernel, fast_path
+from kvtier.transfer.handlers.cuda_copy import Unavailable
 
 ROOT = Path(__file__).resolve().parents[2]
 
 INTERPRETED = """
 import numpy as np, torch
-from kvtier.handlers import fast_path
-from kvtier.handlers.copy_kernel import KernelSubmitter, copy_kernel
-from kvtier.handlers.copy_plan import CopyPlan
+from kvtier.transfer.handlers import fast_path
+from kvtier.transfer.handlers.copy_kernel import KernelSubmitter, copy_kernel
+from kvtier.transfer.handlers.copy_plan import CopyPlan
 
 kernel = KernelSubmitter(copy_kernel(), programs=4)
 n = fast_path.PROBE_PAGE * fast_path.PROBE_PAGES
@@ -78,7 +78,7 @@ def test_a_mechanism_not_available_here_is_named_at_info_not_warned_about(caplog
 
     choice = fast_path.FastPathChoice()
     timer = fake_timer({"batch": 0.002})
-    with caplog.at_level(logging.INFO, logger="kvtier.handlers.fast_path"):
+    with caplog.at_level(logging.INFO, logger="kvtier.transfer.handlers.fast_path"):
         chosen = choice.get("cuda:0", [("batch", named("batch")), ("kernel", absent)], host_check, timer)
     assert chosen.name == "batch"
     (record,) = caplog.records
@@ -91,7 +91,7 @@ COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from kvtier.handlers.copy_kernel import WORDS, copy_kernel
+from kvtier.transfer.handlers.copy_kernel import WORDS, copy_kernel
 
 kernel = copy_kernel()
 for wide in (True, False):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
-from kvtier.handlers.copy_plan import CopyPlan, coalesce, plan_copies
-from kvtier.handlers.kv_layout import KVLayout
+from kvtier.transfer.handlers.copy_plan import CopyPlan, coalesce, plan_copies
+from kvtier.transfer.handlers.kv_layout import KVLayout
 
 torch = pytest.importorskip("torch")
 

@@ -18,10 +18,10 @@ from kvtier import (
     load_config_text,
     make_offload_key,
 )
-from kvtier.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler, make_cpu_to_file, make_file_to_cpu
 from kvtier.tiers.base import BlockFile, HostSlots
 from kvtier.tiers.file.backend import HEADER_BYTES, FileBackend
 from kvtier.tiers.memory import MemoryBackend
+from kvtier.transfer.handlers.cpu_file import CPUToFileHandler, FileToCPUHandler, make_cpu_to_file, make_file_to_cpu
 
 BLOCK = 64 * 1024
 
@@ -97,7 +97,7 @@ def test_cascade_promotion_round_trip(tmp_path, io, upper):
 
         if not kvikio_importable():
             pytest.skip("kvikio not installed")
-        from kvtier.testing.fake_cuda import load_fake_libcuda
+        from tests.support.fake_cuda import load_fake_libcuda
 
         load_fake_libcuda()
     all_keys = keys(16)

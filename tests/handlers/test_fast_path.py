@@ -10,9 +10,9 @@ import logging
 import numpy as np
 import pytest
 
-from kvtier.handlers import fast_path
-from kvtier.handlers.copy_plan import CopyPlan
-from kvtier.handlers.cuda_copy import (
+from kvtier.transfer.handlers import fast_path
+from kvtier.transfer.handlers.copy_plan import CopyPlan
+from kvtier.transfer.handlers.cuda_copy import (
     CUDA_MEMCPY_DEFAULT,
     SRC_ACCESS_ORDER_STREAM,
     CBatchSubmitter,
@@ -149,7 +149,7 @@ class FakeCudart:
 
 @pytest.mark.parametrize("version,fail_index", [(12080, True), (12090, True), (13000, False), (13020, False)])
 def test_the_batch_prototype_follows_the_runtime_version(monkeypatch, version, fail_index):
-    from kvtier.handlers import cuda_copy
+    from kvtier.transfer.handlers import cuda_copy
 
     fake = FakeCudart(version)
     monkeypatch.setattr(cuda_copy, "loaded_cudart", lambda: fake)
@@ -163,7 +163,7 @@ def test_the_batch_prototype_follows_the_runtime_version(monkeypatch, version, f
 
 
 def test_a_runtime_older_than_12_8_has_no_batch_path(monkeypatch):
-    from kvtier.handlers import cuda_copy
+    from kvtier.transfer.handlers import cuda_copy
 
     monkeypatch.setattr(cuda_copy, "loaded_cudart", lambda: FakeCudart(12040))
     with pytest.raises(CopyError, match=r"CUDA runtime 12.4 has no cudaMemcpyBatchAsync \(needs 12.8\)"):
@@ -193,7 +193,7 @@ class FakeBindingsRuntime:
                          ids=["descriptor", "SIZE_MAX"])
 def test_the_bindings_path_names_a_descriptor_only_where_cuda_gives_one(fail_index, where):
     """CUDA sets failIdx to SIZE_MAX for an error that concerns no particular descriptor."""
-    from kvtier.handlers.cuda_copy import BatchSubmitter
+    from kvtier.transfer.handlers.cuda_copy import BatchSubmitter
 
     plan = CopyPlan(*(np.arange(4, dtype=np.int64),) * 3)
     with pytest.raises(CopyError, match=rf"^cudaMemcpyBatchAsync of 4 descriptors returned 1{where}$"):
@@ -256,7 +256,7 @@ def test_a_failing_fast_path_warns_once_and_the_next_path_is_used_for_good(caplo
         return make
 
     candidates = [("batch", maker(Raising)), ("corrupt", maker(Corrupting)), ("loop", maker(Memmove))]
-    with caplog.at_level(logging.INFO, logger="kvtier.handlers.fast_path"):
+    with caplog.at_level(logging.INFO, logger="kvtier.transfer.handlers.fast_path"):
         chosen = choice.get("cuda:0", candidates, host_check)
         again = choice.get("cuda:0", candidates, host_check)
     assert chosen is again and isinstance(chosen, Memmove) and type(chosen) is Memmove
@@ -270,7 +270,7 @@ def test_a_failing_fast_path_warns_once_and_the_next_path_is_used_for_good(caplo
 def test_no_working_fast_path_means_the_staged_path_with_one_warning(caplog):
     choice = fast_path.FastPathChoice()
     broken = [("batch", Raising), ("loop", Corrupting)]
-    with caplog.at_level(logging.WARNING, logger="kvtier.handlers.fast_path"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.transfer.handlers.fast_path"):
         assert choice.get("cuda:1", broken, host_check) is None
         assert choice.get("cuda:1", broken, host_check) is None
     assert len(caplog.records) == 1 and "staged path" in caplog.records[0].getMessage()
@@ -280,7 +280,7 @@ def test_no_working_fast_path_means_the_staged_path_with_one_warning(caplog):
 def test_a_path_that_fails_a_job_is_dropped_with_one_warning(caplog):
     choice = fast_path.FastPathChoice()
     good = choice.get("cuda:0", [("memmove", Memmove)], host_check)
-    with caplog.at_level(logging.WARNING, logger="kvtier.handlers.fast_path"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.transfer.handlers.fast_path"):
         choice.demote("cuda:0", good, "error 700")
         choice.demote("cuda:0", good, "error 700")  # the other handler of the device, later
         choice.demote("cuda:1", Memmove(), "not that device's path")

@@ -9,9 +9,9 @@ import uuid
 import pytest
 
 from kvtier import CanonicalKVCaches, CanonicalKVCacheTensor
-from kvtier.handlers import gpu_file, gpu_file_direct
-from kvtier.handlers.file_path import PlatformFacts, choose_file_path, file_path, platform_facts
 from kvtier.tiers.file import FileBackend, fileio
+from kvtier.transfer.handlers import gpu_file, gpu_file_direct
+from kvtier.transfer.handlers.file_path import PlatformFacts, choose_file_path, file_path, platform_facts
 
 torch = pytest.importorskip("torch")
 
@@ -72,7 +72,7 @@ def test_the_factory_follows_the_choice_and_logs_it_once(tmp_path, monkeypatch, 
                           io="posix" if io == "kvikio" else io)  # the tier's own I/O: no kvikio here
     backend.io_option = io
     try:
-        with caplog.at_level(logging.INFO, logger="kvtier.handlers.file_path"):
+        with caplog.at_level(logging.INFO, logger="kvtier.transfer.handlers.file_path"):
             handlers = [gpu_file.make_gpu_to_file({name: backend}, kv_caches()),
                         gpu_file.make_file_to_gpu({name: backend}, kv_caches())]
         direct = io == "kvikio"
@@ -105,7 +105,7 @@ def test_a_tier_that_asked_for_direct_is_logged_staged_when_another_tier_makes_t
     fast.io_option = "kvikio"
     handler = None
     try:
-        with caplog.at_level(logging.INFO, logger="kvtier.handlers.file_path"):
+        with caplog.at_level(logging.INFO, logger="kvtier.transfer.handlers.file_path"):
             handler = gpu_file.make_gpu_to_file({names["fast"]: fast, names["slow"]: slow}, kv_caches())
         assert type(handler) is gpu_file.GPUFileHandler
         lines = sorted(r.getMessage() for r in caplog.records)

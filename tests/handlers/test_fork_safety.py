@@ -13,8 +13,8 @@ import weakref
 import pytest
 
 from kvtier import CanonicalKVCaches, CanonicalKVCacheTensor, GPULoadStoreSpec
-from kvtier.handlers.gpu_cpu import EngineJobHandler
-from kvtier.handlers.kv_layout import KVLayout
+from kvtier.transfer.handlers.gpu_cpu import EngineJobHandler
+from kvtier.transfer.handlers.kv_layout import KVLayout
 
 torch = pytest.importorskip("torch")
 

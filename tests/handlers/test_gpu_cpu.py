@@ -19,11 +19,11 @@ from kvtier import (
     build_hierarchy,
     load_config_text,
 )
-from kvtier.handlers import rows
-from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout, make_cpu_to_gpu, make_gpu_to_cpu, make_handler
 from kvtier.tiers.base import HostRegion, HostSlots
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.memory import MemoryBackend
+from kvtier.transfer.handlers import rows
+from kvtier.transfer.handlers.gpu_cpu import ChunkedKVCaches, KVLayout, make_cpu_to_gpu, make_gpu_to_cpu, make_handler
 
 torch = pytest.importorskip("torch")
 
@@ -280,10 +280,10 @@ def test_cuda_store_waits_for_the_compute_stream(tier):
 
 @pytest.fixture
 def fake_cuda_api(monkeypatch):
-    """Streams, events and pinned allocation as no-ops on the host (`kvtier.testing.fake_cuda`), so
+    """Streams, events and pinned allocation as no-ops on the host (`tests.support.fake_cuda`), so
     that the CUDA handler's own logic (staging, bounce buffer, consecutive-slot DMA, word views)
     runs without a GPU. It says nothing about real stream ordering: that is what the `gpu` tests are for."""
-    from kvtier.testing.fake_cuda import host_cuda_patches
+    from tests.support.fake_cuda import host_cuda_patches
 
     for patch in host_cuda_patches(torch):
         monkeypatch.setattr(*patch)
@@ -294,8 +294,8 @@ def fake_cuda_api(monkeypatch):
 def test_cuda_handler_logic_on_host_tensors(fake_cuda_api, monkeypatch, tier, slots, fast):
     """`fast`: a pinned region and a self-checked fast path (a `HostDMA`): a job is one plan of
     page <-> slot-place copies, whatever the slot order."""
-    from kvtier.handlers import fast_path
-    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+    from kvtier.transfer.handlers import fast_path
+    from kvtier.transfer.handlers.gpu_cpu import CudaKVCopyHandler
 
     kv = make_kv()
     layout, backend = tier(kv, 2)
@@ -343,7 +343,7 @@ class HostDMA:
 @pytest.fixture
 def host_dma(monkeypatch):
     """The CUDA handler's fast path, self-checked: a `HostDMA` (on host tensors, with `fake_cuda_api`)."""
-    from kvtier.handlers import fast_path
+    from kvtier.transfer.handlers import fast_path
 
     dma = HostDMA()
     monkeypatch.setattr(fast_path, "cuda_fast_path", lambda device, pages=None: dma)
@@ -353,9 +353,9 @@ def host_dma(monkeypatch):
 def test_a_job_that_fails_in_the_fast_path_is_redone_on_the_staged_path(fake_cuda_api, monkeypatch, tier):
     """A fast path that fails a job (a CUDA error after its self-check passed) is dropped: the job
     still succeeds, byte-exact, through the staged path, and so do the next ones."""
-    from kvtier.handlers import fast_path
-    from kvtier.handlers.cuda_copy import CopyError
-    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+    from kvtier.transfer.handlers import fast_path
+    from kvtier.transfer.handlers.cuda_copy import CopyError
+    from kvtier.transfer.handlers.gpu_cpu import CudaKVCopyHandler
 
     class Failing(HostDMA):
         def submit(self, plan, stream) -> None:
@@ -388,8 +388,8 @@ def test_the_fast_path_plans_and_submits_on_the_callers_thread(fake_cuda_api, mo
     a completion thread reports the jobs, in submission order, once their end events fired."""
     import threading
 
-    from kvtier.handlers import fast_path
-    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+    from kvtier.transfer.handlers import fast_path
+    from kvtier.transfer.handlers.gpu_cpu import CudaKVCopyHandler
 
     class Recording(HostDMA):
         def submit(self, plan, stream) -> None:
@@ -426,7 +426,7 @@ def test_an_error_at_a_jobs_end_event_fails_that_job_only(fake_cuda_api, monkeyp
     the next jobs are reported as usual, and `wait` returns for all of them."""
     import torch as real_torch
 
-    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+    from kvtier.transfer.handlers.gpu_cpu import CudaKVCopyHandler
 
     created: list = []
 
@@ -467,7 +467,7 @@ def test_a_load_never_waits_for_a_store_on_the_other_stream(fake_cuda_api, monke
     submitted on the load stream and reported; the store is reported once its stream gets there."""
     import torch as real_torch
 
-    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+    from kvtier.transfer.handlers.gpu_cpu import CudaKVCopyHandler
 
     kv = make_kv()
     layout, backend = tier(kv, 1)
@@ -545,7 +545,7 @@ def test_cuda_stores_and_loads_at_once_are_byte_exact():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode", ["batch", "bindings", "loop", "staged"])
 def test_cuda_roundtrip_through_each_copy_path(monkeypatch, mode):
-    from kvtier.handlers import fast_path
+    from kvtier.transfer.handlers import fast_path
 
     monkeypatch.setenv("KVTIER_GPU_COPY", mode)
     fast_path.CHOICE.forget()
@@ -625,7 +625,7 @@ def test_shutting_a_handler_down_stops_its_row_copy_threads():
 
 def _rank_handlers(kind, kv, backend, bpc, offset, length):
     """Store and load handlers of one rank that owns bytes [offset, offset + length) of each slot."""
-    from kvtier.handlers.gpu_cpu import CudaKVCopyHandler
+    from kvtier.transfer.handlers.gpu_cpu import CudaKVCopyHandler
 
     if kind == "host":
         chunked = ChunkedKVCaches(kv.tensors, kv.group_data_refs, bpc, offset, length)

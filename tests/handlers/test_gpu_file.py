@@ -8,10 +8,10 @@ import pytest
 from conftest import Jobs
 
 from kvtier import CanonicalKVCacheRef, CanonicalKVCacheTensor, FileLoadStoreSpec, GPULoadStoreSpec
-from kvtier.errors import BlocksFailed
-from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
-from kvtier.handlers.gpu_file import aligned_rows, make_file_to_gpu, make_gpu_to_file
+from kvtier.core.errors import BlocksFailed
 from kvtier.tiers.file import FileBackend
+from kvtier.transfer.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
+from kvtier.transfer.handlers.gpu_file import aligned_rows, make_file_to_gpu, make_gpu_to_file
 
 torch = pytest.importorskip("torch")
 
@@ -166,8 +166,8 @@ def direct(tmp_path):
 
     if not fileio.kvikio_importable():
         pytest.skip("kvikio not installed (CI installs it: see docs/gds.md)")
-    from kvtier.handlers.gpu_file_direct import DirectGPUFileHandler
-    from kvtier.testing.fake_cuda import load_fake_libcuda
+    from kvtier.transfer.handlers.gpu_file_direct import DirectGPUFileHandler
+    from tests.support.fake_cuda import load_fake_libcuda
 
     load_fake_libcuda()
     made = []
@@ -262,8 +262,8 @@ def test_direct_load_with_a_wrong_key_fails(direct):
 
 
 def test_direct_path_chosen_only_for_cuda_with_kvikio():
-    from kvtier.handlers.gpu_file import direct_path_available
-    from kvtier.handlers.gpu_file_direct import DirectGPUFileHandler
+    from kvtier.transfer.handlers.gpu_file import direct_path_available
+    from kvtier.transfer.handlers.gpu_file_direct import DirectGPUFileHandler
 
     assert not direct_path_available(torch.device("cpu"))
     kv = make_kv()
@@ -274,8 +274,8 @@ def test_direct_path_chosen_only_for_cuda_with_kvikio():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_direct_roundtrip(tmp_path):
-    from kvtier.handlers.gpu_file_direct import DirectGPUFileHandler
     from kvtier.tiers.file.fileio import kvikio_importable
+    from kvtier.transfer.handlers.gpu_file_direct import DirectGPUFileHandler
 
     if not kvikio_importable():
         pytest.skip("needs kvikio")

@@ -10,14 +10,14 @@ import pytest
 from conftest import flip
 
 from kvtier import CanonicalKVCacheRef, CanonicalKVCacheTensor, FileLoadStoreSpec, GPULoadStoreSpec
-from kvtier.errors import BlocksFailed
-from kvtier.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
-from kvtier.handlers.gpu_file import GPUFileHandler, StagedLoadSpec
-from kvtier.specs import CPULoadStoreSpec
+from kvtier.core.errors import BlocksFailed
+from kvtier.core.specs import CPULoadStoreSpec
 from kvtier.tiers.file import FileBackend
 from kvtier.tiers.file.reader import SlabReader
 from kvtier.tiers.file.slot_format import HEADER_BYTES
 from kvtier.tiers.memory import MemoryBackend
+from kvtier.transfer.handlers.gpu_cpu import ChunkedKVCaches, KVLayout
+from kvtier.transfer.handlers.gpu_file import GPUFileHandler, StagedLoadSpec
 
 torch = pytest.importorskip("torch")
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import registry
-from kvtier.handlers.memory import MemoryCopyHandler
 from kvtier.testing.fake_remote import FakeServer, fake_valkey
 from kvtier.testing.handler import EngineSide, FileSlotSide, HandlerTests, HostSlotSide, RemoteSlotSide
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.file import FileBackend, fileio
 from kvtier.tiers.memory import MemoryBackend
+from kvtier.transfer import registry
+from kvtier.transfer.handlers.memory import MemoryCopyHandler
 
 torch = pytest.importorskip("torch")
 
@@ -21,7 +21,7 @@ BPC = 2  # engine blocks per offloaded block: exercises partial first blocks
 def engine_side(num_blocks: int = 64) -> EngineSide:
     """Two KV tensors, one with rows wider than its page (stride(0) > page), one group over both."""
     from kvtier import CanonicalKVCacheRef, CanonicalKVCacheTensor
-    from kvtier.handlers.gpu_cpu import ChunkedKVCaches
+    from kvtier.transfer.handlers.gpu_cpu import ChunkedKVCaches
 
     t0 = torch.zeros((num_blocks, 512 + 64), dtype=torch.int8)
     t1 = torch.zeros((num_blocks, 256), dtype=torch.int8)
@@ -45,7 +45,7 @@ def file_side(tmp_path, io="posix", block_bytes=ENGINE_BLOCK_BYTES):
     if io == "kvikio":
         if not fileio.kvikio_importable():
             pytest.skip("kvikio not installed")
-        from kvtier.testing.fake_cuda import load_fake_libcuda
+        from tests.support.fake_cuda import load_fake_libcuda
 
         load_fake_libcuda()
     return FileSlotSide(FileBackend("nvme", SLOTS, block_bytes, root_dir=str(tmp_path / f"nvme-{io}"), io=io,
@@ -146,8 +146,8 @@ class DirectFileHandlers:
     """The direct (kvikio) engine <-> file handler, forced on CPU tensors: kvikio's host path."""
 
     def make_handler(self, src, dst):
-        from kvtier.handlers.gpu_file_direct import DirectGPUFileHandler
-        from kvtier.handlers.kv_layout import KVLayout, blocks_per_chunk_of
+        from kvtier.transfer.handlers.gpu_file_direct import DirectGPUFileHandler
+        from kvtier.transfer.handlers.kv_layout import KVLayout, blocks_per_chunk_of
 
         engine = src if src.kv_caches is not None else dst
         layout = KVLayout(engine.kv_caches, blocks_per_chunk_of(engine.kv_caches))
@@ -172,7 +172,9 @@ def test_every_registered_pair_runs_the_suite(tmp_path):
             covered.add((src.spec_type.__name__, dst.spec_type.__name__))
             src.close()
             dst.close()
-    builtin = {(src.rpartition(":")[2], dst.rpartition(":")[2]) for src, dst, _ in registry.BUILTIN_HANDLERS}
+    builtin = {(src.__name__, dst.__name__) for path in registry.BACKENDS.values()
+               for src, dst, _ in registry.load_object(path).handlers}
+    assert len(builtin) == 9
     assert builtin <= covered, f"pairs without a conformance run: {builtin - covered}"
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 from conftest import keys
 
-from kvtier import build_hierarchy, load_config_text, registry
-from kvtier.errors import KVTierError
-from kvtier.handlers.base import SyncHandler, serving
-from kvtier.handlers.memory import MemoryCopyHandler
-from kvtier.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, FileLoadStoreSpec, GPULoadStoreSpec
+from kvtier import build_hierarchy, load_config_text
+from kvtier.core.errors import KVTierError
+from kvtier.core.specs import BlockIDsLoadStoreSpec, CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.tiers.base import Backend, HostSlots
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 from kvtier.tiers.memory import MemoryBackend
+from kvtier.transfer import registry
+from kvtier.transfer.handlers.base import SyncHandler, serving
+from kvtier.transfer.handlers.memory import MemoryCopyHandler
 
 BLOCK = 64
 

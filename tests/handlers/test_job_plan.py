@@ -1,4 +1,4 @@
-"""The fast job planner (`kvtier.handlers.job_plan`): its compiled and pure-Python twins give the
+"""The fast job planner (`kvtier.transfer.handlers.job_plan`): its compiled and pure-Python twins give the
 same arrays, and both the descriptors of the reference `plan_copies` (once merged the way the
 reference merges), over random layouts and jobs in any block and slot order."""
 
@@ -11,17 +11,17 @@ import pytest
 from test_copy_plan import ENGINE_BLOCKS, SLOTS, caches, execute, one_tensor, random_layout
 
 from kvtier import GPULoadStoreSpec
-from kvtier.handlers import job_plan
-from kvtier.handlers.copy_plan import CopyPlan, coalesce, plan_copies
-from kvtier.handlers.job_plan import RegionRef, plan_job, plan_job_py
-from kvtier.handlers.kv_layout import KVLayout
+from kvtier.transfer.handlers import job_plan
+from kvtier.transfer.handlers.copy_plan import CopyPlan, coalesce, plan_copies
+from kvtier.transfer.handlers.job_plan import RegionRef, plan_job, plan_job_py
+from kvtier.transfer.handlers.kv_layout import KVLayout
 
 torch = pytest.importorskip("torch")
 
 
 def test_the_compiled_planner_is_built():
     """This machine has a C compiler: a silent fallback to the twin here is a build bug."""
-    assert job_plan.compiled_planner() is not None, ("kvtier.handlers._job_plan is not built: run "
+    assert job_plan.compiled_planner() is not None, ("kvtier.transfer.handlers._job_plan is not built: run "
                                                      "`python setup.py build_ext --inplace`")
 
 

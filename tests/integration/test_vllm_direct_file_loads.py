@@ -315,7 +315,7 @@ def test_one_log_line_says_which_path_the_file_tiers_take(make, caplog, case):
 
 @pytest.mark.parametrize("value", ["yes", 1, "", [True]])
 def test_a_bad_direct_file_loads_value_is_a_config_error(tmp_path, value):
-    from kvtier.errors import ConfigError
+    from kvtier.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="direct_file_loads: must be true or false"):
         _spec(tmp_path, f"bad-{time.time_ns()}", direct=value)
@@ -428,7 +428,7 @@ def test_a_direct_file_load_is_scattered_on_the_thread_that_collects_it(make, mo
 
     from vllm.v1.kv_offload.base import ReqContext
 
-    from kvtier.handlers.gpu_file import GPUFileHandler
+    from kvtier.transfer.handlers.gpu_file import GPUFileHandler
 
     engine, ctx = make(), ReqContext("r")
     keys = _pushed_out(engine, ctx)

@@ -92,7 +92,7 @@ def _keys(start: int, stop: int) -> list[Any]:
 def _hold_copies_on(thread_name: str, monkeypatch) -> threading.Event:
     """Make every KV copy (scatter: the engine side of a load; gather: of a store) that runs on
     the thread `thread_name` wait until the returned event is set; other threads' run at once."""
-    from kvtier.handlers.kv_layout import KVLayout
+    from kvtier.transfer.handlers.kv_layout import KVLayout
 
     release = threading.Event()
     for name in ("scatter", "gather"):

@@ -82,8 +82,8 @@ def test_arc_passes_over_a_protected_t1_block_without_counting_it_as_vllm_does()
     from vllm.v1.kv_offload.cpu.policies.arc import ARCCachePolicy as VllmARC
     from vllm.v1.kv_offload.cpu.policies.base import ChunkStatus
 
+    from kvtier.core.types import BlockStatus
     from kvtier.policies.arc import ARCCachePolicy
-    from kvtier.types import BlockStatus
 
     ours = ARCCachePolicy(8)
     keys = _arc_t1_t2(ours, lambda i: _ready(BlockStatus, i))
@@ -120,7 +120,7 @@ def test_a_refused_store_is_in_the_allocation_histogram_as_in_vllm(tmp_path):
 
 
 def test_a_capacity_of_no_block_is_refused_by_kvtier_and_accepted_by_vllm(tmp_path):
-    from kvtier.errors import ConfigError
+    from kvtier.core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="capacity"):
         _kvtier(tmp_path, "lru", 0)

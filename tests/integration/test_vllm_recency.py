@@ -32,7 +32,7 @@ def _vllm(policy: str, blocks: int):
 
 def _adapter(policy: str, blocks: int):
     from kvtier.config import parse_config
-    from kvtier.hierarchy import build_hierarchy
+    from kvtier.control.hierarchy import build_hierarchy
     from kvtier.integrations.vllm.manager import KVTierOffloadingManager
 
     config = parse_config({"tiers": [{"name": "cpu", "backend": "cpu", "capacity": f"{blocks} blocks",

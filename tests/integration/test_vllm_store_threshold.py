@@ -36,7 +36,7 @@ def _vllm(threshold, tracker, blocks):
 
 def _adapter(threshold, tracker, blocks, yaml_threshold=0):
     from kvtier.config import parse_config
-    from kvtier.hierarchy import build_hierarchy
+    from kvtier.control.hierarchy import build_hierarchy
     from kvtier.integrations.vllm.manager import KVTierOffloadingManager
 
     config = parse_config({"store_threshold": yaml_threshold,

@@ -4,8 +4,8 @@ Importable as `seed_policy:SeedLRUPolicy` while tests/policies is on sys.path.""
 
 from __future__ import annotations
 
+from benchmarks.seed_lru import SeedLRU
 from kvtier.policies.base import CachePolicy
-from kvtier.testing.seed_policy import SeedLRU
 
 
 class SeedLRUPolicy(CachePolicy):

@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 from kvtier import make_offload_key
+from kvtier.core.types import BlockStatus
 from kvtier.policies.arc import ARCCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.sieve import SIEVECachePolicy
-from kvtier.types import BlockStatus
 
 
 def key(i: int) -> bytes:

@@ -10,11 +10,11 @@ import hashlib
 
 import pytest
 
+from kvtier.core.types import BlockStatus
 from kvtier.policies.lru_compiled import LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
-from kvtier.types import BlockStatus
 
 COMPILED = [LRUCachePolicy, PrefixFreqCachePolicy]
 PURE = {LRUCachePolicy: PureLRUCachePolicy, PrefixFreqCachePolicy: PurePrefixFreqCachePolicy}

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 from benchmarks import cycle
 from kvtier import LookupResult, build_hierarchy, load_config_text
 from kvtier.bench import replay
+from kvtier.core.specs import CPULoadStoreSpec
+from kvtier.core.types import BlockStatus, ReqContext
 from kvtier.policies.lru_compiled import FallbackLRUCachePolicy, LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
-from kvtier.specs import CPULoadStoreSpec
 from kvtier.testing.manager import ManagerTests
-from kvtier.types import BlockStatus, ReqContext
 
 
 def test_the_compiled_index_is_built():
@@ -39,7 +39,7 @@ def test_without_the_extension_the_name_resolves_to_the_fallback_and_says_so():
 import logging, sys
 sys.modules["kvtier.policies._compact_lru"] = None  # as if it were not built
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-from kvtier import registry
+from kvtier.transfer import registry
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 cls = registry.resolve(registry.POLICIES, "lru")
 a, b = cls(4), cls(4)
@@ -56,8 +56,8 @@ def test_without_the_compiled_block_table_both_compiled_policies_fall_back():
     code = """
 import sys
 sys.modules["kvtier.index._table"] = sys.modules["kvtier.index._table_api"] = None  # as if not built
-from kvtier import registry
-from kvtier.types import BlockStatus
+from kvtier.transfer import registry
+from kvtier.core.types import BlockStatus
 for name in ("lru", "prefix-freq"):
     p = registry.resolve(registry.POLICIES, name)(4)
     p.insert(b"k", BlockStatus(3))

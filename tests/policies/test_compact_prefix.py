@@ -18,11 +18,11 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from kvtier.core.types import BlockStatus
 from kvtier.index import table_of
 from kvtier.policies.prefix_compiled import FallbackPrefixFreqCachePolicy, PrefixFreqCachePolicy
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.prefix_tails import TailEvidence
-from kvtier.types import BlockStatus
 
 CLASSES = (PurePrefixFreqCachePolicy, PrefixFreqCachePolicy, FallbackPrefixFreqCachePolicy)
 

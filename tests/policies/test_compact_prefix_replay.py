@@ -14,11 +14,11 @@ import pytest
 
 from benchmarks import cycle
 from kvtier.bench import replay, workloads
-from kvtier.hierarchy import build_hierarchy
+from kvtier.control.hierarchy import build_hierarchy
+from kvtier.core.types import BlockStatus
 from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.prefix_tails import TailEvidence
-from kvtier.types import BlockStatus
 
 PURE = "kvtier.policies.prefix_pure:PurePrefixFreqCachePolicy"
 
@@ -40,7 +40,7 @@ def test_without_the_extension_the_name_resolves_to_the_fallback_and_says_so():
 import logging, sys
 sys.modules["kvtier.policies._compact_prefix"] = None  # as if it were not built
 logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(message)s")
-from kvtier import registry
+from kvtier.transfer import registry
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.prefix_tails import TailEvidence
 cls = registry.resolve(registry.POLICIES, "prefix-freq")

@@ -1,4 +1,4 @@
-"""`kvtier.testing.policy.PolicyTests` run for every policy in `kvtier.registry.POLICIES` and for
+"""`kvtier.testing.policy.PolicyTests` run for every policy in `kvtier.transfer.registry.POLICIES` and for
 policies written to vLLM's seed contract; broken policies are shown to fail it."""
 
 from __future__ import annotations
@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 from seed_policy import DuckSeedPolicy, SeedLRUPolicy
 
-from kvtier import registry
 from kvtier.policies.base import CachePolicy, KeyIndex, with_key_index
 from kvtier.policies.lru_compiled import FallbackLRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.policies.prefix_compiled import FallbackPrefixFreqCachePolicy
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.testing.policy import PolicyTests, fill, key
+from kvtier.transfer import registry
 
 
 def registered(name: str):

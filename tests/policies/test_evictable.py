@@ -13,12 +13,12 @@ import random
 import pytest
 from seed_policy import SeedLRUPolicy
 
-from kvtier import registry
+from kvtier.core.types import BlockStatus
 from kvtier.policies.base import with_key_index
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.testing.policy import key
-from kvtier.types import BlockStatus
+from kvtier.transfer import registry
 
 READS = [0]
 

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvtier.core.types import BlockStatus
 from kvtier.index import table_of
 from kvtier.policies.lru_compiled import FallbackLRUCachePolicy, LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
-from kvtier.types import BlockStatus
 
 
 def key(i: int) -> bytes:

@@ -6,7 +6,7 @@ import pytest
 
 from benchmarks.policy_study import format_table, grid, optimum, replay_policy, trace_stats
 from kvtier.bench.workloads import Trace, generate_trace
-from kvtier.registry import POLICIES
+from kvtier.transfer.registry import POLICIES
 
 
 @pytest.fixture(scope="module")

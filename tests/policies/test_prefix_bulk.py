@@ -11,9 +11,9 @@ import random
 
 import pytest
 
+from kvtier.core.types import BlockStatus
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.prefix_tails import HIT_NEW, HIT_TAIL
-from kvtier.types import BlockStatus
 
 
 def key(i: int) -> bytes:

@@ -10,8 +10,8 @@ from itertools import islice
 
 import pytest
 
+from kvtier.core.types import BlockStatus
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
-from kvtier.types import BlockStatus
 
 
 def key(i: int) -> bytes:

@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from test_nothing_lost import cpu_over_file, keys, make_kv  # noqa: E402
 
-from kvtier.errors import ClosedError  # noqa: E402
+from kvtier.core.errors import ClosedError  # noqa: E402
 from kvtier.standalone import KVTier  # noqa: E402
 
 pytest.importorskip("torch")

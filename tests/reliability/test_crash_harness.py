@@ -61,4 +61,5 @@ def test_crash_cli_writes_json_and_table(tmp_path):
     assert "served_ok" in proc.stdout and "totals:" in proc.stdout
     report = json.loads(out.read_text())
     assert report["schema"] == "kvtier.crash/1" and report["iterations"] == 2
+    assert {"created", "commit", "machine", "versions"} <= set(report)
     assert report["totals"]["served_wrong"] == 0

@@ -76,7 +76,7 @@ def inspect(root, verify=True, tmp=None) -> dict:
 
 _START = """
 import json, logging, sys
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 from reliability_helpers import build
 logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
 try:

@@ -26,7 +26,7 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 from servers import start_server  # noqa: E402
 from test_shared_tier import RETRY, Engine, keys  # noqa: E402
 
-from kvtier.testing.slow_proxy import SlowProxy  # noqa: E402
+from tests.support.slow_proxy import SlowProxy  # noqa: E402
 
 STEP_S = 0.01
 PROXIES = {"delay": {"delay_s": 0.2}, "drip": {"drip_s": 0.02}}

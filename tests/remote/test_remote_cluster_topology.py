@@ -10,7 +10,7 @@ import pytest
 import redis
 from remote.servers import Cluster, start_cluster
 
-from kvtier.keys import make_offload_key
+from kvtier.core.keys import make_offload_key
 from kvtier.tiers.remote.errors import RemoteUnavailable
 
 

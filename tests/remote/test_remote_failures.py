@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kvtier.keys import make_offload_key
+from kvtier.core.keys import make_offload_key
 from kvtier.tiers.remote.errors import BlockMissing, RemoteUnavailable
 
 MARGIN_S = 0.2  # scheduling slack on a busy 2-core machine; one retry would add another 0.25 s

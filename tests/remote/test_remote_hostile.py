@@ -1,5 +1,5 @@
 """Hostile servers at the store level (issue 27), on a real server behind a loopback proxy
-(`kvtier.testing.slow_proxy`): a reply dripped one byte every 20 ms still ends each operation at its
+(`tests.support.slow_proxy`): a reply dripped one byte every 20 ms still ends each operation at its
 deadline, a slow server opens the breaker, and an ACL user refused GET (but allowed EXISTS) opens it
 although its probes succeed. Figures are printed; bounds are generous (3x)."""
 
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from kvtier.testing.slow_proxy import SlowProxy
 from kvtier.tiers.remote.errors import RemoteUnavailable
+from tests.support.slow_proxy import SlowProxy
 
 TIMEOUT_S = 0.25
 BLOCK = 256

@@ -12,10 +12,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "kvtier" / "tiers" / "remote"
 CLIENT = ("breaker", "errors", "guard", "keys", "nodes", "options", "password", "store", "topology", "url",
           "value_format", "bench")
-ABOVE = ("kvtier.tiers.base", "kvtier.tiers.cpu", "kvtier.tiers.file", "kvtier.tiers.memory", "kvtier.handlers",
-         "kvtier.control", "kvtier.manager", "kvtier.router", "kvtier.hierarchy", "kvtier.planes",
-         "kvtier.integrations", "kvtier.tiers.remote.backend", "kvtier.tiers.remote.handler",
-         "kvtier.tiers.remote.probes", "kvtier.tiers.remote.runtime", "kvtier.tiers.remote.env")
+ABOVE = ("kvtier.tiers.base", "kvtier.tiers.cpu", "kvtier.tiers.file", "kvtier.tiers.memory",
+         "kvtier.transfer.handlers", "kvtier.control", "kvtier.control.manager", "kvtier.transfer.router",
+         "kvtier.control.hierarchy", "kvtier.transfer.planes", "kvtier.integrations", "kvtier.tiers.remote.backend",
+         "kvtier.tiers.remote.handler", "kvtier.tiers.remote.probes", "kvtier.tiers.remote.runtime",
+         "kvtier.tiers.remote.env")
 
 
 def test_the_client_imports_nothing_above_it():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier.errors import ArgumentError
-from kvtier.keys import make_offload_key
+from kvtier.core.errors import ArgumentError
+from kvtier.core.keys import make_offload_key
 from kvtier.tiers.remote.keys import KeyScheme, identity_digest, validate_key_prefix
 from kvtier.tiers.remote.options import ClientOptions
 from kvtier.tiers.remote.url import Endpoint, parse_url

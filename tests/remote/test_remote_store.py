@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvtier.keys import make_offload_key
+from kvtier.core.keys import make_offload_key
 from kvtier.tiers.remote.errors import BlockMissing, ValueRejected
 
 

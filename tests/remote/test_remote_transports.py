@@ -8,7 +8,7 @@ import threading
 import pytest
 from remote.servers import start_server, start_tls_server
 
-from kvtier.keys import make_offload_key
+from kvtier.core.keys import make_offload_key
 from kvtier.tiers.remote.errors import BlockMissing, RemoteUnavailable
 
 

@@ -11,8 +11,8 @@ import hashlib
 import random
 import sys
 
+from kvtier.core.types import BlockStatus
 from kvtier.tiers.file import FileBackend
-from kvtier.types import BlockStatus
 
 
 def id_key(i: int) -> bytes:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtier import ConfigError, registry
+from kvtier import ConfigError
+from kvtier.core.types import BlockStatus
 from kvtier.testing.backend import BackendTests
 from kvtier.testing.backend_harness import key, keys, payload
 from kvtier.testing.fake_remote import FakeServer, fake_valkey
@@ -13,7 +14,7 @@ from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.file import FileBackend
 from kvtier.tiers.memory import MemoryBackend
 from kvtier.tiers.remote.backend import ValkeyBackend
-from kvtier.types import BlockStatus
+from kvtier.transfer import registry
 
 
 class TestMemoryBackend(BackendTests):

@@ -1,6 +1,6 @@
 """Backends depend on no config module (issue 28): each backend package, imported in a fresh
 interpreter without running `kvtier/__init__.py` (which loads the config layer for users), loads
-neither `kvtier.config` nor `kvtier.config_input`, with every module of the package imported."""
+neither `kvtier.config` nor `kvtier.config.input`, with every module of the package imported."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 TIERS = Path(__file__).resolve().parents[2] / "kvtier" / "tiers"
-CONFIG = ("kvtier.config", "kvtier.config_input")
+CONFIG = ("kvtier.config", "kvtier.config.input")
 
 
 def _modules_of(package: str) -> list[str]:

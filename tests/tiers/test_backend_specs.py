@@ -5,10 +5,11 @@ through their own `for_blocks`."""
 
 from __future__ import annotations
 
-from kvtier.keys import make_offload_key
-from kvtier.specs import CPULoadStoreSpec, FileLoadStoreSpec
+from kvtier.core.keys import make_offload_key
+from kvtier.core.specs import CPULoadStoreSpec
+from kvtier.core.types import BlockStatus
 from kvtier.tiers.base import Backend
-from kvtier.types import BlockStatus
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 
 KEYS = [make_offload_key(bytes([i]) * 8, 0) for i in range(3)]
 

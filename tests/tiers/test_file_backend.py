@@ -12,11 +12,11 @@ import pytest
 from conftest import flip
 
 from kvtier import ConfigError, IntegrityError, KVTierError, load_config_text
+from kvtier.core.types import BlockStatus
 from kvtier.tiers.file import backend as file_module
 from kvtier.tiers.file import fileio
 from kvtier.tiers.file.backend import HEADER_BYTES, JOURNAL, MANIFEST, SLAB, FileBackend
 from kvtier.tiers.file.inspection import inspect_root
-from kvtier.types import BlockStatus
 
 BLOCK = 16 * 1024
 
@@ -357,7 +357,7 @@ def test_odirect_refused_falls_back_with_one_warning(tmp_path, monkeypatch, capl
 def test_kvikio_io_round_trip_and_restart(root):
     if not fileio.kvikio_importable():
         pytest.skip("kvikio not installed (CI installs it: see tests/tiers/test_file_backend.py docstring)")
-    from kvtier.testing.fake_cuda import load_fake_libcuda
+    from tests.support.fake_cuda import load_fake_libcuda
 
     load_fake_libcuda()
     b = open_backend(root, io="kvikio", num_threads=2)
@@ -383,7 +383,7 @@ def test_kvikio_io_leaves_kvikio_settings_as_it_found_them(root):
     import kvikio
     import kvikio.defaults
 
-    from kvtier.testing.fake_cuda import load_fake_libcuda
+    from tests.support.fake_cuda import load_fake_libcuda
 
     load_fake_libcuda()
     before = {name: kvikio.defaults.get(name) for name in ("compat_mode", "num_threads")}

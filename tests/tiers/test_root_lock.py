@@ -3,7 +3,7 @@ import os
 
 import pytest
 
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 from kvtier.tiers.file import rootdir, rootlock
 from kvtier.tiers.file.rootlock import RootLock
 

@@ -4,9 +4,9 @@ import pytest
 from conftest import keys
 
 from kvtier import LookupResult, LRUOffloadingManager, ReqContext
-from kvtier.specs import CPULoadStoreSpec
+from kvtier.core.specs import CPULoadStoreSpec
+from kvtier.core.types import BlockStatus
 from kvtier.tiers.base import Backend
-from kvtier.types import BlockStatus
 
 CTX = ReqContext("r")
 

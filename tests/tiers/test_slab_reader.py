@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.errors import ConfigError, IntegrityError, KVTierError
+from kvtier.core.errors import ConfigError, IntegrityError, KVTierError
 from kvtier.tiers.file import FileBackend
 from kvtier.tiers.file.manifest import wanted_manifest
 from kvtier.tiers.file.reader import SlabReader

@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
 from kvtier.tiers.file import FileBackend
 from kvtier.tiers.file.slot_format import (
     CHECK_CRC32,

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kvtier.errors import BlocksFailed
+from kvtier.core.errors import BlocksFailed
 
 pytest.importorskip("redis")
 

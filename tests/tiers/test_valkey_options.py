@@ -12,7 +12,7 @@ import pytest
 
 from kvtier import build_hierarchy, load_config_text
 from kvtier.cli.main import main
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
 from kvtier.testing.fake_remote import FakeServer
 from kvtier.tiers.remote.backend import ValkeyBackend
 

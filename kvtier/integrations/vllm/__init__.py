@@ -24,9 +24,9 @@ capacities, policies and cascade modes come from it; the block geometry comes fr
   (NotImplementedError): the stages' parts would not be of one size.
 
 vLLM's manager semantics: a request's accesses are applied once, when it finishes, in its
-head-to-tail order, one prefix per KV-cache group (`kvtier.request_access`); `store_threshold` and
+head-to-tail order, one prefix per KV-cache group (`kvtier.control.request_access`); `store_threshold` and
 `max_tracker_size` of `kv_connector_extra_config` (or the YAML's `store_threshold`) keep blocks
-offered fewer times out of the CPU tier (`kvtier.store_threshold`), as vLLM's CPU spec does.
+offered fewer times out of the CPU tier (`kvtier.control.store_threshold`), as vLLM's CPU spec does.
 
 Process model. The spec is built in every vLLM process that needs it; this module does no heavy
 work at import or in `__init__`.

@@ -1,5 +1,5 @@
 """A kvtier config under vLLM: where it comes from (`kvtier_config`); what vLLM decides in it and
-requires of it is `kvtier.config_vllm` (vLLM-free, shared with `kvtier config check --vllm`)."""
+requires of it is `kvtier.config.vllm` (vLLM-free, shared with `kvtier config check --vllm`)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.config import default_config_path
-from kvtier.config_input import plain
-from kvtier.config_vllm import PERSISTENT_BACKENDS, vllm_hierarchy_config
+from kvtier.config.input import plain
+from kvtier.config.vllm import PERSISTENT_BACKENDS, vllm_hierarchy_config
 
 __all__ = ["PERSISTENT_BACKENDS", "load_raw_config", "vllm_hierarchy_config"]
 
@@ -17,11 +17,11 @@ __all__ = ["PERSISTENT_BACKENDS", "load_raw_config", "vllm_hierarchy_config"]
 def load_raw_config(value: Any) -> tuple[dict[str, Any], str]:
     """`kvtier_config` (a YAML path, an inline mapping, or None for kvtier's default) -> (dict, source).
 
-    A file is read and an inline mapping copied under the limits of `kvtier.config_input` (size,
+    A file is read and an inline mapping copied under the limits of `kvtier.config.input` (size,
     nesting, values counted through aliases or shared objects, no cycles): a `ConfigError` naming
     the field, never a hang, whatever the keys it sits under."""
     from kvtier.config import load_raw_config_file
-    from kvtier.errors import ConfigError
+    from kvtier.core.errors import ConfigError
 
     if value is None:
         path = default_config_path()

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from kvtier.router import Abandoned
+from kvtier.transfer.router import Abandoned
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 def direct_file_tiers(config: Any) -> list[int]:
     """The indices of `config`'s tiers that a worker may load directly: plain `file` tiers (a
     subclass of `FileBackend` may write another slot format; those are promoted)."""
-    from kvtier import registry
     from kvtier.tiers.file import FileBackend
+    from kvtier.transfer import registry
 
     return [i for i, tier in enumerate(config.tiers)
             if i > 0 and registry.load_class(registry.BACKEND, tier.backend, f"tiers[{i}].backend") is FileBackend]
@@ -44,7 +44,7 @@ def open_readers(spec: KVTierOffloadingSpec) -> dict[str, SlabReader]:
     checked against the manifest the scheduler's tier writes (the same derivation:
     `hierarchy.backend_options`, `FileBackend.expected_manifest`). Raises (`ConfigError`,
     `KVTierError`, `OSError`) naming the tier and what was wrong; none is left open then."""
-    from kvtier.hierarchy import backend_options, describe_layout
+    from kvtier.control.hierarchy import backend_options, describe_layout
     from kvtier.tiers.file import FileBackend
     from kvtier.tiers.file.reader import SlabReader
 
@@ -93,7 +93,7 @@ class FileLoads:
     def open(cls, spec: KVTierOffloadingSpec, region: Any, layout: Any) -> FileLoads:
         """Readers of the spec's file tiers (`open_readers`) and a loading handler over them and
         the attached CPU `region`, with `layout` (this rank's range of each slot)."""
-        from kvtier.handlers.gpu_file import GPUFileHandler
+        from kvtier.transfer.handlers.gpu_file import GPUFileHandler
 
         readers = open_readers(spec)
         try:
@@ -115,7 +115,7 @@ class FileLoads:
         for tier, identity in identities.items():
             reader = self.readers.get(tier)
             if reader is None:
-                from kvtier.errors import KVTierError
+                from kvtier.core.errors import KVTierError
 
                 raise KVTierError(f"a load names file tier {tier!r}, which this worker does not read (it reads "
                                   f"{', '.join(self.readers) or 'none'})")
@@ -142,8 +142,8 @@ class FileLoads:
             wait_futures([future for future, _ in self._jobs.values()], timeout, FIRST_COMPLETED)
 
     def _finish(self, job_id: int) -> None:
-        from kvtier.handlers.base import failed_result
-        from kvtier.types import TransferResult as KVTierResult
+        from kvtier.core.types import TransferResult as KVTierResult
+        from kvtier.transfer.handlers.base import failed_result
 
         future, start = self._jobs.pop(job_id)
         try:

@@ -20,11 +20,11 @@ from vllm.v1.kv_offload.base import (
     RequestOffloadingContext,
 )
 
+from kvtier.control.request_access import RequestAccesses, request_order, several_groups
+from kvtier.control.store_threshold import DEFAULT_MAX_TRACKER_SIZE, StoreThreshold
 from kvtier.control.tier import TierStats
 from kvtier.integrations.vllm.translate import _to_vllm_spec, to_vllm_medium
 from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED, record_first_tier, record_lower_tier
-from kvtier.request_access import RequestAccesses, request_order, several_groups
-from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE, StoreThreshold
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -114,7 +114,7 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def __init__(self, hierarchy: Any, enable_events: bool = False, store_threshold: int | None = None,
                  max_tracker_size: int = DEFAULT_MAX_TRACKER_SIZE):
-        """`store_threshold`: offers before a block is stored (`kvtier.store_threshold`; None:
+        """`store_threshold`: offers before a block is stored (`kvtier.control.store_threshold`; None:
         the hierarchy config's `store_threshold`); `max_tracker_size`: keys its table counts."""
         self.hierarchy = hierarchy
         self.manager = hierarchy.manager
@@ -202,7 +202,7 @@ class KVTierOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         """vLLM's `prepare_store`: the offer's readable keys count as the request's reuses, its
         absent keys are the store candidates (recorded as the request's once stored), less those
-        the store threshold skips (`kvtier.store_threshold`: never recorded, never stored). A call
+        the store threshold skips (`kvtier.control.store_threshold`: never recorded, never stored). A call
         naming several KV-cache groups is put in the request's order first (`request_order`:
         by key position, then group), so that its tail-first insertion leaves each group's head
         the most recent and the call's tails the least, as vLLM's order does; the answer still
@@ -249,7 +249,7 @@ class KVTierOffloadingManager(OffloadingManager):
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         """The request's accesses, in its head-to-tail order, become the most recent (one
-        `touch`; see `kvtier.request_access` and `touches_insertions`)."""
+        `touch`; see `kvtier.control.request_access` and `touches_insertions`)."""
         keys = self._accesses.finish(req_context, insertions=self._touch_insertions)
         if keys:
             self.manager.touch(keys, req_context)

@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.base import OffloadKey, ReqContext
 from vllm.v1.kv_offload.cpu.policies import base as _vllm_policies
 from vllm.v1.kv_offload.cpu.policies.base import CachePolicy, ChunkStatus
 
-from kvtier.types import BlockStatus
+from kvtier.core.types import BlockStatus
 
 
 def _concatenated(key_groups: Sequence[Sequence[OffloadKey]], req_context: ReqContext) -> list[OffloadKey]:
@@ -72,8 +72,8 @@ class KVTierCachePolicy(CachePolicy):
         return self._policy
 
     def _new_policy(self) -> Any:
-        from kvtier import registry
         from kvtier.policies.base import with_key_index
+        from kvtier.transfer import registry
 
         cls = registry.load_class(registry.POLICY, self.kvtier_policy, "eviction_policy")
         return with_key_index(cls(self.cache_capacity))

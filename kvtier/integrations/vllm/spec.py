@@ -16,7 +16,8 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
 )
 
-from kvtier.config_vllm import require_cpu_first
+from kvtier.config.vllm import require_cpu_first
+from kvtier.control.store_threshold import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
 from kvtier.integrations.vllm.file_loads import direct_file_tiers
 from kvtier.integrations.vllm.logs import log_through_vllm, tier_summary
@@ -29,7 +30,6 @@ from kvtier.integrations.vllm.manager import (
 )
 from kvtier.integrations.vllm.vllm_metrics import vllm_metric_definitions
 from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
-from kvtier.store_threshold import DEFAULT_MAX_TRACKER_SIZE
 from kvtier.tiers.cpu import CPUBackend
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ def _direct_option(extra_config: Mapping[str, Any]) -> bool | None:
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
         return value.strip().lower() == "true"
     if value is not None and not isinstance(value, bool):
-        from kvtier.errors import ConfigError
+        from kvtier.core.errors import ConfigError
 
         raise ConfigError([("kv_connector_extra_config.direct_file_loads", f"must be true or false, got {value!r}")])
     return value
@@ -162,7 +162,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
 
     `kv_connector_extra_config` keys: `kvtier_config` (YAML path or mapping; default: kvtier's
     `configs/cpu-file.yaml`) plus vLLM's own (`block_size` / `blocks_per_chunk`, ...; and, as for
-    vLLM's CPU spec, `store_threshold` and `max_tracker_size`: `kvtier.store_threshold`).
+    vLLM's CPU spec, `store_threshold` and `max_tracker_size`: `kvtier.control.store_threshold`).
     """
 
     @classmethod
@@ -221,7 +221,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             if self.block_bytes <= 0:
                 raise ValueError("kvtier: vLLM reported no KV bytes per block; cannot size the tiers")
-            from kvtier.hierarchy import build_hierarchy
+            from kvtier.control.hierarchy import build_hierarchy
 
             enable_events = bool(self.kv_events_config.enable_kv_cache_events)
             # Creating the CPU region first sweeps the regions and claims of dead owners (any name),

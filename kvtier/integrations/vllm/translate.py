@@ -17,8 +17,9 @@ from typing import Any
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec, LoadStoreSpec, Medium
 from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec as VllmCPULoadStoreSpec
 
-from kvtier import specs as kspecs
-from kvtier.keys import OffloadKey
+from kvtier.core import specs as kspecs
+from kvtier.core.keys import OffloadKey
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 
 _MEDIA = {"CPU": "CPU", "FILE": "STORAGE"}
 
@@ -85,7 +86,7 @@ def _to_vllm_spec(spec: kspecs.LoadStoreSpec, region: str | None,
     `identities`: the manifest digest of each file tier, by name."""
     if isinstance(spec, kspecs.CPULoadStoreSpec):
         return KVTierCPULoadStoreSpec(spec.block_ids, spec.tier, region)
-    if isinstance(spec, kspecs.FileLoadStoreSpec):
+    if isinstance(spec, FileLoadStoreSpec):
         identity = (identities or {}).get(spec.tier or "")
         return KVTierFileLoadStoreSpec(spec.block_ids, spec.keys, spec.tier, region, identity)
     if isinstance(spec, kspecs.CompositeLoadStoreSpec):
@@ -105,11 +106,11 @@ def file_identities(spec: LoadStoreSpec) -> dict[str, bytes]:
 def to_kvtier_load_spec(spec: LoadStoreSpec, default_tier: str) -> kspecs.LoadStoreSpec:
     """Worker side: the kvtier spec of a load's source as `_to_vllm_spec` made it (a plain vLLM
     CPU spec names no tier: `default_tier`, the CPU tier). A composite becomes the staged load
-    of `kvtier.handlers.gpu_file` (one staging buffer, one scatter; never split by the router)."""
-    from kvtier.handlers.gpu_file import StagedLoadSpec
+    of `kvtier.transfer.handlers.gpu_file` (one staging buffer, one scatter; never split by the router)."""
+    from kvtier.transfer.handlers.gpu_file import StagedLoadSpec
 
     if isinstance(spec, KVTierFileLoadStoreSpec):
-        return kspecs.FileLoadStoreSpec(spec.block_ids, [OffloadKey(k) for k in spec.keys], spec.tier)
+        return FileLoadStoreSpec(spec.block_ids, [OffloadKey(k) for k in spec.keys], spec.tier)
     if isinstance(spec, KVTierCompositeLoadStoreSpec):
         return StagedLoadSpec([(to_kvtier_load_spec(part, default_tier), positions)
                                for part, positions in spec.parts])

@@ -12,7 +12,7 @@ names; kvtier fills them with the same meaning, from its own state:
 * `vllm:kv_offload_cpu_allocation_size`: histogram of the blocks allocated by each
   `prepare_store` that allocated any;
 * `vllm:kv_offload_stores_skipped`: store candidates skipped by the store threshold
-  (`kvtier.store_threshold`; reported only when it is on, as vLLM does);
+  (`kvtier.control.store_threshold`; reported only when it is on, as vLLM does);
 * `vllm:kv_offload_tiering_read_bytes` / `_read_time` `{tier}`: bytes / seconds read from each
   lower tier (promotions into the CPU tier);
 * `vllm:kv_offload_tiering_write_bytes` / `_write_time` `{tier}`: bytes / seconds written into

@@ -10,15 +10,16 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, OffloadingWorker, TransferResult
 
-from kvtier import specs as kspecs
+from kvtier.core import specs as kspecs
 from kvtier.integrations.vllm.file_loads import FileLoads
 from kvtier.integrations.vllm.translate import file_identities, to_kvtier_cpu_spec, to_kvtier_load_spec
 from kvtier.tiers.cpu import RegionError
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 
 if TYPE_CHECKING:
     from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
-    from kvtier.planes import WorkerPlane
     from kvtier.tiers.cpu import CPUBackend
+    from kvtier.transfer.planes import WorkerPlane
 
 log = logging.getLogger(__name__)
 # shm_names of the CPU regions whose (only) worker lives in this process: vLLM's default executor
@@ -29,12 +30,12 @@ _LOCAL_WORKER_REGIONS: set[str] = set()
 def file_keys_by_position(source: Any) -> dict[int, bytes]:
     """The keys of a load's file blocks by their position in the load (a `FileLoadStoreSpec`, or
     the file parts of a `StagedLoadSpec`)."""
-    if isinstance(source, kspecs.FileLoadStoreSpec):
+    if isinstance(source, FileLoadStoreSpec):
         return dict(enumerate(map(bytes, source.keys)))
     if isinstance(source, kspecs.CPULoadStoreSpec):
         return {}
     return {p: bytes(key) for spec, positions in getattr(source, "parts", ())
-            if isinstance(spec, kspecs.FileLoadStoreSpec) for p, key in zip(positions, spec.keys)}
+            if isinstance(spec, FileLoadStoreSpec) for p, key in zip(positions, spec.keys)}
 
 
 def _failure(result: Any, keys: dict[int, bytes]) -> tuple[list[bytes] | None, int]:
@@ -56,8 +57,8 @@ class KVTierOffloadingWorker(OffloadingWorker):
     ranks, each in its own process) the name stays while the engine runs, since a rank cannot know
     that the others have mapped it too; the scheduler removes it at close or exit, and a crashed
     engine's region is swept at the next start (its claim's owner is dead). Copies run on
-    the worker plane built over that region by `kvtier.planes.build_worker_plane`, the builder a
-    standalone hierarchy uses too: kvtier's GPU<->CPU handlers (`kvtier.handlers.gpu_cpu`:
+    the worker plane built over that region by `kvtier.transfer.planes.build_worker_plane`, the builder a
+    standalone hierarchy uses too: kvtier's GPU<->CPU handlers (`kvtier.transfer.handlers.gpu_cpu`:
     synchronous batched index copies on CPU tensors, a copy stream on CUDA) over this rank's part
     of each slot: rank `r` of `world_size` copies bytes `[r * rank_bytes, (r + 1) * rank_bytes)`
     of every slot and never touches the others' (the scheduler side and the file tier move whole
@@ -148,7 +149,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
     def _build_plane(self, region: Any) -> WorkerPlane:
         """The worker plane between the KV caches and the attached CPU `region` (both directions);
         RuntimeError when the handlers cannot serve these KV caches."""
-        from kvtier.planes import build_worker_plane
+        from kvtier.transfer.planes import build_worker_plane
 
         plane = build_worker_plane({region.name: region}, self._rank_kv_caches())
         gpu, cpu = kspecs.GPULoadStoreSpec, kspecs.CPULoadStoreSpec
@@ -160,7 +161,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
     def _rank_kv_caches(self) -> Any:
         """The KV caches as kvtier's handlers see them: vLLM's blocks in chunks of
         `blocks_per_chunk`, and, under tensor parallelism, this rank's part of each slot."""
-        from kvtier.handlers.gpu_cpu import ChunkedKVCaches
+        from kvtier.transfer.handlers.gpu_cpu import ChunkedKVCaches
 
         spec = self.spec
         part = (spec.rank * spec.rank_bytes, spec.rank_bytes) if spec.num_copies > 1 else (0, None)
@@ -197,7 +198,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
         this rank's part of each file tier); None, with the reason logged (once per reason), when
         they cannot be opened now (tried again at the next file load)."""
         if self._file_loads is None:
-            from kvtier.handlers.kv_layout import KVLayout
+            from kvtier.transfer.handlers.kv_layout import KVLayout
 
             assert self._backend is not None  # (`_ready` attached it)
             spec = self.spec
@@ -250,7 +251,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
     def shutdown(self) -> None:
         """Stop the planes within `SHUTDOWN_TIMEOUT_S` (copies hung in the kernel are abandoned and
         logged, the region then left mapped), then release the CPU region."""
-        from kvtier.manager import SHUTDOWN_TIMEOUT_S
+        from kvtier.control.manager import SHUTDOWN_TIMEOUT_S
 
         deadline = time.monotonic() + SHUTDOWN_TIMEOUT_S
         abandoned: list[str] = []

@@ -50,10 +50,10 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.errors import KVTierError
-from kvtier.specs import CPULoadStoreSpec
+from kvtier.core.errors import KVTierError
+from kvtier.core.specs import CPULoadStoreSpec
 from kvtier.tiers import room
-from kvtier.tiers.base import Backend
+from kvtier.tiers.base import HOST_HANDLERS, Backend
 from kvtier.tiers.cpu.shm_names import (
     _HEADER,
     _MAGIC,
@@ -143,6 +143,7 @@ class CPUBackend(Backend):
 
     spec_type = CPULoadStoreSpec
     medium = "CPU"
+    handlers = HOST_HANDLERS
     max_blocks = None  # bounded by memory and /dev/shm (capacity_problem)
 
     OPTIONS = {

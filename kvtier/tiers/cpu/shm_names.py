@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any, NamedTuple
 
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 from kvtier.tiers.owners import pid_alive
 
 log = logging.getLogger(__name__)

@@ -53,10 +53,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from kvtier.errors import ConfigError, KVTierError
-from kvtier.identity import fingerprint_option
-from kvtier.keys import OffloadKey
-from kvtier.specs import FileLoadStoreSpec
+from kvtier.core.errors import ConfigError, KVTierError
+from kvtier.core.identity import fingerprint_option
+from kvtier.core.keys import OffloadKey
+from kvtier.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtier.core.types import REQUIRED, BlockStatus
 from kvtier.tiers import room
 from kvtier.tiers.base import Backend
 from kvtier.tiers.file.commit_log import CommitLog
@@ -98,7 +99,7 @@ from kvtier.tiers.file.slot_format import (
     verify_parts,
     verify_slot,
 )
-from kvtier.types import REQUIRED, BlockStatus
+from kvtier.tiers.file.spec import FileLoadStoreSpec
 
 __all__ = [  # what other modules and tests import from here
     "ALIGN", "FORMAT_VERSION", "HEADER_BYTES", "JOURNAL", "LOCK", "MANIFEST", "MANIFEST_MAX_BYTES", "MAX_KEY_BYTES",
@@ -164,6 +165,12 @@ class FileBackend(Backend):
 
     spec_type = FileLoadStoreSpec
     medium = "FILE"
+    handlers = (
+        (CPULoadStoreSpec, FileLoadStoreSpec, "kvtier.transfer.handlers.cpu_file:make_cpu_to_file"),
+        (FileLoadStoreSpec, CPULoadStoreSpec, "kvtier.transfer.handlers.cpu_file:make_file_to_cpu"),
+        (GPULoadStoreSpec, FileLoadStoreSpec, "kvtier.transfer.handlers.gpu_file:make_gpu_to_file"),
+        (FileLoadStoreSpec, GPULoadStoreSpec, "kvtier.transfer.handlers.gpu_file:make_file_to_gpu"),
+    )
     max_key_bytes = MAX_KEY_BYTES  # what a slot header leaves for the key
     max_blocks = None  # slot numbers are 64-bit; bounded by the disk (capacity_problem)
     persistent = True
@@ -236,7 +243,7 @@ class FileBackend(Backend):
         self._closed = False
         self._recovered = False
         self._slab, self._commits = self._start(opened, shape, io)
-        # The direct (device) path: kvtier/handlers/gpu_file.py moves payloads itself (direct.py).
+        # The direct (device) path: kvtier/transfer/handlers/gpu_file.py moves payloads itself (direct.py).
         self.direct_path = DirectPath(name, num_blocks, self.slot_bytes, self.slab_path, self._slab, self._commits,
                                       is_closed=lambda: self._closed)
 

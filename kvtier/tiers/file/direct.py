@@ -1,6 +1,6 @@
 """The file tier's direct (device) path: for a caller that moves payloads itself.
 
-kvtier/handlers/gpu_file.py moves payloads with kvikio between GPU memory and the slab: it writes
+kvtier/transfer/handlers/gpu_file.py moves payloads with kvikio between GPU memory and the slab: it writes
 and reads them at `payload_offset(slot)` (4 KiB-aligned), then `commit_direct` (after a write) or
 `read_headers` before a read and `reject` for the blocks that fail verification. `FileBackend`
 offers one as `direct_path`; a FILE backend without one is served through host staging.
@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from kvtier.errors import IntegrityError, KVTierError
+from kvtier.core.errors import IntegrityError, KVTierError
 from kvtier.tiers.file.commit_log import CommitLog
 from kvtier.tiers.file.slab import SlabIO, check_slots
 from kvtier.tiers.file.slot_format import HEADER_BYTES, SlotHeader

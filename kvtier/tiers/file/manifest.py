@@ -70,7 +70,7 @@ def read_manifest(root: Path) -> dict | None:
 def write_manifest(root: Path, manifest: dict) -> None:
     """Replace the manifest of `root` atomically and durably; `ValueError` (nothing written) for
     a manifest larger than `load_manifest` reads back (identities within
-    `kvtier.limits.MAX_IDENTITY_BYTES` never make one)."""
+    `kvtier.core.limits.MAX_IDENTITY_BYTES` never make one)."""
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     if len(data) > MANIFEST_MAX_BYTES:
         raise ValueError(f"{root / MANIFEST}: a manifest of {len(data)} bytes would not be read back (at most "

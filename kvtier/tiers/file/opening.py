@@ -27,7 +27,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
+from kvtier.core.units import format_size
 from kvtier.tiers.file.fileio import ALIGN, file_kind
 from kvtier.tiers.file.journal import Journal, JournalScan, read_journal
 from kvtier.tiers.file.manifest import (
@@ -54,7 +55,6 @@ from kvtier.tiers.file.rootdir import (
     remove_file,
 )
 from kvtier.tiers.file.rootlock import RootLock
-from kvtier.units import format_size
 
 log = logging.getLogger("kvtier.tiers.file")  # the file tier's one logger (documented in tiers/file/backend.py)
 

@@ -44,7 +44,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvtier.errors import IntegrityError, KVTierError
+from kvtier.core.errors import IntegrityError, KVTierError
 from kvtier.tiers.file.fileio import ALIGN, PosixIO, aligned_buffer, buffer_address
 from kvtier.tiers.file.manifest import load_manifest, manifest_differences, manifest_digest
 from kvtier.tiers.file.rootdir import SLAB, check_directory, check_file, expand_root_dir, inspect_root, refuse

@@ -31,7 +31,7 @@ import pwd
 import stat
 from pathlib import Path
 
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
 
 # The tier's files in root_dir. With TEMPORARIES, OWN_FILES is all that the tier writes there.
 MANIFEST = "manifest.json"

@@ -8,7 +8,7 @@ import fcntl
 import os
 from pathlib import Path
 
-from kvtier.errors import KVTierError
+from kvtier.core.errors import KVTierError
 from kvtier.tiers.file.rootdir import LOCK, open_or_create, owner_name
 
 

@@ -9,7 +9,7 @@
   (keys.py), values = payload + verified trailer (value_format.py), no client retries, a circuit
   breaker per server (breaker.py), servers (nodes.py) and the cluster slot map (topology.py);
   url.py (URL forms), errors.py; bench.py measures the raw client.
-- handler.py: the CPU<->REMOTE transfer handlers (named in kvtier/registry.py).
+- handler.py: the CPU<->REMOTE transfer handlers (named in kvtier/transfer/registry.py).
 
 The client library is imported by the modules that talk to a server (nodes.py, topology.py,
 store.py, bench.py), never by `import kvtier.tiers.remote`. The backend and the client log to

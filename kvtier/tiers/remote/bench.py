@@ -21,7 +21,7 @@ import time
 
 import redis
 
-from kvtier.keys import make_offload_key
+from kvtier.core.keys import make_offload_key
 from kvtier.tiers.remote.nodes import connection_kwargs
 from kvtier.tiers.remote.options import ClientOptions
 from kvtier.tiers.remote.store import RemoteStore

@@ -24,7 +24,7 @@ import threading
 import time
 from typing import Any
 
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
 from kvtier.tiers.remote.errors import without_echo
 from kvtier.tiers.remote.password import resolve_password
 

@@ -7,7 +7,7 @@ that did not answer in time, refused the connection or the command, or a breaker
 
 from __future__ import annotations
 
-from kvtier.errors import TransferError
+from kvtier.core.errors import TransferError
 
 _ECHO = "with args beginning with"  # how Redis/Valkey quote a command they do not know, arguments and all
 

@@ -16,9 +16,10 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 
-from kvtier.handlers.base import ThreadedHandler, host_pair, serving
-from kvtier.specs import BlockIDsLoadStoreSpec, LoadStoreSpec, RemoteLoadStoreSpec
+from kvtier.core.specs import BlockIDsLoadStoreSpec, LoadStoreSpec
 from kvtier.tiers.base import HostSlots, RemoteBlocks
+from kvtier.tiers.remote.spec import RemoteLoadStoreSpec
+from kvtier.transfer.handlers.base import ThreadedHandler, host_pair, serving
 
 
 class _CPURemoteHandler(ThreadedHandler):

@@ -6,7 +6,7 @@
 - `identity tag` is 16 hex digits of a digest of fingerprint and layout: a fingerprint may contain
   `:` or be long; the full 16-byte digest is checked again in every value's trailer.
 - `rank` of `tp`: one value per tensor-parallel part of the block (store.py).
-- `block hash hex` and `group` come from the `OffloadKey` (kvtier/keys.py: hash bytes + 4-byte
+- `block hash hex` and `group` come from the `OffloadKey` (kvtier/core/keys.py: hash bytes + 4-byte
   big-endian group index); the group is written in decimal.
 
 No hash tags: a block's parts and neighbouring blocks spread over a cluster's shards.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from kvtier.errors import ArgumentError, ArgumentTypeError
-from kvtier.keys import GROUP_BYTES
+from kvtier.core.errors import ArgumentError, ArgumentTypeError
+from kvtier.core.keys import GROUP_BYTES
 
 MAX_PREFIX_CHARS = 128
 _FORBIDDEN_IN_PREFIX = set("{}*?[]\\")

@@ -13,13 +13,13 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.errors import ConfigError
-from kvtier.identity import fingerprint_option
-from kvtier.quoting import brief
+from kvtier.core.errors import ConfigError
+from kvtier.core.identity import fingerprint_option
+from kvtier.core.quoting import brief
+from kvtier.core.types import REQUIRED
 from kvtier.tiers.remote.keys import validate_key_prefix
 from kvtier.tiers.remote.password import resolve_password
 from kvtier.tiers.remote.url import ParsedUrl, parse_url, redact_url
-from kvtier.types import REQUIRED
 
 _ENV_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,127}$")
 

@@ -9,7 +9,7 @@ import errno
 import os
 import stat
 
-from kvtier.errors import ConfigError
+from kvtier.core.errors import ConfigError
 
 _MAX_SECRET_BYTES = 4096
 

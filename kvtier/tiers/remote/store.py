@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from kvtier.errors import ArgumentError
+from kvtier.core.errors import ArgumentError
 from kvtier.tiers.remote.errors import BlockMissing, RemoteUnavailable, ValueRejected
 from kvtier.tiers.remote.guard import ServerGuard
 from kvtier.tiers.remote.keys import KeyScheme, key_digest

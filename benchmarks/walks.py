@@ -1,0 +1,97 @@
+"""The walk of one `prepare_store`, from vLLM's adapter to the tier that takes the block: the
+kvtier modules whose code runs, and the cycles among them (a module entered again while its own
+call is still below on the stack, e.g. cascade -> tier -> cascade).
+
+Measured at run time (`sys.setprofile`) on a store that must evict, in a two-tier hierarchy
+(cpu + file, dry run: the control plane's own path, no bytes). Prints the walk and writes JSON:
+
+    python -m benchmarks.walks [--json walks.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from kvtier import ReqContext, build_hierarchy, load_config_text, make_offload_key
+from kvtier.bench.provenance import provenance
+
+CONFIG = """
+block_bytes: 64B
+tiers:
+  - {name: cpu, backend: cpu, capacity: 8 blocks, cascade: on_evict}
+  - {name: disk, backend: file, capacity: 64 blocks, root_dir: /tmp/kvtier-walks}
+"""
+
+
+def _module(frame: Any) -> str | None:
+    name = frame.f_globals.get("__name__", "")
+    return name if name.startswith("kvtier.") else None
+
+
+def trace(call: Any) -> tuple[list[str], list[list[str]]]:
+    """Run `call()`; the kvtier modules entered, in first-entry order, and the cycles seen
+    (each as the stack of modules from the first entry of the repeated one to its re-entry)."""
+    order: dict[str, None] = {}
+    stack: list[str] = []  # kvtier modules of the frames on the stack, deduplicated when adjacent
+    depth: list[bool] = []  # per Python frame: whether it pushed onto `stack`
+    cycles: list[list[str]] = []
+
+    def profile(frame: Any, event: str, _arg: Any) -> None:
+        if event == "call":
+            module = _module(frame)
+            pushed = module is not None and (not stack or stack[-1] != module)
+            if pushed:
+                if module in stack:
+                    cycle = stack[stack.index(module):] + [module]
+                    if cycle not in cycles:
+                        cycles.append(cycle)
+                stack.append(module)
+                order.setdefault(module)
+            depth.append(pushed)
+        elif event == "return" and depth:
+            if depth.pop():
+                stack.pop()
+
+    sys.setprofile(profile)
+    try:
+        call()
+    finally:
+        sys.setprofile(None)
+    return list(order), cycles
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    from kvtier.integrations.vllm.manager import KVTierOffloadingManager  # (imports vllm)
+
+    hierarchy = build_hierarchy(load_config_text(CONFIG), block_bytes=64, dry_run=True)
+    manager = KVTierOffloadingManager(hierarchy)
+    ctx = ReqContext("walk")
+    keys = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(12)]
+    try:
+        for i in range(0, 8, 2):  # fill the first tier, then wait for its copies below
+            out = manager.prepare_store(keys[i:i + 2], ctx)
+            manager.complete_store(out.keys_to_store, ctx)
+        hierarchy.manager.wait_idle(10)
+        modules, cycles = trace(lambda: manager.prepare_store(keys[8:10], ctx))
+    finally:
+        hierarchy.close()
+    print(f"prepare_store: {len(modules)} kvtier modules, {len(cycles)} cycles")
+    for module in modules:
+        print(f"  {module}")
+    for cycle in cycles:
+        print("  cycle: " + " -> ".join(cycle))
+    if args.json:
+        with open(args.json, "w") as out_file:
+            json.dump({**provenance(), "walk": "prepare_store", "modules": modules, "cycles": cycles}, out_file,
+                      indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""The checks of a parsed config that look at a tier's neighbours or at its classes: block counts
+against what the backend and policy can hold, a handler for every hop, where a shared tier may
+stand. Each records what it finds in a `Problems`."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvtier.config.problems import Problems
+from kvtier.core.limits import tier_blocks_problem
+from kvtier.core.specs import GPULoadStoreSpec
+from kvtier.transfer import registry
+
+if TYPE_CHECKING:
+    from kvtier.config import TierConfig
+
+
+def check_blocks(i: int, tier: TierConfig, backend_cls, policy_cls, default_policy: str, block_bytes: int | None,
+                 problems: Problems) -> None:
+    """tiers[i]'s block count against what its backend and policy can hold (`kvtier.core.limits`, as
+    the build checks it); a capacity in bytes is counted only when the config gives block_bytes."""
+    blocks = tier.capacity.blocks
+    if blocks is None and block_bytes and tier.capacity.bytes is not None:
+        blocks = tier.capacity.bytes // block_bytes
+    if not blocks:  # unknown, or a size smaller than a block (reported below)
+        return
+    policy = tier.policy or default_policy
+    problem = tier_blocks_problem(blocks, backend_cls, policy_cls, backend_name=tier.backend, policy_name=policy)
+    if problem:
+        problems.add(f"tiers[{i}].capacity", problem)
+
+
+def check_handlers(tiers: list[TierConfig], classes: list, problems: Problems) -> None:
+    """Every hop the hierarchy will use must have a registered handler."""
+    if any(c is None for c in classes):
+        return
+    specs = [c.spec_type for c in classes]  # (types, not names: two kinds may name their specs alike)
+    check_shared(tiers, classes, problems)
+    for i in range(len(tiers) - 1):
+        upper, lower = specs[i], specs[i + 1]
+        shared_below = getattr(classes[i + 1], "shared", False)  # fed by publishing, not by the cascade
+        if tiers[i].cascade != "none" and not shared_below and not registry.has_handler(upper, lower):
+            problems.add(f"tiers[{i}].cascade", f"no handler moves blocks from {tiers[i].backend!r} "
+                         f"({upper.__name__}) to {tiers[i + 1].backend!r} ({lower.__name__}); set cascade: none "
+                         "or change the backends")
+        if not (registry.has_handler(lower, specs[0]) or registry.has_handler(lower, GPULoadStoreSpec)):
+            problems.add(f"tiers[{i + 1}].backend", f"blocks in {tiers[i + 1].backend!r} could never be loaded: no "
+                         f"handler from {lower.__name__} to {specs[0].__name__} or to the engine's KV cache")
+
+
+def check_shared(tiers: list[TierConfig], classes: list, problems: Problems) -> None:
+    """A shared tier (`Backend.shared`, e.g. valkey) comes after every local tier, at most one of
+    them, and the first tier is then a host-memory (CPU) tier: it publishes from there and
+    promotes into there."""
+    shared = [i for i, c in enumerate(classes) if getattr(c, "shared", False)]
+    if not shared:
+        return
+    for i in shared[1:]:
+        problems.add(f"tiers[{i}].backend", f"a second shared tier ({tiers[shared[0]].name!r} is one); a "
+                     f"hierarchy has at most one")
+    local = [i for i, c in enumerate(classes) if not getattr(c, "shared", False)]
+    if not local:
+        problems.add(f"tiers[{shared[0]}].backend", f"{tiers[shared[0]].backend!r} is a shared tier; it needs a "
+                     f"host-memory first tier (backend: cpu or memory) before it")
+        return
+    if local[-1] > shared[0]:
+        problems.add(f"tiers[{shared[0]}].backend", f"shared tier {tiers[shared[0]].name!r} must come after every "
+                     f"local tier (tiers[{local[-1]}] {tiers[local[-1]].name!r} is after it); move it last")
+    if classes[0].medium != "CPU":
+        problems.add("tiers[0].backend", f"with a shared tier ({tiers[shared[0]].name!r}) the first tier must be a "
+                     f"host-memory tier (backend: cpu or memory), got {tiers[0].backend!r}")

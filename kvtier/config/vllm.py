@@ -1,0 +1,82 @@
+"""vLLM's rules for a kvtier config, without vLLM: what vLLM decides in it and what it requires.
+
+Used by the vLLM connector (`kvtier.integrations.vllm`, which re-exports `vllm_hierarchy_config`)
+when it starts, and by `kvtier config check --vllm`, so that both apply the same rules (docs/vllm.md,
+"What vLLM decides, not the YAML"): tokens per block come from the engine, `block_bytes` is vLLM's,
+the first tier is a `cpu` tier (the region the workers copy to and from), each `cpu` tier gets a
+`shm_name` derived from the engine, each persistent tier the engine's identity, each `valkey` tier
+the engine's tensor-parallel size as `tp`, each `file` tier the same as `part_checks` (a checksum
+per rank's part of each slot, so that each rank verifies the bytes it reads itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from kvtier.config import HierarchyConfig, parse_config
+from kvtier.config.input import brief, plain
+from kvtier.core.errors import ConfigError
+from kvtier.core.identity import tier_identity
+
+log = logging.getLogger("kvtier.integrations.vllm.config")  # the connector's logger, as before the move
+
+PERSISTENT_BACKENDS = ("file", "valkey")  # tiers whose blocks outlive the engine: they get its identity
+FIRST_BACKEND = "cpu"
+
+
+def _safe_name(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:80]
+
+
+def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_id: str, fingerprint: str = "",
+                          source: str = "<dict>", ranks: int = 1, import_code: bool = True) -> HierarchyConfig:
+    """Validate a kvtier config for use under vLLM: `block_tokens` is vLLM's, `block_bytes` is
+    dropped (the caller passes vLLM's), each `cpu` tier without `shm_name` gets one derived from
+    `engine_id` (so that workers can attach it by name) and each `file` or `valkey` tier's
+    `fingerprint` gets `fingerprint` (model, dtype and KV geometry), after the YAML's own value
+    when it sets one (e.g. the model's revision): a root_dir or a server's values written for
+    another model or layout are then not served. The YAML's value adds to the derived identity, never replaces it.
+    Each `valkey` tier gets `tp` = `ranks` (the engine's tensor-parallel size: a block is stored as one
+    value per rank), each `file` tier `part_checks` = `ranks` (a checksum per rank's part of a slot:
+    a worker rank reading the tier directly verifies exactly its bytes); a YAML value that differs
+    is a `ConfigError` naming it. The connector then applies `require_cpu_first`."""
+    raw = plain(raw)
+    if not isinstance(raw, dict):
+        return parse_config(raw, source, import_code=import_code)  # reports the error
+    yaml_tokens = raw.get("block_tokens")
+    if yaml_tokens is not None and yaml_tokens != block_tokens:
+        log.warning("kvtier: %s says block_tokens=%s but vLLM offloads blocks of %d tokens "
+                    "(engine block size x blocks_per_chunk); using %d. Set 'block_size' in "
+                    "kv_connector_extra_config to change it.", source, brief(yaml_tokens), block_tokens, block_tokens)
+    raw["block_tokens"] = block_tokens
+    if raw.pop("block_bytes", None) is not None:
+        log.info("kvtier: block_bytes of %s ignored: vLLM's KV geometry decides it", source)
+    for tier in raw.get("tiers") or []:
+        if isinstance(tier, dict) and tier.get("backend") == "cpu" and not tier.get("shm_name"):
+            tier["shm_name"] = f"kvtier-{_safe_name(engine_id)}-{_safe_name(str(tier.get('name')))}"
+        if isinstance(tier, dict) and tier.get("backend") in PERSISTENT_BACKENDS and fingerprint:
+            own = tier.get("fingerprint") or ""
+            if isinstance(own, str):  # anything else is reported by parse_config
+                tier["fingerprint"] = tier_identity(own, fingerprint)
+    per_rank = {"valkey": "tp", "file": "part_checks"}  # the tier option that says how many ranks share a block
+    for i, tier in enumerate(raw.get("tiers") or []):
+        field = per_rank.get(str(tier.get("backend"))) if isinstance(tier, dict) else None
+        if field is not None:
+            given = tier.setdefault(field, ranks)
+            if given != ranks:
+                raise ConfigError([(f"tiers[{i}].{field}", f"{brief(given)} in {source}, but this engine has {ranks} "
+                                    f"tensor-parallel ranks; leave {field} out (vLLM's value is used)")])
+    return parse_config(raw, source, import_code=import_code)
+
+
+def require_cpu_first(config: HierarchyConfig) -> None:
+    """`ConfigError` on `tiers[0].backend` unless the first tier is a `cpu` tier: under vLLM it is
+    the shared-memory region the workers copy to and from (a `vllm_hierarchy_config` alone, e.g.
+    in tests, may start with another tier)."""
+    if config.tiers[0].backend != FIRST_BACKEND:
+        raise ConfigError([("tiers[0].backend", f"under vLLM the first tier must use backend '{FIRST_BACKEND}' "
+                                                f"(the shared-memory region the workers copy to and from), got "
+                                                f"{config.tiers[0].backend!r}")])

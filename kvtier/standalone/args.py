@@ -1,0 +1,142 @@
+"""Argument checks of the standalone API (`kvtier.standalone.KVTier`): each bad argument is refused
+with an `ArgumentError` (or `ArgumentTypeError`) that names it and says what would be valid."""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from kvtier.core.errors import ArgumentError, ArgumentTypeError
+from kvtier.core.keys import GROUP_BYTES
+from kvtier.core.types import CanonicalKVCaches
+
+if TYPE_CHECKING:
+    from kvtier.control.hierarchy import Hierarchy
+
+def key_limit(hierarchy: Hierarchy) -> tuple[float, str]:
+    """The longest key every tier of `hierarchy` can hold, its backend and its policy alike (their
+    `max_key_bytes`), and what sets it."""
+    limits = [(b.max_key_bytes, f"tier {name!r}") for name, b in hierarchy.backends.items()
+              if b.max_key_bytes is not None]
+    limits += [(limit, f"the policy of tier {t.name!r}") for t in hierarchy.manager.tiers
+               if (limit := getattr(t.policy, "max_key_bytes", None)) is not None]
+    return min(limits, default=(float("inf"), "any tier"))
+
+
+def check_kv_caches(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> None:
+    """Refuse KV tensors the copies cannot use (every store would fail), naming the tensor or reference,
+    and a `blocks_per_chunk` that is not a positive int."""
+    if type(blocks_per_chunk) is not int or blocks_per_chunk < 1:
+        error = ArgumentError if type(blocks_per_chunk) is int else ArgumentTypeError
+        raise error(f"blocks_per_chunk: {short(blocks_per_chunk)}; the number of engine blocks one key "
+                    "covers, an int >= 1")
+    tensors = list(getattr(kv_caches, "tensors", None) or [])
+    if not tensors:
+        raise ArgumentError("kv_caches.tensors: no KV tensors; give at least one CanonicalKVCacheTensor")
+    pages = [check_kv_tensor(entry, f"kv_caches.tensors[{i}]", tensors[0]) for i, entry in enumerate(tensors)]
+    for g, refs in enumerate(kv_caches.group_data_refs or []):
+        for r, ref in enumerate(refs):
+            name = f"kv_caches.group_data_refs[{g}][{r}]"
+            if not 0 <= ref.tensor_idx < len(tensors):
+                raise ArgumentError(f"{name}.tensor_idx: {ref.tensor_idx} names no tensor (0..{len(tensors) - 1})")
+            if not 0 < ref.page_size_bytes <= pages[ref.tensor_idx]:
+                raise ArgumentError(f"{name}.page_size_bytes: {ref.page_size_bytes} is not within the "
+                                    f"{pages[ref.tensor_idx]}-byte page of tensor {ref.tensor_idx}")
+
+
+def check_kv_tensor(entry: Any, name: str, first: Any) -> int:
+    """Check one `CanonicalKVCacheTensor`: a tensor whose dim 0 is the block and whose blocks are
+    contiguous runs of at least `page_size_bytes` bytes, on the first tensor's device. Returns the page."""
+    from kvtier.transfer.handlers.gpu_cpu import byte_rows
+
+    t: Any = getattr(entry, "tensor", None)  # checked below: a torch tensor (None fails the check)
+    page = getattr(entry, "page_size_bytes", None)
+    if not callable(getattr(t, "element_size", None)) or not callable(getattr(t, "stride", None)):
+        raise ArgumentTypeError(f"{name}.tensor: {type(t).__name__}, not a torch tensor")
+    if type(page) is not int or page < 1:
+        raise ArgumentError(f"{name}.page_size_bytes: {short(page)}; a positive number of bytes")
+    if t.dim() < 1 or t.device != first.tensor.device:
+        raise ArgumentError(f"{name}: a {t.dim()}-D tensor on {t.device}; KV tensors have a block dimension "
+                            f"first and live on one device ({first.tensor.device})")
+    expected = 1  # the stride each inner dimension has when one block is one contiguous run
+    for size, stride in reversed(list(zip(t.shape[1:], t.stride()[1:]))):
+        if size != 1 and stride != expected:
+            raise ArgumentError(f"{name}: a block is not contiguous (shape {tuple(t.shape)}, strides "
+                                f"{t.stride()}); the engine's KV cache itself must have contiguous blocks "
+                                "(t[i].is_contiguous()): a contiguous copy would not be the cache")
+        expected *= size
+    block_bytes = expected * t.element_size()
+    if page > block_bytes:
+        raise ArgumentError(f"{name}.page_size_bytes: {page} is more than the {block_bytes} bytes of one block "
+                            f"of a tensor of shape {tuple(t.shape)} and dtype {t.dtype}")
+    try:
+        byte_rows(t, page)  # what every copy will do
+    except (ValueError, RuntimeError) as exc:
+        raise ArgumentError(f"{name}: cannot be read as blocks of {page} bytes ({exc})") from None
+    return page
+
+
+def as_list(values: Iterable[Any], name: str, example: str) -> list[Any]:
+    """`values` as a new list; a lone bytes/str (say a key where a sequence of keys belongs) is refused."""
+    if isinstance(values, (str, bytes, bytearray, memoryview)):
+        raise ArgumentTypeError(f"{name}: a single {type(values).__name__}, not a sequence; pass a list, "
+                                f"e.g. {example}")
+    try:
+        return list(values)
+    except TypeError:
+        raise ArgumentTypeError(f"{name}: {type(values).__name__} is not a sequence; pass a list, "
+                                f"e.g. {example}") from None
+
+
+def as_key(key: Any, i: int) -> bytes:
+    if isinstance(key, bytes):
+        return key
+    if isinstance(key, (bytearray, memoryview)):
+        return bytes(key)
+    raise ArgumentTypeError(f"keys[{i}]: {type(key).__name__} {short(key)} is not a key; keys are bytes "
+                            f"(a block hash plus a {GROUP_BYTES}-byte group index, kvtier.make_offload_key)")
+
+
+def as_ids(engine_block_ids: Any) -> list[int]:
+    """Engine block ids as a list of ints: a sequence of ints, or a 1-D integer numpy array or tensor."""
+    ndim = getattr(engine_block_ids, "ndim", None)
+    if ndim is not None and hasattr(engine_block_ids, "tolist"):  # numpy array or torch tensor
+        if ndim != 1:
+            raise ArgumentTypeError(f"engine_block_ids: a {ndim}-D array of shape "
+                                    f"{tuple(engine_block_ids.shape)}; pass a 1-D sequence of ints")
+        engine_block_ids = engine_block_ids.tolist()
+    ids = as_list(engine_block_ids, "engine_block_ids", "[3, 7]")
+    if set(map(type, ids)) - {int}:
+        ids = [as_id(b, i) for i, b in enumerate(ids)]
+    return ids
+
+
+def as_id(block: Any, i: int) -> int:
+    """One engine block id as an int: any integer (numpy's too) but a bool; never a float."""
+    if type(block) is int:
+        return block
+    if not isinstance(block, bool) and "bool" not in str(getattr(block, "dtype", "")):
+        try:
+            return operator.index(block)
+        except TypeError:
+            pass
+    raise ArgumentTypeError(f"engine_block_ids[{i}]: {type(block).__name__} {short(block)} is not an engine "
+                            "block id; ids are ints")
+
+
+def raise_duplicate(values: list[Any], name: str, why: str) -> None:
+    first: dict[Any, int] = {}
+    for i, value in enumerate(values):
+        j = first.setdefault(value, i)
+        if j != i:
+            raise ArgumentError(f"{name}[{i}]: {short(value)} repeats {name}[{j}]; {why}")
+
+
+def short(value: Any, limit: int = 40) -> str:
+    """`repr(value)` (bytes in hex), cut to `limit` characters: a hostile value can be huge."""
+    if isinstance(value, bytes):
+        text = f"key {value[:limit // 2 + 1].hex()}"
+    else:
+        text = repr(value[:limit + 1] if isinstance(value, (str, bytearray)) else value)
+    return text if len(text) <= limit else text[:limit] + "..."
