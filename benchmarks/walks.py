@@ -15,7 +15,7 @@ import json
 import sys
 from typing import Any
 
-from kvtier import ReqContext, build_hierarchy, load_config_text, make_offload_key
+from kvtier import build_hierarchy, load_config_text
 from kvtier.bench.provenance import provenance
 
 CONFIG = """
@@ -43,7 +43,7 @@ def trace(call: Any) -> tuple[list[str], list[list[str]]]:
         if event == "call":
             module = _module(frame)
             pushed = module is not None and (not stack or stack[-1] != module)
-            if pushed:
+            if pushed and module is not None:  # (the second test for the type checker)
                 if module in stack:
                     cycle = stack[stack.index(module):] + [module]
                     if cycle not in cycles:
@@ -67,7 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args(argv)
-    from kvtier.integrations.vllm.manager import KVTierOffloadingManager  # (imports vllm)
+    from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+
+    from kvtier.integrations.vllm.manager import KVTierOffloadingManager
 
     hierarchy = build_hierarchy(load_config_text(CONFIG), block_bytes=64, dry_run=True)
     manager = KVTierOffloadingManager(hierarchy)
@@ -76,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for i in range(0, 8, 2):  # fill the first tier, then wait for its copies below
             out = manager.prepare_store(keys[i:i + 2], ctx)
+            assert out is not None, "a fresh tier has room"
             manager.complete_store(out.keys_to_store, ctx)
         hierarchy.manager.wait_idle(10)
         modules, cycles = trace(lambda: manager.prepare_store(keys[8:10], ctx))
