@@ -8,6 +8,8 @@ from test_config_env import check  # config check FILE FLAGS -> (exit status, st
 
 from kvtier.config.vllm import require_cpu_first, vllm_hierarchy_config
 from kvtier.core.errors import ConfigError
+from kvtier.tiers.file import FileBackend
+from kvtier.tiers.memory import MemoryBackend
 
 MEMORY_FIRST = "block_tokens: 16\ntiers:\n  - {name: hot, backend: memory, capacity: 8 blocks}\n"
 
@@ -76,3 +78,22 @@ def test_file_tiers_checksum_each_ranks_part_and_a_differing_yaml_value_is_refus
         vllm_hierarchy_config(tiers(part_checks=1), block_tokens=16, engine_id="e", ranks=2, source="x.yaml")
     assert info.value.problems == [("tiers[1].part_checks", "1 in x.yaml, but this engine has 2 tensor-parallel "
                                                             "ranks; leave part_checks out (vLLM's value is used)")]
+
+
+class KeepingBackend(MemoryBackend):
+    """A third party's tier kind whose blocks outlive the engine (`persistent`), named by module path."""
+
+    persistent = True
+    OPTIONS = {**MemoryBackend.OPTIONS, "fingerprint": FileBackend.OPTIONS["fingerprint"]}
+
+
+def test_a_persistent_tier_of_any_kind_gets_the_engines_identity():
+    """The identity goes by the backend class's `persistent`, not by the names file and valkey."""
+    raw = {"tiers": [{"name": "cpu", "backend": "cpu", "capacity": "8 blocks"},
+                     {"name": "keep", "backend": f"{__name__}:KeepingBackend", "capacity": "8 blocks",
+                      "fingerprint": "rev-7"},
+                     {"name": "scratch", "backend": "memory", "capacity": "8 blocks"}]}
+    config = vllm_hierarchy_config(raw, block_tokens=16, engine_id="e", fingerprint="model=m;dtype=bf16")
+    keep, scratch = config.tiers[1], config.tiers[2]
+    assert "rev-7" in keep.options["fingerprint"] and "model=m;dtype=bf16" in keep.options["fingerprint"]
+    assert "fingerprint" not in scratch.options

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvtier.config import DEFAULT_BLOCK_TOKENS, HierarchyConfig, load_raw_config_file
-from kvtier.config.vllm import PERSISTENT_BACKENDS, require_cpu_first, vllm_hierarchy_config
+from kvtier.config.vllm import is_persistent, require_cpu_first, vllm_hierarchy_config
 
 ENGINE_ID = "ENGINE_ID"  # stands for vLLM's engine_id in the shm_name shown
 PER_RANK = {"valkey": "tp", "file": "part_checks"}  # tier options that vLLM sets to its tensor-parallel size
@@ -57,9 +57,10 @@ def _notes(raw: dict, tiers: list[dict], per_rank: list[tuple[str, int]]) -> lis
                  + ("; the YAML's block_bytes is ignored" if "block_bytes" in raw else ""))
     if any(t.get("backend") == "cpu" and not t.get("shm_name") for t in tiers):
         notes.append(f"vllm: a cpu tier's shm_name is derived from the engine ({ENGINE_ID} above)")
-    if any(t.get("backend") in PERSISTENT_BACKENDS for t in tiers):
-        notes.append("vllm: file and valkey tiers get the served model and KV layout as their identity, after "
-                     "the YAML's fingerprint")
+    persistent = [str(t.get("name")) for t in tiers if is_persistent(t.get("backend"), import_code=False)]
+    if persistent:
+        notes.append(f"vllm: tier(s) {', '.join(persistent)} keep blocks past the engine and get the served model "
+                     "and KV layout as their identity, after the YAML's fingerprint")
     for backend, value in per_rank:
         field = PER_RANK[backend]
         notes.append(f"vllm: the {backend} tier's {field} is the engine's tensor-parallel size; the YAML's {value} "

@@ -20,11 +20,23 @@ from kvtier.config import HierarchyConfig, parse_config
 from kvtier.config.input import brief, plain
 from kvtier.core.errors import ConfigError
 from kvtier.core.identity import tier_identity
+from kvtier.transfer import registry
 
 log = logging.getLogger("kvtier.integrations.vllm.config")  # the connector's logger, as before the move
 
-PERSISTENT_BACKENDS = ("file", "valkey")  # tiers whose blocks outlive the engine: they get its identity
 FIRST_BACKEND = "cpu"
+
+
+def is_persistent(backend: Any, import_code: bool = True) -> bool:
+    """Whether tiers of `backend` (a YAML backend name) keep blocks past the engine, so they get
+    its identity: the class's `Backend.persistent`, for a registered name, or with `import_code`
+    a "package.module:Class" one. False when the class cannot be loaded (`parse_config` says why)."""
+    if not isinstance(backend, str) or (backend not in registry.BACKENDS and not import_code):
+        return False
+    try:
+        return bool(getattr(registry.load_class(registry.BACKEND, backend, "backend"), "persistent", False))
+    except ConfigError:
+        return False
 
 
 def _safe_name(text: str) -> str:
@@ -35,8 +47,9 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
                           source: str = "<dict>", ranks: int = 1, import_code: bool = True) -> HierarchyConfig:
     """Validate a kvtier config for use under vLLM: `block_tokens` is vLLM's, `block_bytes` is
     dropped (the caller passes vLLM's), each `cpu` tier without `shm_name` gets one derived from
-    `engine_id` (so that workers can attach it by name) and each `file` or `valkey` tier's
-    `fingerprint` gets `fingerprint` (model, dtype and KV geometry), after the YAML's own value
+    `engine_id` (so that workers can attach it by name) and each persistent tier's (`is_persistent`:
+    file, valkey, any backend class with `persistent`) `fingerprint` gets `fingerprint` (model,
+    dtype and KV geometry), after the YAML's own value
     when it sets one (e.g. the model's revision): a root_dir or a server's values written for
     another model or layout are then not served. The YAML's value adds to the derived identity, never replaces it.
     Each `valkey` tier gets `tp` = `ranks` (the engine's tensor-parallel size: a block is stored as one
@@ -57,7 +70,7 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
     for tier in raw.get("tiers") or []:
         if isinstance(tier, dict) and tier.get("backend") == "cpu" and not tier.get("shm_name"):
             tier["shm_name"] = f"kvtier-{_safe_name(engine_id)}-{_safe_name(str(tier.get('name')))}"
-        if isinstance(tier, dict) and tier.get("backend") in PERSISTENT_BACKENDS and fingerprint:
+        if isinstance(tier, dict) and fingerprint and is_persistent(tier.get("backend"), import_code):
             own = tier.get("fingerprint") or ""
             if isinstance(own, str):  # anything else is reported by parse_config
                 tier["fingerprint"] = tier_identity(own, fingerprint)

@@ -9,9 +9,9 @@ from typing import Any
 
 from kvtier.config import default_config_path
 from kvtier.config.input import plain
-from kvtier.config.vllm import PERSISTENT_BACKENDS, vllm_hierarchy_config
+from kvtier.config.vllm import is_persistent, vllm_hierarchy_config
 
-__all__ = ["PERSISTENT_BACKENDS", "load_raw_config", "vllm_hierarchy_config"]
+__all__ = ["is_persistent", "load_raw_config", "vllm_hierarchy_config"]
 
 
 def load_raw_config(value: Any) -> tuple[dict[str, Any], str]:
