@@ -143,8 +143,7 @@ class CPUBackend(Backend):
 
     spec_type = CPULoadStoreSpec
     medium = "CPU"
-    handlers = HOST_HANDLERS
-    max_blocks = None  # bounded by memory and /dev/shm (capacity_problem)
+    handlers = HOST_HANDLERS  # (max_blocks stays None: memory and /dev/shm bound it, capacity_problem)
 
     OPTIONS = {
         "shm_name": (None, _shm_name),  # file name in /dev/shm; default: generated, unique

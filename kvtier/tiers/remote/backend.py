@@ -36,7 +36,6 @@ from typing import Any, ClassVar
 
 from kvtier.core.errors import BlocksFailed, ClosedError, ConfigError
 from kvtier.core.keys import OffloadKey
-from kvtier.core.specs import CPULoadStoreSpec
 from kvtier.core.types import BlockStatus
 from kvtier.tiers.base import Backend
 from kvtier.tiers.remote import options as option_checks
@@ -44,7 +43,7 @@ from kvtier.tiers.remote.control_calls import ControlCalls
 from kvtier.tiers.remote.errors import BlockMissing, RemoteUnavailable, without_echo
 from kvtier.tiers.remote.probes import Probes
 from kvtier.tiers.remote.runtime import FailureNotice, FoundBy, WritePause
-from kvtier.tiers.remote.spec import RemoteLoadStoreSpec
+from kvtier.tiers.remote.spec import HOPS, RemoteLoadStoreSpec
 from kvtier.tiers.remote.url import redact_url
 
 log = logging.getLogger("kvtier.tiers.remote")  # the shared tier's logger (runtime.py logs there too)
@@ -83,11 +82,7 @@ class ValkeyBackend(ControlCalls, Backend):
 
     spec_type = RemoteLoadStoreSpec
     medium = "REMOTE"
-    handlers = (
-        (CPULoadStoreSpec, RemoteLoadStoreSpec, "kvtier.tiers.remote.handler:make_cpu_to_remote"),
-        (RemoteLoadStoreSpec, CPULoadStoreSpec, "kvtier.tiers.remote.handler:make_remote_to_cpu"),
-    )
-    max_blocks = None  # handles cost nothing until remembered; the policy indexing them is the limit
+    handlers = HOPS  # (max_blocks stays None: handles cost nothing; the policy indexing them is the limit)
     persistent = True  # the builder passes fingerprint and layout: the identity of the values
     shared = True
     OPTIONS = option_checks.OPTIONS

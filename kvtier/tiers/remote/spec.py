@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvtier.core.specs import KeyedLoadStoreSpec
+from kvtier.core.specs import CPULoadStoreSpec, KeyedLoadStoreSpec
 
 
 class RemoteLoadStoreSpec(KeyedLoadStoreSpec):
@@ -14,3 +14,10 @@ class RemoteLoadStoreSpec(KeyedLoadStoreSpec):
     @staticmethod
     def medium() -> str:
         return "REMOTE"
+
+
+# The hops of the valkey kind (`Backend.handlers`): its handler, next to the backend, in both directions.
+HOPS = (
+    (CPULoadStoreSpec, RemoteLoadStoreSpec, "kvtier.tiers.remote.handler:make_cpu_to_remote"),
+    (RemoteLoadStoreSpec, CPULoadStoreSpec, "kvtier.tiers.remote.handler:make_remote_to_cpu"),
+)
