@@ -108,27 +108,38 @@ def enter_kind(backend_cls: type) -> None:
 
 
 def _enter_hops(backend_cls: type) -> None:
-    from kvtier.core.specs import LoadStoreSpec
-
+    """`enter_kind` without the table's first fill: every hop is checked before any is entered,
+    so a refused class leaves the table as it was."""
+    entering: dict[tuple[type, type], Any] = {}
     for n, hop in enumerate(getattr(backend_cls, "handlers", ())):
         where = f"{backend_cls.__qualname__}.handlers[{n}]"
-        if not (isinstance(hop, tuple) and len(hop) == 3 and all(
-                isinstance(t, type) and issubclass(t, LoadStoreSpec) for t in hop[:2])
-                and (callable(hop[2]) or isinstance(hop[2], str))):
+        if not (isinstance(hop, tuple) and len(hop) == 3 and _is_spec_type(hop[0]) and _is_spec_type(hop[1])
+                and _is_factory(hop[2])):
             raise KVTierError(f"{where} is {brief(hop, 120)}; write (source spec type, destination spec type, "
                               "factory or 'module:attr'), the spec types LoadStoreSpec subclasses")
-        src, dst, factory = hop
-        held = _handlers.setdefault((src, dst), factory)
-        if held is not factory and _factory_name(held) != _factory_name(factory):
-            raise KVTierError(f"{where}: {_spec_name(src)} -> {_spec_name(dst)} is already served by "
+        pair = (hop[0], hop[1])
+        held = entering.setdefault(pair, _handlers.get(pair, hop[2]))
+        if held is not hop[2] and _factory_name(held) != _factory_name(hop[2]):
+            raise KVTierError(f"{where}: {_spec_name(pair[0])} -> {_spec_name(pair[1])} is already served by "
                               f"{_factory_name(held)}; one factory serves a pair")
+    for pair, factory in entering.items():
+        _handlers.setdefault(pair, factory)
+
+
+def _is_spec_type(spec_type: Any) -> bool:
+    from kvtier.core.specs import LoadStoreSpec
+
+    return isinstance(spec_type, type) and issubclass(spec_type, LoadStoreSpec)
+
+
+def _is_factory(factory: Any) -> bool:
+    return callable(factory) or isinstance(factory, str)
 
 
 def _check_spec_type(what: str, spec_type: Any) -> None:
     from kvtier.core.errors import ArgumentTypeError
-    from kvtier.core.specs import LoadStoreSpec
 
-    if not (isinstance(spec_type, type) and issubclass(spec_type, LoadStoreSpec)):
+    if not _is_spec_type(spec_type):
         raise ArgumentTypeError(f"register_handler: {what} must be a LoadStoreSpec subclass (a backend's "
                                 f"spec_type), got {spec_type!r}")
 
@@ -147,7 +158,7 @@ def register_handler(src_spec: type, dst_spec: type, factory: Any) -> None:
 
     _check_spec_type("src_spec", src_spec)
     _check_spec_type("dst_spec", dst_spec)
-    if not (callable(factory) or isinstance(factory, str)):
+    if not _is_factory(factory):
         raise ArgumentTypeError("register_handler: factory must be a callable or a 'module:attr' path, "
                                 f"got {factory!r}")
     table = _table()
@@ -160,7 +171,6 @@ def register_handler(src_spec: type, dst_spec: type, factory: Any) -> None:
 
 def unregister_handler(src_spec: type, dst_spec: type) -> None:
     """Remove the handler registered for exactly this pair. Raises `KVTierError` if there is none."""
-
     if _table().pop((src_spec, dst_spec), None) is None:
         raise KVTierError(f"no handler is registered for {_spec_name(src_spec)} -> {_spec_name(dst_spec)}")
 

@@ -73,6 +73,10 @@ class MalformedBackend(AcmeBackend):
 
 class GreedyBackend(AcmeBackend):
     handlers = ((CPULoadStoreSpec, CPULoadStoreSpec, _factory(True)),)
+
+
+class HalfGreedyBackend(AcmeBackend):
+    handlers = ((AcmeSpec, CPULoadStoreSpec, _factory(False)), (CPULoadStoreSpec, CPULoadStoreSpec, _factory(True)))
 '''
 
 
@@ -144,3 +148,9 @@ def test_a_kind_cannot_take_over_a_pair_another_factory_serves(acme):
                                           r"kvtier\.transfer\.handlers\.memory:MemoryCopyHandler\.for_backends"):
         _build("acme_kind:GreedyBackend")
     assert registry.handler_factory(CPULoadStoreSpec, CPULoadStoreSpec).__qualname__ == "MemoryCopyHandler.for_backends"
+
+
+def test_a_refused_kind_leaves_none_of_its_hops_in_the_table(acme):
+    with pytest.raises(ConfigError, match=r"HalfGreedyBackend\.handlers\[1\].*already served by"):
+        _build("acme_kind:HalfGreedyBackend")
+    assert registry.handler_factory(sys.modules["acme_kind"].AcmeSpec, CPULoadStoreSpec) is None
