@@ -9,10 +9,10 @@ slow copy would leave them) and then:
 - `refused`: 3 evictable blocks, `evict(4)`: must return None;
 - `small`: 1000 evictable blocks, `evict(4)` followed by inserting 4 new evictable blocks.
 
-Each is measured *before* (the policy without evictable accounting: how every policy worked
-before `track_pins`) and *after* (`track_pins()` on the same instance, as the manager does), in
+Each is measured *before* (the policy without evictable accounting: no notice yet) and *after*
+(the block table's first `evictable` notice on the same instance, as every tier sends it), in
 the same run. Cost is CPU time (`time.process_time`) per call, the mean over all calls, so that
-other processes on the machine do not inflate it. The first call after `track_pins` is reported
+other processes on the machine do not inflate it. The first call after that notice is reported
 apart (`first_call_us`): LRU sets the pinned blocks met at its head aside once there.
 
 This is a benchmark, not a test: it prints rows and optionally writes JSON.
@@ -94,14 +94,14 @@ def measure(policy_name: str, pinned: int, case: str) -> dict[str, Any]:
     call = refused if case == "refused" else small
     before, before_calls = _per_call(call)
     t0 = time.process_time()
-    policy.track_pins()
+    policy.evictable((), False)
     track_us = (time.process_time() - t0) * 1e6
     t0 = time.process_time()
     call()
     first_us = (time.process_time() - t0) * 1e6
     after, after_calls = _per_call(call)
     return {"policy": policy_name, "pinned": pinned, "case": case, "before_us": before, "after_us": after,
-            "first_call_us": first_us, "track_pins_us": track_us, "calls": [before_calls, after_calls]}
+            "first_call_us": first_us, "first_notice_us": track_us, "calls": [before_calls, after_calls]}
 
 
 def _count(text: str) -> int:

@@ -5,8 +5,9 @@
 
 Each (policy, N) runs in a fresh child process: resident set size (/proc/self/statm) before, then
 N resident blocks inserted the way the manager stores them (evictable accounting on:
-`insert_many` of `BlockStatus.many` blocks being written, `pin`, `ref_cnt = 0` through `get`,
-`unpin`), in chunks of 64Ki keys of 32-byte block hash + 4-byte group (vLLM's sha256 keys), then
+`insert_many` of `BlockStatus.many` blocks being written, `evictable(keys, False)`, `ref_cnt = 0`
+through `get`, `evictable(keys, True)`), in chunks of 64Ki keys of 32-byte block hash + 4-byte
+group (vLLM's sha256 keys), then
 `gc.collect()` and RSS after. The chunks' key lists are dropped after each chunk: a dict-based
 policy keeps every key object (that is its real cost), the compact index copies the bytes and
 keeps none. `lru` and `prefix-freq` are the registered names (the compiled indexes when they are
@@ -64,7 +65,7 @@ def _fill_kvtier(name: str, n: int, start: int = 0, stop: int | None = None, pol
 
     if policy is None:
         policy = with_key_index(registry.resolve(registry.POLICIES, PURE.get(name, name))(n))
-        policy.track_pins()
+        policy.evictable((), False)  # the block table's first notice: accounting on
     step = min(CHUNK, n)  # (a chunk evicts at most the whole tier)
     for first in range(start, n if stop is None else stop, step):
         keys = _keys(first, min(n if stop is None else stop, first + step))
@@ -72,10 +73,10 @@ def _fill_kvtier(name: str, n: int, start: int = 0, stop: int | None = None, pol
         if over > 0:
             assert policy.evict(over, set()) is not None, f"{name} refused to evict {over} blocks"
         policy.insert_many(keys, BlockStatus.many(range(first, first + len(keys))))
-        policy.pin(keys)
+        policy.evictable(keys, False)  # being written
         for block in map(policy.get, keys):
             block.ref_cnt = 0  # just inserted
-        policy.unpin(keys)
+        policy.evictable(keys, True)
         del keys
     return policy
 

@@ -1,7 +1,7 @@
 """A replacement policy written to vLLM's seed `CachePolicy` contract alone, as a third party would.
 
 It has only `__init__(cache_capacity)`, `get`, `insert`, `remove`, `touch` and `evict`: no
-`keys`, `len`, `clear`, `insert_many` or `victim_candidates`, and no kvtier base class. kvtier must
+`keys`, `len`, `clear`, `insert_many` or `victims`, and no kvtier base class. kvtier must
 accept it by its methods (`with_key_index` supplies the rest). Used by kvtier's own tests and by
 `benchmarks.control_plane` as the seed-contract row. Standard library only.
 """

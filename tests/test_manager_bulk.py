@@ -50,8 +50,8 @@ def state(manager) -> list:
     """Everything the bulk paths may change, per tier, in a comparable form."""
     rows = []
     for tier in manager.tiers:
-        policy = tier.policy
-        order = [k for k, _ in policy.victim_candidates()]
+        policy = tier.table
+        order = policy.victims(len(policy))
         blocks = sorted((k, policy.get(k).ref_cnt, policy.get(k).block_id) for k in policy.keys())
         rows.append((tier.name, order, blocks, sorted(policy.pinned_keys() or ()), sorted(tier.clean),
                      dict(tier.promoted_from), tier.stats.as_dict()))
@@ -247,7 +247,7 @@ def test_complete_store_batches_equal_key_by_key(order, lru):
             else:
                 m.complete_store(batch, CTX)
             top = m.tiers[0]
-            states.append(([(k, top.policy.get(k).ref_cnt) for k in (a, b, r)], sorted(top.policy.pinned_keys()),
+            states.append(([(k, top.policy.get(k).ref_cnt) for k in (a, b, r)], sorted(top.table.pinned_keys()),
                            top.stats.stores))
         finally:
             h.close()
@@ -270,13 +270,13 @@ def test_complete_load_of_blocks_also_pinned_by_a_copy(shared_at, lru):
             m.prepare_load(batch, CTX)
             top = m.tiers[0]
             top.policy.get(batch[shared_at]).ref_cnt += 1  # what a demotion's pin does
-            top.policy.pin([batch[shared_at]])
+            top.policy.evictable([batch[shared_at]], False)
             if per_key:
                 for key in batch:
                     m.complete_load([key], CTX)
             else:
                 m.complete_load(batch, CTX)
-            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.policy.pinned_keys())))
+            states.append(([top.policy.get(k).ref_cnt for k in batch], sorted(top.table.pinned_keys())))
         finally:
             h.close()
     assert states[0] == states[1] and states[0][0] == [int(i == shared_at) for i in range(3)]

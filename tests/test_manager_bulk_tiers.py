@@ -144,11 +144,11 @@ def test_a_demotion_and_a_promotion_through_the_batch_calls(fail, backend):
             # the two victims pinned for their copy, none dropped: no room until they are below
             assert m.prepare_store(keys(2, start=100), CTX) is None and hot.stats.cascade_dropped == 0
             assert [(hot.policy.get(k).ref_cnt, warm.policy.get(k).ref_cnt) for k in first[2:]] == [(1, -1)] * 2
-            assert sorted(warm.policy.pinned_keys()) == sorted(first[2:])
+            assert sorted(warm.table.pinned_keys()) == sorted(first[2:])
             copier.run(fail)
             m.wait_idle(timeout=5)
             assert [hot.policy.get(k).ref_cnt for k in first[2:]] == [0, 0]
-            assert all((warm.policy.get(k) is None) == fail for k in first[2:]) and not warm.policy.pinned_keys()
+            assert all((warm.policy.get(k) is None) == fail for k in first[2:]) and not warm.table.pinned_keys()
             out = m.prepare_store(keys(2, start=100), CTX)  # copied down (or failed): they may go now
             assert sorted(out.evicted_keys) == sorted(first[2:])
             assert hot.stats.cascade_dropped == hot.stats.cascade_dropped_failed == (2 if fail else 0)
@@ -165,7 +165,7 @@ def test_a_demotion_and_a_promotion_through_the_batch_calls(fail, backend):
                 assert m.lookup(first[2], CTX).name == "HIT" and warm.policy.get(first[2]).ref_cnt == 0
                 assert warm.stats.promotions == 1 and first[2] in hot.clean
             states.append([(t.name, sorted((k, t.policy.get(k).ref_cnt, t.policy.get(k).block_id)
-                                           for k in t.policy.keys()), sorted(t.policy.pinned_keys()),
+                                           for k in t.policy.keys()), sorted(t.table.pinned_keys()),
                             sorted(t.clean), t.stats.as_dict()) for t in m.tiers])
         finally:
             copier.run(fail=True)
@@ -175,7 +175,7 @@ def test_a_demotion_and_a_promotion_through_the_batch_calls(fail, backend):
 
 def _state(m) -> list:
     return [(t.name, sorted((k, t.policy.get(k).ref_cnt, t.policy.get(k).block_id) for k in t.policy.keys()),
-             sorted(t.policy.pinned_keys()), sorted(t.clean), t.stats.as_dict()) for t in m.tiers] + [
+             sorted(t.table.pinned_keys()), sorted(t.clean), t.stats.as_dict()) for t in m.tiers] + [
         [m.load_source(k) for k in UNIVERSE]]
 
 
@@ -297,7 +297,7 @@ def test_a_load_from_tier_0_and_a_tier_loaded_directly(order, promoted):
             spec = m.prepare_load(load, CTX)
             taken = _state(m)
             m.complete_load(load, CTX)
-            assert not any(t.policy.pinned_keys() for t in m.tiers)  # every load pin released
+            assert not any(t.table.pinned_keys() for t in m.tiers)  # every load pin released
             states.append((spec_ids(spec), taken, _state(m)))
         finally:
             copier.run(fail=True)

@@ -14,12 +14,15 @@ class AccountingMachine(ManagerMachine):
     @invariant()
     def pinned_set_is_exact(self):
         for tier in self.m.tiers:
-            policy = tier.policy
-            truth = {k for k in policy.keys() if policy.get(k).ref_cnt != 0}
-            pinned = policy.pinned_keys()
+            table = tier.table
+            truth = {k for k in table.keys() if table.get(k).ref_cnt != 0}
+            pinned = table.pinned_keys()
             assert pinned == truth, f"{tier.name}: counted {pinned ^ truth} wrongly"
-            evictable = sum(1 for k in policy.keys() if policy.get(k).ref_cnt == 0)
-            assert policy.evictable_count() == evictable
+            evictable = sum(1 for k in table.keys() if table.get(k).ref_cnt == 0)
+            assert table.evictable_count() == evictable
+            told = getattr(tier.policy, "_pinned", None)  # a pure policy's mirror of the notices
+            if told is not None and not hasattr(tier.policy, "pinned_keys"):
+                assert told == truth, f"{tier.name}: the policy was told {told ^ truth} wrongly"
 
 
 class LRUAccounting(AccountingMachine):

@@ -30,7 +30,7 @@ class RefusingLRU(PureLRUCachePolicy):
 
 def tier_state(tier) -> tuple:
     return (tier.backend.get_num_free_blocks(), sorted(tier.policy.keys()),
-            sorted(tier.policy.pinned_keys() or ()))
+            sorted(tier.table.pinned_keys() or ()))
 
 
 def test_policy_error_leaves_tier_as_before():

@@ -169,28 +169,19 @@ class PinsAnotherCopy(ManagerMachine):
         def prepare_load(keys, ctx=None):
             spec = prepare(keys, ctx)
             for key in keys:
-                below = warm.policy.get(key)
-                if spec.tier == hot.name and below is not None and below.ref_cnt >= 0:
-                    block = hot.policy.get(key)
-                    block.ref_cnt -= 1
-                    below.ref_cnt += 1
+                if spec.tier == hot.name and warm.table.readable_run([key]):
+                    # through the block tables, as the manager changes every pin
+                    hot.table.release_loads([key])
+                    warm.table.pin_loads([key])
                     moved[key] += 1
-                    # reported to the policies as the manager reports every pin (evictable accounting)
-                    warm.policy.pin([key])
-                    if not block.ref_cnt:
-                        hot.policy.unpin([key])
             return spec
 
         def complete_load(keys, ctx=None):
             for key in keys:
                 if moved[key]:
                     moved[key] -= 1
-                    below = warm.policy.get(key)
-                    below.ref_cnt -= 1
-                    hot.policy.get(key).ref_cnt += 1
-                    hot.policy.pin([key])
-                    if not below.ref_cnt:
-                        warm.policy.unpin([key])
+                    warm.table.release_loads([key])
+                    hot.table.pin_loads([key])
             complete(keys, ctx)
 
         self.m.prepare_load, self.m.complete_load = prepare_load, complete_load
@@ -207,10 +198,10 @@ class EvictsPinnedCopy(ManagerMachine):
         def prepare_store(keys, ctx=None):
             hot, warm = self.m.tiers
             loading = {k for k, _, _ in self.loads}
-            for key in list(hot.policy.keys()):
-                block, below = hot.policy.get(key), warm.policy.get(key)
-                if key in loading and below is not None and below.ref_cnt >= 0:
-                    hot.policy.remove(key)
+            for key in list(hot.table.keys()):
+                block = hot.table.get(key)
+                if key in loading and warm.table.readable_run([key]):
+                    hot.table.forget([key])
                     hot.backend.free(block)
                     hot.clean.discard(key)
             return prepare(keys, ctx)

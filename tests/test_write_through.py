@@ -370,7 +370,7 @@ def test_a_flush_finding_no_room_below_keeps_the_blocks_queued(ctx):
     warm = m.tiers[1]
     for key in keys(4):  # the lower tier's every block pinned (as a copy out of it would): no room there
         warm.policy.get(key).ref_cnt += 1
-    warm.policy.pin(keys(4))
+    warm.policy.evictable(keys(4), False)
     waiting = keys(2, start=4)
     store(h, waiting, ctx)
     assert list(m.tiers[0].unwritten) == waiting and m.tiers[0].lower_full
@@ -378,7 +378,7 @@ def test_a_flush_finding_no_room_below_keeps_the_blocks_queued(ctx):
     assert list(m.tiers[0].unwritten) == waiting
     for key in keys(4):
         warm.policy.get(key).ref_cnt -= 1
-    warm.policy.unpin(keys(4))
+    warm.policy.evictable(keys(4), True)
     store(h, keys(2, start=6), ctx)  # the queue is tried again, oldest first
     while m.has_pending_work():
         gate.open()

@@ -97,7 +97,7 @@ class Cascade:
         """`evict_for`'s care for a cascading tier: the blocks to protect too so that evicting
         `need` takes only blocks safe to evict (`unsafe_ahead`), after starting the copies of the
         dirty ones among the next `need` victims; None when there is no such room yet."""
-        victims = tier.policy.victim_keys(need, protected)
+        victims = tier.table.victims(need, protected)
         if len(victims) == need and tier.clean.issuperset(victims):
             return set()  # (the common case: the reserve kept the next victims clean)
         dirty = self._dirty_among(tier, victims)
@@ -145,7 +145,7 @@ class Cascade:
     def _dirty_victims(self, tier: Tier, count: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
         """Among the next `count` unprotected victims of `tier`'s policy, those the next tier does
         not hold, in eviction order (`_dirty_among`)."""
-        return self._dirty_among(tier, tier.policy.victim_keys(count, protected))
+        return self._dirty_among(tier, tier.table.victims(count, protected))
 
     @staticmethod
     def _dirty_among(tier: Tier, keys: list[OffloadKey]) -> list[OffloadKey]:
@@ -199,7 +199,7 @@ class Cascade:
         """`tier`'s readable blocks without a readable copy in the next tier (those found readable
         there are recorded as clean), in the policy's order."""
         clean, readable = tier.clean, tier.readable
-        keys = [k for k in list(tier.policy.keys()) if k not in clean and readable(k) is not None]
+        keys = [k for k in list(tier.table.keys()) if k not in clean and readable(k) is not None]
         return split_below(tier, keys) if keys else []
 
     def flush_step(self, tier: Tier, limit: int, tried: set[OffloadKey]) -> int:
@@ -279,12 +279,12 @@ def unsafe_ahead(tier: Tier, need: int, protected: set[OffloadKey]) -> set[Offlo
         return set()
     safe = tier.safe_to_evict
     if not predicts_victims(tier.policy):
-        return {k for k in tier.policy.keys() if not safe(k)}
+        return {k for k in tier.table.keys() if not safe(k)}
     skip: set[OffloadKey] = set()
     limit = need + 2 * tier.reserve + len(tier.unwritten)
     want = need
     while True:
-        found = tier.policy.victim_keys(want, protected.union(skip) if skip else protected)
+        found = tier.table.victims(want, protected.union(skip) if skip else protected)
         ahead: list[OffloadKey] = []
         taken = 0
         for key in found:

@@ -160,9 +160,9 @@ def _build_tier(i: int, config: HierarchyConfig, n: int, block_bytes: int, dry_r
     policy = with_key_index(policy_cls(n))
     if tier_cfg.cascade == "on_evict" and i + 1 < len(config.tiers) and not predicts_victims(policy):
         raise ConfigError([(f"tiers[{i}].cascade", f"'on_evict' copies blocks down before they are evicted, "
-                            f"which needs a policy that predicts its victims (victim_candidates); "
+                            f"which needs a policy that predicts its victims (`victims`); "
                             f"{tier_cfg.policy!r} does not, so every eviction would be lost: use "
-                            f"cascade: on_store, or implement victim_candidates")])
+                            f"cascade: on_store, or implement victims(n, skip)")])
     if dry_run:
         return SlotBackend(tier_cfg.name, n, block_bytes, config.block_tokens, cls.spec_type), policy
     options = backend_options(config, i, layout, model, persistent=cls.persistent)

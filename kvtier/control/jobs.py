@@ -113,13 +113,10 @@ class Job:
         if not keys:
             return
         src, dst = self.src, self.dst
-        if not dst.table.mark_written(keys):  # (some block not being written any more)
-            get = dst.policy.get
-            for key, block_id in zip(keys, dst_ids):
-                view = get(key)
-                if view is not None and view.block_id == block_id:
-                    view.ref_cnt = 0
-            dst.policy.unpin(keys)
+        if not dst.table.mark_written(keys):  # (some block not being written any more): those still are
+            get = dst.table.get
+            dst.table.mark_written([k for k, slot in zip(keys, dst_ids)
+                                    if (b := get(k)) is not None and b.block_id == slot and b.ref_cnt == -1])
         src.stats.bytes_out += result.transfer_size or 0
         src.stats.seconds_out += result.transfer_time or 0.0
         dst.stats.bytes_in += result.transfer_size or 0

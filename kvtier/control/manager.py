@@ -85,14 +85,13 @@ def _recover(ctx: ControlContext) -> None:
     """Adopt blocks that persistent backends found from an earlier process."""
     for tier in ctx.tiers:
         found = tier.backend.recover()
-        for key, block in found:
-            tier.policy.insert(key, block)
+        tier.table.insert_ready([k for k, _ in found], [b.block_id for _, b in found])
         if found:
             log.info("tier %s: recovered %d blocks", tier.name, len(found))
             ctx.events.record(tier, [k for k, _ in found], removed=False)
             above = tier.above
             if above is not None:
-                above.clean.update(k for k, _ in found if above.policy.get(k) is not None)
+                above.clean.update(k for k, _ in found if above.table.get(k) is not None)
 
 
 class HierarchyManager(OffloadingManager):
@@ -123,9 +122,6 @@ class HierarchyManager(OffloadingManager):
         self._alone = len(self.tiers) == 1  # no lower or shared tier: no promotion, probe or copy
         self._quiescer = Quiescer(ctx, router, self._cascade, self._promotions, self._shared)
         _recover(ctx)
-        for tier in self.tiers:
-            # Evictable accounting: every ref_cnt change below reports pin/unpin to the policy.
-            tier.policy.track_pins()
 
     @property
     def events(self) -> list[OffloadingEvent] | None:
@@ -144,7 +140,7 @@ class HierarchyManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
         self._drain()
         top = self._top
-        block = top.policy.get(key)
+        block = top.table.get(key)
         if block is not None and top.condemned and key in top.condemned:
             block = None  # (failed a read, still pinned by another load: never served again)
         if block is not None and block.ref_cnt >= 0:
@@ -157,7 +153,7 @@ class HierarchyManager(OffloadingManager):
         if promotions.refused and promotions.take_refusal(key):
             return LookupResult.MISS
         for tier in self.tiers[1:]:
-            block = tier.policy.get(key)
+            block = tier.table.get(key)
             if block is None or (tier.condemned and key in tier.condemned):
                 continue
             if not block.is_ready:
@@ -182,7 +178,7 @@ class HierarchyManager(OffloadingManager):
             return n, None
         if self._alone:
             # (`lookup` for one tier: nothing is promoted or probed; the key is not readable there)
-            return n, LookupResult.MISS if self._top.policy.get(keys[n]) is None else LookupResult.HIT_PENDING
+            return n, LookupResult.MISS if self._top.table.get(keys[n]) is None else LookupResult.HIT_PENDING
         lookup = self.lookup
         for key in keys[n:]:
             result = lookup(key, req_context)
@@ -210,7 +206,7 @@ class HierarchyManager(OffloadingManager):
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
         for tier in self.tiers:
-            tier.policy.touch(keys)
+            tier.table.touch(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
                       failed: Collection[OffloadKey] = ()) -> None:
@@ -270,7 +266,7 @@ class HierarchyManager(OffloadingManager):
         """Evict every unpinned, readable block from every tier."""
         self._jobs.drain()
         for tier in self.tiers:
-            self._ctx.events.record(tier, tier.remove(list(tier.policy.keys())), removed=True)
+            self._ctx.events.record(tier, tier.remove(list(tier.table.keys())), removed=True)
 
     def finish_reset(self, storing: Collection[OffloadKey], loading: Collection[OffloadKey]) -> list[OffloadKey]:
         """Finish a `reset_cache` that found engine jobs in flight, once the engine has flushed

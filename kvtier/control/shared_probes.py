@@ -113,7 +113,7 @@ class SharedTierProbes:
     def lookup(self, key: OffloadKey) -> LookupResult:
         """The answer for a key that no local tier holds and that has no handle."""
         self._absorb()
-        if self.tier.policy.get(key) is not None or key in self._promotions.running:
+        if self.tier.table.get(key) is not None or key in self._promotions.running:
             return LookupResult.RETRY  # found by a probe just taken: its promotion is queued
         now = monotonic()
         deadline = self.probing.get(key)
@@ -141,7 +141,7 @@ class SharedTierProbes:
         the run comes up together instead of one block per lookup."""
         if not self.backend.available:
             return
-        local = [t.policy.get for t in self.local]
+        local = [t.table.get for t in self.local]
         handle = self.tier.readable
         running, refused = self._promotions.running, self._promotions.refused
         room = MAX_PENDING - len(self.pending)
@@ -225,7 +225,7 @@ class SharedTierProbes:
         tier. Without room for a handle each, the longest prefix that fits is adopted and the
         rest answer MISS once (then may be probed again): never RETRY forever."""
         tier = self.tier
-        keys = [k for k in dict.fromkeys(keys) if tier.policy.get(k) is None]
+        keys = [k for k in dict.fromkeys(keys) if tier.table.get(k) is None]
         fit = self._room(keys)
         if fit < len(keys):
             self._once(keys[fit:])
@@ -233,11 +233,9 @@ class SharedTierProbes:
         if not keys:
             return
         blocks = tier.backend.allocate_blocks(keys)
-        for block in blocks:
-            block.ref_cnt = 0
-        tier.policy.insert_many(keys, blocks)
+        tier.table.insert_ready(keys, [block.block_id for block in blocks])
         self._events.record(tier, keys, removed=False)  # now resident there, as far as this process knows
-        top_get, running = self.top.policy.get, self._promotions.running
+        top_get, running = self.top.table.get, self._promotions.running
         for key in keys:
             self.absent.pop(key, None)
             if top_get(key) is None and key not in running:
@@ -275,7 +273,7 @@ class SharedTierProbes:
     # ------------------------------------------------------------------ publish
     def _stale(self, key: OffloadKey) -> bool:
         """An idle handle that the backend no longer trusts (`ValkeyBackend.stale`)."""
-        block = self.tier.policy.get(key)
+        block = self.tier.table.get(key)
         return (block is not None and block.ref_cnt == 0 and key not in self._promotions.running
                 and self.backend.stale(block))
 
@@ -283,7 +281,7 @@ class SharedTierProbes:
         """Start copies of the first tier's newly readable blocks `keys` that have no handle;
         what cannot start now is dropped and counted (see the module docstring)."""
         tier, top, backend = self.tier, self.top, self.backend
-        get = tier.policy.get
+        get = tier.table.get
         new: list[OffloadKey] = []
         stale: list[OffloadKey] = []
         for key in keys:

@@ -57,7 +57,7 @@ class StorePath:
         if success and not promoting and top.table.mark_written(keys):
             changed = keys  # the common case (each key prepared once), made readable and unpinned in one pass
         else:
-            get = top.policy.get  # (the keys still being written, each once)
+            get = top.table.get  # (the keys still being written, each once)
             changed = [k for k in dict.fromkeys(keys)
                        if k not in promoting and (b := get(k)) is not None and b.ref_cnt == -1]
             if not success:

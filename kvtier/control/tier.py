@@ -32,7 +32,7 @@ class TierStats:
     promotions: int = 0  # blocks copied from this tier up to tier 0
     cascade_dropped: int = 0  # dirty blocks evicted without a copy below
     cascade_dropped_failed: int = 0  # of those: their copy below failed (the only ones `Cascade.evict_for` lets go)
-    cascade_dropped_full: int = 0  # of those: any other (a policy evicting past its own victim_keys); 0 otherwise
+    cascade_dropped_full: int = 0  # of those: any other (a policy evicting past its own victims); 0 otherwise
     cascade_deferred: int = 0  # demotions not started at once because too many were in flight (backpressure)
     failures: int = 0  # blocks that failed a transfer: read from this tier (once each) or written into it
     # A shared tier (kvtier.control.shared_probes); zero elsewhere:
@@ -60,8 +60,8 @@ class Tier:
     The constructor takes the configuration (name, backend, policy, cascade, reserve_fraction);
     `HierarchyManager` sets the position (`index`, `above`, `below`, `direct_load`) and owns the
     rest, which records, per block of this tier:
-    - residency: the policy (`policy.get(key)`, the block's `ref_cnt`: -1 while being written,
-      > 0 while pinned by loads or copies);
+    - residency: the block table (`table.get(key)`, the block's `ref_cnt`: -1 while being written,
+      > 0 while pinned by loads or copies), its one writer; the policy only orders (kvtier.index);
     - `clean`: keys whose copy here is also readable in the next tier (evicting it loses nothing);
     - `write_failed`: keys whose copy below failed (they may be evicted without one, counted);
     - write-through (`on_store`): `unwritten`, readable keys whose copy below has not started
@@ -117,7 +117,7 @@ class Tier:
 
     def readable(self, key: OffloadKey) -> BlockStatus | None:
         """The block of `key` if it is resident, written (not being written) and not condemned, else None."""
-        block = self.policy.get(key)
+        block = self.table.get(key)
         if block is None or block.ref_cnt < 0 or (self.condemned and key in self.condemned):
             return None
         return block
@@ -127,7 +127,7 @@ class Tier:
         still pins each: they are the blocks that failed). Each is counted once in `failures`,
         answered as absent from now on (`readable`, the manager's lookups) and removed when its
         last pin is released (`release_loads`)."""
-        get, condemned = self.policy.get, self.condemned
+        get, condemned = self.table.get, self.condemned
         new = [k for k in dict.fromkeys(keys) if k not in condemned and get(k) is not None]
         condemned.update(new)
         self.stats.failures += len(new)
@@ -195,7 +195,7 @@ class Tier:
         `WRITING`: being written; `UNPINNED`: either) and, when `slots` is given (one per key),
         that still sits in that slot; frees its slot and forgets every piece of state kept for it
         (here and in the tier above). Pinned blocks never leave. Returns the keys removed."""
-        get = self.policy.get
+        get = self.table.get
         gone: list[OffloadKey] = []
         ids: list[int] = []
         wanted = zip(keys, slots) if slots is not None else zip(keys, repeat(None))
@@ -206,8 +206,7 @@ class Tier:
             gone.append(key)
             ids.append(block.block_id)
         if gone:
-            self.policy.unpin(gone)  # (a block being written was counted as not evictable)
-            _consume(map(self.policy.remove, gone), 0)
+            self.table.forget(gone)
             self._left(gone, ids)
         return gone
 
@@ -237,4 +236,4 @@ class Tier:
     def stats_row(self) -> dict[str, Any]:
         """This tier's counters and occupancy (one entry of `get_stats`)."""
         return {**self.stats.as_dict(), "medium": self.medium, "capacity_blocks": self.capacity,
-                "resident_blocks": len(self.policy), "free_blocks": self.backend.get_num_free_blocks()}
+                "resident_blocks": len(self.table), "free_blocks": self.backend.get_num_free_blocks()}

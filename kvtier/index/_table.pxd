@@ -24,7 +24,7 @@ from libc.string cimport memcmp, memcpy
 
 cdef enum:
     USED = 1  # resident (a free entry has no flag)
-    PINNED = 2  # counted as pinned (evictable accounting, `track_pins`)
+    PINNED = 2  # counted as pinned (evictable accounting, `evictable` notices)
     MARK = 8  # in `protected` during one eviction
     POLICY_FLAGS = 0xF4  # the flag bits the table leaves to the policy (lru and prefix-freq: 4, ASIDE)
     MAX_KEY = 65535

@@ -251,7 +251,7 @@ cdef int32_t* entries_of(Table* t, list keys, bint resident) except NULL:
 
 # ---------------------------------------------------------------------- pins and marks
 cdef void pin_by_ref_cnt(Table* t) noexcept nogil:
-    """`track_pins`: the resident entries whose ref_cnt is not 0 are the pinned ones."""
+    """The first `evictable` notice: the resident entries whose ref_cnt is not 0 are the pinned ones."""
     cdef int32_t i
     t.npinned = 0
     for i in range(t.hw):
@@ -262,7 +262,7 @@ cdef void pin_by_ref_cnt(Table* t) noexcept nogil:
 
 
 cdef Py_ssize_t evictable_in(Table* t, object protected) except -1:
-    """`CachePolicy.evictable_count`: resident, unpinned entries not in `protected`."""
+    """`BlockTable.evictable_count`: resident, unpinned entries not in `protected`."""
     cdef int32_t i
     cdef Py_ssize_t free = t.count - t.npinned
     for key in protected:
@@ -273,7 +273,7 @@ cdef Py_ssize_t evictable_in(Table* t, object protected) except -1:
 
 
 cdef bint refuses_in(Table* t, Py_ssize_t n, object protected) except -1:
-    """`CachePolicy._refuses` with pins tracked: fewer than n evictable, unprotected entries."""
+    """Whether `evict` must refuse, with pins tracked: fewer than n evictable, unprotected entries."""
     if t.count - t.npinned >= n + len(protected):
         return False
     return evictable_in(t, protected) < n

@@ -8,9 +8,8 @@ from kvtier.index._table cimport Entry, Table
 
 cdef class CompactTable:
     cdef Table* tp  # the table inside the policy's state (set by the policy's __cinit__)
-    cdef bint tracking  # evictable accounting on (`track_pins`)
+    cdef bint tracking  # evictable accounting on (the first `evictable` notice)
     cdef bint tails  # the insert calls name the request's tail to `put`
-    cdef Py_ssize_t version  # changes with the order, so iterators notice
 
     cdef int32_t put(self, object key, int64_t block_id, int32_t ref_cnt, bint tail) except -1
     cdef int unpinned(self, int32_t i) except -1

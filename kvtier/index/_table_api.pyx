@@ -3,9 +3,8 @@
 the base class of the compiled policy indexes, and `BlockView`, what their `get` returns.
 
 `CompactTable` answers everything that is the table's, not the policy's: `get` and `len`, the
-evictable accounting (`track_pins`, `pin`, `unpin`, `pinned_keys`, `evictable_count`), the insert
-calls and the request cycle's batch calls (`kvtier.index.BlockTable`: `readable_run`, `absent`,
-`insert_written`, `pin_loads`, `release_loads`, `mark_written`, `evict_ids`), each one C loop
+evictable accounting (`evictable`, `pinned_keys`, `evictable_count`), the insert calls and the
+request cycle's batch calls (`kvtier.index.BlockTable`), each one C loop
 over the table with the answers and side effects of `CachePolicy`'s key-by-key defaults. A
 policy's index class derives from it, points `tp` at the `Table` inside its own state and says
 how it takes an entry in (`put`), picks victims (`pick`) and removes them (`drop_victims`), and
@@ -25,7 +24,7 @@ from kvtier.index._table cimport (
 
 cdef class CompactTable:
     """The block table part of a compiled policy index (the base of its class; not made on its
-    own): `get` and `len`, the evictable accounting (`track_pins`, `pin`, `unpin`, ...), the
+    own): `get` and `len`, the evictable accounting (`evictable`, `evictable_count`, ...), the
     insert calls and the request cycle's batch calls (`kvtier.index.BlockTable`), each one C
     loop with the answers and side effects of `CachePolicy`'s key-by-key defaults. The policy
     sets `tp` in its `__cinit__` and implements `put`, `pick`, `drop_victims` and `unpinned`."""
@@ -78,7 +77,7 @@ cdef class CompactTable:
         forget_pin(self.tp, i)
         return self.unpinned(i)
 
-    # ------------------------------------------------------------------ the seed contract
+    # ------------------------------------------------------------------ vLLM's CachePolicy calls
     def get(self, key):
         cdef int32_t i = locate_in(self.tp, key)
         return None if i < 0 else view_of(self, i, key)
@@ -104,25 +103,20 @@ cdef class CompactTable:
         return [] if n <= 0 else self.take(n, protected, False)
 
     # ------------------------------------------------------------------ evictable accounting
-    def track_pins(self):
-        self.tracking = True
-        pin_by_ref_cnt(self.tp)
-
-    def pin(self, keys):
+    def evictable(self, keys, bint flag):
+        """`CachePolicy.evictable`: the first notice starts the accounting (entries resident then
+        with ref_cnt != 0 count as pinned); then `keys` stop (False) or start (True) being evictable."""
         cdef int32_t i
-        if self.tracking:
-            for key in keys:
-                i = locate_in(self.tp, key)
-                if i >= 0:
-                    pin_entry(self.tp, i)
-
-    def unpin(self, keys):
-        cdef int32_t i
-        if self.tracking:
-            for key in keys:
-                i = locate_in(self.tp, key)
-                if i >= 0:
+        if not self.tracking:
+            self.tracking = True
+            pin_by_ref_cnt(self.tp)
+        for key in keys:
+            i = locate_in(self.tp, key)
+            if i >= 0:
+                if flag:
                     self.unpin_entry(i)
+                else:
+                    pin_entry(self.tp, i)
 
     def pinned_keys(self):
         """The resident keys counted as pinned (a new set), or None when pins are not tracked."""
@@ -134,9 +128,6 @@ cdef class CompactTable:
 
     def evictable_count(self, protected=()):
         return evictable_in(self.tp, protected) if self.tracking else None
-
-    def _refuses(self, n, protected):
-        return self.tracking and refuses_in(self.tp, n, protected)
 
     # ------------------------------------------------------------------ the request cycle
     def readable_run(self, keys):
@@ -221,6 +212,17 @@ cdef class CompactTable:
 
     def evict_ids(self, Py_ssize_t n, protected):
         return ([], []) if n <= 0 else self.take(n, protected, True)
+
+    def insert_ready(self, keys, block_ids):
+        cdef Py_ssize_t j, n = len(keys)
+        if len(block_ids) != n:
+            raise ValueError(f"insert_ready: {n} keys but {len(block_ids)} block ids")
+        for j in range(n):
+            self.put(keys[j], block_ids[j], 0, False)
+
+    def forget(self, keys):
+        for key in keys:
+            self.remove(key)
 
 
 @cython.final

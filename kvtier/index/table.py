@@ -1,28 +1,24 @@
 """The block table of a tier: key -> slot, block state and load pins, behind one batch API over
-slot ids (`BlockTable`), so the control plane never handles a block object.
+slot ids (`BlockTable`). It is the one writer of that state: the control plane reads and
+changes blocks only through it, and the policy is told what it needs (`CachePolicy.evictable`).
 
 A block is *being written* (`ref_cnt == -1`: its slot is allocated, its bytes are not there
 yet), *readable* (`ref_cnt == 0`) or *pinned* by `n` running loads or copies (`ref_cnt == n`).
 Every call takes or returns keys and slot ids (`block_id`s) in the order given.
 
-Two implementations:
-- the compiled table (`kvtier/index/_table.pxd`/`_table.pyx`: keys, slots, states, pins, with
-  a parallel array for the eviction order's per-block record; `_table_api.pyx`: `CompactTable`,
-  these calls in C loops). The compiled `lru` and `prefix-freq` (`kvtier.policies.lru_compiled`,
-  `prefix_compiled`) cimport it and keep only their eviction order, so such a policy is its own
-  table (`CachePolicy.batch_calls`);
-- `PolicyTable` is the pure-Python table over any `CachePolicy` (ARC, SIEVE, the pure twins, a
-  policy written to vLLM's seed contract): the blocks are the policy's `BlockStatus` objects,
-  found with `get`, and it tells the policy which blocks stop or start being evictable
-  (`pin`/`unpin`, the policy's evictable notices).
+Two implementations, held to the same answers and side effects by tests/policies/test_lru_batch.py
+and tests/test_manager_bulk.py:
+- the compiled table (`kvtier/index/_table.pxd`/`_table.pyx`, `_table_api.pyx`: `CompactTable`),
+  which the compiled `lru` and `prefix-freq` index their order in (`CachePolicy.batch_calls`);
+- `PolicyTable`, in Python, over any other `CachePolicy` (ARC, SIEVE, the pure twins, a policy
+  written to vLLM's contract): the blocks are the policy's `BlockStatus` objects.
 
-`table_of(policy)` gives the table a tier uses. Both are held to the same answers and side
-effects by tests/policies/test_lru_batch.py and tests/test_manager_bulk.py.
+`table_of(policy)` gives the table a tier uses and starts its evictable accounting.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from itertools import filterfalse
 from typing import Any, Protocol, cast
 
@@ -32,6 +28,15 @@ from kvtier.core.types import BlockStatus
 
 class BlockTable(Protocol):
     """Per tier: which keys are resident, in which slot, in which state (see the module)."""
+
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        """The resident block of `key` (its `block_id` and `ref_cnt`; read it, do not change it), or None."""
+
+    def keys(self) -> Iterable[OffloadKey]:
+        """The resident keys."""
+
+    def __len__(self) -> int:
+        """How many blocks are resident."""
 
     def readable_run(self, keys: Sequence[OffloadKey]) -> int:
         """How many leading `keys` are resident and readable (`ref_cnt >= 0`)."""
@@ -44,6 +49,9 @@ class BlockTable(Protocol):
         """Add new blocks being written (`ref_cnt == -1`) in slots `block_ids`; `tail`: which of
         `keys` ends a request (see `CachePolicy.insert_many`)."""
 
+    def insert_ready(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
+        """Add new readable blocks (recovered, or found in a shared tier) in slots `block_ids`."""
+
     def pin_loads(self, keys: Sequence[OffloadKey]) -> list[int] | None:
         """When every key is resident and readable, pin each once more for reading (a key given
         twice: twice) and return their slots in order; otherwise change nothing, return None."""
@@ -55,17 +63,60 @@ class BlockTable(Protocol):
         """When every key is resident, being written and given once, make them readable and
         return True; otherwise change nothing and return False."""
 
+    def forget(self, keys: Iterable[OffloadKey]) -> None:
+        """Remove resident blocks, whatever their state, not as evictions; absent keys are skipped."""
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        """The blocks `keys` were used (`CachePolicy.touch`)."""
+
     def evict_ids(self, n: int, protected: set[OffloadKey]) -> tuple[list[OffloadKey], list[int]] | None:
         """Evict exactly `n` readable, unpinned blocks not in `protected` (the policy picks
         them); their keys and slots, or None (nothing changed) when there are fewer."""
 
+    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
+        """The keys `evict_ids(n, skip)` would take now, in order (`CachePolicy.victims`)."""
+
+    def evictable_count(self, protected: Collection[OffloadKey] = ()) -> int | None:
+        """How many blocks `evict_ids` could take now, not counting `protected`; O(1) plus
+        O(len(protected)). None only before the accounting started (see `table_of`)."""
+
+    def pinned_keys(self) -> set[OffloadKey] | None:
+        """The resident keys not evictable now (a new set; for checks, not the request path)."""
+
 
 class PolicyTable:
-    """The pure-Python `BlockTable` over `policy`'s own blocks (`get`), telling the policy of
-    every block that stops being evictable (`pin`) or becomes evictable again (`unpin`)."""
+    """The pure-Python `BlockTable` over `policy`'s own blocks (`get`). It counts the blocks that
+    are not evictable (being written or pinned) and tells the policy of each change
+    (`CachePolicy.evictable`); the first notice, sent here, starts the policy's accounting."""
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy
+        self.get = policy.get
+        get = policy.get
+        self._pinned: set[OffloadKey] = {k for k in policy.keys() if (b := get(k)) is not None and b.ref_cnt != 0}
+        self._notice = getattr(policy, "evictable", _ignore)
+        self._notice((), False)
+
+    def keys(self) -> Iterable[OffloadKey]:
+        return self.policy.keys()
+
+    def __len__(self) -> int:
+        return len(self.policy)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self.policy.touch(keys)
+
+    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
+        victims = getattr(self.policy, "victims", None)
+        return [] if victims is None else victims(n, skip)
+
+    def _pin(self, keys: Sequence[OffloadKey]) -> None:
+        self._pinned.update(keys)
+        self._notice(keys, False)
+
+    def _unpin(self, keys: Sequence[OffloadKey]) -> None:
+        self._pinned.difference_update(keys)
+        self._notice(keys, True)
 
     def readable_run(self, keys: Sequence[OffloadKey]) -> int:
         get = self.policy.get
@@ -82,8 +133,19 @@ class PolicyTable:
                        tail: OffloadKey | None = None) -> None:
         if len(block_ids) != len(keys):
             raise ValueError(f"insert_written: {len(keys)} keys but {len(block_ids)} block ids")
-        self.policy.insert_many(keys, BlockStatus.many(block_ids), tail=tail)
-        self.policy.pin(keys)
+        self._insert(keys, BlockStatus.many(block_ids), tail)
+        self._pin(keys)
+
+    def insert_ready(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
+        if len(block_ids) != len(keys):
+            raise ValueError(f"insert_ready: {len(keys)} keys but {len(block_ids)} block ids")
+        blocks = BlockStatus.many(block_ids)
+        for block in blocks:
+            block.ref_cnt = 0
+        self._insert(keys, blocks, None)
+
+    def _insert(self, keys: Sequence[OffloadKey], blocks: list[BlockStatus], tail: OffloadKey | None) -> None:
+        self.policy.insert_many(keys, blocks, tail=tail)
 
     def pin_loads(self, keys: Sequence[OffloadKey]) -> list[int] | None:
         blocks = list(map(self.policy.get, keys))
@@ -91,7 +153,7 @@ class PolicyTable:
             return None
         for block in cast("list[BlockStatus]", blocks):
             block.ref_cnt += 1
-        self.policy.pin(keys)
+        self._pin(keys)
         return [cast("BlockStatus", block).block_id for block in blocks]
 
     def release_loads(self, keys: Sequence[OffloadKey]) -> None:
@@ -103,7 +165,7 @@ class PolicyTable:
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 released.append(key)
-        self.policy.unpin(released)
+        self._unpin(released)
 
     def mark_written(self, keys: Sequence[OffloadKey]) -> bool:
         blocks = list(map(self.policy.get, keys))
@@ -113,20 +175,52 @@ class PolicyTable:
                     earlier.ref_cnt = -1
                 return False
             block.ref_cnt = 0
-        self.policy.unpin(keys)
+        self._unpin(keys)
         return True
 
+    def forget(self, keys: Iterable[OffloadKey]) -> None:
+        keys = list(keys)
+        self._unpin(keys)  # (leaving, it is not counted as pinned any more)
+        for key in keys:
+            self.policy.remove(key)
+
     def evict_ids(self, n: int, protected: set[OffloadKey]) -> tuple[list[OffloadKey], list[int]] | None:
+        if n > 0 and self._refuses(n, protected):
+            return None
         victims = self.policy.evict(n, protected)
         if victims is None:
             return None
         return [key for key, _ in victims], [block.block_id for _, block in victims]
 
+    def _refuses(self, n: int, protected: Collection[OffloadKey]) -> bool:
+        """Whether the count proves `evict_ids(n, protected)` must refuse (O(1) unless close)."""
+        free = len(self.policy) - len(self._pinned)
+        return free < n + len(protected) and cast(int, self.evictable_count(protected)) < n
+
+    def evictable_count(self, protected: Collection[OffloadKey] = ()) -> int | None:
+        pinned = self._pinned
+        free = len(self.policy) - len(pinned)
+        if protected:
+            get = self.policy.get
+            free -= sum(1 for k in protected if k not in pinned and get(k) is not None)
+        return free
+
+    def pinned_keys(self) -> set[OffloadKey] | None:
+        return set(self._pinned)
+
     def __repr__(self) -> str:
         return f"PolicyTable({self.policy!r})"
 
 
+def _ignore(keys: Iterable[OffloadKey], flag: bool) -> None:
+    """The notice of a policy that takes none (written to vLLM's five methods)."""
+
+
 def table_of(policy: Any) -> BlockTable:
-    """The block table of a tier whose policy is `policy`: the policy itself when its compiled
-    index answers the batch calls (`batch_calls`), else a `PolicyTable` over it."""
-    return cast(BlockTable, policy) if getattr(policy, "batch_calls", False) else PolicyTable(policy)
+    """The block table of a tier whose policy is `policy`, with its evictable accounting started:
+    the policy itself when its compiled index answers the batch calls (`batch_calls`), else a
+    `PolicyTable` over it."""
+    if getattr(policy, "batch_calls", False):
+        policy.evictable((), False)
+        return cast(BlockTable, policy)
+    return PolicyTable(policy)

@@ -10,8 +10,8 @@ So 40 bytes of records per block, plus the key (inline up to 64 bytes) and 8 or 
 buckets: about 84 bytes with vLLM's 36-byte keys. The arrays grow as blocks are inserted,
 doubling, up to `cache_capacity` (at most 2^30).
 
-The decisions are exactly `LRUCachePolicy`'s, including its evictable accounting: with
-`track_pins()` a pinned block met at the head of the order is set *aside* (moved to an aside
+The decisions are exactly `LRUCachePolicy`'s, including its evictable accounting: after the
+table's first `evictable` notice a pinned block met at the head of the order is set *aside* (moved to an aside
 list, in the order of its sequence number) instead of being scanned again, and an unpinned aside
 block goes into a heap of freed entries (sequence number, entry) that evictions take first. See
 kvtier/policies/lru_pure.py for the argument that this is plain LRU order.
@@ -28,7 +28,7 @@ from kvtier.index._table cimport (
     MARK, PINNED, Chain, Entry, Links, Table, chain_append, chain_remove, claim, forget_all, key_in,
     locate_in, mark_keys, release, reserve, table_bytes, table_free, table_init, unmark_keys,
 )
-from kvtier.index._table_api cimport CompactTable, view_of
+from kvtier.index._table_api cimport CompactTable
 
 from kvtier.index._table_api import BlockView  # noqa: F401  (the class `get` returns, named here as before)
 
@@ -210,7 +210,6 @@ cdef class Index(CompactTable):
         if fresh:
             rec(&self.c, i).seq = 0
             chain_append(&self.c.t, &self.c.order, i)
-            self.version += 1
         return i
 
     cdef int unpinned(self, int32_t i) except -1:
@@ -224,7 +223,6 @@ cdef class Index(CompactTable):
         cdef int32_t i = locate_in(&self.c.t, key)
         if i >= 0:
             drop(&self.c, i)
-            self.version += 1
 
     def touch(self, keys):
         cdef int32_t i
@@ -236,7 +234,6 @@ cdef class Index(CompactTable):
                 unlink(c, i)
                 c.t.e[i].flags &= ~ASIDE
                 chain_append(&c.t, &c.order, i)
-        self.version += 1
 
     def keys(self):
         cdef int32_t i
@@ -254,7 +251,6 @@ cdef class Index(CompactTable):
         c.hlen = 0
         c.order = Chain(-1, -1)
         c.aside = Chain(-1, -1)
-        self.version += 1
 
     # ------------------------------------------------------------------ decisions
     cdef Py_ssize_t pick(self, Py_ssize_t n, object protected, int32_t* chosen) except -1:
@@ -267,7 +263,6 @@ cdef class Index(CompactTable):
             got = choose_tracked(c, n, chosen) if self.tracking else choose(c, n, chosen)
         finally:
             unmark_keys(&c.t, marked)
-            self.version += 1
         return got
 
     cdef int drop_victims(self, int32_t* chosen, Py_ssize_t n) except -1:
@@ -276,29 +271,13 @@ cdef class Index(CompactTable):
             drop(&self.c, chosen[j])
         return 0
 
-    def victim_candidates(self):
-        """Evictable blocks in `evict`'s order (freed aside blocks, then the order); raises
-        RuntimeError if the policy changes while the iterator is in use."""
-        cdef int32_t i
-        cdef Py_ssize_t version = self.version
-        heads = [self.c.aside.head, self.c.order.head] if self.tracking else [self.c.order.head]
-        for chain in heads:
-            i = chain
-            while i >= 0:
-                if self.c.t.e[i].ref_cnt == 0 and not self.c.t.e[i].flags & PINNED:
-                    key = key_in(&self.c.t, i)
-                    yield key, view_of(self, i, key)
-                    if self.version != version:
-                        raise RuntimeError("lru changed during victim_candidates iteration")
-                i = rec(&self.c, i).l.next
-
-    def victim_keys(self, Py_ssize_t n, protected=()):
-        """The keys of the first `n` blocks `victim_candidates` yields, in one C loop.
-        Not counting `protected` keys (the order does not depend on them)."""
+    def victims(self, Py_ssize_t n, skip=()):
+        """The keys `evict(n, skip)` would take now, in its order (freed aside blocks, then the
+        order), in one C loop; the order does not depend on `skip`."""
         cdef int32_t i
         cdef Entry* e = self.c.t.e
-        if protected:
-            return [k for k in self.victim_keys(n + len(protected)) if k not in protected][:n]
+        if skip:
+            return [k for k in self.victims(n + len(skip)) if k not in skip][:n]
         out = []
         heads = [self.c.aside.head, self.c.order.head] if self.tracking else [self.c.order.head]
         for chain in heads:

@@ -1,7 +1,7 @@
 """Type stub of the compiled core of `prefix-freq` (kvtier/policies/_compact_prefix.pyx); the block
 table's calls are `CompactTable`'s (kvtier/index/_table_api.pyi)."""
 
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterable
 from typing import Any
 
 from kvtier.core.keys import OffloadKey
@@ -27,5 +27,4 @@ class Index(CompactTable):
     def clear(self) -> None: ...
 
 class CompactPrefixPolicy(Index):
-    def victim_candidates(self) -> Iterator[Any]: ...
-    def victim_keys(self, n: int, protected: Collection[OffloadKey] = ()) -> list[OffloadKey]: ...
+    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]: ...

@@ -28,7 +28,7 @@ from kvtier.index._table cimport (
     USED, claim, forget_all, key_at, key_in, locate_in, mark_keys, table_bytes, table_free,
     table_init, unmark_keys,
 )
-from kvtier.index._table_api cimport CompactTable, view_of
+from kvtier.index._table_api cimport CompactTable
 from kvtier.policies._compact_prefix_ghosts cimport (
     Ghosts, ghost_add, ghost_clear, ghost_dict, ghost_free, ghost_pop, ghost_trim,
 )
@@ -148,7 +148,7 @@ cdef class Index(CompactTable):
         """Bytes allocated for the arrays now (the table's, the queues); not the ghosts."""
         return table_bytes(&self.c.t) + order_bytes(&self.c)
 
-    # ------------------------------------------------------------------ the seed contract
+    # ------------------------------------------------------------------ vLLM's CachePolicy calls
     cdef int destination(self, int32_t i, bint tail) except -1:
         """The segment of entry i, just inserted (`PrefixFreqCachePolicy._place`): a returning
         ghost by its history (the re-store counts as a hit), else the tails or the new blocks."""
@@ -166,7 +166,6 @@ cdef class Index(CompactTable):
         cdef int32_t i = claim(&self.c.t, key, block_id, ref_cnt, &fresh)
         if fresh:
             place(&self.c, i, self.destination(i, tail), self.now)
-            self.version += 1
         return i
 
     cdef int unpinned(self, int32_t i) except -1:
@@ -182,7 +181,6 @@ cdef class Index(CompactTable):
         i = locate_in(&self.c.t, key)
         if i >= 0:
             drop(&self.c, i)
-            self.version += 1
         self.mark = self.c.t.count
 
     def touch(self, keys):
@@ -207,7 +205,6 @@ cdef class Index(CompactTable):
                 self.counts[HIT_TAIL if s == TAIL else HIT_NEW] += 1
             place(c, i, 2 if s == TAIL else min(s + 1, top), now)
         self.now, self.mean_age = now, unit
-        self.version += 1
 
     def keys(self):
         cdef int32_t i
@@ -221,7 +218,6 @@ cdef class Index(CompactTable):
         for s in range(6):
             self.counts[s] = 0
         self.now, self.mark, self.mean_age = 0.0, 0, float(self.capacity)
-        self.version += 1
 
 
 cdef class CompactPrefixPolicy(Index):
@@ -304,16 +300,15 @@ cdef class CompactPrefixPolicy(Index):
                 set_aside(c, i)
         self.met.n = 0
         ghost_trim(&self.gh, self.glimit)
-        self.version += 1
         return 0
 
-    def victim_keys(self, Py_ssize_t n, protected=()):
-        """The keys of the first `n` blocks `victim_candidates` yields, in one C walk.
-        Not counting `protected` keys (the order does not depend on them)."""
+    def victims(self, Py_ssize_t n, skip=()):
+        """The keys `evict(n, skip)` would take now, in its order, in one C walk; not counting
+        `skip` keys (the order does not depend on them)."""
         cdef int32_t* out
         cdef Py_ssize_t got, j
-        if protected:
-            return [k for k in self.victim_keys(n + len(protected)) if k not in protected][:n]
+        if skip:
+            return [k for k in self.victims(n + len(skip)) if k not in skip][:n]
         n = min(n, self.c.t.count)
         if n <= 0:
             return []
@@ -325,17 +320,3 @@ cdef class CompactPrefixPolicy(Index):
             return [key_in(&self.c.t, out[j]) for j in range(got)]
         finally:
             PyMem_Free(out)
-
-    def victim_candidates(self):
-        """Evictable blocks in `evict`'s order; raises RuntimeError if the policy changes while
-        the iterator is in use. Walks again for twice as many each time it runs out."""
-        cdef Py_ssize_t version = self.version, done = 0, want = 64
-        while True:
-            keys = self.victim_keys(want)
-            for key in keys[done:]:
-                if self.version != version:
-                    raise RuntimeError("prefix-freq changed during victim_candidates iteration")
-                yield key, view_of(self, locate_in(&self.c.t, key), key)
-            if len(keys) < want:
-                return
-            done, want = len(keys), 2 * want

@@ -106,11 +106,8 @@ class ARCCachePolicy(CachePolicy):
         while len(self.b1) + len(self.b2) > c:
             (self.b2 if self.b2 else self.b1).popitem(last=False)
 
-    def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        return ((key, block) for _, key, block in self._choose(()))
-
-    def victim_keys(self, n: int, protected: Collection[OffloadKey] = ()) -> list[OffloadKey]:
-        return [key for _, key, _ in islice(self._choose(protected), max(n, 0))]
+    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
+        return [key for _, key, _ in islice(self._choose(skip), max(n, 0))]
 
     def clear(self) -> None:
         for d in (self.t1, self.t2, self.b1, self.b2):

@@ -2,7 +2,7 @@
 `lru` (`kvtier.policies.lru_compiled.LRUCachePolicy`, a compiled index making the same decisions)
 and its fallback where the extension is not built.
 
-With evictable accounting (`CachePolicy.track_pins`, which the manager turns on) pinned blocks
+With the block table's evictable notices (`CachePolicy.evictable`, sent by every tier) pinned blocks
 leave the eviction order: a block found pinned at the head of the order is set *aside* (it keeps
 a sequence number, its place in the order) instead of being scanned again on every eviction;
 when it is unpinned it becomes a *freed* aside block. Every aside block was set aside from the
@@ -21,14 +21,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections import deque as _consume
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from heapq import heappop, heappush
 from itertools import islice, repeat
 from operator import attrgetter, itemgetter
 
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import BlockStatus
-from kvtier.policies.base import CachePolicy, evictable
+from kvtier.policies.base import CachePolicy, evictable, first_keys
 
 _first = itemgetter(0)
 _second = itemgetter(1)
@@ -42,7 +42,7 @@ class PureLRUCachePolicy(CachePolicy):
         super().__init__(cache_capacity)
         self.blocks: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()
         self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path (every lookup): one C call
-        self.aside: dict[OffloadKey, int] = {}  # key -> sequence number (only with track_pins)
+        self.aside: dict[OffloadKey, int] = {}  # key -> sequence number (only with evictable notices)
         self._freed: list[tuple[int, OffloadKey]] = []
         self._seq = 0
 
@@ -73,16 +73,14 @@ class PureLRUCachePolicy(CachePolicy):
         except KeyError:  # some keys are not resident: again without them (the same final order)
             _consume(map(move, filter(blocks.__contains__, reversed(keys))), 0)
 
-    def unpin(self, keys: Iterable[OffloadKey]) -> None:
-        pinned = self._pinned
-        if pinned is None:
-            return
-        aside = self.aside
-        if not aside or aside.keys().isdisjoint(keys):
-            pinned.difference_update(keys)
+    def evictable(self, keys: Iterable[OffloadKey], flag: bool) -> None:
+        keys = keys if isinstance(keys, list) else list(keys)
+        pinned, aside = self._pinned, self.aside
+        if pinned is None or not flag or not aside or aside.keys().isdisjoint(keys):
+            super().evictable(keys, flag)
             return
         freed = self._freed
-        for key in keys:
+        for key in keys:  # freed aside blocks go first in the next evictions
             pinned.discard(key)
             seq = aside.get(key)
             if seq is not None:
@@ -208,31 +206,15 @@ class PureLRUCachePolicy(CachePolicy):
         chosen += taken
         return bool(taken)
 
-    def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        if self._pinned is None:
-            return evictable(self.blocks.items(), set())
-        return self._tracked_candidates()
-
-    def _tracked_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        blocks, aside, pinned = self.blocks, self.aside, self._pinned
-        assert pinned is not None
-        for _, key in sorted((seq, key) for key, seq in aside.items() if key not in pinned):
-            block = blocks[key]
-            if block.ref_cnt == 0:
-                yield key, block
-        for key, block in blocks.items():
-            if block.ref_cnt == 0 and key not in aside and key not in pinned:
-                yield key, block
-
-    def victim_keys(self, n: int, protected: Collection[OffloadKey] = ()) -> list[OffloadKey]:
+    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
         if self._pinned is None or n <= 0:
-            return super().victim_keys(n, protected)
-        if protected:  # (LRU's order does not depend on what is protected)
-            return [k for k in self._head_keys(n + len(protected)) if k not in protected][:n]
+            return first_keys(evictable(self.blocks.items(), ()), n, skip)
+        if skip:  # (LRU's order does not depend on what is skipped)
+            return [k for k in self._head_keys(n + len(skip)) if k not in skip][:n]
         return self._head_keys(n)
 
     def _head_keys(self, n: int) -> list[OffloadKey]:
-        """`victim_keys` with evictable accounting: the freed aside keys, then the order's
+        """`victims` with evictable notices: the freed aside keys, then the order's
         evictable keys, in chunks checked with C loops (a chunk with a pinned, aside or
         unreadable block is filtered key by key)."""
         blocks, aside, pinned = self.blocks, self.aside, self._pinned

@@ -1,4 +1,4 @@
-"""Pinned blocks set aside by `prefix-freq` (evictable accounting, `CachePolicy.track_pins`)."""
+"""Pinned blocks set aside by `prefix-freq` (the block table's evictable notices, `CachePolicy.evictable`)."""
 
 from __future__ import annotations
 

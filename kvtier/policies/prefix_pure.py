@@ -47,22 +47,22 @@ Which block is a request's tail: the caller says so, `insert_many(keys, blocks, 
 `CachePolicy` contract); the manager passes the last new block of each engine store, and no tail
 for copies between tiers (demotions, promotions). `insert` never inserts a tail.
 
-Contract: exactly `CachePolicy`'s (tests/policies/test_conformance.py): `victim_candidates`
-yields the eviction order without any state change, and `evict` removes exactly n unpinned,
+Contract: exactly `CachePolicy`'s (tests/policies/test_conformance.py): `victims`
+names the eviction order without any state change, and `evict` removes exactly n unpinned,
 unprotected blocks or returns None and changes nothing.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from itertools import compress, repeat
 from operator import attrgetter, is_, is_not, itemgetter
 from typing import cast
 
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import BlockStatus
-from kvtier.policies.base import CachePolicy
+from kvtier.policies.base import CachePolicy, first_keys
 from kvtier.policies.prefix_aside import AsideBlocks
 from kvtier.policies.prefix_ghosts import GhostList
 from kvtier.policies.prefix_runs import _TAIL, _forget, _heads, _merged, _probes, _take_tails, _walk_lanes
@@ -118,7 +118,7 @@ class PurePrefixFreqCachePolicy(CachePolicy):
         self._ghosts = GhostList(min(int(cache_capacity * self.ghost_fraction), self.max_ghost_limit))
         self._mark = 0  # len(blocks) when the clock was last synced (see insert)
         self._tails = TailEvidence()
-        # Evictable accounting only (track_pins). `aside` is the parts' dict (never replaced).
+        # Evictable notices only (`evictable`). `aside` is the parts' dict (never replaced).
         self._aside = AsideBlocks(self.segs, self.blocks)
         self.aside = self._aside.entries
 
@@ -207,12 +207,11 @@ class PurePrefixFreqCachePolicy(CachePolicy):
         if self.aside:
             self._aside.unaside([key], restore=False)
 
-    def unpin(self, keys: Iterable[OffloadKey]) -> None:
+    def evictable(self, keys: Iterable[OffloadKey], flag: bool) -> None:
+        keys = keys if isinstance(keys, list) else list(keys)
         pinned = self._pinned
-        if pinned is None:
-            return
-        if not self.aside or self.aside.keys().isdisjoint(keys):
-            pinned.difference_update(keys)
+        if pinned is None or not flag or not self.aside or self.aside.keys().isdisjoint(keys):
+            super().evictable(keys, flag)
             return
         self._aside.unpin(keys, pinned)
 
@@ -297,8 +296,8 @@ class PurePrefixFreqCachePolicy(CachePolicy):
             ghosts.trim()
         return chosen
 
-    def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        return self._order(set())
+    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
+        return first_keys(self._order(set()), n, skip)
 
     def clear(self) -> None:
         for seg in self.segs:

@@ -19,11 +19,11 @@ clears their bit) as over a visited block.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import BlockStatus
-from kvtier.policies.base import CachePolicy
+from kvtier.policies.base import CachePolicy, first_keys
 
 
 class SIEVECachePolicy(CachePolicy):
@@ -94,8 +94,8 @@ class SIEVECachePolicy(CachePolicy):
                 passed[key] = block
         return chosen
 
-    def victim_candidates(self) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        return self._order(set())
+    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
+        return first_keys(self._order(set()), n, skip)
 
     def clear(self) -> None:
         self.ahead.clear()

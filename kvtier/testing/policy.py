@@ -6,7 +6,7 @@
 
     class TestMyPolicy(PolicyTests):
         policy_factory = MyPolicy          # or override make_policy(self, capacity)
-        predicts_victims = False           # if victim_candidates() yields nothing
+        predicts_victims = False           # if victims() names none
 
 The clauses it checks are `kvtier.testing.policy_contract.POLICY_CLAUSES` (listed in the README);
 every failure message starts with the clause that was broken, e.g. `evict(0) and evict(-1) must
@@ -15,7 +15,7 @@ allows no exception fails with the clause and the exception.
 
 Everything is observed through the public contract only (`kvtier.testing.policy_helpers`). "Changes
 nothing" is checked twice: the observable state is the same afterwards, and a twin policy that
-never saw the call makes the same decisions from then on. A policy written to vLLM's seed contract
+never saw the call makes the same decisions from then on. A policy written to vLLM's five methods
 (no `keys`/`len`/`clear`) is completed by `with_key_index` first, as `build_hierarchy` does.
 
 A policy whose `get` returns views of its own state (`CachePolicy.returns_views`) is checked by
@@ -53,7 +53,7 @@ class PolicyTests(EvictionTests):
     capacity in blocks) or override `make_policy`.
 
     Declarations a policy may change:
-    - `predicts_victims`: `victim_candidates()` lists the evictable blocks in `evict`'s order
+    - `predicts_victims`: `victims(n, skip)` names the evictable blocks in `evict`'s order
       (True), or yields nothing (False; the contract allows it, the manager then cannot write
       blocks ahead of their eviction).
     - `keeps_hit_blocks`: blocks hit again outlive blocks stored once and never hit (true of
@@ -146,7 +146,7 @@ class PolicyTests(EvictionTests):
         assert len(policy) == 0, f"{contract.CLEAR}: len() is {len(policy)}"
         assert list(policy.keys()) == [], f"{contract.CLEAR}: keys() is not empty"
         assert all(policy.get(key(i)) is None for i in range(10)), f"{contract.CLEAR}: get() still finds a block"
-        assert list(policy.victim_candidates()) == [], f"{contract.CLEAR}: victim_candidates() is not empty"
+        assert policy.victims(16) == [], f"{contract.CLEAR}: victims() is not empty"
         assert policy.evict(1, set()) is None, f"{contract.CLEAR}: evict(1) succeeded on an empty policy"
         blocks = fill(policy, range(3))  # usable again
         assert set(policy.keys()) == set(blocks), f"{contract.CLEAR}: inserts after clear() are not resident"

@@ -24,11 +24,11 @@ EVICT_REFUSED = "evict(n) with fewer than n evictable blocks must return None an
 PINNED = "a pinned (ref_cnt != 0) or protected block must never be evicted"
 UNPINNED = "a block whose ref_cnt is back to 0 must be evictable again"
 REF_CNT_VIA_GET = "ref_cnt set on what get() returns must be seen by every later get() and decision"
-CANDIDATES = ("victim_candidates() must list evictable blocks only, each once "
+CANDIDATES = ("victims(n) must name evictable blocks only, each once "
               "(all of them unless the suite declares predicts_victims = False)")
-CANDIDATES_PURE = "victim_candidates() must change nothing, even when only partly consumed"
-CANDIDATES_ORDER = "victim_candidates() must be evict()'s order (when predicts_victims is declared)"
-VICTIM_KEYS = "victim_keys(n) must be the first n keys of victim_candidates()"
+CANDIDATES_PURE = "victims(n, skip) must change nothing"
+CANDIDATES_ORDER = "victims(n, skip) must be what evict(n, skip) takes, in order (when predicts_victims is declared)"
+VICTIM_KEYS = "victims(n) must be the first n keys of victims(len(policy))"
 CLEAR = "clear() must empty the policy and leave it usable"
 
 # In the order the README lists them.

@@ -1,4 +1,4 @@
-"""The eviction half of `PolicyTests`: `evict` and `victim_candidates` (see
+"""The eviction half of `PolicyTests`: `evict` and `victims` (see
 `kvtier.testing.policy` for how the suite observes a policy)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from kvtier.testing.policy_random import RandomOperations
 
 
 class EvictionTests(RandomOperations):
-    """`evict(n, protected)` and `victim_candidates()`; `predicts_victims` and `keeps_hit_blocks` are
+    """`evict(n, protected)` and `victims(n, skip)`; `predicts_victims` and `keeps_hit_blocks` are
     declared by the subclass (see `PolicyTests`)."""
 
     predicts_victims: ClassVar[bool] = True
@@ -109,7 +109,7 @@ class EvictionTests(RandomOperations):
         held.ref_cnt = 2
         again = policy.get(key(1))
         assert again is not None and again.ref_cnt == 2 and again.block_id == 1, f"{clause}: ref_cnt 2 not seen"
-        assert key(1) not in {k for k, _ in policy.victim_candidates()}, f"{clause}: the pinned block is a candidate"
+        assert key(1) not in policy.victims(8), f"{clause}: the pinned block is named a victim"
         victims = policy.evict(2, set())
         assert victims is not None and {k for k, _ in victims} == {key(0), key(2)}, \
             f"{clause}: evict(2) gave {victims!r}, not the two unpinned blocks"
@@ -118,21 +118,20 @@ class EvictionTests(RandomOperations):
         assert policy.get(key(1)).is_ready is False, f"{clause}: ref_cnt -1 (being written) not seen"
         policy.get(key(1)).ref_cnt = 0
         expected = [key(1)] if self.predicts_victims else []
-        assert [k for k, _ in policy.victim_candidates()] == expected, \
-            f"{clause}: ref_cnt 0 not seen by victim_candidates()"
+        assert policy.victims(8) == expected, f"{clause}: ref_cnt 0 not seen by victims()"
         victims = policy.evict(1, set())
         assert victims is not None and victims[0][0] == key(1) and victims[0][1].block_id == 1, \
             f"{clause}: evict(1) gave {victims!r} after ref_cnt 0"
         if not policy.returns_views:
             assert victims[0][1] is blocks[key(1)], f"{contract.EVICT_EXACT}: not the inserted block object"
 
-    # ------------------------------------------------------------------ victim_candidates
-    def test_victim_candidates_only_evictable_blocks(self):
+    # ------------------------------------------------------------------ victims
+    def test_victims_only_evictable_blocks(self):
         policy = self.make_policy(16)
         blocks = fill(policy, range(6))
         set_ref_cnt(policy, key(2), blocks[key(2)], 2)
         set_ref_cnt(policy, key(4), blocks[key(4)], -1)
-        candidates = [k for k, _ in policy.victim_candidates()]
+        candidates = policy.victims(16)
         assert len(set(candidates)) == len(candidates), f"{contract.CANDIDATES}: a block listed twice"
         evictable = {key(i) for i in (0, 1, 3, 5)}
         if self.predicts_victims:
@@ -140,37 +139,37 @@ class EvictionTests(RandomOperations):
         else:
             assert set(candidates) <= evictable, f"{contract.CANDIDATES}: a pinned block was listed"
 
-    def test_victim_candidates_changes_nothing(self):
+    def test_victims_changes_nothing(self):
         policy, twin = self.make_policy(8), self.make_policy(8)
         for p in (policy, twin):
             fill(p, range(6))
             p.touch([key(3)])
-        for _ in range(3):
-            list(policy.victim_candidates())
-        next(iter(policy.victim_candidates()), None)  # a partly consumed iterator too
+        for n in (8, 1, 3):
+            policy.victims(n)
+        policy.victims(2, {key(0)})
         self.same_future(policy, twin, 8, [3], contract.CANDIDATES_PURE)
 
     @pytest.mark.parametrize("n", [1, 3, 6])
-    def test_victim_candidates_is_the_evict_order(self, n):
+    def test_victims_is_the_evict_order(self, n):
         if not self.predicts_victims:
             pytest.skip("declared: predicts_victims = False")
         policy = self.make_policy(8)
         fill(policy, range(8))
         policy.touch([key(4), key(5)])
         policy.touch([key(1)])
-        predicted = [k for k, _ in policy.victim_candidates()][:n]
-        assert len(predicted) == n, f"{contract.CANDIDATES}: {len(predicted)} candidates among 8 evictable"
+        predicted = policy.victims(n)
+        assert len(predicted) == n, f"{contract.CANDIDATES}: {len(predicted)} victims named among 8 evictable"
         victims = policy.evict(n, set())
         assert victims is not None and [k for k, _ in victims] == predicted, \
             f"{contract.CANDIDATES_ORDER}: evict({n}) gave {victim_keys_of(victims)}, predicted {predicted}"
 
-    def test_victim_candidates_is_the_evict_order_one_at_a_time(self):
+    def test_victims_is_the_evict_order_one_at_a_time(self):
         if not self.predicts_victims:
             pytest.skip("declared: predicts_victims = False")
         policy = self.make_policy(8)
         fill(policy, range(8))
         policy.touch([key(6), key(7), key(0)])
-        predicted = [k for k, _ in policy.victim_candidates()]
+        predicted = policy.victims(8)
         got = []
         while (victims := policy.evict(1, set())) is not None:
             got.append(victims[0][0])

@@ -1,7 +1,7 @@
 """What `PolicyTests` builds policies' inputs from and observes them through (no test framework).
 
 Everything is observed through the public contract only: which keys are resident and their
-block objects (`keys`, `get`), `len`, the eviction order (`victim_candidates`) and what `evict`
+block objects (`keys`, `get`), `len`, the eviction order (`victims`) and what `evict`
 returns. `probe` replays a fixed sequence so that hidden state (ghosts, frequencies) shows in
 decisions: two policies with equal probes are indistinguishable from then on.
 """
@@ -50,7 +50,7 @@ def set_ref_cnt(policy: CachePolicy, k: OffloadKey, block: BlockStatus, value: i
 
 
 def same_block(policy: CachePolicy, got: Any, expected: BlockStatus) -> bool:
-    """Whether `got` (from `get`, `evict`, `victim_candidates`) is the block inserted as
+    """Whether `got` (from `get`, `evict`) is the block inserted as
     `expected`: the object itself, or for a policy returning views, one with its values."""
     if not policy.returns_views:
         return got is expected
@@ -60,13 +60,12 @@ def same_block(policy: CachePolicy, got: Any, expected: BlockStatus) -> bool:
 def observe(policy: CachePolicy, by_identity: bool = True):
     """What the contract lets anyone see: resident key -> block (the object itself, or its slot
     number when comparing twins that hold distinct but equal blocks; a view's values), size,
-    eviction order. Asking `victim_candidates` twice must give the same order (it changes nothing)."""
+    eviction order. Asking `victims` twice must give the same order (it changes nothing)."""
     views = policy.returns_views
     resident = {k: (b.block_id, b.ref_cnt) if views else id(b) if by_identity else b.block_id
                 for k in policy.keys() if (b := policy.get(k)) is not None}
-    order = [k for k, _ in policy.victim_candidates()]
-    assert [k for k, _ in policy.victim_candidates()] == order, \
-        f"{contract.CANDIDATES_PURE}: a second victim_candidates() gave another order"
+    order = policy.victims(len(policy))
+    assert policy.victims(len(policy)) == order, f"{contract.CANDIDATES_PURE}: a second victims() gave another order"
     return resident, len(policy), order
 
 

@@ -47,7 +47,7 @@ class RandomOperations:
     ))
     def test_random_operations_against_model(self, ops):
         """The model is the set of resident blocks; the policy must agree with it on residence,
-        and evict/victim_candidates must obey the contract at every step."""
+        and evict/victims must obey the contract at every step."""
         capacity = 12
         policy = self.make_policy(capacity)
         model: dict[OffloadKey, BlockStatus] = {}
@@ -90,10 +90,10 @@ class RandomOperations:
 
     def _check_candidates(self, policy: CachePolicy, model: dict[OffloadKey, BlockStatus]) -> None:
         before = observe(policy)
-        candidates = [k for k, _ in policy.victim_candidates()]
+        candidates = policy.victims(len(policy))
         assert len(set(candidates)) == len(candidates), f"{contract.CANDIDATES}: a block listed twice"
         for n in (0, 1, 3, len(candidates) + 1):
-            assert policy.victim_keys(n) == candidates[:n], f"{contract.VICTIM_KEYS}: victim_keys({n}) differs"
+            assert policy.victims(n) == candidates[:n], f"{contract.VICTIM_KEYS}: victims({n}) differs"
         evictable = {k for k, b in model.items() if b.ref_cnt == 0}
         if self.predicts_victims:
             assert set(candidates) == evictable, f"{contract.CANDIDATES}: listed {len(candidates)} blocks, " \
@@ -106,7 +106,7 @@ class RandomOperations:
                      protected: set[OffloadKey]) -> None:
         evictable = [k for k, b in model.items() if b.ref_cnt == 0 and k not in protected]
         before = observe(policy)
-        predicted = [k for k, _ in policy.victim_candidates() if k not in protected][:n]
+        predicted = policy.victims(n, protected)
         victims = call(contract.EVICT_EXACT, f"evict({n}, ...)", policy.evict, n, protected)
         if n <= 0:
             assert victims == [], f"{contract.EVICT_NONPOSITIVE}: evict({n}) returned {victims!r}"

@@ -1,5 +1,5 @@
 """Policies written to vLLM's seed `CachePolicy` contract only (`__init__`, `get`, `insert`,
-`remove`, `touch`, `evict`): no `keys`, `len`, `clear`, `insert_many` or `victim_candidates`.
+`remove`, `touch`, `evict`): no `keys`, `len`, `clear`, `insert_many` or `victims`.
 Importable as `seed_policy:SeedLRUPolicy` while tests/policies is on sys.path."""
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def demotes_tails(policy) -> bool:
     request(policy, [], [90_000, 90_001], cap)  # 90_000: an ordinary new block
     policy.touch([])
     request(policy, [], [90_002, 90_003], cap)  # 90_003: the newest request's tail
-    order = evicted(policy.victim_candidates())
+    order = [int.from_bytes(k[:8], "big") for k in policy.victims(len(policy))]
     answer = order.index(90_003) < order.index(90_000)
     for i in range(90_000, 90_004):
         policy.remove(key(i))
@@ -200,7 +200,7 @@ def test_prefix_freq_tail_first_then_chains_from_the_deep_end():
     request(policy, [], [10, 11, 12], 100)  # chain B, tail 12 (no other call in between: told, not inferred)
     policy.touch([])
     request(policy, [], [20, 21, 22], 100)
-    order = [int.from_bytes(k[:8], "big") for k, _ in policy.victim_candidates()]
+    order = [int.from_bytes(k[:8], "big") for k in policy.victims(len(policy))]
     assert order[:3] == [4, 12, 22]  # request tails go first
     assert order.index(11) < order.index(10)  # B: deepest first
     assert order.index(3) < order.index(2) < order.index(1) < order.index(0)  # deepest first
@@ -215,7 +215,7 @@ def test_prefix_freq_takes_the_tail_it_is_told_and_no_other():
     policy.insert_many([key(30), key(31)], [ready(30), ready(31)])  # a promoted prefix, head first
     request(policy, [], [40, 41], 100)
     request(policy, [], [50, 51], 100)
-    order = [int.from_bytes(k[:8], "big") for k, _ in policy.victim_candidates()]
+    order = [int.from_bytes(k[:8], "big") for k in policy.victims(len(policy))]
     assert order[:2] == [41, 51]  # only the tails that were named go first
     assert order.index(31) > 1 and order.index(30) > 1
 
@@ -260,7 +260,7 @@ def test_prefix_freq_restored_ghost_counts_as_a_hit():
     policy.evict(10, set())  # all become ghosts
     request(policy, [], [3], cap)  # 3 comes back: it was needed, so it is treated as hit once
     request(policy, [], list(range(100, 109)), cap)  # fresh blocks, stored after 3
-    order = [int.from_bytes(k[:8], "big") for k, _ in policy.victim_candidates()]
+    order = [int.from_bytes(k[:8], "big") for k in policy.victims(len(policy))]
     assert order[-1] == 3  # outlives blocks that are newer but never needed twice
 
 
@@ -278,9 +278,9 @@ def test_prefix_freq_demotes_tails_only_once_departures_show_them_one_time():
 
 
 @pytest.mark.parametrize("one_time", [True, False])
-def test_prefix_freq_victim_candidates_is_the_evict_order_with_and_without_tail_demotion(one_time):
+def test_prefix_freq_victims_is_the_evict_order_with_and_without_tail_demotion(one_time):
     """Tails first (one-time) or tails merged as ordinary new blocks: either way `evict` takes
-    exactly the blocks `victim_candidates` lists, in that order, with pinned/hit blocks mixed in."""
+    exactly the blocks `victims` names, in that order, with pinned/hit blocks mixed in."""
     import random
 
     rng = random.Random(7)
@@ -299,11 +299,11 @@ def test_prefix_freq_victim_candidates_is_the_evict_order_with_and_without_tail_
             nxt += len(new)
             request(policy, [], new, cap)
         assert demotes_tails(policy) is one_time
-        order = [k for k, _ in policy.victim_candidates()]
+        order = policy.victims(len(policy))
         if one_time and policy.segs[0]:
             assert order[0] in policy.segs[0]  # demoted tails lead
         n = rng.randint(1, len(order))
         victims = policy.evict(n, set())
         assert [k for k, _ in victims] == order[:n]
         if one_time:
-            assert [k for k, _ in policy.victim_candidates()] == order[n:]
+            assert policy.victims(len(policy)) == order[n:]

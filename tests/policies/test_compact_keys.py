@@ -89,7 +89,7 @@ def test_a_block_of_a_vllm_key_costs_what_it_did(cls, most):
     92.4 bytes per block before keys and capacities changed; docs/policies.md)."""
     n = 1_000_000
     p = cls(n)
-    p.track_pins()
+    p.evictable((), False)
     for start in range(0, n, 1 << 16):
         fill(p, [vllm_key(i) for i in range(start, min(n, start + (1 << 16)))])
     assert len(p) == n

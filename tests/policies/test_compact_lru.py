@@ -21,6 +21,7 @@ from kvtier.core.types import BlockStatus, ReqContext
 from kvtier.policies.lru_compiled import FallbackLRUCachePolicy, LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.testing.manager import ManagerTests
+from tests.support.policy_state import evictable_count_of
 
 
 def test_the_compiled_index_is_built():
@@ -96,8 +97,8 @@ def block(block_id: int, ref_cnt: int) -> BlockStatus:
 
 
 def _state(p) -> tuple:
-    return (len(p), sorted(p.keys()), [k for k, _ in p.victim_candidates()],
-            [(k, b.block_id, b.ref_cnt) for k, b in p.victim_candidates()], p.evictable_count())
+    return (len(p), sorted(p.keys()), p.victims(len(p)),
+            [(k, p.get(k).block_id, p.get(k).ref_cnt) for k in p.victims(len(p))], evictable_count_of(p))
 
 
 _OPS = st.lists(st.one_of(
@@ -124,7 +125,7 @@ def test_same_decisions_as_lru(ops, capacity, tracked):
     policies = [PureLRUCachePolicy(capacity), LRUCachePolicy(capacity), FallbackLRUCachePolicy(capacity)]
     tracking = tracked  # as the manager runs them (track_pins at the start), or turned on later by an op
     for p in policies if tracked else ():
-        p.track_pins()
+        p.evictable((), False)
     next_id = 0
     for op in ops:
         kind = op[0]
@@ -136,7 +137,7 @@ def test_same_decisions_as_lru(ops, capacity, tracked):
             for p in policies:
                 p.insert_many(keys, blocks) if len(keys) > 1 else [p.insert(k, b) for k, b in zip(keys, blocks)]
                 if tracking and op[2] != 0:
-                    p.pin(keys)
+                    p.evictable(keys, False)
         elif kind == "remove":
             for p in policies:
                 p.remove(key(op[1]))
@@ -149,30 +150,30 @@ def test_same_decisions_as_lru(ops, capacity, tracked):
             for p in policies:
                 p.get(k).ref_cnt = op[2]
                 if old == 0 and op[2] != 0:
-                    p.pin([k])
+                    p.evictable([k], False)
                 elif old != 0 and op[2] == 0:
-                    p.unpin([k])
+                    p.evictable([k], True)
         elif kind == "pin" and resident:
             keys = [resident[i % len(resident)] for i in op[1]]
             for p in policies:
-                (p.pin if op[2] else p.unpin)(keys)
+                p.evictable(keys, not op[2])
         elif kind == "evict":
             protected = {resident[i % len(resident)] if resident and i < 30 else key(i) for i in op[2]}
             got = [p.evict(op[1], protected) for p in policies]
             values = [None if v is None else [(k, b.block_id, b.ref_cnt) for k, b in v] for v in got]
             assert values[1] == values[0] and values[2] == values[0]
         elif kind == "victim_keys":
-            assert policies[1].victim_keys(op[1]) == policies[0].victim_keys(op[1]) == policies[2].victim_keys(op[1])
+            assert policies[1].victims(op[1]) == policies[0].victims(op[1]) == policies[2].victims(op[1])
         elif kind == "track_pins":
             tracking = True
             for p in policies:
-                p.track_pins()
+                p.evictable((), False)
         elif kind == "clear":
             for p in policies:
                 p.clear()
         state = _state(policies[0])
         assert _state(policies[1]) == state and _state(policies[2]) == state
-        assert policies[1].evictable_count() == policies[0].evictable_count() == policies[2].evictable_count()
+        assert evictable_count_of(policies[1]) == evictable_count_of(policies[0]) == evictable_count_of(policies[2])
 
 
 @pytest.mark.parametrize("cls", [PureLRUCachePolicy, LRUCachePolicy])
@@ -180,14 +181,14 @@ def test_an_aside_block_unpinned_twice_is_evicted_once(cls):
     """An unpin of a block set aside (pinned at the head of the order) queues it for eviction
     again each time; the duplicates must not make one block two victims."""
     p = cls(8)
-    p.track_pins()
+    p.evictable((), False)
     p.insert_many([key(1), key(2), key(3)], [block(1, 0), block(2, 0), block(3, 0)])
     p.get(key(1)).ref_cnt = 1
-    p.pin([key(1)])
+    p.evictable([key(1)], False)
     assert [k for k, _ in p.evict(1, set())] == [key(2)]  # key(1) met at the head: set aside
     p.get(key(1)).ref_cnt = 0
-    p.unpin([key(1), key(1)])
-    p.unpin([key(1)])
+    p.evictable([key(1), key(1)], True)
+    p.evictable([key(1)], True)
     assert [k for k, _ in p.evict(2, set())] == [key(1), key(3)]
     assert len(p) == 0 and p.evict(1, set()) is None
 
@@ -223,16 +224,6 @@ def test_a_view_kept_across_clear_raises():
     with pytest.raises(LookupError, match="no longer resident"):
         view.ref_cnt = 5
     assert p.get(key(1)).ref_cnt == 0 and p.get(key(3)) is None
-
-
-def test_iterating_candidates_while_the_policy_changes_raises():
-    p = LRUCachePolicy(4)
-    p.insert_many([key(1), key(2)], [block(1, 0), block(2, 0)])
-    candidates = p.victim_candidates()
-    next(candidates)
-    p.remove(key(2))
-    with pytest.raises(RuntimeError, match="changed during"):
-        next(candidates)
 
 
 def test_bad_keys_are_reported():

@@ -5,7 +5,7 @@ equal to the `CachePolicy` defaults, the one-time-tail rule reached by the gener
 views of blocks that left raising instead of touching another block.
 
 What is compared after every step (`state`): each resident key's block id and ref_cnt, the
-eviction order (`victim_candidates`, `victim_keys`), pins and evictable counts, and the inner
+eviction order (`victims`), pins and evictable counts, and the inner
 state that decides later evictions: the ghost list in order, the ghost limit, the clock (the
 clock at the last sync: the blocks inserted since are added by the next other call), the running
 mean `unit` (exact float equality) and the tail evidence (`TailEvidence.counts`)."""
@@ -23,6 +23,7 @@ from kvtier.index import table_of
 from kvtier.policies.prefix_compiled import FallbackPrefixFreqCachePolicy, PrefixFreqCachePolicy
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.prefix_tails import TailEvidence
+from tests.support.policy_state import evictable_count_of, pinned_of
 
 CLASSES = (PurePrefixFreqCachePolicy, PrefixFreqCachePolicy, FallbackPrefixFreqCachePolicy)
 
@@ -64,11 +65,11 @@ def rule_reason(p) -> str:
 
 def state(p) -> tuple:
     n = len(p)
-    pinned = p.pinned_keys()
+    pinned = pinned_of(p)
     return (n, sorted((k, p.get(k).block_id, p.get(k).ref_cnt) for k in p.keys()),
-            [(k, b.block_id, b.ref_cnt) for k, b in p.victim_candidates()],
-            [p.victim_keys(m) for m in (-1, 1, n // 2, n + 1)],
-            None if pinned is None else sorted(pinned), p.evictable_count(),
+            [(k, p.get(k).block_id, p.get(k).ref_cnt) for k in p.victims(n)],
+            [p.victims(m) for m in (-1, 1, n // 2, n + 1)],
+            None if pinned is None else sorted(pinned), evictable_count_of(p),
             list(p.ghosts.items()), p.ghost_limit, p.clock, p.unit, tail_counts(p))
 
 
@@ -81,7 +82,7 @@ class Drive:
         self.policies = [cls(capacity) for cls in CLASSES]
         self.ref = self.policies[0]
         for p in self.policies if tracked else ():
-            p.track_pins()
+            p.evictable((), False)
         self.next_id = 0
         self.fresh = 1000  # fresh keys (request tails among them) from here on
         self.convs: list[list[bytes]] = [[] for _ in range(4)]  # (see conversation_turn)
@@ -114,7 +115,7 @@ class Drive:
             else:
                 p.insert_many(keys, blocks, tail=tail)
             if ref_cnt:
-                p.pin(keys)  # (a no-op while pins are not tracked)
+                p.evictable(keys, False)  # (a no-op while pins are not tracked)
         self.next_id += len(keys)
         if ref_cnt == -1:
             self.pending += keys
@@ -124,12 +125,12 @@ class Drive:
         for p in self.policies:
             p.get(k).ref_cnt = value
             if old == 0 and value != 0:
-                p.pin([k])
+                p.evictable([k], False)
             elif old != 0 and value == 0:
-                p.unpin([k])
+                p.evictable([k], True)
 
     def evict(self, n: int, protected: set[bytes]) -> list | None:
-        counts = [p.evictable_count(protected) for p in self.policies]
+        counts = [evictable_count_of(p, protected) for p in self.policies]
         assert counts[1:] == counts[:1] * 2, counts
         on, ghosts = rule_on(self.ref), len(self.ref.ghosts)
         self.reasons.add(rule_reason(self.ref))
@@ -255,7 +256,7 @@ def run_op(d: Drive, op: tuple) -> None:
         k = sorted(ref.keys())[op[1] % len(ref)]
         pinned = ref.get(k).ref_cnt != 0
         for p in d.policies:
-            (p.pin if pinned else p.unpin)([k, k])
+            p.evictable([k, k], not pinned)
     elif kind == "ghost_limit":
         for p in d.policies:
             p.ghost_limit = op[1]
@@ -263,7 +264,7 @@ def run_op(d: Drive, op: tuple) -> None:
         d.requests(op[1], op[2], op[3], op[4])
     elif kind == "track_pins":
         for p in d.policies:
-            p.track_pins()
+            p.evictable((), False)
     elif kind == "clear":
         d.pending.clear()
         for p in d.policies:
@@ -451,7 +452,7 @@ def test_the_generated_traffic_switches_the_tail_rule_on_and_all_evict_tails_fir
     d = Drive(12, tracked)
     rng = random.Random(7)
     old, _, tail2 = two_requests()
-    order = [k for k, _ in d.ref.victim_candidates()]
+    order = d.ref.victims(len(d.ref))
     assert order.index(old) < order.index(tail2)  # rule off: recency (an older ordinary block first)
     for p in d.policies:
         p.clear()
@@ -469,7 +470,7 @@ def test_the_generated_traffic_switches_the_tail_rule_on_and_all_evict_tails_fir
     old, tail1, tail2 = two_requests()
     aside = [k for k, (segment, *_) in d.ref.aside.items() if segment == 0]  # (met by evictions)
     tails = {k for k in [*d.ref.segs[0], *aside] if d.ref.get(k).ref_cnt == 0}
-    order = [k for k, _ in d.ref.victim_candidates()]
+    order = d.ref.victims(len(d.ref))
     assert set(order[:len(tails)]) == tails and tail1 in tails and tail2 in tails
     assert order.index(tail2) < order.index(old)
     victims = d.evict(len(tails), set())
@@ -480,14 +481,14 @@ def test_the_generated_traffic_switches_the_tail_rule_on_and_all_evict_tails_fir
 # ---------------------------------------------------------------------- views
 @pytest.mark.skipif(not PrefixFreqCachePolicy.compiled, reason="views exist only in the compiled index")
 def test_a_view_of_a_block_that_left_raises_instead_of_touching_another():
-    """Views from `get` and `victim_candidates` of blocks that were removed, evicted or cleared
+    """Views from `get` of blocks that were removed, evicted or cleared
     raise LookupError on reading or writing ref_cnt, also once their key (or another) is stored
     again in the freed place; the blocks resident then are unchanged."""
     p = PrefixFreqCachePolicy(4)
     assert p.returns_views and p.batch_calls
     p.insert_many([key(1), key(2), key(3)], [block(7, 0), block(8, 0), block(9, 0)], tail=key(1))
     removed, evicted = p.get(key(1)), p.get(key(2))
-    candidate = dict(p.victim_candidates())[key(3)]
+    candidate = p.get(key(3))
     p.remove(key(1))
     assert sorted(k for k, _ in p.evict(2, set())) == [key(2), key(3)]
     p.insert(key(1), block(10, 0))  # the same key again, likely in the same place

@@ -1,6 +1,6 @@
-"""Evictable accounting (`CachePolicy.track_pins`, issue 19 item 2): a refused eviction does not
-look at the pinned blocks, LRU takes pinned blocks out of its order, and decisions stay those of
-the policy without accounting.
+"""Evictable accounting (the block table's `CachePolicy.evictable` notices, issue 19 item 2): a
+refused eviction does not look at the pinned blocks, LRU takes pinned blocks out of its order,
+and decisions stay those of the policy without accounting.
 
 Cost is observed by counting reads of `ref_cnt` (not by timing): `CountingBlock` counts them, for
 the policies that keep the inserted objects. `lru` is the compiled index here (its `get` returns
@@ -19,6 +19,7 @@ from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.testing.policy import key
 from kvtier.transfer import registry
+from tests.support.policy_state import evictable_count_of
 
 READS = [0]
 
@@ -56,7 +57,7 @@ def filled(name: str, n: int, pinned: int):
         block = CountingBlock(i)
         block.ref_cnt = 1 if i < pinned else 0
         policy.insert(key(i), block)
-    policy.track_pins()
+    policy.evictable((), False)
     return policy
 
 
@@ -67,14 +68,14 @@ def test_refusal_reads_no_pinned_block(name):
     for _ in range(3):
         assert policy.evict(4, set()) is None
     assert READS[0] == 0
-    assert policy.evictable_count() == 0
+    assert evictable_count_of(policy) == 0
 
 
 @pytest.mark.parametrize("name", POLICIES + ["seed"])
 def test_refusal_counts_protected_blocks(name):
     policy = filled(name, 100, pinned=97)
     protected = {key(98)}
-    assert policy.evictable_count(protected) == 2
+    assert evictable_count_of(policy, protected) == 2
     assert policy.evict(3, protected) is None
     assert sorted(k for k, _ in policy.evict(2, protected)) == sorted([key(97), key(99)])
 
@@ -85,7 +86,7 @@ def test_unpinned_blocks_are_evicted_after_a_refusal(name):
     assert policy.evict(2, set()) is None
     for i in (5, 150):
         policy.get(key(i)).ref_cnt = 0
-    policy.unpin([key(5), key(150)])
+    policy.evictable([key(5), key(150)], True)
     assert sorted(k for k, _ in policy.evict(2, set())) == sorted([key(5), key(150)])
     assert len(policy) == 198
 
@@ -108,13 +109,13 @@ def test_lru_unpinned_aside_block_keeps_its_place(name):
     policy = filled(name, 10, pinned=3)
     assert [k for k, _ in policy.evict(1, set())] == [key(3)]
     policy.get(key(1)).ref_cnt = 0
-    policy.unpin([key(1)])
-    assert [k for k, _ in policy.victim_candidates()][:2] == [key(1), key(4)]
+    policy.evictable([key(1)], True)
+    assert policy.victims(len(policy))[:2] == [key(1), key(4)]
     assert [k for k, _ in policy.evict(2, set())] == [key(1), key(4)]
     policy.touch([key(0)])  # touched while pinned: back in the order, newest
     policy.get(key(0)).ref_cnt = 0
-    policy.unpin([key(0)])
-    assert [k for k, _ in policy.victim_candidates()][-1] == key(0)
+    policy.evictable([key(0)], True)
+    assert policy.victims(len(policy))[-1] == key(0)
 
 
 @pytest.mark.parametrize("name", POLICIES + ["seed"])
@@ -125,7 +126,7 @@ def test_decisions_equal_the_policy_without_accounting(name, seed):
     without accounting evicts, and predicts the same order."""
     rng = random.Random(seed)
     plain, tracked = make(name, 64), make(name, 64)
-    tracked.track_pins()
+    tracked.evictable((), False)
     blocks: dict = {}
     twins: dict = {}
     next_id = aside_seen = 0
@@ -146,7 +147,7 @@ def test_decisions_equal_the_policy_without_accounting(name, seed):
                 else:
                     policy.insert_many(ks, new, tail=ks[0])
             if writing:
-                tracked.pin(ks)
+                tracked.evictable(ks, False)
         elif op < 0.45:
             ks = rng.sample(resident, min(len(resident), rng.randint(1, 5)))
             plain.touch(ks)
@@ -156,14 +157,14 @@ def test_decisions_equal_the_policy_without_accounting(name, seed):
             if plain.get(k).ref_cnt >= 0:  # (through get: a policy's views, or the objects inserted)
                 plain.get(k).ref_cnt += 1
                 tracked.get(k).ref_cnt += 1
-                tracked.pin([k])
+                tracked.evictable([k], False)
         elif op < 0.8:
             k = rng.choice(resident)
             if plain.get(k).ref_cnt != 0:
                 value = 0 if plain.get(k).ref_cnt == -1 else plain.get(k).ref_cnt - 1
                 plain.get(k).ref_cnt = tracked.get(k).ref_cnt = value
                 if value == 0:
-                    tracked.unpin([k])
+                    tracked.evictable([k], True)
         elif op < 0.85:
             k = rng.choice(resident)
             plain.remove(k)
@@ -177,10 +178,10 @@ def test_decisions_equal_the_policy_without_accounting(name, seed):
             assert [k for k, _ in a or ()] == [k for k, _ in b or ()]
             for k, _ in a or ():
                 del blocks[k], twins[k]
-        order = [k for k, _ in tracked.victim_candidates()]
-        assert [k for k, _ in plain.victim_candidates()] == order
+        order = tracked.victims(len(tracked))
+        assert plain.victims(len(plain)) == order
         for n in (1, 2, 7, len(order) + 1):  # the bulk head of the order (`_dirty_victims`) is its head
-            assert tracked.victim_keys(n) == order[:n]
+            assert tracked.victims(n) == order[:n]
         assert sorted(plain.keys()) == sorted(tracked.keys())
         aside_seen = max(aside_seen, len(getattr(tracked, "aside", ())))
     if name in ("lru-py", "prefix-freq", "prefix-freq-py"):
@@ -196,11 +197,11 @@ def test_lru_head_that_may_not_go_is_put_back_in_order(blocker, name):
     protected: set = set()
     if blocker == "pinned":
         policy.get(key(2)).ref_cnt = 1
-        policy.pin([key(2)])
+        policy.evictable([key(2)], False)
     else:
         protected = {key(2)}
     assert [k for k, _ in policy.evict(4, protected)] == [key(0), key(1), key(3), key(4)]
-    order = [k for k, _ in policy.victim_candidates()]
+    order = policy.victims(len(policy))
     # A protected block met is set aside, free: it goes first next time (it is the oldest).
     assert order == ([key(2)] if blocker == "protected" else []) + [key(i) for i in range(5, 12)]
     assert [k for k, _ in policy.evict(2, set())] == order[:2]

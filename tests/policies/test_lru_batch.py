@@ -15,6 +15,7 @@ from kvtier.core.types import BlockStatus
 from kvtier.index import table_of
 from kvtier.policies.lru_compiled import FallbackLRUCachePolicy, LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
+from tests.support.policy_state import evictable_count_of, pinned_of
 
 
 def key(i: int) -> bytes:
@@ -22,10 +23,10 @@ def key(i: int) -> bytes:
 
 
 def state(p) -> tuple:
-    pinned = p.pinned_keys()
+    pinned = pinned_of(p)
     return (sorted((k, p.get(k).block_id, p.get(k).ref_cnt) for k in p.keys()),
-            [k for k, _ in p.victim_candidates()], None if pinned is None else sorted(pinned),
-            p.evictable_count())
+            p.victims(len(p)), None if pinned is None else sorted(pinned),
+            evictable_count_of(p))
 
 
 BATCH = st.lists(st.integers(0, 11), max_size=6)
@@ -47,7 +48,7 @@ def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
     policies = (ref, compiled, fallback)
     assert compiled.batch_calls and not ref.batch_calls
     for p in policies if tracked else ():
-        p.track_pins()
+        p.evictable((), False)
     next_id = 0
     for op in ops:
         kind, arg = op[0], op[1]
@@ -60,7 +61,7 @@ def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
                     b.ref_cnt = op[2]
                 p.insert_many(keys[::-1], blocks[::-1])
                 if op[2]:
-                    p.pin(keys)  # being written, as prepare_store reports it
+                    p.evictable(keys, False)  # being written, as prepare_store reports it
             next_id += len(keys)
         elif kind == "insert_written":  # as prepare_store stores a request: tail first, tail named
             keys = list(dict.fromkeys(key(i) for i in arg if ref.get(key(i)) is None))
@@ -95,16 +96,15 @@ def test_the_manager_path_of_a_request(cls):
     (out of the eviction order), released, evictable again (oldest first: inserted tail first)."""
     p = cls(4)
     table = table_of(p)
-    p.track_pins()
     keys = [key(i) for i in range(3)]
     table.insert_written(keys[::-1], [12, 11, 10], tail=keys[-1])
     with pytest.raises(ValueError, match="3 keys but 2 block ids"):
         table.insert_written([key(5), key(6), key(7)], [1, 2])
     assert table.readable_run(keys) == 0 and table.absent(keys + [key(9)]) == [key(9)]
     assert table.mark_written(keys) and not table.mark_written(keys[:1])  # (only blocks being written)
-    assert table.readable_run(keys + [key(9)]) == 3 and p.evictable_count() == 3
-    assert table.pin_loads(keys[:2] + [key(9)]) is None and p.evictable_count() == 3  # refused: unchanged
-    assert table.pin_loads(keys[:2]) == [10, 11] and p.pinned_keys() == set(keys[:2])
+    assert table.readable_run(keys + [key(9)]) == 3 and table.evictable_count() == 3
+    assert table.pin_loads(keys[:2] + [key(9)]) is None and table.evictable_count() == 3  # refused: unchanged
+    assert table.pin_loads(keys[:2]) == [10, 11] and table.pinned_keys() == set(keys[:2])
     assert [k for k, _ in p.evict(1, set())] == [keys[2]] and p.evict(1, set()) is None
     table.release_loads(keys[:2])
-    assert p.pinned_keys() == set() and [k for k, _ in p.evict(2, set())] == [keys[1], keys[0]]
+    assert table.pinned_keys() == set() and [k for k, _ in p.evict(2, set())] == [keys[1], keys[0]]

@@ -151,7 +151,7 @@ def test_touch_with_pins_and_aside_keys_equals_the_fixed_probe_order(seed):
     so the hit counts that `touch` takes from the tails' and new blocks' sizes include them."""
     rng = random.Random(seed)
     policy = PurePrefixFreqCachePolicy(80)
-    policy.track_pins()
+    policy.evictable((), False)
     next_id = 0
     aside_touches = 0
     for _ in range(500):
@@ -168,12 +168,12 @@ def test_touch_with_pins_and_aside_keys_equals_the_fixed_probe_order(seed):
             ks = rng.sample(resident, min(len(resident), rng.randint(1, 6)))
             for k in ks:
                 policy.blocks[k].ref_cnt += 1
-            policy.pin(ks)
+            policy.evictable(ks, False)
         elif op < 0.55:
             ks = [k for k in resident if policy.blocks[k].ref_cnt][:rng.randint(1, 6)]
             for k in ks:
                 policy.blocks[k].ref_cnt -= 1
-            policy.unpin([k for k in ks if policy.blocks[k].ref_cnt == 0])
+            policy.evictable([k for k in ks if policy.blocks[k].ref_cnt == 0], True)
         elif op < 0.85:
             ks = rng.sample(resident, min(len(resident), rng.randint(1, 25)))
             aside_touches += not policy.aside.keys().isdisjoint(ks)

@@ -1,12 +1,11 @@
 """prefix-freq's eviction takes long runs of a lane in C-loop chunks (issue 19 item 1); what it
-evicts must stay exactly the order `victim_candidates` yields (the key-by-key merge), less the
+evicts must stay exactly the order `victims` names (the key-by-key merge), less the
 protected blocks, with protected and pinned blocks inside the runs, with and without evictable
 accounting."""
 
 from __future__ import annotations
 
 import random
-from itertools import islice
 
 import pytest
 
@@ -24,7 +23,7 @@ def test_evict_equals_the_order_walk(seed, tracked):
     rng = random.Random(seed)
     policy = PurePrefixFreqCachePolicy(400)
     if tracked:
-        policy.track_pins()
+        policy.evictable((), False)
     blocks: dict[bytes, BlockStatus] = {}
     next_id = 0
     long_runs = 0
@@ -45,11 +44,11 @@ def test_evict_equals_the_order_walk(seed, tracked):
             for k in rng.sample(resident, rng.randint(1, 5)):
                 block = blocks[k]
                 block.ref_cnt = 0 if block.ref_cnt else 1
-                (policy.pin if block.ref_cnt else policy.unpin)([k])
+                policy.evictable([k], not block.ref_cnt)
         else:
             n = rng.randint(1, 60)
             protected = set(rng.sample(resident, rng.randint(0, 6)))
-            want = list(islice((k for k, _ in policy.victim_candidates() if k not in protected), n))
+            want = policy.victims(n, protected)
             got = policy.evict(n, protected)
             if len(want) < n:
                 assert got is None

@@ -1,6 +1,6 @@
 """A policy written to vLLM's seed contract (no keys/len/clear) runs a hierarchy built from YAML
 `policy: module:Class`: stores, evictions, cascade (on_store), stats and reset all work; asking
-it to cascade on_evict (which needs `victim_candidates`) is refused up front."""
+it to cascade on_evict (which needs `victims`) is refused up front."""
 
 from __future__ import annotations
 
@@ -75,7 +75,7 @@ def test_seed_contract_policy_runs_a_hierarchy(ctx, hot_policy, warm_policy):
 
 @pytest.mark.parametrize("policy", ["seed_policy:SeedLRUPolicy", "seed_policy:DuckSeedPolicy"])
 def test_on_evict_cascade_with_a_policy_that_cannot_predict_victims_is_refused(policy):
-    with pytest.raises(ConfigError, match=r"tiers\[0\]\.cascade.*victim_candidates.*on_store"):
+    with pytest.raises(ConfigError, match=r"tiers\[0\]\.cascade.*victims.*on_store"):
         seed_hierarchy(policy, "lru", cascade="on_evict")
 
 

@@ -90,7 +90,7 @@ def first_tier_usage(tier: Any, storing: int) -> tuple[float, float, float]:
     capacity = tier.capacity
     if not capacity:
         return 0.0, 0.0, 0.0
-    evictable = tier.policy.evictable_count()
+    evictable = tier.table.evictable_count()
     busy = storing if evictable is None else max(len(tier.policy) - evictable, storing)
     usage, write = busy / capacity, storing / capacity
     return usage, write, max(usage - write, 0.0)
