@@ -139,18 +139,27 @@ def test_engine_stores_name_the_request_tail_and_promotions_name_none(ctx, polic
     """The `CachePolicy.insert_many` contract: a request's new blocks go in tail first with
     `tail=` its last new block; blocks copied in from another tier carry no tail. Every policy gets
     them through the tier's block table's `insert_written` (`PolicyTable` over the pure-Python
-    one; the compiled index is its own table)."""
+    one; the compiled policy's own `CompactTable`)."""
     h = memory_hierarchy(hot=4, warm=16, hot_policy=policy)
-    top = h.first_tier.table
     calls = []
 
-    def spy(real):
-        def call(ks, blocks, tail=None):
-            calls.append((list(ks), tail))
-            return real(ks, blocks, tail=tail)
-        return call
+    class Spy:
+        """The tier's table, with its `insert_written` calls recorded."""
 
-    top.insert_written = spy(top.insert_written)
+        def __init__(self, table):
+            self.table = table
+
+        def __getattr__(self, name):
+            return getattr(self.table, name)
+
+        def __len__(self):
+            return len(self.table)
+
+        def insert_written(self, ks, blocks, tail=None):
+            calls.append((list(ks), tail))
+            return self.table.insert_written(ks, blocks, tail=tail)
+
+    h.first_tier.table = Spy(h.first_tier.table)
     ks = keys(8)
     store(h, ks[:4], ctx)
     store(h, ks[4:], ctx)  # ks[:4] go down

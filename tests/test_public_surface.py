@@ -41,6 +41,8 @@ ALLOWED: dict[tuple[str, str], str] = {
                                                                                        "by name",
     ("policies/test_compact_lru.py", "from kvtier.index._table_api import CompactTable"): "the compiled extension, "
                                                                                           "by name",
+    ("policies/test_compact_lru.py", "from kvtier.index._table_api import CompactOrder"): "the compiled extension, "
+                                                                                          "by name",
     ("policies/test_compact_prefix_replay.py", "import kvtier.policies._compact_prefix"): "the compiled extension, "
                                                                                            "by name",
     ("support/policy_state.py", "policy._pinned"): _NOTICES,

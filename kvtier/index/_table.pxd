@@ -1,12 +1,13 @@
 # The compiled block table of a tier (kvtier/index/_table.pyx), declared once: the C layout, the
 # small hot functions (`cdef inline`, compiled into each module that cimports them) and the
-# functions implemented in _table.pyx. Its Python-visible side (the policies' base class, the
-# block views) is kvtier/index/_table_api.pxd. The compiled policies (kvtier/policies/
-# _compact_lru.pyx, _compact_prefix*.pyx) cimport both and keep only their eviction order.
+# functions implemented in _table.pyx. Its Python-visible side (`CompactTable`, the eviction
+# orders' base `CompactOrder`, the block views) is kvtier/index/_table_api.pxd. The compiled
+# orders (kvtier/policies/_compact_lru.pyx, _compact_prefix*.pyx) cimport both: a table is
+# composed with one order, which keeps its records and lists and reads the entries.
 #
 # Layout, per entry (an int32 entry number i, at most MAX_ENTRIES):
 # - `Entry` (24 bytes): block id, key hash, ref_cnt, key length, flags, one byte for the policy;
-# - the policy's record (`rec_size` bytes, starting with its `Links`), in a parallel array that
+# - the order's record (`rec_size` bytes, starting with its `Links`), in a parallel array that
 #   the table allocates and grows with the entries, so entry i's record is at rec + i * rec_size;
 # - the key in slot i of a key array `width` bytes wide (the longest key seen up to INLINE_KEY;
 #   a longer key has an allocation of its own and its slot holds the address);
@@ -63,6 +64,7 @@ ctypedef struct Table:
     size_t mask  # buckets - 1 (a power of two)
     Py_ssize_t count  # resident entries
     Py_ssize_t npinned  # entries flagged PINNED
+    bint tracking  # evictable accounting on (the first `evictable` notice): PINNED is kept exact
     const char* label  # the policy's name, for messages
 
 

@@ -9,11 +9,10 @@ open-addressing hash table. So a block costs 40 (lru) or 48 (prefix-freq) bytes 
 key and 8 bytes of buckets: with vLLM's 36-byte keys about 84 and 92 bytes.
 
 Here: the arrays (made, grown, freed), entries in and out (`claim`, `release`, `forget_all`), the
-key slots' and hash tables' functions that are not inline, pins and protected marks. The
-compiled policies (kvtier/policies/_compact_lru.pyx, _compact_prefix*.pyx) `cimport` it and
-kvtier/index/_table_api.pyx (their base class `CompactTable`: the batch calls of
-`kvtier.index.BlockTable`, the block views); each keeps only its eviction order, in its records
-and lists. Where these modules are not built, the policies' pure-Python twins run behind
+key slots' and hash tables' functions that are not inline, pins and protected marks. The table
+object (`CompactTable`, kvtier/index/_table_api.pyx) is composed with one compiled eviction order
+(kvtier/policies/_compact_lru.pyx, _compact_prefix*.pyx), which `cimport`s this layout to keep its
+records and lists. Where these modules are not built, the policies' pure-Python twins run behind
 `kvtier.index.PolicyTable` (the same answers, tests/policies/test_lru_batch.py).
 """
 

@@ -9,7 +9,8 @@ Every call takes or returns keys and slot ids (`block_id`s) in the order given.
 Two implementations, held to the same answers and side effects by tests/policies/test_lru_batch.py
 and tests/test_manager_bulk.py:
 - the compiled table (`kvtier/index/_table.pxd`/`_table.pyx`, `_table_api.pyx`: `CompactTable`),
-  which the compiled `lru` and `prefix-freq` index their order in (`CachePolicy.batch_calls`);
+  composed with a compiled eviction order: the compiled `lru` and `prefix-freq` are such a pair
+  (`CachePolicy.batch_calls`; the policy's `table`);
 - `PolicyTable`, in Python, over any other `CachePolicy` (ARC, SIEVE, the pure twins, a policy
   written to vLLM's contract): the blocks are the policy's `BlockStatus` objects.
 
@@ -218,9 +219,10 @@ def _ignore(keys: Iterable[OffloadKey], flag: bool) -> None:
 
 def table_of(policy: Any) -> BlockTable:
     """The block table of a tier whose policy is `policy`, with its evictable accounting started:
-    the policy itself when its compiled index answers the batch calls (`batch_calls`), else a
+    the compiled table a compiled policy is made of (`batch_calls`: `policy.table`), else a
     `PolicyTable` over it."""
     if getattr(policy, "batch_calls", False):
-        policy.evictable((), False)
-        return cast(BlockTable, policy)
+        table = policy.table
+        table.evictable((), False)
+        return cast(BlockTable, table)
     return PolicyTable(policy)

@@ -1,36 +1,24 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
-"""The compiled core of `lru` (kvtier.policies.lru_compiled): LRU's eviction order over the
-compiled block table (kvtier/index/_table.pxd).
+"""The compiled order of `lru` (kvtier.policies.lru_compiled): `LRUOrder`, LRU's eviction order
+composed into a compiled block table (`CompactTable`, kvtier/index/_table_api.pyx).
 
-No Python object per resident block. The table holds each block's 24-byte entry (block id, key
-hash, ref_cnt, key length, flags), its key and its hash-table buckets, and grows them with the
-16-byte record this module keeps per entry in the table's parallel array: the links of the order
-(oldest first) or of the aside list, and the sequence number an aside entry was set aside with.
-So 40 bytes of records per block, plus the key (inline up to 64 bytes) and 8 or more bytes of
-buckets: about 84 bytes with vLLM's 36-byte keys. The arrays grow as blocks are inserted,
-doubling, up to `cache_capacity` (at most 2^30).
+No Python object per resident block. The table holds each block's 24-byte entry, its key and its
+buckets, and grows with them the 16-byte record this order keeps per entry: the links of the
+order (oldest first) or of the aside list, and the sequence number an aside entry was set aside
+with. About 84 bytes per block with vLLM's 36-byte keys (docs/policies.md).
 
-The decisions are exactly `LRUCachePolicy`'s, including its evictable accounting: after the
-table's first `evictable` notice a pinned block met at the head of the order is set *aside* (moved to an aside
-list, in the order of its sequence number) instead of being scanned again, and an unpinned aside
-block goes into a heap of freed entries (sequence number, entry) that evictions take first. See
-kvtier/policies/lru_pure.py for the argument that this is plain LRU order.
-
-`get` returns a `BlockView` of an entry (kvtier/index/_table_api.pyx): reads and writes of its
-`ref_cnt` go to the table, so every later `get` sees them. A view is valid while its block stays
-resident; using one after its block left raises LookupError, never touches another block.
+The decisions are exactly `PureLRUCachePolicy`'s, including its use of the table's evictable
+notices: once the table tracks pins, a pinned block met at the head of the order is set *aside*
+(moved to an aside list, in the order of its sequence number) instead of being scanned again, and
+an unpinned aside block goes into a heap of freed entries (sequence number, entry) that
+evictions take first. See kvtier/policies/lru_pure.py for why this is plain LRU order.
 """
 
 from cpython.mem cimport PyMem_Free
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
-from kvtier.index._table cimport (
-    MARK, PINNED, Chain, Entry, Links, Table, chain_append, chain_remove, claim, forget_all, key_in,
-    locate_in, mark_keys, release, reserve, table_bytes, table_free, table_init, unmark_keys,
-)
-from kvtier.index._table_api cimport CompactTable
-
-from kvtier.index._table_api import BlockView  # noqa: F401  (the class `get` returns, named here as before)
+from kvtier.index._table cimport MARK, PINNED, Chain, Entry, Links, Table, chain_append, chain_remove, key_in, locate_in, reserve
+from kvtier.index._table_api cimport CompactOrder
 
 
 cdef enum:
@@ -45,7 +33,7 @@ ctypedef struct Item:  # an entry of the freed heap
     int32_t idx
 
 ctypedef struct Core:
-    Table t
+    Table* t  # the table the order is composed into
     Chain order
     Chain aside
     Item* heap
@@ -59,20 +47,14 @@ cdef inline Rec* rec(Core* c, int32_t i) noexcept nogil:
 
 
 cdef inline void unlink(Core* c, int32_t i) noexcept nogil:
-    chain_remove(&c.t, &c.aside if c.t.e[i].flags & ASIDE else &c.order, i)
+    chain_remove(c.t, &c.aside if c.t.e[i].flags & ASIDE else &c.order, i)
 
 
 cdef inline void set_aside(Core* c, int32_t i, int64_t seq) noexcept nogil:
     unlink(c, i)
     c.t.e[i].flags |= ASIDE
     rec(c, i).seq = seq
-    chain_append(&c.t, &c.aside, i)
-
-
-cdef void drop(Core* c, int32_t i) noexcept nogil:
-    """Forget entry i (remove, evict)."""
-    unlink(c, i)
-    release(&c.t, i)
+    chain_append(c.t, &c.aside, i)
 
 
 cdef inline bint before(Item a, Item b) noexcept nogil:
@@ -187,30 +169,33 @@ cdef Py_ssize_t choose_tracked(Core* c, Py_ssize_t n, int32_t* chosen) except -1
     return got
 
 
-cdef class Index(CompactTable):
-    """LRU over the compiled block table (see the module docstring); `kvtier.policies.lru_compiled`
-    completes it into a `CachePolicy`. Keys are bytes of at most 65535 bytes."""
+cdef class LRUOrder(CompactOrder):
+    """LRU's eviction order, composed into a `CompactTable` (see the module docstring):
+    `kvtier.policies.lru_compiled.LRUCachePolicy` makes the pair."""
 
     cdef Core c
 
-    def __cinit__(self, cache_capacity, *args, **kwargs):
-        table_init(&self.c.t, cache_capacity, sizeof(Rec), "lru")
-        self.tp = &self.c.t
+    def __cinit__(self, *args, **kwargs):
+        self.rec_size = sizeof(Rec)
+        self.label = "lru"
         self.c.order = Chain(-1, -1)
         self.c.aside = Chain(-1, -1)
 
     def __dealloc__(self):
-        table_free(&self.c.t)
         PyMem_Free(self.c.heap)
 
-    cdef int32_t put(self, object key, int64_t block_id, int32_t ref_cnt, bint tail) except -1:
-        """Enter a block (or overwrite a resident one's values, in the same place, as LRU); its entry."""
-        cdef bint fresh
-        cdef int32_t i = claim(&self.c.t, key, block_id, ref_cnt, &fresh)
-        if fresh:
-            rec(&self.c, i).seq = 0
-            chain_append(&self.c.t, &self.c.order, i)
-        return i
+    cdef int attached(self) except -1:
+        self.c.t = self.t
+        return 0
+
+    cdef int entered(self, int32_t i, bint tail) except -1:
+        rec(&self.c, i).seq = 0
+        chain_append(self.c.t, &self.c.order, i)
+        return 0
+
+    cdef int leaving(self, int32_t i) except -1:
+        unlink(&self.c, i)
+        return 0
 
     cdef int unpinned(self, int32_t i) except -1:
         """An aside entry that became evictable is queued in the freed heap (duplicates are
@@ -219,83 +204,54 @@ cdef class Index(CompactTable):
             heap_push(&self.c, Item(rec(&self.c, i).seq, i))
         return 0
 
-    def remove(self, key):
-        cdef int32_t i = locate_in(&self.c.t, key)
-        if i >= 0:
-            drop(&self.c, i)
-
-    def touch(self, keys):
+    cdef int touched(self, list keys) except -1:
         cdef int32_t i
         cdef Core* c = &self.c
-        keys = keys if isinstance(keys, list) else list(keys)
         for key in reversed(keys):
-            i = locate_in(&c.t, key)
+            i = locate_in(c.t, key)
             if i >= 0:
                 unlink(c, i)
                 c.t.e[i].flags &= ~ASIDE
-                chain_append(&c.t, &c.order, i)
+                chain_append(c.t, &c.order, i)
+        return 0
 
-    def keys(self):
-        cdef int32_t i
-        out = []
-        for chain in (self.c.order.head, self.c.aside.head):
-            i = chain
-            while i >= 0:
-                out.append(key_in(&self.c.t, i))
-                i = rec(&self.c, i).l.next
-        return out
-
-    def clear(self):
-        cdef Core* c = &self.c
-        forget_all(&c.t)
-        c.hlen = 0
-        c.order = Chain(-1, -1)
-        c.aside = Chain(-1, -1)
+    cdef int cleared(self) except -1:
+        self.c.hlen = 0
+        self.c.order = Chain(-1, -1)
+        self.c.aside = Chain(-1, -1)
+        return 0
 
     # ------------------------------------------------------------------ decisions
-    cdef Py_ssize_t pick(self, Py_ssize_t n, object protected, int32_t* chosen) except -1:
-        """`evict`'s victims (`CompactTable.pick`): the freed aside ones, then the order's head;
-        protected entries are marked while choosing."""
-        cdef Core* c = &self.c
-        cdef Py_ssize_t got = 0
-        marked = mark_keys(&c.t, protected)
-        try:
-            got = choose_tracked(c, n, chosen) if self.tracking else choose(c, n, chosen)
-        finally:
-            unmark_keys(&c.t, marked)
-        return got
+    cdef Py_ssize_t pick(self, Py_ssize_t n, int32_t* chosen) except -1:
+        """`evict`'s victims: the freed aside ones, then the order's head."""
+        return choose_tracked(&self.c, n, chosen) if self.c.t.tracking else choose(&self.c, n, chosen)
 
-    cdef int drop_victims(self, int32_t* chosen, Py_ssize_t n) except -1:
+    cdef int evicting(self, int32_t* chosen, Py_ssize_t n) except -1:
         cdef Py_ssize_t j
         for j in range(n):
-            drop(&self.c, chosen[j])
+            unlink(&self.c, chosen[j])
         return 0
 
     def victims(self, Py_ssize_t n, skip=()):
         """The keys `evict(n, skip)` would take now, in its order (freed aside blocks, then the
         order), in one C loop; the order does not depend on `skip`."""
         cdef int32_t i
-        cdef Entry* e = self.c.t.e
+        cdef Entry* e
+        if self.t == NULL:
+            raise RuntimeError("lru: this order is not part of a table")
         if skip:
             return [k for k in self.victims(n + len(skip)) if k not in skip][:n]
+        e = self.c.t.e
         out = []
-        heads = [self.c.aside.head, self.c.order.head] if self.tracking else [self.c.order.head]
+        heads = [self.c.aside.head, self.c.order.head] if self.c.t.tracking else [self.c.order.head]
         for chain in heads:
             i = chain
             while i >= 0 and len(out) < n:
                 if e[i].ref_cnt == 0 and not e[i].flags & PINNED:
-                    out.append(key_in(&self.c.t, i))
+                    out.append(key_in(self.c.t, i))
                 i = rec(&self.c, i).l.next
         return out
 
     def memory_bytes(self):
-        """Bytes allocated for the arrays now (the table's, the freed heap)."""
-        return table_bytes(&self.c.t) + self.c.hcap * sizeof(Item)
-
-
-cdef class CompactLRUBatch(Index):
-    """`Index` with the batch calls `CachePolicy` documents (`readable_run`, `absent`,
-    `insert_written`, `pin_loads`, `release_loads`, `mark_written`, `evict_ids`): the same
-    answers and side effects as its defaults there, which go key by key through `get`, `pin` and
-    `unpin`. They are the table's (`CompactTable`, kvtier/index/_table_api.pyx), one C loop per
-    batch, no view per block; this class is the name `kvtier.policies.lru_compiled` builds on."""
+        """Bytes allocated for the order's own arrays now (the freed heap; its records are the table's)."""
+        return self.c.hcap * sizeof(Item)

@@ -1,6 +1,6 @@
 # The eviction order of the compiled prefix-freq (kvtier/policies/_compact_prefix_order.pyx):
-# its records, segments, aside queues and the eviction walk, over the compiled block table
-# (kvtier/index/_table.pxd). Cimported by kvtier/policies/_compact_prefix.pyx.
+# its records, segments, aside queues and the eviction walk, over the entries of the compiled block
+# table it is composed into (kvtier/index/_table.pxd). Cimported by kvtier/policies/_compact_prefix.pyx.
 
 from libc.stdint cimport int32_t, int64_t, uint8_t
 
@@ -29,7 +29,7 @@ ctypedef struct FreedList:
     bint pushed  # items were appended since the list was last sorted
 
 ctypedef struct Core:
-    Table t  # first: a Core* is a Table*
+    Table* t  # the table the order is composed into
     int nsegs
     int64_t seq
     Chain seg[MAX_SEGS]
@@ -46,19 +46,19 @@ cdef inline Rec* rec(Core* c, int32_t i) noexcept nogil:
 
 
 cdef inline void unlink(Core* c, int32_t i) noexcept nogil:
-    chain_remove(&c.t, &c.seg[c.t.e[i].spare], i)
+    chain_remove(c.t, &c.seg[c.t.e[i].spare], i)
 
 
 cdef inline void place(Core* c, int32_t i, int seg, double stamp) noexcept nogil:
     """Entry i at the end of segment `seg`'s list with this stamp."""
     c.t.e[i].spare = <uint8_t>seg
     rec(c, i).stamp = stamp
-    chain_append(&c.t, &c.seg[seg], i)
+    chain_append(c.t, &c.seg[seg], i)
 
 
 cdef int push_freed(Core* c, int32_t i) except -1
 cdef int set_aside(Core* c, int32_t i) except -1
-cdef void drop(Core* c, int32_t i) noexcept nogil
+cdef void leave(Core* c, int32_t i) noexcept nogil
 cdef void order_clear(Core* c) noexcept nogil
 cdef void order_free(Core* c) noexcept
 cdef size_t order_bytes(Core* c) noexcept nogil

@@ -16,7 +16,7 @@ from cpython.mem cimport PyMem_Free
 from libc.stdlib cimport qsort
 from libc.string cimport memmove
 
-from kvtier.index._table cimport MARK, PINNED, USED, release, reserve
+from kvtier.index._table cimport MARK, PINNED, USED, reserve
 
 cdef double INF = float("inf")
 
@@ -52,11 +52,10 @@ cdef int set_aside(Core* c, int32_t i) except -1:
     return 0
 
 
-cdef void drop(Core* c, int32_t i) noexcept nogil:
-    """Forget entry i (remove, evict); its queued items go stale."""
+cdef void leave(Core* c, int32_t i) noexcept nogil:
+    """Entry i leaves the order (remove, evict; the table releases it next); its queued items go stale."""
     if not c.t.e[i].flags & ASIDE:
         unlink(c, i)
-    release(&c.t, i)
 
 
 cdef void order_clear(Core* c) noexcept nogil:

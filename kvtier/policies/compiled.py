@@ -1,13 +1,17 @@
-"""Loading a compiled policy index (kvtier/policies/_compact_*.pyx), and the one log line that
-says when a registered policy runs its pure-Python fallback instead."""
+"""Loading a compiled eviction order (kvtier/policies/_compact_*.pyx), the one log line that says
+when a registered policy runs its pure-Python fallback instead, and `CompiledPolicy`: a compiled
+block table composed with a compiled order, answering vLLM's `CachePolicy` calls."""
 
 from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
+from kvtier.core.keys import OffloadKey
 from kvtier.core.limits import MAX_INDEX_BLOCKS, MAX_KEY_BYTES
+from kvtier.core.types import BlockStatus
 
 log = logging.getLogger("kvtier.policies")
 
@@ -52,9 +56,10 @@ class FallbackPolicy:
 
 
 class CompiledPolicy:
-    """Base (first) of a policy made of a compiled index and `CachePolicy`: its `get` returns
-    views, it implements the batch calls, and `CachePolicy.__init__` checks the capacity (the
-    index allocated its arrays in `__cinit__`)."""
+    """Base (first, before `CachePolicy`) of a compiled policy: `table`, a compiled block table
+    (`kvtier.index._table_api.CompactTable`) composed with `order`, the order `make_order` makes.
+    The table holds the blocks and answers vLLM's calls (bound once, so a call runs no Python
+    frame here); it is the tier's block table (`table_of`). `get` returns views (`returns_views`)."""
 
     returns_views = True
     batch_calls = True
@@ -63,9 +68,62 @@ class CompiledPolicy:
     max_key_bytes: int | None = MAX_KEY_BYTES  # a uint16 key length (MAX_KEY, kvtier/index/_table.pxd)
 
     def __init__(self, cache_capacity: int) -> None:
+        from kvtier.index._table_api import CompactTable
         from kvtier.policies.base import CachePolicy
 
         CachePolicy.__init__(self, cache_capacity)  # type: ignore[arg-type]
+        self.order = self.make_order()
+        table = self.table = CompactTable(cache_capacity, self.order)
+        self.get = table.get  # type: ignore[method-assign]
+        self.insert = table.insert  # type: ignore[method-assign]
+        self.insert_many = table.insert_many  # type: ignore[method-assign]
+        self.remove = table.remove  # type: ignore[method-assign]
+        self.touch = table.touch  # type: ignore[method-assign]
+        self.evict = table.evict  # type: ignore[method-assign]
+        self.victims = table.victims  # type: ignore[method-assign]
+        self.evictable = table.evictable  # type: ignore[method-assign]
+
+    def make_order(self) -> Any:
+        """The compiled order this policy's table is composed with."""
+        raise NotImplementedError
+
+    # The calls below are replaced per instance by the table's (see __init__).
+    def get(self, key: OffloadKey) -> BlockStatus | None:
+        return self.table.get(key)
+
+    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
+        self.table.insert(key, block)
+
+    def insert_many(self, keys: Any, blocks: Any, tail: OffloadKey | None = None) -> None:
+        self.table.insert_many(keys, blocks, tail)
+
+    def remove(self, key: OffloadKey) -> None:
+        self.table.remove(key)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self.table.touch(keys)
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> Any:
+        return self.table.evict(n, protected)
+
+    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
+        return self.table.victims(n, skip)
+
+    def evictable(self, keys: Iterable[OffloadKey], flag: bool) -> None:
+        self.table.evictable(keys, flag)
+
+    def keys(self) -> Iterable[OffloadKey]:
+        return self.table.keys()
+
+    def clear(self) -> None:
+        self.table.clear()
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def memory_bytes(self) -> int:
+        """Bytes allocated now for the table's arrays and the order's own."""
+        return self.table.memory_bytes() + self.order.memory_bytes()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({len(self)}/{self.cache_capacity} blocks)"  # type: ignore[arg-type,attr-defined]
+        return f"{type(self).__name__}({len(self)}/{self.cache_capacity} blocks)"  # type: ignore[attr-defined]

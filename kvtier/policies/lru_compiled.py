@@ -1,14 +1,13 @@
 """`lru`: LRU's decisions with its data layout owned by compiled code, when it is built.
 
-`LRUCachePolicy` is the compiled index (kvtier/policies/_compact_lru.pyx, built by
-`pip install` with the C compiler there) completed into a `CachePolicy`: about 85 bytes per
-resident block including the key, against some 340 for the pure-Python `PureLRUCachePolicy` (its dict
-entry, block object and key object); see docs/policies.md. Its `get` returns views of state the
-policy keeps (`returns_views`): a view's `ref_cnt` reads and writes the policy's arrays, the
-objects given to `insert` are copied and not kept, and blocks are compared by `block_id`, not
-identity. A view is valid while its block stays resident; the manager holds views only of pinned
-blocks. It is its own block table (`kvtier.index.BlockTable`: `readable_run`,
-`pin_loads`, `release_loads`, `mark_written`) in C loops.
+`LRUCachePolicy` is a compiled block table composed with LRU's compiled order (`LRUOrder`,
+kvtier/policies/_compact_lru.pyx; built by `pip install` with the C compiler there): about 85
+bytes per resident block including the key, against some 340 for the pure-Python
+`PureLRUCachePolicy` (its dict entry, block object and key object); see docs/policies.md. Its
+`get` returns views of the table's entries (`returns_views`): a view's `ref_cnt` reads and writes
+the table, the objects given to `insert` are copied and not kept, and blocks are compared by
+`block_id`. A view is valid while its block stays resident; the manager holds views only of
+pinned blocks. The table is the tier's block table (`kvtier.index.BlockTable`), in C loops.
 
 When the extension is not importable (no compiler at install time) the registered name `lru`
 resolves to `FallbackLRUCachePolicy`, a plain `PureLRUCachePolicy` (the same decisions, more memory),
@@ -17,16 +16,16 @@ and the first policy built says so in the log. The same conformance suites run a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.policies.base import CachePolicy
 from kvtier.policies.compiled import CompiledIndex, CompiledPolicy, FallbackPolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 
-INDEX = CompiledIndex("lru", "kvtier.policies._compact_lru", "CompactLRUBatch", "about 4x the memory per block")
+INDEX = CompiledIndex("lru", "kvtier.policies._compact_lru", "LRUOrder", "about 4x the memory per block")
 COMPILED = INDEX.cls is not None
 if TYPE_CHECKING or COMPILED:
-    from kvtier.policies._compact_lru import CompactLRUBatch
+    from kvtier.policies._compact_lru import LRUOrder
 
 
 class FallbackLRUCachePolicy(FallbackPolicy, PureLRUCachePolicy):
@@ -36,8 +35,11 @@ class FallbackLRUCachePolicy(FallbackPolicy, PureLRUCachePolicy):
 
 
 if COMPILED:
-    class LRUCachePolicy(CompiledPolicy, CompactLRUBatch, CachePolicy):
+    class LRUCachePolicy(CompiledPolicy, CachePolicy):
         """LRU over C arrays (see the module docstring)."""
+
+        def make_order(self) -> Any:
+            return LRUOrder()
 else:
     class LRUCachePolicy(FallbackLRUCachePolicy):  # type: ignore[no-redef]
         """`lru` without its compiled index (see `FallbackLRUCachePolicy`)."""

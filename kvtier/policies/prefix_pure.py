@@ -197,11 +197,13 @@ class PurePrefixFreqCachePolicy(CachePolicy):
         return self.clock
 
     def remove(self, key: OffloadKey) -> None:
+        if key not in self.blocks:
+            return  # (the clock is synced at the next call that reads it, as if this one had)
         self._sync()
-        if self.blocks.pop(key, None) is not None:
-            for seg in self.segs:
-                if seg.pop(key, None) is not None:
-                    break
+        del self.blocks[key]
+        for seg in self.segs:
+            if seg.pop(key, None) is not None:
+                break
         self._mark = len(self.blocks)
         self._forget_pin(key)
         if self.aside:

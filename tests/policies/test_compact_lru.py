@@ -18,6 +18,7 @@ from kvtier import LookupResult, build_hierarchy, load_config_text
 from kvtier.bench import replay
 from kvtier.core.specs import CPULoadStoreSpec
 from kvtier.core.types import BlockStatus, ReqContext
+from kvtier.index import table_of
 from kvtier.policies.lru_compiled import FallbackLRUCachePolicy, LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.testing.manager import ManagerTests
@@ -68,19 +69,27 @@ for name in ("lru", "prefix-freq"):
     assert out.split("\n")[:2] == ["lru False 3 1", "prefix-freq False 3 1"], out
 
 
-def test_both_compiled_policies_build_on_the_one_compiled_table():
-    """One table class and one view class under `lru` and `prefix-freq`; the base is not made alone."""
-    from kvtier.index._table_api import BlockView, CompactTable
+def test_both_compiled_policies_compose_the_one_compiled_table():
+    """`lru` and `prefix-freq` are each one table class composed with its order, not a table
+    subclass: the table is the tier's block table; an order serves one table, and neither the
+    order base nor an order already taken can make another."""
+    from kvtier.index._table_api import BlockView, CompactOrder, CompactTable
     from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
 
     lru, pf = LRUCachePolicy(8), PrefixFreqCachePolicy(8)
     for policy in (lru, pf):
-        assert isinstance(policy, CompactTable)
-        policy.insert_written([b"a", b"b"], [5, 6])
+        assert not isinstance(policy, CompactTable) and type(policy.table) is CompactTable
+        assert isinstance(policy.order, CompactOrder) and policy.table.order is policy.order
+        table = table_of(policy)
+        assert table is policy.table
+        table.insert_written([b"a", b"b"], [5, 6])
         assert type(policy.get(b"a")) is BlockView and policy.get(b"b").ref_cnt == -1
-        assert policy.mark_written([b"a", b"b"]) and policy.pin_loads([b"b", b"a"]) == [6, 5]
+        assert table.mark_written([b"a", b"b"]) and table.pin_loads([b"b", b"a"]) == [6, 5]
+        assert table.pinned_keys() == {b"a", b"b"} and policy.victims(2) == []
+        with pytest.raises(ValueError, match="already belongs to a table"):
+            CompactTable(8, policy.order)
     with pytest.raises(TypeError, match="not made on its own"):
-        CompactTable()
+        CompactOrder()
 
 
 # ---------------------------------------------------------------------- same decisions as lru

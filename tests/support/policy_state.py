@@ -1,7 +1,7 @@
 """What a policy has been told of its blocks' evictability, for the differential tests that
-compare a pure policy with its compiled twin. The compiled twin is its own block table and
-counts pins itself (`pinned_keys`, `evictable_count`); a pure policy keeps the block table's
-notices (`CachePolicy.evictable`) in `_pinned`, which is what is compared here."""
+compare a pure policy with its compiled twin. The compiled twin's table counts pins itself
+(`policy.table`: `pinned_keys`, `evictable_count`); a pure policy keeps the block table's notices
+(`CachePolicy.evictable`) in `_pinned`, which is what is compared here."""
 
 from __future__ import annotations
 
@@ -13,16 +13,16 @@ from kvtier.core.keys import OffloadKey
 
 def pinned_of(policy: Any) -> set[OffloadKey] | None:
     """The keys counted as not evictable (None before the first notice)."""
-    if hasattr(policy, "pinned_keys"):
-        return policy.pinned_keys()
+    if hasattr(policy, "table"):
+        return policy.table.pinned_keys()
     return None if policy._pinned is None else set(policy._pinned)
 
 
 def evictable_count_of(policy: Any, protected: Collection[OffloadKey] = ()) -> int | None:
     """How many resident blocks are evictable by the notices, not counting `protected` (None
     before the first notice)."""
-    if hasattr(policy, "evictable_count"):
-        return policy.evictable_count(protected)
+    if hasattr(policy, "table"):
+        return policy.table.evictable_count(protected)
     pinned = policy._pinned
     if pinned is None:
         return None
