@@ -213,8 +213,8 @@ class Backend(ABC):
         return self._spec(keys, list(map(_block_id, blocks)))
 
     def spec_for_ids(self, keys: Sequence[OffloadKey], block_ids: list[int]) -> BlockIDsLoadStoreSpec:
-        """`get_load_store_spec` for blocks given by their `block_id`s (a policy's batch calls,
-        `CachePolicy.pin_loads`, make no block objects). A backend that overrides
+        """`get_load_store_spec` for blocks given by their `block_id`s (the block table's batch calls,
+        `BlockTable.pin_loads`, make no block objects). A backend that overrides
         `get_load_store_spec` gets it called with `BlockStatus`es of those ids."""
         if type(self).get_load_store_spec is not Backend.get_load_store_spec:
             return self.get_load_store_spec(keys, BlockStatus.many(block_ids))
