@@ -2,36 +2,18 @@
 
     python -m kvtier.bench.crash --iterations 50 --root DIR [--upper memory|cpu] [--json FILE]
 
-Each iteration starts a child process that builds a hierarchy with `kvtier.build_hierarchy` (a
-`memory` or shared-memory `cpu` tier cascading `on_evict` into a `file` tier on `--root`) and stores
-blocks whose bytes are derived from their keys, as fast as it can, so that demotions (CPU -> FILE
-writes, journal group commits), file-tier evictions (journal DELs) and promotions (FILE -> CPU
-reads) are in flight all the time. The parent kills it with SIGKILL at a random moment, then
-restarts the hierarchy itself on the same root_dir and reads back every block the file tier
-recovered through the normal path (lookup -> RETRY -> promotion -> HIT -> prepare_load).
+Each iteration a child builds a hierarchy with `kvtier.build_hierarchy` (a `memory` or shared-memory
+`cpu` tier cascading `on_evict` into a `file` tier on `--root`) and stores blocks whose bytes derive
+from their keys, as fast as it can. The parent SIGKILLs it at a random moment, restarts the
+hierarchy on the same root_dir and reads back every block the file tier recovered through the
+normal path (lookup -> RETRY -> promotion -> HIT -> prepare_load). The child prints `W <ids>` after
+`FileBackend.write_blocks` returned (those must survive) and `F <id>` before a slot is freed.
 
-The child reports, on stdout and before the parent can see the effect:
-- `W <ids>` after `FileBackend.write_blocks` returned (those blocks are written and journalled,
-  so they must survive the process being killed, whatever the tier's `sync_interval`);
-- `F <id>` before the file tier frees a block's slot (the block may then be gone, or come back).
-So the parent knows the set of blocks that *must* survive (written, not freed since).
-
-Per iteration it counts:
-- `recovered`: blocks the restarted file tier found in its journal;
-- `served_ok`: recovered blocks read back byte-exactly;
-- `dropped_by_verification`: recovered blocks whose promotion failed verification (lookup -> MISS);
-- `served_wrong`: blocks served with bytes that are not their own. Must be 0.
-- `lost_durable`: blocks reported durable and never freed that were not served. Must be 0.
-- `resurrected`: blocks freed before the kill that came back (and verified): allowed, since the
-  DEL records of evicted slots ride along with the next journal append.
-- `child_died`: iterations where the child ended by itself (an exception) before the kill.
-- `leaked_shm`: with `--upper cpu`, shared-memory regions the killed child left in /dev/shm (its
-  `kvtier-<pid>-...` regions and `kvtier-creating-<pid>-...` temporaries), and `leaked_claims`, the
-  claims it left (`<region>.kvtier-claim`, a few bytes each). The harness removes both (a SIGKILLed
-  process cannot clean up after itself; otherwise the next CPU tier's sweep would).
-
-Prints a table and writes JSON (`--json`, default `ROOT/crash-report.json`). Exit status 1 when a
-block was served wrong or a durable block was lost.
+Per iteration: `recovered`, `served_ok`, `dropped_by_verification`, `served_wrong` (must be 0),
+`lost_durable` (must be 0), `resurrected`, `child_died`, `leaked_shm` and `leaked_claims` (with
+`--upper cpu`; the harness removes what the killed child left). What each means:
+docs/reliability.md, "Crash consistency". Prints a table and writes JSON (`--json`, default
+`ROOT/crash-report.json`). Exit status 1 when a block was served wrong or a durable block was lost.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`OffloadingManager`: the scheduler-side protocol (vLLM's, every method of seed `003`).
+"""`OffloadingManager`: the scheduler-side protocol (vLLM's `OffloadingManager`, every method).
 
 Every call runs on the scheduler thread and must never block on I/O.
 """
@@ -16,7 +16,7 @@ from kvtier.core.types import LookupResult, OffloadingEvent, PrepareStoreOutput,
 
 def store_outcome(req_context: Any, success: bool) -> tuple[Any, bool]:
     """`complete_store`'s request context and outcome, whichever form the call took: vLLM's
-    `complete_store(keys, req_context, success)` or the seed's `complete_store(block_hashes,
+    `complete_store(keys, req_context, success)` or its earlier `complete_store(block_hashes,
     success)`, whose second argument is the outcome (a bool is never a request context)."""
     if isinstance(req_context, bool):
         return None, req_context
@@ -27,7 +27,7 @@ class OffloadingManager(ABC):
     """Tracks which blocks are offloaded, where, and which may be evicted.
 
     Every call takes the request's context (`ReqContext`) as vLLM passes it; kvtier's managers
-    also take the seed's forms, without one (`prepare_store(block_hashes)`,
+    also take vLLM's earlier forms, without one (`prepare_store(block_hashes)`,
     `complete_store(block_hashes, success)`) or with None: such a call belongs to no request,
     so it is not counted in any request's recency (`touch` is then the way to mark use)."""
 

@@ -67,8 +67,8 @@ class SlotAllocator:
 
 
 class _SeedSlots(SlotAllocator):
-    """The slots of a backend built with the seed's `Backend(block_size, medium)`: it manages its
-    own, so kvtier's slot defaults must not be used; each says so instead of guessing."""
+    """The slots of a backend built with vLLM's earlier `Backend(block_size, medium)` form: it
+    manages its own, so kvtier's slot defaults must not be used; each says so instead of guessing."""
 
     __slots__ = ("owner",)
 
@@ -78,7 +78,7 @@ class _SeedSlots(SlotAllocator):
         self._free = []
 
     def _refuse(self, *_args: Any) -> Any:
-        raise NotImplementedError(f"{self.owner} was built with the seed's Backend(block_size, medium): it must "
+        raise NotImplementedError(f"{self.owner} was built with vLLM's earlier Backend(block_size, medium): it must "
                                   "implement get_num_free_blocks, allocate_blocks and free itself")
 
     num_free = property(_refuse)
@@ -92,9 +92,9 @@ class Backend(ABC):
     the handler of a hop. `block_bytes` is the size of one block; `num_blocks` the capacity.
 
     No method is abstract: slot bookkeeping (`get_num_free_blocks`, `allocate_blocks`, `free`,
-    the methods vLLM's seed `Backend` requires) defaults to `self.slots`, and everything kvtier
-    added on top (`close`, `recover`, `still_valid`, ...) has a safe default, so a subclass
-    written to the seed's contract works unchanged.
+    the methods the `Backend` of vLLM's earlier kv_offload API requires) defaults to `self.slots`,
+    and everything kvtier added on top (`close`, `recover`, `still_valid`, ...) has a safe default,
+    so a subclass written to that contract works unchanged (docs/glossary.md).
     """
 
     spec_type: ClassVar[type[BlockIDsLoadStoreSpec]]
@@ -125,15 +125,15 @@ class Backend(ABC):
                  block_size: int = 0, medium: str | None = None):
         """kvtier's form: `Backend(name, num_blocks, block_bytes, block_size=0)`.
 
-        The seed's form, `Backend(block_size, medium)` (positional or by keyword), is accepted too,
+        vLLM's earlier form, `Backend(block_size, medium)` (positional or by keyword), is accepted too,
         for a backend written to vLLM's contract: it implements `get_num_free_blocks`,
         `allocate_blocks` and `free` itself, so no slot allocator is made (the defaults raise).
         """
-        if isinstance(name, int) and isinstance(num_blocks, str):  # the seed's positional order
+        if isinstance(name, int) and isinstance(num_blocks, str):  # vLLM's earlier positional order
             block_size, medium = name, num_blocks
             name, num_blocks = "", 0
         if medium is not None:
-            vars(self)["medium"] = medium  # per instance, as the seed's constructor sets it
+            vars(self)["medium"] = medium  # per instance, as vLLM's earlier constructor set it
         if not isinstance(name, str) or not isinstance(num_blocks, int):
             raise TypeError(f"Backend(name: str, num_blocks: int, ...) or Backend(block_size: int, medium: str), "
                             f"got name={name!r}, num_blocks={num_blocks!r}")
@@ -213,8 +213,8 @@ class Backend(ABC):
         return self._spec(keys, list(map(_block_id, blocks)))
 
     def spec_for_ids(self, keys: Sequence[OffloadKey], block_ids: list[int]) -> BlockIDsLoadStoreSpec:
-        """`get_load_store_spec` for blocks given by their `block_id`s (a policy's batch calls,
-        `CachePolicy.pin_loads`, make no block objects). A backend that overrides
+        """`get_load_store_spec` for blocks given by their `block_id`s (the block table's batch calls,
+        `BlockTable.pin_loads`, make no block objects). A backend that overrides
         `get_load_store_spec` gets it called with `BlockStatus`es of those ids."""
         if type(self).get_load_store_spec is not Backend.get_load_store_spec:
             return self.get_load_store_spec(keys, BlockStatus.many(block_ids))

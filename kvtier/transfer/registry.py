@@ -51,7 +51,7 @@ class Kind:
     word: str
     names: dict[str, str]
     base: str  # "module:Class" every class of this kind derives from...
-    seed_methods: tuple[str, ...] = ()  # ...or, failing that, has all of these (vLLM's seed contract)
+    seed_methods: tuple[str, ...] = ()  # ...or, failing that, has all of these (vLLM's earlier contract)
 
 
 BACKEND = Kind("backend", BACKENDS, "kvtier.tiers.base:Backend")

@@ -2,30 +2,21 @@
 
 On-disk layout of `root_dir` (directory 0700 when created here, files 0600):
 - `lock`           flock'ed exclusively by the owning process, which writes its pid there.
-- `manifest.json`  geometry (block_bytes, slot_bytes, num_slots, header_bytes, format version),
-                   `fingerprint` (whose KV this is: the model identity, never empty), `layout`
-                   (block geometry, dtypes and shapes, from the builder) and a random `epoch`
-                   chosen at each (re)build (manifest.py).
-- `slab.0`         `num_slots` fixed slots of `slot_bytes` (a multiple of 4 KiB). A slot (format
-                   version 2) is a 4 KiB header page (magic, version, key, payload length, payload
-                   checksum and its kind, digest of the manifest incl. epoch, CRC-32 of the header;
-                   with `part_checks` N > 1 a table of N running CRC-32s, one per equal part)
-                   then the payload, which so starts 4 KiB-aligned (slot_format.py), moved by
-                   slab.py through a `BlockIO` (fileio.py).
-- `journal`        append-only records `PUT(slot, key, crc)` / `DEL(slot)`, each with its own CRC,
-                   after a header naming the epoch, written in place into a zero-filled
-                   preallocated file (journal.py). A PUT is appended once the slot's bytes are
-                   written, so both survive a killed process. Power-loss durability follows
-                   `sync_interval`: 0 = before `write_blocks` returns, the slab is fdatasync'ed,
-                   then the journal (concurrent writers share one of each: group commit); N > 0 =
-                   a background thread does the same every N seconds (and `sync()`/`close()` on
-                   demand) (commit_log.py). A PUT that reaches the disk before its slot's bytes is
-                   harmless: the slot then fails verification and is dropped. Replayed at start
-                   (no slot header is read: 100k blocks are ready in well under a second),
-                   rewritten with the live entries only (compacted) past twice the capacity in
-                   records or when its file is full.
-                   DELs of evicted slots ride along with the next append (losing them in a
-                   crash only brings back blocks that still verify).
+- `manifest.json`  geometry, `fingerprint` (whose KV this is: the model identity, never empty),
+                   `layout` (block geometry, dtypes and shapes) and a random `epoch` chosen at each
+                   (re)build (manifest.py).
+- `slab.0`         `num_slots` fixed slots of `slot_bytes` (a multiple of 4 KiB): a 4 KiB header
+                   page (key, payload checksum and its kind, manifest digest, optional part
+                   checksums), then the 4 KiB-aligned payload (slot_format.py), moved through a
+                   `BlockIO` (slab.py, fileio.py).
+- `journal`        append-only records `PUT(slot, key, crc)` / `DEL(slot)` (journal.py), replayed
+                   at start and compacted when it grows. A PUT is appended once the slot's bytes
+                   are written, so both survive a killed process; power-loss durability follows
+                   `sync_interval` (0: slab then journal fdatasync'ed before `write_blocks` returns;
+                   N > 0: every N seconds and at `sync()`/`close()`; commit_log.py). A PUT that
+                   reaches the disk before its slot's bytes names a slot that fails verification
+                   and is dropped. DELs ride along with the next append: a crash may bring back
+                   evicted blocks that still verify.
 
 Paths: `root_dir` and its files must be the user's and not writable by group/others, and nothing
 in it is opened through a symlink (kvtier/tiers/file/rootdir.py); anything else is refused at build with

@@ -13,17 +13,10 @@ largest prime below 2^16):
     B = (1*w_1 + 2*w_2 + ... + n*w_n) mod p
     checksum = B * 2^16 + A                        (fits the slot header's 32-bit field)
 
-Why it detects every single-bit flip: flipping bit b of word i changes w_i by +-2^b, so A
-changes by +-2^b mod p. p is an odd prime, so it divides no power of two: A always changes.
-(Two flips in different words can cancel in A, e.g. +2^b and -2^b; B, which weights each word by
-its position, then differs by (i - j) * 2^b mod p, nonzero whenever |i - j| is not a multiple of
-p; so swapped or shifted words are caught too, unlike a plain sum.) Random corruption passes with
-probability about 1 / p^2 ~ 2^-32, like a CRC-32.
-
-Cost: a handful of elementwise int64 ops and reductions over the payload. On a GPU that runs
-near memory bandwidth; on the CPU it is slower than zlib-ng's CRC-32 (measured with
-`python -m kvtier.tiers.file.checksum`, see docs/gds.md), so host reads keep the CRC and the slot
-header records which checksum a slot carries (`slot_format.CHECK_CRC32` / `CHECK_TORCH`).
+It detects every single-bit flip, and swapped or shifted words; random corruption passes with
+probability about 2^-32, like a CRC-32 (why, and what it costs: docs/gds.md). On the CPU it is
+much slower than the CRC-32, so host reads keep the CRC and the slot header records which
+checksum a slot carries (`slot_format.CHECK_CRC32` / `CHECK_TORCH`).
 """
 
 from __future__ import annotations

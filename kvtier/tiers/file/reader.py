@@ -1,4 +1,4 @@
-"""`SlabReader`: a file tier read, read-only, by a process that does not own it (issue 38).
+"""`SlabReader`: a file tier read, read-only, by a process that does not own it.
 
 The scheduler's `FileBackend` owns a tier: its lock, index, journal, pins and every write. A vLLM
 worker process that loads file-tier blocks straight into its KV cache reads the same slab through

@@ -42,8 +42,8 @@ MAX_PARTS = 256  # part checksums a slot may carry (the table and its CRC take 4
 
 def _payload_crc32():
     """The fastest available implementation of zlib's CRC-32 (identical values, so the on-disk
-    format does not depend on it): zlib-ng or ISA-L (~50 GB/s with carry-less multiply) when
-    installed, else zlib (~6 GB/s). Payload checksums are the only CPU work per byte on the hop."""
+    format does not depend on it): zlib-ng or ISA-L when installed, else zlib. Payload checksums
+    are the only CPU work per byte on the hop (figures: docs/gds.md)."""
     import importlib
 
     for module in ("zlib_ng.zlib_ng", "isal.isal_zlib"):

@@ -11,15 +11,10 @@ served only when its length is exactly P + 44, the magic, version and checksum k
 identity digest (fingerprint + layout, keys.identity_digest) and the key digest (keys.key_digest of
 the key it was read from) match, the length field is P and the CRC-32 of the payload matches.
 
-The checksum is zlib's CRC-32 computed by zlib-ng (a dependency; ~55 GB/s here with carry-less
-multiply, against ~4.3 GB/s for the standard library's zlib, which is the fallback and gives the same
-values): about 20 us per MiB, a few per cent of a loopback GET of the same MiB.
-
-Server memory: the allocator rounds a value up to a size class. Measured with `MEMORY USAGE` on
-Valkey 8.0 (jemalloc 5.3): a value of 1 MiB - 16 B costs 1,048,624 B; from 1 MiB - 8 B up to 1.25 MiB
-it costs 1,310,768 B. So a block part of exactly 2^n bytes plus any trailer (or header) costs 1.25x
-its size in server memory; the trailer's place does not change that, only a payload a little under a
-power of two would. The `maxmemory` of a deployment should be sized with that factor.
+The checksum is zlib's CRC-32 computed by zlib-ng (a dependency; the standard library's zlib is the
+fallback and gives the same values). A block part of exactly 2^n bytes plus the trailer costs 1.25x
+its size in server memory (the allocator's size classes): size `maxmemory` with that factor
+(measured figures for both: docs/shared-tier.md).
 """
 
 from __future__ import annotations

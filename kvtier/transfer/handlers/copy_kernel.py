@@ -5,12 +5,10 @@ registered host memory at the same address).
 One program per descriptor in turn (a grid of `PROGRAMS`, each taking every `PROGRAMS`-th
 descriptor) copies it in 8-byte words, `WORDS` lanes at a time; a plan with any address or size
 that is not a multiple of 8 runs the byte-wide variant of the same kernel. The descriptors go to
-the device in one small non-blocking copy on the same stream, just before the kernel. On an
-H200 such a kernel moved 93-96 % of the link with scattered 64 KiB-2 MiB pages
-(docs/benchmarks.md, the ceiling run), against 97-100 % for batched DMA: `fast_path` times it
-beside the DMA mechanisms and takes it only where it is faster (small pages on some devices, as
-vLLM's users report: vllm#57555). Unlike DMA it competes with the model for SMs, so it is last
-in order of preference (a tie goes to DMA).
+the device in one small non-blocking copy on the same stream, just before the kernel.
+`fast_path` times it beside the DMA mechanisms and takes it only where it is faster; unlike DMA
+it competes with the model for SMs, so it is last in order of preference (a tie goes to DMA).
+Measured figures: docs/benchmarks.md.
 
 Offered only where Triton imports and the device reads registered host memory at its host
 address (`cudaDevAttrCanUseHostPointerForRegisteredMem`, as the CPU tier registers its region
@@ -28,7 +26,7 @@ from typing import Any
 from kvtier.transfer.handlers.copy_plan import CopyPlan
 from kvtier.transfer.handlers.cuda_copy import CopyError, Unavailable, loaded_cudart
 
-PROGRAMS = 32  # few SMs: 16-132 programs all reached 93-96 % on an H200
+PROGRAMS = 32  # few SMs taken from the model; program counts measured: docs/benchmarks.md
 WORDS = 1024  # lanes per step: 8 KiB per program per step with 8-byte words
 CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM = 91  # cudaDeviceAttr
 

@@ -2,8 +2,8 @@
 
 - *direct* (`gpu_file_direct.DirectGPUFileHandler`): kvikio between device memory and the slab.
   Fast only with GPUDirect Storage, that is with the `nvidia-fs` driver loaded. Without it kvikio
-  runs in compatibility mode and bounces through its own buffers: measured on an H100 at
-  0.4-0.8x of the staged path (docs/benchmarks.md).
+  runs in compatibility mode and bounces through its own buffers, slower than the staged path
+  (measured figures: docs/gds.md).
 - *staged* (`gpu_file.GPUFileHandler`): the tier's own I/O (O_DIRECT where the filesystem takes
   it) into pinned host memory, and one DMA per job between it and the device.
 

@@ -173,11 +173,9 @@ class CudaKVCopyHandler(EngineJobHandler):
     plan of descriptors per job (`job_plan.plan_job`), whatever the slot order and for a byte range of
     each slot too, planned and submitted in one call in `submit`, on the caller's thread; the
     job's end event goes to `Completions`, whose thread reports the job once it fired (jobs end
-    in submission order). Host work on one thread keeps the stream fed: two job threads that
-    each planned and submitted convoyed on the GIL, 44-52 % of the link at 64 KiB pages on an
-    H200, where the same plans submitted back to back from one thread reached 97 %
-    (docs/benchmarks.md). A submission the fast path refuses (`CopyError`) demotes it, and the
-    job is redone on the staged path.
+    in submission order). Host work on one thread keeps the stream fed (job threads convoyed on
+    the GIL; measured figures: docs/benchmarks.md). A submission the fast path refuses
+    (`CopyError`) demotes it, and the job is redone on the staged path.
 
     Otherwise (the staged path) job threads (`threads`, default two) run the jobs and may complete
     them out of order: a job gathers/scatters on the device through a staging buffer laid out like

@@ -1,9 +1,9 @@
 """A job's copy plan in a few microseconds: the planner the CUDA handlers run on the submitting thread.
 
-`kvtier.transfer.handlers.copy_plan.plan_copies` is the reference: readable, vectorised over numpy, and
-about 0.1-0.25 ms a job of 256 blocks (index tensors per group, arrays per reference, a sort to
-merge runs). On an H200 that was most of what kept the handlers from the link at 64-256 KiB
-pages (docs/benchmarks.md). `plan_job` gives the same descriptors for a fraction of that:
+`kvtier.transfer.handlers.copy_plan.plan_copies` is the reference: readable, vectorised over numpy,
+and slow enough to starve the copy stream at small pages (index tensors per group, arrays per
+reference, a sort to merge runs; measured figures: docs/benchmarks.md, "Issue 37"). `plan_job`
+gives the same descriptors for a fraction of that:
 
 - the layout's geometry is reduced once (`PlanGeometry`: per reference of each group, the engine
   tensor's address and row stride, the page and its place in the slot), and a CPU region to

@@ -11,9 +11,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
-# A host row copy this large is split across torch's intra-op threads: on this project's 2-core
-# machine one thread moves 6-7 GB/s, two 11-14 GB/s like one contiguous copy (index_select alone
-# uses one thread for rows of 256 KiB-1 MiB).
+# A host row copy this large is split across torch's intra-op threads (index_select alone uses one
+# thread for rows of 256 KiB-1 MiB). Measured figures: docs/bench.md, "Engine ↔ CPU on the host".
 PARALLEL_COPY_BYTES = 4 << 20
 
 
@@ -74,7 +73,7 @@ class RowCopier:
     def index_select(self, src, index, out) -> None:
         """`out[i] = src[index[i]]` along dim 0 (`torch.index_select(..., out=out)`). On the host, in
         parts, with numpy's unbuffered `take` where `out` is contiguous (torch's index_select, run
-        from two threads, runs into its own intra-op threads: 9.6 GB/s against 13.6 for 1 MiB rows)."""
+        from two threads, runs into its own intra-op threads: docs/bench.md)."""
         import torch
 
         if out.device.type != "cpu" or src.device.type != "cpu":
