@@ -117,8 +117,8 @@ _OPS = st.lists(st.one_of(
     st.tuples(st.just("ref"), st.integers(0, 99), st.sampled_from([-1, 0, 0, 1, 2])),
     st.tuples(st.just("pin"), st.lists(st.integers(0, 99), max_size=3), st.booleans()),
     st.tuples(st.just("evict"), st.integers(0, 8), st.sets(st.integers(0, 40), max_size=4)),
-    st.tuples(st.just("victim_keys"), st.integers(-1, 12)),
-    st.tuples(st.just("track_pins"),),
+    st.tuples(st.just("victims"), st.integers(-1, 12)),
+    st.tuples(st.just("first_notice"),),
     st.tuples(st.just("clear"),),
 ), max_size=120)
 
@@ -132,7 +132,7 @@ def test_same_decisions_as_lru(ops, capacity, tracked):
     that pins a block), so aside blocks, the freed heap and its duplicates are reached too. More
     blocks than the capacity are inserted at times (the index grows)."""
     policies = [PureLRUCachePolicy(capacity), LRUCachePolicy(capacity), FallbackLRUCachePolicy(capacity)]
-    tracking = tracked  # as the manager runs them (track_pins at the start), or turned on later by an op
+    tracking = tracked  # as the manager runs them (the first notice at the start), or turned on later by an op
     for p in policies if tracked else ():
         p.evictable((), False)
     next_id = 0
@@ -171,9 +171,9 @@ def test_same_decisions_as_lru(ops, capacity, tracked):
             got = [p.evict(op[1], protected) for p in policies]
             values = [None if v is None else [(k, b.block_id, b.ref_cnt) for k, b in v] for v in got]
             assert values[1] == values[0] and values[2] == values[0]
-        elif kind == "victim_keys":
+        elif kind == "victims":
             assert policies[1].victims(op[1]) == policies[0].victims(op[1]) == policies[2].victims(op[1])
-        elif kind == "track_pins":
+        elif kind == "first_notice":
             tracking = True
             for p in policies:
                 p.evictable((), False)

@@ -221,7 +221,7 @@ OPS = st.lists(st.one_of(
     st.tuples(st.just("report"), IDX),
     st.tuples(st.just("ghost_limit"), st.integers(0, 4)),
     st.tuples(st.just("requests"), st.integers(0, 2**16), st.integers(1, 30), REPEATS, RESTARTS),
-    st.tuples(st.just("track_pins")),
+    st.tuples(st.just("first_notice")),
     st.tuples(st.just("clear")),
 ), max_size=40)
 
@@ -262,7 +262,7 @@ def run_op(d: Drive, op: tuple) -> None:
             p.ghost_limit = op[1]
     elif kind == "requests":
         d.requests(op[1], op[2], op[3], op[4])
-    elif kind == "track_pins":
+    elif kind == "first_notice":
         for p in d.policies:
             p.evictable((), False)
     elif kind == "clear":
