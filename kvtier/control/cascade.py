@@ -24,7 +24,6 @@ from kvtier.control.context import ControlContext
 from kvtier.control.jobs import Job, enter_copies, pin_sources
 from kvtier.control.tier import Tier
 from kvtier.core.keys import OffloadKey
-from kvtier.policies.base import predicts_victims
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +277,7 @@ def unsafe_ahead(tier: Tier, need: int, protected: set[OffloadKey]) -> set[Offlo
     if need <= 0:
         return set()
     safe = tier.safe_to_evict
-    if not predicts_victims(tier.policy):
+    if not tier.predicts_victims:
         return {k for k in tier.table.keys() if not safe(k)}
     skip: set[OffloadKey] = set()
     limit = need + 2 * tier.reserve + len(tier.unwritten)

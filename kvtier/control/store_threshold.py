@@ -49,12 +49,8 @@ class StoreThreshold(Generic[K]):
         self.max_tracker_size = max_tracker_size
         # offers per key digest (`digest`), least recently offered first; None when off
         self.counts: OrderedDict[bytes, int] | None = OrderedDict() if threshold >= 2 else None
+        self.enabled = self.counts is not None  # whether the filter is on (threshold 2 or more)
         self.skipped = 0
-
-    @property
-    def enabled(self) -> bool:
-        """Whether the filter is on (threshold 2 or more)."""
-        return self.counts is not None
 
     def count(self, key: K) -> int:
         """How many offers of `key` the table holds (0 when it holds none)."""

@@ -12,7 +12,7 @@ from typing import Any
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import DEFAULT_CASCADE, DEFAULT_RESERVE, BlockStatus
 from kvtier.index import BlockTable, table_of
-from kvtier.policies.base import CachePolicy
+from kvtier.policies.base import CachePolicy, predicts_victims
 from kvtier.tiers.base import Backend
 
 # The `ref_cnt`s of blocks `Tier.remove` may take (a pinned block, > 0, never leaves).
@@ -90,9 +90,11 @@ class Tier:
     stats: TierStats = field(default_factory=TierStats, init=False)
     # key -> slot, block state and load pins, behind one batch API over slot ids (kvtier.index)
     table: BlockTable = field(init=False, repr=False, compare=False)
+    predicts_victims: bool = field(init=False, repr=False, compare=False)  # the policy names victims ahead
 
     def __post_init__(self) -> None:
         self.table = table_of(self.policy)
+        self.predicts_victims = predicts_victims(self.policy)
 
     @property
     def capacity(self) -> int:

@@ -118,6 +118,7 @@ class KVTierOffloadingManager(OffloadingManager):
         the hierarchy config's `store_threshold`); `max_tracker_size`: keys its table counts."""
         self.hierarchy = hierarchy
         self.manager = hierarchy.manager
+        self._top = hierarchy.first_tier  # (the first tier never changes)
         self.enable_events = enable_events
         self._last_counters: dict[str, dict[str, float]] = {}
         # token of the shared CPU region, sent with every spec: the worker maps only this region
@@ -210,7 +211,7 @@ class KVTierOffloadingManager(OffloadingManager):
         order in which vLLM's scheduler lists the engine blocks of the store job."""
         offer = list(keys)
         keys = request_order(offer, req_context) if len(offer) > 1 and several_groups(offer) else offer
-        top = self.hierarchy.first_tier
+        top = self._top
         absent = set(self.manager.stores.new_keys(keys))
         if self.store_threshold.enabled:
             keys = self.store_threshold.admit(keys, absent)
