@@ -1,4 +1,4 @@
-"""`LRUOffloadingManager`: one backend, LRU eviction (the behaviour of vLLM's seed `002`), with
+"""`LRUOffloadingManager`: one backend, LRU eviction (the behaviour of vLLM's earlier `LRUOffloadingManager`), with
 vLLM 0.32's per-request recency: a request's accesses are applied once, when it finishes."""
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ class HierarchyManager(OffloadingManager):
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | bool | None = None,
                        success: bool = True) -> None:
-        _, success = store_outcome(req_context, success)  # (the seed's form passes the outcome second)
+        _, success = store_outcome(req_context, success)  # (vLLM's earlier form passes the outcome second)
         self.stores.complete(keys if isinstance(keys, list) else list(keys), success)
 
     def on_request_finished(self, req_context: ReqContext | None = None) -> None:

@@ -108,7 +108,7 @@ class RequestAccesses(Generic[K]):
     def record(self, keys: Iterable[K], req_context: Any, reused: Iterable[K] = ()) -> None:
         """Note that the request observed `keys`; `reused` of them were readable and read or
         offered again (those the request stored itself do not count). A call of no request
-        (`req_context` None: the seed's call forms) is recorded nowhere."""
+        (`req_context` None: vLLM's earlier call forms) is recorded nowhere."""
         if req_context is None:
             return
         access = self.get(req_context)
