@@ -238,7 +238,7 @@ def test_refusals_expire_and_are_bounded(tmp_path, monkeypatch):
         got, result = _run(m, tail[:4])
         assert got == 4, f"old refusals still answered MISS: {got} of 4 blocks came back, then {result}"
         monkeypatch.setattr(promotion, "MAX_REFUSED", 4)
-        promotions = Promotions(ControlContext(m.tiers, JobTable(hierarchy.router), EventLog(False)),
+        promotions = Promotions(ControlContext(m.tiers, JobTable(hierarchy.router), EventLog(False), m.retention),
                                 evict_for=lambda *_: None)
         promotions.refuse(ks[:10])
         assert list(promotions.refused) == ks[6:10]

@@ -68,6 +68,7 @@ class Cascade:
         self._ctx = ctx
         self._jobs = ctx.jobs
         self._events = ctx.events
+        self._retention = ctx.retention
         self._write_through = [t for t in ctx.tiers[:-1] if t.cascade == "on_store"]
 
     # ------------------------------------------------------------------ eviction
@@ -78,7 +79,30 @@ class Cascade:
         copies of the dirty blocks among the next victims are started first (they land at once
         with handlers that finish at once: memory copies, replay), then only blocks safe to evict
         (`Tier.safe_to_evict`) are taken, in the policy's order; when too few are, the answer is
-        None and the engine asks again once the copies landed."""
+        None and the engine asks again once the copies landed.
+
+        The blocks of sessions with a retention (`kvtier.control.retention`) are kept too, like
+        pinned ones: no room yet while other blocks are pinned; only when the tier could not take
+        `n` blocks even once every pin is released are they evicted as any other (`kept_past`)."""
+        held = self._retention.held()
+        if held:
+            keep = set(protected).union(held)
+            evicted = self._evict_for(tier, n, keep)
+            if evicted is not None or self._room_without(tier, keep) >= n:
+                return evicted
+            evicted = self._evict_for(tier, n, protected)
+            if evicted and not held.isdisjoint(evicted):
+                self._retention.stats.kept_past += 1
+            return evicted
+        return self._evict_for(tier, n, protected)
+
+    @staticmethod
+    def _room_without(tier: Tier, keep: set[OffloadKey]) -> int:
+        """The blocks `tier` could take, once every pin is released, without evicting `keep`."""
+        get = tier.table.get
+        return tier.backend.get_num_free_blocks() + len(tier.table) - sum(1 for k in keep if get(k) is not None)
+
+    def _evict_for(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         need = n - tier.backend.get_num_free_blocks()
         if need <= 0:
             return []
@@ -137,7 +161,7 @@ class Cascade:
         if tier.backend.get_num_free_blocks() >= reserve or tier.allocated_since_walk < reserve // 2:
             return
         tier.allocated_since_walk = 0
-        dirty = self._dirty_victims(tier, reserve, ())
+        dirty = self._dirty_victims(tier, reserve, self._retention.held())
         if dirty:
             self._demote(tier, dirty)
 

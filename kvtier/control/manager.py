@@ -43,6 +43,7 @@ from kvtier.control.jobs import EventLog, JobTable
 from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
 from kvtier.control.quiesce import Quiescer
+from kvtier.control.retention import Retention
 from kvtier.control.shared_probes import SharedTierProbes, local_tiers
 from kvtier.control.stores import StorePath
 from kvtier.control.tier import Tier, TierStats
@@ -108,7 +109,9 @@ class HierarchyManager(OffloadingManager):
         self.router = router
         _link(self.tiers, router)
         self._top = self.tiers[0]
-        ctx = self._ctx = ControlContext(self.tiers, JobTable(router), EventLog(enable_events))
+        # sessions' retention hints (kvtier.control.retention), noted on each store and touch
+        self.retention = Retention(self.tiers[0].capacity)
+        ctx = self._ctx = ControlContext(self.tiers, JobTable(router), EventLog(enable_events), self.retention)
         self._jobs = ctx.jobs
         self._results_waiting = router.has_finished  # bound once: `lookup` asks on every call
         self._cascade = Cascade(ctx)
@@ -201,12 +204,18 @@ class HierarchyManager(OffloadingManager):
         return None
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
-        return self._loads.prepare(keys if isinstance(keys, list) else list(keys))
+        keys = keys if isinstance(keys, list) else list(keys)
+        spec = self._loads.prepare(keys)
+        if req_context is not None:  # (a hit of the session's blocks: its retention starts again)
+            self.retention.note(self.retention.hint_of(req_context), keys)
+        return spec
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
         for tier in self.tiers:
             tier.table.touch(keys)
+        if req_context is not None:
+            self.retention.note(self.retention.hint_of(req_context), keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
                       failed: Collection[OffloadKey] = ()) -> None:
@@ -221,7 +230,10 @@ class HierarchyManager(OffloadingManager):
         self._drain()
         if self._writes_through:
             self._cascade.advance_writes()
-        return self.stores.prepare(keys)
+        out = self.stores.prepare(keys)
+        if req_context is not None:
+            self.retention.note(self.retention.hint_of(req_context), keys)
+        return out
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | bool | None = None,
                        success: bool = True) -> None:

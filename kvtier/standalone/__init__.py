@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
@@ -49,6 +49,7 @@ from typing import Any, TypeVar
 from kvtier.config import HierarchyConfig, load_config
 from kvtier.control.hierarchy import Hierarchy, build_hierarchy
 from kvtier.control.manager import SHUTDOWN_TIMEOUT_S
+from kvtier.control.retention import parse_hint
 from kvtier.control.store_threshold import StoreThreshold
 from kvtier.core.errors import ClosedError
 from kvtier.core.keys import OffloadKey
@@ -120,7 +121,8 @@ class KVTier:
         return None if self._metrics is None else self._metrics.url
 
     # ------------------------------------------------------------------ public API
-    def store(self, keys: Sequence[bytes], engine_block_ids: Sequence[int]) -> bool:
+    def store(self, keys: Sequence[bytes], engine_block_ids: Sequence[int],
+              hints: Mapping[str, Any] | None = None) -> bool:
         """Copy the engine blocks of `keys` into the hierarchy. Keys already held are skipped.
 
         Stores in rounds no larger than what the first tier can take without losing a block:
@@ -132,7 +134,11 @@ class KVTier:
         many and why; the other rounds are stored all the same. With the config's
         `store_threshold` N (2 or more), each call counts as one offer of its keys, and a key
         not held is stored only from its Nth offer on (the others are counted in `stats()`'s
-        `engine.stores_skipped`, and are not failures)."""
+        `engine.stores_skipped`, and are not failures).
+
+        `hints`: the session's retention hint for these blocks (`{"session": ..., "retain_s": ...,
+        "priority": ..., "tenant": ..., "session_ended": ...}`; `kvtier.control.retention`)."""
+        hint = parse_hint(hints, "hints")
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=False)
@@ -141,7 +147,9 @@ class KVTier:
                 admitted = set(self._threshold.admit(keys, set(pending)))
                 self._counters.skip(len(pending) - len(admitted))
                 pending = [key for key in pending if key in admitted]
-            return self._rounds.store(pending, by_key)
+            stored = self._rounds.store(pending, by_key)
+            self.manager.retention.note(hint, keys)
+            return stored
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` can be loaded now: what `load` would find. Blocks found in a
@@ -151,16 +159,20 @@ class KVTier:
         with self._call():
             return self._rounds.loadable(self._blocks.keys(keys, distinct=False))
 
-    def load(self, keys: Sequence[bytes], engine_block_ids: Sequence[int]) -> int:
+    def load(self, keys: Sequence[bytes], engine_block_ids: Sequence[int],
+             hints: Mapping[str, Any] | None = None) -> int:
         """Load the longest loadable prefix of `keys` into its engine blocks; returns how many keys
         were loaded (the first n). Blocks a lower tier supplies through the first tier come up
         in rounds of what the first tier has room for, so the whole prefix is loaded however
         long. A block whose copy fails (a read that does not verify, an I/O error) ends the
         prefix: it is dropped from its tier (a MISS from then on, counted in its `failures`), the
-        others stay; the caller recomputes from it."""
+        others stay; the caller recomputes from it. `hints`: as `store`'s, for the blocks loaded."""
+        hint = parse_hint(hints, "hints")
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
-            return self._rounds.load(keys, self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True))
+            loaded = self._rounds.load(keys, self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True))
+            self.manager.retention.note(hint, keys[:loaded])
+            return loaded
 
     def wait(self) -> None:
         """Block until every background job (cascades, promotions) has finished."""
@@ -178,9 +190,14 @@ class KVTier:
             return self.manager.flush(timeout, check=self._check_open)  # ClosedError once another thread closes
 
     def stats(self) -> dict[str, Any]:
-        """Per-tier counters of the manager plus this API's store/load totals under `"engine"`."""
+        """Per-tier counters of the manager plus this API's store/load totals under `"engine"`
+        (with `"retention"`, the sessions' hints, once a hint was given)."""
         with self._lock:
-            return {**self.manager.get_stats(), "engine": self._counters.as_dict()}
+            engine: dict[str, Any] = self._counters.as_dict()
+            retention = self.manager.retention
+            if retention.stats.hints or retention.stats.hints_refused:
+                engine["retention"] = retention.report()
+            return {**self.manager.get_stats(), "engine": engine}
 
     def close(self, flush: bool = True, flush_timeout: float | None = FLUSH_TIMEOUT_S) -> None:
         """Write the dirty blocks down (`flush`, unless `flush` is False; at most `flush_timeout`

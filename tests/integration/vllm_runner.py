@@ -10,6 +10,8 @@ offloading spec, e.g. vLLM's own; {"name": "none"} runs without a connector), `c
 {"name", "module"}, the connector class; default vLLM's `OffloadingConnector`),
 `kv_load_failure_policy` (optional: "recompute" or "fail", vLLM's), `steps`: a list of
   {"op": "generate", "name": N, "prompt": TEXT}   greedy; records tokens, seconds, metric deltas
+                                                  (either generate op: "kv_transfer_params": {...} is
+                                                  sent with each request, as an OpenAI client sends it)
   {"op": "generate_many", "name": N, "prompts": [TEXT, ...]}
                                                   the prompts as concurrent requests (one call);
                                                   records `outputs` (per prompt: tokens, text,
@@ -106,9 +108,14 @@ def main(job_path: str, report_path: str) -> None:
               kv_transfer_config=kv, disable_log_stats=False, dtype=job.get("dtype", "float32"),
               seed=0, gpu_memory_utilization=0.5, max_num_seqs=job.get("max_num_seqs", 4), **parallel)
     report: dict = {"startup_seconds": time.perf_counter() - t0, "steps": []}
-    params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), ignore_eos=True)
     for step in job["steps"]:
         op = step["op"]
+        if "kv_transfer_params" in step:
+            params = SamplingParams(temperature=0.0, max_tokens=job.get("max_tokens", 8), ignore_eos=True,
+                                    extra_args={"kv_transfer_params": step["kv_transfer_params"]})
+        else:
+            params = plain
         if op == "generate":
             before = _counters(llm)
             start = time.perf_counter()

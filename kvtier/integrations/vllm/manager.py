@@ -69,6 +69,20 @@ KVTIER_GAUGES: dict[str, str] = {
     "usage_perc": "Fraction of this tier's capacity currently used (0.0 - 1.0).",
     "capacity_blocks": "Capacity of this tier in blocks.",
 }
+# The sessions' retention hints (kvtier.control.retention): counters and gauges of the hierarchy,
+# exported as vllm:kvtier_retention_<name> without a tier label.
+RETENTION_COUNTERS: dict[str, str] = {
+    "hints": "Requests' turns that carried a valid retention hint.",
+    "hints_refused": "Retention hints refused as invalid (the requests were served without them).",
+    "expired": "Sessions whose retention ran out.",
+    "ended": "Sessions ended by a hint (their blocks released).",
+    "displaced": "Sessions that lost their retention to the share of the first tier or the session limit.",
+    "kept_past": "Evictions that took retained blocks (no room could be made otherwise).",
+}
+RETENTION_GAUGES: dict[str, str] = {
+    "sessions": "Sessions with a retention now.",
+    "retained_blocks": "Blocks kept by the sessions' retentions now.",
+}
 
 
 # Policies for which a touch is recency only: a request's end touches every key it observed, the
@@ -323,7 +337,20 @@ class KVTierOffloadingManager(OffloadingManager):
             skipped = self.store_threshold.skipped
             stats.increase_counter(STORES_SKIPPED, skipped - self._last_skipped)
             self._last_skipped = skipped
+        self._record_retention(stats)
         return stats
+
+    def _record_retention(self, stats: Any) -> None:
+        """The retention hints' counters (deltas) and gauges (`RETENTION_COUNTERS`, `_GAUGES`)."""
+        report = self.manager.retention.report()
+        last = self._last_counters.setdefault("", {})  # (no tier is named "": a config error)
+        for name in RETENTION_COUNTERS:
+            delta = report[name] - last.get(name, 0)
+            last[name] = report[name]
+            if delta:
+                stats.increase_counter(METRIC_PREFIX + "retention_" + name, delta)
+        for name in RETENTION_GAUGES:
+            stats.set_gauge(METRIC_PREFIX + "retention_" + name, report[name])
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         """kvtier's cumulative per-tier counters (tests, bench); safe from any thread."""

@@ -26,6 +26,8 @@ from kvtier.integrations.vllm.manager import (
     KVTIER_COUNTERS,
     KVTIER_GAUGES,
     METRIC_PREFIX,
+    RETENTION_COUNTERS,
+    RETENTION_GAUGES,
     KVTierOffloadingManager,
 )
 from kvtier.integrations.vllm.vllm_metrics import vllm_metric_definitions
@@ -174,6 +176,10 @@ class KVTierOffloadingSpec(OffloadingSpec):
         for name, doc in KVTIER_GAUGES.items():
             defs[METRIC_PREFIX + name] = OffloadingGaugeMetadata(documentation=f"kvtier: {doc}",
                                                                  labelnames=("tier",))
+        for name, doc in RETENTION_COUNTERS.items():
+            defs[METRIC_PREFIX + "retention_" + name] = OffloadingCounterMetadata(documentation=f"kvtier: {doc}")
+        for name, doc in RETENTION_GAUGES.items():
+            defs[METRIC_PREFIX + "retention_" + name] = OffloadingGaugeMetadata(documentation=f"kvtier: {doc}")
         return {**defs, **vllm_metric_definitions(stores_skipped=_store_threshold(extra_config) >= 2)}
 
     @classmethod

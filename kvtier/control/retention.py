@@ -1,0 +1,227 @@
+"""`Retention`: per-session retention hints, kept as protection from eviction in every tier.
+
+A request may name its session and ask that the session's blocks be kept a while after its last
+turn (`Hint`: under vLLM in the request's `kv_transfer_params["kvtier"]`, in the standalone API as
+`store(..., hints=...)`). Every block a turn of the session stores, loads or touches joins the
+session; until `retain_s` after the session's last turn those blocks are *retained*: the cascade
+keeps them out of every eviction (`Cascade.evict_for`), in every tier, as it keeps the blocks a
+load is reading.
+
+Hints are untrusted input, so everything is bounded:
+- `retain_s` at most `max_retain_s`, `priority` 0 to 9, a session id of at most 128 printable
+  characters, an optional `tenant` likewise (`parse_hint` names the field that is wrong);
+- retained blocks hold at most `share` of the first tier (the smallest); over it, the sessions
+  of the tenant holding the most lose their retention first, lowest priority and oldest turn
+  first, so one tenant cannot take the share from the others;
+- at most `max_sessions` sessions are tracked (the oldest turn is forgotten first).
+Retained blocks are kept like pinned ones: a store waits for room ("no room yet") while the
+other blocks are pinned, and only a store the tier could not take even with every pin released
+evicts them (`kept_past`), so a retention never makes a store impossible. Without hints this
+module costs nothing per call.
+
+`session_ended: true` releases the session's blocks at once (they are ordinary blocks again).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, KeysView, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.core.errors import ArgumentError
+from kvtier.core.keys import OffloadKey
+
+log = logging.getLogger("kvtier.retention")
+
+HINTS_KEY = "kvtier"  # the entry of vLLM's kv_transfer_params that holds kvtier's hints
+MAX_RETAIN_S = 3600.0  # the longest retention a hint may ask for
+RETAINED_SHARE = 0.5  # of the first tier's capacity, the most that retained blocks may hold
+MAX_SESSIONS = 10_000  # sessions tracked at once (each: its keys, ~100 bytes + ~80 per block)
+MAX_PRIORITY = 9
+MAX_NAME = 128
+_FIELDS = ("session", "retain_s", "priority", "session_ended", "tenant")
+
+
+@dataclass(frozen=True)
+class Hint:
+    """One request's retention hint (see the module docstring)."""
+
+    session: str
+    retain_s: float = 0.0
+    priority: int = 0
+    ended: bool = False
+    tenant: str = ""
+
+
+def parse_hint(value: Any, where: str = HINTS_KEY, max_retain_s: float = MAX_RETAIN_S) -> Hint | None:
+    """The hint in `value` (a mapping of `_FIELDS`), or None when `value` is None. Raises
+    `ArgumentError` naming the field (`where.field`), what was wrong and what would be right."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ArgumentError(f"{where}: must be a mapping with 'session' and 'retain_s', got {type(value).__name__}")
+    unknown = sorted(str(k) for k in value if k not in _FIELDS)
+    if unknown:
+        raise ArgumentError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
+    session = _name(value.get("session"), f"{where}.session", required=True)
+    tenant = _name(value.get("tenant", ""), f"{where}.tenant", required=False)
+    ended = value.get("session_ended", False)
+    if not isinstance(ended, bool):
+        raise ArgumentError(f"{where}.session_ended: must be true or false, got {ended!r}")
+    retain = value.get("retain_s", 0.0)
+    if isinstance(retain, bool) or not isinstance(retain, (int, float)) or not 0 <= retain <= max_retain_s:
+        raise ArgumentError(f"{where}.retain_s: must be a number of seconds from 0 to {max_retain_s:g}, "
+                            f"got {retain!r}")
+    priority = value.get("priority", 0)
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
+        raise ArgumentError(f"{where}.priority: must be an integer from 0 to {MAX_PRIORITY}, got {priority!r}")
+    return Hint(session, float(retain), priority, ended, tenant)
+
+
+def _name(value: Any, where: str, required: bool) -> str:
+    if not isinstance(value, str) or (required and not value):
+        raise ArgumentError(f"{where}: must be a non-empty string, got {value!r}" if required
+                            else f"{where}: must be a string, got {value!r}")
+    if len(value) > MAX_NAME or not value.isprintable():
+        raise ArgumentError(f"{where}: must be at most {MAX_NAME} printable characters, got {value[:40]!r}...")
+    return value
+
+
+@dataclass
+class _Session:
+    tenant: str
+    priority: int
+    until: float  # monotonic time its retention ends
+    keys: dict[OffloadKey, None] = field(default_factory=dict)
+
+
+@dataclass
+class RetentionStats:
+    """Counters (cumulative) and the current state, for `get_stats()["retention"]`."""
+
+    hints: int = 0  # turns that carried a valid hint
+    hints_refused: int = 0  # hints refused as invalid (under vLLM: logged, the request served)
+    expired: int = 0  # sessions whose retention ran out
+    ended: int = 0  # sessions ended by a hint
+    displaced: int = 0  # sessions that lost their retention to the share or the session limit
+    kept_past: int = 0  # evictions that took retained blocks (no room could be made otherwise)
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+class Retention:
+    """The sessions with a retention and their blocks (see the module docstring). `capacity`:
+    the first tier's blocks (the share is of it); `clock`: seconds, monotonic."""
+
+    def __init__(self, capacity: int, share: float = RETAINED_SHARE, max_sessions: int = MAX_SESSIONS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.budget = max(1, int(capacity * share))
+        self.max_sessions = max_sessions
+        self.clock = clock
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recent turn first
+        self.retained: dict[OffloadKey, str] = {}  # key -> the session that holds it
+        self.stats = RetentionStats()
+        self._next_expiry = float("inf")
+        self._warned: OrderedDict[Any, None] = OrderedDict()  # requests whose bad hint was logged
+
+    def note(self, hint: Hint | None, keys: Iterable[OffloadKey]) -> None:
+        """A turn of `hint.session` stored or hit `keys` (a request's blocks, prefix first)."""
+        if hint is None:
+            return
+        self.stats.hints += 1
+        if hint.ended or hint.retain_s <= 0:
+            self._release(hint.session, ended=hint.ended)
+            return
+        session = self.sessions.pop(hint.session, None)
+        if session is None:
+            session = _Session(hint.tenant, hint.priority, 0.0)
+        session.tenant, session.priority = hint.tenant, hint.priority
+        session.until = self.clock() + hint.retain_s
+        self._next_expiry = min(self._next_expiry, session.until)
+        self.sessions[hint.session] = session
+        for key in keys:
+            owner = self.retained.get(key)
+            if owner != hint.session:
+                if owner is not None:
+                    self.sessions[owner].keys.pop(key, None)
+                self.retained[key] = hint.session
+                session.keys[key] = None
+        self._bound()
+
+    def hint_of(self, req_context: Any) -> Hint | None:
+        """The hint a request carries in `kv_transfer_params["kvtier"]`, or None. An invalid one
+        is refused (counted, logged once per request) and the request served without it: under
+        vLLM the hints come from clients."""
+        params = getattr(req_context, "kv_transfer_params", None)
+        if not params or HINTS_KEY not in params:
+            return None
+        try:
+            return parse_hint(params[HINTS_KEY], f"kv_transfer_params.{HINTS_KEY}")
+        except ArgumentError as exc:
+            self.stats.hints_refused += 1
+            req_id = getattr(req_context, "req_id", None)
+            if req_id not in self._warned:
+                self._warned[req_id] = None
+                if len(self._warned) > 1024:
+                    self._warned.popitem(last=False)
+                log.warning("request %s: retention hint refused (%s); served without it", req_id, exc)
+            return None
+
+    def report(self) -> dict[str, Any]:
+        """The counters, the sessions retained now and their blocks (`stats()["retention"]`)."""
+        return {**self.stats.as_dict(), "sessions": len(self.sessions), "retained_blocks": len(self.retained),
+                "budget_blocks": self.budget}
+
+    def held(self) -> KeysView[OffloadKey]:
+        """The keys retained now (expired sessions released first); empty without hints."""
+        if self.sessions and self.clock() >= self._next_expiry:
+            self._expire()
+        return self.retained.keys()
+
+    # ------------------------------------------------------------------ bounds
+    def _expire(self) -> None:
+        now, nxt = self.clock(), float("inf")
+        for name in [n for n, s in self.sessions.items() if s.until <= now]:
+            self._release(name)
+            self.stats.expired += 1
+        for session in self.sessions.values():
+            nxt = min(nxt, session.until)
+        self._next_expiry = nxt
+
+    def _bound(self) -> None:
+        while len(self.sessions) > self.max_sessions:
+            self._release(next(iter(self.sessions)))
+            self.stats.displaced += 1
+        while len(self.retained) > self.budget and len(self.sessions) > 1:
+            self._release(self._least_deserving())
+            self.stats.displaced += 1
+        if len(self.retained) > self.budget:  # one session past the share: its prefix is kept
+            keys = next(iter(self.sessions.values())).keys
+            for key in list(keys)[self.budget:]:
+                del keys[key], self.retained[key]
+
+    def _least_deserving(self) -> str:
+        """The session to give up when over the share: in the tenant holding the most blocks,
+        the lowest priority, then the oldest turn (the newest session is never the one)."""
+        held: dict[str, int] = {}
+        for session in self.sessions.values():
+            held[session.tenant] = held.get(session.tenant, 0) + len(session.keys)
+        newest = next(reversed(self.sessions))
+        candidates = [(name, s) for name, s in self.sessions.items() if name != newest]
+        top = max(held[s.tenant] for _, s in candidates)
+        return min(((name, s) for name, s in candidates if held[s.tenant] == top),
+                   key=lambda item: item[1].priority)[0]
+
+    def _release(self, name: str, ended: bool = False) -> None:
+        session = self.sessions.pop(name, None)
+        if session is None:
+            return
+        for key in session.keys:
+            if self.retained.get(key) == name:
+                del self.retained[key]
+        if ended:
+            self.stats.ended += 1

@@ -1,0 +1,207 @@
+"""Retention hints (issue 40, first part): a session's blocks are kept out of every eviction in
+every tier until `retain_s` after its last turn; hints are validated, bounded and harmless when
+absent (`kvtier.control.retention`)."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import keys, memory_hierarchy
+
+from kvtier import ReqContext
+from kvtier.control.retention import MAX_RETAIN_S, Hint, Retention, parse_hint
+from kvtier.core.errors import ArgumentError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# ---------------------------------------------------------------------- parsing
+def test_a_valid_hint_is_read_with_its_defaults():
+    assert parse_hint({"session": "chat-1", "retain_s": 30}) == Hint("chat-1", 30.0, 0, False, "")
+    assert parse_hint({"session": "s", "retain_s": 1.5, "priority": 9, "tenant": "t", "session_ended": True}) == \
+        Hint("s", 1.5, 9, True, "t")
+    assert parse_hint(None) is None
+
+
+@pytest.mark.parametrize("value, field, says", [
+    ({"retain_s": 3}, "hints.session", "non-empty string"),
+    ({"session": "", "retain_s": 3}, "hints.session", "non-empty string"),
+    ({"session": "x" * 129, "retain_s": 3}, "hints.session", "at most 128 printable"),
+    ({"session": "a\nb", "retain_s": 3}, "hints.session", "printable"),
+    ({"session": "s", "retain_s": MAX_RETAIN_S + 1}, "hints.retain_s", "from 0 to 3600"),
+    ({"session": "s", "retain_s": -1}, "hints.retain_s", "from 0 to 3600"),
+    ({"session": "s", "retain_s": True}, "hints.retain_s", "number of seconds"),
+    ({"session": "s", "retain_s": "60"}, "hints.retain_s", "number of seconds"),
+    ({"session": "s", "retain_s": 1, "priority": 10}, "hints.priority", "from 0 to 9"),
+    ({"session": "s", "retain_s": 1, "priority": 1.0}, "hints.priority", "integer"),
+    ({"session": "s", "retain_s": 1, "session_ended": "yes"}, "hints.session_ended", "true or false"),
+    ({"session": "s", "retain_s": 1, "tenant": 7}, "hints.tenant", "must be a string"),
+    ({"session": "s", "retain": 1}, "hints", "unknown field(s) retain"),
+    (["session", "s"], "hints", "must be a mapping"),
+])
+def test_a_bad_hint_names_its_field_and_what_is_right(value, field, says):
+    with pytest.raises(ArgumentError) as info:
+        parse_hint(value, "hints")
+    assert str(info.value).startswith(field + ":") and says in str(info.value), str(info.value)
+
+
+# ---------------------------------------------------------------------- the bounds
+def test_a_session_is_kept_until_its_retention_runs_out_after_its_last_turn():
+    clock = Clock()
+    r = Retention(capacity=100, clock=clock)
+    r.note(Hint("a", 10.0), keys(3))
+    clock.now += 8
+    r.note(Hint("a", 10.0), keys(2, 3))  # the next turn: 10 s from now, blocks added
+    clock.now += 8
+    assert set(r.held()) == set(keys(5))
+    clock.now += 3
+    assert not r.held() and r.stats.expired == 1 and r.report()["sessions"] == 0
+
+
+def test_an_ended_session_is_released_at_once():
+    r = Retention(capacity=100)
+    r.note(Hint("a", 60.0), keys(3))
+    r.note(Hint("a", ended=True), [])
+    assert not r.held() and r.stats.ended == 1
+
+
+def test_retained_blocks_hold_at_most_the_share_and_the_biggest_tenant_gives_way():
+    r = Retention(capacity=20, share=0.5)  # 10 blocks
+    r.note(Hint("t1-low", 60.0, priority=0, tenant="t1"), keys(4, 0))
+    r.note(Hint("t1-high", 60.0, priority=5, tenant="t1"), keys(4, 10))
+    r.note(Hint("t2", 60.0, priority=0, tenant="t2"), keys(3, 20))  # 11 > 10: t1 holds the most
+    assert set(r.sessions) == {"t1-high", "t2"} and len(r.held()) == 7 and r.stats.displaced == 1
+
+
+def test_one_session_past_the_share_keeps_its_prefix():
+    r = Retention(capacity=8, share=0.5)
+    r.note(Hint("long", 60.0), keys(10))
+    assert list(r.held()) == keys(4)
+
+
+def test_at_most_max_sessions_are_tracked_oldest_turn_first_forgotten():
+    r = Retention(capacity=1000, max_sessions=2)
+    for name in ("a", "b", "c"):
+        r.note(Hint(name, 60.0), keys(1, ord(name)))
+    assert list(r.sessions) == ["b", "c"] and r.stats.displaced == 1
+
+
+def test_a_block_belongs_to_the_last_session_that_used_it():
+    clock = Clock()
+    r = Retention(capacity=100, clock=clock)
+    r.note(Hint("a", 5.0), keys(2))
+    r.note(Hint("b", 50.0), keys(2))  # the same shared prefix, now b's
+    clock.now += 10
+    assert set(r.held()) == set(keys(2))  # a expired; b keeps them
+
+
+# ---------------------------------------------------------------------- in the hierarchy
+def burst(h, n, start, ctx):
+    """`n` one-time blocks stored one request at a time (each evicts when the first tier is full)."""
+    m = h.manager
+    for key in keys(n, start):
+        for _ in range(50):
+            out = m.prepare_store([key], ctx)
+            if out is not None:
+                break
+            m.on_schedule_end()
+        assert out is not None
+        m.complete_store(out.keys_to_store, ctx)
+        m.on_schedule_end()
+    h.manager.wait_idle(10)
+
+
+def stored(h, ks, ctx):
+    out = h.manager.prepare_store(ks, ctx)
+    h.manager.complete_store(out.keys_to_store, ctx)
+    h.manager.wait_idle(10)
+
+
+@pytest.mark.parametrize("cascade", ["on_evict", "on_store", "none"])
+def test_a_retained_session_survives_a_burst_that_evicts_it_without_a_hint(cascade):
+    hinted = ReqContext("turn-1", kv_transfer_params={"kvtier": {"session": "chat", "retain_s": 600}})
+    plain = ReqContext("turn-1")
+    kept = {}
+    for name, ctx in (("hint", hinted), ("none", plain)):
+        h = memory_hierarchy(hot=8, warm=64, cascade=cascade)
+        chat = keys(3, 1000)
+        stored(h, chat, ctx)
+        burst(h, 20, 0, ReqContext("burst"))
+        hot = h.manager.tiers[0]
+        kept[name] = [hot.table.get(k) is not None for k in chat]
+        if cascade != "none":  # nothing lost: every block is still somewhere
+            assert all(any(t.table.get(k) is not None for t in h.manager.tiers) for k in chat + keys(20))
+        h.close()
+    assert kept == {"hint": [True] * 3, "none": [False] * 3}
+
+
+def test_the_hint_is_read_from_vllms_request_and_a_bad_one_is_refused_not_raised(caplog):
+    h = memory_hierarchy(hot=16, warm=32)
+    m = h.manager
+    bad = ReqContext("r-bad", kv_transfer_params={"kvtier": {"session": "s", "retain_s": 99999}})
+    stored(h, keys(2), bad)
+    stored(h, keys(2, 10), bad)
+    assert not m.retention.held() and m.retention.stats.hints_refused == 2
+    assert sum("retention hint refused" in r.message and "retain_s" in r.message for r in caplog.records) == 1
+    good = ReqContext("r-good", kv_transfer_params={"kvtier": {"session": "s", "retain_s": 60}})
+    stored(h, keys(2, 20), good)
+    m.touch(keys(2), good)  # a hit joins the session too
+    m.prepare_load(keys(1, 10), good)  # so does a load
+    m.complete_load(keys(1, 10), good)
+    assert set(m.retention.held()) == set(keys(2, 20) + keys(2) + keys(1, 10))
+    h.close()
+
+
+def test_without_hints_nothing_is_retained_or_reported():
+    h = memory_hierarchy(hot=4, warm=16)
+    burst(h, 10, 0, ReqContext("r", kv_transfer_params={"other": 1}))
+    assert not h.manager.retention.held() and h.manager.retention.stats.hints == 0
+    h.close()
+
+
+def test_retained_blocks_are_kept_like_pinned_ones_and_give_way_only_to_a_store_that_needs_them():
+    """With the other blocks pinned by a load, a store waits ("no room yet") rather than take a
+    retained block; a store the tier could not take even with every pin released evicts them."""
+    h = memory_hierarchy(hot=4, warm=32, cascade="none")
+    m = h.manager
+    ctx = ReqContext("r", kv_transfer_params={"kvtier": {"session": "s", "retain_s": 600}})
+    stored(h, keys(2), ctx)
+    plain = ReqContext("p")
+    stored(h, keys(2, 10), plain)
+    m.prepare_load(keys(2, 10), plain)  # the two other blocks: pinned by a load
+    assert m.prepare_store(keys(1, 20), plain) is None and m.retention.stats.kept_past == 0
+    m.complete_load(keys(2, 10), plain)
+    stored(h, keys(1, 20), plain)  # room now: an unretained block goes
+    assert all(m.tiers[0].table.get(k) is not None for k in keys(2)) and m.retention.stats.kept_past == 0
+    out = m.prepare_store(keys(4, 30), plain)  # the whole tier: only with the retained blocks gone
+    assert out is not None and len(out.keys_to_store) == 4 and m.retention.stats.kept_past == 1
+    m.complete_store(out.keys_to_store, plain)
+    h.close()
+
+
+def test_the_standalone_api_takes_hints_checks_them_first_and_reports_them():
+    torch = pytest.importorskip("torch")
+    from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, load_config_text
+    from kvtier.standalone import KVTier
+
+    page = 256
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros(64, page, dtype=torch.int8), page)],
+                           [[CanonicalKVCacheRef(0, page)]])
+    cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 8 blocks, pin: false}\n")
+    with KVTier.open(cfg, kv) as tier:
+        with pytest.raises(ArgumentError, match=r"^hints\.retain_s: must be a number of seconds"):
+            tier.store(keys(2), [0, 1], hints={"session": "s", "retain_s": -3})
+        assert tier.stats()["engine"]["stores"] == 0 and "retention" not in tier.stats()["engine"]
+        chat = keys(3, 500)
+        assert tier.store(chat, [0, 1, 2], hints={"session": "chat", "retain_s": 600})
+        for i in range(4):  # one-time blocks, enough to evict the chat without its hint
+            assert tier.store(keys(4, 10 * i), [3, 4, 5, 6])
+        assert tier.lookup(chat) == 3
+        assert tier.load(chat, [7, 8, 9], hints={"session": "chat", "session_ended": True}) == 3
+        report = tier.stats()["engine"]["retention"]
+        assert report["hints"] == 2 and report["ended"] == 1 and report["retained_blocks"] == 0
