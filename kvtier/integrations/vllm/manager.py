@@ -23,6 +23,7 @@ from vllm.v1.kv_offload.base import (
 from kvtier.control.request_access import RequestAccesses, request_order, several_groups
 from kvtier.control.store_threshold import DEFAULT_MAX_TRACKER_SIZE, StoreThreshold
 from kvtier.control.tier import TierStats
+from kvtier.integrations.vllm.retention_metrics import record_retention
 from kvtier.integrations.vllm.translate import _to_vllm_spec, to_vllm_medium
 from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED, record_first_tier, record_lower_tier
 
@@ -68,20 +69,6 @@ KVTIER_GAUGES: dict[str, str] = {
     "resident_blocks": "Blocks currently held by this tier.",
     "usage_perc": "Fraction of this tier's capacity currently used (0.0 - 1.0).",
     "capacity_blocks": "Capacity of this tier in blocks.",
-}
-# The sessions' retention hints (kvtier.control.retention): counters and gauges of the hierarchy,
-# exported as vllm:kvtier_retention_<name> without a tier label.
-RETENTION_COUNTERS: dict[str, str] = {
-    "hints": "Requests' turns that carried a valid retention hint.",
-    "hints_refused": "Retention hints refused as invalid (the requests were served without them).",
-    "expired": "Sessions whose retention ran out.",
-    "ended": "Sessions ended by a hint (their blocks released).",
-    "displaced": "Sessions that lost their retention to the share of the first tier or the session limit.",
-    "kept_past": "Evictions that took retained blocks (no room could be made otherwise).",
-}
-RETENTION_GAUGES: dict[str, str] = {
-    "sessions": "Sessions with a retention now.",
-    "retained_blocks": "Blocks kept by the sessions' retentions now.",
 }
 
 
@@ -337,20 +324,7 @@ class KVTierOffloadingManager(OffloadingManager):
             skipped = self.store_threshold.skipped
             stats.increase_counter(STORES_SKIPPED, skipped - self._last_skipped)
             self._last_skipped = skipped
-        self._record_retention(stats)
-        return stats
-
-    def _record_retention(self, stats: Any) -> None:
-        """The retention hints' counters (deltas) and gauges (`RETENTION_COUNTERS`, `_GAUGES`)."""
-        report = self.manager.retention.report()
-        last = self._last_counters.setdefault("", {})  # (no tier is named "": a config error)
-        for name in RETENTION_COUNTERS:
-            delta = report[name] - last.get(name, 0)
-            last[name] = report[name]
-            if delta:
-                stats.increase_counter(METRIC_PREFIX + "retention_" + name, delta)
-        for name in RETENTION_GAUGES:
-            stats.set_gauge(METRIC_PREFIX + "retention_" + name, report[name])
+        return record_retention(stats, self.manager.retention.report(), self._last_counters.setdefault("", {}))
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         """kvtier's cumulative per-tier counters (tests, bench); safe from any thread."""

@@ -26,10 +26,9 @@ from kvtier.integrations.vllm.manager import (
     KVTIER_COUNTERS,
     KVTIER_GAUGES,
     METRIC_PREFIX,
-    RETENTION_COUNTERS,
-    RETENTION_GAUGES,
     KVTierOffloadingManager,
 )
+from kvtier.integrations.vllm.retention_metrics import retention_metric_definitions
 from kvtier.integrations.vllm.vllm_metrics import vllm_metric_definitions
 from kvtier.integrations.vllm.worker import _LOCAL_WORKER_REGIONS, KVTierOffloadingWorker
 from kvtier.tiers.cpu import CPUBackend
@@ -176,11 +175,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
         for name, doc in KVTIER_GAUGES.items():
             defs[METRIC_PREFIX + name] = OffloadingGaugeMetadata(documentation=f"kvtier: {doc}",
                                                                  labelnames=("tier",))
-        for name, doc in RETENTION_COUNTERS.items():
-            defs[METRIC_PREFIX + "retention_" + name] = OffloadingCounterMetadata(documentation=f"kvtier: {doc}")
-        for name, doc in RETENTION_GAUGES.items():
-            defs[METRIC_PREFIX + "retention_" + name] = OffloadingGaugeMetadata(documentation=f"kvtier: {doc}")
-        return {**defs, **vllm_metric_definitions(stores_skipped=_store_threshold(extra_config) >= 2)}
+        return {**defs, **retention_metric_definitions(),
+                **vllm_metric_definitions(stores_skipped=_store_threshold(extra_config) >= 2)}
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
