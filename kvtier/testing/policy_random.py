@@ -4,6 +4,8 @@ with the contract clause it enforces (`kvtier.testing.policy_contract`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from itertools import count
 from typing import ClassVar
 
 from hypothesis import HealthCheck, given, settings
@@ -47,37 +49,60 @@ class RandomOperations:
     ))
     def test_random_operations_against_model(self, ops):
         """The model is the set of resident blocks; the policy must agree with it on residence,
-        and evict/victims must obey the contract at every step."""
+        and evict/victims must obey the contract at every step. A twin gets every operation but
+        the refused evictions and the `victims` calls, which must change nothing: the two must
+        show the same state after every step (a change may show only once a block is unpinned)."""
         capacity = 12
-        policy = self.make_policy(capacity)
+        policy, twin = self.make_policy(capacity), self.make_policy(capacity)
         model: dict[OffloadKey, BlockStatus] = {}
-        next_id = 0
+        twins: dict[OffloadKey, BlockStatus] = {}  # the twin's blocks (objects of its own)
+        ids = count()  # block ids, never reused
         for op in ops:
-            kind = op[0]
-            if kind == "insert":
-                k = key(op[1])
-                if k in model or len(model) >= capacity:
-                    continue  # the manager never inserts a resident key or beyond capacity
-                model[k] = ready(next_id)
-                next_id += 1
-                policy.insert(k, model[k])
-            elif kind == "remove":
-                clause = contract.REMOVE_ABSENT if key(op[1]) not in model else contract.REMOVE
-                call(clause, f"remove(key({op[1]}))", policy.remove, key(op[1]))
-                model.pop(key(op[1]), None)
-            elif kind == "touch":
-                call(contract.TOUCH, f"touch({op[1]})", policy.touch, [key(i) for i in op[1]])
-            elif kind == "pin":  # the op[1]-th resident block (pins must hit resident blocks)
-                if model:
-                    k = sorted(model)[op[1] % len(model)]
-                    set_ref_cnt(policy, k, model[k], op[2])
-            elif kind == "peek":
+            if op[0] == "peek":
                 self._check_candidates(policy, model)
-            else:  # protected: mostly resident keys (op[2] indexes them), sometimes absent ones
+            elif op[0] == "evict":  # protected: mostly resident keys (op[2] indexes them), sometimes absent ones
                 resident = sorted(model)
                 protected = {resident[i % len(resident)] if resident and i < 20 else key(i) for i in op[2]}
-                self._check_evict(policy, model, op[1], protected)
+                if self._check_evict(policy, model, op[1], protected) is not None:
+                    for k, _ in twin.evict(op[1], protected) or ():
+                        twins.pop(k, None)
+            elif not self._apply(op, (policy, model), (twin, twins), capacity, ids):
+                continue
             self._check_resident(policy, model, op)
+            assert observe(policy, by_identity=False) == observe(twin, by_identity=False), \
+                f"{contract.EVICT_REFUSED} (and {contract.CANDIDATES_PURE}): after {op} the policy and a twin " \
+                f"that saw only the calls that may change state differ"
+
+    @staticmethod
+    def _apply(op: tuple, main: tuple[CachePolicy, dict[OffloadKey, BlockStatus]],
+               other: tuple[CachePolicy, dict[OffloadKey, BlockStatus]], capacity: int, ids: Iterator[int]) -> bool:
+        """Apply an insert, remove, touch or pin to the policy (`main`: checked, with its model)
+        and to its twin (`other`); False when the op does not apply (nothing was called)."""
+        (policy, model), (twin, twins) = main, other
+        kind = op[0]
+        if kind == "insert":
+            k = key(op[1])
+            if k in model or len(model) >= capacity:
+                return False  # the manager never inserts a resident key or beyond capacity
+            block_id = next(ids)
+            model[k], twins[k] = ready(block_id), ready(block_id)
+            policy.insert(k, model[k])
+            twin.insert(k, twins[k])
+        elif kind == "remove":
+            k = key(op[1])
+            call(contract.REMOVE_ABSENT if k not in model else contract.REMOVE, f"remove(key({op[1]}))",
+                 policy.remove, k)
+            twin.remove(k)
+            model.pop(k, None)
+            twins.pop(k, None)
+        elif kind == "touch":
+            call(contract.TOUCH, f"touch({op[1]})", policy.touch, [key(i) for i in op[1]])
+            twin.touch([key(i) for i in op[1]])
+        elif model:  # pin: the op[1]-th resident block (pins must hit resident blocks)
+            k = sorted(model)[op[1] % len(model)]
+            set_ref_cnt(policy, k, model[k], op[2])
+            set_ref_cnt(twin, k, twins[k], op[2])
+        return True
 
     @staticmethod
     def _check_resident(policy: CachePolicy, model: dict[OffloadKey, BlockStatus], op) -> None:
@@ -103,7 +128,8 @@ class RandomOperations:
         assert observe(policy) == before, f"{contract.CANDIDATES_PURE}: the observable state changed"
 
     def _check_evict(self, policy: CachePolicy, model: dict[OffloadKey, BlockStatus], n: int,
-                     protected: set[OffloadKey]) -> None:
+                     protected: set[OffloadKey]) -> list | None:
+        """`evict(n, protected)` checked against the model; what it returned."""
         evictable = [k for k, b in model.items() if b.ref_cnt == 0 and k not in protected]
         before = observe(policy)
         predicted = policy.victims(n, protected)
@@ -114,7 +140,7 @@ class RandomOperations:
             assert victims is None, f"{contract.EVICT_REFUSED}: evict({n}) returned {len(victims or [])} " \
                                     f"blocks with only {len(evictable)} evictable"
             assert observe(policy) == before, f"{contract.EVICT_REFUSED}: a refused evict({n}) changed the state"
-            return
+            return victims
         assert victims is not None and len(victims) == max(n, 0), \
             f"{contract.EVICT_EXACT}: evict({n}) returned {victims!r} with {len(evictable)} evictable"
         chosen = [k for k, _ in victims]
@@ -124,6 +150,7 @@ class RandomOperations:
             assert chosen == predicted, f"{contract.CANDIDATES_ORDER}: evicted {chosen}, predicted {predicted}"
         for k, b in victims:
             assert same_block(policy, b, model.pop(k)), f"{contract.EVICT_EXACT}: wrong block for {k!r}"
+        return victims
 
     @settings(max_examples=120, deadline=None, suppress_health_check=_HEALTH, report_multiple_bugs=False)
     @given(ops=st.lists(
