@@ -86,13 +86,15 @@ def _recover(ctx: ControlContext) -> None:
     """Adopt blocks that persistent backends found from an earlier process."""
     for tier in ctx.tiers:
         found = tier.backend.recover()
-        tier.table.insert_ready([k for k, _ in found], [b.block_id for _, b in found])
-        if found:
-            log.info("tier %s: recovered %d blocks", tier.name, len(found))
-            ctx.events.record(tier, [k for k, _ in found], removed=False)
-            above = tier.above
-            if above is not None:
-                above.clean.update(k for k, _ in found if above.table.get(k) is not None)
+        if not found:
+            continue
+        keys = [k for k, _ in found]
+        tier.table.insert_ready(keys, [b.block_id for _, b in found])
+        log.info("tier %s: recovered %d blocks", tier.name, len(found))
+        ctx.events.record(tier, keys, removed=False)
+        above = tier.above
+        if above is not None:
+            above.clean.update(k for k in keys if above.table.get(k) is not None)
 
 
 class HierarchyManager(OffloadingManager):
@@ -206,16 +208,14 @@ class HierarchyManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
         keys = keys if isinstance(keys, list) else list(keys)
         spec = self._loads.prepare(keys)
-        if req_context is not None:  # (a hit of the session's blocks: its retention starts again)
-            self.retention.note(self.retention.hint_of(req_context), keys)
+        self.retention.note_turn(req_context, keys)  # (a hit of the session's blocks: its retention starts again)
         return spec
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
         for tier in self.tiers:
             tier.table.touch(keys)
-        if req_context is not None:
-            self.retention.note(self.retention.hint_of(req_context), keys)
+        self.retention.note_turn(req_context, keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
                       failed: Collection[OffloadKey] = ()) -> None:
@@ -231,8 +231,7 @@ class HierarchyManager(OffloadingManager):
         if self._writes_through:
             self._cascade.advance_writes()
         out = self.stores.prepare(keys)
-        if req_context is not None:
-            self.retention.note(self.retention.hint_of(req_context), keys)
+        self.retention.note_turn(req_context, keys)
         return out
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | bool | None = None,

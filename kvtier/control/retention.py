@@ -100,7 +100,8 @@ class _Session:
 
 @dataclass
 class RetentionStats:
-    """Counters (cumulative) and the current state, for `get_stats()["retention"]`."""
+    """Counters (cumulative), reported by `Retention.report` (`stats()["engine"]["retention"]`,
+    `vllm:kvtier_retention_*`)."""
 
     hints: int = 0  # turns that carried a valid hint
     hints_refused: int = 0  # hints refused as invalid (under vLLM: logged, the request served)
@@ -151,6 +152,11 @@ class Retention:
                 self.retained[key] = hint.session
                 session.keys[key] = None
         self._bound()
+
+    def note_turn(self, req_context: Any, keys: Iterable[OffloadKey]) -> None:
+        """`note` the hint `req_context` carries (`hint_of`; None: none) for `keys`."""
+        if req_context is not None:
+            self.note(self.hint_of(req_context), keys)
 
     def hint_of(self, req_context: Any) -> Hint | None:
         """The hint a request carries in `kv_transfer_params["kvtier"]`, or None. An invalid one

@@ -18,8 +18,6 @@ class BlockView:
 class CompactOrder:
     """An eviction order over a compiled table's entries (the base of the compiled orders)."""
 
-    def attached_to_table(self) -> bool: ...
-
 class CompactTable:
     """The compiled block table, composed with one eviction order."""
 

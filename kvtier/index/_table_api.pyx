@@ -72,10 +72,6 @@ cdef class CompactOrder:
         """The table forgot every entry (`clear`): empty every list."""
         raise NotImplementedError
 
-    def attached_to_table(self):
-        """Whether this order is composed into a table (an order serves one table)."""
-        return self.t != NULL
-
 
 cdef class CompactTable:
     """The compiled block table composed with `order` (see the module docstring). Keys are bytes
