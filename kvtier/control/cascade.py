@@ -84,7 +84,7 @@ class Cascade:
         The blocks of sessions with a retention (`kvtier.control.retention`) are kept too, like
         pinned ones: no room yet while other blocks are pinned; only when the tier could not take
         `n` blocks even once every pin is released are they evicted as any other (`kept_past`)."""
-        held = self._retention.held()
+        held = self._retention.held() if self._retention.sessions else ()  # (no hints: not asked)
         if held:
             keep = set(protected).union(held)
             evicted = self._evict_for(tier, n, keep)
@@ -161,7 +161,7 @@ class Cascade:
         if tier.backend.get_num_free_blocks() >= reserve or tier.allocated_since_walk < reserve // 2:
             return
         tier.allocated_since_walk = 0
-        dirty = self._dirty_victims(tier, reserve, self._retention.held())
+        dirty = self._dirty_victims(tier, reserve, self._retention.held() if self._retention.sessions else ())
         if dirty:
             self._demote(tier, dirty)
 

@@ -115,7 +115,7 @@ class HierarchyManager(OffloadingManager):
         self.retention = Retention(self.tiers[0].capacity)
         ctx = self._ctx = ControlContext(self.tiers, JobTable(router), EventLog(enable_events), self.retention)
         self._jobs = ctx.jobs
-        self._results_waiting = router.has_finished  # bound once: `lookup` asks on every call
+        self._finished = router.finished  # the router's results not collected yet (`_drain`)
         self._cascade = Cascade(ctx)
         self._promotions = Promotions(ctx, self._cascade.evict_for)
         self._loads = LoadPins(ctx)
@@ -134,9 +134,15 @@ class HierarchyManager(OffloadingManager):
         return self._ctx.events.events
 
     def _drain(self) -> None:
-        """Account for the jobs the router reported (cheap when none did)."""
-        if self._results_waiting():
+        """Account for the jobs the router reported (one test of its queue when none did)."""
+        if self._finished:
             self._jobs.drain()
+
+    def _note_turn(self, req_context: ReqContext | None, keys: Collection[OffloadKey]) -> None:
+        """A request's blocks for its retention hint (`Retention.note_turn`); a request without
+        `kv_transfer_params` carries none, so the retention is not asked."""
+        if req_context is not None and getattr(req_context, "kv_transfer_params", None):
+            self.retention.note_turn(req_context, keys)
 
     # ------------------------------------------------------------------ protocol
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -208,14 +214,14 @@ class HierarchyManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
         keys = keys if isinstance(keys, list) else list(keys)
         spec = self._loads.prepare(keys)
-        self.retention.note_turn(req_context, keys)  # (a hit of the session's blocks: its retention starts again)
+        self._note_turn(req_context, keys)  # (a hit of the session's blocks: its retention starts again)
         return spec
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         keys = keys if isinstance(keys, list) else list(keys)
         for tier in self.tiers:
             tier.table.touch(keys)
-        self.retention.note_turn(req_context, keys)
+        self._note_turn(req_context, keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None,
                       failed: Collection[OffloadKey] = ()) -> None:
@@ -231,7 +237,7 @@ class HierarchyManager(OffloadingManager):
         if self._writes_through:
             self._cascade.advance_writes()
         out = self.stores.prepare(keys)
-        self.retention.note_turn(req_context, keys)
+        self._note_turn(req_context, keys)
         return out
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | bool | None = None,
