@@ -205,3 +205,77 @@ def test_the_standalone_api_takes_hints_checks_them_first_and_reports_them():
         assert tier.load(chat, [7, 8, 9], hints={"session": "chat", "session_ended": True}) == 3
         report = tier.stats()["engine"]["retention"]
         assert report["hints"] == 2 and report["ended"] == 1 and report["retained_blocks"] == 0
+
+
+# ---------------------------------------------------------------------- ended sessions
+def chat_then_others(h, ended: bool):
+    """Four plain blocks (the oldest), then a four-block chat turn with a hint; then the chat's
+    last turn, ended or not (a touch of its chain)."""
+    stored(h, keys(4, 0), ReqContext("plain"))
+    chat = keys(4, 1000)
+    stored(h, chat, ReqContext("t1", kv_transfer_params={"kvtier": {"session": "c", "retain_s": 600}}))
+    last = {"session": "c", "retain_s": 600, **({"session_ended": True} if ended else {})}
+    h.manager.touch(chat, ReqContext("t2", kv_transfer_params={"kvtier": last}))
+    return chat
+
+
+@pytest.mark.parametrize("cascade", ["on_evict", "on_store", "none"])
+def test_an_ended_sessions_blocks_are_the_first_victims_deep_end_first(cascade):
+    gone = {}
+    for ended in (False, True):
+        h = memory_hierarchy(hot=8, warm=64, cascade=cascade)
+        chat = chat_then_others(h, ended)
+        stored(h, keys(2, 500), ReqContext("new"))  # a full first tier: two blocks must go
+        hot = h.manager.tiers[0]
+        gone[ended] = [k for k in keys(4, 0) + chat if hot.table.get(k) is None]
+        if cascade != "none":  # nothing lost: the ended blocks went below first
+            assert all(h.manager.tiers[1].table.get(k) is not None for k in gone[ended])
+        assert h.manager.retention.stats.evicted_ended == (2 if ended else 0)
+        h.close()
+    assert set(gone[False]) < set(keys(4, 0)) and len(gone[False]) == 2  # LRU's oldest: plain blocks
+    assert gone[True] == keys(4, 1000)[2:]  # the ended chat's deep end
+
+
+def test_an_ended_sessions_blocks_are_first_victims_in_the_tier_below_too():
+    """The chat's blocks reach the warm tier after older one-time blocks; once the chat ended,
+    they leave it first all the same."""
+    outcome = {}
+    for ended in (False, True):
+        h = memory_hierarchy(hot=4, warm=8, cascade="on_evict")
+        stored(h, keys(4, 0), ReqContext("b0"))
+        chat = keys(4, 1000)
+        stored(h, chat, ReqContext("t1", kv_transfer_params={"kvtier": {"session": "c", "retain_s": 600}}))
+        last = {"session": "c", "retain_s": 0, **({"session_ended": True} if ended else {})}
+        h.manager.touch(chat, ReqContext("t2", kv_transfer_params={"kvtier": last}))
+        for i in (1, 2):  # the chat, then b1, go down to a full warm tier
+            stored(h, keys(4, 10 * i), ReqContext(f"b{i}"))
+        warm = h.manager.tiers[1]
+        outcome[ended] = ([warm.table.get(k) is not None for k in chat],
+                          [warm.table.get(k) is not None for k in keys(4, 0)])
+        h.close()
+    assert outcome == {False: ([True] * 4, [False] * 4), True: ([False] * 4, [True] * 4)}
+
+
+def test_a_block_used_again_is_no_first_victim_and_a_live_sessions_block_never_is():
+    h = memory_hierarchy(hot=8, warm=64, cascade="none")
+    chat = chat_then_others(h, ended=True)
+    h.manager.touch(chat[2:], ReqContext("reader"))  # a request without hints reads the deep end again
+    live = ReqContext("t", kv_transfer_params={"kvtier": {"session": "other", "retain_s": 600}})
+    h.manager.touch(chat[:1], live)  # another session retains the head
+    stored(h, keys(4, 500), ReqContext("new"))
+    hot = h.manager.tiers[0]
+    # the chat's second block first (the head is retained, the deep end used again), then LRU's
+    assert {k for k in keys(4, 0) + chat if hot.table.get(k) is None} == {chat[1], *keys(3, 1)}
+    h.close()
+
+
+def test_the_stats_say_per_tier_what_is_retained_and_what_goes_first():
+    h = memory_hierarchy(hot=8, warm=64, cascade="on_evict")
+    chat = keys(4, 1000)
+    stored(h, chat, ReqContext("t1", kv_transfer_params={"kvtier": {"session": "c", "retain_s": 600}}))
+    rows = h.manager.get_stats()
+    assert (rows["hot"]["retained_blocks"], rows["warm"]["retained_blocks"], rows["hot"]["ended_blocks"]) == (4, 0, 0)
+    h.manager.touch(chat, ReqContext("t2", kv_transfer_params={"kvtier": {"session": "c", "session_ended": True}}))
+    rows = h.manager.get_stats()
+    assert (rows["hot"]["retained_blocks"], rows["hot"]["ended_blocks"], rows["warm"]["ended_blocks"]) == (0, 4, 0)
+    h.close()

@@ -21,6 +21,7 @@ from collections.abc import Collection
 from itertools import filterfalse, islice
 
 from kvtier.control.context import ControlContext
+from kvtier.control.ended import evictable_first
 from kvtier.control.jobs import Job, enter_copies, pin_sources
 from kvtier.control.tier import Tier
 from kvtier.core.keys import OffloadKey
@@ -49,6 +50,8 @@ class Demotion(Job):
         src, dst = self.src, self.dst
         src.stats.demotions += len(keys)
         src.clean.update(keys)
+        if src.first_victims:  # (an ended session's blocks stay first victims below)
+            dst.first_victims.update(dict.fromkeys(filter(src.first_victims.__contains__, keys)))
         if dst.writes_through:
             dst.unwritten.update(dict.fromkeys(keys))  # started by `Cascade.advance_writes`
 
@@ -83,24 +86,45 @@ class Cascade:
 
         The blocks of sessions with a retention (`kvtier.control.retention`) are kept too, like
         pinned ones: no room yet while other blocks are pinned; only when the tier could not take
-        `n` blocks even once every pin is released are they evicted as any other (`kept_past`)."""
+        `n` blocks even once every pin is released are they evicted as any other (`kept_past`).
+        The blocks of ended sessions (`Tier.first_victims`) go before the policy's victims, even
+        when the answer is None."""
         held = self._retention.held() if self._retention.sessions else ()  # (no hints: not asked)
-        if held:
-            keep = set(protected).union(held)
-            evicted = self._evict_for(tier, n, keep)
-            if evicted is not None or self._room_without(tier, keep) >= n:
-                return evicted
-            evicted = self._evict_for(tier, n, protected)
-            if evicted and not held.isdisjoint(evicted):
-                self._retention.stats.kept_past += 1
-            return evicted
-        return self._evict_for(tier, n, protected)
+        first = self._evict_first(tier, n, set(protected).union(held)) if tier.first_victims else []
+        evicted = self._evict_keeping(tier, n, protected, held) if held else self._evict_for(tier, n, protected)
+        if first:
+            return None if evicted is None else first + evicted
+        return evicted
 
-    @staticmethod
-    def _room_without(tier: Tier, keep: set[OffloadKey]) -> int:
-        """The blocks `tier` could take, once every pin is released, without evicting `keep`."""
-        get = tier.table.get
-        return tier.backend.get_num_free_blocks() + len(tier.table) - sum(1 for k in keep if get(k) is not None)
+    def _evict_keeping(self, tier: Tier, n: int, protected: Collection[OffloadKey],
+                       held: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """`evict_for` while sessions are retained (`held`): see its docstring."""
+        keep = set(protected).union(held)
+        evicted = self._evict_for(tier, n, keep)
+        if evicted is not None or room_without(tier, keep) >= n:
+            return evicted
+        evicted = self._evict_for(tier, n, protected)
+        if evicted and not set(held).isdisjoint(evicted):
+            self._retention.stats.kept_past += 1
+        return evicted
+
+    def _evict_first(self, tier: Tier, n: int, keep: set[OffloadKey]) -> list[OffloadKey]:
+        """Evict from `tier`'s first victims (`evictable_first`), in order, up to the slots it
+        lacks for `n` new blocks; a dirty one of a cascading tier is copied down first and goes
+        once its copy landed (at once with handlers that finish at once). The evicted keys."""
+        need = n - tier.backend.get_num_free_blocks()
+        if need <= 0:
+            return []
+        safe = tier.safe_to_evict
+        dirty = [k for k in evictable_first(tier, keep) if not safe(k)][:need]
+        if dirty:
+            self._copy_down(tier, dirty)
+            self._jobs.drain()
+        gone = tier.remove([k for k in evictable_first(tier, keep) if safe(k)][:need])
+        tier.stats.evictions += len(gone)
+        self._retention.stats.evicted_ended += len(gone)
+        self._events.record(tier, gone, removed=True)
+        return gone
 
     def _evict_for(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
         need = n - tier.backend.get_num_free_blocks()
@@ -288,6 +312,12 @@ class Cascade:
             tier.lower_full = False
             started = True
         return started
+
+
+def room_without(tier: Tier, keep: set[OffloadKey]) -> int:
+    """The blocks `tier` could take, once every pin is released, without evicting `keep`."""
+    get = tier.table.get
+    return tier.backend.get_num_free_blocks() + len(tier.table) - sum(1 for k in keep if get(k) is not None)
 
 
 def unsafe_ahead(tier: Tier, need: int, protected: set[OffloadKey]) -> set[OffloadKey] | None:

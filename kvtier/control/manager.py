@@ -35,10 +35,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Collection, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.context import ControlContext
+from kvtier.control.ended import mark_ended
 from kvtier.control.jobs import EventLog, JobTable
 from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
@@ -117,6 +119,7 @@ class HierarchyManager(OffloadingManager):
         self._jobs = ctx.jobs
         self._finished = router.finished  # the router's results not collected yet (`_drain`)
         self._cascade = Cascade(ctx)
+        self.retention.on_ended = partial(mark_ended, self.tiers)
         self._promotions = Promotions(ctx, self._cascade.evict_for)
         self._loads = LoadPins(ctx)
         self._shared = (SharedTierProbes(ctx, self._promotions, self._cascade.make_room)
@@ -139,8 +142,13 @@ class HierarchyManager(OffloadingManager):
             self._jobs.drain()
 
     def _note_turn(self, req_context: ReqContext | None, keys: Collection[OffloadKey]) -> None:
-        """A request's blocks for its retention hint (`Retention.note_turn`); a request without
-        `kv_transfer_params` carries none, so the retention is not asked."""
+        """A request used `keys`: they are no ended session's first victims any more, and they
+        join the session its retention hint names (`Retention.note_turn`; a request without
+        `kv_transfer_params` carries none, so the retention is not asked)."""
+        for tier in self.tiers:
+            if tier.first_victims:
+                for key in keys:
+                    tier.first_victims.pop(key, None)
         if req_context is not None and getattr(req_context, "kv_transfer_params", None):
             self.retention.note_turn(req_context, keys)
 
@@ -296,8 +304,12 @@ class HierarchyManager(OffloadingManager):
         return self._loads.drop(list(loading)) + self.stores.finish_reset(storing)
 
     def get_stats(self) -> dict[str, Any]:
-        """Per-tier counters and occupancy."""
-        return {tier.name: tier.stats_row() for tier in self.tiers}
+        """Per-tier counters and occupancy, with the blocks of the tier that sessions' retentions
+        keep (`retained_blocks`) and those of ended sessions waiting to go first (`ended_blocks`)."""
+        retained = self.retention.retained
+        return {tier.name: {**tier.stats_row(), "ended_blocks": len(tier.first_victims),
+                            "retained_blocks": sum(1 for k in retained if tier.table.get(k) is not None)}
+                for tier in self.tiers}
 
     def wait_idle(self, timeout: float | None = None) -> None:
         """Block until every job the manager started has finished and been accounted, every

@@ -19,7 +19,10 @@ other blocks are pinned, and only a store the tier could not take even with ever
 evicts them (`kept_past`), so a retention never makes a store impossible. Without hints this
 module costs nothing per call.
 
-`session_ended: true` releases the session's blocks at once (they are ordinary blocks again).
+`session_ended: true` releases the session's blocks at once and makes them the first victims
+(`on_ended`, set by the manager: every tier holding them evicts them before its policy's victims,
+the deep end of the session first), except those another live session retains; a block used
+again by any request is an ordinary block again.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ class RetentionStats:
     ended: int = 0  # sessions ended by a hint
     displaced: int = 0  # sessions that lost their retention to the share or the session limit
     kept_past: int = 0  # evictions that took retained blocks (no room could be made otherwise)
+    evicted_ended: int = 0  # blocks of ended sessions evicted before the policy's victims
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -128,6 +132,8 @@ class Retention:
         self.stats = RetentionStats()
         self._next_expiry = float("inf")
         self._warned: OrderedDict[Any, None] = OrderedDict()  # requests whose bad hint was logged
+        # Told the blocks of a session that ended (deep end first): the manager makes them first victims.
+        self.on_ended: Callable[[list[OffloadKey]], None] = _ignore
 
     def note(self, hint: Hint | None, keys: Iterable[OffloadKey]) -> None:
         """A turn of `hint.session` stored or hit `keys` (a request's blocks, prefix first)."""
@@ -135,7 +141,7 @@ class Retention:
             return
         self.stats.hints += 1
         if hint.ended or hint.retain_s <= 0:
-            self._release(hint.session, ended=hint.ended)
+            self._release(hint.session, ended=hint.ended, last=keys)
             return
         session = self.sessions.pop(hint.session, None)
         if session is None:
@@ -222,12 +228,23 @@ class Retention:
         return min(((name, s) for name, s in candidates if held[s.tenant] == top),
                    key=lambda item: item[1].priority)[0]
 
-    def _release(self, name: str, ended: bool = False) -> None:
+    def _release(self, name: str, ended: bool = False, last: Iterable[OffloadKey] = ()) -> None:
+        """Forget session `name`; `ended` (with `last`, the keys of its last turn): its blocks that
+        no other session retains go to `on_ended`, deep end first."""
         session = self.sessions.pop(name, None)
-        if session is None:
-            return
-        for key in session.keys:
-            if self.retained.get(key) == name:
-                del self.retained[key]
+        owned = []
+        if session is not None:
+            for key in session.keys:
+                if self.retained.get(key) == name:
+                    del self.retained[key]
+                    owned.append(key)
+            self.stats.ended += ended
         if ended:
-            self.stats.ended += 1
+            retained = self.retained
+            chain = [key for key in dict.fromkeys([*owned, *last]) if key not in retained]
+            if chain:
+                self.on_ended(chain[::-1])
+
+
+def _ignore(keys: list[OffloadKey]) -> None:
+    """The default `on_ended`: a `Retention` outside a hierarchy keeps no victims."""

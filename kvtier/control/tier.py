@@ -67,7 +67,9 @@ class Tier:
     - write-through (`on_store`): `unwritten`, readable keys whose copy below has not started
       (oldest first), and `lower_full`;
     - `promoted_from` (tier 0): keys promoted into this tier -> index of the tier that supplied
-      them, until they are loaded or evicted (so the supplier is credited with the hit).
+      them, until they are loaded or evicted (so the supplier is credited with the hit);
+    - `first_victims`: blocks of ended sessions (`kvtier.control.retention`), evicted before the
+      policy's victims, in order (`Cascade.evict_for`), until they leave or are used again.
     """
 
     name: str
@@ -87,6 +89,7 @@ class Tier:
     lower_full: bool = field(default=False, init=False)  # the last copy tried found no room below
     promoted_from: dict[OffloadKey, int] = field(default_factory=dict, init=False, repr=False)
     condemned: set[OffloadKey] = field(default_factory=set, init=False)  # failed a read, still pinned: see `condemn`
+    first_victims: OrderedDict[OffloadKey, None] = field(default_factory=OrderedDict, init=False, repr=False)
     stats: TierStats = field(default_factory=TierStats, init=False)
     # key -> slot, block state and load pins, behind one batch API over slot ids (kvtier.index)
     table: BlockTable = field(init=False, repr=False, compare=False)
@@ -219,6 +222,9 @@ class Tier:
             self.clean.difference_update(keys)
         if self.condemned:
             self.condemned.difference_update(keys)
+        if self.first_victims:
+            for key in keys:
+                self.first_victims.pop(key, None)
         if self.unwritten or self.write_failed:
             self.forget(keys)
         if self.above is not None:

@@ -49,6 +49,8 @@ TIER_HELP = {
     "capacity_blocks": "blocks this tier can hold",
     "resident_blocks": "blocks this tier holds now",
     "free_blocks": "free slots of this tier's backend now",
+    "retained_blocks": "blocks of this tier kept by sessions' retention hints now",
+    "ended_blocks": "blocks of this tier from ended sessions, to be evicted first",
 }
 
 

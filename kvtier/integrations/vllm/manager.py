@@ -69,6 +69,8 @@ KVTIER_GAUGES: dict[str, str] = {
     "resident_blocks": "Blocks currently held by this tier.",
     "usage_perc": "Fraction of this tier's capacity currently used (0.0 - 1.0).",
     "capacity_blocks": "Capacity of this tier in blocks.",
+    "retained_blocks": "Blocks of this tier kept by sessions' retention hints now.",
+    "ended_blocks": "Blocks of this tier from ended sessions, to be evicted first.",
 }
 
 
@@ -315,8 +317,8 @@ class KVTierOffloadingManager(OffloadingManager):
                 record_lower_tier(stats, tier, deltas)
             capacity = values.get("capacity_blocks") or 0
             resident = values.get("resident_blocks", 0)
-            stats.set_gauge(METRIC_PREFIX + "resident_blocks", resident, (tier,))
-            stats.set_gauge(METRIC_PREFIX + "capacity_blocks", capacity, (tier,))
+            for gauge in ("resident_blocks", "capacity_blocks", "retained_blocks", "ended_blocks"):
+                stats.set_gauge(METRIC_PREFIX + gauge, values.get(gauge, 0), (tier,))
             stats.set_gauge(METRIC_PREFIX + "usage_perc", resident / capacity if capacity else 0.0, (tier,))
         sizes, self._allocation_sizes = self._allocation_sizes, []
         record_first_tier(stats, self.hierarchy.first_tier, len(self._storing), sizes)

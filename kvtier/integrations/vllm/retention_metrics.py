@@ -16,6 +16,7 @@ RETENTION_COUNTERS: dict[str, str] = {
     "ended": "Sessions ended by a hint (their blocks released).",
     "displaced": "Sessions that lost their retention to the share of the first tier or the session limit.",
     "kept_past": "Evictions that took retained blocks (no room could be made otherwise).",
+    "evicted_ended": "Blocks of ended sessions evicted before the policy's victims.",
 }
 RETENTION_GAUGES: dict[str, str] = {
     "sessions": "Sessions with a retention now.",
