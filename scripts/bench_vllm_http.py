@@ -232,11 +232,12 @@ class Server:
                 time.sleep(0.1)
 
 
-def chat(server: Server, system: str, user: str, gate: threading.Barrier) -> dict:
-    """One streamed chat; TTFT = send to the first chunk carrying a generated token."""
+def chat(server: Server, system: str, user: str, gate: threading.Barrier, extra: dict | None = None) -> dict:
+    """One streamed chat (`extra`: more fields of the request body); TTFT = send to the first chunk
+    carrying a generated token."""
     body = {"model": "bench", "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
             "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **(extra or {})}
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=300)
     conn.connect()
     gate.wait()
@@ -280,8 +281,8 @@ def run_round(server: Server, system: str, users: list[str], prefix_tokens: int,
 
 
 # ------------------------------------------------------------------ driver
-def system_prompts(model: Path, count: int) -> tuple[list[str], int]:
-    """`count` system prompts of at most SYSTEM_TOKENS tokens as the chat template renders them
+def system_prompts(model: Path, count: int, max_tokens: int = SYSTEM_TOKENS, seed: int = 500) -> tuple[list[str], int]:
+    """`count` system prompts of at most `max_tokens` tokens as the chat template renders them
     ("system: TEXT\\n"), and the tokens of their full offloaded blocks (what a tier can bring back)."""
     from tiny_model import random_prompt
     from transformers import AutoTokenizer
@@ -289,8 +290,8 @@ def system_prompts(model: Path, count: int) -> tuple[list[str], int]:
     tok = AutoTokenizer.from_pretrained(str(model))
     texts, full = [], []
     for i in range(count):  # the most words whose rendering fits in SYSTEM_TOKENS
-        words, n = random_prompt(2000, seed=500 + i).split(), 1  # (a prompt of n words: the first n of these)
-        while len(tok(f"system: {' '.join(words[:n + 1])}\n")["input_ids"]) <= SYSTEM_TOKENS:
+        words, n = random_prompt(2000, seed=seed + i).split(), 1  # (a prompt of n words: the first n of these)
+        while len(tok(f"system: {' '.join(words[:n + 1])}\n")["input_ids"]) <= max_tokens:
             n += 1
         texts.append(" ".join(words[:n]))
         full.append(len(tok(f"system: {texts[-1]}\n")["input_ids"]))
