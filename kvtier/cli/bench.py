@@ -212,7 +212,9 @@ def _belady_ceilings(trace, config, rows: list[dict[str, Any]]) -> list[dict[str
 
 
 def _print_trace(result: dict[str, Any]) -> None:
-    print(f"\n{'system':<8}{'policy':<13}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}"
+    label = {id(r): r["policy"] + ("+hints" if r.get("hints") else "") for r in result["runs"]}
+    w = max([13, *(len(v) + 1 for v in label.values())])  # the policy column
+    print(f"\n{'system':<8}{'policy':<{w}}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}"
           f"{'CPU us/blk':>11}  per tier")
     for r in result["runs"]:
         tiers = ", ".join(f"{n} {t['hit_rate']:.3f}" for n, t in r.get("tiers", {}).items())
@@ -220,11 +222,10 @@ def _print_trace(result: dict[str, Any]) -> None:
         if "vs_vllm_lru" in r:
             extra = (f"  [{r['vs_vllm_lru']['block_ops_per_s']:.1f}x vLLM LRU ops/s, "
                      f"{r['vs_vllm_lru']['cpu_per_block']:.2f}x its CPU/block]")
-        policy = r["policy"] + ("+hints" if r.get("hints") else "")
-        print(f"{r['system']:<8}{policy:<13}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
+        print(f"{r['system']:<8}{label[id(r)]:<{w}}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
               f"{r['block_ops_per_s']:>13,.0f}{r['cpu_us_per_block']:>11.2f}  {tiers}{extra}")
     for o in result.get("optimum", []):
-        print(f"{'offline':<8}{'Belady':<13}{o['capacity_blocks']:>13}{o['hit_rate']:>10.4f}{'-':>13}{'-':>11}  "
+        print(f"{'offline':<8}{'Belady':<{w}}{o['capacity_blocks']:>13}{o['hit_rate']:>10.4f}{'-':>13}{'-':>11}  "
               f"optimum for {o['total_capacity_blocks']} blocks in all")
     print(f"(offline ceiling with unlimited space: {result['optimum_hit_rate']:.4f})")
     sessions = result.get("sessions")
