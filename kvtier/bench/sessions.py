@@ -47,6 +47,11 @@ class SessionTrace(Trace):
     last_turn: list[bool] = field(default_factory=list)
     sessions_from: str = "generated"
 
+    def head(self, n: int) -> SessionTrace:
+        """The first `n` requests (a session cut short has no last turn)."""
+        return SessionTrace(self.name, self.requests[:n], self.block_tokens, self.arrivals[:n], self.sessions[:n],
+                            self.tenants[:n], self.last_turn[:n], self.sessions_from)
+
     def gaps(self) -> list[float]:
         """Seconds between consecutive turns of the same session, in trace order."""
         last: dict[str, float] = {}

@@ -134,9 +134,9 @@ def _load_workload(args, checked: dict[str, Any]) -> workloads.Trace:
             return sessions.load_session_trace(path, args.limit)
         return workloads.load_trace(path, args.limit)
     if checked["workload"] in sessions.WORKLOADS:
-        trace: workloads.Trace = sessions.generate_session_trace(checked["workload"], scale=0.25 if args.quick else 1)
-    else:
-        trace = workloads.generate_trace(num_conversations=60 if args.quick else 400)
+        generated = sessions.generate_session_trace(checked["workload"], scale=0.25 if args.quick else 1)
+        return generated.head(args.limit) if args.limit else generated
+    trace = workloads.generate_trace(num_conversations=60 if args.quick else 400)
     if args.limit:
         trace.requests = trace.requests[: args.limit]
     return trace

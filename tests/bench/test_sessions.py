@@ -44,6 +44,14 @@ def test_generated_sessions_extend_their_prefix_and_flag_their_last_turn(name):
     assert trace.gaps() and 0 < trace.retain_s() <= 3600
 
 
+def test_head_cuts_every_list():
+    trace = generate_session_trace("chat", seed=1, scale=0.1)
+    head = trace.head(50)
+    assert head.requests == trace.requests[:50] and head.arrivals == trace.arrivals[:50]
+    assert head.sessions == trace.sessions[:50] and head.last_turn == trace.last_turn[:50]
+    assert len(head.tenants) == 50 and len(head.gaps()) < len(trace.gaps())
+
+
 def test_scans_share_no_block_with_anything():
     trace = generate_session_trace("mixed-scans", seed=2, scale=0.1)
     scans = [set(r) for r, s in zip(trace.requests, trace.sessions) if s is None]
