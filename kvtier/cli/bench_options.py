@@ -1,6 +1,7 @@
 """`kvtier bench`'s option values, checked before anything is measured or created.
 
-`check_options(args, mode)` returns the parsed values (`block_sizes`, `root_dir`, `capacities`) or
+`check_options(args, mode)` returns the parsed values (`block_sizes`, `root_dir`, `capacities`,
+`workload`, `hints`, `retain_s`) or
 raises `ConfigError` naming the option, the value given and the allowed range (exit status 2).
 """
 
@@ -10,9 +11,14 @@ from typing import Any
 
 from kvtier.bench import replay
 from kvtier.bench.hops_runner import default_block_sizes
+from kvtier.bench.sessions import WORKLOADS
 from kvtier.bench.where import RootDirError, check_root_dir
 from kvtier.config import format_size, parse_size
+from kvtier.control.retention import MAX_RETAIN_S
 from kvtier.core.errors import ConfigError
+
+MULTITURN = "multiturn"  # the generated workload without sessions (the default without --trace)
+HINTS = ("off", "on", "both")
 
 MAX_REPEATS = 1000  # rounds per measurement; more would run for hours on the default sizes
 MAX_HOP_BLOCK_BYTES = 1 << 30  # a hop moves at least 8 blocks, twice over in memory: 16 GiB at this size
@@ -50,9 +56,36 @@ def check_options(args: Any, mode: str) -> dict[str, Any]:
                 out["root_dir"] = check_root_dir(args.root_dir)
             except RootDirError as exc:
                 raise ConfigError([("--root-dir", str(exc).removeprefix("--root-dir "))]) from None
+    if mode in ("all", "trace"):
+        out.update(_session_options(args))
     if mode in ("all", "trace") and args.capacities:
         try:
             out["capacities"] = replay.parse_counts(args.capacities)
         except ValueError as exc:
             raise ConfigError([("--capacities", str(exc))]) from None
     return out
+
+
+def _session_options(args: Any) -> dict[str, Any]:
+    """`workload` (None: --trace), `hints` ("off", "on", "both") and `retain_s` (None: auto)."""
+    names = (MULTITURN, *WORKLOADS)
+    workload = args.workload
+    if workload is not None and workload not in names:
+        raise ConfigError([("--workload", f"{workload!r} is not a workload; choose from {', '.join(names)}")])
+    if workload is not None and args.trace:
+        raise ConfigError([("--workload", "give --workload or --trace, not both")])
+    if args.hints not in HINTS:
+        raise ConfigError([("--hints", f"{args.hints!r} is not one of {', '.join(HINTS)}")])
+    if args.hints != "off" and not args.trace and workload in (None, MULTITURN):
+        raise ConfigError([("--hints", f"needs sessions: --workload {'|'.join(WORKLOADS)}, or a --trace with "
+                                       f"timestamps (got the {MULTITURN} workload, which has none)")])
+    retain: float | None = None
+    if args.retain_s != "auto":
+        try:
+            retain = float(args.retain_s)
+        except ValueError:
+            retain = -1.0
+        if not 1 <= retain <= MAX_RETAIN_S:
+            raise ConfigError([("--retain-s", f"{args.retain_s!r} is not auto or a number of seconds from 1 to "
+                                              f"{MAX_RETAIN_S:g}")])
+    return {"workload": workload or (None if args.trace else MULTITURN), "hints": args.hints, "retain_s": retain}

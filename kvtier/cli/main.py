@@ -53,6 +53,16 @@ BENCH_OPTIONS: list[tuple[tuple[str, ...], dict, frozenset[str]]] = [
                         help="Mooncake-format JSONL trace, or 'sample' (a slice of Mooncake's conversation "
                              "trace shipped with kvtier; default: a built-in multi-turn workload)"),
      frozenset({TRACE})),
+    (("--workload",), dict(default=None, metavar="NAME",
+                           help="generated workload instead of --trace: multiturn (the default), or one with "
+                                "sessions: agentic, chat, mixed-scans (docs/bench.md)"), frozenset({TRACE})),
+    (("--hints",), dict(default="off", metavar="off|on|both",
+                        help="replay kvtier with per-session retention hints (on), without (off, the default) or "
+                             "both; needs sessions: --workload agentic|chat|mixed-scans, or a --trace with "
+                             "timestamps (sessions inferred)"), frozenset({TRACE})),
+    (("--retain-s",), dict(default="auto", metavar="auto|SECONDS",
+                           help="the hints' retain_s: auto (the 90th percentile of the gaps between a session's "
+                                "turns) or seconds from 1 to 3600"), frozenset({TRACE})),
     (("--limit",), dict(default=None, type=_positive_int, metavar="N", help="replay only the first N requests"),
      frozenset({TRACE})),
     (("--capacities",), dict(default=None, metavar="LIST",
