@@ -96,7 +96,8 @@ OPTION_VALUES = {
     "--quick": ([], True), "--no-progress": ([], True), "--block-sizes": (["1MiB"], "1MiB"),
     "--root-dir": (["/r"], "/r"), "--trace": (["t.jsonl"], "t.jsonl"), "--limit": (["7"], 7),
     "--capacities": (["1k"], "1k"), "--policies": (["arc"], "arc"), "--compare": (["vllm"], "vllm"),
-    "--repeats": (["3"], 3),
+    "--repeats": (["3"], 3), "--workload": (["agentic"], "agentic"), "--hints": (["both"], "both"),
+    "--retain-s": (["30"], "30"),
 }
 
 
