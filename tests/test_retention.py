@@ -75,7 +75,31 @@ def test_retained_blocks_hold_at_most_the_share_and_the_biggest_tenant_gives_way
     r.note(Hint("t1-low", 60.0, priority=0, tenant="t1"), keys(4, 0))
     r.note(Hint("t1-high", 60.0, priority=5, tenant="t1"), keys(4, 10))
     r.note(Hint("t2", 60.0, priority=0, tenant="t2"), keys(3, 20))  # 11 > 10: t1 holds the most
-    assert set(r.sessions) == {"t1-high", "t2"} and len(r.held()) == 7 and r.stats.displaced == 1
+    assert set(r.retaining()) == {"t1-high", "t2"} and len(r.held()) == 7 and r.stats.displaced == 1
+    r.note(Hint("t1-low", 60.0, priority=0, tenant="t1"), keys(1, 4))  # its next turn: retained again
+    assert "t1-low" in r.retaining() and len(r.held()) <= 10
+
+
+def test_a_displaced_session_that_ends_still_leaves_first_what_it_stored():
+    ended: list[list[bytes]] = []
+    r = Retention(capacity=8, share=0.5)  # 4 blocks
+    r.on_ended = ended.append
+    r.note(Hint("a", 60.0), keys(3), stored=keys(3))
+    r.note(Hint("b", 60.0), keys(3, 10), stored=keys(3, 10))  # over the share: a is displaced
+    assert r.retaining() == ["b"]
+    r.note(Hint("a", ended=True), keys(4), stored=keys(1, 3))
+    assert ended == [keys(4)[::-1]]  # all a stored, deep end first
+
+
+def test_the_stored_blocks_remembered_are_bounded():
+    r = Retention(capacity=4)  # at most 8 stored blocks remembered in all
+    for i in range(6):
+        r.note(Hint(f"s{i}", 60.0), keys(3, 10 * i), stored=keys(3, 10 * i))
+    ended: list[list[bytes]] = []
+    r.on_ended = ended.append
+    r.note(Hint("s0", ended=True), [])  # its stored blocks were the oldest: forgotten
+    r.note(Hint("s5", ended=True), [])
+    assert ended == [keys(3, 50)[::-1]]
 
 
 def test_one_session_past_the_share_keeps_its_prefix():
@@ -278,4 +302,23 @@ def test_the_stats_say_per_tier_what_is_retained_and_what_goes_first():
     h.manager.touch(chat, ReqContext("t2", kv_transfer_params={"kvtier": {"session": "c", "session_ended": True}}))
     rows = h.manager.get_stats()
     assert (rows["hot"]["retained_blocks"], rows["hot"]["ended_blocks"], rows["warm"]["ended_blocks"]) == (0, 4, 0)
+    h.close()
+
+
+def test_a_one_shot_request_leaves_first_only_the_blocks_it_stored_not_the_prefix_it_shared():
+    """A request ended at its first turn (a one-shot call): its own new blocks go first; the
+    system prompt it found stored is an ordinary block."""
+    h = memory_hierarchy(hot=8, warm=64, cascade="none")
+    system = keys(2, 900)
+    stored(h, system, ReqContext("sys"))
+    stored(h, keys(3, 0), ReqContext("plain"))  # older than the one-shot's blocks
+    once = ReqContext("once", kv_transfer_params={"kvtier": {"session": "q1", "session_ended": True}})
+    h.manager.touch(system, once)  # its hit of the system prompt...
+    stored(h, system + keys(3, 500), once)  # ...and its own three blocks
+    stored(h, keys(5, 700), ReqContext("new"))  # a full first tier: five blocks must go
+    hot = h.manager.tiers[0]
+    assert all(hot.table.get(k) is not None for k in system)
+    assert all(hot.table.get(k) is None for k in keys(3, 500))  # first, then two of the older plain ones
+    assert sum(hot.table.get(k) is None for k in keys(3, 0)) == 2
+    assert h.manager.retention.stats.evicted_ended == 3
     h.close()

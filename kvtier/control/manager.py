@@ -141,16 +141,20 @@ class HierarchyManager(OffloadingManager):
         if self._finished:
             self._jobs.drain()
 
-    def _note_turn(self, req_context: ReqContext | None, keys: Collection[OffloadKey]) -> None:
-        """A request used `keys`: they are no ended session's first victims any more, and they
-        join the session its retention hint names (`Retention.note_turn`; a request without
-        `kv_transfer_params` carries none, so the retention is not asked)."""
-        for tier in self.tiers:
-            if tier.first_victims:
-                for key in keys:
-                    tier.first_victims.pop(key, None)
+    def _note_turn(self, req_context: ReqContext | None, keys: Collection[OffloadKey],
+                   stored: Collection[OffloadKey] = ()) -> None:
+        """A request used `keys`, storing `stored` of them: they join the session its retention
+        hint names (`Retention.note_turn`; a request without `kv_transfer_params` carries none,
+        so the retention is not asked), and unless that session ended with this request, they
+        are no ended session's first victims any more (used again)."""
+        hint = None
         if req_context is not None and getattr(req_context, "kv_transfer_params", None):
-            self.retention.note_turn(req_context, keys)
+            hint = self.retention.note_turn(req_context, keys, stored)
+        if hint is None or not hint.ended:
+            for tier in self.tiers:
+                if tier.first_victims:
+                    for key in keys:
+                        tier.first_victims.pop(key, None)
 
     # ------------------------------------------------------------------ protocol
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -245,7 +249,7 @@ class HierarchyManager(OffloadingManager):
         if self._writes_through:
             self._cascade.advance_writes()
         out = self.stores.prepare(keys)
-        self._note_turn(req_context, keys)
+        self._note_turn(req_context, keys, () if out is None else out.keys_to_store)
         return out
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext | bool | None = None,

@@ -12,17 +12,20 @@ Hints are untrusted input, so everything is bounded:
   characters, an optional `tenant` likewise (`parse_hint` names the field that is wrong);
 - retained blocks hold at most `share` of the first tier (the smallest); over it, the sessions
   of the tenant holding the most lose their retention first, lowest priority and oldest turn
-  first, so one tenant cannot take the share from the others;
-- at most `max_sessions` sessions are tracked (the oldest turn is forgotten first).
+  first, so one tenant cannot take the share from the others (a session that lost it is still
+  tracked, and retained again from its next turn);
+- at most `max_sessions` sessions are tracked (the oldest turn is forgotten first), remembering
+  at most twice the first tier's capacity of stored blocks in all (the oldest forgotten first).
 Retained blocks are kept like pinned ones: a store waits for room ("no room yet") while the
 other blocks are pinned, and only a store the tier could not take even with every pin released
 evicts them (`kept_past`), so a retention never makes a store impossible. Without hints this
 module costs nothing per call.
 
-`session_ended: true` releases the session's blocks at once and makes them the first victims
-(`on_ended`, set by the manager: every tier holding them evicts them before its policy's victims,
-the deep end of the session first), except those another live session retains; a block used
-again by any request is an ordinary block again.
+`session_ended: true` releases the session's blocks at once and makes the blocks the session
+stored itself the first victims (`on_ended`, set by the manager: every tier holding them evicts
+them before its policy's victims, the deep end of the session first), except those another live
+session retains; the blocks it found stored (a shared system prompt) stay ordinary, and so does a
+block any request uses again. A one-shot request is a session ended at its first turn.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, KeysView, Mapping
+from collections.abc import Callable, Collection, Iterable, KeysView, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +101,8 @@ class _Session:
     tenant: str
     priority: int
     until: float  # monotonic time its retention ends
-    keys: dict[OffloadKey, None] = field(default_factory=dict)
+    keys: dict[OffloadKey, None] = field(default_factory=dict)  # the blocks it retains (none: displaced)
+    stored: dict[OffloadKey, None] = field(default_factory=dict)  # the blocks it stored, oldest first
 
 
 @dataclass
@@ -125,9 +129,11 @@ class Retention:
     def __init__(self, capacity: int, share: float = RETAINED_SHARE, max_sessions: int = MAX_SESSIONS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.budget = max(1, int(capacity * share))
+        self.stored_limit = 2 * capacity  # stored blocks remembered, all sessions together
+        self._stored = 0
         self.max_sessions = max_sessions
         self.clock = clock
-        self.sessions: OrderedDict[str, _Session] = OrderedDict()  # least recent turn first
+        self.sessions: OrderedDict[str, _Session] = OrderedDict()  # tracked, least recent turn first
         self.retained: dict[OffloadKey, str] = {}  # key -> the session that holds it
         self.stats = RetentionStats()
         self._next_expiry = float("inf")
@@ -135,13 +141,14 @@ class Retention:
         # Told the blocks of a session that ended (deep end first): the manager makes them first victims.
         self.on_ended: Callable[[list[OffloadKey]], None] = _ignore
 
-    def note(self, hint: Hint | None, keys: Iterable[OffloadKey]) -> None:
-        """A turn of `hint.session` stored or hit `keys` (a request's blocks, prefix first)."""
+    def note(self, hint: Hint | None, keys: Iterable[OffloadKey], stored: Collection[OffloadKey] = ()) -> None:
+        """A turn of `hint.session` stored or hit `keys` (a request's blocks, prefix first), of
+        which it stored `stored` itself (new in the first tier)."""
         if hint is None:
             return
         self.stats.hints += 1
         if hint.ended or hint.retain_s <= 0:
-            self._release(hint.session, ended=hint.ended, last=keys)
+            self._release(hint.session, ended=hint.ended, last=stored)
             return
         session = self.sessions.pop(hint.session, None)
         if session is None:
@@ -150,6 +157,10 @@ class Retention:
         session.until = self.clock() + hint.retain_s
         self._next_expiry = min(self._next_expiry, session.until)
         self.sessions[hint.session] = session
+        if stored:
+            before = len(session.stored)
+            session.stored.update(dict.fromkeys(stored))
+            self._stored += len(session.stored) - before
         for key in keys:
             owner = self.retained.get(key)
             if owner != hint.session:
@@ -159,10 +170,12 @@ class Retention:
                 session.keys[key] = None
         self._bound()
 
-    def note_turn(self, req_context: Any, keys: Iterable[OffloadKey]) -> None:
-        """`note` the hint `req_context` carries (`hint_of`; None: none) for `keys`."""
-        if req_context is not None:
-            self.note(self.hint_of(req_context), keys)
+    def note_turn(self, req_context: Any, keys: Iterable[OffloadKey],
+                  stored: Collection[OffloadKey] = ()) -> Hint | None:
+        """`note` the hint `req_context` carries (`hint_of`; None: none) for `keys`; that hint."""
+        hint = None if req_context is None else self.hint_of(req_context)
+        self.note(hint, keys, stored)
+        return hint
 
     def hint_of(self, req_context: Any) -> Hint | None:
         """The hint a request carries in `kv_transfer_params["kvtier"]`, or None. An invalid one
@@ -185,8 +198,12 @@ class Retention:
 
     def report(self) -> dict[str, Any]:
         """The counters, the sessions retained now and their blocks (`stats()["retention"]`)."""
-        return {**self.stats.as_dict(), "sessions": len(self.sessions), "retained_blocks": len(self.retained),
+        return {**self.stats.as_dict(), "sessions": len(self.retaining()), "retained_blocks": len(self.retained),
                 "budget_blocks": self.budget}
+
+    def retaining(self) -> list[str]:
+        """The sessions whose blocks are retained now, least recent turn first."""
+        return [name for name, session in self.sessions.items() if session.keys]
 
     def held(self) -> KeysView[OffloadKey]:
         """The keys retained now (expired sessions released first); empty without hints."""
@@ -208,40 +225,55 @@ class Retention:
         while len(self.sessions) > self.max_sessions:
             self._release(next(iter(self.sessions)))
             self.stats.displaced += 1
-        while len(self.retained) > self.budget and len(self.sessions) > 1:
-            self._release(self._least_deserving())
+        while len(self.retained) > self.budget:
+            name = self._least_deserving()
+            if name is None:  # one session past the share: its prefix is kept
+                keys = next(s for s in self.sessions.values() if s.keys).keys
+                for key in list(keys)[self.budget:]:
+                    del keys[key], self.retained[key]
+                break
+            self._unretain(self.sessions[name], name)
             self.stats.displaced += 1
-        if len(self.retained) > self.budget:  # one session past the share: its prefix is kept
-            keys = next(iter(self.sessions.values())).keys
-            for key in list(keys)[self.budget:]:
-                del keys[key], self.retained[key]
+        while self._stored > self.stored_limit:  # the oldest stored blocks of the least recent turns
+            stored = next(s for s in self.sessions.values() if s.stored).stored
+            del stored[next(iter(stored))]
+            self._stored -= 1
 
-    def _least_deserving(self) -> str:
-        """The session to give up when over the share: in the tenant holding the most blocks,
-        the lowest priority, then the oldest turn (the newest session is never the one)."""
+    def _least_deserving(self) -> str | None:
+        """The retaining session to give up when over the share: in the tenant holding the most
+        blocks, the lowest priority, then the oldest turn (never the newest; None when no other
+        session retains any)."""
         held: dict[str, int] = {}
         for session in self.sessions.values():
             held[session.tenant] = held.get(session.tenant, 0) + len(session.keys)
         newest = next(reversed(self.sessions))
-        candidates = [(name, s) for name, s in self.sessions.items() if name != newest]
+        candidates = [(name, s) for name, s in self.sessions.items() if s.keys and name != newest]
+        if not candidates:
+            return None
         top = max(held[s.tenant] for _, s in candidates)
         return min(((name, s) for name, s in candidates if held[s.tenant] == top),
                    key=lambda item: item[1].priority)[0]
 
+    def _unretain(self, session: _Session, name: str) -> None:
+        """`session` (`name`) retains none of its blocks any more (it stays tracked)."""
+        for key in session.keys:
+            if self.retained.get(key) == name:
+                del self.retained[key]
+        session.keys.clear()
+
     def _release(self, name: str, ended: bool = False, last: Iterable[OffloadKey] = ()) -> None:
-        """Forget session `name`; `ended` (with `last`, the keys of its last turn): its blocks that
-        no other session retains go to `on_ended`, deep end first."""
+        """Forget session `name`; `ended` (with `last`, the blocks its last turn stored): the
+        blocks it stored that no other session retains go to `on_ended`, deep end first."""
         session = self.sessions.pop(name, None)
-        owned = []
+        stored: Iterable[OffloadKey] = ()
         if session is not None:
-            for key in session.keys:
-                if self.retained.get(key) == name:
-                    del self.retained[key]
-                    owned.append(key)
+            self._unretain(session, name)
+            stored = session.stored
+            self._stored -= len(stored)
             self.stats.ended += ended
         if ended:
             retained = self.retained
-            chain = [key for key in dict.fromkeys([*owned, *last]) if key not in retained]
+            chain = [key for key in dict.fromkeys([*stored, *last]) if key not in retained]
             if chain:
                 self.on_ended(chain[::-1])
 

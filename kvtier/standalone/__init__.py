@@ -148,7 +148,7 @@ class KVTier:
                 self._counters.skip(len(pending) - len(admitted))
                 pending = [key for key in pending if key in admitted]
             stored = self._rounds.store(pending, by_key)
-            self.manager.retention.note(hint, keys)
+            self.manager.retention.note(hint, keys, pending)
             return stored
 
     def lookup(self, keys: Sequence[bytes]) -> int:
