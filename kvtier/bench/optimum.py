@@ -7,6 +7,7 @@ study (`python -m benchmarks.policy_study`) draws it as the ceiling.
 from __future__ import annotations
 
 import heapq
+from collections import OrderedDict
 
 from kvtier.bench.workloads import Trace, leading_hits
 
@@ -51,3 +52,32 @@ def optimum(trace: Trace, capacity: int | None) -> float:
             heap = [(-n, -d, h) for h, (n, d) in cached.items()]
             heapq.heapify(heap)
     return hits / max(1, total)
+
+
+def ends_known(trace: Trace, capacity: int) -> float:
+    """The hit rate of an LRU that knows exactly which blocks are never used again and evicts
+    those first (a request's blocks inserted tail first, as kvtier's stores do): the most that
+    `session_ended` hints can buy an LRU, whatever a policy does with them. What stays between
+    this and `optimum` is the timing of live sessions' next turns, which no hint carries."""
+    requests = trace.requests
+    inf = len(requests)
+    next_use: list[list[int]] = [[]] * len(requests)
+    upcoming: dict[int, int] = {}
+    for i in range(len(requests) - 1, -1, -1):
+        next_use[i] = [upcoming.get(h, inf) for h in requests[i]]
+        for h in requests[i]:
+            upcoming[h] = i
+    recency: OrderedDict[int, None] = OrderedDict()  # least recent first
+    dead: OrderedDict[int, None] = OrderedDict()  # resident, never used again: first out
+    hits = 0
+    for i, row in enumerate(requests):
+        hits += leading_hits(row, recency)
+        for h, nxt in zip(reversed(row), reversed(next_use[i])):  # the request's head ends most recent
+            recency[h] = None
+            recency.move_to_end(h)
+            if nxt == inf:
+                dead[h] = None
+        while len(recency) > capacity:
+            victim = dead.popitem(last=False)[0] if dead else recency.popitem(last=False)[0]
+            recency.pop(victim, None)
+    return hits / max(1, trace.total_blocks)

@@ -1,5 +1,6 @@
 """The side-by-side view of a session replay (`kvtier bench trace --hints ...`): per swept capacity,
-kvtier's policies without and with hints, vLLM's LRU and ARC, the offline optimum, and
+kvtier's policies without and with hints, vLLM's LRU and ARC, the offline optimum, an LRU that
+knows every session's end (`ends_known`: the most that `session_ended` hints can buy), and
 
 - `gap_closed` per hinted policy: (hinted - vLLM's best) / (optimum - vLLM's best); None when
   vLLM did not run or already reaches the optimum (no gap to close);
@@ -18,6 +19,7 @@ TOLERANCE = 0.002  # hit rate: "not below vLLM's best" allows this much
 def compare(runs: list[dict[str, Any]], optimum: list[dict[str, Any]]) -> dict[str, Any]:
     """`by_capacity` rows and the `checks` over them, from `sweep`'s rows and the optimum rows."""
     ceiling = {o["capacity_blocks"]: o["hit_rate"] for o in optimum}
+    ends = {o["capacity_blocks"]: o.get("ends_known") for o in optimum}
     rows = []
     for cap in sorted({r["capacity_blocks"] for r in runs}):
         at = [r for r in runs if r["capacity_blocks"] == cap]
@@ -29,7 +31,7 @@ def compare(runs: list[dict[str, Any]], optimum: list[dict[str, Any]]) -> dict[s
         gap = (top - best) if top is not None and best is not None else None
         rows.append({
             "capacity_blocks": cap, "kvtier": plain, "kvtier_hints": hinted, "vllm": vllm, "vllm_best": best,
-            "optimum": top,
+            "optimum": top, "ends_known": ends.get(cap),
             "gap_closed": {p: (h - best) / gap if gap and gap > 1e-9 else None for p, h in hinted.items()},
             "margin": {p: h - best for p, h in plain.items()} if best is not None else {},
         })
@@ -48,12 +50,13 @@ def table(report: dict[str, Any]) -> list[str]:
     hinted = sorted({p for r in rows for p in r["kvtier_hints"]})
     vllm = sorted({p for r in rows for p in r["vllm"]})
     heads = ([f"{p}" for p in plain] + [f"{p}+hints" for p in hinted] + [f"vllm {p}" for p in vllm]
-             + ["optimum"] + [f"gap closed {p}" for p in hinted])
+             + ["ends known", "optimum"] + [f"gap closed {p}" for p in hinted])
     widths = [max(8, len(h) + 2) for h in heads]
     lines = [f"{'tier0 blocks':>12}" + "".join(f"{h:>{w}}" for h, w in zip(heads, widths))]
     for r in rows:
         cells = ([r["kvtier"].get(p) for p in plain] + [r["kvtier_hints"].get(p) for p in hinted]
-                 + [r["vllm"].get(p) for p in vllm] + [r["optimum"]] + [r["gap_closed"].get(p) for p in hinted])
+                 + [r["vllm"].get(p) for p in vllm] + [r["ends_known"], r["optimum"]]
+                 + [r["gap_closed"].get(p) for p in hinted])
         lines.append(f"{r['capacity_blocks']:>12}" + "".join(
             f"{'-' if c is None else f'{c:.4f}':>{w}}" for c, w in zip(cells, widths)))
     for policy, c in report["no_hints_vs_vllm_best"].items():

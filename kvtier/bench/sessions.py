@@ -206,13 +206,15 @@ def _arrivals(path: Path, count: int, block_tokens: int) -> tuple[list[float], l
 
 class SessionHints:
     """The hints a client would send with each request of `trace` (session, `retain_s`, tenant,
-    `session_ended` on a last turn; one-time requests: none) and the simulated clock: `context`
+    `session_ended` on a last turn; a one-time request: a session of one turn, ended at once,
+    so that only the blocks it stores go first) and the simulated clock: `context`
     builds request `req_id`'s context and moves `clock()` to its arrival, so retention expires
     in trace time, not in the replay's wall time."""
 
-    def __init__(self, trace: SessionTrace, retain_s: float) -> None:
+    def __init__(self, trace: SessionTrace, retain_s: float, one_shot: bool = True) -> None:
         self.trace = trace
         self.retain_s = retain_s
+        self.one_shot = one_shot  # False: one-time requests carry no hint
         self.now = 0.0
 
     def clock(self) -> float:
@@ -224,8 +226,11 @@ class SessionHints:
         self.now = trace.arrivals[i]
         session = trace.sessions[i]
         if session is None:
-            return ReqContext(req_id)
-        hint: dict[str, Any] = {"session": session, "retain_s": self.retain_s, "tenant": trace.tenants[i]}
+            if not self.one_shot:
+                return ReqContext(req_id)
+            hint: dict[str, Any] = {"session": f"one-shot/{i}", "tenant": trace.tenants[i], "session_ended": True}
+            return ReqContext(req_id, kv_transfer_params={HINTS_KEY: hint})
+        hint = {"session": session, "retain_s": self.retain_s, "tenant": trace.tenants[i]}
         if trace.last_turn[i]:
             hint["session_ended"] = True
         return ReqContext(req_id, kv_transfer_params={HINTS_KEY: hint})

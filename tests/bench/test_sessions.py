@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvtier.bench.optimum import ends_known, optimum
 from kvtier.bench.replay import replay_kvtier
 from kvtier.bench.session_report import compare
 from kvtier.bench.sessions import WORKLOADS, SessionHints, SessionTrace, generate_session_trace, load_session_trace
@@ -98,10 +99,11 @@ def _crafted(flush_at: float, gap: float) -> SessionTrace:
                         last_turn=[False] * 6 + [True])
 
 
-def _replay(trace: SessionTrace, retain_s: float | None):
+def _replay(trace: SessionTrace, retain_s: float | None, one_shot: bool = False):
     config = parse_config({"block_tokens": 512, "tiers": [{"name": "cpu", "backend": "memory",
                                                            "capacity": f"{CAPACITY} blocks", "policy": "lru"}]})
-    return replay_kvtier(config, trace, hints=None if retain_s is None else SessionHints(trace, retain_s))
+    hints = None if retain_s is None else SessionHints(trace, retain_s, one_shot=one_shot)
+    return replay_kvtier(config, trace, hints=hints)
 
 
 def test_hints_keep_a_session_that_the_same_replay_without_them_loses():
@@ -121,6 +123,21 @@ def test_retention_expires_on_the_trace_clock():
     plain, hinted = _replay(trace, None), _replay(trace, retain_s=10)
     assert hinted["hit_blocks"] == plain["hit_blocks"] == 0
     assert hinted["retention"]["expired"] == 1
+
+
+def test_one_time_requests_hinted_as_one_shot_sessions_go_first_and_spare_the_session():
+    """The same flush past the retention, its requests hinted as sessions ended at their first
+    turn: their own blocks are the first victims, so the session's blocks are never needed."""
+    trace = _crafted(flush_at=20.0, gap=25.0)
+    hinted = _replay(trace, retain_s=10, one_shot=True)
+    assert hinted["hit_blocks"] == len(trace.requests[0]) and hinted["retention"]["expired"] == 1
+    assert hinted["retention"]["evicted_ended"] > 0
+
+
+def test_ends_known_is_between_lru_and_the_optimum_and_spares_what_is_used_again():
+    trace = _crafted(flush_at=1.0, gap=5.0)
+    assert ends_known(trace, CAPACITY) == len(trace.requests[0]) / trace.total_blocks  # the session's 4 hits
+    assert _replay(trace, None)["hit_rate"] < ends_known(trace, CAPACITY) <= optimum(trace, CAPACITY)
 
 
 def test_gap_closed_is_measured_from_vllms_best():
