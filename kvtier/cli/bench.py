@@ -167,7 +167,7 @@ def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dic
             return SessionHints(session_trace, retain_s)
     rows = replay.sweep(rcfg, trace, capacities, policies, compare, progress_factory=progress,
                         repeats=args.repeats or 1, hints=hints, without_hints=checked["hints"] != "on")
-    optimum = _belady_ceilings(trace, rcfg, rows)
+    optimum = _belady_ceilings(trace, rcfg, rows, ends=session_trace is not None)
     result = {"trace": trace.name, "requests": len(trace.requests), "blocks": trace.total_blocks,
               "optimum_hit_rate": trace.optimum_hit_rate(), "transfers": "immediate, no bytes", "runs": rows,
               "optimum": optimum}
@@ -197,17 +197,20 @@ def _session_counts(trace) -> dict[str, Any]:
             "gap_p90_s": gaps[int(0.9 * len(gaps))] if gaps else None}
 
 
-def _belady_ceilings(trace, config, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _belady_ceilings(trace, config, rows: list[dict[str, Any]], ends: bool = False) -> list[dict[str, Any]]:
     """The offline optimum (Belady's MIN for prefix hits, `kvtier.bench.optimum`) at each swept
     first-tier capacity, for a cache as large as the whole hierarchy (every tier together holds at
-    most that many distinct blocks, so no policy of any tier can do better)."""
-    from kvtier.bench.optimum import optimum
+    most that many distinct blocks, so no policy of any tier can do better); with `ends`, also the
+    hit rate of an LRU that knows every session's end (`ends_known`)."""
+    from kvtier.bench.optimum import ends_known, optimum
 
     below = sum(t.capacity.blocks for t in config.tiers[1:])
     out = []
     for cap in sorted({r["capacity_blocks"] for r in rows}):
         out.append({"capacity_blocks": cap, "total_capacity_blocks": cap + below,
                     "hit_rate": optimum(trace, cap + below)})
+        if ends:
+            out[-1]["ends_known"] = ends_known(trace, cap + below)
     return out
 
 
