@@ -90,7 +90,7 @@ class Cascade:
         The blocks of ended sessions (`Tier.first_victims`) go before the policy's victims, even
         when the answer is None."""
         held = self._retention.held() if self._retention.sessions else ()  # (no hints: not asked)
-        first = self._evict_first(tier, n, set(protected).union(held)) if tier.first_victims else []
+        first = self._evict_first(tier, n, protected, held) if tier.first_victims else []
         evicted = self._evict_keeping(tier, n, protected, held) if held else self._evict_for(tier, n, protected)
         if first:
             return None if evicted is None else first + evicted
@@ -108,7 +108,8 @@ class Cascade:
             self._retention.stats.kept_past += 1
         return evicted
 
-    def _evict_first(self, tier: Tier, n: int, keep: set[OffloadKey]) -> list[OffloadKey]:
+    def _evict_first(self, tier: Tier, n: int, keep: Collection[OffloadKey],
+                     held: Collection[OffloadKey]) -> list[OffloadKey]:
         """Evict from `tier`'s first victims (`evictable_first`), in order, up to the slots it
         lacks for `n` new blocks; a dirty one of a cascading tier is copied down first and goes
         once its copy landed (at once with handlers that finish at once). The evicted keys."""
@@ -116,11 +117,11 @@ class Cascade:
         if need <= 0:
             return []
         safe = tier.safe_to_evict
-        dirty = [k for k in evictable_first(tier, keep) if not safe(k)][:need]
+        dirty = [k for k in evictable_first(tier, keep, held, need) if not safe(k)]
         if dirty:
             self._copy_down(tier, dirty)
             self._jobs.drain()
-        gone = tier.remove([k for k in evictable_first(tier, keep) if safe(k)][:need])
+        gone = tier.remove([k for k in evictable_first(tier, keep, held, need) if safe(k)])
         tier.stats.evictions += len(gone)
         self._retention.stats.evicted_ended += len(gone)
         self._events.record(tier, gone, removed=True)

@@ -3,7 +3,7 @@ holds them (`Tier.first_victims`, evicted by `Cascade.evict_for` before the poli
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Container, Sequence
 
 from kvtier.control.tier import Tier
 from kvtier.core.keys import OffloadKey
@@ -17,8 +17,16 @@ def mark_ended(tiers: Sequence[Tier], keys: list[OffloadKey]) -> None:
         tier.first_victims.update(dict.fromkeys(k for k in keys if get(k) is not None))
 
 
-def evictable_first(tier: Tier, keep: Collection[OffloadKey]) -> list[OffloadKey]:
-    """`tier`'s first victims that could go now, in order: readable, unpinned, not in `keep`
-    (whether each is safe to evict is the caller's question)."""
-    readable = tier.readable
-    return [k for k in tier.first_victims if k not in keep and (b := readable(k)) is not None and b.ref_cnt == 0]
+def evictable_first(tier: Tier, keep: Container[OffloadKey], held: Container[OffloadKey],
+                    limit: int) -> list[OffloadKey]:
+    """The first `limit` of `tier`'s first victims that could go now, in order: readable,
+    unpinned, in neither `keep` nor `held` (whether each is safe to evict is the caller's
+    question). Stops at `limit`: a call costs the keys it passes over, not the whole list."""
+    readable, found = tier.readable, []
+    for key in tier.first_victims:
+        if key in keep or key in held or (block := readable(key)) is None or block.ref_cnt:
+            continue
+        found.append(key)
+        if len(found) == limit:
+            break
+    return found

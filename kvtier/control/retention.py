@@ -234,10 +234,19 @@ class Retention:
                 break
             self._unretain(self.sessions[name], name)
             self.stats.displaced += 1
-        while self._stored > self.stored_limit:  # the oldest stored blocks of the least recent turns
-            stored = next(s for s in self.sessions.values() if s.stored).stored
-            del stored[next(iter(stored))]
-            self._stored -= 1
+        if self._stored > self.stored_limit:
+            self._forget_stored(self._stored - self.stored_limit)
+
+    def _forget_stored(self, count: int) -> None:
+        """Forget `count` remembered stored blocks: the oldest of the least recent turns."""
+        for session in self.sessions.values():
+            stored = session.stored
+            while stored and count:
+                del stored[next(iter(stored))]
+                count -= 1
+                self._stored -= 1
+            if not count:
+                return
 
     def _least_deserving(self) -> str | None:
         """The retaining session to give up when over the share: in the tenant holding the most
