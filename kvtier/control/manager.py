@@ -153,8 +153,8 @@ class HierarchyManager(OffloadingManager):
         if hint is None or not hint.ended:
             for tier in self.tiers:
                 if tier.first_victims:
-                    for key in keys:
-                        tier.first_victims.pop(key, None)
+                    for key in tier.first_victims.keys() & keys:
+                        del tier.first_victims[key]
 
     # ------------------------------------------------------------------ protocol
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:

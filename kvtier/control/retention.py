@@ -35,6 +35,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, KeysView, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import eq
 from typing import Any
 
 from kvtier.core.errors import ArgumentError
@@ -138,6 +140,8 @@ class Retention:
         self.stats = RetentionStats()
         self._next_expiry = float("inf")
         self._warned: OrderedDict[Any, None] = OrderedDict()  # requests whose bad hint was logged
+        self._parsed: OrderedDict[Any, tuple[dict, Hint | None]] = OrderedDict()  # req_id -> (raw hint, Hint)
+        self._by_tenant: dict[str, int] = {}  # tenant -> retained blocks of its sessions
         # Told the blocks of a session that ended (deep end first): the manager makes them first victims.
         self.on_ended: Callable[[list[OffloadKey]], None] = _ignore
 
@@ -153,6 +157,9 @@ class Retention:
         session = self.sessions.pop(hint.session, None)
         if session is None:
             session = _Session(hint.tenant, hint.priority, 0.0)
+        elif session.tenant != hint.tenant and session.keys:  # (its blocks count for the new tenant)
+            self._count(session.tenant, -len(session.keys))
+            self._count(hint.tenant, len(session.keys))
         session.tenant, session.priority = hint.tenant, hint.priority
         session.until = self.clock() + hint.retain_s
         self._next_expiry = min(self._next_expiry, session.until)
@@ -161,14 +168,27 @@ class Retention:
             before = len(session.stored)
             session.stored.update(dict.fromkeys(stored))
             self._stored += len(session.stored) - before
+        keys = keys if isinstance(keys, list) else list(keys)
+        if all(map(eq, repeat(hint.session), map(self.retained.get, keys))):  # (C loops: all its own already)
+            self._bound()
+            return
+        claimed = 0
         for key in keys:
             owner = self.retained.get(key)
             if owner != hint.session:
                 if owner is not None:
-                    self.sessions[owner].keys.pop(key, None)
+                    previous = self.sessions[owner]
+                    if previous.keys.pop(key, 0) is None:  # (it was there)
+                        self._count(previous.tenant, -1)
                 self.retained[key] = hint.session
                 session.keys[key] = None
+                claimed += 1
+        if claimed:
+            self._count(session.tenant, claimed)
         self._bound()
+
+    def _count(self, tenant: str, blocks: int) -> None:
+        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + blocks
 
     def note_turn(self, req_context: Any, keys: Iterable[OffloadKey],
                   stored: Collection[OffloadKey] = ()) -> Hint | None:
@@ -184,11 +204,19 @@ class Retention:
         params = getattr(req_context, "kv_transfer_params", None)
         if not params or HINTS_KEY not in params:
             return None
+        raw, req_id = params[HINTS_KEY], getattr(req_context, "req_id", None)
+        parsed = self._parsed.get(req_id)
+        if parsed is not None and parsed[0] == raw:  # (a request's later calls: parsed once)
+            return parsed[1]
         try:
-            return parse_hint(params[HINTS_KEY], f"kv_transfer_params.{HINTS_KEY}")
+            hint = parse_hint(raw, f"kv_transfer_params.{HINTS_KEY}")
+            if isinstance(raw, Mapping):
+                self._parsed[req_id] = (dict(raw), hint)
+                if len(self._parsed) > 4096:
+                    self._parsed.popitem(last=False)
+            return hint
         except ArgumentError as exc:
             self.stats.hints_refused += 1
-            req_id = getattr(req_context, "req_id", None)
             if req_id not in self._warned:
                 self._warned[req_id] = None
                 if len(self._warned) > 1024:
@@ -228,9 +256,10 @@ class Retention:
         while len(self.retained) > self.budget:
             name = self._least_deserving()
             if name is None:  # one session past the share: its prefix is kept
-                keys = next(s for s in self.sessions.values() if s.keys).keys
-                for key in list(keys)[self.budget:]:
-                    del keys[key], self.retained[key]
+                session = next(s for s in self.sessions.values() if s.keys)
+                for key in list(session.keys)[self.budget:]:
+                    del session.keys[key], self.retained[key]
+                    self._count(session.tenant, -1)
                 break
             self._unretain(self.sessions[name], name)
             self.stats.displaced += 1
@@ -252,22 +281,25 @@ class Retention:
         """The retaining session to give up when over the share: in the tenant holding the most
         blocks, the lowest priority, then the oldest turn (never the newest; None when no other
         session retains any)."""
-        held: dict[str, int] = {}
-        for session in self.sessions.values():
-            held[session.tenant] = held.get(session.tenant, 0) + len(session.keys)
         newest = next(reversed(self.sessions))
-        candidates = [(name, s) for name, s in self.sessions.items() if s.keys and name != newest]
-        if not candidates:
-            return None
-        top = max(held[s.tenant] for _, s in candidates)
-        return min(((name, s) for name, s in candidates if held[s.tenant] == top),
-                   key=lambda item: item[1].priority)[0]
+        for tenant in sorted(self._by_tenant, key=self._by_tenant.__getitem__, reverse=True):
+            best: tuple[int, str] | None = None
+            for name, session in self.sessions.items():  # oldest turn first
+                if session.keys and session.tenant == tenant and name != newest and (
+                        best is None or session.priority < best[0]):
+                    best = (session.priority, name)
+                    if not session.priority:
+                        break
+            if best is not None:
+                return best[1]
+        return None
 
     def _unretain(self, session: _Session, name: str) -> None:
         """`session` (`name`) retains none of its blocks any more (it stays tracked)."""
         for key in session.keys:
             if self.retained.get(key) == name:
                 del self.retained[key]
+        self._count(session.tenant, -len(session.keys))
         session.keys.clear()
 
     def _release(self, name: str, ended: bool = False, last: Iterable[OffloadKey] = ()) -> None:
