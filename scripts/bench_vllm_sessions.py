@@ -132,13 +132,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.burst < 3:
         parser.error(f"--burst {args.burst}: need >= 3 one-time prompts to evict both sessions without hints")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM also stops the server
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM also stops the server
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvtier-bench-sessions-"))
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
     try:
         raw = run(args, work)
     finally:
+        signal.signal(signal.SIGTERM, previous)
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
     summary = summarize(raw["runs"], raw["prefix_tokens"])

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,16 +17,22 @@ import pytest
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
               pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-import bench_vllm_sessions as sessions  # noqa: E402
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench_vllm_sessions.py"
 
 
-def test_two_hinted_sessions_keep_their_prefixes_through_the_openai_server(tmp_path, capsys):
+def test_two_hinted_sessions_keep_their_prefixes_through_the_openai_server(tmp_path):
+    """Run as a user runs it (its own process: it sets a SIGTERM handler and starts servers)."""
     out = tmp_path / "sessions.json"
-    assert sessions.main(["--out", str(out), "--workdir", str(tmp_path / "work"), "--port", "8641"]) == 0
+    with socket.socket() as s:  # a port free now (another run on a fixed one would answer instead)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    run = subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), "--workdir", str(tmp_path / "work"),
+                          "--port", str(port)], capture_output=True, text=True, timeout=1200)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     doc = json.loads(out.read_text())
     summary, runs = doc["summary"], doc["runs"]
-    assert summary["prefix_tokens"] == sessions.PROMPT_BLOCKS * sessions.OFFLOAD_BLOCK
+    settings = doc["settings"]
+    assert summary["prefix_tokens"] == settings["prompt_blocks"] * settings["offload_block"]
     for session, row in summary["sessions"].items():
         assert row["cached_hints"] >= summary["prefix_tokens"], (session, row)  # loaded from kvtier
         assert row["cached_none"] == 0, (session, row)  # LRU took them during the burst
@@ -33,4 +41,4 @@ def test_two_hinted_sessions_keep_their_prefixes_through_the_openai_server(tmp_p
     hinted = runs["hints"]["metrics"]
     assert sum(v for k, v in hinted.items() if k.startswith("vllm:kvtier_retention_hints")) >= 4  # 2 turns x 2
     assert not any(v for k, v in runs["none"]["metrics"].items() if k.startswith("vllm:kvtier_retention_hints"))
-    assert "kept with hints and lost without: True" in capsys.readouterr().out
+    assert "kept with hints and lost without: True" in run.stdout
