@@ -9,7 +9,7 @@
 - `on_store` (write-through): every completed store is queued for a copy to the next tier
   (`queue_writes`); copies start up to the in-flight limit, the rest wait in the queue and are
   started every step and as jobs finish (`advance_writes`).
-A copy is a `Demotion` job: its source blocks stay pinned until it ends.
+A copy is a `Demotion` job (`kvtier.control.jobs`): its source blocks stay pinned until it ends.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from itertools import filterfalse, islice
 
 from kvtier.control.context import ControlContext
 from kvtier.control.ended import evictable_first
-from kvtier.control.jobs import Job, enter_copies, pin_sources
+from kvtier.control.jobs import Demotion, enter_copies, pin_sources
 from kvtier.control.tier import Tier
 from kvtier.core.keys import OffloadKey
 
@@ -39,29 +39,6 @@ def split_below(tier: Tier, keys: list[OffloadKey]) -> list[OffloadKey]:
         readable = below.readable
         tier.clean.update(k for k in set(keys).difference(absent) if readable(k) is not None)
     return absent
-
-
-class Demotion(Job):
-    """A copy of readable blocks of `src` down to the next tier `dst`."""
-
-    kind = "demotion"
-
-    def landed(self, keys: list[OffloadKey]) -> None:
-        src, dst = self.src, self.dst
-        src.stats.demotions += len(keys)
-        src.clean.update(keys)
-        if src.first_victims:  # (an ended session's blocks stay first victims below)
-            dst.first_victims.update(dict.fromkeys(filter(src.first_victims.__contains__, keys)))
-        if dst.writes_through:
-            dst.unwritten.update(dict.fromkeys(keys))  # started by `Cascade.advance_writes`
-
-    def failed(self, keys: list[OffloadKey]) -> None:
-        src = self.src
-        # (may be evicted now, counted as `cascade_dropped_failed`: a copy that failed may fail again)
-        src.write_failed.update(set(keys).difference(src.table.absent(keys)))
-
-    def ended(self) -> None:
-        self.src.demoting -= len(self.keys)
 
 
 class Cascade:

@@ -7,7 +7,9 @@ source pins (`Tier.release_loads`), makes the blocks the job delivered readable 
 and removes those that failed (one outcome: `TransferResult.failed_positions`, counted once, a
 block that failed its read condemned in the tier it came from), then lets the job type do its
 own bookkeeping (`landed`, `failed`, `ended`). No block object is kept: jobs work on keys and
-slot ids through the tier's `BlockTable`.
+slot ids through the tier's `BlockTable`. `Demotion`, the cascade's copy down, is here: the
+cascade drains the table while it decides, and the jobs it finishes then must not call back
+into it.
 """
 
 from __future__ import annotations
@@ -136,6 +138,29 @@ class Job:
 
     def __str__(self) -> str:
         return f"{self.kind} of {len(self.keys)} blocks {self.src.name} -> {self.dst.name}"
+
+
+class Demotion(Job):
+    """A copy of readable blocks of `src` down to the next tier `dst`."""
+
+    kind = "demotion"
+
+    def landed(self, keys: list[OffloadKey]) -> None:
+        src, dst = self.src, self.dst
+        src.stats.demotions += len(keys)
+        src.clean.update(keys)
+        if src.first_victims:  # (an ended session's blocks stay first victims below)
+            dst.first_victims.update(dict.fromkeys(filter(src.first_victims.__contains__, keys)))
+        if dst.writes_through:
+            dst.unwritten.update(dict.fromkeys(keys))  # started by `Cascade.advance_writes`
+
+    def failed(self, keys: list[OffloadKey]) -> None:
+        src = self.src
+        # (may be evicted now, counted as `cascade_dropped_failed`: a copy that failed may fail again)
+        src.write_failed.update(set(keys).difference(src.table.absent(keys)))
+
+    def ended(self) -> None:
+        self.src.demoting -= len(self.keys)
 
 
 class JobTable:

@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
-import time
-from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvtier.core.specs import CompositeLoadStoreSpec, LoadStoreSpec, PartsLoadStoreSpec
 from kvtier.core.types import TransferResult
-from kvtier.transfer.handlers.base import TransferHandler
+from kvtier.transfer.handlers.base import CompletionQueue, TransferHandler
 
 log = logging.getLogger(__name__)
 
@@ -73,21 +70,19 @@ class TransferRouter:
 
     def __init__(self) -> None:
         self._handlers: dict[SpecPair, TransferHandler] = {}
-        self.finished: deque[TransferResult] = deque()  # appended to by `_report`, from any thread
-        # Notified with each result appended to `finished`. Reentrant: a handler that finishes
-        # inside `submit` reports on the submitting thread, which may hold it (`WorkerPlane`).
-        self.reported = threading.Condition(threading.RLock())
+        # The handlers report into `_completions` (its `put` is their `on_done`), from any thread.
+        self._completions = completions = CompletionQueue()
+        self.finished = completions.finished  # the reports `poll` has not collected yet
+        self.reported = completions.reported  # notified with each report (reentrant)
         self._ids = itertools.count(1 << 40)  # far from ids chosen by callers (vLLM job ids)
         self._parents: dict[int, tuple[_Composite, list[int]]] = {}  # sub-job -> (its job, the positions it addresses)
         self._pending: dict[int, TransferHandler] = {}
-        # job -> what it copies, until its handler reports it (a bounded `shutdown` names the rest)
-        self._running: dict[int, tuple[TransferHandler, LoadStoreSpec, LoadStoreSpec]] = {}
         self.failed_jobs: dict[str, int] = {}  # kind of error (its exception type) -> jobs failed with it
 
     def register(self, src_type: type[LoadStoreSpec], dst_type: type[LoadStoreSpec], handler: TransferHandler) -> None:
         """Serve jobs from `src_type` to `dst_type` with `handler` (replaces an earlier one)."""
         self._handlers[(src_type, dst_type)] = handler
-        handler.bind(self._report)
+        handler.bind(self._completions.put)
 
     def handler_for(self, src_type: type[LoadStoreSpec], dst_type: type[LoadStoreSpec]) -> TransferHandler | None:
         """The handler of a pair, also matching registered base classes of the spec types."""
@@ -127,22 +122,14 @@ class TransferRouter:
             self._fail(job_id, f"no handler registered for {type(src).__name__} -> {type(dst).__name__}")
             return
         self._pending[job_id] = handler
-        with self.reported:
-            self._running[job_id] = (handler, src, dst)
+        self._completions.start(job_id, handler, src, dst)
         try:
             handler.submit(job_id, src, dst)
         except Exception as exc:  # noqa: BLE001 - a handler failure fails this job only
             self._fail(job_id, f"{type(exc).__name__}: {exc}")
 
     def _fail(self, job_id: int, error: str) -> None:
-        self._report(TransferResult(job_id, False, 0, 0.0, error=error))
-
-    def _report(self, result: TransferResult) -> None:
-        """A handler's completion callback (any thread): queue `result` for `poll` and wake waiters."""
-        with self.reported:
-            self._running.pop(result.job_id, None)
-            self.finished.append(result)
-            self.reported.notify_all()
+        self._completions.put(TransferResult(job_id, False, 0, 0.0, error=error))
 
     def has_finished(self) -> bool:
         """Whether some result is waiting to be collected by `poll` (a part of a composite job too)."""
@@ -151,8 +138,7 @@ class TransferRouter:
     def wait_finished(self, timeout: float | None = None) -> bool:
         """Block until some result is waiting for `poll` (at most `timeout` seconds; None: no limit).
         Returns whether one is. Sleeps on a condition the handlers' reports signal: no polling."""
-        with self.reported:
-            return self.reported.wait_for(self.has_finished, timeout)
+        return self._completions.wait_finished(timeout)
 
     def _note_failure(self, result: TransferResult) -> None:
         """Count a failed job by the kind of its error; the first of each kind is a WARNING, later
@@ -205,14 +191,7 @@ class TransferRouter:
         seconds (None: as long as it takes). The jobs still running then are abandoned (returned,
         and logged by the caller): their handlers are left running, so a hung read or write
         cannot hold the shutdown; the other handlers are stopped."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.reported:
-            while self._running:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    break
-                self.reported.wait(left)
-            running = dict(self._running)
+        running = self._completions.wait_running(timeout)
         busy = {id(handler) for handler, _, _ in running.values()}
         for handler in {id(h): h for h in self._handlers.values()}.values():
             if id(handler) not in busy:

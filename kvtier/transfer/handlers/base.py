@@ -3,6 +3,7 @@
 Handlers are asynchronous: `submit` starts a job and returns; completion is reported with
 `report(result)` (the `on_done` callback the router binds), from any thread. Exceptions raised by
 `submit` (or inside a worker thread) become a failed `TransferResult` for that job only.
+`CompletionQueue` is where reports land: the router binds its `put` and collects from it.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import logging
 import threading
 import time
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -158,3 +160,46 @@ class ImmediateHandler(TransferHandler):
 
     def submit(self, job_id: int, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
         self.report(TransferResult(job_id, True, 0, 0.0))
+
+
+class CompletionQueue:
+    """The reports of running jobs, between the handlers (`put`, bound as their `on_done`, from
+    any thread) and the router that collects them (`finished`, single-threaded). `running` maps
+    each job started (`start`) and not reported yet to what it copies; `reported` guards both and
+    is notified with each report. Reentrant: a handler that finishes inside `submit` reports on
+    the submitting thread, which may hold it (`WorkerPlane`)."""
+
+    def __init__(self) -> None:
+        self.finished: deque[TransferResult] = deque()
+        self.reported = threading.Condition(threading.RLock())
+        self.running: dict[int, tuple[TransferHandler, LoadStoreSpec, LoadStoreSpec]] = {}
+
+    def start(self, job_id: int, handler: TransferHandler, src: LoadStoreSpec, dst: LoadStoreSpec) -> None:
+        """Job `job_id` is about to be submitted to `handler` (running until its report)."""
+        with self.reported:
+            self.running[job_id] = (handler, src, dst)
+
+    def put(self, result: TransferResult) -> None:
+        """A job's report (any thread): queue it, the job is no longer running; wake waiters."""
+        with self.reported:
+            self.running.pop(result.job_id, None)
+            self.finished.append(result)
+            self.reported.notify_all()
+
+    def wait_finished(self, timeout: float | None = None) -> bool:
+        """Block until some report is queued (at most `timeout` seconds; None: no limit); whether one is."""
+        with self.reported:
+            return self.reported.wait_for(lambda: bool(self.finished), timeout)
+
+    def wait_running(self, timeout: float | None = None) -> dict[int, tuple[TransferHandler, LoadStoreSpec,
+                                                                             LoadStoreSpec]]:
+        """Block until no job is running (at most `timeout` seconds; None: no limit); the jobs
+        still running then (a copy of `running`)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.reported:
+            while self.running:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self.reported.wait(left)
+            return dict(self.running)
