@@ -75,13 +75,20 @@ class Cascade:
 
     def _evict_keeping(self, tier: Tier, n: int, protected: Collection[OffloadKey],
                        held: Collection[OffloadKey]) -> list[OffloadKey] | None:
-        """`evict_for` while sessions are retained (`held`): see its docstring."""
+        """`evict_for` while sessions are retained (`held`): see its docstring. When the policy's
+        next victims are safe to evict and none is retained, they are what keeping the retained
+        blocks would take too, and the retained keys are not copied into the protected set."""
+        need = n - tier.backend.get_num_free_blocks()
+        if need > 0 and tier.predicts_victims:
+            ahead = tier.table.victims(need, protected)
+            if len(ahead) == need and not any(map(held.__contains__, ahead)) and all(map(tier.safe_to_evict, ahead)):
+                return self._evict_for(tier, n, protected)
         keep = set(protected).union(held)
         evicted = self._evict_for(tier, n, keep)
         if evicted is not None or room_without(tier, keep) >= n:
             return evicted
         evicted = self._evict_for(tier, n, protected)
-        if evicted and not set(held).isdisjoint(evicted):
+        if evicted and any(map(held.__contains__, evicted)):
             self._retention.stats.kept_past += 1
         return evicted
 

@@ -281,11 +281,12 @@ class Retention:
         """The retaining session to give up when over the share: in the tenant holding the most
         blocks, the lowest priority, then the oldest turn (never the newest; None when no other
         session retains any)."""
-        newest = next(reversed(self.sessions))
-        for tenant in sorted(self._by_tenant, key=self._by_tenant.__getitem__, reverse=True):
+        newest, counts = next(reversed(self.sessions)), self._by_tenant
+        for top in sorted(set(counts.values()), reverse=True):
+            tenants = {tenant for tenant, count in counts.items() if count == top}
             best: tuple[int, str] | None = None
             for name, session in self.sessions.items():  # oldest turn first
-                if session.keys and session.tenant == tenant and name != newest and (
+                if session.keys and session.tenant in tenants and name != newest and (
                         best is None or session.priority < best[0]):
                     best = (session.priority, name)
                     if not session.priority:
