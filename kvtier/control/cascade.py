@@ -75,14 +75,9 @@ class Cascade:
 
     def _evict_keeping(self, tier: Tier, n: int, protected: Collection[OffloadKey],
                        held: Collection[OffloadKey]) -> list[OffloadKey] | None:
-        """`evict_for` while sessions are retained (`held`): see its docstring. When the policy's
-        next victims are safe to evict and none is retained, they are what keeping the retained
-        blocks would take too, and the retained keys are not copied into the protected set."""
-        need = n - tier.backend.get_num_free_blocks()
-        if need > 0 and tier.predicts_victims:
-            ahead = tier.table.victims(need, protected)
-            if len(ahead) == need and not any(map(held.__contains__, ahead)) and all(map(tier.safe_to_evict, ahead)):
-                return self._evict_for(tier, n, protected)
+        """`evict_for` while sessions are retained (`held`): see its docstring."""
+        if next_victims_free(tier, n, protected, held):  # (no copy of the retained keys)
+            return self._evict_for(tier, n, protected)
         keep = set(protected).union(held)
         evicted = self._evict_for(tier, n, keep)
         if evicted is not None or room_without(tier, keep) >= n:
@@ -94,9 +89,8 @@ class Cascade:
 
     def _evict_first(self, tier: Tier, n: int, keep: Collection[OffloadKey],
                      held: Collection[OffloadKey]) -> list[OffloadKey]:
-        """Evict from `tier`'s first victims (`evictable_first`), in order, up to the slots it
-        lacks for `n` new blocks; a dirty one of a cascading tier is copied down first and goes
-        once its copy landed (at once with handlers that finish at once). The evicted keys."""
+        """Evict `tier`'s first victims (`evictable_first`) in order, up to the slots it lacks for
+        `n` new blocks; a dirty one is copied down first and goes once its copy landed."""
         need = n - tier.backend.get_num_free_blocks()
         if need <= 0:
             return []
@@ -297,6 +291,17 @@ class Cascade:
             tier.lower_full = False
             started = True
         return started
+
+
+def next_victims_free(tier: Tier, n: int, protected: Collection[OffloadKey], held: Collection[OffloadKey]) -> bool:
+    """Whether the policy's next victims for `n` new blocks in `tier` (keeping `protected`) are
+    safe to evict and none is retained (`held`): then keeping the retained blocks too takes the
+    same ones, without copying the retained keys into the protected set."""
+    need = n - tier.backend.get_num_free_blocks()
+    if need <= 0 or not tier.predicts_victims:
+        return False
+    ahead = tier.table.victims(need, protected)
+    return len(ahead) == need and not any(map(held.__contains__, ahead)) and all(map(tier.safe_to_evict, ahead))
 
 
 def room_without(tier: Tier, keep: set[OffloadKey]) -> int:
