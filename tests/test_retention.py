@@ -322,3 +322,16 @@ def test_a_one_shot_request_leaves_first_only_the_blocks_it_stored_not_the_prefi
     assert sum(hot.table.get(k) is None for k in keys(3, 0)) == 2
     assert h.manager.retention.stats.evicted_ended == 3
     h.close()
+
+
+def test_only_tenants_holding_blocks_are_counted():
+    """Tenant names come from clients: a tenant whose sessions hold nothing is forgotten, so many
+    names over time cost nothing once their sessions are gone."""
+    r = Retention(capacity=8, share=0.5)  # 4 blocks
+    for i in range(200):
+        r.note(Hint(f"s{i}", 60.0, tenant=f"tenant-{i}"), keys(2, 10 * i))
+    assert set(r.by_tenant) == {r.sessions[name].tenant for name in r.retaining()}
+    assert all(count > 0 for count in r.by_tenant.values()) and sum(r.by_tenant.values()) == len(r.held())
+    r.note(Hint(r.retaining()[0], ended=True), [])
+    r.note(Hint(r.retaining()[0], ended=True), [])
+    assert r.by_tenant == {} and not r.held()

@@ -12,6 +12,18 @@ from collections import OrderedDict
 from kvtier.bench.workloads import Trace, leading_hits
 
 
+def next_uses(requests: list[list[int]], never: int) -> list[list[int]]:
+    """`out[i][j]`: the index of the next request that uses `requests[i][j]` (`never` if none)."""
+    out: list[list[int]] = [[]] * len(requests)
+    upcoming: dict[int, int] = {}
+    for i in range(len(requests) - 1, -1, -1):
+        row = requests[i]
+        out[i] = [upcoming.get(h, never) for h in row]
+        for h in row:
+            upcoming[h] = i
+    return out
+
+
 def optimum(trace: Trace, capacity: int | None) -> float:
     """Offline hit-rate ceiling at `capacity` blocks (None: unlimited space).
 
@@ -27,14 +39,7 @@ def optimum(trace: Trace, capacity: int | None) -> float:
     if capacity is None:
         return trace.optimum_hit_rate()
     inf = len(requests) + 1
-    # next_use[i][j]: index of the next request that uses requests[i][j] (inf if none).
-    next_use: list[list[int]] = [None] * len(requests)  # type: ignore[list-item]
-    upcoming: dict[int, int] = {}
-    for i in range(len(requests) - 1, -1, -1):
-        row = requests[i]
-        next_use[i] = [upcoming.get(h, inf) for h in row]
-        for h in row:
-            upcoming[h] = i
+    next_use = next_uses(requests, inf)
     cached: dict[int, tuple[int, int]] = {}  # hash -> (next use, depth) as currently keyed in the heap
     heap: list[tuple[int, int, int]] = []  # (-next use, -depth, hash): furthest next use on top
     hits = 0
@@ -61,12 +66,7 @@ def ends_known(trace: Trace, capacity: int) -> float:
     this and `optimum` is the timing of live sessions' next turns, which no hint carries."""
     requests = trace.requests
     inf = len(requests)
-    next_use: list[list[int]] = [[]] * len(requests)
-    upcoming: dict[int, int] = {}
-    for i in range(len(requests) - 1, -1, -1):
-        next_use[i] = [upcoming.get(h, inf) for h in requests[i]]
-        for h in requests[i]:
-            upcoming[h] = i
+    next_use = next_uses(requests, inf)
     recency: OrderedDict[int, None] = OrderedDict()  # least recent first
     dead: OrderedDict[int, None] = OrderedDict()  # resident, never used again: first out
     hits = 0

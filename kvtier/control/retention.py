@@ -141,7 +141,7 @@ class Retention:
         self._next_expiry = float("inf")
         self._warned: OrderedDict[Any, None] = OrderedDict()  # requests whose bad hint was logged
         self._parsed: OrderedDict[Any, tuple[dict, Hint | None]] = OrderedDict()  # req_id -> (raw hint, Hint)
-        self._by_tenant: dict[str, int] = {}  # tenant -> retained blocks of its sessions
+        self.by_tenant: dict[str, int] = {}  # tenant -> blocks its sessions retain (> 0; others absent)
         # Told the blocks of a session that ended (deep end first): the manager makes them first victims.
         self.on_ended: Callable[[list[OffloadKey]], None] = _ignore
 
@@ -188,7 +188,11 @@ class Retention:
         self._bound()
 
     def _count(self, tenant: str, blocks: int) -> None:
-        self._by_tenant[tenant] = self._by_tenant.get(tenant, 0) + blocks
+        count = self.by_tenant.get(tenant, 0) + blocks
+        if count:
+            self.by_tenant[tenant] = count
+        else:  # (a tenant holding nothing is forgotten: tenant names come from clients)
+            self.by_tenant.pop(tenant, None)
 
     def note_turn(self, req_context: Any, keys: Iterable[OffloadKey],
                   stored: Collection[OffloadKey] = ()) -> Hint | None:
@@ -281,7 +285,7 @@ class Retention:
         """The retaining session to give up when over the share: in the tenant holding the most
         blocks, the lowest priority, then the oldest turn (never the newest; None when no other
         session retains any)."""
-        newest, counts = next(reversed(self.sessions)), self._by_tenant
+        newest, counts = next(reversed(self.sessions)), self.by_tenant
         for top in sorted(set(counts.values()), reverse=True):
             tenants = {tenant for tenant, count in counts.items() if count == top}
             best: tuple[int, str] | None = None
