@@ -335,3 +335,22 @@ def test_only_tenants_holding_blocks_are_counted():
     r.note(Hint(r.retaining()[0], ended=True), [])
     r.note(Hint(r.retaining()[0], ended=True), [])
     assert r.by_tenant == {} and not r.held()
+
+
+def test_the_standalone_api_evicts_an_ended_session_first_too():
+    torch = pytest.importorskip("torch")
+    from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, load_config_text
+    from kvtier.standalone import KVTier
+
+    page = 256
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros(64, page, dtype=torch.int8), page)],
+                           [[CanonicalKVCacheRef(0, page)]])
+    cfg = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 8 blocks, policy: lru, pin: false}\n")
+    with KVTier.open(cfg, kv) as tier:
+        assert tier.store(keys(4), [0, 1, 2, 3])  # older than the chat
+        chat = keys(4, 500)
+        assert tier.store(chat, [4, 5, 6, 7], hints={"session": "chat", "retain_s": 600})
+        assert tier.load(chat, [8, 9, 10, 11], hints={"session": "chat", "session_ended": True}) == 4
+        assert tier.store(keys(2, 900), [12, 13])  # a full tier: two blocks go, the chat's deep end
+        assert tier.lookup(chat) == 2 and tier.lookup(keys(4)) == 4
+        assert tier.stats()["engine"]["retention"]["evicted_ended"] == 2
