@@ -111,7 +111,7 @@ each time they are used) are refused."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `kvtier` command line: bench, config check, doctor, inspect, clear."""
+    """The `kvtier` command line: bench, config check, doctor, inspect, clear, serve."""
     parser = argparse.ArgumentParser(prog="kvtier",
                                      description="Multi-tier KV-cache storage hierarchy for LLM inference.")
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_parsers(sub)
     _add_config_parsers(sub)
     _add_machine_parsers(sub)
+    from kvtier.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 
@@ -206,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.cli.clear import run_clear
 
             return run_clear(args)
+        if args.command == "serve":
+            from kvtier.cli.serve import run_serve
+
+            return run_serve(args)
         if args.command == "inspect":
             from kvtier.cli.inspect import run_inspect
 

@@ -21,6 +21,7 @@ from kvtier.config.bounded_yaml import load_yaml
 from kvtier.config.checks import check_blocks, check_handlers
 from kvtier.config.input import brief, plain, read_config_file, suggest
 from kvtier.config.problems import Problems, read_fields
+from kvtier.config.shared import SharedHost, parse_shared
 from kvtier.core.errors import ConfigError
 from kvtier.core.limits import MAX_BLOCK_TOKENS, MAX_BLOCKS, MAX_BYTES
 from kvtier.core.types import CASCADE_MODES, DEFAULT_CASCADE, DEFAULT_RESERVE, REQUIRED
@@ -145,6 +146,7 @@ class HierarchyConfig:
     block_bytes: int | None = None
     source: str = "<dict>"
     store_threshold: int = 0  # offers before a block is stored (kvtier.control.store_threshold); <2: off
+    shared: SharedHost | None = None  # tiers kept by the host owner (kvtier.config.shared); None: this engine's own
 
     def __post_init__(self) -> None:
         tiers = tuple(t if t.policy is not None else replace(t, policy=default_policy(i))
@@ -204,6 +206,7 @@ TOP_FIELDS: dict[str, tuple[Any, Any]] = {
     "block_bytes": (None, parse_size),
     "tiers": (REQUIRED, None),
     "store_threshold": (0, _store_threshold),
+    "shared": (None, parse_shared),
 }
 
 TIER_FIELDS: dict[str, tuple[Any, Any]] = {
@@ -294,7 +297,8 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
         check_handlers(tiers, backend_classes, problems)
     if problems.items:
         raise problems.error()
-    return HierarchyConfig(tuple(tiers), top["block_tokens"], block_bytes, source, top["store_threshold"])
+    return HierarchyConfig(tuple(tiers), top["block_tokens"], block_bytes, source, top["store_threshold"],
+                           top["shared"])
 
 
 def _parse_tier(i: int, raw_tier: Any, seen_names: dict[str, int], problems: Problems,

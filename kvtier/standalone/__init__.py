@@ -272,6 +272,10 @@ def _open(cls: type[KVTier], config: str | Path | HierarchyConfig, kv_caches: Ca
         config = load_config(config)
     chunked = ChunkedKVCaches(list(kv_caches.tensors), list(kv_caches.group_data_refs), blocks_per_chunk)
     layout = KVLayout(chunked, blocks_per_chunk)
+    if config.shared is not None:
+        from kvtier.standalone.shared import open_shared
+
+        return open_shared(config, chunked, layout, model)  # type: ignore[return-value]
     hierarchy = build_hierarchy(config, block_bytes=layout.block_bytes, kv_caches=chunked, model=model,
                                 **build_options)
     try:

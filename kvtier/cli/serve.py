@@ -1,0 +1,53 @@
+"""`kvtier serve`: run the host owner of the shared hierarchies (`kvtier.host`) until stopped.
+
+Engines whose YAML says `shared: host` connect to it. SIGTERM or SIGINT stops it: it writes each
+namespace's CPU blocks to the tier below (at most --flush-timeout seconds), then exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+
+from kvtier.config.shared import default_socket_path, socket_path_problem
+from kvtier.core.errors import ArgumentError
+
+
+def add_serve_parser(sub) -> None:
+    serve = sub.add_parser("serve", help="run the host owner of the tiers that engines with 'shared: host' share",
+                           description="Own the shared hierarchies of this host: engines (vLLM or the standalone "
+                                       "KVTier) whose YAML says 'shared: host' use its CPU region and file tiers. "
+                                       "Listens on a Unix socket (0600, in a directory only this user can enter); "
+                                       "serves this user's processes only. Stops on SIGTERM or SIGINT after "
+                                       "writing its CPU tiers down.")
+    serve.add_argument("--socket", default=None, metavar="PATH",
+                       help=f"the Unix socket to listen on (default: {default_socket_path()}; the YAML's "
+                            f"shared.socket must name the same)")
+    serve.add_argument("--max-clients", type=int, default=64, metavar="N", help="engines served at once (default 64)")
+    serve.add_argument("--flush-timeout", type=float, default=60.0, metavar="S",
+                       help="at stop, seconds to write the CPU tiers down (default 60)")
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from kvtier.host.owner import HostOwner
+
+    path = args.socket or default_socket_path()
+    problem = socket_path_problem(path)
+    if problem:
+        raise ArgumentError(f"--socket: {problem}")
+    if args.max_clients < 1:
+        raise ArgumentError(f"--max-clients: expected at least 1, got {args.max_clients}")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    stop = threading.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: stop.set())
+    owner = HostOwner(path, max_clients=args.max_clients)
+    print(f"kvtier serve: listening on {path}", flush=True)
+    try:
+        stop.wait()
+    finally:
+        owner.close(args.flush_timeout)
+    print("kvtier serve: stopped", flush=True)
+    return 0

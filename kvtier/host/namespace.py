@@ -1,0 +1,249 @@
+"""One hierarchy of the host owner: the tiers every engine of one model identity shares.
+
+Engines of the same identity (`Identity`: the model as the engine names it, with its KV layout,
+block bytes and block tokens) share one namespace; engines of another identity get another
+namespace, with its own CPU region and its own directory under each file tier's `root_dir`
+(`host-<namespace>`), so they never see each other's blocks. The first engine's YAML decides the
+namespace's tiers; a later engine of the same identity whose YAML describes other tiers is refused,
+naming the difference.
+
+The namespace's `HierarchyManager` is the one writer of its block state: every call runs under
+`lock`, from any connection. What each connection holds (the loads it pinned, the stores it has
+not completed) is in its `Ledger`; when the connection goes, `expire` releases what is left after
+`lease_grace_s` (an engine's worker may still be copying into or out of those slots), never before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvtier.config import HierarchyConfig, parse_config
+from kvtier.config.input import plain
+from kvtier.core.errors import ConfigError
+from kvtier.core.keys import OffloadKey
+from kvtier.core.specs import CPULoadStoreSpec
+from kvtier.core.types import LookupResult
+from kvtier.host.wire import hex_keys, parse_keys
+
+log = logging.getLogger(__name__)
+
+LEASE_GRACE_S = 30.0  # how long the slots of a departed connection stay as they were
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What makes two engines' blocks interchangeable."""
+
+    model: str  # vLLM: the spec's fingerprint (model, dtype, layout, ranks); standalone: model and layout
+    block_bytes: int
+    block_tokens: int
+
+    @classmethod
+    def parse(cls, raw: Any) -> Identity:
+        if not isinstance(raw, dict):
+            raise ValueError("identity: expected a mapping {model, block_bytes, block_tokens}")
+        model, block_bytes, block_tokens = raw.get("model"), raw.get("block_bytes", 0), raw.get("block_tokens", 0)
+        if not isinstance(model, str) or not model:
+            raise ValueError(f"identity.model: expected a non-empty string, got {model!r}")
+        for name, value in (("block_bytes", block_bytes), ("block_tokens", block_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"identity.{name}: expected a positive integer, got {value!r}")
+        return cls(model, block_bytes, block_tokens)
+
+    def name(self) -> str:
+        """The namespace's name: a digest of the identity (16 hex digits)."""
+        text = json.dumps([self.model, self.block_bytes, self.block_tokens])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _safe(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", text)[:40]
+
+
+def namespace_config(raw: Any, identity: Identity, name: str) -> HierarchyConfig:
+    """The hierarchy an engine's YAML (`raw`, a mapping) asks for, as the owner builds it: without
+    `shared`, with the engine's block tokens, each `cpu` tier in the region `kvtier-host-<name>-<tier>`
+    (unpinned: the owner never touches a GPU) and each `file` tier under `<root_dir>/host-<name>`."""
+    raw = plain(raw, "the engine's config")
+    if not isinstance(raw, dict):
+        raise ConfigError([("", "the engine's config must be a mapping with a 'tiers' list")])
+    raw.pop("shared", None)
+    raw.pop("block_bytes", None)
+    raw["block_tokens"] = identity.block_tokens
+    for tier in raw.get("tiers") or []:
+        if not isinstance(tier, dict):
+            continue
+        if tier.get("backend") == "cpu":
+            tier["shm_name"] = f"kvtier-host-{name}-{_safe(str(tier.get('name')))}"
+            tier["pin"] = False
+        elif tier.get("backend") == "file" and isinstance(tier.get("root_dir"), str):
+            tier["root_dir"] = os.path.join(tier["root_dir"], f"host-{name}")
+    config = parse_config(raw, f"the host namespace {name}")
+    if config.tiers[0].backend != "cpu":
+        raise ConfigError([("tiers[0].backend", f"a shared hierarchy starts with a 'cpu' tier (the region every "
+                                                f"engine maps), got {config.tiers[0].backend!r}")])
+    return config
+
+
+@dataclass
+class Ledger:
+    """What one connection holds in its namespace: load pins (a count per key, one per
+    `prepare_load`) and the stores it has not completed."""
+
+    loads: Counter[OffloadKey] = field(default_factory=Counter)
+    stores: set[OffloadKey] = field(default_factory=set)
+
+
+class Namespace:
+    """A hierarchy shared by the engines of one identity (the module docstring)."""
+
+    def __init__(self, identity: Identity, raw_config: Any, *, lease_grace_s: float = LEASE_GRACE_S):
+        from kvtier.control.hierarchy import build_hierarchy
+
+        self.identity = identity
+        self.name = identity.name()
+        self.config = namespace_config(raw_config, identity, self.name)
+        self._shape = _shape(self.config)
+        self.hierarchy = build_hierarchy(self.config, block_bytes=identity.block_bytes, model=identity.model)
+        self.manager = self.hierarchy.manager
+        self.lock = threading.Lock()
+        self.lease_grace_s = lease_grace_s
+        self._expiring: list[tuple[float, Ledger]] = []
+        region: Any = self.hierarchy.first_backend  # (a CPUBackend: namespace_config)
+        self.region = {"shm_name": region.shm_name, "num_blocks": region.num_blocks,
+                       "block_bytes": region.block_bytes, "token": region.token}
+        self.tier = self.config.tiers[0].name
+
+    def check_same(self, raw_config: Any) -> None:
+        """`ConfigError` unless `raw_config` asks for this namespace's tiers."""
+        other = _shape(namespace_config(raw_config, self.identity, self.name))
+        if other != self._shape:
+            raise ConfigError([("tiers", f"the host namespace {self.name} of this model already holds the tiers "
+                                         f"{self._shape}; this engine asks for {other}: give every engine of one "
+                                         f"model on the host the same tiers")])
+
+    # ------------------------------------------------------------------ calls
+    def call(self, op: str, message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+        """Answer one request of a connection whose holdings are `ledger`; `ValueError` on a bad one."""
+        handler = _OPS.get(op)
+        if handler is None:
+            raise ValueError(f"op: unknown operation {op!r}")
+        keys = parse_keys(message.get("keys", []))
+        with self.lock:
+            return handler(self, keys, message, ledger)
+
+    def _lookup_run(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+        """Leading HITs and the first other answer; `held`: how far the run goes counting the blocks a
+        lower tier holds (what a load gets once they are promoted)."""
+        hits, then = self.manager.lookup_run(keys)
+        held, source = hits, self.manager.load_source
+        while held < len(keys) and source(keys[held]) is not None:
+            held += 1
+        return {"hits": hits, "next": None if then is None else then.name, "held": held}
+
+    def _prepare_load(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+        """Pin the leading run of `keys` readable in the first tier now (another engine may have
+        evicted one since this engine's lookup): their slots, and how many."""
+        lookup = self.manager.lookup
+        readable = 0
+        for key in keys:
+            if lookup(key) is not LookupResult.HIT:
+                break
+            readable += 1
+        if not readable:
+            return {"slots": []}
+        spec = self.manager.prepare_load(keys[:readable])
+        if not isinstance(spec, CPULoadStoreSpec):  # (the owner promotes every lower tier's hit first)
+            self.manager.complete_load(keys[:readable])
+            return {"slots": []}
+        ledger.loads.update(keys[:readable])
+        return {"slots": spec.block_ids}
+
+    def _complete_load(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+        failed = set(parse_keys(message.get("failed", []), "failed"))
+        held = [key for key in keys if ledger.loads[key] > 0]
+        ledger.loads.subtract(held)
+        ledger.loads += Counter()  # (drops the keys at 0)
+        self.manager.complete_load(held, failed=[key for key in held if key in failed])
+        return {"released": len(held)}
+
+    def _touch(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+        self.manager.touch(keys)
+        return {}
+
+    def _prepare_store(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+        out = self.manager.prepare_store(keys)
+        if out is None:
+            return {"room": False}
+        store = list(out.keys_to_store)
+        ledger.stores.update(store)
+        assert isinstance(out.store_spec, CPULoadStoreSpec)  # (the first tier is a cpu tier: namespace_config)
+        return {"room": True, "store": hex_keys(store), "slots": out.store_spec.block_ids,
+                "evicted": hex_keys(out.evicted_keys)}
+
+    def _complete_store(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+        held = [key for key in keys if key in ledger.stores]
+        ledger.stores.difference_update(held)
+        self.manager.complete_store(held, success=message.get("success") is True)
+        return {"completed": len(held)}
+
+    def _stats(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+        return {"tiers": self.manager.get_stats(), "namespace": self.name}
+
+    # ------------------------------------------------------------------ background
+    def expire(self, ledger: Ledger) -> None:
+        """The connection holding `ledger` is gone: release what it holds after the grace period."""
+        if ledger.loads or ledger.stores:
+            with self.lock:
+                self._expiring.append((time.monotonic() + self.lease_grace_s, ledger))
+
+    def step(self) -> None:
+        """The owner's heartbeat: account finished copies, start promotions and cascade copies
+        (`on_schedule_end`, as vLLM's scheduler calls it each step), and release expired ledgers."""
+        with self.lock:
+            now = time.monotonic()
+            due = [ledger for at, ledger in self._expiring if at <= now]
+            if due:
+                self._expiring = [(at, ledger) for at, ledger in self._expiring if at > now]
+            for ledger in due:
+                self._release(ledger)
+            self.manager.on_schedule_end()
+
+    def _release(self, ledger: Ledger) -> None:
+        if ledger.loads:
+            self.manager.complete_load(list(ledger.loads.elements()))
+        if ledger.stores:
+            self.manager.complete_store(list(ledger.stores), success=False)
+        log.info("kvtier host: namespace %s released %d pin(s) and %d unfinished store(s) of a departed engine",
+                 self.name, sum(ledger.loads.values()), len(ledger.stores))
+        ledger.loads.clear()
+        ledger.stores.clear()
+
+    def close(self, flush_timeout: float) -> int:
+        """Write the first tier's dirty blocks down (at most `flush_timeout` s) and close the tiers;
+        returns how many blocks were left without a copy below."""
+        with self.lock:
+            try:
+                return self.manager.flush(flush_timeout)
+            finally:
+                self.hierarchy.close()
+
+
+def _shape(config: HierarchyConfig) -> list[tuple[str, str, str, str]]:
+    """What two engines' YAMLs must agree on: each tier's name, backend, capacity and policy."""
+    return [(t.name, t.backend, str(t.capacity), str(t.policy)) for t in config.tiers]
+
+
+_OPS = {"lookup_run": Namespace._lookup_run, "prepare_load": Namespace._prepare_load,
+        "complete_load": Namespace._complete_load, "touch": Namespace._touch,
+        "prepare_store": Namespace._prepare_store, "complete_store": Namespace._complete_store,
+        "stats": Namespace._stats}

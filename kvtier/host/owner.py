@@ -1,0 +1,185 @@
+"""`HostOwner`: the one owner of the host's shared hierarchies (`kvtier serve`).
+
+It listens on a Unix socket (`kvtier.host.listener`: private directory, 0600, its own user only)
+and serves each connection on a thread of its own, at most `max_clients` at once (one more is
+told so and closed). A connection starts with `hello` (its engine's identity and YAML), which
+names its namespace (`kvtier.host.namespace`: built at the first engine of an identity) and
+answers where the namespace's CPU region is; then one request at a time, each answered before
+the next is read. Engines map the region and copy their blocks in and out themselves: only keys
+and slot numbers cross the socket.
+
+A heartbeat thread steps every namespace every `STEP_S` (finished copies, promotions, cascade
+writes, expired leases). `close` stops accepting, writes each namespace's dirty CPU blocks to the
+tier below (at most `flush_timeout` s) and closes the tiers; a restarted owner finds the file
+tiers' blocks again (their journals) and starts the CPU tiers empty.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+from kvtier.core.errors import ConfigError
+from kvtier.host.listener import listen, peer_uid
+from kvtier.host.namespace import LEASE_GRACE_S, Identity, Ledger, Namespace
+from kvtier.host.wire import FrameError, FrameReader, HostUnavailable, encode, read_frame
+
+log = logging.getLogger(__name__)
+
+STEP_S = 0.002  # heartbeat period: how soon a finished copy is accounted, a promotion started
+MAX_CLIENTS = 64
+SEND_TIMEOUT_S = 5.0  # a client that does not read its answers this long is disconnected
+FLUSH_TIMEOUT_S = 60.0
+
+
+class HostOwner:
+    """Serves the shared hierarchies of this host on `socket_path` (the module docstring)."""
+
+    def __init__(self, socket_path: str, *, max_clients: int = MAX_CLIENTS, lease_grace_s: float = LEASE_GRACE_S):
+        self.socket_path = socket_path
+        self.max_clients = max_clients
+        self.lease_grace_s = lease_grace_s
+        self.namespaces: dict[str, Namespace] = {}
+        self._lock = threading.Lock()  # namespaces, clients
+        self._clients: set[socket.socket] = set()
+        self._stop = threading.Event()
+        self._server = listen(socket_path)
+        self._threads = [threading.Thread(target=self._accept_loop, name="kvtier-host-accept", daemon=True),
+                         threading.Thread(target=self._heartbeat, name="kvtier-host-step", daemon=True)]
+        for thread in self._threads:
+            thread.start()
+        log.info("kvtier host owner (pid %d) listening on %s", os.getpid(), socket_path)
+
+    # ------------------------------------------------------------------ connections
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._server.accept()
+            except OSError:
+                return  # the listening socket was closed
+            if peer_uid(conn) != os.getuid():
+                log.warning("kvtier host: refused a connection from another user (uid %d)", peer_uid(conn))
+                conn.close()
+                continue
+            with self._lock:
+                full = len(self._clients) >= self.max_clients
+                if not full:
+                    self._clients.add(conn)
+            if full:
+                _answer(conn, {"id": 0, "error": f"the owner serves at most {self.max_clients} engines"})
+                conn.close()
+                continue
+            threading.Thread(target=self._serve, args=(conn,), name="kvtier-host-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        """Answer one connection's requests in order until it closes or breaks the protocol."""
+        reader, ledger = FrameReader(), Ledger()
+        namespace: Namespace | None = None
+        conn.settimeout(SEND_TIMEOUT_S)
+        try:
+            while not self._stop.is_set():
+                try:
+                    message = read_frame(conn, reader)
+                except TimeoutError:
+                    continue  # an idle engine; a partial frame stays in `reader`
+                reply, namespace = self._answer(message, namespace, ledger)
+                if not _answer(conn, reply):
+                    break
+        except (HostUnavailable, OSError) as exc:
+            if isinstance(exc, FrameError):
+                log.warning("kvtier host: closing a connection: %s", exc)
+        finally:
+            with self._lock:
+                self._clients.discard(conn)
+            conn.close()
+            if namespace is not None:
+                namespace.expire(ledger)
+
+    def _answer(self, message: dict[str, Any], namespace: Namespace | None,
+                ledger: Ledger) -> tuple[dict[str, Any], Namespace | None]:
+        """The reply to `message` and the connection's namespace after it."""
+        reply: dict[str, Any] = {"id": message.get("id")}
+        op = message.get("op")
+        try:
+            if op == "hello":
+                if namespace is not None:
+                    raise ValueError("hello: this connection already said hello")
+                namespace = self._namespace(message)
+                reply.update(namespace=namespace.name, region=namespace.region, tier=namespace.tier,
+                             owner_pid=os.getpid())
+            elif op == "ping":
+                reply["pong"] = True
+            elif namespace is None:
+                raise ValueError(f"{op}: say hello first")
+            else:
+                reply.update(namespace.call(str(op), message, ledger))
+        except (ValueError, ConfigError) as exc:
+            reply["error"] = str(exc)
+        except Exception as exc:  # a bug or a failing tier must not take the owner down
+            log.exception("kvtier host: %s failed", op)
+            reply["error"] = f"{op} failed in the owner: {type(exc).__name__}: {exc}"
+        return reply, namespace
+
+    def _namespace(self, hello: dict[str, Any]) -> Namespace:
+        """The namespace of the engine saying `hello`, built at its identity's first engine."""
+        identity = Identity.parse(hello.get("identity"))
+        with self._lock:
+            namespace = self.namespaces.get(identity.name())
+            if namespace is None:
+                namespace = Namespace(identity, hello.get("config"), lease_grace_s=self.lease_grace_s)
+                self.namespaces[namespace.name] = namespace
+                log.info("kvtier host: namespace %s for %s (%d-byte blocks of %d tokens): tiers %s", namespace.name,
+                         identity.model[:120], identity.block_bytes, identity.block_tokens,
+                         ", ".join(t.name for t in namespace.config.tiers))
+                return namespace
+        namespace.check_same(hello.get("config"))
+        return namespace
+
+    # ------------------------------------------------------------------ heartbeat and lifetime
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(STEP_S):
+            with self._lock:
+                namespaces = list(self.namespaces.values())
+            for namespace in namespaces:
+                try:
+                    namespace.step()
+                except Exception:
+                    log.exception("kvtier host: stepping namespace %s failed", namespace.name)
+
+    def client_count(self) -> int:
+        with self._lock:
+            return len(self._clients)
+
+    def close(self, flush_timeout: float = FLUSH_TIMEOUT_S) -> None:
+        """Stop serving, write every namespace's dirty CPU blocks down and close the tiers. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._server.close()
+        try:
+            os.unlink(self.socket_path)
+        except FileNotFoundError:
+            pass
+        with self._lock:
+            clients, namespaces = list(self._clients), list(self.namespaces.values())
+        for conn in clients:
+            conn.close()
+        for thread in self._threads:
+            thread.join(timeout=5)
+        for namespace in namespaces:
+            left = namespace.close(flush_timeout)
+            if left:
+                log.warning("kvtier host: namespace %s: %d block(s) not written below before closing",
+                            namespace.name, left)
+
+
+def _answer(conn: socket.socket, reply: dict[str, Any]) -> bool:
+    """Send `reply`; False when the client cannot take it (gone, or not reading)."""
+    try:
+        conn.sendall(encode(reply))
+        return True
+    except OSError:  # (TimeoutError is one)
+        return False

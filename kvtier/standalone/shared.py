@@ -1,0 +1,243 @@
+"""`SharedKVTier`: the standalone API over the host's shared hierarchy (`shared: host` in the YAML).
+
+`KVTier.open` returns one when the config says `shared: host`: the tiers are the host owner's
+(`kvtier serve`, `kvtier.host`), shared with every engine of the same model identity on the host.
+This process maps the owner's CPU region and copies its blocks in and out of it itself; only keys
+and slot numbers go through the owner's socket. Same calls and argument checks as `KVTier`.
+
+Failure is a miss: when the owner does not answer within `timeout_ms` (not running, hung,
+restarting), `lookup` and `load` answer 0 more blocks and `store` returns False; nothing waits
+longer than that per call. A block is copied out of the region only while the owner holds it
+pinned for this engine, and a stored block becomes readable only once its copy succeeded.
+`flush` has nothing to write: the owner keeps the blocks and outlives this engine (it writes its
+CPU tier down when it stops).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvtier.config import HierarchyConfig
+from kvtier.config.shared import config_mapping
+from kvtier.core.errors import ArgumentError, ClosedError
+from kvtier.core.keys import OffloadKey
+from kvtier.core.limits import MAX_KEY_BYTES
+from kvtier.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
+from kvtier.core.types import TransferResult
+from kvtier.host.client import HostClient, HostRefused
+from kvtier.host.region import RegionMap
+from kvtier.host.wire import HostUnavailable, hex_keys, parse_keys
+from kvtier.standalone.blocks import KeyBlocks
+from kvtier.standalone.counters import TransferCounters
+from kvtier.transfer.handlers.gpu_cpu import KVLayout
+
+log = logging.getLogger(__name__)
+
+ROUND_BLOCKS = 256  # keys per store or load round: one owner call each way
+RETRY_WAIT_S = 0.001  # how often a call asks again while the owner promotes blocks or makes room
+
+
+class SharedKVTier:
+    """The standalone API on the host's shared hierarchy (the module docstring)."""
+
+    def __init__(self, config: HierarchyConfig, client: HostClient, layout: KVLayout, kv_caches: Any):
+        self.config = config
+        self.client = client
+        self.layout = layout
+        self.blocks_per_chunk = layout.blocks_per_chunk
+        self._regions = RegionMap(kv_caches)
+        self._blocks = KeyBlocks(layout, (MAX_KEY_BYTES, "the host owner's index"))
+        self._counters = TransferCounters()
+        self._lock = threading.RLock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ public API
+    def store(self, keys: Sequence[bytes], engine_block_ids: Sequence[int],
+              hints: Mapping[str, Any] | None = None) -> bool:
+        """Copy the engine blocks of `keys` into the shared hierarchy (keys it holds are skipped).
+        False when some could not be stored: no room, a failed copy, or the owner unavailable."""
+        with self._call():
+            keys = self._blocks.keys(keys, distinct=True)
+            by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=False)
+            size = self._round_blocks()
+            return all([self._store_round(keys[i:i + size], by_key) for i in range(0, len(keys), size)])
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """How many leading `keys` the shared hierarchy can load now (0 when the owner is unavailable)."""
+        with self._call():
+            return self._hits(self._blocks.keys(keys, distinct=False), held=True)
+
+    def load(self, keys: Sequence[bytes], engine_block_ids: Sequence[int],
+             hints: Mapping[str, Any] | None = None) -> int:
+        """Load the longest loadable prefix of `keys` into its engine blocks; how many were loaded."""
+        with self._call():
+            keys = self._blocks.keys(keys, distinct=True)
+            by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True)
+            loaded = 0
+            size = self._round_blocks()
+            while loaded < len(keys):
+                window = keys[loaded:loaded + size]
+                got = self._load_round(window[:self._hits(window)], by_key)
+                loaded += got
+                if got < len(window):
+                    break
+            return loaded
+
+    def wait(self) -> None:
+        """Every call returns when its copies are done: nothing to wait for."""
+        with self._call():
+            return
+
+    def flush(self, timeout: float | None = None) -> int:
+        """Nothing of this engine's is unwritten: the owner holds the blocks (module docstring)."""
+        with self._call():
+            return 0
+
+    def stats(self) -> dict[str, Any]:
+        """The owner's per-tier counters (empty when it does not answer) and this engine's totals."""
+        with self._lock:
+            try:
+                tiers = self.client.call("stats")["tiers"]
+            except HostUnavailable:
+                tiers = {}
+            engine = {**self._counters.as_dict(), "host_failures": self.client.failures}
+            return {**tiers, "engine": engine}
+
+    def close(self, flush: bool = True, flush_timeout: float | None = None) -> None:
+        """Leave the shared hierarchy (the owner keeps the blocks) and unmap the region. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self.client.close()
+            self._regions.close()
+
+    def __enter__(self) -> SharedKVTier:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ rounds
+    def _call(self) -> Any:
+        if self._closed:
+            raise ClosedError("KVTier is closed: open a new one with KVTier.open")
+        return self._lock
+
+    def _round_blocks(self) -> int:
+        """Keys per round: a quarter of the owner's first tier at most (other engines use it too)."""
+        region = self.client.region
+        return max(1, min(ROUND_BLOCKS, (region["num_blocks"] if region else ROUND_BLOCKS) // 4))
+
+    def _patience(self) -> float:
+        """When a call stops waiting for the owner's copies (promotions, copies down that make room)."""
+        return time.monotonic() + max(self.client.shared.timeout_s * 20, 1.0)
+
+    def _hits(self, keys: list[OffloadKey], held: bool = False) -> int:
+        """Leading keys readable in the owner's first tier, waiting (within the client's deadline
+        per call) while it promotes blocks from below; `held`: counting on from there the blocks
+        a lower tier holds (`load` brings them up in rounds)."""
+        deadline = self._patience()
+        while keys:
+            try:
+                answer = self.client.call("lookup_run", keys=hex_keys(keys))
+            except HostUnavailable:
+                return 0
+            if answer["next"] not in ("RETRY", "HIT_PENDING") or time.monotonic() >= deadline:
+                return int(answer["held" if held else "hits"])
+            time.sleep(RETRY_WAIT_S)
+        return 0
+
+    def _store_round(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
+        deadline = self._patience()
+        while True:
+            try:
+                answer = self.client.call("prepare_store", keys=hex_keys(keys))
+            except HostUnavailable as exc:
+                log.warning("store: %d block(s) not stored: %s", len(keys), exc)
+                return False
+            if answer["room"] or time.monotonic() >= deadline:
+                break
+            time.sleep(RETRY_WAIT_S)  # (the owner copies blocks down to make room)
+        if not answer["room"]:
+            log.warning("store: %d block(s) not stored: the shared tier has no room for them", len(keys))
+            return False
+        to_store = parse_keys(answer["store"])
+        if not to_store:
+            return True
+        result = self._copy(to_store, answer["slots"], by_key, into_region=True)
+        try:
+            self.client.call("complete_store", keys=hex_keys(to_store), success=result.success)
+        except HostUnavailable:
+            return False  # (the owner drops the unfinished stores of a connection it lost)
+        self._counters.count("store", result, len(to_store))
+        return result.success
+
+    def _load_round(self, wanted: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> int:
+        if not wanted:
+            return 0
+        try:
+            slots = self.client.call("prepare_load", keys=hex_keys(wanted))["slots"]
+        except HostUnavailable:
+            return 0
+        pinned = wanted[:len(slots)]
+        result = TransferResult(0, False)
+        try:
+            result = self._copy(pinned, slots, by_key, into_region=False) if pinned else result
+        finally:
+            failed = pinned[min(result.failed_positions(len(pinned)), default=len(pinned)):] \
+                if pinned and not result.success else []
+            try:
+                self.client.call("complete_load", keys=hex_keys(pinned), failed=hex_keys(failed))
+            except HostUnavailable:
+                pass  # (the owner releases the pins of a connection it lost)
+        loaded = len(pinned) - len(failed)
+        self._counters.count("load", result, loaded)
+        return loaded
+
+    def _copy(self, keys: list[OffloadKey], slots: list[int], by_key: dict[OffloadKey, list[int]],
+              into_region: bool) -> TransferResult:
+        """Copy `keys` between their engine blocks and their `slots` of the owner's region."""
+        region = self.client.region
+        if region is None:
+            return TransferResult(0, False, error="no region")
+        plane = self._regions.plane(region, self.client.tier)
+        order = self._blocks.group_order(keys)
+        gpu: GPULoadStoreSpec = self._blocks.gpu_spec([keys[i] for i in order], by_key)
+        cpu = CPULoadStoreSpec([slots[i] for i in order], tier=self.client.tier)
+        job = plane.submit(cpu, gpu) if not into_region else plane.submit(gpu, cpu)
+        result = plane.result(job)
+        if result.success or not result.failed_blocks:
+            return result
+        # (positions of the job are in group order: give them back in the caller's order)
+        return TransferResult(result.job_id, False, result.transfer_size, result.transfer_time,
+                              failed_blocks=tuple(order[p] for p in result.failed_blocks), error=result.error)
+
+
+def open_shared(config: HierarchyConfig, kv_caches: Any, layout: KVLayout, model: str) -> SharedKVTier:
+    """`KVTier.open` for a `shared: host` config: join the owner's hierarchy for this model and
+    KV layout. `ArgumentError` without `model` (engines of one model share blocks, so the owner
+    must know which); `HostRefused` when the owner refuses this YAML (another engine of the same
+    model runs other tiers). An owner not running now is not an error: calls are misses until it is."""
+    from kvtier.control.hierarchy import describe_layout
+
+    if not isinstance(model, str) or not model:
+        raise ArgumentError("model: required with shared: host (engines of one model share the host's blocks; "
+                            "pass model='<model name>@<revision>')")
+    identity = {"model": f"standalone:{model} | {describe_layout(layout.block_bytes, config.block_tokens, kv_caches)}",
+                "block_bytes": layout.block_bytes, "block_tokens": config.block_tokens}
+    assert config.shared is not None  # (KVTier.open calls this for a shared config only)
+    client = HostClient(config.shared, {"identity": identity, "config": config_mapping(config)})
+    try:
+        client.connect()
+    except HostRefused:
+        client.close()
+        raise
+    except HostUnavailable as exc:
+        log.warning("kvtier: the host owner at %s is not serving (%s): misses until it does",
+                    config.shared.socket, exc)
+    return SharedKVTier(config, client, layout, kv_caches)
