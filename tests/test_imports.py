@@ -119,7 +119,7 @@ def test_the_block_table_sits_below_policies_and_tiers():
 # The packages of kvtier, lowest first (README, "Layout"): when a module is imported, it imports
 # only modules of its own package or of packages before its own. Imports inside functions (lazy)
 # and under `if TYPE_CHECKING:` are not counted: neither runs when the module is imported.
-PACKAGE_ORDER = ["core", "index", "policies", "tiers", "transfer", "config", "control", "standalone",
+PACKAGE_ORDER = ["core", "index", "policies", "tiers", "transfer", "config", "control", "host", "standalone",
                  "testing", "bench", "cli", "integrations"]
 # A tier kind that brings its own handler builds it on the handler contract (the step towards each
 # tier package registering its backend, spec and handlers; ARCHITECTURE.md, "A layout that is a map").

@@ -56,7 +56,14 @@ class HostClient:
         """Say hello now (`HostRefused` if the owner refuses this engine's identity or YAML;
         `HostUnavailable` if it does not answer): the region it names."""
         with self._lock:
-            self._connect(time.monotonic() + self.shared.timeout_s)
+            try:
+                self._connect(time.monotonic() + self.shared.timeout_s)
+            except HostRefused as exc:
+                self._down_until, self._why = time.monotonic() + self.backoff_s, str(exc)
+                raise
+            except (HostUnavailable, OSError) as exc:
+                self._fail(exc)
+                raise HostUnavailable(self._why) from None
             assert self.region is not None
             return self.region
 
@@ -74,7 +81,7 @@ class HostClient:
                     self._connect(deadline)
                 return self._round_trip({"op": op, **arguments}, deadline)
             except HostRefused as exc:
-                if self._sock is None:  # (refused at hello: this engine is not served until it is fixed)
+                if self._sock is None:  # (refused at hello: not served until the owner's answer changes)
                     self._down_until, self._why = time.monotonic() + self.backoff_s, str(exc)
                 raise
             except (HostUnavailable, OSError) as exc:

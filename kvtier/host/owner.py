@@ -68,13 +68,10 @@ class HostOwner:
                 full = len(self._clients) >= self.max_clients
                 if not full:
                     self._clients.add(conn)
-            if full:
-                _answer(conn, {"id": 0, "error": f"the owner serves at most {self.max_clients} engines"})
-                conn.close()
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="kvtier-host-conn", daemon=True).start()
+            serve = _refuse if full else self._serve
+            threading.Thread(target=serve, args=(conn, self.max_clients), name="kvtier-host-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, max_clients: int) -> None:
         """Answer one connection's requests in order until it closes or breaks the protocol."""
         reader, ledger = FrameReader(), Ledger()
         namespace: Namespace | None = None
@@ -158,6 +155,10 @@ class HostOwner:
         if self._stop.is_set():
             return
         self._stop.set()
+        try:
+            self._server.shutdown(socket.SHUT_RDWR)  # (wakes the accept loop; close alone may not)
+        except OSError:
+            pass
         self._server.close()
         try:
             os.unlink(self.socket_path)
@@ -166,7 +167,10 @@ class HostOwner:
         with self._lock:
             clients, namespaces = list(self._clients), list(self.namespaces.values())
         for conn in clients:
-            conn.close()
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # (wakes its thread's read)
+            except OSError:
+                pass
         for thread in self._threads:
             thread.join(timeout=5)
         for namespace in namespaces:
@@ -174,6 +178,18 @@ class HostOwner:
             if left:
                 log.warning("kvtier host: namespace %s: %d block(s) not written below before closing",
                             namespace.name, left)
+
+
+def _refuse(conn: socket.socket, max_clients: int) -> None:
+    """Tell an engine past `max_clients` so, in answer to its first request, and close."""
+    conn.settimeout(SEND_TIMEOUT_S)
+    try:
+        first = read_frame(conn, FrameReader())
+        _answer(conn, {"id": first.get("id"), "error": f"the owner serves at most {max_clients} engines at once"})
+    except (HostUnavailable, OSError):
+        pass
+    finally:
+        conn.close()
 
 
 def _answer(conn: socket.socket, reply: dict[str, Any]) -> bool:
