@@ -88,6 +88,20 @@ class HostClient:
                 self._fail(exc)
                 raise HostUnavailable(self._why) from None
 
+    def notify(self, op: str, **arguments: Any) -> bool:
+        """Send `op` without waiting for its answer (skipped when it comes, at a later call): for
+        calls whose outcome the engine does not need, e.g. releasing pins. False when it could
+        not be sent (the owner releases what a lost connection held)."""
+        with self._lock:
+            if self._sock is None or time.monotonic() < self._down_until:
+                return False
+            try:
+                self._send({"op": op, **arguments}, time.monotonic() + self.shared.timeout_s)
+                return True
+            except OSError as exc:
+                self._fail(exc)
+                return False
+
     def _connect(self, deadline: float) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -107,7 +121,8 @@ class HostClient:
         log.info("kvtier: joined the host hierarchy %s of owner pid %s (region %s)", answer.get("namespace"),
                  answer.get("owner_pid"), self.region["shm_name"])
 
-    def _round_trip(self, request: dict[str, Any], deadline: float) -> dict[str, Any]:
+    def _send(self, request: dict[str, Any], deadline: float) -> int:
+        """Send `request` with a new id (returned)."""
         sock = self._sock
         assert sock is not None
         request["id"] = ident = next(self._ids)
@@ -117,6 +132,12 @@ class HostClient:
         except TimeoutError:
             self._close()  # (a frame may be half sent: the stream cannot be trusted any more)
             raise
+        return ident
+
+    def _round_trip(self, request: dict[str, Any], deadline: float) -> dict[str, Any]:
+        ident = self._send(request, deadline)
+        sock = self._sock
+        assert sock is not None
         while True:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             answer = read_frame(sock, self._reader)

@@ -148,6 +148,9 @@ class Namespace:
         held, source = hits, self.manager.load_source
         while held < len(keys) and source(keys[held]) is not None:
             held += 1
+        if then is LookupResult.RETRY:  # promote the rest of the run too, as vLLM's scan past a RETRY would
+            for key in keys[hits + 1:held]:
+                self.manager.lookup(key)
         return {"hits": hits, "next": None if then is None else then.name, "held": held}
 
     def _prepare_load(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:

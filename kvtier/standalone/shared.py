@@ -78,13 +78,12 @@ class SharedKVTier:
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True)
             loaded = 0
-            size = self._round_blocks()
             while loaded < len(keys):
-                window = keys[loaded:loaded + size]
-                got = self._load_round(window[:self._hits(window)], by_key)
-                loaded += got
-                if got < len(window):
-                    break
+                window = keys[loaded:loaded + ROUND_BLOCKS]
+                pinned, good = self._load_round(window, by_key)
+                loaded += good
+                if good < pinned or (pinned == 0 and not self._hits(window)):
+                    break  # a failed copy, or nothing more to find (after waiting for promotions)
             return loaded
 
     def wait(self) -> None:
@@ -177,27 +176,27 @@ class SharedKVTier:
         self._counters.count("store", result, len(to_store))
         return result.success
 
-    def _load_round(self, wanted: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> int:
-        if not wanted:
-            return 0
+    def _load_round(self, window: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> tuple[int, int]:
+        """Load the leading run of `window` readable in the owner's first tier now (pinned for this
+        engine meanwhile): (how many were pinned, how many leading ones were loaded). A block whose
+        copy failed is reported to the owner, which drops it."""
         try:
-            slots = self.client.call("prepare_load", keys=hex_keys(wanted))["slots"]
+            slots = self.client.call("prepare_load", keys=hex_keys(window))["slots"]
         except HostUnavailable:
-            return 0
-        pinned = wanted[:len(slots)]
+            return 0, 0
+        pinned = window[:len(slots)]
+        if not pinned:
+            return 0, 0
         result = TransferResult(0, False)
         try:
-            result = self._copy(pinned, slots, by_key, into_region=False) if pinned else result
+            result = self._copy(pinned, slots, by_key, into_region=False)
         finally:
-            failed = pinned[min(result.failed_positions(len(pinned)), default=len(pinned)):] \
-                if pinned and not result.success else []
-            try:
-                self.client.call("complete_load", keys=hex_keys(pinned), failed=hex_keys(failed))
-            except HostUnavailable:
-                pass  # (the owner releases the pins of a connection it lost)
-        loaded = len(pinned) - len(failed)
+            positions = result.failed_positions(len(pinned))
+            # (not waited for: the owner releases the pins of a connection it lost anyway)
+            self.client.notify("complete_load", keys=hex_keys(pinned), failed=hex_keys(pinned[p] for p in positions))
+        loaded = min(positions, default=len(pinned))
         self._counters.count("load", result, loaded)
-        return loaded
+        return len(pinned), loaded
 
     def _copy(self, keys: list[OffloadKey], slots: list[int], by_key: dict[OffloadKey, list[int]],
               into_region: bool) -> TransferResult:

@@ -49,7 +49,16 @@ class OwnerProcess:
         self.proc.wait()
 
     def pause(self) -> None:
+        """SIGSTOP, returning once every thread of the owner has stopped."""
         os.kill(self.pid, signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.pid}/task")
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            states = [(t / "stat").read_text().rsplit(")", 1)[1].split()[0] for t in tasks.iterdir()]
+            if all(state == "T" for state in states):
+                return
+            time.sleep(0.005)
+        raise RuntimeError("the owner did not stop")
 
     def resume(self) -> None:
         os.kill(self.pid, signal.SIGCONT)
