@@ -27,6 +27,9 @@ def describe(config, block_bytes: int | None = None) -> str:
     block_bytes = block_bytes or config.block_bytes
     lines = [f"hierarchy from {config.source}: {len(config.tiers)} tier(s), {config.block_tokens} tokens per block"
              + (f", {format_size(block_bytes)} per block" if block_bytes else "")]
+    if config.shared is not None:
+        lines.append(f"  shared by the engines of this host: the tiers are the owner's at {config.shared.socket} "
+                     f"(kvtier serve), each call bounded by timeout_ms={config.shared.timeout_ms}")
     for i, tier in enumerate(config.tiers):
         capacity = f"capacity={tier.capacity}"
         if tier.capacity.blocks is None and block_bytes:

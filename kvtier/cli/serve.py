@@ -46,7 +46,9 @@ def run_serve(args: argparse.Namespace) -> int:
     owner = HostOwner(path, max_clients=args.max_clients)
     print(f"kvtier serve: listening on {path}", flush=True)
     try:
-        stop.wait()
+        while not stop.wait(0.5):
+            pass
+        print("kvtier serve: stopping (writing the CPU tiers down)", flush=True)
     finally:
         owner.close(args.flush_timeout)
     print("kvtier serve: stopped", flush=True)

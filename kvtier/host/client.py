@@ -28,6 +28,7 @@ from kvtier.host.wire import FrameReader, HostUnavailable, encode, read_frame
 log = logging.getLogger(__name__)
 
 BACKOFF_S = 1.0
+HELLO_TIMEOUT_S = 30.0
 
 
 class HostRefused(HostUnavailable):
@@ -52,12 +53,14 @@ class HostClient:
         self.generation = 0  # hellos answered: a new one means a new connection (and maybe a new owner)
         self.failures = 0  # calls that ended as misses because the owner did not serve them
 
-    def connect(self) -> dict[str, Any]:
-        """Say hello now (`HostRefused` if the owner refuses this engine's identity or YAML;
-        `HostUnavailable` if it does not answer): the region it names."""
+    def connect(self, timeout_s: float = HELLO_TIMEOUT_S) -> dict[str, Any]:
+        """Say hello now, waiting up to `timeout_s` (an engine's start: the owner builds the
+        namespace at its identity's first engine, file tiers included, which takes longer than
+        one call's `timeout_ms`). `HostRefused` if the owner refuses this engine's identity or
+        YAML; `HostUnavailable` if it does not answer. Returns the region it names."""
         with self._lock:
             try:
-                self._connect(time.monotonic() + self.shared.timeout_s)
+                self._connect(time.monotonic() + max(timeout_s, self.shared.timeout_s))
             except HostRefused as exc:
                 self._down_until, self._why = time.monotonic() + self.backoff_s, str(exc)
                 raise
@@ -113,8 +116,8 @@ class HostClient:
         self._sock, self._reader = sock, FrameReader()
         try:
             answer = self._round_trip(dict(self._hello), deadline)
-        except HostRefused:
-            self._close()
+        except BaseException:
+            self._close()  # (a hello answered late would leave `region` naming another owner's region)
             raise
         self.region, self.tier = answer["region"], answer["tier"]
         self.generation += 1

@@ -30,6 +30,7 @@ from kvtier.config import HierarchyConfig, parse_config
 from kvtier.config.input import plain
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import OffloadKey
+from kvtier.core.limits import MAX_KEY_BYTES
 from kvtier.core.specs import CPULoadStoreSpec
 from kvtier.core.types import LookupResult
 from kvtier.host.wire import hex_keys, parse_keys
@@ -122,6 +123,7 @@ class Namespace:
         self.region = {"shm_name": region.shm_name, "num_blocks": region.num_blocks,
                        "block_bytes": region.block_bytes, "token": region.token}
         self.tier = self.config.tiers[0].name
+        self.max_key_bytes = _key_limit(self.hierarchy)
 
     def check_same(self, raw_config: Any) -> None:
         """`ConfigError` unless `raw_config` asks for this namespace's tiers."""
@@ -138,6 +140,9 @@ class Namespace:
         if handler is None:
             raise ValueError(f"op: unknown operation {op!r}")
         keys = parse_keys(message.get("keys", []))
+        bad = next((i for i, key in enumerate(keys) if not 0 < len(key) <= self.max_key_bytes), None)
+        if bad is not None:
+            raise ValueError(f"keys[{bad}]: {len(keys[bad])} bytes; a key has 1 to {self.max_key_bytes} bytes here")
         with self.lock:
             return handler(self, keys, message, ledger)
 
@@ -169,7 +174,7 @@ class Namespace:
             self.manager.complete_load(keys[:readable])
             return {"slots": []}
         ledger.loads.update(keys[:readable])
-        return {"slots": spec.block_ids}
+        return {"slots": spec.block_ids, "token": self.region["token"]}
 
     def _complete_load(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
         failed = set(parse_keys(message.get("failed", []), "failed"))
@@ -191,7 +196,7 @@ class Namespace:
         ledger.stores.update(store)
         assert isinstance(out.store_spec, CPULoadStoreSpec)  # (the first tier is a cpu tier: namespace_config)
         return {"room": True, "store": hex_keys(store), "slots": out.store_spec.block_ids,
-                "evicted": hex_keys(out.evicted_keys)}
+                "token": self.region["token"], "evicted": hex_keys(out.evicted_keys)}
 
     def _complete_store(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
         held = [key for key in keys if key in ledger.stores]
@@ -239,6 +244,13 @@ class Namespace:
                 return self.manager.flush(flush_timeout)
             finally:
                 self.hierarchy.close()
+
+
+def _key_limit(hierarchy: Any) -> int:
+    """The longest key every tier of `hierarchy` holds (its backends' and policies' `max_key_bytes`)."""
+    limits = [b.max_key_bytes for b in hierarchy.backends.values() if b.max_key_bytes is not None]
+    limits += [limit for t in hierarchy.manager.tiers if (limit := getattr(t.policy, "max_key_bytes", None))]
+    return min(limits, default=MAX_KEY_BYTES)
 
 
 def _shape(config: HierarchyConfig) -> list[tuple[str, str, str, str]]:

@@ -33,6 +33,7 @@ from kvtier.host.region import RegionMap
 from kvtier.host.wire import HostUnavailable, hex_keys, parse_keys
 from kvtier.standalone.blocks import KeyBlocks
 from kvtier.standalone.counters import TransferCounters
+from kvtier.tiers.cpu import RegionError
 from kvtier.transfer.handlers.gpu_cpu import KVLayout
 
 log = logging.getLogger(__name__)
@@ -168,7 +169,7 @@ class SharedKVTier:
         to_store = parse_keys(answer["store"])
         if not to_store:
             return True
-        result = self._copy(to_store, answer["slots"], by_key, into_region=True)
+        result = self._copy(to_store, answer["slots"], answer["token"], by_key, into_region=True)
         try:
             self.client.call("complete_store", keys=hex_keys(to_store), success=result.success)
         except HostUnavailable:
@@ -181,15 +182,16 @@ class SharedKVTier:
         engine meanwhile): (how many were pinned, how many leading ones were loaded). A block whose
         copy failed is reported to the owner, which drops it."""
         try:
-            slots = self.client.call("prepare_load", keys=hex_keys(window))["slots"]
+            answer = self.client.call("prepare_load", keys=hex_keys(window))
         except HostUnavailable:
             return 0, 0
+        slots = answer["slots"]
         pinned = window[:len(slots)]
         if not pinned:
             return 0, 0
         result = TransferResult(0, False)
         try:
-            result = self._copy(pinned, slots, by_key, into_region=False)
+            result = self._copy(pinned, slots, answer["token"], by_key, into_region=False)
         finally:
             positions = result.failed_positions(len(pinned))
             # (not waited for: the owner releases the pins of a connection it lost anyway)
@@ -198,13 +200,17 @@ class SharedKVTier:
         self._counters.count("load", result, loaded)
         return len(pinned), loaded
 
-    def _copy(self, keys: list[OffloadKey], slots: list[int], by_key: dict[OffloadKey, list[int]],
+    def _copy(self, keys: list[OffloadKey], slots: list[int], token: str, by_key: dict[OffloadKey, list[int]],
               into_region: bool) -> TransferResult:
-        """Copy `keys` between their engine blocks and their `slots` of the owner's region."""
+        """Copy `keys` between their engine blocks and their `slots` of the owner's region, the one
+        whose token the owner's answer names (else the copy fails: no other region's slots are used)."""
         region = self.client.region
-        if region is None:
-            return TransferResult(0, False, error="no region")
-        plane = self._regions.plane(region, self.client.tier)
+        if region is None or region["token"] != token:
+            return TransferResult(0, False, error="the owner answered for another region than the one mapped")
+        try:
+            plane = self._regions.plane(region, self.client.tier)
+        except (RegionError, OSError) as exc:  # (the owner restarted since its hello: its region is gone)
+            return TransferResult(0, False, error=f"cannot map the owner's region: {exc}")
         order = self._blocks.group_order(keys)
         gpu: GPULoadStoreSpec = self._blocks.gpu_spec([keys[i] for i in order], by_key)
         cpu = CPULoadStoreSpec([slots[i] for i in order], tier=self.client.tier)

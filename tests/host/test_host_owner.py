@@ -187,3 +187,12 @@ def test_complete_calls_release_only_what_this_connection_holds(owner):
     a.call("prepare_load", keys=stored["store"])
     assert b.call("complete_load", keys=stored["store"])["released"] == 0
     assert a.call("complete_load", keys=stored["store"])["released"] == 2
+
+
+def test_keys_the_tiers_cannot_hold_are_refused_before_anything_changes(owner):
+    c = client(owner)
+    for bad in (b"", b"k" * 70000):
+        with pytest.raises(HostRefused, match=r"keys\[1\]: \d+ bytes; a key has 1 to \d+ bytes"):
+            c.call("prepare_store", keys=hex_keys([keys(1)[0], bad]))
+    assert c.call("lookup_run", keys=hex_keys(keys(1)))["hits"] == 0
+    assert c.call("prepare_store", keys=hex_keys(keys(1)))["room"] is True

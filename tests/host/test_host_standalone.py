@@ -177,3 +177,23 @@ def test_stopping_the_owner_writes_its_cpu_tier_down(tmp_path, owner, model):
     owner.start()
     with KVTier.open(config, make_kv(seed=7), model=model) as b:
         assert b.lookup(keys(8)) == 8
+
+
+def test_a_restarted_owner_slower_to_answer_than_timeout_ms_never_serves_another_regions_bytes(tmp_path, owner,
+                                                                                                 model):
+    """The restarted owner rebuilds the namespace (file tier recovery) at the engine's first hello, taking
+    longer than timeout_ms=20: that hello times out, and its late answer must not leave the engine
+    copying from the dead owner's region with the new owner's slot numbers."""
+    a_kv, b_kv = make_kv(seed=1), make_kv(seed=3)
+    config = shared_config(tmp_path, timeout_ms=20)
+    with KVTier.open(config, a_kv, model=model) as a, KVTier.open(config, b_kv, model=model) as b:
+        assert a.store(keys(20), list(range(20)))
+        owner.kill()
+        owner.start()
+        deadline, loaded = time.monotonic() + 20, 0
+        while loaded < 12 and time.monotonic() < deadline:
+            wipe(b_kv)
+            loaded = b.load(keys(20), list(range(20)))
+            assert same_blocks(a_kv, b_kv, loaded)
+            time.sleep(0.2)
+        assert loaded == 12
