@@ -145,10 +145,11 @@ def test_a_killed_owner_is_a_miss_and_a_restarted_one_serves_its_file_tier(tmp_p
         owner.start()
         time.sleep(1.1)  # (the clients' backoff after the failure)
         wipe(b_kv)
-        # The first 12 were copied down to the file tier as the 8-block CPU tier filled; the last 8
-        # lived only in the killed owner's CPU tier, which a restarted owner starts empty.
-        assert b.load(keys(20), list(range(20))) == 12
-        assert same_blocks(a_kv, b_kv, 12)
+        # The first 12 were copied down to the file tier as the 8-block CPU tier filled (and maybe a
+        # few more ahead, by the reserve's background copies); a restarted owner starts its CPU
+        # tier empty, so what lived only there is gone.
+        loaded = b.load(keys(20), list(range(20)))
+        assert loaded >= 12 and same_blocks(a_kv, b_kv, loaded)
     assert "recovered" in owner.log()
 
 
@@ -191,9 +192,9 @@ def test_a_restarted_owner_slower_to_answer_than_timeout_ms_never_serves_another
         owner.kill()
         owner.start()
         deadline, loaded = time.monotonic() + 20, 0
-        while loaded < 12 and time.monotonic() < deadline:
+        while loaded < 12 and time.monotonic() < deadline:  # (12 or more are in the file tier: see above)
             wipe(b_kv)
             loaded = b.load(keys(20), list(range(20)))
             assert same_blocks(a_kv, b_kv, loaded)
             time.sleep(0.2)
-        assert loaded == 12
+        assert loaded >= 12
