@@ -28,6 +28,7 @@ from typing import Any
 
 from kvtier.config import HierarchyConfig, parse_config
 from kvtier.config.input import plain
+from kvtier.control.retention import parse_hint
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import OffloadKey
 from kvtier.core.limits import MAX_KEY_BYTES
@@ -161,6 +162,7 @@ class Namespace:
     def _prepare_load(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
         """Pin the leading run of `keys` readable in the first tier now (another engine may have
         evicted one since this engine's lookup): their slots, and how many."""
+        hint = parse_hint(message.get("hints"), "hints")
         lookup = self.manager.lookup
         readable = 0
         for key in keys:
@@ -174,6 +176,7 @@ class Namespace:
             self.manager.complete_load(keys[:readable])
             return {"slots": []}
         ledger.loads.update(keys[:readable])
+        self.manager.retention.note(hint, keys[:readable])
         return {"slots": spec.block_ids, "token": self.region["token"]}
 
     def _complete_load(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
@@ -189,11 +192,13 @@ class Namespace:
         return {}
 
     def _prepare_store(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+        hint = parse_hint(message.get("hints"), "hints")
         out = self.manager.prepare_store(keys)
         if out is None:
             return {"room": False}
         store = list(out.keys_to_store)
         ledger.stores.update(store)
+        self.manager.retention.note(hint, keys, store)  # (a session's retention hint: kvtier.control.retention)
         assert isinstance(out.store_spec, CPULoadStoreSpec)  # (the first tier is a cpu tier: namespace_config)
         return {"room": True, "store": hex_keys(store), "slots": out.store_spec.block_ids,
                 "token": self.region["token"], "evicted": hex_keys(out.evicted_keys)}

@@ -23,6 +23,7 @@ from typing import Any
 
 from kvtier.config import HierarchyConfig
 from kvtier.config.shared import config_mapping
+from kvtier.control.retention import parse_hint
 from kvtier.core.errors import ArgumentError, ClosedError
 from kvtier.core.keys import OffloadKey
 from kvtier.core.limits import MAX_KEY_BYTES
@@ -39,6 +40,7 @@ from kvtier.transfer.handlers.gpu_cpu import KVLayout
 log = logging.getLogger(__name__)
 
 ROUND_BLOCKS = 256  # keys per store or load round: one owner call each way
+MAX_STALLED_ROUNDS = 3  # lookups that found blocks another engine evicted before they could be pinned
 RETRY_WAIT_S = 0.001  # how often a call asks again while the owner promotes blocks or makes room
 
 
@@ -60,12 +62,15 @@ class SharedKVTier:
     def store(self, keys: Sequence[bytes], engine_block_ids: Sequence[int],
               hints: Mapping[str, Any] | None = None) -> bool:
         """Copy the engine blocks of `keys` into the shared hierarchy (keys it holds are skipped).
-        False when some could not be stored: no room, a failed copy, or the owner unavailable."""
+        False when some could not be stored: no room, a failed copy, or the owner unavailable.
+        `hints`: the session's retention hint, as `KVTier.store`'s (the owner keeps the session's
+        blocks for every engine of the host)."""
+        parse_hint(hints, "hints")  # (refused here, naming the field, before the owner is asked)
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=False)
             size = self._round_blocks()
-            return all([self._store_round(keys[i:i + size], by_key) for i in range(0, len(keys), size)])
+            return all([self._store_round(keys[i:i + size], by_key, hints) for i in range(0, len(keys), size)])
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` the shared hierarchy can load now (0 when the owner is unavailable)."""
@@ -74,17 +79,20 @@ class SharedKVTier:
 
     def load(self, keys: Sequence[bytes], engine_block_ids: Sequence[int],
              hints: Mapping[str, Any] | None = None) -> int:
-        """Load the longest loadable prefix of `keys` into its engine blocks; how many were loaded."""
+        """Load the longest loadable prefix of `keys` into its engine blocks; how many were loaded.
+        `hints`: as `store`'s, for the blocks loaded."""
+        parse_hint(hints, "hints")
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True)
-            loaded = 0
-            while loaded < len(keys):
+            loaded, stalled = 0, 0
+            while loaded < len(keys) and stalled < MAX_STALLED_ROUNDS:
                 window = keys[loaded:loaded + ROUND_BLOCKS]
-                pinned, good = self._load_round(window, by_key)
+                pinned, good = self._load_round(window, by_key, hints)
                 loaded += good
                 if good < pinned or (pinned == 0 and not self._hits(window)):
                     break  # a failed copy, or nothing more to find (after waiting for promotions)
+                stalled = stalled + 1 if pinned == 0 else 0  # (found, then evicted by another engine again)
             return loaded
 
     def wait(self) -> None:
@@ -152,11 +160,12 @@ class SharedKVTier:
             time.sleep(RETRY_WAIT_S)
         return 0
 
-    def _store_round(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> bool:
+    def _store_round(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]],
+                     hints: Mapping[str, Any] | None) -> bool:
         deadline = self._patience()
         while True:
             try:
-                answer = self.client.call("prepare_store", keys=hex_keys(keys))
+                answer = self.client.call("prepare_store", keys=hex_keys(keys), hints=hints)
             except HostUnavailable as exc:
                 log.warning("store: %d block(s) not stored: %s", len(keys), exc)
                 return False
@@ -177,12 +186,13 @@ class SharedKVTier:
         self._counters.count("store", result, len(to_store))
         return result.success
 
-    def _load_round(self, window: list[OffloadKey], by_key: dict[OffloadKey, list[int]]) -> tuple[int, int]:
+    def _load_round(self, window: list[OffloadKey], by_key: dict[OffloadKey, list[int]],
+                    hints: Mapping[str, Any] | None) -> tuple[int, int]:
         """Load the leading run of `window` readable in the owner's first tier now (pinned for this
         engine meanwhile): (how many were pinned, how many leading ones were loaded). A block whose
         copy failed is reported to the owner, which drops it."""
         try:
-            answer = self.client.call("prepare_load", keys=hex_keys(window))
+            answer = self.client.call("prepare_load", keys=hex_keys(window), hints=hints)
         except HostUnavailable:
             return 0, 0
         slots = answer["slots"]

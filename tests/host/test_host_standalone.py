@@ -198,3 +198,21 @@ def test_a_restarted_owner_slower_to_answer_than_timeout_ms_never_serves_another
             assert same_blocks(a_kv, b_kv, loaded)
             time.sleep(0.2)
         assert loaded >= 12
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_a_sessions_retention_hint_keeps_its_blocks_for_every_engine(tmp_path, owner, model, hinted):
+    config = shared_config(tmp_path, cpu_blocks=16, file_tier=False)
+    hints = {"session": "chat-1", "retain_s": 600} if hinted else None
+    with KVTier.open(config, make_kv(), model=model) as a, KVTier.open(config, make_kv(), model=model) as b:
+        assert a.store(keys(4), list(range(4)), hints=hints)
+        for start in range(100, 164, 8):  # another engine's traffic: 64 blocks through a 16-block tier
+            b.store(keys(8, start), list(range(8)))
+        assert b.lookup(keys(4)) == (4 if hinted else 0)
+
+
+def test_a_bad_hint_is_refused_before_the_owner_is_asked(tmp_path, owner, model):
+    with KVTier.open(shared_config(tmp_path), make_kv(), model=model) as a:
+        with pytest.raises(ValueError, match="hints"):
+            a.store(keys(2), [0, 1], hints={"session": "s", "retain_s": "forever"})
+        assert a.lookup(keys(2)) == 0
