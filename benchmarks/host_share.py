@@ -173,7 +173,7 @@ def run(engines: int, blocks: int, page: int, reps: int, valkey: bool) -> dict[s
                 rows.append(json.loads(procs[0].stdout.readline()))  # type: ignore[union-attr]
         rows += [json.loads(p.stdout.readline()) for p in procs[1:]]  # type: ignore[union-attr]
         owner_region = _shm_bytes("kvtier-host-")
-        private_regions = _shm_bytes("kvtier-") - owner_region
+        private_regions = sum(_shm_bytes(f"kvtier-{p.pid}-") for p in procs)  # (generated names start so)
     finally:
         for p in procs:
             p.communicate("")
