@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +109,87 @@ class StandaloneFront:
 
     def close(self) -> None:
         self.tier.close()
+
+
+class SharedFront(StandaloneFront):
+    """`KVTier` with `shared: host`: the same program through the host owner's hierarchy (an
+    in-process `HostOwner`, a `SharedKVTier` over the socket). Between operations the front holds
+    the namespace's lock, so that the model inspects the owner's tiers while nothing changes them;
+    `reopen` closes the engine and the owner (which writes its CPU tier down) and starts both again."""
+
+    name = "shared"
+
+    def __init__(self, root: Path) -> None:
+        self._ops = 0  # operations running (two threads may store at once)
+        self._ops_lock = threading.Lock()
+        self.owner: Any = None
+        super().__init__(root)
+
+    def _open(self) -> Any:
+        from kvtier.host.owner import HostOwner
+
+        socket = str(self.root.parent / "run" / "host.sock")
+        self.owner = HostOwner(socket, lease_grace_s=0.0)
+        config = parse_config({**tiers_config(self.root), "shared": {"socket": socket, "timeout_ms": 10_000}})
+        kv = CanonicalKVCaches([CanonicalKVCacheTensor(self.engine.kv, PAGE)], [[CanonicalKVCacheRef(0, PAGE)]])
+        tier = KVTier.open(config, kv, model="test/model-frontends")
+        self.namespace = next(iter(self.owner.namespaces.values()))
+        self.namespace.lock.acquire()
+        return tier
+
+    @contextmanager
+    def _op(self) -> Iterator[None]:
+        """Let the owner work while an operation runs (the first one in releases its lock, the last out takes it)."""
+        with self._ops_lock:
+            self._ops += 1
+            if self._ops == 1:
+                self.namespace.lock.release()
+        try:
+            yield
+        finally:
+            with self._ops_lock:
+                self._ops -= 1
+                if self._ops == 0:
+                    self.namespace.lock.acquire()
+
+    @property
+    def tiers(self) -> list[Any]:
+        return self.namespace.manager.tiers
+
+    def store(self, keys: list[bytes], first: int = SOURCE) -> bool:
+        with self._op():
+            return super().store(keys, first)
+
+    def load(self, keys: list[bytes]) -> int:
+        with self._op():
+            return super().load(keys)
+
+    def lookup(self, keys: list[bytes]) -> int:
+        with self._op():
+            return super().lookup(keys)
+
+    def flush(self) -> int:
+        with self._op():
+            return super().flush()
+
+    def stats(self) -> dict[str, Any]:
+        with self._op():
+            return super().stats()
+
+    def reopen(self) -> float:
+        start = time.monotonic()
+        self._close_both()
+        took = time.monotonic() - start
+        self.tier = self._open()
+        return took
+
+    def _close_both(self) -> None:
+        self.tier.close()
+        self.namespace.lock.release()
+        self.owner.close()
+
+    def close(self) -> None:
+        self._close_both()
 
 
 class VllmFront:

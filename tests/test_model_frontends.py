@@ -38,7 +38,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from model_fronts import CLOSE_BOUND_S, SOURCE, StandaloneFront, VllmFront
+from model_fronts import CLOSE_BOUND_S, SOURCE, SharedFront, StandaloneFront, VllmFront
 
 from kvtier import make_offload_key
 from kvtier.tiers.file.slot_format import HEADER_BYTES
@@ -221,11 +221,19 @@ class VllmMachine(FrontMachine):
     FRONT = VllmFront
 
 
+class SharedMachine(FrontMachine):
+    FRONT = SharedFront
+
+
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 
 
 def test_standalone_front_end_against_the_model():
     run_state_machine_as_test(FrontMachine, settings=PROFILE)
+
+
+def test_shared_host_front_end_against_the_model():
+    run_state_machine_as_test(SharedMachine, settings=PROFILE)
 
 
 @needs_vllm

@@ -157,6 +157,8 @@ class Namespace:
         if then is LookupResult.RETRY:  # promote the rest of the run too, as vLLM's scan past a RETRY would
             for key in keys[hits + 1:held]:
                 self.manager.lookup(key)
+        if held > hits:
+            self._make_room(held - hits)  # (for the promotions: a full tier of dirty blocks refuses them)
         return {"hits": hits, "next": None if then is None else then.name, "held": held}
 
     def _prepare_load(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
@@ -195,6 +197,7 @@ class Namespace:
         hint = parse_hint(message.get("hints"), "hints")
         out = self.manager.prepare_store(keys)
         if out is None:
+            self._make_room(len(keys))  # (the engine asks again once the copies down are made)
             return {"room": False}
         store = list(out.keys_to_store)
         ledger.stores.update(store)
@@ -202,6 +205,14 @@ class Namespace:
         assert isinstance(out.store_spec, CPULoadStoreSpec)  # (the first tier is a cpu tier: namespace_config)
         return {"room": True, "store": hex_keys(store), "slots": out.store_spec.block_ids,
                 "token": self.region["token"], "evicted": hex_keys(out.evicted_keys)}
+
+    def _make_room(self, count: int) -> None:
+        """Start copying down the first tier's next victims that are not below yet, so that `count`
+        blocks (at most its capacity) fit without dropping one (`StorePath.room`)."""
+        stores, capacity = self.manager.stores, self.manager.tiers[0].capacity
+        room = stores.room()
+        if room is not None and room < min(count, capacity):
+            stores.clean_ahead(min(count, capacity) - room)
 
     def _complete_store(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
         held = [key for key in keys if key in ledger.stores]

@@ -41,6 +41,11 @@ log = logging.getLogger(__name__)
 
 ROUND_BLOCKS = 256  # keys per store or load round: one owner call each way
 MAX_STALLED_ROUNDS = 3  # lookups that found blocks another engine evicted before they could be pinned
+# How long a lookup asks again for blocks held below whose promotion the owner refused for want of
+# room, while the readable run does not grow: longer than the owner keeps just-promoted blocks from
+# other promotions' evictions (`kvtier.control.promotion.HOLD_S`).
+REFUSED_WAIT_S = 2.5
+PATIENCE_S = 5.0  # the longest a call waits for the owner's promotions or room
 RETRY_WAIT_S = 0.001  # how often a call asks again while the owner promotes blocks or makes room
 
 
@@ -85,9 +90,9 @@ class SharedKVTier:
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True)
-            loaded, stalled = 0, 0
+            loaded, stalled, size = 0, 0, self._round_blocks()
             while loaded < len(keys) and stalled < MAX_STALLED_ROUNDS:
-                window = keys[loaded:loaded + ROUND_BLOCKS]
+                window = keys[loaded:loaded + size]  # (what the owner's first tier can take beside other engines')
                 pinned, good = self._load_round(window, by_key, hints)
                 loaded += good
                 if good < pinned or (pinned == 0 and not self._hits(window)):
@@ -143,20 +148,26 @@ class SharedKVTier:
 
     def _patience(self) -> float:
         """When a call stops waiting for the owner's copies (promotions, copies down that make room)."""
-        return time.monotonic() + max(self.client.shared.timeout_s * 20, 1.0)
+        return time.monotonic() + PATIENCE_S
 
     def _hits(self, keys: list[OffloadKey], held: bool = False) -> int:
-        """Leading keys readable in the owner's first tier, waiting (within the client's deadline
-        per call) while it promotes blocks from below; `held`: counting on from there the blocks
-        a lower tier holds (`load` brings them up in rounds)."""
-        deadline = self._patience()
+        """Leading keys readable in the owner's first tier, waiting while it promotes blocks from
+        below (RETRY, HIT_PENDING; a promotion it refused for want of room is asked again for up
+        to `REFUSED_WAIT_S` after the run of readable blocks last grew); `held`: counting on from
+        there the blocks a lower tier holds (`load` brings them up in rounds)."""
+        deadline, best, progress = self._patience(), -1, time.monotonic()
         while keys:
             try:
                 answer = self.client.call("lookup_run", keys=hex_keys(keys))
             except HostUnavailable:
                 return 0
-            if answer["next"] not in ("RETRY", "HIT_PENDING") or time.monotonic() >= deadline:
-                return int(answer["held" if held else "hits"])
+            hits, now = int(answer["hits"]), time.monotonic()
+            if hits > best:
+                best, progress = hits, now
+            waiting = answer["next"] in ("RETRY", "HIT_PENDING") or (
+                answer["held"] > hits and now - progress < REFUSED_WAIT_S)
+            if not waiting or now >= deadline:
+                return int(answer["held"]) if held else hits
             time.sleep(RETRY_WAIT_S)
         return 0
 
