@@ -1,0 +1,262 @@
+"""`shared: host` under vLLM without an engine: kvtier's spec, manager and worker over a real owner.
+
+Two specs of one identity (engines A and B) join one `kvtier serve` subprocess: what A's worker
+stores, B's manager finds and B's worker loads, byte-identical, from the owner's region. Another
+identity misses. A killed owner turns lookups into misses within `timeout_ms` and stores into
+`None`, with no exception; a restarted one serves the file tier again (RETRY while it promotes,
+then HIT, from its new region). A load the owner only partly pins fails exactly the positions it
+did not pin, and the pinned ones are loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_owner import Owner  # noqa: E402
+
+PAGE = 1024  # bytes per engine block of the one KV tensor
+BPC = 2  # engine blocks per offloaded block
+TIMEOUT_MS = 200
+
+
+def _config(kvtier_config, model="tiny"):
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=False,
+        extra_config={"kvtier_config": kvtier_config}, engine_id=f"host-{time.time_ns()}",
+        model=OffloadingModelConfig(name=model, dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
+        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=True))
+
+
+def _keys(n, start=0):
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + n)]
+
+
+class Engine:
+    """One engine's scheduler side (manager) and worker over 16 engine blocks of random bytes."""
+
+    def __init__(self, kvtier_config, model="tiny"):
+        import torch
+        from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+        from kvtier.integrations.vllm import KVTierOffloadingSpec
+
+        self.spec = KVTierOffloadingSpec(_config(kvtier_config, model))
+        self.manager = self.spec.get_manager()
+        self.kv = torch.randint(-128, 127, (16, PAGE), dtype=torch.int8)
+        caches = CanonicalKVCaches([CanonicalKVCacheTensor(self.kv, PAGE)], [[CanonicalKVCacheRef(0, PAGE)]])
+        self.worker = self.spec.get_worker(caches)
+        self.jobs = 0
+
+    def lookup(self, key):
+        from vllm.v1.kv_offload.base import ReqContext
+
+        self.manager.on_schedule_end(None)  # (a new scheduler step: lookups are remembered within one)
+        return self.manager.lookup(key, ReqContext("r"))
+
+    def run(self, submit, *args):
+        """Run one transfer job to its end; its result."""
+        self.jobs += 1
+        assert submit(self.jobs, *args)
+        self.worker.wait({self.jobs})
+        (result,) = self.worker.get_finished()
+        assert result.job_id == self.jobs
+        return result
+
+    def store(self, keys, blocks):
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext
+
+        out = self.manager.prepare_store(keys, ReqContext("r"))
+        assert out is not None and out.keys_to_store == keys
+        result = self.run(self.worker.submit_store, GPULoadStoreSpec(blocks, group_sizes=[len(blocks)],
+                                                                     block_indices=[0]), out.store_spec)
+        self.manager.complete_store(keys, ReqContext("r"), success=result.success)
+        return result
+
+    def load(self, keys, gpu):
+        from vllm.v1.kv_offload.base import ReqContext
+
+        spec = self.manager.prepare_load(keys, ReqContext("r"))
+        return spec, self.run(self.worker.submit_load, spec, gpu)
+
+    def close(self):
+        self.spec.shutdown()
+
+
+def _tiers(owner, cpu_blocks=4, disk=True):
+    cpu = {"name": "cpu", "backend": "cpu", "capacity": f"{cpu_blocks} blocks", "policy": "lru"}
+    tiers = [cpu]
+    if disk:
+        cpu["cascade"] = "on_store"
+        tiers.append({"name": "disk", "backend": "file", "root_dir": f"{owner.dir}/disk", "capacity": "16 blocks"})
+    return {"shared": owner.shared(TIMEOUT_MS), "tiers": tiers}
+
+
+@pytest.fixture(scope="module")
+def owner():
+    """One owner for the module's tests (each test's engines are of a model of its own)."""
+    o = Owner().start()
+    yield o
+    o.close()
+
+
+@pytest.fixture
+def own_owner():
+    """An owner for one test (that kills it)."""
+    o = Owner().start()
+    yield o
+    o.close()
+
+
+@pytest.fixture
+def engines(request):
+    """Engines of this test's own model identity (another test's blocks are another namespace's)."""
+    made = []
+
+    def make(*args, model=None, **kwargs):
+        made.append(Engine(*args, model=model or f"tiny-{request.node.name}", **kwargs))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def _gpu(blocks, first_index=0):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    return GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[first_index])
+
+
+def test_engine_b_loads_what_engine_a_stored(owner, engines):
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from kvtier.integrations.vllm import KVTierHostLoadStoreSpec
+
+    a, b = engines(_tiers(owner)), engines(_tiers(owner))
+    keys = _keys(3)
+    assert b.lookup(keys[0]) is LookupResult.MISS
+    assert a.store(keys, list(range(6))).success
+    assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 3
+    b.kv.zero_()
+    # logical blocks 1..5 of a request: the first offloaded block only half covered
+    spec, result = b.load(keys, _gpu([9, 10, 11, 12, 13], first_index=1))
+    assert isinstance(spec, KVTierHostLoadStoreSpec) and spec.pinned == 3 and spec.shm_name.startswith("kvtier-host-")
+    assert result.success and result.transfer_size == 5 * PAGE
+    b.manager.complete_load(keys, None)
+    import torch
+
+    for engine_block, stored in zip([9, 10, 11, 12, 13], [1, 2, 3, 4, 5]):
+        assert torch.equal(b.kv[engine_block], a.kv[stored])
+    assert not b.kv[:9].any()
+    stats = b.manager.tier_stats()
+    assert stats["engine"]["loaded"] == 3 and stats["cpu"]["resident_blocks"] == 3
+    assert a.manager.tier_stats()["engine"]["stored"] == 3
+
+
+def test_another_identity_never_sees_the_blocks(owner, engines):
+    from vllm.v1.kv_offload.base import LookupResult
+
+    a, other = engines(_tiers(owner)), engines(_tiers(owner), model="another-model")
+    keys = _keys(2)
+    assert a.store(keys, list(range(4))).success
+    assert a.lookup(keys[0]) is LookupResult.HIT
+    assert other.lookup(keys[0]) is LookupResult.MISS
+    assert other.manager.client.region["shm_name"] != a.manager.client.region["shm_name"]
+
+
+def test_other_tiers_for_the_same_model_are_refused_at_start(owner, engines):
+    from kvtier.host.client import HostRefused
+
+    engines(_tiers(owner))
+    with pytest.raises(HostRefused, match="same tiers"):
+        engines(_tiers(owner, cpu_blocks=8))
+
+
+def _wait_for(check, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_killed_owner_is_a_miss_and_a_restarted_one_serves_the_file_tier(own_owner, engines):
+    owner = own_owner
+    import torch
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    a, b = engines(_tiers(owner)), engines(_tiers(owner))
+    keys = _keys(2)
+    assert a.store(keys, [0, 1, 2, 3]).success
+    _wait_for(lambda: a.manager.tier_stats().get("disk", {}).get("stores", 0) >= 2)  # written through
+    old_region = b.manager.client.region["token"]
+
+    owner.kill()
+    start = time.monotonic()
+    assert b.lookup(keys[0]) is LookupResult.MISS
+    assert time.monotonic() - start < TIMEOUT_MS / 1000 + 0.5
+    start = time.monotonic()
+    assert b.lookup(keys[1]) is LookupResult.MISS  # (at once: the client stays away for its backoff)
+    assert b.manager.prepare_store(_keys(1, start=50), ReqContext("r")) is None
+    assert time.monotonic() - start < 0.1
+    spec, result = b.load(keys, _gpu([8, 9, 10, 11]))  # pins nothing: every position fails
+    assert spec.pinned == 0 and not result.success
+    assert b.worker.take_failure(result.job_id) == (keys, 0)
+    b.manager.complete_failed_load(keys, None, keys)  # no exception, nothing sent
+    b.manager.complete_store(_keys(1, start=50), None, success=True)
+
+    owner.start()
+    answers = []
+    _wait_for(lambda: answers.append(b.lookup(keys[0])) or answers[-1] is LookupResult.HIT)
+    assert LookupResult.RETRY in answers  # promoted from the recovered file tier first
+    _wait_for(lambda: b.lookup(keys[1]) is LookupResult.HIT)
+    b.kv.zero_()
+    spec, result = b.load(keys, _gpu([8, 9, 10, 11]))
+    assert spec.region != old_region and spec.pinned == 2 and result.success  # the new owner's region
+    b.manager.complete_load(keys, None)
+    assert torch.equal(b.kv[8:12], a.kv[0:4])
+
+
+def test_a_load_the_owner_partly_pins_fails_exactly_the_unpinned_positions(owner, engines):
+    import torch
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    a, b = engines(_tiers(owner, disk=False)), engines(_tiers(owner, disk=False))
+    keys = _keys(4)
+    assert a.store(keys, list(range(8))).success  # the CPU tier (4 blocks) is full
+    assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 4
+    a.manager.touch(keys[:2], ReqContext("r"))  # keys 2 and 3 are now the least recently used
+    assert a.store(_keys(2, start=10), [8, 9, 10, 11]).success  # ...and evicted by engine A's store
+    b.kv.zero_()
+    spec, result = b.load(keys, _gpu([1, 2, 3, 4, 5, 6, 7], first_index=1))
+    assert spec.pinned == 2 and not result.success
+    bad, first = b.worker.take_failure(result.job_id)
+    assert bad == keys[2:] and first == 2
+    assert torch.equal(b.kv[1:4], a.kv[1:4])  # the pinned keys' engine blocks were loaded
+    assert not b.kv[4:8].any()  # the others were not touched
+    b.manager.complete_failed_load(keys, None, bad)
+    assert b.lookup(keys[0]) is LookupResult.HIT  # unpinned and kept: they were not the failed ones
+    assert b.lookup(keys[2]) is LookupResult.MISS
+    assert b.manager.tier_stats()["engine"]["short"] == 2
