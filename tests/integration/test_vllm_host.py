@@ -260,3 +260,41 @@ def test_a_load_the_owner_partly_pins_fails_exactly_the_unpinned_positions(owner
     assert b.lookup(keys[0]) is LookupResult.HIT  # unpinned and kept: they were not the failed ones
     assert b.lookup(keys[2]) is LookupResult.MISS
     assert b.manager.tier_stats()["engine"]["short"] == 2
+
+
+def test_stats_config_info_and_the_lock(owner, engines):
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.integrations.vllm import KVTierOffloadingSpec
+    from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS
+
+    a, b = engines(_tiers(owner)), engines(_tiers(owner))
+    keys = _keys(2)
+    assert a.store(keys, [0, 1, 2, 3]).success
+    spec, result = b.load(keys, _gpu([4, 5, 6, 7]))
+    assert result.success
+    b.manager.complete_load(keys, ReqContext("r"))
+    stats = b.manager.get_stats().data["data"]
+    assert set(stats) <= set(KVTierOffloadingSpec.build_metric_definitions({}))
+    assert stats["vllm:kvtier_hits"][("cpu",)] == 2
+    assert stats["vllm:kvtier_capacity_blocks"][("cpu",)] == 4  # the owner's, shared by both engines
+    assert "vllm:kvtier_hits" not in b.manager.get_stats().data["data"]  # counters are deltas
+    info = b.manager.config_info()
+    assert [i["tier"] for i in info] == ["cpu", "disk"] and set(info[0]) == set(CONFIG_INFO_KEYS)
+    assert info[0]["kvtier_capacity_blocks"] == 4 and "shared: host" in info[0]["kvtier_config"]
+    with b.manager.lock, b.manager.lock:  # vLLM 0.33: a real, re-entrant lock
+        pass
+    assert list(b.manager.take_events()) == []
+
+
+def test_a_reset_releases_the_pins_in_flight_once_flushed(owner, engines):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    a, b = engines(_tiers(owner, disk=False)), engines(_tiers(owner, disk=False))
+    keys = _keys(4)
+    assert a.store(keys, list(range(8))).success
+    b.manager.prepare_load(keys[:1], ReqContext("r"))  # a load in flight when the engine resets
+    b.manager.reset_cache()
+    b.manager.on_reset_flushed()  # vLLM 0.33: its workers are done with it: the pin goes
+    assert a.store(_keys(4, start=10), list(range(8))).success  # room for 4: every old block evicted
+    assert b.lookup(keys[0]) is LookupResult.MISS

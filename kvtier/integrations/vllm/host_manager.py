@@ -99,6 +99,7 @@ class HostOffloadingManager(OffloadingManager):
         self._lock = threading.RLock()
         self._answers: dict[OffloadKey, LookupResult] = {}  # this step's lookups
         self._deferred = False  # a lookup this step answered RETRY or HIT_PENDING: step again
+        self._was_deferred = False  # ... or in the step before (`has_pending_work` is asked after its end)
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> generation of each pin held, oldest first
         self._storing: dict[OffloadKey, int] = {}  # key -> generation of its store in flight
         self._flushed: tuple[dict[OffloadKey, list[int]], dict[OffloadKey, int]] = ({}, {})
@@ -232,12 +233,12 @@ class HostOffloadingManager(OffloadingManager):
 
     def on_schedule_end(self, context: Any = None) -> None:
         self._answers.clear()
-        self._deferred = False
+        self._was_deferred, self._deferred = self._deferred, False
 
     def has_pending_work(self) -> bool:
         """True after a step whose lookups the owner deferred (RETRY, HIT_PENDING), so that the
         engine steps again and asks anew; the owner does its own copies."""
-        return self._deferred
+        return self._deferred or self._was_deferred
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         """Always empty: the shared tiers' block events are the owner's (class docstring)."""
