@@ -5,12 +5,17 @@ Engine B, another process started beside it, then gets the same prompt: every fu
 external prefix-cache hit loaded from the owner's region by B's own worker, and B's greedy output
 equals A's cold one (the reference). Then the owner is killed (-9): B, its own cache reset, answers
 the prompt again correctly by recomputing it (its lookups are misses), and answers a new prompt too.
+The owner is restarted: B's hits resume, from the file tier the new owner recovered (promoted into
+its new CPU region while B's lookups answer RETRY).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -27,6 +32,18 @@ from vllm_e2e_helpers import metric, recompute_job, run_engine, step  # noqa: E4
 OFFLOAD_BLOCK = 64  # tokens per offloaded block (recompute_job: engine blocks of 32)
 PROMPT = random_prompt(200, seed=21)  # ~635 tokens: 9 full offloaded blocks
 OTHER = random_prompt(200, seed=22)
+
+
+def _restart_when_asked(owner: Owner, barriers: str, timeout: float = 400) -> None:
+    """Once engine B waits at the barrier `restarted`, restart the owner (killed by B) and let B on."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if os.path.isdir(barriers) and any(f.startswith("restarted.") for f in os.listdir(barriers)):
+            owner.kill()  # (reaps the process B killed)
+            owner.start()
+            open(os.path.join(barriers, "restarted.test"), "w").close()
+            return
+        time.sleep(0.1)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +71,13 @@ def reports(tmp_path_factory):
                  {"op": "kill", "pid": owner.pid},
                  {"op": "reset"},
                  {"op": "generate", "name": "B_owner_dead", "prompt": PROMPT},
-                 {"op": "generate", "name": "B_other_owner_dead", "prompt": OTHER}])
+                 {"op": "generate", "name": "B_other_owner_dead", "prompt": OTHER},
+                 {"op": "barrier", "dir": barriers, "name": "restarted", "parties": 2},
+                 {"op": "sleep", "seconds": 1.5},  # (the client's backoff after the failure: 1 s)
+                 {"op": "reset"},
+                 {"op": "generate", "name": "B_owner_restarted", "prompt": PROMPT}])
+        restarter = threading.Thread(target=_restart_when_asked, args=(owner, barriers), daemon=True)
+        restarter.start()
         with ThreadPoolExecutor(2) as pool:
             first, second = pool.submit(run_engine, a, workdir, "engineA"), pool.submit(run_engine, b, workdir,
                                                                                          "engineB")
@@ -81,3 +104,12 @@ def test_a_killed_owner_leaves_engine_b_answering_correctly(reports):
     assert metric(dead, "kvtier_breaker_misses", "cpu") >= 1
     assert step(b, "B_other_owner_dead")["tokens"] == step(a, "A_other")["tokens"]
     assert "did not serve a call" in engine_log  # the client's one warning per backoff
+
+
+def test_a_restarted_owner_serves_engine_b_from_the_recovered_file_tier(reports):
+    a, b, _ = reports
+    cold, restarted = step(a, "A_cold"), step(b, "B_owner_restarted")
+    full = cold["prompt_tokens"] // OFFLOAD_BLOCK
+    assert restarted["tokens"] == cold["tokens"]
+    assert metric(restarted, "external_prefix_cache_hits") == full * OFFLOAD_BLOCK
+    assert metric(restarted, "kvtier_hits", "cpu") == full
