@@ -325,3 +325,33 @@ def test_under_tensor_parallelism_each_rank_copies_its_part_of_the_slot(owner, e
     for (_, kv_a, _), (_, kv_b, _) in zip(a.ranks, b.ranks):
         assert torch.equal(kv_b[4:8], kv_a[0:4])  # each rank got its own bytes back, not the other's
     assert not torch.equal(a.ranks[0][1][0:4], a.ranks[1][1][0:4])
+
+
+def test_an_engine_started_before_its_owner_joins_it_later(engines):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    late = Owner()  # not started: the engine starts all the same, its calls are misses
+    try:
+        a, b = engines(_tiers(late)), engines(_tiers(late))
+        keys = _keys(2)
+        assert b.lookup(keys[0]) is LookupResult.MISS
+        assert a.manager.prepare_store(keys, ReqContext("r")) is None
+        late.start()
+        time.sleep(1.1)  # (the client's backoff after a failed call)
+        assert a.store(keys, [0, 1, 2, 3]).success
+        _wait_for(lambda: b.lookup(keys[0]) is LookupResult.HIT)
+    finally:
+        late.close()
+
+
+def test_vllms_own_connector_is_warned_about_failed_loads(owner, engines, caplog):
+    from vllm.v1.kv_offload.base import ReqContext
+
+    plain, reported = engines(_tiers(owner)), engines(_tiers(owner))
+    reported.manager.direct_file_loads.enable()  # what KVTierOffloadingConnector does when it adopts the manager
+    with caplog.at_level("WARNING", logger="kvtier.integrations.vllm.host_manager"):
+        reported.manager.on_new_request(ReqContext("r1"))
+        assert not caplog.records
+        plain.manager.on_new_request(ReqContext("r1"))
+        plain.manager.on_new_request(ReqContext("r2"))
+    assert len(caplog.records) == 1 and "KVTierOffloadingConnector" in caplog.text

@@ -333,7 +333,7 @@ def open_host_manager(spec: Any) -> HostOffloadingManager:
     except HostRefused:
         client.close()
         raise
-    except HostUnavailable as exc:
+    except (HostUnavailable, OSError) as exc:  # (connect lets a socket's OSError through: not running)
         log.warning("kvtier: the host owner at %s is not serving (%s): misses until it does", config.shared.socket,
                     exc)
     return HostOffloadingManager(client, config)
