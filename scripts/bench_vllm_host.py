@@ -67,9 +67,8 @@ def ask(server: http.Server, system: str) -> dict:
     return http.chat(server, system, "what comes next?", threading.Barrier(1))
 
 
-def start_owner(work: Path) -> tuple[subprocess.Popen, str]:
-    folder = Path(tempfile.mkdtemp(prefix="kvhb", dir="/tmp"))
-    folder.chmod(0o700)
+def start_owner(work: Path, folder: Path) -> tuple[subprocess.Popen, str]:
+    """`kvtier serve` on a socket in `folder/run` (made by the owner); its log in `work`."""
     path = str(folder / "run" / "host.sock")
     log = open(work / "owner.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", "serve", "--socket", path], stdout=log,
@@ -107,7 +106,8 @@ def measure(model: Path, prompts: list[str], work: Path, with_valkey: bool) -> d
     tier, finding C's blocks in valkey), up together; per prompt, one after the other (so that the
     machine's other load weighs on every case alike): A cold, B from A, B again, C cold (recompute),
     C from its own CPU tier, D from C through valkey."""
-    owner, path = start_owner(work)
+    folder = Path(tempfile.mkdtemp(prefix="kvhb", dir="/tmp"))  # (short: a socket path holds 107 bytes)
+    owner, path = start_owner(work, folder)
     valkey, url = start_valkey(work) if with_valkey else (None, None)
     shared = {"scope": "host", "socket": path, "timeout_ms": 200}
     configs = {"A": kv_config(shared), "B": kv_config(shared), "C": kv_config(valkey=url),
@@ -142,6 +142,7 @@ def measure(model: Path, prompts: list[str], work: Path, with_valkey: bool) -> d
         if valkey is not None:
             valkey.terminate()
             valkey.wait(30)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def summarize(raw: dict, prefix_tokens: int) -> dict:
