@@ -355,3 +355,19 @@ def test_vllms_own_connector_is_warned_about_failed_loads(owner, engines, caplog
         plain.manager.on_new_request(ReqContext("r1"))
         plain.manager.on_new_request(ReqContext("r2"))
     assert len(caplog.records) == 1 and "KVTierOffloadingConnector" in caplog.text
+
+
+def test_with_several_kv_groups_a_partly_pinned_load_copies_nothing(owner, engines):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
+
+    a, b = engines(_tiers(owner)), engines(_tiers(owner))
+    keys = [make_offload_key(i.to_bytes(32, "big"), group) for group in (0, 1) for i in (1, 2)]
+    assert a.store(keys[:3], list(range(6))).success  # the last key (group 1) is not in the owner
+    b.kv.zero_()
+    gpu = GPULoadStoreSpec(list(range(8)), group_sizes=[4, 4], block_indices=[0, 0])
+    spec, result = b.load(keys, gpu)
+    assert spec.pinned == 3 and not result.success
+    assert b.worker.take_failure(result.job_id) == (keys[3:], 3)  # only the unpinned key failed
+    assert not b.kv.any()  # nothing copied: the connector fails the whole request (several groups)
+    b.manager.complete_failed_load(keys, None, keys[3:])
+    assert b.manager.tier_stats()["cpu"]["resident_blocks"] == 3  # the pinned keys stay, unpinned

@@ -11,8 +11,10 @@ A load whose spec pins fewer keys than it loads (the owner could not pin the res
 evicted them since the lookup, or the owner did not answer) fails the positions not pinned, never
 reading their slots: with one KV-cache group the pinned prefix is copied and the job then fails
 from the first unpinned position on (vLLM keeps the loaded prefix and recomputes the rest); with
-several groups nothing is copied (vLLM recomputes the whole request). The failed positions are the
-job's `failed_blocks`, so `take_failure` names exactly the keys not loaded.
+several groups nothing is copied: `KVTierOffloadingConnector` then reports the whole request
+failed (vLLM recomputes all of it), whatever position the failure names. The failed positions are
+the job's `failed_blocks`, so `take_failure` names exactly the keys not pinned (the scheduler side
+keeps the pinned ones: they were not at fault).
 """
 
 from __future__ import annotations
