@@ -15,4 +15,5 @@ fi
 scripts/setup_vllm033.sh
 exec .venv-vllm033/bin/python -m pytest -q -p no:cacheprovider tests/integration/test_vllm_spec.py \
     tests/integration/test_vllm033.py tests/integration/test_vllm_expedited.py tests/integration/test_vllm_connector.py \
-    tests/integration/test_vllm_direct_file_loads.py tests/integration/test_vllm_tp_file_loads.py
+    tests/integration/test_vllm_direct_file_loads.py tests/integration/test_vllm_tp_file_loads.py \
+    tests/integration/test_vllm_host.py

@@ -21,6 +21,7 @@ offloading spec, e.g. vLLM's own; {"name": "none"} runs without a connector), `c
                                        (with "slot": S, of slot S only; with "part": [I, N], a
                                        byte of part I of N of each payload: one TP rank's bytes)
   {"op": "sleep", "seconds": S}
+  {"op": "kill", "pid": P}                        kill -9 process P (e.g. the host owner, `shared: host`)
   {"op": "barrier", "dir": DIR, "name": N, "parties": K}
                                                   waits until K engines reached barrier N (files in DIR)
 Each generate record has `tokens`, `text`, `seconds` and `metrics` (the change, during the step,
@@ -147,6 +148,11 @@ def main(job_path: str, report_path: str) -> None:
             report["steps"].append({"op": op, "slots": slots})
         elif op == "sleep":
             time.sleep(step["seconds"])
+        elif op == "kill":
+            import signal
+
+            os.kill(int(step["pid"]), signal.SIGKILL)
+            report["steps"].append({"op": op, "pid": step["pid"]})
         elif op == "barrier":
             barrier(step["dir"], step["name"], step["parties"], step.get("timeout", 900))
         else:

@@ -58,7 +58,9 @@ without requiring them: see `manager`.
 Modules: `spec` (`KVTierOffloadingSpec`, what vLLM loads), `config` (the YAML under vLLM),
 `manager` (scheduler side, with the metrics), `worker` (worker side: the worker planes over the
 attached CPU region), `file_loads` (the worker's direct file loads over read-only readers of the
-file tiers), `translate` (the specs both sides exchange, media names). Every public
+file tiers), `translate` (the specs both sides exchange, media names), `host_manager` and
+`host_worker` (`shared: host` in the YAML: the engine uses the host owner's hierarchy, `kvtier serve`,
+instead of tiers of its own). Every public
 name of those is re-exported here: import them from `kvtier.integrations.vllm`. One module is not
 imported here, because it loads vLLM's whole connector: `connector` (`KVTierOffloadingConnector`,
 vLLM's offloading connector with failed loads and stores reported instead of asserted; selected
@@ -73,10 +75,11 @@ from kvtier.integrations.vllm.translate import (
     KVTierCompositeLoadStoreSpec,
     KVTierCPULoadStoreSpec,
     KVTierFileLoadStoreSpec,
+    KVTierHostLoadStoreSpec,
     to_vllm_medium,
 )
 from kvtier.integrations.vllm.worker import KVTierOffloadingWorker
 
 __all__ = ["DirectFileLoads", "FileLoads", "KVTierCPULoadStoreSpec", "KVTierCompositeLoadStoreSpec",
-           "KVTierFileLoadStoreSpec", "KVTierOffloadingManager", "KVTierOffloadingSpec", "KVTierOffloadingWorker",
-           "METRIC_PREFIX", "load_raw_config", "to_vllm_medium", "vllm_hierarchy_config"]
+           "KVTierFileLoadStoreSpec", "KVTierHostLoadStoreSpec", "KVTierOffloadingManager", "KVTierOffloadingSpec",
+           "KVTierOffloadingWorker", "METRIC_PREFIX", "load_raw_config", "to_vllm_medium", "vllm_hierarchy_config"]

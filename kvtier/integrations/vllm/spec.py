@@ -203,6 +203,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         require_cpu_first(self.hierarchy_config)
         _direct_option(self.extra_config)  # a bad value is refused at start, in every process
         self._manager: KVTierOffloadingManager | None = None
+        self._host_manager: OffloadingManager | None = None  # shared: host (`host_manager`)
         self._worker: KVTierOffloadingWorker | None = None
 
     def fingerprint(self) -> str:
@@ -220,6 +221,12 @@ class KVTierOffloadingSpec(OffloadingSpec):
                 f":ranks={self.num_copies}")
 
     def get_manager(self) -> OffloadingManager:
+        if self.hierarchy_config.shared is not None:  # shared: host: the host owner's tiers, none of its own
+            if self._host_manager is None:
+                from kvtier.integrations.vllm.host_manager import open_host_manager
+
+                self._host_manager = open_host_manager(self)
+            return self._host_manager
         if self._manager is None:
             if self.block_bytes <= 0:
                 raise ValueError("kvtier: vLLM reported no KV bytes per block; cannot size the tiers")
@@ -253,7 +260,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
         shuts down what it got itself; this is for code that drives a spec directly). Idempotent: a
         later `get_*` call builds a new one."""
         worker, manager, self._worker, self._manager = self._worker, self._manager, None, None
+        host, self._host_manager = self._host_manager, None
         if worker is not None:
             worker.shutdown()
-        if manager is not None:
-            manager.shutdown()
+        for each in (manager, host):
+            if each is not None:
+                each.shutdown()

@@ -43,6 +43,32 @@ class KVTierCPULoadStoreSpec(VllmCPULoadStoreSpec):
         return f"KVTierCPULoadStoreSpec({list(map(int, self.block_ids))}, tier={self.tier!r})"
 
 
+class KVTierHostLoadStoreSpec(KVTierCPULoadStoreSpec):
+    """Slots of the host owner's CPU region (`shared: host`, `host_manager`): `region` is its
+    token, `shm_name` and `num_blocks` name and size it, so that the worker maps exactly that
+    region (a restarted owner has a new one; None when no owner answered). A load's `keys` are
+    every key the engine loads, in its order; the owner pinned only the first `len(block_ids)`
+    of them (another engine may have evicted the rest since the lookup): the worker loads those
+    and fails the others, never reading a slot not pinned for it. A store's `keys` is empty.
+    Plain data, picklable."""
+
+    def __init__(self, block_ids, tier: str | None = None, region: str | None = None, shm_name: str | None = None,
+                 num_blocks: int = 0, keys=()):
+        super().__init__(block_ids, tier, region)
+        self.shm_name = shm_name
+        self.num_blocks = int(num_blocks)
+        self.keys = [bytes(k) for k in keys]
+
+    @property
+    def pinned(self) -> int:
+        """How many of a load's leading `keys` the owner pinned (their slots are `block_ids`)."""
+        return len(self.block_ids)
+
+    def __repr__(self) -> str:
+        unpinned = f", unpinned={len(self.keys) - self.pinned}" if len(self.keys) > self.pinned else ""
+        return f"KVTierHostLoadStoreSpec({list(map(int, self.block_ids))}, shm={self.shm_name!r}{unpinned})"
+
+
 class KVTierFileLoadStoreSpec(LoadStoreSpec):
     """Slots of a kvtier file tier that the worker reads itself (`block_ids[i]` holds the block
     `keys[i]`); `identity`: the digest of the tier's manifest (epoch included) that the worker's

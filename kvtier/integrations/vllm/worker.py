@@ -12,11 +12,17 @@ from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, Offload
 
 from kvtier.core import specs as kspecs
 from kvtier.integrations.vllm.file_loads import FileLoads
-from kvtier.integrations.vllm.translate import file_identities, to_kvtier_cpu_spec, to_kvtier_load_spec
+from kvtier.integrations.vllm.translate import (
+    KVTierHostLoadStoreSpec,
+    file_identities,
+    to_kvtier_cpu_spec,
+    to_kvtier_load_spec,
+)
 from kvtier.tiers.cpu import RegionError
 from kvtier.tiers.file.spec import FileLoadStoreSpec
 
 if TYPE_CHECKING:
+    from kvtier.integrations.vllm.host_worker import HostRegionPlanes
     from kvtier.integrations.vllm.spec import KVTierOffloadingSpec
     from kvtier.tiers.cpu import CPUBackend
     from kvtier.transfer.planes import WorkerPlane
@@ -89,6 +95,11 @@ class KVTierOffloadingWorker(OffloadingWorker):
     through read-only `SlabReader`s opened at the first such load from this worker's own config
     (`kvtier.integrations.vllm.file_loads`). Where they cannot be opened (the error is logged) such
     a load fails (no handler for it), never loads wrong bytes.
+
+    Shared host hierarchy (`shared: host`, `kvtier.integrations.vllm.host_manager`): the specs are
+    `KVTierHostLoadStoreSpec`s naming the host owner's region; `HostRegionPlanes`
+    (`kvtier.integrations.vllm.host_worker`) maps exactly that region (a new one when the owner
+    restarts) and fails a load's positions the owner did not pin. The engine has no region of its own.
     """
 
     def __init__(self, spec: KVTierOffloadingSpec, kv_caches: CanonicalKVCaches):
@@ -103,7 +114,9 @@ class KVTierOffloadingWorker(OffloadingWorker):
         self._loads: dict[int, dict[int, bytes]] = {}
         self._failures: dict[int, tuple[list[bytes] | None, int]] = {}  # job id -> `take_failure`'s answer
         self._tier = spec.hierarchy_config.tiers[0].name
-        if spec.num_copies == 1:  # vLLM's in-process executor ("uni") serves one worker only
+        self._host: HostRegionPlanes | None = None  # shared: host: the owner's regions, built at the first transfer
+        # vLLM's in-process executor ("uni") serves one worker only
+        if spec.num_copies == 1 and spec.hierarchy_config.shared is None:
             _LOCAL_WORKER_REGIONS.add(spec.hierarchy_config.tiers[0].options["shm_name"])
 
     def _ready(self, cpu_spec: Any) -> tuple[WorkerPlane, WorkerPlane]:
@@ -172,14 +185,33 @@ class KVTierOffloadingWorker(OffloadingWorker):
     def _gpu(spec: GPULoadStoreSpec) -> kspecs.GPULoadStoreSpec:
         return kspecs.GPULoadStoreSpec(spec.block_ids, spec.group_sizes, spec.block_indices)
 
+    def _host_planes(self) -> HostRegionPlanes:
+        """The host owner's regions as this worker maps them (`shared: host`), built at the first call."""
+        if self._host is None:
+            from kvtier.integrations.vllm.host_worker import HostRegionPlanes
+
+            spec = self.spec
+            pin = spec.hierarchy_config.tiers[0].options.get("pin", "auto")
+            self._host = HostRegionPlanes(self._build_planes, spec.block_bytes, spec.block_tokens,
+                                          spec.blocks_per_chunk, pin)
+        return self._host
+
     def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: Any) -> bool:
+        if isinstance(dst_spec, KVTierHostLoadStoreSpec):
+            self._host_planes().submit_store(job_id, self._gpu(src_spec), dst_spec)
+            return True
         regular, _ = self._ready(dst_spec)
         regular.submit(self._gpu(src_spec), to_kvtier_cpu_spec(dst_spec, self._tier), job_id)
         return True
 
     def submit_load(self, job_id: int, src_spec: Any, dst_spec: GPULoadStoreSpec, expedited: bool = False) -> bool:
         """Start a load into the KV cache: from CPU slots on the regular plane or, `expedited`
-        (vLLM 0.33), on the expedited lane; one that names file slots on `FileLoads` (class docstring)."""
+        (vLLM 0.33), on the expedited lane; one that names file slots on `FileLoads`; one from the
+        host owner's region on `HostRegionPlanes` (class docstring)."""
+        if isinstance(src_spec, KVTierHostLoadStoreSpec):
+            self._loads[job_id] = dict(enumerate(src_spec.keys))  # (its unpinned positions fail by key)
+            self._host_planes().submit_load(job_id, src_spec, self._gpu(dst_spec), expedited)
+            return True
         regular, lane = self._ready(src_spec)
         source = to_kvtier_load_spec(src_spec, self._tier)
         self._loads[job_id] = file_keys_by_position(source)
@@ -217,7 +249,8 @@ class KVTierOffloadingWorker(OffloadingWorker):
         return self._file_loads
 
     def _all_planes(self) -> list[Any]:
-        return [*(self._planes or ()), *([self._file_loads] if self._file_loads is not None else [])]
+        return [*(self._planes or ()), *([self._file_loads] if self._file_loads is not None else []),
+                *([self._host] if self._host is not None else [])]
 
     def get_finished(self) -> list[TransferResult]:
         finished = []
@@ -257,7 +290,7 @@ class KVTierOffloadingWorker(OffloadingWorker):
         abandoned: list[str] = []
         for plane in self._all_planes():
             abandoned += plane.shutdown(max(0.0, deadline - time.monotonic())).jobs
-        self._planes, self._file_loads = None, None
+        self._planes, self._file_loads, self._host = None, None, None
         if abandoned:
             log.error("kvtier worker: shutdown abandoned %d transfer job(s) still running after %g s: %s",
                       len(abandoned), SHUTDOWN_TIMEOUT_S, "; ".join(abandoned))

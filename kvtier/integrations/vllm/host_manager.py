@@ -1,0 +1,339 @@
+"""Scheduler side of `shared: host`: vLLM's `OffloadingManager` over the host owner's hierarchy.
+
+With `shared: host` in its kvtier YAML an engine builds no tier of its own: every engine of the
+same identity on the host (`KVTierOffloadingSpec.fingerprint`: model, dtype, KV layout, block
+geometry, ranks) shares the one hierarchy that the host owner (`kvtier serve`, `kvtier.host`)
+builds from the YAML. Only keys and slot numbers go through the owner's socket; the engine's
+workers copy the bytes in and out of the owner's CPU region themselves (`host_worker`).
+
+Failure is a miss: every owner call has the YAML's `timeout_ms` deadline (`HostClient`); when the
+owner does not answer (not running, hung, restarting) `lookup` answers MISS, `prepare_store` None
+(no room), a load's keys are not pinned (its worker fails them and vLLM recomputes them), and
+completions are dropped (the owner releases what a departed connection held after its grace
+period). A restarted owner has a new region: specs then name it, and the workers map it.
+
+A load's pins are the owner's: `prepare_load` pins the leading run still readable, which may be
+shorter than the keys vLLM loads (another engine evicted some since the lookup); the spec says how
+many were pinned and the worker fails the rest, which only `KVTierOffloadingConnector` turns into
+a recompute (vLLM's own connector stops the engine on a failed load: a warning says so).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    LoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+
+from kvtier.config.shared import config_mapping
+from kvtier.host.client import HostClient, HostRefused
+from kvtier.host.wire import HostUnavailable, hex_keys
+from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS, METRIC_PREFIX
+from kvtier.integrations.vllm.translate import KVTierHostLoadStoreSpec
+
+try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger(__name__)
+
+OWNER_STATS_S = 1.0  # how often `get_stats` asks the owner for its tiers' gauges
+# This engine's counters, exported as `vllm:kvtier_<name>{tier=<first tier>}` (deltas).
+ENGINE_COUNTERS = {"loaded": "hits", "stored": "stores", "failures": "failures", "unavailable": "breaker_misses"}
+
+
+def _keys(values: Iterable[str]) -> list[OffloadKey]:
+    return [OffloadKey(bytes.fromhex(value)) for value in values]
+
+
+class ReportedFailures:
+    """Whether the engine's connector reports failed loads to vLLM (`KVTierOffloadingConnector`
+    calls `enable`, as it does for kvtier's direct file loads); `settle` warns, once, at the first
+    request when it does not: a load the owner could not wholly pin then stops the engine."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self._told = False
+
+    def enable(self) -> bool:
+        self.enabled = True
+        return True
+
+    def settle(self) -> None:
+        if not self.enabled and not self._told:
+            self._told = True
+            log.warning("kvtier: shared: host under vLLM's OffloadingConnector: a load whose blocks another engine "
+                        "evicted after the lookup fails, and this connector stops the engine on a failed load; use "
+                        "KVTierOffloadingConnector (kv_load_failure_policy: recompute) so that vLLM recomputes them")
+
+
+class HostOffloadingManager(OffloadingManager):
+    """vLLM `OffloadingManager` forwarding to the host owner (the module docstring).
+
+    Every call runs on the scheduler thread and waits at most `timeout_ms` for the owner (one
+    call per `lookup` not answered yet this step, per `prepare_load`, `prepare_store`, completion,
+    and finished request that loaded blocks). Lookups are remembered until `on_schedule_end`, so
+    vLLM's repeated lookups of one key in a step cost one call. A pin or store is completed only
+    with the owner that granted it: after a reconnection (`HostClient.generation`) the old ones are
+    dropped (a restarted owner never granted them; a lost connection's are released by the owner).
+    `take_events` is empty: the shared tiers' events are the owner's, not one engine's.
+    """
+
+    def __init__(self, client: HostClient, config: Any):
+        self.client = client
+        self.config = config  # the engine's HierarchyConfig (the tiers it asked the owner for)
+        self._lock = threading.RLock()
+        self._answers: dict[OffloadKey, LookupResult] = {}  # this step's lookups
+        self._deferred = False  # a lookup this step answered RETRY or HIT_PENDING: step again
+        self._was_deferred = False  # ... or in the step before (`has_pending_work` is asked after its end)
+        self._pins: dict[OffloadKey, list[int]] = {}  # key -> generation of each pin held, oldest first
+        self._storing: dict[OffloadKey, int] = {}  # key -> generation of its store in flight
+        self._flushed: tuple[dict[OffloadKey, list[int]], dict[OffloadKey, int]] = ({}, {})
+        self._reused: dict[str, list[OffloadKey]] = {}  # request -> keys it loaded (touched when it ends)
+        self.counters: Counter[str] = Counter()  # this engine's: loaded, stored, failures, unavailable, short
+        self._last: Counter[str] = Counter()
+        self._owner_stats: tuple[float, dict[str, Any]] = (0.0, {})
+        self.direct_file_loads = ReportedFailures()  # (the name KVTierOffloadingConnector enables)
+
+    @property
+    def lock(self) -> threading.RLock:
+        """vLLM 0.33: held by every caller across dependent calls; a real re-entrant lock."""
+        return self._lock
+
+    def _call(self, op: str, **arguments: Any) -> dict[str, Any] | None:
+        """The owner's answer, or None when it gives none (logged by the client)."""
+        try:
+            return self.client.call(op, **arguments)
+        except HostUnavailable:
+            return None
+
+    # --- lookup and load
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        answer = self._answers.get(key)
+        if answer is None:
+            answer = self._answers[key] = self._ask(key)
+        return answer
+
+    def _ask(self, key: OffloadKey) -> LookupResult:
+        reply = self._call("lookup_run", keys=hex_keys([key]))
+        if reply is None:
+            self.counters["unavailable"] += 1
+            return LookupResult.MISS
+        if reply["hits"]:
+            return LookupResult.HIT
+        answer = LookupResult[reply["next"] or "MISS"]
+        self._deferred |= answer in (LookupResult.RETRY, LookupResult.HIT_PENDING)
+        return answer
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext):
+        return None if CacheHitSource is None else CacheHitSource.HOST  # (loaded from the host's region)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        """Pin `keys` in the owner: a spec of the slots of the leading run it pinned, naming its
+        region, with every key, so that the worker fails those not pinned (the module docstring)."""
+        keys = list(keys)
+        reply = self._call("prepare_load", keys=hex_keys(keys))
+        slots = [] if reply is None else list(reply["slots"])
+        generation = self.client.generation
+        for key in keys[:len(slots)]:
+            self._pins.setdefault(key, []).append(generation)
+        if len(slots) < len(keys):
+            self.counters["short"] += len(keys) - len(slots)
+        self._reused.setdefault(req_context.req_id, []).extend(keys[:len(slots)])
+        return self._spec(slots, keys)
+
+    def _spec(self, slots: list[int], keys: Collection[OffloadKey] = ()) -> KVTierHostLoadStoreSpec:
+        region = self.client.region or {}
+        return KVTierHostLoadStoreSpec(slots, self.client.tier or None, region.get("token"), region.get("shm_name"),
+                                       region.get("num_blocks", 0), keys)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        if keys:
+            self._call("touch", keys=hex_keys(keys))
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.complete_failed_load(keys, req_context, bad=())
+
+    def complete_failed_load(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                             bad: Collection[OffloadKey] | None = None) -> None:
+        """`complete_load` of a load whose blocks `bad` failed in a worker (None: every one;
+        `KVTierOffloadingConnector`): the owner unpins the keys it pinned for this connection
+        and drops the failed ones among them (never those it did not pin: they were not loaded)."""
+        held = self._unpin(keys, self._pins)
+        failed = held if bad is None else [key for key in held if key in bad]
+        self.counters["loaded"] += len(held) - len(failed)
+        if failed:
+            self.counters["failures"] += 1
+        if held:
+            self._call("complete_load", keys=hex_keys(held), failed=hex_keys(failed))
+
+    def _unpin(self, keys: Iterable[OffloadKey], pins: dict[OffloadKey, list[int]]) -> list[OffloadKey]:
+        """Release one pin of each of `keys` held in `pins`: those the current connection holds."""
+        held = []
+        for key in keys:
+            generations = pins.get(key)
+            if not generations:
+                continue
+            if generations.pop(0) == self.client.generation:
+                held.append(key)
+            if not generations:
+                del pins[key]
+        return held
+
+    # --- store
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        """The owner's slots for the keys it does not hold yet (in the offer's order, the order
+        of the engine blocks of vLLM's store job); None when it has no room or does not answer."""
+        offer = list(keys)
+        reply = self._call("prepare_store", keys=hex_keys(offer))
+        if reply is None or not reply["room"]:
+            return None
+        slots = dict(zip(_keys(reply["store"]), reply["slots"]))
+        to_store = [key for key in offer if key in slots]
+        generation = self.client.generation
+        for key in to_store:
+            self._storing[key] = generation
+        return PrepareStoreOutput(keys_to_store=to_store, store_spec=self._spec([slots[k] for k in to_store]),
+                                  evicted_keys=_keys(reply["evicted"]))
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        generation = self.client.generation
+        mine = [key for key in keys if self._storing.pop(key, None) == generation]
+        if success:
+            self.counters["stored"] += len(mine)
+        else:
+            self.counters["failures"] += 1
+        if mine:
+            self._call("complete_store", keys=hex_keys(mine), success=bool(success))
+
+    # --- requests and steps
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self.direct_file_loads.settle()
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """The blocks the request loaded become the most recent in the owner (one `touch`)."""
+        reused = self._reused.pop(req_context.req_id, None)
+        if reused:
+            self.touch(list(dict.fromkeys(reused)), req_context)
+
+    def on_schedule_end(self, context: Any = None) -> None:
+        self._answers.clear()
+        self._was_deferred, self._deferred = self._deferred, False
+
+    def has_pending_work(self) -> bool:
+        """True after a step whose lookups the owner deferred (RETRY, HIT_PENDING), so that the
+        engine steps again and asks anew; the owner does its own copies."""
+        return self._deferred or self._was_deferred
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Always empty: the shared tiers' block events are the owner's (class docstring)."""
+        return iter(())
+
+    def reset_cache(self) -> None:
+        """This engine's cache reset leaves the shared tiers alone (other engines use them). The
+        transfers in flight, which the engine never completes, are released by `on_reset_flushed`
+        (vLLM 0.33); on 0.32 they stay held until this engine disconnects."""
+        pins, storing = self._flushed
+        for key, generations in self._pins.items():
+            pins.setdefault(key, []).extend(generations)
+        storing.update(self._storing)
+        self._pins, self._storing, self._answers, self._reused = {}, {}, {}, {}
+
+    def on_reset_flushed(self) -> None:
+        """vLLM 0.33: no worker uses the transfers in flight at the last reset any more: release
+        their pins and drop their stores in the owner."""
+        pins, storing = self._flushed
+        self._flushed = ({}, {})
+        held = [key for key, generations in pins.items() for g in generations if g == self.client.generation]
+        if held:
+            self._call("complete_load", keys=hex_keys(held), failed=[])
+        stores = [key for key, g in storing.items() if g == self.client.generation]
+        if stores:
+            self._call("complete_store", keys=hex_keys(stores), success=False)
+
+    def config_info(self) -> list[dict[str, str | int | float | bool]]:
+        """vLLM 0.33: one `vllm:kv_offload_config_info` series per tier the engine asked for."""
+        source = f"shared: host ({self.client.shared.socket})"
+        region = self.client.region or {}
+        return [dict(zip(CONFIG_INFO_KEYS, (
+            tier.name, "CPU" if i == 0 else "STORAGE",
+            region.get("num_blocks", 0) if i == 0 else (tier.capacity.blocks or 0), self.config.block_tokens,
+            region.get("block_bytes", 0), tier.cascade if i + 1 < len(self.config.tiers) else "",
+            str(tier.options.get("root_dir") or ""), str(tier.options.get("fingerprint") or ""), source)))
+            for i, tier in enumerate(self.config.tiers)]
+
+    # --- metrics
+    def get_stats(self):
+        """This engine's counters (deltas, labelled with the first tier: blocks loaded from and
+        stored into the host region, failed jobs, lookups missed because the owner did not
+        answer) and the owner's gauges per tier (asked at most every `OWNER_STATS_S`)."""
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+        stats = OffloadingConnectorStats()
+        first = self.config.tiers[0].name
+        for name, metric in ENGINE_COUNTERS.items():
+            delta = self.counters[name] - self._last[name]
+            if delta:
+                stats.increase_counter(METRIC_PREFIX + metric, delta, (first,))
+        self._last = Counter(self.counters)
+        for tier, values in self._owner_tiers().items():
+            capacity, resident = values.get("capacity_blocks") or 0, values.get("resident_blocks", 0)
+            stats.set_gauge(METRIC_PREFIX + "resident_blocks", resident, (tier,))
+            stats.set_gauge(METRIC_PREFIX + "capacity_blocks", capacity, (tier,))
+            stats.set_gauge(METRIC_PREFIX + "usage_perc", resident / capacity if capacity else 0.0, (tier,))
+        return stats
+
+    def _owner_tiers(self) -> dict[str, dict[str, Any]]:
+        """The owner's per-tier counters of this hierarchy (all engines'), at most `OWNER_STATS_S`
+        old; empty when it does not answer."""
+        at, tiers = self._owner_stats
+        if time.monotonic() - at >= OWNER_STATS_S:
+            reply = self._call("stats")
+            tiers = {} if reply is None else dict(reply.get("tiers") or {})
+            self._owner_stats = (time.monotonic(), tiers)
+        return tiers
+
+    def tier_stats(self) -> dict[str, dict[str, Any]]:
+        """The owner's per-tier counters and this engine's (`engine`: loaded, stored, failures,
+        unavailable, short, host_failures); tests, bench."""
+        with self._lock:
+            self._owner_stats = (0.0, {})
+            return {**self._owner_tiers(), "engine": {**self.counters, "host_failures": self.client.failures}}
+
+    def shutdown(self) -> None:
+        """Leave the owner (it keeps the blocks; it releases what this engine held after its grace)."""
+        self.client.close()
+
+
+def open_host_manager(spec: Any) -> HostOffloadingManager:
+    """The manager of a `shared: host` engine (`KVTierOffloadingSpec.get_manager`): joins the
+    owner's hierarchy for the spec's identity with the YAML's tiers. `HostRefused` when the owner
+    refuses them (another engine of this model runs other tiers: fix the YAML); an owner not
+    running now is not an error: misses until it is."""
+    config = spec.hierarchy_config
+    identity = {"model": spec.fingerprint(), "block_bytes": spec.block_bytes, "block_tokens": spec.block_tokens}
+    client = HostClient(config.shared, {"identity": identity, "config": config_mapping(config)})
+    try:
+        client.connect()
+    except HostRefused:
+        client.close()
+        raise
+    except (HostUnavailable, OSError) as exc:  # (connect lets a socket's OSError through: not running)
+        log.warning("kvtier: the host owner at %s is not serving (%s): misses until it does", config.shared.socket,
+                    exc)
+    return HostOffloadingManager(client, config)

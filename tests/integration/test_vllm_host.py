@@ -1,0 +1,373 @@
+"""`shared: host` under vLLM without an engine: kvtier's spec, manager and worker over a real owner.
+
+Two specs of one identity (engines A and B) join one `kvtier serve` subprocess: what A's worker
+stores, B's manager finds and B's worker loads, byte-identical, from the owner's region. Another
+identity misses. A killed owner turns lookups into misses within `timeout_ms` and stores into
+`None`, with no exception; a restarted one serves the file tier again (RETRY while it promotes,
+then HIT, from its new region). A load the owner only partly pins fails exactly the positions it
+did not pin, and the pinned ones are loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")]
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from host_owner import Owner  # noqa: E402
+
+PAGE = 1024  # bytes per engine block of the one KV tensor
+BPC = 2  # engine blocks per offloaded block
+TIMEOUT_MS = 200
+
+
+def _config(kvtier_config, model="tiny", rank=0, world=1):
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
+        worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=False,
+        extra_config={"kvtier_config": kvtier_config}, engine_id=f"host-{time.time_ns()}",
+        model=OffloadingModelConfig(name=model, dtype="float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
+        parallel=OffloadingParallelConfig(rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1, dcp_size=1,
+                                          data_parallel_index=0, data_parallel_size=1,
+                                          data_parallel_rank_local=None, is_parallelism_agnostic=True))
+
+
+def _keys(n, start=0):
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(start, start + n)]
+
+
+class Engine:
+    """One engine's scheduler side (manager) and worker over 16 engine blocks of random bytes."""
+
+    def __init__(self, kvtier_config, model="tiny", world=1):
+        """`world` > 1: tensor parallel; `ranks[r]` = (spec, KV tensor, worker) of rank r (rank 0's are
+        `spec`, `kv`, `worker`); jobs run on every rank."""
+        import torch
+        from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+
+        from kvtier.integrations.vllm import KVTierOffloadingSpec
+
+        self.ranks = []
+        for rank in range(world):
+            spec = KVTierOffloadingSpec(_config(kvtier_config, model, rank, world))
+            kv = torch.randint(-128, 127, (16, PAGE), dtype=torch.int8)
+            caches = CanonicalKVCaches([CanonicalKVCacheTensor(kv, PAGE)], [[CanonicalKVCacheRef(0, PAGE)]])
+            self.ranks.append((spec, kv, spec.get_worker(caches)))
+        self.spec, self.kv, self.worker = self.ranks[0]
+        self.manager = self.spec.get_manager()
+        self.jobs = 0
+
+    def lookup(self, key):
+        from vllm.v1.kv_offload.base import ReqContext
+
+        self.manager.on_schedule_end(None)  # (a new scheduler step: lookups are remembered within one)
+        return self.manager.lookup(key, ReqContext("r"))
+
+    def run(self, submit, *args):
+        """Run one transfer job to its end on every rank (`submit`: the worker's method name); rank 0's result."""
+        self.jobs += 1
+        results = []
+        for _, _, worker in self.ranks:
+            assert getattr(worker, submit)(self.jobs, *args)
+            worker.wait({self.jobs})
+            (result,) = worker.get_finished()
+            assert result.job_id == self.jobs
+            results.append(result)
+        assert len({r.success for r in results}) == 1
+        return results[0]
+
+    def store(self, keys, blocks):
+        from vllm.v1.kv_offload.base import GPULoadStoreSpec, ReqContext
+
+        out = self.manager.prepare_store(keys, ReqContext("r"))
+        assert out is not None and out.keys_to_store == keys
+        result = self.run("submit_store", GPULoadStoreSpec(blocks, group_sizes=[len(blocks)],
+                                                                     block_indices=[0]), out.store_spec)
+        self.manager.complete_store(keys, ReqContext("r"), success=result.success)
+        return result
+
+    def load(self, keys, gpu):
+        from vllm.v1.kv_offload.base import ReqContext
+
+        spec = self.manager.prepare_load(keys, ReqContext("r"))
+        return spec, self.run("submit_load", spec, gpu)
+
+    def close(self):
+        for spec, _, _ in reversed(self.ranks):
+            spec.shutdown()
+
+
+def _tiers(owner, cpu_blocks=4, disk=True):
+    cpu = {"name": "cpu", "backend": "cpu", "capacity": f"{cpu_blocks} blocks", "policy": "lru"}
+    tiers = [cpu]
+    if disk:
+        cpu["cascade"] = "on_store"
+        tiers.append({"name": "disk", "backend": "file", "root_dir": f"{owner.dir}/disk", "capacity": "16 blocks"})
+    return {"shared": owner.shared(TIMEOUT_MS), "tiers": tiers}
+
+
+@pytest.fixture(scope="module")
+def owner():
+    """One owner for the module's tests (each test's engines are of a model of its own)."""
+    o = Owner().start()
+    yield o
+    o.close()
+
+
+@pytest.fixture
+def own_owner():
+    """An owner for one test (that kills it)."""
+    o = Owner().start()
+    yield o
+    o.close()
+
+
+@pytest.fixture
+def engines(request):
+    """Engines of this test's own model identity (another test's blocks are another namespace's)."""
+    made = []
+
+    def make(*args, model=None, **kwargs):
+        made.append(Engine(*args, model=model or f"tiny-{request.node.name}", **kwargs))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def _gpu(blocks, first_index=0):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    return GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[first_index])
+
+
+def test_engine_b_loads_what_engine_a_stored(owner, engines):
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from kvtier.integrations.vllm import KVTierHostLoadStoreSpec
+
+    a, b = engines(_tiers(owner)), engines(_tiers(owner))
+    keys = _keys(3)
+    assert b.lookup(keys[0]) is LookupResult.MISS
+    assert a.store(keys, list(range(6))).success
+    assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 3
+    b.kv.zero_()
+    # logical blocks 1..5 of a request: the first offloaded block only half covered
+    spec, result = b.load(keys, _gpu([9, 10, 11, 12, 13], first_index=1))
+    assert isinstance(spec, KVTierHostLoadStoreSpec) and spec.pinned == 3 and spec.shm_name.startswith("kvtier-host-")
+    assert result.success and result.transfer_size == 5 * PAGE
+    b.manager.complete_load(keys, None)
+    import torch
+
+    for engine_block, stored in zip([9, 10, 11, 12, 13], [1, 2, 3, 4, 5]):
+        assert torch.equal(b.kv[engine_block], a.kv[stored])
+    assert not b.kv[:9].any()
+    stats = b.manager.tier_stats()
+    assert stats["engine"]["loaded"] == 3 and stats["cpu"]["resident_blocks"] == 3
+    assert a.manager.tier_stats()["engine"]["stored"] == 3
+
+
+def test_another_identity_never_sees_the_blocks(owner, engines):
+    from vllm.v1.kv_offload.base import LookupResult
+
+    a, other = engines(_tiers(owner)), engines(_tiers(owner), model="another-model")
+    keys = _keys(2)
+    assert a.store(keys, list(range(4))).success
+    assert a.lookup(keys[0]) is LookupResult.HIT
+    assert other.lookup(keys[0]) is LookupResult.MISS
+    assert other.manager.client.region["shm_name"] != a.manager.client.region["shm_name"]
+
+
+def test_other_tiers_for_the_same_model_are_refused_at_start(owner, engines):
+    from kvtier.host.client import HostRefused
+
+    engines(_tiers(owner))
+    with pytest.raises(HostRefused, match="same tiers"):
+        engines(_tiers(owner, cpu_blocks=8))
+
+
+def _wait_for(check, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_killed_owner_is_a_miss_and_a_restarted_one_serves_the_file_tier(own_owner, engines):
+    owner = own_owner
+    import torch
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    a, b = engines(_tiers(owner)), engines(_tiers(owner))
+    keys = _keys(2)
+    assert a.store(keys, [0, 1, 2, 3]).success
+    _wait_for(lambda: a.manager.tier_stats().get("disk", {}).get("stores", 0) >= 2)  # written through
+    old_region = b.manager.client.region["token"]
+
+    owner.kill()
+    start = time.monotonic()
+    assert b.lookup(keys[0]) is LookupResult.MISS
+    assert time.monotonic() - start < TIMEOUT_MS / 1000 + 0.5
+    start = time.monotonic()
+    assert b.lookup(keys[1]) is LookupResult.MISS  # (at once: the client stays away for its backoff)
+    assert b.manager.prepare_store(_keys(1, start=50), ReqContext("r")) is None
+    assert time.monotonic() - start < 0.1
+    spec, result = b.load(keys, _gpu([8, 9, 10, 11]))  # pins nothing: every position fails
+    assert spec.pinned == 0 and not result.success
+    assert b.worker.take_failure(result.job_id) == (keys, 0)
+    b.manager.complete_failed_load(keys, None, keys)  # no exception, nothing sent
+    b.manager.complete_store(_keys(1, start=50), None, success=True)
+
+    owner.start()
+    answers = []
+    _wait_for(lambda: answers.append(b.lookup(keys[0])) or answers[-1] is LookupResult.HIT)
+    assert LookupResult.RETRY in answers  # promoted from the recovered file tier first
+    _wait_for(lambda: b.lookup(keys[1]) is LookupResult.HIT)
+    b.kv.zero_()
+    spec, result = b.load(keys, _gpu([8, 9, 10, 11]))
+    assert spec.region != old_region and spec.pinned == 2 and result.success  # the new owner's region
+    b.manager.complete_load(keys, None)
+    assert torch.equal(b.kv[8:12], a.kv[0:4])
+
+
+def test_a_load_the_owner_partly_pins_fails_exactly_the_unpinned_positions(owner, engines):
+    import torch
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    a, b = engines(_tiers(owner, disk=False)), engines(_tiers(owner, disk=False))
+    keys = _keys(4)
+    assert a.store(keys, list(range(8))).success  # the CPU tier (4 blocks) is full
+    assert [b.lookup(k) for k in keys] == [LookupResult.HIT] * 4
+    a.manager.touch(keys[:2], ReqContext("r"))  # keys 2 and 3 are now the least recently used
+    assert a.store(_keys(2, start=10), [8, 9, 10, 11]).success  # ...and evicted by engine A's store
+    b.kv.zero_()
+    spec, result = b.load(keys, _gpu([1, 2, 3, 4, 5, 6, 7], first_index=1))
+    assert spec.pinned == 2 and not result.success
+    bad, first = b.worker.take_failure(result.job_id)
+    assert bad == keys[2:] and first == 2
+    assert torch.equal(b.kv[1:4], a.kv[1:4])  # the pinned keys' engine blocks were loaded
+    assert not b.kv[4:8].any()  # the others were not touched
+    b.manager.complete_failed_load(keys, None, bad)
+    assert b.lookup(keys[0]) is LookupResult.HIT  # unpinned and kept: they were not the failed ones
+    assert b.lookup(keys[2]) is LookupResult.MISS
+    assert b.manager.tier_stats()["engine"]["short"] == 2
+
+
+def test_stats_config_info_and_the_lock(owner, engines):
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.integrations.vllm import KVTierOffloadingSpec
+    from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS
+
+    a, b = engines(_tiers(owner)), engines(_tiers(owner))
+    keys = _keys(2)
+    assert a.store(keys, [0, 1, 2, 3]).success
+    spec, result = b.load(keys, _gpu([4, 5, 6, 7]))
+    assert result.success
+    b.manager.complete_load(keys, ReqContext("r"))
+    stats = b.manager.get_stats().data["data"]
+    assert set(stats) <= set(KVTierOffloadingSpec.build_metric_definitions({}))
+    assert stats["vllm:kvtier_hits"][("cpu",)] == 2
+    assert stats["vllm:kvtier_capacity_blocks"][("cpu",)] == 4  # the owner's, shared by both engines
+    assert "vllm:kvtier_hits" not in b.manager.get_stats().data["data"]  # counters are deltas
+    info = b.manager.config_info()
+    assert [i["tier"] for i in info] == ["cpu", "disk"] and set(info[0]) == set(CONFIG_INFO_KEYS)
+    assert info[0]["kvtier_capacity_blocks"] == 4 and "shared: host" in info[0]["kvtier_config"]
+    with b.manager.lock, b.manager.lock:  # vLLM 0.33: a real, re-entrant lock
+        pass
+    assert list(b.manager.take_events()) == []
+
+
+def test_a_reset_releases_the_pins_in_flight_once_flushed(owner, engines):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    a, b = engines(_tiers(owner, disk=False)), engines(_tiers(owner, disk=False))
+    keys = _keys(4)
+    assert a.store(keys, list(range(8))).success
+    b.manager.prepare_load(keys[:1], ReqContext("r"))  # a load in flight when the engine resets
+    b.manager.reset_cache()
+    b.manager.on_reset_flushed()  # vLLM 0.33: its workers are done with it: the pin goes
+    assert a.store(_keys(4, start=10), list(range(8))).success  # room for 4: every old block evicted
+    assert b.lookup(keys[0]) is LookupResult.MISS
+
+
+def test_under_tensor_parallelism_each_rank_copies_its_part_of_the_slot(owner, engines):
+    import torch
+
+    a, b = engines(_tiers(owner), world=2), engines(_tiers(owner), world=2)
+    assert a.spec.block_bytes == 2 * PAGE * BPC  # a slot holds both ranks' parts
+    keys = _keys(2)
+    assert a.store(keys, [0, 1, 2, 3]).success
+    for _, kv, _ in b.ranks:
+        kv.zero_()
+    spec, result = b.load(keys, _gpu([4, 5, 6, 7]))
+    assert spec.pinned == 2 and result.success
+    b.manager.complete_load(keys, None)
+    for (_, kv_a, _), (_, kv_b, _) in zip(a.ranks, b.ranks):
+        assert torch.equal(kv_b[4:8], kv_a[0:4])  # each rank got its own bytes back, not the other's
+    assert not torch.equal(a.ranks[0][1][0:4], a.ranks[1][1][0:4])
+
+
+def test_an_engine_started_before_its_owner_joins_it_later(engines):
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    late = Owner()  # not started: the engine starts all the same, its calls are misses
+    try:
+        a, b = engines(_tiers(late)), engines(_tiers(late))
+        keys = _keys(2)
+        assert b.lookup(keys[0]) is LookupResult.MISS
+        assert a.manager.prepare_store(keys, ReqContext("r")) is None
+        late.start()
+        time.sleep(1.1)  # (the client's backoff after a failed call)
+        assert a.store(keys, [0, 1, 2, 3]).success
+        _wait_for(lambda: b.lookup(keys[0]) is LookupResult.HIT)
+    finally:
+        late.close()
+
+
+def test_vllms_own_connector_is_warned_about_failed_loads(owner, engines, caplog):
+    from vllm.v1.kv_offload.base import ReqContext
+
+    plain, reported = engines(_tiers(owner)), engines(_tiers(owner))
+    reported.manager.direct_file_loads.enable()  # what KVTierOffloadingConnector does when it adopts the manager
+    with caplog.at_level("WARNING", logger="kvtier.integrations.vllm.host_manager"):
+        reported.manager.on_new_request(ReqContext("r1"))
+        assert not caplog.records
+        plain.manager.on_new_request(ReqContext("r1"))
+        plain.manager.on_new_request(ReqContext("r2"))
+    assert len(caplog.records) == 1 and "KVTierOffloadingConnector" in caplog.text
+
+
+def test_with_several_kv_groups_a_partly_pinned_load_copies_nothing(owner, engines):
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec, make_offload_key
+
+    a, b = engines(_tiers(owner)), engines(_tiers(owner))
+    keys = [make_offload_key(i.to_bytes(32, "big"), group) for group in (0, 1) for i in (1, 2)]
+    assert a.store(keys[:3], list(range(6))).success  # the last key (group 1) is not in the owner
+    b.kv.zero_()
+    gpu = GPULoadStoreSpec(list(range(8)), group_sizes=[4, 4], block_indices=[0, 0])
+    spec, result = b.load(keys, gpu)
+    assert spec.pinned == 3 and not result.success
+    assert b.worker.take_failure(result.job_id) == (keys[3:], 3)  # only the unpinned key failed
+    assert not b.kv.any()  # nothing copied: the connector fails the whole request (several groups)
+    b.manager.complete_failed_load(keys, None, keys[3:])
+    assert b.manager.tier_stats()["cpu"]["resident_blocks"] == 3  # the pinned keys stay, unpinned
