@@ -39,6 +39,7 @@ from kvtier.host.wire import hex_keys, parse_keys
 log = logging.getLogger(__name__)
 
 LEASE_GRACE_S = 30.0  # how long the slots of a departed connection stay as they were
+BUSY_S = 1.0  # a namespace called within this long is stepped every heartbeat
 
 
 @dataclass(frozen=True)
@@ -120,6 +121,7 @@ class Namespace:
         self.lock = threading.Lock()
         self.lease_grace_s = lease_grace_s
         self._expiring: list[tuple[float, Ledger]] = []
+        self._last_call = time.monotonic()  # (a namespace is stepped often while engines use it: `step`)
         region: Any = self.hierarchy.first_backend  # (a CPUBackend: namespace_config)
         self.region = {"shm_name": region.shm_name, "num_blocks": region.num_blocks,
                        "block_bytes": region.block_bytes, "token": region.token}
@@ -145,6 +147,7 @@ class Namespace:
         if bad is not None:
             raise ValueError(f"keys[{bad}]: {len(keys[bad])} bytes; a key has 1 to {self.max_key_bytes} bytes here")
         with self.lock:
+            self._last_call = time.monotonic()
             return handler(self, keys, message, ledger)
 
     def _lookup_run(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
@@ -230,9 +233,11 @@ class Namespace:
             with self.lock:
                 self._expiring.append((time.monotonic() + self.lease_grace_s, ledger))
 
-    def step(self) -> None:
+    def step(self) -> bool:
         """The owner's heartbeat: account finished copies, start promotions and cascade copies
-        (`on_schedule_end`, as vLLM's scheduler calls it each step), and release expired ledgers."""
+        (`on_schedule_end`, as vLLM's scheduler calls it each step), and release expired ledgers.
+        Returns whether the namespace is busy: a call came within `BUSY_S`, copies are in flight,
+        or a departed engine's ledger waits (else the owner may step it less often)."""
         with self.lock:
             now = time.monotonic()
             due = [ledger for at, ledger in self._expiring if at <= now]
@@ -240,7 +245,10 @@ class Namespace:
                 self._expiring = [(at, ledger) for at, ledger in self._expiring if at > now]
             for ledger in due:
                 self._release(ledger)
-            self.manager.on_schedule_end()
+            busy = now - self._last_call < BUSY_S or self.manager.has_pending_work()
+            if busy:
+                self.manager.on_schedule_end()
+            return busy or bool(self._expiring)
 
     def _release(self, ledger: Ledger) -> None:
         if ledger.loads:

@@ -9,9 +9,10 @@ the next is read. Engines map the region and copy their blocks in and out themse
 and slot numbers cross the socket.
 
 A heartbeat thread steps every namespace every `STEP_S` (finished copies, promotions, cascade
-writes, expired leases). `close` stops accepting, writes each namespace's dirty CPU blocks to the
-tier below (at most `flush_timeout` s) and closes the tiers; a restarted owner finds the file
-tiers' blocks again (their journals) and starts the CPU tiers empty.
+writes, expired leases), every `IDLE_STEP_S` while no engine calls and nothing is in flight.
+`close` stops accepting, writes each namespace's dirty CPU blocks to the tier below (at most
+`flush_timeout` s) and closes the tiers; a restarted owner finds the file tiers' blocks again
+(their journals) and starts the CPU tiers empty.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvtier.host.wire import FrameError, FrameReader, HostUnavailable, encode, r
 log = logging.getLogger(__name__)
 
 STEP_S = 0.002  # heartbeat period: how soon a finished copy is accounted, a promotion started
+IDLE_STEP_S = 0.05  # its period while no engine called for a while and nothing is in flight
 MAX_CLIENTS = 64
 SEND_TIMEOUT_S = 5.0  # a client that does not read its answers this long is disconnected
 FLUSH_TIMEOUT_S = 60.0
@@ -137,14 +139,18 @@ class HostOwner:
 
     # ------------------------------------------------------------------ heartbeat and lifetime
     def _heartbeat(self) -> None:
-        while not self._stop.wait(STEP_S):
+        """Step every namespace each `STEP_S` while one is busy, each `IDLE_STEP_S` when none is."""
+        period = STEP_S
+        while not self._stop.wait(period):
             with self._lock:
                 namespaces = list(self.namespaces.values())
+            busy = False
             for namespace in namespaces:
                 try:
-                    namespace.step()
+                    busy |= namespace.step()
                 except Exception:
                     log.exception("kvtier host: stepping namespace %s failed", namespace.name)
+            period = STEP_S if busy else IDLE_STEP_S
 
     def client_count(self) -> int:
         with self._lock:
