@@ -371,3 +371,21 @@ def test_with_several_kv_groups_a_partly_pinned_load_copies_nothing(owner, engin
     assert not b.kv.any()  # nothing copied: the connector fails the whole request (several groups)
     b.manager.complete_failed_load(keys, None, keys[3:])
     assert b.manager.tier_stats()["cpu"]["resident_blocks"] == 3  # the pinned keys stay, unpinned
+
+
+@pytest.mark.parametrize("hinted", [True, False])
+def test_a_sessions_retention_hint_reaches_the_owner(owner, engines, hinted):
+    """A request's `kv_transfer_params["kvtier"]` hint keeps its session's blocks in the shared
+    tier while another engine's traffic goes through it; an invalid hint is ignored, not fatal."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    a, b = engines(_tiers(owner, cpu_blocks=8, disk=False)), engines(_tiers(owner, cpu_blocks=8, disk=False))
+    params = {"kvtier": {"session": "chat-7", "retain_s": 600}} if hinted else {"kvtier": {"retain_s": "x"}}
+    keys = _keys(2)
+    out = a.manager.prepare_store(keys, ReqContext("chat", kv_transfer_params=params))
+    assert out is not None and out.keys_to_store == keys
+    result = a.run("submit_store", _gpu(list(range(4))), out.store_spec)
+    a.manager.complete_store(keys, ReqContext("chat"), success=result.success)
+    for start in range(100, 124, 4):  # another engine's traffic: 24 blocks through an 8-block tier
+        b.store(_keys(4, start), list(range(8)))
+    assert [b.lookup(k) for k in keys] == [LookupResult.HIT if hinted else LookupResult.MISS] * 2

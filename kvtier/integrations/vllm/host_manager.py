@@ -39,6 +39,8 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.config.shared import config_mapping
+from kvtier.control.retention import HINTS_KEY, parse_hint
+from kvtier.core.errors import ArgumentError
 from kvtier.host.client import HostClient, HostRefused
 from kvtier.host.wire import HostUnavailable, hex_keys
 from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS, METRIC_PREFIX
@@ -54,6 +56,22 @@ log = logging.getLogger(__name__)
 OWNER_STATS_S = 1.0  # how often `get_stats` asks the owner for its tiers' gauges
 # This engine's counters, exported as `vllm:kvtier_<name>{tier=<first tier>}` (deltas).
 ENGINE_COUNTERS = {"loaded": "hits", "stored": "stores", "failures": "failures", "unavailable": "breaker_misses"}
+
+
+def request_hints(req_context: Any) -> dict[str, Any] | None:
+    """The session's retention hint a request carries (`kv_transfer_params["kvtier"]`), checked
+    here, for the owner to note (`kvtier.control.retention`); None without one, and for an invalid
+    one (hints come from clients: the request is served without it, as a private hierarchy does)."""
+    params = getattr(req_context, "kv_transfer_params", None)
+    raw = params.get(HINTS_KEY) if isinstance(params, dict) else None
+    if raw is None:
+        return None
+    try:
+        parse_hint(raw, f"kv_transfer_params.{HINTS_KEY}")
+    except ArgumentError as exc:
+        log.debug("kvtier: request %s: retention hint ignored: %s", getattr(req_context, "req_id", "?"), exc)
+        return None
+    return dict(raw)
 
 
 def _keys(values: Iterable[str]) -> list[OffloadKey]:
@@ -146,7 +164,7 @@ class HostOffloadingManager(OffloadingManager):
         """Pin `keys` in the owner: a spec of the slots of the leading run it pinned, naming its
         region, with every key, so that the worker fails those not pinned (the module docstring)."""
         keys = list(keys)
-        reply = self._call("prepare_load", keys=hex_keys(keys))
+        reply = self._call("prepare_load", keys=hex_keys(keys), hints=request_hints(req_context))
         slots = [] if reply is None else list(reply["slots"])
         generation = self.client.generation
         for key in keys[:len(slots)]:
@@ -199,7 +217,7 @@ class HostOffloadingManager(OffloadingManager):
         """The owner's slots for the keys it does not hold yet (in the offer's order, the order
         of the engine blocks of vLLM's store job); None when it has no room or does not answer."""
         offer = list(keys)
-        reply = self._call("prepare_store", keys=hex_keys(offer))
+        reply = self._call("prepare_store", keys=hex_keys(offer), hints=request_hints(req_context))
         if reply is None or not reply["room"]:
             return None
         slots = dict(zip(_keys(reply["store"]), reply["slots"]))
