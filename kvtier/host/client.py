@@ -171,3 +171,19 @@ class HostClient:
         """Close the connection: the owner releases what it still holds after its grace period."""
         with self._lock:
             self._close()
+
+
+def join(shared: SharedHost, identity: dict[str, Any], config: dict[str, Any]) -> HostClient:
+    """A client of the owner at `shared.socket` for an engine of `identity` whose YAML is `config`
+    (a plain mapping), with its hello said: `HostRefused` when the owner refuses them (another
+    engine of this identity runs other tiers: fix the YAML). An owner not running now is not an
+    error: the engine's calls are misses until it is (a warning says so)."""
+    client = HostClient(shared, {"identity": identity, "config": config})
+    try:
+        client.connect()
+    except HostRefused:
+        client.close()
+        raise
+    except HostUnavailable as exc:
+        log.warning("kvtier: the host owner at %s is not serving (%s): misses until it does", shared.socket, exc)
+    return client

@@ -29,7 +29,7 @@ from kvtier.core.keys import OffloadKey
 from kvtier.core.limits import MAX_KEY_BYTES
 from kvtier.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.core.types import TransferResult
-from kvtier.host.client import HostClient, HostRefused
+from kvtier.host.client import HostClient, join
 from kvtier.host.region import RegionMap
 from kvtier.host.wire import HostUnavailable, hex_keys, parse_keys
 from kvtier.standalone.blocks import KeyBlocks
@@ -257,13 +257,4 @@ def open_shared(config: HierarchyConfig, kv_caches: Any, layout: KVLayout, model
     identity = {"model": f"standalone:{model} | {describe_layout(layout.block_bytes, config.block_tokens, kv_caches)}",
                 "block_bytes": layout.block_bytes, "block_tokens": config.block_tokens}
     assert config.shared is not None  # (KVTier.open calls this for a shared config only)
-    client = HostClient(config.shared, {"identity": identity, "config": config_mapping(config)})
-    try:
-        client.connect()
-    except HostRefused:
-        client.close()
-        raise
-    except HostUnavailable as exc:
-        log.warning("kvtier: the host owner at %s is not serving (%s): misses until it does",
-                    config.shared.socket, exc)
-    return SharedKVTier(config, client, layout, kv_caches)
+    return SharedKVTier(config, join(config.shared, identity, config_mapping(config)), layout, kv_caches)

@@ -41,7 +41,7 @@ from vllm.v1.kv_offload.base import (
 from kvtier.config.shared import config_mapping
 from kvtier.control.retention import HINTS_KEY, parse_hint
 from kvtier.core.errors import ArgumentError
-from kvtier.host.client import HostClient, HostRefused
+from kvtier.host.client import HostClient, join
 from kvtier.host.wire import HostUnavailable, hex_keys
 from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS, METRIC_PREFIX
 from kvtier.integrations.vllm.translate import KVTierHostLoadStoreSpec
@@ -345,13 +345,4 @@ def open_host_manager(spec: Any) -> HostOffloadingManager:
     running now is not an error: misses until it is."""
     config = spec.hierarchy_config
     identity = {"model": spec.fingerprint(), "block_bytes": spec.block_bytes, "block_tokens": spec.block_tokens}
-    client = HostClient(config.shared, {"identity": identity, "config": config_mapping(config)})
-    try:
-        client.connect()
-    except HostRefused:
-        client.close()
-        raise
-    except (HostUnavailable, OSError) as exc:  # (connect lets a socket's OSError through: not running)
-        log.warning("kvtier: the host owner at %s is not serving (%s): misses until it does", config.shared.socket,
-                    exc)
-    return HostOffloadingManager(client, config)
+    return HostOffloadingManager(join(config.shared, identity, config_mapping(config)), config)
