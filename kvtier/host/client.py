@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from kvtier.config.shared import SharedHost
+from kvtier.host.listener import peer_uid
 from kvtier.host.wire import FrameReader, HostUnavailable, encode, read_frame
 
 log = logging.getLogger(__name__)
@@ -110,9 +111,13 @@ class HostClient:
         try:
             sock.settimeout(max(deadline - time.monotonic(), 0.001))
             sock.connect(self.shared.socket)
+            owner = peer_uid(sock)
         except OSError:
             sock.close()
             raise
+        if owner != os.getuid():  # (whatever the socket's directory lets others do, only our owner is heard)
+            sock.close()
+            raise HostUnavailable(f"{self.shared.socket} is served by uid {owner}, not by this user ({os.getuid()})")
         self._sock, self._reader = sock, FrameReader()
         try:
             answer = self._round_trip(dict(self._hello), deadline)

@@ -19,7 +19,7 @@ from kvtier.config.shared import SharedHost
 from kvtier.host.client import HostClient, HostRefused
 from kvtier.host.listener import OwnerRunning, UnsafeSocketPath
 from kvtier.host.owner import HostOwner
-from kvtier.host.wire import MAX_FRAME_BYTES, FrameReader, encode, hex_keys, read_frame
+from kvtier.host.wire import MAX_FRAME_BYTES, FrameReader, HostUnavailable, encode, hex_keys, read_frame
 
 
 def keys(n, start=0):
@@ -196,3 +196,33 @@ def test_keys_the_tiers_cannot_hold_are_refused_before_anything_changes(owner):
             c.call("prepare_store", keys=hex_keys([keys(1)[0], bad]))
     assert c.call("lookup_run", keys=hex_keys(keys(1)))["hits"] == 0
     assert c.call("prepare_store", keys=hex_keys(keys(1)))["room"] is True
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to listen as another user")
+def test_an_engine_never_talks_to_a_socket_another_user_serves():
+    top = tempfile.mkdtemp(prefix="kvtier-fake-", dir="/tmp")
+    os.chmod(top, 0o777)
+    path = os.path.join(top, "host.sock")
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: another user's fake owner, answering every request
+        try:
+            os.setuid(65534)
+            server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            server.bind(path)
+            server.listen(1)
+            os.write(ready_w, b"x")
+            conn, _ = server.accept()
+            conn.settimeout(5)
+            message = read_frame(conn, FrameReader())
+            conn.sendall(encode({"id": message.get("id"), "namespace": "x", "tier": "cpu", "region": {}}))
+            time.sleep(1)
+        finally:
+            os._exit(0)
+    try:
+        os.read(ready_r, 1)
+        with pytest.raises(HostUnavailable, match="served by uid 65534, not by this user"):
+            HostClient(SharedHost(path, 2000), hello()).connect()
+    finally:
+        os.waitpid(pid, 0)
+        shutil.rmtree(top, ignore_errors=True)
