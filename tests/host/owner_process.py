@@ -69,5 +69,9 @@ class OwnerProcess:
         if self.proc.poll() is None:
             self.resume()
             self.proc.terminate()
-            self.proc.wait(timeout=timeout)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()  # (never left running after a test)
+                raise
         return self.log()

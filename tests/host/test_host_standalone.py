@@ -216,3 +216,15 @@ def test_a_bad_hint_is_refused_before_the_owner_is_asked(tmp_path, owner, model)
         with pytest.raises(ValueError, match="hints"):
             a.store(keys(2), [0, 1], hints={"session": "s", "retain_s": "forever"})
         assert a.lookup(keys(2)) == 0
+
+
+def test_sigterm_stops_a_serving_owner_promptly_every_time(tmp_path, owner, model):
+    """The kernel may deliver SIGTERM to any of the owner's threads: the main thread still acts on
+    it within its wait slice (it used to wait without a timeout and could miss it for good)."""
+    for _ in range(4):
+        with KVTier.open(shared_config(tmp_path), make_kv(), model=model) as a:
+            assert a.store(keys(4), list(range(4)))
+            start = time.monotonic()
+            log = owner.stop(timeout=10)
+            assert time.monotonic() - start < 10 and "kvtier serve: stopped" in log
+        owner.start()
