@@ -53,6 +53,15 @@ class Hierarchy:
         """The backend of the first tier (under vLLM, the shared CPU region)."""
         return self.manager.tiers[0].backend
 
+    def key_limit(self) -> tuple[float, str]:
+        """The longest key every tier can hold, its backend and its policy alike (their
+        `max_key_bytes`), and what sets it (infinite when none says)."""
+        limits = [(b.max_key_bytes, f"tier {name!r}") for name, b in self.backends.items()
+                  if b.max_key_bytes is not None]
+        limits += [(limit, f"the policy of tier {t.name!r}") for t in self.manager.tiers
+                   if (limit := getattr(t.policy, "max_key_bytes", None)) is not None]
+        return min(limits, default=(float("inf"), "any tier"))
+
     def close(self, timeout: float | None = SHUTDOWN_TIMEOUT_S) -> None:
         """Stop the worker plane's handlers, then the manager (its jobs finish, every tier closes),
         within `timeout` seconds all together (None: no limit). Copies still running then (a

@@ -20,13 +20,16 @@ import os
 import socket
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kvtier.config.shared import SharedHost
 from kvtier.host.listener import peer_uid
 from kvtier.host.wire import FrameReader, HostUnavailable, encode, read_frame
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 BACKOFF_S = 1.0
 HELLO_TIMEOUT_S = 30.0
@@ -60,14 +63,7 @@ class HostClient:
         one call's `timeout_ms`). `HostRefused` if the owner refuses this engine's identity or
         YAML; `HostUnavailable` if it does not answer. Returns the region it names."""
         with self._lock:
-            try:
-                self._connect(time.monotonic() + max(timeout_s, self.shared.timeout_s))
-            except HostRefused as exc:
-                self._down_until, self._why = time.monotonic() + self.backoff_s, str(exc)
-                raise
-            except (HostUnavailable, OSError) as exc:
-                self._fail(exc)
-                raise HostUnavailable(self._why) from None
+            self._guarded(self._connect, time.monotonic() + max(timeout_s, self.shared.timeout_s))
             assert self.region is not None
             return self.region
 
@@ -79,18 +75,25 @@ class HostClient:
                 self.failures += 1
                 raise HostUnavailable(f"the kvtier host owner is unavailable ({self._why}); retrying in "
                                       f"{self._down_until - now:.1f} s")
-            deadline = now + self.shared.timeout_s
-            try:
-                if self._sock is None:
-                    self._connect(deadline)
-                return self._round_trip({"op": op, **arguments}, deadline)
-            except HostRefused as exc:
-                if self._sock is None:  # (refused at hello: not served until the owner's answer changes)
-                    self._down_until, self._why = time.monotonic() + self.backoff_s, str(exc)
-                raise
-            except (HostUnavailable, OSError) as exc:
-                self._fail(exc)
-                raise HostUnavailable(self._why) from None
+            return self._guarded(self._connected_round_trip, {"op": op, **arguments}, now + self.shared.timeout_s)
+
+    def _connected_round_trip(self, request: dict[str, Any], deadline: float) -> dict[str, Any]:
+        if self._sock is None:
+            self._connect(deadline)
+        return self._round_trip(request, deadline)
+
+    def _guarded(self, work: Callable[..., _T], *args: Any) -> _T:
+        """`work(*args)`, its failures made `HostUnavailable` (with the backoff, `_fail`); a
+        refusal at hello also backs off: the engine is not served until the owner's answer changes."""
+        try:
+            return work(*args)
+        except HostRefused as exc:
+            if self._sock is None:
+                self._down_until, self._why = time.monotonic() + self.backoff_s, str(exc)
+            raise
+        except (HostUnavailable, OSError) as exc:
+            self._fail(exc)
+            raise HostUnavailable(self._why) from None
 
     def notify(self, op: str, **arguments: Any) -> bool:
         """Send `op` without waiting for its answer (skipped when it comes, at a later call): for

@@ -126,7 +126,8 @@ class Namespace:
         self.region = {"shm_name": region.shm_name, "num_blocks": region.num_blocks,
                        "block_bytes": region.block_bytes, "token": region.token}
         self.tier = self.config.tiers[0].name
-        self.max_key_bytes = _key_limit(self.hierarchy)
+        limit, _ = self.hierarchy.key_limit()
+        self.max_key_bytes = MAX_KEY_BYTES if limit == float("inf") else int(limit)  # (bounded even when no tier says)
 
     def check_same(self, raw_config: Any) -> None:
         """`ConfigError` unless `raw_config` asks for this namespace's tiers."""
@@ -168,12 +169,7 @@ class Namespace:
         """Pin the leading run of `keys` readable in the first tier now (another engine may have
         evicted one since this engine's lookup): their slots, and how many."""
         hint = parse_hint(message.get("hints"), "hints")
-        lookup = self.manager.lookup
-        readable = 0
-        for key in keys:
-            if lookup(key) is not LookupResult.HIT:
-                break
-            readable += 1
+        readable, _ = self.manager.lookup_run(keys)
         if not readable:
             return {"slots": []}
         spec = self.manager.prepare_load(keys[:readable])
@@ -268,13 +264,6 @@ class Namespace:
                 return self.manager.flush(flush_timeout)
             finally:
                 self.hierarchy.close()
-
-
-def _key_limit(hierarchy: Any) -> int:
-    """The longest key every tier of `hierarchy` holds (its backends' and policies' `max_key_bytes`)."""
-    limits = [b.max_key_bytes for b in hierarchy.backends.values() if b.max_key_bytes is not None]
-    limits += [limit for t in hierarchy.manager.tiers if (limit := getattr(t.policy, "max_key_bytes", None))]
-    return min(limits, default=MAX_KEY_BYTES)
 
 
 def _shape(config: HierarchyConfig) -> list[tuple[str, str, str, str]]:

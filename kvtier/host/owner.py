@@ -62,18 +62,19 @@ class HostOwner:
                 conn, _ = self._server.accept()
             except OSError:
                 return  # the listening socket was closed
-            if peer_uid(conn) != os.getuid():
-                log.warning("kvtier host: refused a connection from another user (uid %d)", peer_uid(conn))
+            uid = peer_uid(conn)
+            if uid != os.getuid():
+                log.warning("kvtier host: refused a connection from another user (uid %d)", uid)
                 conn.close()
                 continue
             with self._lock:
                 full = len(self._clients) >= self.max_clients
                 if not full:
                     self._clients.add(conn)
-            serve = _refuse if full else self._serve
-            threading.Thread(target=serve, args=(conn, self.max_clients), name="kvtier-host-conn", daemon=True).start()
+            target, args = (_refuse, (conn, self.max_clients)) if full else (self._serve, (conn,))
+            threading.Thread(target=target, args=args, name="kvtier-host-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket, max_clients: int) -> None:
+    def _serve(self, conn: socket.socket) -> None:
         """Answer one connection's requests in order until it closes or breaks the protocol."""
         reader, ledger = FrameReader(), Ledger()
         namespace: Namespace | None = None

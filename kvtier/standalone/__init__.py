@@ -55,7 +55,7 @@ from kvtier.core.errors import ClosedError
 from kvtier.core.keys import OffloadKey
 from kvtier.core.specs import LoadStoreSpec
 from kvtier.core.types import CanonicalKVCaches, TransferResult
-from kvtier.standalone.args import check_kv_caches, key_limit
+from kvtier.standalone.args import check_kv_caches
 from kvtier.standalone.blocks import KeyBlocks
 from kvtier.standalone.counters import TransferCounters
 from kvtier.standalone.metrics import MetricsEndpoint, check_metrics_port
@@ -87,7 +87,7 @@ class KVTier:
         self.layout = layout
         self.blocks_per_chunk = layout.blocks_per_chunk
         self._worker = hierarchy.worker  # the jobs that touch the KV tensors
-        self._blocks = KeyBlocks(layout, key_limit(hierarchy))  # checks and lays out each call's keys and ids
+        self._blocks = KeyBlocks(layout, hierarchy.key_limit())  # checks and lays out each call's keys and ids
         self._counters = TransferCounters()
         self._threshold: StoreThreshold[OffloadKey] = StoreThreshold(hierarchy.config.store_threshold)
         self._lock = threading.RLock()  # held by the running call (see the class docstring)

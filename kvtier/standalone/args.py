@@ -5,23 +5,11 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvtier.core.errors import ArgumentError, ArgumentTypeError
 from kvtier.core.keys import GROUP_BYTES
 from kvtier.core.types import CanonicalKVCaches
-
-if TYPE_CHECKING:
-    from kvtier.control.hierarchy import Hierarchy
-
-def key_limit(hierarchy: Hierarchy) -> tuple[float, str]:
-    """The longest key every tier of `hierarchy` can hold, its backend and its policy alike (their
-    `max_key_bytes`), and what sets it."""
-    limits = [(b.max_key_bytes, f"tier {name!r}") for name, b in hierarchy.backends.items()
-              if b.max_key_bytes is not None]
-    limits += [(limit, f"the policy of tier {t.name!r}") for t in hierarchy.manager.tiers
-               if (limit := getattr(t.policy, "max_key_bytes", None)) is not None]
-    return min(limits, default=(float("inf"), "any tier"))
 
 
 def check_kv_caches(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> None:

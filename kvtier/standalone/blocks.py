@@ -19,7 +19,7 @@ from kvtier.transfer.handlers.gpu_cpu import KVLayout
 
 class KeyBlocks:
     """Checks and lays out the keys and engine blocks of calls on one `layout`; `key_limit` is
-    `standalone_args.key_limit` of the hierarchy (the longest key it holds, and which tier says so)."""
+    `Hierarchy.key_limit` of the hierarchy (the longest key it holds, and which tier says so)."""
 
     def __init__(self, layout: KVLayout, key_limit: tuple[float, str]):
         self.layout = layout
