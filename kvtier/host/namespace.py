@@ -182,8 +182,11 @@ class Namespace:
 
     def _complete_load(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
         failed = set(parse_keys(message.get("failed", []), "failed"))
-        held = [key for key in keys if ledger.loads[key] > 0]
-        ledger.loads.subtract(held)
+        held = []  # one pin per key named, as many as this connection holds (a key may be named twice)
+        for key in keys:
+            if ledger.loads[key] > 0:
+                ledger.loads[key] -= 1
+                held.append(key)
         ledger.loads += Counter()  # (drops the keys at 0)
         self.manager.complete_load(held, failed=[key for key in held if key in failed])
         return {"released": len(held)}

@@ -226,3 +226,15 @@ def test_an_engine_never_talks_to_a_socket_another_user_serves():
     finally:
         os.waitpid(pid, 0)
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_key_named_twice_releases_only_the_pins_this_connection_holds(owner):
+    greeting = hello(cpu_blocks=4)
+    a, b = client(owner, greeting), client(owner, greeting)
+    key = hex_keys(keys(1))
+    a.call("complete_store", keys=a.call("prepare_store", keys=key)["store"], success=True)
+    a.call("prepare_load", keys=key)
+    b.call("prepare_load", keys=key)
+    assert a.call("complete_load", keys=key * 2)["released"] == 1
+    (namespace,) = owner.namespaces.values()
+    assert namespace.manager.tiers[0].table.get(keys(1)[0]).ref_cnt == 1  # b's pin holds
