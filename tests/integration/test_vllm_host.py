@@ -186,6 +186,76 @@ def test_engine_b_loads_what_engine_a_stored(owner, engines):
     assert a.manager.tier_stats()["engine"]["stored"] == 3
 
 
+def _counting_calls(manager):
+    """Count `manager`'s calls to its owner, by operation."""
+    from collections import Counter
+
+    calls, call = Counter(), manager.client.call
+
+    def counted(op, **arguments):
+        calls[op] += 1
+        return call(op, **arguments)
+
+    manager.client.call = counted
+    return calls
+
+
+def _scan(manager, context, keys):
+    """vLLM's prefix scan (`_maximal_prefix_lookup`): one lookup per key, up to the first MISS."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    answers = []
+    for key in keys:
+        answers.append(manager.lookup(key, context))
+        if answers[-1] is LookupResult.MISS:
+            break
+    return answers
+
+
+def test_a_prefix_scan_costs_one_owner_call(owner, engines):
+    """vLLM looks a request's keys up one by one; the first lookup asks the owner about the keys
+    the scheduler recorded after it, so the scan of a 6-block hit costs one round trip, not 7."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    a, b = engines(_tiers(owner, cpu_blocks=8, disk=False)), engines(_tiers(owner, cpu_blocks=8, disk=False))
+    keys = _keys(8, start=500)
+    assert a.store(keys[:6], list(range(12))).success
+    context = ReqContext("scan")
+    for position, key in enumerate(keys, start=1):
+        context.set_offload_key_position(key, position * 16 * BPC)
+    calls = _counting_calls(b.manager)
+    b.manager.on_schedule_end(None)
+    assert _scan(b.manager, context, keys) == [LookupResult.HIT] * 6 + [LookupResult.MISS]
+    assert calls["lookup_run"] == 1
+    # the next step asks again (another engine may have evicted since): one call again
+    b.manager.on_schedule_end(None)
+    assert _scan(b.manager, context, keys) == [LookupResult.HIT] * 6 + [LookupResult.MISS]
+    assert calls["lookup_run"] == 2
+
+
+def test_a_scan_ends_at_its_group_and_without_positions_asks_key_by_key(owner, engines):
+    """The keys after a lookup's key are its own group's (positions rise); another group's recorded
+    after them start a run of their own; a context with no positions asks one key at a time."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    a, b = engines(_tiers(owner, cpu_blocks=8, disk=False)), engines(_tiers(owner, cpu_blocks=8, disk=False))
+    first, second = _keys(3, start=600), _keys(3, start=700)
+    assert a.store(first + second[:1], list(range(8))).success
+    context = ReqContext("groups")
+    for group in (first, second):
+        for position, key in enumerate(group, start=1):
+            context.set_offload_key_position(key, position * 16 * BPC)
+    calls = _counting_calls(b.manager)
+    b.manager.on_schedule_end(None)
+    assert _scan(b.manager, context, first) == [LookupResult.HIT] * 3
+    assert calls["lookup_run"] == 1
+    assert _scan(b.manager, context, second) == [LookupResult.HIT, LookupResult.MISS]
+    assert calls["lookup_run"] == 2
+    b.manager.on_schedule_end(None)
+    assert _scan(b.manager, ReqContext("no positions"), first) == [LookupResult.HIT] * 3
+    assert calls["lookup_run"] == 5
+
+
 def test_another_identity_never_sees_the_blocks(owner, engines):
     from vllm.v1.kv_offload.base import LookupResult
 

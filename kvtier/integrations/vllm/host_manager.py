@@ -53,6 +53,7 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger(__name__)
 
+LOOKAHEAD_KEYS = 4096  # keys a lookup asks the owner about at once (a 64 K-token prompt in 16-token blocks)
 OWNER_STATS_S = 1.0  # how often `get_stats` asks the owner for its tiers' gauges
 # This engine's counters, exported as `vllm:kvtier_<name>{tier=<first tier>}` (deltas).
 ENGINE_COUNTERS = {"loaded": "hits", "stored": "stores", "failures": "failures", "unavailable": "breaker_misses"}
@@ -72,6 +73,28 @@ def request_hints(req_context: Any) -> dict[str, Any] | None:
         log.debug("kvtier: request %s: retention hint ignored: %s", getattr(req_context, "req_id", "?"), exc)
         return None
     return dict(raw)
+
+
+def request_run(req_context: Any, key: OffloadKey) -> list[OffloadKey]:
+    """`key` and the request's keys after it in the same KV-cache group, in prefix order, at most
+    `LOOKAHEAD_KEYS`: the keys vLLM's scheduler looks up next, one by one, in the same step.
+
+    They are read from the positions the scheduler records in the request's context before its
+    lookups (`ReqContext.set_offload_key_position`; vLLM 0.32 and 0.33 keep them in one dict in
+    insertion order); without them, or for a key not recorded, the run is `[key]` alone."""
+    positions = getattr(req_context, "_offload_key_positions", None)
+    if not isinstance(positions, dict) or key not in positions:
+        return [key]
+    keys = list(positions)
+    start = keys.index(key)
+    run, last = [key], positions[key]
+    for following in keys[start + 1:start + LOOKAHEAD_KEYS]:
+        position = positions[following]
+        if position <= last:  # (another group's keys follow this group's: its run ends here)
+            break
+        run.append(following)
+        last = position
+    return run
 
 
 def _keys(values: Iterable[str]) -> list[OffloadKey]:
@@ -104,10 +127,12 @@ class HostOffloadingManager(OffloadingManager):
 
     Every call runs on the scheduler thread and waits at most `timeout_ms` for the owner (one
     call per `lookup` not answered yet this step, per `prepare_load`, `prepare_store`, completion,
-    and finished request that loaded blocks). Lookups are remembered until `on_schedule_end`, so
-    vLLM's repeated lookups of one key in a step cost one call. A pin or store is completed only
-    with the owner that granted it: after a reconnection (`HostClient.generation`) the old ones are
-    dropped (a restarted owner never granted them; a lost connection's are released by the owner).
+    and finished request that loaded blocks). A lookup asks about the request's following keys
+    too (`request_run`), and the answers are remembered until `on_schedule_end`: vLLM's scan of a
+    prefix, key by key, costs one call, and so do its repeated lookups of one key in a step. A pin
+    or store is completed only with the owner that granted it: after a reconnection
+    (`HostClient.generation`) the old ones are dropped (a restarted owner never granted them; a
+    lost connection's are released by the owner).
     `take_events` is empty: the shared tiers' events are the owner's, not one engine's.
     """
 
@@ -143,19 +168,22 @@ class HostOffloadingManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         answer = self._answers.get(key)
         if answer is None:
-            answer = self._answers[key] = self._ask(key)
+            answer = self._ask(request_run(req_context, key))
         return answer
 
-    def _ask(self, key: OffloadKey) -> LookupResult:
-        reply = self._call("lookup_run", keys=hex_keys([key]))
+    def _ask(self, run: list[OffloadKey]) -> LookupResult:
+        """The answer for `run[0]`, asked with the keys vLLM will ask next (one owner call for a
+        prefix, not one per key): the leading HITs and the first other answer are remembered."""
+        reply = self._call("lookup_run", keys=hex_keys(run))
         if reply is None:
             self.counters["unavailable"] += 1
             return LookupResult.MISS
-        if reply["hits"]:
-            return LookupResult.HIT
-        answer = LookupResult[reply["next"] or "MISS"]
-        self._deferred |= answer in (LookupResult.RETRY, LookupResult.HIT_PENDING)
-        return answer
+        hits = reply["hits"]
+        self._answers.update(dict.fromkeys(run[:hits], LookupResult.HIT))
+        if hits < len(run):
+            answer = self._answers[run[hits]] = LookupResult[reply["next"] or "MISS"]
+            self._deferred |= answer in (LookupResult.RETRY, LookupResult.HIT_PENDING)
+        return self._answers[run[0]]
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext):
         return None if CacheHitSource is None else CacheHitSource.HOST  # (loaded from the host's region)
