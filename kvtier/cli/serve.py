@@ -27,7 +27,13 @@ def add_serve_parser(sub) -> None:
                             f"shared.socket must name the same)")
     serve.add_argument("--max-clients", type=int, default=64, metavar="N", help="engines served at once (default 64)")
     serve.add_argument("--flush-timeout", type=float, default=60.0, metavar="S",
-                       help="at stop, seconds to write the CPU tiers down (default 60)")
+                       help="at stop (and when an idle namespace closes), seconds to write the CPU tiers down "
+                            "(default 60)")
+    serve.add_argument("--max-namespaces", type=int, default=16, metavar="N",
+                       help="model identities served at once, each with a CPU region of its own (default 16)")
+    serve.add_argument("--idle-namespace-s", type=float, default=600.0, metavar="S",
+                       help="close a model identity's namespace no engine has used for S seconds: its CPU tiers "
+                            "are written down and its region freed (default 600; 0: keep it until the owner stops)")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -39,11 +45,17 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ArgumentError(f"--socket: {problem}")
     if args.max_clients < 1:
         raise ArgumentError(f"--max-clients: expected at least 1, got {args.max_clients}")
+    if args.max_namespaces < 1:
+        raise ArgumentError(f"--max-namespaces: expected at least 1, got {args.max_namespaces}")
+    for name, value in (("--idle-namespace-s", args.idle_namespace_s), ("--flush-timeout", args.flush_timeout)):
+        if not value >= 0 or value == float("inf"):
+            raise ArgumentError(f"{name}: expected a finite number of seconds >= 0, got {value:g}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     stop = threading.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: stop.set())
-    owner = HostOwner(path, max_clients=args.max_clients)
+    owner = HostOwner(path, max_clients=args.max_clients, max_namespaces=args.max_namespaces,
+                      idle_namespace_s=args.idle_namespace_s, flush_timeout=args.flush_timeout)
     print(f"kvtier serve: listening on {path}", flush=True)
     try:
         while not stop.wait(0.5):

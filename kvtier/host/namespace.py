@@ -11,6 +11,7 @@ The namespace's `HierarchyManager` is the one writer of its block state: every c
 `lock`, from any connection. What each connection holds (the loads it pinned, the stores it has
 not completed) is in its `Ledger`; when the connection goes, `expire` releases what is left after
 `lease_grace_s` (an engine's worker may still be copying into or out of those slots), never before.
+A namespace no engine has used for a while (`idle_s`) can be closed by the owner like at its stop.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class Namespace:
         self.lease_grace_s = lease_grace_s
         self._expiring: list[tuple[float, Ledger]] = []
         self._last_call = time.monotonic()  # (a namespace is stepped often while engines use it: `step`)
+        self.engines = 0  # connections that said hello to it and are still open (the owner's lock guards it)
         region: Any = self.hierarchy.first_backend  # (a CPUBackend: namespace_config)
         self.region = {"shm_name": region.shm_name, "num_blocks": region.num_blocks,
                        "block_bytes": region.block_bytes, "token": region.token}
@@ -248,6 +250,21 @@ class Namespace:
             if busy:
                 self.manager.on_schedule_end()
             return busy or bool(self._expiring)
+
+    def idle_s(self) -> float:
+        """Seconds since an engine last used this namespace; 0 while one is connected, a departed
+        one's ledger waits or copies are in flight (the owner's lock held: `engines`)."""
+        if self.engines:
+            return 0.0
+        with self.lock:
+            if self._expiring or self.manager.has_pending_work():
+                return 0.0
+            return time.monotonic() - self._last_call
+
+    def leave(self) -> None:
+        """One of its engines' connections closed (the owner's lock held)."""
+        self.engines -= 1
+        self._last_call = time.monotonic()  # (idle from now)
 
     def _release(self, ledger: Ledger) -> None:
         if ledger.loads:

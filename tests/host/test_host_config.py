@@ -51,6 +51,11 @@ tiers:
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--socket", "rel.sock"], "--socket: expected an absolute path"),
     (["serve", "--socket", "/tmp/s.sock", "--max-clients", "0"], "--max-clients: expected at least 1"),
+    (["serve", "--socket", "/tmp/s.sock", "--max-namespaces", "0"], "--max-namespaces: expected at least 1"),
+    (["serve", "--socket", "/tmp/s.sock", "--idle-namespace-s", "-1"],
+     "--idle-namespace-s: expected a finite number of seconds >= 0, got -1"),
+    (["serve", "--socket", "/tmp/s.sock", "--flush-timeout", "nan"],
+     "--flush-timeout: expected a finite number of seconds >= 0, got nan"),
 ])
 def test_serve_refuses_bad_arguments_with_exit_2(argv, message, capsys):
     assert main(argv) == 2
