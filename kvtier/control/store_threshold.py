@@ -68,6 +68,14 @@ class StoreThreshold(Generic[K]):
         self.skipped += len(keys) - len(admitted)
         return admitted
 
+    def passes(self, keys: Sequence[K], absent: Collection[K]) -> list[K]:
+        """`keys` less the candidates (in `absent`) offered fewer than `threshold` times so far,
+        without counting an offer (a caller asking again about an offer already counted)."""
+        if self.counts is None:
+            return list(keys)
+        counts, threshold = self.counts, self.threshold
+        return [key for key in keys if key not in absent or counts.get(digest(key), 0) >= threshold]
+
     def _record(self, keys: Sequence[bytes]) -> None:
         """Count one offer of each of `keys` (digests; vLLM's `_record_accesses`, step for step)."""
         counts = self.counts

@@ -30,6 +30,7 @@ from typing import Any
 from kvtier.config import HierarchyConfig, parse_config
 from kvtier.config.input import plain
 from kvtier.control.retention import parse_hint
+from kvtier.control.store_threshold import StoreThreshold
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import OffloadKey
 from kvtier.core.limits import MAX_KEY_BYTES
@@ -119,6 +120,7 @@ class Namespace:
         self._shape = _shape(self.config)
         self.hierarchy = build_hierarchy(self.config, block_bytes=identity.block_bytes, model=identity.model)
         self.manager = self.hierarchy.manager
+        self.threshold: StoreThreshold[OffloadKey] = StoreThreshold(self.config.store_threshold)  # (host-wide)
         self.lock = threading.Lock()
         self.lease_grace_s = lease_grace_s
         self._expiring: list[tuple[float, Ledger]] = []
@@ -198,17 +200,26 @@ class Namespace:
         return {}
 
     def _prepare_store(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
+        """Slots for the keys not held yet, less those the store threshold skips (`skipped`: how
+        many). Each call is one offer of its keys (as each vLLM `prepare_store` is), counted
+        host-wide, unless it says `"offer": false` (the same offer asked again after no room)."""
         hint = parse_hint(message.get("hints"), "hints")
+        offer, skipped = keys, 0
+        if self.threshold.enabled:
+            absent = set(self.manager.stores.new_keys(keys))
+            counted = message.get("offer", True) is not False
+            keys = self.threshold.admit(keys, absent) if counted else self.threshold.passes(keys, absent)
+            skipped = len(offer) - len(keys) if counted else 0
         out = self.manager.prepare_store(keys)
         if out is None:
             self._make_room(len(keys))  # (the engine asks again once the copies down are made)
-            return {"room": False}
+            return {"room": False, "skipped": skipped}
         store = list(out.keys_to_store)
         ledger.stores.update(store)
         self.manager.retention.note(hint, keys, store)  # (a session's retention hint: kvtier.control.retention)
         assert isinstance(out.store_spec, CPULoadStoreSpec)  # (the first tier is a cpu tier: namespace_config)
         return {"room": True, "store": hex_keys(store), "slots": out.store_spec.block_ids,
-                "token": self.region["token"], "evicted": hex_keys(out.evicted_keys)}
+                "token": self.region["token"], "evicted": hex_keys(out.evicted_keys), "skipped": skipped}
 
     def _make_room(self, count: int) -> None:
         """Start copying down the first tier's next victims that are not below yet, so that `count`
@@ -286,9 +297,11 @@ class Namespace:
                 self.hierarchy.close()
 
 
-def _shape(config: HierarchyConfig) -> list[tuple[str, str, str, str]]:
-    """What two engines' YAMLs must agree on: each tier's name, backend, capacity and policy."""
-    return [(t.name, t.backend, str(t.capacity), str(t.policy)) for t in config.tiers]
+def _shape(config: HierarchyConfig) -> list[Any]:
+    """What two engines' YAMLs must agree on: each tier's name, backend, capacity and policy, and
+    the store threshold."""
+    tiers: list[Any] = [(t.name, t.backend, str(t.capacity), str(t.policy)) for t in config.tiers]
+    return tiers + ([f"store_threshold={config.store_threshold}"] if config.store_threshold >= 2 else [])
 
 
 _OPS = {"lookup_run": Namespace._lookup_run, "prepare_load": Namespace._prepare_load,

@@ -173,15 +173,17 @@ class SharedKVTier:
 
     def _store_round(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]],
                      hints: Mapping[str, Any] | None) -> bool:
-        deadline = self._patience()
+        deadline, offer = self._patience(), True
         while True:
-            try:
-                answer = self.client.call("prepare_store", keys=hex_keys(keys), hints=hints)
+            try:  # (asked again, the same offer is not counted again by the owner's store threshold)
+                answer = self.client.call("prepare_store", keys=hex_keys(keys), hints=hints, offer=offer)
             except HostUnavailable as exc:
                 log.warning("store: %d block(s) not stored: %s", len(keys), exc)
                 return False
+            self._counters.skip(int(answer.get("skipped", 0)))
             if answer["room"] or time.monotonic() >= deadline:
                 break
+            offer = False
             time.sleep(RETRY_WAIT_S)  # (the owner copies blocks down to make room)
         if not answer["room"]:
             log.warning("store: %d block(s) not stored: the shared tier has no room for them", len(keys))

@@ -28,7 +28,7 @@ BPC = 2  # engine blocks per offloaded block
 TIMEOUT_MS = 200
 
 
-def _config(kvtier_config, model="tiny", rank=0, world=1):
+def _config(kvtier_config, model="tiny", rank=0, world=1, extra=None):
     from vllm.v1.kv_offload.config import (
         OffloadingCacheConfig,
         OffloadingConfig,
@@ -40,7 +40,7 @@ def _config(kvtier_config, model="tiny", rank=0, world=1):
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0",), group_id=0),),
         worker_kv_bytes_per_block=PAGE, enable_kv_cache_events=False,
-        extra_config={"kvtier_config": kvtier_config}, engine_id=f"host-{time.time_ns()}",
+        extra_config={"kvtier_config": kvtier_config, **(extra or {})}, engine_id=f"host-{time.time_ns()}",
         model=OffloadingModelConfig(name=model, dtype="float32"),
         cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=BPC),
         parallel=OffloadingParallelConfig(rank=rank, world_size=world, tp_size=world, pp_size=1, pcp_size=1, dcp_size=1,
@@ -57,7 +57,7 @@ def _keys(n, start=0):
 class Engine:
     """One engine's scheduler side (manager) and worker over 16 engine blocks of random bytes."""
 
-    def __init__(self, kvtier_config, model="tiny", world=1):
+    def __init__(self, kvtier_config, model="tiny", world=1, extra=None):
         """`world` > 1: tensor parallel; `ranks[r]` = (spec, KV tensor, worker) of rank r (rank 0's are
         `spec`, `kv`, `worker`); jobs run on every rank."""
         import torch
@@ -67,7 +67,7 @@ class Engine:
 
         self.ranks = []
         for rank in range(world):
-            spec = KVTierOffloadingSpec(_config(kvtier_config, model, rank, world))
+            spec = KVTierOffloadingSpec(_config(kvtier_config, model, rank, world, extra))
             kv = torch.randint(-128, 127, (16, PAGE), dtype=torch.int8)
             caches = CanonicalKVCaches([CanonicalKVCacheTensor(kv, PAGE)], [[CanonicalKVCacheRef(0, PAGE)]])
             self.ranks.append((spec, kv, spec.get_worker(caches)))
@@ -340,6 +340,28 @@ def test_a_load_the_owner_partly_pins_fails_exactly_the_unpinned_positions(owner
     assert b.lookup(keys[0]) is LookupResult.HIT  # unpinned and kept: they were not the failed ones
     assert b.lookup(keys[2]) is LookupResult.MISS
     assert b.manager.tier_stats()["engine"]["short"] == 2
+
+
+@pytest.mark.parametrize("where", ["yaml", "extra_config"])
+def test_the_owner_applies_the_store_threshold_to_every_engines_offers(owner, engines, where):
+    """`store_threshold: 2` (in the YAML, or vLLM's `kv_connector_extra_config`) counts offers
+    host-wide: A's first offer is skipped (vLLM's `stores_skipped`), B's offer of the same keys is
+    their second and is stored."""
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+
+    from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED
+
+    if where == "yaml":
+        a, b = (engines({**_tiers(owner), "store_threshold": 2}) for _ in range(2))
+    else:
+        a, b = (engines(_tiers(owner), extra={"store_threshold": 2}) for _ in range(2))
+    keys = _keys(2, start=800)
+    a.manager.get_stats()  # (baseline)
+    out = a.manager.prepare_store(keys, ReqContext("r"))
+    assert out is not None and out.keys_to_store == []
+    assert a.manager.get_stats().data["data"][STORES_SKIPPED] == {(): 2}
+    assert b.store(keys, [0, 1, 2, 3]).success
+    assert a.lookup(keys[1]) is LookupResult.HIT
 
 
 def test_stats_config_info_and_the_lock(owner, engines):

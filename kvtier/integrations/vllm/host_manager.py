@@ -20,6 +20,7 @@ a recompute (vLLM's own connector stops the engine on a failed load: a warning s
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -45,6 +46,7 @@ from kvtier.host.client import HostClient, join
 from kvtier.host.wire import HostUnavailable, hex_keys
 from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS, METRIC_PREFIX
 from kvtier.integrations.vllm.translate import KVTierHostLoadStoreSpec
+from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED
 
 try:  # vLLM >= 0.31 reports where a hit came from; tolerate its absence
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -147,7 +149,7 @@ class HostOffloadingManager(OffloadingManager):
         self._storing: dict[OffloadKey, int] = {}  # key -> generation of its store in flight
         self._flushed: tuple[dict[OffloadKey, list[int]], dict[OffloadKey, int]] = ({}, {})
         self._reused: dict[str, list[OffloadKey]] = {}  # request -> keys it loaded (touched when it ends)
-        self.counters: Counter[str] = Counter()  # this engine's: loaded, stored, failures, unavailable, short
+        self.counters: Counter[str] = Counter()  # this engine's: loaded, stored, failures, unavailable, short, skipped
         self._last: Counter[str] = Counter()
         self._owner_stats: tuple[float, dict[str, Any]] = (0.0, {})
         self.direct_file_loads = ReportedFailures()  # (the name KVTierOffloadingConnector enables)
@@ -246,6 +248,8 @@ class HostOffloadingManager(OffloadingManager):
         of the engine blocks of vLLM's store job); None when it has no room or does not answer."""
         offer = list(keys)
         reply = self._call("prepare_store", keys=hex_keys(offer), hints=request_hints(req_context))
+        if reply is not None:
+            self.counters["skipped"] += int(reply.get("skipped", 0))  # (the owner's store threshold)
         if reply is None or not reply["room"]:
             return None
         slots = dict(zip(_keys(reply["store"]), reply["slots"]))
@@ -327,7 +331,8 @@ class HostOffloadingManager(OffloadingManager):
     def get_stats(self):
         """This engine's counters (deltas, labelled with the first tier: blocks loaded from and
         stored into the host region, failed jobs, lookups missed because the owner did not
-        answer) and the owner's gauges per tier (asked at most every `OWNER_STATS_S`)."""
+        answer; with a store threshold, vLLM's `stores_skipped`: this engine's offers the owner's
+        threshold skipped) and the owner's gauges per tier (asked at most every `OWNER_STATS_S`)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
         stats = OffloadingConnectorStats()
@@ -336,6 +341,8 @@ class HostOffloadingManager(OffloadingManager):
             delta = self.counters[name] - self._last[name]
             if delta:
                 stats.increase_counter(METRIC_PREFIX + metric, delta, (first,))
+        if self.config.store_threshold >= 2:  # as vLLM: reported (0 included) only with a threshold
+            stats.increase_counter(STORES_SKIPPED, self.counters["skipped"] - self._last["skipped"])
         self._last = Counter(self.counters)
         for tier, values in self._owner_tiers().items():
             capacity, resident = values.get("capacity_blocks") or 0, values.get("resident_blocks", 0)
@@ -356,7 +363,7 @@ class HostOffloadingManager(OffloadingManager):
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         """The owner's per-tier counters and this engine's (`engine`: loaded, stored, failures,
-        unavailable, short, host_failures); tests, bench."""
+        unavailable, short, skipped, host_failures); tests, bench."""
         with self._lock:
             self._owner_stats = (0.0, {})
             return {**self._owner_tiers(), "engine": {**self.counters, "host_failures": self.client.failures}}
@@ -370,7 +377,12 @@ def open_host_manager(spec: Any) -> HostOffloadingManager:
     """The manager of a `shared: host` engine (`KVTierOffloadingSpec.get_manager`): joins the
     owner's hierarchy for the spec's identity with the YAML's tiers. `HostRefused` when the owner
     refuses them (another engine of this model runs other tiers: fix the YAML); an owner not
-    running now is not an error: misses until it is."""
-    config = spec.hierarchy_config
+    running now is not an error: misses until it is. The store threshold sent is the engine's
+    (`kv_connector_extra_config.store_threshold` wins over the YAML's); the owner counts offers
+    host-wide in a table of the default `max_tracker_size`."""
+    from kvtier.integrations.vllm.spec import store_threshold_setting
+
+    config = dataclasses.replace(spec.hierarchy_config,
+                                 store_threshold=store_threshold_setting(spec.extra_config, spec.hierarchy_config))
     identity = {"model": spec.fingerprint(), "block_bytes": spec.block_bytes, "block_tokens": spec.block_tokens}
     return HostOffloadingManager(join(config.shared, identity, config_mapping(config)), config)

@@ -51,7 +51,7 @@ def _ranks(parallel: Any) -> tuple[int, int]:
     return world, rank
 
 
-def _store_threshold(extra_config: Mapping[str, Any], config: Any = None) -> int:
+def store_threshold_setting(extra_config: Mapping[str, Any], config: Any = None) -> int:
     """The store threshold: `extra_config`'s `store_threshold` (vLLM's name) when given, else the
     kvtier config's (`config`, or the YAML `kvtier_config` names)."""
     if extra_config.get("store_threshold") is not None:
@@ -176,7 +176,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             defs[METRIC_PREFIX + name] = OffloadingGaugeMetadata(documentation=f"kvtier: {doc}",
                                                                  labelnames=("tier",))
         return {**defs, **retention_metric_definitions(),
-                **vllm_metric_definitions(stores_skipped=_store_threshold(extra_config) >= 2)}
+                **vllm_metric_definitions(stores_skipped=store_threshold_setting(extra_config) >= 2)}
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
@@ -243,8 +243,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
             local = region.shm_name in _LOCAL_WORKER_REGIONS
             if local:
                 region.unpublish()  # the engine's worker runs in this process: it maps the region without a name
+            threshold = store_threshold_setting(self.extra_config, self.hierarchy_config)
             self._manager = KVTierOffloadingManager(
-                hierarchy, enable_events, store_threshold=_store_threshold(self.extra_config, self.hierarchy_config),
+                hierarchy, enable_events, store_threshold=threshold,
                 max_tracker_size=int(self.extra_config.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)))
             self._manager.direct_file_loads = DirectFileLoads(hierarchy, self.num_copies, _direct_reason(self))
             log.info("%s", tier_summary(hierarchy, self.block_tokens, self.block_bytes))
