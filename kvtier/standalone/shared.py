@@ -152,9 +152,10 @@ class SharedKVTier:
 
     def _hits(self, keys: list[OffloadKey], held: bool = False) -> int:
         """Leading keys readable in the owner's first tier, waiting while it promotes blocks from
-        below (RETRY, HIT_PENDING; a promotion it refused for want of room is asked again for up
-        to `REFUSED_WAIT_S` after the run of readable blocks last grew); `held`: counting on from
-        there the blocks a lower tier holds (`load` brings them up in rounds)."""
+        below (RETRY, HIT_PENDING; for a load, a promotion it refused for want of room is asked
+        again for up to `REFUSED_WAIT_S` after the run of readable blocks last grew); `held`
+        (a lookup): counting on from there the blocks a lower tier holds, without waiting for
+        refused promotions (`load` brings those blocks up in rounds: the count is the same)."""
         deadline, best, progress = self._patience(), -1, time.monotonic()
         while keys:
             try:
@@ -165,7 +166,7 @@ class SharedKVTier:
             if hits > best:
                 best, progress = hits, now
             waiting = answer["next"] in ("RETRY", "HIT_PENDING") or (
-                answer["held"] > hits and now - progress < REFUSED_WAIT_S)
+                not held and answer["held"] > hits and now - progress < REFUSED_WAIT_S)
             if not waiting or now >= deadline:
                 return int(answer["held"]) if held else hits
             time.sleep(RETRY_WAIT_S)

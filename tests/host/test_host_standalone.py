@@ -228,3 +228,22 @@ def test_sigterm_stops_a_serving_owner_promptly_every_time(tmp_path, owner, mode
             log = owner.stop(timeout=10)
             assert time.monotonic() - start < 10 and "kvtier serve: stopped" in log
         owner.start()
+
+
+def test_a_lookup_counts_blocks_below_without_waiting_for_a_refused_promotion(tmp_path, owner, model):
+    """The owner's first tier is all pinned by another engine's load, so it refuses to promote the
+    blocks a lookup finds in the file tier: the lookup counts them at once (`load` brings them up
+    in rounds), never waiting for room as a load does."""
+    from kvtier.host.wire import hex_keys
+    from kvtier.standalone.shared import REFUSED_WAIT_S
+
+    config = shared_config(tmp_path, cpu_blocks=4)
+    with KVTier.open(config, make_kv(seed=1), model=model) as a, KVTier.open(config, make_kv(seed=9), model=model) as b:
+        assert a.store(keys(12), list(range(12)))
+        assert a.client.call("lookup_run", keys=hex_keys(keys(4, start=8)))["hits"] == 4  # the last 4 in the CPU tier
+        assert len(a.client.call("prepare_load", keys=hex_keys(keys(4, start=8)))["slots"]) == 4  # pinned by a
+        calls, call = [], b.client.call
+        b.client.call = lambda op, **arguments: calls.append(op) or call(op, **arguments)
+        started = time.monotonic()
+        assert b.lookup(keys(4)) == 4
+        assert time.monotonic() - started < REFUSED_WAIT_S and calls.count("lookup_run") <= 3
