@@ -3,14 +3,33 @@
 The owner names its region (`shm_name`, geometry, `token`) in every `hello`; an engine maps
 exactly that region (`CPUBackend.attach` checks the token) and builds the worker plane between its
 KV caches and it. A restarted owner has a new region: the next copy that names it maps it and
-drops the old mapping (the old region's memory goes with its last mapping).
+drops the old mapping (the old region's memory goes with its last mapping). `map_region` is the
+one way both front-ends map it: this module's `RegionMap` (the standalone engine) and the vLLM
+worker's `HostRegionPlanes` (which also keeps an old region's jobs in flight to their end).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from kvtier.tiers.cpu import CPUBackend
+
+_T = TypeVar("_T")
+
+
+def map_region(region: dict[str, Any], tier: str, pin: str | bool, build: Callable[[CPUBackend], _T],
+               block_tokens: int = 0) -> tuple[CPUBackend, _T]:
+    """Map the owner's region that `region` names (`shm_name`, `num_blocks`, `block_bytes`, `token`:
+    `CPUBackend.attach` refuses a region whose token differs) and build `build(backend)` over it
+    (the copies' planes); the mapping is dropped again if building fails."""
+    backend = CPUBackend.attach(region["shm_name"], region["num_blocks"], region["block_bytes"], block_tokens,
+                                name=tier, pin=pin, token=region["token"])
+    try:
+        return backend, build(backend)
+    except BaseException:
+        backend.close()
+        raise
 
 
 class RegionMap:
@@ -29,14 +48,8 @@ class RegionMap:
         from kvtier.transfer.planes import build_worker_plane
 
         self.close()
-        backend = CPUBackend.attach(region["shm_name"], region["num_blocks"], region["block_bytes"], name=tier,
-                                    pin=self.pin, token=region["token"])
-        try:
-            self._plane = build_worker_plane({tier: backend}, self.kv_caches)
-        except BaseException:
-            backend.close()
-            raise
-        self.backend = backend
+        self.backend, self._plane = map_region(region, tier, self.pin,
+                                               lambda backend: build_worker_plane({tier: backend}, self.kv_caches))
         return self._plane
 
     def close(self) -> None:

@@ -158,17 +158,14 @@ class HostRegionPlanes:
         return region
 
     def _attach(self, spec: KVTierHostLoadStoreSpec) -> _Region:
-        from kvtier.tiers.cpu import CPUBackend, RegionError
+        from kvtier.host.region import map_region
+        from kvtier.tiers.cpu import RegionError
 
         if not spec.shm_name or spec.region is None:
             raise RegionError("the spec names no region (the host owner did not answer)")
-        backend = CPUBackend.attach(spec.shm_name, spec.num_blocks, self.block_bytes, self.block_tokens,
-                                    name=spec.tier or "cpu", pin=self.pin, token=spec.region)
-        try:
-            planes = self._build_planes(backend)
-        except BaseException:
-            backend.close()
-            raise
+        region = {"shm_name": spec.shm_name, "num_blocks": spec.num_blocks, "block_bytes": self.block_bytes,
+                  "token": spec.region}
+        backend, planes = map_region(region, spec.tier or "cpu", self.pin, self._build_planes, self.block_tokens)
         self.attached += 1
         log.info("kvtier worker: mapped the host owner's region %s (%d slots)", spec.shm_name, spec.num_blocks)
         return _Region(backend, planes)
