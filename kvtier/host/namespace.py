@@ -202,9 +202,12 @@ class Namespace:
     def _prepare_store(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
         """Slots for the keys not held yet, less those the store threshold skips (`skipped`: how
         many). Each call is one offer of its keys (as each vLLM `prepare_store` is), counted
-        host-wide, unless it says `"offer": false` (the same offer asked again after no room)."""
+        host-wide, unless it says `"offer": false` (the same offer asked again after no room).
+        `reused`: the offer's keys readable in the first tier (a vLLM engine touches them when
+        the request finishes, as a private hierarchy's adapter does)."""
         hint = parse_hint(message.get("hints"), "hints")
-        offer, skipped = keys, 0
+        readable = self.manager.tiers[0].readable
+        offer, skipped, reused = keys, 0, hex_keys([key for key in keys if readable(key) is not None])
         if self.threshold.enabled:
             absent = set(self.manager.stores.new_keys(keys))
             counted = message.get("offer", True) is not False
@@ -213,13 +216,14 @@ class Namespace:
         out = self.manager.prepare_store(keys)
         if out is None:
             self._make_room(len(keys))  # (the engine asks again once the copies down are made)
-            return {"room": False, "skipped": skipped}
+            return {"room": False, "skipped": skipped, "reused": reused}
         store = list(out.keys_to_store)
         ledger.stores.update(store)
         self.manager.retention.note(hint, keys, store)  # (a session's retention hint: kvtier.control.retention)
         assert isinstance(out.store_spec, CPULoadStoreSpec)  # (the first tier is a cpu tier: namespace_config)
         return {"room": True, "store": hex_keys(store), "slots": out.store_spec.block_ids,
-                "token": self.region["token"], "evicted": hex_keys(out.evicted_keys), "skipped": skipped}
+                "token": self.region["token"], "evicted": hex_keys(out.evicted_keys), "skipped": skipped,
+                "reused": reused}
 
     def _make_room(self, count: int) -> None:
         """Start copying down the first tier's next victims that are not below yet, so that `count`

@@ -364,6 +364,24 @@ def test_the_owner_applies_the_store_threshold_to_every_engines_offers(owner, en
     assert a.lookup(keys[1]) is LookupResult.HIT
 
 
+def test_blocks_a_request_offers_again_are_touched_when_it_ends(owner, engines):
+    """vLLM 0.32's recency per request, in shared mode: the blocks a request offers to
+    `prepare_store` that the owner holds become the most recent when the request finishes, so
+    the next eviction takes another."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    a, b = (engines(_tiers(owner, cpu_blocks=4, disk=False)) for _ in range(2))
+    keys = _keys(4, start=900)
+    for i, key in enumerate(keys):  # (oldest first: the LRU tier's first victim is keys[0])
+        assert a.store([key], [2 * i, 2 * i + 1]).success
+    context = ReqContext("again")
+    again = b.manager.prepare_store(keys[:1], context)  # (held: nothing to store)
+    assert again is not None and again.keys_to_store == []
+    b.manager.on_request_finished(context)
+    out = a.manager.prepare_store(_keys(1, start=960), ReqContext("new"))
+    assert out is not None and out.evicted_keys == [keys[1]]
+
+
 def test_stats_config_info_and_the_lock(owner, engines):
     from vllm.v1.kv_offload.base import ReqContext
 

@@ -148,7 +148,7 @@ class HostOffloadingManager(OffloadingManager):
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> generation of each pin held, oldest first
         self._storing: dict[OffloadKey, int] = {}  # key -> generation of its store in flight
         self._flushed: tuple[dict[OffloadKey, list[int]], dict[OffloadKey, int]] = ({}, {})
-        self._reused: dict[str, list[OffloadKey]] = {}  # request -> keys it loaded (touched when it ends)
+        self._reused: dict[str, list[OffloadKey]] = {}  # request -> keys it loaded or offered held (touched at its end)
         self.counters: Counter[str] = Counter()  # this engine's: loaded, stored, failures, unavailable, short, skipped
         self._last: Counter[str] = Counter()
         self._owner_stats: tuple[float, dict[str, Any]] = (0.0, {})
@@ -250,6 +250,7 @@ class HostOffloadingManager(OffloadingManager):
         reply = self._call("prepare_store", keys=hex_keys(offer), hints=request_hints(req_context))
         if reply is not None:
             self.counters["skipped"] += int(reply.get("skipped", 0))  # (the owner's store threshold)
+            self._reused.setdefault(req_context.req_id, []).extend(_keys(reply.get("reused", ())))
         if reply is None or not reply["room"]:
             return None
         slots = dict(zip(_keys(reply["store"]), reply["slots"]))
@@ -276,7 +277,9 @@ class HostOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """The blocks the request loaded become the most recent in the owner (one `touch`)."""
+        """The blocks the request loaded, and those it offered to `prepare_store` that the owner
+        held readable, become the most recent in the owner (one `touch`), as vLLM 0.32's
+        recency per request does for a private hierarchy."""
         reused = self._reused.pop(req_context.req_id, None)
         if reused:
             self.touch(list(dict.fromkeys(reused)), req_context)
