@@ -420,6 +420,29 @@ def test_a_reset_releases_the_pins_in_flight_once_flushed(owner, engines):
     assert b.lookup(keys[0]) is LookupResult.MISS
 
 
+def test_without_on_reset_flushed_the_transfers_in_flight_are_released_after_the_grace(owner, engines,
+                                                                                         monkeypatch):
+    """vLLM 0.32 never calls `on_reset_flushed`: the pins and stores in flight at a reset are
+    released at the first step `FLUSHED_RELEASE_S` after it (not before: a worker may copy)."""
+    from vllm.v1.kv_offload.base import ReqContext
+
+    from kvtier.integrations.vllm import host_manager
+
+    monkeypatch.setattr(host_manager, "FLUSHED_RELEASE_S", 0.3)
+    a, b = engines(_tiers(owner, disk=False)), engines(_tiers(owner, disk=False))
+    keys = _keys(3, start=40)
+    assert a.store(keys, list(range(6))).success
+    b.manager.prepare_load(keys, ReqContext("r"))  # a load in flight when the engine resets
+    assert b.manager.prepare_store(_keys(1, start=50), ReqContext("r")) is not None  # and a store
+    b.manager.reset_cache()
+    b.manager.on_schedule_end(None)  # (within the grace: still held)
+    assert a.manager.prepare_store(_keys(2, start=60), ReqContext("x")) is None  # 3 pinned + 1 being written
+    time.sleep(0.35)
+    b.manager.on_schedule_end(None)
+    out = a.manager.prepare_store(_keys(4, start=60), ReqContext("x"))
+    assert out is not None and len(out.keys_to_store) == 4
+
+
 def test_under_tensor_parallelism_each_rank_copies_its_part_of_the_slot(owner, engines):
     import torch
 

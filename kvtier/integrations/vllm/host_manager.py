@@ -43,6 +43,7 @@ from kvtier.config.shared import config_mapping
 from kvtier.control.retention import HINTS_KEY, parse_hint
 from kvtier.core.errors import ArgumentError
 from kvtier.host.client import HostClient, join
+from kvtier.host.namespace import LEASE_GRACE_S
 from kvtier.host.wire import HostUnavailable, hex_keys
 from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS, METRIC_PREFIX
 from kvtier.integrations.vllm.translate import KVTierHostLoadStoreSpec
@@ -57,6 +58,7 @@ log = logging.getLogger(__name__)
 
 LOOKAHEAD_KEYS = 4096  # keys a lookup asks the owner about at once (a 64 K-token prompt in 16-token blocks)
 OWNER_STATS_S = 1.0  # how often `get_stats` asks the owner for its tiers' gauges
+FLUSHED_RELEASE_S = LEASE_GRACE_S  # after a reset: when the transfers then in flight are released at the latest
 # This engine's counters, exported as `vllm:kvtier_<name>{tier=<first tier>}` (deltas).
 ENGINE_COUNTERS = {"loaded": "hits", "stored": "stores", "failures": "failures", "unavailable": "breaker_misses"}
 
@@ -148,6 +150,7 @@ class HostOffloadingManager(OffloadingManager):
         self._pins: dict[OffloadKey, list[int]] = {}  # key -> generation of each pin held, oldest first
         self._storing: dict[OffloadKey, int] = {}  # key -> generation of its store in flight
         self._flushed: tuple[dict[OffloadKey, list[int]], dict[OffloadKey, int]] = ({}, {})
+        self._flushed_at = 0.0  # when the last reset left transfers in flight (`on_schedule_end`)
         self._reused: dict[str, list[OffloadKey]] = {}  # request -> keys it loaded or offered held (touched at its end)
         self.counters: Counter[str] = Counter()  # this engine's: loaded, stored, failures, unavailable, short, skipped
         self._last: Counter[str] = Counter()
@@ -285,8 +288,14 @@ class HostOffloadingManager(OffloadingManager):
             self.touch(list(dict.fromkeys(reused)), req_context)
 
     def on_schedule_end(self, context: Any = None) -> None:
+        """A step's end: its lookups are forgotten; the transfers in flight at a reset are
+        released once `FLUSHED_RELEASE_S` passed, when vLLM (0.32) never said they were flushed."""
         self._answers.clear()
         self._was_deferred, self._deferred = self._deferred, False
+        if (self._flushed[0] or self._flushed[1]) and time.monotonic() - self._flushed_at >= FLUSHED_RELEASE_S:
+            log.info("kvtier: releasing the host owner's pins and stores of transfers in flight at a cache reset "
+                     "%g s ago", FLUSHED_RELEASE_S)
+            self.on_reset_flushed()
 
     def has_pending_work(self) -> bool:
         """True after a step whose lookups the owner deferred (RETRY, HIT_PENDING), so that the
@@ -300,7 +309,9 @@ class HostOffloadingManager(OffloadingManager):
     def reset_cache(self) -> None:
         """This engine's cache reset leaves the shared tiers alone (other engines use them). The
         transfers in flight, which the engine never completes, are released by `on_reset_flushed`
-        (vLLM 0.33); on 0.32 they stay held until this engine disconnects."""
+        (vLLM 0.33), or `FLUSHED_RELEASE_S` after the reset (vLLM 0.32 never calls it): as long as
+        the owner keeps a departed engine's, for its worker may still be copying."""
+        self._flushed_at = time.monotonic()
         pins, storing = self._flushed
         for key, generations in self._pins.items():
             pins.setdefault(key, []).extend(generations)
