@@ -45,6 +45,7 @@ from kvtier.core.errors import ArgumentError
 from kvtier.host.client import HostClient, join
 from kvtier.host.namespace import LEASE_GRACE_S
 from kvtier.host.wire import HostUnavailable, hex_keys
+from kvtier.integrations.vllm.host_holdings import Holdings
 from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS, METRIC_PREFIX
 from kvtier.integrations.vllm.translate import KVTierHostLoadStoreSpec
 from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED
@@ -134,9 +135,7 @@ class HostOffloadingManager(OffloadingManager):
     and finished request that loaded blocks). A lookup asks about the request's following keys
     too (`request_run`), and the answers are remembered until `on_schedule_end`: vLLM's scan of a
     prefix, key by key, costs one call, and so do its repeated lookups of one key in a step. A pin
-    or store is completed only with the owner that granted it: after a reconnection
-    (`HostClient.generation`) the old ones are dropped (a restarted owner never granted them; a
-    lost connection's are released by the owner).
+    or store is completed only with the owner that granted it (`host_holdings`).
     `take_events` is empty: the shared tiers' events are the owner's, not one engine's.
     """
 
@@ -147,10 +146,7 @@ class HostOffloadingManager(OffloadingManager):
         self._answers: dict[OffloadKey, LookupResult] = {}  # this step's lookups
         self._deferred = False  # a lookup this step answered RETRY or HIT_PENDING: step again
         self._was_deferred = False  # ... or in the step before (`has_pending_work` is asked after its end)
-        self._pins: dict[OffloadKey, list[int]] = {}  # key -> generation of each pin held, oldest first
-        self._storing: dict[OffloadKey, int] = {}  # key -> generation of its store in flight
-        self._flushed: tuple[dict[OffloadKey, list[int]], dict[OffloadKey, int]] = ({}, {})
-        self._flushed_at = 0.0  # when the last reset left transfers in flight (`on_schedule_end`)
+        self.holdings = Holdings()  # pins and stores in flight, by connection
         self._reused: dict[str, list[OffloadKey]] = {}  # request -> keys it loaded or offered held (touched at its end)
         self.counters: Counter[str] = Counter()  # this engine's: loaded, stored, failures, unavailable, short, skipped
         self._last: Counter[str] = Counter()
@@ -199,9 +195,7 @@ class HostOffloadingManager(OffloadingManager):
         keys = list(keys)
         reply = self._call("prepare_load", keys=hex_keys(keys), hints=request_hints(req_context))
         slots = [] if reply is None else list(reply["slots"])
-        generation = self.client.generation
-        for key in keys[:len(slots)]:
-            self._pins.setdefault(key, []).append(generation)
+        self.holdings.pinned(keys[:len(slots)], self.client.generation)
         if len(slots) < len(keys):
             self.counters["short"] += len(keys) - len(slots)
         self._reused.setdefault(req_context.req_id, []).extend(keys[:len(slots)])
@@ -224,26 +218,13 @@ class HostOffloadingManager(OffloadingManager):
         """`complete_load` of a load whose blocks `bad` failed in a worker (None: every one;
         `KVTierOffloadingConnector`): the owner unpins the keys it pinned for this connection
         and drops the failed ones among them (never those it did not pin: they were not loaded)."""
-        held = self._unpin(keys, self._pins)
+        held = self.holdings.unpin(keys, self.client.generation)
         failed = held if bad is None else [key for key in held if key in bad]
         self.counters["loaded"] += len(held) - len(failed)
         if failed:
             self.counters["failures"] += 1
         if held:
             self._call("complete_load", keys=hex_keys(held), failed=hex_keys(failed))
-
-    def _unpin(self, keys: Iterable[OffloadKey], pins: dict[OffloadKey, list[int]]) -> list[OffloadKey]:
-        """Release one pin of each of `keys` held in `pins`: those the current connection holds."""
-        held = []
-        for key in keys:
-            generations = pins.get(key)
-            if not generations:
-                continue
-            if generations.pop(0) == self.client.generation:
-                held.append(key)
-            if not generations:
-                del pins[key]
-        return held
 
     # --- store
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
@@ -258,15 +239,12 @@ class HostOffloadingManager(OffloadingManager):
             return None
         slots = dict(zip(_keys(reply["store"]), reply["slots"]))
         to_store = [key for key in offer if key in slots]
-        generation = self.client.generation
-        for key in to_store:
-            self._storing[key] = generation
+        self.holdings.storing(to_store, self.client.generation)
         return PrepareStoreOutput(keys_to_store=to_store, store_spec=self._spec([slots[k] for k in to_store]),
                                   evicted_keys=_keys(reply["evicted"]))
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
-        generation = self.client.generation
-        mine = [key for key in keys if self._storing.pop(key, None) == generation]
+        mine = self.holdings.stored(keys, self.client.generation)
         if success:
             self.counters["stored"] += len(mine)
         else:
@@ -292,7 +270,7 @@ class HostOffloadingManager(OffloadingManager):
         released once `FLUSHED_RELEASE_S` passed, when vLLM (0.32) never said they were flushed."""
         self._answers.clear()
         self._was_deferred, self._deferred = self._deferred, False
-        if (self._flushed[0] or self._flushed[1]) and time.monotonic() - self._flushed_at >= FLUSHED_RELEASE_S:
+        if self.holdings.flushed and time.monotonic() - self.holdings.flushed_at >= FLUSHED_RELEASE_S:
             log.info("kvtier: releasing the host owner's pins and stores of transfers in flight at a cache reset "
                      "%g s ago", FLUSHED_RELEASE_S)
             self.on_reset_flushed()
@@ -311,22 +289,15 @@ class HostOffloadingManager(OffloadingManager):
         transfers in flight, which the engine never completes, are released by `on_reset_flushed`
         (vLLM 0.33), or `FLUSHED_RELEASE_S` after the reset (vLLM 0.32 never calls it): as long as
         the owner keeps a departed engine's, for its worker may still be copying."""
-        self._flushed_at = time.monotonic()
-        pins, storing = self._flushed
-        for key, generations in self._pins.items():
-            pins.setdefault(key, []).extend(generations)
-        storing.update(self._storing)
-        self._pins, self._storing, self._answers, self._reused = {}, {}, {}, {}
+        self.holdings.reset()
+        self._answers, self._reused = {}, {}
 
     def on_reset_flushed(self) -> None:
         """vLLM 0.33: no worker uses the transfers in flight at the last reset any more: release
         their pins and drop their stores in the owner."""
-        pins, storing = self._flushed
-        self._flushed = ({}, {})
-        held = [key for key, generations in pins.items() for g in generations if g == self.client.generation]
+        held, stores = self.holdings.take_flushed(self.client.generation)
         if held:
             self._call("complete_load", keys=hex_keys(held), failed=[])
-        stores = [key for key, g in storing.items() if g == self.client.generation]
         if stores:
             self._call("complete_store", keys=hex_keys(stores), success=False)
 
