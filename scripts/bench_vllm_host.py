@@ -13,6 +13,10 @@ then, its engine cache emptied, from its own CPU tier (`own CPU hit`); with a va
 (and without `--no-valkey`), C also publishes to a valkey tier on loopback, and D (its own CPU tier
 and the same valkey tier), its cache emptied, serves it from there (`valkey`: today's way between
 engines).
+Every measured request comes `PAUSE_S` after its server's previous one (a short request first):
+a server left idle longer answers its next request slower whatever it loads (B would otherwise
+meet `from A` after four other requests and C its own hit right after its cold one), and that
+must weigh on every case alike.
 Prints the median TTFT of each case with its ratios (targets of issue 39: from A <= 1.2x own CPU hit,
 >= 3x faster than recompute) and whether every output equals A's (greedy); writes samples to `--out`.
 """
@@ -124,6 +128,8 @@ def measure(model: Path, prompts: list[str], work: Path, with_valkey: bool) -> d
         for system in prompts:
             sample = {}
             for name, server, reset in cases:
+                ask(server, "warm up")  # (every case finds its server PAUSE_S after its last request)
+                time.sleep(PAUSE_S)
                 if reset:
                     server.reset_prefix_cache()
                 sample[name] = ask(server, system)
