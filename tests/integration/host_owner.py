@@ -32,7 +32,8 @@ class Owner:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
         with open(self.log, "a") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "kvtier.cli.main", "serve", "--socket", self.socket,
-                                          "--flush-timeout", "5", "--max-namespaces", "256"], stdout=log, stderr=subprocess.STDOUT, env=env)
+                                          "--flush-timeout", "5", "--max-namespaces", "256"],
+                                         stdout=log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + timeout
         while "listening on" not in self.log.read_text().split("kvtier serve: stopped")[-1]:
             if self.proc.poll() is not None or time.monotonic() > deadline:
