@@ -299,6 +299,9 @@ def test_a_killed_owner_is_a_miss_and_a_restarted_one_serves_the_file_tier(own_o
     assert time.monotonic() - start < TIMEOUT_MS / 1000 + 0.5
     start = time.monotonic()
     assert b.lookup(keys[1]) is LookupResult.MISS  # (at once: the client stays away for its backoff)
+    unavailable = b.manager.counters["unavailable"]
+    assert b.manager.lookup(keys[1], ReqContext("r")) is LookupResult.MISS  # (the same step: remembered)
+    assert b.manager.counters["unavailable"] == unavailable
     assert b.manager.prepare_store(_keys(1, start=50), ReqContext("r")) is None
     assert time.monotonic() - start < 0.1
     spec, result = b.load(keys, _gpu([8, 9, 10, 11]))  # pins nothing: every position fails

@@ -178,6 +178,7 @@ class HostOffloadingManager(OffloadingManager):
         reply = self._call("lookup_run", keys=hex_keys(run))
         if reply is None:
             self.counters["unavailable"] += 1
+            self._answers[run[0]] = LookupResult.MISS
             return LookupResult.MISS
         hits = reply["hits"]
         self._answers.update(dict.fromkeys(run[:hits], LookupResult.HIT))
