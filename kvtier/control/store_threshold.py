@@ -63,8 +63,7 @@ class StoreThreshold(Generic[K]):
             return list(keys)
         digests = [digest(key) for key in keys]
         self._record(digests)
-        counts, threshold = self.counts, self.threshold
-        admitted = [key for key, d in zip(keys, digests) if key not in absent or counts.get(d, 0) >= threshold]
+        admitted = self._passing(keys, digests, absent)
         self.skipped += len(keys) - len(admitted)
         return admitted
 
@@ -73,8 +72,14 @@ class StoreThreshold(Generic[K]):
         without counting an offer (a caller asking again about an offer already counted)."""
         if self.counts is None:
             return list(keys)
+        return self._passing(keys, [digest(key) for key in keys], absent)
+
+    def _passing(self, keys: Sequence[K], digests: Sequence[bytes], absent: Collection[K]) -> list[K]:
+        """The filter `admit` and `passes` share: `keys` (with their `digests`) held already, or offered
+        `threshold` times."""
         counts, threshold = self.counts, self.threshold
-        return [key for key in keys if key not in absent or counts.get(digest(key), 0) >= threshold]
+        assert counts is not None
+        return [key for key, d in zip(keys, digests) if key not in absent or counts.get(d, 0) >= threshold]
 
     def _record(self, keys: Sequence[bytes]) -> None:
         """Count one offer of each of `keys` (digests; vLLM's `_record_accesses`, step for step)."""
