@@ -27,7 +27,8 @@ cdef enum:
     USED = 1  # resident (a free entry has no flag)
     PINNED = 2  # counted as pinned (evictable accounting, `evictable` notices)
     MARK = 8  # in `protected` during one eviction
-    POLICY_FLAGS = 0xF4  # the flag bits the table leaves to the policy (lru and prefix-freq: 4, ASIDE)
+    HELD = 16  # kept from eviction by a retention (`hold`): pinned whatever its ref_cnt
+    POLICY_FLAGS = 0xE4  # the flag bits the table leaves to the policy (lru and prefix-freq: 4, ASIDE)
     MAX_KEY = 65535
     MAX_ENTRIES = 1 << 30
     INLINE_KEY = 64  # longer keys live outside the key array

@@ -250,13 +250,13 @@ cdef int32_t* entries_of(Table* t, list keys, bint resident) except NULL:
 
 # ---------------------------------------------------------------------- pins and marks
 cdef void pin_by_ref_cnt(Table* t) noexcept nogil:
-    """The first `evictable` notice: the resident entries whose ref_cnt is not 0 are the pinned ones."""
+    """The first `evictable` notice: the resident entries whose ref_cnt is not 0, or held, are the pinned ones."""
     cdef int32_t i
     t.npinned = 0
     for i in range(t.hw):
         if t.e[i].flags & USED:
             t.e[i].flags &= ~PINNED
-            if t.e[i].ref_cnt != 0:
+            if t.e[i].ref_cnt != 0 or t.e[i].flags & HELD:
                 pin_entry(t, i)
 
 

@@ -17,7 +17,7 @@ from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from libc.string cimport memcmp
 
 from kvtier.index._table cimport (
-    PINNED, USED, Entry, Table, claim, evictable_in, entries_of, forget_all, forget_pin, key_at, key_in,
+    HELD, PINNED, USED, Entry, Table, claim, evictable_in, entries_of, forget_all, forget_pin, key_at, key_in,
     locate_in, mark_keys, pin_by_ref_cnt, pin_entry, refuses_in, release, table_bytes, table_free,
     table_init, unmark_keys,
 )
@@ -196,10 +196,27 @@ cdef class CompactTable:
         for key in keys:
             i = locate_in(&self.t, key)
             if i >= 0:
-                if flag:
-                    self.unpin_entry(i)
-                else:
+                if not flag:
                     pin_entry(&self.t, i)
+                elif not self.t.e[i].flags & HELD:
+                    self.unpin_entry(i)
+
+    def hold(self, keys, bint held=True):
+        """`BlockTable.hold`: the resident `keys` are not evictable, whatever their ref_cnt, until
+        held again with `held` False (then evictable once no load or write pins them)."""
+        cdef int32_t i
+        for key in keys:
+            i = locate_in(&self.t, key)
+            if i < 0:
+                continue
+            if held:
+                self.t.e[i].flags |= HELD
+                if self.t.tracking:
+                    pin_entry(&self.t, i)
+            elif self.t.e[i].flags & HELD:
+                self.t.e[i].flags &= ~HELD
+                if self.t.tracking and self.t.e[i].ref_cnt == 0:
+                    self.unpin_entry(i)
 
     def pinned_keys(self):
         """The resident keys counted as pinned (a new set), or None when pins are not tracked."""
@@ -277,7 +294,7 @@ cdef class CompactTable:
         try:
             for j in range(len(ks)):
                 self.t.e[idx[j]].ref_cnt -= 1
-                if self.t.tracking and self.t.e[idx[j]].ref_cnt == 0:
+                if self.t.tracking and self.t.e[idx[j]].ref_cnt == 0 and not self.t.e[idx[j]].flags & HELD:
                     self.unpin_entry(idx[j])
         finally:
             PyMem_Free(idx)
@@ -295,7 +312,8 @@ cdef class CompactTable:
                 self.t.e[idx[j]].ref_cnt = 0
             if self.t.tracking:
                 for j in range(n):
-                    self.unpin_entry(idx[j])
+                    if not self.t.e[idx[j]].flags & HELD:
+                        self.unpin_entry(idx[j])
             return True
         finally:
             PyMem_Free(idx)

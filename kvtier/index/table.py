@@ -4,6 +4,8 @@ changes blocks only through it, and the policy is told what it needs (`CachePoli
 
 A block is *being written* (`ref_cnt == -1`: its slot is allocated, its bytes are not there
 yet), *readable* (`ref_cnt == 0`) or *pinned* by `n` running loads or copies (`ref_cnt == n`).
+A block may also be *held* (`hold`: a session's retention keeps it), which takes it out of
+eviction like a pin whatever its `ref_cnt`, until the hold is released.
 Every call takes or returns keys and slot ids (`block_id`s) in the order given.
 
 Two implementations, held to the same answers and side effects by tests/policies/test_lru_batch.py
@@ -14,7 +16,9 @@ and tests/test_manager_bulk.py:
 - `PolicyTable`, in Python, over any other `CachePolicy` (ARC, SIEVE, the pure twins, a policy
   written to vLLM's contract): the blocks are the policy's `BlockStatus` objects.
 
-`table_of(policy)` gives the table a tier uses and starts its evictable accounting.
+`table_of(policy)` gives the table a tier uses and starts its evictable accounting. Both
+implementations also answer `pinned_keys()`, the resident keys not evictable now (pinned or
+held; a new set), for checks rather than the request path.
 """
 
 from __future__ import annotations
@@ -81,8 +85,11 @@ class BlockTable(Protocol):
         """How many blocks `evict_ids` could take now, not counting `protected`; O(1) plus
         O(len(protected)). None only before the accounting started (see `table_of`)."""
 
-    def pinned_keys(self) -> set[OffloadKey] | None:
-        """The resident keys not evictable now (a new set; for checks, not the request path)."""
+    def hold(self, keys: Iterable[OffloadKey], held: bool = True) -> None:
+        """Keep the resident `keys` from eviction, whatever their `ref_cnt`, until held again
+        with `held` False (a session's retention, kvtier.control.retention): counted as pinned,
+        left out of `victims` and `evict_ids`. With `held` False each held key is evictable again
+        once no load or write pins it. Absent keys are skipped; O(1) per key."""
 
 
 class PolicyTable:
@@ -95,6 +102,7 @@ class PolicyTable:
         self.get = policy.get
         get = policy.get
         self._pinned: set[OffloadKey] = {k for k in policy.keys() if (b := get(k)) is not None and b.ref_cnt != 0}
+        self._held: set[OffloadKey] = set()  # `hold`: pinned whatever their ref_cnt
         self._notice = getattr(policy, "evictable", _ignore)
         self._notice((), False)
 
@@ -109,13 +117,28 @@ class PolicyTable:
 
     def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
         victims = getattr(self.policy, "victims", None)
-        return [] if victims is None else victims(n, skip)
+        if victims is None:
+            return []
+        return victims(n, self._held.union(skip) if self._held else skip)  # (a policy may not take notices)
+
+    def hold(self, keys: Iterable[OffloadKey], held: bool = True) -> None:
+        get, holding = self.policy.get, self._held
+        if held:
+            new = [k for k in keys if k not in holding and get(k) is not None]
+            holding.update(new)
+            self._pin([k for k in new if k not in self._pinned])
+            return
+        gone = [k for k in keys if k in holding]
+        holding.difference_update(gone)
+        self._unpin([k for k in gone if (b := get(k)) is not None and b.ref_cnt == 0])
 
     def _pin(self, keys: Sequence[OffloadKey]) -> None:
         self._pinned.update(keys)
         self._notice(keys, False)
 
     def _unpin(self, keys: Sequence[OffloadKey]) -> None:
+        if self._held:  # (a held block stays pinned when its last load or write ends)
+            keys = [k for k in keys if k not in self._held]
         self._pinned.difference_update(keys)
         self._notice(keys, True)
 
@@ -181,6 +204,7 @@ class PolicyTable:
 
     def forget(self, keys: Iterable[OffloadKey]) -> None:
         keys = list(keys)
+        self._held.difference_update(keys)
         self._unpin(keys)  # (leaving, it is not counted as pinned any more)
         for key in keys:
             self.policy.remove(key)
@@ -188,7 +212,7 @@ class PolicyTable:
     def evict_ids(self, n: int, protected: set[OffloadKey]) -> tuple[list[OffloadKey], list[int]] | None:
         if n > 0 and self._refuses(n, protected):
             return None
-        victims = self.policy.evict(n, protected)
+        victims = self.policy.evict(n, self._held.union(protected) if self._held else protected)
         if victims is None:
             return None
         return [key for key, _ in victims], [block.block_id for _, block in victims]

@@ -139,7 +139,8 @@ cdef int vec_push(IdxVec* v, int32_t i) except -1:
 
 
 cdef inline bint takeable(Core* c, int32_t i) noexcept nogil:
-    return c.t.e[i].ref_cnt == 0 and not c.t.e[i].flags & MARK
+    # (PINNED without a ref_cnt: held by a retention, `CompactTable.hold`)
+    return c.t.e[i].ref_cnt == 0 and not c.t.e[i].flags & (MARK | PINNED)
 
 
 cdef enum:  # how a run ended
@@ -179,7 +180,7 @@ cdef Py_ssize_t walk(Core* c, Py_ssize_t n, int32_t* out, bint tails_first, cons
     the queues' settling): one-time tails first (`tails_first`), then the k-way merge of the
     segments by score (stamp + offsets[s]), ties to the lower segment, a run taken from one lane
     while it stays below the other heads (`prefix_runs._merged`). Entries passed over (ref_cnt
-    not 0, or marked) are appended to `met` when it is not NULL. Returns how many were found."""
+    not 0, pinned or marked) are appended to `met` when it is not NULL. Returns how many were found."""
     cdef Py_ssize_t got = 0
     cdef int s, k, b, nl = 0, first = 0
     cdef Lane lanes[MAX_SEGS]
