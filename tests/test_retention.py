@@ -164,6 +164,59 @@ def test_a_retained_session_survives_a_burst_that_evicts_it_without_a_hint(casca
     assert kept == {"hint": [True] * 3, "none": [False] * 3}
 
 
+class ProtectedSizes:
+    """A tier's block table that records the size of each eviction's `protected` set."""
+
+    def __init__(self, table) -> None:
+        self.table, self.sizes = table, []
+
+    def evict_ids(self, n, protected):
+        self.sizes.append(len(protected))
+        return self.table.evict_ids(n, protected)
+
+    def __getattr__(self, name):
+        return getattr(self.table, name)
+
+
+@pytest.mark.parametrize("policy", ["lru", "prefix-freq", "arc"])
+def test_retained_blocks_are_held_in_the_table_so_an_eviction_does_not_walk_them(policy):
+    """The cost of an eviction does not grow with the retained blocks: they are held in every
+    tier's table (`BlockTable.hold`), not passed to each eviction as protected keys, and stay
+    held in the tier below once copied there."""
+    h = memory_hierarchy(hot=64, warm=256, hot_policy=policy)
+    hot, warm = h.manager.tiers
+    chat = keys(30, 5000)
+    stored(h, chat, ReqContext("turn-1", kv_transfer_params={"kvtier": {"session": "chat", "retain_s": 600}}))
+    hot.table = ProtectedSizes(hot.table)
+    burst(h, 100, 0, ReqContext("burst"))
+    assert hot.table.sizes and max(hot.table.sizes) < 5, hot.table.sizes
+    assert all(hot.table.get(k) is not None for k in chat)
+    assert set(chat) <= hot.table.pinned_keys()
+    h.close()
+
+
+def test_a_retention_holds_blocks_in_the_tier_they_are_in_and_in_the_tier_they_enter():
+    h = memory_hierarchy(hot=8, warm=64)
+    m = h.manager
+    hot, warm = m.tiers
+    chat = keys(3, 5000)
+    stored(h, chat, ReqContext("turn-1"))
+    burst(h, 20, 0, ReqContext("burst"))  # no hint yet: the chat goes down to the warm tier
+    assert all(hot.table.get(k) is None and warm.table.get(k) is not None for k in chat)
+    turn = ReqContext("turn-2", kv_transfer_params={"kvtier": {"session": "chat", "retain_s": 600}})
+    m.touch(chat, turn)  # the session's hit: held where the blocks are
+    assert set(chat) <= warm.table.pinned_keys()
+    for _ in range(50):  # promoted back up: held in the tier they enter
+        if m.lookup_run(chat, turn)[0] == len(chat):
+            break
+        m.on_schedule_end()
+        m.wait_idle(10)
+    assert set(chat) <= hot.table.pinned_keys() and set(chat) <= warm.table.pinned_keys()
+    m.touch(chat, ReqContext("turn-3", kv_transfer_params={"kvtier": {"session": "chat", "session_ended": True}}))
+    assert not set(chat) & (hot.table.pinned_keys() | warm.table.pinned_keys())
+    h.close()
+
+
 def test_the_hint_is_read_from_vllms_request_and_a_bad_one_is_refused_not_raised(caplog):
     h = memory_hierarchy(hot=16, warm=32)
     m = h.manager

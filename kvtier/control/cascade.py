@@ -62,27 +62,34 @@ class Cascade:
         None and the engine asks again once the copies landed.
 
         The blocks of sessions with a retention (`kvtier.control.retention`) are kept too, like
-        pinned ones: no room yet while other blocks are pinned; only when the tier could not take
-        `n` blocks even once every pin is released are they evicted as any other (`kept_past`).
-        The blocks of ended sessions (`Tier.first_victims`) go before the policy's victims, even
-        when the answer is None."""
+        pinned ones (each tier's table holds them: `BlockTable.hold`): no room yet while other
+        blocks are pinned; only when the tier could not take `n` blocks even once every pin is
+        released are they evicted as any other (`kept_past`). The blocks of ended sessions
+        (`Tier.first_victims`) go before the policy's victims, even when the answer is None."""
         held = self._retention.held() if self._retention.sessions else ()  # (no hints: not asked)
         first = self._evict_first(tier, n, protected, held) if tier.first_victims else []
-        evicted = self._evict_keeping(tier, n, protected, held) if held else self._evict_for(tier, n, protected)
+        evicted = self._evict_for(tier, n, protected)
+        if evicted is None and held:
+            evicted = self._evict_past(tier, n, protected, held)
         if first:
             return None if evicted is None else first + evicted
         return evicted
 
-    def _evict_keeping(self, tier: Tier, n: int, protected: Collection[OffloadKey],
-                       held: Collection[OffloadKey]) -> list[OffloadKey] | None:
-        """`evict_for` while sessions are retained (`held`): see its docstring."""
-        if next_victims_free(tier, n, protected, held):  # (no copy of the retained keys)
-            return self._evict_for(tier, n, protected)
+    def _evict_past(self, tier: Tier, n: int, protected: Collection[OffloadKey],
+                    held: Collection[OffloadKey]) -> list[OffloadKey] | None:
+        """`evict_for` when the held blocks leave too little room: None while releasing every pin
+        would make room without them (no room yet); otherwise evict in the policy's order, held
+        blocks included, and hold again those that stay. O(retained): rare."""
         keep = set(protected).union(held)
-        evicted = self._evict_for(tier, n, keep)
-        if evicted is not None or room_without(tier, keep) >= n:
-            return evicted
-        evicted = self._evict_for(tier, n, protected)
+        if room_without(tier, keep) >= n:
+            return None
+        table = tier.table
+        resident = [k for k in held if table.get(k) is not None]
+        table.hold(resident, False)
+        try:
+            evicted = self._evict_for(tier, n, protected)
+        finally:
+            table.hold(resident)  # (the evicted ones are not resident any more: skipped)
         if evicted and any(map(held.__contains__, evicted)):
             self._retention.stats.kept_past += 1
         return evicted
@@ -94,12 +101,17 @@ class Cascade:
         need = n - tier.backend.get_num_free_blocks()
         if need <= 0:
             return []
-        safe = tier.safe_to_evict
-        dirty = [k for k in evictable_first(tier, keep, held, need) if not safe(k)]
-        if dirty:
-            self._copy_down(tier, dirty)
-            self._jobs.drain()
-        gone = tier.remove([k for k in evictable_first(tier, keep, held, need) if safe(k)])
+        first = evictable_first(tier, keep, held, need)
+        if tier.below is not None and tier.cascade != "none":  # (else every block is safe to evict)
+            safe = tier.safe_to_evict
+            dirty = [k for k in first if not safe(k)]
+            if dirty:
+                self._copy_down(tier, dirty)
+                self._jobs.drain()
+                first = [k for k in evictable_first(tier, keep, held, need) if safe(k)]
+            else:
+                first = [k for k in first if safe(k)]
+        gone = tier.remove(first)
         tier.stats.evictions += len(gone)
         self._retention.stats.evicted_ended += len(gone)
         self._events.record(tier, gone, removed=True)
@@ -126,7 +138,7 @@ class Cascade:
         victims = tier.table.victims(need, protected)
         if len(victims) == need and tier.clean.issuperset(victims):
             return set()  # (the common case: the reserve kept the next victims clean)
-        dirty = self._dirty_among(tier, victims)
+        dirty = dirty_among(tier, victims)
         if dirty:
             self._copy_down(tier, dirty)
             self._jobs.drain()  # (jobs that ended may have freed slots: counted again)
@@ -164,29 +176,12 @@ class Cascade:
         if tier.backend.get_num_free_blocks() >= reserve or tier.allocated_since_walk < reserve // 2:
             return
         tier.allocated_since_walk = 0
-        dirty = self._dirty_victims(tier, reserve, self._retention.held() if self._retention.sessions else ())
+        dirty = dirty_among(tier, tier.table.victims(reserve))  # (retained blocks are held: never victims)
         if dirty:
             self._demote(tier, dirty)
 
-    def _dirty_victims(self, tier: Tier, count: int, protected: Collection[OffloadKey]) -> list[OffloadKey]:
-        """Among the next `count` unprotected victims of `tier`'s policy, those the next tier does
-        not hold, in eviction order (`_dirty_among`)."""
-        return self._dirty_among(tier, tier.table.victims(count, protected))
-
-    @staticmethod
-    def _dirty_among(tier: Tier, keys: list[OffloadKey]) -> list[OffloadKey]:
-        """The `keys` of `tier` neither clean nor failed to copy that the next tier does not hold,
-        in order; those found readable there become clean (`split_below`). C loops."""
-        assert tier.below is not None
-        clean, failed = tier.clean, tier.write_failed
-        if clean:
-            keys = list(filterfalse(clean.__contains__, keys))
-        if failed:
-            keys = list(filterfalse(failed.__contains__, keys))  # (may go: their copy failed)
-        return split_below(tier, keys) if keys else keys
-
     def _demote(self, tier: Tier, keys: list[OffloadKey]) -> None:
-        """Copy readable blocks `keys` of `tier`, absent from the next tier (`_dirty_victims`),
+        """Copy readable blocks `keys` of `tier`, absent from the next tier (`dirty_among`),
         to the next tier (one job). Backpressure: what the in-flight limit does not allow is
         deferred (tried again on a later pass, or dropped at eviction), never awaited."""
         assert tier.below is not None
@@ -217,7 +212,7 @@ class Cascade:
         now, past the in-flight limit, for a caller that waits for it (the standalone `store`
         making room for its next round). An `on_evict` tier only."""
         if tier.cascades_on_evict and count > 0:
-            dirty = self._dirty_victims(tier, count, ())
+            dirty = dirty_among(tier, tier.table.victims(count))
             if dirty:
                 self._start_demotion(tier, dirty)
 
@@ -293,15 +288,16 @@ class Cascade:
         return started
 
 
-def next_victims_free(tier: Tier, n: int, protected: Collection[OffloadKey], held: Collection[OffloadKey]) -> bool:
-    """Whether the policy's next victims for `n` new blocks in `tier` (keeping `protected`) are
-    safe to evict and none is retained (`held`): then keeping the retained blocks too takes the
-    same ones, without copying the retained keys into the protected set."""
-    need = n - tier.backend.get_num_free_blocks()
-    if need <= 0 or not tier.predicts_victims:
-        return False
-    ahead = tier.table.victims(need, protected)
-    return len(ahead) == need and not any(map(held.__contains__, ahead)) and all(map(tier.safe_to_evict, ahead))
+def dirty_among(tier: Tier, keys: list[OffloadKey]) -> list[OffloadKey]:
+    """The `keys` of `tier` neither clean nor failed to copy that the next tier does not hold,
+    in order; those found readable there become clean (`split_below`). C loops."""
+    assert tier.below is not None
+    clean, failed = tier.clean, tier.write_failed
+    if clean:
+        keys = list(filterfalse(clean.__contains__, keys))
+    if failed:
+        keys = list(filterfalse(failed.__contains__, keys))  # (may go: their copy failed)
+    return split_below(tier, keys) if keys else keys
 
 
 def room_without(tier: Tier, keep: set[OffloadKey]) -> int:

@@ -1,9 +1,12 @@
-"""The blocks of ended sessions (`kvtier.control.retention`): the first victims of every tier that
-holds them (`Tier.first_victims`, evicted by `Cascade.evict_for` before the policy's victims)."""
+"""What a session's retention (`kvtier.control.retention`) does in the tiers: the blocks of ended
+sessions are the first victims of every tier that holds them (`Tier.first_victims`, evicted by
+`Cascade.evict_for` before the policy's victims); retained blocks are held in every tier's block
+table (`BlockTable.hold`: never a victim while held; a block entering a tier is held there by
+`hold_entering`)."""
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 
 from kvtier.control.tier import Tier
 from kvtier.core.keys import OffloadKey
@@ -15,6 +18,25 @@ def mark_ended(tiers: Sequence[Tier], keys: list[OffloadKey]) -> None:
     for tier in tiers:
         get = tier.table.get
         tier.first_victims.update(dict.fromkeys(k for k in keys if get(k) is not None))
+
+
+def hold(tiers: Sequence[Tier], keys: list[OffloadKey]) -> None:
+    """`Retention.on_hold`: `keys` started being retained: held wherever they are resident."""
+    for tier in tiers:
+        tier.table.hold(keys)
+
+
+def unhold(tiers: Sequence[Tier], keys: list[OffloadKey]) -> None:
+    """`Retention.on_unhold`: `keys` stopped being retained: evictable again wherever resident."""
+    for tier in tiers:
+        tier.table.hold(keys, False)
+
+
+def hold_entering(tier: Tier, keys: Iterable[OffloadKey]) -> None:
+    """Blocks `keys` entered `tier`: hold the retained ones (`Tier.retained`) there, as the
+    retention held them in the tiers they were in when it started."""
+    retained = tier.retained
+    tier.table.hold([k for k in keys if k in retained])
 
 
 def evictable_first(tier: Tier, keep: Container[OffloadKey], held: Container[OffloadKey],

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from kvtier.control.ended import hold_entering
 from kvtier.control.tier import WRITING, Tier
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import OffloadingEvent, TransferResult
@@ -49,6 +50,8 @@ def enter_copies(tier: Tier, keys: list[OffloadKey], tail_first: bool = False) -
     ids = tier.backend.allocate_block_ids(keys)
     try:
         tier.table.insert_written(keys[::step], ids[::step], tail=tail)
+        if tier.retained:  # (hints: a session retains some of them)
+            hold_entering(tier, keys)
     except BaseException:
         # (the keys a failed insert left resident leave as a failed write does, slots freed)
         removed = set(tier.remove(keys, WRITING, ids))

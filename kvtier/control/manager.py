@@ -40,7 +40,7 @@ from typing import Any
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.context import ControlContext
-from kvtier.control.ended import mark_ended
+from kvtier.control.ended import hold, mark_ended, unhold
 from kvtier.control.jobs import EventLog, JobTable
 from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
@@ -120,6 +120,10 @@ class HierarchyManager(OffloadingManager):
         self._finished = router.finished  # the router's results not collected yet (`_drain`)
         self._cascade = Cascade(ctx)
         self.retention.on_ended = partial(mark_ended, self.tiers)
+        self._last_turn: tuple[Any, Any] = (None, None)  # (request, keys) of the last hinted `_note_turn`
+        self.retention.on_hold, self.retention.on_unhold = partial(hold, self.tiers), partial(unhold, self.tiers)
+        for tier in self.tiers:
+            tier.retained = self.retention.retained
         self._promotions = Promotions(ctx, self._cascade.evict_for)
         self._loads = LoadPins(ctx)
         self._shared = (SharedTierProbes(ctx, self._promotions, self._cascade.make_room)
@@ -146,9 +150,14 @@ class HierarchyManager(OffloadingManager):
         """A request used `keys`, storing `stored` of them: they join the session its retention
         hint names (`Retention.note_turn`; a request without `kv_transfer_params` carries none,
         so the retention is not asked), and unless that session ended with this request, they
-        are no ended session's first victims any more (used again)."""
+        are no ended session's first victims any more (used again). A call repeating the one
+        before it (the same request and keys, nothing stored: a load's `touch`) changes nothing."""
         hint = None
         if req_context is not None and getattr(req_context, "kv_transfer_params", None):
+            last = self._last_turn
+            if not stored and last[0] is req_context and last[1] == keys:
+                return
+            self._last_turn = (req_context, keys)
             hint = self.retention.note_turn(req_context, keys, stored)
         if hint is None or not hint.ended:
             for tier in self.tiers:

@@ -3,9 +3,9 @@
 A request may name its session and ask that the session's blocks be kept a while after its last
 turn (`Hint`: under vLLM in the request's `kv_transfer_params["kvtier"]`, in the standalone API as
 `store(..., hints=...)`). Every block a turn of the session stores, loads or touches joins the
-session; until `retain_s` after the session's last turn those blocks are *retained*: the cascade
-keeps them out of every eviction (`Cascade.evict_for`), in every tier, as it keeps the blocks a
-load is reading.
+session; until `retain_s` after the session's last turn those blocks are *retained*: every
+tier's block table holds them (`on_hold`, `BlockTable.hold`), so no eviction takes them, as none
+takes the blocks a load is reading, and an eviction costs the same however many are retained.
 
 Hints are untrusted input, so everything is bounded:
 - `retain_s` at most `max_retain_s`, `priority` 0 to 9, a session id of at most 128 printable
@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
+from collections import deque as _consume
 from collections.abc import Callable, Collection, Iterable, KeysView, Mapping
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import eq
+from itertools import compress, repeat
+from operator import eq, ne, not_
 from typing import Any
 
 from kvtier.core.errors import ArgumentError
@@ -103,7 +104,9 @@ class _Session:
     tenant: str
     priority: int
     until: float  # monotonic time its retention ends
-    keys: dict[OffloadKey, None] = field(default_factory=dict)  # the blocks it retains (none: displaced)
+    held: int = 0  # the blocks it retains now (0: displaced)
+    # the blocks it claimed, in order; `Retention.retained` says which are still its own (`_own`)
+    keys: list[OffloadKey] = field(default_factory=list)
     stored: dict[OffloadKey, None] = field(default_factory=dict)  # the blocks it stored, oldest first
 
 
@@ -136,6 +139,7 @@ class Retention:
         self.max_sessions = max_sessions
         self.clock = clock
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # tracked, least recent turn first
+        self._holding: OrderedDict[str, None] = OrderedDict()  # the sessions retaining blocks, in that order
         self.retained: dict[OffloadKey, str] = {}  # key -> the session that holds it
         self.stats = RetentionStats()
         self._next_expiry = float("inf")
@@ -144,6 +148,9 @@ class Retention:
         self.by_tenant: dict[str, int] = {}  # tenant -> blocks its sessions retain (> 0; others absent)
         # Told the blocks of a session that ended (deep end first): the manager makes them first victims.
         self.on_ended: Callable[[list[OffloadKey]], None] = _ignore
+        # Told the blocks that start and stop being retained: the manager holds them in every tier's table.
+        self.on_hold: Callable[[list[OffloadKey]], None] = _ignore
+        self.on_unhold: Callable[[list[OffloadKey]], None] = _ignore
 
     def note(self, hint: Hint | None, keys: Iterable[OffloadKey], stored: Collection[OffloadKey] = ()) -> None:
         """A turn of `hint.session` stored or hit `keys` (a request's blocks, prefix first), of
@@ -154,38 +161,58 @@ class Retention:
         if hint.ended or hint.retain_s <= 0:
             self._release(hint.session, ended=hint.ended, last=stored)
             return
-        session = self.sessions.pop(hint.session, None)
+        name = hint.session
+        session = self.sessions.pop(name, None)
         if session is None:
             session = _Session(hint.tenant, hint.priority, 0.0)
-        elif session.tenant != hint.tenant and session.keys:  # (its blocks count for the new tenant)
-            self._count(session.tenant, -len(session.keys))
-            self._count(hint.tenant, len(session.keys))
+        elif session.tenant != hint.tenant and session.held:  # (its blocks count for the new tenant)
+            self._count(session.tenant, -session.held)
+            self._count(hint.tenant, session.held)
         session.tenant, session.priority = hint.tenant, hint.priority
         session.until = self.clock() + hint.retain_s
         self._next_expiry = min(self._next_expiry, session.until)
-        self.sessions[hint.session] = session
+        self.sessions[name] = session
         if stored:
             before = len(session.stored)
             session.stored.update(dict.fromkeys(stored))
             self._stored += len(session.stored) - before
         keys = keys if isinstance(keys, list) else list(keys)
-        if all(map(eq, repeat(hint.session), map(self.retained.get, keys))):  # (C loops: all its own already)
+        retained = self.retained
+        claim = list(dict.fromkeys(compress(keys, map(ne, repeat(name), map(retained.get, keys)))))  # (C loops)
+        if claim:
+            self._claim(session, name, claim)
+        if session.held:
+            self._holding[name] = None
+            self._holding.move_to_end(name)
+        if len(self.retained) > self.budget or len(self.sessions) > self.max_sessions or \
+                self._stored > self.stored_limit:
             self._bound()
-            return
-        claimed = 0
-        for key in keys:
-            owner = self.retained.get(key)
-            if owner != hint.session:
-                if owner is not None:
-                    previous = self.sessions[owner]
-                    if previous.keys.pop(key, 0) is None:  # (it was there)
-                        self._count(previous.tenant, -1)
-                self.retained[key] = hint.session
-                session.keys[key] = None
-                claimed += 1
-        if claimed:
-            self._count(session.tenant, claimed)
-        self._bound()
+
+    def _claim(self, session: _Session, name: str, keys: list[OffloadKey]) -> None:
+        """`keys` (distinct, not `name`'s) become session `name`'s, taken from any other session."""
+        retained = self.retained
+        fresh = list(compress(keys, map(not_, map(retained.get, keys))))  # (session names are not empty)
+        if len(fresh) < len(keys):
+            for owner, count in Counter(filter(None, map(retained.get, keys))).items():
+                previous = self.sessions[owner]
+                previous.held -= count
+                self._count(previous.tenant, -count)
+                if not previous.held:
+                    previous.keys = []
+                    self._holding.pop(owner, None)
+        retained.update(zip(keys, repeat(name)))
+        session.keys += keys
+        session.held += len(keys)
+        self._count(session.tenant, len(keys))
+        if len(session.keys) > 2 * session.held + 64:  # (a log of claims since taken: compacted)
+            session.keys = self._own(session, name)
+        if fresh:
+            self.on_hold(fresh)
+
+    def _own(self, session: _Session, name: str) -> list[OffloadKey]:
+        """The blocks session `name` retains now, in the order it claimed them (C loops)."""
+        keys = session.keys
+        return list(dict.fromkeys(compress(keys, map(eq, repeat(name), map(self.retained.get, keys)))))
 
     def _count(self, tenant: str, blocks: int) -> None:
         count = self.by_tenant.get(tenant, 0) + blocks
@@ -230,12 +257,12 @@ class Retention:
 
     def report(self) -> dict[str, Any]:
         """The counters, the sessions retained now and their blocks (`stats()["retention"]`)."""
-        return {**self.stats.as_dict(), "sessions": len(self.retaining()), "retained_blocks": len(self.retained),
+        return {**self.stats.as_dict(), "sessions": len(self._holding), "retained_blocks": len(self.retained),
                 "budget_blocks": self.budget}
 
     def retaining(self) -> list[str]:
         """The sessions whose blocks are retained now, least recent turn first."""
-        return [name for name, session in self.sessions.items() if session.keys]
+        return list(self._holding)
 
     def held(self) -> KeysView[OffloadKey]:
         """The keys retained now (expired sessions released first); empty without hints."""
@@ -260,10 +287,14 @@ class Retention:
         while len(self.retained) > self.budget:
             name = self._least_deserving()
             if name is None:  # one session past the share: its prefix is kept
-                session = next(s for s in self.sessions.values() if s.keys)
-                for key in list(session.keys)[self.budget:]:
-                    del session.keys[key], self.retained[key]
-                    self._count(session.tenant, -1)
+                name = next(iter(self._holding))
+                session = self.sessions[name]
+                own = self._own(session, name)
+                past, session.keys = own[self.budget:], own[:self.budget]
+                _consume(map(self.retained.__delitem__, past), 0)
+                session.held = len(session.keys)
+                self._count(session.tenant, -len(past))
+                self.on_unhold(past)
                 break
             self._unretain(self.sessions[name], name)
             self.stats.displaced += 1
@@ -289,9 +320,9 @@ class Retention:
         for top in sorted(set(counts.values()), reverse=True):
             tenants = {tenant for tenant, count in counts.items() if count == top}
             best: tuple[int, str] | None = None
-            for name, session in self.sessions.items():  # oldest turn first
-                if session.keys and session.tenant in tenants and name != newest and (
-                        best is None or session.priority < best[0]):
+            for name in self._holding:  # oldest turn first
+                session = self.sessions[name]
+                if session.tenant in tenants and name != newest and (best is None or session.priority < best[0]):
                     best = (session.priority, name)
                     if not session.priority:
                         break
@@ -301,11 +332,13 @@ class Retention:
 
     def _unretain(self, session: _Session, name: str) -> None:
         """`session` (`name`) retains none of its blocks any more (it stays tracked)."""
-        for key in session.keys:
-            if self.retained.get(key) == name:
-                del self.retained[key]
-        self._count(session.tenant, -len(session.keys))
-        session.keys.clear()
+        released = self._own(session, name)
+        _consume(map(self.retained.__delitem__, released), 0)
+        self._count(session.tenant, -session.held)
+        session.held, session.keys = 0, []
+        self._holding.pop(name, None)
+        if released:
+            self.on_unhold(released)
 
     def _release(self, name: str, ended: bool = False, last: Iterable[OffloadKey] = ()) -> None:
         """Forget session `name`; `ended` (with `last`, the blocks its last turn stored): the
@@ -325,4 +358,4 @@ class Retention:
 
 
 def _ignore(keys: list[OffloadKey]) -> None:
-    """The default `on_ended`: a `Retention` outside a hierarchy keeps no victims."""
+    """The default `on_ended`, `on_hold` and `on_unhold`: a `Retention` outside a hierarchy tells no tier."""

@@ -35,6 +35,7 @@ from time import monotonic, sleep
 from typing import Any, cast
 
 from kvtier.control.context import ControlContext
+from kvtier.control.ended import hold_entering
 from kvtier.control.jobs import Job, enter_copies, pin_sources
 from kvtier.control.promotion import Promotions, longest_fit
 from kvtier.control.tier import Tier
@@ -234,6 +235,8 @@ class SharedTierProbes:
             return
         blocks = tier.backend.allocate_blocks(keys)
         tier.table.insert_ready(keys, [block.block_id for block in blocks])
+        if tier.retained:
+            hold_entering(tier, keys)
         self._events.record(tier, keys, removed=False)  # now resident there, as far as this process knows
         top_get, running = self.top.table.get, self._promotions.running
         for key in keys:

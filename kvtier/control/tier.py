@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections import deque as _consume
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
@@ -90,6 +90,9 @@ class Tier:
     promoted_from: dict[OffloadKey, int] = field(default_factory=dict, init=False, repr=False)
     condemned: set[OffloadKey] = field(default_factory=set, init=False)  # failed a read, still pinned: see `condemn`
     first_victims: OrderedDict[OffloadKey, None] = field(default_factory=OrderedDict, init=False, repr=False)
+    # the keys sessions retain (`Retention.retained`, the same for every tier): held in the table on
+    # entry (kvtier.control.ended.hold_entering)
+    retained: Mapping[OffloadKey, str] = field(default_factory=dict, init=False, repr=False)
     stats: TierStats = field(default_factory=TierStats, init=False)
     # key -> slot, block state and load pins, behind one batch API over slot ids (kvtier.index)
     table: BlockTable = field(init=False, repr=False, compare=False)
