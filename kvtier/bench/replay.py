@@ -14,6 +14,7 @@ driver counts them for every manager, so rates are comparable.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -90,12 +91,17 @@ def replay_manager(manager: Any, trace: Trace, *, vllm_api: bool = False, contex
         from vllm.v1.kv_offload.base import LookupResult as VLookup  # only with --compare vllm
 
         HIT, MISS = VLookup.HIT, VLookup.MISS
-    start = time.perf_counter()
-    cpu_start = time.process_time()
-    ops, hits, stores_refused, retry_steps = drive(manager, keys_per_request, vllm_api, make_ctx, step_context,
-                                                   HIT, MISS, progress)
-    elapsed = time.perf_counter() - start
-    cpu = time.process_time() - cpu_start
+    gc.collect()  # (every run starts alike: what earlier runs left is not scanned by this one's collections)
+    gc.freeze()
+    try:
+        start = time.perf_counter()
+        cpu_start = time.process_time()
+        ops, hits, stores_refused, retry_steps = drive(manager, keys_per_request, vllm_api, make_ctx, step_context,
+                                                       HIT, MISS, progress)
+        elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
+    finally:
+        gc.unfreeze()
     if progress is not None:
         progress(len(keys_per_request), len(keys_per_request))
     total = trace.total_blocks
