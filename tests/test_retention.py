@@ -63,6 +63,19 @@ def test_a_session_is_kept_until_its_retention_runs_out_after_its_last_turn():
     assert not r.held() and r.stats.expired == 1 and r.report()["sessions"] == 0
 
 
+@pytest.mark.parametrize("ends_on_expiry", [False, True])
+def test_a_session_that_runs_out_ends_only_when_asked_to(ends_on_expiry):
+    """`ends_on_expiry` (off by default; benchmarks/session_inference.py): a session whose
+    retention runs out counts as ended, so the blocks it stored go first, deep end first."""
+    clock, ended = Clock(), []
+    r = Retention(capacity=100, clock=clock)
+    r.on_ended, r.ends_on_expiry = ended.extend, ends_on_expiry
+    r.note(Hint("a", 10.0), keys(3), stored=keys(2, 1))
+    clock.now += 11
+    assert not r.held() and r.stats.expired == 1
+    assert ended == (keys(2, 1)[::-1] if ends_on_expiry else [])
+
+
 def test_an_ended_session_is_released_at_once():
     r = Retention(capacity=100)
     r.note(Hint("a", 60.0), keys(3))

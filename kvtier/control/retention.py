@@ -142,6 +142,9 @@ class Retention:
         self._holding: OrderedDict[str, None] = OrderedDict()  # the sessions retaining blocks, in that order
         self.retained: dict[OffloadKey, str] = {}  # key -> the session that holds it
         self.stats = RetentionStats()
+        # A session whose retention runs out counts as ended (its stored blocks go first). Off:
+        # ends inferred from idle time bought nothing over prefix-freq (benchmarks/session_inference.py).
+        self.ends_on_expiry = False
         self._next_expiry = float("inf")
         self._warned: OrderedDict[Any, None] = OrderedDict()  # requests whose bad hint was logged
         self._parsed: OrderedDict[Any, tuple[dict, Hint | None]] = OrderedDict()  # req_id -> (raw hint, Hint)
@@ -274,7 +277,7 @@ class Retention:
     def _expire(self) -> None:
         now, nxt = self.clock(), float("inf")
         for name in [n for n, s in self.sessions.items() if s.until <= now]:
-            self._release(name)
+            self._release(name, ended=self.ends_on_expiry)
             self.stats.expired += 1
         for session in self.sessions.values():
             nxt = min(nxt, session.until)
