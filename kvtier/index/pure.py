@@ -36,7 +36,7 @@ class Order(Protocol):
         """A resident key leaves, not as an eviction."""
 
     def evictable(self, keys: list[OffloadKey], flag: bool) -> None:
-        """Resident keys stopped (False) or started (True) being evictable."""
+        """Resident keys stopped (False) or started (True) being evictable (a key may be told twice)."""
 
     def victims(self, n: int, skip: Collection[OffloadKey]) -> list[OffloadKey]:
         """The keys `evict(n, skip)` would take now, in order (fewer if there are fewer), changing nothing."""
@@ -97,7 +97,7 @@ class PureBlocks:
         blocks = self.blocks
         if not self.told:
             self.told = True
-            self.pinned = {k for k, b in blocks.items() if b.ref_cnt}
+            self.pinned = {k for k, b in blocks.items() if b.ref_cnt}  # (the notices to come say more)
             self._reread(list(blocks))
         keys = [k for k in keys if k in blocks]
         if flag:
@@ -126,13 +126,18 @@ class PureBlocks:
         self.held.clear()
         self.order.clear()
 
-    def _hold(self, keys: list[OffloadKey]) -> None:
+    def _hold(self, keys: Sequence[OffloadKey]) -> None:
+        """The table pinned `keys` (told as given: a key may already be held)."""
         self.pinned.update(keys)
-        self._tell(keys, False)
+        self.held.update(keys)
+        self.order.evictable(list(keys), False)
 
-    def _free(self, keys: list[OffloadKey]) -> None:
-        self.pinned.difference_update(keys)
-        self._tell(keys, True)
+    def _free(self, keys: Sequence[OffloadKey]) -> None:
+        """The table made `keys` evictable (their `ref_cnt` is 0)."""
+        if keys:
+            self.pinned.difference_update(keys)
+            self.held.difference_update(keys)
+            self.order.evictable(list(keys), True)
 
     def _tell(self, keys: list[OffloadKey], flag: bool) -> None:
         """Tell the order of the `keys` that change, for it, to evictable (`flag`) or not."""
@@ -176,8 +181,7 @@ class PureBlocks:
         keys = self.order.evict(n, protected)
         if keys is None:
             return None
-        pop = self.blocks.pop
-        return keys, [pop(key) for key in keys]
+        return keys, list(map(self.blocks.pop, keys))
 
 
 class PureTable(PureBlocks):
@@ -198,8 +202,9 @@ class PureTable(PureBlocks):
                        tail: OffloadKey | None = None) -> None:
         if len(block_ids) != len(keys):
             raise ValueError(f"insert_written: {len(keys)} keys but {len(block_ids)} block ids")
-        self.insert_many(keys, BlockStatus.many(block_ids), tail)
-        self.pinned.update(keys)
+        self.blocks.update(zip(keys, BlockStatus.many(block_ids)))
+        self.order.insert(keys, tail)
+        self._hold(keys)
 
     def insert_ready(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
         if len(block_ids) != len(keys):
@@ -215,21 +220,23 @@ class PureTable(PureBlocks):
             return None
         for block in cast("list[BlockStatus]", blocks):
             block.ref_cnt += 1
-        pinned = self.pinned
-        self._hold([key for key in dict.fromkeys(keys) if key not in pinned])
+        self._hold(keys)
         return [cast("BlockStatus", block).block_id for block in blocks]
 
     def release_loads(self, keys: Sequence[OffloadKey]) -> None:
         blocks = list(map(self.blocks.get, keys))
         if None in blocks:
             raise KeyError(keys[blocks.index(None)])
-        released = []
+        released, below = [], []
         for key, block in zip(keys, cast("list[BlockStatus]", blocks)):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 released.append(key)
+            elif block.ref_cnt < 0:
+                below.append(key)  # (released more often than pinned: not readable)
         self._free(released)
-        self._tell([k for k in keys if self.blocks[k].ref_cnt], False)  # (released more than pinned)
+        if below:
+            self._tell(below, False)
 
     def mark_written(self, keys: Sequence[OffloadKey]) -> bool:
         blocks = list(map(self.blocks.get, keys))
@@ -239,7 +246,7 @@ class PureTable(PureBlocks):
                     earlier.ref_cnt = -1
                 return False
             block.ref_cnt = 0
-        self._free(list(keys))
+        self._free(keys)
         return True
 
     def forget(self, keys: Iterable[OffloadKey]) -> None:
