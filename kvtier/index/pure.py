@@ -108,15 +108,13 @@ class PureBlocks:
             self._tell(keys, False)
 
     def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
-        if n <= 0:
-            return []
-        if not self.told:
-            return self._checked(n, skip)
-        return self.order.victims(n, skip)
+        return self._checked(n, skip) if n > 0 else []
 
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
         if n <= 0:
             return []
+        if self._refuses(n, protected) or len(self._checked(n, protected)) < n:
+            return None
         taken = self._take(n, protected)
         return None if taken is None else list(zip(*taken))
 
@@ -157,10 +155,11 @@ class PureBlocks:
         self._tell([k for k in keys if blocks[k].ref_cnt == 0], True)
 
     def _checked(self, n: int, skip: Collection[OffloadKey]) -> list[OffloadKey]:
-        """`victims(n, skip)` before the first notice: the held blocks are read again, and so are
-        the victims, until none of them has `ref_cnt != 0`."""
+        """The order's `victims(n, skip)`, read again until none has `ref_cnt != 0` (set through
+        `get`); before the first notice the held blocks are read again first."""
         blocks = self.blocks
-        self._tell([k for k in self.held if blocks[k].ref_cnt == 0], True)
+        if not self.told:
+            self._tell([k for k in self.held if blocks[k].ref_cnt == 0], True)
         while True:
             victims = self.order.victims(n, skip)
             held = [k for k in victims if blocks[k].ref_cnt]
@@ -168,16 +167,17 @@ class PureBlocks:
                 return victims
             self._tell(held, False)
 
-    def _take(self, n: int, protected: set[OffloadKey]) -> tuple[list[OffloadKey], list[BlockStatus]] | None:
-        """Evict `n` (> 0) blocks: their keys and blocks, or None (nothing changed)."""
+    def _refuses(self, n: int, protected: Collection[OffloadKey]) -> bool:
+        """Whether the notices prove that fewer than `n` blocks not `protected` are evictable (False
+        before the first notice); O(len(protected)) at most."""
         if not self.told:
-            if len(self._checked(n, protected)) < n:
-                return None
-        else:
-            blocks, pinned = self.blocks, self.pinned
-            free = len(blocks) - len(pinned)
-            if free < n + len(protected) and free - sum(1 for k in protected if k in blocks and k not in pinned) < n:
-                return None
+            return False
+        blocks, pinned = self.blocks, self.pinned
+        free = len(blocks) - len(pinned)
+        return free < n + len(protected) and free - sum(1 for k in protected if k in blocks and k not in pinned) < n
+
+    def _take(self, n: int, protected: set[OffloadKey]) -> tuple[list[OffloadKey], list[BlockStatus]] | None:
+        """Evict `n` (> 0) blocks the order names: their keys and blocks, or None (nothing changed)."""
         keys = self.order.evict(n, protected)
         if keys is None:
             return None
@@ -229,10 +229,10 @@ class PureTable(PureBlocks):
             raise KeyError(keys[blocks.index(None)])
         released, below = [], []
         for key, block in zip(keys, cast("list[BlockStatus]", blocks)):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
+            block.ref_cnt = ref_cnt = block.ref_cnt - 1  # (a ctypes field: read once)
+            if ref_cnt == 0:
                 released.append(key)
-            elif block.ref_cnt < 0:
+            elif ref_cnt < 0:
                 below.append(key)  # (released more often than pinned: not readable)
         self._free(released)
         if below:
@@ -256,6 +256,8 @@ class PureTable(PureBlocks):
     def evict_ids(self, n: int, protected: set[OffloadKey]) -> tuple[list[OffloadKey], list[int]] | None:
         if n <= 0:
             return [], []
+        if self._refuses(n, protected) or (not self.told and len(self._checked(n, protected)) < n):
+            return None
         taken = self._take(n, protected)
         return None if taken is None else (taken[0], [block.block_id for block in taken[1]])
 
