@@ -27,7 +27,6 @@ class KeyOrder:
             self.pinned.update(keys)
 
 
-
 def first(keys: Iterator[OffloadKey], n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
     """The first `n` of `keys` not in `skip`."""
     return list(islice(filterfalse(skip.__contains__, keys) if skip else keys, max(n, 0)))
