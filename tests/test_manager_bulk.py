@@ -1,9 +1,11 @@
 """A compiled policy and its pure-Python twin give the manager the same answers and state.
 
 Two hierarchies take the same random requests through public calls only: the first with a
-compiled policy in its first tier (the registered `lru`, or `prefix-freq`), whose batch calls run
-in C, the second with its pure-Python twin (`LRUCachePolicy`, `PrefixFreqCachePolicy`), whose
-batch calls are `CachePolicy`'s defaults over `get`. The first looks a request up with
+compiled policy in its first tier (the registered `lru`, or `prefix-freq`), whose block table is
+compiled (`CompactTable`), the second with its pure-Python twin (`PureLRUCachePolicy`,
+`PurePrefixFreqCachePolicy`), whose block table is the pure `PureTable`, or with the twin behind
+`PolicyTable` (`AdaptedLRU`, `AdaptedPrefix`: one of vLLM's calls overridden, as a policy written
+to vLLM's contract goes through `get`, `insert_many`, `evict`). The first looks a request up with
 `lookup_run` and touches a batch at once, the second key by key (`lookup` per key, `touch` per
 key). After every step both must hold the same blocks in the same eviction order with the same
 `ref_cnt`s, pins, promotions and counters. Batches repeat keys and mix tiers, so every case of
@@ -21,12 +23,30 @@ from test_manager_state import BLOCK, DeferredCopy
 from kvtier import CPULoadStoreSpec, LookupResult, ReqContext
 from kvtier.config import load_config_text
 from kvtier.control.hierarchy import build_hierarchy
+from kvtier.index import PolicyTable, PureTable
+from kvtier.policies.lru_pure import PureLRUCachePolicy
+from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 
 PURE_LRU = "kvtier.policies.lru_pure:PureLRUCachePolicy"
 PURE_PREFIX = "kvtier.policies.prefix_pure:PurePrefixFreqCachePolicy"
 TWINS = {"lru": PURE_LRU, "prefix-freq": PURE_PREFIX}  # a compiled policy -> its pure-Python twin
+ADAPTED = {"lru": "test_manager_bulk:AdaptedLRU", "prefix-freq": "test_manager_bulk:AdaptedPrefix"}
 UNIVERSE = keys(16)
 CTX = ReqContext("bulk")
+
+
+class AdaptedLRU(PureLRUCachePolicy):
+    """The pure LRU with `touch` overridden: its tier's block table is `PolicyTable` over it."""
+
+    def touch(self, keys) -> None:
+        super().touch(keys)
+
+
+class AdaptedPrefix(PurePrefixFreqCachePolicy):
+    """The pure prefix-freq with `touch` overridden (`PolicyTable` over it)."""
+
+    def touch(self, keys) -> None:
+        super().touch(keys)
 
 
 def per_key_run(manager, request) -> tuple[int, LookupResult | None]:
@@ -61,12 +81,14 @@ def state(manager) -> list:
 class BulkEqualsPerKey(RuleBasedStateMachine):
     HIERARCHY = dict(hot=6, warm=10, block_bytes=BLOCK, reserve=0.34, hot_policy="lru")
     ONE_TIER = False  # True: the first tier alone (`lookup_run` answers without `lookup`)
+    TWINS = TWINS  # the second hierarchy's policy per first one's
+    TWIN_TABLE = PureTable  # the block table of the second hierarchy's first tier
 
     def build(self, twin: bool):
         """The first hierarchy (`twin` False) or the second, with the pure-Python twins."""
         hierarchy = dict(self.HIERARCHY)
         if twin:
-            hierarchy["hot_policy"] = TWINS.get(hierarchy["hot_policy"], hierarchy["hot_policy"])
+            hierarchy["hot_policy"] = self.TWINS.get(hierarchy["hot_policy"], hierarchy["hot_policy"])
         if not self.ONE_TIER:
             return memory_hierarchy(**hierarchy)
         return build_hierarchy(load_config_text(f"""
@@ -84,6 +106,7 @@ tiers:
             h.router.register(CPULoadStoreSpec, CPULoadStoreSpec, copier)
             self.pairs.append((h, copier))
         self.bulk, self.each = (h.manager for h, _ in self.pairs)
+        assert type(self.each.tiers[0].table) is self.TWIN_TABLE
         self.pending: list[list[bytes]] = []
         self.loads: list[list[bytes]] = []
 
@@ -154,6 +177,17 @@ class BulkEqualsPerKeyPure(BulkEqualsPerKey):
     HIERARCHY = dict(BulkEqualsPerKey.HIERARCHY, hot_policy=PURE_LRU)
 
 
+class BulkEqualsPerKeyAdapted(BulkEqualsPerKey):
+    """The compiled `lru` against the pure LRU behind `PolicyTable`."""
+
+    TWINS = ADAPTED
+    TWIN_TABLE = PolicyTable
+
+
+class BulkEqualsPerKeyAdaptedPrefix(BulkEqualsPerKeyAdapted):
+    HIERARCHY = BulkEqualsPerKeyPrefix.HIERARCHY
+
+
 class OneTierBulkEqualsPerKey(BulkEqualsPerKey):
     ONE_TIER = True
 
@@ -170,6 +204,10 @@ TestBulkPrefix = BulkEqualsPerKeyPrefix.TestCase
 TestBulkPrefix.settings = FAST
 TestBulkPureLRU = BulkEqualsPerKeyPure.TestCase
 TestBulkPureLRU.settings = FAST
+TestBulkAdaptedLRU = BulkEqualsPerKeyAdapted.TestCase
+TestBulkAdaptedLRU.settings = FAST
+TestBulkAdaptedPrefix = BulkEqualsPerKeyAdaptedPrefix.TestCase
+TestBulkAdaptedPrefix.settings = FAST
 TestOneTierBulkLRU = OneTierBulkEqualsPerKey.TestCase
 TestOneTierBulkLRU.settings = FAST
 TestOneTierBulkPrefix = OneTierBulkEqualsPerKeyPrefix.TestCase

@@ -20,9 +20,9 @@ class AccountingMachine(ManagerMachine):
             assert pinned == truth, f"{tier.name}: counted {pinned ^ truth} wrongly"
             evictable = sum(1 for k in table.keys() if table.get(k).ref_cnt == 0)
             assert table.evictable_count() == evictable
-            told = getattr(tier.policy, "_pinned", None)  # a pure policy's mirror of the notices
-            if told is not None and not hasattr(tier.policy, "pinned_keys"):
-                assert told == truth, f"{tier.name}: the policy was told {told ^ truth} wrongly"
+            told = getattr(table, "held", None)  # the pure table: what its order was told
+            if told is not None:
+                assert told == truth, f"{tier.name}: the order was told {told ^ truth} wrongly"
 
 
 class LRUAccounting(AccountingMachine):

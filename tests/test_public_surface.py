@@ -46,7 +46,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("policies/test_compact_prefix_replay.py", "import kvtier.policies._compact_prefix"): "the compiled extension, "
                                                                                            "by name",
     ("support/policy_state.py", "policy._pinned"): _NOTICES,
-    ("test_manager_evictable.py", "getattr(..., '_pinned')"): _NOTICES,
 }
 # Any expression of these forms is another project's (the standard library's) public API.
 ALWAYS = {"os._exit", "sys._getframe"}

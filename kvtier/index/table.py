@@ -1,6 +1,6 @@
 """The block table of a tier: key -> slot, block state and load pins, behind one batch API over
 slot ids (`BlockTable`). It is the one writer of that state: the control plane reads and
-changes blocks only through it, and the policy is told what it needs (`CachePolicy.evictable`).
+changes blocks only through it, and the eviction order is told what it needs (`evictable`).
 
 A block is *being written* (`ref_cnt == -1`: its slot is allocated, its bytes are not there
 yet), *readable* (`ref_cnt == 0`) or *pinned* by `n` running loads or copies (`ref_cnt == n`).
@@ -8,13 +8,14 @@ A block may also be *held* (`hold`: a session's retention keeps it), which takes
 eviction like a pin whatever its `ref_cnt`, until the hold is released.
 Every call takes or returns keys and slot ids (`block_id`s) in the order given.
 
-Two implementations, held to the same answers and side effects by tests/policies/test_lru_batch.py
-and tests/test_manager_bulk.py:
-- the compiled table (`kvtier/index/_table.pxd`/`_table.pyx`, `_table_api.pyx`: `CompactTable`),
-  composed with a compiled eviction order: the compiled `lru` and `prefix-freq` are such a pair
-  (`CachePolicy.batch_calls`; the policy's `table`);
-- `PolicyTable`, in Python, over any other `CachePolicy` (ARC, SIEVE, the pure twins, a policy
-  written to vLLM's contract): the blocks are the policy's `BlockStatus` objects.
+Two tables, each composed with an order that only orders keys, held to the same answers and side
+effects by tests/policies/test_lru_batch.py and tests/test_manager_bulk.py:
+- the compiled table (`kvtier/index/_table.pxd`/`_table.pyx`, `_table_api.pyx`: `CompactTable`)
+  with a compiled order: the compiled `lru` and `prefix-freq` (`CachePolicy.batch_calls`);
+- its pure-Python twin (`kvtier.index.pure.PureTable`) with a pure `Order`: the pure `lru` and
+  `prefix-freq`, ARC and SIEVE (`kvtier.policies.pure.PurePolicy`).
+A policy written to vLLM's `CachePolicy` contract stores its own `BlockStatus` objects: `PolicyTable`
+is the one adapter that makes it a block table.
 
 `table_of(policy)` gives the table a tier uses and starts its evictable accounting. Both
 implementations also answer `pinned_keys()`, the resident keys not evictable now (pinned or
@@ -29,6 +30,7 @@ from typing import Any, Protocol, cast
 
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import BlockStatus
+from kvtier.index.pure import PureTable
 
 
 class BlockTable(Protocol):
@@ -93,9 +95,10 @@ class BlockTable(Protocol):
 
 
 class PolicyTable:
-    """The pure-Python `BlockTable` over `policy`'s own blocks (`get`). It counts the blocks that
-    are not evictable (being written or pinned) and tells the policy of each change
-    (`CachePolicy.evictable`); the first notice, sent here, starts the policy's accounting."""
+    """The `BlockTable` over a policy written to vLLM's contract, whose blocks are its own
+    `BlockStatus` objects (`get`). It counts the blocks that are not evictable (being written or
+    pinned) and tells the policy of each change (`CachePolicy.evictable`); the first notice, sent
+    here, starts the policy's accounting."""
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy
@@ -243,10 +246,10 @@ def _ignore(keys: Iterable[OffloadKey], flag: bool) -> None:
 
 def table_of(policy: Any) -> BlockTable:
     """The block table of a tier whose policy is `policy`, with its evictable accounting started:
-    the compiled table a compiled policy is made of (`batch_calls`: `policy.table`), else a
-    `PolicyTable` over it."""
-    if getattr(policy, "batch_calls", False):
-        table = policy.table
+    the table a compiled or pure policy is composed of (`policy.table`: a `CompactTable`, with
+    `batch_calls`, or a `PureTable`, with `composed`), else a `PolicyTable` over it."""
+    table: Any = getattr(policy, "table", None)
+    if getattr(policy, "batch_calls", False) or (isinstance(table, PureTable) and policy.composed):
         table.evictable((), False)
         return cast(BlockTable, table)
     return PolicyTable(policy)

@@ -4,7 +4,9 @@
 give: compiled indexes (lru_compiled.py, prefix_compiled.py), each its pure-Python fallback where the
 extension was not built. `PureLRUCachePolicy` and `PurePrefixFreqCachePolicy` (lru_pure.py,
 prefix_pure.py) are the pure-Python twins that make the same decisions: the reference the compiled
-classes are tested against, and a base for a policy written in Python.
+classes are tested against. They, `ARCCachePolicy` and `SIEVECachePolicy` are a pure block table
+composed with a pure order over keys (pure.py: `PurePolicy`); the compiled ones, a compiled table
+composed with a compiled order. A policy written to vLLM's contract holds its own blocks instead.
 """
 
 from kvtier.policies.arc import ARCCachePolicy

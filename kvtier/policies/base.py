@@ -30,6 +30,9 @@ class CachePolicy(ABC):
       (`False`: being written, or read by a copy) or started (`True`: their `ref_cnt` reached 0)
       being evictable. The table (`kvtier.index`) owns that state and counts it; a policy may use
       the notices to take pinned blocks out of its order (LRU and prefix-freq do).
+    - kvtier's own policies store no blocks: each is a block table composed with an order over
+      keys (`kvtier.index.PureTable` and `Order`, or the compiled pair). A policy written to
+      vLLM's contract stores the `BlockStatus` objects it is given; `PolicyTable` adapts it.
     - `keys()`, `len()` and `clear()` enumerate, count and forget the resident blocks; a policy
       without `keys` is wrapped in `KeyIndex` (`with_key_index`, done by `build_hierarchy`).
     - By default `get` returns the object given to `insert`. A policy that owns its data layout
@@ -37,7 +40,7 @@ class CachePolicy(ABC):
     """
 
     returns_views: bool = False  # get() returns views of the policy's own state (see above)
-    batch_calls: bool = False  # the compiled index answers the block table's calls itself (kvtier.index)
+    batch_calls: bool = False  # the compiled table (`table`) answers the block table's calls itself (kvtier.index)
     # The most blocks an instance can hold (None: no limit of its own); a tier's capacity is
     # checked against it by `config check` and the build (kvtier.core.limits).
     max_blocks: int | None = None

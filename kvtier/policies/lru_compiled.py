@@ -2,8 +2,9 @@
 
 `LRUCachePolicy` is a compiled block table composed with LRU's compiled order (`LRUOrder`,
 kvtier/policies/_compact_lru.pyx; built by `pip install` with the C compiler there): about 85
-bytes per resident block including the key, against some 340 for the pure-Python
-`PureLRUCachePolicy` (its dict entry, block object and key object); see docs/policies.md. Its
+bytes per resident block including the key, against some 460 for the pure-Python
+`PureLRUCachePolicy` (its table's dict entry and block object, its order's entry, the key object;
+RSS at 200k blocks, 2026-11-30; see docs/policies.md). Its
 `get` returns views of the table's entries (`returns_views`): a view's `ref_cnt` reads and writes
 the table, the objects given to `insert` are copied and not kept, and blocks are compared by
 `block_id`. A view is valid while its block stays resident; the manager holds views only of
@@ -22,7 +23,7 @@ from kvtier.policies.base import CachePolicy
 from kvtier.policies.compiled import CompiledIndex, CompiledPolicy, FallbackPolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 
-INDEX = CompiledIndex("lru", "kvtier.policies._compact_lru", "LRUOrder", "about 4x the memory per block")
+INDEX = CompiledIndex("lru", "kvtier.policies._compact_lru", "LRUOrder", "about 5x the memory per block")
 COMPILED = INDEX.cls is not None
 if TYPE_CHECKING or COMPILED:
     from kvtier.policies._compact_lru import LRUOrder

@@ -1,4 +1,4 @@
-"""Pinned blocks set aside by `prefix-freq` (the block table's evictable notices, `CachePolicy.evictable`)."""
+"""Pinned keys set aside by the pure `prefix-freq` order (the block table's evictable notices)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from collections.abc import Iterable, Iterator
 from heapq import heappush
 
 from kvtier.core.keys import OffloadKey
-from kvtier.core.types import BlockStatus
 
 
 class AsideBlocks:
@@ -18,14 +17,13 @@ class AsideBlocks:
     every aside key was met before the rest of its segment, so it is older than all of it. A
     touched or evicted aside key is put back into its segment first (`unaside`). Heap entries
     go stale (the key was put back, or set aside again with a new seq) and are checked against
-    `entries` when read. `segs` and `blocks` are the owner's, shared (never replaced).
+    `entries` when read. `segs` are the owner's, shared (never replaced).
     """
 
-    __slots__ = ("blocks", "counts", "entries", "freed", "segs", "seq")
+    __slots__ = ("counts", "entries", "freed", "segs", "seq")
 
-    def __init__(self, segs: list[OrderedDict[OffloadKey, float]], blocks: dict[OffloadKey, BlockStatus]) -> None:
+    def __init__(self, segs: list[OrderedDict[OffloadKey, float]]) -> None:
         self.segs = segs
-        self.blocks = blocks
         self.entries: dict[OffloadKey, tuple[int, int, float]] = {}
         self.counts = [0] * len(segs)  # aside keys per segment
         self.freed: list[list[tuple[float, int, OffloadKey]]] = [[] for _ in segs]
@@ -71,12 +69,14 @@ class AsideBlocks:
         """Take the pinned and protected keys an eviction met ((segment, key)) out of their
         segments' order (`met` is only collected while pins are tracked: `pinned` is a set)."""
         assert pinned is not None
-        entries, segs, freed, counts, blocks = self.entries, self.segs, self.freed, self.counts, self.blocks
+        entries, segs, freed, counts = self.entries, self.segs, self.freed, self.counts
         seq = self.seq
         for index, key in met:
-            if key in entries or key not in blocks:
-                continue  # aside already (a freed key protected this time), or evicted
-            stamp = segs[index].pop(key)
+            if key in entries:
+                continue  # aside already (a freed key protected this time)
+            stamp = segs[index].pop(key, None)
+            if stamp is None:
+                continue  # evicted
             entries[key] = (index, seq, stamp)
             counts[index] += 1
             if key not in pinned:  # protected this time, evictable

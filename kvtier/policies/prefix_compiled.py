@@ -6,7 +6,7 @@ when it is built.
 there). It makes exactly the
 decisions of the pure-Python `PurePrefixFreqCachePolicy` (kvtier/policies/prefix_pure.py, where the design
 is explained) — the same victims, ghosts, clock and hit-age mean, to the last bit — with about 95
-bytes per resident block including the key instead of some 370, and its request-cycle calls
+bytes per resident block including the key instead of some 450, and its request-cycle calls
 (its block table, `kvtier.index.BlockTable`) in C loops. Like the compiled `lru`, `get` returns
 views of the table's entries (`returns_views`): a view's `ref_cnt` reads and writes the table, the
 objects given to `insert` are copied and not kept, and blocks are compared by `block_id`. Its
@@ -28,7 +28,7 @@ from kvtier.policies.compiled import CompiledIndex, CompiledPolicy, FallbackPoli
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 
 INDEX = CompiledIndex("prefix-freq", "kvtier.policies._compact_prefix", "PrefixOrder",
-                      "about 4x the memory per block and 3-4x the CPU")
+                      "about 5x the memory per block and 3-4x the CPU")
 COMPILED = INDEX.cls is not None
 if TYPE_CHECKING or COMPILED:
     from kvtier.policies._compact_prefix import PrefixOrder

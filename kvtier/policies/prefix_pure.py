@@ -2,7 +2,9 @@
 
 `PurePrefixFreqCachePolicy` is the pure-Python twin of the registered `prefix-freq`
 (`kvtier.policies.prefix_compiled.PrefixFreqCachePolicy`, a compiled index making the same
-decisions) and its fallback where the extension is not built; the design is explained here.
+decisions) and its fallback where the extension is not built; the design is explained here. It is
+`PurePrefixFreqOrder` (keys, stamps, ghosts; no blocks) composed with the pure block table
+(`kvtier.policies.pure.PurePolicy`), which holds the blocks and tells the order of pins.
 
 A block is only worth keeping while every block before it in its request is kept: the lookup
 stops at the first miss. What the Mooncake traces show (numbers in
@@ -47,22 +49,19 @@ Which block is a request's tail: the caller says so, `insert_many(keys, blocks, 
 `CachePolicy` contract); the manager passes the last new block of each engine store, and no tail
 for copies between tiers (demotions, promotions). `insert` never inserts a tail.
 
-Contract: exactly `CachePolicy`'s (tests/policies/test_conformance.py): `victims`
-names the eviction order without any state change, and `evict` removes exactly n unpinned,
-unprotected blocks or returns None and changes nothing.
+Contract: exactly `CachePolicy`'s (tests/policies/test_conformance.py) and `Order`'s
+(`kvtier.index.pure`).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from itertools import compress, repeat
-from operator import attrgetter, is_, is_not, itemgetter
-from typing import cast
+from operator import is_, is_not
+from typing import Any, cast
 
 from kvtier.core.keys import OffloadKey
-from kvtier.core.types import BlockStatus
-from kvtier.policies.base import CachePolicy, first_keys
 from kvtier.policies.prefix_aside import AsideBlocks
 from kvtier.policies.prefix_ghosts import GhostList
 from kvtier.policies.prefix_runs import _TAIL, _forget, _heads, _merged, _probes, _take_tails, _walk_lanes
@@ -73,32 +72,25 @@ from kvtier.policies.prefix_tails import (
     RETURNED_TAIL,
     TailEvidence,
 )
-
-_first = itemgetter(0)
-_second = itemgetter(1)
-_ref_cnt = attrgetter("ref_cnt")
+from kvtier.policies.pure import KeyOrder, PurePolicy, first
 
 
-class PurePrefixFreqCachePolicy(CachePolicy):
-    """Recency plus a per-hit-count credit; request tails first; chains cut from the deep end.
+class PurePrefixFreqOrder(KeyOrder):
+    """Recency plus a per-hit-count credit; request tails first; chains cut from the deep end
+    (`kvtier.index.pure.Order`; `tuning`: the policy class, see `PurePrefixFreqCachePolicy`).
 
-    State: `blocks` (key -> block, `get` is its bound `get`), `segs[i]` (key -> stamp, an LRU
-    list per segment; a key is in exactly one segment). Parts with one job each: `_ghosts`
-    (`GhostList`: evicted keys, `ghosts`), `_tails` (`TailEvidence`: the tail rule), `_aside`
-    (`AsideBlocks`: pinned blocks kept out of the order, `aside`).
+    State: `segs[i]` (key -> stamp, an LRU list per segment; a resident key is in exactly one
+    segment or aside), `size` (resident keys). Parts with one job each: `ghost_list` (`GhostList`:
+    evicted keys), `tail_evidence` (`TailEvidence`: the tail rule), `_aside` (`AsideBlocks`:
+    pinned keys kept out of the order, `aside`).
     """
 
-    # Tuned on the synthetic trace and generated workloads (docs/policies.md).
-    credits: tuple[float, ...] = (0.0, 1.5, 3.0, 4.5)  # credit (in units) of a block with c hits
-    tail_reuse_max = 0.1  # tails reused more often than this are not one-time (synthetic 40k: 23%)
-    ghost_fraction = 6.0  # ghosts kept: between 1x and 2x this many capacities (keys only)
-    max_ghost_limit = 4_000_000  # ... but at most 1-2x this many keys (about 0.4-0.8 GB): a bound
-    # for tiers of more than ~670k blocks, which no measured workload reached
-    unit_rate = 0.001  # weight of one hit in the running mean of hit ages
-    demote_tail = True
-
-    def __init__(self, cache_capacity: int) -> None:
-        super().__init__(cache_capacity)
+    def __init__(self, cache_capacity: int, tuning: Any) -> None:
+        super().__init__()
+        self.cache_capacity = cache_capacity
+        self.credits: tuple[float, ...] = tuple(tuning.credits)
+        self.tail_reuse_max, self.unit_rate = tuning.tail_reuse_max, tuning.unit_rate
+        self.demote_tail = tuning.demote_tail
         # segs[0]: request tails; segs[1 + c]: blocks with c hits. key -> stamp (clock at the
         # last use); stamps increase along each segment.
         self.segs: list[OrderedDict[OffloadKey, float]] = [OrderedDict() for _ in range(len(self.credits) + 1)]
@@ -108,60 +100,26 @@ class PurePrefixFreqCachePolicy(CachePolicy):
         # in the segment of the key before it is looked for in the segments above first:
         # _probe[s] = [segment s's pop, the segment its keys move to, the probes after s].
         self._probe = _probes(self.segs)
-        # a returning ghost evicted from segment s is stored again into _returns_to[s] (see _place)
+        # a returning ghost evicted from segment s is stored again into _returns_to[s] (see _place_many)
         top = len(self.segs) - 1
         self._returns_to = tuple(min(max(seg, 1) + 1, top) for seg in range(top + 1))
-        self.blocks: dict[OffloadKey, BlockStatus] = {}
-        self.get = self.blocks.get  # type: ignore[method-assign,assignment]  # hot path: one C call
+        self.size = 0
         self.clock = 0.0  # a float holding an integer (exact below 2**53): touch's arithmetic stays float
         self.unit = float(cache_capacity)  # clock ticks per credit: running mean hit age
-        self._ghosts = GhostList(min(int(cache_capacity * self.ghost_fraction), self.max_ghost_limit))
-        self._mark = 0  # len(blocks) when the clock was last synced (see insert)
-        self._tails = TailEvidence()
-        # Evictable notices only (`evictable`). `aside` is the parts' dict (never replaced).
-        self._aside = AsideBlocks(self.segs, self.blocks)
+        self.ghost_list = GhostList(min(int(cache_capacity * tuning.ghost_fraction), tuning.max_ghost_limit))
+        self._mark = 0  # size when the clock was last synced (see insert)
+        self.tail_evidence = TailEvidence()
+        self._aside = AsideBlocks(self.segs)  # `aside` is the parts' dict (never replaced)
         self.aside = self._aside.entries
 
-    @property
-    def ghosts(self) -> dict[OffloadKey, int]:
-        """Evicted key -> its segment then, oldest first (read-only view of the ghost list)."""
-        return self._ghosts.evicted
-
-    @property
-    def ghost_limit(self) -> int:
-        """Ghosts kept: between 1x and 2x this many keys."""
-        return self._ghosts.limit
-
-    @ghost_limit.setter
-    def ghost_limit(self, limit: int) -> None:
-        self._ghosts.limit = limit
-
-    @property
-    def tail_counts(self) -> list[int]:
-        """The departures of tails and new blocks (`TailEvidence.counts`, a copy); settable. The
-        compiled class has the same property."""
-        return list(self._tails.counts)
-
-    @tail_counts.setter
-    def tail_counts(self, counts: list[int]) -> None:
-        self._tails.counts = [int(v) for v in counts]
-
-    def get(self, key: OffloadKey) -> BlockStatus | None:  # replaced per instance by blocks.get
-        return self.blocks.get(key)
-
-    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        # Contract: `key` is not resident (the manager inserts only keys that `get` did not find).
-        # The clock is not advanced here: `_sync` adds the number of inserts at the next call,
-        # so a request's new blocks share one stamp and are ordered by their list position.
-        self.blocks[key] = block
-        self._place(key)
-
-    def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus],
-                    tail: OffloadKey | None = None) -> None:
-        self.blocks.update(zip(keys, blocks))
+    def insert(self, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
+        # Contract: `keys` are not resident. The clock is not advanced here: `_sync` adds the
+        # number of inserts at the next call, so a request's new blocks share one stamp and are
+        # ordered by their list position.
+        self.size += len(keys)
         if tail is not None and not self.demote_tail:
             tail = None
-        if not self._ghosts.evicted.keys().isdisjoint(keys) or (tail is not None and (not keys or keys[0] != tail)):
+        if not self.ghost_list.evicted.keys().isdisjoint(keys) or (tail is not None and (not keys or keys[0] != tail)):
             _place_many(self, keys, tail)  # a returning ghost, or the tail not first
             return
         # No ghost among them (the common case): the tail (first, as the manager passes it),
@@ -173,53 +131,32 @@ class PurePrefixFreqCachePolicy(CachePolicy):
         for key in it:
             new[key] = clock
 
-    def _place(self, key: OffloadKey, tail: bool = False) -> None:
-        """Put a just-inserted key into its segment: a returning ghost by its history, else the
-        tail segment (`tail`, with `demote_tail`) or the new blocks."""
-        ghost = self._ghosts.pop(key, None)
-        if ghost is None:
-            if tail and self.demote_tail:
-                self.segs[_TAIL][key] = self.clock
-            else:
-                self._new[key] = self.clock
-            return
-        # Evicted, then needed again: the re-store counts as a hit.
-        if ghost <= 1:
-            self._tails.counts[RETURNED_TAIL if ghost == _TAIL else RETURNED_NEW] += 1
-        segs = self.segs
-        segs[min(max(ghost, 1) + 1, len(segs) - 1)][key] = self.clock
-
     def _sync(self) -> float:
-        """Advance the clock by the blocks inserted since the last call that synced; returns it."""
-        n = len(self.blocks)
+        """Advance the clock by the keys inserted since the last call that synced; returns it."""
+        n = self.size
         self.clock += n - self._mark
         self._mark = n
         return self.clock
 
     def remove(self, key: OffloadKey) -> None:
-        if key not in self.blocks:
-            return  # (the clock is synced at the next call that reads it, as if this one had)
         self._sync()
-        del self.blocks[key]
+        self.size -= 1
         for seg in self.segs:
             if seg.pop(key, None) is not None:
                 break
-        self._mark = len(self.blocks)
-        self._forget_pin(key)
+        self._mark = self.size
+        self.pinned.discard(key)
         if self.aside:
             self._aside.unaside([key], restore=False)
 
-    def evictable(self, keys: Iterable[OffloadKey], flag: bool) -> None:
-        keys = keys if isinstance(keys, list) else list(keys)
-        pinned = self._pinned
-        if pinned is None or not flag or not self.aside or self.aside.keys().isdisjoint(keys):
+    def evictable(self, keys: list[OffloadKey], flag: bool) -> None:
+        if not flag or not self.aside or self.aside.keys().isdisjoint(keys):
             super().evictable(keys, flag)
             return
-        self._aside.unpin(keys, pinned)
+        self._aside.unpin(keys, self.pinned)
 
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: list[OffloadKey]) -> None:
         clock, unit, rate = self._sync(), self.unit, self.unit_rate
-        keys = keys if isinstance(keys, list) else list(keys)
         if self.aside and not self.aside.keys().isdisjoint(keys):
             self._aside.unaside(keys)  # touched: back in the order of the segment they move to
         # Nothing enters the tails or the new blocks here, so what leaves them was hit.
@@ -240,92 +177,133 @@ class PurePrefixFreqCachePolicy(CachePolicy):
             clock += 1.0
             unit += (clock - stamp - unit) * rate
             dest[key] = clock
-        counts = self._tails.counts
+        counts = self.tail_evidence.counts
         counts[HIT_NEW] += n_new - len(new)
         counts[HIT_TAIL] += n_tails - len(tails)
         self.clock = clock
         self.unit = unit
 
-    def _tails_one_time(self) -> bool:
-        """Whether request tails are evicted before any other block now (`TailEvidence.one_time`)."""
-        return self._tails.one_time(self.tail_reuse_max)
-
-    def _order(self, protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        """Evictable blocks in eviction order (no state change); the same walk as `evict`:
+    def _order(self, protected: Collection[OffloadKey]) -> Iterator[OffloadKey]:
+        """Evictable keys in eviction order (no state change); the same walk as `evict`:
         one-time request tails first, then by increasing score, ties to the lower segment."""
-        blocks = self.blocks
-        first = 0
-        if self._tails_one_time():
-            first = 1
-            for key, _ in self._aside.lane(_TAIL, self._pinned):
-                block = blocks[key]
-                if block.ref_cnt == 0 and key not in protected:
-                    yield key, block
-        yield from _merged(_heads(self, protected, first), blocks, protected)
+        pinned = self.pinned
+        first_seg = 0
+        if self.tail_evidence.one_time(self.tail_reuse_max):
+            first_seg = 1
+            for key, _ in self._aside.lane(_TAIL, pinned):
+                if key not in pinned and key not in protected:
+                    yield key
+        yield from _merged(_heads(self, protected, first_seg), pinned, protected)
 
-    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        if n <= 0:
-            return []
-        blocks, pinned = self.blocks, self._pinned
-        if (pinned is None or len(blocks) - len(pinned) < n + len(protected)) and self._refuses(n, protected):
-            return None  # fewer than n evictable blocks, known without looking at the pinned ones
+    def evict(self, n: int, skip: set[OffloadKey]) -> list[OffloadKey] | None:
+        pinned = self.pinned
         # The walk of _order, without a generator (this is the hot path).
-        chosen: list[tuple[OffloadKey, BlockStatus]] = []
+        chosen: list[OffloadKey] = []
         left = n
-        first = 0
+        first_seg = 0
         tails: list[OffloadKey] = []
-        met: list[tuple[int, OffloadKey]] | None = None if pinned is None else []
-        if self._tails.one_time(self.tail_reuse_max):  # (`_tails_one_time`)
-            first = 1
+        met: list[tuple[int, OffloadKey]] = []
+        if self.tail_evidence.one_time(self.tail_reuse_max):
+            first_seg = 1
             aside = self._aside
             lane = aside.lane(_TAIL, pinned) if aside.freed[_TAIL] else self.segs[_TAIL].items()
-            left = _take_tails(lane, left, blocks, protected, chosen, tails, met)
-        lanes = _heads(self, protected, first, met) if left else []
+            left = _take_tails(lane, left, pinned, skip, chosen, tails, met)
+        lanes = _heads(self, skip, first_seg, met) if left else []
         used = lanes[:]
-        if _walk_lanes(lanes, left, blocks, protected, chosen, met):
+        if _walk_lanes(lanes, left, pinned, skip, chosen, met):
             return None
         self._sync()
         if self.aside:
-            self._aside.unaside([key for key, _ in chosen])  # back into their segments, deleted below
+            self._aside.unaside(chosen)  # back into their segments, deleted below
         if tails:
-            used.append([0, 0, 0, 0, 0, _TAIL, tails])
-        _forget(used, self.segs, blocks, self._ghosts.evicted, self._tails.counts)
-        self._mark = len(blocks)
+            used.append([0, 0, 0, 0, _TAIL, tails])
+        _forget(used, self.segs, self.ghost_list.evicted, self.tail_evidence.counts)
+        self.size -= len(chosen)
+        self._mark = self.size
         if met:
-            self._aside.set_aside(met, self._pinned)
-        ghosts = self._ghosts
+            self._aside.set_aside(met, pinned)
+        ghosts = self.ghost_list
         if len(ghosts.evicted) >= 2 * ghosts.limit:
             ghosts.trim()
         return chosen
 
-    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
-        return first_keys(self._order(set()), n, skip)
+    def victims(self, n: int, skip: Collection[OffloadKey]) -> list[OffloadKey]:
+        return first(self._order(()), n, skip)
 
     def clear(self) -> None:
         for seg in self.segs:
             seg.clear()
-        self.blocks.clear()
-        self._ghosts.clear()
-        self._tails.clear()
+        self.size = 0
+        self.ghost_list.clear()
+        self.tail_evidence.clear()
         self.clock, self._mark = 0.0, 0
         self.unit = float(self.cache_capacity)
-        if self._pinned is not None:
-            self._pinned.clear()
+        self.pinned.clear()
         self._aside.clear()
 
-    def __len__(self) -> int:
-        return len(self.blocks)
 
-    def keys(self) -> Iterable[OffloadKey]:
-        return list(self.blocks)
+class PurePrefixFreqCachePolicy(PurePolicy):
+    """`PurePrefixFreqOrder` composed with the pure block table; the order's state is inspected
+    through the properties below (the compiled class has the same)."""
+
+    # Tuned on the synthetic trace and generated workloads (docs/policies.md).
+    credits: tuple[float, ...] = (0.0, 1.5, 3.0, 4.5)  # credit (in units) of a block with c hits
+    tail_reuse_max = 0.1  # tails reused more often than this are not one-time (synthetic 40k: 23%)
+    ghost_fraction = 6.0  # ghosts kept: between 1x and 2x this many capacities (keys only)
+    max_ghost_limit = 4_000_000  # ... but at most 1-2x this many keys (about 0.4-0.8 GB): a bound
+    # for tiers of more than ~670k blocks, which no measured workload reached
+    unit_rate = 0.001  # weight of one hit in the running mean of hit ages
+    demote_tail = True
+
+    def make_order(self) -> PurePrefixFreqOrder:
+        return PurePrefixFreqOrder(self.cache_capacity, type(self))
+
+    @property
+    def segs(self) -> list[OrderedDict[OffloadKey, float]]:
+        return self.order.segs
+
+    @property
+    def aside(self) -> dict[OffloadKey, tuple[int, int, float]]:
+        return self.order.aside
+
+    @property
+    def clock(self) -> float:
+        return self.order.clock
+
+    @property
+    def unit(self) -> float:
+        return self.order.unit
+
+    @property
+    def ghosts(self) -> dict[OffloadKey, int]:
+        """Evicted key -> its segment then, oldest first (read-only view of the ghost list)."""
+        return self.order.ghost_list.evicted
+
+    @property
+    def ghost_limit(self) -> int:
+        """Ghosts kept: between 1x and 2x this many keys."""
+        return self.order.ghost_list.limit
+
+    @ghost_limit.setter
+    def ghost_limit(self, limit: int) -> None:
+        self.order.ghost_list.limit = limit
+
+    @property
+    def tail_counts(self) -> list[int]:
+        """The departures of tails and new blocks (`TailEvidence.counts`, a copy); settable."""
+        return list(self.order.tail_evidence.counts)
+
+    @tail_counts.setter
+    def tail_counts(self, counts: list[int]) -> None:
+        self.order.tail_evidence.counts = [int(v) for v in counts]
 
 
-def _place_many(policy: PurePrefixFreqCachePolicy, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
-    """`policy._place(key, key == tail)` for each of `keys` (distinct, just inserted), in order,
-    a segment at a time: each segment receives its keys in the order of `keys`, and the
-    segments are independent lists."""
+def _place_many(policy: PurePrefixFreqOrder, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
+    """Place each of `keys` (distinct, just inserted), in order, a segment at a time: a returning
+    ghost by its history, else the tail segment (`tail`) or the new blocks. Each segment receives
+    its keys in the order of `keys`, and the segments are independent lists."""
     clock, segs = policy.clock, policy.segs
-    history = list(map(policy._ghosts.pop, keys, repeat(None)))  # segment evicted from, or None
+    history = list(map(policy.ghost_list.pop, keys, repeat(None)))  # segment evicted from, or None
     fresh = list(map(is_, history, repeat(None)))
     if tail is not None and tail in keys:
         at = keys.index(tail)
@@ -340,7 +318,7 @@ def _place_many(policy: PurePrefixFreqCachePolicy, keys: Sequence[OffloadKey], t
         return
     # Evicted, then needed again: the re-store counts as a hit.
     was = cast("list[int]", list(compress(history, returning)))
-    counts = policy._tails.counts
+    counts = policy.tail_evidence.counts
     counts[RETURNED_TAIL] += was.count(_TAIL)
     counts[RETURNED_NEW] += was.count(1)
     back = list(compress(keys, returning))

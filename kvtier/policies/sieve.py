@@ -14,98 +14,90 @@ which keeps the queue order; a wrap makes `passed` the new `ahead`.
 
 Pinned (`ref_cnt != 0`) and protected blocks are never evicted: the hand passes over them (and
 clears their bit) as over a visited block.
+
+`SIEVEOrder` keeps the queue (keys only); `SIEVECachePolicy` is it composed with the pure block
+table (`kvtier.policies.pure.PurePolicy`), which holds the blocks.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Iterator
+from collections.abc import Collection, Iterator, Sequence
 
 from kvtier.core.keys import OffloadKey
-from kvtier.core.types import BlockStatus
-from kvtier.policies.base import CachePolicy, first_keys
+from kvtier.policies.pure import KeyOrder, PurePolicy, first
 
 
-class SIEVECachePolicy(CachePolicy):
-    """SIEVE replacement; `touch` is O(1) per key and moves nothing."""
+class SIEVEOrder(KeyOrder):
+    """SIEVE's queue over keys (`kvtier.index.pure.Order`); `touch` is O(1) per key and moves nothing."""
 
-    def __init__(self, cache_capacity: int) -> None:
-        super().__init__(cache_capacity)
-        self.ahead: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()  # hand .. newest
-        self.passed: OrderedDict[OffloadKey, BlockStatus] = OrderedDict()  # oldest .. before the hand
+    def __init__(self) -> None:
+        super().__init__()
+        self.ahead: OrderedDict[OffloadKey, None] = OrderedDict()  # hand .. newest
+        self.passed: OrderedDict[OffloadKey, None] = OrderedDict()  # oldest .. before the hand
         self.visited: set[OffloadKey] = set()
 
-    def get(self, key: OffloadKey) -> BlockStatus | None:
-        block = self.ahead.get(key)
-        return block if block is not None else self.passed.get(key)
-
-    def insert(self, key: OffloadKey, block: BlockStatus) -> None:
-        self.passed.pop(key, None)
-        self.ahead[key] = block
-        self.visited.discard(key)
+    def insert(self, keys: Sequence[OffloadKey], tail: OffloadKey | None) -> None:
+        for key in keys:
+            self.passed.pop(key, None)
+            self.ahead[key] = None
+            self.visited.discard(key)
 
     def remove(self, key: OffloadKey) -> None:
-        if self.ahead.pop(key, None) is None:
+        if key in self.ahead:
+            del self.ahead[key]
+        else:
             self.passed.pop(key, None)
         self.visited.discard(key)
-        self._forget_pin(key)
+        self.pinned.discard(key)
 
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
+    def touch(self, keys: list[OffloadKey]) -> None:
         ahead, passed, add = self.ahead, self.passed, self.visited.add
         for key in keys:
             if key in ahead or key in passed:
                 add(key)
 
-    def _order(self, protected: set[OffloadKey]) -> Iterator[tuple[OffloadKey, BlockStatus]]:
-        """The hand's eviction order from now on, without moving it: unvisited blocks ahead of the
-        hand, then (after the wrap) unvisited passed blocks, then the visited ones (their bits are
+    def _order(self, protected: Collection[OffloadKey]) -> Iterator[OffloadKey]:
+        """The hand's eviction order from now on, without moving it: unvisited keys ahead of the
+        hand, then (after the wrap) unvisited passed keys, then the visited ones (their bits are
         cleared on the first pass) in the same two segments."""
-        visited = self.visited
+        visited, pinned = self.visited, self.pinned
         for want_visited in (False, True):
             for segment in (self.ahead, self.passed):
-                for key, block in segment.items():
-                    if (key in visited) is want_visited and block.ref_cnt == 0 and key not in protected:
-                        yield key, block
+                for key in segment:
+                    if (key in visited) is want_visited and key not in pinned and key not in protected:
+                        yield key
 
-    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        if n <= 0:
-            return []
-        if self._refuses(n, protected):
-            return None  # fewer than n evictable blocks, known without looking at the pinned ones
-        chosen: list[tuple[OffloadKey, BlockStatus]] = []
-        for entry in self._order(protected):
-            chosen.append(entry)
-            if len(chosen) == n:
-                break
-        else:
+    def evict(self, n: int, skip: set[OffloadKey]) -> list[OffloadKey] | None:
+        chosen = first(self._order(skip), n)
+        if len(chosen) < n:
             return None
         # Move the hand exactly as far as SIEVE would to find these n victims.
-        victims = {key for key, _ in chosen}
+        victims = set(chosen)
         ahead, passed, visited = self.ahead, self.passed, self.visited
         while victims:
             if not ahead:
                 self.ahead, self.passed = ahead, passed = passed, ahead
-            key, block = ahead.popitem(last=False)
+            key, _ = ahead.popitem(last=False)
+            visited.discard(key)
             if key in victims:
                 victims.discard(key)
-                visited.discard(key)
             else:
-                visited.discard(key)
-                passed[key] = block
+                passed[key] = None
         return chosen
 
-    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
-        return first_keys(self._order(set()), n, skip)
+    def victims(self, n: int, skip: Collection[OffloadKey]) -> list[OffloadKey]:
+        return first(self._order(()), n, skip)
 
     def clear(self) -> None:
         self.ahead.clear()
         self.passed.clear()
         self.visited.clear()
-        if self._pinned is not None:
-            self._pinned.clear()
+        self.pinned.clear()
 
-    def __len__(self) -> int:
-        return len(self.ahead) + len(self.passed)
 
-    def keys(self) -> Iterable[OffloadKey]:
-        return [*self.passed.keys(), *self.ahead.keys()]
+class SIEVECachePolicy(PurePolicy):
+    """SIEVE (see the module docstring); its queue is the order's (`order`)."""
+
+    def make_order(self) -> SIEVEOrder:
+        return SIEVEOrder()

@@ -1,9 +1,11 @@
 """The block table's calls (`kvtier.index.BlockTable`: `readable_run`, `absent`, `insert_written`,
-`pin_loads`, `release_loads`, `mark_written`, `evict_ids`): the compiled `lru` index, its own
-table, gives exactly the answers and side effects of `PolicyTable`, which goes key by key through
-`get`, `insert_many`, `evict`, the blocks' `ref_cnt` and `pin`/`unpin` (over `PureLRUCachePolicy`). Batches
-repeat keys and mix resident, absent, pinned and unwritten blocks, with and without evictable
-accounting, so refusals (nothing changed) are reached as often as the common case."""
+`pin_loads`, `release_loads`, `mark_written`, `evict_ids`): the compiled table of `lru`
+(`CompactTable` with its compiled order), the pure-Python table (`PureTable` with the pure LRU
+order: `PureLRUCachePolicy` and the fallback) and `PolicyTable`, which goes key by key through
+`get`, `insert_many`, `evict`, the blocks' `ref_cnt` and `pin`/`unpin` of a policy that overrides
+vLLM's calls (`AdaptedLRU`), give exactly the same answers and side effects. Batches repeat keys
+and mix resident, absent, pinned and unwritten blocks, with and without evictable accounting, so
+refusals (nothing changed) are reached as often as the common case."""
 
 from __future__ import annotations
 
@@ -12,10 +14,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvtier.core.types import BlockStatus
-from kvtier.index import table_of
+from kvtier.index import PolicyTable, PureTable, table_of
 from kvtier.policies.lru_compiled import FallbackLRUCachePolicy, LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from tests.support.policy_state import evictable_count_of, pinned_of
+
+
+class AdaptedLRU(PureLRUCachePolicy):
+    """The pure LRU with one of vLLM's calls overridden: its tier goes through `PolicyTable`."""
+
+    def touch(self, keys) -> None:
+        super().touch(keys)
 
 
 def key(i: int) -> bytes:
@@ -45,14 +54,15 @@ OPS = st.lists(st.one_of(
 @given(ops=OPS, tracked=st.booleans())
 def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
     ref, compiled, fallback = PureLRUCachePolicy(8), LRUCachePolicy(8), FallbackLRUCachePolicy(8)
-    policies = (ref, compiled, fallback)
+    adapted = AdaptedLRU(8)
+    policies = (ref, compiled, fallback, adapted)
     assert compiled.batch_calls and not ref.batch_calls
     for p in policies if tracked else ():
         p.evictable((), False)
     next_id = 0
     for op in ops:
         kind, arg = op[0], op[1]
-        answers: list = [None] * 3
+        answers: list = [None] * 4
         if kind == "insert":
             keys = list(dict.fromkeys(key(i) for i in arg if ref.get(key(i)) is None))
             for p in policies:
@@ -86,8 +96,9 @@ def test_compiled_batch_calls_equal_the_defaults(ops, tracked):
                             table_of(p).release_loads(keys)
                     continue
             answers = [getattr(p if kind == "touch" else table_of(p), kind)(keys) for p in policies]
-        assert answers[1] == answers[0] and answers[2] == answers[0], (kind, arg)
-        assert state(compiled) == state(ref) and state(fallback) == state(ref), (kind, arg)
+        assert answers[1:] == answers[:1] * 3, (kind, arg)
+        assert state(compiled) == state(ref) == state(fallback) == state(adapted), (kind, arg)
+    assert type(table_of(adapted)) is PolicyTable and type(table_of(ref)) is type(table_of(fallback)) is PureTable
 
 
 @pytest.mark.parametrize("cls", [LRUCachePolicy, PureLRUCachePolicy])

@@ -1,6 +1,7 @@
 """`BlockTable.hold` and its release, `hold(keys, False)` (a session's retention), on every table a
-tier can have: the compiled table (with the lru and prefix-freq orders) and `PolicyTable` over
-the pure policies and ARC/SIEVE. A held block is pinned whatever its `ref_cnt`: never a victim,
+tier can have: the compiled table (with the lru and prefix-freq orders), `PureTable` (with the
+pure lru and prefix-freq, ARC and SIEVE orders) and `PolicyTable` over a policy written to vLLM's
+five methods. A held block is pinned whatever its `ref_cnt`: never a victim,
 never evicted, not counted as evictable; it stays held through loads and writes that end, and is
 evictable again only once unheld and unpinned."""
 
@@ -10,14 +11,21 @@ import pytest
 
 from kvtier.index import table_of
 from kvtier.policies.arc import ARCCachePolicy
+from kvtier.policies.base import with_key_index
 from kvtier.policies.lru_compiled import LRUCachePolicy
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 from kvtier.policies.prefix_compiled import PrefixFreqCachePolicy
 from kvtier.policies.prefix_pure import PurePrefixFreqCachePolicy
 from kvtier.policies.sieve import SIEVECachePolicy
+from tests.policies.seed_policy import SeedLRUPolicy
 
 POLICIES = [LRUCachePolicy, PrefixFreqCachePolicy, PureLRUCachePolicy, PurePrefixFreqCachePolicy, ARCCachePolicy,
-            SIEVECachePolicy]
+            SIEVECachePolicy, SeedLRUPolicy]
+
+
+def test_every_kind_of_table_is_covered():
+    kinds = {type(table_of(with_key_index(policy_class(4)))).__name__ for policy_class in POLICIES}
+    assert kinds == {"CompactTable", "PureTable", "PolicyTable"}
 
 
 def key(i: int) -> bytes:
@@ -26,7 +34,7 @@ def key(i: int) -> bytes:
 
 def readable_table(policy_class, n: int = 6):
     """A table of `n` readable blocks, key(i) in slot i, inserted oldest first."""
-    table = table_of(policy_class(16))
+    table = table_of(with_key_index(policy_class(16)))
     keys = [key(i) for i in range(n)]
     table.insert_written(keys, list(range(n)))
     assert table.mark_written(keys)

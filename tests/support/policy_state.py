@@ -1,7 +1,7 @@
 """What a policy has been told of its blocks' evictability, for the differential tests that
-compare a pure policy with its compiled twin. The compiled twin's table counts pins itself
-(`policy.table`: `pinned_keys`, `evictable_count`); a pure policy keeps the block table's notices
-(`CachePolicy.evictable`) in `_pinned`, which is what is compared here."""
+compare a pure policy with its compiled twin. Both twins' tables count pins themselves
+(`policy.table`: `pinned_keys`, `evictable_count`); a policy without a table keeps the block
+table's notices (`CachePolicy.evictable`) in `_pinned`, which is what is compared then."""
 
 from __future__ import annotations
 
