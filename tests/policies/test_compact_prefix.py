@@ -315,8 +315,8 @@ TABLE_CALLS = {"readable_run", "absent", "insert_written", "pin_loads", "release
 
 
 class BatchDrive(Drive):
-    """`Drive` through the block table: the reference runs `PolicyTable` (key by key
-    through `get`, `insert_many`, `evict`, ref_cnt and pin/unpin); every answer is compared."""
+    """`Drive` through the block table: the reference runs the pure `PureTable` (key by key
+    through its blocks, its pins and the pure order's notices); every answer is compared."""
 
     def __init__(self, capacity: int, tracked: bool) -> None:
         super().__init__(capacity, tracked)
@@ -334,7 +334,8 @@ class BatchDrive(Drive):
         pin it for loading (`pin_loads`), touch it, store the absent rest (`evict_ids` for room,
         `insert_written` tail first), release the loads."""
         ref = self.ref
-        written = [k for k in self.pending if (b := ref.get(k)) is not None and b.ref_cnt == -1]
+        # (once each: a key removed while pending, then inserted again, is pending twice)
+        written = list(dict.fromkeys(k for k in self.pending if (b := ref.get(k)) is not None and b.ref_cnt == -1))
         self.pending = []
         if written and rng.random() < 0.8:
             assert self.same("mark_written", written)
