@@ -144,6 +144,37 @@ class CachePolicy(ABC):
             self._pinned.clear()
 
 
+class OnTable:
+    """vLLM's calls that a policy composed with a block table (`table`: kvtier.policies.compiled,
+    kvtier.policies.pure) answers through it."""
+
+    table: Any
+
+    def remove(self, key: OffloadKey) -> None:
+        self.table.remove(key)
+
+    def touch(self, keys: Iterable[OffloadKey]) -> None:
+        self.table.touch(keys)
+
+    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
+        return self.table.evict(n, protected)
+
+    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
+        return self.table.victims(n, skip)
+
+    def evictable(self, keys: Iterable[OffloadKey], flag: bool) -> None:
+        self.table.evictable(keys, flag)
+
+    def keys(self) -> Iterable[OffloadKey]:
+        return self.table.keys()
+
+    def clear(self) -> None:
+        self.table.clear()
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+
 def first_keys(candidates: Iterable[tuple[OffloadKey, BlockStatus]], n: int,
                skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
     """`victims` from `(key, block)` pairs in eviction order: the first `n` keys not in `skip`."""

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-from collections.abc import Collection, Iterable
 from typing import Any, ClassVar
 
 from kvtier.core.keys import OffloadKey
 from kvtier.core.limits import MAX_INDEX_BLOCKS, MAX_KEY_BYTES
 from kvtier.core.types import BlockStatus
+from kvtier.policies.base import OnTable
 
 log = logging.getLogger("kvtier.policies")
 
@@ -55,7 +55,7 @@ class FallbackPolicy:
             self.index.fallback_built()
 
 
-class CompiledPolicy:
+class CompiledPolicy(OnTable):
     """Base (first, before `CachePolicy`) of a compiled policy: `table`, a compiled block table
     (`kvtier.index._table_api.CompactTable`) composed with `order`, the order `make_order` makes.
     The table holds the blocks and answers vLLM's calls (bound once, so a call runs no Python
@@ -87,7 +87,7 @@ class CompiledPolicy:
         """The compiled order this policy's table is composed with."""
         raise NotImplementedError
 
-    # The calls below are replaced per instance by the table's (see __init__).
+    # These, and `OnTable`'s, are replaced per instance by the table's (see __init__).
     def get(self, key: OffloadKey) -> BlockStatus | None:
         return self.table.get(key)
 
@@ -96,30 +96,6 @@ class CompiledPolicy:
 
     def insert_many(self, keys: Any, blocks: Any, tail: OffloadKey | None = None) -> None:
         self.table.insert_many(keys, blocks, tail)
-
-    def remove(self, key: OffloadKey) -> None:
-        self.table.remove(key)
-
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
-        self.table.touch(keys)
-
-    def evict(self, n: int, protected: set[OffloadKey]) -> Any:
-        return self.table.evict(n, protected)
-
-    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
-        return self.table.victims(n, skip)
-
-    def evictable(self, keys: Iterable[OffloadKey], flag: bool) -> None:
-        self.table.evictable(keys, flag)
-
-    def keys(self) -> Iterable[OffloadKey]:
-        return self.table.keys()
-
-    def clear(self) -> None:
-        self.table.clear()
-
-    def __len__(self) -> int:
-        return len(self.table)
 
     def memory_bytes(self) -> int:
         """Bytes allocated now for the table's arrays and the order's own."""

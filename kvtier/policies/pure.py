@@ -4,14 +4,14 @@ base of kvtier's pure orders (lru_pure.py, prefix_pure.py, arc.py, sieve.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from itertools import filterfalse, islice
 from typing import Any
 
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import BlockStatus
 from kvtier.index.pure import Order, PureTable
-from kvtier.policies.base import CachePolicy
+from kvtier.policies.base import CachePolicy, OnTable
 
 
 class KeyOrder:
@@ -35,7 +35,7 @@ def first(keys: Iterator[OffloadKey], n: int, skip: Collection[OffloadKey] = ())
 _CALLS = ("get", "insert", "insert_many", "remove", "touch", "evict", "victims", "evictable")
 
 
-class PurePolicy(CachePolicy):
+class PurePolicy(OnTable, CachePolicy):
     """Base of a pure policy: `table`, a `PureTable` composed with `order` (`make_order`). The
     table holds the blocks (`get` returns the objects given to `insert`) and is the tier's block
     table (`table_of`) unless a subclass overrides one of vLLM's calls (`composed` is False: the
@@ -67,30 +67,6 @@ class PurePolicy(CachePolicy):
     def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus],
                     tail: OffloadKey | None = None) -> None:
         self.table.insert_many(keys, blocks, tail)
-
-    def remove(self, key: OffloadKey) -> None:
-        self.table.remove(key)
-
-    def touch(self, keys: Iterable[OffloadKey]) -> None:
-        self.table.touch(keys)
-
-    def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:
-        return self.table.evict(n, protected)
-
-    def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
-        return self.table.victims(n, skip)
-
-    def evictable(self, keys: Iterable[OffloadKey], flag: bool) -> None:
-        self.table.evictable(keys, flag)
-
-    def keys(self) -> Iterable[OffloadKey]:
-        return self.table.keys()
-
-    def clear(self) -> None:
-        self.table.clear()
-
-    def __len__(self) -> int:
-        return len(self.table)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({len(self)}/{self.cache_capacity} blocks)"
