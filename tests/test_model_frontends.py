@@ -197,10 +197,11 @@ class FrontMachine(RuleBasedStateMachine):
 
     @invariant()
     def a_corrupted_block_is_dropped_alone_and_counted_once(self) -> None:
-        # The counter first: the shared front lets its owner work during `stats` (a failed read
-        # then counted is dropped in the same step), never while the tiers are inspected below.
-        failures = self.front.stats()["disk"]["failures"]
+        # The counter is read from the tier itself, with its blocks, so that both are one state:
+        # the shared front's `stats` call lets the owner work (its heartbeat may count and drop a
+        # failed read after the reply, before the front holds the namespace again).
         disk = self.front.tiers[1]
+        failures = disk.stats.failures
         for key, slot in list(self.bad.items()):
             block = disk.policy.get(key)
             if block is None or block.block_id != slot or key in disk.condemned:  # (condemned: never served again)
