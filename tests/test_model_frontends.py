@@ -33,12 +33,13 @@ import re
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_state_machine_as_test
-from model_fronts import CLOSE_BOUND_S, SOURCE, SharedFront, StandaloneFront, VllmFront
+from model_fronts import CLOSE_BOUND_S, PAGE, SOURCE, SharedFront, StandaloneFront, VllmFront, content
 
 from kvtier import make_offload_key
 from kvtier.tiers.file.slot_format import HEADER_BYTES
@@ -174,6 +175,17 @@ class FrontMachine(RuleBasedStateMachine):
             return exc
 
     # ------------------------------------------------------------------ model
+    @staticmethod
+    def _rewritten(disk: Any, key: bytes, block: Any) -> bool:
+        """Whether `key`'s block in its corrupted slot is a new copy: being written, or holding the
+        key's own bytes again (the corrupted one was dropped, and counted, before)."""
+        if block.ref_cnt < 0:
+            return True
+        backend = disk.backend
+        with open(backend.slab_path, "rb") as f:
+            f.seek(block.block_id * backend.slot_bytes + HEADER_BYTES)
+            return f.read(PAGE) == content(key).numpy().tobytes()
+
     def _stored(self, keys: list[bytes]) -> None:
         self.stored.update(k for k in keys if k not in self.bad)  # (a stale corrupt copy below may shadow it)
         self.ever.update(keys)
@@ -204,7 +216,9 @@ class FrontMachine(RuleBasedStateMachine):
         failures = disk.stats.failures
         for key, slot in list(self.bad.items()):
             block = disk.policy.get(key)
-            if block is None or block.block_id != slot or key in disk.condemned:  # (condemned: never served again)
+            # (condemned: never served again; rewritten: dropped, then a good copy, promoted before the
+            # corruption, written down again into the same slot)
+            if block is None or block.block_id != slot or key in disk.condemned or self._rewritten(disk, key, block):
                 del self.bad[key]
                 self.dropped += 1
         assert failures == self.dropped, f"file tier failures {failures}, corrupted blocks dropped {self.dropped}"
