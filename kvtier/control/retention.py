@@ -194,9 +194,10 @@ class Retention:
     def _claim(self, session: _Session, name: str, keys: list[OffloadKey]) -> None:
         """`keys` (distinct, not `name`'s) become session `name`'s, taken from any other session."""
         retained = self.retained
-        fresh = list(compress(keys, map(not_, map(retained.get, keys))))  # (session names are not empty)
+        owners = list(map(retained.get, keys))  # (None: not retained; session names are not empty)
+        fresh = list(compress(keys, map(not_, owners)))
         if len(fresh) < len(keys):
-            for owner, count in Counter(filter(None, map(retained.get, keys))).items():
+            for owner, count in Counter(filter(None, owners)).items():
                 previous = self.sessions[owner]
                 previous.held -= count
                 self._count(previous.tenant, -count)
