@@ -15,11 +15,11 @@ each decision; from then on every change is notified (`CachePolicy.evictable`).
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from itertools import filterfalse
-from typing import Protocol, cast
+from typing import Protocol
 
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import BlockStatus
+from kvtier.index.status import StatusCalls
 
 
 class Order(Protocol):
@@ -127,13 +127,13 @@ class PureBlocks:
         self.kept.clear()
         self.order.clear()
 
-    def _hold(self, keys: Sequence[OffloadKey]) -> None:
+    def _pin(self, keys: Sequence[OffloadKey]) -> None:
         """The table pinned `keys` (told as given: a key may already be held)."""
         self.pinned.update(keys)
         self.held.update(keys)
         self.order.evictable(list(keys), False)
 
-    def _free(self, keys: Sequence[OffloadKey]) -> None:
+    def _unpin(self, keys: Sequence[OffloadKey]) -> None:
         """The table made `keys` evictable (their `ref_cnt` is 0), but those a retention holds."""
         if self.kept:
             keys = [k for k in keys if k not in self.kept]
@@ -191,70 +191,15 @@ class PureBlocks:
         return keys, list(map(self.blocks.pop, keys))
 
 
-class PureTable(PureBlocks):
+class PureTable(PureBlocks, StatusCalls):
     """The pure-Python `BlockTable` (see `kvtier.index.table.BlockTable`) over an `Order`."""
 
-    def readable_run(self, keys: Sequence[OffloadKey]) -> int:
-        get = self.blocks.get
-        for n, key in enumerate(keys):
-            block = get(key)
-            if block is None or block.ref_cnt < 0:
-                return n
-        return len(keys)
-
-    def absent(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        return list(filterfalse(self.blocks.__contains__, keys))
-
-    def insert_written(self, keys: Sequence[OffloadKey], block_ids: Sequence[int],
-                       tail: OffloadKey | None = None) -> None:
-        if len(block_ids) != len(keys):
-            raise ValueError(f"insert_written: {len(keys)} keys but {len(block_ids)} block ids")
-        self.blocks.update(zip(keys, BlockStatus.many(block_ids)))
+    def _insert(self, keys: Sequence[OffloadKey], blocks: list[BlockStatus], tail: OffloadKey | None) -> None:
+        self.blocks.update(zip(keys, blocks))
         self.order.insert(keys, tail)
-        self._hold(keys)
 
-    def insert_ready(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
-        if len(block_ids) != len(keys):
-            raise ValueError(f"insert_ready: {len(keys)} keys but {len(block_ids)} block ids")
-        blocks = BlockStatus.many(block_ids)
-        for block in blocks:
-            block.ref_cnt = 0
-        self.insert_many(keys, blocks)
-
-    def pin_loads(self, keys: Sequence[OffloadKey]) -> list[int] | None:
-        blocks = list(map(self.blocks.get, keys))
-        if not all(block is not None and block.ref_cnt >= 0 for block in blocks):
-            return None
-        for block in cast("list[BlockStatus]", blocks):
-            block.ref_cnt += 1
-        self._hold(keys)
-        return [cast("BlockStatus", block).block_id for block in blocks]
-
-    def release_loads(self, keys: Sequence[OffloadKey]) -> None:
-        blocks = list(map(self.blocks.get, keys))
-        if None in blocks:
-            raise KeyError(keys[blocks.index(None)])
-        released, below = [], []
-        for key, block in zip(keys, cast("list[BlockStatus]", blocks)):
-            block.ref_cnt = ref_cnt = block.ref_cnt - 1  # (a ctypes field: read once)
-            if ref_cnt == 0:
-                released.append(key)
-            elif ref_cnt < 0:
-                below.append(key)  # (released more often than pinned: not readable)
-        self._free(released)
-        if below:
-            self._tell(below, False)
-
-    def mark_written(self, keys: Sequence[OffloadKey]) -> bool:
-        blocks = list(map(self.blocks.get, keys))
-        for i, block in enumerate(blocks):
-            if block is None or block.ref_cnt != -1:  # (a key given twice: 0 at its second place)
-                for earlier in cast("list[BlockStatus]", blocks[:i]):
-                    earlier.ref_cnt = -1
-                return False
-            block.ref_cnt = 0
-        self._free(keys)
-        return True
+    def _released_below(self, keys: list[OffloadKey]) -> None:
+        self._tell(keys, False)  # (not readable: not evictable either)
 
     def forget(self, keys: Iterable[OffloadKey]) -> None:
         for key in keys:
@@ -287,7 +232,7 @@ class PureTable(PureBlocks):
             return
         gone = [k for k in keys if k in kept]
         kept.difference_update(gone)
-        self._free([k for k in gone if blocks[k].ref_cnt == 0])
+        self._unpin([k for k in gone if blocks[k].ref_cnt == 0])
 
     def __repr__(self) -> str:
         return f"PureTable({type(self.order).__name__}, {len(self)} blocks)"

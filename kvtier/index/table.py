@@ -15,7 +15,8 @@ effects by tests/policies/test_lru_batch.py and tests/test_manager_bulk.py:
 - its pure-Python twin (`kvtier.index.pure.PureTable`) with a pure `Order`: the pure `lru` and
   `prefix-freq`, ARC and SIEVE (`kvtier.policies.pure.PurePolicy`).
 A policy written to vLLM's `CachePolicy` contract stores its own `BlockStatus` objects: `PolicyTable`
-is the one adapter that makes it a block table.
+is the one adapter that makes it a block table. The two Python tables make their reads and
+`ref_cnt` changes through one piece of code (`kvtier.index.status.StatusCalls`).
 
 `table_of(policy)` gives the table a tier uses and starts its evictable accounting. Both
 implementations also answer `pinned_keys()`, the resident keys not evictable now (pinned or
@@ -25,12 +26,12 @@ held; a new set), for checks rather than the request path.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
-from itertools import filterfalse
 from typing import Any, Protocol, cast
 
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import BlockStatus
 from kvtier.index.pure import PureTable
+from kvtier.index.status import StatusCalls
 
 
 class BlockTable(Protocol):
@@ -94,7 +95,7 @@ class BlockTable(Protocol):
         once no load or write pins it. Absent keys are skipped; O(1) per key."""
 
 
-class PolicyTable:
+class PolicyTable(StatusCalls):
     """The `BlockTable` over a policy written to vLLM's contract, whose blocks are its own
     `BlockStatus` objects (`get`). It counts the blocks that are not evictable (being written or
     pinned) and tells the policy of each change (`CachePolicy.evictable`); the first notice, sent
@@ -102,7 +103,7 @@ class PolicyTable:
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy
-        self.get = policy.get
+        self.get = policy.get  # type: ignore[method-assign]  # hot path: the policy's own lookup
         get = policy.get
         self._pinned: set[OffloadKey] = {k for k in policy.keys() if (b := get(k)) is not None and b.ref_cnt != 0}
         self._held: set[OffloadKey] = set()  # `hold`: pinned whatever their ref_cnt
@@ -145,65 +146,8 @@ class PolicyTable:
         self._pinned.difference_update(keys)
         self._notice(keys, True)
 
-    def readable_run(self, keys: Sequence[OffloadKey]) -> int:
-        get = self.policy.get
-        for n, key in enumerate(keys):
-            block = get(key)
-            if block is None or block.ref_cnt < 0:
-                return n
-        return len(keys)
-
-    def absent(self, keys: Iterable[OffloadKey]) -> list[OffloadKey]:
-        return list(filterfalse(self.policy.get, keys))  # (a block, object or view, is truthy)
-
-    def insert_written(self, keys: Sequence[OffloadKey], block_ids: Sequence[int],
-                       tail: OffloadKey | None = None) -> None:
-        if len(block_ids) != len(keys):
-            raise ValueError(f"insert_written: {len(keys)} keys but {len(block_ids)} block ids")
-        self._insert(keys, BlockStatus.many(block_ids), tail)
-        self._pin(keys)
-
-    def insert_ready(self, keys: Sequence[OffloadKey], block_ids: Sequence[int]) -> None:
-        if len(block_ids) != len(keys):
-            raise ValueError(f"insert_ready: {len(keys)} keys but {len(block_ids)} block ids")
-        blocks = BlockStatus.many(block_ids)
-        for block in blocks:
-            block.ref_cnt = 0
-        self._insert(keys, blocks, None)
-
     def _insert(self, keys: Sequence[OffloadKey], blocks: list[BlockStatus], tail: OffloadKey | None) -> None:
         self.policy.insert_many(keys, blocks, tail=tail)
-
-    def pin_loads(self, keys: Sequence[OffloadKey]) -> list[int] | None:
-        blocks = list(map(self.policy.get, keys))
-        if not all(block is not None and block.ref_cnt >= 0 for block in blocks):
-            return None
-        for block in cast("list[BlockStatus]", blocks):
-            block.ref_cnt += 1
-        self._pin(keys)
-        return [cast("BlockStatus", block).block_id for block in blocks]
-
-    def release_loads(self, keys: Sequence[OffloadKey]) -> None:
-        blocks = list(map(self.policy.get, keys))
-        if None in blocks:
-            raise KeyError(keys[blocks.index(None)])
-        released = []
-        for key, block in zip(keys, cast("list[BlockStatus]", blocks)):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                released.append(key)
-        self._unpin(released)
-
-    def mark_written(self, keys: Sequence[OffloadKey]) -> bool:
-        blocks = list(map(self.policy.get, keys))
-        for i, block in enumerate(blocks):
-            if block is None or block.ref_cnt != -1:  # (a key given twice: 0 at its second place)
-                for earlier in cast("list[BlockStatus]", blocks[:i]):
-                    earlier.ref_cnt = -1
-                return False
-            block.ref_cnt = 0
-        self._unpin(keys)
-        return True
 
     def forget(self, keys: Iterable[OffloadKey]) -> None:
         keys = list(keys)
