@@ -6,31 +6,14 @@ decisions) and its fallback where the extension is not built; the design is expl
 `PurePrefixFreqOrder` (keys, stamps, ghosts; no blocks) composed with the pure block table
 (`kvtier.policies.pure.PurePolicy`), which holds the blocks and tells the order of pins.
 
-A block is only worth keeping while every block before it in its request is kept: the lookup
-stops at the first miss. What the Mooncake traces show (numbers in
-docs/policies.md):
-
-1. *Most stored blocks are never used again* (76% of the distinct blocks of the conversation
-   trace), while a block that has been hit is more likely to be hit again (conversation: 0.26 for
-   a block just stored, 0.42 after one hit, 0.50 after two, 0.84 after four; a conversation at
-   turn t = 1..5 gets another turn with probability 0.33, 0.41, 0.48, 0.57, 0.70) and the gap to
-   the next use does not grow with the count. So a block's value is its recency *plus a credit
-   that grows with its hit count*.
-2. *A block that was evicted and is stored again was needed*: the re-store counts as a hit (a
-   ghost list of recently evicted keys, as in ARC, Megiddo & Modha FAST'03).
-3. *The tail of a request is one-time.* The last block of a request is partial (its hash changes
-   when the conversation grows): 98% (conversation) and 90% (synthetic) of them are never used
-   again. While tails look one-time they are evicted before any other block. Whether this is
-   right is checked online from departures: reuse rate = (hits while resident + re-stores after
-   eviction) / (hits + evictions), for tails and for other new blocks; tails are one-time while
-   their rate is below half of the new blocks' rate and below `tail_reuse_max` (10%). Otherwise
-   they are ordinary new blocks (credit 0). (Synthetic at 40k blocks: 23% of the departing tails
-   are reused, by exact repeats of a request; demoting them there lost to LRU.)
-4. *Chains are cut from the deep end.* Hits are touched in prefix order and new blocks are
-   inserted tail first (`HierarchyManager.prepare_store`), so a chain's head always carries the newest
-   stamp; and a deeper block never has more hits than its parent (a request holding a block holds
-   its prefix), so it never has more credit either. Eviction removes a chain from its deep end and
-   leaves no unreachable (dead) blocks behind.
+A block is worth keeping only while every block before it in its request is kept (the lookup
+stops at the first miss). So a block's value is its recency plus a credit that grows with its hit
+count; a re-stored ghost (a recently evicted key) counts as a hit; a request's tail, while tails
+look one-time (their reuse rate, measured online from departures, below half of the other new
+blocks' and below `tail_reuse_max`), is evicted before any other block; chains are cut from their
+deep end (hits are touched in prefix order, new blocks inserted tail first, and a deeper block
+never has more hits than its parent). The evidence from the Mooncake traces behind each rule is in
+docs/policies.md ("prefix-freq").
 
 Mechanism: a logical clock advances by one per block inserted or touched (inserts are added in
 bulk at the next other call, so a request's new blocks share one stamp; their order within a
