@@ -2,8 +2,10 @@
 kvtier modules whose code runs, and the cycles among them (a module entered again while its own
 call is still below on the stack, e.g. cascade -> tier -> cascade).
 
-Measured at run time (`sys.setprofile`) on a store that must evict, in a two-tier hierarchy
-(cpu + file, dry run: the control plane's own path, no bytes). Prints the walk and writes JSON:
+Measured at run time (`sys.setprofile`) in a two-tier hierarchy (cpu + file, dry run: the control
+plane's own path, no bytes), for three stores of two blocks into the cpu tier: one with room there,
+one that evicts blocks already copied down (clean), and one that must first copy its victims down
+(dirty: a demotion job through the router; the figure of issue 41). Prints each walk and writes JSON:
 
     python -m benchmarks.walks [--json walks.json]
 """
@@ -63,10 +65,16 @@ def trace(call: Any) -> tuple[list[str], list[list[str]]]:
     return list(order), cycles
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args(argv)
+SCENARIOS = {  # name -> (blocks stored before, whether they are copied down first)
+    "room": (4, False),
+    "evicts clean": (8, True),
+    "evicts dirty": (8, False),
+}
+
+
+def walk(stored_before: int, copied_down: bool) -> tuple[list[str], list[list[str]]]:
+    """The walk of one `prepare_store` of two new blocks through vLLM's adapter, after storing
+    `stored_before` blocks (two per request), copied down to the file tier first or not."""
     from vllm.v1.kv_offload.base import ReqContext, make_offload_key
 
     from kvtier.integrations.vllm.manager import KVTierOffloadingManager
@@ -76,23 +84,34 @@ def main(argv: list[str] | None = None) -> int:
     ctx = ReqContext("walk")
     keys = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(12)]
     try:
-        for i in range(0, 8, 2):  # fill the first tier, then wait for its copies below
+        for i in range(0, stored_before, 2):
             out = manager.prepare_store(keys[i:i + 2], ctx)
             assert out is not None, "a fresh tier has room"
             manager.complete_store(out.keys_to_store, ctx)
+        if copied_down:
+            hierarchy.manager.flush()
         hierarchy.manager.wait_idle(10)
-        modules, cycles = trace(lambda: manager.prepare_store(keys[8:10], ctx))
+        return trace(lambda: manager.prepare_store(keys[8:10], ctx))
     finally:
         hierarchy.close()
-    print(f"prepare_store: {len(modules)} kvtier modules, {len(cycles)} cycles")
-    for module in modules:
-        print(f"  {module}")
-    for cycle in cycles:
-        print("  cycle: " + " -> ".join(cycle))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args(argv)
+    walks = {}
+    for name, (stored_before, copied_down) in SCENARIOS.items():
+        modules, cycles = walk(stored_before, copied_down)
+        walks[name] = {"modules": modules, "cycles": cycles}
+        print(f"prepare_store ({name}): {len(modules)} kvtier modules, {len(cycles)} cycles")
+        for module in modules:
+            print(f"  {module}")
+        for cycle in cycles:
+            print("  cycle: " + " -> ".join(cycle))
     if args.json:
         with open(args.json, "w") as out_file:
-            json.dump({**provenance(), "walk": "prepare_store", "modules": modules, "cycles": cycles}, out_file,
-                      indent=1)
+            json.dump({**provenance(), "walk": "prepare_store", "walks": walks}, out_file, indent=1)
     return 0
 
 

@@ -22,8 +22,8 @@ from itertools import filterfalse, islice
 
 from kvtier.control.context import ControlContext
 from kvtier.control.ended import evictable_first
-from kvtier.control.jobs import Demotion, enter_copies, pin_sources
-from kvtier.control.tier import Tier
+from kvtier.control.jobs import Demotion, pin_sources
+from kvtier.control.tier import Tier, enter_copies
 from kvtier.core.keys import OffloadKey
 
 log = logging.getLogger(__name__)

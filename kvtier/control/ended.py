@@ -2,11 +2,11 @@
 sessions are the first victims of every tier that holds them (`Tier.first_victims`, evicted by
 `Cascade.evict_for` before the policy's victims); retained blocks are held in every tier's block
 table (`BlockTable.hold`: never a victim while held; a block entering a tier is held there by
-`hold_entering`)."""
+`kvtier.control.tier.hold_entering`)."""
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+from collections.abc import Container, Sequence
 
 from kvtier.control.tier import Tier
 from kvtier.core.keys import OffloadKey
@@ -30,13 +30,6 @@ def unhold(tiers: Sequence[Tier], keys: list[OffloadKey]) -> None:
     """`Retention.on_unhold`: `keys` stopped being retained: evictable again wherever resident."""
     for tier in tiers:
         tier.table.hold(keys, False)
-
-
-def hold_entering(tier: Tier, keys: Iterable[OffloadKey]) -> None:
-    """Blocks `keys` entered `tier`: hold the retained ones (`Tier.retained`) there, as the
-    retention held them in the tiers they were in when it started."""
-    retained = tier.retained
-    tier.table.hold([k for k in keys if k in retained])
 
 
 def evictable_first(tier: Tier, keep: Container[OffloadKey], held: Container[OffloadKey],

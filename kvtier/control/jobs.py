@@ -1,8 +1,8 @@
 """Jobs the manager starts (copies between two tiers), the table of running ones, the event log.
 
 A `Job` knows its tiers, its keys and the slot ids of both sides: `pin_sources` pins the source
-blocks (`BlockTable.pin_loads`) and `enter_copies` allocates and inserts the copies being written
-(`BlockTable.insert_written`). When the router reports the job, `finish(result)` releases the
+blocks (`BlockTable.pin_loads`); the destination tier took the copies being written
+(`kvtier.control.tier.enter_copies`). When the router reports the job, `finish(result)` releases the
 source pins (`Tier.release_loads`), makes the blocks the job delivered readable (`mark_written`)
 and removes those that failed (one outcome: `TransferResult.failed_positions`, counted once, a
 block that failed its read condemned in the tier it came from), then lets the job type do its
@@ -18,7 +18,6 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from kvtier.control.ended import hold_entering
 from kvtier.control.tier import WRITING, Tier
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import OffloadingEvent, TransferResult
@@ -34,29 +33,6 @@ def pin_sources(tier: Tier, keys: list[OffloadKey]) -> list[int]:
     ids = tier.table.pin_loads(keys)
     if ids is None:
         raise KeyError(f"tier {tier.name}: a block to copy is not readable")
-    return ids
-
-
-def enter_copies(tier: Tier, keys: list[OffloadKey], tail_first: bool = False) -> list[int]:
-    """Allocate slots of `tier` for `keys` (distinct, absent there; the caller made room), in
-    their order, and insert them being written (`ref_cnt == -1`, pinned) through the policy's
-    `insert_written`; their slot ids. With `tail_first` (a request's new blocks) they are
-    inserted last key first, the last one named as the request's tail (the
-    `CachePolicy.insert_many` contract); copies have no tail.
-
-    Atomic under a policy error: when inserting or pinning raises (a third-party policy refusing
-    a key), the keys already inserted are removed, the slots freed, and the error propagates."""
-    step, tail = (-1, keys[-1] if keys else None) if tail_first else (1, None)
-    ids = tier.backend.allocate_block_ids(keys)
-    try:
-        tier.table.insert_written(keys[::step], ids[::step], tail=tail)
-        if tier.retained:  # (hints: a session retains some of them)
-            hold_entering(tier, keys)
-    except BaseException:
-        # (the keys a failed insert left resident leave as a failed write does, slots freed)
-        removed = set(tier.remove(keys, WRITING, ids))
-        tier.backend.free_block_ids([i for k, i in zip(keys, ids) if k not in removed])
-        raise
     return ids
 
 

@@ -16,8 +16,8 @@ from itertools import islice, repeat, takewhile
 from time import monotonic
 
 from kvtier.control.context import ControlContext
-from kvtier.control.jobs import Job, enter_copies
-from kvtier.control.tier import Tier
+from kvtier.control.jobs import Job
+from kvtier.control.tier import Tier, enter_copies
 from kvtier.core.keys import OffloadKey
 
 # How long a promotion's outcome is held for the engine, which acts on it within a step or two: a

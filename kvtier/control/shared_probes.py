@@ -35,10 +35,9 @@ from time import monotonic, sleep
 from typing import Any, cast
 
 from kvtier.control.context import ControlContext
-from kvtier.control.ended import hold_entering
-from kvtier.control.jobs import Job, enter_copies, pin_sources
+from kvtier.control.jobs import Job, pin_sources
 from kvtier.control.promotion import Promotions, longest_fit
-from kvtier.control.tier import Tier
+from kvtier.control.tier import Tier, enter_copies, hold_entering
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import LookupResult
 

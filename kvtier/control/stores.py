@@ -14,10 +14,9 @@ from collections.abc import Collection, Iterable
 
 from kvtier.control.cascade import Cascade, split_below
 from kvtier.control.context import ControlContext
-from kvtier.control.jobs import enter_copies
 from kvtier.control.promotion import Promotions
 from kvtier.control.shared_probes import SharedTierProbes
-from kvtier.control.tier import UNPINNED, WRITING
+from kvtier.control.tier import UNPINNED, WRITING, enter_copies
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import PrepareStoreOutput
 

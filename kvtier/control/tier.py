@@ -1,4 +1,5 @@
-"""`Tier`: one backend in the chain, its policy, and every piece of state the manager keeps for it."""
+"""`Tier`: one backend in the chain, its policy, and every piece of state the manager keeps for it;
+`enter_copies`: how blocks enter a tier (being written)."""
 
 from __future__ import annotations
 
@@ -91,7 +92,7 @@ class Tier:
     condemned: set[OffloadKey] = field(default_factory=set, init=False)  # failed a read, still pinned: see `condemn`
     first_victims: OrderedDict[OffloadKey, None] = field(default_factory=OrderedDict, init=False, repr=False)
     # the keys sessions retain (`Retention.retained`, the same for every tier): held in the table on
-    # entry (kvtier.control.ended.hold_entering)
+    # entry (`hold_entering`)
     retained: Mapping[OffloadKey, str] = field(default_factory=dict, init=False, repr=False)
     stats: TierStats = field(default_factory=TierStats, init=False)
     # key -> slot, block state and load pins, behind one batch API over slot ids (kvtier.index)
@@ -248,3 +249,34 @@ class Tier:
         """This tier's counters and occupancy (one entry of `get_stats`)."""
         return {**self.stats.as_dict(), "medium": self.medium, "capacity_blocks": self.capacity,
                 "resident_blocks": len(self.table), "free_blocks": self.backend.get_num_free_blocks()}
+
+
+def enter_copies(tier: Tier, keys: list[OffloadKey], tail_first: bool = False) -> list[int]:
+    """Allocate slots of `tier` for `keys` (distinct, absent there; the caller made room), in
+    their order, and insert them being written (`ref_cnt == -1`, pinned) through the table's
+    `insert_written`; their slot ids. With `tail_first` (a request's new blocks) they are
+    inserted last key first, the last one named as the request's tail (the
+    `CachePolicy.insert_many` contract); copies between tiers have no tail. Retained keys are
+    held there (`hold_entering`).
+
+    Atomic under a policy error: when inserting or pinning raises (a third-party policy refusing
+    a key), the keys already inserted are removed, the slots freed, and the error propagates."""
+    step, tail = (-1, keys[-1] if keys else None) if tail_first else (1, None)
+    ids = tier.backend.allocate_block_ids(keys)
+    try:
+        tier.table.insert_written(keys[::step], ids[::step], tail=tail)
+        if tier.retained:  # (hints: a session retains some of them)
+            hold_entering(tier, keys)
+    except BaseException:
+        # (the keys a failed insert left resident leave as a failed write does, slots freed)
+        removed = set(tier.remove(keys, WRITING, ids))
+        tier.backend.free_block_ids([i for k, i in zip(keys, ids) if k not in removed])
+        raise
+    return ids
+
+
+def hold_entering(tier: Tier, keys: Iterable[OffloadKey]) -> None:
+    """Blocks `keys` entered `tier`: hold the retained ones (`Tier.retained`) there, as the
+    retention held them in the tiers they were in when it started (`kvtier.control.ended.hold`)."""
+    retained = tier.retained
+    tier.table.hold([k for k in keys if k in retained])
