@@ -81,8 +81,7 @@ class PureBlocks:
 
     def insert_many(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus],
                     tail: OffloadKey | None = None) -> None:
-        self.blocks.update(zip(keys, blocks))
-        self.order.insert(keys, tail)
+        self._insert(keys, blocks, tail)
         held = [key for key, block in zip(keys, blocks) if block.ref_cnt]
         if held:
             self._tell(held, False)  # (counted as pinned when notified, as by `insert_written`)
@@ -126,6 +125,11 @@ class PureBlocks:
         self.held.clear()
         self.kept.clear()
         self.order.clear()
+
+    def _insert(self, keys: Sequence[OffloadKey], blocks: Sequence[BlockStatus], tail: OffloadKey | None) -> None:
+        """Make `blocks` resident under `keys` and tell the order (`tail`: the request's end)."""
+        self.blocks.update(zip(keys, blocks))
+        self.order.insert(keys, tail)
 
     def _pin(self, keys: Sequence[OffloadKey]) -> None:
         """The table pinned `keys` (told as given: a key may already be held)."""
@@ -193,10 +197,6 @@ class PureBlocks:
 
 class PureTable(PureBlocks, StatusCalls):
     """The pure-Python `BlockTable` (see `kvtier.index.table.BlockTable`) over an `Order`."""
-
-    def _insert(self, keys: Sequence[OffloadKey], blocks: list[BlockStatus], tail: OffloadKey | None) -> None:
-        self.blocks.update(zip(keys, blocks))
-        self.order.insert(keys, tail)
 
     def _released_below(self, keys: list[OffloadKey]) -> None:
         self._tell(keys, False)  # (not readable: not evictable either)
