@@ -50,6 +50,34 @@ def test_a_bad_hint_names_its_field_and_what_is_right(value, field, says):
     assert str(info.value).startswith(field + ":") and says in str(info.value), str(info.value)
 
 
+def test_numbers_of_other_classes_are_taken_as_their_value_and_nan_is_refused():
+    class Seconds(float):  # (e.g. numpy.float64, a float subclass)
+        pass
+
+    class Level(int):
+        pass
+
+    assert parse_hint({"session": "s", "retain_s": Seconds(2.5), "priority": Level(3)}) == Hint("s", 2.5, 3)
+    with pytest.raises(ArgumentError, match="retain_s"):
+        parse_hint({"session": "s", "retain_s": float("nan")})
+    with pytest.raises(ArgumentError, match="priority"):
+        parse_hint({"session": "s", "priority": False})
+
+
+def test_a_hint_changed_in_place_between_a_requests_calls_is_read_again():
+    r = Retention(capacity=100)
+    params = {"kvtier": {"session": "s", "retain_s": 60}}
+    turn = ReqContext("turn-1", kv_transfer_params=params)
+    assert r.hint_of(turn) == Hint("s", 60.0)
+    assert r.hint_of(turn) == Hint("s", 60.0)  # (parsed once; the same answer)
+    params["kvtier"]["session_ended"] = True  # (a client's dict, changed in place)
+    assert r.hint_of(turn) == Hint("s", 60.0, ended=True)
+    params["kvtier"]["retain_s"] = -1
+    assert r.hint_of(turn) is None and r.stats.hints_refused == 1
+    other = ReqContext("turn-2", kv_transfer_params={"kvtier": {"session": "t", "retain_s": 5}})
+    assert r.hint_of(other) == Hint("t", 5.0) and r.hint_of(turn) is None
+
+
 # ---------------------------------------------------------------------- the bounds
 def test_a_session_is_kept_until_its_retention_runs_out_after_its_last_turn():
     clock = Clock()

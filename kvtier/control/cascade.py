@@ -109,8 +109,6 @@ class Cascade:
                 self._copy_down(tier, dirty)
                 self._jobs.drain()
                 first = [k for k in evictable_first(tier, keep, held, need) if safe(k)]
-            else:
-                first = [k for k in first if safe(k)]
         gone = tier.remove(first)
         tier.stats.evictions += len(gone)
         self._retention.stats.evicted_ended += len(gone)

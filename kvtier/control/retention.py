@@ -32,13 +32,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections import deque as _consume
 from collections.abc import Callable, Collection, Iterable, KeysView, Mapping
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import eq, ne, not_
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvtier.core.errors import ArgumentError
 from kvtier.core.keys import OffloadKey
@@ -52,11 +52,14 @@ MAX_SESSIONS = 10_000  # sessions tracked at once (each: its keys, ~100 bytes + 
 MAX_PRIORITY = 9
 MAX_NAME = 128
 _FIELDS = ("session", "retain_s", "priority", "session_ended", "tenant")
+_FIELD_SET = frozenset(_FIELDS)
+_WHERE = f"kv_transfer_params.{HINTS_KEY}"  # (the errors' name for a hint from vLLM)
+_NUMBERS = (int, float)  # (exact classes: a bool is refused)
 
 
-@dataclass(frozen=True)
-class Hint:
-    """One request's retention hint (see the module docstring)."""
+class Hint(NamedTuple):
+    """One request's retention hint (see the module docstring). A named tuple: one is made per
+    request, and a tuple is made several times faster than a frozen dataclass."""
 
     session: str
     retain_s: float = 0.0
@@ -70,32 +73,39 @@ def parse_hint(value: Any, where: str = HINTS_KEY, max_retain_s: float = MAX_RET
     `ArgumentError` naming the field (`where.field`), what was wrong and what would be right."""
     if value is None:
         return None
-    if not isinstance(value, Mapping):
+    if type(value) is not dict and not isinstance(value, Mapping):
         raise ArgumentError(f"{where}: must be a mapping with 'session' and 'retain_s', got {type(value).__name__}")
-    unknown = sorted(str(k) for k in value if k not in _FIELDS)
-    if unknown:
+    if not _FIELD_SET.issuperset(value):
+        unknown = sorted(str(k) for k in value if k not in _FIELD_SET)
         raise ArgumentError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
-    session = _name(value.get("session"), f"{where}.session", required=True)
-    tenant = _name(value.get("tenant", ""), f"{where}.tenant", required=False)
-    ended = value.get("session_ended", False)
-    if not isinstance(ended, bool):
+    get = value.get
+    session = _name(get("session"), where, "session", required=True)
+    tenant = _name(get("tenant", ""), where, "tenant", required=False)
+    ended = get("session_ended", False)
+    if ended is not False and ended is not True:
         raise ArgumentError(f"{where}.session_ended: must be true or false, got {ended!r}")
-    retain = value.get("retain_s", 0.0)
-    if isinstance(retain, bool) or not isinstance(retain, (int, float)) or not 0 <= retain <= max_retain_s:
-        raise ArgumentError(f"{where}.retain_s: must be a number of seconds from 0 to {max_retain_s:g}, "
-                            f"got {retain!r}")
-    priority = value.get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
-        raise ArgumentError(f"{where}.priority: must be an integer from 0 to {MAX_PRIORITY}, got {priority!r}")
+    retain = get("retain_s", 0.0)
+    if retain.__class__ not in _NUMBERS or not 0 <= retain <= max_retain_s:
+        if isinstance(retain, bool) or not isinstance(retain, (int, float)) or not 0 <= retain <= max_retain_s:
+            raise ArgumentError(f"{where}.retain_s: must be a number of seconds from 0 to {max_retain_s:g}, "
+                                f"got {retain!r}")
+    priority = get("priority", 0)
+    if priority.__class__ is not int or not 0 <= priority <= MAX_PRIORITY:
+        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
+            raise ArgumentError(f"{where}.priority: must be an integer from 0 to {MAX_PRIORITY}, got {priority!r}")
     return Hint(session, float(retain), priority, ended, tenant)
 
 
-def _name(value: Any, where: str, required: bool) -> str:
+def _name(value: Any, where: str, name: str, required: bool) -> str:
+    """`value`, checked to be a session or tenant name (`where.name` in the error)."""
+    if value.__class__ is str and len(value) <= MAX_NAME and (value or not required) and value.isprintable():
+        return value  # (the common case, in one test)
     if not isinstance(value, str) or (required and not value):
-        raise ArgumentError(f"{where}: must be a non-empty string, got {value!r}" if required
-                            else f"{where}: must be a string, got {value!r}")
+        raise ArgumentError(f"{where}.{name}: must be a non-empty string, got {value!r}" if required
+                            else f"{where}.{name}: must be a string, got {value!r}")
     if len(value) > MAX_NAME or not value.isprintable():
-        raise ArgumentError(f"{where}: must be at most {MAX_NAME} printable characters, got {value[:40]!r}...")
+        raise ArgumentError(f"{where}.{name}: must be at most {MAX_NAME} printable characters, "
+                            f"got {value[:40]!r}...")
     return value
 
 
@@ -148,6 +158,7 @@ class Retention:
         self._next_expiry = float("inf")
         self._warned: OrderedDict[Any, None] = OrderedDict()  # requests whose bad hint was logged
         self._parsed: OrderedDict[Any, tuple[dict, Hint | None]] = OrderedDict()  # req_id -> (raw hint, Hint)
+        self._last_parsed: tuple[Any, Any, Hint | None] = (None, None, None)  # (raw, its copy, Hint)
         self.by_tenant: dict[str, int] = {}  # tenant -> blocks its sessions retain (> 0; others absent)
         # Told the blocks of a session that ended (deep end first): the manager makes them first victims.
         self.on_ended: Callable[[list[OffloadKey]], None] = _ignore
@@ -164,50 +175,59 @@ class Retention:
         if hint.ended or hint.retain_s <= 0:
             self._release(hint.session, ended=hint.ended, last=stored)
             return
-        name = hint.session
-        session = self.sessions.pop(name, None)
+        name, sessions = hint.session, self.sessions
+        session = sessions.get(name)
         if session is None:
-            session = _Session(hint.tenant, hint.priority, 0.0)
-        elif session.tenant != hint.tenant and session.held:  # (its blocks count for the new tenant)
-            self._count(session.tenant, -session.held)
-            self._count(hint.tenant, session.held)
+            session = sessions[name] = _Session(hint.tenant, hint.priority, 0.0)
+        else:
+            sessions.move_to_end(name)
+            if session.tenant != hint.tenant and session.held:  # (its blocks count for the new tenant)
+                self._count(session.tenant, -session.held)
+                self._count(hint.tenant, session.held)
         session.tenant, session.priority = hint.tenant, hint.priority
-        session.until = self.clock() + hint.retain_s
-        self._next_expiry = min(self._next_expiry, session.until)
-        self.sessions[name] = session
+        until = session.until = self.clock() + hint.retain_s
+        if until < self._next_expiry:
+            self._next_expiry = until
         if stored:
-            before = len(session.stored)
-            session.stored.update(dict.fromkeys(stored))
-            self._stored += len(session.stored) - before
-        keys = keys if isinstance(keys, list) else list(keys)
-        retained = self.retained
-        claim = list(dict.fromkeys(compress(keys, map(ne, repeat(name), map(retained.get, keys)))))  # (C loops)
-        if claim:
-            self._claim(session, name, claim)
+            remembered = session.stored
+            before = len(remembered)
+            remembered.update(dict.fromkeys(stored))
+            self._stored += len(remembered) - before
+        keys = keys if keys.__class__ is list else list(keys)
+        owners = list(map(self.retained.get, keys))  # (None: not retained; session names are not empty)
+        if owners.count(name) != len(owners):  # (C loops: usually a turn's keys are all its own, or all new)
+            self._claim(session, name, keys, owners)
         if session.held:
-            self._holding[name] = None
-            self._holding.move_to_end(name)
-        if len(self.retained) > self.budget or len(self.sessions) > self.max_sessions or \
+            holding = self._holding
+            if name in holding:
+                holding.move_to_end(name)
+            else:
+                holding[name] = None
+        if len(self.retained) > self.budget or len(sessions) > self.max_sessions or \
                 self._stored > self.stored_limit:
             self._bound()
 
-    def _claim(self, session: _Session, name: str, keys: list[OffloadKey]) -> None:
-        """`keys` (distinct, not `name`'s) become session `name`'s, taken from any other session."""
-        retained = self.retained
-        owners = list(map(retained.get, keys))  # (None: not retained; session names are not empty)
-        fresh = list(compress(keys, map(not_, owners)))
-        if len(fresh) < len(keys):
-            for owner, count in Counter(filter(None, owners)).items():
-                previous = self.sessions[owner]
-                previous.held -= count
-                self._count(previous.tenant, -count)
-                if not previous.held:
-                    previous.keys = []
-                    self._holding.pop(owner, None)
-        retained.update(zip(keys, repeat(name)))
-        session.keys += keys
-        session.held += len(keys)
-        self._count(session.tenant, len(keys))
+    def _claim(self, session: _Session, name: str, keys: list[OffloadKey], owners: list[str | None]) -> None:
+        """The `keys` not `name`'s (`owners`: each one's session, or None) become session
+        `name`'s, taken from any other session."""
+        if owners.count(None) == len(owners):
+            claim = fresh = list(dict.fromkeys(keys))  # (a turn's new blocks: no other session loses any)
+        else:
+            claim = list(dict.fromkeys(compress(keys, map(ne, repeat(name), owners))))
+            owners = list(map(self.retained.get, claim))
+            fresh = list(compress(claim, map(not_, owners)))
+            if len(fresh) < len(claim):
+                for owner in set(filter(None, owners)):
+                    count, previous = owners.count(owner), self.sessions[owner]
+                    previous.held -= count
+                    self._count(previous.tenant, -count)
+                    if not previous.held:
+                        previous.keys = []
+                        self._holding.pop(owner, None)
+        self.retained.update(zip(claim, repeat(name)))
+        session.keys += claim
+        session.held += len(claim)
+        self._count(session.tenant, len(claim))
         if len(session.keys) > 2 * session.held + 64:  # (a log of claims since taken: compacted)
             session.keys = self._own(session, name)
         if fresh:
@@ -240,13 +260,18 @@ class Retention:
         if not params or HINTS_KEY not in params:
             return None
         raw, req_id = params[HINTS_KEY], getattr(req_context, "req_id", None)
+        last = self._last_parsed
+        if raw is last[0] and raw == last[1]:  # (the same request's next call, most often)
+            return last[2]
         parsed = self._parsed.get(req_id)
         if parsed is not None and parsed[0] == raw:  # (a request's later calls: parsed once)
             return parsed[1]
         try:
-            hint = parse_hint(raw, f"kv_transfer_params.{HINTS_KEY}")
+            hint = parse_hint(raw, _WHERE)
             if isinstance(raw, Mapping):
-                self._parsed[req_id] = (dict(raw), hint)
+                copy = dict(raw)  # (a copy: a client's dict changed in place is parsed again)
+                self._parsed[req_id] = (copy, hint)
+                self._last_parsed = (raw, copy, hint)
                 if len(self._parsed) > 4096:
                     self._parsed.popitem(last=False)
             return hint
