@@ -52,6 +52,26 @@ def test_metrics_endpoint_serves_the_stats_and_stops_on_close():
         scrape(url)
 
 
+def test_the_retention_counters_are_served_once_a_hint_was_given():
+    tier = KVTier.open(CPU, make_kv(), metrics_port=0)
+    try:
+        url = tier.metrics_url
+        assert tier.store(keys(3), [1, 2, 3])
+        assert "kvtier_retention_" not in scrape(url)  # (no hint yet: nothing to report)
+        assert tier.store(keys(3), [1, 2, 3], hints={"session": "chat", "retain_s": 60})
+        text = scrape(url)
+        assert value(text, "kvtier_retention_sessions") == 1
+        assert value(text, "kvtier_retention_retained_blocks") == 3
+        assert value(text, "kvtier_tier_retained_blocks", '{tier="cpu"}') == 3
+        assert "sessions retaining blocks now" in text  # (the HELP says what it counts)
+        assert tier.load(keys(3), [4, 5, 6], hints={"session": "chat", "session_ended": True}) == 3
+        text = scrape(url)
+        assert value(text, "kvtier_retention_ended") == 1 and value(text, "kvtier_retention_hints") == 2
+        assert value(text, "kvtier_retention_sessions") == 0
+    finally:
+        tier.close()
+
+
 def port_of(tier: KVTier) -> int:
     """The port of a KVTier's metrics endpoint, read from its public `metrics_url`."""
     match = re.fullmatch(r"http://.+:(\d+)/metrics", tier.metrics_url or "")

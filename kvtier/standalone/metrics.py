@@ -2,7 +2,8 @@
 
 Serves the numbers of `KVTier.stats()` as gauges, read at each scrape: `kvtier_tier_<counter>`
 with a `tier` label for each tier's counters and occupancy (e.g. `kvtier_tier_resident_blocks
-{tier="cpu"}`), and `kvtier_engine_<counter>` for the API's store/load totals, in blocks (a scrape
+{tier="cpu"}`), `kvtier_engine_<counter>` for the API's store/load totals, in blocks, and
+`kvtier_retention_<counter>` for the sessions' retention hints once one was given (a scrape
 during a `store` or `load` waits for it: `stats()` runs between calls); each one's HELP says what
 it counts. `prometheus_client`
 (a vLLM dependency; `pip install kvtier[metrics]`) is imported only when an endpoint starts.
@@ -52,6 +53,20 @@ TIER_HELP = {
     "retained_blocks": "blocks of this tier kept by sessions' retention hints now",
     "ended_blocks": "blocks of this tier from ended sessions, to be evicted first",
 }
+# The sessions' retention (`Retention.report`, `stats()["engine"]["retention"]` once a hint was
+# given): `kvtier_retention_<name>`, without a tier label (a retention holds blocks in every tier).
+RETENTION_HELP = {
+    "hints": "turns that carried a valid retention hint",
+    "hints_refused": "retention hints refused as invalid",
+    "expired": "sessions whose retention ran out",
+    "ended": "sessions ended by a hint (their blocks released, the ones they stored evicted first)",
+    "displaced": "sessions that lost their retention to the first tier's share or the session limit",
+    "kept_past": "evictions that took retained blocks (no room could be made otherwise)",
+    "evicted_ended": "blocks of ended sessions evicted before the policy's victims",
+    "sessions": "sessions retaining blocks now",
+    "retained_blocks": "blocks the sessions' retentions keep now, all tiers together",
+    "budget_blocks": "the most blocks retentions may keep (a share of the first tier)",
+}
 
 
 def check_metrics_port(port: Any, addr: Any = "127.0.0.1") -> None:
@@ -79,6 +94,10 @@ def stat_families(stats: dict[str, Any]) -> Iterator[tuple[str, str, dict[str, s
         engine = group == "engine"
         prefix, labels = ("kvtier_engine", {}) if engine else ("kvtier_tier", {"tier": group})
         helps = ENGINE_HELP if engine else TIER_HELP
+        if engine and isinstance(values.get("retention"), dict):
+            for name, value in values["retention"].items():
+                text = f"{RETENTION_HELP.get(name, name)} (KVTier.stats()['engine']['retention'][{name!r}])"
+                yield f"kvtier_retention_{_NAME.sub('_', name)}", text, {}, float(value)
         for name, value in values.items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 where = 'KVTier.stats()["engine"]' if engine else "KVTier.stats()[tier]"
