@@ -25,6 +25,7 @@ import argparse
 import json
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -72,7 +73,21 @@ def play(server: http.Server, prompts: dict[str, str], burst: list[str], hints: 
               for session in SESSIONS}
     metrics = http.parse_metrics(server.request("GET", "/metrics")[1].decode())
     return {"reset_ok": reset, "turn2": second,
-            "metrics": {k: v for k, v in metrics.items() if "retention" in k or "kvtier_hits" in k}}
+            "metrics": {k: v for k, v in metrics.items() if "retention" in k or "kvtier_hits" in k},
+            "inspect": inspect_live(server)}
+
+
+def inspect_live(server: http.Server) -> dict:
+    """What `kvtier inspect --metrics` reports of the running server (its JSON), run as a user runs it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "inspect.json"
+        done = subprocess.run([sys.executable, "-m", "kvtier.cli.main", "inspect", "--metrics",
+                               f"http://127.0.0.1:{server.port}/metrics", "--json", str(out)],
+                              capture_output=True, text=True, timeout=120)
+        print(done.stdout, end="", flush=True)
+        if done.returncode:
+            return {"error": done.stderr.strip()}
+        return json.loads(out.read_text())
 
 
 def summarize(runs: dict[str, dict], prefix_tokens: int) -> dict:

@@ -1,4 +1,5 @@
-"""`kvtier inspect ROOT_DIR`: what a file tier holds, read-only.
+"""`kvtier inspect ROOT_DIR`: what a file tier holds, read-only (`--metrics URL` instead: a running
+engine's tiers, `kvtier.cli.inspect_live`).
 
 Sizes are printed in binary units (the `--json` report keeps bytes). Exit status: 0; 2 when
 ROOT_DIR is not a directory or holds none of a file tier's files; 1 with `--verify` when a block
@@ -48,6 +49,15 @@ def _lines(report: dict) -> list[tuple[str, str]]:
 def run_inspect(args) -> int:
     from kvtier.tiers.file.inspection import inspect_root
 
+    if args.metrics is not None:
+        if args.root_dir is not None or args.verify:
+            raise KVTierError("give ROOT_DIR (a file tier at rest, --verify allowed) or --metrics URL (a running "
+                              "engine), not both")
+        from kvtier.cli.inspect_live import run_inspect_live
+
+        return run_inspect_live(args.metrics, args.json)
+    if args.root_dir is None:
+        raise KVTierError("give the ROOT_DIR of a file tier, or --metrics URL for a running engine's tiers")
     root = Path(args.root_dir)
     if not root.is_dir():
         raise KVTierError(f"{root} is not a directory (give the root_dir of a file tier)")

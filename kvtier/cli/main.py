@@ -172,8 +172,13 @@ def _add_machine_parsers(sub) -> None:
                                         "bytes compared. Exit status 1 when a check fails.")
     doctor.add_argument("--config", metavar="FILE", help="also reach the valkey tiers of this hierarchy YAML")
 
-    inspect = sub.add_parser("inspect", help="what a file tier holds (read-only)")
-    inspect.add_argument("root_dir")
+    inspect = sub.add_parser("inspect", help="what a file tier holds (read-only), or a running engine's tiers",
+                             description="ROOT_DIR: what a file tier holds at rest. --metrics URL instead: a running "
+                                         "engine's tiers, read from its Prometheus endpoint (a KVTier's metrics_port "
+                                         "or vLLM's /metrics): blocks resident, retained by sessions' hints and of "
+                                         "ended sessions per tier, and the retention's counters.")
+    inspect.add_argument("root_dir", nargs="?")
+    inspect.add_argument("--metrics", metavar="URL", help="a running engine's metrics endpoint instead of ROOT_DIR")
     inspect.add_argument("--verify", action="store_true", help="read every block and check its checksum")
     inspect.add_argument("--json", metavar="FILE", help="also write the report as JSON")
 

@@ -42,3 +42,8 @@ def test_two_hinted_sessions_keep_their_prefixes_through_the_openai_server(tmp_p
     assert sum(v for k, v in hinted.items() if k.startswith("vllm:kvtier_retention_hints")) >= 4  # 2 turns x 2
     assert not any(v for k, v in runs["none"]["metrics"].items() if k.startswith("vllm:kvtier_retention_hints"))
     assert "kept with hints and lost without: True" in run.stdout
+    # `kvtier inspect --metrics` read the running server: per tier what is retained, and the counters
+    live = runs["hints"]["inspect"]
+    assert "cpu" in live["tiers"] and live["tiers"]["cpu"]["capacity_blocks"] > 0, live
+    assert "retained_blocks" in live["tiers"]["cpu"] and live["retention"]["all"]["hints"] >= 4, live
+    assert runs["none"]["inspect"]["retention"].get("all", {}).get("hints", 0) == 0
