@@ -115,6 +115,13 @@ def test_a_wrong_invocation_or_unreachable_url_exits_2_and_says_why(argv, says, 
     assert says in capsys.readouterr().err
 
 
+def test_a_tier_name_with_control_characters_is_printed_escaped(serve, capsys):
+    url = serve(b'kvtier_tier_resident_blocks{tier="evil\x1b[2J"} 1.0\n')
+    assert main(["inspect", "--metrics", url]) == 0
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "evil\\x1b[2J" in out
+
+
 def test_a_page_without_kvtier_metrics_exits_2(serve, capsys):
     url = serve(b"# a server that is not an engine\nprocess_cpu_seconds_total 1.5\n")
     assert main(["inspect", "--metrics", url]) == 2

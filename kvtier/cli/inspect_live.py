@@ -79,15 +79,15 @@ def run_inspect_live(url: str, json_path: str | None) -> int:
     if not report["tiers"] and not report["retention"]:
         raise KVTierError(f"--metrics: {url} serves no kvtier metrics (kvtier_tier_* or vllm:kvtier_*): is it "
                           "a KVTier's metrics_port, or vLLM's /metrics with kvtier's connector?")
-    rows = [("tier", "resident", "capacity", "retained", "ended")]
-    rows += [(name, *(_count(row.get(g)) for g in TIER_GAUGES)) for name, row in report["tiers"].items()]
+    rows: list[tuple[str, ...]] = [("tier", "resident", "capacity", "retained", "ended")]
+    rows += [(_printable(name), *(_count(row.get(g)) for g in TIER_GAUGES)) for name, row in report["tiers"].items()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print(f"tiers at {url} (retained: kept by sessions' hints; ended: of ended sessions, evicted first)")
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
     for where, counters in report["retention"].items():
         text = ", ".join(f"{name} {_count(value)}" for name, value in sorted(counters.items()))
-        print(f"retention ({where}): {text}")
+        print(f"retention ({_printable(where)}): {text}")
     if not report["retention"]:
         print("retention: no hint given yet")
     if json_path:
@@ -103,3 +103,8 @@ def _count(value: float | None) -> str:
     if value is None:
         return "-"
     return str(int(value)) if value.is_integer() else f"{value:g}"
+
+
+def _printable(name: str) -> str:
+    """A name from the page as printed: control characters escaped (the page is the server's text)."""
+    return name if name.isprintable() else name.encode("unicode_escape").decode("ascii")

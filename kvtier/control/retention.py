@@ -217,7 +217,7 @@ class Retention:
             owners = list(map(self.retained.get, claim))
             fresh = list(compress(claim, map(not_, owners)))
             if len(fresh) < len(claim):
-                for owner in set(filter(None, owners)):
+                for owner in dict.fromkeys(filter(None, owners)):  # (each once, in order)
                     count, previous = owners.count(owner), self.sessions[owner]
                     previous.held -= count
                     self._count(previous.tenant, -count)
