@@ -172,7 +172,10 @@ class Tier:
     def evict(self, need: int, protected: set[OffloadKey]) -> list[OffloadKey] | None:
         """Evict `need` (> 0) blocks that are not pinned or `protected`; the evicted keys, or None
         (nothing changed) when the policy cannot find that many (`make_room` without the count
-        of free slots). The policy chooses; `Cascade.evict_for` protects what must not go."""
+        of free slots). The policy chooses; `Cascade.evict_for` protects what must not go. On a
+        tier that cascades, the evicted blocks' copies below become as recent there as a copy
+        made now, in eviction order, so the tier below drops them after the copies of blocks
+        still held above, and a chain's deep end before its head."""
         got = self.table.evict_ids(need, protected)  # (keys and slot ids: no block objects)
         if got is None:
             return None
@@ -181,6 +184,10 @@ class Tier:
             return []
         if self.below is not None and self.cascade != "none":
             self._count_dropped(evicted)
+            # (copies made before the blocks left: a refilled reserve, write-through; `touch` makes
+            # its first key the most recent: the last victim, nearest its chain's head)
+            clean = self.clean
+            self.below.table.touch([k for k in reversed(evicted) if k in clean])
         self._left(evicted, ids)
         self.stats.evictions += len(evicted)
         return evicted
