@@ -13,12 +13,14 @@ older blocks with its newer head: 3 of 13,605 checks with chat at 150 blocks, wr
 
 from __future__ import annotations
 
+import pytest
 from conftest import keys
 
 from kvtier import ReqContext, build_hierarchy, load_config_text
 from kvtier.bench import replay
 from kvtier.bench.sessions import generate_session_trace
 from kvtier.core.types import LookupResult
+from kvtier.policies.lru_pure import PureLRUCachePolicy
 
 
 def chain_holes(workload: str, hot: int, warm: int, cascade: str) -> tuple[int, int]:
@@ -79,3 +81,33 @@ tiers:
         hierarchy.close()
     assert [where[k] for k in a] == [["warm"]] * 2
     assert [where[k] for k in b] == [["hot"]] * 2 and [where[k] for k in c] == [["hot", "warm"]] * 2
+
+
+class TouchRefusingLRU(PureLRUCachePolicy):
+    """An LRU (third-party style) whose `touch` raises."""
+
+    def touch(self, keys):
+        if keys:
+            raise RuntimeError("this policy refuses touches")
+
+
+def test_a_policy_below_that_raises_on_the_refresh_leaves_the_tier_above_consistent():
+    hierarchy = build_hierarchy(load_config_text("""
+block_bytes: 64B
+tiers:
+  - {name: hot, backend: memory, capacity: 4 blocks, policy: lru, cascade: on_store}
+  - {name: warm, backend: memory, capacity: 8 blocks, policy: "test_chains_in_every_tier:TouchRefusingLRU"}
+"""), dry_run=True)
+    manager, hot = hierarchy.manager, hierarchy.manager.tiers[0]
+    try:
+        for blocks in (keys(2, 0), keys(2, 10)):
+            manager.complete_store(manager.prepare_store(blocks).keys_to_store)
+            manager.on_schedule_end(None)
+        with pytest.raises(RuntimeError, match="refuses touches"):
+            manager.prepare_store(keys(2, 20))  # evicts A above, then the refresh below raises
+        assert [hot.readable(k) for k in keys(2, 0)] == [None, None]  # A left, its slots free
+        assert len(hot.table) == 2 and hot.backend.get_num_free_blocks() == 2
+        out = manager.prepare_store(keys(2, 20))  # the next store finds the room
+        assert out is not None and out.evicted_keys == []
+    finally:
+        hierarchy.close()

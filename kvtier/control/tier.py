@@ -182,14 +182,18 @@ class Tier:
         evicted, ids = got
         if not evicted:
             return []
-        if self.below is not None and self.cascade != "none":
+        copied: list[OffloadKey] = []
+        below = self.below if self.cascade != "none" else None
+        if below is not None:
             self._count_dropped(evicted)
             # (copies made before the blocks left: a refilled reserve, write-through; `touch` makes
             # its first key the most recent: the last victim, nearest its chain's head)
             clean = self.clean
-            self.below.table.touch([k for k in reversed(evicted) if k in clean])
+            copied = [k for k in reversed(evicted) if k in clean]
         self._left(evicted, ids)
         self.stats.evictions += len(evicted)
+        if below is not None and copied:  # (last: a policy below that raises leaves this tier consistent)
+            below.table.touch(copied)
         return evicted
 
     def _count_dropped(self, evicted: list[OffloadKey]) -> None:
