@@ -19,6 +19,7 @@ from conftest import keys
 from kvtier import ReqContext, build_hierarchy, load_config_text
 from kvtier.bench import replay
 from kvtier.bench.sessions import generate_session_trace
+from kvtier.core.keys import make_offload_key
 from kvtier.core.types import LookupResult
 from kvtier.policies.lru_pure import PureLRUCachePolicy
 
@@ -36,7 +37,8 @@ tiers:
 """), dry_run=True)
     manager, latest, holes, checks = hierarchy.manager, {}, 0, 0
     try:
-        for i, keys in enumerate(replay._keys_for(trace)):
+        for i, hashes in enumerate(trace.requests):
+            keys = [make_offload_key(h.to_bytes(8, "big"), 0) for h in hashes]
             replay.drive(manager, [keys], False, lambda _, i=i: ReqContext(str(i)), None, LookupResult.HIT,
                          LookupResult.MISS, None)
             if trace.sessions[i] is not None:
