@@ -14,6 +14,7 @@ import pytest
 from test_standalone import keys, make_kv
 
 from kvtier import load_config_text
+from kvtier.cli import inspect_live
 from kvtier.cli.inspect_live import live_report
 from kvtier.cli.main import main
 from kvtier.standalone import KVTier
@@ -126,3 +127,10 @@ def test_a_page_without_kvtier_metrics_exits_2(serve, capsys):
     url = serve(b"# a server that is not an engine\nprocess_cpu_seconds_total 1.5\n")
     assert main(["inspect", "--metrics", url]) == 2
     assert "serves no kvtier metrics" in capsys.readouterr().err
+
+
+def test_a_page_larger_than_any_metrics_page_is_refused(serve, capsys, monkeypatch):
+    monkeypatch.setattr(inspect_live, "MAX_BYTES", 64)
+    url = serve(b'kvtier_tier_resident_blocks{tier="cpu"} 1.0\n' * 4)
+    assert main(["inspect", "--metrics", url]) == 2
+    assert "served more than" in capsys.readouterr().err
