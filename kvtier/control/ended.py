@@ -37,10 +37,9 @@ def evictable_first(tier: Tier, keep: Container[OffloadKey], held: Container[Off
     """The first `limit` of `tier`'s first victims that could go now, in order: readable,
     unpinned, in neither `keep` nor `held` (whether each is safe to evict is the caller's
     question). Stops at `limit`: a call costs the keys it passes over, not the whole list."""
-    get, condemned, found = tier.table.get, tier.condemned, []
+    readable, found = tier.readable, []
     for key in tier.first_victims:
-        # (readable and unpinned: `ref_cnt` 0; -1 is being written, > 0 pinned)
-        if key in keep or key in held or (block := get(key)) is None or block.ref_cnt or key in condemned:
+        if key in keep or key in held or (block := readable(key)) is None or block.ref_cnt:
             continue
         found.append(key)
         if len(found) == limit:
