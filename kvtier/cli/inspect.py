@@ -70,10 +70,7 @@ def run_inspect(args) -> int:
     for label, text in rows:
         print(f"{label:<{width}}  {text}")
     if args.json:
-        try:
-            Path(args.json).write_text(json.dumps(report, indent=2, default=str))
-        except OSError as exc:
-            raise KVTierError(f"cannot write {args.json}: {exc.strerror or exc}") from None
+        write_report(args.json, report)
     failed = report.get("verify_failed", 0)
     if args.verify and (failed or report.get("verify_error")):
         named = "; ".join(f"{key_text(f['key'])} (slot {f['slot']}): {f['reason']}" for f in report["failures"][:3])
@@ -82,6 +79,14 @@ def run_inspect(args) -> int:
               + (f"; {report['verify_error']}" if report.get("verify_error") else ""), file=sys.stderr)
         return EXIT_VERIFY_FAILED
     return 0
+
+
+def write_report(path: str, report: dict) -> None:
+    """Write `report` as JSON to `path` (`--json`); a `KVTierError` naming the path when it cannot."""
+    try:
+        Path(path).write_text(json.dumps(report, indent=2, default=str))
+    except OSError as exc:
+        raise KVTierError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def key_text(key_hex: str) -> str:

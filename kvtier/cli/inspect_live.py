@@ -11,13 +11,12 @@ metrics.
 
 from __future__ import annotations
 
-import json
 import re
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
+from kvtier.cli.inspect import write_report
 from kvtier.core.errors import KVTierError
 
 TIER_GAUGES = ("resident_blocks", "capacity_blocks", "retained_blocks", "ended_blocks")
@@ -91,10 +90,7 @@ def run_inspect_live(url: str, json_path: str | None) -> int:
     if not report["retention"]:
         print("retention: no hint given yet")
     if json_path:
-        try:
-            Path(json_path).write_text(json.dumps(report, indent=2))
-        except OSError as exc:
-            raise KVTierError(f"cannot write {json_path}: {exc.strerror or exc}") from None
+        write_report(json_path, report)
     return 0
 
 
