@@ -54,7 +54,6 @@ MAX_NAME = 128
 _FIELDS = ("session", "retain_s", "priority", "session_ended", "tenant")
 _FIELD_SET = frozenset(_FIELDS)
 _WHERE = f"kv_transfer_params.{HINTS_KEY}"  # (the errors' name for a hint from vLLM)
-_NUMBERS = (int, float)  # (exact classes: a bool is refused)
 
 
 class Hint(NamedTuple):
@@ -73,7 +72,7 @@ def parse_hint(value: Any, where: str = HINTS_KEY, max_retain_s: float = MAX_RET
     `ArgumentError` naming the field (`where.field`), what was wrong and what would be right."""
     if value is None:
         return None
-    if type(value) is not dict and not isinstance(value, Mapping):
+    if not isinstance(value, Mapping):
         raise ArgumentError(f"{where}: must be a mapping with 'session' and 'retain_s', got {type(value).__name__}")
     if not _FIELD_SET.issuperset(value):
         unknown = sorted(str(k) for k in value if k not in _FIELD_SET)
@@ -82,24 +81,20 @@ def parse_hint(value: Any, where: str = HINTS_KEY, max_retain_s: float = MAX_RET
     session = _name(get("session"), where, "session", required=True)
     tenant = _name(get("tenant", ""), where, "tenant", required=False)
     ended = get("session_ended", False)
-    if ended is not False and ended is not True:
+    if not isinstance(ended, bool):
         raise ArgumentError(f"{where}.session_ended: must be true or false, got {ended!r}")
     retain = get("retain_s", 0.0)
-    if retain.__class__ not in _NUMBERS or not 0 <= retain <= max_retain_s:
-        if isinstance(retain, bool) or not isinstance(retain, (int, float)) or not 0 <= retain <= max_retain_s:
-            raise ArgumentError(f"{where}.retain_s: must be a number of seconds from 0 to {max_retain_s:g}, "
-                                f"got {retain!r}")
+    if isinstance(retain, bool) or not isinstance(retain, (int, float)) or not 0 <= retain <= max_retain_s:
+        raise ArgumentError(f"{where}.retain_s: must be a number of seconds from 0 to {max_retain_s:g}, "
+                            f"got {retain!r}")
     priority = get("priority", 0)
-    if priority.__class__ is not int or not 0 <= priority <= MAX_PRIORITY:
-        if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
-            raise ArgumentError(f"{where}.priority: must be an integer from 0 to {MAX_PRIORITY}, got {priority!r}")
+    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
+        raise ArgumentError(f"{where}.priority: must be an integer from 0 to {MAX_PRIORITY}, got {priority!r}")
     return Hint(session, float(retain), priority, ended, tenant)
 
 
 def _name(value: Any, where: str, name: str, required: bool) -> str:
-    """`value`, checked to be a session or tenant name (`where.name` in the error)."""
-    if value.__class__ is str and len(value) <= MAX_NAME and (value or not required) and value.isprintable():
-        return value  # (the common case, in one test)
+    """`value`, checked to be a session or tenant name (`where.name` in the error, built only then)."""
     if not isinstance(value, str) or (required and not value):
         raise ArgumentError(f"{where}.{name}: must be a non-empty string, got {value!r}" if required
                             else f"{where}.{name}: must be a string, got {value!r}")
