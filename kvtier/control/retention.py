@@ -153,7 +153,6 @@ class Retention:
         self._next_expiry = float("inf")
         self._warned: OrderedDict[Any, None] = OrderedDict()  # requests whose bad hint was logged
         self._parsed: OrderedDict[Any, tuple[dict, Hint | None]] = OrderedDict()  # req_id -> (raw hint, Hint)
-        self._last_parsed: tuple[Any, Any, Hint | None] = (None, None, None)  # (raw, its copy, Hint)
         self.by_tenant: dict[str, int] = {}  # tenant -> blocks its sessions retain (> 0; others absent)
         # Told the blocks of a session that ended (deep end first): the manager makes them first victims.
         self.on_ended: Callable[[list[OffloadKey]], None] = _ignore
@@ -255,18 +254,13 @@ class Retention:
         if not params or HINTS_KEY not in params:
             return None
         raw, req_id = params[HINTS_KEY], getattr(req_context, "req_id", None)
-        last = self._last_parsed
-        if raw is last[0] and raw == last[1]:  # (the same request's next call, most often)
-            return last[2]
         parsed = self._parsed.get(req_id)
         if parsed is not None and parsed[0] == raw:  # (a request's later calls: parsed once)
             return parsed[1]
         try:
             hint = parse_hint(raw, _WHERE)
             if isinstance(raw, Mapping):
-                copy = dict(raw)  # (a copy: a client's dict changed in place is parsed again)
-                self._parsed[req_id] = (copy, hint)
-                self._last_parsed = (raw, copy, hint)
+                self._parsed[req_id] = (dict(raw), hint)
                 if len(self._parsed) > 4096:
                     self._parsed.popitem(last=False)
             return hint
