@@ -51,7 +51,7 @@ def rss_bytes() -> int:
         return int(f.read().split()[1]) * _PAGE
 
 
-def _keys(start: int, stop: int) -> list[Any]:
+def hash_keys(start: int, stop: int) -> list[Any]:
     """Keys `start..stop-1`: a 32-byte hash (distinct, hash-like bytes) + a 4-byte group 0."""
     return [((i * 0x9E3779B97F4A7C15) % (1 << 256)).to_bytes(32, "big") + b"\0\0\0\0" for i in range(start, stop)]
 
@@ -68,7 +68,7 @@ def _fill_kvtier(name: str, n: int, start: int = 0, stop: int | None = None, pol
         policy.evictable((), False)  # the block table's first notice: accounting on
     step = min(CHUNK, n)  # (a chunk evicts at most the whole tier)
     for first in range(start, n if stop is None else stop, step):
-        keys = _keys(first, min(n if stop is None else stop, first + step))
+        keys = hash_keys(first, min(n if stop is None else stop, first + step))
         over = len(policy) + len(keys) - n
         if over > 0:
             assert policy.evict(over, set()) is not None, f"{name} refused to evict {over} blocks"
@@ -90,7 +90,7 @@ def _fill_vllm(n: int, start: int = 0, stop: int | None = None, manager: Any = N
         manager = CPUOffloadingManager(num_chunks=n, cache_policy="lru")
     step = min(CHUNK, n)
     for first in range(start, n if stop is None else stop, step):
-        keys = _keys(first, min(n if stop is None else stop, first + step))
+        keys = hash_keys(first, min(n if stop is None else stop, first + step))
         ctx = ReqContext(req_id=f"fill-{first}")
         out = manager.prepare_store(keys, ctx)
         assert out is not None and len(out.keys_to_store) == len(keys), "vLLM refused a store"
@@ -111,7 +111,7 @@ def measure(name: str, n: int, churn: float = 0.0) -> dict[str, Any]:
         from kvtier.transfer import registry
 
         registry.resolve(registry.POLICIES, PURE.get(name, name))
-    _keys(0, 8)
+    hash_keys(0, 8)
     gc.collect()
     before = rss_bytes()
     t0 = time.perf_counter()

@@ -26,14 +26,9 @@ import sys
 import tracemalloc
 from typing import Any
 
+from benchmarks.memory import hash_keys
 from kvtier.bench.provenance import provenance
 from kvtier.control.retention import MAX_SESSIONS, RETAINED_SHARE, Hint, Retention
-from kvtier.core.keys import OffloadKey
-
-
-def _key(i: int) -> OffloadKey:
-    """A 32-byte hash-like block hash plus a 4-byte group index (vLLM's keys)."""
-    return OffloadKey(((i * 0x9E3779B97F4A7C15) % (1 << 256)).to_bytes(32, "big") + b"\0\0\0\0")
 
 
 def measure(sessions: int, blocks: int) -> int:
@@ -43,7 +38,7 @@ def measure(sessions: int, blocks: int) -> int:
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for s in range(sessions):
-        keys = [_key(s * blocks + i) for i in range(blocks)]
+        keys = hash_keys(s * blocks, (s + 1) * blocks)
         retention.note(Hint(f"session-{s:06d}", 600.0, tenant="tenant-a"), keys, stored=keys)
         del keys
     gc.collect()
@@ -61,18 +56,18 @@ def run(sessions: int, sizes: list[int]) -> dict[str, Any]:
     per_session = totals[small] / sessions - per_block * small
     # Each block is both retained and stored here; split the per-block cost by measuring stores alone.
     retention = Retention(capacity=4 * sessions * large, max_sessions=sessions + 1, clock=lambda: 0.0)
-    keys = [_key(i) for i in range(large)]
+    keys = hash_keys(0, large)
     retention.note(Hint("probe", 600.0), keys)
     gc.collect()
     tracemalloc.start()
     before = tracemalloc.get_traced_memory()[0]
     for s in range(sessions):
         session = retention.sessions["probe"]
-        session.stored.update(dict.fromkeys(_key(10**9 + s * large + i) for i in range(large)))
+        session.stored.update(dict.fromkeys(hash_keys(10**9 + s * large, 10**9 + (s + 1) * large)))
     gc.collect()
     stored_only = (tracemalloc.get_traced_memory()[0] - before) / (sessions * large)
     tracemalloc.stop()
-    key_bytes = (sys.getsizeof(_key(0)) + 7) // 8 * 8  # (pymalloc's 8-byte size classes)
+    key_bytes = (sys.getsizeof(hash_keys(0, 1)[0]) + 7) // 8 * 8  # (pymalloc's 8-byte size classes)
     return {"sessions": sessions, "turn_blocks": sizes, "total_bytes": totals,
             "per_session": round(per_session, 1), "per_block_retained_and_stored": round(per_block, 1),
             "per_stored_block": round(stored_only, 1), "per_retained_block": round(per_block - stored_only, 1),
