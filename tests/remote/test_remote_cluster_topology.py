@@ -45,6 +45,40 @@ def test_a_moved_slot_reloads_the_map(valkey_cluster, make_store):
     assert out == block and store.stats()["failures"] == 0
 
 
+def test_a_moved_reply_routes_the_next_call_even_when_the_reload_fails(valkey_cluster, make_store, monkeypatch):
+    """The MOVED reply names the slot's new master: the next write goes there although the reload
+    that follows the redirect failed (a seed that timed out under load), and nothing is counted
+    against a breaker."""
+    store = make_store(valkey_cluster.url, block_bytes=4096, breaker_failures=1)
+    key = okey(4343)
+    part = store.keys.part_keys(key)[0]
+    source = valkey_cluster.server_for(part)
+    target = next(s for s in valkey_cluster.servers if s is not source)
+    slot = redis.crc.key_slot(part)
+    for server in [target, source] + [s for s in valkey_cluster.servers if s not in (source, target)]:
+        server.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", _node_id(target))
+    reloads = []
+
+    def failing_reload() -> None:
+        reloads.append(1)
+        raise RemoteUnavailable("cluster slot map: TimeoutError: seed did not answer")
+
+    topology = store.servers.topology
+    before = topology.node_for(part)
+    topology.moved(slot, "?", 6379)  # (a server that does not know its endpoint names none)
+    assert topology.node_for(part) is before
+    monkeypatch.setattr(topology, "refresh", failing_reload)
+    block = os.urandom(4096)
+    with pytest.raises(RemoteUnavailable, match="slot moved"):
+        store.write_block(key, memoryview(block))
+    assert reloads == [1] and store.stats()["redirects"] == 1
+    store.write_block(key, memoryview(block))
+    assert target.client().exists(part) == 1 and store.stats()["redirects"] == 1
+    out = bytearray(4096)
+    store.read_block(key, memoryview(out))
+    assert out == block and store.stats()["failures"] == 0
+
+
 def test_cluster_down_at_start_is_picked_up_in_the_background(tmp_path, make_store):
     cluster = Cluster(tmp_path / "late")
     store = make_store(cluster.url, block_bytes=4096, breaker_open_s=0.2, wait=False)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import redis
-from redis.exceptions import AskError, NoPermissionError
+from redis.exceptions import AskError, MovedError, NoPermissionError
 
 from kvtier.tiers.remote.breaker import CircuitBreaker, Reconnector
 from kvtier.tiers.remote.errors import RemoteUnavailable, ValueRejected
@@ -85,6 +85,8 @@ class ServerGuard:
                 self.topology.refresh()
             except RemoteUnavailable:
                 pass
+            if isinstance(exc, MovedError):  # (after the reload: the reply is the newer word on its slot)
+                self.topology.moved(exc.slot_id, exc.host, exc.port)
             raise RemoteUnavailable(f"{node.name}: slot moved ({exc}); slot map reloaded", "SlotMoved") from None
         except redis.OutOfMemoryError as exc:
             breaker.success(data)

@@ -5,7 +5,8 @@ of `RedisCluster` that reads the slot map; `RedisCluster` itself also sends COMM
 fails while that node hangs) reads the slot map from the seeds, trying each in turn; keys are routed
 by their CRC16 key slot (keys carry no hash tags, so they spread over the shards) to one
 `NodeClient` per master. The map is copied into a flat table, so routing a key takes no lock and no
-I/O. It is reloaded when a server answers MOVED/ASK (a resharding or a failover) and by the store's
+I/O. It is reloaded when a server answers MOVED/ASK (a resharding or a failover; a MOVED reply's new
+holder is also applied to its slot at once, so the next call lands even when the reload fails) and by the store's
 reconnect thread while a shard is unreachable (after a failover the new master takes its slots) or
 while some slot has no master.
 A slot no master covers, or a map not loaded yet, raises `RemoteUnavailable` without I/O.
@@ -142,6 +143,26 @@ class Topology:
                 self._failed(str(error))
                 raise error from exc
             self._loaded()
+
+    def moved(self, slot: int, host: str, port: int) -> None:
+        """A server answered MOVED: `slot`'s master is now `host:port`. Applied to the table at once
+        (no I/O), as redis-py's own cluster client does, so that the next call for the slot lands
+        even when the reload that follows a redirect fails or reads a node that lags; a reply that
+        names no host (`?` or empty: the server does not know its endpoint) changes nothing."""
+        if self._single is not None or host in ("", "?") or not 0 <= slot < REDIS_CLUSTER_HASH_SLOTS:
+            return
+        endpoint = Endpoint(host=host, port=port)
+        with self._lock:
+            if self._closed or not self._slots:
+                return
+            nodes = self._nodes
+            node = nodes.get(endpoint.name)
+            if node is None:
+                nodes = dict(nodes)
+                node = nodes[endpoint.name] = NodeClient(self._options, endpoint, tls=self._parsed.tls)
+            table = list(self._slots)  # (replaced, never mutated: readers take no lock)
+            table[slot] = node
+            self._nodes, self._slots = nodes, table
 
     def _failed(self, reason: str) -> None:
         self.reason = reason
