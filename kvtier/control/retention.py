@@ -40,6 +40,7 @@ from itertools import compress, repeat
 from operator import eq, ne, not_
 from typing import Any, NamedTuple
 
+from kvtier.control.expiry import Expiries
 from kvtier.core.errors import ArgumentError
 from kvtier.core.keys import OffloadKey
 
@@ -109,6 +110,7 @@ class _Session:
     tenant: str
     priority: int
     until: float  # monotonic time its retention ends
+    turn: int = 0  # when its last turn came (`Retention`'s count of turns): `sessions` is in this order
     held: int = 0  # the blocks it retains now (0: displaced)
     # the blocks it claimed, in order; `Retention.retained` says which are still its own (`_own`)
     keys: list[OffloadKey] = field(default_factory=list)
@@ -144,6 +146,8 @@ class Retention:
         self.max_sessions = max_sessions
         self.clock = clock
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # tracked, least recent turn first
+        self._expiries = Expiries(self.sessions)
+        self._turns = 0
         self._holding: OrderedDict[str, None] = OrderedDict()  # the sessions retaining blocks, in that order
         self.retained: dict[OffloadKey, str] = {}  # key -> the session that holds it
         self.stats = RetentionStats()
@@ -172,16 +176,20 @@ class Retention:
         name, sessions = hint.session, self.sessions
         session = sessions.get(name)
         if session is None:
-            session = sessions[name] = _Session(hint.tenant, hint.priority, 0.0)
+            session = sessions[name] = _Session(hint.tenant, hint.priority, float("inf"))
         else:
             sessions.move_to_end(name)
             if session.tenant != hint.tenant and session.held:  # (its blocks count for the new tenant)
                 self._count(session.tenant, -session.held)
                 self._count(hint.tenant, session.held)
         session.tenant, session.priority = hint.tenant, hint.priority
-        until = session.until = self.clock() + hint.retain_s
-        if until < self._next_expiry:
-            self._next_expiry = until
+        self._turns = session.turn = self._turns + 1
+        until = self.clock() + hint.retain_s
+        earlier, session.until = until < session.until, until
+        if earlier:  # (a new session, or a shorter retention: a turn that extends one costs nothing there)
+            self._expiries.add(name, until)
+            if until < self._next_expiry:
+                self._next_expiry = until
         if stored:
             remembered = session.stored
             before = len(remembered)
@@ -290,13 +298,12 @@ class Retention:
 
     # ------------------------------------------------------------------ bounds
     def _expire(self) -> None:
-        now, nxt = self.clock(), float("inf")
-        for name in [n for n, s in self.sessions.items() if s.until <= now]:
+        """Release the sessions whose retention ran out, least recent turn first."""
+        sessions = self.sessions
+        for name in sorted(self._expiries.due(self.clock()), key=lambda name: sessions[name].turn):
             self._release(name, ended=self.ends_on_expiry)
             self.stats.expired += 1
-        for session in self.sessions.values():
-            nxt = min(nxt, session.until)
-        self._next_expiry = nxt
+        self._next_expiry = self._expiries.next()
 
     def _bound(self) -> None:
         while len(self.sessions) > self.max_sessions:
