@@ -1,6 +1,6 @@
 """`Expiries`: when each session's retention runs out (`kvtier.control.retention`), kept so that
 finding the sessions whose time has passed costs O(log n) per session found, not a scan of every
-tracked session (up to `MAX_SESSIONS`: a scan on every request cost ~0.7 ms at 3,600 sessions).
+tracked session (up to `MAX_SESSIONS`; docs/bench.md, "The cost of many sessions").
 
 A min-heap of (time, session) with one entry per session, refreshed lazily: a turn that extends a
 session's retention changes nothing here; when the entry comes due, the session's current time is

@@ -16,6 +16,9 @@ Hints are untrusted input, so everything is bounded:
   tracked, and retained again from its next turn);
 - at most `max_sessions` sessions are tracked (the oldest turn is forgotten first), remembering
   at most twice the first tier's capacity of stored blocks in all (the oldest forgotten first).
+A request's cost grows at most with the logarithm of the sessions and tenants clients name
+(amortised): expiry, giving way and forgetting do not visit the others (`kvtier.control.expiry`,
+`kvtier.control.holders`).
 Retained blocks are kept like pinned ones: a store waits for room ("no room yet") while the
 other blocks are pinned, and only a store the tier could not take even with every pin released
 evicts them (`kept_past`), so a retention never makes a store impossible. Without hints this
@@ -41,6 +44,7 @@ from operator import eq, ne, not_
 from typing import Any, NamedTuple
 
 from kvtier.control.expiry import Expiries
+from kvtier.control.holders import Holders
 from kvtier.core.errors import ArgumentError
 from kvtier.core.keys import OffloadKey
 
@@ -143,12 +147,13 @@ class Retention:
         self.budget = max(1, int(capacity * share))
         self.stored_limit = 2 * capacity  # stored blocks remembered, all sessions together
         self._stored = 0
+        self._remembering: OrderedDict[str, None] = OrderedDict()  # sessions with stored blocks, as `sessions`
         self.max_sessions = max_sessions
         self.clock = clock
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # tracked, least recent turn first
         self._expiries = Expiries(self.sessions)
         self._turns = 0
-        self._holding: OrderedDict[str, None] = OrderedDict()  # the sessions retaining blocks, in that order
+        self._holders = Holders(self.sessions)  # the sessions retaining blocks, and who gives way first
         self.retained: dict[OffloadKey, str] = {}  # key -> the session that holds it
         self.stats = RetentionStats()
         # A session whose retention runs out counts as ended (its stored blocks go first). Off:
@@ -157,7 +162,7 @@ class Retention:
         self._next_expiry = float("inf")
         self._warned: OrderedDict[Any, None] = OrderedDict()  # requests whose bad hint was logged
         self._parsed: OrderedDict[Any, tuple[dict, Hint | None]] = OrderedDict()  # req_id -> (raw hint, Hint)
-        self.by_tenant: dict[str, int] = {}  # tenant -> blocks its sessions retain (> 0; others absent)
+        self.by_tenant = self._holders.by_tenant  # tenant -> blocks its sessions retain (> 0; others absent)
         # Told the blocks of a session that ended (deep end first): the manager makes them first victims.
         self.on_ended: Callable[[list[OffloadKey]], None] = _ignore
         # Told the blocks that start and stop being retained: the manager holds them in every tier's table.
@@ -179,9 +184,11 @@ class Retention:
             session = sessions[name] = _Session(hint.tenant, hint.priority, float("inf"))
         else:
             sessions.move_to_end(name)
+            if session.stored:
+                self._remembering.move_to_end(name)
             if session.tenant != hint.tenant and session.held:  # (its blocks count for the new tenant)
-                self._count(session.tenant, -session.held)
-                self._count(hint.tenant, session.held)
+                self._holders.count(session.tenant, -session.held)
+                self._holders.count(hint.tenant, session.held)
         session.tenant, session.priority = hint.tenant, hint.priority
         self._turns = session.turn = self._turns + 1
         until = self.clock() + hint.retain_s
@@ -195,16 +202,14 @@ class Retention:
             before = len(remembered)
             remembered.update(dict.fromkeys(stored))
             self._stored += len(remembered) - before
+            if not before and remembered:
+                self._remembering[name] = None
         keys = keys if keys.__class__ is list else list(keys)
         owners = list(map(self.retained.get, keys))  # (None: not retained; session names are not empty)
         if owners.count(name) != len(owners):  # (C loops: usually a turn's keys are all its own, or all new)
             self._claim(session, name, keys, owners)
         if session.held:
-            holding = self._holding
-            if name in holding:
-                holding.move_to_end(name)
-            else:
-                holding[name] = None
+            self._holders.touch(name, session.tenant, session.priority)
         if len(self.retained) > self.budget or len(sessions) > self.max_sessions or \
                 self._stored > self.stored_limit:
             self._bound()
@@ -222,14 +227,14 @@ class Retention:
                 for owner in dict.fromkeys(filter(None, owners)):  # (each once, in order)
                     count, previous = owners.count(owner), self.sessions[owner]
                     previous.held -= count
-                    self._count(previous.tenant, -count)
+                    self._holders.count(previous.tenant, -count)
                     if not previous.held:
                         previous.keys = []
-                        self._holding.pop(owner, None)
+                        self._holders.discard(owner)
         self.retained.update(zip(claim, repeat(name)))
         session.keys += claim
         session.held += len(claim)
-        self._count(session.tenant, len(claim))
+        self._holders.count(session.tenant, len(claim))
         if len(session.keys) > 2 * session.held + 64:  # (a log of claims since taken: compacted)
             session.keys = self._own(session, name)
         if fresh:
@@ -239,13 +244,6 @@ class Retention:
         """The blocks session `name` retains now, in the order it claimed them (C loops)."""
         keys = session.keys
         return list(dict.fromkeys(compress(keys, map(eq, repeat(name), map(self.retained.get, keys)))))
-
-    def _count(self, tenant: str, blocks: int) -> None:
-        count = self.by_tenant.get(tenant, 0) + blocks
-        if count:
-            self.by_tenant[tenant] = count
-        else:  # (a tenant holding nothing is forgotten: tenant names come from clients)
-            self.by_tenant.pop(tenant, None)
 
     def note_turn(self, req_context: Any, keys: Iterable[OffloadKey],
                   stored: Collection[OffloadKey] = ()) -> Hint | None:
@@ -283,12 +281,12 @@ class Retention:
 
     def report(self) -> dict[str, Any]:
         """The counters, the sessions retained now and their blocks (`stats()["retention"]`)."""
-        return {**self.stats.as_dict(), "sessions": len(self._holding), "retained_blocks": len(self.retained),
+        return {**self.stats.as_dict(), "sessions": len(self._holders), "retained_blocks": len(self.retained),
                 "budget_blocks": self.budget}
 
     def retaining(self) -> list[str]:
         """The sessions whose blocks are retained now, least recent turn first."""
-        return list(self._holding)
+        return list(self._holders.order)
 
     def held(self) -> KeysView[OffloadKey]:
         """The keys retained now (expired sessions released first); empty without hints."""
@@ -310,15 +308,15 @@ class Retention:
             self._release(next(iter(self.sessions)))
             self.stats.displaced += 1
         while len(self.retained) > self.budget:
-            name = self._least_deserving()
+            name = self._holders.least_deserving(newest=next(reversed(self.sessions)))
             if name is None:  # one session past the share: its prefix is kept
-                name = next(iter(self._holding))
+                name = next(iter(self._holders.order))
                 session = self.sessions[name]
                 own = self._own(session, name)
                 past, session.keys = own[self.budget:], own[:self.budget]
                 _consume(map(self.retained.__delitem__, past), 0)
                 session.held = len(session.keys)
-                self._count(session.tenant, -len(past))
+                self._holders.count(session.tenant, -len(past))
                 self.on_unhold(past)
                 break
             self._unretain(self.sessions[name], name)
@@ -327,41 +325,28 @@ class Retention:
             self._forget_stored(self._stored - self.stored_limit)
 
     def _forget_stored(self, count: int) -> None:
-        """Forget `count` remembered stored blocks: the oldest of the least recent turns."""
-        for session in self.sessions.values():
-            stored = session.stored
+        """Forget `count` remembered stored blocks: the oldest of the least recent turns (of the
+        sessions remembering any: those that remember none are not visited)."""
+        emptied = []
+        for name in self._remembering:
+            stored = self.sessions[name].stored
             while stored and count:
                 del stored[next(iter(stored))]
                 count -= 1
                 self._stored -= 1
+            if not stored:
+                emptied.append(name)
             if not count:
-                return
-
-    def _least_deserving(self) -> str | None:
-        """The retaining session to give up when over the share: in the tenant holding the most
-        blocks, the lowest priority, then the oldest turn (never the newest; None when no other
-        session retains any)."""
-        newest, counts = next(reversed(self.sessions)), self.by_tenant
-        for top in sorted(set(counts.values()), reverse=True):
-            tenants = {tenant for tenant, count in counts.items() if count == top}
-            best: tuple[int, str] | None = None
-            for name in self._holding:  # oldest turn first
-                session = self.sessions[name]
-                if session.tenant in tenants and name != newest and (best is None or session.priority < best[0]):
-                    best = (session.priority, name)
-                    if not session.priority:
-                        break
-            if best is not None:
-                return best[1]
-        return None
+                break
+        _consume(map(self._remembering.__delitem__, emptied), 0)
 
     def _unretain(self, session: _Session, name: str) -> None:
         """`session` (`name`) retains none of its blocks any more (it stays tracked)."""
         released = self._own(session, name)
         _consume(map(self.retained.__delitem__, released), 0)
-        self._count(session.tenant, -session.held)
+        self._holders.count(session.tenant, -session.held)
         session.held, session.keys = 0, []
-        self._holding.pop(name, None)
+        self._holders.discard(name)
         if released:
             self.on_unhold(released)
 
@@ -369,6 +354,7 @@ class Retention:
         """Forget session `name`; `ended` (with `last`, the blocks its last turn stored): the
         blocks it stored that no other session retains go to `on_ended`, deep end first."""
         session = self.sessions.pop(name, None)
+        self._remembering.pop(name, None)
         stored: Iterable[OffloadKey] = ()
         if session is not None:
             self._unretain(session, name)
