@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import pytest
 from conftest import keys
 
 from kvtier.control.retention import Hint, Retention
@@ -57,27 +58,19 @@ def test_expiring_a_session_costs_the_same_however_many_are_tracked():
     assert many < few + 20, (few, many)
 
 
-def test_a_shorter_retention_asked_later_ends_at_the_shorter_time():
+@pytest.mark.parametrize("first, later, held_until", [(600.0, 5.0, 6.0), (5.0, 60.0, 64.0)])
+def test_a_later_turns_retention_replaces_the_earlier_ones(first, later, held_until):
+    """A shorter one ends the session sooner; a longer one keeps it past the first end (whose
+    entry comes due and is put back). The later turn comes 1 s (shorter) or 4 s (longer) after."""
     clock = Clock()
     r = Retention(capacity=100, clock=clock)
-    r.note(Hint("a", 600.0), keys(2))
-    clock.now += 1
-    r.note(Hint("a", 5.0), keys(2))
-    clock.now += 4.5
-    assert set(r.held()) == set(keys(2))
-    clock.now += 1
-    assert not r.held() and r.stats.expired == 1
-
-
-def test_a_longer_retention_asked_later_keeps_the_session_past_its_first_end():
-    clock = Clock()
-    r = Retention(capacity=100, clock=clock)
-    r.note(Hint("a", 5.0), keys(2))
-    clock.now += 4
-    r.note(Hint("a", 60.0), keys(2))
-    clock.now += 30  # (past the first end: its entry comes due and is put back)
+    r.note(Hint("a", first), keys(2))
+    start = clock.now
+    clock.now += 1.0 if later < first else 4.0
+    r.note(Hint("a", later), keys(2))
+    clock.now = start + held_until - 0.5
     assert set(r.held()) == set(keys(2)) and r.stats.expired == 0
-    clock.now += 31
+    clock.now = start + held_until + 0.5
     assert not r.held() and r.stats.expired == 1
 
 

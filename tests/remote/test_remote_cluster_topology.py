@@ -22,18 +22,25 @@ def _node_id(server) -> str:
     return server.client().execute_command("CLUSTER", "MYID").decode()
 
 
+def moved_slot(cluster, make_store, n: int):
+    """A store, and the key `okey(n)` whose first part's slot was just reassigned to another
+    master behind the store's back: (store, key, part, slot, new master)."""
+    store = make_store(cluster.url, block_bytes=4096, breaker_failures=1)
+    key = okey(n)
+    part = store.keys.part_keys(key)[0]
+    source = cluster.server_for(part)
+    target = next(s for s in cluster.servers if s is not source)
+    slot = redis.crc.key_slot(part)
+    for server in [target, source] + [s for s in cluster.servers if s not in (source, target)]:
+        server.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", _node_id(target))
+    return store, key, part, slot, target
+
+
 def test_a_moved_slot_reloads_the_map(valkey_cluster, make_store):
     """The slot of an unwritten key is reassigned to another master: the next write gets MOVED,
     raises RemoteUnavailable (not a breaker failure) and reloads the map; the one after lands on the
     new master and reads back."""
-    store = make_store(valkey_cluster.url, block_bytes=4096, breaker_failures=1)
-    key = okey(4242)
-    part = store.keys.part_keys(key)[0]
-    source = valkey_cluster.server_for(part)
-    target = next(s for s in valkey_cluster.servers if s is not source)
-    slot = redis.crc.key_slot(part)
-    for server in [target, source] + [s for s in valkey_cluster.servers if s not in (source, target)]:
-        server.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", _node_id(target))
+    store, key, part, slot, target = moved_slot(valkey_cluster, make_store, 4242)
     block = os.urandom(4096)
     with pytest.raises(RemoteUnavailable, match="slot moved"):
         store.write_block(key, memoryview(block))
@@ -49,14 +56,7 @@ def test_a_moved_reply_routes_the_next_call_even_when_the_reload_fails(valkey_cl
     """The MOVED reply names the slot's new master: the next write goes there although the reload
     that follows the redirect failed (a seed that timed out under load), and nothing is counted
     against a breaker."""
-    store = make_store(valkey_cluster.url, block_bytes=4096, breaker_failures=1)
-    key = okey(4343)
-    part = store.keys.part_keys(key)[0]
-    source = valkey_cluster.server_for(part)
-    target = next(s for s in valkey_cluster.servers if s is not source)
-    slot = redis.crc.key_slot(part)
-    for server in [target, source] + [s for s in valkey_cluster.servers if s not in (source, target)]:
-        server.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", _node_id(target))
+    store, key, part, slot, target = moved_slot(valkey_cluster, make_store, 4343)
     reloads = []
 
     def failing_reload() -> None:
