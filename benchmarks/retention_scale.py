@@ -12,8 +12,10 @@ simulated clock, in three cases (`CASES`):
 - `forget`: one tenant, turns that store 4 blocks each into a 1,000-block first tier, so the
   stored blocks remembered (at most 2,000) are forgotten on most turns.
 Reported per request: the CPU time of the retention's `note` and `held` (the calls a request's
-store makes), and the sessions tracked, expired and displaced in the run. This is a benchmark,
-not a test: it prints rows and optionally writes JSON.
+store makes), and the sessions tracked, expired and displaced in the run. Last (`alone`), one
+session alone past the share of a first tier of 1,000 / 10,000 / 100,000 blocks, 4 new blocks a
+turn (`--requests` turns): it keeps its prefix and lets its newest blocks go. This is a
+benchmark, not a test: it prints rows and optionally writes JSON.
 """
 
 from __future__ import annotations
@@ -65,6 +67,22 @@ def measure(case: str, sessions: int, requests: int) -> dict[str, Any]:
             "tracked_at_end": len(retention.sessions), "expired": stats.expired, "displaced": stats.displaced}
 
 
+def measure_alone(capacity: int, requests: int) -> dict[str, Any]:
+    """One session alone past the share of a `capacity`-block first tier (module docstring)."""
+    retention = Retention(capacity=capacity, clock=lambda: 0.0)
+    first = capacity // 2 + 4  # (past the share from its first turn)
+    keys = hash_keys(0, first + 4 * requests)
+    retention.note(Hint("alone", 600.0), keys[:first])
+    turns = [keys[i:i + 4] for i in range(first, len(keys), 4)]
+    start = time.process_time()
+    for turn in turns:
+        retention.note(Hint("alone", 600.0), turn)
+        retention.held()
+    cpu = time.process_time() - start
+    return {"case": "alone", "capacity_blocks": capacity, "requests": requests,
+            "us_per_request": cpu * 1e6 / requests, "retained_blocks": len(retention.retained)}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sessions", default="100,1000,10000", help="session counts, comma-separated")
@@ -73,12 +91,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = [measure(case, int(count), args.requests) for case in CASES
             for count in args.sessions.split(",")]
+    alone = [measure_alone(capacity, args.requests) for capacity in (1_000, 10_000, 100_000)]
     for row in rows:
         print(f"{row['case']:>7}, {row['sessions']:>6} sessions: {row['us_per_request']:7.1f} us per request "
               f"({row['tracked_at_end']} tracked at the end, {row['expired']} expired, {row['displaced']} displaced)")
+    for row in alone:
+        print(f"  alone, {row['capacity_blocks']:>6}-block tier: {row['us_per_request']:7.1f} us per request "
+              f"({row['retained_blocks']} retained)")
     if args.json:
         with open(args.json, "w") as out_file:
-            json.dump({**provenance(), "rows": rows}, out_file, indent=1)
+            json.dump({**provenance(), "rows": rows + alone}, out_file, indent=1)
     return 0
 
 

@@ -312,10 +312,13 @@ class Retention:
             if name is None:  # one session past the share: its prefix is kept
                 name = next(iter(self._holders.order))
                 session = self.sessions[name]
-                own = self._own(session, name)
-                past, session.keys = own[self.budget:], own[:self.budget]
+                if session.held != len(session.keys):  # (its log holds blocks since taken, or twice)
+                    session.keys = self._own(session, name)
+                own = session.keys  # (each its own block once, in claim order: cut in place, O(excess))
+                past = own[self.budget:]
+                del own[self.budget:]
                 _consume(map(self.retained.__delitem__, past), 0)
-                session.held = len(session.keys)
+                session.held = len(own)
                 self._holders.count(session.tenant, -len(past))
                 self.on_unhold(past)
                 break
