@@ -159,7 +159,6 @@ class Retention:
         # A session whose retention runs out counts as ended (its stored blocks go first). Off:
         # ends inferred from idle time bought nothing over prefix-freq (benchmarks/session_inference.py).
         self.ends_on_expiry = False
-        self._next_expiry = float("inf")
         self._warned: OrderedDict[Any, None] = OrderedDict()  # requests whose bad hint was logged
         self._parsed: OrderedDict[Any, tuple[dict, Hint | None]] = OrderedDict()  # req_id -> (raw hint, Hint)
         self.by_tenant = self._holders.by_tenant  # tenant -> blocks its sessions retain (> 0; others absent)
@@ -195,8 +194,6 @@ class Retention:
         earlier, session.until = until < session.until, until
         if earlier:  # (a new session, or a shorter retention: a turn that extends one costs nothing there)
             self._expiries.add(name, until)
-            if until < self._next_expiry:
-                self._next_expiry = until
         if stored:
             remembered = session.stored
             before = len(remembered)
@@ -290,7 +287,7 @@ class Retention:
 
     def held(self) -> KeysView[OffloadKey]:
         """The keys retained now (expired sessions released first); empty without hints."""
-        if self.sessions and self.clock() >= self._next_expiry:
+        if self.sessions and self.clock() >= self._expiries.next():
             self._expire()
         return self.retained.keys()
 
@@ -301,7 +298,6 @@ class Retention:
         for name in sorted(self._expiries.due(self.clock()), key=lambda name: sessions[name].turn):
             self._release(name, ended=self.ends_on_expiry)
             self.stats.expired += 1
-        self._next_expiry = self._expiries.next()
 
     def _bound(self) -> None:
         while len(self.sessions) > self.max_sessions:
