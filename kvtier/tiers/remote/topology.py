@@ -151,18 +151,19 @@ class Topology:
         names no host (`?` or empty: the server does not know its endpoint) changes nothing."""
         if self._single is not None or host in ("", "?") or not 0 <= slot < REDIS_CLUSTER_HASH_SLOTS:
             return
-        endpoint = Endpoint(host=host, port=port)
         with self._lock:
             if self._closed or not self._slots:
                 return
-            nodes = self._nodes
-            node = nodes.get(endpoint.name)
-            if node is None:
-                nodes = dict(nodes)
-                node = nodes[endpoint.name] = NodeClient(self._options, endpoint, tls=self._parsed.tls)
-            table = list(self._slots)  # (replaced, never mutated: readers take no lock)
-            table[slot] = node
+            nodes, table = dict(self._nodes), list(self._slots)  # (replaced, never mutated: readers take no lock)
+            table[slot] = self._node_in(nodes, Endpoint(host=host, port=port))
             self._nodes, self._slots = nodes, table
+
+    def _node_in(self, nodes: dict[str, NodeClient], endpoint: Endpoint) -> NodeClient:
+        """The client of `endpoint` in `nodes`, added to it when new (no I/O: it connects on use)."""
+        node = nodes.get(endpoint.name)
+        if node is None:
+            node = nodes[endpoint.name] = NodeClient(self._options, endpoint, tls=self._parsed.tls)
+        return node
 
     def _failed(self, reason: str) -> None:
         self.reason = reason
@@ -187,11 +188,7 @@ class Topology:
             if not holders:
                 continue
             primary = holders[0]
-            endpoint = Endpoint(host=primary.host, port=int(primary.port))
-            node = nodes.get(endpoint.name)
-            if node is None:
-                node = nodes[endpoint.name] = NodeClient(self._options, endpoint, tls=self._parsed.tls)
-            table[slot] = node
+            table[slot] = self._node_in(nodes, Endpoint(host=primary.host, port=int(primary.port)))
         if not any(table):
             raise RemoteUnavailable("cluster: the slot map covers no slot")
         with self._lock:
