@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import pytest
 
 # real Valkey/Redis servers for the shared tier's tests: valkey_server, valkey_cluster (session), private_server,
@@ -58,3 +61,21 @@ def flip(path, offset: int, mask: int = 0x01) -> None:
 @pytest.fixture
 def ctx():
     return ReqContext("req-0")
+
+
+def lines_run(call: Callable[[], object]) -> int:
+    """How many Python lines `call()` runs, in every frame it enters (a count, not a time)."""
+    count = 0
+
+    def tracer(frame, event, arg):  # noqa: ARG001 - the tracing protocol's signature
+        nonlocal count
+        count += event == "line"
+        return tracer
+
+    previous = sys.gettrace()
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(previous)
+    return count

@@ -3,12 +3,10 @@ without visiting the others, in the order of their last turns, at the time their
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
-from conftest import keys
+from conftest import keys, lines_run
 
 from kvtier.control.retention import Hint, Retention
 
@@ -19,24 +17,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-def lines_run(call: Callable[[], object]) -> int:
-    """How many Python lines `call()` runs, in every frame it enters (a count, not a time)."""
-    count = 0
-
-    def tracer(frame, event, arg):  # noqa: ARG001 - the tracing protocol's signature
-        nonlocal count
-        count += event == "line"
-        return tracer
-
-    previous = sys.gettrace()
-    sys.settrace(tracer)
-    try:
-        call()
-    finally:
-        sys.settrace(previous)
-    return count
 
 
 def lines_to_expire_one(tracked: int) -> int:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-from conftest import keys
+from conftest import keys, lines_run
 
 from kvtier.control.retention import Hint, Retention
 
@@ -102,8 +102,6 @@ def test_a_tenants_only_session_being_noted_leaves_the_choice_to_the_next_tenant
 def lines_to_displace(tenants: int, turns: int = 40) -> int:
     """The Python lines `turns` notes run, each past the share by one block (one session gives
     way), with `tenants` tenants of one two-block session each retaining blocks."""
-    from test_retention_expiry import lines_run
-
     r = Retention(capacity=4 * tenants, share=0.5)  # (their blocks fill the share)
     for i in range(tenants):
         r.note(Hint(f"s{i}", 60.0, tenant=f"tenant-{i}"), keys(2, 10 * i))

@@ -3,8 +3,7 @@ bounded, forgotten oldest turn first, at a cost that does not grow with the sess
 
 from __future__ import annotations
 
-from conftest import keys
-from test_retention_expiry import lines_run
+from conftest import keys, lines_run
 
 from kvtier.control.retention import Hint, Retention
 
