@@ -28,7 +28,8 @@ from typing import Any
 
 from benchmarks.memory import hash_keys
 from kvtier.bench.provenance import provenance
-from kvtier.control.retention import MAX_SESSIONS, RETAINED_SHARE, Hint, Retention
+from kvtier.control.hints import Hint
+from kvtier.control.retention import MAX_SESSIONS, RETAINED_SHARE, Retention
 
 
 def measure(sessions: int, blocks: int) -> int:

@@ -29,7 +29,8 @@ from typing import Any
 
 from benchmarks.memory import hash_keys
 from kvtier.bench.provenance import provenance
-from kvtier.control.retention import Hint, Retention
+from kvtier.control.hints import Hint
+from kvtier.control.retention import Retention
 
 # case -> (blocks a turn, first-tier blocks (None: 100 per turn), retain_s range, tenant per session, turns store)
 CASES: dict[str, tuple[int, int | None, tuple[float, float], bool, bool]] = {

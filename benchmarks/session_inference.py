@@ -34,7 +34,7 @@ from kvtier.bench.provenance import provenance
 from kvtier.bench.replay import replay_kvtier, replay_manager, replay_vllm
 from kvtier.bench.sessions import SessionHints, SessionTrace, generate_session_trace
 from kvtier.control.hierarchy import build_hierarchy
-from kvtier.control.retention import HINTS_KEY
+from kvtier.control.hints import HINTS_KEY
 
 COLUMNS = ("prefix-freq", "vllm best", "hints", "kept", "idle ends", "idle ends 2x")
 

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import pytest
 from conftest import keys, lines_run
 
-from kvtier.control.retention import Hint, Retention
+from kvtier.control.hints import Hint
+from kvtier.control.retention import Retention
 
 
 class Clock:

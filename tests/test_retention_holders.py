@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 from conftest import keys, lines_run
 
-from kvtier.control.retention import Hint, Retention
+from kvtier.control.hints import Hint
+from kvtier.control.retention import Retention
 
 
 @dataclass

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from conftest import keys, lines_run
 
-from kvtier.control.retention import Hint, Retention
+from kvtier.control.hints import Hint
+from kvtier.control.retention import Retention
 
 
 def test_the_least_recent_turn_forgets_first_even_when_it_stored_first():

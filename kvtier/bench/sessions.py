@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.workloads import Trace, TraceError, load_trace
-from kvtier.control.retention import HINTS_KEY, MAX_RETAIN_S
+from kvtier.control.hints import HINTS_KEY, MAX_RETAIN_S
 from kvtier.core.types import ReqContext
 
 RETAIN_QUANTILE = 0.9  # `retain_s` "auto": this quantile of the trace's gaps between a session's turns

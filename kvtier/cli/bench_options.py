@@ -14,7 +14,7 @@ from kvtier.bench.hops_runner import default_block_sizes
 from kvtier.bench.sessions import WORKLOADS
 from kvtier.bench.where import RootDirError, check_root_dir
 from kvtier.config import format_size, parse_size
-from kvtier.control.retention import MAX_RETAIN_S
+from kvtier.control.hints import MAX_RETAIN_S
 from kvtier.core.errors import ConfigError
 
 MULTITURN = "multiturn"  # the generated workload without sessions (the default without --trace)

@@ -7,6 +7,8 @@ table (`BlockTable.hold`: never a victim while held; a block entering a tier is 
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
+from itertools import compress, repeat
+from operator import is_
 
 from kvtier.control.tier import Tier
 from kvtier.core.keys import OffloadKey
@@ -18,6 +20,15 @@ def mark_ended(tiers: Sequence[Tier], keys: list[OffloadKey]) -> None:
     for tier in tiers:
         get = tier.table.get
         tier.first_victims.update(dict.fromkeys(k for k in keys if get(k) is not None))
+
+
+def absent(tiers: Sequence[Tier], keys: list[OffloadKey]) -> list[OffloadKey]:
+    """`Retention.absent`: those of `keys` that no tier holds (in order; C loops per tier)."""
+    for tier in tiers:
+        if not keys:
+            break
+        keys = list(compress(keys, map(is_, map(tier.table.get, keys), repeat(None))))
+    return keys
 
 
 def hold(tiers: Sequence[Tier], keys: list[OffloadKey]) -> None:

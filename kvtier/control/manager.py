@@ -40,7 +40,7 @@ from typing import Any
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.context import ControlContext
-from kvtier.control.ended import hold, mark_ended, unhold
+from kvtier.control.ended import absent, hold, mark_ended, unhold
 from kvtier.control.jobs import EventLog, JobTable
 from kvtier.control.loads import LoadPins
 from kvtier.control.promotion import Promotions
@@ -122,8 +122,9 @@ class HierarchyManager(OffloadingManager):
         self.retention.on_ended = partial(mark_ended, self.tiers)
         self._last_turn: tuple[Any, Any] = (None, None)  # (request, keys) of the last hinted `_note_turn`
         self.retention.on_hold, self.retention.on_unhold = partial(hold, self.tiers), partial(unhold, self.tiers)
+        self.retention.absent = partial(absent, self.tiers)
         for tier in self.tiers:
-            tier.retained = self.retention.retained
+            tier.retained, tier.retained_left = self.retention.retained, self.retention.left
         self._promotions = Promotions(ctx, self._cascade.evict_for)
         self._loads = LoadPins(ctx)
         self._shared = (SharedTierProbes(ctx, self._promotions, self._cascade.make_room)

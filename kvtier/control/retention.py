@@ -2,14 +2,17 @@
 
 A request may name its session and ask that the session's blocks be kept a while after its last
 turn (`Hint`: under vLLM in the request's `kv_transfer_params["kvtier"]`, in the standalone API as
-`store(..., hints=...)`). Every block a turn of the session stores, loads or touches joins the
-session; until `retain_s` after the session's last turn those blocks are *retained*: every
+`store(..., hints=...)`; `kvtier.control.hints`). Every block a turn of the session stores,
+loads or touches joins the session, if some tier holds it (a block offered and not stored does
+not; one that leaves every tier is forgotten: `absent`, `left`); until `retain_s` after the
+session's last turn those blocks are *retained*: every
 tier's block table holds them (`on_hold`, `BlockTable.hold`), so no eviction takes them, as none
 takes the blocks a load is reading, and an eviction costs the same however many are retained.
 
 Hints are untrusted input, so everything is bounded:
 - `retain_s` at most `max_retain_s`, `priority` 0 to 9, a session id of at most 128 printable
-  characters, an optional `tenant` likewise (`parse_hint` names the field that is wrong);
+  characters, an optional `tenant` likewise (`parse_hint` names the field that is wrong); a
+  session name is its tenant's own (another tenant's session of that name is another session);
 - retained blocks hold at most `share` of the first tier (the smallest); over it, the sessions
   of the tenant holding the most lose their retention first, lowest priority and oldest turn
   first, so one tenant cannot take the share from the others (a session that lost it is still
@@ -37,76 +40,22 @@ import logging
 import time
 from collections import OrderedDict
 from collections import deque as _consume
-from collections.abc import Callable, Collection, Iterable, KeysView, Mapping
+from collections.abc import Callable, Collection, Iterable, KeysView
 from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import eq, ne, not_
-from typing import Any, NamedTuple
+from typing import Any
 
 from kvtier.control.expiry import Expiries
+from kvtier.control.hints import Hint, RequestHints, session_name
 from kvtier.control.holders import Holders
-from kvtier.core.errors import ArgumentError
 from kvtier.core.keys import OffloadKey
 
 log = logging.getLogger("kvtier.retention")
 
-HINTS_KEY = "kvtier"  # the entry of vLLM's kv_transfer_params that holds kvtier's hints
-MAX_RETAIN_S = 3600.0  # the longest retention a hint may ask for
+
 RETAINED_SHARE = 0.5  # of the first tier's capacity, the most that retained blocks may hold
 MAX_SESSIONS = 10_000  # sessions tracked at once (their memory: docs/bench.md, "The memory of hints")
-MAX_PRIORITY = 9
-MAX_NAME = 128
-_FIELDS = ("session", "retain_s", "priority", "session_ended", "tenant")
-_FIELD_SET = frozenset(_FIELDS)
-_WHERE = f"kv_transfer_params.{HINTS_KEY}"  # (the errors' name for a hint from vLLM)
-
-
-class Hint(NamedTuple):
-    """One request's retention hint (see the module docstring). A named tuple: one is made per
-    request, and a tuple is made several times faster than a frozen dataclass."""
-
-    session: str
-    retain_s: float = 0.0
-    priority: int = 0
-    ended: bool = False
-    tenant: str = ""
-
-
-def parse_hint(value: Any, where: str = HINTS_KEY, max_retain_s: float = MAX_RETAIN_S) -> Hint | None:
-    """The hint in `value` (a mapping of `_FIELDS`), or None when `value` is None. Raises
-    `ArgumentError` naming the field (`where.field`), what was wrong and what would be right."""
-    if value is None:
-        return None
-    if not isinstance(value, Mapping):
-        raise ArgumentError(f"{where}: must be a mapping with 'session' and 'retain_s', got {type(value).__name__}")
-    if not _FIELD_SET.issuperset(value):
-        unknown = sorted(str(k) for k in value if k not in _FIELD_SET)
-        raise ArgumentError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
-    get = value.get
-    session = _name(get("session"), where, "session", required=True)
-    tenant = _name(get("tenant", ""), where, "tenant", required=False)
-    ended = get("session_ended", False)
-    if not isinstance(ended, bool):
-        raise ArgumentError(f"{where}.session_ended: must be true or false, got {ended!r}")
-    retain = get("retain_s", 0.0)
-    if isinstance(retain, bool) or not isinstance(retain, (int, float)) or not 0 <= retain <= max_retain_s:
-        raise ArgumentError(f"{where}.retain_s: must be a number of seconds from 0 to {max_retain_s:g}, "
-                            f"got {retain!r}")
-    priority = get("priority", 0)
-    if isinstance(priority, bool) or not isinstance(priority, int) or not 0 <= priority <= MAX_PRIORITY:
-        raise ArgumentError(f"{where}.priority: must be an integer from 0 to {MAX_PRIORITY}, got {priority!r}")
-    return Hint(session, float(retain), priority, ended, tenant)
-
-
-def _name(value: Any, where: str, name: str, required: bool) -> str:
-    """`value`, checked to be a session or tenant name (`where.name` in the error, built only then)."""
-    if not isinstance(value, str) or (required and not value):
-        raise ArgumentError(f"{where}.{name}: must be a non-empty string, got {value!r}" if required
-                            else f"{where}.{name}: must be a string, got {value!r}")
-    if len(value) > MAX_NAME or not value.isprintable():
-        raise ArgumentError(f"{where}.{name}: must be at most {MAX_NAME} printable characters, "
-                            f"got {value[:40]!r}...")
-    return value
 
 
 @dataclass
@@ -126,8 +75,8 @@ class RetentionStats:
     """Counters (cumulative), reported by `Retention.report` (`stats()["engine"]["retention"]`,
     `vllm:kvtier_retention_*`)."""
 
-    hints: int = 0  # turns that carried a valid hint
-    hints_refused: int = 0  # hints refused as invalid (under vLLM: logged, the request served)
+    hints: int = 0  # turns that carried a valid hint (a vLLM request; a standalone store or load)
+    hints_refused: int = 0  # hints refused as invalid, once per request (under vLLM: logged, the request served)
     expired: int = 0  # sessions whose retention ran out
     ended: int = 0  # sessions ended by a hint
     displaced: int = 0  # sessions that lost their retention to the share or the session limit
@@ -159,25 +108,37 @@ class Retention:
         # A session whose retention runs out counts as ended (its stored blocks go first). Off:
         # ends inferred from idle time bought nothing over prefix-freq (benchmarks/session_inference.py).
         self.ends_on_expiry = False
-        self._warned: OrderedDict[Any, None] = OrderedDict()  # requests whose bad hint was logged
-        self._parsed: OrderedDict[Any, tuple[dict, Hint | None]] = OrderedDict()  # req_id -> (raw hint, Hint)
+        self._requests = RequestHints(self.stats)  # the hints of vLLM's requests, read once each
         self.by_tenant = self._holders.by_tenant  # tenant -> blocks its sessions retain (> 0; others absent)
         # Told the blocks of a session that ended (deep end first): the manager makes them first victims.
         self.on_ended: Callable[[list[OffloadKey]], None] = _ignore
         # Told the blocks that start and stop being retained: the manager holds them in every tier's table.
         self.on_hold: Callable[[list[OffloadKey]], None] = _ignore
         self.on_unhold: Callable[[list[OffloadKey]], None] = _ignore
+        # Of some keys, those resident in no tier (the manager asks every tier; alone: none).
+        self.absent: Callable[[list[OffloadKey]], list[OffloadKey]] = _none_absent
+        # Retained keys that left a tier (the tiers append them): those gone from every tier
+        # are forgotten before the next turn or eviction (`_settle`).
+        self.left: list[OffloadKey] = []
 
     def note(self, hint: Hint | None, keys: Iterable[OffloadKey], stored: Collection[OffloadKey] = ()) -> None:
-        """A turn of `hint.session` stored or hit `keys` (a request's blocks, prefix first), of
-        which it stored `stored` itself (new in the first tier)."""
-        if hint is None:
-            return
-        self.stats.hints += 1
+        """A turn of `hint`'s session stored or hit `keys` (a request's blocks, prefix first), of
+        which it stored `stored` itself (new in the first tier); counted in `stats.hints`. Only
+        keys resident in some tier join the session (`absent`: a key offered but not stored is
+        not retained)."""
+        if hint is not None:
+            self.stats.hints += 1
+            self._note(hint, keys, stored)
+
+    def _note(self, hint: Hint, keys: Iterable[OffloadKey], stored: Collection[OffloadKey] = ()) -> None:
+        """`note`, not counted (a vLLM request's calls: `hint_of` counts the request once)."""
+        if self.left:
+            self._settle()
+        name = session_name(hint)
         if hint.ended or hint.retain_s <= 0:
-            self._release(hint.session, ended=hint.ended, last=stored)
+            self._release(name, ended=hint.ended, last=stored)
             return
-        name, sessions = hint.session, self.sessions
+        sessions = self.sessions
         session = sessions.get(name)
         if session is None:
             session = sessions[name] = _Session(hint.tenant, hint.priority, float("inf"))
@@ -185,10 +146,7 @@ class Retention:
             sessions.move_to_end(name)
             if session.stored:
                 self._remembering.move_to_end(name)
-            if session.tenant != hint.tenant and session.held:  # (its blocks count for the new tenant)
-                self._holders.count(session.tenant, -session.held)
-                self._holders.count(hint.tenant, session.held)
-        session.tenant, session.priority = hint.tenant, hint.priority
+        session.priority = hint.priority
         self._turns = session.turn = self._turns + 1
         until = self.clock() + hint.retain_s
         earlier, session.until = until < session.until, until
@@ -222,12 +180,12 @@ class Retention:
             fresh = list(compress(claim, map(not_, owners)))
             if len(fresh) < len(claim):
                 for owner in dict.fromkeys(filter(None, owners)):  # (each once, in order)
-                    count, previous = owners.count(owner), self.sessions[owner]
-                    previous.held -= count
-                    self._holders.count(previous.tenant, -count)
-                    if not previous.held:
-                        previous.keys = []
-                        self._holders.discard(owner)
+                    self._lose(owner, owners.count(owner))
+        if fresh:
+            absent = self.absent(fresh)
+            if absent:  # (offered, not stored: no room, skipped by the threshold, a failed write)
+                fresh = [key for key in fresh if key not in absent]
+                claim = [key for key in claim if key not in absent]
         self.retained.update(zip(claim, repeat(name)))
         session.keys += claim
         session.held += len(claim)
@@ -236,6 +194,25 @@ class Retention:
             session.keys = self._own(session, name)
         if fresh:
             self.on_hold(fresh)
+
+    def _lose(self, name: str, count: int) -> None:
+        """Session `name` retains `count` fewer blocks (taken by another session, or gone)."""
+        session = self.sessions[name]
+        session.held -= count
+        self._holders.count(session.tenant, -count)
+        if not session.held:
+            session.keys = []
+            self._holders.discard(name)
+
+    def _settle(self) -> None:
+        """Forget the retained blocks that left every tier (`left`, as the tiers report them: an
+        eviction past the share, a failed write or read, a reset), so that they hold no share."""
+        left = list(dict.fromkeys(self.left))
+        self.left.clear()
+        retained = self.retained
+        owners = [retained.pop(key) for key in self.absent([key for key in left if key in retained])]
+        for owner in dict.fromkeys(owners):
+            self._lose(owner, owners.count(owner))
 
     def _own(self, session: _Session, name: str) -> list[OffloadKey]:
         """The blocks session `name` retains now, in the order it claimed them (C loops)."""
@@ -246,47 +223,31 @@ class Retention:
                   stored: Collection[OffloadKey] = ()) -> Hint | None:
         """`note` the hint `req_context` carries (`hint_of`; None: none) for `keys`; that hint."""
         hint = None if req_context is None else self.hint_of(req_context)
-        self.note(hint, keys, stored)
+        if hint is not None:
+            self._note(hint, keys, stored)
         return hint
 
     def hint_of(self, req_context: Any) -> Hint | None:
-        """The hint a request carries in `kv_transfer_params["kvtier"]`, or None. An invalid one
-        is refused (counted, logged once per request) and the request served without it: under
-        vLLM the hints come from clients."""
-        params = getattr(req_context, "kv_transfer_params", None)
-        if not params or HINTS_KEY not in params:
-            return None
-        raw, req_id = params[HINTS_KEY], getattr(req_context, "req_id", None)
-        parsed = self._parsed.get(req_id)
-        if parsed is not None and parsed[0] == raw:  # (a request's later calls: parsed once)
-            return parsed[1]
-        try:
-            hint = parse_hint(raw, _WHERE)
-            if isinstance(raw, Mapping):
-                self._parsed[req_id] = (dict(raw), hint)
-                if len(self._parsed) > 4096:
-                    self._parsed.popitem(last=False)
-            return hint
-        except ArgumentError as exc:
-            self.stats.hints_refused += 1
-            if req_id not in self._warned:
-                self._warned[req_id] = None
-                if len(self._warned) > 1024:
-                    self._warned.popitem(last=False)
-                log.warning("request %s: retention hint refused (%s); served without it", req_id, exc)
-            return None
+        """The hint `req_context` carries, or None (`RequestHints.of`: an invalid one is refused,
+        counted and logged once per request, and the request served without it)."""
+        return self._requests.of(req_context)
 
     def report(self) -> dict[str, Any]:
         """The counters, the sessions retained now and their blocks (`stats()["retention"]`)."""
+        if self.left:
+            self._settle()
         return {**self.stats.as_dict(), "sessions": len(self._holders), "retained_blocks": len(self.retained),
                 "budget_blocks": self.budget}
 
     def retaining(self) -> list[str]:
-        """The sessions whose blocks are retained now, least recent turn first."""
-        return list(self._holders.order)
+        """The sessions whose blocks are retained now, least recent turn first, by the names
+        their hints gave (each tenant's own: a name may come once per tenant)."""
+        return [name.rpartition("\x1f")[2] for name in self._holders.order]
 
     def held(self) -> KeysView[OffloadKey]:
         """The keys retained now (expired sessions released first); empty without hints."""
+        if self.left:
+            self._settle()
         if self.sessions and self.clock() >= self._expiries.next():
             self._expire()
         return self.retained.keys()
@@ -365,6 +326,11 @@ class Retention:
             chain = [key for key in dict.fromkeys([*stored, *last]) if key not in retained]
             if chain:
                 self.on_ended(chain[::-1])
+
+
+def _none_absent(keys: list[OffloadKey]) -> list[OffloadKey]:
+    """The default `absent`: a `Retention` outside a hierarchy takes every key as resident."""
+    return []
 
 
 def _ignore(keys: list[OffloadKey]) -> None:

@@ -94,6 +94,8 @@ class Tier:
     # the keys sessions retain (`Retention.retained`, the same for every tier): held in the table on
     # entry (`hold_entering`)
     retained: Mapping[OffloadKey, str] = field(default_factory=dict, init=False, repr=False)
+    # where retained keys that leave this tier are reported (`Retention.left`, the same list for every tier)
+    retained_left: list[OffloadKey] = field(default_factory=list, init=False, repr=False)
     stats: TierStats = field(default_factory=TierStats, init=False)
     # key -> slot, block state and load pins, behind one batch API over slot ids (kvtier.index)
     table: BlockTable = field(init=False, repr=False, compare=False)
@@ -233,6 +235,10 @@ class Tier:
     def _left(self, keys: list[OffloadKey], ids: list[int]) -> None:
         """Blocks `keys` (in slots `ids`) left the table: free the slots and forget their state."""
         self.backend.free_block_ids(ids)
+        if self.retained:
+            left = self.retained.keys() & keys
+            if left:  # (the retention forgets those that left every tier: `Retention._settle`)
+                self.retained_left.extend(left)
         if self.clean:
             self.clean.difference_update(keys)
         if self.condemned:

@@ -29,7 +29,7 @@ from typing import Any
 
 from kvtier.config import HierarchyConfig, parse_config
 from kvtier.config.input import plain
-from kvtier.control.retention import parse_hint
+from kvtier.control.hints import parse_hint
 from kvtier.control.store_threshold import StoreThreshold
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import OffloadKey

@@ -48,8 +48,8 @@ from typing import Any, TypeVar
 
 from kvtier.config import HierarchyConfig, load_config
 from kvtier.control.hierarchy import Hierarchy, build_hierarchy
+from kvtier.control.hints import parse_hint
 from kvtier.control.manager import SHUTDOWN_TIMEOUT_S
-from kvtier.control.retention import parse_hint
 from kvtier.control.store_threshold import StoreThreshold
 from kvtier.core.errors import ClosedError
 from kvtier.core.keys import OffloadKey

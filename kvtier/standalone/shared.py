@@ -23,7 +23,7 @@ from typing import Any
 
 from kvtier.config import HierarchyConfig
 from kvtier.config.shared import config_mapping
-from kvtier.control.retention import parse_hint
+from kvtier.control.hints import parse_hint
 from kvtier.core.errors import ArgumentError, ClosedError
 from kvtier.core.keys import OffloadKey
 from kvtier.core.limits import MAX_KEY_BYTES

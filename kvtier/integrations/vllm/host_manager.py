@@ -40,7 +40,7 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.config.shared import config_mapping
-from kvtier.control.retention import HINTS_KEY, parse_hint
+from kvtier.control.hints import HINTS_KEY, parse_hint
 from kvtier.core.errors import ArgumentError
 from kvtier.host.client import HostClient, join
 from kvtier.host.namespace import LEASE_GRACE_S
