@@ -149,6 +149,41 @@ CASES = [
          ArgumentTypeError, "blocks_per_chunk"),
     Case("bool blocks per chunk", lambda c: open_with(c, make_kv(NUM_BLOCKS), blocks_per_chunk=True),
          ArgumentTypeError, "blocks_per_chunk"),
+    Case("a KV-cache group with no references",
+         lambda c: open_with(c, CanonicalKVCaches(make_kv(NUM_BLOCKS).tensors, [[]])), ArgumentError,
+         "kv_caches.group_data_refs[0]"),
+    Case("a reference's tensor index as a str",
+         lambda c: open_with(c, CanonicalKVCaches(make_kv(NUM_BLOCKS).tensors, [[CanonicalKVCacheRef("0", PAGE)]])),
+         ArgumentTypeError, "kv_caches.group_data_refs[0][0].tensor_idx"),
+    Case("a reference's page as a float",
+         lambda c: open_with(c, CanonicalKVCaches(make_kv(NUM_BLOCKS).tensors, [[CanonicalKVCacheRef(0, 100.0)]])),
+         ArgumentTypeError, "kv_caches.group_data_refs[0][0].page_size_bytes"),
+    Case("KV tensors on the meta device (shapes, no bytes)",
+         lambda c: open_with(c, CanonicalKVCaches([CanonicalKVCacheTensor(
+             torch.empty(NUM_BLOCKS, PAGE, dtype=torch.int8, device="meta"), PAGE)])), ArgumentError,
+         "kv_caches.tensors[0]"),
+    Case("a KV tensor of no blocks",
+         lambda c: open_with(c, CanonicalKVCaches([CanonicalKVCacheTensor(torch.zeros(0, PAGE, dtype=torch.int8),
+                                                                          PAGE)])), ArgumentError,
+         "kv_caches.tensors[0]"),
+    # open's other arguments
+    Case("model None", lambda c: open_with(c, make_kv(NUM_BLOCKS), model=None), ArgumentTypeError, "model"),
+    Case("config None", lambda c: KVTier.open(None, make_kv(NUM_BLOCKS)), ArgumentTypeError, "config"),
+    Case("a misspelt option", lambda c: open_with(c, make_kv(NUM_BLOCKS), metric_port=9400), ArgumentTypeError,
+         "metric_port"),
+    # timeouts
+    Case("flush timeout as a str", lambda c: c.tier.flush("x"), ArgumentTypeError, "timeout"),
+    Case("flush timeout NaN", lambda c: c.tier.flush(float("nan")), ArgumentError, "timeout"),
+    Case("negative flush timeout", lambda c: c.tier.flush(-1), ArgumentError, "timeout"),
+    Case("flush timeout past a float", lambda c: c.tier.flush(10**400), ArgumentError, "timeout"),
+    Case("close's flush timeout as a str (the tier stays open)", lambda c: c.tier.close(flush_timeout="x"),
+         ArgumentTypeError, "flush_timeout"),
+    # hints
+    Case("a hint without retain_s", lambda c: c.tier.store(K[:1], [1], hints={"session": "s"}), ArgumentError,
+         "hints.retain_s"),
+    Case("a hint's 5,000-digit retain_s", lambda c: c.tier.store(K[:1], [1], hints={"session": "s",
+                                                                                    "retain_s": 10**5000}),
+         ArgumentError, "hints.retain_s"),
 ]
 
 

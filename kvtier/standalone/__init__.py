@@ -51,11 +51,11 @@ from kvtier.control.hierarchy import Hierarchy, build_hierarchy
 from kvtier.control.hints import parse_hint
 from kvtier.control.manager import SHUTDOWN_TIMEOUT_S
 from kvtier.control.store_threshold import StoreThreshold
-from kvtier.core.errors import ClosedError
+from kvtier.core.errors import ArgumentError, ClosedError
 from kvtier.core.keys import OffloadKey
 from kvtier.core.specs import LoadStoreSpec
 from kvtier.core.types import CanonicalKVCaches, TransferResult
-from kvtier.standalone.args import check_kv_caches
+from kvtier.standalone.args import as_timeout, check_kv_caches, check_open_args
 from kvtier.standalone.blocks import KeyBlocks
 from kvtier.standalone.counters import TransferCounters
 from kvtier.standalone.metrics import MetricsEndpoint, check_metrics_port
@@ -186,6 +186,7 @@ class KVTier:
         and wait for the copies, at most `timeout` seconds (None: no limit). Returns how many
         blocks are still without a copy below (0: a restart finds every block a lower,
         persistent tier can hold). `ClosedError` when another thread closes the KVTier meanwhile."""
+        timeout = as_timeout(timeout, "timeout")
         with self._call():
             return self.manager.flush(timeout, check=self._check_open)  # ClosedError once another thread closes
 
@@ -205,6 +206,7 @@ class KVTier:
         tier, at most `shutdown_timeout` seconds more (copies still running then, a read or
         write hung in the kernel, are abandoned and logged: `Hierarchy.close`). Idempotent; from
         any thread: the other threads' calls end with `ClosedError`."""
+        flush_timeout = as_timeout(flush_timeout, "flush_timeout")
         self._closing = True
         if self._metrics is not None:  # (first: a scrape waits for the lock held below)
             self._metrics.stop()
@@ -266,6 +268,7 @@ def _open(cls: type[KVTier], config: str | Path | HierarchyConfig, kv_caches: Ca
           build_options: dict[str, Any]) -> KVTier:
     """`KVTier.open`'s work: check the arguments, build the hierarchy, and close it again if the
     `KVTier` around it cannot be made."""
+    check_open_args(config, model, build_options)
     check_kv_caches(kv_caches, blocks_per_chunk)
     check_metrics_port(metrics_port, metrics_addr)
     if not isinstance(config, HierarchyConfig):
@@ -275,6 +278,10 @@ def _open(cls: type[KVTier], config: str | Path | HierarchyConfig, kv_caches: Ca
     if config.shared is not None:
         from kvtier.standalone.shared import open_shared
 
+        if metrics_port is not None or build_options:
+            raise ArgumentError(f"{'metrics_port' if metrics_port is not None else next(iter(build_options))}: "
+                                "not with 'shared: host': the tiers are the host owner's (kvtier serve); "
+                                "stats() reports them")
         return open_shared(config, chunked, layout, model)  # type: ignore[return-value]
     hierarchy = build_hierarchy(config, block_bytes=layout.block_bytes, kv_caches=chunked, model=model,
                                 **build_options)

@@ -4,11 +4,13 @@ with an `ArgumentError` (or `ArgumentTypeError`) that names it and says what wou
 from __future__ import annotations
 
 import operator
+import os
 from collections.abc import Iterable
 from typing import Any
 
 from kvtier.core.errors import ArgumentError, ArgumentTypeError
 from kvtier.core.keys import GROUP_BYTES
+from kvtier.core.quoting import brief, suggest
 from kvtier.core.types import CanonicalKVCaches
 
 
@@ -24,8 +26,15 @@ def check_kv_caches(kv_caches: CanonicalKVCaches, blocks_per_chunk: int) -> None
         raise ArgumentError("kv_caches.tensors: no KV tensors; give at least one CanonicalKVCacheTensor")
     pages = [check_kv_tensor(entry, f"kv_caches.tensors[{i}]", tensors[0]) for i, entry in enumerate(tensors)]
     for g, refs in enumerate(kv_caches.group_data_refs or []):
+        if not refs:
+            raise ArgumentError(f"kv_caches.group_data_refs[{g}]: empty; each KV-cache group needs at least "
+                                "one CanonicalKVCacheRef (the pages a block of that group holds)")
         for r, ref in enumerate(refs):
             name = f"kv_caches.group_data_refs[{g}][{r}]"
+            for field in ("tensor_idx", "page_size_bytes"):
+                value = getattr(ref, field, None)
+                if type(value) is not int:
+                    raise ArgumentTypeError(f"{name}.{field}: {type(value).__name__} {short(value)}; an int")
             if not 0 <= ref.tensor_idx < len(tensors):
                 raise ArgumentError(f"{name}.tensor_idx: {ref.tensor_idx} names no tensor (0..{len(tensors) - 1})")
             if not 0 < ref.page_size_bytes <= pages[ref.tensor_idx]:
@@ -47,6 +56,11 @@ def check_kv_tensor(entry: Any, name: str, first: Any) -> int:
     if t.dim() < 1 or t.device != first.tensor.device:
         raise ArgumentError(f"{name}: a {t.dim()}-D tensor on {t.device}; KV tensors have a block dimension "
                             f"first and live on one device ({first.tensor.device})")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ArgumentError(f"{name}: on device {t.device}; kvtier copies KV caches on cpu or cuda "
+                            "(a meta tensor has no bytes to copy)")
+    if t.shape[0] < 1:
+        raise ArgumentError(f"{name}: no blocks (shape {tuple(t.shape)}); dim 0 is the engine's blocks")
     expected = 1  # the stride each inner dimension has when one block is one contiguous run
     for size, stride in reversed(list(zip(t.shape[1:], t.stride()[1:]))):
         if size != 1 and stride != expected:
@@ -113,6 +127,43 @@ def as_id(block: Any, i: int) -> int:
                             "block id; ids are ints")
 
 
+BUILD_OPTIONS = ("enable_events",)  # `KVTier.open`'s `**build_options` (for `build_hierarchy`)
+
+
+def check_open_args(config: Any, model: Any, build_options: dict[str, Any]) -> None:
+    """Refuse `KVTier.open`'s `config` of a type it cannot read, a `model` that is no string, and
+    an option `build_hierarchy` does not take, naming each."""
+    if not isinstance(config, (str, os.PathLike)) and not hasattr(config, "tiers"):
+        raise ArgumentTypeError(f"config: {type(config).__name__} {short(config)}; a path to a YAML file, or a "
+                                "HierarchyConfig (kvtier.load_config_text(text))")
+    if not isinstance(model, str):
+        raise ArgumentTypeError(f"model: {type(model).__name__} {short(model)}; a string naming the model, "
+                                "e.g. 'meta-llama/Llama-3.1-8B@<revision>' ('' when no other engine shares the tiers)")
+    for option in build_options:
+        if option not in BUILD_OPTIONS:
+            raise ArgumentTypeError(f"{option}: not an option of KVTier.open{suggest(option, OPEN_OPTIONS)}; it takes "
+                                    f"{', '.join(OPEN_OPTIONS)}")
+
+
+OPEN_OPTIONS = ("blocks_per_chunk", "model", "metrics_port", "metrics_addr", *BUILD_OPTIONS)
+
+
+def as_timeout(value: Any, name: str) -> float | None:
+    """`value` as a number of seconds >= 0 (inf or None: no limit); refused naming `name`."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ArgumentTypeError(f"{name}: {type(value).__name__} {short(value)}; a number of seconds >= 0 "
+                                "(None: no limit)")
+    try:
+        seconds = float(value)
+    except OverflowError:
+        seconds = float("nan")
+    if not seconds >= 0:  # (NaN too)
+        raise ArgumentError(f"{name}: {short(value)}; a number of seconds >= 0 (None: no limit)")
+    return seconds
+
+
 def raise_duplicate(values: list[Any], name: str, why: str) -> None:
     first: dict[Any, int] = {}
     for i, value in enumerate(values):
@@ -125,6 +176,8 @@ def short(value: Any, limit: int = 40) -> str:
     """`repr(value)` (bytes in hex), cut to `limit` characters: a hostile value can be huge."""
     if isinstance(value, bytes):
         text = f"key {value[:limit // 2 + 1].hex()}"
+    elif isinstance(value, (str, bytearray)):
+        text = repr(value[:limit + 1])
     else:
-        text = repr(value[:limit + 1] if isinstance(value, (str, bytearray)) else value)
+        text = brief(value, limit + 1)  # (a 5,000-digit int has no repr)
     return text if len(text) <= limit else text[:limit] + "..."

@@ -15,6 +15,7 @@ import pytest
 from host.owner_process import OwnerProcess
 
 from kvtier import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor, load_config_text, make_offload_key
+from kvtier.core.errors import ArgumentError
 from kvtier.host.client import HostRefused
 from kvtier.standalone import KVTier
 
@@ -123,6 +124,14 @@ def test_an_engine_asking_for_other_tiers_of_the_same_model_is_refused(tmp_path,
 def test_joining_needs_a_model(tmp_path, owner):
     with pytest.raises(ValueError, match="model: required with shared: host"):
         KVTier.open(shared_config(tmp_path), make_kv())
+
+
+@pytest.mark.parametrize("option", [{"metrics_port": 0}, {"enable_events": True}])
+def test_options_for_a_hierarchy_of_its_own_are_refused_with_a_shared_one(tmp_path, option):
+    """Before: `metrics_port` and the build options were dropped without a word (no endpoint,
+    no events) when the YAML said `shared: host`."""
+    with pytest.raises(ArgumentError, match=f"^{next(iter(option))}: not with 'shared: host'"):
+        KVTier.open(shared_config(tmp_path), make_kv(), model="m", **option)
 
 
 def _timed(call):
