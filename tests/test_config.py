@@ -37,6 +37,9 @@ BROKEN = [
     (tiers("{name: cpu, backend: memory, capacity: lots}"), "tiers[0].capacity", "is not a size"),
     (tiers("{name: cpu, backend: memory, capacity: 0 blocks}"), "tiers[0].capacity", "at least 1 block"),
     (tiers("{name: cpu, backend: memory, capacity: 0GiB}"), "tiers[0].capacity", "must be > 0"),
+    # (before: "write '0 blocks' or a size such as '0MiB'", both refused; "unknown unit 'blocks'")
+    (tiers("{name: cpu, backend: memory, capacity: 0}"), "tiers[0].capacity", "write e.g. '1000 blocks' or '4GiB'"),
+    (tiers("{name: cpu, backend: memory, capacity: 0.5 blocks}"), "tiers[0].capacity", "a whole number"),
     (tiers("{name: cpu, backend: memory, capacity: 64Zb}"), "tiers[0].capacity", "unknown unit"),
     (tiers("{name: cpu, backend: memory, capacity: 512KiB}"), "tiers[0].capacity", "smaller than one block"),
     (tiers("{name: cpu, backend: memory, capacity: [1]}"), "tiers[0].capacity", "expected a size"),
@@ -223,6 +226,10 @@ HOSTILE = [
     ("undefined-alias", "tiers: *nope\n", [], 2, FILE, "undefined alias"),
     ("unhashable-key", "? [a, b]\n: 1\ntiers:\n" + HOT, [], 2, FILE, "invalid YAML"),
     ("root-scalar", "x" * 900_000, [], 2, FILE, "must be a mapping"),
+    # a key written twice (YAML kept the last silently before)
+    ("repeated-key", "tiers:\n  - {name: hot, backend: memory, capacity: 1GiB, capacity: 8 blocks}\n", [], 2,
+     "tiers[0].capacity", "given twice (lines 2 and 2)"),
+    ("repeated-top-key", "tiers:\n" + HOT + "tiers:\n" + HOT, [], 2, "tiers", "given twice"),
     # numbers with hundreds or thousands of digits (OverflowError before)
     ("block_tokens-300-digits", "block_tokens: " + "9" * 300 + "\ntiers:\n" + HOT, [], 2, "block_tokens",
      "far too large"),

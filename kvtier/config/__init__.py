@@ -34,6 +34,7 @@ _DECIMAL = {"KB": "KiB", "MB": "MiB", "GB": "GiB", "TB": "TiB", "K": "KiB", "M":
             "gib": "GiB", "mib": "MiB", "kib": "KiB", "tib": "TiB"}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
 _BLOCKS_RE = re.compile(r"^\s*(\d+)\s*([km]?)\s*blocks?\s*$", re.IGNORECASE)  # "10000 blocks", "10k blocks"
+_FRACTIONAL_BLOCKS_RE = re.compile(r"^\s*\d*\.\d*\s*[km]?\s*blocks?\s*$", re.IGNORECASE)  # "0.5 blocks"
 _BLOCK_SCALE = {"": 1, "k": 1000, "m": 1_000_000}
 _NAME_RE = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 _MAX_BYTES_TEXT = "1048576TiB (1 EiB)"  # MAX_BYTES (the limits: kvtier.core.limits)
@@ -62,7 +63,8 @@ def parse_size(text: Any) -> int:
     if isinstance(text, bool) or not isinstance(text, (str, int)):
         raise ValueError(f"expected a size such as '4GiB', got {type(text).__name__} {brief(text)}")
     if isinstance(text, int):
-        raise ValueError(f"{brief(text)} has no unit; write e.g. '{brief(text)}MiB' (units: {', '.join(_UNITS)})")
+        example = f"{brief(text)}MiB" if text > 0 else "64MiB"  # (never suggest a size that is refused)
+        raise ValueError(f"{brief(text)} has no unit; write e.g. '{example}' (units: {', '.join(_UNITS)})")
     _check_length(text, blocks=False)
     match = _SIZE_RE.match(text)
     if not match:
@@ -105,7 +107,12 @@ class Capacity:
                 if count > MAX_BLOCKS:
                     raise ValueError(f"{brief(value)} is too many; at most {MAX_BLOCKS} blocks")
                 return cls(blocks=count)
+            if _FRACTIONAL_BLOCKS_RE.match(value):
+                raise ValueError(f"a block count is a whole number, got {brief(value)}")
         if isinstance(value, int) and not isinstance(value, bool):
+            if value <= 0:
+                raise ValueError(f"capacity must be at least 1 block or a size above 0, got {brief(value)}; "
+                                 "write e.g. '1000 blocks' or '4GiB'")
             raise ValueError(f"{brief(value)} is ambiguous; write '{brief(value)} blocks' or a size such as "
                              f"'{brief(value)}MiB'")
         return cls(bytes=parse_size(value))

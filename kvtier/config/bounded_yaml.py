@@ -126,6 +126,7 @@ def load_yaml(text: str, source: str, *, libyaml: bool = True) -> Any:
         if node is None:
             return None
         problems = _expansion_problems(node) if loader.aliases else []
+        problems += _repeated_keys(node)
         if problems:
             raise ConfigError(problems)
         return loader.construct_document(node)
@@ -175,6 +176,35 @@ def _children(node: Any) -> list[tuple[Any, Any]]:
             out.append((key.value if isinstance(key, ScalarNode) else "?", value))
         return out
     return []
+
+
+def _repeated_keys(root: Any) -> list[tuple[str, str]]:
+    """A problem per key written twice in one mapping (YAML would keep the last silently: a
+    typo'd copy of `capacity` would override the first). Each node is visited once, aliases too;
+    a merge key (`<<`) may repeat keys, as YAML means it to."""
+    from yaml.nodes import MappingNode, ScalarNode
+
+    problems: list[tuple[int, list[Any], str]] = []
+    visited: set[int] = set()
+    stack: list[tuple[Any, list[Any]]] = [(root, [])]
+    while stack:
+        node, segments = stack.pop()
+        if id(node) in visited:
+            continue
+        visited.add(id(node))
+        if isinstance(node, MappingNode):
+            lines: dict[str, int] = {}
+            for key, _ in node.value:
+                if not isinstance(key, ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                    continue
+                line = key.start_mark.line + 1
+                if key.value in lines:
+                    problems.append((line, segments + [key.value], f"given twice (lines {lines[key.value]} and "
+                                                                   f"{line}); keep one (YAML would use the last)"))
+                else:
+                    lines[key.value] = line
+        stack.extend((child, segments + [segment]) for segment, child in _children(node) if segment != "?")
+    return [(field_path(segments), message) for _, segments, message in sorted(problems, key=lambda p: p[0])]
 
 
 def _expansion_problems(root: Any) -> list[tuple[str, str]]:
