@@ -37,11 +37,24 @@ def test_without_yes_nothing_is_removed_and_with_it_only_the_tiers_files(tmp_pat
 
 
 def test_an_open_tier_is_refused(tmp_path, capsys):
+    """With --yes, and in a dry run too (before, the dry run said "would remove ... run again with
+    --yes", which was then refused)."""
     root = tmp_path / "tier"
     with build(root):
-        code, _, err = clear(capsys, str(root), "--yes")
-        assert code == 2 and "is a tier in use, nothing removed" in err and f"(pid {os.getpid()})" in err
-        assert all((root / name).exists() for name in OWN_FILES)
+        for flags in (["--yes"], []):
+            code, out, err = clear(capsys, str(root), *flags)
+            assert code == 2 and "is a tier in use, nothing removed" in err and f"(pid {os.getpid()})" in err
+            assert "would remove" not in out
+            assert all((root / name).exists() for name in OWN_FILES)
+
+
+def test_a_dry_run_leaves_no_lock_behind(tmp_path, capsys):
+    root = tmp_path / "tier"
+    build(root).close()
+    os.unlink(root / "lock")
+    before = sorted(os.listdir(root))
+    code, out, _ = clear(capsys, str(root))
+    assert code == 2 and "would remove" in out and sorted(os.listdir(root)) == before
 
 
 def test_a_directory_that_is_no_tier_or_a_symlink_is_refused(tmp_path, capsys):

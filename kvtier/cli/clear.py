@@ -149,19 +149,28 @@ def run_clear(args) -> int:
         os.close(dir_fd)
 
 
-def _clear(root: Path, dir_fd: int, yes: bool) -> int:
-    found = tier_files(root, dir_fd)
-    if not yes:
-        print(f"would remove from {root}: " + ", ".join(_describe(n, st) for n, st in found.items()))
-        print("nothing removed: run again with --yes to remove them")
-        return 2
+def _take_lock(root: Path, dir_fd: int) -> RootLock:
+    """The tier's lock, taken in the directory checked (whatever `root` names by now); `KVTierError`
+    when a live process holds it (the tier is open)."""
     with _refused():
         try:
-            lock = RootLock(root, dir_fd)  # in the directory checked, whatever `root` names by now
+            return RootLock(root, dir_fd)
         except ConfigError:  # a lock that is no longer one to take
             raise
         except KVTierError as exc:  # held by a live process: the tier is open
             raise KVTierError(f"{root} is a tier in use, nothing removed ({exc}); close it first") from None
+
+
+def _clear(root: Path, dir_fd: int, yes: bool) -> int:
+    found = tier_files(root, dir_fd)
+    lock = _take_lock(root, dir_fd)  # (a dry run too: it must not promise what --yes would refuse)
+    if not yes:
+        if lock.created:  # (a dry run leaves nothing behind)
+            _unlink(LOCK, dir_fd)
+        lock.release()
+        print(f"would remove from {root}: " + ", ".join(_describe(n, st) for n, st in found.items()))
+        print("nothing removed: run again with --yes to remove them")
+        return 2
     try:
         if not same_file(dir_fd, root):
             if lock.created:

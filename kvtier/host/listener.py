@@ -25,7 +25,7 @@ class OwnerRunning(KVTierError):
 
 
 class UnsafeSocketPath(KVTierError, ValueError):
-    """The socket's directory or path is not private to this user."""
+    """The socket's directory or path is not private to this user, or cannot be made."""
 
 
 def private_directory(directory: str) -> None:
@@ -35,6 +35,9 @@ def private_directory(directory: str) -> None:
         os.mkdir(directory, 0o700)
     except FileExistsError:
         pass
+    except OSError as exc:  # (a missing parent, a read-only or unwritable one)
+        raise UnsafeSocketPath(f"cannot create {directory} for the kvtier host socket: {exc.strerror}; create "
+                               f"{os.path.dirname(directory) or '.'} first or choose another socket path") from None
     st = os.lstat(directory)
     if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
         raise UnsafeSocketPath(f"{directory} must be a directory (not a symlink) for the kvtier host socket")

@@ -67,6 +67,15 @@ def test_a_directory_others_may_enter_is_refused(tmp_path):
         HostOwner(str(shared_dir / "host.sock"))
 
 
+def test_a_socket_directory_whose_parent_is_missing_is_named(tmp_path, capsys):
+    """Before: `kvtier serve --socket` under a missing folder ended in a FileNotFoundError traceback."""
+    from kvtier.cli.main import main
+
+    assert main(["serve", "--socket", str(tmp_path / "no" / "run" / "host.sock")]) == 2
+    err = capsys.readouterr().err
+    assert f"cannot create {tmp_path / 'no' / 'run'}" in err and "Traceback" not in err
+
+
 def test_a_file_that_is_not_a_socket_is_left_alone(tmp_path):
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
