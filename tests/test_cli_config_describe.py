@@ -34,3 +34,14 @@ def test_each_tier_shows_what_applies_to_it(tmp_path, capsys):
 def test_a_byte_capacity_is_resolved_into_blocks_once(tmp_path, capsys):
     nvme = describe(tmp_path, capsys, "--block-bytes", "1MiB")[2]
     assert "capacity=1GiB = 1024 blocks, policy=lru" in nvme
+
+
+def test_the_block_size_given_is_checked_as_the_configs_own(tmp_path, capsys):
+    """Before: --block-bytes only changed the printout: 4GiB of 1-byte blocks (past lru's limit)
+    and 1KiB of 1MiB blocks ("= 0 blocks") passed with exit 0."""
+    for capacity, block, says in (("4GiB", "1B", "more than policy 'lru' can hold"),
+                                  ("1KiB", "1MiB", "smaller than one block (1MiB)")):
+        path = tmp_path / "tier.yaml"
+        path.write_text(f"tiers:\n  - {{name: cpu, backend: memory, capacity: {capacity}, policy: lru}}\n")
+        assert main(["config", "check", str(path), "--block-bytes", block]) == 2
+        assert says in capsys.readouterr().err

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 
-from kvtier.config import format_size, is_external, load_config, parse_size
+from kvtier.config import format_size, is_external, load_config, load_raw_config_file, parse_config, parse_size
 from kvtier.config.input import brief
 from kvtier.config.problems import count_problems
 from kvtier.core.errors import ConfigError
@@ -80,6 +80,11 @@ def run_config_check(args) -> int:
             from kvtier.cli.vllm_check import load_for_vllm
 
             config, notes = load_for_vllm(args.file, args.import_code)
+        elif block_bytes:  # (checked as the config's own block_bytes: capacities in blocks, the policy's limit)
+            raw = load_raw_config_file(args.file)
+            if isinstance(raw, dict):
+                raw = {**raw, "block_bytes": args.block_bytes}
+            config = parse_config(raw, str(args.file), import_code=args.import_code)
         else:
             config = load_config(args.file, import_code=args.import_code)
     except ConfigError as exc:

@@ -148,7 +148,8 @@ def _add_config_parsers(sub) -> None:
     check = config_sub.add_parser("check", help="validate a YAML hierarchy and print it resolved",
                                   description=CHECK_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("file")
-    check.add_argument("--block-bytes", help="size of one block, e.g. 2MiB, to resolve byte capacities into blocks")
+    check.add_argument("--block-bytes", help="size of one block, e.g. 2MiB: checked as the config's block_bytes (byte "
+                       "capacities resolved into blocks, each at least one block and within its policy's limit)")
     check.add_argument("--import-code", action="store_true",
                        help="also import the modules that backend:/policy: name as 'package.module:Class' and check "
                             "their classes and options (runs their code: only for a config you trust)")
