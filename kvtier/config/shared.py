@@ -57,23 +57,28 @@ def socket_path_problem(path: Any) -> str | None:
 
 def parse_shared(value: Any) -> SharedHost:
     """`shared:` of a config: `host`, or a mapping with `scope: host` and optional `socket`
-    (absolute path) and `timeout_ms` (1 to 60000). ValueError saying which part is wrong."""
+    (absolute path) and `timeout_ms` (1 to 60000). ValueError saying which parts are wrong (all
+    of them at once)."""
     if value == "host":
         return SharedHost(default_socket_path())
     if not isinstance(value, dict):
         raise ValueError(f"expected 'host' or a mapping {{scope: host, socket: PATH, timeout_ms: N}}, got {value!r}")
+    problems = []
     unknown = sorted(set(value) - {"scope", "socket", "timeout_ms"})
     if unknown:
-        raise ValueError(f"unknown key(s) {', '.join(map(str, unknown))}; valid keys: scope, socket, timeout_ms")
+        problems.append(f"unknown key(s) {', '.join(map(str, unknown))} (valid keys: scope, socket, timeout_ms)")
     if value.get("scope", "host") not in SCOPES:
-        raise ValueError(f"scope: {value.get('scope')!r} is not one of {', '.join(SCOPES)}")
-    socket = value.get("socket") or default_socket_path()
+        problems.append(f"scope: {value.get('scope')!r} is not one of {', '.join(SCOPES)}")
+    socket = value.get("socket")
+    socket = default_socket_path() if socket is None else socket  # (an empty string is refused, not the default)
     problem = socket_path_problem(socket)
     if problem:
-        raise ValueError(f"socket: {problem}")
+        problems.append(f"socket: {problem}")
     timeout = value.get("timeout_ms", DEFAULT_TIMEOUT_MS)
     if isinstance(timeout, bool) or not isinstance(timeout, int) or not 1 <= timeout <= MAX_TIMEOUT_MS:
-        raise ValueError(f"timeout_ms: expected an integer from 1 to {MAX_TIMEOUT_MS} (milliseconds), got {timeout!r}")
+        problems.append(f"timeout_ms: expected an integer from 1 to {MAX_TIMEOUT_MS} (milliseconds), got {timeout!r}")
+    if problems:
+        raise ValueError("; ".join(problems))
     return SharedHost(socket, timeout)
 
 

@@ -30,6 +30,10 @@ def test_shared_mapping_names_the_socket_and_deadline():
     ("{timeout_ms: 0}", "timeout_ms: expected an integer from 1 to 60000"),
     ("{timeout_ms: true}", "timeout_ms"),
     ("{timeout: 5}", "unknown key\\(s\\) timeout"),
+    ("{socket: ''}", "socket: expected an absolute path"),  # (before: the default socket, silently)
+    # every problem at once (before: one per run)
+    ("{scope: hosts, socket: rel.sock, timeout_ms: 0, extra: 1}",
+     "unknown key.*extra.*scope: 'hosts'.*socket:.*relative.*timeout_ms: expected"),
 ])
 def test_a_bad_shared_setting_names_what_is_wrong(value, message):
     with pytest.raises(ConfigError, match="shared") as info:
