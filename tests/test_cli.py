@@ -228,3 +228,15 @@ def test_inspect_options_take_effect_wherever_written(tmp_path, capsys, argv):
     argv = [str(root) if a == "ROOT" else str(out) if a == "OUT" else a for a in argv]
     assert main(argv) == 0
     assert "verified_ok" in json.loads(out.read_text())  # written by --json, present only with --verify
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["bench", "trace"]])
+def test_a_bad_config_names_its_file_and_lists_each_problem(tmp_path, capsys, command):
+    """Before: `bench`/`doctor --config` printed the problems without the file, the second one
+    not indented (as `kvtier config check` lists them now)."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 0, polcy: x}\n")
+    assert main([*command, "--config", str(path)]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"kvtier: error: {path}: 2 problem(s):"
+    assert err[1].startswith("  tiers[0].polcy: unknown key") and err[2].startswith("  tiers[0].capacity:")

@@ -10,7 +10,8 @@ import argparse
 import sys
 
 from kvtier import __version__
-from kvtier.core.errors import KVTierError
+from kvtier.config.problems import count_problems
+from kvtier.core.errors import ConfigError, KVTierError
 
 EXIT_USAGE = 2
 
@@ -223,6 +224,14 @@ def main(argv: list[str] | None = None) -> int:
             from kvtier.cli.inspect import run_inspect
 
             return run_inspect(args)
+    except ConfigError as exc:
+        if exc.source is None:
+            print(f"kvtier: error: {exc}", file=sys.stderr)
+        else:  # (a config file's problems, as `kvtier config check` lists them)
+            print(f"kvtier: error: {exc.source}: {count_problems(exc)} problem(s):", file=sys.stderr)
+            for path, message in exc.problems:
+                print(f"  {path}: {message}" if path else f"  {message}", file=sys.stderr)
+        return EXIT_USAGE
     except KVTierError as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -359,8 +359,13 @@ def load_config(path: str | Path, *, import_code: bool = True) -> HierarchyConfi
 
 
 def load_config_text(text: str, source: str = "<string>", *, import_code: bool = True) -> HierarchyConfig:
-    """Parse and validate YAML text; nesting, size and alias expansion are bounded (`config_input`)."""
-    return parse_config(load_yaml(text, source), source, import_code=import_code)
+    """Parse and validate YAML text; nesting, size and alias expansion are bounded (`config_input`).
+    `ConfigError` lists every problem, with `source` set."""
+    try:
+        return parse_config(load_yaml(text, source), source, import_code=import_code)
+    except ConfigError as exc:
+        exc.source = source
+        raise
 
 
 def load_raw_config_file(path: str | Path) -> Any:

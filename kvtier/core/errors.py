@@ -10,12 +10,14 @@ class KVTierError(Exception):
 
 
 class ConfigError(KVTierError, ValueError):
-    """A configuration is invalid. `problems` lists every `(field_path, message)` found."""
+    """A configuration is invalid. `problems` lists every `(field_path, message)` found; `source`
+    names the file (or text) they are in, where a loader knew it."""
 
     def __init__(self, problems: list[tuple[str, str]] | str):
         if isinstance(problems, str):
             problems = [("", problems)]
         self.problems: list[tuple[str, str]] = list(problems)
+        self.source: str | None = None
         super().__init__("\n".join(f"{p}: {m}" if p else m for p, m in self.problems))
 
 
