@@ -8,19 +8,23 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from kvtier.control.cascade import Cascade
 from kvtier.control.context import ControlContext
 from kvtier.control.promotion import Promotions
 from kvtier.control.shared_probes import SharedTierProbes
+from kvtier.control.tier import Tier
 from kvtier.core.errors import WaitTimeout
 from kvtier.core.keys import OffloadKey
 from kvtier.transfer.router import TransferRouter
 
 log = logging.getLogger("kvtier.control.manager")  # (its messages are the manager's)
 FLUSH_RECHECK_S = 0.1  # how often a `flush` given a `check` calls it while waiting
+CLOSE_SHARE_S = 1.0  # of a shutdown's timeout, what is kept for the backends to close (at most half)
 
 
 def _jobs(n: int) -> str:
@@ -87,9 +91,13 @@ class Quiescer:
 
     def shutdown(self, timeout: float | None, keep_open: set[str]) -> None:
         """`HierarchyManager.shutdown`: the router and backends closed, but those of copies still
-        running after `timeout` s (abandoned, logged) and those of `keep_open` left open."""
+        running after `timeout` s (abandoned, logged) and those of `keep_open` left open. Within
+        `timeout` s in all: the last `CLOSE_SHARE_S` of it (at most half) is the backends' to close,
+        and a backend whose close is still running then (a sync hung in the kernel) is abandoned
+        and logged, its files left as a crash would leave them."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self.wait_idle(timeout)
+            self.wait_idle(None if timeout is None else timeout - min(CLOSE_SHARE_S, timeout / 2))
         except WaitTimeout as exc:
             busy = self._jobs.tiers()
             log.error("shutdown abandoned %s still running after %g s: %s. The transfer router "
@@ -98,6 +106,34 @@ class Quiescer:
             keep_open = keep_open | busy
         else:
             self._router.shutdown()
-        for tier in self._tiers:
-            if tier.name not in keep_open:
-                tier.backend.close()
+        close_backends([t for t in self._tiers if t.name not in keep_open], deadline)
+
+
+def close_backends(tiers: list[Tier], deadline: float | None) -> None:
+    """Close the backends of `tiers`, each in a thread of its own, waiting for them until `deadline`
+    (None: no limit); those still closing then are abandoned (daemon threads) and logged by tier.
+    The first error a close raised is raised once every other close ended or was abandoned."""
+    errors: list[BaseException] = []
+
+    def close(backend: Any) -> None:
+        try:
+            backend.close()
+        except BaseException as exc:  # (raised in the caller's thread, below)
+            errors.append(exc)
+
+    closing = []
+    for tier in tiers:
+        thread = threading.Thread(target=close, args=(tier.backend,), name=f"kvtier-close-{tier.name}", daemon=True)
+        thread.start()
+        closing.append((tier, thread))
+    hung = []
+    for tier, thread in closing:
+        thread.join(_left(deadline))
+        if thread.is_alive():
+            hung.append(tier.name)
+    if hung:
+        log.error("close abandoned the backends of tiers %s, still closing at the deadline (a write or sync hung in "
+                  "the kernel?): what they had not written is lost as in a crash; the next start recovers the rest",
+                  ", ".join(hung))
+    if errors:
+        raise errors[0]

@@ -6,6 +6,7 @@ read (95 s on a dead mount): the worker plane's shutdown waited for its thread p
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import threading
 import time
@@ -64,3 +65,34 @@ def _load(tier: KVTier, ks: list[bytes]) -> object:
         return tier.load(ks, list(range(20, 24)))
     except ClosedError as exc:
         return exc
+
+
+def test_close_returns_within_its_bound_while_a_sync_hangs(tmp_path, caplog, monkeypatch):
+    """A hung fdatasync (a dead disk) held `close()` for as long as it hung: closing the file
+    backend waited for its syncer thread and synced the journal without a deadline. Found at
+    3538333 (close not returned after 15 s)."""
+    kv = make_kv(32)
+    tier = KVTier.open(cpu_over_file(tmp_path / "nvme", cpu_blocks=4), kv, model="test/close")
+    released, syncing = threading.Event(), threading.Event()
+    try:
+        assert tier.store(keys(12), list(range(12)))
+        assert tier.flush() == 0
+        real = os.fdatasync
+
+        def hung_sync(fd: int) -> None:
+            syncing.set()
+            released.wait(HANG_S)
+            real(fd)
+
+        monkeypatch.setattr(os, "fdatasync", hung_sync)
+        tier.shutdown_timeout = 1.0
+        caplog.set_level(logging.ERROR, logger="kvtier")
+        start = time.monotonic()
+        tier.close(flush_timeout=0.5)
+        elapsed = time.monotonic() - start
+        assert syncing.is_set(), "closing the file tier never synced"
+        assert elapsed < 0.5 + 1.0 + 1.5, f"close() took {elapsed:.1f} s while a sync hung"
+        assert any("abandoned the backends of tiers nvme" in r.getMessage() for r in caplog.records)
+    finally:
+        released.set()
+        tier.close()

@@ -20,8 +20,9 @@ SECRET = "s3cr3t-Pa55word-do-not-print"
 
 
 def yaml(remote: str = "", first: str = "{name: cpu, backend: memory, capacity: 8 blocks}", middle: str = "") -> str:
+    url = "" if "url:" in remote else ", url: 'redis://127.0.0.1:6379'"  # (a key given twice is refused)
     tiers = [first] + ([middle] if middle else []) + [
-        f"{{name: shared, backend: valkey, capacity: 64 blocks, url: 'redis://127.0.0.1:6379'{remote}}}"]
+        f"{{name: shared, backend: valkey, capacity: 64 blocks{url}{remote}}}"]
     return "block_bytes: 4KiB\ntiers:\n" + "".join(f"  - {t}\n" for t in tiers)
 
 
