@@ -10,8 +10,9 @@ import pytest
 
 from kvtier import load_config_text
 from kvtier.bench import where
-from kvtier.bench.where import RootDirError, check_root_dir, file_hops_place, filesystem_of
+from kvtier.bench.where import RootDirError, check_root_dir, file_hops_place
 from kvtier.cli.main import main
+from kvtier.tiers.file.mounts import filesystem_of
 
 
 def _config(root_dir: str | None):
@@ -107,3 +108,19 @@ def test_a_cpu_side_that_cannot_be_built_leaves_no_directory(tmp_path, monkeypat
     with pytest.raises(OSError, match="No space left"):
         measure_cpu_file(str(tmp_path), 4096, 64 << 10, repeats=1, host="cpu")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_tier_under_a_kernel_filesystem_is_refused_by_name(tmp_path, capsys):
+    """Before: a root_dir under /proc was said to be "created in /proc", and the problem blamed
+    was the capacity ("does not fit ... (0B free)"); building the tier said the same."""
+    from kvtier import build_hierarchy
+    from kvtier.core.errors import ConfigError
+
+    path = tmp_path / "proc.yaml"
+    text = ("block_bytes: 1MiB\ntiers:\n  - {name: cpu, backend: memory, capacity: 8 blocks}\n"
+            "  - {name: nvme, backend: file, capacity: 64MiB, root_dir: /proc/kvtier-test}\n")
+    path.write_text(text)
+    assert main(["config", "check", "--env", str(path)]) == 2
+    assert "tiers[1].root_dir: /proc/kvtier-test: on a proc filesystem" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="a kernel interface where no file tier can live"):
+        build_hierarchy(load_config_text(text), model="test-model")

@@ -63,6 +63,7 @@ from kvtier.tiers.file.manifest import (
     read_manifest,
     wanted_manifest,
 )
+from kvtier.tiers.file.mounts import kernel_filesystem_problem
 from kvtier.tiers.file.opening import OpenedRoot, TierShape, open_root
 from kvtier.tiers.file.rootdir import (
     JOURNAL,
@@ -195,8 +196,12 @@ class FileBackend(Backend):
 
     @classmethod
     def capacity_problem(cls, need_bytes: int, options: Mapping[str, Any]) -> str | None:
-        """The slab must fit on the filesystem of `root_dir` (what the directory holds counts as room)."""
-        return room.disk_problem(need_bytes, options.get("root_dir"))
+        """The slab must fit on the filesystem of `root_dir` (what the directory holds counts as room);
+        not asked of a kernel filesystem (no room to count: `root_dir` itself is refused)."""
+        root = options.get("root_dir")
+        if isinstance(root, str) and kernel_filesystem_problem(root):
+            return None
+        return room.disk_problem(need_bytes, root)
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0, *,
                  root_dir: str, io: str = "auto", fingerprint: str = "", num_threads: int = 4,

@@ -32,6 +32,7 @@ import stat
 from pathlib import Path
 
 from kvtier.core.errors import ConfigError
+from kvtier.tiers.file.mounts import kernel_filesystem_problem
 
 # The tier's files in root_dir. With TEMPORARIES, OWN_FILES is all that the tier writes there.
 MANIFEST = "manifest.json"
@@ -97,6 +98,8 @@ def prepare_root(root: str) -> tuple[Path, list[Path]]:
     Raises `ConfigError` (field `root_dir`) if the directory is unsafe or cannot be created.
     """
     absolute = os.path.join(os.getcwd(), root)
+    if problem := kernel_filesystem_problem(absolute):
+        raise refuse(f"{root}: {problem}; {ADVICE}")
     created: list[Path] = []
     try:
         _walk(absolute, created)
@@ -201,6 +204,8 @@ def inspect_root(root: str) -> str:
     `kvtier config check --env`): the same `ConfigError` where they would refuse, else a line
     saying whether `root_dir` exists or would be created."""
     absolute = os.path.join(os.getcwd(), root)
+    if problem := kernel_filesystem_problem(absolute):
+        raise refuse(f"{root}: {problem}; {ADVICE}")
     missing = _walk(absolute, None)
     if missing is not None:
         parent = Path(os.path.realpath(os.path.dirname(missing)))
