@@ -107,7 +107,8 @@ def test_an_engine_without_hints_says_so(serve, capsys):
 @pytest.mark.parametrize("argv, says", [
     ([], "give the ROOT_DIR of a file tier, or --metrics URL"),
     (["/tmp", "--metrics", "http://127.0.0.1:1/metrics"], "not both"),
-    (["--metrics", "http://127.0.0.1:1/metrics", "--verify"], "not both"),
+    # (before: "not both", though no ROOT_DIR was given)
+    (["--metrics", "http://127.0.0.1:1/metrics", "--verify"], "--verify reads a file tier's blocks: give it with"),
     (["--metrics", "ftp://host/metrics"], "--metrics: 'ftp://host/metrics' is no http(s) URL"),
     (["--metrics", "http://127.0.0.1:1/metrics"], "--metrics: cannot read http://127.0.0.1:1/metrics"),
 ])

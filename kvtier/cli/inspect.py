@@ -50,9 +50,12 @@ def run_inspect(args) -> int:
     from kvtier.tiers.file.inspection import inspect_root
 
     if args.metrics is not None:
-        if args.root_dir is not None or args.verify:
+        if args.root_dir is not None:
             raise KVTierError("give ROOT_DIR (a file tier at rest, --verify allowed) or --metrics URL (a running "
                               "engine), not both")
+        if args.verify:
+            raise KVTierError("--verify reads a file tier's blocks: give it with ROOT_DIR, not with --metrics URL "
+                              "(a running engine's counters)")
         from kvtier.cli.inspect_live import run_inspect_live
 
         return run_inspect_live(args.metrics, args.json)
