@@ -1,14 +1,15 @@
 """CPU <-> FILE hop bandwidth through the handlers vs a raw O_DIRECT baseline, and restart time.
 
-`measure_cpu_file(root_dir, block_bytes, total_bytes)` (used by `kvtier bench hops`):
-stores `total_bytes` of random blocks from a memory tier into a fresh file tier through
-`CPUToFileHandler` (jobs of `job_blocks` blocks, all submitted at once, timed until the last job
-completed and the tier's `sync()` made everything durable;
+`measure_cpu_file(root_dir, block_bytes, total_bytes)` (used by `kvtier bench hops`): stores
+`total_bytes` of random blocks (at most `MAX_HOP_BLOCKS` blocks, `kvtier.bench.hops`) from a memory
+tier into a fresh file tier through `CPUToFileHandler` (jobs of `job_blocks` blocks, all submitted
+at once, timed until the last job completed and the tier's `sync()` made everything durable;
 timed twice: first fill of the preallocated slab, then again over the same slots = steady state),
 loads them back through `FileToCPUHandler` (verified, byte-compared), then writes (fresh file, then
 overwrite) and reads the same bytes (the source blocks' own memory) with O_DIRECT in `RUN_BYTES`
-I/Os + fdatasync, once on one thread and once on `num_threads` threads (the raw baseline is the
-better of the two) in the same run. GB/s = 1e9 bytes per second.
+I/Os (at most IOV_MAX iovecs each; blocks that are not whole pages are first copied into one
+page-aligned buffer, outside the timing) + fdatasync, once on one thread and once on `num_threads`
+threads (the raw baseline is the better of the two) in the same run. GB/s = 1e9 bytes per second.
 
 `measure_restart(root_dir, num_blocks, block_bytes)`: fills a file tier of `num_blocks` blocks,
 closes it, and times opening it again until its blocks are ready to serve (`recover()`), and a
@@ -22,10 +23,11 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.hops import TransferCorrupted
+from kvtier.bench.hops import TransferCorrupted, hop_blocks
 from kvtier.bench.hops_runner import run_jobs
 from kvtier.config import DEFAULT_BLOCK_TOKENS
 from kvtier.core.keys import OffloadKey, make_offload_key
@@ -44,26 +46,43 @@ def _key(i: int) -> OffloadKey:
     return make_offload_key(i.to_bytes(8, "big") * 4, 0)
 
 
-def _io_views(views: list[memoryview], block_bytes: int) -> tuple[list[list[memoryview]], list]:
-    """The O_DIRECT I/Os (lists of iovecs, about RUN_BYTES each) covering `views` back to back.
+def iov_max() -> int:
+    """The most iovecs one preadv/pwritev takes (IOV_MAX; 1024 on Linux)."""
+    try:
+        return max(1, os.sysconf("SC_IOV_MAX"))
+    except (ValueError, OSError):
+        return 1024
+
+
+def io_views(views: list[memoryview], block_bytes: int) -> tuple[list[list[memoryview]], Callable[[], None]]:
+    """The O_DIRECT I/Os (lists of at most IOV_MAX iovecs, about RUN_BYTES each) covering `views`
+    back to back.
 
     Page-aligned views of whole pages are used as they are (the shared-memory CPU tier: the very
     bytes the handler moves); anything else is first copied into one page-aligned buffer. Returns
-    (I/Os, buffers to close)."""
+    (I/Os, release: frees that buffer once the I/Os are done)."""
     aligned = block_bytes % ALIGN == 0 and all(buffer_address(v) % ALIGN == 0 for v in views)
     if aligned:
-        per_io = max(1, RUN_BYTES // block_bytes)
-        return [views[i:i + per_io] for i in range(0, len(views), per_io)], []
+        per_io = max(1, min(iov_max(), RUN_BYTES // block_bytes))
+        return [views[i:i + per_io] for i in range(0, len(views), per_io)], lambda: None
     total = len(views) * block_bytes
     copy = aligned_buffer(total)
     image = memoryview(copy)
     for i, view in enumerate(views):
         image[i * block_bytes:(i + 1) * block_bytes] = view
     padded = -(-total // ALIGN) * ALIGN
-    return [[image[o:min(o + RUN_BYTES, padded)]] for o in range(0, padded, RUN_BYTES)], [copy]
+    ios = [[image[o:min(o + RUN_BYTES, padded)]] for o in range(0, padded, RUN_BYTES)]
+
+    def release() -> None:  # every view of the mapping first: a mapping with views cannot close
+        for io in ios:
+            for view in io:
+                view.release()
+        image.release()
+        copy.close()
+    return ios, release
 
 
-def _raw_direct(path: Path, sources: list[memoryview], dests: list[memoryview], block_bytes: int,
+def raw_direct(path: Path, sources: list[memoryview], dests: list[memoryview], block_bytes: int,
                 threads: int) -> tuple[float, float, float]:
     """Raw O_DIRECT baseline on the same bytes the handler moves: write `sources` (one view per
     block) back to back into a fresh file (+ fdatasync), write them again (overwrite), then read
@@ -71,8 +90,8 @@ def _raw_direct(path: Path, sources: list[memoryview], dests: list[memoryview], 
     threads (1 = queue depth 1). Returns (first-fill s, overwrite s, read s)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    writes, held = _io_views(sources, block_bytes)
-    reads, held_r = _io_views(dests, block_bytes)
+    writes, release_w = io_views(sources, block_bytes)
+    reads, release_r = io_views(dests, block_bytes)
     offsets = [0]
     for io in writes[:-1]:
         offsets.append(offsets[-1] + sum(v.nbytes for v in io))
@@ -96,8 +115,8 @@ def _raw_direct(path: Path, sources: list[memoryview], dests: list[memoryview], 
             read_s = time.perf_counter() - start
     finally:
         os.close(fd)
-        for buf in held + held_r:
-            buf.close()
+        release_w()
+        release_r()
     return write_s[0], write_s[1], read_s
 
 
@@ -168,7 +187,7 @@ def _alternating_rounds(work: Path, mem, n: int, block_bytes: int, io: str, num_
 
     def raw_round() -> None:
         for tag, threads in (("1", 1), ("t", num_threads)):
-            f, w, r = _raw_direct(work / "raw", sources, dests, block_bytes, threads)
+            f, w, r = raw_direct(work / "raw", sources, dests, block_bytes, threads)
             for view in dests:  # the handler's next load must rewrite them to pass its check
                 view[:1] = b"\xff" if view[0] != 0xFF else b"\0"
             os.unlink(work / "raw")
@@ -222,7 +241,7 @@ def measure_cpu_file(root_dir: str, block_bytes: int, total_bytes: int, *, io: s
     `fill`, `store`, `load`; raw on one thread: `f1`, `w1`, `r1`, on `num_threads`: `ft`, `wt`, `rt`).
     Raises TransferCorrupted if a job fails or a block reads back wrong.
     """
-    n = max(1, total_bytes // block_bytes)
+    n = hop_blocks(block_bytes, total_bytes)
     total = n * block_bytes
     mem = _host_backend(host, 2 * n, block_bytes)
     runs: dict[str, list[float]] = {k: [] for k in ("fill", "store", "load", "f1", "w1", "r1", "ft", "wt", "rt")}

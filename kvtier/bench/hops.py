@@ -1,8 +1,9 @@
 """Bandwidth of the engine <-> CPU-tier hop through kvtier's handlers, next to same-run baselines.
 
-For each block size: the engine's KV cache is one tensor of `total_bytes / block_bytes` blocks on
-`device` ("cuda", or "cpu" for vLLM's CPU platform), the CPU tier a `CPUBackend` of as many slots
-(pinned when CUDA is there). One job moves every block, engine blocks in shuffled order, once into
+For each block size: the engine's KV cache is one tensor of `total_bytes / block_bytes` blocks (at
+most `MAX_ENGINE_HOP_BLOCKS`, `MAX_HOP_BLOCKS` for blocks under a page) on `device` ("cuda", or
+"cpu" for vLLM's CPU platform), the CPU tier a `CPUBackend` of as many slots (pinned when CUDA is
+there). One job moves every block, engine blocks in shuffled order, once into
 consecutive slots (what a fresh tier hands out) and once into scattered slots (a random permutation:
 the steady state of a cache after churn). Measured in the same run, kvtier and its baseline
 alternating in each of `repeats` rounds after one warm-up:
@@ -25,6 +26,19 @@ from kvtier.bench.spread import annotate
 
 _REPEATS = 3
 SLOT_ORDERS = ("consecutive", "scattered")
+# Blocks one measurement moves at most, whatever the block size: memory, file slots and the loops
+# over blocks stay bounded (1-byte blocks would otherwise be hundreds of millions of them). The
+# engine<->CPU hop moves up to MAX_ENGINE_HOP_BLOCKS blocks of a page or more, so that its bytes
+# outgrow the CPU cache (1 GiB of 4 KiB blocks); smaller blocks cannot within any bounded count.
+MAX_HOP_BLOCKS = 1 << 15
+MAX_ENGINE_HOP_BLOCKS = 1 << 18
+PAGE_BYTES = 4096
+
+
+def hop_blocks(block_bytes: int, total_bytes: int, least: int = 1, most: int | None = None) -> int:
+    """Blocks of `block_bytes` one measurement moves: `total_bytes` worth, at least `least`, at most
+    `most` (default `MAX_HOP_BLOCKS`; so fewer bytes than `total_bytes` for blocks under total / most)."""
+    return min(MAX_HOP_BLOCKS if most is None else most, max(least, total_bytes // block_bytes))
 
 
 class TransferCorrupted(RuntimeError):
@@ -180,7 +194,8 @@ def _gpu_cpu_rows(device: str, step: int, block_bytes: int, total_bytes: int, or
     from kvtier.transfer.handlers.gpu_cpu import make_handler
 
     rows: list[dict[str, Any]] = []
-    n = max(2, total_bytes // block_bytes)
+    n = hop_blocks(block_bytes, total_bytes, least=2,
+                   most=MAX_ENGINE_HOP_BLOCKS if block_bytes >= PAGE_BYTES else MAX_HOP_BLOCKS)
     engine = torch.randint(-128, 128, (n, block_bytes), dtype=torch.int8, device=device)
     reference = engine.clone()
     kv = CanonicalKVCaches([CanonicalKVCacheTensor(engine, block_bytes)], [[CanonicalKVCacheRef(0, block_bytes)]])

@@ -6,7 +6,10 @@ cache on CUDA when available, else CPU tensors (the engine's cache on vLLM's CPU
 consecutive and scattered CPU slots; engine<->FILE hops its staged and (on CUDA with kvikio) direct
 handler; CPU<->FILE hops use a fresh directory inside the place that
 `kvtier.bench.where.file_hops_place` chose; CPU<->REMOTE hops, for each `valkey` tier of the
-config, its server (single-node URLs).
+config, its server (single-node URLs), which must answer a PING before anything is measured.
+Each measurement moves at most `MAX_HOP_BLOCKS` blocks (`kvtier.bench.hops`; engine<->CPU up to
+`MAX_ENGINE_HOP_BLOCKS` blocks of a page or more): small blocks move fewer bytes than the default (a
+note says so), so memory stays bounded.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvtier.bench.hops import hop_blocks
 from kvtier.bench.spread import annotate, flag_baseline_jumps, last_level_cache_bytes
 
 QUICK_SIZES = [64 << 10, 1 << 20]
@@ -34,7 +38,8 @@ def default_block_sizes(quick: bool) -> list[int]:
     return list(QUICK_SIZES if quick else FULL_SIZES)
 
 
-def _engine_device() -> str:
+def engine_device() -> str:
+    """Where the engine's KV cache is for the engine-side hops: "cuda", "cpu", or "none" (no torch)."""
     try:
         import torch
 
@@ -62,18 +67,42 @@ def run_hops(config: Any, block_sizes: list[int], place: dict[str, Any], quick: 
              ) -> list[dict[str, Any]]:
     """Measure engine<->CPU, CPU<->FILE and engine<->FILE for each block size, `repeats` rounds
     each; the file hops in a fresh directory under `place["parent"]` (removed at the end). Lines
-    saying what could not be measured here are appended to `notes`."""
+    saying what could not be measured here are appended to `notes`. A valkey tier whose server
+    cannot be used raises `RemoteUnavailable` before anything is measured, or, when it fails
+    later, with the rows measured before it in its `rows`."""
+    from kvtier.bench.remote_hops import RemoteUnavailable, check_reachable
+
+    for tier in valkey_tiers(config):  # a server that is down: said at once, not after the other hops
+        check_reachable(tier.name, dict(tier.options))
     rows: list[dict[str, Any]] = []
-    device = _engine_device()
+    device = engine_device()
+    total = QUICK_FILE_BYTES if quick else FULL_BYTES
+    if notes is not None:
+        notes += capped_note(block_sizes, total)
     if device != "none":
         from kvtier.bench.hops import measure_gpu_cpu
 
         update = progress(f"engine({device})<->CPU") if progress else None
         rows += measure_gpu_cpu(device, block_sizes, engine_hop_bytes(device, quick), progress=update,
                                 repeats=repeats)
+    rows += _file_rows(device, block_sizes, place, total, repeats, progress, notes)
+    try:
+        rows += remote_rows(config, block_sizes, total, progress)
+    except RemoteUnavailable as exc:  # the rows measured before it, its tier's included, go with it
+        rows += exc.rows
+        flag_baseline_jumps(rows)
+        exc.rows = rows
+        raise
+    flag_baseline_jumps(rows)
+    return rows
+
+
+def _file_rows(device: str, block_sizes: list[int], place: dict[str, Any], total: int, repeats: int,
+               progress: Callable | None, notes: list[str] | None) -> list[dict[str, Any]]:
+    """CPU<->FILE and engine<->FILE rows, in a fresh directory under `place["parent"]`."""
     from kvtier.bench.file_hops import measure_cpu_file
 
-    total = QUICK_FILE_BYTES if quick else FULL_BYTES
+    rows: list[dict[str, Any]] = []
     work = tempfile.mkdtemp(prefix="kvtier-bench-", dir=place["parent"])
     try:
         update = progress("CPU<->FILE") if progress else None
@@ -90,14 +119,31 @@ def run_hops(config: Any, block_sizes: list[int], place: dict[str, Any], quick: 
 
             update = progress(f"engine({device})<->FILE") if progress else None
             for i, size in enumerate(block_sizes):
-                rows += measure_engine_file(work, device, size, max(total, 8 * size), repeats, paths)
+                nbytes = size * hop_blocks(size, max(total, 8 * size), least=2)
+                rows += measure_engine_file(work, device, size, nbytes, repeats, paths)
                 if update:
                     update(i + 1, len(block_sizes))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    rows += remote_rows(config, block_sizes, total, progress)
-    flag_baseline_jumps(rows)
     return rows
+
+
+def capped_note(block_sizes: list[int], total: int) -> list[str]:
+    """A line naming the block sizes whose hops move `MAX_HOP_BLOCKS` blocks (`hop_blocks`), fewer bytes than
+    `total` (none when every size moves its full share)."""
+    from kvtier.config import format_size
+
+    small = [s for s in block_sizes if hop_blocks(s, total) < total // s]
+    if not small:
+        return []
+    return [f"block sizes {', '.join(format_size(s) for s in small)}: each hop moves at most {hop_blocks(1, total):,} "
+            f"blocks to keep memory bounded, so fewer bytes than at larger sizes; their figures are dominated by "
+            f"per-block costs"]
+
+
+def valkey_tiers(config: Any) -> list[Any]:
+    """The config's valkey tiers, in order."""
+    return [tier for tier in config.tiers if tier.backend == "valkey"]
 
 
 def engine_hop_bytes(device: str, quick: bool) -> int:
@@ -117,17 +163,20 @@ def engine_hop_bytes(device: str, quick: bool) -> int:
 
 
 def remote_rows(config: Any, block_sizes: list[int], total: int, progress: Callable | None) -> list[dict[str, Any]]:
-    """CPU<->REMOTE rows for each `valkey` tier of the config (on its server, under a bench prefix)."""
-    rows: list[dict[str, Any]] = []
-    for tier in config.tiers:
-        if tier.backend != "valkey":
-            continue
-        from kvtier.bench.remote_hops import measure_cpu_remote, remote_rows
+    """CPU<->REMOTE rows for each `valkey` tier of the config (on its server, under a bench prefix);
+    `RemoteUnavailable` names a tier whose server fails (its `rows`: this tier's rows before)."""
+    from kvtier.bench.remote_hops import RemoteUnavailable, measure_tier, remote_rows
 
+    rows: list[dict[str, Any]] = []
+    for tier in valkey_tiers(config):
         options = dict(tier.options)
         update = progress(f"CPU<->REMOTE ({tier.name})") if progress else None
         for i, size in enumerate(block_sizes):
-            figures = measure_cpu_remote(options, size, max(total, 8 * size))
+            try:
+                figures = measure_tier(tier.name, options, size, max(total, 8 * size))
+            except RemoteUnavailable as exc:
+                exc.rows = rows
+                raise
             if figures is not None:
                 rows += remote_rows(figures, options["url"])
             if update:

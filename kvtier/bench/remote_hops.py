@@ -16,7 +16,12 @@ packs in Python, under the GIL). Medians of `repeats` rounds; GB/s = 1e9 bytes p
 The server holds about 2 x `total_bytes` (tier values + raw keys) during the run; at the end every key
 under `{key_prefix}:bench-hops:` is removed (SCAN + UNLINK in batches, also what an interrupted run
 left), best effort: `removed_keys` counts them, `cleanup_error` says what failed (and a WARNING).
-A cluster URL has no single-server baseline: no rows.
+A cluster URL has no single-server baseline: no rows. At most `MAX_HOP_BLOCKS` blocks are moved
+(`kvtier.bench.hops`), whatever the block size.
+
+`measure_tier(name, tier_options, ...)` is what `kvtier bench hops` calls: a server that cannot be
+used, found by `check_reachable` (one PING, as `kvtier doctor` asks, within the tier's `timeout_ms`)
+before or after a failed measurement, raises `RemoteUnavailable` naming the tier and the server.
 """
 
 from __future__ import annotations
@@ -28,13 +33,71 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvtier.bench.hops import TransferCorrupted, hop_blocks
 from kvtier.bench.hops_runner import run_jobs
+from kvtier.core.errors import KVTierError
 from kvtier.core.keys import make_offload_key
 
 BENCH_SUFFIX = "bench-hops"
 CLEANUP_BATCH = 500
 
 log = logging.getLogger(__name__)
+
+
+class RemoteUnavailable(KVTierError):
+    """A valkey tier's server cannot be used to measure its hops (exit status 2); `rows` holds the
+    rows measured before it failed (the caller fills them in)."""
+
+    def __init__(self, message: str, rows: list[dict[str, Any]] | None = None):
+        super().__init__(message)
+        self.rows: list[dict[str, Any]] = rows or []
+
+
+class RemoteJobsFailed(RuntimeError):
+    """Jobs of the tier's own handlers failed (the server went away, refused, timed out)."""
+
+
+def check_reachable(name: str, tier_options: dict[str, Any]) -> None:
+    """Raise `RemoteUnavailable` naming tier `name` and its server unless the server answers one
+    PING (and EXISTS) with the tier's settings, as `kvtier doctor --config` asks it."""
+    from kvtier.tiers.remote.backend import ValkeyBackend
+
+    _notes, problems = ValkeyBackend.check_environment(dict(tier_options))
+    if problems:
+        found = "; ".join(f"{field}: {message}" for field, message in problems)
+        raise RemoteUnavailable(f"valkey tier {name!r} cannot be measured: {found} (`kvtier doctor --config` "
+                                f"checks every valkey tier of a config)")
+
+
+def measure_tier(name: str, tier_options: dict[str, Any], block_bytes: int, total_bytes: int,
+                 repeats: int = 5) -> dict[str, Any] | None:
+    """`measure_cpu_remote` of valkey tier `name`; a failure of the server (the client's errors, the
+    handlers' failed jobs) is `RemoteUnavailable` naming the tier and the server."""
+    try:
+        return measure_cpu_remote(tier_options, block_bytes, total_bytes, repeats)
+    except TransferCorrupted:
+        check_reachable(name, tier_options)  # a server gone mid-run is no verdict on the bytes
+        raise
+    except Exception as exc:  # noqa: BLE001 - the server's state decides below what it was
+        if not _server_failure(exc):
+            raise
+        check_reachable(name, tier_options)  # raises when the server is gone: the clearer message
+        from kvtier.tiers.remote.options import ClientOptions
+
+        servers = ", ".join(e.name for e in ClientOptions(tier_options["url"]).parsed.endpoints)
+        raise RemoteUnavailable(f"valkey tier {name!r} (server {servers}): measuring {block_bytes}-byte blocks "
+                                f"failed ({type(exc).__name__}: {str(exc)[:300]})") from exc
+
+
+def _server_failure(exc: BaseException) -> bool:
+    """Whether `exc` is the client's or the handlers' report of a server failure."""
+    if isinstance(exc, (RemoteJobsFailed, ConnectionError, TimeoutError)):
+        return True
+    try:
+        from redis.exceptions import RedisError
+    except ImportError:
+        return False
+    return isinstance(exc, RedisError)
 
 
 def remove_bench_keys(raw, prefix: str) -> tuple[int, str]:
@@ -61,7 +124,7 @@ def _timed_jobs(handler, jobs: list[tuple]) -> float:
     seconds, results = run_jobs(handler, jobs)
     failed = [r.error for r in results if not r.success]
     if failed:
-        raise RuntimeError(f"{len(failed)} of {len(jobs)} jobs failed: {failed[0]}")
+        raise RemoteJobsFailed(f"{len(failed)} of {len(jobs)} jobs failed: {failed[0]}")
     return seconds
 
 
@@ -129,6 +192,13 @@ def _jobs(threads: int, keys: list, memory, remote) -> tuple[list[list[int]], li
     return parts, store_jobs, load_jobs
 
 
+def _verify(memory, n: int, block_bytes: int) -> None:
+    """Blocks n..2n-1 of `memory` (loaded back) equal blocks 0..n-1 (stored), else TransferCorrupted."""
+    if any(bytes(memory.view(n + i)) != bytes(memory.view(i)) for i in range(n)):
+        raise TransferCorrupted(f"REMOTE->CPU with {block_bytes}-byte blocks read a block back wrong: a defect "
+                                f"of the remote tier's handlers, not a figure (please report it)")
+
+
 def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_bytes: int,
                        repeats: int = 5) -> dict[str, Any] | None:
     """Figures of one block size (module docstring); None for a cluster URL."""
@@ -140,7 +210,7 @@ def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_byt
 
     if ClientOptions(tier_options["url"]).parsed.cluster:
         return None
-    n = max(8, total_bytes // block_bytes)
+    n = hop_blocks(block_bytes, total_bytes, least=8)
     prefix = f"{tier_options.get('key_prefix') or 'kvt'}:{BENCH_SUFFIX}"
     options = {k: v for k, v in tier_options.items() if k not in ("fingerprint",)} | {"key_prefix": prefix}
     remote = ValkeyBackend("bench-remote", n, block_bytes, 0, fingerprint="kvtier-bench",
@@ -167,8 +237,7 @@ def measure_cpu_remote(tier_options: dict[str, Any], block_bytes: int, total_byt
             times["raw_get_1"].append(rounds.run("get", threaded=False))
             times["raw_get_n"].append(rounds.run("get", threaded=True))
             times["load"].append(_timed_jobs(load_h, load_jobs))
-        if any(bytes(memory.view(n + i)) != bytes(memory.view(i)) for i in range(n)):
-            raise RuntimeError("a block loaded back from the remote tier differs from the one stored")
+        _verify(memory, n, block_bytes)
         figures = _figures(times, n, block_bytes, threads, repeats)
     finally:
         pool.shutdown()

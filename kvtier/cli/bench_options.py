@@ -1,7 +1,7 @@
 """`kvtier bench`'s option values, checked before anything is measured or created.
 
 `check_options(args, mode)` returns the parsed values (`block_sizes`, `root_dir`, `capacities`,
-`workload`, `hints`, `retain_s`) or
+`policies`, `workload`, `hints`, `retain_s`) or
 raises `ConfigError` naming the option, the value given and the allowed range (exit status 2).
 """
 
@@ -25,7 +25,7 @@ MAX_HOP_BLOCK_BYTES = 1 << 30  # a hop moves at least 8 blocks, twice over in me
 
 
 def _block_sizes(text: str | None, quick: bool) -> list[int]:
-    if not text:
+    if text is None:  # not given; given empty ("") is refused below like ","
         return default_block_sizes(quick)
     sizes = []
     for item in (s.strip() for s in text.split(",")):
@@ -48,7 +48,7 @@ def check_options(args: Any, mode: str) -> dict[str, Any]:
     """The checked values of the options `mode` ('all', 'hops' or 'trace') uses."""
     if args.repeats is not None and args.repeats > MAX_REPEATS:
         raise ConfigError([("--repeats", f"{args.repeats} is out of range: from 1 to {MAX_REPEATS}")])
-    out: dict[str, Any] = {"block_sizes": None, "root_dir": None, "capacities": None}
+    out: dict[str, Any] = {"block_sizes": None, "root_dir": None, "capacities": None, "policies": None}
     if mode in ("all", "hops"):
         out["block_sizes"] = _block_sizes(args.block_sizes, args.quick)
         if args.root_dir is not None:
@@ -58,12 +58,24 @@ def check_options(args: Any, mode: str) -> dict[str, Any]:
                 raise ConfigError([("--root-dir", str(exc).removeprefix("--root-dir "))]) from None
     if mode in ("all", "trace"):
         out.update(_session_options(args))
-    if mode in ("all", "trace") and args.capacities:
+    if mode in ("all", "trace") and args.capacities is not None:  # given empty: refused, not the default
         try:
             out["capacities"] = replay.parse_counts(args.capacities)
         except ValueError as exc:
             raise ConfigError([("--capacities", str(exc))]) from None
+    if mode in ("all", "trace"):
+        out["policies"] = _policies(args.policies)
     return out
+
+
+def _policies(text: str | None) -> list[str] | None:
+    """--policies as a list (None: not given); given without a name ("", ",") is refused."""
+    if text is None:
+        return None
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if not policies:
+        raise ConfigError([("--policies", "no policy given (write e.g. lru,arc)")])
+    return policies
 
 
 def _session_options(args: Any) -> dict[str, Any]:

@@ -39,7 +39,7 @@ def add_serve_parser(sub) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     from kvtier.host.owner import HostOwner
 
-    path = args.socket or default_socket_path()
+    path = default_socket_path() if args.socket is None else args.socket  # "" is refused, not the default
     problem = socket_path_problem(path)
     if problem:
         raise ArgumentError(f"--socket: {problem}")
