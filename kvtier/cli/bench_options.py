@@ -100,4 +100,6 @@ def _session_options(args: Any) -> dict[str, Any]:
         if not 1 <= retain <= MAX_RETAIN_S:
             raise ConfigError([("--retain-s", f"{args.retain_s!r} is not auto or a number of seconds from 1 to "
                                               f"{MAX_RETAIN_S:g}")])
+        if args.hints == "off":  # (it would change nothing: no request carries a hint)
+            raise ConfigError([("--retain-s", "applies to hinted replays: give --hints on or --hints both too")])
     return {"workload": workload or (None if args.trace else MULTITURN), "hints": args.hints, "retain_s": retain}

@@ -163,6 +163,8 @@ def test_gap_closed_is_measured_from_vllms_best():
     (["--workload", "chat", "--retain-s", "0"], "--retain-s: '0' is not auto or a number of seconds from 1 to 3600"),
     (["--workload", "chat", "--retain-s", "soon"], "--retain-s: 'soon' is not auto or a number of seconds"),
     (["--workload", "chat", "--retain-s", "nan"], "--retain-s: 'nan' is not auto"),
+    # (before: taken, with no effect: no request carries a hint)
+    (["--workload", "chat", "--retain-s", "30"], "--retain-s: applies to hinted replays: give --hints on"),
 ])
 def test_session_options_are_checked_up_front(capsys, monkeypatch, argv, message):
     monkeypatch.setattr("kvtier.cli.bench.load_config", lambda path: pytest.fail("the config was read first"))
