@@ -25,6 +25,7 @@ BROKEN = [
     ("- just\n- a list\n", "", "must be a mapping"),
     ("block_tokens: 256\n", "tiers", "missing"),
     ("tiers: []\n", "tiers", "non-empty list"),
+    ("tiers:\n", "tiers", "non-empty list"),  # (before: 0 tiers, exit 0; the build failed later)
     ("tiers: 3\n", "tiers", "non-empty list"),
     ("tiers:\n  - 5\n", "tiers[0]", "expected a mapping"),
     (tiers("{backend: memory, capacity: 8 blocks}"), "tiers[0].name", "missing"),
@@ -533,3 +534,10 @@ def test_both_yaml_parsers_apply_the_limits(libyaml, case_id):
     assert time.perf_counter() - started < 3
     want = "t.yaml" if field == FILE else field
     assert any((p.startswith(want) or want in m) and fragment in m for p, m in info.value.problems), info.value.problems
+
+
+def test_a_byte_capacity_without_a_block_size_names_the_tier_at_build():
+    """Before: ConfigError("capacity 1MiB needs the block size ...") with no field path."""
+    with pytest.raises(ConfigError) as info:
+        build_hierarchy(load_config_text("tiers:\n  - {name: m, backend: memory, capacity: 1MiB}\n"))
+    assert info.value.problems[0][0] == "tiers[0].capacity" and "set block_bytes" in info.value.problems[0][1]

@@ -280,7 +280,7 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
     top = read_fields(raw, TOP_FIELDS, "", problems, "the hierarchy")
     raw_tiers = raw.get("tiers")
     tiers: list[TierConfig] = []
-    if raw_tiers is not None and (not isinstance(raw_tiers, list) or not raw_tiers):
+    if "tiers" in raw and (not isinstance(raw_tiers, list) or not raw_tiers):  # ("tiers:" with no value too)
         problems.add("tiers", f"expected a non-empty list of tiers, got {brief(raw_tiers)}")
         raw_tiers = []
     seen_names: dict[str, int] = {}

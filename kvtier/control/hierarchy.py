@@ -90,6 +90,10 @@ def tier_blocks(config: HierarchyConfig, block_bytes: int | None) -> list[int]:
     """Capacity of each tier in blocks; raises ConfigError naming the tier that holds no block."""
     counts = []
     for i, tier in enumerate(config.tiers):
+        if tier.capacity.blocks is None and not block_bytes:
+            raise ConfigError([(f"tiers[{i}].capacity", f"{tier.capacity} is a size, and the size of a block is not "
+                                                        "known: set block_bytes in the config, or give the capacity "
+                                                        "in blocks (e.g. '1000 blocks')")])
         n = tier.capacity.to_blocks(block_bytes)
         if n < 1:
             raise ConfigError([(f"tiers[{i}].capacity", f"{tier.capacity} holds no block of {block_bytes} bytes")])
