@@ -97,3 +97,18 @@ def test_a_persistent_tier_of_any_kind_gets_the_engines_identity():
     keep, scratch = config.tiers[1], config.tiers[2]
     assert "rev-7" in keep.options["fingerprint"] and "model=m;dtype=bf16" in keep.options["fingerprint"]
     assert "fingerprint" not in scratch.options
+
+
+def test_a_list_of_tiers_is_refused_as_the_connector_refuses_it(tmp_path, capsys):
+    """Before: --vllm wrapped a top-level list as {tiers: ...} and passed it (exit 0); the plain
+    check and the connector refuse it."""
+    code, _, err = check(tmp_path, "- {name: cpu, backend: cpu, capacity: 8 blocks}\n", capsys, "--vllm")
+    assert code == 2 and "must be a mapping with a 'tiers' list" in err
+
+
+def test_the_block_size_given_is_checked_under_vllm_too(tmp_path, capsys):
+    """Before: --vllm ignored --block-bytes in its checks (2TiB of 1KiB blocks, past the
+    policy's 2**30, passed)."""
+    code, _, err = check(tmp_path, "tiers:\n  - {name: cpu, backend: cpu, capacity: 2TiB}\n", capsys, "--vllm",
+                         "--block-bytes", "1KiB")
+    assert code == 2 and "more than policy 'prefix-freq' can hold" in err

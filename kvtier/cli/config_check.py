@@ -80,12 +80,13 @@ def run_config_check(args) -> int:
             from kvtier.cli.vllm_check import load_for_vllm
 
             config, notes = load_for_vllm(args.file, args.import_code)
-        elif block_bytes:  # (checked as the config's own block_bytes: capacities in blocks, the policy's limit)
+        if block_bytes:  # (checked as the config's own block_bytes: capacities in blocks, the policy's limit)
             raw = load_raw_config_file(args.file)
             if isinstance(raw, dict):
                 raw = {**raw, "block_bytes": args.block_bytes}
-            config = parse_config(raw, str(args.file), import_code=args.import_code)
-        else:
+            checked = parse_config(raw, str(args.file), import_code=args.import_code)
+            config = config if args.vllm else checked
+        elif not args.vllm:
             config = load_config(args.file, import_code=args.import_code)
     except ConfigError as exc:
         print(f"{args.file}: {count_problems(exc)} problem(s):", file=sys.stderr)

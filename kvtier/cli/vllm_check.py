@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvtier.config import DEFAULT_BLOCK_TOKENS, HierarchyConfig, load_raw_config_file
+from kvtier.config import DEFAULT_BLOCK_TOKENS, HierarchyConfig, load_raw_config_file, parse_config
 from kvtier.config.vllm import is_persistent, require_cpu_first, vllm_hierarchy_config
+from kvtier.core.errors import ConfigError
 
 ENGINE_ID = "ENGINE_ID"  # stands for vLLM's engine_id in the shm_name shown
 PER_RANK = {"valkey": "tp", "file": "part_checks"}  # tier options that vLLM sets to its tensor-parallel size
@@ -28,7 +29,9 @@ LOAD_PATHS = ("under KVTierOffloadingConnector, loaded by each worker process di
 def load_for_vllm(path: str, import_code: bool) -> tuple[HierarchyConfig, list[str]]:
     """(the config as vLLM would run it, notes on what vLLM decides); `ConfigError` with every problem."""
     raw = load_raw_config_file(path)
-    raw = raw if isinstance(raw, dict) else {"tiers": raw}  # anything else: parse_config reports it
+    if not isinstance(raw, dict):  # (as the connector: a mapping, or parse_config's own refusal)
+        parse_config(raw, path, import_code=False)
+        raise ConfigError([("", f"{path}: the config must be a mapping with a 'tiers' list")])
     tokens = raw.get("block_tokens")
     tiers = [t for t in raw.get("tiers") or [] if isinstance(t, dict)]
     per_rank = [(str(t["backend"]), int(t[PER_RANK[t["backend"]]])) for t in tiers if t.get("backend") in PER_RANK
