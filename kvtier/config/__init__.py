@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvtier.config.bounded_yaml import load_yaml
-from kvtier.config.checks import check_blocks, check_handlers
+from kvtier.config.checks import check_blocks, check_cascade, check_handlers
 from kvtier.config.input import brief, plain, read_config_file, suggest
 from kvtier.config.problems import Problems, read_fields
 from kvtier.config.shared import SharedHost, parse_shared
@@ -294,6 +294,7 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
         if tier is not None:
             tiers.append(tier)
             check_blocks(i, tier, backend_cls, policy_cls, default_policy(i), top.get("block_bytes"), problems)
+            check_cascade(i, tier, policy_cls, default_policy(i), i + 1 < len(raw_tiers or []), problems)
     block_bytes = top.get("block_bytes")
     if block_bytes:
         for i, tier in enumerate(tiers):

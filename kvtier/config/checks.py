@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from kvtier.config.problems import Problems
 from kvtier.core.limits import tier_blocks_problem
 from kvtier.core.specs import GPULoadStoreSpec
+from kvtier.policies.base import class_predicts_victims
 from kvtier.transfer import registry
 
 if TYPE_CHECKING:
@@ -28,6 +29,21 @@ def check_blocks(i: int, tier: TierConfig, backend_cls, policy_cls, default_poli
     problem = tier_blocks_problem(blocks, backend_cls, policy_cls, backend_name=tier.backend, policy_name=policy)
     if problem:
         problems.add(f"tiers[{i}].capacity", problem)
+
+
+def on_evict_problem(i: int, policy: str) -> tuple[str, str]:
+    """The problem of tiers[i] cascading `on_evict` over `policy`, which does not predict its victims."""
+    return (f"tiers[{i}].cascade", f"'on_evict' copies blocks down before they are evicted, which needs a policy "
+                                   f"that predicts its victims (`victims`); {policy!r} does not, so every eviction "
+                                   f"would be lost: use cascade: on_store, or implement victims(n, skip)")
+
+
+def check_cascade(i: int, tier: TierConfig, policy_cls, default_policy: str, has_below: bool,
+                  problems: Problems) -> None:
+    """tiers[i] cascading `on_evict` to a tier below needs a policy class that predicts its
+    victims (as the build checks it); a class not imported (None) is not checked."""
+    if has_below and tier.cascade == "on_evict" and policy_cls is not None and not class_predicts_victims(policy_cls):
+        problems.add(*on_evict_problem(i, tier.policy or default_policy))
 
 
 def check_handlers(tiers: list[TierConfig], classes: list, problems: Problems) -> None:

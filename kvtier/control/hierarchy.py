@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from kvtier.config import HierarchyConfig, TierConfig
+from kvtier.config.checks import on_evict_problem
 from kvtier.control.manager import SHUTDOWN_TIMEOUT_S, HierarchyManager, Tier
 from kvtier.core.errors import ArgumentError, ConfigError
 from kvtier.core.identity import tier_identity
@@ -172,10 +173,7 @@ def _build_tier(i: int, config: HierarchyConfig, n: int, block_bytes: int, dry_r
     _check_capacity(i, tier_cfg, n, cls, policy_cls, 0 if dry_run else block_bytes)
     policy = with_key_index(policy_cls(n))
     if tier_cfg.cascade == "on_evict" and i + 1 < len(config.tiers) and not predicts_victims(policy):
-        raise ConfigError([(f"tiers[{i}].cascade", f"'on_evict' copies blocks down before they are evicted, "
-                            f"which needs a policy that predicts its victims (`victims`); "
-                            f"{tier_cfg.policy!r} does not, so every eviction would be lost: use "
-                            f"cascade: on_store, or implement victims(n, skip)")])
+        raise ConfigError([on_evict_problem(i, tier_cfg.policy)])
     if dry_run:
         return SlotBackend(tier_cfg.name, n, block_bytes, config.block_tokens, cls.spec_type), policy
     options = backend_options(config, i, layout, model, persistent=cls.persistent)

@@ -263,6 +263,13 @@ def predicts_victims(policy: Any) -> bool:
     return callable(getattr(policy, "victims", None))
 
 
+def class_predicts_victims(cls: Any) -> bool:
+    """`predicts_victims` of the policies of class `cls`, before one is made (a config's check)."""
+    if isinstance(cls, type) and issubclass(cls, CachePolicy):
+        return cls.victims is not CachePolicy.victims
+    return callable(getattr(cls, "victims", None))
+
+
 def with_key_index(policy: Any) -> CachePolicy:
     """`policy` itself if it is a `CachePolicy` that implements `keys`, else `KeyIndex(policy)`
     (a policy written to vLLM's five methods, whether it subclasses this class or vLLM's)."""

@@ -82,3 +82,14 @@ def test_on_evict_cascade_with_a_policy_that_cannot_predict_victims_is_refused(p
 def test_a_seed_policy_in_the_last_tier_may_keep_the_default_cascade():
     h = seed_hierarchy("lru", "seed_policy:SeedLRUPolicy", cascade="on_evict")
     h.close()
+
+
+def test_config_check_with_import_code_refuses_it_as_the_build_does(tmp_path, capsys):
+    """Before: `kvtier config check --import-code` passed this config (exit 0); only the build refused it."""
+    from kvtier.cli.main import main
+
+    path = tmp_path / "seed.yaml"
+    path.write_text("tiers:\n  - {name: hot, backend: memory, capacity: 8 blocks, "
+                    'policy: "seed_policy:SeedLRUPolicy"}\n  - {name: warm, backend: memory, capacity: 32 blocks}\n')
+    assert main(["config", "check", "--import-code", str(path)]) == 2
+    assert "tiers[0].cascade: 'on_evict' copies blocks down" in capsys.readouterr().err
