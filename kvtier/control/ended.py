@@ -7,8 +7,6 @@ table (`BlockTable.hold`: never a victim while held; a block entering a tier is 
 from __future__ import annotations
 
 from collections.abc import Container, Sequence
-from itertools import compress, repeat
-from operator import is_
 
 from kvtier.control.tier import Tier
 from kvtier.core.keys import OffloadKey
@@ -23,11 +21,11 @@ def mark_ended(tiers: Sequence[Tier], keys: list[OffloadKey]) -> None:
 
 
 def absent(tiers: Sequence[Tier], keys: list[OffloadKey]) -> list[OffloadKey]:
-    """`Retention.absent`: those of `keys` that no tier holds (in order; C loops per tier)."""
+    """`Retention.absent`: those of `keys` that no tier holds, in order (`BlockTable.absent`)."""
     for tier in tiers:
         if not keys:
             break
-        keys = list(compress(keys, map(is_, map(tier.table.get, keys), repeat(None))))
+        keys = tier.table.absent(keys)
     return keys
 
 
