@@ -122,8 +122,8 @@ def check_environment(config, args, block_bytes: int | None = None) -> int:
         notes += [_engine_cpu_path(tier.options)] if cls.medium == "CPU" else []
         found += [(f"tiers[{i}].capacity", problem)] if problem else []
         problems += found
-        print(f"  tiers[{i}] {tier.name}: " + ("; ".join(notes) if notes else "nothing to check" if not found
-                                                else f"{len(found)} problem(s)"))
+        said = ([f"{len(found)} problem(s)"] if found else []) + notes  # (a tier with problems says so first)
+        print(f"  tiers[{i}] {tier.name}: " + ("; ".join(said) or "nothing to check"))
     if problems:
         print(f"{args.file}: {len(problems)} problem(s) on this machine:", file=sys.stderr)
         for path, message in problems:

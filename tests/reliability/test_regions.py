@@ -518,3 +518,34 @@ def test_in_process_worker_makes_the_scheduler_drop_the_name_at_once(tmp_path):
     finally:
         worker.shutdown()
         m.shutdown()
+
+
+def test_config_check_env_names_a_shm_name_in_use_before_the_build_refuses_it(shm_dir, tmp_path, capsys):
+    """Before: `kvtier config check --env` passed (exit 0) a cpu tier whose shm_name a live process
+    held; the build then raised RegionInUseError."""
+    from kvtier.cli.main import main
+
+    path = tmp_path / "held.yaml"
+    path.write_text("block_bytes: 4KiB\ntiers:\n  - {name: cpu, backend: cpu, capacity: 4 blocks, pin: false, "
+                    "shm_name: kvtier-engine-a-cpu}\n")
+    owner = Owner(shm_dir, "kvtier-engine-a-cpu")
+    try:
+        assert main(["config", "check", "--env", str(path)]) == 2
+        assert "tiers[0].shm_name: region kvtier-engine-a-cpu is in use" in capsys.readouterr().err
+        assert owner.slot0_intact()  # (asked, not touched)
+    finally:
+        owner.kill()
+    assert main(["config", "check", "--env", str(path)]) == 0  # its owner gone: the name is free again
+
+
+def test_config_check_env_refuses_pin_true_without_cuda(tmp_path, capsys):
+    """Before: passed (exit 0); the build raised RuntimeError("pin=true but CUDA is not available")."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: pin: true is fine")
+    from kvtier.cli.main import main
+
+    path = tmp_path / "pin.yaml"
+    path.write_text("block_bytes: 4KiB\ntiers:\n  - {name: cpu, backend: cpu, capacity: 4 blocks, pin: true}\n")
+    assert main(["config", "check", "--env", str(path)]) == 2
+    assert "tiers[0].pin: true, but CUDA is not available here" in capsys.readouterr().err

@@ -70,6 +70,7 @@ from kvtier.tiers.cpu.shm_names import (
     _take_claim,
     _unlink_if_same,
     _unlink_quietly,
+    region_in_use,
 )
 from kvtier.tiers.cpu.shm_names import SHM_DIR as SHM_DIR  # tests point cpu.SHM_DIR at a private directory
 from kvtier.tiers.cpu.shm_names import RegionHeader as RegionHeader  # re-exported: part of this module's API
@@ -108,7 +109,6 @@ def _pin_mode(v: Any) -> str:
     if v not in ("auto", "true", "false"):
         raise ValueError(f"{v!r} is not one of auto, true, false")
     return v
-
 
 
 def _cuda_available() -> bool:
@@ -154,6 +154,16 @@ class CPUBackend(Backend):
     def capacity_problem(cls, need_bytes: int, options: Mapping[str, Any]) -> str | None:
         """The region must fit in the available memory and in the free space of `SHM_DIR`."""
         return room.memory_problem(need_bytes, SHM_DIR)
+
+    @classmethod
+    def check_environment(cls, options: dict) -> tuple[list[str], list[tuple[str, str]]]:
+        """`pin: true` needs CUDA here; a given `shm_name` must not be a region in use."""
+        problems = []
+        if _pin_mode(options.get("pin", "auto")) == "true" and not _cuda_available():
+            problems.append(("pin", "true, but CUDA is not available here: use pin: auto, which pins where CUDA is"))
+        if options.get("shm_name") and (in_use := region_in_use(options["shm_name"], SHM_DIR)):
+            problems.append(("shm_name", in_use))
+        return [], problems
 
     def __init__(self, name: str, num_blocks: int, block_bytes: int, block_size: int = 0,
                  shm_name: str | None = None, pin: str | bool = "auto", *, _create: bool = True,

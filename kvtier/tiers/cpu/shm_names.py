@@ -213,6 +213,42 @@ def _remove_if_stale(path: str, min_age_s: float) -> bool:
         os.close(fd)
 
 
+def region_in_use(name: str, shm_dir: str = SHM_DIR) -> str | None:
+    """Why a region named `name` could not be created now (held by a live process, or a file there
+    that is not a kvtier region of this user), None when it could; changes nothing (its lock,
+    if free, is taken and released at once)."""
+    claim = os.path.join(shm_dir, name + CLAIM_SUFFIX)
+    try:  # (the name is held by its claim, even once the region's own name is gone)
+        fd = _open_no_follow(claim)
+    except OSError:
+        pass
+    else:
+        try:
+            if not _lock_if_owner_dead(fd):
+                return (f"region {name} is in use (its claim {claim} is held): give each kvtier instance its own "
+                        "shm_name")
+        finally:
+            os.close(fd)
+    path = os.path.join(shm_dir, name)
+    try:
+        fd = _open_no_follow(path)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return f"{path} exists and cannot be opened as a region ({exc.strerror})"
+    try:
+        st, header = os.fstat(fd), _read_header(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or (header is None and
+                                                                           not name.startswith("kvtier-")):
+            return f"{path} exists and is not a kvtier region of this user"
+        if not _lock_if_owner_dead(fd):
+            return (f"region {name} is in use by {f'pid {header.pid}' if header else 'another process'}: two "
+                    "kvtier instances cannot share one CPU tier; give each its own shm_name")
+        return None
+    finally:
+        os.close(fd)  # (releases the lock taken above)
+
+
 def _in_use(name: str, owner: str) -> RegionInUseError:
     return RegionInUseError(f"region {name} in use by {owner}: two kvtier instances cannot share one CPU tier; "
                             f"give each its own shm_name (under vLLM the default name comes from the "
