@@ -44,7 +44,7 @@ def test_the_password_variable_is_looked_up_only_with_env(tmp_path, capsys, monk
     assert "tiers[1].password_env: the environment variable KVT_ENV_PW is not set" in err
     monkeypatch.setenv("KVT_ENV_PW", SECRET)
     code, out, err = check(tmp_path, text, capsys, "--env")
-    assert "tiers[1] shared: password found (not shown)" in out and SECRET not in out + err
+    assert "tiers[1] shared: 1 problem(s); password found (not shown)" in out and SECRET not in out + err
     # found, then sent to the url, where no server listens (tests/test_cli_env_check.py: real servers)
     assert code == 2 and "tiers[1].password_env" not in err and "tiers[1].url: server 127.0.0.1:6380" in err
 

@@ -54,6 +54,7 @@ from kvtier.core.errors import KVTierError
 from kvtier.core.specs import CPULoadStoreSpec
 from kvtier.tiers import room
 from kvtier.tiers.base import HOST_HANDLERS, Backend
+from kvtier.tiers.cpu.pinning import cuda_available, register, unregister
 from kvtier.tiers.cpu.shm_names import (
     _HEADER,
     _MAGIC,
@@ -80,8 +81,6 @@ from kvtier.tiers.cpu.shm_names import remove_stale_regions as remove_stale_regi
 log = logging.getLogger(__name__)
 
 # cudaHostRegister is called on chunks of at most this many bytes (drivers limit one registration).
-_MAX_REGISTER_BYTES = 16 << 30
-_CUDA_HOST_REGISTER_PORTABLE = 1  # pinned for every CUDA context of the process
 
 _NAME_MAX = 255 - len(CLAIM_SUFFIX)  # a claim's name must fit in one file name (Linux NAME_MAX 255)
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -111,28 +110,6 @@ def _pin_mode(v: Any) -> str:
     return v
 
 
-def _cuda_available() -> bool:
-    try:
-        import torch
-    except ImportError:
-        return False
-    return torch.cuda.is_available()
-
-
-def _clear_cuda_error() -> None:
-    """Reset the CUDA runtime's last error after a failed registration, so that a later, unrelated
-    launch check does not report it. Best effort: torch does not bind cudaGetLastError."""
-    import ctypes
-
-    try:
-        with open("/proc/self/maps") as maps:
-            paths = {line.split()[-1] for line in maps if "libcudart" in line}
-        for path in paths:
-            ctypes.CDLL(path).cudaGetLastError()
-    except (OSError, AttributeError):
-        pass
-
-
 # path -> the live region this process created there: attach() in the same process maps it
 # through the creator's file descriptor, so it needs no name (and cannot map another's region).
 _OWNED: weakref.WeakValueDictionary[str, CPUBackend] = weakref.WeakValueDictionary()
@@ -159,7 +136,7 @@ class CPUBackend(Backend):
     def check_environment(cls, options: dict) -> tuple[list[str], list[tuple[str, str]]]:
         """`pin: true` needs CUDA here; a given `shm_name` must not be a region in use."""
         problems = []
-        if _pin_mode(options.get("pin", "auto")) == "true" and not _cuda_available():
+        if _pin_mode(options.get("pin", "auto")) == "true" and not cuda_available():
             problems.append(("pin", "true, but CUDA is not available here: use pin: auto, which pins where CUDA is"))
         if options.get("shm_name") and (in_use := region_in_use(options["shm_name"], SHM_DIR)):
             problems.append(("shm_name", in_use))
@@ -206,9 +183,9 @@ class CPUBackend(Backend):
             os.close(fd)  # the mapping keeps the file alive
         self._view = memoryview(self._mmap)
         self.pinned = False
-        if pin == "true" or (pin == "auto" and _cuda_available()):
+        if pin == "true" or (pin == "auto" and cuda_available()):
             try:
-                self._pin(required=pin == "true")
+                self._pinned = register(self.name, self.data_ptr(), self.size, self.slot_stride, pin == "true")
             except BaseException:
                 self.close()  # a failed build leaves no region behind
                 raise
@@ -336,41 +313,6 @@ class CPUBackend(Backend):
 
         return ctypes.addressof(ctypes.c_char.from_buffer(self._mmap, self.header_bytes))
 
-    # ------------------------------------------------------------------ pinning
-    def _pin(self, required: bool) -> None:
-        import torch
-
-        if not torch.cuda.is_available():
-            if required:
-                raise RuntimeError(f"CPUBackend {self.name!r}: pin=true but CUDA is not available")
-            return
-        cudart = torch.cuda.cudart()
-        base = self.data_ptr()
-        rows = max(_MAX_REGISTER_BYTES // self.slot_stride, 1)
-        chunk = rows * self.slot_stride  # chunks end on slot boundaries: no block straddles two
-        for offset in range(0, self.size, chunk):
-            addr, length = base + offset, min(chunk, self.size - offset)
-            err = cudart.cudaHostRegister(addr, length, _CUDA_HOST_REGISTER_PORTABLE)
-            if int(err) != 0:
-                _clear_cuda_error()
-                self._unpin()
-                message = f"CPUBackend {self.name!r}: cudaHostRegister failed ({err}) at offset {offset}"
-                if required:
-                    raise RuntimeError(message)
-                log.warning("%s; the region stays pageable", message)
-                return
-            self._pinned.append(addr)
-
-    def _unpin(self) -> None:
-        if not self._pinned:
-            return
-        import torch
-
-        cudart = torch.cuda.cudart()
-        for addr in reversed(self._pinned):
-            cudart.cudaHostUnregister(addr)
-        self._pinned.clear()
-
     # ------------------------------------------------------------------ lifetime
     def close(self) -> None:
         """Unpin and unmap; the creating process also removes the name (if still its region's) and
@@ -378,7 +320,7 @@ class CPUBackend(Backend):
         if self._closed:
             return
         self._closed = True
-        self._unpin()
+        unregister(self._pinned)
         self._tensor = None
         self._view.release()
         try:
