@@ -7,7 +7,12 @@ so an owner that hangs costs one deadline per backoff, not one per call.
 
 A call that timed out leaves its connection open, so what the engine holds in the owner (load
 pins, stores being written) stays held while the engine's copies may still use those slots; its
-late answer is recognised by its id and skipped. A connection the owner closed, or one that
+late answer is recognised by its id and skipped. What the owner reserved for the call itself (the
+slots of a `prepare_store`, the pins of a `prepare_load`) is never used, so the client tells the
+owner at once that it gave up (`cancel`, sent without waiting): the owner answers a connection's
+requests in order, so it undoes that call as soon as it has answered it, before any later request
+of this engine. When even that cannot be sent, the connection is closed (the owner then releases
+what it held after its grace period). A connection the owner closed, or one that
 died with it, is replaced at the next call after the backoff: a new `hello`, and the region
 the owner names then (`region`; a restarted owner has a new one: `generation` counts them).
 """
@@ -33,6 +38,7 @@ _T = TypeVar("_T")
 
 BACKOFF_S = 1.0
 HELLO_TIMEOUT_S = 30.0
+CANCEL_SEND_S = 0.05  # how long sending a `cancel` may take (the socket's buffer takes it at once unless full)
 
 
 class HostRefused(HostUnavailable):
@@ -80,7 +86,21 @@ class HostClient:
     def _connected_round_trip(self, request: dict[str, Any], deadline: float) -> dict[str, Any]:
         if self._sock is None:
             self._connect(deadline)
-        return self._round_trip(request, deadline)
+        try:
+            return self._round_trip(request, deadline)
+        except TimeoutError:
+            self._cancel(request.get("id"))
+            raise
+
+    def _cancel(self, ident: Any) -> None:
+        """Tell the owner that this engine gave up waiting for request `ident` (the module docstring):
+        it undoes what it reserved for it. The connection is closed when that cannot be sent."""
+        if self._sock is None or ident is None:
+            return  # (a request not sent whole closed the connection: the owner releases what it held)
+        try:
+            self._send({"op": "cancel", "of": ident}, time.monotonic() + CANCEL_SEND_S)
+        except OSError:
+            self._close()
 
     def _guarded(self, work: Callable[..., _T], *args: Any) -> _T:
         """`work(*args)`, its failures made `HostUnavailable` (with the backoff, `_fail`); a

@@ -11,6 +11,9 @@ The namespace's `HierarchyManager` is the one writer of its block state: every c
 `lock`, from any connection. What each connection holds (the loads it pinned, the stores it has
 not completed) is in its `Ledger`; when the connection goes, `expire` releases what is left after
 `lease_grace_s` (an engine's worker may still be copying into or out of those slots), never before.
+A request the engine gave up waiting for (its `timeout_ms`) is followed by a `cancel` of it: the
+slots its `prepare_store` reserved and the pins its `prepare_load` took are released at once (the
+engine never copies into or out of them), since a connection's requests are answered in order.
 A namespace no engine has used for a while (`idle_s`) can be closed by the owner like at its stop.
 """
 
@@ -106,6 +109,8 @@ class Ledger:
 
     loads: Counter[OffloadKey] = field(default_factory=Counter)
     stores: set[OffloadKey] = field(default_factory=set)
+    # The last request's id, the keys it pinned and those it gave to store: what a `cancel` of it undoes.
+    last: tuple[Any, list[OffloadKey], list[OffloadKey]] = (None, [], [])
 
 
 class Namespace:
@@ -134,18 +139,21 @@ class Namespace:
         self.max_key_bytes = MAX_KEY_BYTES if limit == float("inf") else int(limit)  # (bounded even when no tier says)
 
     def check_same(self, raw_config: Any) -> None:
-        """`ConfigError` unless `raw_config` asks for this namespace's tiers."""
-        other = _shape(namespace_config(raw_config, self.identity, self.name))
-        if other != self._shape:
-            raise ConfigError([("tiers", f"the host namespace {self.name} of this model already holds the tiers "
-                                         f"{self._shape}; this engine asks for {other}: give every engine of one "
-                                         f"model on the host the same tiers")])
+        """`ConfigError` unless `raw_config` asks for this namespace's tiers (`_shape`), naming the
+        first setting that differs and both values."""
+        held, asked = self._shape, _shape(namespace_config(raw_config, self.identity, self.name))
+        for path in [*held, *(path for path in asked if path not in held)]:
+            mine, other = held.get(path, "(not set)"), asked.get(path, "(not set)")
+            if mine != other:
+                raise ConfigError([(path, f"the host namespace {self.name} of this model already has {path}="
+                                          f"{mine!r}; this engine asks for {path}={other!r}: give every engine "
+                                          f"of one model on the host the same tiers")])
 
     # ------------------------------------------------------------------ calls
     def call(self, op: str, message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
         """Answer one request of a connection whose holdings are `ledger`; `ValueError` on a bad one."""
         handler = _OPS.get(op)
-        if handler is None:
+        if handler is None and op != "cancel":
             raise ValueError(f"op: unknown operation {op!r}")
         keys = parse_keys(message.get("keys", []))
         bad = next((i for i, key in enumerate(keys) if not 0 < len(key) <= self.max_key_bytes), None)
@@ -153,7 +161,25 @@ class Namespace:
             raise ValueError(f"keys[{bad}]: {len(keys[bad])} bytes; a key has 1 to {self.max_key_bytes} bytes here")
         with self.lock:
             self._last_call = time.monotonic()
+            last, ledger.last = ledger.last, (message.get("id"), [], [])
+            if handler is None:
+                return self._cancel(last, message, ledger)
             return handler(self, keys, message, ledger)
+
+    def _cancel(self, last: tuple[Any, list[OffloadKey], list[OffloadKey]], message: dict[str, Any],
+                ledger: Ledger) -> dict[str, Any]:
+        """The engine gave up waiting for request `of` (its deadline passed): when it is the last one
+        answered (`last`), release the pins it took and fail the stores it reserved (the module
+        docstring). `cancelled`: how many."""
+        ident, pinned, stored = last
+        if ident is None or message.get("of") != ident:
+            return {"cancelled": 0}
+        released = self._complete_load(pinned, {}, ledger)["released"]
+        completed = self._complete_store(stored, {"success": False}, ledger)["completed"]
+        if released or completed:
+            log.debug("kvtier host: namespace %s: a cancelled request's %d pin(s) and %d store(s) released",
+                      self.name, released, completed)
+        return {"cancelled": released + completed}
 
     def _lookup_run(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
         """Leading HITs and the first other answer; `held`: how far the run goes counting the blocks a
@@ -181,6 +207,7 @@ class Namespace:
             self.manager.complete_load(keys[:readable])
             return {"slots": []}
         ledger.loads.update(keys[:readable])
+        ledger.last = (message.get("id"), keys[:readable], [])
         self.manager.retention.note(hint, keys[:readable])
         return {"slots": spec.block_ids, "token": self.region["token"]}
 
@@ -219,6 +246,7 @@ class Namespace:
             return {"room": False, "skipped": skipped, "reused": reused}
         store = list(out.keys_to_store)
         ledger.stores.update(store)
+        ledger.last = (message.get("id"), [], store)
         self.manager.retention.note(hint, keys, store)  # (a session's retention hint: kvtier.control.retention)
         assert isinstance(out.store_spec, CPULoadStoreSpec)  # (the first tier is a cpu tier: namespace_config)
         return {"room": True, "store": hex_keys(store), "slots": out.store_spec.block_ids,
@@ -301,11 +329,19 @@ class Namespace:
                 self.hierarchy.close()
 
 
-def _shape(config: HierarchyConfig) -> list[Any]:
-    """What two engines' YAMLs must agree on: each tier's name, backend, capacity and policy, and
-    the store threshold."""
-    tiers: list[Any] = [(t.name, t.backend, str(t.capacity), str(t.policy)) for t in config.tiers]
-    return tiers + ([f"store_threshold={config.store_threshold}"] if config.store_threshold >= 2 else [])
+def _shape(config: HierarchyConfig) -> dict[str, Any]:
+    """What two engines' YAMLs must agree on, setting by setting (`tiers[1].root_dir`): the number
+    of tiers, every field and option of each tier as the owner parses them (what a tier holds,
+    where, how it evicts and cascades: none may differ, since the owner serves every engine with
+    the first one's tiers), and the store threshold."""
+    shape: dict[str, Any] = {"tiers": len(config.tiers)}
+    for i, tier in enumerate(config.tiers):
+        fields = {"name": tier.name, "backend": tier.backend, "capacity": str(tier.capacity), "policy": tier.policy,
+                  "cascade": tier.cascade, "reserve": tier.reserve}
+        fields.update(sorted((str(k), v) for k, v in tier.options.items()))
+        shape.update((f"tiers[{i}].{name}", value) for name, value in fields.items())
+    shape["store_threshold"] = config.store_threshold if config.store_threshold >= 2 else 0
+    return shape
 
 
 _OPS = {"lookup_run": Namespace._lookup_run, "prepare_load": Namespace._prepare_load,

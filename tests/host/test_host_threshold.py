@@ -38,7 +38,8 @@ def test_offers_are_counted_host_wide_and_only_once_per_offer(owner):  # noqa: F
 def test_an_engine_asking_for_another_threshold_is_refused(owner):  # noqa: F811
     model = f"m-{uuid.uuid4().hex[:8]}"
     client(owner, hello(2, model=model)).connect()
-    with pytest.raises(HostRefused, match=r"store_threshold=2.*this engine asks for.*\]: give every engine"):
+    with pytest.raises(HostRefused, match=r"store_threshold: .* already has store_threshold=2; "
+                                          r"this engine asks for store_threshold=0: give every engine"):
         client(owner, hello(0, model=model)).connect()
 
 
