@@ -174,6 +174,8 @@ def test_the_try_it_block_runs_one_vllm_cpu_engine_with_a_tiny_model(tmp_path):
     code, n = re.subn(r'^MODEL = ".*?"(.*)$', f"MODEL = {str(model)!r}", block.text, flags=re.M)
     assert n == 1, "the block sets MODEL on one line"
     code = code.replace("~/.cache/kvtier/try-vllm", str(tmp_path / "tier"))
-    out = run([sys.executable, "-c", code], timeout=600)
+    program = tmp_path / "try_kvtier.py"  # (saved and run as a user would: `-c` hid a missing __main__ guard)
+    program.write_text(code)
+    out = run([sys.executable, str(program)], timeout=600)
     match = re.search(r"same output: (\w+); prompt tokens loaded from kvtier: (\d+)", out)
     assert match and match.group(1) == "True" and int(match.group(2)) > 0, out[-2000:]

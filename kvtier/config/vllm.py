@@ -6,7 +6,9 @@ when it starts, and by `kvtier config check --vllm`, so that both apply the same
 the first tier is a `cpu` tier (the region the workers copy to and from), each `cpu` tier gets a
 `shm_name` derived from the engine, each persistent tier the engine's identity, each `valkey` tier
 the engine's tensor-parallel size as `tp`, each `file` tier the same as `part_checks` (a checksum
-per rank's part of each slot, so that each rank verifies the bytes it reads itself).
+per rank's part of each slot, so that each rank verifies the bytes it reads itself). Also the
+keys of `kv_connector_extra_config` the spec knows (`read_extra_config`): a misspelt key or a bad
+value is refused at start, before anything is built.
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from kvtier.config import HierarchyConfig, parse_config
+from kvtier.config import TOP_FIELDS, HierarchyConfig, parse_config
 from kvtier.config.input import brief, plain
+from kvtier.config.problems import Problems, read_fields
 from kvtier.core.errors import ConfigError
 from kvtier.core.identity import tier_identity
 from kvtier.transfer import registry
@@ -55,7 +58,9 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
     Each `valkey` tier gets `tp` = `ranks` (the engine's tensor-parallel size: a block is stored as one
     value per rank), each `file` tier `part_checks` = `ranks` (a checksum per rank's part of a slot:
     a worker rank reading the tier directly verifies exactly its bytes); a YAML value that differs
-    is a `ConfigError` naming it. The connector then applies `require_cpu_first`."""
+    is a problem naming it (null, as anywhere in the YAML, means "not given"). Every problem is
+    reported at once, in one `ConfigError` with `source` set. The connector then applies
+    `require_cpu_first`."""
     raw = plain(raw)
     if not isinstance(raw, dict):
         return parse_config(raw, source, import_code=import_code)  # reports the error
@@ -74,15 +79,36 @@ def vllm_hierarchy_config(raw: Mapping[str, Any], *, block_tokens: int, engine_i
             own = tier.get("fingerprint") or ""
             if isinstance(own, str):  # anything else is reported by parse_config
                 tier["fingerprint"] = tier_identity(own, fingerprint)
-    per_rank = {"valkey": "tp", "file": "part_checks"}  # the tier option that says how many ranks share a block
-    for i, tier in enumerate(raw.get("tiers") or []):
-        field = per_rank.get(str(tier.get("backend"))) if isinstance(tier, dict) else None
-        if field is not None:
-            given = tier.setdefault(field, ranks)
-            if given != ranks:
-                raise ConfigError([(f"tiers[{i}].{field}", f"{brief(given)} in {source}, but this engine has {ranks} "
-                                    f"tensor-parallel ranks; leave {field} out (vLLM's value is used)")])
-    return parse_config(raw, source, import_code=import_code)
+    problems = _per_rank_problems(raw, ranks, source)
+    try:
+        config = parse_config(raw, source, import_code=import_code)
+    except ConfigError as exc:
+        problems += exc.problems
+    if problems:
+        error = ConfigError(problems)
+        error.source = source
+        raise error
+    return config
+
+
+PER_RANK = {"valkey": "tp", "file": "part_checks"}  # the tier option that says how many ranks share a block
+
+
+def _per_rank_problems(raw: dict[str, Any], ranks: int, source: str) -> list[tuple[str, str]]:
+    """Set each per-rank option (`PER_RANK`) of `raw`'s tiers to `ranks`; a problem for each that
+    the YAML gives another value (null: not given)."""
+    problems = []
+    tiers = raw.get("tiers")
+    for i, tier in enumerate(tiers if isinstance(tiers, list) else []):
+        field = PER_RANK.get(str(tier.get("backend"))) if isinstance(tier, dict) else None
+        if field is None:
+            continue
+        given = tier.get(field)
+        tier[field] = ranks  # (a differing value is this problem, not also parse_config's)
+        if given is not None and (type(given) is not int or given != ranks):
+            problems.append((f"tiers[{i}].{field}", f"{brief(given)} in {source}, but this engine has {ranks} "
+                             f"tensor-parallel ranks; leave {field} out (vLLM's value is used)"))
+    return problems
 
 
 def require_cpu_first(config: HierarchyConfig) -> None:
@@ -93,3 +119,61 @@ def require_cpu_first(config: HierarchyConfig) -> None:
         raise ConfigError([("tiers[0].backend", f"under vLLM the first tier must use backend '{FIRST_BACKEND}' "
                                                 f"(the shared-memory region the workers copy to and from), got "
                                                 f"{config.tiers[0].backend!r}")])
+
+
+# ------------------------------------------------------------------ kv_connector_extra_config
+EXTRA_CONFIG = "kv_connector_extra_config"
+MAX_TRACKER_SIZE = 1 << 24  # keys the store threshold's table may count (~140 bytes each: ~2.3 GiB)
+# vLLM's own keys, read by its OffloadingConnector or by every OffloadingSpec (vLLM 0.32:
+# kv_offload/factory.py, offloading/config.py, kv_offload/base.py; 0.33 adds the scheduler's
+# sync_load_budget_bytes).
+VLLM_EXTRA_KEYS = ("spec_name", "spec_module_path", "block_size", "blocks_per_chunk", "canonical_layout",
+                   "self_describing_kv_events", "offload_prompt_only", "sync_load_budget_bytes")
+# Keys of vLLM's own specs (its CPUOffloadingSpec: `cpu_bytes_to_use` is also what
+# `--kv-offloading-size` sets; its tiering spec): accepted, but kvtier's tiers come from
+# `kvtier_config` (`ignored_extra_keys`).
+CPU_SPEC_KEYS = ("cpu_bytes_to_use", "eviction_policy", "cache_policy_module_path", "secondary_tiers",
+                 "tier_poll_interval_s", "backpressure", "enable_telemetry")
+
+
+def _direct_file_loads(value: Any) -> bool:
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
+    if not isinstance(value, bool):
+        raise ValueError(f"must be true or false, got {brief(value)}")
+    return value
+
+
+def _max_tracker_size(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value <= MAX_TRACKER_SIZE:
+        raise ValueError(f"expected a positive integer up to {MAX_TRACKER_SIZE}, got {brief(value)}")
+    return value
+
+
+# kvtier's keys: name -> (value when not given or null, check), as the YAML's fields (kvtier.config).
+EXTRA_FIELDS: dict[str, tuple[Any, Any]] = {
+    "kvtier_config": (None, None),  # read by kvtier.integrations.vllm.config.load_raw_config
+    "direct_file_loads": (None, _direct_file_loads),  # None: direct where allowed
+    "store_threshold": (None, TOP_FIELDS["store_threshold"][1]),  # None: the YAML's; the YAML's own check
+    "max_tracker_size": (None, _max_tracker_size),  # None: vLLM's default (kvtier.control.store_threshold)
+}
+
+
+def read_extra_config(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """kvtier's keys of `kv_connector_extra_config` (`EXTRA_FIELDS`), checked as the YAML's fields
+    are: a `ConfigError` (`source` = "kv_connector_extra_config") lists every value refused and
+    every key that is neither kvtier's nor vLLM's (`VLLM_EXTRA_KEYS`, `CPU_SPEC_KEYS`), with the
+    closest known key, so that a misspelt key is not silently ignored."""
+    problems = Problems()
+    known = dict.fromkeys((*VLLM_EXTRA_KEYS, *CPU_SPEC_KEYS))
+    values = read_fields(extra, EXTRA_FIELDS, f"{EXTRA_CONFIG}.", problems, "KVTierOffloadingSpec", also_valid=known)
+    if problems.items:
+        error = problems.error()
+        error.source = EXTRA_CONFIG
+        raise error
+    return values
+
+
+def ignored_extra_keys(extra: Mapping[str, Any]) -> list[str]:
+    """The keys of `extra` that only vLLM's CPUOffloadingSpec reads (`CPU_SPEC_KEYS`)."""
+    return [key for key in CPU_SPEC_KEYS if extra.get(key) is not None]

@@ -16,9 +16,9 @@ from vllm.v1.kv_offload.base import (
     OffloadingWorker,
 )
 
-from kvtier.config.vllm import require_cpu_first
+from kvtier.config.vllm import ignored_extra_keys, read_extra_config
 from kvtier.control.store_threshold import DEFAULT_MAX_TRACKER_SIZE
-from kvtier.integrations.vllm.config import load_raw_config, vllm_hierarchy_config
+from kvtier.integrations.vllm.config import load_raw_config, load_vllm_config
 from kvtier.integrations.vllm.file_loads import direct_file_tiers
 from kvtier.integrations.vllm.logs import log_through_vllm, tier_summary
 from kvtier.integrations.vllm.manager import (
@@ -53,28 +53,16 @@ def _ranks(parallel: Any) -> tuple[int, int]:
 
 def store_threshold_setting(extra_config: Mapping[str, Any], config: Any = None) -> int:
     """The store threshold: `extra_config`'s `store_threshold` (vLLM's name) when given, else the
-    kvtier config's (`config`, or the YAML `kvtier_config` names)."""
-    if extra_config.get("store_threshold") is not None:
-        return int(extra_config["store_threshold"])
+    kvtier config's (`config`, or the YAML `kvtier_config` names). `extra_config` is checked first
+    (`read_extra_config`: a `ConfigError` names a bad value or an unknown key)."""
+    given = read_extra_config(extra_config)["store_threshold"]
+    if given is not None:
+        return int(given)
     if config is not None:
         return int(config.store_threshold)
     raw, _ = load_raw_config(extra_config.get("kvtier_config"))
     value = raw.get("store_threshold", 0) if isinstance(raw, dict) else 0
     return value if isinstance(value, int) else 0
-
-
-def _direct_option(extra_config: Mapping[str, Any]) -> bool | None:
-    """`kv_connector_extra_config.direct_file_loads`: True, False, or None when not given (the
-    default: direct where safe, see `_direct_reason`); `ConfigError` unless a bool (or the
-    strings "true" / "false")."""
-    value = extra_config.get("direct_file_loads")
-    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
-        return value.strip().lower() == "true"
-    if value is not None and not isinstance(value, bool):
-        from kvtier.core.errors import ConfigError
-
-        raise ConfigError([("kv_connector_extra_config.direct_file_loads", f"must be true or false, got {value!r}")])
-    return value
 
 
 def vllm_has_sync_loads() -> bool:
@@ -149,7 +137,7 @@ class DirectFileLoads:
 def _direct_reason(spec: Any) -> str | None:
     """Why file tiers cannot be loaded directly by this engine's workers (None: they can). Not
     given, `direct_file_loads` is off where vLLM has synchronous loads (`vllm_has_sync_loads`)."""
-    option = _direct_option(spec.extra_config)
+    option = spec.extra_options["direct_file_loads"]  # (checked by read_extra_config: True, False, or None)
     if option is False:
         return "direct_file_loads: false"
     if option is None and vllm_has_sync_loads():
@@ -164,6 +152,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
     `kv_connector_extra_config` keys: `kvtier_config` (YAML path or mapping; default: kvtier's
     `configs/cpu-file.yaml`) plus vLLM's own (`block_size` / `blocks_per_chunk`, ...; and, as for
     vLLM's CPU spec, `store_threshold` and `max_tracker_size`: `kvtier.control.store_threshold`).
+    Any other key, and a bad value, is refused at start (`kvtier.config.vllm.read_extra_config`).
     """
 
     @classmethod
@@ -187,6 +176,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
     def __init__(self, config):
         log_through_vllm()  # so that what follows (and the tier summary) reaches the server's log
         super().__init__(config)
+        # Refused here, in every process, before anything is built: a bad value, an unknown key.
+        self.extra_options = read_extra_config(self.extra_config)
         self.replicated_layout = False
         tokens = set(self.tokens_per_block)
         if len(tokens) != 1:
@@ -195,13 +186,9 @@ class KVTierOffloadingSpec(OffloadingSpec):
         self.num_copies, self.rank = _ranks(config.parallel)
         self.rank_bytes = int(config.worker_kv_bytes_per_block) * self.blocks_per_chunk
         self.block_bytes = self.rank_bytes * self.num_copies
-        raw, source = load_raw_config(self.extra_config.get("kvtier_config"))
-        self.hierarchy_config = vllm_hierarchy_config(raw, block_tokens=self.block_tokens,
-                                                      engine_id=str(config.engine_id),
-                                                      fingerprint=self.fingerprint(), source=source,
-                                                      ranks=self.num_copies)
-        require_cpu_first(self.hierarchy_config)
-        _direct_option(self.extra_config)  # a bad value is refused at start, in every process
+        self.hierarchy_config = load_vllm_config(self.extra_options["kvtier_config"],
+                                                 block_tokens=self.block_tokens, engine_id=str(config.engine_id),
+                                                 fingerprint=self.fingerprint(), ranks=self.num_copies)
         self._manager: KVTierOffloadingManager | None = None
         self._host_manager: OffloadingManager | None = None  # shared: host (`host_manager`)
         self._worker: KVTierOffloadingWorker | None = None
@@ -244,9 +231,18 @@ class KVTierOffloadingSpec(OffloadingSpec):
             if local:
                 region.unpublish()  # the engine's worker runs in this process: it maps the region without a name
             threshold = store_threshold_setting(self.extra_config, self.hierarchy_config)
-            self._manager = KVTierOffloadingManager(
-                hierarchy, enable_events, store_threshold=threshold,
-                max_tracker_size=int(self.extra_config.get("max_tracker_size", DEFAULT_MAX_TRACKER_SIZE)))
+            tracker = self.extra_options["max_tracker_size"] or DEFAULT_MAX_TRACKER_SIZE
+            try:
+                self._manager = KVTierOffloadingManager(hierarchy, enable_events, store_threshold=threshold,
+                                                        max_tracker_size=tracker)
+            except BaseException:
+                hierarchy.close()  # (its tiers would stay open, and a root_dir held, in this process)
+                raise
+            ignored = ignored_extra_keys(self.extra_config)
+            if ignored:
+                log.warning("kvtier: kv_connector_extra_config %s ignored: keys of vLLM's own offloading specs; "
+                            "KVTierOffloadingSpec's tiers, capacities and policies come from kvtier_config",
+                            ", ".join(ignored))
             self._manager.direct_file_loads = DirectFileLoads(hierarchy, self.num_copies, _direct_reason(self))
             log.info("%s", tier_summary(hierarchy, self.block_tokens, self.block_bytes))
         return self._manager
