@@ -191,7 +191,7 @@ def test_open_without_model_is_refused_naming_the_field(tmp_path):
     assert not (tmp_path / "kv").exists() and shm_entries() <= before  # nothing left behind
     with pytest.raises(ConfigError, match=r"tiers\[1\]\.fingerprint"):
         KVTier.open(config(tmp_path / "kv", fingerprint=""), make_kv(), model="")
-    with pytest.raises(TypeError, match="model must be a string"):
+    with pytest.raises(TypeError, match="model: NoneType None; a string naming the model"):
         KVTier.open(config(tmp_path / "kv"), make_kv(), model=None)
 
 

@@ -47,8 +47,8 @@ class Engine:
         tiers = [f"{{name: hot, backend: memory, capacity: {hot} blocks, policy: lru}}"]
         if middle:
             tiers.append(middle)
-        tiers.append(f"{{name: shared, backend: valkey, capacity: {handles} blocks, url: '{url}', "
-                     f"negative_ttl_s: 30{options}}}")
+        ttl = "" if "negative_ttl_s" in options else ", negative_ttl_s: 30"  # (a key given twice is refused)
+        tiers.append(f"{{name: shared, backend: valkey, capacity: {handles} blocks, url: '{url}'{ttl}{options}}}")
         text = f"block_bytes: {BLOCK}B\ntiers:\n" + "".join(f"  - {t}\n" for t in tiers)
         self.hierarchy = build_hierarchy(load_config_text(text), model="shared-test-model")
         self.manager = self.hierarchy.manager
