@@ -1,6 +1,6 @@
 """An option given an empty value is refused (exit 2, the option named), never read as "not given":
-`--capacities ""`, `--policies ""` and `--block-sizes ""` ran the default sweep, `kvtier serve
---socket ""` listened on the default socket."""
+`kvtier serve --socket ""` listened on the default socket (the bench options' empty values are
+cases of tests/bench/test_bench_options.py), and no value still means the defaults."""
 
 from __future__ import annotations
 
@@ -9,22 +9,6 @@ import signal
 import pytest
 
 from kvtier.cli.main import main
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["bench", "trace", "--capacities", ""], "--capacities: no block counts given"),
-    (["bench", "--capacities", " "], "--capacities: no block counts given"),
-    (["bench", "trace", "--policies", ""], "--policies: no policy given"),
-    (["bench", "trace", "--policies", " , "], "--policies: no policy given"),
-    (["bench", "--policies", ""], "--policies: no policy given"),
-    (["bench", "hops", "--block-sizes", ""], "--block-sizes: no block size given"),
-    (["bench", "--block-sizes", ""], "--block-sizes: no block size given"),
-])
-def test_an_empty_bench_value_is_refused_up_front(capsys, monkeypatch, argv, message):
-    monkeypatch.setattr("kvtier.cli.bench.load_config", lambda path: pytest.fail("the config was read first"))
-    assert main([*argv, "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert f"kvtier: error: {message}" in err and "Traceback" not in err
 
 
 def test_an_empty_socket_is_refused(capsys, monkeypatch):

@@ -20,6 +20,14 @@ from kvtier.cli.main import main
      "--block-sizes: '2GiB' is out of range: a block size is from 1B to 1GiB"),
     (["bench", "hops", "--block-sizes", ","], "--block-sizes: no block size given"),
     (["bench", "--repeats", "1001"], "--repeats: 1001 is out of range: from 1 to 1000"),
+    # empty values (before: the default sweep ran)
+    (["bench", "trace", "--capacities", ""], "--capacities: no block counts given"),
+    (["bench", "--capacities", " "], "--capacities: no block counts given"),
+    (["bench", "trace", "--policies", ""], "--policies: no policy given"),
+    (["bench", "trace", "--policies", " , "], "--policies: no policy given"),
+    (["bench", "--policies", ""], "--policies: no policy given"),
+    (["bench", "hops", "--block-sizes", ""], "--block-sizes: no block size given"),
+    (["bench", "--block-sizes", ""], "--block-sizes: no block size given"),
 ])
 def test_out_of_range_values_are_refused_up_front(capsys, monkeypatch, argv, message):
     monkeypatch.setattr("kvtier.cli.bench.load_config", lambda path: pytest.fail("the config was read first"))
