@@ -61,10 +61,10 @@ def test_the_try_it_program_saved_as_a_file_starts_no_engine_when_imported_again
 
 
 # ------------------------------------------------------------------ kv_connector_extra_config (defects 2, 6)
-def read_extra_config(extra: dict) -> dict:
+def read_extra_config(extra: dict, own_keys: tuple[str, ...] = ()) -> dict:
     from kvtier.config.vllm import read_extra_config
 
-    return read_extra_config(extra)
+    return read_extra_config(extra, own_keys)
 
 
 def test_a_misspelt_key_is_refused_with_the_closest_known_key():
@@ -74,6 +74,14 @@ def test_a_misspelt_key_is_refused_with_the_closest_known_key():
     assert path == "kv_connector_extra_config.kvtier_confg"
     assert "did you mean 'kvtier_config'?" in message
     assert info.value.source == "kv_connector_extra_config"
+
+
+def test_the_keys_a_spec_subclass_reads_itself_are_accepted():
+    """A subclass of KVTierOffloadingSpec names its own keys (`own_extra_keys`): before, the
+    first version of this check refused the test suite's FailingLoadSpec's `fail_loads`."""
+    assert read_extra_config({"fail_loads": 2}, own_keys=("fail_loads",))["store_threshold"] is None
+    with pytest.raises(ConfigError, match="fail_loads: unknown key"):
+        read_extra_config({"fail_loads": 2})
 
 
 def test_the_keys_vllm_reads_are_accepted():

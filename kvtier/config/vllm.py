@@ -159,13 +159,14 @@ EXTRA_FIELDS: dict[str, tuple[Any, Any]] = {
 }
 
 
-def read_extra_config(extra: Mapping[str, Any]) -> dict[str, Any]:
+def read_extra_config(extra: Mapping[str, Any], own_keys: tuple[str, ...] = ()) -> dict[str, Any]:
     """kvtier's keys of `kv_connector_extra_config` (`EXTRA_FIELDS`), checked as the YAML's fields
     are: a `ConfigError` (`source` = "kv_connector_extra_config") lists every value refused and
-    every key that is neither kvtier's nor vLLM's (`VLLM_EXTRA_KEYS`, `CPU_SPEC_KEYS`), with the
-    closest known key, so that a misspelt key is not silently ignored."""
+    every key that is neither kvtier's nor vLLM's (`VLLM_EXTRA_KEYS`, `CPU_SPEC_KEYS`) nor one of
+    `own_keys` (those a subclass of the spec reads itself), with the closest known key, so that a
+    misspelt key is not silently ignored."""
     problems = Problems()
-    known = dict.fromkeys((*VLLM_EXTRA_KEYS, *CPU_SPEC_KEYS))
+    known = dict.fromkeys((*VLLM_EXTRA_KEYS, *CPU_SPEC_KEYS, *own_keys))
     values = read_fields(extra, EXTRA_FIELDS, f"{EXTRA_CONFIG}.", problems, "KVTierOffloadingSpec", also_valid=known)
     if problems.items:
         error = problems.error()

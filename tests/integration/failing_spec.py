@@ -44,6 +44,8 @@ class _FailingLoadWorker(KVTierOffloadingWorker):
 class FailingLoadSpec(KVTierOffloadingSpec):
     """`KVTierOffloadingSpec` whose worker fails its first `fail_loads` loads (see the module docstring)."""
 
+    own_extra_keys = ("fail_loads",)
+
     def __init__(self, config: Any):
         super().__init__(config)
         self.failing_worker: _FailingLoadWorker | None = None

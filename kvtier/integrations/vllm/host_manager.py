@@ -369,6 +369,7 @@ def open_host_manager(spec: Any) -> HostOffloadingManager:
     from kvtier.integrations.vllm.spec import store_threshold_setting
 
     config = dataclasses.replace(spec.hierarchy_config,
-                                 store_threshold=store_threshold_setting(spec.extra_config, spec.hierarchy_config))
+                                 store_threshold=store_threshold_setting(spec.extra_config, spec.hierarchy_config,
+                                                                         spec.own_extra_keys))
     identity = {"model": spec.fingerprint(), "block_bytes": spec.block_bytes, "block_tokens": spec.block_tokens}
     return HostOffloadingManager(join(config.shared, identity, config_mapping(config)), config)

@@ -51,11 +51,12 @@ def _ranks(parallel: Any) -> tuple[int, int]:
     return world, rank
 
 
-def store_threshold_setting(extra_config: Mapping[str, Any], config: Any = None) -> int:
+def store_threshold_setting(extra_config: Mapping[str, Any], config: Any = None, own_keys: tuple[str, ...] = ()) -> int:
     """The store threshold: `extra_config`'s `store_threshold` (vLLM's name) when given, else the
     kvtier config's (`config`, or the YAML `kvtier_config` names). `extra_config` is checked first
-    (`read_extra_config`: a `ConfigError` names a bad value or an unknown key)."""
-    given = read_extra_config(extra_config)["store_threshold"]
+    (`read_extra_config`, with a spec subclass's `own_keys`: a `ConfigError` names a bad value or
+    an unknown key)."""
+    given = read_extra_config(extra_config, own_keys)["store_threshold"]
     if given is not None:
         return int(given)
     if config is not None:
@@ -152,8 +153,11 @@ class KVTierOffloadingSpec(OffloadingSpec):
     `kv_connector_extra_config` keys: `kvtier_config` (YAML path or mapping; default: kvtier's
     `configs/cpu-file.yaml`) plus vLLM's own (`block_size` / `blocks_per_chunk`, ...; and, as for
     vLLM's CPU spec, `store_threshold` and `max_tracker_size`: `kvtier.control.store_threshold`).
-    Any other key, and a bad value, is refused at start (`kvtier.config.vllm.read_extra_config`).
+    Any other key, and a bad value, is refused at start (`kvtier.config.vllm.read_extra_config`),
+    but those a subclass names in `own_extra_keys` (the keys it reads itself).
     """
+
+    own_extra_keys: tuple[str, ...] = ()
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
@@ -164,8 +168,8 @@ class KVTierOffloadingSpec(OffloadingSpec):
         for name, doc in KVTIER_GAUGES.items():
             defs[METRIC_PREFIX + name] = OffloadingGaugeMetadata(documentation=f"kvtier: {doc}",
                                                                  labelnames=("tier",))
-        return {**defs, **retention_metric_definitions(),
-                **vllm_metric_definitions(stores_skipped=store_threshold_setting(extra_config) >= 2)}
+        threshold = store_threshold_setting(extra_config, own_keys=cls.own_extra_keys)
+        return {**defs, **retention_metric_definitions(), **vllm_metric_definitions(stores_skipped=threshold >= 2)}
 
     @classmethod
     def config_info_keys(cls, extra_config: dict[str, Any]) -> tuple[str, ...]:
@@ -177,7 +181,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
         log_through_vllm()  # so that what follows (and the tier summary) reaches the server's log
         super().__init__(config)
         # Refused here, in every process, before anything is built: a bad value, an unknown key.
-        self.extra_options = read_extra_config(self.extra_config)
+        self.extra_options = read_extra_config(self.extra_config, self.own_extra_keys)
         self.replicated_layout = False
         tokens = set(self.tokens_per_block)
         if len(tokens) != 1:
@@ -230,7 +234,7 @@ class KVTierOffloadingSpec(OffloadingSpec):
             local = region.shm_name in _LOCAL_WORKER_REGIONS
             if local:
                 region.unpublish()  # the engine's worker runs in this process: it maps the region without a name
-            threshold = store_threshold_setting(self.extra_config, self.hierarchy_config)
+            threshold = store_threshold_setting(self.extra_config, self.hierarchy_config, self.own_extra_keys)
             tracker = self.extra_options["max_tracker_size"] or DEFAULT_MAX_TRACKER_SIZE
             try:
                 self._manager = KVTierOffloadingManager(hierarchy, enable_events, store_threshold=threshold,
