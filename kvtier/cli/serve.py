@@ -51,11 +51,11 @@ def run_serve(args: argparse.Namespace) -> int:
         if not value >= 0 or value == float("inf"):
             raise ArgumentError(f"{name}: expected a finite number of seconds >= 0, got {value:g}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    stop = threading.Event()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, lambda *_: stop.set())
     owner = HostOwner(path, max_clients=args.max_clients, max_namespaces=args.max_namespaces,
                       idle_namespace_s=args.idle_namespace_s, flush_timeout=args.flush_timeout)
+    stop = threading.Event()
+    # (installed once the owner exists, and put back at the end: a refused start changes no handler)
+    previous = {signum: signal.signal(signum, lambda *_: stop.set()) for signum in (signal.SIGTERM, signal.SIGINT)}
     print(f"kvtier serve: listening on {path}", flush=True)
     try:
         while not stop.wait(0.5):
@@ -63,5 +63,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print("kvtier serve: stopping (writing the CPU tiers down)", flush=True)
     finally:
         owner.close(args.flush_timeout)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     print("kvtier serve: stopped", flush=True)
     return 0

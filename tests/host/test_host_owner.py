@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import stat
 import struct
@@ -71,9 +72,13 @@ def test_a_socket_directory_whose_parent_is_missing_is_named(tmp_path, capsys):
     """Before: `kvtier serve --socket` under a missing folder ended in a FileNotFoundError traceback."""
     from kvtier.cli.main import main
 
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     assert main(["serve", "--socket", str(tmp_path / "no" / "run" / "host.sock")]) == 2
     err = capsys.readouterr().err
     assert f"cannot create {tmp_path / 'no' / 'run'}" in err and "Traceback" not in err
+    # (a refused start leaves this process's signal handlers as they were: a fork test after it
+    # expects a child to die of SIGTERM)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
 
 
 def test_a_file_that_is_not_a_socket_is_left_alone(tmp_path):
