@@ -46,6 +46,9 @@ class Topology:
         self._reload_lock = threading.Lock()  # one reload at a time; held across socket I/O
         self._nodes: dict[str, NodeClient] = {}  # replaced, never mutated: readers copy it without a lock
         self._slots: list[NodeClient | None] = []
+        # slot -> master named by a MOVED reply since the reload in flight began: that reload may read
+        # a node that lags, so these are applied over what it loads (`moved`, `_load_slots`)
+        self._moves: dict[int, Endpoint] = {}
         self._client: NodesManager | None = None
         self._closed = False
         self._failing = False
@@ -135,6 +138,8 @@ class Topology:
                         client.close()
                         raise RemoteUnavailable("remote store closed")
                 else:
+                    with self._lock:
+                        self._moves.clear()  # (moves from now on are newer than what this reload reads)
                     client.initialize()
                 self._load_slots(client)
             except Exception as exc:  # noqa: BLE001 - redis-py raises several unrelated types here
@@ -157,6 +162,7 @@ class Topology:
             nodes, table = dict(self._nodes), list(self._slots)  # (replaced, never mutated: readers take no lock)
             table[slot] = self._node_in(nodes, Endpoint(host=host, port=port))
             self._nodes, self._slots = nodes, table
+            self._moves[slot] = Endpoint(host=host, port=port)
 
     def _node_in(self, nodes: dict[str, NodeClient], endpoint: Endpoint) -> NodeClient:
         """The client of `endpoint` in `nodes`, added to it when new (no I/O: it connects on use)."""
@@ -193,6 +199,8 @@ class Topology:
             raise RemoteUnavailable("cluster: the slot map covers no slot")
         with self._lock:
             if not self._closed:
+                for slot, endpoint in self._moves.items():  # (MOVED replies during the reload win)
+                    table[slot] = self._node_in(nodes, endpoint)
                 self._nodes, self._slots = nodes, table
                 return
         for node in nodes.values():  # closed meanwhile: drop what this reload opened
