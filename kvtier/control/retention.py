@@ -36,7 +36,6 @@ block any request uses again. A one-shot request is a session ended at its first
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import OrderedDict
 from collections import deque as _consume
@@ -50,9 +49,6 @@ from kvtier.control.expiry import Expiries
 from kvtier.control.hints import Hint, RequestHints, session_name
 from kvtier.control.holders import Holders
 from kvtier.core.keys import OffloadKey
-
-log = logging.getLogger("kvtier.retention")
-
 
 RETAINED_SHARE = 0.5  # of the first tier's capacity, the most that retained blocks may hold
 MAX_SESSIONS = 10_000  # sessions tracked at once (their memory: docs/bench.md, "The memory of hints")
