@@ -32,12 +32,12 @@ def load_raw_config(value: Any) -> tuple[dict[str, Any], str]:
 
     if value is None:
         path = default_config_path()
-        raw = load_raw_config_file(path)
+        raw = _sourced(load_raw_config_file, path, str(path))
         if isinstance(raw, dict):
             raw.pop("block_tokens", None)
         return raw, str(path)
     if isinstance(value, Mapping):
-        return plain(value), INLINE_SOURCE
+        return _sourced(plain, value, INLINE_SOURCE), INLINE_SOURCE
     if isinstance(value, (str, Path)):
         if not str(value).strip():
             raise ConfigError([("kvtier_config", "is empty: give a YAML path or a mapping, or leave kvtier_config out "
@@ -47,8 +47,19 @@ def load_raw_config(value: Any) -> tuple[dict[str, Any], str]:
             return load_raw_config_file(path), str(path)
         except ConfigError as exc:  # problems of the file as a whole are problems of `kvtier_config`
             hint = _not_found(Path(value), path)
-            raise ConfigError([(p or "kvtier_config", m + (hint if not p else "")) for p, m in exc.problems]) from None
+            error = ConfigError([(p or "kvtier_config", m + (hint if not p else "")) for p, m in exc.problems])
+            error.source = str(path)
+            raise error from None
     raise TypeError(f"kvtier_config must be a path or a mapping, got {type(value).__name__}")
+
+
+def _sourced(read: Any, value: Any, source: str) -> Any:
+    """`read(value)`; a `ConfigError` it raises gets `source`."""
+    try:
+        return read(value)
+    except ConfigError as exc:
+        exc.source = source
+        raise
 
 
 def _not_found(given: Path, path: Path) -> str:
@@ -76,11 +87,11 @@ def load_vllm_config(value: Any, *, block_tokens: int, engine_id: str, fingerpri
     (`vllm_hierarchy_config`, `require_cpu_first`). A `ConfigError` names where the config is:
     an inline mapping's fields as `kv_connector_extra_config.kvtier_config.<field>`, a file's
     problems after its path (`source` is set either way)."""
-    source = INLINE_SOURCE if isinstance(value, Mapping) else str(default_config_path()) if value is None else None
-    if isinstance(value, (str, Path)) and str(value).strip():
-        source = os.path.abspath(Path(value).expanduser())
     try:
         raw, source = load_raw_config(value)
+    except ConfigError as exc:  # (`source` set by load_raw_config where it knew the config's place)
+        raise _named(exc, exc.source) from None
+    try:
         config = vllm_hierarchy_config(raw, block_tokens=block_tokens, engine_id=engine_id, fingerprint=fingerprint,
                                        source=source, ranks=ranks)
         require_cpu_first(config)
