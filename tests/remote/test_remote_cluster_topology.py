@@ -79,6 +79,31 @@ def test_a_moved_reply_routes_the_next_call_even_when_the_reload_fails(valkey_cl
     assert out == block and store.stats()["failures"] == 0
 
 
+def test_a_moved_reply_during_a_reload_outlives_a_map_read_from_a_lagging_node(valkey_cluster, make_store,
+                                                                                 monkeypatch):
+    """A MOVED reply arrives while a reload is between reading the slot map and applying it, and
+    that map came from a node that has not heard of the move yet: the move still routes the next
+    call (the reload would otherwise put the old master back)."""
+    store, key, part, slot, target = moved_slot(valkey_cluster, make_store, 4545)
+    topology = store.servers.topology
+    stale = topology.node_for(part).name  # (the old master: what a node that lags still says)
+    assert stale != target.name
+    real_initialize = redis.cluster.NodesManager.initialize
+
+    def initialize_from_a_lagging_node(client, *args, **kwargs) -> None:
+        real_initialize(client, *args, **kwargs)
+        host, port = stale.rsplit(":", 1)
+        client.slots_cache[slot] = [redis.cluster.ClusterNode(host, int(port))]
+        topology.moved(slot, "127.0.0.1", target.port)  # (the MOVED reply, before the map is applied)
+
+    monkeypatch.setattr(redis.cluster.NodesManager, "initialize", initialize_from_a_lagging_node)
+    topology.refresh()
+    assert topology.node_for(part).name == target.name
+    block = os.urandom(4096)
+    store.write_block(key, memoryview(block))
+    assert target.client().exists(part) == 1 and store.stats()["redirects"] == 0
+
+
 def test_cluster_down_at_start_is_picked_up_in_the_background(tmp_path, make_store):
     cluster = Cluster(tmp_path / "late")
     store = make_store(cluster.url, block_bytes=4096, breaker_open_s=0.2, wait=False)
