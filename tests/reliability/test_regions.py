@@ -85,7 +85,7 @@ def test_second_creator_of_a_live_regions_name_is_refused_with_the_owners_pid(sh
     region is neither removed nor reused, its bytes intact."""
     owner = Owner(shm_dir, "kvtier-engine-a-cpu")
     try:
-        with pytest.raises(cpu.RegionInUseError, match=f"region kvtier-engine-a-cpu in use by pid {owner.proc.pid}"):
+        with pytest.raises(cpu.RegionInUseError, match=f"region kvtier-engine-a-cpu is in use by pid {owner.proc.pid}"):
             cpu.CPUBackend("cpu", 4, 4096, shm_name="kvtier-engine-a-cpu", pin=False)
         # nothing else left by the refused build
         assert sorted(os.listdir(shm_dir)) == ["kvtier-engine-a-cpu", "kvtier-engine-a-cpu" + CLAIM]
@@ -105,7 +105,7 @@ def test_second_creator_is_refused_after_the_owner_removed_its_regions_name(shm_
     left behind, and the owner's bytes are intact."""
     owner = Owner(shm_dir, "kvtier-engine-a-cpu", unpublish=True)
     try:
-        with pytest.raises(cpu.RegionInUseError, match=f"region kvtier-engine-a-cpu in use by pid {owner.proc.pid}"):
+        with pytest.raises(cpu.RegionInUseError, match=f"region kvtier-engine-a-cpu is in use by pid {owner.proc.pid}"):
             cpu.CPUBackend("cpu", 4, 4096, shm_name="kvtier-engine-a-cpu", pin=False)
         assert os.listdir(shm_dir) == ["kvtier-engine-a-cpu" + CLAIM]
         assert owner.slot0_intact()
@@ -145,7 +145,7 @@ def test_of_creators_racing_for_one_name_exactly_one_wins(shm_dir):
         assert len(winners) == 1, results
         for pid, line in results.items():
             if pid != winners[0]:
-                assert line.startswith(f"refused region kvtier-race-cpu in use by pid {winners[0]}"), results
+                assert line.startswith(f"refused region kvtier-race-cpu is in use by pid {winners[0]}"), results
         assert os.listdir(shm_dir) == ["kvtier-race-cpu" + CLAIM]
     finally:
         for p in procs:
@@ -448,7 +448,7 @@ def test_second_engine_with_the_same_engine_id_is_refused_and_the_first_keeps_it
         out = m.prepare_store([_key(1)], ReqContext("r"))
         region.view(out.store_spec.block_ids[0])[:] = PATTERN
         published = os.stat(region.path) if worker == "none-yet" else None
-        with pytest.raises(cpu.RegionInUseError, match=f"region {region.shm_name} in use by pid {os.getpid()}"):
+        with pytest.raises(cpu.RegionInUseError, match=f"region {region.shm_name} is in use by pid {os.getpid()}"):
             second.get_manager()
         if published is not None:  # the very region the first engine published, not a new one
             assert os.path.exists(region.path) and os.stat(region.path).st_ino == published.st_ino
@@ -549,3 +549,21 @@ def test_config_check_env_refuses_pin_true_without_cuda(tmp_path, capsys):
     path.write_text("block_bytes: 4KiB\ntiers:\n  - {name: cpu, backend: cpu, capacity: 4 blocks, pin: true}\n")
     assert main(["config", "check", "--env", str(path)]) == 2
     assert "tiers[0].pin: true, but CUDA is not available here" in capsys.readouterr().err
+
+
+def test_config_check_env_names_the_owner_of_a_name_held_by_its_claim_alone(shm_dir, tmp_path, capsys):
+    """A live owner that removed its region's name still holds the name by its claim: the check
+    names the owner's pid, as the build's refusal does (the check and the build share one test)."""
+    from kvtier.cli.main import main
+
+    path = tmp_path / "held.yaml"
+    path.write_text("block_bytes: 4KiB\ntiers:\n  - {name: cpu, backend: cpu, capacity: 4 blocks, pin: false, "
+                    "shm_name: kvtier-engine-a-cpu}\n")
+    owner = Owner(shm_dir, "kvtier-engine-a-cpu", unpublish=True)
+    try:
+        assert not os.path.exists(shm_dir / "kvtier-engine-a-cpu")
+        assert main(["config", "check", "--env", str(path)]) == 2
+        assert f"region kvtier-engine-a-cpu is in use by pid {owner.proc.pid}" in capsys.readouterr().err
+    finally:
+        owner.kill()
+    assert main(["config", "check", "--env", str(path)]) == 0

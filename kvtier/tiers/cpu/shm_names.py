@@ -214,68 +214,58 @@ def _remove_if_stale(path: str, min_age_s: float) -> bool:
 
 
 def region_in_use(name: str, shm_dir: str = SHM_DIR) -> str | None:
-    """Why a region named `name` could not be created now (held by a live process, or a file there
-    that is not a kvtier region of this user), None when it could; changes nothing (its lock,
-    if free, is taken and released at once)."""
-    claim = os.path.join(shm_dir, name + CLAIM_SUFFIX)
-    try:  # (the name is held by its claim, even once the region's own name is gone)
-        fd = _open_no_follow(claim)
-    except OSError:
-        pass
-    else:
-        try:
-            if not _lock_if_owner_dead(fd):
-                return (f"region {name} is in use (its claim {claim} is held): give each kvtier instance its own "
-                        "shm_name")
-        finally:
-            os.close(fd)
-    path = os.path.join(shm_dir, name)
+    """Why a region named `name` could not be created now (its claim or region held by a live
+    process, or a file there that is not a kvtier one of this user), None when it could; changes
+    nothing (a lock found free is taken and released at once)."""
     try:
-        fd = _open_no_follow(path)
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        return f"{path} exists and cannot be opened as a region ({exc.strerror})"
-    try:
-        st, header = os.fstat(fd), _read_header(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or (header is None and
-                                                                           not name.startswith("kvtier-")):
-            return f"{path} exists and is not a kvtier region of this user"
-        if not _lock_if_owner_dead(fd):
-            return (f"region {name} is in use by {f'pid {header.pid}' if header else 'another process'}: two "
-                    "kvtier instances cannot share one CPU tier; give each its own shm_name")
-        return None
-    finally:
-        os.close(fd)  # (releases the lock taken above)
+        for held in (_takeable_claim(os.path.join(shm_dir, name + CLAIM_SUFFIX)),
+                     _takeable_region(os.path.join(shm_dir, name))):
+            if held is not None:
+                os.close(held[0])  # (releases the lock)
+    except RegionInUseError as exc:
+        return str(exc)
+    return None
 
 
 def _in_use(name: str, owner: str) -> RegionInUseError:
-    return RegionInUseError(f"region {name} in use by {owner}: two kvtier instances cannot share one CPU tier; "
+    return RegionInUseError(f"region {name} is in use by {owner}: two kvtier instances cannot share one CPU tier; "
                             f"give each its own shm_name (under vLLM the default name comes from the "
                             f"engine_id: give each engine its own)")
 
 
 def _free_region_name(path: str) -> None:
-    """Make `path` free for a new region, or raise `RegionInUseError`: a name held by a live
-    owner, or by a file that is not a kvtier region of this user, is never taken over."""
+    """Make `path` free for a new region, or raise `RegionInUseError` (`_takeable_region`)."""
+    held = _takeable_region(path)
+    if held is None:
+        return
+    fd, st, pid = held
+    try:
+        log.warning("removing shared-memory region %s left by pid %s, which died", path, pid)
+        _unlink_if_same(path, (st.st_dev, st.st_ino))
+    finally:
+        os.close(fd)
+
+
+def _takeable_region(path: str) -> tuple[int, os.stat_result, int | str] | None:
+    """The region file at `path` opened and locked, its owner having died: (descriptor, stat, the
+    owner's pid or "?"), to be closed by the caller; None when nothing is there. `RegionInUseError`
+    when its owner is alive or the file is not a kvtier region of this user (never taken over)."""
     name = os.path.basename(path)
     fd = _open_existing(path, "a region")
     if fd is None:
-        return
+        return None
     try:
-        st = os.fstat(fd)
-        header = _read_header(fd)
+        st, header = os.fstat(fd), _read_header(fd)
         if (not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid()
                 or (header is None and not name.startswith("kvtier-"))):
             raise RegionInUseError(f"{path} exists and is not a kvtier region of this user; remove it or "
                                    f"choose another shm_name")
         if not _lock_if_owner_dead(fd):
             raise _in_use(name, f"pid {header.pid}" if header else "another process")
-        log.warning("removing shared-memory region %s left by pid %s, which died", path,
-                    header.pid if header else "?")
-        _unlink_if_same(path, (st.st_dev, st.st_ino))
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd, st, header.pid if header else "?"
 
 
 def _open_existing(path: str, what: str) -> int | None:
@@ -291,12 +281,27 @@ def _open_existing(path: str, what: str) -> int | None:
 
 
 def _free_claim(path: str) -> None:
-    """Make the claim `path` free, or raise `RegionInUseError`: a claim whose owner is alive (its
-    lock is held), or a file there that is not a kvtier claim of this user, is never taken over."""
+    """Make the claim `path` free, or raise `RegionInUseError` (`_takeable_claim`)."""
+    held = _takeable_claim(path)
+    if held is None:
+        return
+    fd, st, pid = held
+    try:
+        log.warning("taking over the name of region %s from pid %s, which died",
+                    os.path.basename(path)[:-len(CLAIM_SUFFIX)], pid)
+        _unlink_if_same(path, (st.st_dev, st.st_ino))
+    finally:
+        os.close(fd)
+
+
+def _takeable_claim(path: str) -> tuple[int, os.stat_result, int | str] | None:
+    """The claim file at `path` opened and locked, its owner having died: (descriptor, stat, the
+    owner's pid), to be closed by the caller; None when nothing is there. `RegionInUseError` when
+    its owner is alive (its lock is held) or the file is not a kvtier claim of this user."""
     region = os.path.basename(path)[:-len(CLAIM_SUFFIX)]
     fd = _open_existing(path, f"the claim of region {region}")
     if fd is None:
-        return
+        return None
     try:
         st = os.fstat(fd)
         pid = _read_claim(fd) if stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() else None
@@ -305,10 +310,10 @@ def _free_claim(path: str) -> None:
                                    f"choose another shm_name")
         if not _lock_if_owner_dead(fd):
             raise _in_use(region, f"pid {pid}")
-        log.warning("taking over the name of region %s from pid %s, which died", region, pid)
-        _unlink_if_same(path, (st.st_dev, st.st_ino))
-    finally:
+    except BaseException:
         os.close(fd)
+        raise
+    return fd, st, pid
 
 
 def _link_exclusively(tmp: str, path: str, free: Any) -> None:
