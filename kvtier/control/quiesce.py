@@ -96,13 +96,14 @@ class Quiescer:
         and a backend whose close is still running then (a sync hung in the kernel) is abandoned
         and logged, its files left as a crash would leave them."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        waited = None if timeout is None else timeout - min(CLOSE_SHARE_S, timeout / 2)
         try:
-            self.wait_idle(None if timeout is None else timeout - min(CLOSE_SHARE_S, timeout / 2))
+            self.wait_idle(waited)
         except WaitTimeout as exc:
             busy = self._jobs.tiers()
             log.error("shutdown abandoned %s still running after %g s: %s. The transfer router "
                       "and the backends of tiers %s are left open; their blocks may be incomplete.",
-                      _jobs(len(exc.jobs)), timeout, "; ".join(exc.jobs), ", ".join(sorted(busy)))
+                      _jobs(len(exc.jobs)), waited, "; ".join(exc.jobs), ", ".join(sorted(busy)))
             keep_open = keep_open | busy
         else:
             self._router.shutdown()
