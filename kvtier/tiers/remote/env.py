@@ -7,15 +7,21 @@ with the tier's `timeout_ms` for connecting and for the reply, with the tier's c
 (`kvtier.tiers.remote.nodes`, the Redis client library imported only here):
 
 - one PING per server named in the url (each seed of a cluster): connect, TLS handshake, AUTH;
-- on a single server, one EXISTS of a key under `key_prefix` (nothing is written): an ACL user that
-  may PING but not use the tier's keys is refused here (NOPERM) as its GETs and SETs would be.
+- then, in one round trip, CLUSTER KEYSLOT (whether the server is in cluster mode: an integer, or
+  "cluster support disabled") and, on a single server, one EXISTS of a key under `key_prefix`
+  (nothing is written): an ACL user that may PING but not use the tier's keys is refused here
+  (NOPERM) as its GETs and SETs would be. A `cluster://` seed not in cluster mode (the tier could
+  never load a slot map: every call a miss) and a `redis://` / `unix://` server in cluster mode
+  (MOVED for every key of the slots it does not hold) are problems on `url`, even when other seeds
+  of the cluster answered; a server that refuses or does not know CLUSTER KEYSLOT is not judged.
 
 The servers are asked at once (one thread each) and the whole check ends within
 `ANSWER_ROUNDS` x `timeout_ms` (+ `SLACK_S`), however many seeds the url names: a server that sends
 a reply byte by byte, so that no single read times out, is reported as a timeout too.
 
 A failure is a problem on the field to fix, naming the cause: connection refused, timeout,
-authentication failed, NOPERM, TLS. The password is never part of a message.
+authentication required or failed (`errors.authentication_problem`), NOPERM, TLS, the wrong cluster
+mode. The password is never part of a message.
 """
 
 from __future__ import annotations
@@ -25,16 +31,16 @@ import time
 from typing import Any
 
 from kvtier.core.errors import ConfigError
-from kvtier.tiers.remote.errors import without_echo
+from kvtier.tiers.remote.errors import authentication_problem, without_echo
 from kvtier.tiers.remote.password import resolve_password
 
-# Round trips one server's check may take: connect, the handshake (AUTH / HELLO), PING, EXISTS.
+# Round trips one server's check may take: connect, the handshake (AUTH / HELLO), PING, then CLUSTER
+# KEYSLOT and EXISTS (one write).
 ANSWER_ROUNDS = 4
 SLACK_S = 0.5
 
 # redis-py exception class name -> (field to fix, what it means)
 _CAUSES = {
-    "AuthenticationError": ("password", "authentication failed (wrong username or password)"),
     "AuthenticationWrongNumberOfArgsError": ("password", "authentication failed (the server has no ACL users)"),
     "NoPermissionError": ("username", "NOPERM: the ACL user may not run this command or use these keys"),
     "TimeoutError": ("url", "timeout"),
@@ -70,18 +76,28 @@ def reach(options: dict) -> tuple[list[str], list[tuple[str, str]]]:
     deadline = time.monotonic() + ANSWER_ROUNDS * timeout_s + SLACK_S
     for thread in threads:  # a thread still reading at the deadline is left behind (daemon)
         thread.join(max(0.0, deadline - time.monotonic()))
-    answered, problems = [], []
+    return _verdict(options, parsed, outcomes, timeout_s, client.password)
+
+
+def _verdict(options: dict, parsed: Any, outcomes: dict, timeout_s: float,
+             password: str | None) -> tuple[list[str], list[tuple[str, str]]]:
+    """`reach`'s result from each server's outcome (absent: unfinished). A server in the wrong
+    cluster mode is a problem even when other seeds of a cluster answered; a seed that did not
+    answer is only a note then (a cluster is reached through any of its seeds)."""
+    answered, problems, wrong_mode = [], [], []
     for endpoint in parsed.endpoints:
         outcome = outcomes.get(endpoint.name, _Unfinished("the reply was still incomplete"))
         if outcome is None:
             answered.append(endpoint.name)
+        elif isinstance(outcome, _WrongMode):
+            wrong_mode.append(("url", f"server {endpoint.name}: {outcome}"))
         else:
-            problems.append(_problem(options, endpoint.name, outcome, timeout_s, client.password))
-    if parsed.cluster and answered:  # a cluster is reached through any of its seeds
+            problems.append(_problem(options, endpoint.name, outcome, timeout_s, password))
+    if parsed.cluster and answered:
         notes = [f"no answer from {message}" for _field, message in problems]
-        return [f"cluster seed(s) {', '.join(answered)} answered PING"] + notes, []
-    if problems:
-        return [], problems
+        return [f"cluster seed(s) {', '.join(answered)} answered PING"] + notes, wrong_mode
+    if problems or wrong_mode:
+        return [], wrong_mode + problems
     return [f"{', '.join(answered)} answered PING and EXISTS as {options.get('username') or 'the default user'}"], []
 
 
@@ -89,15 +105,49 @@ class _Unfinished(Exception):
     """A server whose answers did not end in time (e.g. sent byte by byte): reported as a timeout."""
 
 
+class _WrongMode(Exception):
+    """A server whose cluster mode is not the url's; its text says what is wrong and what is right."""
+
+
+def _mode_problem(parsed: Any, endpoint: Any, keyslot: Any) -> _WrongMode | None:
+    """The problem of a server whose answer to CLUSTER KEYSLOT is `keyslot` (an integer in cluster
+    mode, an error saying "cluster support disabled" otherwise; anything else is not judged)."""
+    in_cluster = isinstance(keyslot, int)
+    if parsed.cluster and not in_cluster and "cluster support disabled" in str(keyslot):
+        single = "rediss" if parsed.tls else "redis"
+        return _WrongMode(f"not in cluster mode (cluster-enabled no): a {'clusters' if parsed.tls else 'cluster'}:// "
+                          f"url names nodes of a cluster, and this server has no slot map to give (every call of "
+                          f"the tier would be a miss); for this single server use {single}://{endpoint.name}, or "
+                          f"name the nodes of a cluster")
+    if not parsed.cluster and in_cluster:
+        where = "HOST:PORT" if endpoint.unix_path else endpoint.name
+        return _WrongMode(f"in cluster mode (cluster-enabled yes): a {'rediss' if parsed.tls else 'redis'}:// or "
+                          f"unix:// url uses this one node, which answers MOVED for the keys of every slot it does "
+                          f"not hold (those calls would fail); use {'clusters' if parsed.tls else 'cluster'}://"
+                          f"{where}, naming one or more nodes of the cluster")
+    return None
+
+
 def _ask(client: Any, parsed: Any, endpoint: Any, key: bytes | None, outcomes: dict) -> None:
-    """PING (and EXISTS `key` unless None) one server; its outcome (None: answered) into `outcomes`."""
+    """PING one server, then ask CLUSTER KEYSLOT (and EXISTS `key` unless None) in one round trip;
+    its outcome into `outcomes`: None (answered), a `_WrongMode` (`_mode_problem`), or the error."""
+    import redis
+
     from kvtier.tiers.remote.nodes import NodeClient
 
     node = NodeClient(client, endpoint, tls=parsed.tls, db=parsed.db)
     try:
         node.ping()
-        if key is not None:
-            node.exists([key])
+        probe = key if key is not None else b"kvtier-config-check"
+        replies = node.ask([[b"CLUSTER", b"KEYSLOT", probe]] + ([[b"EXISTS", key]] if key is not None else []))
+        wrong = _mode_problem(parsed, endpoint, replies[0])
+        if wrong is not None:
+            raise wrong
+        for reply in replies[1:]:  # EXISTS: an integer, or its error (NOPERM, NOAUTH, ...)
+            if isinstance(reply, Exception):
+                raise reply
+            if not isinstance(reply, int):
+                raise redis.ConnectionError(f"EXISTS reply: unexpected {reply!r:.32}")
         outcomes[endpoint.name] = None
     except Exception as exc:  # noqa: BLE001 - every failure is reported with its cause
         outcomes[endpoint.name] = exc
@@ -111,6 +161,10 @@ def _problem(options: dict, where: str, exc: BaseException, timeout_s: float,
     kind = type(exc).__name__
     field, cause = _CAUSES.get(kind, ("url", ""))
     text = _redact(str(exc), password)
+    if kind == "AuthenticationError":  # (what is wrong and what is right; the server's text is in it)
+        given = [name for name in ("password_file", "password_env") if options.get(name)]
+        problem = authentication_problem(_short(text), password is not None)
+        return (given[0] if given else "password_env"), f"server {where}: {problem} ({kind})"
     if kind == "TimeoutError":
         cause = f"timeout: no answer within timeout_ms ({timeout_s * 1000:g} ms)"
     elif kind == "_Unfinished":
@@ -130,8 +184,6 @@ def _problem(options: dict, where: str, exc: BaseException, timeout_s: float,
     if field == "password":
         given = [name for name in ("password_file", "password_env") if options.get(name)]
         field = given[0] if given else "password_env"
-        if not given:
-            cause = "the server requires a password: give password_env or password_file"
     if field == "username" and not options.get("username"):
         field = "key_prefix"  # the default user may not use these keys
     return field, f"server {where}: {cause} ({kind}: {_short(text)})"

@@ -20,6 +20,24 @@ def without_echo(text: str) -> str:
     return text if at < 0 else text[:at] + _ECHO + ": <hidden>"
 
 
+def authentication_problem(text: str, password_given: bool) -> str:
+    """What an authentication refusal means and how to fix it, for a log line or a problem of
+    `config check` (never holding a secret: `text`, the server's error, goes through `without_echo`).
+    Without a password: the server requires one (NOAUTH). With one: the server refused it
+    (WRONGPASS: wrong password or username, or a disabled user), or it has none to check it against
+    (AUTH sent to a server without a password)."""
+    said = without_echo(text)
+    if not password_given:
+        return (f"authentication required: the server requires a password and none is given (NOAUTH: {said}); "
+                f"give it with the tier's password_env (an environment variable) or password_file option, "
+                f"and username for an ACL user")
+    if "without any password configured" in said or "no password is set" in said:
+        return (f"authentication failed: a password is given but the server has none set for the default user "
+                f"({said}); give the username of its ACL user, or drop password_env / password_file")
+    return (f"authentication failed: the server refused the username and password given (WRONGPASS: {said}); "
+            f"check the password that password_env or password_file holds, and username")
+
+
 class RemoteUnavailable(TransferError):
     """The server (or the shard that holds a key) cannot be used now: down, timed out, refused
     (authentication, ACL permission), full (`OOM command not allowed` on a write), or the circuit

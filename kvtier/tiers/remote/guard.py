@@ -19,7 +19,7 @@ import redis
 from redis.exceptions import AskError, MovedError, NoPermissionError
 
 from kvtier.tiers.remote.breaker import CircuitBreaker, Reconnector
-from kvtier.tiers.remote.errors import RemoteUnavailable, ValueRejected
+from kvtier.tiers.remote.errors import RemoteUnavailable, ValueRejected, authentication_problem
 from kvtier.tiers.remote.nodes import NodeClient
 from kvtier.tiers.remote.options import ClientOptions
 from kvtier.tiers.remote.topology import Topology
@@ -93,7 +93,10 @@ class ServerGuard:
             self.count(full=1)
             raise RemoteUnavailable(f"{node.name}: server full (maxmemory without eviction): {exc}",
                                     "OutOfMemoryError") from None
-        except (NoPermissionError, redis.AuthenticationError) as exc:
+        except redis.AuthenticationError as exc:
+            problem = authentication_problem(str(exc), self.options.password is not None)
+            self._fail(breaker, "AuthenticationError", f"refused: AuthenticationError: {problem}", refused=1)
+        except NoPermissionError as exc:
             self._fail(breaker, type(exc).__name__, f"refused: {type(exc).__name__}: {exc}", refused=1)
         except redis.ResponseError as exc:
             if str(exc).startswith("WRONGTYPE"):

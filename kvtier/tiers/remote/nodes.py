@@ -13,6 +13,12 @@ of the operation get only the time left until it, so a server that answers one b
 cannot stretch an operation past it; past it the call raises `redis.TimeoutError`. Nothing is
 retried (redis-py's `Retry(NoBackoff(), 0)`). A connection that failed mid-command is closed, never
 returned to the pool with a reply still pending.
+
+**A server that requires a password.** Without one (no AUTH sent), a server that requires one answers
+`NOAUTH`, and refuses a value over 16 KiB with `-ERR Protocol error: unauthenticated bulk length`,
+then closes the connection, often while the value is still being sent (a broken pipe). Both are
+raised as `redis.AuthenticationError` (`server_error`; `_send` reads what the server said before it
+closed), never as a protocol or connection error.
 """
 
 from __future__ import annotations
@@ -89,6 +95,49 @@ _CLASSES: dict[type, type] = {
     cls: _bounded(cls) for cls in (redis.Connection, redis.UnixDomainSocketConnection, redis.SSLConnection)}
 
 
+_UNAUTHENTICATED = "Protocol error: unauthenticated"  # how Redis/Valkey refuse a large command before AUTH
+
+
+def server_error(text: str) -> Exception:
+    """The redis-py exception of the error reply `text` (without its leading `-`), as redis-py
+    raises it (`NOAUTH` / `WRONGPASS`: `redis.AuthenticationError`, `NOPERM`: `NoPermissionError`,
+    ...), and `redis.AuthenticationError` for the refusal of a command too large for a client that
+    has not authenticated (module docstring): that server requires a password."""
+    error = BaseParser.parse_error(text)
+    if type(error) is redis.ResponseError and str(error).startswith(_UNAUTHENTICATED):
+        return redis.AuthenticationError(f"Authentication required. ({error}, to a command sent before AUTH)")
+    return error
+
+
+def _said_before_closing(sock: Any) -> Exception | None:
+    """The error reply a server sent on `sock` before closing it (a send to it failed), as
+    `server_error` raises it; None when nothing (or no error reply) has arrived. Does not wait."""
+    try:
+        sock.settimeout(0)
+        data = sock.recv(MAX_LINE)
+    except (OSError, ValueError):  # nothing arrived (BlockingIOError, SSLWantReadError), reset, closed
+        return None
+    end = data.find(b"\r\n")
+    return server_error(data[1:end].decode("utf-8", "replace")) if data[:1] == b"-" and end > 0 else None
+
+
+def _send_all(conn: Any, packed: Sequence[bytes | memoryview], name: str) -> None:
+    """Send `packed` on `conn`'s socket (its timeout set by the caller): a timeout raises
+    `redis.TimeoutError`; a failed send raises the error reply the server sent before closing the
+    connection when there is one (e.g. an authentication refusal), else `redis.ConnectionError`."""
+    sock = conn._sock
+    try:
+        for item in packed:
+            sock.sendall(item)
+    except TimeoutError:  # socket.timeout
+        raise redis.TimeoutError(f"Timeout writing to {name}") from None
+    except OSError as exc:
+        said = _said_before_closing(sock)
+        if said is not None:
+            raise said from None
+        raise redis.ConnectionError(f"Error writing to {name}: {exc}") from None
+
+
 def _bulk(arg: bytes) -> bytes:
     return b"$%d\r\n%s\r\n" % (len(arg), arg)
 
@@ -126,13 +175,13 @@ class _Reply:
         del self.buf[:end + 2]
         return line
 
-    def simple(self) -> bytes | int | None:
+    def simple(self) -> bytes | int | Exception | None:
         """One reply that is not a bulk string: `+text` (bytes), `:n` (int), nil (None); an error
         reply is returned as its redis-py exception (`ResponseError` and subclasses)."""
         line = self.line()
         kind, text = line[:1], line[1:]
         if kind == b"-":
-            return BaseParser.parse_error(text.decode("utf-8", "replace"))
+            return server_error(text.decode("utf-8", "replace"))
         if kind == b"+":
             return text
         if kind == b":" and text.lstrip(b"-").isdigit():
@@ -172,7 +221,7 @@ def _read_bulk_into(reply: _Reply, out: memoryview, tail: int) -> tuple[tuple[in
     if kind == b"-":
         if reply.buf:
             raise redis.ConnectionError("GET reply: bytes after an error reply")
-        raise BaseParser.parse_error(text.decode("utf-8", "replace"))
+        raise server_error(text.decode("utf-8", "replace"))
     if kind not in (b"$", b"_") or (kind == b"$" and not text.lstrip(b"-").isdigit()):
         raise redis.ConnectionError(f"GET reply: unexpected {line[:32]!r}")
     length = -1 if kind == b"_" else int(text)
@@ -224,9 +273,9 @@ class NodeClient:
             _DEADLINE.at = None
         try:
             conn._sock.settimeout(time_left(deadline, f"send to {self.name}"))
-            conn.send_packed_command(packed, check_health=False)
+            _send_all(conn, packed, self.name)
         except BaseException:
-            conn.disconnect()  # send_packed_command already closed it on socket errors
+            conn.disconnect()
             pool.release(conn)
             raise
         return conn
@@ -304,6 +353,17 @@ class NodeClient:
         """Drop a sent probe without reading it (its connection is closed, never reused)."""
         pending.conn.disconnect()
         self._probe.release(pending.conn)
+
+    def ask(self, commands: Sequence[Sequence[bytes]], deadline: float | None = None) -> list[Any]:
+        """Send `commands` (each a command's arguments) in one write on a probe connection and read
+        their replies by `deadline`, each as `_Reply.simple` reads it: status (bytes), integer, nil
+        (None), or an error reply as its redis-py exception, returned, not raised. Only for commands
+        answered so: a bulk string or an array reply raises `redis.ConnectionError`."""
+        deadline = time.monotonic() + self.timeout_s if deadline is None else deadline
+        packed = b"".join(b"*%d\r\n" % len(args) + b"".join(map(_bulk, args)) for args in commands)
+        conn = self._send(self._probe, [packed], deadline)
+        return self._receive(self._probe, conn, deadline,
+                             lambda reply: ([reply.simple() for _ in commands], not reply.buf))
 
     def ping(self, deadline: float | None = None) -> None:
         self._exchange(self._probe, [b"*1\r\n$4\r\nPING\r\n"], deadline, lambda reply: (reply.simple(), not reply.buf))

@@ -24,10 +24,11 @@ import logging
 import threading
 from collections.abc import Sequence
 
+import redis
 from redis.cluster import ClusterNode, NodesManager, cleanup_kwargs
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from kvtier.tiers.remote.errors import RemoteUnavailable
+from kvtier.tiers.remote.errors import RemoteUnavailable, authentication_problem
 from kvtier.tiers.remote.nodes import NodeClient, connection_kwargs
 from kvtier.tiers.remote.options import ClientOptions
 from kvtier.tiers.remote.url import Endpoint, ParsedUrl
@@ -143,11 +144,23 @@ class Topology:
                     client.initialize()
                 self._load_slots(client)
             except Exception as exc:  # noqa: BLE001 - redis-py raises several unrelated types here
-                error = exc if isinstance(exc, RemoteUnavailable) else \
-                    RemoteUnavailable(f"cluster slot map: {type(exc).__name__}: {exc}")
+                error = exc if isinstance(exc, RemoteUnavailable) else self._unavailable(exc)
                 self._failed(str(error))
                 raise error from exc
             self._loaded()
+
+    def _unavailable(self, exc: Exception) -> RemoteUnavailable:
+        """The `RemoteUnavailable` of a reload that failed with `exc` (redis-py's, its last seed's
+        error as its cause): a refused authentication says what is wrong and how to fix it
+        (`authentication_problem`, cause `AuthenticationError`), as does a seed not in cluster mode."""
+        cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+        if isinstance(cause, redis.AuthenticationError):
+            problem = authentication_problem(str(cause), self._options.password is not None)
+            return RemoteUnavailable(f"cluster slot map: {problem}", "AuthenticationError")
+        if "Cluster mode is not enabled" in str(exc):
+            return RemoteUnavailable(f"cluster slot map: {type(exc).__name__}: {exc} (a cluster:// url names nodes of "
+                                     f"a cluster; for one server use redis:// or rediss://)", "NotCluster")
+        return RemoteUnavailable(f"cluster slot map: {type(exc).__name__}: {exc}")
 
     def moved(self, slot: int, host: str, port: int) -> None:
         """A server answered MOVED: `slot`'s master is now `host:port`. Applied to the table at once
