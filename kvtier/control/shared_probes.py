@@ -186,14 +186,17 @@ class SharedTierProbes:
     def wait_probes(self, deadline: float | None) -> None:
         """Block until the probes in flight answered (or their own deadlines, or `deadline`, a
         `monotonic()` value, passed) and take their answers: the blocks found are then queued for
-        promotion. For `wait_idle` (tests, the standalone API); the scheduler never waits."""
+        promotion. For `wait_idle` (tests, the standalone API); the scheduler never waits.
+        A probe whose answer was taken is not waited for: its batch stays queued only for `step`
+        to expire (until the store's timeout after it was sent), and waiting on it would hold
+        every wait of that span (each RETRY round of a load) to that deadline."""
         pause = 0.0005
-        while self._batches and not self.backend.has_probe_results:
-            until = self._batches[-1][0] if deadline is None else min(deadline, self._batches[-1][0])
-            if monotonic() >= until:
-                break
-            sleep(pause)
-            pause = min(pause * 2, 0.01)
+        if self.probing:  # (keys still waiting for an answer: not changed by the loop below)
+            latest = max(self.probing.values())
+            until = latest if deadline is None else min(deadline, latest)
+            while not self.backend.has_probe_results and monotonic() < until:
+                sleep(pause)
+                pause = min(pause * 2, 0.01)
         self._absorb()
 
     def _absorb(self) -> None:
