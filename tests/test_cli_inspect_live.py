@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import http.server
 import json
+import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -17,6 +19,7 @@ from kvtier import load_config_text
 from kvtier.cli import inspect_live
 from kvtier.cli.inspect_live import live_report
 from kvtier.cli.main import main
+from kvtier.core.errors import KVTierError
 from kvtier.standalone import KVTier
 
 TWO_TIERS = load_config_text("tiers:\n  - {name: cpu, backend: cpu, capacity: 16 blocks, pin: false}\n"
@@ -135,3 +138,84 @@ def test_a_page_larger_than_any_metrics_page_is_refused(serve, capsys, monkeypat
     url = serve(b'kvtier_tier_resident_blocks{tier="cpu"} 1.0\n' * 4)
     assert main(["inspect", "--metrics", url]) == 2
     assert "served more than" in capsys.readouterr().err
+
+
+@pytest.fixture
+def raw() -> Iterator:
+    """`raw(answer)`: the URL of a local TCP server that reads a request, then calls
+    `answer(send)` (`send(bytes)`; an OSError ends the answer) and closes the connection."""
+    listeners = []
+
+    def start(answer) -> str:
+        listener = socket.create_server(("127.0.0.1", 0))
+        listeners.append(listener)
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = listener.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(4096)
+                    try:
+                        answer(conn.sendall)
+                    except OSError:
+                        pass
+
+        threading.Thread(target=serve, daemon=True).start()
+        return f"http://127.0.0.1:{listener.getsockname()[1]}/metrics"
+
+    yield start
+    for listener in listeners:
+        listener.close()
+
+
+def _trickle(prefix: bytes):
+    """An answer sending `prefix`, then one byte every 0.1 s for 20 s (no single read times out)."""
+    def answer(send) -> None:
+        send(prefix)
+        for _ in range(200):
+            send(b"#")
+            time.sleep(0.1)
+    return answer
+
+
+@pytest.mark.parametrize("prefix", [b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n", b"HTTP/1.1 200 OK\r\nX-A: "],
+                         ids=["body", "headers"])
+def test_a_page_sent_byte_by_byte_is_given_up_at_the_deadline(raw, prefix):
+    """Before: urllib's timeout bounds each read, not the request, and the command never returned."""
+    url = raw(_trickle(prefix))
+    began = time.monotonic()
+    with pytest.raises(KVTierError, match=r"did not send its whole page within 1 s"):
+        inspect_live.read_metrics(url, timeout=1.0)
+    assert time.monotonic() - began < 5
+
+
+@pytest.mark.parametrize(("answer", "says"), [
+    (b"SSH-2.0-OpenSSH_9.6\r\n", "did not answer in HTTP: BadStatusLine"),
+    (b"HTTP/1.1 200 OK\r\n" + b"X-A: b\r\n" * 101 + b"\r\n", "did not answer in HTTP"),
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n", "did not answer in HTTP: IncompleteRead"),
+    (b'HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\nkvtier_tier_resident_blocks{tier="cpu"} 3\n',
+     "closed the connection 958 bytes short of its Content-Length (42 received)"),
+], ids=["not-http", "headers", "chunk", "short"])
+def test_an_answer_that_is_not_a_whole_http_page_exits_2_and_says_why(raw, capsys, answer, says):
+    """Before: a traceback and exit 1 for the first three; the page cut short was shown (exit 0)."""
+    url = raw(lambda send: send(answer))
+    assert main(["inspect", "--metrics", url]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_samples_that_are_not_finite_are_left_out_and_the_json_is_strict(serve, tmp_path, capsys):
+    """Before: `NaN` and `Infinity` were printed and written, which no strict JSON parser reads."""
+    url = serve(b'kvtier_tier_resident_blocks{tier="cpu"} NaN\nkvtier_tier_capacity_blocks{tier="cpu"} +Inf\n'
+                b'kvtier_tier_retained_blocks{tier="cpu"} 2\n')
+    path = tmp_path / "live.json"
+    assert main(["inspect", "--metrics", url, "--json", str(path)]) == 0
+
+    def refuse(constant: str) -> None:
+        raise ValueError(f"non-JSON constant {constant}")
+
+    report = json.loads(path.read_text(), parse_constant=refuse)
+    assert report["tiers"] == {"cpu": {"retained_blocks": 2.0}}
+    assert "nan" not in capsys.readouterr().out

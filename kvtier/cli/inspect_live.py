@@ -11,7 +11,10 @@ metrics.
 
 from __future__ import annotations
 
+import http.client
+import math
 import re
+import threading
 import urllib.error
 import urllib.request
 from typing import Any
@@ -28,22 +31,44 @@ _RETENTION = re.compile(r"^(?:vllm:kvtier_retention_|kvtier_retention_)([a-z_]+?
 
 
 def read_metrics(url: str, timeout: float = 10.0) -> str:
-    """The text `url` serves (http or https; at most `MAX_BYTES`); a `KVTierError` naming
-    `--metrics` and the reason when it cannot be read."""
+    """The text `url` serves (http or https; at most `MAX_BYTES`), read within `timeout` seconds in
+    all (a server that sends its headers or body byte by byte included); a `KVTierError` naming
+    `--metrics` and the reason when it cannot be read: an error status, no HTTP, a page cut short
+    of its Content-Length, too large, or not all there in time."""
     if not re.match(r"^https?://[^/\s]+", url):
         raise KVTierError(f"--metrics: {url!r} is no http(s) URL; give the endpoint, e.g. "
                           "http://127.0.0.1:9400/metrics (KVTier.open(metrics_port=)) or vLLM's http://HOST:8000/metrics")
+    outcome: list[bytes | KVTierError] = []
+    reader = threading.Thread(target=lambda: outcome.append(_fetch(url, timeout)), daemon=True,
+                              name="kvtier-inspect-metrics")
+    reader.start()
+    reader.join(timeout)
+    if not outcome:  # (the reader is left behind: this command ends soon after)
+        raise KVTierError(f"--metrics: {url} did not send its whole page within {timeout:g} s")
+    if isinstance(outcome[0], KVTierError):
+        raise outcome[0]
+    return outcome[0].decode("utf-8", errors="replace")
+
+
+def _fetch(url: str, timeout: float) -> bytes | KVTierError:
+    """`read_metrics`'s request, without its overall deadline: the body, or the error to raise."""
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             body = response.read(MAX_BYTES + 1)
+            missing = response.length  # (bytes of a declared Content-Length not received: a read stops at EOF)
     except urllib.error.HTTPError as exc:
-        raise KVTierError(f"--metrics: {url} answered HTTP {exc.code} ({exc.reason})") from None
+        return KVTierError(f"--metrics: {url} answered HTTP {exc.code} ({exc.reason})")
+    except http.client.HTTPException as exc:  # (not HTTP, headers too long or too many, a chunk cut short)
+        return KVTierError(f"--metrics: {url} did not answer in HTTP: {type(exc).__name__}: {exc!s:.200}")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
-        raise KVTierError(f"--metrics: cannot read {url}: {reason}") from None
+        return KVTierError(f"--metrics: cannot read {url}: {reason}")
     if len(body) > MAX_BYTES:
-        raise KVTierError(f"--metrics: {url} served more than {MAX_BYTES >> 20} MiB: no metrics page")
-    return body.decode("utf-8", errors="replace")
+        return KVTierError(f"--metrics: {url} served more than {MAX_BYTES >> 20} MiB: no metrics page")
+    if missing:
+        return KVTierError(f"--metrics: {url} closed the connection {missing} bytes short of its Content-Length "
+                           f"({len(body)} received): the page is incomplete")
+    return body
 
 
 def live_report(text: str) -> dict[str, Any]:
@@ -60,6 +85,8 @@ def live_report(text: str) -> dict[str, Any]:
         try:
             value = float(value_text)
         except ValueError:
+            continue
+        if not math.isfinite(value):  # (NaN, +Inf: no count of blocks; JSON has no spelling for them)
             continue
         labels = dict(_LABEL.findall(labels_text or ""))
         engine = labels.get("engine", "")
