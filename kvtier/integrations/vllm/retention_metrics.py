@@ -21,6 +21,7 @@ RETENTION_COUNTERS: dict[str, str] = {
 RETENTION_GAUGES: dict[str, str] = {
     "sessions": "Sessions with a retention now.",
     "retained_blocks": "Blocks kept by the sessions' retentions now.",
+    "budget_blocks": "The most blocks the retentions may keep (a share of the first tier).",
 }
 
 
