@@ -5,11 +5,12 @@ blocks (`BlockTable.pin_loads`); the destination tier took the copies being writ
 (`kvtier.control.tier.enter_copies`). When the router reports the job, `finish(result)` releases the
 source pins (`Tier.release_loads`), makes the blocks the job delivered readable (`mark_written`)
 and removes those that failed (one outcome: `TransferResult.failed_positions`, counted once, a
-block that failed its read condemned in the tier it came from), then lets the job type do its
-own bookkeeping (`landed`, `failed`, `ended`). No block object is kept: jobs work on keys and
-slot ids through the tier's `BlockTable`. `Demotion`, the cascade's copy down, is here: the
-cascade drains the table while it decides, and the jobs it finishes then must not call back
-into it.
+block that failed its read condemned in the tier it came from) and those the destination did not
+take although the job succeeded (`not_taken`: a shared tier's unsent writes; never reported
+stored), then lets the job type do its own bookkeeping (`landed`, `failed`, `ended`). No block
+object is kept: jobs work on keys and slot ids through the tier's `BlockTable`. `Demotion`, the
+cascade's copy down, is here: the cascade drains the table while it decides, and the jobs it
+finishes then must not call back into it.
 """
 
 from __future__ import annotations
@@ -69,9 +70,11 @@ class Job:
 
     def finish(self, result: TransferResult) -> None:
         """Account for the router's report of this job (called once). The blocks it delivered
-        become readable in `dst`; those that failed (`TransferResult.failed_positions`) are
-        removed there and counted once, in `src` when the job read them (`reads_fail`: they are
-        condemned there, never served again) or else in `dst`."""
+        become readable in `dst` (counted in `stores`, one `stored` event); those that failed
+        (`TransferResult.failed_positions`) are removed there and counted once, in `src` when the
+        job read them (`reads_fail`: they are condemned there, never served again) or else in `dst`;
+        those the job reported delivered but `dst` did not take after all (`not_taken`) are removed
+        there without an event: `dst` never held them, so no event says it did."""
         src, dst, keys = self.src, self.dst, self.keys
         failed_at = result.failed_positions(len(keys))
         bad = [keys[p] for p in failed_at]
@@ -80,13 +83,21 @@ class Job:
         elif bad:
             dst.stats.failures += len(bad)
         self.events.record(src, src.release_loads(keys), removed=True)
-        if bad:
-            dst.remove(bad, WRITING, [self.dst_ids[p] for p in failed_at])
-            good = [p for p in range(len(keys)) if p not in set(failed_at)]
+        failed = set(failed_at)
+        delivered = [k for p, k in enumerate(keys) if p not in failed] if failed else keys
+        if delivered:  # (asked before any becomes readable: a block not taken is never reported stored)
+            not_taken = set(self.not_taken(delivered))
+            if not_taken:
+                failed.update(p for p, k in enumerate(keys) if k in not_taken)
+        if failed:
+            gone = sorted(failed)
+            dst.remove([keys[p] for p in gone], WRITING, [self.dst_ids[p] for p in gone])
+            good = [p for p in range(len(keys)) if p not in failed]
             self._settle([keys[p] for p in good], [self.dst_ids[p] for p in good], result)
-            self.failed(bad)
         else:
             self._settle(keys, self.dst_ids, result)
+        if bad:
+            self.failed(bad)
         self.ended()
 
     def _settle(self, keys: list[OffloadKey], dst_ids: list[int], result: TransferResult) -> None:
@@ -105,6 +116,13 @@ class Job:
         dst.stats.stores += len(keys)
         self.events.record(dst, keys, removed=False)
         self.landed(keys)
+
+    def not_taken(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """Of `keys`, the blocks the router reported delivered, those `dst` did not take after all
+        (a shared tier's writes left unsent: `Publish`); none by default. Called at most once per
+        job, before any block of it becomes readable; they are then removed from `dst` (being
+        written there: never readable, no event, not counted as stores). A job type counts them here."""
+        return []
 
     def landed(self, keys: list[OffloadKey]) -> None:
         """Bookkeeping of the job type after its blocks `keys` became readable in `dst`."""

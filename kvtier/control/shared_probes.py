@@ -70,18 +70,22 @@ class Publish(Job):
         self.shared = shared
         self.nbytes = len(keys) * shared.backend.block_bytes
 
+    def not_taken(self, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """The keys whose writes were left unsent (writes paused or failed: server full, down, slow,
+        past the job's deadline), counted in `publish_dropped`: `Job.finish` drops their handles
+        before any is readable, so they are never counted as stores nor reported stored."""
+        unsent = cast("list[OffloadKey]", self.shared.backend.take_unsent(keys))
+        self.dst.stats.publish_dropped += len(unsent)
+        return unsent
+
     def landed(self, keys: list[OffloadKey]) -> None:
-        shared, dst = self.shared, self.dst
-        unsent = shared.backend.take_unsent(keys)
-        if unsent:  # writes paused or failed (server full, down): those handles go
-            dst.remove(cast("list[OffloadKey]", unsent))
-            self.events.record(dst, unsent, removed=True)
-            dst.stats.stores -= len(unsent)
-            dst.stats.publish_dropped += len(unsent)
-        absent = shared.absent
-        if absent:
+        absent = self.shared.absent
+        if absent:  # (written: the server has them now)
             for key in keys:
                 absent.pop(key, None)
+
+    def failed(self, keys: list[OffloadKey]) -> None:
+        self.shared.backend.take_unsent(keys)  # (forget any left unsent: a later job of them starts afresh)
 
     def ended(self) -> None:
         self.shared.inflight_bytes -= self.nbytes
