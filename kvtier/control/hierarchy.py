@@ -22,6 +22,7 @@ from kvtier.control.manager import SHUTDOWN_TIMEOUT_S, HierarchyManager, Tier
 from kvtier.core.errors import ArgumentError, ConfigError
 from kvtier.core.identity import tier_identity
 from kvtier.core.limits import MAX_IDENTITY_BYTES, identity_problem, tier_blocks_problem
+from kvtier.core.quoting import clip
 from kvtier.policies.base import CachePolicy, predicts_victims, with_key_index
 from kvtier.tiers.base import Backend
 from kvtier.tiers.memory import SlotBackend
@@ -171,7 +172,12 @@ def _build_tier(i: int, config: HierarchyConfig, n: int, block_bytes: int, dry_r
     assert tier_cfg.policy is not None, "HierarchyConfig fills in every tier's policy"
     policy_cls = registry.load_class(registry.POLICY, tier_cfg.policy, f"tiers[{i}].policy")
     _check_capacity(i, tier_cfg, n, cls, policy_cls, 0 if dry_run else block_bytes)
-    policy = with_key_index(policy_cls(n))
+    try:
+        built = policy_cls(n)
+    except Exception as exc:  # whatever the class's own __init__ raises
+        raise ConfigError([(f"tiers[{i}].policy", f"policy {tier_cfg.policy!r}: {policy_cls.__qualname__}({n}) "
+                                                  f"raised {type(exc).__name__}: {clip(str(exc))}")]) from exc
+    policy = with_key_index(built)
     if tier_cfg.cascade == "on_evict" and i + 1 < len(config.tiers) and not predicts_victims(policy):
         raise ConfigError([on_evict_problem(i, tier_cfg.policy)])
     if dry_run:

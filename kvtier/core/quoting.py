@@ -39,8 +39,12 @@ def clip(text: str, limit: int = 200) -> str:
 
 
 def suggest(value: Any, options) -> str:
-    """" (did you mean 'x'?)" for the option closest to a short string `value`, else ""."""
+    """" (did you mean 'x'?)" for the option closest to a short string `value`, else "";
+    compared case-insensitively (`LRU` suggests 'lru'), the option named as it is spelled."""
     if not isinstance(value, str) or len(value) > 64:
         return ""
-    close = difflib.get_close_matches(value, list(options), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    folded: dict[str, Any] = {}
+    for option in options:
+        folded.setdefault(str(option).casefold(), option)
+    close = difflib.get_close_matches(value.casefold(), list(folded), n=1)
+    return f" (did you mean {folded[close[0]]!r}?)" if close else ""

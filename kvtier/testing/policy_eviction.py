@@ -171,7 +171,12 @@ class EvictionTests(RandomOperations):
         policy.touch([key(6), key(7), key(0)])
         predicted = policy.victims(8)
         got = []
-        while (victims := policy.evict(1, set())) is not None:
+        for _ in range(len(policy) + 1):  # bounded: a policy whose evict never refuses must fail, not hang
+            if (victims := policy.evict(1, set())) is None:
+                break
             got.append(victims[0][0])
+        else:
+            pytest.fail(f"{contract.EVICT_REFUSED}: evict(1) still gave blocks after {len(got)} calls on 8 "
+                        f"evictable blocks, predicted {predicted}")
         assert got == predicted, f"{contract.CANDIDATES_ORDER}: evict(1) repeatedly gave {got}, predicted {predicted}"
         assert len(policy) == 0, f"{contract.EVICT_EXACT}: evict(1) refused with {len(policy)} evictable blocks"

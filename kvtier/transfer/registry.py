@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import importlib.machinery
 import importlib.util
+import inspect
 import re
 import sys
 from dataclasses import dataclass
@@ -318,12 +319,58 @@ def load_class(kind: Kind, name: str, field: str) -> type:
         alternative = f" nor has the methods {', '.join(kind.seed_methods)}" if kind.seed_methods else ""
         raise ConfigError([(field, f"{kind.word} {brief(name)} names class {obj.__qualname__}, which does not derive "
                                    f"from {kind.base}{alternative}")])
+    if kind is POLICY:
+        problem = policy_class_problem(obj)
+        if problem:
+            raise ConfigError([(field, f"policy {brief(name)}: {problem}")])
     if kind is BACKEND:
         try:
             enter_kind(obj)
         except KVTierError as exc:
             raise ConfigError([(field, f"backend {brief(name)}: {exc}")]) from None
     return obj
+
+
+# vLLM's own policies, by class name -> the kvtier built-in that makes the same choices
+_VLLM_EQUIVALENTS = {"LRUCachePolicy": "lru", "ARCCachePolicy": "arc"}
+
+
+def policy_class_problem(cls: type) -> str | None:
+    """Why the policy class `cls` cannot be built as `cls(capacity)` and driven by a tier; None if
+    nothing is known against it. Refused: vLLM's own `CachePolicy` classes (their contract differs:
+    `touch(keys, req_context)`, and they evict only what `mark_evictable` released, which kvtier
+    never calls), abstract classes, and an `__init__` that cannot take one positional capacity (a
+    class without an inspectable signature is not judged)."""
+    if _is_vllm_policy(cls):
+        same = _VLLM_EQUIVALENTS.get(cls.__name__)
+        use = f"kvtier's built-in {same!r}, which makes the same choices" if same else "kvtier's 'lru' or 'arc'"
+        return (f"vLLM's CachePolicy classes use a different contract (touch with a req_context; evict only "
+                f"after mark_evictable, never called here): this tier would never evict; use {use}")
+    missing = sorted(getattr(cls, "__abstractmethods__", ()) or ())
+    if missing:
+        return f"{cls.__qualname__} is abstract: it does not implement {', '.join(missing)}"
+    try:
+        signature = inspect.signature(cls)
+    except (TypeError, ValueError):  # a class without an inspectable signature is not judged
+        return None
+    try:
+        signature.bind(1)
+    except TypeError as exc:
+        return (f"{cls.__qualname__} cannot be built as {cls.__qualname__}(capacity): its signature is "
+                f"{clip(str(signature), 80)}, {exc}")
+    return None
+
+
+def _is_vllm_policy(cls: type) -> bool:
+    """Whether `cls` follows vLLM's own CachePolicy contract: a subclass of vLLM's base (looked up
+    only where a class has already imported it: vllm is never imported here), or a class with
+    vLLM's `mark_evictable` that is not a kvtier policy and lacks kvtier's `evictable` notice."""
+    vllm_base = getattr(sys.modules.get("vllm.v1.kv_offload.cpu.policies.base"), "CachePolicy", None)
+    if isinstance(vllm_base, type) and issubclass(cls, vllm_base):
+        return True
+    kvtier_base = load_object(POLICY.base)
+    return (not issubclass(cls, kvtier_base) and callable(getattr(cls, "mark_evictable", None))
+            and not callable(getattr(cls, "evictable", None)))
 
 
 def _has_methods(cls: type, names: tuple[str, ...]) -> bool:
