@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from itertools import repeat
 from typing import Any
 
+from kvtier.core.errors import PolicyError
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import DEFAULT_CASCADE, DEFAULT_RESERVE, BlockStatus
 from kvtier.index import BlockTable, table_of
@@ -178,7 +179,10 @@ class Tier:
         tier that cascades, the evicted blocks' copies below become as recent there as a copy
         made now, in eviction order, so the tier below drops them after the copies of blocks
         still held above, and a chain's deep end before its head."""
-        got = self.table.evict_ids(need, protected)  # (keys and slot ids: no block objects)
+        try:
+            got = self.table.evict_ids(need, protected)  # (keys and slot ids: no block objects)
+        except PolicyError as exc:  # (a user's policy broke its contract: the table freed nothing)
+            raise PolicyError(f"tiers[{self.index}] ({self.name}): {exc}") from None
         if got is None:
             return None
         evicted, ids = got

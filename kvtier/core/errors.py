@@ -63,3 +63,11 @@ class WaitTimeout(KVTierError, TimeoutError):
     def __init__(self, message: str, jobs: list[str]):
         super().__init__(message)
         self.jobs = jobs
+
+
+class PolicyError(KVTierError, RuntimeError):
+    """A tier's policy (a user's `package.module:Class`) broke its contract (`CachePolicy`): its
+    `evict(n, protected)` did not name exactly `n` distinct resident blocks that may be evicted.
+    The message names the tier, the policy's class and what was wrong. The block table frees
+    nothing and puts back in the policy the blocks it dropped, so the call that needed the room
+    (a store, a copy between tiers) fails with this error and nothing is lost or served wrong."""

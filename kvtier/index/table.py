@@ -25,9 +25,11 @@ held; a new set), for checks rather than the request path.
 
 from __future__ import annotations
 
+import reprlib
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Protocol, cast
 
+from kvtier.core.errors import PolicyError
 from kvtier.core.keys import OffloadKey
 from kvtier.core.types import BlockStatus
 from kvtier.index.pure import PureTable
@@ -97,15 +99,21 @@ class BlockTable(Protocol):
 
 class PolicyTable(StatusCalls):
     """The `BlockTable` over a policy written to vLLM's contract, whose blocks are its own
-    `BlockStatus` objects (`get`). It counts the blocks that are not evictable (being written or
+    `BlockStatus` objects (`get`): a user's policy (kvtier's own are composed with a table of
+    their own, `table_of`). It counts the blocks that are not evictable (being written or
     pinned) and tells the policy of each change (`CachePolicy.evictable`); the first notice, sent
-    here, starts the policy's accounting."""
+    here, starts the policy's accounting.
+
+    It does not trust the policy's `evict`: it records which block each resident key has
+    (`_blocks`) and checks every answer before a slot is freed (`evict_ids`)."""
 
     def __init__(self, policy: Any) -> None:
         self.policy = policy
         self.get = policy.get  # type: ignore[method-assign]  # hot path: the policy's own lookup
         get = policy.get
-        self._pinned: set[OffloadKey] = {k for k in policy.keys() if (b := get(k)) is not None and b.ref_cnt != 0}
+        # key -> the block the table gave the policy (its slot; `ref_cnt` too unless `returns_views`)
+        self._blocks: dict[OffloadKey, BlockStatus] = {k: b for k in policy.keys() if (b := get(k)) is not None}
+        self._pinned: set[OffloadKey] = {k for k, b in self._blocks.items() if b.ref_cnt != 0}
         self._held: set[OffloadKey] = set()  # `hold`: pinned whatever their ref_cnt
         self._notice = getattr(policy, "evictable", _ignore)
         self._notice((), False)
@@ -147,22 +155,113 @@ class PolicyTable(StatusCalls):
         self._notice(keys, True)
 
     def _insert(self, keys: Sequence[OffloadKey], blocks: list[BlockStatus], tail: OffloadKey | None) -> None:
-        self.policy.insert_many(keys, blocks, tail=tail)
+        try:
+            self.policy.insert_many(keys, blocks, tail=tail)
+        except BaseException:  # (the keys it did take are resident: the caller forgets them)
+            get = self.policy.get
+            self._blocks.update((k, b) for k, b in zip(keys, blocks) if get(k) is not None)
+            raise
+        self._blocks.update(zip(keys, blocks))
 
     def forget(self, keys: Iterable[OffloadKey]) -> None:
         keys = list(keys)
         self._held.difference_update(keys)
         self._unpin(keys)  # (leaving, it is not counted as pinned any more)
+        pop = self._blocks.pop
         for key in keys:
             self.policy.remove(key)
+            pop(key, None)
 
     def evict_ids(self, n: int, protected: set[OffloadKey]) -> tuple[list[OffloadKey], list[int]] | None:
+        """`BlockTable.evict_ids`, the policy's answer checked before anything is freed: None, or
+        a list of exactly `n` `(key, block)` pairs naming distinct resident keys with the blocks
+        the table gave them, none pinned, held or in `protected`, each removed from the policy,
+        which removed nothing else. A wrong answer frees nothing: the blocks the policy dropped
+        are inserted in it again (pinned ones with a notice, `evictable(keys, False)`) and
+        `PolicyError` names the tier, the policy's class and what was wrong; the call that needed
+        the room fails with it, as no fallback could trust the policy's order."""
         if n > 0 and self._refuses(n, protected):
             return None
-        victims = self.policy.evict(n, self._held.union(protected) if self._held else protected)
+        if self._held:
+            protected = self._held.union(protected)
+        victims = self.policy.evict(n, protected)
+        problem = self._wrong_answer(victims, n, protected)
+        if problem:
+            raise self._refused(f"evict({n}) {problem}")
         if victims is None:
             return None
+        pop = self._blocks.pop
+        for key, _ in victims:
+            pop(key)
         return [key for key, _ in victims], [block.block_id for _, block in victims]
+
+    def _wrong_answer(self, victims: Any, n: int, protected: Collection[OffloadKey]) -> str:
+        """What is wrong with `victims`, the policy's answer to `evict(n, protected)` ("" if nothing)."""
+        if victims is None:
+            gone = len(self._blocks) - len(self.policy)
+            return f"returned None (no room) but removed {gone} block(s)" if gone else ""
+        if not isinstance(victims, (list, tuple)):
+            return f"returned {_brief(victims)}, not a list of (key, block) pairs"
+        if len(victims) != n:
+            return f"returned {len(victims)} block(s), not {n}"
+        named: set[OffloadKey] = set()
+        for i, victim in enumerate(victims):
+            problem = self._wrong_victim(victim, named, protected)
+            if problem:
+                return f"{problem} (victim [{i}])"
+            named.add(victim[0])
+        left = len(self.policy)
+        if left != len(self._blocks) - n:
+            return f"named {n} block(s) but {len(self._blocks) - left} left it"
+        return ""
+
+    def _wrong_victim(self, victim: Any, named: set[OffloadKey], protected: Collection[OffloadKey]) -> str:
+        """What is wrong with one pair of an `evict` answer ("" if nothing); `named`: the keys before it."""
+        if not isinstance(victim, tuple) or len(victim) != 2:
+            return f"returned {_brief(victim)}, not a (key, block) pair"
+        key, block = victim
+        mine = self._blocks.get(OffloadKey(key)) if isinstance(key, bytes) else None
+        if mine is None:
+            return f"named key {_key(key)}, which is not resident"
+        if key in named:
+            return f"named key {_key(key)} twice"
+        if getattr(block, "block_id", None) != mine.block_id:
+            return f"named key {_key(key)} with {_brief(block)}, but its block is in slot {mine.block_id}"
+        if key in self._pinned:
+            return f"named key {_key(key)}, which is pinned (being written, read or held)"
+        if key in protected:
+            return f"named key {_key(key)}, which is protected"
+        if self.policy.get(key) is not None:
+            return f"named key {_key(key)} but still holds it"
+        return ""
+
+    def _refused(self, problem: str) -> PolicyError:
+        """The error for a wrong `evict` answer (`problem`), once the blocks the policy dropped
+        are back in it (`_restore`); the tier adds its own name (`Tier.evict`)."""
+        text = f"policy {_policy_name(self.policy)}.{problem}; a policy must return None or " \
+               "exactly n distinct (key, block) pairs of resident, unpinned blocks not in protected, removed from it"
+        try:
+            self._restore()
+        except Exception as exc:  # (a policy that also fails to take its blocks back)
+            text += f" (putting its blocks back failed too: {type(exc).__name__}: {_brief(str(exc))})"
+        return PolicyError(text)
+
+    def _restore(self) -> None:
+        """Insert again in the policy each block of the table it no longer holds, as it was: the
+        same `BlockStatus` (readable again when not pinned, for a policy that `returns_views`),
+        and a notice (`evictable(keys, False)`) for the pinned ones. O(resident), after an error only."""
+        get = self.policy.get
+        lost = [(key, block) for key, block in self._blocks.items() if get(key) is None]
+        if not lost:
+            return
+        pinned = [key for key, _ in lost if key in self._pinned]
+        if getattr(self.policy, "returns_views", False):
+            for key, block in lost:
+                if key not in self._pinned:
+                    block.ref_cnt = 0
+        self.policy.insert_many([key for key, _ in lost], [block for _, block in lost], tail=None)
+        if pinned:
+            self._notice(pinned, False)
 
     def _refuses(self, n: int, protected: Collection[OffloadKey]) -> bool:
         """Whether the count proves `evict_ids(n, protected)` must refuse (O(1) unless close)."""
@@ -182,6 +281,28 @@ class PolicyTable(StatusCalls):
 
     def __repr__(self) -> str:
         return f"PolicyTable({self.policy!r})"
+
+
+def _brief(value: Any) -> str:
+    """`repr(value)`, shortened, for an error message (a broken `__repr__` gives the type)."""
+    try:
+        return reprlib.repr(value)
+    except Exception:
+        return f"<{type(value).__name__}>"
+
+
+def _key(key: Any) -> str:
+    """A key in an error message: its bytes in hex."""
+    return key.hex() if isinstance(key, bytes) and len(key) <= 64 else _brief(key)
+
+
+def _policy_name(policy: Any) -> str:
+    """`module:Class` of the policy a user named (the one a `kvtier.policies.base.KeyIndex` wraps:
+    named here, not imported, as the block table sits below the policies)."""
+    cls = type(policy)
+    if (cls.__module__, cls.__qualname__) == ("kvtier.policies.base", "KeyIndex"):
+        cls = type(policy.policy)
+    return f"{cls.__module__}:{cls.__qualname__}"
 
 
 def _ignore(keys: Iterable[OffloadKey], flag: bool) -> None:

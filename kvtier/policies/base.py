@@ -228,8 +228,14 @@ class KeyIndex(CachePolicy):
         if self._refuses(n, protected):
             return None
         victims = self.policy.evict(n, protected)
-        for key, _block in victims or ():
-            self._resident.pop(key, None)
+        if isinstance(victims, (list, tuple)):
+            # (only the keys the wrapped policy let go: the block table checks the answer and
+            # puts back what a wrong one dropped, kvtier.index.PolicyTable.evict_ids)
+            get, resident = self.policy.get, self._resident
+            for victim in victims:
+                key = victim[0] if isinstance(victim, tuple) and len(victim) == 2 else None
+                if isinstance(key, bytes) and key in resident and get(key) is None:
+                    del resident[OffloadKey(key)]
         return victims
 
     def victims(self, n: int, skip: Collection[OffloadKey] = ()) -> list[OffloadKey]:
