@@ -15,6 +15,7 @@ Both offer one small API: `store`, `load` (the bytes of every block it loads are
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from collections.abc import Iterator
@@ -132,7 +133,9 @@ class SharedFront(StandaloneFront):
         self.owner = HostOwner(socket, lease_grace_s=0.0)
         config = parse_config({**tiers_config(self.root), "shared": {"socket": socket, "timeout_ms": 10_000}})
         kv = CanonicalKVCaches([CanonicalKVCacheTensor(self.engine.kv, PAGE)], [[CanonicalKVCacheRef(0, PAGE)]])
-        tier = KVTier.open(config, kv, model="test/model-frontends")
+        # (the model names the host namespace, hence its CPU region in /dev/shm: one per test process,
+        # so that two runs of this test at once on one machine do not refuse each other's region)
+        tier = KVTier.open(config, kv, model=f"test/model-frontends-{os.getpid()}")
         self.namespace = next(iter(self.owner.namespaces.values()))
         self.namespace.lock.acquire()
         return tier
