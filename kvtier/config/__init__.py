@@ -18,7 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvtier.config.bounded_yaml import load_yaml
-from kvtier.config.checks import check_blocks, check_cascade, check_handlers
+from kvtier.config.checks import check_blocks, check_cascade, check_chain_end, check_handlers
 from kvtier.config.input import brief, plain, read_config_file, suggest
 from kvtier.config.problems import Problems, read_fields
 from kvtier.config.shared import SharedHost, parse_shared
@@ -284,13 +284,12 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
         problems.add("tiers", f"expected a non-empty list of tiers, got {brief(raw_tiers)}")
         raw_tiers = []
     seen_names: dict[str, int] = {}
-    backend_classes = []
+    backend_classes: list[Any] = []  # (these two line up with raw_tiers: None, {} where unknown)
+    read: list[dict[str, Any]] = []
     for i, raw_tier in enumerate(raw_tiers or []):
-        parsed = _parse_tier(i, raw_tier, seen_names, problems, import_code)
-        if parsed is None:
-            continue
-        tier, backend_cls, policy_cls = parsed
+        tier, backend_cls, policy_cls, fields = _parse_tier(i, raw_tier, seen_names, problems, import_code)
         backend_classes.append(backend_cls)
+        read.append(fields)
         if tier is not None:
             tiers.append(tier)
             check_blocks(i, tier, backend_cls, policy_cls, default_policy(i), top.get("block_bytes"), problems)
@@ -301,6 +300,7 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
             if tier.capacity.bytes is not None and tier.capacity.bytes < block_bytes:
                 problems.add(f"tiers[{i}].capacity", f"{tier.capacity} is smaller than one block "
                              f"({format_size(block_bytes)}); give at least {format_size(block_bytes)}")
+    check_chain_end(raw_tiers or [], read, backend_classes, problems)
     if tiers and len(tiers) == len(raw_tiers or []):
         check_handlers(tiers, backend_classes, problems)
     if problems.items:
@@ -310,14 +310,15 @@ def parse_config(raw: Any, source: str = "<dict>", *, import_code: bool = True) 
 
 
 def _parse_tier(i: int, raw_tier: Any, seen_names: dict[str, int], problems: Problems,
-                import_code: bool) -> tuple[TierConfig | None, Any, Any] | None:
-    """`tiers[i]` read into a `TierConfig` (None when a required field is missing), with the
-    classes its backend and policy name (None where unknown); None when it is not a mapping.
-    Records each problem found, and the tier's name in `seen_names`."""
+                import_code: bool) -> tuple[TierConfig | None, Any, Any, dict[str, Any]]:
+    """`tiers[i]` read into a `TierConfig` (None when a required field is missing or it is not a
+    mapping), with the classes its backend and policy name (None where unknown) and its
+    `TIER_FIELDS` read (those valid, defaults filled in; {} when not a mapping). Records each
+    problem found, and the tier's name in `seen_names`."""
     path = f"tiers[{i}]."
     if not isinstance(raw_tier, Mapping):
         problems.add(f"tiers[{i}]", f"expected a mapping with name, backend, capacity; got {brief(raw_tier)}")
-        return None
+        return None, None, None, {}
     backend_cls = None
     backend_name = raw_tier.get("backend")
     unchecked = False  # an external backend, not imported: its options are unknown
@@ -351,7 +352,7 @@ def _parse_tier(i: int, raw_tier: Any, seen_names: dict[str, int], problems: Pro
     tier = None
     if all(k in fields for k in ("name", "backend", "capacity")):
         tier = TierConfig(options=MappingProxyType(options), **fields)
-    return tier, backend_cls, policy_cls
+    return tier, backend_cls, policy_cls, fields
 
 
 def load_config(path: str | Path, *, import_code: bool = True) -> HierarchyConfig:

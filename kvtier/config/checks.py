@@ -4,7 +4,7 @@ stand. Each records what it finds in a `Problems`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config.problems import Problems
 from kvtier.core.limits import tier_blocks_problem
@@ -44,6 +44,36 @@ def check_cascade(i: int, tier: TierConfig, policy_cls, default_policy: str, has
     victims (as the build checks it); a class not imported (None) is not checked."""
     if has_below and tier.cascade == "on_evict" and policy_cls is not None and not class_predicts_victims(policy_cls):
         problems.add(*on_evict_problem(i, tier.policy or default_policy))
+
+
+def check_chain_end(raw_tiers: list, read: list[dict[str, Any]], classes: list, problems: Problems) -> None:
+    """Refuse a `cascade` (on_evict, on_store) or a `reserve` above 0 given on a tier with no tier
+    below it in the cascade chain: the last local tier, and a shared tier (`Backend.shared`: fed by
+    publishing, outside the chain). Either would have no effect. `read` (each tier's valid fields)
+    and `classes` line up with `raw_tiers` (None where unknown: an external backend not imported
+    counts as local); a value given and invalid is reported as such, not here (`cascade: none`
+    and `reserve: 0` say what happens there: accepted)."""
+    shared = [bool(getattr(c, "shared", False)) for c in classes]
+    for i, (raw, fields) in enumerate(zip(raw_tiers, read)):
+        if not fields or any(not s for s in shared[i + 1:]):
+            continue
+        name = repr(fields["name"]) if "name" in fields else f"tiers[{i}]"
+        if shared[i]:
+            where = f"shared tier {name}, outside the cascade chain (fed by publishing tier 0's stores)"
+            fix = "remove it"
+        else:
+            after = [repr(f.get("name", "")) for f, s in zip(read[i + 1:], shared[i + 1:]) if s]
+            where = f"{name}, the last tier of the cascade chain" + (
+                f" (shared tier {after[0]} after it is fed by publishing)" if after else "")
+            fix = "remove it ({}), or add a tier below it"
+        cascade, reserve = fields.get("cascade", "none"), fields.get("reserve", 0)
+        if raw.get("cascade") is not None and cascade != "none":
+            problems.add(f"tiers[{i}].cascade", f"cascade: {cascade} has no effect on {where}: there is no "
+                         "tier below it to copy blocks to", f"; {fix.format('or write cascade: none')}")
+        if raw.get("reserve") is not None and reserve > 0:
+            problems.add(f"tiers[{i}].reserve", f"reserve: {reserve:g} has no effect on {where}: a reserve "
+                         "is kept free by copying blocks to the tier below, and there is none",
+                         f"; {fix.format('or write reserve: 0')}")
 
 
 def check_handlers(tiers: list[TierConfig], classes: list, problems: Problems) -> None:

@@ -18,6 +18,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.core.types import DEFAULT_CASCADE, DEFAULT_RESERVE
+
 DEFAULT_TIMEOUT_MS = 50
 MAX_TIMEOUT_MS = 60_000
 SOCKET_PATH_MAX = 107  # bytes of sun_path, without its terminating NUL (Linux)
@@ -85,11 +87,14 @@ def parse_shared(value: Any) -> SharedHost:
 def config_mapping(config: Any) -> dict[str, Any]:
     """A `HierarchyConfig` as the plain mapping its YAML could have been (what an engine sends the
     host owner, which builds the shared hierarchy from it): tiers with their options, without
-    `shared` and `block_bytes` (the owner has the engine's)."""
+    `shared` and `block_bytes` (the owner has the engine's). A tier's `cascade` and `reserve` are
+    given only where they differ from their defaults, as its YAML could give them (on a tier with
+    no tier below, where a default one has no effect, one given is refused)."""
     tiers = []
     for tier in config.tiers:
         capacity = tier.capacity
-        tiers.append({"name": tier.name, "backend": tier.backend, "policy": tier.policy, "cascade": tier.cascade,
-                      "reserve": tier.reserve, **dict(tier.options),
+        chain = {k: v for k, v, default in (("cascade", tier.cascade, DEFAULT_CASCADE),
+                                            ("reserve", tier.reserve, DEFAULT_RESERVE)) if v != default}
+        tiers.append({"name": tier.name, "backend": tier.backend, "policy": tier.policy, **chain, **dict(tier.options),
                       "capacity": f"{capacity.blocks} blocks" if capacity.blocks is not None else f"{capacity.bytes}B"})
     return {"block_tokens": config.block_tokens, "store_threshold": config.store_threshold, "tiers": tiers}

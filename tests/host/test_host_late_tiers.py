@@ -39,7 +39,7 @@ def changed(base, tier, **settings):
 @pytest.mark.parametrize(("tier", "setting", "value", "held"), [
     (1, "root_dir", "{tmp}/b", "'{tmp}/a/host-"),
     (0, "cascade", "none", "'on_evict'"),
-    (1, "cascade", "on_store", "'on_evict'"),
+    (1, "cascade", "none", "'on_evict'"),  # (the last local tier: on_store there is refused, having no effect)
     (0, "reserve", 0.5, "0.1"),
     (1, "sync_interval", 5.0, "1.0"),
     (2, "url", "redis://127.0.0.1:2", "'redis://127.0.0.1:1'"),
