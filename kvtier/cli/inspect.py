@@ -3,8 +3,10 @@ engine's tiers, `kvtier.cli.inspect_live`).
 
 Sizes are printed in binary units (the `--json` report keeps bytes). Exit status: 0; 2 when
 ROOT_DIR is not a directory or holds none of a file tier's files; 1 with `--verify` when a block
-failed verification or the slab could not be read (the report is printed first; the failed blocks
-are named by key, and slot, on stderr and in the report's `failures`).
+failed verification, or a file it needs could not be read: the slab, or a journal that is there
+but unreadable (the report is printed first; the failed blocks are named by key, and slot, on
+stderr and in the report's `failures`; a file not read by its path and the reason, on stderr and
+in the report's `verify_error`).
 """
 
 from __future__ import annotations
@@ -74,14 +76,21 @@ def run_inspect(args) -> int:
         print(f"{label:<{width}}  {text}")
     if args.json:
         write_report(args.json, report)
-    failed = report.get("verify_failed", 0)
-    if args.verify and (failed or report.get("verify_error")):
-        named = "; ".join(f"{key_text(f['key'])} (slot {f['slot']}): {f['reason']}" for f in report["failures"][:3])
-        print(f"kvtier inspect: {failed} block(s) failed verification" + (f": {named}" if named else "")
-              + ("; ..." if failed > 3 else "")
-              + (f"; {report['verify_error']}" if report.get("verify_error") else ""), file=sys.stderr)
+    if args.verify and (report.get("verify_failed") or report.get("verify_error")):
+        print(_verify_failure(report), file=sys.stderr)
         return EXIT_VERIFY_FAILED
     return 0
+
+
+def _verify_failure(report: dict) -> str:
+    """The line `--verify` prints when it fails: the failed blocks (the first three), then what
+    could not be read (`verify_error`); only the latter when no block failed."""
+    failed, error = report.get("verify_failed", 0), report.get("verify_error")
+    if not failed:
+        return f"kvtier inspect: could not verify the tier: {error}"
+    named = "; ".join(f"{key_text(f['key'])} (slot {f['slot']}): {f['reason']}" for f in report["failures"][:3])
+    return (f"kvtier inspect: {failed} block(s) failed verification" + (f": {named}" if named else "")
+            + ("; ..." if failed > 3 else "") + (f"; {error}" if error else ""))
 
 
 def write_report(path: str, report: dict) -> None:

@@ -95,8 +95,11 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     the pid in the lock file, None after a clean close), lock (open, closed cleanly, or a stale lock
     of a process that died, in words), is_tier (whether any of the tier's own files is there);
     with `verify`, also verified_ok and verify_failed (blocks whose header/checksum fail) and
-    failures (up to 20 `{key, slot, reason}`: the key in hex, as stored), plus verify_error when the
-    slab could not be read at all (missing, or not a regular file). Never modifies anything.
+    failures (up to 20 `{key, slot, reason}`: the key in hex, as stored), plus verify_error when
+    what verification needs could not be read: the slab (missing, or not a regular file), or a
+    journal that is there but unreadable (no permission, not a regular file, larger than any
+    journal, an I/O error: its blocks are unknown, so none was verified), naming the file and why.
+    A missing journal is no error: the tier holds no committed block. Never modifies anything.
     """
     root = Path(root_dir)
     report: dict = {"root_dir": str(root), "is_tier": any(os.path.lexists(root / name) for name in OWN_FILES)}
@@ -115,7 +118,8 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
         manifest = None  # nothing below can be located with it
     if slab_problem:
         health.append(slab_problem)
-    scan, entries = _journal_health(root, manifest, report["slot_bytes"] or 0, report["slab_bytes"], health)
+    scan, entries, journal_error = _journal_health(root, manifest, report["slot_bytes"] or 0, report["slab_bytes"],
+                                                   health)
     report["blocks"] = len(entries)
     report["bytes"] = len(entries) * (report["block_bytes"] or 0)
     report["journal_records"] = scan.records if scan else 0
@@ -124,14 +128,17 @@ def inspect_root(root_dir: str, verify: bool = False) -> dict:
     report["lock_holder"], report["lock"] = _lock_holder(root)
     if verify:
         report.update(_verify(slab, manifest, entries))
+        if journal_error:
+            report["verify_error"] = "; ".join(e for e in (journal_error, report.get("verify_error")) if e)
     return report
 
 
 def _journal_health(root: Path, manifest: dict | None, slot_bytes: int, slab_bytes: int | None,
-                    health: list[str]) -> tuple[Any, dict]:
-    """(the journal's scan or None, its committed entries: slot -> (key, check, ...)), appending to
-    `health` what is wrong with the journal as `manifest` (None: unusable) describes the tier."""
-    scan, problem = _scan(root, manifest["num_slots"] if manifest is not None else None)
+                    health: list[str]) -> tuple[Any, dict, str | None]:
+    """(the journal's scan or None, its committed entries: slot -> (key, check, ...), why a journal
+    that is there could not be read or None), appending to `health` what is wrong with the journal
+    as `manifest` (None: unusable) describes the tier."""
+    scan, problem, unreadable = _scan(root, manifest["num_slots"] if manifest is not None else None)
     if problem:
         health.append(problem)
     elif manifest is not None and scan.epoch.hex() != manifest.get("epoch"):
@@ -149,7 +156,7 @@ def _journal_health(root: Path, manifest: dict | None, slot_bytes: int, slab_byt
         beyond = [s for s in entries if (s + 1) * slot_bytes > slab_bytes]
         if beyond:
             health.append(f"slab truncated: {len(beyond)} blocks past its end")
-    return scan, entries
+    return scan, entries, unreadable
 
 
 def _slab_size(slab: Path) -> tuple[int | None, str | None]:
@@ -166,16 +173,20 @@ def _slab_size(slab: Path) -> tuple[int | None, str | None]:
 
 
 def _scan(root: Path, num_slots: int | None):
-    """(JournalScan or None, why the journal is unusable or None). The journal is read only if it
-    is a regular file no larger than a tier of `num_slots` slots ever writes."""
+    """(JournalScan or None, why the journal is unusable or None, why a journal that is there could
+    not be read or None: the path and the OS's reason). The journal is read only if it is a
+    regular file no larger than a tier of `num_slots` slots ever writes."""
     limit = _JOURNAL_LIMIT_WITHOUT_GEOMETRY
     if num_slots is not None:
         limit = journal_max_bytes(num_slots, journal_capacity(num_slots, FileBackend.compact_min_records))
     try:
         scan = scan_journal(read_regular_file(root / JOURNAL, limit), num_slots)
     except OSError as exc:
-        return None, f"journal unreadable: {exc.strerror or exc}"
-    return scan, scan.problem
+        why = exc.strerror or str(exc)
+        unreadable = None if isinstance(exc, FileNotFoundError) else (
+            f"{root / JOURNAL} could not be read ({why}): the blocks it commits are unknown, none was verified")
+        return None, f"journal unreadable: {why}", unreadable
+    return scan, scan.problem, None
 
 
 def _verify(slab: Path, manifest: dict | None, entries: dict) -> dict:
