@@ -187,6 +187,9 @@ def _fraction(v: Any) -> float:
     return float(v)
 
 
+RESERVED_TIER_NAME = "engine"  # `KVTier.stats()["engine"]`: the standalone API's own totals
+
+
 def _choice(options: tuple[str, ...]):
     def check(v: Any) -> str:
         if not isinstance(v, str) or v not in options:
@@ -199,6 +202,9 @@ def _name(v: Any) -> str:
     if not isinstance(v, str) or not _NAME_RE.match(v):
         raise ValueError(f"{brief(v)} is not a valid tier name (lowercase letters, digits, '_' or '-', starting with "
                          f"a letter, at most 32 characters)")
+    if v == RESERVED_TIER_NAME:
+        raise ValueError(f"{v!r} is reserved: KVTier.stats() and its metrics report the API's own totals under it "
+                         f"(a tier of that name would be hidden); choose another name, e.g. 'cpu' or 'nvme'")
     return v
 
 
