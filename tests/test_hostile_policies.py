@@ -227,3 +227,31 @@ def test_refused_eviction_frees_nothing_and_keeps_table_and_policy_agreeing(cls)
     assert _state(hot) == before
     manager.complete_store(first[4:], ctx)  # (the blocks being written were left in their slots)
     assert [hot.table.get(k).ref_cnt for k in first] == [0] * 6
+
+
+class NoticeRaises(GoodLRU):
+    """Takes the table's notices (`evictable`) and raises on the pin of a load once armed."""
+
+    armed = False
+
+    def evictable(self, keys, flag):
+        if NoticeRaises.armed and keys and not flag:
+            raise RuntimeError("notice failed")
+
+
+def test_a_notice_that_raises_on_a_load_leaves_no_pin_behind():
+    """Before: the load's pins were taken before the notice raised, and stayed: those blocks could
+    never be evicted again (a later store warned that every block is pinned)."""
+    manager = memory_hierarchy(hot=4, hot_policy="test_hostile_policies:NoticeRaises", cascade="none").manager
+    hot, ctx = manager.tiers[0], ReqContext("r1")
+    first = keys(4)
+    manager.complete_store(manager.prepare_store(first, ctx).keys_to_store, ctx)
+    NoticeRaises.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="notice failed"):
+            manager.prepare_load(first[:2])
+    finally:
+        NoticeRaises.armed = False
+    assert [hot.table.get(k).ref_cnt for k in first] == [0] * 4
+    out = manager.prepare_store(keys(4, start=10), ReqContext("r2"))  # (room made by evicting all four)
+    assert out is not None and sorted(out.evicted_keys) == sorted(first)

@@ -70,7 +70,12 @@ class StatusCalls:
             return None
         for block in cast("list[BlockStatus]", blocks):
             block.ref_cnt += 1
-        self._pin(keys)
+        try:
+            self._pin(keys)
+        except BaseException:  # (a user policy's notice raised: the pins are undone, none stays behind)
+            for block in cast("list[BlockStatus]", blocks):
+                block.ref_cnt -= 1
+            raise
         return [cast("BlockStatus", block).block_id for block in blocks]
 
     def release_loads(self, keys: Sequence[OffloadKey]) -> None:

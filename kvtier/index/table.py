@@ -145,8 +145,13 @@ class PolicyTable(StatusCalls):
         self._unpin([k for k in gone if (b := get(k)) is not None and b.ref_cnt == 0])
 
     def _pin(self, keys: Sequence[OffloadKey]) -> None:
-        self._pinned.update(keys)
-        self._notice(keys, False)
+        newly = [key for key in keys if key not in self._pinned]
+        self._pinned.update(newly)
+        try:
+            self._notice(keys, False)
+        except BaseException:  # (the caller undoes its ref_cnt change: the keys are as before)
+            self._pinned.difference_update(newly)
+            raise
 
     def _unpin(self, keys: Sequence[OffloadKey]) -> None:
         if self._held:  # (a held block stays pinned when its last load or write ends)

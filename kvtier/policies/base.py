@@ -244,10 +244,10 @@ class KeyIndex(CachePolicy):
 
     def evictable(self, keys: Iterable[OffloadKey], flag: bool) -> None:
         keys = list(keys)
-        super().evictable(keys, flag)
         notice = getattr(type(self.policy), "evictable", None)
         if notice is not None and notice is not CachePolicy.evictable:  # (the default needs `keys`)
-            self.policy.evictable(keys, flag)
+            self.policy.evictable(keys, flag)  # (first: when it raises, this index's count is unchanged)
+        super().evictable(keys, flag)
 
     def keys(self) -> Iterable[OffloadKey]:
         return list(self._resident)
