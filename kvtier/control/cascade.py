@@ -50,6 +50,7 @@ class Cascade:
         self._events = ctx.events
         self._retention = ctx.retention
         self._write_through = [t for t in ctx.tiers[:-1] if t.cascade == "on_store"]
+        self._deferred = DeferredDemotions(len(ctx.tiers))
 
     # ------------------------------------------------------------------ eviction
     def evict_for(self, tier: Tier, n: int, protected: Collection[OffloadKey]) -> list[OffloadKey] | None:
@@ -185,7 +186,7 @@ class Cascade:
         assert tier.below is not None
         room = tier.demotion_room(burst=len(keys))
         if len(keys) > room:
-            tier.stats.cascade_deferred += len(keys) - max(0, room)
+            self._deferred.note(tier, keys[max(0, room):])
             keys = keys[:max(0, room)]
         if keys and not self._start_demotion(tier, keys):
             log.debug("tier %s: no room to demote %d blocks", tier.below.name, len(keys))
@@ -200,6 +201,7 @@ class Cascade:
             return False
         src_ids = pin_sources(tier, keys)  # readable: checked by callers
         tier.demoting += len(keys)
+        self._deferred.started(tier, keys)
         dst_ids = enter_copies(lower, keys)  # being written: pinned
         self._jobs.submit(Demotion(self._ctx, tier, lower, keys, src_ids, dst_ids))
         return True
@@ -284,6 +286,34 @@ class Cascade:
             tier.lower_full = False
             started = True
         return started
+
+
+class DeferredDemotions:
+    """Per tier, the blocks whose demotion `Cascade._demote` deferred for in-flight room and whose
+    copy has not started since: each is counted once in the tier's `cascade_deferred` however
+    often the same victims are deferred again (every `refill_reserve` pass, every refused
+    `prepare_store`), and again only after its copy started and it was deferred anew."""
+
+    def __init__(self, tiers: int):
+        self._keys: list[set[OffloadKey]] = [set() for _ in range(tiers)]
+
+    def note(self, tier: Tier, keys: list[OffloadKey]) -> None:
+        """`keys` (distinct) of `tier` wait for in-flight room: count those not waiting already.
+        Keys that left the tier (or became clean) without a copy are forgotten once the set
+        outgrows twice the tier's capacity (one pass over it: amortised O(1) per key)."""
+        deferred = self._keys[tier.index]
+        before = len(deferred)
+        deferred.update(keys)
+        tier.stats.cascade_deferred += len(deferred) - before
+        if len(deferred) > 2 * tier.capacity:
+            get, clean = tier.table.get, tier.clean
+            self._keys[tier.index] = {k for k in deferred if k not in clean and get(k) is not None}
+
+    def started(self, tier: Tier, keys: list[OffloadKey]) -> None:
+        """The copies of `keys` of `tier` started: a later deferral of one counts again."""
+        deferred = self._keys[tier.index]
+        if deferred:
+            deferred.difference_update(keys)
 
 
 def dirty_among(tier: Tier, keys: list[OffloadKey]) -> list[OffloadKey]:

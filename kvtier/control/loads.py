@@ -9,10 +9,18 @@ call (a key given twice is pinned twice). The common case (every key readable in
 `pin_loads` on tier 0. A load that failed in the engine is completed naming the blocks that
 failed, which are condemned in the tier it read them from (`complete`); one flushed by a cache
 reset is released by `drop`, which also drops the blocks it read from the tiers it read them from.
+
+Hits (`TierStats.hits`: blocks loaded into the engine that a tier supplied) are counted when a
+load completes, for the blocks it delivered: every one of its keys, or, when some failed, those
+before the first failed one in the order given (the standalone `load` returns that prefix and
+discards the rest; vLLM's adapter, which gets a load's keys as a set, lists the failed ones last,
+so there every block loaded counts). A failed block is counted once, in its tier's `failures`
+(`Tier.condemn`), never in `hits`; a load flushed by a reset counts none.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections import deque as _consume
 from collections.abc import Collection
 from itertools import compress, repeat
@@ -51,7 +59,6 @@ class LoadPins:
         ids = top.table.pin_loads(keys)  # (None, nothing changed: some key is not readable there)
         if ids is not None:
             self._record(keys, 0)
-            self._credit(keys, 0)
             return top.backend.spec_for_ids(keys, ids)
         parts: list[tuple[LoadStoreSpec, list[int]]] = []
         for index, positions in self._sources(keys).items():
@@ -59,7 +66,6 @@ class LoadPins:
             tier = self.tiers[index]
             ids = cast("list[int]", tier.table.pin_loads(group))  # (readable: checked by `_sources`)
             self._record(group, index)
-            self._credit(group, index)
             parts.append((tier.backend.spec_for_ids(group, ids), positions))
         return parts[0][0] if len(parts) == 1 else CompositeLoadStoreSpec(parts)
 
@@ -68,10 +74,34 @@ class LoadPins:
         KeyError (nothing changed) for a key that holds no pin. `failed`: those of `keys` the
         engine could not load (their read failed, e.g. verification): each is condemned in the
         tier this load read it from (`Tier.condemn`: counted once there, never served again,
-        removed once unpinned); a copy in another tier stays."""
+        removed once unpinned); a copy in another tier stays. The delivered keys (all of `keys`,
+        else those before the first failed one) count as hits of the tiers that supplied them
+        (`_credit`); the failed ones and those after them count none."""
         if failed:
-            self._condemn(keys, set(failed))
-        self._release(keys)
+            delivered = self._release_failed(keys, set(failed))
+        elif self._release_top_pins(keys):  # (the common case: each pinned once, in tier 0)
+            top = self.top
+            self.events.record(top, top.release_loads(keys), removed=True)
+            self._credit(keys, 0)
+            return
+        else:
+            delivered = self._release_each(keys)
+        for index, released in delivered.items():
+            self._credit(released, index)
+
+    def _release_failed(self, keys: list[OffloadKey], bad: set[OffloadKey]) -> dict[int, list[OffloadKey]]:
+        """`complete` of a load whose keys `bad` failed: condemn them, release every pin, and
+        return the delivered keys (those before the first bad one) by the tier they were read from."""
+        first = next((i for i, key in enumerate(keys) if key in bad), len(keys))
+        self._condemn(keys, bad)
+        delivered = Counter(keys[:first])  # (a key given twice: as many times as it was delivered)
+        by_tier: dict[int, list[OffloadKey]] = {}
+        for index, released in self._release(keys).items():
+            for key in released:
+                if delivered[key] > 0:
+                    delivered[key] -= 1
+                    by_tier.setdefault(index, []).append(key)
+        return by_tier
 
     def _condemn(self, keys: list[OffloadKey], failed: set[OffloadKey]) -> None:
         """Condemn the `failed` ones of `keys` in the tier of their last pin (the load's)."""
@@ -87,7 +117,8 @@ class LoadPins:
         """A load that a cache reset flushed (the engine never completes it): release one pin of
         each of `keys` (as `complete`; a key that holds no pin is ignored), then drop each block
         left unpinned from the tier the load read it from (the reset evicts it now; a copy in
-        another tier stays). Returns the keys dropped; their removal events are recorded."""
+        another tier stays). Returns the keys dropped; their removal events are recorded. No hit
+        is counted: the engine discards what the load copied."""
         pins = self.pins
         counted: dict[OffloadKey, int] = {}
         held = []
@@ -110,6 +141,10 @@ class LoadPins:
         if self._release_top_pins(keys):
             self.events.record(self.top, self.top.release_loads(keys), removed=True)
             return {0: keys}
+        return self._release_each(keys)
+
+    def _release_each(self, keys: list[OffloadKey]) -> dict[int, list[OffloadKey]]:
+        """`_release` past its common case: key by key (pinned elsewhere or twice, or given twice)."""
         pins = self.pins
         left: dict[OffloadKey, tuple[int, ...]] = {}  # key -> its pins once these are released
         by_tier: dict[int, list[OffloadKey]] = {}
@@ -163,7 +198,8 @@ class LoadPins:
             pins[key] = get(key, ()) + (index,)
 
     def _credit(self, keys: list[OffloadKey], source: int) -> None:
-        """Count the hits of a batch loaded from tier `source`."""
+        """Count the hits of a batch delivered from tier `source` (a completed load's): a block
+        promoted into tier 0 and not loaded since is credited to the tier that supplied it."""
         promoted = self.top.promoted_from
         if promoted and not promoted.keys().isdisjoint(keys):
             # Promoted into tier 0 and loaded now: the tier that supplied each is credited.

@@ -27,7 +27,9 @@ UNPINNED = IDLE | WRITING
 class TierStats:
     """Counters of one tier since the start (or the last `reset`)."""
 
-    hits: int = 0  # blocks loaded to the engine that this tier supplied (directly or by promotion)
+    # blocks loaded to the engine that this tier supplied (directly or by promotion), counted as the
+    # load completes: never a block whose load failed (`LoadPins.complete`)
+    hits: int = 0
     stores: int = 0  # blocks written into this tier (engine stores, demotions, promotions)
     evictions: int = 0
     demotions: int = 0  # blocks copied from this tier to the next one
@@ -35,7 +37,9 @@ class TierStats:
     cascade_dropped: int = 0  # dirty blocks evicted without a copy below
     cascade_dropped_failed: int = 0  # of those: their copy below failed (the only ones `Cascade.evict_for` lets go)
     cascade_dropped_full: int = 0  # of those: any other (a policy evicting past its own victims); 0 otherwise
-    cascade_deferred: int = 0  # demotions not started at once because too many were in flight (backpressure)
+    # blocks whose copy below did not start at once because too many were in flight (backpressure),
+    # each once until its copy starts (`cascade.DeferredDemotions`)
+    cascade_deferred: int = 0
     failures: int = 0  # blocks that failed a transfer: read from this tier (once each) or written into it
     # A shared tier (kvtier.control.shared_probes); zero elsewhere:
     publish_dropped: int = 0  # blocks not published: in-flight bound, slow writes, server down, no handle room

@@ -166,7 +166,8 @@ class KVTier:
         in rounds of what the first tier has room for, so the whole prefix is loaded however
         long. A block whose copy fails (a read that does not verify, an I/O error) ends the
         prefix: it is dropped from its tier (a MISS from then on, counted in its `failures`), the
-        others stay; the caller recomputes from it. `hints`: as `store`'s, for the blocks loaded."""
+        others stay; the caller recomputes from it. Tiers' `hits` count the prefix returned only.
+        `hints`: as `store`'s, for the blocks loaded."""
         hint = parse_hint(hints, "hints")
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)

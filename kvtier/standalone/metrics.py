@@ -25,7 +25,7 @@ _NAME = re.compile(r"[^a-zA-Z0-9_]")
 # What each per-tier number of `KVTier.stats()` is (`kvtier.control.tier.TierStats` and
 # `Tier.stats_row`), as HELP text; the engine's totals say it in `standalone_counters.HELP`.
 TIER_HELP = {
-    "hits": "blocks loaded into the engine that this tier supplied (directly or by promotion)",
+    "hits": "blocks loaded into the engine that this tier supplied (directly or by promotion; not a failed one)",
     "stores": "blocks written into this tier (engine stores, demotions, promotions)",
     "evictions": "blocks evicted from this tier",
     "demotions": "blocks copied from this tier to the next one",
@@ -33,8 +33,8 @@ TIER_HELP = {
     "cascade_dropped": "dirty blocks evicted from this tier without a copy below",
     "cascade_dropped_failed": "of cascade_dropped (write-through): blocks whose copy below failed",
     "cascade_dropped_full": "of cascade_dropped (write-through): the next tier had no room or dropped its copy",
-    "cascade_deferred": "demotions not started at once because too many were in flight",
-    "failures": "failed copy jobs that wrote into this tier or read from it",
+    "cascade_deferred": "blocks whose demotion did not start at once because too many were in flight (once a wait)",
+    "failures": "blocks whose copy into or out of this tier failed (each counted once)",
     "publish_dropped": "blocks not published to this shared tier (in-flight bound, slow writes, server down)",
     "probes": "probe batches sent to this shared tier",
     "probe_keys": "keys in the probe batches sent to this shared tier",

@@ -46,7 +46,7 @@ from kvtier.host.client import HostClient, join
 from kvtier.host.namespace import LEASE_GRACE_S
 from kvtier.host.wire import HostUnavailable, hex_keys
 from kvtier.integrations.vllm.host_holdings import Holdings
-from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS, METRIC_PREFIX
+from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS, METRIC_PREFIX, failed_last
 from kvtier.integrations.vllm.translate import KVTierHostLoadStoreSpec
 from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED
 
@@ -219,8 +219,8 @@ class HostOffloadingManager(OffloadingManager):
         """`complete_load` of a load whose blocks `bad` failed in a worker (None: every one;
         `KVTierOffloadingConnector`): the owner unpins the keys it pinned for this connection
         and drops the failed ones among them (never those it did not pin: they were not loaded)."""
-        held = self.holdings.unpin(keys, self.client.generation)
-        failed = held if bad is None else [key for key in held if key in bad]
+        # (the failed ones last: the owner counts as hits the keys before the first failed one)
+        held, failed = failed_last(self.holdings.unpin(keys, self.client.generation), bad)
         self.counters["loaded"] += len(held) - len(failed)
         if failed:
             self.counters["failures"] += 1

@@ -38,7 +38,8 @@ SHUTDOWN_FLUSH_S = 30.0
 log = logging.getLogger(__name__)
 # What each `TierStats` counter counts, for its Prometheus help text.
 _COUNTER_DOCS: dict[str, str] = {
-    "hits": "Blocks loaded into the engine's KV cache that this tier supplied (directly or by promotion).",
+    "hits": ("Blocks loaded into the engine's KV cache that this tier supplied (directly or by promotion); "
+             "a block whose load failed is not one."),
     "stores": "Blocks written into this tier (engine stores, demotions, promotions).",
     "evictions": "Blocks evicted from this tier.",
     "demotions": "Blocks copied from this tier to the next one (cascade).",
@@ -46,8 +47,8 @@ _COUNTER_DOCS: dict[str, str] = {
     "cascade_dropped": "Blocks evicted from this tier before a copy reached the next tier.",
     "cascade_dropped_failed": "Of cascade_dropped: blocks whose copy to the next tier failed (the only ones let go).",
     "cascade_dropped_full": "Of cascade_dropped: any other (a policy evicting past its victim order); 0 otherwise.",
-    "cascade_deferred": "Blocks whose copy to the next tier waited for in-flight room (backpressure).",
-    "failures": "Failed transfer jobs that read from or wrote into this tier.",
+    "cascade_deferred": "Blocks whose copy to the next tier waited for in-flight room (backpressure), once a wait.",
+    "failures": "Blocks whose copy into or out of this tier failed (each counted once).",
     "publish_dropped": "Shared tier: blocks not published (in-flight bound, slow writes, server down, no room).",
     "probes": "Shared tier: probe batches sent to the server (at most one per scheduler step).",
     "probe_keys": "Shared tier: keys in those probe batches.",
@@ -84,6 +85,18 @@ RECENCY_ONLY_POLICIES = frozenset({"lru"})
 def touches_insertions(policy: str | None) -> bool:
     """Whether a request's end touches the keys it only stored (see `RECENCY_ONLY_POLICIES`)."""
     return policy in RECENCY_ONLY_POLICIES
+
+
+def failed_last(keys: list[OffloadKey], bad: Collection[OffloadKey] | None) -> tuple[list[OffloadKey],
+                                                                                    list[OffloadKey]]:
+    """A failed load's `keys` and those of them that failed (`bad`; None: every one), the failed
+    ones listed last: vLLM completes a load's keys as a set, which does not say which blocks came
+    after the first failed one (vLLM recomputes those), and `HierarchyManager.complete_load`
+    counts as hits the keys before the first failed one, so every block loaded counts."""
+    if bad is None:
+        return keys, keys
+    failed = [key for key in keys if key in bad]
+    return ([key for key in keys if key not in bad] + failed if failed else keys), failed
 
 
 def _in_offer_order(out: Any, offer: list[OffloadKey]) -> Any:
@@ -196,9 +209,9 @@ class KVTierOffloadingManager(OffloadingManager):
         tier the load read them from (the first tier, or a file tier loaded directly, whose block
         failed verification in the worker), each counted once in its `failures`
         (`vllm:kvtier_failures`) and never answered HIT again, so vLLM's recompute does not load
-        them again; the load's other blocks stay (`HierarchyManager.complete_load`)."""
-        keys = list(keys)
-        failed = keys if bad is None else [key for key in keys if key in bad]
+        them again; the load's other blocks stay (`HierarchyManager.complete_load`), and count
+        as hits (`vllm:kvtier_hits`; the failed ones do not: `failed_last`)."""
+        keys, failed = failed_last(list(keys), bad)
         self.manager.complete_load(keys, req_context, failed=failed)
         self._unpinned(keys)
 
