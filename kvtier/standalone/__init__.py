@@ -167,11 +167,15 @@ class KVTier:
         long. A block whose copy fails (a read that does not verify, an I/O error) ends the
         prefix: it is dropped from its tier (a MISS from then on, counted in its `failures`), the
         others stay; the caller recomputes from it. Tiers' `hits` count the prefix returned only.
-        `hints`: as `store`'s, for the blocks loaded."""
+        The blocks loaded count as used (`touch`, head to tail, as vLLM touches a request's hits):
+        each tier's policy sees the reuse (recency, frequency). `hints`: as `store`'s, for the
+        blocks loaded."""
         hint = parse_hint(hints, "hints")
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
             loaded = self._rounds.load(keys, self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True))
+            if loaded:
+                self.manager.touch(keys[:loaded])
             self.manager.retention.note(hint, keys[:loaded])
             return loaded
 

@@ -98,7 +98,17 @@ class SharedKVTier:
                 if good < pinned or (pinned == 0 and not self._hits(window)):
                     break  # a failed copy, or nothing more to find (after waiting for promotions)
                 stalled = stalled + 1 if pinned == 0 else 0  # (found, then evicted by another engine again)
+            if loaded:
+                self._touch(keys[:loaded])
             return loaded
+
+    def _touch(self, keys: list[OffloadKey]) -> None:
+        """The blocks loaded count as used in the owner's tiers (`KVTier.load`); an owner that
+        does not answer misses that reuse only."""
+        try:
+            self.client.call("touch", keys=hex_keys(keys))
+        except HostUnavailable:
+            pass
 
     def wait(self) -> None:
         """Every call returns when its copies are done: nothing to wait for."""
