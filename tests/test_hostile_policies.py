@@ -255,3 +255,34 @@ def test_a_notice_that_raises_on_a_load_leaves_no_pin_behind():
     assert [hot.table.get(k).ref_cnt for k in first] == [0] * 4
     out = manager.prepare_store(keys(4, start=10), ReqContext("r2"))  # (room made by evicting all four)
     assert out is not None and sorted(out.evicted_keys) == sorted(first)
+
+
+class VictimsRaise(GoodLRU):
+    """Names its next victims until armed; then `victims` raises."""
+
+    armed = False
+
+    def victims(self, n, skip=()):
+        if VictimsRaise.armed:
+            raise RuntimeError("victims failed")
+        return super().victims(n, skip)
+
+
+def test_victims_raising_after_a_store_took_its_slots_leaves_no_slot_being_written():
+    """`victims` is asked after a store's slots are allocated, to keep the reserve clean. Before:
+    when it raised, the store failed and its slots stayed "being written" for good."""
+    manager = memory_hierarchy(hot=8, hot_policy="test_hostile_policies:VictimsRaise", reserve=0.25).manager
+    hot, ctx = manager.tiers[0], ReqContext("r1")
+    first = keys(6)
+    manager.complete_store(manager.prepare_store(first, ctx).keys_to_store, ctx)
+    manager.wait_idle(10)
+    VictimsRaise.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="victims failed"):
+            manager.prepare_store(keys(1, start=10), ReqContext("r2"))  # (room: only the reserve asks victims)
+    finally:
+        VictimsRaise.armed = False
+    assert hot.table.get(keys(1, start=10)[0]) is None and hot.backend.get_num_free_blocks() == 2
+    assert sorted(hot.table.keys()) == sorted(first)
+    out = manager.prepare_store(keys(1, start=10), ReqContext("r3"))
+    assert out is not None and out.keys_to_store == keys(1, start=10)

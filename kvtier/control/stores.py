@@ -46,7 +46,11 @@ class StorePath:
         spec = top.backend.spec_for_ids(to_store, enter_copies(top, to_store, tail_first=True))
         top.allocated_since_walk += len(to_store)
         if self._refills:
-            self._cascade.refill_reserve(top)
+            try:
+                self._cascade.refill_reserve(top)
+            except BaseException:  # (a user policy's `victims` raised: no slot stays "being written")
+                top.remove(to_store, WRITING)
+                raise
         return PrepareStoreOutput(to_store, spec, evicted)
 
     def complete(self, keys: list[OffloadKey], success: bool) -> None:
