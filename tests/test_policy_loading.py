@@ -14,6 +14,7 @@ from kvtier.cli.main import main
 from kvtier.core.quoting import suggest
 from kvtier.testing import PolicyTests
 from kvtier.testing.policy_contract import EVICT_REFUSED
+from kvtier.testing.policy_contract import UNPINNED as UNPINNED_CLAUSE
 from tests.support import policy_classes
 
 HERE = "tests.support.policy_classes"
@@ -106,3 +107,16 @@ def test_policy_tests_fail_rather_than_hang_on_an_evict_that_never_refuses():
     assert not isinstance(outcome[0], policy_classes.StillCalled), "PolicyTests kept calling evict"
     assert EVICT_REFUSED in str(outcome[0])
     assert policy_classes.NeverRefuses.calls <= 9
+
+
+class NoticeForgetsSuite(PolicyTests):
+    policy_factory = policy_classes.NoticeForgets
+    __test__ = False  # (run below, expecting failures: not collected on its own)
+
+
+def test_policy_tests_send_the_notices_the_block_table_sends():
+    """The manager tells a policy of every block that stops or starts being evictable; a policy
+    that mishandles those notices wedges its tier (no eviction once blocks were unpinned). Before,
+    the suite changed `ref_cnt` without a notice and passed such a policy."""
+    with pytest.raises(AssertionError, match=UNPINNED_CLAUSE):
+        NoticeForgetsSuite().test_pinned_blocks_become_evictable_when_unpinned()

@@ -40,13 +40,18 @@ def fill(policy: CachePolicy, ids: Iterable[int]) -> dict[OffloadKey, BlockStatu
 
 def set_ref_cnt(policy: CachePolicy, k: OffloadKey, block: BlockStatus, value: int) -> None:
     """Set the `ref_cnt` of resident block `block` (inserted under `k`) as the manager does: on
-    the object itself and, for a policy returning views, through `get` (the object is a copy)."""
+    the object itself and, for a policy returning views, through `get` (the object is a copy),
+    then, when the block stops or starts being evictable (`ref_cnt` leaves or reaches 0), the
+    block table's notice (`evictable([k], flag)`), which a policy may count by."""
+    was = block.ref_cnt
     block.ref_cnt = value
     if policy.returns_views:
         held = policy.get(k)
         assert held is not None and held.block_id == block.block_id, \
             f"{contract.GET}: get({k!r}) lost block {block.block_id}"
         held.ref_cnt = value
+    if (was == 0) != (value == 0):
+        policy.evictable([k], value == 0)
 
 
 def same_block(policy: CachePolicy, got: Any, expected: BlockStatus) -> bool:

@@ -82,3 +82,12 @@ class NeverRefuses(PureLRUCachePolicy):
 
 class StillCalled(Exception):
     """NeverRefuses's guard: the suite kept calling evict."""
+
+
+class NoticeForgets(PureLRUCachePolicy):
+    """Counts pins by the table's notices (`evictable`) but ignores the notice that a block became
+    evictable again: once unpinned, a block still counts as pinned, and `evict` refuses early."""
+
+    def evictable(self, keys, flag):
+        if not flag:
+            super().evictable(keys, flag)
