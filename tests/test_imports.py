@@ -108,12 +108,12 @@ def test_only_the_vllm_integration_package_imports_vllm():
 
 
 def test_the_block_table_sits_below_policies_and_tiers():
-    """`kvtier.index` (the block table) imports only the bottom layer (keys, types, errors), as
+    """`kvtier.index` (the block table) imports only the bottom layer (keys, types, errors, quoting), as
     ARCHITECTURE.md's import direction puts it beside the policies, under the tiers."""
     package = Path(__file__).resolve().parents[1] / "kvtier" / "index"
     imported = set().union(*(_imported_modules(path, at_import=False) for path in package.glob("*.py")))
     kvtier_modules = {name for name in imported if name.split(".")[0] == "kvtier"}
-    allowed = {"kvtier.core.errors", "kvtier.core.keys", "kvtier.core.types",
+    allowed = {"kvtier.core.errors", "kvtier.core.keys", "kvtier.core.quoting", "kvtier.core.types",
                "kvtier.index.pure", "kvtier.index.status", "kvtier.index.table"}
     assert kvtier_modules <= allowed, kvtier_modules
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from kvtier.cli.inspect import write_report
 from kvtier.core.errors import KVTierError
+from kvtier.core.quoting import clip
 
 TIER_GAUGES = ("resident_blocks", "capacity_blocks", "retained_blocks", "ended_blocks")
 MAX_BYTES = 32 << 20  # a metrics page larger than this is no kvtier endpoint's
@@ -59,7 +60,7 @@ def _fetch(url: str, timeout: float) -> bytes | KVTierError:
     except urllib.error.HTTPError as exc:
         return KVTierError(f"--metrics: {url} answered HTTP {exc.code} ({exc.reason})")
     except http.client.HTTPException as exc:  # (not HTTP, headers too long or too many, a chunk cut short)
-        return KVTierError(f"--metrics: {url} did not answer in HTTP: {type(exc).__name__}: {exc!s:.200}")
+        return KVTierError(f"--metrics: {url} did not answer in HTTP: {type(exc).__name__}: {clip(str(exc))}")
     except (urllib.error.URLError, OSError, ValueError) as exc:
         reason = getattr(exc, "reason", None) or exc
         return KVTierError(f"--metrics: cannot read {url}: {reason}")

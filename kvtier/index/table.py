@@ -25,12 +25,12 @@ held; a new set), for checks rather than the request path.
 
 from __future__ import annotations
 
-import reprlib
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Protocol, cast
 
 from kvtier.core.errors import PolicyError
 from kvtier.core.keys import OffloadKey
+from kvtier.core.quoting import brief, clip
 from kvtier.core.types import BlockStatus
 from kvtier.index.pure import PureTable
 from kvtier.index.status import StatusCalls
@@ -206,7 +206,7 @@ class PolicyTable(StatusCalls):
             gone = len(self._blocks) - len(self.policy)
             return f"returned None (no room) but removed {gone} block(s)" if gone else ""
         if not isinstance(victims, (list, tuple)):
-            return f"returned {_brief(victims)}, not a list of (key, block) pairs"
+            return f"returned {brief(victims)}, not a list of (key, block) pairs"
         if len(victims) != n:
             return f"returned {len(victims)} block(s), not {n}"
         named: set[OffloadKey] = set()
@@ -223,7 +223,7 @@ class PolicyTable(StatusCalls):
     def _wrong_victim(self, victim: Any, named: set[OffloadKey], protected: Collection[OffloadKey]) -> str:
         """What is wrong with one pair of an `evict` answer ("" if nothing); `named`: the keys before it."""
         if not isinstance(victim, tuple) or len(victim) != 2:
-            return f"returned {_brief(victim)}, not a (key, block) pair"
+            return f"returned {brief(victim)}, not a (key, block) pair"
         key, block = victim
         mine = self._blocks.get(OffloadKey(key)) if isinstance(key, bytes) else None
         if mine is None:
@@ -231,7 +231,7 @@ class PolicyTable(StatusCalls):
         if key in named:
             return f"named key {_key(key)} twice"
         if getattr(block, "block_id", None) != mine.block_id:
-            return f"named key {_key(key)} with {_brief(block)}, but its block is in slot {mine.block_id}"
+            return f"named key {_key(key)} with {brief(block)}, but its block is in slot {mine.block_id}"
         if key in self._pinned:
             return f"named key {_key(key)}, which is pinned (being written, read or held)"
         if key in protected:
@@ -248,7 +248,7 @@ class PolicyTable(StatusCalls):
         try:
             self._restore()
         except Exception as exc:  # (a policy that also fails to take its blocks back)
-            text += f" (putting its blocks back failed too: {type(exc).__name__}: {_brief(str(exc))})"
+            text += f" (putting its blocks back failed too: {type(exc).__name__}: {clip(str(exc))})"
         return PolicyError(text)
 
     def _restore(self) -> None:
@@ -288,17 +288,9 @@ class PolicyTable(StatusCalls):
         return f"PolicyTable({self.policy!r})"
 
 
-def _brief(value: Any) -> str:
-    """`repr(value)`, shortened, for an error message (a broken `__repr__` gives the type)."""
-    try:
-        return reprlib.repr(value)
-    except Exception:
-        return f"<{type(value).__name__}>"
-
-
 def _key(key: Any) -> str:
     """A key in an error message: its bytes in hex."""
-    return key.hex() if isinstance(key, bytes) and len(key) <= 64 else _brief(key)
+    return key.hex() if isinstance(key, bytes) and len(key) <= 64 else brief(key)
 
 
 def _policy_name(policy: Any) -> str:
