@@ -162,9 +162,8 @@ def _problem(options: dict, where: str, exc: BaseException, timeout_s: float,
     field, cause = _CAUSES.get(kind, ("url", ""))
     text = _redact(str(exc), password)
     if kind == "AuthenticationError":  # (what is wrong and what is right; the server's text is in it)
-        given = [name for name in ("password_file", "password_env") if options.get(name)]
         problem = authentication_problem(_short(text), password is not None)
-        return (given[0] if given else "password_env"), f"server {where}: {problem} ({kind})"
+        return _password_field(options), f"server {where}: {problem} ({kind})"
     if kind == "TimeoutError":
         cause = f"timeout: no answer within timeout_ms ({timeout_s * 1000:g} ms)"
     elif kind == "_Unfinished":
@@ -182,11 +181,15 @@ def _problem(options: dict, where: str, exc: BaseException, timeout_s: float,
     elif not cause:
         cause = "cannot connect"
     if field == "password":
-        given = [name for name in ("password_file", "password_env") if options.get(name)]
-        field = given[0] if given else "password_env"
+        field = _password_field(options)
     if field == "username" and not options.get("username"):
         field = "key_prefix"  # the default user may not use these keys
     return field, f"server {where}: {cause} ({kind}: {_short(text)})"
+
+
+def _password_field(options: dict) -> str:
+    """The option a password problem is reported on: the one that gave it, else `password_env`."""
+    return next((name for name in ("password_file", "password_env") if options.get(name)), "password_env")
 
 
 def _redact(text: str, password: str | None) -> str:
