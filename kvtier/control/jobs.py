@@ -86,9 +86,10 @@ class Job:
         failed = set(failed_at)
         delivered = [k for p, k in enumerate(keys) if p not in failed] if failed else keys
         if delivered:  # (asked before any becomes readable: a block not taken is never reported stored)
-            not_taken = set(self.not_taken(delivered))
+            not_taken = self.not_taken(delivered)
             if not_taken:
-                failed.update(p for p, k in enumerate(keys) if k in not_taken)
+                unsent = set(not_taken)
+                failed.update(p for p, k in enumerate(keys) if k in unsent)
         if failed:
             gone = sorted(failed)
             dst.remove([keys[p] for p in gone], WRITING, [self.dst_ids[p] for p in gone])
