@@ -34,9 +34,12 @@ class StorePath:
         self._refills = ctx.top.cascades_on_evict  # `refill_reserve` has work after a store
 
     def prepare(self, keys: Collection[OffloadKey]) -> PrepareStoreOutput | None:
-        """`OffloadingManager.prepare_store` (jobs already drained): None when there is no room."""
+        """`OffloadingManager.prepare_store` (jobs already drained): None when there is no room. A
+        key given more than once is stored once (one slot, listed once in `keys_to_store`)."""
         top = self._top
         to_store = top.table.absent(keys)
+        if len(to_store) > 1 and len(set(to_store)) < len(to_store):
+            to_store = list(dict.fromkeys(to_store))  # (a key given twice gets one slot)
         if self._promotions.queue:
             self._promotions.supersede(to_store)  # the engine's own bytes supersede a promotion not started yet
         # Only resident keys can be victims: when none of `keys` is, none needs protecting.
