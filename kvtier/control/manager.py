@@ -211,7 +211,9 @@ class HierarchyManager(OffloadingManager):
             return n, None
         if self._alone:
             # (`lookup` for one tier: nothing is promoted or probed; the key is not readable there)
-            return n, LookupResult.MISS if self._top.table.get(keys[n]) is None else LookupResult.HIT_PENDING
+            top, key = self._top, keys[n]
+            gone = top.table.get(key) is None or (top.condemned and key in top.condemned)
+            return n, LookupResult.MISS if gone else LookupResult.HIT_PENDING
         lookup = self.lookup
         for key in keys[n:]:
             result = lookup(key, req_context)
