@@ -54,18 +54,25 @@ def _plot_hops(ax, rows: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=7)
 
 
+def _line(r: dict[str, Any]) -> str:
+    """A kvtier run's line: its policy, with hints apart ('lru+hints')."""
+    return r["policy"] + ("+hints" if r.get("hints") else "")
+
+
 def _plot_trace(ax, trace: dict[str, Any]) -> None:
     runs = [r for r in trace["runs"] if r["system"] == "kvtier"]
-    for i, policy in enumerate(sorted({r["policy"] for r in runs})):
-        mine = sorted((r for r in runs if r["policy"] == policy), key=lambda r: r["capacity_blocks"])
+    for i, line in enumerate(sorted({_line(r) for r in runs})):
+        mine = sorted((r for r in runs if _line(r) == line), key=lambda r: r["capacity_blocks"])
         caps = [r["capacity_blocks"] for r in mine]
-        ax.plot(caps, [r["hit_rate"] for r in mine], "o-", color=f"C{i}", label=f"{policy}: all tiers")
+        ax.plot(caps, [r["hit_rate"] for r in mine], "o-", color=f"C{i}", label=f"{line}: all tiers")
         tier_names = list(mine[0]["tiers"])
         for j, name in enumerate(tier_names):
             ax.plot(caps, [r["tiers"][name]["hit_rate"] for r in mine], [":", "-."][j % 2], color=f"C{i}",
-                    alpha=0.7, label=f"{policy}: {name}")
-    for r in (r for r in trace["runs"] if r["system"] == "vllm"):
-        ax.plot([r["capacity_blocks"]], [r["hit_rate"]], "x", color="black")
+                    alpha=0.7, label=f"{line}: {name}")
+    vllm = [r for r in trace["runs"] if r["system"] == "vllm"]
+    for k, r in enumerate(vllm):  # (at the size compared with: vLLM holds kvtier's total across tiers)
+        ax.plot([r["capacity_blocks"]], [r["hit_rate"]], "x", color="black",
+                label="vLLM (as many blocks in all)" if k == 0 else None)
     ceilings = sorted((o["capacity_blocks"], o["hit_rate"]) for o in trace.get("optimum", []))
     if ceilings:
         ax.plot([c for c, _ in ceilings], [h for _, h in ceilings], "s--", color="black",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable, Iterable, Sequence
+from decimal import ROUND_FLOOR, Decimal
 from typing import Any
 
 from kvtier.bench.workloads import Trace
@@ -230,24 +231,40 @@ def parse_counts(text: str) -> list[int]:
             item, scale = item[:-1], 1000
         elif item.endswith("m"):
             item, scale = item[:-1], 1_000_000
-        try:
-            value = int(float(item) * scale) if len(item) <= 24 else MAX_BLOCKS + 1
-        except (ValueError, OverflowError):  # OverflowError: 'inf', '1e400'
+        try:  # 'inf', 'nan', '1e400' are no count (as floats); then exactly ('1.001k': 1001, not 1000)
+            exact = Decimal(MAX_BLOCKS + 1)
+            if len(item) <= 24:
+                int(float(item))
+                exact = Decimal(item) * scale
+        except (ValueError, ArithmeticError):  # OverflowError: 'inf', '1e400'; decimal.InvalidOperation
             raise ValueError(f"{given!r} is not a block count (write e.g. 2k,10k,40000)") from None
-        if not 0 < value <= MAX_BLOCKS:
+        if not 0 < exact <= MAX_BLOCKS:
             raise ValueError(f"{given} is out of range: a block count is from 1 to {MAX_BLOCKS:,} (the config's "
                              f"largest tier)")
-        counts.append(value)
+        counts.append(_whole(given, exact, scale))
     if not counts:
         raise ValueError("no block counts given (write e.g. 2k,10k,40000)")
     return counts
+
+
+def _whole(given: str, exact: Decimal, scale: int) -> int:
+    """`exact`, refused unless a whole number of blocks once scaled ('1.9', '0.0005k': they were
+    truncated before, '1.9' ran at 1 block); the message names the whole numbers next to it."""
+    if exact == exact.to_integral_value():
+        return int(exact)
+    low = int(exact.to_integral_value(rounding=ROUND_FLOOR))
+    near = " or ".join(f"{n:,}" for n in (low, low + 1) if n > 0)
+    scaled = f" ({exact.normalize():g} blocks)" if scale != 1 else ""
+    raise ValueError(f"{given!r} is not a whole number of blocks{scaled}: write {near}")
 
 
 def sweep(config: Any, trace: Trace, capacities: Sequence[int] | None, policies: Iterable[str] | None = None,
           compare_vllm: bool = False, progress_factory: Callable[[str], Callable] | None = None,
           repeats: int = 1, hints: Callable[[], Any] | None = None, without_hints: bool = True) -> list[dict[str, Any]]:
     """Replay for every (first-tier capacity, policy); with `compare_vllm`, also vLLM's LRU and ARC
-    at each capacity, and each kvtier run gets its ratios to vLLM's LRU (`vs_vllm_lru`). With
+    at each capacity, with as many blocks as kvtier's tiers together (`total_blocks`; a row's
+    `capacity_blocks` is the swept first-tier capacity it is compared at, `total_capacity_blocks`
+    what it held in all), and each kvtier run gets its ratios to vLLM's LRU (`vs_vllm_lru`). With
     `hints` (a factory of fresh `SessionHints`), every policy is replayed with hints too (rows with
     `hints: true`); `without_hints=False` leaves out the runs without.
 
@@ -273,8 +290,8 @@ def sweep(config: Any, trace: Trace, capacities: Sequence[int] | None, policies:
         for system, policy, hinted, _ in runs:
             r = best[(system, policy, hinted)]
             r.update(system=system, policy=policy, hints=hinted, capacity_blocks=first_cap, rounds=max(1, repeats))
+            r["total_capacity_blocks"] = sum(t["capacity_blocks"] for t in r["tiers"].values())
             if system == "kvtier":
-                r["total_capacity_blocks"] = sum(t["capacity_blocks"] for t in r["tiers"].values())
                 if "lru" in vllm_rows:
                     ref = vllm_rows["lru"]
                     better = max(vllm_rows.values(), key=lambda x: x["hit_rate"])
@@ -286,17 +303,23 @@ def sweep(config: Any, trace: Trace, capacities: Sequence[int] | None, policies:
     return rows
 
 
+def total_blocks(config: Any) -> int:
+    """The blocks of every tier of `config` together: the capacity vLLM's manager (one tier) gets
+    in `sweep`, so that both hold as many blocks (the optimum's capacity too)."""
+    return sum(t.capacity.blocks for t in config.tiers)
+
+
 def _runs(base: Any, trace: Trace, policies: Iterable[str] | None, compare_vllm: bool,
           hints: Callable[[], Any] | None, without_hints: bool) -> list[tuple[str, str, bool, Callable]]:
     """The runs of one capacity: (system, policy, hinted, run(progress) -> row)."""
     from kvtier.config import HierarchyConfig, TierConfig
 
-    first_cap = base.tiers[0].capacity.blocks
+    total = total_blocks(base)  # vLLM's one tier holds as many blocks as kvtier's tiers together
     runs: list[tuple[str, str, bool, Callable]] = []
     if compare_vllm:
         for vpolicy in ("lru", "arc"):
             runs.append(("vllm", vpolicy, False,
-                         lambda progress, p=vpolicy, c=first_cap: replay_vllm(c, p, trace, progress)))
+                         lambda progress, p=vpolicy, c=total: replay_vllm(c, p, trace, progress)))
     for policy in (list(policies) if policies else [base.tiers[0].policy]):
         tier0 = TierConfig(**{**base.tiers[0].__dict__, "policy": policy})
         cfg = HierarchyConfig((tier0, *base.tiers[1:]), base.block_tokens, base.block_bytes, base.source)

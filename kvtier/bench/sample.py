@@ -11,6 +11,7 @@ from pathlib import Path
 
 SAMPLE_TRACE = "sample"  # the --trace value that names it
 SAMPLE_FILE = "mooncake_conversation_sample.jsonl"
+SAMPLE_BLOCK_TOKENS = 512  # tokens per block of the sample (Mooncake's), whatever the config says
 
 
 def sample_trace_path() -> Path:

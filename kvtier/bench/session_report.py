@@ -49,14 +49,15 @@ def table(report: dict[str, Any]) -> list[str]:
     plain = sorted({p for r in rows for p in r["kvtier"]})
     hinted = sorted({p for r in rows for p in r["kvtier_hints"]})
     vllm = sorted({p for r in rows for p in r["vllm"]})
+    closing = hinted if vllm else []  # (no gap closed without vLLM's rows to measure it from)
     heads = ([f"{p}" for p in plain] + [f"{p}+hints" for p in hinted] + [f"vllm {p}" for p in vllm]
-             + ["ends known", "optimum"] + [f"gap closed {p}" for p in hinted])
+             + ["ends known", "optimum"] + [f"gap closed {p}" for p in closing])
     widths = [max(8, len(h) + 2) for h in heads]
     lines = [f"{'tier0 blocks':>12}" + "".join(f"{h:>{w}}" for h, w in zip(heads, widths))]
     for r in rows:
         cells = ([r["kvtier"].get(p) for p in plain] + [r["kvtier_hints"].get(p) for p in hinted]
                  + [r["vllm"].get(p) for p in vllm] + [r["ends_known"], r["optimum"]]
-                 + [r["gap_closed"].get(p) for p in hinted])
+                 + [r["gap_closed"].get(p) for p in closing])
         lines.append(f"{r['capacity_blocks']:>12}" + "".join(
             f"{'-' if c is None else f'{c:.4f}':>{w}}" for c, w in zip(cells, widths)))
     for policy, c in report["no_hints_vs_vllm_best"].items():
@@ -67,13 +68,19 @@ def table(report: dict[str, Any]) -> list[str]:
 
 
 def summary(report: dict[str, Any], trace: str) -> list[str]:
-    """The Summary's sentences: the gap closed per size, the no-hints check per policy."""
+    """The Summary's sentences: the gap closed per size (where vLLM ran: the gap is measured from
+    its best), the no-hints check per policy."""
     lines = []
     for r in report["by_capacity"]:
+        if r["vllm_best"] is None or not r["gap_closed"]:
+            continue
+        if all(g is None for g in r["gap_closed"].values()):
+            lines.append(f"{trace} @ {r['capacity_blocks']} blocks: no gap for hints to close (vLLM's best "
+                         f"{r['vllm_best']:.4f} reaches the optimum)")
+            continue
         closed = ", ".join(f"{p} {'-' if g is None else f'{g:.2f}'}" for p, g in r["gap_closed"].items())
-        if closed:
-            lines.append(f"{trace} @ {r['capacity_blocks']} blocks: with hints, gap to the optimum closed "
-                         f"(1 = all of it, from vLLM's best): {closed}")
+        lines.append(f"{trace} @ {r['capacity_blocks']} blocks: with hints, gap to the optimum closed "
+                     f"(1 = all of it, from vLLM's best): {closed}")
     for policy, c in report["no_hints_vs_vllm_best"].items():
         lines.append(f"{trace}: {policy} without hints is {c['worst_margin']:+.4f} from vLLM's best at its worst size "
                      f"({'within' if c['within'] else 'NOT within'} {TOLERANCE})")

