@@ -220,8 +220,16 @@ def main(argv: list[str] | None = None) -> int:
                   + (f"  valkey first load {row['valkey_first_load_s'] * 1e3:.2f} ms ({row['valkey_loaded']} blocks, "
                      f"same bytes {row['valkey_identical']})" if "valkey_first_load_s" in row else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps({"benchmark": "host_share", "results": results}, indent=2))
+        Path(args.json).write_text(json.dumps(result_doc(results), indent=2))
     return 0
+
+
+def result_doc(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON `--json` writes: `kvtier.bench.provenance.provenance()` (when, which commit, which
+    machine: docs/bench.md) and the results."""
+    from kvtier.bench.provenance import provenance
+
+    return {**provenance(), "benchmark": "host_share", "results": results}
 
 
 if __name__ == "__main__":

@@ -139,6 +139,15 @@ def _split(events: list[dict]) -> list[dict]:
     return out
 
 
+def result_doc(args: argparse.Namespace, rows: list[dict], summary: dict) -> dict:
+    """The JSON `--out` gets: `kvtier.bench.provenance.provenance()` (when, which commit, which
+    machine: docs/bench.md), the settings and the rows."""
+    from kvtier.bench.provenance import provenance
+
+    return {**provenance(), "backend": args.backend, "connector": args.connector,
+            "direct_file_loads": args.direct_file_loads, "rows": rows, "median": summary}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("kvtier", "vllm_fs"), default="kvtier")
@@ -227,9 +236,7 @@ def main() -> None:
             summary[mode] = {k: statistics.median(r[k] for r in mine)
                              for k in ("total_s", "to_first_lookup_s", "reload_wait_s", "load_s", "rest_s")}
             print(f"median {mode}: " + ", ".join(f"{k}={v:.3f}" for k, v in summary[mode].items()))
-    Path(args.out).write_text(json.dumps({"backend": args.backend, "connector": args.connector,
-                                          "direct_file_loads": args.direct_file_loads, "rows": rows,
-                                          "median": summary}, indent=1))
+    Path(args.out).write_text(json.dumps(result_doc(args, rows, summary), indent=1))
     print(f"wrote {args.out} (raw trace: {trace})")
 
 

@@ -123,15 +123,26 @@ def test_the_block_table_sits_below_policies_and_tiers():
 # and under `if TYPE_CHECKING:` are not counted: neither runs when the module is imported.
 PACKAGE_ORDER = ["core", "index", "policies", "tiers", "transfer", "config", "control", "host", "standalone",
                  "testing", "bench", "cli", "integrations"]
-# A tier kind that brings its own handler builds it on the handler contract (the step towards each
-# tier package registering its backend, spec and handlers; ARCHITECTURE.md, "A layout that is a map").
-UPWARD_ALLOWED = {("kvtier.tiers.remote.handler", "kvtier.transfer.handlers.base")}
+# The one upward import allowed: a tier kind (a package `kvtier.tiers.<kind>`, any module in it) builds
+# the handlers it brings on the handler contract, `kvtier.transfer.handlers.base`, which its backend
+# declares (`Backend.handlers`; ARCHITECTURE.md, "A layout that is a map": `tiers/<kind>/` registers
+# its backend, spec and handlers). Nothing else of `transfer`, and nothing outside a kind's package
+# (`kvtier.tiers.base`, `kvtier.tiers.room`, ...): README, "A tier kind of your own".
+HANDLER_CONTRACT = "kvtier.transfer.handlers.base"
 
 
-def test_packages_import_only_packages_below_them():
-    package = Path(__file__).resolve().parents[1] / "kvtier"
-    assert sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file()) == sorted(PACKAGE_ORDER)
-    assert sorted(p.name for p in package.glob("*.py")) == ["__init__.py"], "a module outside the packages"
+def upward_allowed(module: str, name: str, package: Path) -> bool:
+    """Whether `module` (a module of the kvtier package at `package`) may import `name` from a later
+    package: a tier kind's package importing the handler contract."""
+    parts = module.split(".")
+    return (name == HANDLER_CONTRACT and len(parts) >= 3 and parts[:2] == ["kvtier", "tiers"]
+            and (package / "tiers" / parts[2] / "__init__.py").is_file())
+
+
+def upward_imports(package: Path) -> list[str]:
+    """Each "M imports N" where a module M of the kvtier package at `package` imports, when it is
+    imported, a module N of a package after its own in PACKAGE_ORDER that `upward_allowed` does not
+    allow."""
     upward = []
     for path in sorted(package.rglob("*.py")):
         rel = path.relative_to(package.parent).with_suffix("")
@@ -143,6 +154,13 @@ def test_packages_import_only_packages_below_them():
             parts = name.split(".")
             if parts[0] != "kvtier" or len(parts) < 2 or parts[1] not in PACKAGE_ORDER:
                 continue
-            if PACKAGE_ORDER.index(parts[1]) > own and (module, name) not in UPWARD_ALLOWED:
+            if PACKAGE_ORDER.index(parts[1]) > own and not upward_allowed(module, name, package):
                 upward.append(f"{module} imports {name}")
-    assert upward == [], upward
+    return upward
+
+
+def test_packages_import_only_packages_below_them():
+    package = Path(__file__).resolve().parents[1] / "kvtier"
+    assert sorted(p.name for p in package.iterdir() if (p / "__init__.py").is_file()) == sorted(PACKAGE_ORDER)
+    assert sorted(p.name for p in package.glob("*.py")) == ["__init__.py"], "a module outside the packages"
+    assert upward_imports(package) == []

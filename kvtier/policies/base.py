@@ -80,8 +80,20 @@ class CachePolicy(ABC):
 
     @abstractmethod
     def touch(self, keys: Iterable[OffloadKey]) -> None:
-        """Mark resident blocks as recently used (keys not resident are ignored); the first key
-        of a prefix ends up the most recent, so a prefix is evicted tail first."""
+        """Record a reuse of the resident blocks `keys`. The manager passes a request's hits in
+        prefix order, head first.
+
+        Every policy (`PolicyTests` checks it): keys not resident are ignored; no resident block
+        is dropped or replaced; a touched block outlives blocks stored once and never touched
+        (a suite may declare `keeps_hit_blocks = False` for a policy that does not promise it,
+        e.g. FIFO).
+
+        Recency-ordered policies (`lru`, `arc`, the recency part of `prefix-freq`, vLLM's LRU)
+        also move the touched blocks to the most recent end, the first key last: it ends up the
+        most recent, so a touched prefix is evicted tail first. That order is theirs, not the
+        contract's: `sieve` only sets each block's visited bit and moves nothing (SIEVE by
+        design), so touched blocks keep their insertion order and a prefix's head may be evicted
+        before its tail."""
 
     @abstractmethod
     def evict(self, n: int, protected: set[OffloadKey]) -> list[tuple[OffloadKey, BlockStatus]] | None:

@@ -1,7 +1,18 @@
-"""`kvtier.testing.backend.BackendTests` run on every built-in backend with bytes (memory, cpu,
-file); broken backends are shown to fail it."""
+"""`kvtier.testing.backend.BackendTests` run on every backend in `kvtier.transfer.registry.BACKENDS`;
+broken backends are shown to fail it.
+
+A tier kind added to the registry needs one `Test...(BackendTests)` class here: the coverage test
+below derives the kinds from the registry and fails naming a kind no class here runs the suite on.
+Each class's `make_backend` must work on a bare instance (no pytest fixture): the coverage test
+builds one backend from each class to see which kind it tests.
+"""
 
 from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -13,7 +24,6 @@ from kvtier.testing.fake_remote import FakeServer, fake_valkey
 from kvtier.tiers.cpu import CPUBackend
 from kvtier.tiers.file import FileBackend
 from kvtier.tiers.memory import MemoryBackend
-from kvtier.tiers.remote.backend import ValkeyBackend
 from kvtier.transfer import registry
 
 
@@ -28,25 +38,34 @@ class TestCPUBackend(BackendTests):
 
 
 class TestFileBackend(BackendTests):
-    @pytest.fixture(autouse=True)
-    def _root(self, tmp_path):
-        self.root = tmp_path / "kv"
+    """Its directory: `root` where a test set one, else a temporary one of this instance's (pytest
+    makes an instance per test), removed at teardown."""
 
     def make_backend(self, num_blocks, block_bytes):
+        if "root" not in self.__dict__:
+            self._tmp = tempfile.TemporaryDirectory(prefix="kvtier-conformance-")
+            self.root = Path(self._tmp.name) / "kv"
         return FileBackend.from_config("disk", num_blocks, block_bytes, 16, {
             "root_dir": str(self.root), "io": "posix", "fingerprint": "conformance-model", "sync_interval": 0})
 
     def reopen(self, backend):
         return self.make_backend(backend.num_blocks, backend.block_bytes)
 
+    def teardown_method(self, method=None):
+        super().teardown_method(method)
+        tmp = self.__dict__.pop("_tmp", None)
+        if tmp is not None:
+            tmp.cleanup()
+
 
 class TestValkeyBackend(BackendTests):
     """A valkey tier on a fake server. Its slots are handles of keys; its persistence is the
     server's: blocks are not recovered as slots but found again by probing."""
 
-    @pytest.fixture(autouse=True)
-    def _server(self):
-        self.server = FakeServer()
+    @property
+    def server(self) -> FakeServer:
+        """This instance's fake server (pytest makes an instance per test)."""
+        return self.__dict__.setdefault("_server", FakeServer())
 
     def make_backend(self, num_blocks, block_bytes, fingerprint="conformance-model"):
         return fake_valkey(self.server, "remote", num_blocks, block_bytes, fingerprint=fingerprint)
@@ -90,9 +109,37 @@ class TestValkeyBackend(BackendTests):
         assert self.probe(other, keys(ids)) == [False] * len(ids)
 
 
+def backend_suites(namespace: Mapping[str, Any]) -> dict[str, type]:
+    """The conformance classes of a test module (its globals): `Test...` subclasses of BackendTests."""
+    return {name: obj for name, obj in namespace.items()
+            if name.startswith("Test") and isinstance(obj, type) and issubclass(obj, BackendTests)}
+
+
+def kind_tested(suite_cls: type, registered: Mapping[str, str]) -> str | None:
+    """The registered kind (a name of `registered`) whose backend `suite_cls` tests: the most specific
+    registered class of the backend its `make_backend` builds (a test double subclassing a
+    registered backend tests that backend); None if it builds none of them."""
+    classes = {registry.load_object(path): name for name, path in registered.items()}
+    suite = suite_cls()
+    try:
+        backend = suite.backend()
+        return next((classes[c] for c in type(backend).__mro__ if c in classes), None)
+    finally:
+        suite.teardown_method()
+
+
+def kinds_without_a_suite(registered: Mapping[str, str], suites: Iterable[type]) -> list[str]:
+    """The names of `registered` (name -> "module:Class", as `registry.BACKENDS`) no suite tests."""
+    tested = {kind_tested(cls, registered) for cls in suites}
+    return sorted(name for name in registered if name not in tested)
+
+
 def test_every_registered_backend_runs_the_suite():
-    tested = {MemoryBackend, CPUBackend, FileBackend, ValkeyBackend}
-    assert tested == {registry.resolve(registry.BACKENDS, name) for name in registry.BACKENDS}
+    """Every kind in `registry.BACKENDS`, whatever they are, has a BackendTests class here."""
+    assert registry.BACKENDS, "no backend is registered"
+    missing = kinds_without_a_suite(registry.BACKENDS, backend_suites(globals()).values())
+    assert missing == [], (f"registered backends no BackendTests class in {__name__} runs the suite on: {missing}; "
+                           "add a `class Test...(BackendTests)` here whose make_backend builds one")
 
 
 def test_a_file_backend_reopened_under_another_identity_serves_nothing(tmp_path):

@@ -22,7 +22,9 @@ How vLLM's calls map onto kvtier's policy (`KVTierCachePolicy`):
   them to the kvtier policy at its next call that needs them (`evict`, `touch`, a `mark_*`, ...)
   in one `insert_many`, tail first with `tail=` the store's last block, as kvtier's own manager
   does: a prefix is evicted tail first, and `prefix-freq` sees which block is the tail.
-* `touch(keys)` is kvtier's `touch` (the first key ends up the most recent, as in vLLM's LRU).
+* `touch(keys)` is kvtier's `touch` (`CachePolicy.touch`: in `LRUPolicy`, `ARCPolicy` and
+  `PrefixFreqPolicy` the first key ends up the most recent, as in vLLM's LRU; `SievePolicy` only
+  marks the keys visited).
 * `on_request_finished` touches the request's keys once, in the request's head-to-tail order
   across KV-cache groups (vLLM's `order_request_keys`), leaving out the keys the request only
   inserted: kvtier's policies take a touch as a reuse (`prefix-freq` counts it, `arc` moves the
