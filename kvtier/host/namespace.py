@@ -32,13 +32,13 @@ from typing import Any
 
 from kvtier.config import HierarchyConfig, parse_config
 from kvtier.config.input import plain
-from kvtier.control.hints import parse_hint
+from kvtier.control.hints import HINTS_KEY, parse_hint
 from kvtier.control.store_threshold import StoreThreshold
 from kvtier.core.errors import ConfigError
 from kvtier.core.keys import OffloadKey
 from kvtier.core.limits import MAX_KEY_BYTES
 from kvtier.core.specs import CPULoadStoreSpec
-from kvtier.core.types import LookupResult
+from kvtier.core.types import LookupResult, ReqContext
 from kvtier.host.wire import hex_keys, parse_keys
 
 log = logging.getLogger(__name__)
@@ -100,6 +100,16 @@ def namespace_config(raw: Any, identity: Identity, name: str) -> HierarchyConfig
         raise ConfigError([("tiers[0].backend", f"a shared hierarchy starts with a 'cpu' tier (the region every "
                                                 f"engine maps), got {config.tiers[0].backend!r}")])
     return config
+
+
+def hinted(message: dict[str, Any]) -> ReqContext | None:
+    """The call's retention hint (`hints`; `ValueError` naming the field when invalid) as the
+    request the owner's manager is given (the owner knows no request id), so that it notes the
+    hint as the engine's own hierarchy would (`HierarchyManager`: the session's blocks, and its
+    first victims once it ended, which a call without the hint takes as used again); None
+    without one."""
+    hints = message.get("hints")
+    return None if parse_hint(hints, "hints") is None else ReqContext("", kv_transfer_params={HINTS_KEY: hints})
 
 
 @dataclass
@@ -198,17 +208,16 @@ class Namespace:
     def _prepare_load(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
         """Pin the leading run of `keys` readable in the first tier now (another engine may have
         evicted one since this engine's lookup): their slots, and how many."""
-        hint = parse_hint(message.get("hints"), "hints")
+        call = hinted(message)
         readable, _ = self.manager.lookup_run(keys)
         if not readable:
             return {"slots": []}
-        spec = self.manager.prepare_load(keys[:readable])
+        spec = self.manager.prepare_load(keys[:readable], call)  # (a hit of the session's blocks: `hinted`)
         if not isinstance(spec, CPULoadStoreSpec):  # (the owner promotes every lower tier's hit first)
             self.manager.complete_load(keys[:readable])
             return {"slots": []}
         ledger.loads.update(keys[:readable])
         ledger.last = (message.get("id"), keys[:readable], [])
-        self.manager.retention.note(hint, keys[:readable])
         return {"slots": spec.block_ids, "token": self.region["token"]}
 
     def _complete_load(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
@@ -223,7 +232,10 @@ class Namespace:
         return {"released": len(held)}
 
     def _touch(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
-        self.manager.touch(keys)
+        """The blocks a request used count as used, with its retention hint (`hinted`): a hit of
+        a session's blocks starts its retention again, an ended session's blocks stay its first
+        victims (without a hint, a touch makes them ordinary blocks again: used again)."""
+        self.manager.touch(keys, hinted(message))
         return {}
 
     def _prepare_store(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
@@ -232,7 +244,7 @@ class Namespace:
         host-wide, unless it says `"offer": false` (the same offer asked again after no room).
         `reused`: the offer's keys readable in the first tier (a vLLM engine touches them when
         the request finishes, as a private hierarchy's adapter does)."""
-        hint = parse_hint(message.get("hints"), "hints")
+        call = hinted(message)
         readable = self.manager.tiers[0].readable
         offer, skipped, reused = keys, 0, hex_keys([key for key in keys if readable(key) is not None])
         if self.threshold.enabled:
@@ -240,14 +252,13 @@ class Namespace:
             counted = message.get("offer", True) is not False
             keys = self.threshold.admit(keys, absent) if counted else self.threshold.passes(keys, absent)
             skipped = len(offer) - len(keys) if counted else 0
-        out = self.manager.prepare_store(keys)
+        out = self.manager.prepare_store(keys, call)  # (with the session's retention hint: `hinted`)
         if out is None:
             self._make_room(len(keys))  # (the engine asks again once the copies down are made)
             return {"room": False, "skipped": skipped, "reused": reused}
         store = list(out.keys_to_store)
         ledger.stores.update(store)
         ledger.last = (message.get("id"), [], store)
-        self.manager.retention.note(hint, keys, store)  # (a session's retention hint: kvtier.control.retention)
         assert isinstance(out.store_spec, CPULoadStoreSpec)  # (the first tier is a cpu tier: namespace_config)
         return {"room": True, "store": hex_keys(store), "slots": out.store_spec.block_ids,
                 "token": self.region["token"], "evicted": hex_keys(out.evicted_keys), "skipped": skipped,
@@ -268,7 +279,8 @@ class Namespace:
         return {"completed": len(held)}
 
     def _stats(self, keys: list[OffloadKey], message: dict[str, Any], ledger: Ledger) -> dict[str, Any]:
-        return {"tiers": self.manager.get_stats(), "namespace": self.name}
+        """Per-tier counters and the sessions' retention (`Retention.report()`), every engine's."""
+        return {"tiers": self.manager.get_stats(), "retention": self.manager.retention.report(), "namespace": self.name}
 
     # ------------------------------------------------------------------ background
     def expire(self, ledger: Ledger) -> None:

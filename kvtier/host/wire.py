@@ -11,10 +11,13 @@ import json
 import socket
 import struct
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.core.errors import KVTierError
 from kvtier.core.keys import OffloadKey
+
+if TYPE_CHECKING:
+    from kvtier.control.hints import Hint
 
 MAX_FRAME_BYTES = 64 << 20  # a request for ~500 K keys; nothing legitimate comes near it
 _LENGTH = struct.Struct(">I")
@@ -93,3 +96,12 @@ def parse_keys(values: Any, field: str = "keys") -> list[OffloadKey]:
         return [OffloadKey(bytes.fromhex(value)) for value in values]
     except (TypeError, ValueError):
         raise ValueError(f"{field}: expected a list of hex strings") from None
+
+
+def hint_fields(hint: Hint | None) -> dict[str, Any] | None:
+    """A retention hint checked by the engine (`parse_hint`), as sent to the owner, which reads
+    it back the same: plain JSON values, whatever mapping the caller gave it in; None: none."""
+    if hint is None:
+        return None
+    return {"session": hint.session, "retain_s": hint.retain_s, "priority": hint.priority, "tenant": hint.tenant,
+            "session_ended": hint.ended}

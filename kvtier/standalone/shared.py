@@ -31,7 +31,7 @@ from kvtier.core.specs import CPULoadStoreSpec, GPULoadStoreSpec
 from kvtier.core.types import TransferResult
 from kvtier.host.client import HostClient, join
 from kvtier.host.region import RegionMap
-from kvtier.host.wire import HostUnavailable, hex_keys, parse_keys
+from kvtier.host.wire import HostUnavailable, hex_keys, hint_fields, parse_keys
 from kvtier.standalone.blocks import KeyBlocks
 from kvtier.standalone.counters import TransferCounters
 from kvtier.tiers.cpu import RegionError
@@ -62,6 +62,7 @@ class SharedKVTier:
         self._counters = TransferCounters()
         self._lock = threading.RLock()
         self._closed = False
+        self._hints = 0  # calls that carried a hint (`stats()["engine"]["retention"]["hints"]`)
 
     # ------------------------------------------------------------------ public API
     def store(self, keys: Sequence[bytes], engine_block_ids: Sequence[int],
@@ -70,12 +71,13 @@ class SharedKVTier:
         False when some could not be stored: no room, a failed copy, or the owner unavailable.
         `hints`: the session's retention hint, as `KVTier.store`'s (the owner keeps the session's
         blocks for every engine of the host)."""
-        parse_hint(hints, "hints")  # (refused here, naming the field, before the owner is asked)
+        hint = self._hint(hints)  # (refused here, naming the field, before the owner is asked)
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=False)
             size = self._round_blocks()
-            return all([self._store_round(keys[i:i + size], by_key, hints) for i in range(0, len(keys), size)])
+            self._hints += hint is not None
+            return all([self._store_round(keys[i:i + size], by_key, hint) for i in range(0, len(keys), size)])
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` the shared hierarchy can load now (0 when the owner is unavailable)."""
@@ -86,27 +88,35 @@ class SharedKVTier:
              hints: Mapping[str, Any] | None = None) -> int:
         """Load the longest loadable prefix of `keys` into its engine blocks; how many were loaded.
         `hints`: as `store`'s, for the blocks loaded."""
-        parse_hint(hints, "hints")
+        hint = self._hint(hints)
         with self._call():
+            self._hints += hint is not None
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True)
             loaded, stalled, size = 0, 0, self._round_blocks()
             while loaded < len(keys) and stalled < MAX_STALLED_ROUNDS:
                 window = keys[loaded:loaded + size]  # (what the owner's first tier can take beside other engines')
-                pinned, good = self._load_round(window, by_key, hints)
+                pinned, good = self._load_round(window, by_key, hint)
                 loaded += good
                 if good < pinned or (pinned == 0 and not self._hits(window)):
                     break  # a failed copy, or nothing more to find (after waiting for promotions)
                 stalled = stalled + 1 if pinned == 0 else 0  # (found, then evicted by another engine again)
             if loaded:
-                self._touch(keys[:loaded])
+                self._touch(keys[:loaded], hint)
             return loaded
 
-    def _touch(self, keys: list[OffloadKey]) -> None:
-        """The blocks loaded count as used in the owner's tiers (`KVTier.load`); an owner that
-        does not answer misses that reuse only."""
+    @staticmethod
+    def _hint(hints: Mapping[str, Any] | None) -> dict[str, Any] | None:
+        """`hints` checked as `KVTier`'s are (`ArgumentError` naming the field), as sent to the
+        owner: a plain dict of its fields, whatever mapping it came in."""
+        return hint_fields(parse_hint(hints, "hints"))
+
+    def _touch(self, keys: list[OffloadKey], hint: dict[str, Any] | None) -> None:
+        """The blocks loaded count as used in the owner's tiers (`KVTier.load`), with the call's
+        hint (an ended session's blocks stay its first victims); an owner that does not answer
+        misses that reuse only."""
         try:
-            self.client.call("touch", keys=hex_keys(keys))
+            self.client.call("touch", keys=hex_keys(keys), hints=hint)
         except HostUnavailable:
             pass
 
@@ -121,14 +131,19 @@ class SharedKVTier:
             return 0
 
     def stats(self) -> dict[str, Any]:
-        """The owner's per-tier counters (empty when it does not answer) and this engine's totals."""
+        """The owner's per-tier counters (empty when it does not answer) and this engine's totals,
+        with `"retention"` once a hint was given (as `KVTier.stats()`'s): `hints` counts this
+        engine's calls that carried one, the other numbers are the owner's (every engine's)."""
         with self._lock:
             try:
-                tiers = self.client.call("stats")["tiers"]
+                answer = self.client.call("stats")
             except HostUnavailable:
-                tiers = {}
-            engine = {**self._counters.as_dict(), "host_failures": self.client.failures}
-            return {**tiers, "engine": engine}
+                answer = {}
+            engine: dict[str, Any] = {**self._counters.as_dict(), "host_failures": self.client.failures}
+            retention = answer.get("retention") or {}
+            if retention.get("hints") or retention.get("hints_refused") or self._hints:
+                engine["retention"] = {**retention, "hints": self._hints, "hints_refused": 0}
+            return {**answer.get("tiers", {}), "engine": engine}
 
     def close(self, flush: bool = True, flush_timeout: float | None = None) -> None:
         """Leave the shared hierarchy (the owner keeps the blocks) and unmap the region. Idempotent."""
@@ -183,7 +198,7 @@ class SharedKVTier:
         return 0
 
     def _store_round(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]],
-                     hints: Mapping[str, Any] | None) -> bool:
+                     hints: dict[str, Any] | None) -> bool:
         deadline, offer = self._patience(), True
         while True:
             try:  # (asked again, the same offer is not counted again by the owner's store threshold)
@@ -211,7 +226,7 @@ class SharedKVTier:
         return result.success
 
     def _load_round(self, window: list[OffloadKey], by_key: dict[OffloadKey, list[int]],
-                    hints: Mapping[str, Any] | None) -> tuple[int, int]:
+                    hints: dict[str, Any] | None) -> tuple[int, int]:
         """Load the leading run of `window` readable in the owner's first tier now (pinned for this
         engine meanwhile): (how many were pinned, how many leading ones were loaded). A block whose
         copy failed is reported to the owner, which drops it."""

@@ -40,13 +40,12 @@ from vllm.v1.kv_offload.base import (
 )
 
 from kvtier.config.shared import config_mapping
-from kvtier.control.hints import HINTS_KEY, parse_hint
-from kvtier.core.errors import ArgumentError
 from kvtier.host.client import HostClient, join
 from kvtier.host.namespace import LEASE_GRACE_S
 from kvtier.host.wire import HostUnavailable, hex_keys
 from kvtier.integrations.vllm.host_holdings import Holdings
 from kvtier.integrations.vllm.manager import CONFIG_INFO_KEYS, METRIC_PREFIX, failed_last
+from kvtier.integrations.vllm.retention_metrics import EngineHints, record_retention
 from kvtier.integrations.vllm.translate import KVTierHostLoadStoreSpec
 from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED
 
@@ -62,22 +61,6 @@ OWNER_STATS_S = 1.0  # how often `get_stats` asks the owner for its tiers' gauge
 FLUSHED_RELEASE_S = LEASE_GRACE_S  # after a reset: when the transfers then in flight are released at the latest
 # This engine's counters, exported as `vllm:kvtier_<name>{tier=<first tier>}` (deltas).
 ENGINE_COUNTERS = {"loaded": "hits", "stored": "stores", "failures": "failures", "unavailable": "breaker_misses"}
-
-
-def request_hints(req_context: Any) -> dict[str, Any] | None:
-    """The session's retention hint a request carries (`kv_transfer_params["kvtier"]`), checked
-    here, for the owner to note (`kvtier.control.retention`); None without one, and for an invalid
-    one (hints come from clients: the request is served without it, as a private hierarchy does)."""
-    params = getattr(req_context, "kv_transfer_params", None)
-    raw = params.get(HINTS_KEY) if isinstance(params, dict) else None
-    if raw is None:
-        return None
-    try:
-        parse_hint(raw, f"kv_transfer_params.{HINTS_KEY}")
-    except ArgumentError as exc:
-        log.debug("kvtier: request %s: retention hint ignored: %s", getattr(req_context, "req_id", "?"), exc)
-        return None
-    return dict(raw)
 
 
 def request_run(req_context: Any, key: OffloadKey) -> list[OffloadKey]:
@@ -150,7 +133,9 @@ class HostOffloadingManager(OffloadingManager):
         self._reused: dict[str, list[OffloadKey]] = {}  # request -> keys it loaded or offered held (touched at its end)
         self.counters: Counter[str] = Counter()  # this engine's: loaded, stored, failures, unavailable, short, skipped
         self._last: Counter[str] = Counter()
-        self._owner_stats: tuple[float, dict[str, Any]] = (0.0, {})
+        self._owner_stats: tuple[float, dict[str, Any]] = (0.0, {})  # (when, the owner's `stats` answer)
+        self.hints = EngineHints()  # this engine's requests' hints, sent with their calls to the owner
+        self._last_retention: dict[str, float] = {}
         self.direct_file_loads = ReportedFailures()  # (the name KVTierOffloadingConnector enables)
 
     @property
@@ -194,7 +179,7 @@ class HostOffloadingManager(OffloadingManager):
         """Pin `keys` in the owner: a spec of the slots of the leading run it pinned, naming its
         region, with every key, so that the worker fails those not pinned (the module docstring)."""
         keys = list(keys)
-        reply = self._call("prepare_load", keys=hex_keys(keys), hints=request_hints(req_context))
+        reply = self._call("prepare_load", keys=hex_keys(keys), hints=self.hints.of(req_context))
         slots = [] if reply is None else list(reply["slots"])
         self.holdings.pinned(keys[:len(slots)], self.client.generation)
         if len(slots) < len(keys):
@@ -208,8 +193,10 @@ class HostOffloadingManager(OffloadingManager):
                                        region.get("num_blocks", 0), keys)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """The keys count as used in the owner, with the request's hint (an ended session's blocks
+        stay its first victims, as in a private hierarchy)."""
         if keys:
-            self._call("touch", keys=hex_keys(keys))
+            self._call("touch", keys=hex_keys(keys), hints=self.hints.of(req_context))
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.complete_failed_load(keys, req_context, bad=())
@@ -232,7 +219,7 @@ class HostOffloadingManager(OffloadingManager):
         """The owner's slots for the keys it does not hold yet (in the offer's order, the order
         of the engine blocks of vLLM's store job); None when it has no room or does not answer."""
         offer = list(keys)
-        reply = self._call("prepare_store", keys=hex_keys(offer), hints=request_hints(req_context))
+        reply = self._call("prepare_store", keys=hex_keys(offer), hints=self.hints.of(req_context))
         if reply is not None:
             self.counters["skipped"] += int(reply.get("skipped", 0))  # (the owner's store threshold)
             self._reused.setdefault(req_context.req_id, []).extend(_keys(reply.get("reused", ())))
@@ -318,7 +305,8 @@ class HostOffloadingManager(OffloadingManager):
         """This engine's counters (deltas, labelled with the first tier: blocks loaded from and
         stored into the host region, failed jobs, lookups missed because the owner did not
         answer; with a store threshold, vLLM's `stores_skipped`: this engine's offers the owner's
-        threshold skipped) and the owner's gauges per tier (asked at most every `OWNER_STATS_S`)."""
+        threshold skipped), the owner's gauges per tier, and the sessions' retention
+        (`vllm:kvtier_retention_*`: `EngineHints.report`); the owner is asked at most every `OWNER_STATS_S`."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
         stats = OffloadingConnectorStats()
@@ -330,29 +318,34 @@ class HostOffloadingManager(OffloadingManager):
         if self.config.store_threshold >= 2:  # as vLLM: reported (0 included) only with a threshold
             stats.increase_counter(STORES_SKIPPED, self.counters["skipped"] - self._last["skipped"])
         self._last = Counter(self.counters)
-        for tier, values in self._owner_tiers().items():
+        owner = self._owner()
+        for tier, values in (owner.get("tiers") or {}).items():
             capacity, resident = values.get("capacity_blocks") or 0, values.get("resident_blocks", 0)
-            stats.set_gauge(METRIC_PREFIX + "resident_blocks", resident, (tier,))
-            stats.set_gauge(METRIC_PREFIX + "capacity_blocks", capacity, (tier,))
-            stats.set_gauge(METRIC_PREFIX + "usage_perc", resident / capacity if capacity else 0.0, (tier,))
-        return stats
+            for gauge, value in (("resident_blocks", resident), ("capacity_blocks", capacity),
+                                 ("retained_blocks", values.get("retained_blocks", 0)),
+                                 ("ended_blocks", values.get("ended_blocks", 0)),
+                                 ("usage_perc", resident / capacity if capacity else 0.0)):
+                stats.set_gauge(METRIC_PREFIX + gauge, value, (tier,))
+        return record_retention(stats, self.hints.report(owner), self._last_retention)
 
-    def _owner_tiers(self) -> dict[str, dict[str, Any]]:
-        """The owner's per-tier counters of this hierarchy (all engines'), at most `OWNER_STATS_S`
-        old; empty when it does not answer."""
-        at, tiers = self._owner_stats
+    def _owner(self) -> dict[str, Any]:
+        """The owner's `stats` answer (`tiers`: its per-tier counters of this hierarchy, all
+        engines'; `retention`: its `Retention.report()`), at most `OWNER_STATS_S` old; empty when
+        it does not answer."""
+        at, answer = self._owner_stats
         if time.monotonic() - at >= OWNER_STATS_S:
-            reply = self._call("stats")
-            tiers = {} if reply is None else dict(reply.get("tiers") or {})
-            self._owner_stats = (time.monotonic(), tiers)
-        return tiers
+            answer = self._call("stats") or {}
+            self._owner_stats = (time.monotonic(), answer)
+        return answer
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
         """The owner's per-tier counters and this engine's (`engine`: loaded, stored, failures,
-        unavailable, short, skipped, host_failures); tests, bench."""
+        unavailable, short, skipped, host_failures, and `retention`: `EngineHints.report`); tests, bench."""
         with self._lock:
             self._owner_stats = (0.0, {})
-            return {**self._owner_tiers(), "engine": {**self.counters, "host_failures": self.client.failures}}
+            owner = self._owner()
+            engine = {**self.counters, "host_failures": self.client.failures, "retention": self.hints.report(owner)}
+            return {**(owner.get("tiers") or {}), "engine": engine}
 
     def shutdown(self) -> None:
         """Leave the owner (it keeps the blocks; it releases what this engine held after its grace)."""

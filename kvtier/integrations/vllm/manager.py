@@ -23,7 +23,7 @@ from vllm.v1.kv_offload.base import (
 from kvtier.control.request_access import RequestAccesses, request_order, several_groups
 from kvtier.control.store_threshold import DEFAULT_MAX_TRACKER_SIZE, StoreThreshold
 from kvtier.control.tier import TierStats
-from kvtier.integrations.vllm.retention_metrics import record_retention
+from kvtier.integrations.vllm.retention_metrics import RetainedGauges, record_retention
 from kvtier.integrations.vllm.translate import _to_vllm_spec, to_vllm_medium
 from kvtier.integrations.vllm.vllm_metrics import STORES_SKIPPED, record_first_tier, record_lower_tier
 
@@ -137,6 +137,7 @@ class KVTierOffloadingManager(OffloadingManager):
         self._top = hierarchy.first_tier  # (the first tier never changes)
         self.enable_events = enable_events
         self._last_counters: dict[str, dict[str, float]] = {}
+        self._rows = RetainedGauges()  # (the tiers' retained blocks, recounted at most once a second)
         # token of the shared CPU region, sent with every spec: the worker maps only this region
         self.region_token = getattr(hierarchy.first_backend, "token", None)
         # each file tier's manifest digest, sent with its slots: the worker checks it read that tier
@@ -312,12 +313,12 @@ class KVTierOffloadingManager(OffloadingManager):
 
     # --- metrics
     def get_stats(self):
-        """kvtier's per-tier metrics (`vllm:kvtier_*`: counter deltas since the last call, gauges)
-        and vLLM's own names with the same meaning (`kvtier.integrations.vllm.vllm_metrics`)."""
+        """kvtier's per-tier metrics (`vllm:kvtier_*`: counter deltas since the last call, gauges:
+        `RetainedGauges`) and vLLM's own names with the same meaning (`vllm_metrics`)."""
         from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
         stats = OffloadingConnectorStats()
-        for index, (tier, values) in enumerate(self.manager.get_stats().items()):
+        for index, (tier, values) in enumerate(self._rows.rows(self.manager).items()):
             last = self._last_counters.setdefault(tier, {})
             deltas: dict[str, float] = {}
             for name in KVTIER_COUNTERS:
@@ -328,8 +329,7 @@ class KVTierOffloadingManager(OffloadingManager):
                     stats.increase_counter(METRIC_PREFIX + name, delta, (tier,))
             if index:
                 record_lower_tier(stats, tier, deltas)
-            capacity = values.get("capacity_blocks") or 0
-            resident = values.get("resident_blocks", 0)
+            capacity, resident = values.get("capacity_blocks") or 0, values.get("resident_blocks", 0)
             for gauge in ("resident_blocks", "capacity_blocks", "retained_blocks", "ended_blocks"):
                 stats.set_gauge(METRIC_PREFIX + gauge, values.get(gauge, 0), (tier,))
             stats.set_gauge(METRIC_PREFIX + "usage_perc", resident / capacity if capacity else 0.0, (tier,))
