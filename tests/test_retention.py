@@ -157,11 +157,11 @@ def test_at_most_max_sessions_are_tracked_oldest_turn_first_forgotten():
     assert list(r.sessions) == ["b", "c"] and r.stats.displaced == 1
 
 
-def test_a_block_belongs_to_the_last_session_that_used_it():
+def test_a_shared_block_stays_retained_while_a_session_using_it_is_live():
     clock = Clock()
     r = Retention(capacity=100, clock=clock)
     r.note(Hint("a", 5.0), keys(2))
-    r.note(Hint("b", 50.0), keys(2))  # the same shared prefix, now b's
+    r.note(Hint("b", 50.0), keys(2))  # the same shared prefix, retained by both
     clock.now += 10
     assert set(r.held()) == set(keys(2))  # a expired; b keeps them
 

@@ -27,6 +27,7 @@ class Expiries:
     def __init__(self, sessions: Mapping[str, _Timed]) -> None:
         self._sessions = sessions
         self._heap: list[tuple[float, str]] = []
+        self.first = float("inf")  # `next()`, kept as an attribute: the retention reads it at every turn
 
     def __len__(self) -> int:
         return len(self._heap)
@@ -41,8 +42,9 @@ class Expiries:
         heap = self._heap
         heappush(heap, (until, name))
         if len(heap) > 2 * len(self._sessions) + 64:
-            self._heap = [(session.until, name) for name, session in self._sessions.items()]
-            heapify(self._heap)
+            self._heap = heap = [(session.until, name) for name, session in self._sessions.items()]
+            heapify(heap)
+        self.first = heap[0][0] if heap else float("inf")
 
     def due(self, now: float) -> list[str]:
         """The sessions whose retention has ended by `now`, each once, in no particular order.
@@ -59,4 +61,5 @@ class Expiries:
                 heappop(heap)
             else:
                 heapreplace(heap, (session.until, name))
+        self.first = heap[0][0] if heap else float("inf")
         return list(found)

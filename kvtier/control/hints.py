@@ -96,9 +96,10 @@ class _Counts(Protocol):
 class RequestHints:
     """The hints vLLM's requests carry in `kv_transfer_params["kvtier"]`, read once per request
     (a request's later calls find it parsed, unless the client changed it) and counted in
-    `counts` once per request: `hints` when valid, `hints_refused` when not. Under vLLM the
-    hints come from clients: an invalid one is logged once per request and the request served
-    without it. Remembers the last 4,096 requests' hints and 1,024 refusals."""
+    `counts` once per request: `hints` when valid, `hints_refused` when not (a null one is no
+    hint: not counted). Under vLLM the hints come from clients: an invalid one is logged once per
+    request and the request served without it. Remembers the last 4,096 requests' hints and
+    1,024 refusals."""
 
     def __init__(self, counts: _Counts) -> None:
         self._counts = counts
@@ -110,7 +111,10 @@ class RequestHints:
         params = getattr(req_context, "kv_transfer_params", None)
         if not params or HINTS_KEY not in params:
             return None
-        raw, req_id = params[HINTS_KEY], getattr(req_context, "req_id", None)
+        raw = params[HINTS_KEY]
+        if raw is None:  # (`"kvtier": null`: no hint, so nothing counted)
+            return None
+        req_id = getattr(req_context, "req_id", None)
         parsed = self._parsed.get(req_id)
         if parsed is not None and parsed[0] == raw:  # (a request's later calls: parsed and counted once)
             return parsed[1]

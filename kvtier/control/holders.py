@@ -11,20 +11,35 @@ a key that grew stale is recomputed when it reaches the top, so only a change th
 tenant *more* deserving of losing (more blocks, a new or lower-priority session) needs an entry,
 added by the next choice (once per tenant however many turns changed it). The heap is rebuilt
 when it holds more than twice as many entries as tenants, plus 64.
+
+`Claims`: which sessions retain each block and which blocks each session retains. A block several
+sessions use (a shared system prompt) is retained while any of them retains it: `retained` names
+one of them per block (the tiers ask only whether a block is there), `_also` the others, for the
+blocks more than one session retains only. Every step costs the blocks it is given, never the
+sessions sharing them.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections import deque as _consume
+from collections.abc import Callable, Iterable, Mapping
 from heapq import heapify, heappop, heappush, heapreplace
+from itertools import compress, filterfalse, repeat
+from operator import not_
 from typing import Protocol
+
+from kvtier.core.keys import OffloadKey
 
 _Key = tuple[int, int, int, str]  # (-blocks held, priority, turn, tenant)
 
 
 class _Session(Protocol):
     turn: int  # its last turn's number: larger is more recent
+
+
+class _Owner(Protocol):
+    keys: dict[OffloadKey, None]  # the blocks it retains, in the order it claimed them
 
 
 class Holders:
@@ -152,3 +167,86 @@ class Holders:
 
     def __len__(self) -> int:
         return len(self.order)
+
+
+class Claims:
+    """The blocks sessions retain (see the module docstring); `sessions`: the retention's map, by
+    name, each session's `keys` the blocks it retains (kept here). Not thread-safe."""
+
+    def __init__(self, sessions: Mapping[str, _Owner]) -> None:
+        self._sessions = sessions
+        self.retained: dict[OffloadKey, str] = {}  # key -> a session retaining it
+        self._also: dict[OffloadKey, set[str]] = {}  # key -> the other sessions retaining it (none: absent)
+        self.links = 0  # the blocks each session retains, summed over the sessions (a shared one counts each time)
+
+    def claim(self, name: str, own: dict[OffloadKey, None], keys: list[OffloadKey],
+              absent: Callable[[list[OffloadKey]], list[OffloadKey]]) -> tuple[int, list[OffloadKey]]:
+        """Session `name` (retaining `own`) retains `keys` too, those some tier holds (`absent`
+        names those none does; asked only of blocks no session retains). Returns how many it
+        did not retain before, and those of them no session retained (to be held)."""
+        retained = self.retained
+        new = list(dict.fromkeys(filterfalse(own.__contains__, keys)))
+        others = list(map(retained.get, new))
+        if others.count(None) == len(others):  # (a turn's new blocks: usually no other session has them)
+            fresh, shared = new, None
+        else:
+            fresh, shared = list(compress(new, map(not_, others))), list(compress(new, others))
+        if fresh:
+            gone = absent(fresh)
+            if gone:  # (offered, not stored: no room, skipped by the threshold, a failed write)
+                missing = set(gone)
+                fresh = [key for key in fresh if key not in missing]
+                new = [key for key in new if key not in missing]
+            retained.update(zip(fresh, repeat(name)))
+        if shared:
+            also = self._also
+            get = also.get
+            for key in shared:  # (a Python loop: as fast as C ones at a turn's sizes, and one pass)
+                holders = get(key)
+                if holders is None:
+                    also[key] = {name}
+                else:
+                    holders.add(name)
+        own.update(dict.fromkeys(new))
+        self.links += len(new)
+        return len(new), fresh
+
+    def let_go(self, name: str, keys: list[OffloadKey]) -> list[OffloadKey]:
+        """Session `name` retains `keys` (some of its own, taken out of its `keys` by the caller)
+        no more; returns those no other session retains (released)."""
+        retained, also = self.retained, self._also
+        self.links -= len(keys)
+        if not also:  # (no block is shared: all of them go)
+            _consume(map(retained.__delitem__, keys), 0)
+            return keys
+        released = []
+        get = also.get
+        for key in keys:
+            others = get(key)
+            if others is None:
+                released.append(key)
+                del retained[key]
+                continue
+            if retained[key] == name:  # (another session retains it: hand it over, or just leave)
+                retained[key] = others.pop()
+            else:
+                others.discard(name)
+            if not others:
+                del also[key]
+        return released
+
+    def drop(self, keys: Iterable[OffloadKey]) -> list[str]:
+        """`keys` left every tier: no session retains them any more. Returns the sessions that
+        retained them, once per block each retained."""
+        retained, also, sessions = self.retained, self._also, self._sessions
+        lost: list[str] = []
+        for key in keys:
+            name = retained.pop(key, None)
+            if name is None:
+                continue
+            names = [name, *also.pop(key, ())]
+            for name in names:
+                del sessions[name].keys[key]
+            lost += names
+        self.links -= len(lost)
+        return lost

@@ -4,24 +4,37 @@ A request may name its session and ask that the session's blocks be kept a while
 turn (`Hint`: under vLLM in the request's `kv_transfer_params["kvtier"]`, in the standalone API as
 `store(..., hints=...)`; `kvtier.control.hints`). Every block a turn of the session stores,
 loads or touches joins the session, if some tier holds it (a block offered and not stored does
-not; one that leaves every tier is forgotten: `absent`, `left`); until `retain_s` after the
-session's last turn those blocks are *retained*: every
-tier's block table holds them (`on_hold`, `BlockTable.hold`), so no eviction takes them, as none
-takes the blocks a load is reading, and an eviction costs the same however many are retained.
+not; one that leaves every tier is forgotten by every session: `absent`, `left`); until
+`retain_s` after the session's last turn those blocks are *retained*: every tier's block table
+holds them (`on_hold`, `BlockTable.hold`), so no eviction takes them, as none takes the blocks a
+load is reading, and an eviction costs the same however many are retained. A block several
+sessions use (a shared system prompt) stays retained while any of them retains it: the end,
+expiry or displacement of one releases only the blocks no other retains
+(`kvtier.control.holders.Claims`).
 
 Hints are untrusted input, so everything is bounded:
 - `retain_s` at most `max_retain_s`, `priority` 0 to 9, a session id of at most 128 printable
   characters, an optional `tenant` likewise (`parse_hint` names the field that is wrong); a
   session name is its tenant's own (another tenant's session of that name is another session);
-- retained blocks hold at most `share` of the first tier (the smallest); over it, the sessions
-  of the tenant holding the most lose their retention first, lowest priority and oldest turn
-  first, so one tenant cannot take the share from the others (a session that lost it is still
-  tracked, and retained again from its next turn);
-- at most `max_sessions` sessions are tracked (the oldest turn is forgotten first), remembering
-  at most twice the first tier's capacity of stored blocks in all (the oldest forgotten first).
-A request's cost grows at most with the logarithm of the sessions and tenants clients name
-(amortised): expiry, giving way and forgetting do not visit the others (`kvtier.control.expiry`,
-`kvtier.control.holders`).
+- retained blocks (each once, however many sessions retain it) hold at most `share` of the first
+  tier (the smallest); over it, the sessions of the tenant holding the most lose their retention
+  first, lowest priority and oldest turn first, so one tenant cannot take the share from the
+  others (a session that lost it is still tracked, and retained again from its next turn). A
+  tenant's count is of its sessions' blocks, a block once per session retaining it, and the
+  sessions' blocks so counted (`Claims.links`) are at most `LINKS_PER_BLOCK` times the first
+  tier, past which sessions give way by the same rule. The tenant is the unit of fairness and
+  comes with the hint: it protects tenants from each other only when a trusted front end sets
+  it (a client free to name tenants spreads its sessions over many names and takes the share);
+- at most `max_sessions` sessions are tracked: a turn whose session retains no block and
+  remembers none it stored leaves no session tracked (a client naming a new session per request
+  of missing blocks costs nothing kept); over the limit, the sessions retaining nothing are
+  forgotten first (longest idle first), then the oldest turn. At most twice the first tier's
+  capacity of stored blocks are remembered in all (the oldest forgotten first).
+A session whose retention ran out is released before the next turn, report or eviction looks
+at the retained blocks (`held`, `report`, `retaining`). A request's cost grows with its own
+blocks and at most with the logarithm of the sessions and tenants clients name (amortised):
+expiry, giving way and forgetting do not visit the others, nor does a block shared by many
+sessions cost a visit of each (`kvtier.control.expiry`, `kvtier.control.holders`).
 Retained blocks are kept like pinned ones: a store waits for room ("no room yet") while the
 other blocks are pinned, and only a store the tier could not take even with every pin released
 evicts them (`kept_past`), so a retention never makes a store impossible. Without hints this
@@ -37,21 +50,22 @@ block any request uses again. A one-shot request is a session ended at its first
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections import deque as _consume
 from collections.abc import Callable, Collection, Iterable, KeysView
 from dataclasses import dataclass, field
-from itertools import compress, repeat
-from operator import eq, ne, not_
+from itertools import islice
 from typing import Any
 
+from kvtier.control.ended import Remembered
 from kvtier.control.expiry import Expiries
 from kvtier.control.hints import Hint, RequestHints, session_name
-from kvtier.control.holders import Holders
+from kvtier.control.holders import Claims, Holders
 from kvtier.core.keys import OffloadKey
 
 RETAINED_SHARE = 0.5  # of the first tier's capacity, the most that retained blocks may hold
 MAX_SESSIONS = 10_000  # sessions tracked at once (their memory: docs/bench.md, "The memory of hints")
+LINKS_PER_BLOCK = 4  # per first-tier block, the most blocks all sessions retain, each counted per session
 
 
 @dataclass
@@ -60,10 +74,13 @@ class _Session:
     priority: int
     until: float  # monotonic time its retention ends
     turn: int = 0  # when its last turn came (`Retention`'s count of turns): `sessions` is in this order
-    held: int = 0  # the blocks it retains now (0: displaced)
-    # the blocks it claimed, in order; `Retention.retained` says which are still its own (`_own`)
-    keys: list[OffloadKey] = field(default_factory=list)
+    keys: dict[OffloadKey, None] = field(default_factory=dict)  # the blocks it retains, in claim order (`Claims`)
     stored: dict[OffloadKey, None] = field(default_factory=dict)  # the blocks it stored, oldest first
+
+    @property
+    def held(self) -> int:
+        """The blocks it retains now (0: displaced, or its blocks left every tier)."""
+        return len(self.keys)
 
 
 @dataclass
@@ -90,22 +107,24 @@ class Retention:
     def __init__(self, capacity: int, share: float = RETAINED_SHARE, max_sessions: int = MAX_SESSIONS,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.budget = max(1, int(capacity * share))
-        self.stored_limit = 2 * capacity  # stored blocks remembered, all sessions together
-        self._stored = 0
-        self._remembering: OrderedDict[str, None] = OrderedDict()  # sessions with stored blocks, as `sessions`
+        self.link_limit = max(self.budget, LINKS_PER_BLOCK * capacity)  # (`Claims.links`)
         self.max_sessions = max_sessions
         self.clock = clock
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # tracked, least recent turn first
+        self._idle: OrderedDict[str, None] = OrderedDict()  # tracked sessions retaining nothing, longest idle first
         self._expiries = Expiries(self.sessions)
         self._turns = 0
         self._holders = Holders(self.sessions)  # the sessions retaining blocks, and who gives way first
-        self.retained: dict[OffloadKey, str] = {}  # key -> the session that holds it
+        self._claims = Claims(self.sessions)  # which sessions retain each block
+        self._stored = Remembered(self.sessions, 2 * capacity)  # the blocks they stored, for their ends
+        self.retained = self._claims.retained  # key -> a session retaining it (the tiers ask it: `Tier.retained`)
         self.stats = RetentionStats()
         # A session whose retention runs out counts as ended (its stored blocks go first). Off:
         # ends inferred from idle time bought nothing over prefix-freq (benchmarks/session_inference.py).
         self.ends_on_expiry = False
         self._requests = RequestHints(self.stats)  # the hints of vLLM's requests, read once each
-        self.by_tenant = self._holders.by_tenant  # tenant -> blocks its sessions retain (> 0; others absent)
+        # tenant -> blocks its sessions retain, a block once per session retaining it (> 0; others absent)
+        self.by_tenant = self._holders.by_tenant
         # Told the blocks of a session that ended (deep end first): the manager makes them first victims.
         self.on_ended: Callable[[list[OffloadKey]], None] = _ignore
         # Told the blocks that start and stop being retained: the manager holds them in every tier's table.
@@ -130,6 +149,9 @@ class Retention:
         """`note`, not counted (a vLLM request's calls: `hint_of` counts the request once)."""
         if self.left:
             self._settle()
+        now = self.clock()
+        if now >= self._expiries.first:  # (the heap's top: no session is visited unless one ran out)
+            self._expire(now)
         name = session_name(hint)
         if hint.ended or hint.retain_s <= 0:
             self._release(name, ended=hint.ended, last=stored)
@@ -141,79 +163,59 @@ class Retention:
         else:
             sessions.move_to_end(name)
             if session.stored:
-                self._remembering.move_to_end(name)
+                self._stored.turn(name)
         session.priority = hint.priority
         self._turns = session.turn = self._turns + 1
-        until = self.clock() + hint.retain_s
+        if stored:
+            self._stored.add(name, stored)
+        keys = keys if keys.__class__ is list else list(keys)
+        own = session.keys
+        if not all(map(own.__contains__, keys)):  # (a C loop: usually a turn's keys are all its own)
+            added, fresh = self._claims.claim(name, own, keys, self.absent)  # (those some tier holds)
+            if added:
+                self._holders.count(session.tenant, added)
+                if self._idle:
+                    self._idle.pop(name, None)
+            if fresh:
+                self.on_hold(fresh)
+        if own:
+            self._holders.touch(name, session.tenant, session.priority)
+        elif not self._keep_idle(name, session):
+            return
+        until = now + hint.retain_s
         earlier, session.until = until < session.until, until
         if earlier:  # (a new session, or a shorter retention: a turn that extends one costs nothing there)
             self._expiries.add(name, until)
-        if stored:
-            remembered = session.stored
-            before = len(remembered)
-            remembered.update(dict.fromkeys(stored))
-            self._stored += len(remembered) - before
-            if not before and remembered:
-                self._remembering[name] = None
-        keys = keys if keys.__class__ is list else list(keys)
-        owners = list(map(self.retained.get, keys))  # (None: not retained; session names are not empty)
-        if owners.count(name) != len(owners):  # (C loops: usually a turn's keys are all its own, or all new)
-            self._claim(session, name, keys, owners)
-        if session.held:
-            self._holders.touch(name, session.tenant, session.priority)
         if len(self.retained) > self.budget or len(sessions) > self.max_sessions or \
-                self._stored > self.stored_limit:
+                self._stored.count > self._stored.limit or self._claims.links > self.link_limit:
             self._bound()
 
-    def _claim(self, session: _Session, name: str, keys: list[OffloadKey], owners: list[str | None]) -> None:
-        """The `keys` not `name`'s (`owners`: each one's session, or None) become session
-        `name`'s, taken from any other session."""
-        if owners.count(None) == len(owners):
-            claim = fresh = list(dict.fromkeys(keys))  # (a turn's new blocks: no other session loses any)
-        else:
-            claim = list(dict.fromkeys(compress(keys, map(ne, repeat(name), owners))))
-            owners = list(map(self.retained.get, claim))
-            fresh = list(compress(claim, map(not_, owners)))
-            if len(fresh) < len(claim):
-                for owner in dict.fromkeys(filter(None, owners)):  # (each once, in order)
-                    self._lose(owner, owners.count(owner))
-        if fresh:
-            absent = self.absent(fresh)
-            if absent:  # (offered, not stored: no room, skipped by the threshold, a failed write)
-                fresh = [key for key in fresh if key not in absent]
-                claim = [key for key in claim if key not in absent]
-        self.retained.update(zip(claim, repeat(name)))
-        session.keys += claim
-        session.held += len(claim)
-        self._holders.count(session.tenant, len(claim))
-        if len(session.keys) > 2 * session.held + 64:  # (a log of claims since taken: compacted)
-            session.keys = self._own(session, name)
-        if fresh:
-            self.on_hold(fresh)
-
-    def _lose(self, name: str, count: int) -> None:
-        """Session `name` retains `count` fewer blocks (taken by another session, or gone)."""
-        session = self.sessions[name]
-        session.held -= count
-        self._holders.count(session.tenant, -count)
-        if not session.held:
-            session.keys = []
-            self._holders.discard(name)
+    def _keep_idle(self, name: str, session: _Session) -> bool:
+        """Session `name`, retaining nothing after its turn, stays tracked (the most recently
+        idle) if it remembers blocks it stored; else it is forgotten (False)."""
+        if session.stored:
+            self._idle[name] = None
+            self._idle.move_to_end(name)
+            return True
+        del self.sessions[name]
+        self._idle.pop(name, None)
+        return False
 
     def _settle(self) -> None:
         """Forget the retained blocks that left every tier (`left`, as the tiers report them: an
-        eviction past the share, a failed write or read, a reset), so that they hold no share."""
+        eviction past the share, a failed write or read, a reset), in every session retaining
+        them, so that they hold no share."""
         left = list(dict.fromkeys(self.left))
         self.left.clear()
         retained = self.retained
-        owners = [retained.pop(key) for key in self.absent([key for key in left if key in retained])]
-        for owner in dict.fromkeys(owners):
-            self._lose(owner, owners.count(owner))
-
-    def _own(self, session: _Session, name: str) -> list[OffloadKey]:
-        """The blocks session `name` retains now, in the order it claimed them (C loops)."""
-        keys = session.keys
-        return list(dict.fromkeys(compress(keys, map(eq, repeat(name), map(self.retained.get, keys)))))
+        gone = [key for key in left if key in retained]
+        lost = self._claims.drop(self.absent(gone)) if gone else ()
+        for name, count in Counter(lost).items():  # (each session once)
+            session = self.sessions[name]
+            self._holders.count(session.tenant, -count)
+            if not session.keys:
+                self._holders.discard(name)
+                self._idle[name] = None
 
     def note_turn(self, req_context: Any, keys: Iterable[OffloadKey],
                   stored: Collection[OffloadKey] = ()) -> Hint | None:
@@ -230,92 +232,95 @@ class Retention:
 
     def report(self) -> dict[str, Any]:
         """The counters, the sessions retained now and their blocks (`stats()["retention"]`)."""
-        if self.left:
-            self._settle()
+        self._catch_up()
         return {**self.stats.as_dict(), "sessions": len(self._holders), "retained_blocks": len(self.retained),
                 "budget_blocks": self.budget}
 
     def retaining(self) -> list[str]:
         """The sessions whose blocks are retained now, least recent turn first, by the names
         their hints gave (each tenant's own: a name may come once per tenant)."""
+        self._catch_up()
         return [name.rpartition("\x1f")[2] for name in self._holders.order]
 
     def held(self) -> KeysView[OffloadKey]:
         """The keys retained now (expired sessions released first); empty without hints."""
         if self.left:
             self._settle()
-        if self.sessions and self.clock() >= self._expiries.next():
-            self._expire()
+        if self.sessions and self.clock() >= self._expiries.first:  # (`_catch_up`, inline: every eviction asks)
+            self._expire(self.clock())
         return self.retained.keys()
 
     # ------------------------------------------------------------------ bounds
-    def _expire(self) -> None:
-        """Release the sessions whose retention ran out, least recent turn first."""
+    def _catch_up(self) -> None:
+        """Forget the blocks that left every tier and release the sessions that ran out."""
+        if self.left:
+            self._settle()
+        if self.sessions:
+            now = self.clock()
+            if now >= self._expiries.first:
+                self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        """Release the sessions whose retention ran out by `now`, least recent turn first."""
         sessions = self.sessions
-        for name in sorted(self._expiries.due(self.clock()), key=lambda name: sessions[name].turn):
+        for name in sorted(self._expiries.due(now), key=lambda name: sessions[name].turn):
             self._release(name, ended=self.ends_on_expiry)
             self.stats.expired += 1
 
     def _bound(self) -> None:
-        while len(self.sessions) > self.max_sessions:
-            self._release(next(iter(self.sessions)))
-            self.stats.displaced += 1
-        while len(self.retained) > self.budget:
-            name = self._holders.least_deserving(newest=next(reversed(self.sessions)))
+        sessions = self.sessions
+        while len(sessions) > self.max_sessions:  # (those retaining nothing first)
+            oldest = next(iter(self._idle or sessions))
+            self.stats.displaced += bool(sessions[oldest].keys)  # (one retaining nothing lost nothing)
+            self._release(oldest)
+        while len(self.retained) > self.budget or self._claims.links > self.link_limit:
+            newest = next(reversed(sessions))
+            name = self._holders.least_deserving(newest=newest)
             if name is None:  # one session past the share: its prefix is kept
-                name = next(iter(self._holders.order))
-                session = self.sessions[name]
-                if session.held != len(session.keys):  # (its log holds blocks since taken, or twice)
-                    session.keys = self._own(session, name)
-                own = session.keys  # (each its own block once, in claim order: cut in place, O(excess))
-                past = own[self.budget:]
-                del own[self.budget:]
-                _consume(map(self.retained.__delitem__, past), 0)
-                session.held = len(own)
-                self._holders.count(session.tenant, -len(past))
-                self.on_unhold(past)
+                self._cut(newest)
                 break
-            self._unretain(self.sessions[name], name)
+            self._unretain(sessions[name], name)
             self.stats.displaced += 1
-        if self._stored > self.stored_limit:
-            self._forget_stored(self._stored - self.stored_limit)
+        if self._stored.count > self._stored.limit:
+            self._stored.trim()
 
-    def _forget_stored(self, count: int) -> None:
-        """Forget `count` remembered stored blocks: the oldest of the least recent turns (of the
-        sessions remembering any: those that remember none are not visited)."""
-        emptied = []
-        for name in self._remembering:
-            stored = self.sessions[name].stored
-            while stored and count:
-                del stored[next(iter(stored))]
-                count -= 1
-                self._stored -= 1
-            if not stored:
-                emptied.append(name)
-            if not count:
-                break
-        _consume(map(self._remembering.__delitem__, emptied), 0)
+    def _cut(self, name: str) -> None:
+        """Session `name`, the only one retaining blocks, past the share: the blocks it claimed
+        last go (O(excess): its keys are in claim order)."""
+        session = self.sessions[name]
+        own = session.keys
+        past = list(islice(reversed(own), max(0, len(own) - self.budget)))
+        if past:
+            _consume(map(own.__delitem__, past), 0)
+            released = self._claims.let_go(name, past)
+            self._holders.count(session.tenant, -len(past))
+            self.on_unhold(released)
 
     def _unretain(self, session: _Session, name: str) -> None:
-        """`session` (`name`) retains none of its blocks any more (it stays tracked)."""
-        released = self._own(session, name)
-        _consume(map(self.retained.__delitem__, released), 0)
-        self._holders.count(session.tenant, -session.held)
-        session.held, session.keys = 0, []
+        """`session` (`name`) retains none of its blocks any more (it stays tracked, idle);
+        those no other session retains are released."""
+        own = session.keys
+        if not own:
+            return
+        session.keys = {}
+        released = self._claims.let_go(name, list(own))
+        self._holders.count(session.tenant, -len(own))
         self._holders.discard(name)
+        self._idle[name] = None
         if released:
             self.on_unhold(released)
 
     def _release(self, name: str, ended: bool = False, last: Iterable[OffloadKey] = ()) -> None:
         """Forget session `name`; `ended` (with `last`, the blocks its last turn stored): the
         blocks it stored that no other session retains go to `on_ended`, deep end first."""
-        session = self.sessions.pop(name, None)
-        self._remembering.pop(name, None)
+        session = self.sessions.get(name)
         stored: Iterable[OffloadKey] = ()
         if session is not None:
             self._unretain(session, name)
+            self._stored.forget(name)
+            del self.sessions[name]
+            self._idle.pop(name, None)
             stored = session.stored
-            self._stored -= len(stored)
             self.stats.ended += ended
         if ended:
             retained = self.retained
