@@ -65,6 +65,7 @@ from kvtier.core.keys import OffloadKey
 
 RETAINED_SHARE = 0.5  # of the first tier's capacity, the most that retained blocks may hold
 MAX_SESSIONS = 10_000  # sessions tracked at once (their memory: docs/bench.md, "The memory of hints")
+_ENDED_MEMO = 1024  # sessions remembered as ended lately (`Retention._count_ended`)
 LINKS_PER_BLOCK = 4  # per first-tier block, the most blocks all sessions retain, each counted per session
 
 
@@ -112,6 +113,8 @@ class Retention:
         self.clock = clock
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # tracked, least recent turn first
         self._idle: OrderedDict[str, None] = OrderedDict()  # tracked sessions retaining nothing, longest idle first
+        # Sessions ended lately (at most `_ENDED_MEMO`): a request's later calls end it again, counted once.
+        self._ended: OrderedDict[str, None] = OrderedDict()
         self._expiries = Expiries(self.sessions)
         self._turns = 0
         self._holders = Holders(self.sessions)  # the sessions retaining blocks, and who gives way first
@@ -160,6 +163,8 @@ class Retention:
         session = sessions.get(name)
         if session is None:
             session = sessions[name] = _Session(hint.tenant, hint.priority, float("inf"))
+            if self._ended:
+                self._ended.pop(name, None)  # (a new session of that name: its end counts again)
         else:
             sessions.move_to_end(name)
             if session.stored:
@@ -321,12 +326,23 @@ class Retention:
             del self.sessions[name]
             self._idle.pop(name, None)
             stored = session.stored
-            self.stats.ended += ended
         if ended:
+            self._count_ended(name, tracked=session is not None)
             retained = self.retained
             chain = [key for key in dict.fromkeys([*stored, *last]) if key not in retained]
             if chain:
                 self.on_ended(chain[::-1])
+
+    def _count_ended(self, name: str, tracked: bool) -> None:
+        """Count session `name` ended, once: a tracked one always; one never tracked (ended at its
+        first turn: a one-shot request) unless it ended lately (the later calls of its request)."""
+        ended = self._ended
+        if tracked or name not in ended:
+            self.stats.ended += 1
+        ended[name] = None
+        ended.move_to_end(name)
+        if len(ended) > _ENDED_MEMO:
+            ended.popitem(last=False)
 
 
 def _none_absent(keys: list[OffloadKey]) -> list[OffloadKey]:

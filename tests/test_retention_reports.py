@@ -1,0 +1,51 @@
+"""What the retention reports counts every session its contract names: a session ended at its
+first turn (a one-shot request) is counted in `ended`, and the tiers' `retained_blocks` in
+`get_stats` leave out a session whose retention ran out, even before any turn or eviction."""
+
+from __future__ import annotations
+
+from conftest import keys, memory_hierarchy
+
+from kvtier import ReqContext
+from kvtier.control.hints import Hint
+from kvtier.control.retention import Retention
+
+
+def test_a_session_ended_at_its_first_turn_is_counted_ended():
+    r = Retention(capacity=16)
+    blocks = keys(4)
+    r.note(Hint("one-shot", ended=True), blocks, stored=blocks)
+    r.note(Hint("chat", 60.0), keys(2, 10), stored=keys(2, 10))
+    r.note(Hint("chat", ended=True), keys(2, 10))
+    assert r.report()["ended"] == 2
+
+
+def test_the_tiers_retained_blocks_leave_out_a_session_that_ran_out():
+    hierarchy = memory_hierarchy(hot=16, warm=32)
+    try:
+        manager = hierarchy.manager
+        now = [1000.0]
+        manager.retention.clock = lambda: now[0]
+        ctx = ReqContext("r", kv_transfer_params={"kvtier": {"session": "s", "retain_s": 5}})
+        out = manager.prepare_store(keys(4), ctx)
+        manager.complete_store(out.keys_to_store, ctx)
+        assert manager.get_stats()["hot"]["retained_blocks"] == 4
+        now[0] += 10
+        assert manager.get_stats()["hot"]["retained_blocks"] == 0
+        assert manager.retention.stats.expired == 1
+    finally:
+        hierarchy.close()
+
+
+def test_a_one_shot_request_is_counted_once_whatever_calls_carry_its_hint():
+    hierarchy = memory_hierarchy(hot=16, warm=32)
+    try:
+        manager = hierarchy.manager
+        for i in range(3):
+            ctx = ReqContext(f"q{i}", kv_transfer_params={"kvtier": {"session": f"q{i}", "session_ended": True}})
+            manager.touch(keys(2, 100), ctx)  # (a load's touch, then its store: two calls, one session)
+            out = manager.prepare_store(keys(2, 10 * i), ctx)
+            manager.complete_store(out.keys_to_store, ctx)
+        assert manager.retention.report()["ended"] == 3
+    finally:
+        hierarchy.close()
