@@ -325,7 +325,7 @@ class HierarchyManager(OffloadingManager):
         block up in every tier, which a caller asking every scheduler step does less often) and
         those of ended sessions waiting to go first (`ended_blocks`)."""
         rows = {tier.name: {**tier.stats_row(), "ended_blocks": len(tier.first_victims)} for tier in self.tiers}
-        held = self.retention.retained.keys()  # (only its keys are read: what it maps them to is the retention's)
+        held = self.retention.held()  # (sessions that ran out released first; only the keys are read)
         if retained:
             for tier in self.tiers:  # (`absent`: one C loop over the keys in a compiled table)
                 rows[tier.name]["retained_blocks"] = len(held) - len(tier.table.absent(held)) if held else 0
