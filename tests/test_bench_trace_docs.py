@@ -32,7 +32,7 @@ def _schema_row(key: str) -> str:
 @pytest.fixture
 def doc(tmp_path, monkeypatch):
     """A session replay with hints both and a stand-in for vLLM's manager (one LRU tier), over two tiers."""
-    def stand_in(capacity_blocks, policy, trace, progress=None):
+    def stand_in(capacity_blocks, policy, trace, progress=None, store_threshold=0):
         config = parse_config({"tiers": [{"name": "cpu", "backend": "memory", "capacity": f"{capacity_blocks} blocks",
                                           "policy": "lru"}]})
         result = replay.replay_kvtier(config, trace)

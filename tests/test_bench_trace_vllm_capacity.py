@@ -24,7 +24,7 @@ def vllm_capacities(monkeypatch):
     """The capacity each stand-in vLLM run got."""
     seen: list[int] = []
 
-    def stand_in(capacity_blocks, policy, trace, progress=None):
+    def stand_in(capacity_blocks, policy, trace, progress=None, store_threshold=0):
         seen.append(capacity_blocks)
         config = parse_config({"tiers": [{"name": "cpu", "backend": "memory",
                                           "capacity": f"{capacity_blocks} blocks", "policy": "lru"}]})

@@ -177,8 +177,11 @@ def replay_kvtier(config: Any, trace: Trace, progress: Callable | None = None, h
     try:
         if hints is not None:
             hierarchy.manager.retention.clock = hints.clock
-        result = replay_manager(hierarchy.manager, trace, progress=progress,
+        thresholded = Thresholded(hierarchy.manager, config.store_threshold) if config.store_threshold >= 2 else None
+        result = replay_manager(thresholded or hierarchy.manager, trace, progress=progress,
                                 context_factory=hints.context if hints is not None else None)
+        if thresholded is not None:
+            result["stores_skipped"] = thresholded.threshold.skipped
         stats = hierarchy.manager.get_stats()
         if hints is not None:
             result["retention"] = hierarchy.manager.retention.report()
@@ -194,13 +197,36 @@ def replay_kvtier(config: Any, trace: Trace, progress: Callable | None = None, h
     return result
 
 
-def replay_vllm(capacity_blocks: int, policy: str, trace: Trace, progress: Callable | None = None) -> dict[str, Any]:
-    """Replay through vLLM's own `CPUOffloadingManager` (requires vllm importable)."""
+class Thresholded:
+    """A `HierarchyManager` whose `prepare_store` first applies the config's `store_threshold`
+    (`kvtier.control.store_threshold`), as kvtier's vLLM adapter does: the replay drives the
+    manager itself, and a threshold left out would replay another cache than the config's."""
+
+    def __init__(self, manager: Any, store_threshold: int) -> None:
+        from kvtier.control.store_threshold import StoreThreshold
+
+        self._manager = manager
+        self.threshold: Any = StoreThreshold(store_threshold)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._manager, name)
+
+    def prepare_store(self, keys: list[Any], req_context: Any = None) -> Any:
+        manager = self._manager
+        admitted = self.threshold.admit(keys, set(manager.stores.new_keys(keys)))
+        return manager.prepare_store(admitted, req_context)
+
+
+def replay_vllm(capacity_blocks: int, policy: str, trace: Trace, progress: Callable | None = None,
+                store_threshold: int = 0) -> dict[str, Any]:
+    """Replay through vLLM's own `CPUOffloadingManager` (requires vllm importable), with the
+    config's `store_threshold` (vLLM's own: the same semantics as kvtier's)."""
     from vllm.v1.kv_offload.base import ReqContext as VReqContext
     from vllm.v1.kv_offload.base import ScheduleEndContext
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
-    manager = CPUOffloadingManager(num_chunks=capacity_blocks, cache_policy=policy)
+    manager = CPUOffloadingManager(num_chunks=capacity_blocks, cache_policy=policy,
+                                   store_threshold=max(1, store_threshold))
     result = replay_manager(manager, trace, vllm_api=True, context_factory=lambda rid: VReqContext(req_id=rid),
                             step_context=ScheduleEndContext((), ()), progress=progress)
     result["tiers"] = {"cpu": {"hit_rate": result["hit_rate"], "capacity_blocks": capacity_blocks, "policy": policy}}
@@ -312,17 +338,19 @@ def total_blocks(config: Any) -> int:
 def _runs(base: Any, trace: Trace, policies: Iterable[str] | None, compare_vllm: bool,
           hints: Callable[[], Any] | None, without_hints: bool) -> list[tuple[str, str, bool, Callable]]:
     """The runs of one capacity: (system, policy, hinted, run(progress) -> row)."""
-    from kvtier.config import HierarchyConfig, TierConfig
+    from dataclasses import replace
+
+    from kvtier.config import TierConfig
 
     total = total_blocks(base)  # vLLM's one tier holds as many blocks as kvtier's tiers together
     runs: list[tuple[str, str, bool, Callable]] = []
     if compare_vllm:
         for vpolicy in ("lru", "arc"):
-            runs.append(("vllm", vpolicy, False,
-                         lambda progress, p=vpolicy, c=total: replay_vllm(c, p, trace, progress)))
+            runs.append(("vllm", vpolicy, False, lambda progress, p=vpolicy, c=total:
+                         replay_vllm(c, p, trace, progress, base.store_threshold)))
     for policy in (list(policies) if policies else [base.tiers[0].policy]):
         tier0 = TierConfig(**{**base.tiers[0].__dict__, "policy": policy})
-        cfg = HierarchyConfig((tier0, *base.tiers[1:]), base.block_tokens, base.block_bytes, base.source)
+        cfg = replace(base, tiers=(tier0, *base.tiers[1:]))  # (its store_threshold too)
         if without_hints or hints is None:
             runs.append(("kvtier", policy, False, lambda progress, c=cfg: replay_kvtier(c, trace, progress)))
         if hints is not None:

@@ -136,13 +136,16 @@ def _print_hops(place: dict[str, Any], notes: list[str], rows: list[dict[str, An
 
 # --------------------------------------------------------------------------------------- trace
 def _replay_config(args, config):
-    """Byte capacities become block counts with the config's block size (or 2 MiB)."""
-    from kvtier.config import Capacity, HierarchyConfig, TierConfig
+    """Byte capacities become block counts with the config's block size (or 2 MiB); the rest of
+    the config is kept (its `store_threshold` too), but a `shared` one is replayed in this process."""
+    from dataclasses import replace
+
+    from kvtier.config import Capacity, TierConfig
 
     block_bytes = config.block_bytes or DEFAULT_REPLAY_BLOCK_BYTES
     tiers = tuple(TierConfig(**{**t.__dict__, "capacity": Capacity(blocks=max(1, t.capacity.to_blocks(block_bytes)))})
                   for t in config.tiers)
-    return HierarchyConfig(tiers, config.block_tokens, config.block_bytes, config.source)
+    return replace(config, tiers=tiers, shared=None)
 
 
 def _load_workload(args, checked: dict[str, Any], config) -> workloads.Trace:
