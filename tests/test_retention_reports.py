@@ -49,3 +49,24 @@ def test_a_one_shot_request_is_counted_once_whatever_calls_carry_its_hint():
         assert manager.retention.report()["ended"] == 3
     finally:
         hierarchy.close()
+
+
+def test_one_shot_requests_reusing_a_session_name_each_count_ended():
+    hierarchy = memory_hierarchy(hot=16, warm=64)
+    try:
+        manager = hierarchy.manager
+        for i in range(3):
+            ctx = ReqContext(f"r{i}", kv_transfer_params={"kvtier": {"session": "u", "session_ended": True}})
+            manager.touch(keys(2, 100 * i), ctx)
+            out = manager.prepare_store(keys(2, 100 * i), ctx)
+            manager.complete_store(out.keys_to_store, ctx)
+        assert manager.retention.report()["ended"] == 3
+    finally:
+        hierarchy.close()
+
+
+def test_each_standalone_call_that_ends_a_session_counts():
+    r = Retention(capacity=16)
+    for i in range(3):
+        r.note(Hint("u", ended=True), keys(2, 10 * i), stored=keys(2, 10 * i))
+    assert r.report()["ended"] == 3

@@ -113,8 +113,8 @@ class Retention:
         self.clock = clock
         self.sessions: OrderedDict[str, _Session] = OrderedDict()  # tracked, least recent turn first
         self._idle: OrderedDict[str, None] = OrderedDict()  # tracked sessions retaining nothing, longest idle first
-        # Sessions ended lately (at most `_ENDED_MEMO`): a request's later calls end it again, counted once.
-        self._ended: OrderedDict[str, None] = OrderedDict()
+        # (session, request) ended lately (at most `_ENDED_MEMO`): the request's later calls end it again, counted once.
+        self._ended: OrderedDict[tuple[str, Any], None] = OrderedDict()
         self._expiries = Expiries(self.sessions)
         self._turns = 0
         self._holders = Holders(self.sessions)  # the sessions retaining blocks, and who gives way first
@@ -148,8 +148,10 @@ class Retention:
             self.stats.hints += 1
             self._note(hint, keys, stored)
 
-    def _note(self, hint: Hint, keys: Iterable[OffloadKey], stored: Collection[OffloadKey] = ()) -> None:
-        """`note`, not counted (a vLLM request's calls: `hint_of` counts the request once)."""
+    def _note(self, hint: Hint, keys: Iterable[OffloadKey], stored: Collection[OffloadKey] = (),
+              request: Any = None) -> None:
+        """`note`, not counted (a vLLM request's calls: `hint_of` counts the request once);
+        `request`: the id of the request whose call this is (None: a call of its own)."""
         if self.left:
             self._settle()
         now = self.clock()
@@ -157,14 +159,12 @@ class Retention:
             self._expire(now)
         name = session_name(hint)
         if hint.ended or hint.retain_s <= 0:
-            self._release(name, ended=hint.ended, last=stored)
+            self._release(name, ended=hint.ended, last=stored, request=request)
             return
         sessions = self.sessions
         session = sessions.get(name)
         if session is None:
             session = sessions[name] = _Session(hint.tenant, hint.priority, float("inf"))
-            if self._ended:
-                self._ended.pop(name, None)  # (a new session of that name: its end counts again)
         else:
             sessions.move_to_end(name)
             if session.stored:
@@ -227,7 +227,7 @@ class Retention:
         """`note` the hint `req_context` carries (`hint_of`; None: none) for `keys`; that hint."""
         hint = None if req_context is None else self.hint_of(req_context)
         if hint is not None:
-            self._note(hint, keys, stored)
+            self._note(hint, keys, stored, getattr(req_context, "req_id", None))
         return hint
 
     def hint_of(self, req_context: Any) -> Hint | None:
@@ -315,7 +315,7 @@ class Retention:
         if released:
             self.on_unhold(released)
 
-    def _release(self, name: str, ended: bool = False, last: Iterable[OffloadKey] = ()) -> None:
+    def _release(self, name: str, ended: bool = False, last: Iterable[OffloadKey] = (), request: Any = None) -> None:
         """Forget session `name`; `ended` (with `last`, the blocks its last turn stored): the
         blocks it stored that no other session retains go to `on_ended`, deep end first."""
         session = self.sessions.get(name)
@@ -327,22 +327,23 @@ class Retention:
             self._idle.pop(name, None)
             stored = session.stored
         if ended:
-            self._count_ended(name, tracked=session is not None)
+            self._count_ended(name, session is not None, request)
             retained = self.retained
             chain = [key for key in dict.fromkeys([*stored, *last]) if key not in retained]
             if chain:
                 self.on_ended(chain[::-1])
 
-    def _count_ended(self, name: str, tracked: bool) -> None:
+    def _count_ended(self, name: str, tracked: bool, request: Any) -> None:
         """Count session `name` ended, once: a tracked one always; one never tracked (ended at its
-        first turn: a one-shot request) unless it ended lately (the later calls of its request)."""
-        ended = self._ended
-        if tracked or name not in ended:
+        first turn: a one-shot request) unless `request` ended it already (its later calls; None:
+        a call of its own, counted)."""
+        if tracked or request is None or (name, request) not in self._ended:
             self.stats.ended += 1
-        ended[name] = None
-        ended.move_to_end(name)
-        if len(ended) > _ENDED_MEMO:
-            ended.popitem(last=False)
+        if request is not None:
+            ended = self._ended
+            ended[(name, request)] = None
+            if len(ended) > _ENDED_MEMO:
+                ended.popitem(last=False)
 
 
 def _none_absent(keys: list[OffloadKey]) -> list[OffloadKey]:

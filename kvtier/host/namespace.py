@@ -20,6 +20,7 @@ A namespace no engine has used for a while (`idle_s`) can be closed by the owner
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import os
@@ -104,12 +105,24 @@ def namespace_config(raw: Any, identity: Identity, name: str) -> HierarchyConfig
 
 def hinted(message: dict[str, Any]) -> ReqContext | None:
     """The call's retention hint (`hints`; `ValueError` naming the field when invalid) as the
-    request the owner's manager is given (the owner knows no request id), so that it notes the
-    hint as the engine's own hierarchy would (`HierarchyManager`: the session's blocks, and its
-    first victims once it ended, which a call without the hint takes as used again); None
-    without one."""
+    request the owner's manager is given, so that it notes the hint as the engine's own
+    hierarchy would (`HierarchyManager`: the session's blocks, and its first victims once it
+    ended, which a call without the hint takes as used again); None without one. `request`: the
+    engine's request id (a vLLM engine sends it: a request's calls end its session once);
+    without one, the call is a request of its own (the standalone API's calls)."""
     hints = message.get("hints")
-    return None if parse_hint(hints, "hints") is None else ReqContext("", kv_transfer_params={HINTS_KEY: hints})
+    if parse_hint(hints, "hints") is None:
+        return None
+    request = message.get("request")
+    if request is None:
+        request = f"call {next(_CALLS)}"
+    elif not isinstance(request, str) or len(request) > MAX_REQUEST_ID:
+        raise ValueError(f"request: expected a request id (a string of at most {MAX_REQUEST_ID} characters)")
+    return ReqContext(request, kv_transfer_params={HINTS_KEY: hints})
+
+
+MAX_REQUEST_ID = 512  # characters of an engine's request id (vLLM's are about 40)
+_CALLS = itertools.count()  # (ids of the calls that name no request)
 
 
 @dataclass

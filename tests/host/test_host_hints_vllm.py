@@ -149,3 +149,21 @@ def test_the_private_hierarchy_reports_the_same_names(engine):
         assert set(engine.tier_stats()["engine"]["retention"]) == set(manager.retention.report())
     finally:
         h.close()
+
+
+def test_one_shot_requests_of_one_session_name_each_count_ended_in_the_owner(engine):
+    """The engine sends its request id with the hint, so the owner counts each request that ends
+    a session once, not once per session name (before: 1 for 3 requests)."""
+    for i in range(3):
+        ctx = request(f"q{i}", session="u", session_ended=True)
+        stored(engine, keys(2, 10 * i), ctx)
+        engine.on_request_finished(ctx)  # (its touch carries the hint too: the same request)
+    assert engine.tier_stats()["engine"]["retention"]["ended"] == 3
+
+
+def test_the_owner_refuses_a_request_id_that_is_no_string(engine):
+    from kvtier.host.client import HostRefused
+
+    with pytest.raises(HostRefused, match="request: expected a request id"):
+        engine.client.call("touch", keys=[keys(1)[0].hex()], hints={"session": "s", "retain_s": 5},
+                           request=["not", "a", "string"])

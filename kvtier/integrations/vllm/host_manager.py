@@ -179,7 +179,8 @@ class HostOffloadingManager(OffloadingManager):
         """Pin `keys` in the owner: a spec of the slots of the leading run it pinned, naming its
         region, with every key, so that the worker fails those not pinned (the module docstring)."""
         keys = list(keys)
-        reply = self._call("prepare_load", keys=hex_keys(keys), hints=self.hints.of(req_context))
+        reply = self._call("prepare_load", keys=hex_keys(keys), hints=self.hints.of(req_context),
+                           request=req_context.req_id)
         slots = [] if reply is None else list(reply["slots"])
         self.holdings.pinned(keys[:len(slots)], self.client.generation)
         if len(slots) < len(keys):
@@ -196,7 +197,8 @@ class HostOffloadingManager(OffloadingManager):
         """The keys count as used in the owner, with the request's hint (an ended session's blocks
         stay its first victims, as in a private hierarchy)."""
         if keys:
-            self._call("touch", keys=hex_keys(keys), hints=self.hints.of(req_context))
+            self._call("touch", keys=hex_keys(keys), hints=self.hints.of(req_context),
+                       request=req_context.req_id)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.complete_failed_load(keys, req_context, bad=())
@@ -219,7 +221,8 @@ class HostOffloadingManager(OffloadingManager):
         """The owner's slots for the keys it does not hold yet (in the offer's order, the order
         of the engine blocks of vLLM's store job); None when it has no room or does not answer."""
         offer = list(keys)
-        reply = self._call("prepare_store", keys=hex_keys(offer), hints=self.hints.of(req_context))
+        reply = self._call("prepare_store", keys=hex_keys(offer), hints=self.hints.of(req_context),
+                           request=req_context.req_id)
         if reply is not None:
             self.counters["skipped"] += int(reply.get("skipped", 0))  # (the owner's store threshold)
             self._reused.setdefault(req_context.req_id, []).extend(_keys(reply.get("reused", ())))
