@@ -4,6 +4,7 @@ first turn (a one-shot request) is counted in `ended`, and the tiers' `retained_
 
 from __future__ import annotations
 
+import pytest
 from conftest import keys, memory_hierarchy
 
 from kvtier import ReqContext
@@ -37,26 +38,16 @@ def test_the_tiers_retained_blocks_leave_out_a_session_that_ran_out():
         hierarchy.close()
 
 
-def test_a_one_shot_request_is_counted_once_whatever_calls_carry_its_hint():
-    hierarchy = memory_hierarchy(hot=16, warm=32)
-    try:
-        manager = hierarchy.manager
-        for i in range(3):
-            ctx = ReqContext(f"q{i}", kv_transfer_params={"kvtier": {"session": f"q{i}", "session_ended": True}})
-            manager.touch(keys(2, 100), ctx)  # (a load's touch, then its store: two calls, one session)
-            out = manager.prepare_store(keys(2, 10 * i), ctx)
-            manager.complete_store(out.keys_to_store, ctx)
-        assert manager.retention.report()["ended"] == 3
-    finally:
-        hierarchy.close()
-
-
-def test_one_shot_requests_reusing_a_session_name_each_count_ended():
+@pytest.mark.parametrize("same_name", [False, True], ids=["a session per request", "one session name"])
+def test_each_one_shot_request_counts_once_whatever_calls_carry_its_hint(same_name):
+    """Each request a load's touch, then its store: two calls ending one session. Before: the
+    session ended at its first turn was never counted; then, keyed by name, once for 3 requests."""
     hierarchy = memory_hierarchy(hot=16, warm=64)
     try:
         manager = hierarchy.manager
         for i in range(3):
-            ctx = ReqContext(f"r{i}", kv_transfer_params={"kvtier": {"session": "u", "session_ended": True}})
+            hint = {"session": "u" if same_name else f"q{i}", "session_ended": True}
+            ctx = ReqContext(f"r{i}", kv_transfer_params={"kvtier": hint})
             manager.touch(keys(2, 100 * i), ctx)
             out = manager.prepare_store(keys(2, 100 * i), ctx)
             manager.complete_store(out.keys_to_store, ctx)
