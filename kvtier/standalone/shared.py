@@ -15,9 +15,11 @@ CPU tier down when it stops).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -63,6 +65,8 @@ class SharedKVTier:
         self._lock = threading.RLock()
         self._closed = False
         self._hints = 0  # calls that carried a hint (`stats()["engine"]["retention"]["hints"]`)
+        self._requests = f"standalone {uuid.uuid4().hex[:12]}"  # (this engine's calls' ids: `_hinted`)
+        self._request_numbers = itertools.count()
 
     # ------------------------------------------------------------------ public API
     def store(self, keys: Sequence[bytes], engine_block_ids: Sequence[int],
@@ -71,13 +75,13 @@ class SharedKVTier:
         False when some could not be stored: no room, a failed copy, or the owner unavailable.
         `hints`: the session's retention hint, as `KVTier.store`'s (the owner keeps the session's
         blocks for every engine of the host)."""
-        hint = self._hint(hints)  # (refused here, naming the field, before the owner is asked)
+        hinted = self._hinted(hints)  # (refused here, naming the field, before the owner is asked)
         with self._call():
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=False)
             size = self._round_blocks()
-            self._hints += hint is not None
-            return all([self._store_round(keys[i:i + size], by_key, hint) for i in range(0, len(keys), size)])
+            self._hints += hinted["hints"] is not None
+            return all([self._store_round(keys[i:i + size], by_key, hinted) for i in range(0, len(keys), size)])
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """How many leading `keys` the shared hierarchy can load now (0 when the owner is unavailable)."""
@@ -88,35 +92,39 @@ class SharedKVTier:
              hints: Mapping[str, Any] | None = None) -> int:
         """Load the longest loadable prefix of `keys` into its engine blocks; how many were loaded.
         `hints`: as `store`'s, for the blocks loaded."""
-        hint = self._hint(hints)
+        hinted = self._hinted(hints)
         with self._call():
-            self._hints += hint is not None
+            self._hints += hinted["hints"] is not None
             keys = self._blocks.keys(keys, distinct=True)
             by_key = self._blocks.blocks_by_key(keys, engine_block_ids, distinct=True)
             loaded, stalled, size = 0, 0, self._round_blocks()
             while loaded < len(keys) and stalled < MAX_STALLED_ROUNDS:
                 window = keys[loaded:loaded + size]  # (what the owner's first tier can take beside other engines')
-                pinned, good = self._load_round(window, by_key, hint)
+                pinned, good = self._load_round(window, by_key, hinted)
                 loaded += good
                 if good < pinned or (pinned == 0 and not self._hits(window)):
                     break  # a failed copy, or nothing more to find (after waiting for promotions)
                 stalled = stalled + 1 if pinned == 0 else 0  # (found, then evicted by another engine again)
             if loaded:
-                self._touch(keys[:loaded], hint)
+                self._touch(keys[:loaded], hinted)
             return loaded
 
-    @staticmethod
-    def _hint(hints: Mapping[str, Any] | None) -> dict[str, Any] | None:
-        """`hints` checked as `KVTier`'s are (`ArgumentError` naming the field), as sent to the
-        owner: a plain dict of its fields, whatever mapping it came in."""
-        return hint_fields(parse_hint(hints, "hints"))
+    def _hinted(self, hints: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The fields every owner call of one `store` or `load` carries: `hints` checked as
+        `KVTier`'s are (`ArgumentError` naming the field) and sent as a plain dict, whatever
+        mapping it came in; with a hint, the call's own `request` id, so that the owner takes its
+        rounds and touch as one request (a session they end is counted ended once)."""
+        hint = hint_fields(parse_hint(hints, "hints"))
+        if hint is None:
+            return {"hints": None}
+        return {"hints": hint, "request": f"{self._requests} {next(self._request_numbers)}"}
 
-    def _touch(self, keys: list[OffloadKey], hint: dict[str, Any] | None) -> None:
+    def _touch(self, keys: list[OffloadKey], hinted: dict[str, Any]) -> None:
         """The blocks loaded count as used in the owner's tiers (`KVTier.load`), with the call's
         hint (an ended session's blocks stay its first victims); an owner that does not answer
         misses that reuse only."""
         try:
-            self.client.call("touch", keys=hex_keys(keys), hints=hint)
+            self.client.call("touch", keys=hex_keys(keys), **hinted)
         except HostUnavailable:
             pass
 
@@ -198,11 +206,11 @@ class SharedKVTier:
         return 0
 
     def _store_round(self, keys: list[OffloadKey], by_key: dict[OffloadKey, list[int]],
-                     hints: dict[str, Any] | None) -> bool:
+                     hinted: dict[str, Any]) -> bool:
         deadline, offer = self._patience(), True
         while True:
             try:  # (asked again, the same offer is not counted again by the owner's store threshold)
-                answer = self.client.call("prepare_store", keys=hex_keys(keys), hints=hints, offer=offer)
+                answer = self.client.call("prepare_store", keys=hex_keys(keys), offer=offer, **hinted)
             except HostUnavailable as exc:
                 log.warning("store: %d block(s) not stored: %s", len(keys), exc)
                 return False
@@ -226,12 +234,12 @@ class SharedKVTier:
         return result.success
 
     def _load_round(self, window: list[OffloadKey], by_key: dict[OffloadKey, list[int]],
-                    hints: dict[str, Any] | None) -> tuple[int, int]:
+                    hinted: dict[str, Any]) -> tuple[int, int]:
         """Load the leading run of `window` readable in the owner's first tier now (pinned for this
         engine meanwhile): (how many were pinned, how many leading ones were loaded). A block whose
         copy failed is reported to the owner, which drops it."""
         try:
-            answer = self.client.call("prepare_load", keys=hex_keys(window), hints=hints)
+            answer = self.client.call("prepare_load", keys=hex_keys(window), **hinted)
         except HostUnavailable:
             return 0, 0
         slots = answer["slots"]

@@ -96,3 +96,14 @@ def test_a_load_that_ends_the_session_leaves_its_blocks_first_victims(shared, lo
         assert tier.store(keys(4), [0, 1, 2, 3], hints=HINT)
         assert tier.load(keys(4), [4, 5, 6, 7], hints={"session": "chat", "session_ended": True}) == 4
     assert shared.stats()["cpu"]["ended_blocks"] == local.stats()["cpu"]["ended_blocks"] == 4
+
+
+def test_a_call_ending_the_session_counts_one_end_as_on_a_kvtier_of_its_own(shared, local):
+    """A load's rounds and its touch, and a store's rounds (12 blocks through an 8-block tier), are
+    the owner's calls of one API call: they end the session once, as `KVTier` counts it."""
+    ended = {"session": "chat", "session_ended": True}
+    for tier in (local, shared):
+        assert tier.store(keys(4), [0, 1, 2, 3], hints=HINT)
+        assert tier.load(keys(4), [4, 5, 6, 7], hints=ended) == 4
+        assert tier.store(keys(12, 20), list(range(12)), hints={"session": "one-shot", "session_ended": True})
+    assert shared.stats()["engine"]["retention"]["ended"] == local.stats()["engine"]["retention"]["ended"] == 2
