@@ -97,4 +97,4 @@ def test_the_entries_of_sessions_gone_are_bounded_by_the_sessions_tracked():
         expiries.add(f"s{i}", float(i))
         del sessions[f"s{i}"]
         assert len(expiries) <= 2 * 2 + 64  # (two sessions tracked at most)
-    assert expiries.due(10.0**8) == [] and expiries.next() == 10.0**9
+    assert expiries.due(10.0**8) == [] and expiries.first == 10.0**9

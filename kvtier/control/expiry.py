@@ -27,15 +27,12 @@ class Expiries:
     def __init__(self, sessions: Mapping[str, _Timed]) -> None:
         self._sessions = sessions
         self._heap: list[tuple[float, str]] = []
-        self.first = float("inf")  # `next()`, kept as an attribute: the retention reads it at every turn
+        # A time at or before the earliest retention end (infinity when there is none): no session's
+        # retention ends before it. An attribute, kept by `add` and `due`: the retention reads it every turn.
+        self.first = float("inf")
 
     def __len__(self) -> int:
         return len(self._heap)
-
-    def next(self) -> float:
-        """A time at or before the earliest retention end (infinity when there is none): no
-        session's retention ends before it."""
-        return self._heap[0][0] if self._heap else float("inf")
 
     def add(self, name: str, until: float) -> None:
         """Session `name` is new, or its retention now ends earlier than before: at `until`."""

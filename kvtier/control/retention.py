@@ -249,10 +249,7 @@ class Retention:
 
     def held(self) -> KeysView[OffloadKey]:
         """The keys retained now (expired sessions released first); empty without hints."""
-        if self.left:
-            self._settle()
-        if self.sessions and self.clock() >= self._expiries.first:  # (`_catch_up`, inline: every eviction asks)
-            self._expire(self.clock())
+        self._catch_up()
         return self.retained.keys()
 
     # ------------------------------------------------------------------ bounds
