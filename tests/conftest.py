@@ -79,3 +79,26 @@ def lines_run(call: Callable[[], object]) -> int:
     finally:
         sys.settrace(previous)
     return count
+
+
+@pytest.fixture
+def vllm_stand_in(monkeypatch):
+    """vLLM's manager replaced by one kvtier LRU tier of the capacity it is given (`replay_vllm`'s
+    signature), so that `--compare vllm` runs without vLLM; the capacities it got, in order."""
+    from kvtier.bench import replay
+    from kvtier.config import parse_config
+
+    seen: list[int] = []
+
+    def stand_in(capacity_blocks, policy, trace, progress=None, store_threshold=0):
+        seen.append(capacity_blocks)
+        config = parse_config({"tiers": [{"name": "cpu", "backend": "memory",
+                                          "capacity": f"{capacity_blocks} blocks", "policy": "lru"}]})
+        result = replay.replay_kvtier(config, trace)
+        result["tiers"] = {"cpu": {"hit_rate": result["hit_rate"], "capacity_blocks": capacity_blocks,
+                                   "policy": policy}}
+        return result
+
+    monkeypatch.setattr("kvtier.bench.replay.vllm_available", lambda: True)
+    monkeypatch.setattr("kvtier.bench.replay.replay_vllm", stand_in)
+    return seen

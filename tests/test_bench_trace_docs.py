@@ -12,10 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import replay
 from kvtier.bench.sessions import SessionHints, SessionTrace
 from kvtier.cli.main import main
-from kvtier.config import parse_config
 from kvtier.control.hints import HINTS_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,18 +28,8 @@ def _schema_row(key: str) -> str:
 
 
 @pytest.fixture
-def doc(tmp_path, monkeypatch):
+def doc(tmp_path, vllm_stand_in):
     """A session replay with hints both and a stand-in for vLLM's manager (one LRU tier), over two tiers."""
-    def stand_in(capacity_blocks, policy, trace, progress=None, store_threshold=0):
-        config = parse_config({"tiers": [{"name": "cpu", "backend": "memory", "capacity": f"{capacity_blocks} blocks",
-                                          "policy": "lru"}]})
-        result = replay.replay_kvtier(config, trace)
-        result["tiers"] = {"cpu": {"hit_rate": result["hit_rate"], "capacity_blocks": capacity_blocks,
-                                   "policy": policy}}
-        return result
-
-    monkeypatch.setattr("kvtier.bench.replay.vllm_available", lambda: True)
-    monkeypatch.setattr("kvtier.bench.replay.replay_vllm", stand_in)
     out = tmp_path / "r.json"
     assert main(["bench", "trace", "--config", "configs/memory.yaml", "--workload", "chat", "--quick", "--limit",
                  "200", "--hints", "both", "--capacities", "100", "--compare", "vllm", "--json", str(out),

@@ -9,33 +9,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from kvtier.bench import replay
 from kvtier.cli.main import main
-from kvtier.config import parse_config
 
 MEMORY = "configs/memory.yaml"  # hot (memory, 1024 blocks) over warm (memory, 4096 blocks)
 ONE_TIER = "configs/replay-cpu.yaml"
-
-
-@pytest.fixture
-def vllm_capacities(monkeypatch):
-    """The capacity each stand-in vLLM run got."""
-    seen: list[int] = []
-
-    def stand_in(capacity_blocks, policy, trace, progress=None, store_threshold=0):
-        seen.append(capacity_blocks)
-        config = parse_config({"tiers": [{"name": "cpu", "backend": "memory",
-                                          "capacity": f"{capacity_blocks} blocks", "policy": "lru"}]})
-        result = replay.replay_kvtier(config, trace)
-        result["tiers"] = {"cpu": {"hit_rate": result["hit_rate"], "capacity_blocks": capacity_blocks,
-                                   "policy": policy}}
-        return result
-
-    monkeypatch.setattr("kvtier.bench.replay.vllm_available", lambda: True)
-    monkeypatch.setattr("kvtier.bench.replay.replay_vllm", stand_in)
-    return seen
 
 
 def _bench(tmp_path, config, *extra):
@@ -45,9 +22,9 @@ def _bench(tmp_path, config, *extra):
     return json.loads(out.read_text())
 
 
-def test_vllm_gets_kvtiers_total_across_tiers(tmp_path, capsys, vllm_capacities):
+def test_vllm_gets_kvtiers_total_across_tiers(tmp_path, capsys, vllm_stand_in):
     doc = _bench(tmp_path, MEMORY)["trace"]
-    assert sorted(set(vllm_capacities)) == [100 + 4096, 200 + 4096]
+    assert sorted(set(vllm_stand_in)) == [100 + 4096, 200 + 4096]
     optimum = {o["capacity_blocks"]: o["total_capacity_blocks"] for o in doc["optimum"]}
     for r in doc["runs"]:
         # every row: the size it is compared at, and what it held in all (vLLM: the optimum's total)
@@ -60,15 +37,15 @@ def test_vllm_gets_kvtiers_total_across_tiers(tmp_path, capsys, vllm_capacities)
     assert f"note: {note}" in out and "(4,296 blocks)" in out
 
 
-def test_a_one_tier_config_is_unchanged(tmp_path, capsys, vllm_capacities):
+def test_a_one_tier_config_is_unchanged(tmp_path, capsys, vllm_stand_in):
     doc = _bench(tmp_path, ONE_TIER)["trace"]
-    assert sorted(set(vllm_capacities)) == [100, 200]
+    assert sorted(set(vllm_stand_in)) == [100, 200]
     assert doc["notes"] == []
     assert all(r["total_capacity_blocks"] == r["capacity_blocks"] for r in doc["runs"])
     assert "vLLM runs with" not in capsys.readouterr().out
 
 
-def test_hints_with_equal_capacities_measure_the_gap_honestly(tmp_path, vllm_capacities):
+def test_hints_with_equal_capacities_measure_the_gap_honestly(tmp_path, vllm_stand_in):
     """The stand-in is an LRU as large as the whole hierarchy: kvtier's LRU over two tiers cannot
     be far above it, so no '+0.7 vs vLLM' and no gap 'closed 1.00' by capacity alone."""
     doc = _bench(tmp_path, MEMORY, "--workload", "agentic", "--hints", "both")["trace"]
