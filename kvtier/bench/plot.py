@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.trace_report import run_label
 from kvtier.config import format_size
 from kvtier.core.errors import KVTierError
 
@@ -54,15 +55,10 @@ def _plot_hops(ax, rows: list[dict[str, Any]]) -> None:
     ax.legend(fontsize=7)
 
 
-def _line(r: dict[str, Any]) -> str:
-    """A kvtier run's line: its policy, with hints apart ('lru+hints')."""
-    return r["policy"] + ("+hints" if r.get("hints") else "")
-
-
 def _plot_trace(ax, trace: dict[str, Any]) -> None:
     runs = [r for r in trace["runs"] if r["system"] == "kvtier"]
-    for i, line in enumerate(sorted({_line(r) for r in runs})):
-        mine = sorted((r for r in runs if _line(r) == line), key=lambda r: r["capacity_blocks"])
+    for i, line in enumerate(sorted({run_label(r) for r in runs})):
+        mine = sorted((r for r in runs if run_label(r) == line), key=lambda r: r["capacity_blocks"])
         caps = [r["capacity_blocks"] for r in mine]
         ax.plot(caps, [r["hit_rate"] for r in mine], "o-", color=f"C{i}", label=f"{line}: all tiers")
         tier_names = list(mine[0]["tiers"])

@@ -40,13 +40,14 @@ def session_note(trace: Any, hints: str, retain_given: float | None) -> str | No
     return note
 
 
-def _label(r: dict[str, Any]) -> str:
+def run_label(r: dict[str, Any]) -> str:
+    """A run's name in the table, the Summary and the plot: its policy, '+hints' when hinted."""
     return r["policy"] + ("+hints" if r.get("hints") else "")
 
 
 def print_trace(result: dict[str, Any]) -> None:
     """The table of runs (and the optimum), its notes, and the sessions table."""
-    w = max([13, *(len(_label(r)) + 1 for r in result["runs"])])  # the policy column
+    w = max([13, *(len(run_label(r)) + 1 for r in result["runs"])])  # the policy column
     print(f"\n{'system':<8}{'policy':<{w}}{'tier0 blocks':>13}{'hit rate':>10}{'block ops/s':>13}"
           f"{'CPU us/blk':>11}  per tier")
     for r in result["runs"]:
@@ -57,7 +58,7 @@ def print_trace(result: dict[str, Any]) -> None:
         if "vs_vllm_lru" in r:
             extra = (f"  [{r['vs_vllm_lru']['block_ops_per_s']:.1f}x vLLM LRU ops/s, "
                      f"{r['vs_vllm_lru']['cpu_per_block']:.2f}x its CPU/block]")
-        print(f"{r['system']:<8}{_label(r):<{w}}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
+        print(f"{r['system']:<8}{run_label(r):<{w}}{r['capacity_blocks']:>13}{r['hit_rate']:>10.4f}"
               f"{r['block_ops_per_s']:>13,.0f}{r['cpu_us_per_block']:>11.2f}  {tiers}{extra}")
     for o in result.get("optimum", []):
         print(f"{'offline':<8}{'Belady':<{w}}{o['capacity_blocks']:>13}{o['hit_rate']:>10.4f}{'-':>13}{'-':>11}  "
@@ -97,7 +98,7 @@ def summary(result: dict[str, Any]) -> list[str]:
         ceiling = belady.get(r["capacity_blocks"])
         of = (f"of the offline optimum {ceiling:.1%} at this size ({result['optimum_hit_rate']:.1%} with "
               f"unlimited space)" if ceiling is not None else f"of a {result['optimum_hit_rate']:.1%} ceiling")
-        lines.append(f"{_label(r)} @ {r['capacity_blocks']} tier-0 blocks: hit rate {r['hit_rate']:.1%} "
+        lines.append(f"{run_label(r)} @ {r['capacity_blocks']} tier-0 blocks: hit rate {r['hit_rate']:.1%} "
                      f"({per_tier}) {of}; manager {r['block_ops_per_s']:,.0f} block ops/s, "
                      f"{r['cpu_us_per_block']:.2f} CPU us per trace block")
         if "vs_vllm_lru" in r:
